@@ -1,0 +1,79 @@
+"""Which experts are resident, and how one layer's request group is served. One place for both.
+
+The engine and the simulator call the same two methods, so they agree hit for hit by construction:
+
+- ``chunks(layer, keys)``: a layer's distinct experts in first-use order are one group, pinned
+  together (none may be evicted to make room for another of the same group). When the group is
+  larger than the room the policy gives that layer (a prefill layer, or a small per-layer budget),
+  it is served one chunk after another: the resident experts first (they need no transfer and must
+  not be evicted before use), then the missing ones, ``room`` at a time.
+- ``admit(chunk)``: every key of the chunk becomes resident; returns the misses as
+  ``(key, evicted key or None)`` pairs, the transfers the engine must make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from expertcache.errors import PolicyError
+from expertcache.policy.base import Key, Policy
+
+_SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
+
+
+def group_experts(rows: Iterable[Iterable[int]]) -> list[int]:
+    """Distinct expert ids of one layer over tokens, in first-use order, unknown (-1) skipped."""
+    seen: dict[int, None] = {}
+    for row in rows:
+        for e in row:
+            if e >= 0:
+                seen[e] = None
+    return list(seen)
+
+
+class Residency:
+    """The set of resident keys under a policy, and the serving of request groups."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.resident: set[Key] = set()
+
+    def __len__(self) -> int:
+        return len(self.resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.resident
+
+    def chunks(self, layer: int, keys: Sequence[Key]) -> list[Sequence[Key]]:
+        """Split a layer's group into chunks that fit the layer's room: resident first, then missing."""
+        room = self.policy.room(layer)
+        if len(keys) <= room:
+            return [keys]
+        if room < 1:
+            raise PolicyError(f"{self.policy.name}: layer {layer} has no room for any expert")
+        res = self.resident
+        ordered = [k for k in keys if k in res] + [k for k in keys if k not in res]
+        return [ordered[i : i + room] for i in range(0, len(ordered), room)]
+
+    def admit(self, chunk: Sequence[Key]) -> list[tuple[Key, Key | None]]:
+        """Make every key of the chunk resident, the whole chunk pinned; return (miss, evicted) pairs."""
+        res, policy, misses = self.resident, self.policy, []
+        pinned = chunk if len(chunk) <= _SET_PIN_THRESHOLD else frozenset(chunk)
+        for key in chunk:
+            if key in res:
+                policy.on_hit(key)
+                continue
+            victim = policy.victim(key, pinned)
+            if victim is not None:
+                res.remove(victim)
+                policy.on_evict(victim)
+            res.add(key)
+            policy.on_insert(key)
+            misses.append((key, victim))
+        return misses
+
+    def serve(self, layer: int, keys: Sequence[Key]) -> int:
+        """Serve a whole group (chunk after chunk, as the engine computes them); return its misses."""
+        if len(keys) <= self.policy.room(layer):
+            return len(self.admit(keys))
+        return sum(len(self.admit(chunk)) for chunk in self.chunks(layer, keys))

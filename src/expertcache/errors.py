@@ -1,0 +1,13 @@
+"""The one exception type users see: a clear, single-line message about bad input."""
+
+
+class ExpertcacheError(Exception):
+    """Bad input or an impossible request; the CLI prints it as one line and exits with 2."""
+
+
+class TraceError(ExpertcacheError):
+    """A routing trace file or array that does not follow the trace format."""
+
+
+class PolicyError(ExpertcacheError):
+    """An unknown policy name, bad policy parameters, or a capacity the policy cannot work with."""

@@ -1,0 +1,110 @@
+"""The policy interface shared by the simulator and the engine.
+
+A policy decides which resident expert to evict; it never sees tensors. It is told of every hit,
+insert and eviction of a ``(layer, expert)`` key, and answers ``victim(incoming, pinned)``: the key
+to evict so that ``incoming`` fits, or ``None`` when it fits already. Keys in ``pinned`` (the
+experts of the group being served, transfers in flight) must never be chosen. Which keys are
+resident is owned by the cache (``expertcache.cache.Residency``); a policy keeps whatever ordering
+it needs over the same keys.
+
+Time comes from a ``Clock`` owned by the driver: ``round`` counts passes over the layers (one per
+decode token or prefill step in layer order, one per token in flat order, one per seed-000 round
+in rounds order), ``layer`` is the layer being served and ``group`` indexes the request group, the
+unit in which an offline policy's future is given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from expertcache.errors import PolicyError
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class Clock:
+    """Mutable time cursor written by the driver (simulator or engine) and read by policies."""
+
+    __slots__ = ("round", "layer", "group")
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.layer = 0
+        self.group = 0
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Everything a policy may know about the cache it manages."""
+
+    capacity: int  # experts the fast tier holds
+    num_layers: int
+    num_experts: int
+    top_k: int = 1
+    clock: Clock | None = None
+    seed: int = 0
+    future: Mapping[Key, Sequence[int]] | None = None  # key -> ascending group indices (offline)
+    profile: Mapping[Key, int] | None = None  # key -> how often it is used (for Static)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise PolicyError(f"capacity must be at least 1 expert, got {self.capacity}")
+        if self.num_layers < 1 or self.num_experts < 1:
+            raise PolicyError("num_layers and num_experts must be at least 1")
+        if self.clock is None:
+            object.__setattr__(self, "clock", Clock())
+
+    def now(self) -> int:
+        """The current time in layer visits: round * L + layer."""
+        return self.clock.round * self.num_layers + self.clock.layer
+
+
+class Policy(ABC):
+    """An eviction policy over (layer, expert) keys; one subclass per algorithm."""
+
+    name: ClassVar[str]
+    offline: ClassVar[bool] = False  # needs ctx.future (the requests to come)
+    needs_profile: ClassVar[bool] = False  # needs ctx.profile (usage counts)
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.capacity = ctx.capacity
+        self.clock = ctx.clock
+
+    def room(self, layer: int) -> int:
+        """How many experts of ``layer`` can be resident at once (a group larger than this is split)."""
+        return self.capacity
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys the policy tracks."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether the policy tracks ``key`` as resident."""
+
+    @abstractmethod
+    def on_hit(self, key: Key) -> None:
+        """A resident key was requested."""
+
+    @abstractmethod
+    def on_insert(self, key: Key) -> None:
+        """A key became resident (after a miss, or a prefetch)."""
+
+    @abstractmethod
+    def on_evict(self, key: Key) -> None:
+        """A resident key was evicted."""
+
+    @abstractmethod
+    def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
+        """The resident key to evict so that ``incoming`` fits, never one in ``pinned``; None if it fits."""
+
+
+def no_victim(policy: Policy, incoming: Key) -> PolicyError:
+    """The error for a cache whose every resident key is pinned (the caller over-committed)."""
+    return PolicyError(
+        f"{policy.name}: no evictable expert for {incoming} (capacity {policy.capacity}, all pinned)"
+    )

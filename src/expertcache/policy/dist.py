@@ -1,0 +1,74 @@
+"""The "-Dist" wrapper: a fixed per-layer split of the capacity, one inner policy per layer.
+
+Seed 000 Sec. 5.1 (LRU-Dist, OPT-Dist, ...), as Mixtral-offloading's per-layer LRU does: layer l may
+hold at most budget[l] experts and a miss in layer l evicts from layer l only. Budgets are uniform
+(capacity // L each, the first capacity % L layers one more) or given. Seed 000 Thm 3.1: any fixed
+split has unbounded competitive ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import replace
+
+from expertcache.errors import PolicyError
+from expertcache.policy.base import Key, Policy, PolicyContext
+
+
+def uniform_budgets(capacity: int, num_layers: int) -> list[int]:
+    """capacity // L per layer, the first capacity % L layers one more."""
+    base, extra = divmod(capacity, num_layers)
+    return [base + (layer < extra) for layer in range(num_layers)]
+
+
+class Dist(Policy):
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        *,
+        inner: type[Policy],
+        budgets: Sequence[int] | None = None,
+        **inner_params: object,
+    ) -> None:
+        super().__init__(ctx)
+        self.name = f"{inner.name}-dist"
+        self.offline = inner.offline
+        L = ctx.num_layers
+        budgets = list(budgets) if budgets is not None else uniform_budgets(ctx.capacity, L)
+        if len(budgets) != L:
+            raise PolicyError(f"{self.name}: {len(budgets)} budgets given for {L} layers")
+        if sum(budgets) > ctx.capacity:
+            raise PolicyError(
+                f"{self.name}: budgets sum to {sum(budgets)} > capacity {ctx.capacity}"
+            )
+        if min(budgets) < 1:
+            raise PolicyError(
+                f"{self.name}: every layer needs at least one slot: capacity {ctx.capacity} "
+                f"over {L} layers gives budgets {min(budgets)}..{max(budgets)} (need capacity >= {L})"
+            )
+        self.budgets = budgets
+        self.layers = [
+            inner(replace(ctx, capacity=b, seed=ctx.seed + layer), **inner_params)
+            for layer, b in enumerate(budgets)
+        ]
+
+    def room(self, layer: int) -> int:
+        return self.budgets[layer]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.layers)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and key in self.layers[key[0]]
+
+    def on_hit(self, key: Key) -> None:
+        self.layers[key[0]].on_hit(key)
+
+    def on_insert(self, key: Key) -> None:
+        self.layers[key[0]].on_insert(key)
+
+    def on_evict(self, key: Key) -> None:
+        self.layers[key[0]].on_evict(key)
+
+    def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
+        return self.layers[incoming[0]].victim(incoming, pinned)

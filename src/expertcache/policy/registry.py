@@ -1,0 +1,111 @@
+"""The registry: every policy by the name the CLI and the API use, in one dict literal."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import partial
+
+from expertcache.errors import PolicyError
+from expertcache.policy.base import Policy, PolicyContext
+from expertcache.policy.dist import Dist
+from expertcache.policy.fifo import FIFO
+from expertcache.policy.lcp import LCP
+from expertcache.policy.lfu import LFU
+from expertcache.policy.llru import LLRU
+from expertcache.policy.lru import LRU
+from expertcache.policy.marking import Marking
+from expertcache.policy.opt import OPT
+from expertcache.policy.rand import Random
+from expertcache.policy.static import Static
+
+PolicyFactory = Callable[..., Policy]
+
+POLICIES: dict[str, PolicyFactory] = {
+    "lru": LRU,
+    "fifo": FIFO,
+    "lfu": LFU,
+    "random": Random,
+    "marking": Marking,
+    "llru": LLRU,
+    "lcp": LCP,
+    "static": Static,
+    "opt": OPT,
+    "lru-dist": partial(Dist, inner=LRU),
+    "fifo-dist": partial(Dist, inner=FIFO),
+    "lfu-dist": partial(Dist, inner=LFU),
+    "random-dist": partial(Dist, inner=Random),
+    "marking-dist": partial(Dist, inner=Marking),
+    "llru-dist": partial(Dist, inner=LLRU),
+    "lcp-dist": partial(Dist, inner=LCP),
+    "static-dist": partial(Dist, inner=Static),
+    "opt-dist": partial(Dist, inner=OPT),
+}
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class implementing a registered name (the inner class for -dist names)."""
+    factory = _lookup(name)
+    return factory.keywords["inner"] if isinstance(factory, partial) else factory
+
+
+def is_offline(name: str) -> bool:
+    """Whether the policy needs the future (OPT and OPT-Dist): simulator only."""
+    return policy_class(name).offline
+
+
+def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
+    """Build a registered policy; unknown names or parameters raise PolicyError."""
+    factory = _lookup(name)
+    allowed = _parameters(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "no parameters"
+        raise PolicyError(f"policy {name!r} does not take {', '.join(unknown)} (it takes {takes})")
+    try:
+        return factory(ctx, **params)
+    except TypeError as e:  # a parameter of the wrong type
+        raise PolicyError(f"policy {name!r}: bad parameters {params}: {e}") from None
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
+    """Parse 'name' or 'name:key=value,key=value' (budgets as 2/2/3) into (name, params)."""
+    name, _, rest = spec.partition(":")
+    name = name.strip().lower()
+    _lookup(name)
+    params: dict[str, object] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise PolicyError(f"policy {spec!r}: parameter {item!r} is not key=value")
+        params[key.strip()] = _parse_value(spec, value.strip())
+    return name, params
+
+
+def _parse_value(spec: str, text: str) -> object:
+    try:
+        if "/" in text:
+            return [int(v) for v in text.split("/")]
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise PolicyError(f"policy {spec!r}: value {text!r} is not a number") from None
+
+
+def _parameters(name: str) -> list[str]:
+    factory = _lookup(name)
+    cls = policy_class(name)
+    names = [p for p in inspect.signature(cls).parameters if p != "ctx"]
+    if isinstance(factory, partial):
+        names = ["budgets", *names]
+    return names
+
+
+def _lookup(name: str) -> PolicyFactory:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -1,0 +1,19 @@
+"""Trace-driven simulation: replay routing through any policy at any capacity, OPT as the bound."""
+
+from expertcache.sim.api import default_trace, simulate
+from expertcache.sim.curves import all_capacities, run_policy, with_opt
+from expertcache.sim.replay import SimResult, replay
+from expertcache.sim.schedule import ORDERS, Schedule, build_schedule
+
+__all__ = [
+    "ORDERS",
+    "Schedule",
+    "SimResult",
+    "all_capacities",
+    "build_schedule",
+    "default_trace",
+    "replay",
+    "run_policy",
+    "simulate",
+    "with_opt",
+]

@@ -1,0 +1,48 @@
+"""The simulator's entry point: trace x policies x capacities x order -> results, OPT included."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from expertcache.policy.registry import parse_policy
+from expertcache.sim.curves import all_capacities, run_policy, with_opt
+from expertcache.sim.replay import SimResult
+from expertcache.sim.schedule import build_schedule
+from expertcache.trace.synth import sticky
+from expertcache.trace.trace import Trace
+
+DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
+
+
+def default_trace() -> Trace:
+    """The embedded default: a seeded sticky-Zipf trace of Mixtral's shape (L=32, E=8, K=2), 8 requests
+    of 32 prompt and 224 generated tokens."""
+    return sticky(
+        tokens=2048,
+        layers=32,
+        experts=8,
+        top_k=2,
+        a=1.0,
+        stickiness=0.3,
+        seed=0,
+        sequences=8,
+        prompt_len=32,
+    )
+
+
+def simulate(
+    trace: Trace,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    capacities: Sequence[int] | str = "all",
+    order: str = "layer",
+    seed: int = 0,
+) -> list[SimResult]:
+    """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
+    1..L*E); each result carries OPT's misses at its capacity."""
+    schedule = build_schedule(trace, order)
+    caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
+    results: list[SimResult] = []
+    for spec in policies:
+        name, params = parse_policy(spec)
+        results += run_policy(schedule, name, caps, seed, params)
+    return with_opt(schedule, results)

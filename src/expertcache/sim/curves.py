@@ -1,0 +1,70 @@
+"""Misses of a policy at many capacities: one stack pass where the policy allows it, else replays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from expertcache.sim.replay import SimResult, check_capacity, replay
+from expertcache.sim.schedule import Schedule
+from expertcache.sim.stack import lru_depths, opt_depths
+
+# Stack algorithms by registry name: their whole curve comes from one pass over the schedule.
+STACK_DEPTHS: dict[str, Callable[[Schedule], np.ndarray]] = {
+    "lru": lru_depths,
+    "opt": opt_depths,
+}
+
+
+def all_capacities(schedule: Schedule) -> list[int]:
+    """1 .. L*E (from top-k in layer order, where a token's experts must co-reside)."""
+    low = schedule.top_k if schedule.order == "layer" else 1
+    return list(range(low, schedule.num_layers * schedule.num_experts + 1))
+
+
+def run_policy(
+    schedule: Schedule,
+    name: str,
+    capacities: Sequence[int],
+    seed: int = 0,
+    params: dict[str, object] | None = None,
+) -> list[SimResult]:
+    """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group."""
+    params = params or {}
+    for c in capacities:
+        check_capacity(schedule, c)
+    by_stack = [c for c in capacities if c >= schedule.max_group]
+    if name not in STACK_DEPTHS or params or not by_stack:
+        return [replay(schedule, name, c, seed, **params) for c in capacities]
+    layer_misses = misses_by_layer(schedule, STACK_DEPTHS[name](schedule), by_stack)
+    stacked = {
+        c: SimResult(name, c, schedule.order, schedule.layer_requests, m)
+        for c, m in zip(by_stack, layer_misses, strict=True)
+    }
+    return [stacked[c] if c in stacked else replay(schedule, name, c, seed) for c in capacities]
+
+
+def with_opt(schedule: Schedule, results: list[SimResult]) -> list[SimResult]:
+    """Fill in each result's OPT misses at its capacity (one OPT pass for all of them)."""
+    caps = sorted({r.capacity for r in results})
+    opt = {r.capacity: r.misses for r in run_policy(schedule, "opt", caps)}
+    for r in results:
+        r.opt_misses = opt[r.capacity]
+    return results
+
+
+def misses_by_layer(
+    schedule: Schedule, depths: np.ndarray, capacities: Sequence[int]
+) -> np.ndarray:
+    """Misses per capacity, phase and layer from stack depths (0 = first use). -> int64 [C, 2, L]"""
+    L = schedule.num_layers
+    layer = (schedule.req_group // schedule.per_layer) % L
+    rnd = schedule.req_group // (schedule.per_layer * L)
+    cell = schedule.round_prefill[rnd].astype(np.int64) * L + layer  # [R] -> (phase, layer)
+    top = int(depths.max(initial=0)) + 1  # first uses count as deeper than any capacity
+    d = np.where(depths == 0, top, depths)
+    hist = np.bincount(cell * (top + 1) + d, minlength=2 * L * (top + 1)).reshape(2 * L, top + 1)
+    deeper = hist[:, ::-1].cumsum(axis=1)[:, ::-1]  # deeper[:, x] = requests with depth >= x
+    idx = np.minimum(np.asarray(capacities, dtype=np.int64) + 1, top)  # first uses always miss
+    return deeper[:, idx].T.reshape(len(capacities), 2, L)

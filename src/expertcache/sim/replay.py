@@ -1,0 +1,134 @@
+"""Replay a schedule through a policy at a capacity: the simulator's inner loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from expertcache.cache.residency import Residency
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Clock, Policy, PolicyContext
+from expertcache.policy.registry import make_policy, policy_class
+from expertcache.sim.schedule import Schedule
+
+
+@dataclass
+class SimResult:
+    """Requests and misses of one (policy, capacity, order) run, in total, per layer and per phase."""
+
+    policy: str
+    capacity: int
+    order: str
+    layer_requests: np.ndarray  # int64 [2, L]: row 0 decode, row 1 prefill
+    layer_misses: np.ndarray  # int64 [2, L]
+    opt_misses: int | None = None
+    params: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return int(self.layer_requests.sum())
+
+    @property
+    def misses(self) -> int:
+        return int(self.layer_misses.sum())
+
+    @property
+    def hits(self) -> int:
+        return self.requests - self.misses
+
+    @property
+    def miss_ratio(self) -> float:
+        return self.misses / self.requests if self.requests else 0.0
+
+    @property
+    def ratio_to_opt(self) -> float | None:
+        if self.opt_misses is None:
+            return None
+        return self.misses / self.opt_misses if self.opt_misses else 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready summary, per-layer and per-phase breakdowns included."""
+        req, mis = self.layer_requests, self.layer_misses
+        phase = {
+            name: {"requests": int(req[i].sum()), "misses": int(mis[i].sum())}
+            for i, name in ((0, "decode"), (1, "prefill"))
+        }
+        return {
+            "policy": self.policy,
+            "capacity": self.capacity,
+            "order": self.order,
+            "requests": self.requests,
+            "hits": self.hits,
+            "misses": self.misses,
+            "miss_ratio": self.miss_ratio,
+            "opt_misses": self.opt_misses,
+            "ratio_to_opt": self.ratio_to_opt,
+            "params": self.params,
+            "phases": phase,
+            "layers": {
+                "requests": req.sum(axis=0).tolist(),
+                "misses": mis.sum(axis=0).tolist(),
+            },
+        }
+
+
+def policy_for(
+    schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object
+) -> Policy:
+    """Build a policy for replaying ``schedule``: offline and profile inputs come from it."""
+    cls = policy_class(name)
+    ctx = PolicyContext(
+        capacity=capacity,
+        num_layers=schedule.num_layers,
+        num_experts=schedule.num_experts,
+        top_k=schedule.top_k,
+        clock=Clock(),
+        seed=seed,
+        future=schedule.future if cls.offline else None,
+        profile=schedule.profile if cls.needs_profile else None,
+    )
+    return make_policy(name, ctx, **params)
+
+
+def replay(
+    schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object
+) -> SimResult:
+    """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
+    check_capacity(schedule, capacity)
+    policy = policy_for(schedule, name, capacity, seed, **params)
+    residency, clock = Residency(policy), policy.clock
+    L, per_layer = schedule.num_layers, schedule.per_layer
+    rooms = [policy.room(layer) for layer in range(L)]
+    admit, serve = residency.admit, residency.serve
+    misses = [[0] * L, [0] * L]  # [phase][layer]; phase 1 = prefill
+    slots = [(layer, sub) for layer in range(L) for sub in range(per_layer)]
+    groups, g = iter(schedule.groups), 0
+    for r, prefill in enumerate(schedule.round_prefill.tolist()):
+        clock.round = r
+        row = misses[prefill]
+        for (layer, _), keys in zip(slots, groups):  # per_layer groups per (round, layer) visit
+            clock.layer = layer
+            clock.group = g
+            g += 1
+            if keys:
+                row[layer] += len(admit(keys)) if len(keys) <= rooms[layer] else serve(layer, keys)
+    return SimResult(
+        policy.name,
+        capacity,
+        schedule.order,
+        layer_requests=schedule.layer_requests,
+        layer_misses=np.asarray(misses, dtype=np.int64),
+        params=dict(params),
+    )
+
+
+def check_capacity(schedule: Schedule, capacity: int) -> None:
+    """Capacity must be at least 1, and at least top-k in layer order (a token's experts co-reside)."""
+    if capacity < 1:
+        raise ExpertcacheError(f"capacity must be at least 1 expert, got {capacity}")
+    if schedule.order == "layer" and capacity < schedule.top_k:
+        raise ExpertcacheError(
+            f"capacity {capacity} is below top-k {schedule.top_k}: in layer order a token's "
+            f"{schedule.top_k} experts of a layer must be resident together"
+        )

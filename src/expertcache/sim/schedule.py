@@ -1,0 +1,202 @@
+"""From a trace to the request groups a cache sees, in one of three orders.
+
+A schedule is a list of request groups, ``per_layer`` groups for each (round, layer) visit, so
+that group g belongs to round g // (L * per_layer) and layer (g // per_layer) % L. Groups may be
+empty (unknown entries).
+
+- ``layer`` (what the engine does): one forward step per round: all prompt tokens of a request in
+  one prefill step (from ``seq_id`` / ``is_prefill``), then one token per decode step; each layer of
+  a step is one group, its distinct experts in first-use order, served pinned together.
+- ``flat``: plain paging over token, layer, experts in stored order: one request per group.
+- ``rounds``: seed 000's conversion of top-k routing into K rounds per token: round t*K + k requests
+  the k-th expert of every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Key
+from expertcache.trace.trace import Trace
+
+ORDERS = ("layer", "flat", "rounds")
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Request groups in time order, with the per-request arrays that stack algorithms need."""
+
+    order: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    per_layer: int  # groups per (round, layer) visit
+    groups: list[tuple[Key, ...]]
+    round_prefill: np.ndarray  # bool [rounds]: the round is a prefill step / a prompt token
+    req_group: np.ndarray  # int64 [R]: group index of each request, ascending
+    req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.round_prefill)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_key)
+
+    @cached_property
+    def max_group(self) -> int:
+        """The largest group: capacities from here up are served without splitting."""
+        if not len(self.req_group):
+            return 0
+        return int(np.bincount(self.req_group).max())
+
+    def key(self, key_id: int) -> Key:
+        return divmod(int(key_id), self.num_experts)
+
+    @cached_property
+    def layer_requests(self) -> np.ndarray:
+        """Requests per phase (row 0 decode, row 1 prefill) and layer. -> int64 [2, L]"""
+        layer = (self.req_group // self.per_layer) % self.num_layers
+        rnd = self.req_group // (self.per_layer * self.num_layers)
+        phase = self.round_prefill[rnd].astype(np.int64)
+        counts = np.bincount(phase * self.num_layers + layer, minlength=2 * self.num_layers)
+        return counts.reshape(2, self.num_layers)
+
+    @cached_property
+    def future(self) -> dict[Key, list[int]]:
+        """For each key, the ascending group indices that request it (what OPT needs)."""
+        order = np.argsort(self.req_key, kind="stable")
+        keys, starts = np.unique(self.req_key[order], return_index=True)
+        groups = np.split(self.req_group[order], starts[1:])
+        return {self.key(k): g.tolist() for k, g in zip(keys.tolist(), groups, strict=True)}
+
+    @cached_property
+    def profile(self) -> dict[Key, int]:
+        """How often each key is requested (what Static ranks by)."""
+        counts = np.bincount(self.req_key, minlength=self.num_layers * self.num_experts)
+        return {self.key(k): int(c) for k, c in enumerate(counts.tolist()) if c}
+
+
+def build_schedule(trace: Trace, order: str = "layer") -> Schedule:
+    """The request groups of ``trace`` in ``order`` (layer, flat or rounds)."""
+    if order == "layer":
+        return _layer_order(trace)
+    if order == "flat":
+        return _token_order(trace, trace.experts, order, rounds_per_token=1)  # [T, L, K]
+    if order == "rounds":
+        ex = trace.experts.transpose(0, 2, 1)[:, :, :, None]  # [T, K, L, 1]
+        return _token_order(trace, ex.reshape(-1, trace.num_layers, 1), order, trace.top_k)
+    raise ExpertcacheError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
+
+
+def step_starts(trace: Trace) -> np.ndarray:
+    """First token of each forward step: consecutive prompt tokens of a sequence share one step."""
+    t = trace.num_tokens
+    new = np.ones(t, dtype=bool)
+    if trace.is_prefill is not None:
+        pf = trace.is_prefill == 1
+        same = pf[1:] & pf[:-1]
+        if trace.seq_id is not None:
+            same &= trace.seq_id[1:] == trace.seq_id[:-1]
+        new[1:] = ~same
+    return np.flatnonzero(new)
+
+
+def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int) -> Schedule:
+    """One request per group: ex is [rounds, L, per_layer] in service order."""
+    L, E = trace.num_layers, trace.num_experts
+    flat = ex.reshape(-1).astype(np.int64)
+    layer_of = np.broadcast_to(np.arange(L)[None, :, None], ex.shape).reshape(-1)
+    valid = flat >= 0
+    kid = np.where(valid, layer_of * E + flat, -1)
+    singles = [()] + [((k // E, k % E),) for k in range(L * E)]
+    groups = [singles[k + 1] for k in kid.tolist()]
+    prefill = _token_prefill(trace)
+    return Schedule(
+        order=order,
+        num_layers=L,
+        num_experts=E,
+        top_k=trace.top_k,
+        per_layer=ex.shape[2],
+        groups=groups,
+        round_prefill=np.repeat(prefill, rounds_per_token),
+        req_group=np.flatnonzero(valid),
+        req_key=kid[valid].astype(np.int32),
+    )
+
+
+def _layer_order(trace: Trace) -> Schedule:
+    L, E, T = trace.num_layers, trace.num_experts, trace.num_tokens
+    starts = step_starts(trace)
+    ends = np.append(starts[1:], T)
+    table: dict[tuple[int, ...], int] = {}  # (layer, e0, e1, ...) -> index in rows
+    rows: list[tuple[int, ...]] = []
+    gid = np.empty((len(starts), L), dtype=np.int64)  # [steps, L] -> table index
+
+    def intern(layer: int, experts: list[int]) -> int:
+        sig = (layer, *experts)
+        if sig not in table:
+            table[sig] = len(rows)
+            rows.append(sig)
+        return table[sig]
+
+    single = np.flatnonzero(ends - starts == 1)
+    if len(single):  # one-token steps: intern distinct (layer, row) pairs in bulk
+        ex = trace.experts[starts[single]]  # [S, L, K]
+        sig = np.concatenate(
+            [np.broadcast_to(np.arange(L)[None, :, None], (len(single), L, 1)), ex], axis=2
+        ).reshape(-1, ex.shape[2] + 1)
+        uniq, inverse = _unique_rows(sig, base=max(E, L) + 1)
+        local = [intern(int(r[0]), _distinct(r[1:])) for r in uniq.tolist()]
+        gid[single] = np.asarray(local, dtype=np.int64)[inverse.reshape(-1)].reshape(len(single), L)
+    for s in np.flatnonzero(ends - starts > 1).tolist():  # prompt steps: union over tokens
+        block = trace.experts[starts[s] : ends[s]]  # [n, L, K]
+        for layer in range(L):
+            gid[s, layer] = intern(layer, _distinct(block[:, layer, :].reshape(-1).tolist()))
+    keys = [tuple((r[0], e) for e in r[1:]) for r in rows]
+    width = max((len(r) - 1 for r in rows), default=0)
+    padded = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r) - 1] = [r[0] * E + e for e in r[1:]]
+    flat_gid = gid.reshape(-1)
+    members = padded[flat_gid]  # [G, width]
+    valid = members >= 0
+    return Schedule(
+        order="layer",
+        num_layers=L,
+        num_experts=E,
+        top_k=trace.top_k,
+        per_layer=1,
+        groups=[keys[i] for i in flat_gid.tolist()],
+        round_prefill=_token_prefill(trace)[starts],
+        req_group=np.nonzero(valid)[0],
+        req_key=members[valid].astype(np.int32),
+    )
+
+
+def _unique_rows(rows: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(rows, axis=0) with the inverse; through one int64 code per row when it fits."""
+    rows = rows.astype(np.int64)
+    if rows.shape[1] * np.log2(base) >= 62:
+        uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    code = np.zeros(len(rows), dtype=np.int64)
+    for col in range(rows.shape[1]):
+        code = code * base + (rows[:, col] + 1)  # +1: unknown entries (-1) become digit 0
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return rows[first], inverse.reshape(-1)
+
+
+def _distinct(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(e for e in ids if e >= 0))
+
+
+def _token_prefill(trace: Trace) -> np.ndarray:
+    if trace.is_prefill is None:
+        return np.zeros(trace.num_tokens, dtype=bool)
+    return trace.is_prefill == 1

@@ -1,0 +1,160 @@
+"""The routing trace: one in-memory type and one .npz file format.
+
+Layout (see ../shared/traces/README.md): ``experts`` int16 [T, L, K] (expert ids, -1 = unknown),
+``num_experts`` scalar, and optional ``weights`` float32 [T, L, K], ``seq_id`` int32 [T],
+``is_prefill`` int8 [T] (1 prompt token, 0 generated, -1 unknown), ``token_id`` int32 [T]
+(-1 unknown). Other arrays and scalars in a file are kept as metadata.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from expertcache.errors import TraceError
+
+# Optional per-token arrays: name -> (dtype kind check, canonical dtype, rank).
+_OPTIONAL = {
+    "weights": ("f", np.float32, 3),
+    "seq_id": ("iu", np.int32, 1),
+    "is_prefill": ("iu", np.int8, 1),
+    "token_id": ("iu", np.int32, 1),
+}
+_CORE = ("experts", "num_experts", *_OPTIONAL)
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Expert routing of T tokens through L MoE layers, K experts each (shapes checked on creation)."""
+
+    experts: np.ndarray  # int16 [T, L, K], -1 = unknown
+    num_experts: int
+    weights: np.ndarray | None = None  # float32 [T, L, K]
+    seq_id: np.ndarray | None = None  # int32 [T]
+    is_prefill: np.ndarray | None = None  # int8 [T]
+    token_id: np.ndarray | None = None  # int32 [T]
+    meta: dict[str, object] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "experts", _as_experts(self.experts, self.source))
+        for name, (kinds, dtype, _) in _OPTIONAL.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = np.asarray(value)
+            if value.dtype.kind not in kinds:
+                raise TraceError(
+                    f"{self.source}: '{name}' has dtype {value.dtype}, expected {dtype.__name__}"
+                )
+            object.__setattr__(self, name, value.astype(dtype, copy=False))
+        _validate(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def num_keys(self) -> int:
+        """How many distinct (layer, expert) pages the model has: L * E."""
+        return self.num_layers * self.num_experts
+
+    def save(self, path: str | Path) -> None:
+        """Write the trace as .npz in the shared layout (meta scalars included)."""
+        arrays: dict[str, object] = {
+            "experts": self.experts,
+            "num_experts": np.int32(self.num_experts),
+            "num_layers": np.int32(self.num_layers),
+            "top_k": np.int32(self.top_k),
+        }
+        for name in _OPTIONAL:
+            if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)
+        for key, value in self.meta.items():
+            arrays.setdefault(key, np.asarray(value))
+        try:
+            with open(path, "wb") as f:
+                np.savez_compressed(f, **arrays)
+        except OSError as e:
+            raise TraceError(f"{path}: cannot write trace ({e.strerror or e})") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load and validate a .npz routing trace; every problem is a TraceError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise TraceError(f"{path}: not a readable .npz trace ({e})") from None
+    except ValueError as e:
+        raise TraceError(f"{path}: unsupported array in trace ({e})") from None
+    if "experts" not in arrays:
+        raise TraceError(f"{path}: missing array 'experts' (int16 [T, L, K])")
+    if "num_experts" not in arrays:
+        raise TraceError(f"{path}: missing scalar 'num_experts'")
+    num_experts = arrays["num_experts"]
+    if num_experts.ndim != 0 or num_experts.dtype.kind not in "iu":
+        raise TraceError(f"{path}: 'num_experts' must be an integer scalar")
+    meta = {k: v.item() if v.ndim == 0 else v for k, v in arrays.items() if k not in _CORE}
+    return Trace(
+        experts=arrays["experts"],
+        num_experts=int(num_experts),
+        **{name: arrays.get(name) for name in _OPTIONAL},
+        meta=meta,
+        source=str(path),
+    )
+
+
+def _as_experts(experts: object, source: str) -> np.ndarray:
+    arr = np.asarray(experts)
+    if arr.ndim != 3:
+        raise TraceError(
+            f"{source}: 'experts' must have 3 dimensions [T, L, K], got shape {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise TraceError(f"{source}: 'experts' must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < -1 or arr.max() > np.iinfo(np.int16).max):
+        raise TraceError(f"{source}: 'experts' has ids outside -1..32767")
+    return arr.astype(np.int16, copy=False)
+
+
+def _validate(trace: Trace) -> None:
+    src, ex = trace.source, trace.experts
+    t, layers, k = ex.shape
+    if t == 0 or layers == 0 or k == 0:
+        raise TraceError(f"{src}: 'experts' is empty (shape {ex.shape})")
+    if trace.num_experts < 1:
+        raise TraceError(f"{src}: 'num_experts' must be at least 1, got {trace.num_experts}")
+    if ex.max() >= trace.num_experts:
+        raise TraceError(
+            f"{src}: expert id {int(ex.max())} out of range for num_experts={trace.num_experts}"
+        )
+    if k > trace.num_experts:
+        raise TraceError(f"{src}: top-k {k} exceeds num_experts {trace.num_experts}")
+    for name, (_, _, rank) in _OPTIONAL.items():
+        value = getattr(trace, name)
+        if value is None:
+            continue
+        want = ex.shape if rank == 3 else (t,)
+        if value.shape != want:
+            raise TraceError(f"{src}: '{name}' has shape {value.shape}, expected {want}")
+    if trace.is_prefill is not None and not np.isin(trace.is_prefill, (-1, 0, 1)).all():
+        raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
+    if trace.seq_id is not None and (trace.seq_id < 0).any():
+        raise TraceError(f"{src}: 'seq_id' must be non-negative")
+    if trace.weights is not None and not np.isfinite(trace.weights).all():
+        raise TraceError(f"{src}: 'weights' has NaN or infinite values")
