@@ -38,9 +38,7 @@ class Dist(Policy):
         if len(budgets) != L:
             raise PolicyError(f"{self.name}: {len(budgets)} budgets given for {L} layers")
         if sum(budgets) > ctx.capacity:
-            raise PolicyError(
-                f"{self.name}: budgets sum to {sum(budgets)} > capacity {ctx.capacity}"
-            )
+            raise PolicyError(f"{self.name}: budgets sum to {sum(budgets)} > capacity {ctx.capacity}")
         if min(budgets) < 1:
             raise PolicyError(
                 f"{self.name}: every layer needs at least one slot: capacity {ctx.capacity} "

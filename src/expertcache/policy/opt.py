@@ -26,9 +26,7 @@ class OPT(ScoredPolicy):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         if ctx.future is None:
-            raise PolicyError(
-                "opt is offline: it needs the future requests (use it in the simulator)"
-            )
+            raise PolicyError("opt is offline: it needs the future requests (use it in the simulator)")
         self._future = ctx.future
         self._ptr: dict[Key, int] = {}  # key -> index of its next use in its future list
 

@@ -22,9 +22,7 @@ class Static(Policy):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         if ctx.profile is None:
-            raise PolicyError(
-                "static needs a usage profile (the simulator takes it from the trace)"
-            )
+            raise PolicyError("static needs a usage profile (the simulator takes it from the trace)")
         n = max(0, ctx.capacity - ctx.top_k)
         ranked = sorted(ctx.profile.items(), key=lambda kv: (-kv[1], kv[0]))
         self.favoured = frozenset(k for k, c in ranked[:n] if c > 0)

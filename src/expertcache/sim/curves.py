@@ -54,9 +54,7 @@ def with_opt(schedule: Schedule, results: list[SimResult]) -> list[SimResult]:
     return results
 
 
-def misses_by_layer(
-    schedule: Schedule, depths: np.ndarray, capacities: Sequence[int]
-) -> np.ndarray:
+def misses_by_layer(schedule: Schedule, depths: np.ndarray, capacities: Sequence[int]) -> np.ndarray:
     """Misses per capacity, phase and layer from stack depths (0 = first use). -> int64 [C, 2, L]"""
     L = schedule.num_layers
     layer = (schedule.req_group // schedule.per_layer) % L

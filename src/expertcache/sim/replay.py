@@ -73,9 +73,7 @@ class SimResult:
         }
 
 
-def policy_for(
-    schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object
-) -> Policy:
+def policy_for(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> Policy:
     """Build a policy for replaying ``schedule``: offline and profile inputs come from it."""
     cls = policy_class(name)
     ctx = PolicyContext(
@@ -91,9 +89,7 @@ def policy_for(
     return make_policy(name, ctx, **params)
 
 
-def replay(
-    schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object
-) -> SimResult:
+def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
     """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
     check_capacity(schedule, capacity)
     policy = policy_for(schedule, name, capacity, seed, **params)
@@ -107,7 +103,7 @@ def replay(
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         clock.round = r
         row = misses[prefill]
-        for (layer, _), keys in zip(slots, groups):  # per_layer groups per (round, layer) visit
+        for (layer, _), keys in zip(slots, groups, strict=False):  # per_layer groups per (round, layer) visit
             clock.layer = layer
             clock.group = g
             g += 1

@@ -96,9 +96,7 @@ def cyclic(tokens: int = 1_000, layers: int = 4, experts: int = 2, seed: int = 0
     return _finish(ex.copy(), experts, 1, 0, {"generator": "cyclic"})
 
 
-def partition(
-    tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int = 0, seed: int = 0
-) -> Trace:
+def partition(tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int = 0, seed: int = 0) -> Trace:
     """Seed 000 Thm 3.1: one layer cycles through all its experts, every other layer uses expert 0."""
     _check_shape(tokens, layers, experts, 1)
     if not 0 <= layer < layers:
@@ -164,9 +162,7 @@ def _check_shape(tokens: int, layers: int, experts: int, top_k: int) -> None:
         raise ExpertcacheError(f"experts must be at most 32767, got {experts}")
 
 
-def _finish(
-    ex: np.ndarray, experts: int, sequences: int, prompt_len: int, meta: dict[str, object]
-) -> Trace:
+def _finish(ex: np.ndarray, experts: int, sequences: int, prompt_len: int, meta: dict[str, object]) -> Trace:
     t = ex.shape[0]
     if not 1 <= sequences <= t:
         raise ExpertcacheError(f"sequences must be in 1..tokens ({t}), got {sequences}")

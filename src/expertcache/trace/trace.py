@@ -122,9 +122,7 @@ def load_trace(path: str | Path) -> Trace:
 def _as_experts(experts: object, source: str) -> np.ndarray:
     arr = np.asarray(experts)
     if arr.ndim != 3:
-        raise TraceError(
-            f"{source}: 'experts' must have 3 dimensions [T, L, K], got shape {arr.shape}"
-        )
+        raise TraceError(f"{source}: 'experts' must have 3 dimensions [T, L, K], got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise TraceError(f"{source}: 'experts' must hold integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < -1 or arr.max() > np.iinfo(np.int16).max):
@@ -140,9 +138,7 @@ def _validate(trace: Trace) -> None:
     if trace.num_experts < 1:
         raise TraceError(f"{src}: 'num_experts' must be at least 1, got {trace.num_experts}")
     if ex.max() >= trace.num_experts:
-        raise TraceError(
-            f"{src}: expert id {int(ex.max())} out of range for num_experts={trace.num_experts}"
-        )
+        raise TraceError(f"{src}: expert id {int(ex.max())} out of range for num_experts={trace.num_experts}")
     if k > trace.num_experts:
         raise TraceError(f"{src}: top-k {k} exceeds num_experts {trace.num_experts}")
     for name, (_, _, rank) in _OPTIONAL.items():
