@@ -6,6 +6,7 @@ from expertcache.policy.registry import (
     POLICIES,
     is_offline,
     make_policy,
+    min_capacity,
     parse_policy,
     policy_class,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "PolicyContext",
     "is_offline",
     "make_policy",
+    "min_capacity",
     "parse_policy",
     "policy_class",
     "uniform_budgets",

@@ -54,6 +54,15 @@ def is_offline(name: str) -> bool:
     return policy_class(name).offline
 
 
+def min_capacity(name: str, num_layers: int, params: dict[str, object] | None = None) -> int:
+    """The smallest capacity the policy can run with: one slot per layer for -dist policies."""
+    factory = _lookup(name)
+    if isinstance(factory, partial) and factory.func is Dist:
+        budgets = (params or {}).get("budgets")
+        return sum(budgets) if isinstance(budgets, list) else num_layers
+    return 1
+
+
 def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
     """Build a registered policy; unknown names or parameters raise PolicyError."""
     factory = _lookup(name)

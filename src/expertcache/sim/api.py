@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from expertcache.policy.registry import parse_policy
+from expertcache.policy.registry import min_capacity, parse_policy
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.sim.schedule import build_schedule
@@ -36,13 +36,17 @@ def simulate(
     capacities: Sequence[int] | str = "all",
     order: str = "layer",
     seed: int = 0,
+    skip_infeasible: bool = False,
 ) -> list[SimResult]:
     """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
-    1..L*E); each result carries OPT's misses at its capacity."""
+    1..L*E); each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
+    policy cannot run with (below one slot per layer for -dist) are left out instead of raising."""
     schedule = build_schedule(trace, order)
     caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
     results: list[SimResult] = []
     for spec in policies:
         name, params = parse_policy(spec)
-        results += run_policy(schedule, name, caps, seed, params)
+        low = min_capacity(name, trace.num_layers, params)
+        mine = [c for c in caps if c >= low] if skip_infeasible else caps
+        results += run_policy(schedule, name, mine, seed, params) if mine else []
     return with_opt(schedule, results)

@@ -95,13 +95,15 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
+    if not zipfile.is_zipfile(path):
+        raise TraceError(f"{path}: not a readable .npz trace (not a zip archive)")
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         raise TraceError(f"{path}: not a readable .npz trace ({e})") from None
     except ValueError as e:
-        raise TraceError(f"{path}: unsupported array in trace ({e})") from None
+        raise TraceError(f"{path}: unsupported array in trace ({str(e).split('.')[0]})") from None
     if "experts" not in arrays:
         raise TraceError(f"{path}: missing array 'experts' (int16 [T, L, K])")
     if "num_experts" not in arrays:

@@ -1,0 +1,177 @@
+"""Command line: thin wrappers that build the library's objects and print what they return."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from expertcache import __version__
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.registry import POLICIES, min_capacity, parse_policy, policy_class
+from expertcache.sim.api import DEFAULT_POLICIES, default_trace, simulate
+from expertcache.sim.report import format_table, plot_curves
+from expertcache.sim.schedule import ORDERS
+from expertcache.trace.stats import summary
+from expertcache.trace.synth import GENERATORS, synthesize
+from expertcache.trace.trace import Trace, load_trace
+
+DEFAULT_CAPACITIES = "16:256:16"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage problem as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ExpertcacheError as e:
+        print(f"expertcache: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("expertcache: interrupted", file=sys.stderr)
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="expertcache", description="Expert caching for Mixture-of-Experts inference.")
+    p.add_argument("--version", action="version", version=f"expertcache {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("sim", help="replay a routing trace through eviction policies")
+    s.add_argument("trace", nargs="?", default="default", help="trace .npz (default: the embedded trace)")
+    s.add_argument("--policy", action="append", metavar="NAME[:k=v,...]", help="repeatable")
+    s.add_argument(
+        "--capacity",
+        nargs="+",
+        metavar="N",
+        help=f"experts: N [N ...], START:STOP[:STEP], or all = 1..L*E (default {DEFAULT_CAPACITIES})",
+    )
+    s.add_argument("--order", choices=ORDERS, default="layer")
+    s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
+    s.add_argument("--json", action="store_true", help="print one JSON array of results")
+    s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
+    s.set_defaults(func=_cmd_sim)
+
+    t = sub.add_parser("trace", help="inspect or generate routing traces")
+    tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
+    info = tsub.add_parser("info", help="shape, per-layer entropy and reuse of a trace")
+    info.add_argument("file")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=_cmd_trace_info)
+    syn = tsub.add_parser("synth", help="write a seeded synthetic trace")
+    syn.add_argument("--kind", required=True, choices=list(GENERATORS))
+    syn.add_argument("-o", "--out", required=True, metavar="FILE.npz")
+    for flag, typ in (
+        ("--tokens", int), ("--layers", int), ("--experts", int), ("--top-k", int), ("--seed", int),
+        ("--a", float), ("--b", float), ("--stickiness", float), ("--sequences", int),
+        ("--prompt-len", int), ("--layer", int),
+    ):  # fmt: skip
+        syn.add_argument(flag, type=typ)
+    syn.set_defaults(func=_cmd_trace_synth)
+
+    pol = sub.add_parser("policies", help="list the eviction policies")
+    pol.set_defaults(func=_cmd_policies)
+    return p
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    trace = default_trace() if args.trace == "default" else load_trace(args.trace)
+    caps = _capacities(args.capacity or [DEFAULT_CAPACITIES], trace, args.order)
+    policies = args.policy or DEFAULT_POLICIES
+    results = simulate(trace, policies, caps, args.order, args.seed, skip_infeasible=len(caps) > 1)
+    _note_skipped(policies, caps, results, trace)
+    if args.plot:
+        name = "embedded default trace" if args.trace == "default" else args.trace
+        plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results]))
+    else:
+        print(format_table(results))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _note_skipped(policies: Sequence[str], caps: list[int], results: list, trace: Trace) -> None:
+    """Say which capacities a policy could not run with (-dist below one slot per layer)."""
+    for spec in policies:
+        name, params = parse_policy(spec)
+        low = min_capacity(name, trace.num_layers, params)
+        skipped = [c for c in caps if c < low]
+        if skipped and len(skipped) == len(caps):
+            raise ExpertcacheError(f"{name} needs capacity >= {low} (one slot per layer); none given")
+        if skipped:
+            print(f"note: {name} skipped at capacities < {low} (needs one slot per layer)", file=sys.stderr)
+
+
+def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
+    total = trace.num_layers * trace.num_experts
+    if list(items) == ["all"]:
+        return list(range(trace.top_k if order == "layer" else 1, total + 1))
+    caps: list[int] = []
+    for item in items:
+        parts = item.split(":")
+        try:
+            nums = [int(x) for x in parts]
+        except ValueError:
+            raise ExpertcacheError(f"capacity {item!r} is not an integer, START:STOP[:STEP] or all") from None
+        if len(nums) == 1:
+            caps.append(nums[0])
+        elif len(nums) in (2, 3) and (len(nums) == 2 or nums[2] > 0):
+            start, stop = nums[0], min(nums[1], total)
+            caps += range(start, stop + 1, nums[2] if len(nums) == 3 else 1)
+        else:
+            raise ExpertcacheError(f"capacity range {item!r} must be START:STOP[:STEP] with STEP > 0")
+    if not caps:
+        raise ExpertcacheError(f"capacity {' '.join(items)} selects no capacity")
+    return list(dict.fromkeys(caps))
+
+
+def _cmd_trace_info(args: argparse.Namespace) -> int:
+    info = summary(load_trace(args.file))
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"trace       {info['source']}")
+    print(f"shape       T={info['tokens']} tokens, L={info['layers']} layers, E={info['experts']} experts, "
+          f"K={info['top_k']}")  # fmt: skip
+    print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {info['prefill_tokens'] or 0})")
+    print(f"unknown     {info['unknown_entries']} entries")
+    print(f"entropy     mean {info['mean_entropy_bits']:.3f} bits of {info['max_entropy_bits']:.3f}")
+    print(f"reuse       mean {info['mean_reuse']:.3f} of a token's experts were used by the previous token")
+    print("layer  entropy  reuse")
+    for layer, (h, r) in enumerate(zip(info["entropy_bits"], info["reuse"], strict=True)):
+        print(f"{layer:5d}  {h:7.3f}  {r:5.3f}")
+    return 0
+
+
+def _cmd_trace_synth(args: argparse.Namespace) -> int:
+    names = ("tokens", "layers", "experts", "top_k", "seed", "a", "b", "stickiness", "sequences",
+             "prompt_len", "layer")  # fmt: skip
+    params = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    trace = synthesize(args.kind, **params)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {args.kind} trace, T={trace.num_tokens} L={trace.num_layers} "
+          f"E={trace.num_experts} K={trace.top_k}")  # fmt: skip
+    return 0
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    for name in POLICIES:
+        cls = policy_class(name)
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        kind = "offline" if cls.offline else "online"
+        print(f"{name:13s} {kind:7s} {'per-layer split of ' if name.endswith('-dist') else ''}{doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

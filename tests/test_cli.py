@@ -1,0 +1,213 @@
+"""The command line as a user runs it: outputs, files, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expertcache.cli import main
+from expertcache.policy import POLICIES
+from expertcache.trace import load_trace, synthesize
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "t.npz"
+    synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=1, sequences=3, prompt_len=10).save(
+        path
+    )
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_sim_json_has_the_documented_fields(capsys, trace_file):
+    code, out, _ = run(
+        capsys,
+        "sim",
+        str(trace_file),
+        "--policy",
+        "lru",
+        "--policy",
+        "opt",
+        "--capacity",
+        "4",
+        "16",
+        "--json",
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", 4), ("lru", 16), ("opt", 4), ("opt", 16)]
+    for r in rows:
+        assert {"policy", "capacity", "order", "requests", "misses", "hits", "miss_ratio"} <= r.keys()
+        assert r["order"] == "layer"
+        assert r["hits"] + r["misses"] == r["requests"]
+        assert r["miss_ratio"] == pytest.approx(r["misses"] / r["requests"])
+        assert sum(r["layers"]["misses"]) == r["misses"]
+        assert r["phases"]["prefill"]["misses"] + r["phases"]["decode"]["misses"] == r["misses"]
+        assert r["opt_misses"] <= r["misses"]
+    opt = {r["capacity"]: r["misses"] for r in rows if r["policy"] == "opt"}
+    assert all(r["opt_misses"] == opt[r["capacity"]] for r in rows)
+
+
+def test_sim_table_and_plot(capsys, trace_file, tmp_path):
+    plot = tmp_path / "mrc.png"
+    code, out, _ = run(
+        capsys, "sim", str(trace_file), "--policy", "llru", "--capacity", "2:32:2", "--plot", str(plot)
+    )
+    assert code == 0
+    assert "llru" in out and "miss ratio" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_capacity_all_and_orders(capsys, trace_file):
+    for order, low in (("layer", 2), ("flat", 1), ("rounds", 1)):
+        code, out, _ = run(
+            capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", "all", "--order", order, "--json"
+        )
+        assert code == 0
+        caps = [r["capacity"] for r in json.loads(out)]
+        assert caps == list(range(low, 4 * 8 + 1))
+
+
+def test_sim_dist_policy_skips_capacities_below_one_slot_per_layer(capsys, trace_file):
+    code, out, err = run(
+        capsys, "sim", str(trace_file), "--policy", "lru-dist", "--capacity", "2", "4", "8", "--json"
+    )
+    assert code == 0
+    assert [r["capacity"] for r in json.loads(out)] == [4, 8]
+    assert "lru-dist skipped at capacities < 4" in err
+
+
+def test_sim_policy_parameters(capsys, trace_file):
+    code, out, _ = run(
+        capsys,
+        "sim",
+        str(trace_file),
+        "--policy",
+        "lcp:rho=0.5,omega=16",
+        "--policy",
+        "lru-dist:budgets=1/1/2/4",
+        "--capacity",
+        "8",
+        "--json",
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert rows[0]["params"] == {"rho": 0.5, "omega": 16}
+    assert rows[1]["params"] == {"budgets": [1, 1, 2, 4]}
+
+
+def test_sim_default_trace_runs(capsys):
+    code, out, _ = run(capsys, "sim", "--policy", "lru", "--capacity", "64", "--json")
+    assert code == 0
+    (row,) = json.loads(out)
+    assert row["requests"] > 100_000 and 0 < row["misses"] < row["requests"]
+
+
+def test_trace_synth_then_info(capsys, tmp_path):
+    path = tmp_path / "z.npz"
+    code, out, _ = run(
+        capsys,
+        "trace",
+        "synth",
+        "--kind",
+        "zipf",
+        "--tokens",
+        "500",
+        "--layers",
+        "3",
+        "--experts",
+        "6",
+        "--top-k",
+        "2",
+        "--a",
+        "1.5",
+        "--seed",
+        "3",
+        "-o",
+        str(path),
+    )
+    assert code == 0 and "wrote" in out
+    t = load_trace(path)
+    assert t.experts.shape == (500, 3, 2) and t.num_experts == 6
+    code, out, _ = run(capsys, "trace", "info", str(path))
+    assert code == 0 and "T=500" in out and "entropy" in out
+    code, out, _ = run(capsys, "trace", "info", str(path), "--json")
+    info = json.loads(out)
+    assert info["tokens"] == 500 and len(info["entropy_bits"]) == 3
+    assert all(0 < h <= np.log2(6) + 1e-9 for h in info["entropy_bits"])
+
+
+def test_policies_lists_every_registered_name(capsys):
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    listed = [line.split()[0] for line in out.splitlines()]
+    assert listed == list(POLICIES)
+
+
+BAD_INPUTS = [
+    (["sim", "{missing}"], "no such trace file"),
+    (["sim", "{junk}"], "not a readable .npz"),
+    (["sim", "{trace}", "--capacity", "0"], "capacity must be at least 1"),
+    (["sim", "{trace}", "--capacity", "1"], "below top-k 2"),
+    (["sim", "{trace}", "--policy", "nope"], "unknown policy 'nope'"),
+    (["sim", "{trace}", "--policy", "lcp:bogus=1"], "does not take bogus"),
+    (["sim", "{trace}", "--policy", "lcp:rho=2"], "rho must be in (0, 1)"),
+    (["sim", "{trace}", "--policy", "lru-dist", "--capacity", "3"], "need capacity >= 4"),
+    (["sim", "{trace}", "--capacity", "abc"], "not an integer"),
+    (["sim", "{trace}", "--order", "sideways"], "invalid choice"),
+    (["trace", "info", "{missing}"], "no such trace file"),
+    (["trace", "info", "{badshape}"], "must have 3 dimensions"),
+    (["trace", "synth", "--kind", "zipf", "--experts", "0", "-o", "{out}"], "experts must be at least 1"),
+    (["trace", "synth", "--kind", "cyclic", "--a", "1", "-o", "{out}"], "does not take a"),
+    (["trace", "synth", "--kind", "zipf", "-o", "/nonexistent/dir/x.npz"], "cannot write trace"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, trace_file, argv, message):
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"this is not a zip file")
+    badshape = tmp_path / "bad.npz"
+    np.savez(badshape, experts=np.zeros((3, 4), dtype=np.int16), num_experts=np.int32(4))
+    paths = {
+        "missing": tmp_path / "missing.npz",
+        "junk": junk,
+        "trace": trace_file,
+        "badshape": badshape,
+        "out": tmp_path / "o.npz",
+    }
+    argv = [a.format(**paths) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    _, err = capsys.readouterr()
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_console_script_exit_code_and_single_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "expertcache.cli", "sim", str(tmp_path / "nope.npz")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"expertcache: error: {tmp_path / 'nope.npz'}: no such trace file"
+    assert proc.stdout == ""
