@@ -69,6 +69,17 @@ def test_sim_table_and_plot(capsys, trace_file, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_sim_per_layer_table(capsys, trace_file):
+    code, out, _ = run(capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", "8", "--per-layer")
+    assert code == 0
+    assert "lru at capacity 8 (layer order)" in out
+    layer_rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [int(r[0]) for r in layer_rows] == [0, 1, 2, 3]
+    code, js, _ = run(capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", "8", "--json")
+    (row,) = json.loads(js)
+    assert [int(r[2]) for r in layer_rows] == row["layers"]["misses"]
+
+
 def test_sim_capacity_all_and_orders(capsys, trace_file):
     for order, low in (("layer", 2), ("flat", 1), ("rounds", 1)):
         code, out, _ = run(

@@ -11,7 +11,7 @@ from expertcache import __version__
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import POLICIES, min_capacity, parse_policy, policy_class
 from expertcache.sim.api import DEFAULT_POLICIES, default_trace, simulate
-from expertcache.sim.report import format_table, plot_curves
+from expertcache.sim.report import format_layers, format_table, plot_curves
 from expertcache.sim.schedule import ORDERS
 from expertcache.trace.stats import summary
 from expertcache.trace.synth import GENERATORS, synthesize
@@ -58,6 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
+    s.add_argument("--per-layer", action="store_true", help="also print each result's misses per layer")
     s.set_defaults(func=_cmd_sim)
 
     t = sub.add_parser("trace", help="inspect or generate routing traces")
@@ -95,6 +96,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in results]))
     else:
         print(format_table(results))
+        if args.per_layer:
+            print("\n" + format_layers(results))
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

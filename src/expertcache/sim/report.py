@@ -19,6 +19,20 @@ def format_table(results: Sequence[SimResult]) -> str:
     return _pivot_table(results)
 
 
+def format_layers(results: Sequence[SimResult]) -> str:
+    """Per-layer requests and misses of each result, one row per layer."""
+    blocks = []
+    for r in results:
+        req, mis = r.layer_requests.sum(axis=0), r.layer_misses.sum(axis=0)
+        rows = [
+            (str(layer), str(q), str(m), f"{m / q:.4f}" if q else "-")
+            for layer, (q, m) in enumerate(zip(req.tolist(), mis.tolist(), strict=True))
+        ]
+        title = f"{r.policy} at capacity {r.capacity} ({r.order} order)"
+        blocks.append(title + "\n" + _render(("layer", "requests", "misses", "miss ratio"), rows))
+    return "\n\n".join(blocks)
+
+
 def _long_table(results: Sequence[SimResult]) -> str:
     head = ("policy", "capacity", "requests", "hits", "misses", "miss ratio", "prefill", "decode", "x OPT")
     rows = []
