@@ -222,3 +222,11 @@ def test_console_script_exit_code_and_single_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"expertcache: error: {tmp_path / 'nope.npz'}: no such trace file"
     assert proc.stdout == ""
+
+
+def test_sim_jobs_give_identical_results(capsys, trace_file):
+    argv = ["sim", str(trace_file), "--policy", "marking", "--policy", "llru", "--capacity", "2:20:3", "--json"]
+    _, one, _ = run(capsys, *argv, "--jobs", "1")
+    _, two, _ = run(capsys, *argv, "--jobs", "2")
+    assert json.loads(one) == json.loads(two)
+    assert len(json.loads(one)) == 2 * 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -56,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--order", choices=ORDERS, default="layer")
     s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
+    s.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="processes for replays (default: all CPUs)"
+    )
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
     s.add_argument("--per-layer", action="store_true", help="also print each result's misses per layer")
@@ -87,7 +91,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     trace = default_trace() if args.trace == "default" else load_trace(args.trace)
     caps = _capacities(args.capacity or [DEFAULT_CAPACITIES], trace, args.order)
     policies = args.policy or DEFAULT_POLICIES
-    results = simulate(trace, policies, caps, args.order, args.seed, skip_infeasible=len(caps) > 1)
+    if args.jobs < 1:
+        raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
+    results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
     _note_skipped(policies, caps, results, trace)
     if args.plot:
         name = "embedded default trace" if args.trace == "default" else args.trace

@@ -21,6 +21,13 @@ def uniform_budgets(capacity: int, num_layers: int) -> list[int]:
     return [base + (layer < extra) for layer in range(num_layers)]
 
 
+def _layer_profile(ctx: PolicyContext, layer: int) -> dict[Key, int] | None:
+    """The usage profile restricted to one layer's keys (what a per-layer Static ranks)."""
+    if ctx.profile is None:
+        return None
+    return {k: c for k, c in ctx.profile.items() if k[0] == layer}
+
+
 class Dist(Policy):
     def __init__(
         self,
@@ -46,7 +53,10 @@ class Dist(Policy):
             )
         self.budgets = budgets
         self.layers = [
-            inner(replace(ctx, capacity=b, seed=ctx.seed + layer), **inner_params)
+            inner(
+                replace(ctx, capacity=b, seed=ctx.seed + layer, profile=_layer_profile(ctx, layer)),
+                **inner_params,
+            )
             for layer, b in enumerate(budgets)
         ]
 

@@ -37,10 +37,12 @@ def simulate(
     order: str = "layer",
     seed: int = 0,
     skip_infeasible: bool = False,
+    jobs: int = 1,
 ) -> list[SimResult]:
     """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
     1..L*E); each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
-    policy cannot run with (below one slot per layer for -dist) are left out instead of raising."""
+    policy cannot run with (below one slot per layer for -dist) are left out instead of raising.
+    ``jobs`` > 1 replays capacities on that many processes."""
     schedule = build_schedule(trace, order)
     caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
     results: list[SimResult] = []
@@ -48,5 +50,5 @@ def simulate(
         name, params = parse_policy(spec)
         low = min_capacity(name, trace.num_layers, params)
         mine = [c for c in caps if c >= low] if skip_infeasible else caps
-        results += run_policy(schedule, name, mine, seed, params) if mine else []
+        results += run_policy(schedule, name, mine, seed, params, jobs) if mine else []
     return with_opt(schedule, results)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -29,20 +31,41 @@ def run_policy(
     capacities: Sequence[int],
     seed: int = 0,
     params: dict[str, object] | None = None,
+    jobs: int = 1,
 ) -> list[SimResult]:
-    """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group."""
+    """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group,
+    other capacities are replayed, on ``jobs`` processes when there are several."""
     params = params or {}
     for c in capacities:
         check_capacity(schedule, c)
+    done: dict[int, SimResult] = {}
     by_stack = [c for c in capacities if c >= schedule.max_group]
-    if name not in STACK_DEPTHS or params or not by_stack:
-        return [replay(schedule, name, c, seed, **params) for c in capacities]
-    layer_misses = misses_by_layer(schedule, STACK_DEPTHS[name](schedule), by_stack)
-    stacked = {
-        c: SimResult(name, c, schedule.order, schedule.layer_requests, m)
-        for c, m in zip(by_stack, layer_misses, strict=True)
-    }
-    return [stacked[c] if c in stacked else replay(schedule, name, c, seed) for c in capacities]
+    if name in STACK_DEPTHS and not params and by_stack:
+        layer_misses = misses_by_layer(schedule, STACK_DEPTHS[name](schedule), by_stack)
+        for c, m in zip(by_stack, layer_misses, strict=True):
+            done[c] = SimResult(name, c, schedule.order, schedule.layer_requests, m)
+    todo = [c for c in dict.fromkeys(capacities) if c not in done]
+    for r in _replay_all(schedule, name, todo, seed, params, jobs):
+        done[r.capacity] = r
+    return [done[c] for c in capacities]
+
+
+def _replay_all(
+    schedule: Schedule, name: str, caps: list[int], seed: int, params: dict[str, object], jobs: int
+) -> list[SimResult]:
+    """Replays at many capacities, split over ``jobs`` worker processes (results are identical)."""
+    jobs = max(1, min(jobs, len(caps)))
+    if jobs == 1:
+        return [replay(schedule, name, c, seed, **params) for c in caps]
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        parts = pool.map(_replay_part, [(schedule, name, caps[i::jobs], seed, params) for i in range(jobs)])
+        return [r for part in parts for r in part]
+
+
+def _replay_part(task: tuple[Schedule, str, list[int], int, dict[str, object]]) -> list[SimResult]:
+    schedule, name, caps, seed, params = task
+    return [replay(schedule, name, c, seed, **params) for c in caps]
 
 
 def with_opt(schedule: Schedule, results: list[SimResult]) -> list[SimResult]:
