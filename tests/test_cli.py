@@ -90,13 +90,16 @@ def test_sim_capacity_all_and_orders(capsys, trace_file):
         assert caps == list(range(low, 4 * 8 + 1))
 
 
-def test_sim_dist_policy_skips_capacities_below_one_slot_per_layer(capsys, trace_file):
-    code, out, err = run(
-        capsys, "sim", str(trace_file), "--policy", "lru-dist", "--capacity", "2", "4", "8", "--json"
-    )
+def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):
+    argv = ["sim", str(trace_file), "--policy", "lru-dist", "--json", "--capacity"]
+    code, out, err = run(capsys, *argv, "2", "4", "8")
+    assert code == 0
+    assert [r["capacity"] for r in json.loads(out)] == [8]  # 4 layers x top-2 in layer order
+    assert "lru-dist left out at capacities < 8" in err
+    code, out, err = run(capsys, *argv, "4", "8", "--order", "flat")
     assert code == 0
     assert [r["capacity"] for r in json.loads(out)] == [4, 8]
-    assert "lru-dist skipped at capacities < 4" in err
+    assert err == ""
 
 
 def test_sim_policy_parameters(capsys, trace_file):
@@ -107,7 +110,7 @@ def test_sim_policy_parameters(capsys, trace_file):
         "--policy",
         "lcp:rho=0.5,omega=16",
         "--policy",
-        "lru-dist:budgets=1/1/2/4",
+        "lru-dist:budgets=2/2/2/2",
         "--capacity",
         "8",
         "--json",
@@ -115,7 +118,7 @@ def test_sim_policy_parameters(capsys, trace_file):
     assert code == 0
     rows = json.loads(out)
     assert rows[0]["params"] == {"rho": 0.5, "omega": 16}
-    assert rows[1]["params"] == {"budgets": [1, 1, 2, 4]}
+    assert rows[1]["params"] == {"budgets": [2, 2, 2, 2]}
 
 
 def test_sim_default_trace_runs(capsys):
@@ -174,7 +177,12 @@ BAD_INPUTS = [
     (["sim", "{trace}", "--policy", "nope"], "unknown policy 'nope'"),
     (["sim", "{trace}", "--policy", "lcp:bogus=1"], "does not take bogus"),
     (["sim", "{trace}", "--policy", "lcp:rho=2"], "rho must be in (0, 1)"),
-    (["sim", "{trace}", "--policy", "lru-dist", "--capacity", "3"], "need capacity >= 4"),
+    (["sim", "{trace}", "--policy", "lru-dist", "--capacity", "3"], "lru-dist needs capacity >= 8"),
+    (
+        ["sim", "{trace}", "--policy", "lru-dist:budgets=1/1/2/4", "--capacity", "8"],
+        "layer 0 gets 1 slot(s), below top-k 2",
+    ),
+    (["sim", "{trace}", "--policy", "lru-dist", "--capacity", "2", "4"], "needs capacity >= 8"),
     (["sim", "{trace}", "--capacity", "abc"], "not an integer"),
     (["sim", "{trace}", "--order", "sideways"], "invalid choice"),
     (["trace", "info", "{missing}"], "no such trace file"),
@@ -225,7 +233,17 @@ def test_console_script_exit_code_and_single_line(tmp_path):
 
 
 def test_sim_jobs_give_identical_results(capsys, trace_file):
-    argv = ["sim", str(trace_file), "--policy", "marking", "--policy", "llru", "--capacity", "2:20:3", "--json"]
+    argv = [
+        "sim",
+        str(trace_file),
+        "--policy",
+        "marking",
+        "--policy",
+        "llru",
+        "--capacity",
+        "2:20:3",
+        "--json",
+    ]
     _, one, _ = run(capsys, *argv, "--jobs", "1")
     _, two, _ = run(capsys, *argv, "--jobs", "2")
     assert json.loads(one) == json.loads(two)

@@ -13,7 +13,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import POLICIES, min_capacity, parse_policy, policy_class
 from expertcache.sim.api import DEFAULT_POLICIES, default_trace, simulate
 from expertcache.sim.report import format_layers, format_table, plot_curves
-from expertcache.sim.schedule import ORDERS
+from expertcache.sim.schedule import ORDERS, check_capacity, min_room
 from expertcache.trace.stats import summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
@@ -93,8 +93,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     policies = args.policy or DEFAULT_POLICIES
     if args.jobs < 1:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
+    for c in caps:
+        check_capacity(c, args.order, trace.top_k)
+    _note_skipped(policies, caps, trace.num_layers, min_room(args.order, trace.top_k))
     results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
-    _note_skipped(policies, caps, results, trace)
     if args.plot:
         name = "embedded default trace" if args.trace == "default" else args.trace
         plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
@@ -109,16 +111,19 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_skipped(policies: Sequence[str], caps: list[int], results: list, trace: Trace) -> None:
-    """Say which capacities a policy could not run with (-dist below one slot per layer)."""
+def _note_skipped(policies: Sequence[str], caps: list[int], num_layers: int, min_room: int) -> None:
+    """Say which capacities a -dist policy could not run with (a layer's budget below its group)."""
     for spec in policies:
         name, params = parse_policy(spec)
-        low = min_capacity(name, trace.num_layers, params)
+        low = min_capacity(name, num_layers, params, min_room)
         skipped = [c for c in caps if c < low]
         if skipped and len(skipped) == len(caps):
-            raise ExpertcacheError(f"{name} needs capacity >= {low} (one slot per layer); none given")
+            raise ExpertcacheError(f"{name} needs capacity >= {low} (each layer needs {min_room} slot(s))")
         if skipped:
-            print(f"note: {name} skipped at capacities < {low} (needs one slot per layer)", file=sys.stderr)
+            print(
+                f"note: {name} left out at capacities < {low} (each layer needs {min_room} slot(s))",
+                file=sys.stderr,
+            )
 
 
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:

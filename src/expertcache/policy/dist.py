@@ -67,7 +67,9 @@ class Dist(Policy):
         return sum(len(p) for p in self.layers)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, tuple) and key in self.layers[key[0]]
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)):
+            return False
+        return 0 <= key[0] < len(self.layers) and key in self.layers[key[0]]
 
     def on_hit(self, key: Key) -> None:
         self.layers[key[0]].on_hit(key)

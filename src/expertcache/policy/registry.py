@@ -54,13 +54,16 @@ def is_offline(name: str) -> bool:
     return policy_class(name).offline
 
 
-def min_capacity(name: str, num_layers: int, params: dict[str, object] | None = None) -> int:
-    """The smallest capacity the policy can run with: one slot per layer for -dist policies."""
+def min_capacity(
+    name: str, num_layers: int, params: dict[str, object] | None = None, min_room: int = 1
+) -> int:
+    """The smallest capacity the policy can run with when every layer needs ``min_room`` slots:
+    that for a whole-cache policy, ``min_room`` per layer for -dist (or the sum of given budgets)."""
     factory = _lookup(name)
     if isinstance(factory, partial) and factory.func is Dist:
         budgets = (params or {}).get("budgets")
-        return sum(budgets) if isinstance(budgets, list) else num_layers
-    return 1
+        return sum(budgets) if isinstance(budgets, list) else num_layers * min_room
+    return min_room
 
 
 def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:

@@ -48,7 +48,7 @@ def simulate(
     results: list[SimResult] = []
     for spec in policies:
         name, params = parse_policy(spec)
-        low = min_capacity(name, trace.num_layers, params)
+        low = min_capacity(name, trace.num_layers, params, schedule.min_room)
         mine = [c for c in caps if c >= low] if skip_infeasible else caps
         results += run_policy(schedule, name, mine, seed, params, jobs) if mine else []
     return with_opt(schedule, results)

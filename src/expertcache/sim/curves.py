@@ -8,8 +8,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from expertcache.sim.replay import SimResult, check_capacity, replay
-from expertcache.sim.schedule import Schedule
+from expertcache.sim.replay import SimResult, replay
+from expertcache.sim.schedule import Schedule, check_capacity
 from expertcache.sim.stack import lru_depths, opt_depths
 
 # Stack algorithms by registry name: their whole curve comes from one pass over the schedule.
@@ -37,7 +37,7 @@ def run_policy(
     other capacities are replayed, on ``jobs`` processes when there are several."""
     params = params or {}
     for c in capacities:
-        check_capacity(schedule, c)
+        check_capacity(c, schedule.order, schedule.top_k)
     done: dict[int, SimResult] = {}
     by_stack = [c for c in capacities if c >= schedule.max_group]
     if name in STACK_DEPTHS and not params and by_stack:

@@ -10,7 +10,7 @@ from expertcache.cache.residency import Residency
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, Policy, PolicyContext
 from expertcache.policy.registry import make_policy, policy_class
-from expertcache.sim.schedule import Schedule
+from expertcache.sim.schedule import Schedule, check_capacity
 
 
 @dataclass
@@ -91,11 +91,11 @@ def policy_for(schedule: Schedule, name: str, capacity: int, seed: int = 0, **pa
 
 def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
     """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
-    check_capacity(schedule, capacity)
+    check_capacity(capacity, schedule.order, schedule.top_k)
     policy = policy_for(schedule, name, capacity, seed, **params)
     residency, clock = Residency(policy), policy.clock
     L, per_layer = schedule.num_layers, schedule.per_layer
-    rooms = [policy.room(layer) for layer in range(L)]
+    rooms = check_rooms(schedule, policy)
     admit, serve = residency.admit, residency.serve
     misses = [[0] * L, [0] * L]  # [phase][layer]; phase 1 = prefill
     slots = [(layer, sub) for layer in range(L) for sub in range(per_layer)]
@@ -119,12 +119,15 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
     )
 
 
-def check_capacity(schedule: Schedule, capacity: int) -> None:
-    """Capacity must be at least 1, and at least top-k in layer order (a token's experts co-reside)."""
-    if capacity < 1:
-        raise ExpertcacheError(f"capacity must be at least 1 expert, got {capacity}")
-    if schedule.order == "layer" and capacity < schedule.top_k:
+def check_rooms(schedule: Schedule, policy: Policy) -> list[int]:
+    """Every layer's room must hold a token's experts of that layer (per-layer budgets included)."""
+    rooms = [policy.room(layer) for layer in range(schedule.num_layers)]
+    low = schedule.min_room
+    short = [layer for layer, room in enumerate(rooms) if room < low]
+    if short:
         raise ExpertcacheError(
-            f"capacity {capacity} is below top-k {schedule.top_k}: in layer order a token's "
-            f"{schedule.top_k} experts of a layer must be resident together"
+            f"{policy.name}: layer {short[0]} gets {rooms[short[0]]} slot(s), below top-k {low}: in layer "
+            f"order a token's experts of a layer must be resident together (uniform budgets need "
+            f"capacity >= {schedule.num_layers * low})"
         )
+    return rooms

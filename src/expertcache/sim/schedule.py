@@ -6,7 +6,8 @@ empty (unknown entries).
 
 - ``layer`` (what the engine does): one forward step per round: all prompt tokens of a request in
   one prefill step (from ``seq_id`` / ``is_prefill``), then one token per decode step; each layer of
-  a step is one group, its distinct experts in first-use order, served pinned together.
+  a step is one group, its distinct experts in first-use order (``cache.group_experts``, the rule the
+  engine applies to its router's choices), served pinned together.
 - ``flat``: plain paging over token, layer, experts in stored order: one request per group.
 - ``rounds``: seed 000's conversion of top-k routing into K rounds per token: round t*K + k requests
   the k-th expert of every layer.
@@ -19,6 +20,7 @@ from functools import cached_property
 
 import numpy as np
 
+from expertcache.cache.residency import group_experts
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Key
 from expertcache.trace.trace import Trace
@@ -43,6 +45,11 @@ class Schedule:
     @property
     def num_rounds(self) -> int:
         return len(self.round_prefill)
+
+    @property
+    def min_room(self) -> int:
+        """Slots a layer needs at least: top-k in layer order (a token's experts co-reside), else 1."""
+        return min_room(self.order, self.top_k)
 
     @property
     def num_requests(self) -> int:
@@ -92,6 +99,22 @@ def build_schedule(trace: Trace, order: str = "layer") -> Schedule:
         ex = trace.experts.transpose(0, 2, 1)[:, :, :, None]  # [T, K, L, 1]
         return _token_order(trace, ex.reshape(-1, trace.num_layers, 1), order, trace.top_k)
     raise ExpertcacheError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
+
+
+def min_room(order: str, top_k: int) -> int:
+    """Slots a layer needs at least: top-k in layer order (a token's experts co-reside), else 1."""
+    return top_k if order == "layer" else 1
+
+
+def check_capacity(capacity: int, order: str, top_k: int) -> None:
+    """Capacity must be at least 1, and at least top-k in layer order."""
+    if capacity < 1:
+        raise ExpertcacheError(f"capacity must be at least 1 expert, got {capacity}")
+    if capacity < min_room(order, top_k):
+        raise ExpertcacheError(
+            f"capacity {capacity} is below top-k {top_k}: in layer order a token's "
+            f"{top_k} experts of a layer must be resident together"
+        )
 
 
 def step_starts(trace: Trace) -> np.ndarray:
@@ -152,12 +175,12 @@ def _layer_order(trace: Trace) -> Schedule:
             [np.broadcast_to(np.arange(L)[None, :, None], (len(single), L, 1)), ex], axis=2
         ).reshape(-1, ex.shape[2] + 1)
         uniq, inverse = _unique_rows(sig, base=max(E, L) + 1)
-        local = [intern(int(r[0]), _distinct(r[1:])) for r in uniq.tolist()]
+        local = [intern(int(r[0]), group_experts([r[1:]])) for r in uniq.tolist()]
         gid[single] = np.asarray(local, dtype=np.int64)[inverse.reshape(-1)].reshape(len(single), L)
     for s in np.flatnonzero(ends - starts > 1).tolist():  # prompt steps: union over tokens
         block = trace.experts[starts[s] : ends[s]]  # [n, L, K]
         for layer in range(L):
-            gid[s, layer] = intern(layer, _distinct(block[:, layer, :].reshape(-1).tolist()))
+            gid[s, layer] = intern(layer, group_experts(block[:, layer, :].tolist()))
     keys = [tuple((r[0], e) for e in r[1:]) for r in rows]
     width = max((len(r) - 1 for r in rows), default=0)
     padded = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
@@ -190,10 +213,6 @@ def _unique_rows(rows: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
         code = code * base + (rows[:, col] + 1)  # +1: unknown entries (-1) become digit 0
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
     return rows[first], inverse.reshape(-1)
-
-
-def _distinct(ids: list[int]) -> list[int]:
-    return list(dict.fromkeys(e for e in ids if e >= 0))
 
 
 def _token_prefill(trace: Trace) -> np.ndarray:

@@ -9,6 +9,7 @@ Layout (see ../shared/traces/README.md): ``experts`` int16 [T, L, K] (expert ids
 from __future__ import annotations
 
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,10 @@ class Trace:
             if getattr(self, name) is not None:
                 arrays[name] = getattr(self, name)
         for key, value in self.meta.items():
-            arrays.setdefault(key, np.asarray(value))
+            if value is None:
+                continue  # absent metadata stays absent
+            arr = np.asarray(value)
+            arrays.setdefault(key, arr.astype(str) if arr.dtype == object else arr)
         try:
             with open(path, "wb") as f:
                 np.savez_compressed(f, **arrays)
@@ -100,7 +104,7 @@ def load_trace(path: str | Path) -> Trace:
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:
         raise TraceError(f"{path}: not a readable .npz trace ({e})") from None
     except ValueError as e:
         raise TraceError(f"{path}: unsupported array in trace ({str(e).split('.')[0]})") from None

@@ -1,0 +1,499 @@
+"""The trace format, its validation, the synthetic generators, trace statistics and schedules."""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expertcache.errors import ExpertcacheError, TraceError
+from expertcache.sim.schedule import build_schedule
+from expertcache.trace import GENERATORS, Trace, layer_entropy, load_trace, reuse_between_tokens, summary
+from expertcache.trace.synth import synthesize
+
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+QWEN = SHARED_TRACES / "qwen15_moe_a27b_chat.npz"
+
+
+def tiny_experts() -> np.ndarray:
+    """3 tokens, 2 layers, top-2 of 4 experts, one unknown entry."""
+    return np.array([[[0, 1], [2, 3]], [[1, 2], [3, -1]], [[3, 0], [0, 1]]], dtype=np.int16)
+
+
+# --------------------------------------------------------------------------------------- format
+
+
+class TestSaveLoad:
+    def test_round_trip_keeps_everything(self, tmp_path: Path) -> None:
+        ex = tiny_experts()
+        trace = Trace(
+            ex,
+            4,
+            weights=np.linspace(0, 1, ex.size, dtype=np.float32).reshape(ex.shape),
+            seq_id=np.array([0, 0, 1], dtype=np.int32),
+            is_prefill=np.array([1, 0, -1], dtype=np.int8),
+            token_id=np.array([7, -1, 9], dtype=np.int32),
+            meta={"model": "tiny", "alpha": 1.5, "layer_ids": np.array([3, 7])},
+        )
+        path = tmp_path / "t.npz"
+        trace.save(path)
+        loaded = load_trace(path)
+        assert loaded.source == str(path)
+        assert loaded.num_experts == 4
+        assert (loaded.num_tokens, loaded.num_layers, loaded.top_k) == (3, 2, 2)
+        for name, dtype in [
+            ("experts", np.int16),
+            ("weights", np.float32),
+            ("seq_id", np.int32),
+            ("is_prefill", np.int8),
+            ("token_id", np.int32),
+        ]:
+            assert getattr(loaded, name).dtype == dtype
+            assert np.array_equal(getattr(loaded, name), getattr(trace, name))
+        assert loaded.meta["model"] == "tiny"
+        assert loaded.meta["alpha"] == 1.5
+        assert np.array_equal(loaded.meta["layer_ids"], [3, 7])
+        assert (loaded.meta["num_layers"], loaded.meta["top_k"]) == (2, 2)  # written by save
+
+    def test_optional_arrays_stay_absent(self, tmp_path: Path) -> None:
+        path = tmp_path / "bare.npz"
+        Trace(tiny_experts(), 4).save(path)
+        loaded = load_trace(path)
+        assert loaded.weights is None and loaded.seq_id is None
+        assert loaded.is_prefill is None and loaded.token_id is None
+        assert np.array_equal(loaded.experts, tiny_experts())
+
+    def test_generated_trace_round_trip(self, tmp_path: Path) -> None:
+        trace = synthesize(
+            "sticky", tokens=50, layers=3, experts=6, top_k=2, seed=4, sequences=2, prompt_len=3
+        )
+        trace.save(tmp_path / "s.npz")
+        loaded = load_trace(tmp_path / "s.npz")
+        assert np.array_equal(loaded.experts, trace.experts)
+        assert np.array_equal(loaded.seq_id, trace.seq_id)
+        assert np.array_equal(loaded.is_prefill, trace.is_prefill)
+        assert {k: loaded.meta[k] for k in trace.meta} == trace.meta
+
+    def test_dtypes_are_canonicalised(self) -> None:
+        trace = Trace(tiny_experts().astype(np.int64), 4, seq_id=np.zeros(3, dtype=np.int64))
+        assert trace.experts.dtype == np.int16 and trace.seq_id.dtype == np.int32
+        assert trace.num_keys == 8
+
+    def test_unwritable_path(self, tmp_path: Path) -> None:
+        path = tmp_path / "no" / "such" / "dir" / "t.npz"
+        with pytest.raises(TraceError, match="cannot write"):
+            Trace(tiny_experts(), 4).save(path)
+
+    def test_meta_that_cannot_be_stored_is_refused_or_round_trips(self, tmp_path: Path) -> None:
+        path = tmp_path / "m.npz"
+        trace = Trace(tiny_experts(), 4, meta={"note": None})
+        try:
+            trace.save(path)
+        except ExpertcacheError:
+            return  # refusing at save time is a fine answer
+        assert load_trace(path).meta.get("note") is None  # None is stored as absent
+
+    def test_object_meta_is_stored_as_text(self, tmp_path: Path) -> None:
+        path = tmp_path / "m.npz"
+        Trace(tiny_experts(), 4, meta={"cfg": {"a": 1}, "tags": ["x", 2]}).save(path)
+        meta = load_trace(path).meta
+        assert meta["cfg"] == "{'a': 1}"
+        assert list(meta["tags"]) == ["x", "2"]
+
+
+def good_arrays() -> dict[str, np.ndarray]:
+    return {"experts": tiny_experts(), "num_experts": np.int32(4)}
+
+
+def nan_weights() -> np.ndarray:
+    w = np.full((3, 2, 2), 0.5, dtype=np.float32)
+    w[1, 0, 1] = np.nan
+    return w
+
+
+BAD_FILES = {
+    "missing experts": ({"experts": None}, "missing array 'experts'"),
+    "missing num_experts": ({"num_experts": None}, "missing scalar 'num_experts'"),
+    "num_experts not a scalar": ({"num_experts": np.array([4])}, "'num_experts' must be an integer scalar"),
+    "num_experts float": ({"num_experts": np.float64(4)}, "'num_experts' must be an integer scalar"),
+    "wrong rank": ({"experts": np.zeros((3, 2), np.int16)}, "must have 3 dimensions"),
+    "float experts": ({"experts": tiny_experts().astype(np.float32)}, "must hold integers"),
+    "id >= num_experts": ({"num_experts": np.int32(3)}, "expert id 3 out of range for num_experts=3"),
+    "id < -1": ({"experts": np.full((3, 2, 2), -2, np.int16)}, "outside -1..32767"),
+    "empty": ({"experts": np.zeros((0, 2, 2), np.int16)}, "is empty"),
+    "top-k above num_experts": (
+        {"experts": np.zeros((3, 2, 3), np.int16), "num_experts": np.int32(2)},
+        "top-k 3 exceeds num_experts 2",
+    ),
+    "seq_id shape": ({"seq_id": np.zeros(4, np.int32)}, "'seq_id' has shape (4,), expected (3,)"),
+    "seq_id float": ({"seq_id": np.zeros(3, np.float32)}, "'seq_id' has dtype float32"),
+    "seq_id negative": ({"seq_id": np.array([0, -1, 1], np.int32)}, "'seq_id' must be non-negative"),
+    "is_prefill shape": ({"is_prefill": np.zeros((3, 1), np.int8)}, "'is_prefill' has shape (3, 1)"),
+    "is_prefill values": ({"is_prefill": np.array([0, 1, 2], np.int8)}, "'is_prefill' must hold only"),
+    "weights shape": ({"weights": np.zeros((3, 2, 1), np.float32)}, "'weights' has shape (3, 2, 1)"),
+    "weights NaN": ({"weights": nan_weights()}, "'weights' has NaN or infinite values"),
+    "token_id shape": ({"token_id": np.zeros(2, np.int32)}, "'token_id' has shape (2,)"),
+}
+
+
+class TestValidation:
+    @pytest.mark.parametrize("case", list(BAD_FILES))
+    def test_bad_file(self, tmp_path: Path, case: str) -> None:
+        changes, fragment = BAD_FILES[case]
+        arrays = {**good_arrays(), **changes}
+        path = tmp_path / "bad.npz"
+        np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+        with pytest.raises(TraceError) as err:
+            load_trace(path)
+        assert str(path) in str(err.value)
+        assert fragment in str(err.value)
+
+    def test_good_file_loads(self, tmp_path: Path) -> None:
+        path = tmp_path / "good.npz"
+        np.savez(path, **good_arrays())
+        assert load_trace(path).num_experts == 4
+
+    def test_missing_file(self, tmp_path: Path) -> None:
+        for path in (tmp_path / "absent.npz", tmp_path):  # a directory is not a trace file either
+            with pytest.raises(TraceError, match="no such trace file") as err:
+                load_trace(path)
+            assert str(path) in str(err.value)
+
+    def test_truncated_and_empty_zip(self, tmp_path: Path) -> None:
+        good = tmp_path / "good.npz"
+        Trace(tiny_experts(), 4).save(good)
+        for name, data in (("trunc.npz", good.read_bytes()[:60]), ("empty.npz", b"")):
+            path = tmp_path / name
+            path.write_bytes(data)
+            with pytest.raises(TraceError, match="not a readable .npz trace") as err:
+                load_trace(path)
+            assert str(path) in str(err.value)
+
+    @pytest.mark.parametrize("what", ["text", "npy"])
+    def test_not_an_npz(self, tmp_path: Path, what: str) -> None:
+        path = tmp_path / ("notes.dat" if what == "text" else "experts.npy")
+        if what == "text":
+            path.write_text("these are not the routing decisions you are looking for\n")
+        else:
+            np.save(path, tiny_experts())  # a bare .npy array is not a trace archive
+        with pytest.raises(TraceError, match="not a readable .npz trace") as err:
+            load_trace(path)
+        assert str(path) in str(err.value)
+        assert "pickle" not in str(err.value)
+
+    def test_corrupt_member_is_a_trace_error(self, tmp_path: Path) -> None:
+        path = tmp_path / "corrupt.npz"
+        path.write_bytes(corrupt_deflate_npz())
+        with pytest.raises(TraceError) as err:
+            load_trace(path)
+        assert str(path) in str(err.value)
+
+
+def corrupt_deflate_npz() -> bytes:
+    """A valid-looking .npz whose 'experts' member has an invalid deflate block (type 3)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, arr in good_arrays().items():
+            member = io.BytesIO()
+            np.lib.format.write_array(member, np.asanyarray(arr))
+            z.writestr(f"{name}.npy", member.getvalue())
+    data = bytearray(buf.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        info = z.getinfo("experts.npy")
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start : start + info.compress_size] = b"\xff" * info.compress_size
+    return bytes(data)
+
+
+@pytest.mark.skipif(not QWEN.is_file(), reason=f"shared real trace not found at {QWEN}")
+def test_real_trace_loads() -> None:
+    trace = load_trace(QWEN)
+    assert trace.experts.shape == (1096, 24, 4)
+    assert trace.num_experts == 60
+    assert trace.experts.dtype == np.int16 and trace.weights.shape == (1096, 24, 4)
+    assert (trace.experts >= 0).all()  # "no missing entries"
+    assert np.unique(trace.seq_id).size == 6
+    assert trace.top_k == int(trace.meta["top_k"]) == 4
+
+
+# --------------------------------------------------------------------------------------- generators
+
+SMALL = {
+    "zipf": {"tokens": 60, "layers": 3, "experts": 6, "top_k": 2},
+    "uniform": {"tokens": 60, "layers": 3, "experts": 6, "top_k": 2},
+    "sticky": {"tokens": 60, "layers": 3, "experts": 6, "top_k": 2},
+    "cyclic": {"tokens": 60, "layers": 3, "experts": 6},
+    "partition": {"tokens": 60, "layers": 3, "experts": 6, "layer": 1},
+}
+
+
+class TestGenerators:
+    def test_every_generator_is_covered(self) -> None:
+        assert set(SMALL) == set(GENERATORS)
+
+    @pytest.mark.parametrize("kind", list(SMALL))
+    def test_shapes_and_dtypes(self, kind: str) -> None:
+        trace = synthesize(kind, **SMALL[kind])
+        k = SMALL[kind].get("top_k", 1)
+        assert trace.experts.shape == (60, 3, k) and trace.experts.dtype == np.int16
+        assert trace.num_experts == 6
+        assert trace.seq_id.dtype == np.int32 and trace.seq_id.shape == (60,)
+        assert trace.is_prefill.dtype == np.int8 and trace.is_prefill.shape == (60,)
+        assert ((trace.experts >= 0) & (trace.experts < 6)).all()
+        assert trace.meta["generator"] == kind
+
+    @pytest.mark.parametrize("kind", list(SMALL))
+    def test_seeded(self, kind: str) -> None:
+        one = synthesize(kind, seed=5, **SMALL[kind])
+        two = synthesize(kind, seed=5, **SMALL[kind])
+        assert np.array_equal(one.experts, two.experts)
+        if kind in ("zipf", "uniform", "sticky"):
+            assert not np.array_equal(one.experts, synthesize(kind, seed=6, **SMALL[kind]).experts)
+
+    @pytest.mark.parametrize("kind", ["zipf", "uniform", "sticky"])
+    def test_distinct_experts_per_row(self, kind: str) -> None:
+        trace = synthesize(kind, tokens=300, layers=4, experts=5, top_k=3, seed=1)
+        rows = np.sort(trace.experts.reshape(-1, 3), axis=1)
+        assert (np.diff(rows, axis=1) > 0).all()
+
+    def test_zipf_popularity(self) -> None:
+        a, b, experts, tokens = 1.2, 0.5, 8, 20_000
+        trace = synthesize("zipf", tokens=tokens, layers=3, experts=experts, top_k=1, a=a, b=b, seed=2)
+        w = np.array([1 / (j + b) ** a for j in range(1, experts + 1)])
+        p = w / w.sum()  # p_1 = 0.314 for these parameters
+        for layer in range(3):
+            freq = np.bincount(trace.experts[:, layer, 0], minlength=experts) / tokens
+            ranked = np.sort(freq)[::-1]
+            assert abs(ranked[0] - p[0]) < 0.015  # sd of a frequency here is ~0.0033
+            assert np.abs(ranked - p).max() < 0.015
+
+    def test_zipf_layers_rank_experts_differently(self) -> None:
+        trace = synthesize("zipf", tokens=3000, layers=8, experts=8, top_k=1, a=1.5, seed=0)
+        top = {int(np.bincount(trace.experts[:, layer, 0]).argmax()) for layer in range(8)}
+        assert len(top) > 1
+
+    def test_uniform_entropy_near_maximum(self) -> None:
+        trace = synthesize("uniform", tokens=4000, layers=3, experts=8, top_k=2, seed=3)
+        assert np.all(np.abs(layer_entropy(trace) - 3.0) < 0.01)
+
+    def test_sticky_reuse_grows_with_stickiness(self) -> None:
+        def reuse(s: float) -> float:
+            t = synthesize("sticky", tokens=3000, layers=4, experts=8, top_k=2, stickiness=s, seed=9)
+            return float(reuse_between_tokens(t).mean())
+
+        r = {s: reuse(s) for s in (0.0, 0.3, 0.6, 0.9)}
+        assert r[0.0] < r[0.3] < r[0.6] < r[0.9]
+        for s in (0.3, 0.6, 0.9):  # a repeat reuses everything, a fresh draw reuses r(0)
+            assert abs(r[s] - (s + (1 - s) * r[0.0])) < 0.05
+        always = synthesize("sticky", tokens=50, layers=2, experts=8, top_k=2, stickiness=1.0, seed=1)
+        assert (always.experts == always.experts[0]).all()
+
+    def test_cyclic(self) -> None:
+        trace = synthesize("cyclic", tokens=25, layers=3, experts=4)
+        assert trace.top_k == 1
+        expected = np.arange(25) % 4
+        for layer in range(3):
+            assert np.array_equal(trace.experts[:, layer, 0], expected)
+
+    def test_partition(self) -> None:
+        trace = synthesize("partition", tokens=25, layers=4, experts=5, layer=2)
+        assert trace.top_k == 1
+        assert np.array_equal(trace.experts[:, 2, 0], np.arange(25) % 5)
+        assert (trace.experts[:, [0, 1, 3], 0] == 0).all()
+
+    def test_sequences_and_prompts(self) -> None:
+        trace = synthesize("zipf", tokens=10, layers=2, experts=4, top_k=1, sequences=3, prompt_len=2)
+        # contiguous near-equal requests: token i belongs to request i * 3 // 10
+        assert trace.seq_id.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert trace.is_prefill.tolist() == [1, 1, 0, 0, 1, 1, 0, 1, 1, 0]
+        whole = synthesize("uniform", tokens=6, layers=1, experts=3, top_k=1, sequences=2, prompt_len=5)
+        assert whole.is_prefill.tolist() == [1] * 6  # prompt longer than each request
+        plain = synthesize("zipf", tokens=5, layers=1, experts=3, top_k=1)
+        assert plain.seq_id.tolist() == [0] * 5 and plain.is_prefill.tolist() == [0] * 5
+
+    @pytest.mark.parametrize(
+        ("kind", "params"),
+        [
+            ("zipf", {"tokens": 0}),
+            ("zipf", {"layers": 0}),
+            ("zipf", {"experts": 0}),
+            ("zipf", {"top_k": 0}),
+            ("zipf", {"experts": 4, "top_k": 5}),
+            ("zipf", {"experts": 40_000, "top_k": 1}),
+            ("zipf", {"a": -0.5}),
+            ("zipf", {"b": -1.0}),
+            ("zipf", {"tokens": 5, "sequences": 6}),
+            ("zipf", {"sequences": 0}),
+            ("zipf", {"prompt_len": -1}),
+            ("sticky", {"stickiness": 1.5}),
+            ("sticky", {"stickiness": -0.1}),
+            ("partition", {"layers": 4, "layer": 4}),
+            ("partition", {"layer": -1}),
+            ("cyclic", {"sequences": 2}),  # unknown parameter for this kind
+            ("uniform", {"a": 1.0}),
+            ("zipf", {"bogus": 1}),
+            ("pareto", {}),
+        ],
+    )
+    def test_bad_parameters(self, kind: str, params: dict[str, object]) -> None:
+        with pytest.raises(ExpertcacheError):
+            synthesize(kind, **{"tokens": 20, **params})
+
+
+# --------------------------------------------------------------------------------------- stats
+
+
+class TestStats:
+    def test_layer_entropy(self) -> None:
+        ex = np.array([[0, 2, 0, -1], [1, 2, -1, -1], [0, 2, 3, -1], [1, 2, -1, -1]], dtype=np.int16)
+        trace = Trace(ex[:, :, None], 4)
+        # layer 0: 0,1,0,1 -> 1 bit; layer 1: constant -> 0; layer 2: 0,3 (unknowns skipped) -> 1;
+        # layer 3: nothing known -> 0
+        assert layer_entropy(trace).tolist() == pytest.approx([1.0, 0.0, 1.0, 0.0])
+
+    def test_reuse_between_tokens(self) -> None:
+        ex = np.array([[0, 1], [1, 2], [1, 2], [3, 0]], dtype=np.int16)[:, None, :]
+        # t1 vs t0: 1 of 2 reused; t2 vs t1: 2 of 2; t3 vs t2: 0 of 2 -> 3/6
+        assert reuse_between_tokens(Trace(ex, 4)).tolist() == pytest.approx([0.5])
+        # with requests [0, 0, 1, 1] only t1 vs t0 (1/2) and t3 vs t2 (0/2) count -> 1/4
+        split = Trace(ex, 4, seq_id=np.array([0, 0, 1, 1]))
+        assert reuse_between_tokens(split).tolist() == pytest.approx([0.25])
+
+    def test_reuse_skips_unknown_entries(self) -> None:
+        ex = np.array([[0, 1], [1, -1], [-1, -1], [0, 1]], dtype=np.int16)[:, None, :]
+        # t1: known [1], reused -> 1/1; t2: nothing known; t3: [0, 1] after nothing -> 0/2 => 1/3
+        assert reuse_between_tokens(Trace(ex, 2)).tolist() == pytest.approx([1 / 3])
+        assert reuse_between_tokens(Trace(ex[:1], 2)).tolist() == [0.0]  # a single token
+
+    def test_summary(self) -> None:
+        ex = np.array([[0, 1], [1, 2], [1, 2], [3, 0]], dtype=np.int16)[:, None, :]
+        trace = Trace(ex, 4, seq_id=np.array([0, 0, 1, 1]), is_prefill=np.array([1, 0, 1, 0]))
+        # usage 0:2 1:3 2:2 3:1 of 8
+        entropy = -sum(c / 8 * math.log2(c / 8) for c in (2, 3, 2, 1))
+        s = summary(trace)
+        assert s["source"] == "<memory>"
+        assert (s["tokens"], s["layers"], s["experts"], s["top_k"]) == (4, 1, 4, 2)
+        assert (s["sequences"], s["prefill_tokens"], s["unknown_entries"]) == (2, 2, 0)
+        assert s["max_entropy_bits"] == 2.0
+        assert s["entropy_bits"] == [round(entropy, 4)]
+        assert s["mean_entropy_bits"] == pytest.approx(entropy)
+        assert s["reuse"] == [0.25] and s["mean_reuse"] == pytest.approx(0.25)
+        bare = summary(Trace(np.array([[[0, -1]]], dtype=np.int16), 2))
+        assert (bare["sequences"], bare["prefill_tokens"], bare["unknown_entries"]) == (None, None, 1)
+
+
+# --------------------------------------------------------------------------------------- schedules
+
+
+def schedule_trace() -> Trace:
+    """Request 0: a 3-token prompt then one decode token; request 1: a 1-token prompt, 2 decodes."""
+    ex = np.array(
+        [
+            [[0, 1], [2, -1]],  # t0 prompt (request 0)
+            [[1, 3], [2, 0]],  # t1 prompt
+            [[-1, 0], [4, 2]],  # t2 prompt
+            [[3, 4], [1, 0]],  # t3 decode
+            [[2, 0], [3, -1]],  # t4 prompt (request 1)
+            [[0, 2], [-1, -1]],  # t5 decode
+            [[1, 4], [0, 3]],  # t6 decode
+        ],
+        dtype=np.int16,
+    )
+    return Trace(ex, 5, seq_id=np.array([0, 0, 0, 0, 1, 1, 1]), is_prefill=np.array([1, 1, 1, 0, 1, 0, 0]))
+
+
+class TestSchedule:
+    def test_layer_order_groups(self) -> None:
+        s = build_schedule(schedule_trace(), "layer")
+        # steps: t0-t2 (one prefill step), t3, t4 (a 1-token prompt), t5, t6; one group per layer
+        assert s.groups == [
+            ((0, 0), (0, 1), (0, 3)),  # layer 0 over t0..t2: 0 1 | 1 3 | - 0 -> first use 0, 1, 3
+            ((1, 2), (1, 0), (1, 4)),  # layer 1 over t0..t2: 2 - | 2 0 | 4 2 -> 2, 0, 4
+            ((0, 3), (0, 4)),
+            ((1, 1), (1, 0)),
+            ((0, 2), (0, 0)),
+            ((1, 3),),
+            ((0, 0), (0, 2)),
+            (),  # t5 layer 1 is all unknown
+            ((0, 1), (0, 4)),
+            ((1, 0), (1, 3)),
+        ]
+        assert (s.order, s.per_layer, s.num_rounds) == ("layer", 1, 5)
+        assert s.round_prefill.tolist() == [True, False, True, False, False]
+        assert s.num_requests == 19 and s.max_group == 3
+        # requests per (decode, prefill) x layer
+        assert s.layer_requests.tolist() == [[6, 4], [5, 4]]
+        assert s.future[(0, 0)] == [0, 4, 6] and s.profile[(0, 0)] == 3
+        assert (1, 1) in s.future and (0, 5) not in s.profile
+
+    def test_prompts_of_different_requests_are_separate_steps(self) -> None:
+        ex = np.array([[[0]], [[1]], [[1]], [[2]]], dtype=np.int16)
+        trace = Trace(ex, 3, seq_id=np.array([0, 0, 1, 1]), is_prefill=np.array([1, 1, 1, 1]))
+        s = build_schedule(trace, "layer")
+        assert s.groups == [((0, 0), (0, 1)), ((0, 1), (0, 2))]
+        assert s.round_prefill.tolist() == [True, True]
+
+    def test_without_prefill_flags_every_token_is_a_step(self) -> None:
+        ex = np.array([[[0, 1]], [[1, 0]], [[1, 0]]], dtype=np.int16)
+        s = build_schedule(Trace(ex, 2), "layer")
+        assert s.groups == [((0, 0), (0, 1)), ((0, 1), (0, 0)), ((0, 1), (0, 0))]
+        assert s.round_prefill.tolist() == [False, False, False]
+
+    def test_flat_order(self) -> None:
+        trace = schedule_trace()
+        s = build_schedule(trace, "flat")
+        # token, layer, then the K experts in stored order: one request per group
+        assert s.groups[:8] == [
+            ((0, 0),),
+            ((0, 1),),
+            ((1, 2),),
+            (),
+            ((0, 1),),
+            ((0, 3),),
+            ((1, 2),),
+            ((1, 0),),
+        ]
+        expected = [
+            ((layer, int(e)),) if e >= 0 else ()
+            for t in range(7)
+            for layer in range(2)
+            for e in trace.experts[t, layer]
+        ]
+        assert s.groups == expected
+        assert (s.per_layer, s.num_rounds, s.num_requests) == (2, 7, 23)
+        assert s.round_prefill.tolist() == [True, True, True, False, True, False, False]
+        assert s.req_group.tolist() == [g for g, keys in enumerate(expected) if keys]
+
+    def test_rounds_order(self) -> None:
+        trace = schedule_trace()
+        s = build_schedule(trace, "rounds")
+        # round t*K + k requests the k-th expert of every layer
+        assert s.groups[:8] == [
+            ((0, 0),),
+            ((1, 2),),
+            ((0, 1),),
+            (),
+            ((0, 1),),
+            ((1, 2),),
+            ((0, 3),),
+            ((1, 0),),
+        ]
+        expected = [
+            ((layer, int(trace.experts[t, layer, k])),) if trace.experts[t, layer, k] >= 0 else ()
+            for t in range(7)
+            for k in range(2)
+            for layer in range(2)
+        ]
+        assert s.groups == expected
+        assert (s.per_layer, s.num_rounds, s.num_requests) == (1, 14, 23)
+        assert s.round_prefill.tolist() == [True] * 6 + [False] * 2 + [True] * 2 + [False] * 4
+
+    def test_unknown_order(self) -> None:
+        with pytest.raises(ExpertcacheError, match="unknown order"):
+            build_schedule(schedule_trace(), "zigzag")
