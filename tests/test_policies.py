@@ -57,7 +57,7 @@ class Driver:
 
     def serve(self, keys: Sequence[Key], rnd: int, layer: int | None = None) -> list[tuple[Key, Key | None]]:
         clock = self.policy.clock
-        clock.round = rnd
+        clock.round = clock.token = rnd  # one token per round here
         clock.layer = keys[0][0] if layer is None else layer
         clock.group = self.group
         self.group += 1
@@ -69,6 +69,7 @@ class Driver:
     def tick(self, rnd: int, layer: int) -> None:
         """An empty group: time passes, nothing is requested."""
         self.policy.clock.round, self.policy.clock.layer = rnd, layer
+        self.policy.clock.token = rnd
         self.policy.clock.group = self.group
         self.group += 1
 
@@ -456,7 +457,7 @@ class TestLCP:
     @pytest.mark.parametrize("params", [{}, {"rho": 0.5, "omega": 3.0}, {"rho": 0.1, "omega": 20.0}])
     @pytest.mark.parametrize("seed", range(4))
     def test_victim_is_argmin_of_priority(self, params: dict[str, float], seed: int) -> None:
-        """P = mu * rho^(nu / omega), mu = requests so far, nu = rounds since the last one."""
+        """P = mu * rho^(nu / omega), mu = requests so far, nu = tokens since the last one."""
         rho, omega = params.get("rho", 0.25), params.get("omega", 128.0)
         rng = random.Random(seed)
         cap, num_layers = 4, 2
@@ -471,7 +472,7 @@ class TestLCP:
         def victim(incoming: Key, pinned: Container[Key]) -> Key | None:
             v = inner_victim(incoming, pinned)
             if v is not None:
-                now = policy.clock.round
+                now = policy.clock.token
                 prio = {k: mu[k] * rho ** ((now - last[k]) / omega) for k in res.resident if k not in pinned}
                 assert v in prio
                 assert prio[v] <= min(prio.values()) * (1 + 1e-9)

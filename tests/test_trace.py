@@ -497,3 +497,13 @@ class TestSchedule:
     def test_unknown_order(self) -> None:
         with pytest.raises(ExpertcacheError, match="unknown order"):
             build_schedule(schedule_trace(), "zigzag")
+
+
+def test_round_token_counts_tokens_in_every_order() -> None:
+    """The clock's token time: a prefill step starts at its first token, K rounds share a token."""
+    trace = synthesize("zipf", tokens=12, layers=2, experts=4, top_k=2, seed=0, sequences=2, prompt_len=3)
+    layer = build_schedule(trace, "layer")
+    assert layer.round_token.tolist() == [0, 3, 4, 5, 6, 9, 10, 11]
+    assert layer.round_prefill.tolist() == [True, False, False, False, True, False, False, False]
+    assert build_schedule(trace, "flat").round_token.tolist() == list(range(12))
+    assert build_schedule(trace, "rounds").round_token.tolist() == [t for t in range(12) for _ in range(2)]

@@ -9,8 +9,9 @@ it needs over the same keys.
 
 Time comes from a ``Clock`` owned by the driver: ``round`` counts passes over the layers (one per
 decode token or prefill step in layer order, one per token in flat order, one per seed-000 round
-in rounds order), ``layer`` is the layer being served and ``group`` indexes the request group, the
-unit in which an offline policy's future is given.
+in rounds order), ``layer`` is the layer being served, ``group`` indexes the request group, the unit in
+which an offline policy's future is given, and ``token`` counts tokens (the first token of a prefill
+step; the K rounds of a token in rounds order share it).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ Key = tuple[int, int]  # (layer, expert)
 class Clock:
     """Mutable time cursor written by the driver (simulator or engine) and read by policies."""
 
-    __slots__ = ("round", "layer", "group")
+    __slots__ = ("round", "layer", "group", "token")
 
     def __init__(self) -> None:
         self.round = 0
         self.layer = 0
         self.group = 0
+        self.token = 0
 
 
 @dataclass(frozen=True)

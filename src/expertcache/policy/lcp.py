@@ -1,11 +1,11 @@
 """LCP, least cache priority (MoEpic, seed 002 Sec. 3.3).
 
-Each expert has an activation count mu (all requests so far) and nu, the rounds since its last
+Each expert has an activation count mu (all requests so far) and nu, the tokens since its last
 activation; its priority is P = mu * rho^(nu / omega) (rho = 0.25, omega = 128 by default) and the
 lowest priority is evicted. Since ln P = ln mu + c * t_last - c * t_now with c = -ln(rho) / omega,
 and the last term is the same for every key, ranking by s = ln mu + c * t_last, fixed at each touch,
 orders the keys exactly as P does at any later time, so no rescan is needed. Time is the clock's
-round (a token in decode).
+token count (a prefill step counts from its first token; the K rounds of a token share its time).
 """
 
 from __future__ import annotations
@@ -33,4 +33,4 @@ class LCP(ScoredPolicy):
     def score(self, key: Key) -> float:
         count = self._count.get(key, 0) + 1
         self._count[key] = count
-        return math.log(count) + self._decay * self.clock.round
+        return math.log(count) + self._decay * self.clock.token

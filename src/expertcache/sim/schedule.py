@@ -39,6 +39,7 @@ class Schedule:
     per_layer: int  # groups per (round, layer) visit
     groups: list[tuple[Key, ...]]
     round_prefill: np.ndarray  # bool [rounds]: the round is a prefill step / a prompt token
+    round_token: np.ndarray  # int64 [rounds]: index of the round's (first) token in the trace
     req_group: np.ndarray  # int64 [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
 
@@ -148,6 +149,7 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         per_layer=ex.shape[2],
         groups=groups,
         round_prefill=np.repeat(prefill, rounds_per_token),
+        round_token=np.repeat(np.arange(trace.num_tokens, dtype=np.int64), rounds_per_token),
         req_group=np.flatnonzero(valid),
         req_key=kid[valid].astype(np.int32),
     )
@@ -197,6 +199,7 @@ def _layer_order(trace: Trace) -> Schedule:
         per_layer=1,
         groups=[keys[i] for i in flat_gid.tolist()],
         round_prefill=_token_prefill(trace)[starts],
+        round_token=starts.astype(np.int64),
         req_group=np.nonzero(valid)[0],
         req_key=members[valid].astype(np.int32),
     )
