@@ -37,11 +37,7 @@ def zipf(
     prompt_len: int = 0,
 ) -> Trace:
     """Independent per-layer Zipf(a, b) routing."""
-    _check_shape(tokens, layers, experts, top_k)
-    if a < 0 or b <= -1:
-        raise ExpertcacheError(f"zipf needs a >= 0 and b > -1, got a={a}, b={b}")
-    rng = np.random.default_rng(seed)
-    ex = _zipf_draws(rng, tokens, layers, experts, top_k, a, b)
+    _, ex = _seeded_draws(seed, tokens, layers, experts, top_k, a, b)
     return _finish(ex, experts, sequences, prompt_len, {"generator": "zipf", "a": a, "b": b})
 
 
@@ -55,9 +51,7 @@ def uniform(
     prompt_len: int = 0,
 ) -> Trace:
     """Every expert of a layer equally likely."""
-    _check_shape(tokens, layers, experts, top_k)
-    rng = np.random.default_rng(seed)
-    ex = _zipf_draws(rng, tokens, layers, experts, top_k, 0.0, 0.0)
+    _, ex = _seeded_draws(seed, tokens, layers, experts, top_k, 0.0, 0.0)
     return _finish(ex, experts, sequences, prompt_len, {"generator": "uniform"})
 
 
@@ -74,11 +68,9 @@ def sticky(
     prompt_len: int = 0,
 ) -> Trace:
     """Zipf routing where each layer repeats the previous token's experts with probability stickiness."""
-    _check_shape(tokens, layers, experts, top_k)
     if not 0.0 <= stickiness <= 1.0:
         raise ExpertcacheError(f"stickiness must be in [0, 1], got {stickiness}")
-    rng = np.random.default_rng(seed)
-    fresh = _zipf_draws(rng, tokens, layers, experts, top_k, a, b)  # [T, L, K]
+    rng, fresh = _seeded_draws(seed, tokens, layers, experts, top_k, a, b)  # [T, L, K]
     keep = rng.random((tokens, layers)) < stickiness  # [T, L]
     keep[0] = False
     # Each (t, l) copies the most recent token at or before t that drew fresh experts.
@@ -133,6 +125,17 @@ def zipf_probs(experts: int, a: float, b: float) -> np.ndarray:
     """p_j ~ 1/(j+b)^a for ranks j = 1..E, normalised."""
     w = 1.0 / np.power(np.arange(1, experts + 1, dtype=np.float64) + b, a)
     return w / w.sum()
+
+
+def _seeded_draws(
+    seed: int, t: int, layers: int, experts: int, k: int, a: float, b: float
+) -> tuple[np.random.Generator, np.ndarray]:
+    """Check the parameters, then draw Zipf routing from a fresh seeded generator. -> (rng, [T, L, K])"""
+    _check_shape(t, layers, experts, k)
+    if a < 0 or b <= -1:
+        raise ExpertcacheError(f"zipf routing needs a >= 0 and b > -1, got a={a}, b={b}")
+    rng = np.random.default_rng(seed)
+    return rng, _zipf_draws(rng, t, layers, experts, k, a, b)
 
 
 def _zipf_draws(
