@@ -24,12 +24,7 @@ the trace as its own trace, the closest we have to the paper's ten traces).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,13 +34,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from provenance import ROOT, provenance  # noqa: E402
 
 from expertcache.policy.registry import is_offline  # noqa: E402
 from expertcache.sim import build_schedule, run_policy  # noqa: E402
 from expertcache.sim.schedule import Schedule  # noqa: E402
 from expertcache.trace import Trace, load_trace  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = "/work/shared/traces/qwen15_moe_a27b_chat.npz"
 CURVE_POLICIES = ["opt", "lru", "lru-dist", "marking", "llru", "lfu", "lcp"]
 SUMMARY_POLICIES = ["marking", "lru", "lru-dist", "llru", "lfu", "lcp", "opt-dist"]
@@ -59,31 +54,6 @@ STYLE = {
     "lcp": {"color": "tab:cyan", "linestyle": "-."},
     "opt-dist": {"color": "0.4", "linestyle": "--"},
 }
-
-
-def git_state() -> dict[str, object]:
-    """The commit the run used and whether src/ had uncommitted changes (read-only git calls)."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    status = git("--no-optional-locks", "status", "--porcelain", "--", "src")
-    return {"commit": git("rev-parse", "HEAD"), "src_modified": None if status is None else bool(status)}
-
-
-def machine_info() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1_5_15": [round(v, 2) for v in os.getloadavg()],  # the machine may be shared
-        "numpy": np.__version__,
-    }
 
 
 def is_dist(name: str) -> bool:
@@ -312,10 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace {args.trace}: {model}; T={T} tokens, L={L}, E={E}, K={K}")
     result: dict[str, object] = {
         "figure": "seed 000 Fig. 4 (misses vs capacity) and Fig. 5 (normalised by OPT)",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "git": git_state(),
+        **provenance(),
         "trace": {
             "path": str(args.trace),
             "model": model,

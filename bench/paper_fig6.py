@@ -18,13 +18,8 @@ layer and the first k % l layers one more (``--budgets floor`` gives every layer
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,36 +29,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from provenance import ROOT, provenance  # noqa: E402
 
 from expertcache.sim import build_schedule, replay  # noqa: E402
 from expertcache.trace import synthesize  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def git_state() -> dict[str, object]:
-    """The commit the run used and whether src/ had uncommitted changes (read-only git calls)."""
-
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    status = git("--no-optional-locks", "status", "--porcelain", "--", "src")
-    return {"commit": git("rev-parse", "HEAD"), "src_modified": None if status is None else bool(status)}
-
-
-def machine_info() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1_5_15": [round(v, 2) for v in os.getloadavg()],  # the machine may be shared
-        "numpy": np.__version__,
-    }
 
 
 @functools.cache
@@ -328,10 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     result = {
         "figure": "seed 000 Fig. 6 (OPT vs OPT-Dist on Zipf traces)",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "git": git_state(),
+        **provenance(),
         "runtime_s": {
             "total": round(runtime, 1),
             "cpu": round(cpu, 1),

@@ -10,13 +10,11 @@ LRU and OPT curves (every capacity 2..256) are computed from one stack pass each
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 from expertcache.sim import all_capacities, build_schedule, replay, run_policy
 from expertcache.trace import synthesize
@@ -70,13 +68,7 @@ def main() -> None:
         print(f"full {name} curve: {len(caps)} capacities in {dt:.2f} s")
 
     out = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-        },
+        **provenance(),
         "trace": {
             "kind": "sticky",
             "tokens": args.tokens,

@@ -1,0 +1,51 @@
+"""What every benchmark records beside its numbers: command, date, machine and code version."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_state() -> dict[str, object]:
+    """The commit the run used and whether src/ had uncommitted changes (read-only git calls)."""
+
+    def git(*cmd: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    status = git("--no-optional-locks", "status", "--porcelain", "--", "src")
+    return {"commit": git("rev-parse", "HEAD"), "src_modified": None if status is None else bool(status)}
+
+
+def machine_info() -> dict[str, object]:
+    """Platform, Python, CPU count and load (the machine may be shared), numpy version."""
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1_5_15": [round(v, 2) for v in os.getloadavg()],
+        "numpy": np.__version__,
+    }
+
+
+def provenance() -> dict[str, object]:
+    """Command line, UTC date, machine and git state of this run."""
+    return {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "git": git_state(),
+    }
