@@ -72,11 +72,17 @@ def _replay_part(task: tuple[Schedule, str, list[int], int, dict[str, object]]) 
 
 
 def with_opt(schedule: Schedule, results: list[SimResult]) -> list[SimResult]:
-    """Fill in each result's OPT misses at its capacity (one OPT pass for all of them)."""
+    """Fill in each result's OPT misses at its capacity (one OPT pass for all of them).
+
+    Belady is optimal when no group is split. When a group is larger than its layer's room (a prefill
+    layer above the capacity, or above a -dist budget) the chunked serving rule is not Belady's
+    model, and a policy can make fewer misses than OPT: ``opt_is_bound`` says which results are bounded."""
     caps = sorted({r.capacity for r in results})
-    opt = {r.capacity: r.misses for r in run_policy(schedule, "opt", caps)}
+    opt = {r.capacity: r for r in run_policy(schedule, "opt", caps)}
     for r in results:
-        r.opt_misses = opt[r.capacity]
+        ref = opt[r.capacity]
+        r.opt_misses = ref.misses
+        r.opt_is_bound = not (r.split_groups or ref.split_groups)
     return results
 
 

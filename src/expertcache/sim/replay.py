@@ -24,6 +24,8 @@ class SimResult:
     layer_misses: np.ndarray  # int64 [2, L]
     opt_misses: int | None = None
     params: dict[str, object] = field(default_factory=dict)
+    split_groups: bool = False  # some group was larger than its layer's room and served in chunks
+    opt_is_bound: bool | None = None  # neither this run nor OPT split a group: OPT's misses are a bound
 
     @property
     def requests(self) -> int:
@@ -64,6 +66,7 @@ class SimResult:
             "miss_ratio": self.miss_ratio,
             "opt_misses": self.opt_misses,
             "ratio_to_opt": self.ratio_to_opt,
+            "opt_is_bound": self.opt_is_bound,
             "params": self.params,
             "phases": phase,
             "layers": {
@@ -118,6 +121,7 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
         layer_requests=schedule.layer_requests,
         layer_misses=np.asarray(misses, dtype=np.int64),
         params=dict(params),
+        split_groups=bool((np.asarray(rooms) < schedule.max_group_by_layer).any()),
     )
 
 

@@ -48,10 +48,16 @@ def _long_table(results: Sequence[SimResult]) -> str:
                 f"{r.miss_ratio:.4f}",
                 str(phases["prefill"]["misses"]),
                 str(phases["decode"]["misses"]),
-                "-" if r.ratio_to_opt is None else f"{r.ratio_to_opt:.3f}",
+                "-" if r.ratio_to_opt is None else f"{r.ratio_to_opt:.3f}" + ("" if r.opt_is_bound else "*"),
             )
         )
-    return _render(head, rows) + "\nprefill/decode: misses in prompt steps and in generated tokens."
+    notes = ["prefill/decode: misses in prompt steps and in generated tokens."]
+    if any(r.opt_is_bound is False for r in results):
+        notes.append(
+            "*: a prefill group was split (larger than the capacity or a layer's budget); OPT is Belady "
+            "under the same serving rule there, not a guaranteed lower bound."
+        )
+    return _render(head, rows) + "\n" + "\n".join(notes)
 
 
 def _pivot_table(results: Sequence[SimResult]) -> str:

@@ -59,9 +59,17 @@ class Schedule:
     @cached_property
     def max_group(self) -> int:
         """The largest group: capacities from here up are served without splitting."""
-        if not len(self.req_group):
-            return 0
-        return int(np.bincount(self.req_group).max())
+        return int(self.max_group_by_layer.max(initial=0))
+
+    @cached_property
+    def max_group_by_layer(self) -> np.ndarray:
+        """The largest group of each layer: a layer whose room is smaller has its groups split. -> [L]"""
+        out = np.zeros(self.num_layers, dtype=np.int64)
+        if self.num_requests:
+            sizes = np.bincount(self.req_group)  # [G] (0 for empty groups)
+            layer = (np.arange(len(sizes)) // self.per_layer) % self.num_layers
+            np.maximum.at(out, layer, sizes)
+        return out
 
     def key(self, key_id: int) -> Key:
         return divmod(int(key_id), self.num_experts)
@@ -78,6 +86,8 @@ class Schedule:
     @cached_property
     def future(self) -> dict[Key, list[int]]:
         """For each key, the ascending group indices that request it (what OPT needs)."""
+        if not self.num_requests:
+            return {}
         order = np.argsort(self.req_key, kind="stable")
         keys, starts = np.unique(self.req_key[order], return_index=True)
         groups = np.split(self.req_group[order], starts[1:])

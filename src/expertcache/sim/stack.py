@@ -88,6 +88,8 @@ def opt_depths(s: Schedule) -> np.ndarray:
 def _group_bounds(s: Schedule) -> zip:
     """(first, end) request indices of each non-empty group, lazily."""
     g = s.req_group
+    if not len(g):
+        return zip((), (), strict=True)
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     return zip(starts.tolist(), np.r_[starts[1:], len(g)].tolist(), strict=True)
 
