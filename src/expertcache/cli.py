@@ -129,7 +129,7 @@ def _note_skipped(policies: Sequence[str], caps: list[int], num_layers: int, min
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
     total = trace.num_layers * trace.num_experts
     if list(items) == ["all"]:
-        return list(range(trace.top_k if order == "layer" else 1, total + 1))
+        return list(range(min_room(order, trace.top_k), total + 1))
     caps: list[int] = []
     for item in items:
         parts = item.split(":")

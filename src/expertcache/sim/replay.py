@@ -112,7 +112,7 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
             clock.layer = layer
             clock.group = g
             g += 1
-            if keys:
+            if keys:  # a group that fits is admitted at once (serve's own fast path, without the call)
                 row[layer] += len(admit(keys)) if len(keys) <= rooms[layer] else serve(layer, keys)
     return SimResult(
         policy.name,
