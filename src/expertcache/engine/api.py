@@ -1,0 +1,321 @@
+"""``expertcache.load``: a Hugging Face MoE checkpoint with its experts behind a bounded cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from expertcache.engine.cache import ExpertCache
+from expertcache.engine.link import EmulatedLink
+from expertcache.engine.loader import build_skeleton
+from expertcache.engine.memory import SlotLayout, SlotPool, capacity_for, format_bytes
+from expertcache.engine.runtime import Engine
+from expertcache.engine.transfer import DiskTier, HostTier, TransferWorker
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Clock, PolicyContext
+from expertcache.policy.registry import is_offline, make_policy, min_capacity, parse_policy, policy_class
+from expertcache.sim.schedule import build_schedule
+from expertcache.trace.trace import Trace
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default"
+
+
+def default_model_path() -> Path:
+    return DEFAULT_MODEL
+
+
+@dataclass
+class Generation:
+    """One generate() call: tokens, text, timings and the cache's work during it."""
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s: float
+    total_s: float
+    stats: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "tokens": self.tokens,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": len(self.tokens),
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "tokens_per_s": self.tokens_per_s,
+            "total_s": self.total_s,
+            **self.stats,
+        }
+
+
+class _Timer:
+    """A generate() streamer that timestamps every new token and forwards to another streamer."""
+
+    def __init__(self, inner=None) -> None:
+        self.inner, self.times, self._prompt_seen = inner, [], False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExpertcacheError("device cuda was asked for, but torch sees no CUDA GPU (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
+    return dev
+
+
+class OffloadedModel:
+    """A causal LM whose experts stream through a bounded cache; use like a transformers model."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        expert_memory: str | int | float = "100%",
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        dtype=None,
+        link_bandwidth: str | float | None = None,
+        link_latency: str | float = 0.0,
+        slow_tier: str | None = None,
+        profile: str | Path | Trace | None = None,
+        seed: int = 0,
+        progress: bool | None = None,
+    ) -> None:
+        self.path = Path(path) if path is not None else DEFAULT_MODEL
+        self.device = _device(device)
+        name, params = parse_policy(policy)
+        if is_offline(name):
+            raise ExpertcacheError(
+                f"policy {name} needs the future (simulator only); use it with 'expertcache sim'"
+            )
+        sk = build_skeleton(self.path, dtype)
+        self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
+        self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
+        layout = SlotLayout.of(sk.shapes, sk.dtype)
+        self.layout = layout
+        total = self.num_layers * self.num_experts
+        capacity = capacity_for(expert_memory, layout.slot_bytes, total)
+        need = min_capacity(name, self.num_layers, params, min_room=self.top_k)
+        if capacity < need:
+            raise ExpertcacheError(
+                f"expert memory {expert_memory} holds {capacity} expert(s) of "
+                f"{format_bytes(layout.slot_bytes)}; "
+                f"policy {name} needs at least {need} ({format_bytes(need * layout.slot_bytes)}): "
+                f"a layer's top-{self.top_k} experts must be resident together"
+            )
+        self.capacity = capacity
+        self.policy_name = policy
+        prof = None
+        if policy_class(name).needs_profile:
+            if profile is None:
+                raise ExpertcacheError(f"policy {name} ranks experts by a usage profile: pass profile=TRACE")
+            tr = profile if isinstance(profile, Trace) else __import__("expertcache").load_trace(profile)
+            if (tr.num_layers, tr.num_experts) != (self.num_layers, self.num_experts):
+                raise ExpertcacheError(
+                    f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
+                    f"{self.num_layers} x {self.num_experts}"
+                )
+            prof = build_schedule(tr, "layer").profile
+        ctx = PolicyContext(
+            capacity=capacity,
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            clock=Clock(),
+            seed=seed,
+            profile=prof,
+        )
+        pol = make_policy(name, ctx, **params)
+        low = [layer for layer in range(self.num_layers) if pol.room(layer) < self.top_k]
+        if low:
+            raise ExpertcacheError(
+                f"policy {name} gives layer {low[0]} {pol.room(low[0])} slot(s), below top-k {self.top_k}"
+            )
+        show = sys.stderr.isatty() if progress is None else progress
+        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
+        if tier == "host":
+            bar = _progress("experts to host memory", show)
+            self.tier = HostTier(
+                sk.store,
+                layout,
+                self.num_layers,
+                self.num_experts,
+                pin=self.device.type == "cuda",
+                progress=bar,
+            )
+        elif tier == "disk":
+            self.tier = DiskTier(sk.store, layout, self.device)
+        else:
+            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
+        self.link = EmulatedLink.parse(link_bandwidth, link_latency) if link_bandwidth else None
+        self.pool = SlotPool(layout, capacity, self.device)
+        worker = TransferWorker(self.tier, self.pool, self.link)
+        self.cache = ExpertCache(pol, self.pool, worker, self.num_layers)
+        self.model = sk.model.to(self.device)
+        self.engine = Engine(self.model, sk.experts, self.cache, self.top_k)
+        self._tokenizer = None
+
+    # ----------------------------------------------------------------- transformers-style use
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            except Exception as exc:
+                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({_first_line(exc)})") from None
+        return self._tokenizer
+
+    def __call__(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise)."""
+        kwargs.setdefault("do_sample", False)
+        with torch.inference_mode():
+            return self.model.generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------------ text in, text out
+    def encode(self, prompt: str) -> torch.Tensor:
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise ExpertcacheError("the prompt is empty")
+        return ids
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 32, streamer=None, **kwargs) -> Generation:
+        """Generate from a text prompt; returns tokens, text, TTFT/TPOT and the cache's work."""
+        if max_new_tokens < 1:
+            raise ExpertcacheError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = self.encode(prompt)
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and ids.shape[1] + max_new_tokens > limit:
+            raise ExpertcacheError(
+                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit}"
+            )
+        before = self.stats
+        timer = _Timer(streamer)
+        start = time.perf_counter()
+        out = self.generate(
+            ids.to(self.device),
+            attention_mask=torch.ones_like(ids).to(self.device),
+            max_new_tokens=max_new_tokens,
+            streamer=timer,
+            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+            **kwargs,
+        )
+        total = time.perf_counter() - start
+        new = out[0, ids.shape[1] :].tolist()
+        times = timer.times
+        ttft = (times[0] - start) if times else total
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        after = self.stats
+        delta = {
+            "hits": after["hits"] - before["hits"],
+            "misses": after["misses"] - before["misses"],
+            "bytes_transferred": after["bytes_transferred"] - before["bytes_transferred"],
+            "stall_s": after["stall_s"] - before["stall_s"],
+            "capacity_experts": self.capacity,
+            "total_experts": self.num_layers * self.num_experts,
+            "expert_bytes": self.layout.nbytes,
+            "policy": self.policy_name,
+            "device": str(self.device),
+        }
+        return Generation(
+            tokens=new,
+            text=self.tokenizer.decode(new, skip_special_tokens=True),
+            prompt_tokens=int(ids.shape[1]),
+            ttft_s=ttft,
+            tpot_s=tpot,
+            tokens_per_s=len(new) / total if total > 0 else 0.0,
+            total_s=total,
+            stats=delta,
+        )
+
+    # ------------------------------------------------------------------------------- reports
+    @property
+    def stats(self) -> dict[str, object]:
+        """The cache's work since load: hits, misses, bytes moved, stall time, per layer too."""
+        return {
+            **self.cache.stats.to_dict(),
+            "capacity_experts": self.capacity,
+            "total_experts": self.num_layers * self.num_experts,
+            "expert_bytes": self.layout.nbytes,
+            "expert_memory_bytes": self.capacity * self.layout.slot_bytes,
+            "policy": self.policy_name,
+            "device": str(self.device),
+            "slow_tier": self.tier.name,
+            "link": self.link.describe() if self.link else None,
+        }
+
+    def trace(self) -> Trace:
+        """The routing of everything run since load, in the simulator's trace format."""
+        return self.engine.recorder.trace(
+            meta={"model": str(self.path), "policy": self.policy_name, "capacity": self.capacity}
+        )
+
+    def save_trace(self, path: str | Path) -> None:
+        self.trace().save(path)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> OffloadedModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _progress(desc: str, show: bool):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda items: tqdm(items, desc=desc, unit="expert", leave=False)
+
+
+def load(
+    path: str | Path | None = None,
+    expert_memory: str | int | float = "100%",
+    policy: str = "lru",
+    device: str | torch.device | None = None,
+    **kwargs,
+) -> OffloadedModel:
+    """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
+
+    ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
+    ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``).
+    Further options: ``dtype``, ``link_bandwidth`` / ``link_latency`` (emulated link), ``slow_tier``
+    (``"host"`` or ``"disk"``), ``profile`` (a trace, for ``static``), ``seed``, ``progress``.
+    """
+    return OffloadedModel(path, expert_memory=expert_memory, policy=policy, device=device, **kwargs)

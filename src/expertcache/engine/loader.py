@@ -1,0 +1,159 @@
+"""Building the model: non-expert weights loaded as usual, experts left to the store.
+
+The model is the standard transformers class for the checkpoint's family, created with
+``experts_implementation="expertcache"`` (the engine's function registered in transformers'
+``ExpertsInterface``). Parameters are created on the meta device (buffers such as rotary tables
+are computed for real), the experts' fused parameters are dropped, and every other tensor is read
+from the checkpoint into freshly allocated, aligned memory. No expert is read here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from expertcache.engine.families import Family, family_of
+from expertcache.engine.store import Checkpoint, ExpertStore
+from expertcache.errors import ExpertcacheError
+
+IMPLEMENTATION = "expertcache"
+_LAYER = re.compile(r"^(.*\blayers\.\d+)\.")
+
+
+@dataclass
+class Skeleton:
+    model: torch.nn.Module
+    config: object
+    family: Family
+    experts: list[torch.nn.Module]  # the Experts module of each MoE layer, in layer order
+    store: ExpertStore
+    num_experts: int
+    top_k: int
+    shapes: dict[str, tuple[int, ...]]  # one expert's tensors (slot tensor name -> shape)
+    dtype: torch.dtype
+
+
+def read_config(path: str | Path):
+    """The checkpoint's transformers config, with one-line errors for a missing or broken one."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ExpertcacheError(f"{path}: no such checkpoint directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ExpertcacheError(f"{path}: no config.json (not a Hugging Face checkpoint)")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
+    family_of(str(model_type))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise ExpertcacheError(f"{cfg_file}: cannot build the config ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ExpertcacheError(f"dtype {dtype!r} is not a floating-point torch dtype")
+    return dtype
+
+
+def build_skeleton(path: str | Path, dtype=None) -> Skeleton:
+    """The model with non-expert weights loaded (on CPU) and an expert store for the rest."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    import expertcache.engine.runtime  # noqa: F401  (registers the experts implementation)
+
+    config = read_config(path)
+    family = family_of(config.model_type)
+    dtype = resolve_dtype(dtype, config)
+    ckpt = Checkpoint(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=dtype)
+    experts, prefixes, shapes = [], [], None
+    for name, module in model.named_modules():
+        if not _is_experts(module):
+            continue
+        m = _LAYER.match(name + ".")
+        if m is None:
+            raise ExpertcacheError(f"cannot tell the decoder layer of experts module {name}")
+        own = {n: tuple(p.shape[1:]) for n, p in module.named_parameters(recurse=False)}
+        if set(own) != set(family.sources):
+            raise ExpertcacheError(
+                f"{config.model_type}: experts module has tensors {sorted(own)}, "
+                f"expected {sorted(family.sources)}"
+            )
+        if shapes is not None and own != shapes:
+            raise ExpertcacheError(
+                f"{config.model_type}: MoE layers with different expert shapes are unsupported"
+            )
+        shapes = own
+        num_experts = int(module.num_experts)
+        for n in own:
+            delattr(module, n)
+        experts.append(module)
+        prefixes.append(m.group(1))
+    if not experts:
+        raise ExpertcacheError(f"{path}: the model has no routed experts")
+    shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
+    store = ExpertStore(ckpt, family, prefixes, shapes, num_experts)
+    _load_dense(model, ckpt, family, store.expert_keys(), dtype)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
+    model.eval()
+    return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype)
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    """A transformers ``...Experts`` module (decorated with ``use_experts_implementation``)."""
+    return hasattr(module, "has_gate") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+
+
+def _load_dense(model: torch.nn.Module, ckpt: Checkpoint, family: Family, skip: set[str], dtype) -> None:
+    """Every non-expert tensor from the checkpoint, copied into aligned memory in ``dtype``."""
+    expected = set(model.state_dict())
+    state = {}
+    for key in ckpt:
+        if key in skip:
+            continue
+        name = family.rename(key)
+        if name not in expected:
+            continue  # e.g. rotary tables kept by old checkpoints; transformers drops them too
+        t = ckpt.tensor(key)
+        state[name] = t.to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise ExpertcacheError(f"{ckpt.path}: checkpoint lacks tensor {name}")
+
+
+def load_reference(path: str | Path, dtype=None, device: str = "cpu") -> torch.nn.Module:
+    """The same model run by transformers with every weight resident (``experts_implementation="eager"``).
+
+    Every tensor is cloned into fresh memory, as the engine's slots and dense weights are, so that
+    both see the same alignment (weights read in place from a memory map can round differently).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(path)
+    dtype = resolve_dtype(dtype, config)
+    model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation="eager", dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model.to(device).eval()

@@ -1,0 +1,149 @@
+"""The engine at run time: the registered experts forward, step tracking and routing capture.
+
+``expertcache_experts_forward`` is registered in transformers' ``ExpertsInterface`` under the name
+``"expertcache"``; every ``...Experts`` module of a model built with that implementation calls it
+with ``(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])``. It takes the layer's distinct
+experts in first-use order (``cache.group_experts``, the rule the simulator applies to a trace),
+has the cache make them resident chunk by chunk, computes each expert exactly as transformers'
+eager loop does, and adds the contributions in ascending expert order, as eager does, so the output
+is bit-identical whatever order the experts became resident in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from transformers.integrations.moe import ExpertsInterface
+
+from expertcache.cache.residency import group_experts
+from expertcache.engine.cache import ExpertCache
+from expertcache.errors import ExpertcacheError
+from expertcache.trace.trace import Trace
+
+IMPLEMENTATION = "expertcache"
+
+
+def expertcache_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    engine = getattr(module, "_expertcache_engine", None)
+    if engine is None:
+        raise ExpertcacheError(
+            "experts module is not attached to an expertcache engine (use expertcache.load)"
+        )
+    return engine.run_experts(module, module._expertcache_layer, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, expertcache_experts_forward)
+
+
+def _expert_output(module, views, x: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens, with the operations of transformers' eager loop for the family."""
+    if module.is_transposed:  # GPT-OSS: x @ W + b
+        h = x @ views["gate_up_proj"] + views["gate_up_proj_bias"]
+        h = module._apply_gate(h)
+        return h @ views["down_proj"] + views["down_proj_bias"]
+    gate, up = F.linear(x, views["gate_up_proj"]).chunk(2, dim=-1)
+    h = module.act_fn(gate) * up
+    return F.linear(h, views["down_proj"])
+
+
+class Recorder:
+    """Routing of every step (for ``--record-trace``): experts, weights, token ids, phase, sequence."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.steps: list[dict[str, object]] = []
+
+    def begin(self, token_ids: np.ndarray, prefill: bool, seq: int) -> None:
+        self.steps.append(
+            {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}}
+        )
+
+    def add(self, layer: int, index: torch.Tensor, weights: torch.Tensor) -> None:
+        step = self.steps[-1]
+        step["experts"][layer] = index.detach().to("cpu", torch.int16).numpy()
+        step["weights"][layer] = weights.detach().to("cpu", torch.float32).numpy()
+
+    def trace(self, meta: dict[str, object] | None = None) -> Trace:
+        L, K = self.num_layers, self.top_k
+        ex, wt, tok, pf, seq = [], [], [], [], []
+        for s in self.steps:
+            t = len(s["token_id"])
+            e = np.full((t, L, K), -1, dtype=np.int16)
+            w = np.zeros((t, L, K), dtype=np.float32)
+            for layer, idx in s["experts"].items():
+                e[:, layer] = idx
+                w[:, layer] = s["weights"][layer]
+            ex.append(e)
+            wt.append(w)
+            tok.append(s["token_id"])
+            pf.append(np.full(t, 1 if s["prefill"] else 0, dtype=np.int8))
+            seq.append(np.full(t, s["seq"], dtype=np.int32))
+        if not ex:
+            raise ExpertcacheError("nothing was generated yet: the trace is empty")
+        return Trace(
+            experts=np.concatenate(ex),
+            num_experts=self.num_experts,
+            weights=np.concatenate(wt),
+            seq_id=np.concatenate(seq),
+            is_prefill=np.concatenate(pf),
+            token_id=np.concatenate(tok).astype(np.int32),
+            meta=dict(meta or {}),
+        )
+
+
+class Engine:
+    """Runs a model's experts through an ``ExpertCache``; tracks forward steps with a pre-hook."""
+
+    def __init__(
+        self, model: torch.nn.Module, experts: list[torch.nn.Module], cache: ExpertCache, top_k: int
+    ):
+        self.model, self.cache, self.top_k = model, cache, top_k
+        self.num_layers = len(experts)
+        self.num_experts = int(experts[0].num_experts)
+        for layer, module in enumerate(experts):
+            module._expertcache_engine = self
+            module._expertcache_layer = layer
+        self.recorder = Recorder(self.num_layers, self.num_experts, top_k)
+        self._tokens = 0  # tokens run so far (the clock's token counter)
+        self._seq = -1
+        self._in_step = False
+        self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+
+    def _begin_step(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise ExpertcacheError("the engine needs input_ids (inputs_embeds alone is not supported)")
+        past = kwargs.get("past_key_values")
+        prefill = past is None or past.get_seq_length() == 0
+        if prefill:
+            self._seq += 1
+        flat = ids.detach().reshape(-1).to("cpu").numpy().astype(np.int32)
+        self.cache.begin_step(self._tokens, prefill)
+        self.recorder.begin(flat, prefill, self._seq)
+        self._tokens += len(flat)
+        return None
+
+    def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        self.recorder.add(layer, top_k_index, top_k_weights)
+        order = group_experts(top_k_index.tolist())
+        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for chunk in self.cache.serve(layer, order):
+            for expert, views in chunk:
+                top_k_pos, token_idx = torch.where(expert == top_k_index.T)
+                out = _expert_output(module, views, hidden[token_idx])
+                outputs[expert] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
+        final = torch.zeros_like(hidden)
+        for expert in sorted(outputs):  # eager's order of accumulation
+            token_idx, out = outputs[expert]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.cache.worker.close()

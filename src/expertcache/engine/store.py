@@ -1,0 +1,145 @@
+"""The expert store: one expert at a time, straight from the safetensors files (memory-mapped).
+
+Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints are
+read through ``safe_open``; an expert's tensors are read with ``get_slice`` (only that expert's rows
+of a fused tensor are touched), so no step of loading or serving materialises every expert.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from expertcache.engine.families import Family
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Key
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class Checkpoint:
+    """Every tensor of a safetensors checkpoint by name, each file opened once and memory-mapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        index, single = self.path / INDEX, self.path / SINGLE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ExpertcacheError(f"{index}: not a safetensors index ({exc})") from None
+            self.files = {k: self.path / f for k, f in weight_map.items()}
+        elif single.is_file():
+            handle = self._open(single)
+            self.files = dict.fromkeys(handle.keys(), single)
+        else:
+            raise ExpertcacheError(f"{self.path}: no {SINGLE} or {INDEX} (not a safetensors checkpoint)")
+
+    def _open(self, file: Path):
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise ExpertcacheError(f"{file}: cannot read safetensors file ({exc})") from None
+            self._handles[file] = handle
+        return handle
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(self.files[key]).get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        try:
+            return self._open(self.files[key]).get_tensor(key)
+        except ExpertcacheError:
+            raise
+        except Exception as exc:
+            raise ExpertcacheError(f"{self.files[key]}: cannot read tensor {key} ({exc})") from None
+
+    def row(self, key: str, index: int) -> torch.Tensor:
+        """Row ``index`` of a tensor's first dimension, reading only that row."""
+        try:
+            return self._open(self.files[key]).get_slice(key)[index]
+        except Exception as exc:
+            raise ExpertcacheError(f"{self.files[key]}: cannot read {key}[{index}] ({exc})") from None
+
+
+class ExpertStore:
+    """Reads expert (moe layer, expert) of a checkpoint into slot views, tensor by tensor."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        family: Family,
+        prefixes: list[str],
+        shapes: dict[str, tuple],
+        num_experts: int,
+    ) -> None:
+        self.ckpt, self.family, self.prefixes = ckpt, family, prefixes
+        self.shapes, self.num_experts = shapes, num_experts
+        self._check()
+
+    def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
+        layer, expert = key
+        return self.family.expert_keys(self.prefixes[layer], expert)
+
+    def expert_keys(self) -> set[str]:
+        """Every checkpoint key that holds expert weights (the loader skips them)."""
+        out: set[str] = set()
+        for layer in range(len(self.prefixes)):
+            for expert in range(self.num_experts):
+                for srcs in self.sources((layer, expert)).values():
+                    out.update(k for k, _ in srcs)
+        return out
+
+    def read(self, key: Key, views: dict[str, torch.Tensor]) -> None:
+        """Copy expert ``key`` into ``views`` (name -> tensor of the slot shape), converting dtype."""
+        _, expert = key
+        for name, srcs in self.sources(key).items():
+            dst, row = views[name], 0
+            for ckey, fused in srcs:
+                src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+                n = src.shape[0]
+                dst[row : row + n].copy_(src)
+                row += n
+
+    def _check(self) -> None:
+        """Every expert tensor exists, with the shape the model expects (one expert per layer read)."""
+        num_experts = self.num_experts
+        for layer in range(len(self.prefixes)):
+            for expert in range(num_experts):
+                for srcs in self.sources((layer, expert)).values():
+                    for ckey, _ in srcs:
+                        if ckey not in self.ckpt:
+                            raise ExpertcacheError(f"{self.ckpt.path}: checkpoint lacks expert tensor {ckey}")
+            for name, srcs in self.sources((layer, 0)).items():
+                rows, want = 0, self.shapes[name]
+                for ckey, fused in srcs:
+                    shape = self.ckpt.shape(ckey)
+                    if fused:
+                        if shape[0] != num_experts:
+                            raise ExpertcacheError(
+                                f"{self.ckpt.path}: {ckey} holds {shape[0]} experts, not {num_experts}"
+                            )
+                        shape = shape[1:]
+                    if tuple(shape[1:]) != tuple(want[1:]):
+                        raise ExpertcacheError(
+                            f"{self.ckpt.path}: {ckey} has shape {shape}, model expects rows of {want[1:]}"
+                        )
+                    rows += shape[0]
+                if rows != want[0]:
+                    raise ExpertcacheError(
+                        f"{self.ckpt.path}: {name} gets {rows} rows from the checkpoint, not {want[0]}"
+                    )
