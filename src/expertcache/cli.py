@@ -84,6 +84,36 @@ def _build_parser() -> argparse.ArgumentParser:
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=_cmd_policies)
+
+    g = sub.add_parser("generate", help="generate text with experts offloaded under a memory budget")
+    g.add_argument(
+        "--model", metavar="PATH", help="Hugging Face MoE checkpoint dir (default: the embedded model)"
+    )
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    g.add_argument(
+        "--expert-memory",
+        default="100%",
+        metavar="X",
+        help="bytes (6GiB, 500MB) or a share of all experts (30%%)",
+    )
+    g.add_argument(
+        "--policy", default="lru", metavar="NAME[:k=v,...]", help="any online policy (default lru)"
+    )
+    g.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
+    g.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
+    g.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)")
+    g.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
+    g.add_argument("--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us")
+    g.add_argument(
+        "--stream", action="store_true", help="print tokens as they come (with --json: one line each)"
+    )
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object with tokens, text, timings, cache"
+    )
+    g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
+    g.set_defaults(func=_cmd_generate)
     return p
 
 
@@ -185,6 +215,85 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         kind = "offline" if cls.offline else "online"
         print(f"{name:13s} {kind:7s} {'per-layer split of ' if name.endswith('-dist') else ''}{doc}")
     return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from expertcache.engine.api import load  # torch and transformers only for this command
+
+    hf_logging.set_verbosity_error()  # one line per problem: transformers' advice stays out of the output
+
+    if args.max_new_tokens < 1:
+        raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.record_trace:
+        _check_writable(args.record_trace)
+    model = load(
+        args.model,
+        expert_memory=args.expert_memory,
+        policy=args.policy,
+        device=args.device,
+        dtype=args.dtype,
+        link_bandwidth=args.link_bandwidth,
+        link_latency=args.link_latency,
+        slow_tier=args.slow_tier,
+        profile=args.profile,
+    )
+    try:
+        streamer = None
+        if args.stream and args.json:
+            streamer = _JsonLines(model.tokenizer)
+        elif not args.json:
+            from transformers import TextStreamer
+
+            streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result = model.generate_text(args.prompt, max_new_tokens=args.max_new_tokens, streamer=streamer)
+        if args.record_trace:
+            model.save_trace(args.record_trace)
+    finally:
+        model.close()
+    out = result.to_dict()
+    if args.record_trace:
+        out["trace"] = args.record_trace
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"\n---\n{out['prompt_tokens']} prompt + {out['new_tokens']} new tokens | "
+        f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
+        f"{out['tokens_per_s']:.1f} tok/s\n"
+        f"cache {out['capacity_experts']}/{out['total_experts']} experts "
+        f"({out['policy']}, {out['device']}) | "
+        f"hits {out['hits']} | misses {out['misses']} | "
+        f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
+        + (f"\ntrace written to {args.record_trace}" if args.record_trace else "")
+    )
+    return 0
+
+
+class _JsonLines:
+    """Streams one JSON line per generated token: {"token": id, "text": piece}."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self._prompt = tokenizer, True
+
+    def put(self, value) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        for tok in value.reshape(-1).tolist():
+            print(json.dumps({"token": tok, "text": self.tokenizer.decode([tok])}), flush=True)
+
+    def end(self) -> None:
+        pass
+
+
+def _check_writable(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ExpertcacheError(f"{path}: directory {parent} does not exist")
+    if os.path.isdir(path):
+        raise ExpertcacheError(f"{path}: is a directory")
 
 
 if __name__ == "__main__":

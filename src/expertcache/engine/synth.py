@@ -1,0 +1,109 @@
+"""Random-weight MoE checkpoints of any supported family and size, saved the way transformers saves.
+
+For tests (tiny configs of every family), benchmarks (a larger generated model; real dimensions on a
+GPU) and users who want to try a shape before downloading it. The tokenizer is copied from a given
+checkpoint (default: the embedded model), so the result works with ``expertcache generate``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from expertcache.engine.families import FAMILIES
+from expertcache.errors import ExpertcacheError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _family_kwargs(family: str, experts: int, top_k: int, inter: int, hidden: int, heads: int) -> dict:
+    """Config arguments that differ between families (expert count, MoE widths, MLA dims)."""
+    head_dim = hidden // heads
+    if family in ("mixtral", "granitemoe", "gpt_oss"):
+        kw = dict(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=inter)
+        if family == "gpt_oss":
+            kw.update(head_dim=head_dim, layer_types=None)
+        return kw
+    if family in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        kw = dict(num_experts=experts, num_experts_per_tok=top_k, intermediate_size=inter)
+        if family != "olmoe":
+            kw.update(moe_intermediate_size=inter)
+        if family == "qwen2_moe":
+            kw.update(shared_expert_intermediate_size=2 * inter)
+        if family == "qwen3_moe":
+            kw.update(head_dim=head_dim)
+        return kw
+    # deepseek_v2 / deepseek_v3: a dense first layer, one shared expert, MLA attention
+    kw = dict(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        intermediate_size=2 * inter,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=max(8, hidden // 4),
+        q_lora_rank=None,
+        qk_rope_head_dim=max(4, head_dim // 2),
+        qk_nope_head_dim=max(4, head_dim // 2),
+        v_head_dim=head_dim,
+    )
+    if family == "deepseek_v3":
+        kw.update(n_group=1, topk_group=1)
+    return kw
+
+
+def make_checkpoint(
+    out: str | Path,
+    family: str = "mixtral",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    intermediate: int = 64,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    max_positions: int = 2048,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Build a random model of ``family`` and ``save_pretrained`` it (sharded if ``max_shard_size``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if family not in FAMILIES:
+        raise ExpertcacheError(f"unsupported family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
+    if hidden % heads:
+        raise ExpertcacheError(f"hidden {hidden} is not a multiple of heads {heads}")
+    if not 1 <= top_k <= experts:
+        raise ExpertcacheError(f"top_k must be in 1..{experts}, got {top_k}")
+    from expertcache.engine.api import DEFAULT_MODEL
+
+    tok_dir = Path(tokenizer) if tokenizer is not None else DEFAULT_MODEL
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **_family_kwargs(family, experts, top_k, intermediate, hidden, heads),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    for name in _TOKENIZER_FILES:
+        if (tok_dir / name).is_file():
+            shutil.copy(tok_dir / name, out / name)
+    return out
