@@ -114,6 +114,27 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
     g.set_defaults(func=_cmd_generate)
+
+    mdl = sub.add_parser("model", help="inspect a MoE checkpoint or build a random one")
+    msub = mdl.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
+    mi = msub.add_parser("info", help="family, MoE layers, experts and their bytes")
+    mi.add_argument("path", nargs="?", help="checkpoint dir (default: the embedded model)")
+    mi.add_argument("--json", action="store_true")
+    mi.set_defaults(func=_cmd_model_info)
+    ms = msub.add_parser("synth", help="save a random-weight checkpoint of a supported family")
+    ms.add_argument("--family", required=True, help="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, ...")
+    ms.add_argument("-o", "--out", required=True, metavar="DIR")
+    for flag, default in (("--hidden", 64), ("--layers", 2), ("--experts", 8), ("--top-k", 2)):
+        ms.add_argument(flag, type=int, default=default)
+    ms.add_argument("--intermediate", type=int, default=64)
+    ms.add_argument("--heads", type=int, default=4)
+    ms.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ms.add_argument("--max-shard-size", metavar="SIZE", help="shard the safetensors files, e.g. 500MB")
+    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument(
+        "--tokenizer", metavar="DIR", help="copy the tokenizer from here (default: embedded model)"
+    )
+    ms.set_defaults(func=_cmd_model_synth)
     return p
 
 
@@ -218,11 +239,9 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from expertcache.engine.api import load  # torch and transformers only for this command
 
-    hf_logging.set_verbosity_error()  # one line per problem: transformers' advice stays out of the output
+    _quiet_transformers()
 
     if args.max_new_tokens < 1:
         raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -268,6 +287,52 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
         + (f"\ntrace written to {args.record_trace}" if args.record_trace else "")
     )
+    return 0
+
+
+def _quiet_transformers() -> None:
+    """One line per problem: transformers' advice and progress bars stay out of the output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _cmd_model_info(args: argparse.Namespace) -> int:
+    from expertcache.engine.api import model_info
+
+    _quiet_transformers()
+    info = model_info(args.path)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    for key, value in info.items():
+        print(f"{key:24s} {value}")
+    return 0
+
+
+def _cmd_model_synth(args: argparse.Namespace) -> int:
+    from expertcache.engine.synth import make_checkpoint
+
+    _quiet_transformers()
+    for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
+        if getattr(args, name) < 1:
+            raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least 1")
+    out = make_checkpoint(
+        args.out,
+        args.family,
+        hidden=args.hidden,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+    )
+    print(f"wrote {out}")
     return 0
 
 

@@ -111,7 +111,8 @@ class OffloadedModel:
             raise ExpertcacheError(
                 f"policy {name} needs the future (simulator only); use it with 'expertcache sim'"
             )
-        sk = build_skeleton(self.path, dtype)
+        show = sys.stderr.isatty() if progress is None else progress
+        sk = build_skeleton(self.path, dtype, progress=show)
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         layout = SlotLayout.of(sk.shapes, sk.dtype)
@@ -154,7 +155,6 @@ class OffloadedModel:
             raise ExpertcacheError(
                 f"policy {name} gives layer {low[0]} {pol.room(low[0])} slot(s), below top-k {self.top_k}"
             )
-        show = sys.stderr.isatty() if progress is None else progress
         tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         if tier == "host":
             bar = _progress("experts to host memory", show)
@@ -290,6 +290,26 @@ class OffloadedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def model_info(path: str | Path | None = None) -> dict[str, object]:
+    """What a checkpoint holds, without reading any expert: family, MoE layers, experts, bytes."""
+    sk = build_skeleton(path if path is not None else DEFAULT_MODEL)
+    layout = SlotLayout.of(sk.shapes, sk.dtype)
+    total = len(sk.experts) * sk.num_experts
+    dense = sum(t.numel() * t.element_size() for t in sk.model.state_dict().values())
+    return {
+        "path": str(path if path is not None else DEFAULT_MODEL),
+        "family": sk.family.name,
+        "dtype": str(sk.dtype).removeprefix("torch."),
+        "moe_layers": len(sk.experts),
+        "experts_per_layer": sk.num_experts,
+        "top_k": sk.top_k,
+        "expert_bytes": layout.nbytes,
+        "all_experts_bytes": total * layout.nbytes,
+        "dense_bytes": dense,
+        "min_expert_memory_bytes": sk.top_k * layout.slot_bytes,
+    }
 
 
 def _first_line(exc: BaseException) -> str:

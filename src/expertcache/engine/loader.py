@@ -72,7 +72,7 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
-def build_skeleton(path: str | Path, dtype=None) -> Skeleton:
+def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skeleton:
     """The model with non-expert weights loaded (on CPU) and an expert store for the rest."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -112,7 +112,7 @@ def build_skeleton(path: str | Path, dtype=None) -> Skeleton:
         raise ExpertcacheError(f"{path}: the model has no routed experts")
     shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
     store = ExpertStore(ckpt, family, prefixes, shapes, num_experts)
-    _load_dense(model, ckpt, family, store.expert_keys(), dtype)
+    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype)
@@ -123,13 +123,18 @@ def _is_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "has_gate") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
 
 
-def _load_dense(model: torch.nn.Module, ckpt: Checkpoint, family: Family, skip: set[str], dtype) -> None:
+def _load_dense(
+    model: torch.nn.Module, ckpt: Checkpoint, family: Family, skip: set[str], dtype, progress: bool = False
+) -> None:
     """Every non-expert tensor from the checkpoint, copied into aligned memory in ``dtype``."""
     expected = set(model.state_dict())
     state = {}
-    for key in ckpt:
-        if key in skip:
-            continue
+    keys = [k for k in ckpt if k not in skip]
+    if progress:
+        from tqdm.auto import tqdm
+
+        keys = tqdm(keys, desc="dense weights", unit="tensor", leave=False)
+    for key in keys:
         name = family.rename(key)
         if name not in expected:
             continue  # e.g. rotary tables kept by old checkpoints; transformers drops them too

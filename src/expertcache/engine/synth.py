@@ -83,7 +83,12 @@ def make_checkpoint(
     from expertcache.engine.api import DEFAULT_MODEL
 
     tok_dir = Path(tokenizer) if tokenizer is not None else DEFAULT_MODEL
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise ExpertcacheError(f"{tok_dir}: no tokenizer.json to copy the tokenizer from")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as exc:
+        raise ExpertcacheError(f"{tok_dir}: cannot load the tokenizer ({exc})") from None
     config = AutoConfig.for_model(
         family,
         vocab_size=len(tok),

@@ -1,0 +1,178 @@
+"""Routing replay: a model's routers pick the experts a recorded trace says, token after token.
+
+For benchmarks of random-weight models with real routing: a checkpoint of real dimensions but random
+weights routes almost uniformly, which says nothing about how a cache behaves on a real model. With
+``replay_routing(model, trace)`` every MoE layer's router keeps computing its logits, but the top-k
+experts (and their weights) it returns are taken from the trace: the tokens of each forward step get
+the trace's next rows, in order (prefill steps take as many rows as they have tokens, flattened over
+the batch), every layer advancing its own position so that all layers stay on the same rows.
+
+The override is a PyTorch forward hook on each router module (``register_forward_hook``): every
+supported family's router returns ``(router_logits, top_k_weights, top_k_index)`` and the hook
+replaces the last two. Weights are the trace's when it has them, else uniform ``1/K``. A row with an
+unknown (-1) entry keeps the model's own routing for that (token, layer).
+
+    model = expertcache.load(path, expert_memory="25%")
+    with replay_routing(model.model, load_trace("trace.npz")) as replay:
+        model.generate(input_ids, max_new_tokens=64)
+    replay.position  # trace rows consumed
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.errors import ExpertcacheError
+from expertcache.trace.trace import Trace, load_trace
+
+# model_type -> attribute of the MoE block holding its router (transformers 5.x module names)
+ROUTERS: dict[str, str] = {
+    "mixtral": "gate",
+    "qwen2_moe": "gate",
+    "qwen3_moe": "gate",
+    "olmoe": "gate",
+    "deepseek_v2": "gate",
+    "deepseek_v3": "gate",
+    "gpt_oss": "router",
+    "granitemoe": "router",
+}
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router module of every MoE layer of a transformers model, in layer order."""
+    model = _unwrap(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    attr = ROUTERS.get(str(model_type))
+    if attr is None:
+        raise ExpertcacheError(
+            f"routing replay does not support architecture {model_type!r}; "
+            f"supported: {', '.join(sorted(ROUTERS))}"
+        )
+    routers = []
+    for module in model.modules():
+        router = getattr(module, attr, None)
+        if isinstance(router, torch.nn.Module) and isinstance(getattr(module, "experts", None), torch.nn.Module):
+            routers.append(router)
+    if not routers:
+        raise ExpertcacheError(f"{model_type}: found no MoE block with a '{attr}' router and experts")
+    return routers
+
+
+class RoutingReplay:
+    """Forward hooks that make every router return the trace's experts; ``remove()`` restores them."""
+
+    def __init__(self, model: torch.nn.Module, trace: Trace, start: int = 0, wrap: bool = False) -> None:
+        routers = moe_routers(model)
+        L, E, K, T = trace.num_layers, trace.num_experts, trace.top_k, trace.num_tokens
+        if len(routers) != L:
+            raise ExpertcacheError(f"trace has {L} MoE layers, the model {len(routers)}")
+        model_e = {int(getattr(r, "num_experts", E)) for r in routers}
+        if model_e != {E}:
+            raise ExpertcacheError(f"trace has {E} experts per layer, the model {sorted(model_e)}")
+        model_k = {int(getattr(r, "top_k", K)) for r in routers}
+        if model_k != {K}:
+            raise ExpertcacheError(f"trace has top-{K} routing, the model top-{sorted(model_k)}")
+        if not 0 <= start < T:
+            raise ExpertcacheError(f"start {start} is outside the trace's {T} tokens")
+        experts = np.asarray(trace.experts, dtype=np.int64)
+        unknown = (experts < 0).any(axis=2)  # [T, L]
+        if trace.weights is not None:
+            weights = np.asarray(trace.weights, dtype=np.float32)
+        else:
+            weights = np.full(experts.shape, 1.0 / K, dtype=np.float32)
+        self.trace, self.num_tokens, self.wrap = trace, T, wrap
+        self._experts = torch.from_numpy(np.where(experts < 0, 0, experts))
+        self._weights = torch.from_numpy(weights)
+        self._unknown = torch.from_numpy(unknown) if unknown.any() else None
+        self._on: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.positions = [start] * L
+        self._handles = [
+            router.register_forward_hook(self._hook_for(layer)) for layer, router in enumerate(routers)
+        ]
+
+    @property
+    def position(self) -> int:
+        """Trace rows consumed so far (by the layer furthest behind)."""
+        return min(self.positions)
+
+    def reset(self, start: int = 0) -> None:
+        """Start again at trace row ``start`` (e.g. before each measured run)."""
+        if not 0 <= start < self.num_tokens:
+            raise ExpertcacheError(f"start {start} is outside the trace's {self.num_tokens} tokens")
+        self.positions = [start] * len(self.positions)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> RoutingReplay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (device, dtype)
+        if key not in self._on:
+            unknown = None if self._unknown is None else self._unknown.to(device)
+            self._on[key] = (self._experts.to(device), self._weights.to(device, dtype), unknown)
+        return self._on[key]
+
+    def _rows(self, layer: int, n: int) -> torch.Tensor:
+        start, T = self.positions[layer], self.num_tokens
+        if start + n <= T:
+            self.positions[layer] = start + n
+            return torch.arange(start, start + n)
+        if not self.wrap:
+            raise ExpertcacheError(
+                f"routing trace exhausted: layer {layer} needs rows {start}..{start + n - 1} "
+                f"of a trace of {T} tokens (pass wrap=True to start over)"
+            )
+        self.positions[layer] = (start + n) % T
+        return torch.arange(start, start + n) % T
+
+    def _hook_for(self, layer: int):
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise ExpertcacheError(
+                    f"router of MoE layer {layer} ({type(module).__name__}) did not return "
+                    "(router_logits, top_k_weights, top_k_index)"
+                )
+            logits, weights, index = output
+            rows = self._rows(layer, index.shape[0])
+            experts, wts, unknown = self._tables(index.device, weights.dtype)
+            rows = rows.to(index.device)
+            new_index = experts[rows, layer].to(index.dtype)
+            new_weights = wts[rows, layer]
+            if unknown is not None:
+                keep = unknown[rows, layer][:, None]
+                new_index = torch.where(keep, index, new_index)
+                new_weights = torch.where(keep, weights, new_weights)
+            return logits, new_weights, new_index
+
+        return hook
+
+
+def replay_routing(
+    model: torch.nn.Module, trace: Trace | str | Path, start: int = 0, wrap: bool = False
+) -> RoutingReplay:
+    """Make ``model``'s routers follow ``trace`` from row ``start``; returns a handle with ``.remove()``.
+
+    ``model`` is a transformers model (``OffloadedModel.model`` or a reference model; an
+    ``OffloadedModel`` is unwrapped). The trace's layers, experts and top-k must match the model's.
+    Running past the trace's end raises an ``ExpertcacheError`` unless ``wrap`` (then it starts over).
+    """
+    tr = trace if isinstance(trace, Trace) else load_trace(trace)
+    return RoutingReplay(model, tr, start=start, wrap=wrap)
+
+
+def _unwrap(model) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module) and isinstance(getattr(model, "model", None), torch.nn.Module):
+        model = model.model
+    if not isinstance(model, torch.nn.Module):
+        raise ExpertcacheError(f"routing replay needs a torch model, got {type(model).__name__}")
+    return model
