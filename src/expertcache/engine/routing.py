@@ -54,7 +54,9 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     routers = []
     for module in model.modules():
         router = getattr(module, attr, None)
-        if isinstance(router, torch.nn.Module) and isinstance(getattr(module, "experts", None), torch.nn.Module):
+        if isinstance(router, torch.nn.Module) and isinstance(
+            getattr(module, "experts", None), torch.nn.Module
+        ):
             routers.append(router)
     if not routers:
         raise ExpertcacheError(f"{model_type}: found no MoE block with a '{attr}' router and experts")

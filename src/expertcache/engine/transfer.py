@@ -73,14 +73,15 @@ class HostTier:
 class Transfer:
     """One expert moving into one slot; ``done`` is set when the slot holds it (or it failed)."""
 
-    __slots__ = ("key", "slot", "priority", "seq", "done", "error", "cancelled", "event", "nbytes")
+    __slots__ = ("key", "slot", "priority", "seq", "done", "error", "cancelled", "event", "ready", "nbytes")
 
     def __init__(self, key: Key, slot: int, priority: int, seq: int, nbytes: int) -> None:
         self.key, self.slot, self.priority, self.seq, self.nbytes = key, slot, priority, seq, nbytes
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cancelled = False
-        self.event = None
+        self.event = None  # CUDA: recorded on the transfer stream when the copy is issued
+        self.ready = None  # CUDA: recorded on the compute stream at submit (the slot's last reader)
 
     def __lt__(self, other: Transfer) -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
@@ -103,6 +104,9 @@ class TransferWorker:
 
     def submit(self, key: Key, slot: int, priority: int = DEMAND) -> Transfer:
         t = Transfer(key, slot, priority, next(self._seq), self.pool.layout.nbytes)
+        if self.cuda:  # kernels already queued may still read the slot's previous expert
+            t.ready = torch.cuda.Event()
+            t.ready.record(torch.cuda.current_stream(self.pool.device))
         with self._cv:
             if self._closed:
                 raise ExpertcacheError("the transfer worker is closed")
@@ -152,6 +156,7 @@ class TransferWorker:
                 flat = self.pool.buffer[t.slot]
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(t.ready)
                         self.tier.copy_into(t.key, self.pool.views[t.slot], flat)
                         t.event = torch.cuda.Event()
                         t.event.record(self.stream)
