@@ -170,7 +170,7 @@ class OffloadedModel:
             self.tier = DiskTier(sk.store, layout, self.device)
         else:
             raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
-        self.link = EmulatedLink.parse(link_bandwidth, link_latency) if link_bandwidth else None
+        self.link = EmulatedLink.parse(link_bandwidth, link_latency)
         self.pool = SlotPool(layout, capacity, self.device)
         worker = TransferWorker(self.tier, self.pool, self.link)
         self.cache = ExpertCache(pol, self.pool, worker, self.num_layers)

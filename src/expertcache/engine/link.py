@@ -7,6 +7,7 @@ worker performs the real copy, then sleeps until the emulated transfer would hav
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -19,9 +20,13 @@ class EmulatedLink:
     latency: float = 0.0  # seconds per transfer
 
     @classmethod
-    def parse(cls, bandwidth: str | float, latency: str | float = 0.0) -> EmulatedLink:
-        """From CLI-style strings: ``EmulatedLink.parse("16GB/s", "20us")``."""
-        return cls(parse_rate(bandwidth, "link bandwidth"), parse_duration(latency, "link latency"))
+    def parse(cls, bandwidth: str | float | None, latency: str | float | None = 0.0) -> EmulatedLink | None:
+        """From CLI-style strings: ``EmulatedLink.parse("16GB/s", "20us")``; None when neither is set
+        (a latency alone gives a link of unbounded bandwidth)."""
+        lat = parse_duration(latency if latency is not None else 0, "link latency")
+        if bandwidth is None:
+            return cls(math.inf, lat) if lat > 0 else None
+        return cls(parse_rate(bandwidth, "link bandwidth"), lat)
 
     def duration(self, nbytes: int) -> float:
         """Seconds one transfer of ``nbytes`` occupies the link."""
@@ -34,4 +39,4 @@ class EmulatedLink:
             time.sleep(remaining)
 
     def describe(self) -> str:
-        return f"{self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
+        return f"{self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"  # inf GB/s: latency only

@@ -59,7 +59,8 @@ class Recorder:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.steps: list[dict[str, object]] = []
 
-    def begin(self, token_ids: np.ndarray, prefill: bool, seq: int) -> None:
+    def begin(self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray) -> None:
+        """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id."""
         self.steps.append(
             {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}}
         )
@@ -71,8 +72,8 @@ class Recorder:
 
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
-        ex, wt, tok, pf, seq = [], [], [], [], []
-        for s in self.steps:
+        ex, wt, tok, pf, seq, step = [], [], [], [], [], []
+        for i, s in enumerate(self.steps):
             t = len(s["token_id"])
             e = np.full((t, L, K), -1, dtype=np.int16)
             w = np.zeros((t, L, K), dtype=np.float32)
@@ -83,7 +84,8 @@ class Recorder:
             wt.append(w)
             tok.append(s["token_id"])
             pf.append(np.full(t, 1 if s["prefill"] else 0, dtype=np.int8))
-            seq.append(np.full(t, s["seq"], dtype=np.int32))
+            seq.append(s["seq"])
+            step.append(np.full(t, i, dtype=np.int32))
         if not ex:
             raise ExpertcacheError("nothing was generated yet: the trace is empty")
         return Trace(
@@ -93,6 +95,7 @@ class Recorder:
             seq_id=np.concatenate(seq),
             is_prefill=np.concatenate(pf),
             token_id=np.concatenate(tok).astype(np.int32),
+            step_id=np.concatenate(step),
             meta=dict(meta or {}),
         )
 
@@ -111,7 +114,7 @@ class Engine:
             module._expertcache_layer = layer
         self.recorder = Recorder(self.num_layers, self.num_experts, top_k)
         self._tokens = 0  # tokens run so far (the clock's token counter)
-        self._seq = -1
+        self._seq = 0  # sequences started so far (one per row of each prefill)
         self._in_step = False
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
 
@@ -121,11 +124,13 @@ class Engine:
             raise ExpertcacheError("the engine needs input_ids (inputs_embeds alone is not supported)")
         past = kwargs.get("past_key_values")
         prefill = past is None or past.get_seq_length() == 0
+        rows, cols = ids.shape if ids.dim() == 2 else (1, ids.numel())
         if prefill:
-            self._seq += 1
+            self._seq += rows
+        seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
         flat = ids.detach().reshape(-1).to("cpu").numpy().astype(np.int32)
         self.cache.begin_step(self._tokens, prefill)
-        self.recorder.begin(flat, prefill, self._seq)
+        self.recorder.begin(flat, prefill, seq)
         self._tokens += len(flat)
         return None
 

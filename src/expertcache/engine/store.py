@@ -116,30 +116,31 @@ class ExpertStore:
                 row += n
 
     def _check(self) -> None:
-        """Every expert tensor exists, with the shape the model expects (one expert per layer read)."""
-        num_experts = self.num_experts
+        """Every tensor of every expert exists and has the shape the model expects (headers only)."""
         for layer in range(len(self.prefixes)):
-            for expert in range(num_experts):
-                for srcs in self.sources((layer, expert)).values():
-                    for ckey, _ in srcs:
-                        if ckey not in self.ckpt:
-                            raise ExpertcacheError(f"{self.ckpt.path}: checkpoint lacks expert tensor {ckey}")
-            for name, srcs in self.sources((layer, 0)).items():
-                rows, want = 0, self.shapes[name]
-                for ckey, fused in srcs:
-                    shape = self.ckpt.shape(ckey)
-                    if fused:
-                        if shape[0] != num_experts:
-                            raise ExpertcacheError(
-                                f"{self.ckpt.path}: {ckey} holds {shape[0]} experts, not {num_experts}"
-                            )
-                        shape = shape[1:]
-                    if tuple(shape[1:]) != tuple(want[1:]):
-                        raise ExpertcacheError(
-                            f"{self.ckpt.path}: {ckey} has shape {shape}, model expects rows of {want[1:]}"
-                        )
-                    rows += shape[0]
-                if rows != want[0]:
+            for expert in range(self.num_experts):
+                for name, srcs in self.sources((layer, expert)).items():
+                    self._check_tensor(name, srcs)
+
+    def _check_tensor(self, name: str, srcs: list[tuple[str, bool]]) -> None:
+        rows, want = 0, self.shapes[name]
+        for ckey, fused in srcs:
+            if ckey not in self.ckpt:
+                raise ExpertcacheError(f"{self.ckpt.path}: checkpoint lacks expert tensor {ckey}")
+            shape = self.ckpt.shape(ckey)
+            if fused:
+                if shape[0] != self.num_experts:
                     raise ExpertcacheError(
-                        f"{self.ckpt.path}: {name} gets {rows} rows from the checkpoint, not {want[0]}"
+                        f"{self.ckpt.path}: {ckey} holds {shape[0]} experts, not {self.num_experts}"
                     )
+                shape = shape[1:]
+            if tuple(shape[1:]) != tuple(want[1:]):
+                raise ExpertcacheError(
+                    f"{self.ckpt.path}: {ckey} has shape {shape}, model expects rows of {want[1:]}"
+                )
+            rows += shape[0]
+        if rows != want[0]:
+            keys = " + ".join(k for k, _ in srcs)
+            raise ExpertcacheError(
+                f"{self.ckpt.path}: {keys} give {rows} rows for {name}, expected {want[0]}"
+            )

@@ -129,10 +129,13 @@ def check_capacity(capacity: int, order: str, top_k: int) -> None:
 
 
 def step_starts(trace: Trace) -> np.ndarray:
-    """First token of each forward step: consecutive prompt tokens of a sequence share one step."""
+    """First token of each forward step: the recorded ``step_id`` if any, else consecutive prompt
+    tokens of a sequence share one step and every other token is a step of its own."""
     t = trace.num_tokens
     new = np.ones(t, dtype=bool)
-    if trace.is_prefill is not None:
+    if trace.step_id is not None:
+        new[1:] = trace.step_id[1:] != trace.step_id[:-1]
+    elif trace.is_prefill is not None:
         pf = trace.is_prefill == 1
         same = pf[1:] & pf[:-1]
         if trace.seq_id is not None:

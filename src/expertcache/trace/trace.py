@@ -3,7 +3,9 @@
 Layout (see ../shared/traces/README.md): ``experts`` int16 [T, L, K] (expert ids, -1 = unknown),
 ``num_experts`` scalar, and optional ``weights`` float32 [T, L, K], ``seq_id`` int32 [T],
 ``is_prefill`` int8 [T] (1 prompt token, 0 generated, -1 unknown), ``token_id`` int32 [T]
-(-1 unknown). Other arrays and scalars in a file are kept as metadata.
+(-1 unknown), ``step_id`` int32 [T] (the forward step that served the token, non-decreasing: an
+engine's batched steps; without it, steps are derived from ``is_prefill`` and ``seq_id``). Other
+arrays and scalars in a file are kept as metadata.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _OPTIONAL = {
     "seq_id": ("iu", np.int32, 1),
     "is_prefill": ("iu", np.int8, 1),
     "token_id": ("iu", np.int32, 1),
+    "step_id": ("iu", np.int32, 1),
 }
 _CORE = ("experts", "num_experts", *_OPTIONAL)
 
@@ -37,6 +40,7 @@ class Trace:
     seq_id: np.ndarray | None = None  # int32 [T]
     is_prefill: np.ndarray | None = None  # int8 [T]
     token_id: np.ndarray | None = None  # int32 [T]
+    step_id: np.ndarray | None = None  # int32 [T], non-decreasing
     meta: dict[str, object] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -158,5 +162,7 @@ def _validate(trace: Trace) -> None:
         raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
     if trace.seq_id is not None and (trace.seq_id < 0).any():
         raise TraceError(f"{src}: 'seq_id' must be non-negative")
+    if trace.step_id is not None and ((trace.step_id < 0).any() or (np.diff(trace.step_id) < 0).any()):
+        raise TraceError(f"{src}: 'step_id' must be non-negative and non-decreasing")
     if trace.weights is not None and not np.isfinite(trace.weights).all():
         raise TraceError(f"{src}: 'weights' has NaN or infinite values")

@@ -1,0 +1,688 @@
+"""The inference engine against its oracles: transformers' eager model, the simulator, its own budget.
+
+- Exactness: greedy generation through the engine gives the reference's token ids and bit-identical
+  logits for every family, every online policy, capacities from the minimum to everything, sharded
+  checkpoints and padded batches.
+- The engine's hits and misses per phase and layer equal the simulator's replay of its own trace.
+- Budgets, bad input, and the pieces (sizes, slot layout, transfer worker, emulated link) alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import (
+    FAMILIES,
+    MISSING_EXPERT,
+    NEW,
+    OFFLINE,
+    ONLINE,
+    PROMPT,
+    PROMPT_B,
+    SPECS,
+    TOP_K,
+    WRONG_SHAPE,
+    assert_exact,
+    capacities,
+    engine_load,
+    greedy,
+    moe_layers,
+    prompt_ids,
+    total_experts,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from expertcache.engine import EmulatedLink, load
+from expertcache.engine.memory import (
+    SlotLayout,
+    SlotPool,
+    capacity_for,
+    format_bytes,
+    parse_duration,
+    parse_rate,
+    parse_size,
+)
+from expertcache.engine.transfer import DEMAND, SPECULATIVE, TransferWorker
+from expertcache.errors import ExpertcacheError
+from expertcache.sim.replay import replay
+from expertcache.sim.schedule import build_schedule
+
+# the shared fixtures, by name
+_one_torch_thread = engine_fixtures._one_torch_thread
+bad_ckpt = engine_fixtures.bad_ckpt
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+reference = engine_fixtures.reference
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+IDS = torch.tensor([PROMPT])
+
+
+# ------------------------------------------------------------------------------------------------
+# Exactness against transformers' eager model
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_exact_from_min_to_all_capacity(family, ckpt, reference):
+    path = ckpt(family)
+    want = reference(path, IDS)
+    for cap in capacities(family, "lru"):
+        with engine_load(path, cap) as model:
+            assert model.capacity == cap
+            assert_exact(greedy(model, IDS), want)
+            trace = model.trace()
+            distinct = len(
+                {(layer, e) for layer in range(trace.num_layers) for e in trace.experts[:, layer].ravel()}
+            )
+            if cap == TOP_K:  # experts were evicted and loaded again
+                assert model.stats["misses"] > distinct
+            if cap == total_experts(family):  # only compulsory misses
+                assert model.stats["misses"] == distinct
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("policy", ONLINE)
+def test_every_online_policy_is_exact(family, policy, ckpt, reference):
+    path = ckpt(family)
+    want = reference(path, IDS)
+    for cap in capacities(family, policy):
+        with engine_load(path, cap, policy) as model:
+            assert_exact(greedy(model, IDS), want)
+            stats = model.stats
+            assert stats["hits"] + stats["misses"] == stats["requests"] > 0
+
+
+def test_host_tier_is_exact(ckpt, reference):
+    path = ckpt("qwen3_moe")
+    with engine_load(path, TOP_K, slow_tier="host") as model:
+        assert model.stats["slow_tier"] == "host"
+        assert_exact(greedy(model, IDS), reference(path, IDS))
+
+
+def test_sharded_checkpoint_is_exact(make_ckpt, reference):
+    path = make_ckpt("mixtral", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    assert not (path / "model.safetensors").exists()
+    want = reference(path, IDS)
+    for cap in capacities("mixtral", "lru"):
+        with engine_load(path, cap) as model:
+            assert_exact(greedy(model, IDS), want)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_padded_batch_is_exact(family, ckpt, reference):
+    path = ckpt(family)
+    ids, mask = prompt_ids(PROMPT, PROMPT_B)
+    assert (mask == 0).any()
+    want = reference(path, ids, mask)
+    for cap in (TOP_K, total_experts(family)):
+        with engine_load(path, cap) as model:
+            assert_exact(greedy(model, ids, mask), want)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_any_family_policy_capacity_gives_the_reference_tokens(data, ckpt, reference):
+    family = data.draw(st.sampled_from(FAMILIES), label="family")
+    policy = data.draw(st.sampled_from(ONLINE), label="policy")
+    caps = capacities(family, policy)
+    cap = data.draw(st.integers(caps[0], caps[-1]), label="capacity")
+    path = ckpt(family)
+    seq, _ = reference(path, IDS)
+    with engine_load(path, cap, policy) as model:
+        got, _ = greedy(model, IDS)
+    assert got.tolist() == seq.tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine's counts equal the simulator's replay of its trace
+# ------------------------------------------------------------------------------------------------
+
+
+def _two_sequences(model) -> None:
+    greedy(model, IDS)
+    greedy(model, torch.tensor([PROMPT_B]))
+
+
+def _agreement_capacities(family: str, policy: str) -> list[int]:
+    low, *_, high = capacities(family, policy)
+    return sorted({low, low + 1, (low + high) // 2, high - 1})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("policy", ONLINE)
+def test_engine_counts_equal_simulator_replay(family, policy, ckpt):
+    path = ckpt(family)
+    profile = None
+    if policy.startswith("static"):  # the simulator ranks by the replayed trace's own counts
+        with engine_load(path, TOP_K) as model:
+            _two_sequences(model)
+            profile = model.trace()
+    for cap in _agreement_capacities(family, policy):
+        kwargs = {"profile": profile} if profile is not None else {}
+        with engine_load(path, cap, policy, **kwargs) as model:
+            _two_sequences(model)
+            trace = model.trace()
+            sim = replay(build_schedule(trace, "layer"), policy, model.capacity)
+            misses, requests = model.cache.stats.misses, model.cache.stats.requests
+            assert misses.shape == requests.shape == (2, moe_layers(family))
+            assert requests.tolist() == sim.layer_requests.tolist(), (policy, cap)
+            assert misses.tolist() == sim.layer_misses.tolist(), (policy, cap)
+            assert misses[0].sum() > 0 or cap == total_experts(family)
+            stats = model.stats
+            assert stats["misses"] == sim.misses and stats["requests"] == sim.requests
+            assert stats["bytes_transferred"] == sim.misses * model.layout.nbytes
+
+
+# ------------------------------------------------------------------------------------------------
+# The recorded trace
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2", "gpt_oss"])
+def test_recorded_trace_holds_the_routing_of_every_token(family, ckpt, tmp_path):
+    path = ckpt(family)
+    L, E = moe_layers(family), SPECS[family]["experts"]
+    with engine_load(path, TOP_K) as model:
+        seq, _ = greedy(model, IDS)
+        trace = model.trace()
+        model.save_trace(tmp_path / "t.npz")
+    T = len(PROMPT) + NEW - 1
+    assert trace.experts.shape == (T, L, TOP_K)
+    assert trace.num_experts == E
+    assert ((trace.experts >= 0) & (trace.experts < E)).all()
+    assert all(len(set(row)) == TOP_K for row in trace.experts.reshape(-1, TOP_K).tolist())
+    assert trace.is_prefill.tolist() == [1] * len(PROMPT) + [0] * (NEW - 1)
+    assert trace.token_id.tolist() == seq[0, :-1].tolist()
+    assert trace.seq_id.tolist() == [0] * T
+    assert trace.weights is not None and trace.weights.shape == (T, L, TOP_K)
+    assert np.isfinite(trace.weights).all() and (trace.weights != 0).any()
+    from expertcache.trace import load_trace
+
+    saved = load_trace(tmp_path / "t.npz")
+    assert np.array_equal(saved.experts, trace.experts)
+    assert np.array_equal(saved.token_id, trace.token_id)
+
+
+def test_trace_of_two_generations_numbers_the_sequences(ckpt):
+    with engine_load(ckpt("olmoe"), TOP_K) as model:
+        _two_sequences(model)
+        trace = model.trace()
+    n1, n2 = len(PROMPT) + NEW - 1, len(PROMPT_B) + NEW - 1
+    assert trace.seq_id.tolist() == [0] * n1 + [1] * n2
+    assert trace.is_prefill.tolist() == [1] * 8 + [0] * (NEW - 1) + [1] * 5 + [0] * (NEW - 1)
+    assert trace.token_id[n1 : n1 + len(PROMPT_B)].tolist() == PROMPT_B
+
+
+def test_trace_before_any_generation_is_an_error(ckpt):
+    with engine_load(ckpt("mixtral")) as model, pytest.raises(ExpertcacheError, match="empty"):
+        model.trace()
+
+
+# ------------------------------------------------------------------------------------------------
+# Budget and memory
+# ------------------------------------------------------------------------------------------------
+
+
+def test_budget_in_bytes_and_as_a_share_gives_the_capacity(ckpt):
+    path = ckpt("mixtral")
+    total = total_experts("mixtral")
+    with engine_load(path) as model:
+        slot = model.layout.slot_bytes
+        assert model.capacity == total
+    assert slot % 64 == 0 and slot >= model.layout.nbytes
+    for budget, want in [
+        (5 * slot, 5),
+        (5 * slot + slot - 1, 5),
+        (str(3 * slot), 3),
+        (f"{7 * slot / 1024}KiB", 7),
+        ("6GiB", total),
+        (10**12, total),
+    ]:
+        with load(path, expert_memory=budget, device="cpu", progress=False) as model:
+            assert model.capacity == want, budget
+            assert model.stats["expert_memory_bytes"] == want * slot
+    for percent in (12.5, 30, 50, 99, 100):
+        with load(path, expert_memory=f"{percent}%", device="cpu", progress=False) as model:
+            assert model.capacity == math.floor(total * percent / 100), percent
+
+
+@pytest.mark.parametrize(("policy", "need"), [("lru", TOP_K), ("lru-dist", 2 * TOP_K)])
+def test_too_small_a_budget_states_the_minimum(policy, need, ckpt):
+    path = ckpt("mixtral")
+    with engine_load(path) as model:
+        slot = model.layout.slot_bytes
+    with pytest.raises(ExpertcacheError) as info:
+        load(path, expert_memory=need * slot - 1, policy=policy, device="cpu", progress=False)
+    msg = str(info.value)
+    assert f"at least {need}" in msg and format_bytes(need * slot) in msg
+    assert "\n" not in msg
+    with load(path, expert_memory=need * slot, policy=policy, device="cpu", progress=False) as model:
+        assert model.capacity == need
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "granitemoe"])
+def test_slot_pool_holds_capacity_slots_and_the_model_no_experts(family, ckpt):
+    from expertcache.engine.loader import load_reference
+
+    path = ckpt(family)
+    L, E = moe_layers(family), SPECS[family]["experts"]
+    with engine_load(path, 3) as model:
+        assert len(model.pool) == model.capacity == 3
+        assert tuple(model.pool.buffer.shape) == (3, model.layout.slot_numel)
+        assert model.pool.buffer.numel() * model.pool.buffer.element_size() == 3 * model.layout.slot_bytes
+        experts = [m for m in model.model.modules() if hasattr(m, "has_gate")]
+        assert len(experts) == L
+        for m in experts:
+            assert not hasattr(m, "gate_up_proj") and not hasattr(m, "down_proj")
+            assert list(m.parameters(recurse=False)) == []
+        names = [n for n, _ in model.model.named_parameters()]
+        assert not [n for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        assert not any(p.is_meta for p in model.model.parameters())
+        engine_numel = sum(p.numel() for p in model.model.parameters())
+        expert_numel = model.layout.numel
+    ref_numel = sum(p.numel() for p in load_reference(path).parameters())
+    assert engine_numel == ref_numel - L * E * expert_numel
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one ExpertcacheError with a clear message
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing_dir", "no such checkpoint directory"),
+        ("no_config", "no config.json"),
+        ("unsupported", "unsupported architecture 'llama'; supported: .*mixtral"),
+        ("corrupt", "cannot read safetensors file"),
+        ("truncated", "model.safetensors"),
+        ("missing_expert", f"lacks expert tensor {MISSING_EXPERT}"),
+        ("missing_dense", "lacks tensor model.norm.weight"),
+        ("bad_json", "config.json: not valid JSON"),
+        ("no_weights", "no model.safetensors or model.safetensors.index.json"),
+        ("missing_shard", "cannot read safetensors file"),
+        ("bad_index", "not a safetensors index"),
+    ],
+)
+def test_bad_checkpoints_raise_one_clear_error(kind, message, bad_ckpt):
+    with pytest.raises(ExpertcacheError, match=message) as info:
+        model = load(bad_ckpt(kind), device="cpu", progress=False)
+        model.generate_text("hello", 2)  # a lazily failing checkpoint must fail here at the latest
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "nope"}, "unknown policy 'nope'"),
+        ({"policy": "lru:bogus=1"}, "does not take bogus"),
+        ({"policy": "static"}, "profile"),
+        ({"policy": "static-dist"}, "profile"),
+        ({"expert_memory": "12 parsecs"}, "not a size"),
+        ({"expert_memory": "150%"}, "share"),
+        ({"expert_memory": "0%"}, "share"),
+        ({"expert_memory": "-1GB"}, "not a size"),
+        ({"expert_memory": 1}, "at least 2"),
+        ({"link_bandwidth": "fast"}, "link bandwidth"),
+        ({"link_bandwidth": "0GB/s"}, "must be positive"),
+        ({"link_bandwidth": "1GB/s", "link_latency": "soon"}, "link latency"),
+        ({"slow_tier": "tape"}, "slow tier"),
+        ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device"),
+        ({"dtype": "int8"}, "floating-point"),
+    ],
+)
+def test_bad_options_raise_one_clear_error(kwargs, message, ckpt):
+    kwargs = {"device": "cpu", "progress": False, **kwargs}
+    with pytest.raises(ExpertcacheError, match=message) as info:
+        load(ckpt("mixtral"), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("policy", OFFLINE)
+def test_offline_policies_are_refused(policy, ckpt):
+    with pytest.raises(ExpertcacheError, match="simulator only"):
+        load(ckpt("mixtral"), policy=policy, device="cpu", progress=False)
+
+
+def test_static_profile_of_the_wrong_shape_is_refused(ckpt, make_ckpt):
+    with engine_load(ckpt("qwen2_moe"), TOP_K) as model:  # 6 experts, not mixtral's 8
+        greedy(model, IDS)
+        other = model.trace()
+    with pytest.raises(ExpertcacheError, match="profile trace has 2 layers x 6 experts"):
+        load(ckpt("mixtral"), policy="static", profile=other, device="cpu", progress=False)
+
+
+def test_prompt_longer_than_the_context_and_zero_new_tokens(make_ckpt):
+    path = make_ckpt("mixtral", max_positions=16)
+    with engine_load(path) as model:
+        with pytest.raises(ExpertcacheError, match="exceeds the model's context of 16"):
+            model.generate_text("the quick brown fox jumps over the lazy dog " * 4, max_new_tokens=4)
+        with pytest.raises(ExpertcacheError, match="at least 1"):
+            model.generate_text("hello", max_new_tokens=0)
+        with pytest.raises(ExpertcacheError, match="empty"):
+            model.generate_text("", max_new_tokens=2)
+        gen = model.generate_text("hello", max_new_tokens=3)
+        assert 1 <= len(gen.tokens) <= 3
+
+
+# ------------------------------------------------------------------------------------------------
+# generate_text: tokens, timings and the cache's work of one call
+# ------------------------------------------------------------------------------------------------
+
+
+def test_generate_text_reports_the_work_of_the_call(ckpt):
+    path = ckpt("mixtral")
+    with engine_load(path, TOP_K) as model:
+        first = model.generate_text("hello world", max_new_tokens=4)
+        before = model.stats
+        second = model.generate_text("the lazy dog", max_new_tokens=4)
+        after = model.stats
+        trace = model.trace()
+    for gen in (first, second):
+        assert 1 <= len(gen.tokens) <= 4
+        assert isinstance(gen.text, str)
+        assert gen.ttft_s > 0 and gen.tpot_s >= 0 and gen.tokens_per_s > 0
+        assert gen.stats["bytes_transferred"] == gen.stats["misses"] * gen.stats["expert_bytes"]
+        assert gen.stats["capacity_experts"] == TOP_K
+    assert second.stats["misses"] == after["misses"] - before["misses"]
+    assert second.stats["hits"] == after["hits"] - before["hits"]
+    assert after["hits"] + after["misses"] == after["requests"]
+    assert trace.seq_id.max() == 1
+    d = second.to_dict()
+    assert d["new_tokens"] == len(second.tokens) and d["prompt_tokens"] == second.prompt_tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# The pieces alone: sizes, slot layout, transfer worker, emulated link
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1234", 1234),
+        (1234, 1234),
+        (2.5, 2.5),
+        ("500MB", 500 * 10**6),
+        ("500 mb", 500 * 10**6),
+        ("6GiB", 6 * 2**30),
+        ("6g", 6 * 2**30),
+        ("1.5KiB", 1536),
+        ("2kB", 2000),
+        ("1TB", 10**12),
+        ("0", 0),
+        ("12b", 12),
+    ],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize(
+    "text", ["12 parsecs", "", "GB", "-5MB", "1e9", "inf", "nan", "1,000", "5 G B", True]
+)
+def test_parse_size_rejects(text):
+    with pytest.raises(ExpertcacheError, match="size"):
+        parse_size(text)
+
+
+def test_parse_rate_and_duration():
+    assert parse_rate("16GB/s") == 16e9
+    assert parse_rate("500MiB/s") == 500 * 2**20
+    assert parse_rate(1e6) == 1e6
+    assert parse_rate("2048") == 2048
+    for bad in ("0GB/s", "0", "fast", "-1GB/s", "GB/s"):
+        with pytest.raises(ExpertcacheError, match="bandwidth"):
+            parse_rate(bad)
+    assert parse_duration("20us") == pytest.approx(20e-6)
+    assert parse_duration("20µs") == pytest.approx(20e-6)
+    assert parse_duration("1.5ms") == pytest.approx(1.5e-3)
+    assert parse_duration("0.01s") == pytest.approx(0.01)
+    assert parse_duration("7ns") == pytest.approx(7e-9)
+    assert parse_duration(0.25) == 0.25
+    assert parse_duration("0") == 0
+    for bad in ("soon", "-1ms", "1 hour", ""):
+        with pytest.raises(ExpertcacheError, match="latency"):
+            parse_duration(bad)
+
+
+def test_capacity_for():
+    assert capacity_for(1000, 100, 50) == 10
+    assert capacity_for(1099, 100, 50) == 10
+    assert capacity_for("1KiB", 100, 50) == 10
+    assert capacity_for(10**9, 100, 50) == 50
+    assert capacity_for(99, 100, 50) == 0
+    assert capacity_for("30%", 100, 50) == 15
+    assert capacity_for("33%", 100, 10) == 3
+    assert capacity_for(" 100% ", 100, 7) == 7
+    assert capacity_for("0.1%", 100, 50) == 0
+    for total in range(1, 40):
+        for p in (10, 12.5, 20, 25, 30, 40, 50, 60, 70, 75, 80, 90, 100):
+            assert capacity_for(f"{p}%", 64, total) == math.floor(total * p / 100 + 1e-9)
+    for bad, msg in [("150%", "share"), ("0%", "share"), ("-3%", "share"), ("x%", "percentage")]:
+        with pytest.raises(ExpertcacheError, match=msg):
+            capacity_for(bad, 100, 50)
+    with pytest.raises(ExpertcacheError, match="not a size"):
+        capacity_for("12 parsecs", 100, 50)
+
+
+_shapes = st.dictionaries(
+    st.sampled_from(["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "extra"]),
+    st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=_shapes, dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_slot_layout_is_aligned_contiguous_and_disjoint(shapes, dtype):
+    layout = SlotLayout.of(shapes, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    assert layout.names == tuple(shapes)
+    assert layout.numel == sum(math.prod(s) for s in shapes.values())
+    assert layout.nbytes == layout.numel * size
+    assert layout.slot_bytes == layout.slot_numel * size and layout.slot_bytes % 64 == 0
+    spans = []
+    for off, shape in zip(layout.offsets, layout.shapes, strict=True):
+        assert (off * size) % 64 == 0
+        spans.append((off, off + math.prod(shape)))
+    spans.sort()
+    assert spans[0][0] == 0 and spans[-1][1] <= layout.slot_numel
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+    pool = SlotPool(layout, 3, torch.device("cpu"))
+    assert len(pool) == 3
+    for s in range(3):
+        views = pool.views[s]
+        assert list(views) == list(shapes)
+        for i, (name, view) in enumerate(views.items()):
+            assert tuple(view.shape) == shapes[name] and view.is_contiguous()
+            assert view.data_ptr() % 64 == 0
+            view.fill_(s * 10 + i + 1)
+    for s in range(3):  # no view overwrote another, in its own slot or a neighbour's
+        for i, view in enumerate(pool.views[s].values()):
+            assert (view == s * 10 + i + 1).all()
+
+
+class _GateTier:
+    """A fake slow tier: the first copy waits for ``gate``; records the order of copies."""
+
+    name = "fake"
+
+    def __init__(self, fail=()) -> None:
+        self.order: list[tuple[int, int]] = []
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.fail = set(fail)
+
+    def copy_into(self, key, views, flat) -> None:
+        self.started.set()
+        assert self.gate.wait(timeout=10)
+        if key in self.fail:
+            raise RuntimeError("disk on fire")
+        self.order.append(key)
+        flat.fill_(key[0] * 100 + key[1])
+
+
+def _pool(slots: int = 8, shape=(4, 4)) -> SlotPool:
+    return SlotPool(SlotLayout.of({"w": shape}, torch.float32), slots, torch.device("cpu"))
+
+
+def test_transfer_worker_runs_by_priority_then_fifo():
+    tier, pool = _GateTier(), _pool()
+    worker = TransferWorker(tier, pool)
+    try:
+        first = worker.submit((0, 0), 0, SPECULATIVE)
+        assert tier.started.wait(5)  # the worker is inside the first copy
+        queued = [
+            worker.submit((0, 1), 1, SPECULATIVE),
+            worker.submit((0, 2), 2, DEMAND),
+            worker.submit((0, 3), 3, 5),
+            worker.submit((1, 0), 4, SPECULATIVE),
+            worker.submit((1, 1), 5, DEMAND),
+            worker.submit((1, 2), 6, DEMAND),
+        ]
+        tier.gate.set()
+        for t in [first, *queued]:
+            worker.wait(t)
+        assert tier.order == [(0, 0), (0, 2), (1, 1), (1, 2), (0, 1), (1, 0), (0, 3)]
+        for t in [first, *queued]:
+            assert (pool.buffer[t.slot] == t.key[0] * 100 + t.key[1]).all()
+    finally:
+        tier.gate.set()
+        worker.close()
+
+
+def test_transfer_worker_cancel_drops_a_queued_transfer():
+    tier, pool = _GateTier(), _pool()
+    worker = TransferWorker(tier, pool)
+    try:
+        running = worker.submit((0, 0), 0, DEMAND)
+        assert tier.started.wait(5)
+        dropped = worker.submit((0, 1), 1, SPECULATIVE)
+        kept = worker.submit((0, 2), 2, SPECULATIVE)
+        head = worker.submit((0, 3), 3, DEMAND)  # ahead of the cancelled one in the queue
+        assert worker.cancel(running) is False  # already started
+        assert worker.cancel(dropped) is True
+        tier.gate.set()
+        for t in (running, kept, head):
+            worker.wait(t)
+        with pytest.raises(ExpertcacheError, match="cancelled"):
+            worker.wait(dropped)
+        assert tier.order == [(0, 0), (0, 3), (0, 2)]
+        assert worker.cancel(kept) is False  # already done
+        later = worker.submit((0, 4), 4, DEMAND)
+        worker.wait(later)
+        assert tier.order[-1] == (0, 4)
+    finally:
+        tier.gate.set()
+        worker.close()
+
+
+def test_transfer_worker_reports_a_failing_tier_and_keeps_serving():
+    tier, pool = _GateTier(fail={(0, 1)}), _pool()
+    tier.gate.set()
+    worker = TransferWorker(tier, pool)
+    try:
+        bad = worker.submit((0, 1), 0, DEMAND)
+        with pytest.raises(ExpertcacheError, match=r"transfer of expert \(0, 1\) failed: disk on fire"):
+            worker.wait(bad)
+        good = [worker.submit((0, e), e, DEMAND) for e in (2, 3)]
+        for t in good:
+            worker.wait(t)
+        assert tier.order == [(0, 2), (0, 3)]
+        assert (pool.buffer[3] == 3).all()
+    finally:
+        worker.close()
+    with pytest.raises(ExpertcacheError, match="closed"):
+        worker.submit((0, 5), 5, DEMAND)
+
+
+def test_emulated_link_is_a_lower_bound_on_transfer_time():
+    link = EmulatedLink.parse("16GB/s", "20us")
+    assert link.bandwidth == 16e9 and link.latency == pytest.approx(20e-6)
+    assert link.duration(16 * 10**9) == pytest.approx(1 + 20e-6)
+    assert "16 GB/s" in link.describe()
+    tier, pool = _GateTier(), _pool(4, (64, 64))
+    tier.gate.set()
+    slow = EmulatedLink(bandwidth=2e6, latency=0.005)
+    nbytes = pool.layout.nbytes
+    assert nbytes == 64 * 64 * 4
+    worker = TransferWorker(tier, pool, slow)
+    try:
+        start = time.perf_counter()
+        transfers = [worker.submit((0, e), e, DEMAND) for e in range(3)]
+        for t in transfers:
+            worker.wait(t)
+        elapsed = time.perf_counter() - start
+    finally:
+        worker.close()
+    each = 0.005 + nbytes / 2e6
+    assert elapsed >= 3 * each  # the link is serial
+    assert worker.busy_s >= 3 * each
+    started = time.perf_counter()
+    slow.finish(started, 1000)
+    assert time.perf_counter() - started >= 0.005 + 1000 / 2e6
+
+
+def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
+    path = ckpt("mixtral")
+    with engine_load(path, TOP_K, link_bandwidth="200MB/s", link_latency="0.5ms") as model:
+        got = greedy(model, IDS)
+        stats = model.stats
+        busy = model.cache.worker.busy_s
+        nbytes = model.layout.nbytes
+    assert_exact(got, reference(path, IDS))
+    assert stats["misses"] > 0 and stats["stall_s"] > 0
+    assert stats["link"] == "0.2 GB/s, 500 us"
+    assert busy >= stats["misses"] * (0.5e-3 + nbytes / 200e6)
+    assert stats["stall_s"] <= busy + 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Regressions: bugs found while writing these tests
+# ------------------------------------------------------------------------------------------------
+
+
+def test_padded_batch_trace_replays_to_the_engine_counts(ckpt):
+    """A batch's decode step serves the union of its rows' experts as one group; the recorded trace
+    (one sequence per row, ``step_id`` per forward step) must replay to the same counts."""
+    path = ckpt("mixtral")
+    ids, mask = prompt_ids(PROMPT, PROMPT_B)
+    with engine_load(path, 3) as model:
+        greedy(model, ids, mask)
+        trace = model.trace()
+        sim = replay(build_schedule(trace, "layer"), "lru", model.capacity)
+        requests, misses = model.cache.stats.requests, model.cache.stats.misses
+    assert requests.tolist() == sim.layer_requests.tolist()
+    assert misses.tolist() == sim.layer_misses.tolist()
+
+
+def test_a_mis_shaped_tensor_of_any_expert_is_refused(bad_ckpt):
+    """Every expert's shapes are checked, not only expert 0's: expert 5 with half its rows would
+    leave uninitialised memory in the rows the checkpoint did not fill."""
+    match = WRONG_SHAPE.replace(".", r"\.")
+    with pytest.raises(ExpertcacheError, match=match), engine_load(bad_ckpt("wrong_shape")) as model:
+        for prompt in (PROMPT, PROMPT_B, list(range(40, 90))):
+            greedy(model, torch.tensor([prompt]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"link_latency": "soon"}, "link latency"), ({"link_bandwidth": 0}, "link bandwidth")],
+)
+def test_link_options_are_validated_even_without_a_bandwidth(kwargs, message, ckpt):
+    with pytest.raises(ExpertcacheError, match=message):
+        load(ckpt("mixtral"), device="cpu", progress=False, **kwargs).close()

@@ -1,0 +1,315 @@
+"""``expertcache generate`` as a user runs it: JSON, text and streamed output, traces the simulator
+replays to the same misses, and one-line errors with exit code 2 for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import (
+    MISSING_EXPERT,
+    TOP_K,
+    engine_load,
+    total_experts,
+)
+
+from expertcache.cli import main
+from expertcache.sim.replay import replay
+from expertcache.sim.schedule import build_schedule
+from expertcache.trace import load_trace
+
+# the shared fixtures, by name
+_one_torch_thread = engine_fixtures._one_torch_thread
+bad_ckpt = engine_fixtures.bad_ckpt
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+PROMPT = "hello world, the quick brown fox"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate(capsys, model: Path, *extra: str, prompt: str = PROMPT, new: int = 5) -> tuple[int, str, str]:
+    return run(
+        capsys,
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(new),
+        "--device",
+        "cpu",
+        *extra,
+    )
+
+
+def one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("expertcache: error: ")
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+
+def test_generate_json_reports_tokens_text_timings_and_cache(capsys, ckpt, tmp_path):
+    path = ckpt("mixtral")
+    trace_file = tmp_path / "run.npz"
+    code, out, err = generate(
+        capsys, path, "--json", "--expert-memory", "25%", "--record-trace", str(trace_file), new=6
+    )
+    assert code == 0, err
+    r = json.loads(out)
+    want = {"tokens", "text", "ttft_s", "tpot_s", "tokens_per_s", "hits", "misses", "bytes_transferred"}
+    assert want | {"stall_s", "capacity_experts", "total_experts", "expert_bytes", "prompt_tokens"} <= set(r)
+    assert isinstance(r["tokens"], list) and 1 <= len(r["tokens"]) <= 6
+    assert all(isinstance(t, int) and 0 <= t < 300 for t in r["tokens"])
+    assert isinstance(r["text"], str)
+    assert r["new_tokens"] == len(r["tokens"]) and r["prompt_tokens"] > 1
+    assert r["ttft_s"] > 0 and r["tpot_s"] >= 0 and r["tokens_per_s"] > 0
+    assert r["stall_s"] >= 0
+    total = total_experts("mixtral")
+    assert r["total_experts"] == total and r["capacity_experts"] == total // 4
+    assert r["policy"] == "lru" and r["device"] == "cpu"
+    assert r["trace"] == str(trace_file)
+    assert r["misses"] > 0 and r["hits"] >= 0
+    assert r["bytes_transferred"] == r["misses"] * r["expert_bytes"]
+    trace = load_trace(trace_file)
+    requests = int(build_schedule(trace, "layer").layer_requests.sum())
+    assert r["hits"] + r["misses"] == requests
+    assert trace.num_tokens == r["prompt_tokens"] + r["new_tokens"] - 1
+    assert trace.token_id[r["prompt_tokens"] :].tolist() == r["tokens"][:-1]
+    with engine_load(path) as model:  # the same greedy tokens as the Python API
+        gen = model.generate_text(PROMPT, max_new_tokens=6)
+        assert gen.tokens == r["tokens"] and gen.text == r["text"]
+        assert r["expert_bytes"] == model.layout.nbytes
+
+
+def test_generate_tokens_equal_transformers_greedy(capsys, ckpt):
+    from transformers import AutoTokenizer
+
+    from expertcache.engine.loader import load_reference
+
+    path = ckpt("gpt_oss")
+    line = one_line_error(*generate(capsys, path, "--json", "--expert-memory", "1%", new=6))
+    assert "holds 0 expert(s)" in line  # 1% of 16 experts
+    code, out, err = generate(capsys, path, "--json", "--expert-memory", "12.5%", new=6)
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["capacity_experts"] == TOP_K
+    ids = AutoTokenizer.from_pretrained(str(path))(PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = load_reference(path).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert r["tokens"] == ref[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("policy", "memory"),
+    [("lru", "25%"), ("lfu", "40%"), ("llru", "2"), ("random", "5"), ("lru-dist", "4"), ("lcp-dist", "50%")],
+)
+def test_recorded_trace_replays_to_the_same_misses(capsys, ckpt, tmp_path, policy, memory):
+    path = ckpt("qwen2_moe")
+    trace_file = tmp_path / "t.npz"
+    if not memory.endswith("%"):  # a number of experts, as bytes
+        with engine_load(path) as model:
+            memory = str(int(memory) * model.layout.slot_bytes)
+    code, out, err = generate(
+        capsys,
+        path,
+        "--json",
+        "--policy",
+        policy,
+        "--expert-memory",
+        memory,
+        "--record-trace",
+        str(trace_file),
+    )
+    assert code == 0, err
+    gen = json.loads(out)
+    cap = gen["capacity_experts"]
+    code, out, err = run(
+        capsys, "sim", str(trace_file), "--policy", policy, "--capacity", str(cap), "--json", "--jobs", "1"
+    )
+    assert code == 0, err
+    (row,) = json.loads(out)
+    assert row["capacity"] == cap
+    assert row["misses"] == gen["misses"]
+    assert row["hits"] == gen["hits"]
+    sim = replay(build_schedule(load_trace(trace_file), "layer"), policy, cap)
+    assert sim.misses == gen["misses"]
+
+
+def test_generate_text_mode_prints_the_text_and_a_stats_table(capsys, ckpt):
+    path = ckpt("mixtral")
+    code, out, err = generate(capsys, path, "--json", "--expert-memory", "25%")
+    assert code == 0, err
+    r = json.loads(out)
+    code, out, err = generate(capsys, path, "--expert-memory", "25%")
+    assert code == 0, err
+    text, sep, table = out.partition("\n---\n")
+    assert sep, out
+    assert text.strip() == r["text"].strip()
+    assert f"hits {r['hits']}" in table and f"misses {r['misses']}" in table
+    assert f"{r['prompt_tokens']} prompt + {r['new_tokens']} new tokens" in table
+    assert f"cache {r['capacity_experts']}/{r['total_experts']} experts (lru, cpu)" in table
+    assert "TTFT" in table and "TPOT" in table
+
+
+def test_generate_stream_json_prints_a_line_per_token_then_the_result(capsys, ckpt):
+    path = ckpt("olmoe")
+    code, out, err = generate(capsys, path, "--stream", "--json", "--expert-memory", "50%", new=5)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    *tokens, final = lines
+    assert len(tokens) == len(final["tokens"]) >= 1
+    assert [t["token"] for t in tokens] == final["tokens"]
+    assert all(set(t) == {"token", "text"} and isinstance(t["text"], str) for t in tokens)
+    assert final["hits"] + final["misses"] > 0
+
+
+def test_generate_with_an_emulated_link_and_a_static_profile(capsys, ckpt, tmp_path):
+    path = ckpt("mixtral")
+    trace_file = tmp_path / "profile.npz"
+    code, out, err = generate(
+        capsys,
+        path,
+        "--json",
+        "--expert-memory",
+        "25%",
+        "--link-bandwidth",
+        "200MB/s",
+        "--link-latency",
+        "200us",
+        "--record-trace",
+        str(trace_file),
+    )
+    assert code == 0, err
+    linked = json.loads(out)
+    assert linked["misses"] > 0 and linked["stall_s"] >= linked["misses"] * 200e-6 * 0.5
+    code, out, err = generate(capsys, path, "--json", "--expert-memory", "25%")
+    assert json.loads(out)["tokens"] == linked["tokens"]
+    code, out, err = generate(
+        capsys, path, "--json", "--expert-memory", "25%", "--policy", "static", "--profile", str(trace_file)
+    )
+    assert code == 0, err
+    static = json.loads(out)
+    assert static["tokens"] == linked["tokens"] and static["policy"] == "static"
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors: one line on stderr, exit code 2, no traceback
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing_dir", "no such checkpoint directory"),
+        ("no_config", "no config.json"),
+        ("unsupported", "unsupported architecture 'llama'; supported: .*mixtral"),
+        ("corrupt", "cannot read safetensors file"),
+        ("truncated", "model.safetensors"),
+        ("missing_expert", f"lacks expert tensor {MISSING_EXPERT}"),
+    ],
+)
+def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
+    import re
+
+    line = one_line_error(*generate(capsys, bad_ckpt(kind), "--json"))
+    assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--expert-memory", "1KB"], "needs at least 2"),
+        (["--expert-memory", "12 parsecs"], "is not a size"),
+        (["--expert-memory", "150%"], r"must be a share in \(0%, 100%\]"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy", "opt"], "simulator only"),
+        (["--policy", "opt-dist"], "simulator only"),
+        (["--policy", "static"], "profile"),
+        (["--policy", "lru-dist", "--expert-memory", "3KB"], "needs at least 4"),
+        (["--max-new-tokens", "0"], "at least 1"),
+        (["--max-new-tokens", "-3"], "at least 1"),
+        (["--link-bandwidth", "fast"], "link bandwidth 'fast'"),
+        (["--link-bandwidth", "0GB/s"], "must be positive"),
+        (["--link-bandwidth", "1GB/s", "--link-latency", "soon"], "link latency 'soon'"),
+        (["--device", "cuda"], "CUDA") if not torch.cuda.is_available() else (["--dtype", "x"], "dtype"),
+        (["--dtype", "int8"], "floating-point"),
+        (["--record-trace", "/nonexistent-dir/t.npz"], "does not exist"),
+        (["--profile", "/nonexistent.npz", "--policy", "static"], "nonexistent"),
+    ],
+)
+def test_generate_bad_options(capsys, ckpt, extra, message):
+    import re
+
+    args = list(extra)
+    if "--max-new-tokens" in args:
+        i = args.index("--max-new-tokens")
+        new = args[i + 1]
+        del args[i : i + 2]
+        line = one_line_error(*generate(capsys, ckpt("mixtral"), *args, new=int(new)))
+    else:
+        line = one_line_error(*generate(capsys, ckpt("mixtral"), *args))
+    assert re.search(message, line), line
+
+
+def test_generate_prompt_longer_than_the_context(capsys, make_ckpt):
+    path = make_ckpt("mixtral", max_positions=16)
+    line = one_line_error(*generate(capsys, path, prompt="the quick brown fox jumps over the lazy dog " * 4))
+    assert "exceeds the model's context of 16" in line
+    code, out, err = generate(capsys, path, "--json", prompt="hello", new=3)
+    assert code == 0, err
+
+
+def test_generate_rejects_a_malformed_link_latency_even_without_bandwidth(capsys, ckpt):
+    line = one_line_error(*generate(capsys, ckpt("mixtral"), "--link-latency", "soon"))
+    assert "link latency 'soon'" in line
+
+
+def test_console_script_reports_a_bad_checkpoint_in_one_line(bad_ckpt):
+    exe = Path(sys.executable).with_name("expertcache")
+    assert exe.is_file()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [
+            str(exe),
+            "generate",
+            "--model",
+            str(bad_ckpt("missing_expert")),
+            "--prompt",
+            "hi",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"expertcache: error: {bad_ckpt('missing_expert')}: checkpoint lacks expert tensor {MISSING_EXPERT}"
+    ]
