@@ -226,7 +226,9 @@ class OffloadedModel:
             attention_mask=torch.ones_like(ids).to(self.device),
             max_new_tokens=max_new_tokens,
             streamer=timer,
-            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+            pad_token_id=pad
+            if (pad := self.tokenizer.pad_token_id) is not None
+            else self.tokenizer.eos_token_id,
             **kwargs,
         )
         total = time.perf_counter() - start
