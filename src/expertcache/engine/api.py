@@ -103,6 +103,7 @@ class OffloadedModel:
         profile: str | Path | Trace | None = None,
         seed: int = 0,
         progress: bool | None = None,
+        record: bool = True,
     ) -> None:
         self.path = Path(path) if path is not None else DEFAULT_MODEL
         self.device = _device(device)
@@ -175,7 +176,7 @@ class OffloadedModel:
         worker = TransferWorker(self.tier, self.pool, self.link)
         self.cache = ExpertCache(pol, self.pool, worker, self.num_layers)
         self.model = sk.model.to(self.device)
-        self.engine = Engine(self.model, sk.experts, self.cache, self.top_k)
+        self.engine = Engine(self.model, sk.experts, self.cache, self.top_k, record=record)
         self._tokenizer = None
 
     # ----------------------------------------------------------------- transformers-style use
@@ -277,6 +278,8 @@ class OffloadedModel:
 
     def trace(self) -> Trace:
         """The routing of everything run since load, in the simulator's trace format."""
+        if self.engine.recorder is None:
+            raise ExpertcacheError("routing was not recorded: load with record=True to get a trace")
         return self.engine.recorder.trace(
             meta={"model": str(self.path), "policy": self.policy_name, "capacity": self.capacity}
         )
@@ -338,6 +341,7 @@ def load(
     ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
     ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``).
     Further options: ``dtype``, ``link_bandwidth`` / ``link_latency`` (emulated link), ``slow_tier``
-    (``"host"`` or ``"disk"``), ``profile`` (a trace, for ``static``), ``seed``, ``progress``.
+    (``"host"`` or ``"disk"``), ``profile`` (a trace, for ``static``), ``seed``, ``progress``, ``record``
+    (keep the routing for ``trace()``; on by default, a few bytes per token and layer).
     """
     return OffloadedModel(path, expert_memory=expert_memory, policy=policy, device=device, **kwargs)

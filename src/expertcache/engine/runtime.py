@@ -104,7 +104,12 @@ class Engine:
     """Runs a model's experts through an ``ExpertCache``; tracks forward steps with a pre-hook."""
 
     def __init__(
-        self, model: torch.nn.Module, experts: list[torch.nn.Module], cache: ExpertCache, top_k: int
+        self,
+        model: torch.nn.Module,
+        experts: list[torch.nn.Module],
+        cache: ExpertCache,
+        top_k: int,
+        record: bool = True,
     ):
         self.model, self.cache, self.top_k = model, cache, top_k
         self.num_layers = len(experts)
@@ -112,10 +117,9 @@ class Engine:
         for layer, module in enumerate(experts):
             module._expertcache_engine = self
             module._expertcache_layer = layer
-        self.recorder = Recorder(self.num_layers, self.num_experts, top_k)
+        self.recorder = Recorder(self.num_layers, self.num_experts, top_k) if record else None
         self._tokens = 0  # tokens run so far (the clock's token counter)
         self._seq = 0  # sequences started so far (one per row of each prefill)
-        self._in_step = False
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
 
     def _begin_step(self, module, args, kwargs):
@@ -130,12 +134,14 @@ class Engine:
         seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
         flat = ids.detach().reshape(-1).to("cpu").numpy().astype(np.int32)
         self.cache.begin_step(self._tokens, prefill)
-        self.recorder.begin(flat, prefill, seq)
+        if self.recorder is not None:
+            self.recorder.begin(flat, prefill, seq)
         self._tokens += len(flat)
         return None
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        self.recorder.add(layer, top_k_index, top_k_weights)
+        if self.recorder is not None:
+            self.recorder.add(layer, top_k_index, top_k_weights)
         order = group_experts(top_k_index.tolist())
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for chunk in self.cache.serve(layer, order):
