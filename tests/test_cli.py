@@ -122,10 +122,10 @@ def test_sim_policy_parameters(capsys, trace_file):
 
 
 def test_sim_default_trace_runs(capsys):
-    code, out, _ = run(capsys, "sim", "--policy", "lru", "--capacity", "64", "--json")
+    code, out, _ = run(capsys, "sim", "--policy", "lru", "--capacity", "24", "--json")
     assert code == 0
-    (row,) = json.loads(out)
-    assert row["requests"] > 100_000 and 0 < row["misses"] < row["requests"]
+    (row,) = json.loads(out)  # the embedded model's recorded routing: 5192 tokens x 6 layers x top-2
+    assert row["requests"] > 20_000 and 0 < row["misses"] < row["requests"]
 
 
 def test_trace_synth_then_info(capsys, tmp_path):

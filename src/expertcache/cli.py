@@ -18,7 +18,7 @@ from expertcache.trace.stats import summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
 
-DEFAULT_CAPACITIES = "16:256:16"
+DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +53,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--capacity",
         nargs="+",
         metavar="N",
-        help=f"experts: N [N ...], START:STOP[:STEP], or all = 1..L*E (default {DEFAULT_CAPACITIES})",
+        help=f"experts: N [N ...], START:STOP[:STEP] or all = 1..L*E (default: {DEFAULT_STEPS} even steps)",
     )
     s.add_argument("--order", choices=ORDERS, default="layer")
     s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
@@ -140,7 +140,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     trace = default_trace() if args.trace == "default" else load_trace(args.trace)
-    caps = _capacities(args.capacity or [DEFAULT_CAPACITIES], trace, args.order)
+    keys = trace.num_layers * trace.num_experts
+    step = max(1, keys // DEFAULT_STEPS)
+    caps = _capacities(args.capacity or [f"{step}:{keys}:{step}"], trace, args.order)
     policies = args.policy or DEFAULT_POLICIES
     if args.jobs < 1:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")

@@ -1,0 +1,112 @@
+"""The embedded default model and the default trace recorded from it: shipped, small, exact, consistent."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import expertcache
+from expertcache.cli import main
+from expertcache.engine.api import DEFAULT_MODEL
+from expertcache.engine.loader import load_reference
+from expertcache.sim.api import DEFAULT_TRACE, default_trace
+from expertcache.sim.replay import replay
+from expertcache.sim.schedule import build_schedule
+
+LIMIT_BYTES = 25_000_000  # the issue's "at most 25 MB", counted in decimal megabytes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_default_model_is_shipped_and_small():
+    files = {p.name: p.stat().st_size for p in DEFAULT_MODEL.iterdir() if p.is_file()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert sum(files.values()) <= LIMIT_BYTES
+    info = expertcache.engine.api.model_info()
+    assert info["family"] == "mixtral"
+    assert info["moe_layers"] * info["experts_per_layer"] >= 64  # enough keys for a cache to matter
+
+
+def test_training_record_shows_learning():
+    """training.json is the measured record: the trained model beats its initialisation by far."""
+    ev = json.loads((DEFAULT_MODEL / "training.json").read_text())["evaluation"]
+    trained, init = ev["trained"], ev["untrained_init"]
+    assert trained["perplexity"] < init["perplexity"] / 10
+    assert trained["loss"] == pytest.approx(np.log(trained["perplexity"]), rel=1e-6)
+    assert min(trained["expert_usage_entropy_bits"]) > 3.0  # every layer uses its experts, not a few
+
+
+def test_default_model_generates_exactly_at_30_percent():
+    model = expertcache.load(expert_memory="30%", device="cpu")
+    try:
+        ids = model.encode("def read_config(path):\n")
+        got = model.generate(
+            ids, max_new_tokens=8, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+        )
+        assert model.capacity == int(model.num_layers * model.num_experts * 0.3)
+        assert model.stats["misses"] > 0
+    finally:
+        model.close()
+    ref = load_reference(DEFAULT_MODEL)
+    with torch.no_grad():
+        want = ref.generate(
+            ids,
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits, strict=True))
+
+
+def test_generate_without_model_uses_the_embedded_one(capsys):
+    assert (
+        main(
+            ["generate", "--prompt", "import os", "--max-new-tokens", "4", "--expert-memory", "25%", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) == 4
+    assert out["capacity_experts"] == int(out["total_experts"] * 0.25)
+    assert out["hits"] + out["misses"] > 0
+
+
+def test_default_trace_is_the_default_models_routing():
+    trace = default_trace()
+    model = expertcache.load(expert_memory="100%", device="cpu")
+    try:
+        assert (trace.num_layers, trace.num_experts, trace.top_k) == (
+            model.num_layers,
+            model.num_experts,
+            model.top_k,
+        )
+        seq0 = trace.seq_id == 0
+        prompt = trace.token_id[seq0 & (trace.is_prefill == 1)]
+        model.generate(torch.from_numpy(prompt.astype(np.int64))[None], max_new_tokens=4, pad_token_id=0)
+        mine = model.trace()
+    finally:
+        model.close()
+    n = mine.num_tokens
+    assert np.array_equal(mine.token_id, trace.token_id[:n])
+    same = (np.sort(mine.experts, axis=2) == np.sort(trace.experts[:n], axis=2)).all(axis=2)
+    assert same.mean() >= 0.95  # rows may differ only where another CPU's rounding flips a near tie
+
+
+def test_default_trace_replays():
+    trace = default_trace()
+    assert DEFAULT_TRACE.is_file()
+    assert trace.step_id is not None and trace.is_prefill is not None
+    result = replay(build_schedule(trace, "layer"), "lru", trace.num_layers * trace.num_experts // 4)
+    assert 0 < result.misses < result.requests
