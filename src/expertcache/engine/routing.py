@@ -124,18 +124,19 @@ class RoutingReplay:
             self._on[key] = (self._experts.to(device), self._weights.to(device, dtype), unknown)
         return self._on[key]
 
-    def _rows(self, layer: int, n: int) -> torch.Tensor:
+    def _rows(self, layer: int, n: int, device: torch.device) -> slice | torch.Tensor:
+        """The trace rows for the next ``n`` tokens of ``layer``: a slice, or indices when wrapping."""
         start, T = self.positions[layer], self.num_tokens
         if start + n <= T:
             self.positions[layer] = start + n
-            return torch.arange(start, start + n)
+            return slice(start, start + n)
         if not self.wrap:
             raise ExpertcacheError(
                 f"routing trace exhausted: layer {layer} needs rows {start}..{start + n - 1} "
                 f"of a trace of {T} tokens (pass wrap=True to start over)"
             )
         self.positions[layer] = (start + n) % T
-        return torch.arange(start, start + n) % T
+        return (torch.arange(start, start + n) % T).to(device)
 
     def _hook_for(self, layer: int):
         def hook(module, args, output):
@@ -145,11 +146,10 @@ class RoutingReplay:
                     "(router_logits, top_k_weights, top_k_index)"
                 )
             logits, weights, index = output
-            rows = self._rows(layer, index.shape[0])
+            rows = self._rows(layer, index.shape[0], index.device)
             experts, wts, unknown = self._tables(index.device, weights.dtype)
-            rows = rows.to(index.device)
-            new_index = experts[rows, layer].to(index.dtype)
-            new_weights = wts[rows, layer]
+            new_index = experts[rows, layer].to(index.dtype).contiguous()
+            new_weights = wts[rows, layer].contiguous()
             if unknown is not None:
                 keep = unknown[rows, layer][:, None]
                 new_index = torch.where(keep, index, new_index)
