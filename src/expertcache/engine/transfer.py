@@ -19,7 +19,7 @@ import torch
 
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.store import ExpertStore
+from expertcache.engine.store import ExpertStore, copy_tensor
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Key
 
@@ -67,7 +67,11 @@ class HostTier:
 
     def copy_into(self, key: Key, views: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
         layer, expert = key
-        flat.copy_(self.pool.buffer[layer * self.num_experts + expert], non_blocking=True)
+        src = self.pool.buffer[layer * self.num_experts + expert]
+        if flat.device.type == "cpu":
+            copy_tensor(flat, src)
+        else:
+            flat.copy_(src, non_blocking=True)
 
 
 class Transfer:

@@ -1,0 +1,610 @@
+"""Engine on a GPU at real model dimensions: TPOT against budget and policy, and the bound it meets.
+
+A random-weight checkpoint with the shapes of a real model (default Qwen1.5-MoE-A2.7B: qwen2_moe,
+hidden 2048, 24 MoE layers, 60 experts top-4, expert FFN 1408, shared expert 5632, bf16, ~28.6 GB)
+is written once to ``--cache-dir``; routing is replayed from the shared real trace
+(``../shared/traces/*.npz`` beside the repository, read in place) through
+``expertcache.engine.routing.replay_routing``, so the cache sees real routing although the weights
+are random. The prompt is the trace request's own prompt tokens (``token_id``), the number of new
+tokens that request's decode length (capped by ``--new-tokens``).
+
+Measured (``--device cuda``, slow tier = pinned host memory):
+
+- host-to-device bandwidth: pinned, 1 GiB copies (and expert-sized copies, one at a time);
+- all-resident TPOT: ``load_reference`` (transformers eager, every weight on the GPU) and the engine
+  at 100%, both with the replayed routing (their tokens are compared);
+- the engine at each budget x policy: a warm-up (``--warmup-tokens`` new tokens of request
+  ``--warm-seq``), then request ``--seq`` measured: TTFT, TPOT, tokens/s, decode misses, stall;
+- the limit per decode token at each budget: ``max(all-resident TPOT, OPT decode misses / decode
+  steps x expert bytes / bandwidth)``, OPT misses from the simulator on the measured request
+  (``replay(build_schedule(slice, "layer"), "opt", capacity)``, cold start), beside the serial
+  figure (resident TPOT + that transfer time, i.e. no overlap at all);
+- a consistency check: the simulator replaying the engine's recorded trace with the same policy and
+  capacity gives the engine's miss count.
+
+Results are written after every configuration; ``--resume`` keeps the configurations already in
+``--out`` (same model and trace), so a sweep can be split over several runs of at most ~10 minutes:
+
+    .venv/bin/python bench/engine_gpu.py --build-only            # write the checkpoint (once)
+    .venv/bin/python bench/engine_gpu.py --resume                # repeat until it reports done
+    .venv/bin/python bench/engine_gpu.py --device cpu --tiny     # smoke test on CPU (tiny dims)
+
+``--shape mixtral-8x7b`` uses Mixtral-8x7B dimensions (truncated to ``--layers``, default 8: all 32
+layers are ~93 GB, more than a 64 GB disk) with a synthetic sticky-Zipf trace, as no real Mixtral
+trace is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from provenance import ROOT, provenance
+
+from expertcache.engine import load
+from expertcache.engine.families import FAMILIES
+from expertcache.engine.loader import load_reference
+from expertcache.engine.routing import replay_routing
+from expertcache.sim import build_schedule, replay
+from expertcache.trace import Trace, load_trace, synthesize
+
+SHAPES: dict[str, dict[str, object]] = {
+    "qwen15-moe-a2.7b": dict(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+        num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        norm_topk_prob=False, max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151643,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
+TINY: dict[str, dict[str, object]] = {  # same L, E, K (the trace must fit), small widths
+    "qwen15-moe-a2.7b": dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=128,
+        bos_token_id=0, eos_token_id=0,
+    ),
+    "mixtral-8x7b": dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        bos_token_id=0, eos_token_id=0,
+    ),
+}  # fmt: skip
+SHARD_BYTES = 4 * 2**30
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------- the checkpoint
+def shape_spec(args) -> dict[str, object]:
+    spec = dict(SHAPES[args.shape])
+    if args.tiny:
+        spec.update(TINY[args.shape])
+    if args.layers:
+        spec["num_hidden_layers"] = args.layers
+    elif args.shape == "mixtral-8x7b":
+        spec["num_hidden_layers"] = 8
+    return spec
+
+
+def write_random_checkpoint(out: Path, spec: dict[str, object], dtype: torch.dtype, seed: int = 0) -> Path:
+    """A safetensors checkpoint (sharded, with index) laid out as the family's checkpoints are.
+
+    Tensors are drawn one by one (normal, std 0.02; norms 1, biases 0) on the GPU when there is one,
+    and written shard by shard, so the model is never materialised; experts are written per expert
+    under the family's checkpoint names, other tensors under the model's names (old block names
+    restored, e.g. Mixtral's ``block_sparse_moe``).
+    """
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(spec)
+    model_type = spec.pop("model_type")
+    family = FAMILIES[model_type]
+    config = AutoConfig.for_model(model_type, dtype=dtype, **spec)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    gen_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=gen_dev).manual_seed(seed)
+
+    def rand(shape, name: str) -> torch.Tensor:
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=dtype)
+        if "norm" in name.split(".")[-2]:
+            return torch.ones(shape, dtype=dtype)
+        t = torch.randn(shape, generator=gen, device=gen_dev, dtype=torch.float32).mul_(0.02)
+        return t.to(dtype).cpu()
+
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    sizes = {"bytes": 0, "shard": 0, "total": 0}
+
+    def put(key: str, t: torch.Tensor) -> None:
+        shard[key] = t.contiguous()
+        sizes["bytes"] += t.numel() * t.element_size()
+        sizes["total"] += t.numel() * t.element_size()
+        if sizes["bytes"] >= SHARD_BYTES:
+            flush()
+
+    def flush() -> None:
+        if not shard:
+            return
+        sizes["shard"] += 1
+        name = f"model-{sizes['shard']:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+        sizes["bytes"] = 0
+
+    renames = [(new, old) for old, new in family.renames]
+    for mod_name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        if mod_name.endswith(".experts") and "gate_up_proj" in own:  # fused experts -> per expert
+            prefix = mod_name[: mod_name.index(".layers.") + len(".layers.")]
+            layer = mod_name[len(prefix) :].split(".")[0]
+            for e in range(int(module.num_experts)):
+                keys = family.expert_keys(f"{prefix}{layer}", e)
+                for pname, srcs in keys.items():
+                    rows = own[pname].shape[1]
+                    cols = own[pname].shape[2:]
+                    per = rows // len(srcs)
+                    for ckey, fused in srcs:
+                        if fused:
+                            raise SystemExit(f"{model_type}: fused expert checkpoints are not generated")
+                        put(ckey, rand((per, *cols), ckey))
+            continue
+        for pname, p in own.items():
+            key = f"{mod_name}.{pname}"
+            for new, old in renames:
+                key = key.replace(new, old)
+            put(key, rand(tuple(p.shape), key))
+    flush()
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sizes["total"]}, "weight_map": weight_map}, indent=1)
+    )
+    config.save_pretrained(str(tmp))
+    (tmp / ".complete").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path, float]:
+    name = (
+        f"{args.shape}{'-tiny' if args.tiny else ''}-l{spec['num_hidden_layers']}-{str(dtype).split('.')[-1]}"
+    )
+    path = args.cache_dir / name
+    if (path / ".complete").is_file():
+        return path, 0.0
+    log(f"writing random checkpoint {path}")
+    t0 = time.perf_counter()
+    write_random_checkpoint(path, spec, dtype)
+    return path, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------ the trace
+def find_trace(args, L: int, E: int, K: int) -> tuple[Trace, str]:
+    if args.trace is not None:
+        return load_trace(args.trace), str(args.trace)
+    if args.shape == "mixtral-8x7b":
+        tr = synthesize(
+            "sticky", tokens=6 * 190, layers=L, experts=E, top_k=K, a=1.0, stickiness=0.3, seed=0,
+            sequences=6, prompt_len=60,
+        )  # fmt: skip
+        return tr, "synthetic sticky Zipf (a=1, stickiness 0.3, 6 requests of 60 prompt + 130 tokens)"
+    shared = [ROOT.parent / "shared" / "traces", ROOT / "shared" / "traces"]  # beside the repo, or inside
+    found = [f for d in shared for f in sorted(d.glob("*.npz"))]
+    for f in found:
+        tr = load_trace(f)
+        if (tr.num_layers, tr.num_experts, tr.top_k) == (L, E, K):
+            where = Path("..") / f.relative_to(ROOT.parent) if f.is_relative_to(ROOT.parent) else f
+            return tr, str(where)
+    raise SystemExit(f"no trace with L={L}, E={E}, K={K} in {[str(d) for d in shared]}; pass --trace")
+
+
+def request_rows(trace: Trace, seq: int) -> tuple[int, int, int]:
+    """(first row, prompt tokens, rows) of request ``seq``."""
+    if trace.seq_id is None:
+        raise SystemExit("the trace has no seq_id: cannot pick a request")
+    rows = np.flatnonzero(trace.seq_id == seq)
+    if len(rows) == 0:
+        raise SystemExit(f"the trace has no request {seq}")
+    start = int(rows[0])
+    prompt = int((trace.is_prefill[rows] == 1).sum()) if trace.is_prefill is not None else 1
+    return start, max(prompt, 1), len(rows)
+
+
+def prompt_ids(trace: Trace, start: int, prompt: int, vocab: int, device) -> torch.Tensor:
+    if trace.token_id is not None and (trace.token_id[start : start + prompt] >= 0).all():
+        ids = trace.token_id[start : start + prompt].astype(np.int64) % vocab
+    else:
+        ids = np.random.default_rng(start).integers(0, vocab, prompt)
+    return torch.tensor(ids[None], device=device)
+
+
+def trace_slice(trace: Trace, a: int, b: int) -> Trace:
+    opt = lambda x: None if x is None else x[a:b]  # noqa: E731
+    return Trace(
+        experts=trace.experts[a:b],
+        num_experts=trace.num_experts,
+        weights=opt(trace.weights),
+        seq_id=opt(trace.seq_id),
+        is_prefill=opt(trace.is_prefill),
+    )
+
+
+# ---------------------------------------------------------------------------------- measuring
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth(device: torch.device, expert_bytes: int, big: int) -> dict[str, object]:
+    """Host-to-device copy speed: pinned large copies, pinned expert-sized ones, pageable large ones."""
+    cuda = device.type == "cuda"
+    src = torch.empty(big, dtype=torch.uint8, pin_memory=cuda)
+    src.fill_(1)
+    dst = torch.empty(big, dtype=torch.uint8, device=device)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        sync(device)
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    t_big = timed(lambda: dst.copy_(src, non_blocking=True), 10)
+    n = max(1, min(64, big // expert_bytes))
+
+    def experts() -> None:  # one at a time, as the transfer worker does
+        for i in range(n):
+            dst[i * expert_bytes : (i + 1) * expert_bytes].copy_(
+                src[i * expert_bytes : (i + 1) * expert_bytes], non_blocking=True
+            )
+            sync(device)
+
+    t_exp = timed(experts, 3) / n
+    pageable = torch.empty(big, dtype=torch.uint8)
+    pageable.fill_(1)
+    t_page = timed(lambda: dst.copy_(pageable), 3)
+    return {
+        "copy_bytes": big,
+        "pinned_bytes_per_s": big / t_big,
+        "expert_copy_s": t_exp,
+        "expert_copy_bytes_per_s": expert_bytes / t_exp,
+        "pageable_bytes_per_s": big / t_page,
+        "note": "host to device" if cuda else "host to host (CPU run: no link)",
+    }
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def generate(model, ids: torch.Tensor, new_tokens: int, pad: int) -> dict[str, object]:
+    timer = _Timer()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=timer,
+            pad_token_id=pad,
+        )
+    total = time.perf_counter() - start
+    t = timer.times
+    new = out[0, ids.shape[1] :].tolist()
+    return {
+        "tokens": new,
+        "prompt_tokens": int(ids.shape[1]),
+        "new_tokens": len(new),
+        "ttft_s": t[0] - start,
+        "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0,
+        "tokens_per_s": len(new) / total,
+        "total_s": total,
+    }
+
+
+class Workload:
+    """The warm-up and measured requests, replayed from the trace through the routers."""
+
+    def __init__(self, trace: Trace, args, vocab: int, device: torch.device) -> None:
+        self.trace = trace
+        self.warm_start, warm_p, _ = request_rows(trace, args.warm_seq)
+        self.start, self.prompt, rows = request_rows(trace, args.seq)
+        self.new_tokens = min(args.new_tokens, rows - self.prompt + 1)
+        self.warm_tokens = args.warmup_tokens
+        self.warm_ids = prompt_ids(trace, self.warm_start, warm_p, vocab, device)
+        self.ids = prompt_ids(trace, self.start, self.prompt, vocab, device)
+        self.rows = self.prompt + self.new_tokens - 1  # the last new token is not run
+        self.slice = trace_slice(trace, self.start, self.start + self.rows)
+
+    def run(self, model, replayer, pad: int) -> dict[str, object]:
+        replayer.reset(self.warm_start)
+        generate(model, self.warm_ids, self.warm_tokens, pad)
+        replayer.reset(self.start)
+        r = generate(model, self.ids, self.new_tokens, pad)
+        if replayer.position != self.start + self.rows:
+            raise RuntimeError(
+                f"replay consumed rows up to {replayer.position}, expected {self.start + self.rows}"
+            )
+        return r
+
+
+def run_reference(path: Path, work: Workload, device: torch.device, pad: int) -> dict[str, object]:
+    t0 = time.perf_counter()
+    model = load_reference(path, device=str(device))
+    load_s = time.perf_counter() - t0
+    with replay_routing(model, work.trace) as rep:
+        r = work.run(model, rep, pad)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"kind": "reference", "budget": "100%", "policy": None, "load_s": load_s, **r}
+
+
+def run_engine(path: Path, work: Workload, device: torch.device, pad: int, budget: str, policy: str) -> dict:
+    t0 = time.perf_counter()
+    m = load(path, expert_memory=budget, policy=policy, device=str(device), slow_tier="host", progress=False)
+    load_s = time.perf_counter() - t0
+    try:
+        with replay_routing(m.model, work.trace) as rep:
+            rep.reset(work.warm_start)
+            generate(m, work.warm_ids, work.warm_tokens, pad)
+            before = m.stats
+            rep.reset(work.start)
+            r = generate(m, work.ids, work.new_tokens, pad)
+            after = m.stats
+            if rep.position != work.start + work.rows:
+                raise RuntimeError(f"replay consumed rows up to {rep.position}, not {work.start + work.rows}")
+        recorded = m.trace()
+        sim = replay(build_schedule(recorded, "layer"), policy, m.capacity)
+        out = {
+            "kind": "engine",
+            "budget": budget,
+            "policy": policy,
+            "slow_tier": m.tier.name,
+            "capacity_experts": m.capacity,
+            "total_experts": m.num_layers * m.num_experts,
+            "expert_bytes": m.layout.nbytes,
+            "expert_memory_bytes": m.capacity * m.layout.slot_bytes,
+            "load_s": load_s,
+            **r,
+            "misses": after["misses"] - before["misses"],
+            "decode_misses": after["decode_misses"] - before["decode_misses"],
+            "prefill_misses": after["prefill_misses"] - before["prefill_misses"],
+            "stall_s": after["stall_s"] - before["stall_s"],
+            "bytes_transferred": after["bytes_transferred"] - before["bytes_transferred"],
+            "sim_misses_same_policy": sim.misses,
+            "engine_misses_since_load": after["misses"],
+            "sim_matches_engine": sim.misses == after["misses"],
+        }
+    finally:
+        m.close()
+    del m
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> list[dict]:
+    """Per budget: OPT decode misses of the measured request and the TPOT they allow."""
+    resident = [r["tpot_s"] for r in runs if r["kind"] == "engine" and r["budget"] == "100%"]
+    resident += [r["tpot_s"] for r in runs if r["kind"] == "reference"]
+    if not resident:
+        return []
+    t_res = min(resident)
+    sched = build_schedule(work.slice, "layer")
+    steps = work.new_tokens - 1
+    out, seen = [], set()
+    for r in runs:
+        if r["kind"] != "engine" or r["capacity_experts"] in seen:
+            continue
+        cap = r["capacity_experts"]
+        seen.add(cap)
+        res = replay(sched, "opt", cap).to_dict()
+        opt_dec = res["phases"]["decode"]["misses"]
+        transfer = opt_dec / max(steps, 1) * expert_bytes / bw
+        out.append(
+            {
+                "budget": r["budget"],
+                "capacity_experts": cap,
+                "opt_decode_misses": opt_dec,
+                "opt_prefill_misses": res["phases"]["prefill"]["misses"],
+                "decode_steps": steps,
+                "transfer_s_per_token": transfer,
+                "resident_tpot_s": t_res,
+                "limit_tpot_s": max(t_res, transfer),
+                "serial_tpot_s": t_res + transfer,
+            }
+        )
+    out.sort(key=lambda x: x["capacity_experts"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen15-moe-a2.7b")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (same L, E, K): a CPU smoke test")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "expertcache-bench")
+    ap.add_argument("--trace", type=Path, default=None, help="default: the matching ../shared/traces/*.npz")
+    ap.add_argument("--seq", type=int, default=1, help="the trace request measured")
+    ap.add_argument("--warm-seq", type=int, default=0, help="the trace request of the warm-up")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--warmup-tokens", type=int, default=4)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[10, 20, 30, 50, 75])
+    ap.add_argument("--policies", nargs="+", default=["lru", "lfu", "llru"])
+    ap.add_argument("--no-reference", action="store_true", help="skip the transformers all-resident run")
+    ap.add_argument("--bandwidth-bytes", type=int, default=2**30)
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep configurations already in --out")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/engine_gpu.json (tiny: /tmp)"
+    )
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --device cpu --tiny for the smoke test)")
+    dtype = getattr(torch, args.dtype)
+    out_path = args.out or (
+        Path(tempfile.gettempdir()) / "engine_gpu.tiny.json"
+        if args.tiny
+        else ROOT / "bench/results/engine_gpu.json"
+    )
+    spec = shape_spec(args)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    path, build_s = checkpoint(args, spec, dtype)
+    ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    log(
+        f"checkpoint {path}: {ckpt_bytes / 1e9:.2f} GB"
+        + (f" (written in {build_s:.0f} s)" if build_s else "")
+    )
+    if args.build_only:
+        return
+    L = int(spec["num_hidden_layers"])
+    E = int(spec.get("num_experts") or spec.get("num_local_experts"))
+    K = int(spec["num_experts_per_tok"])
+    trace, trace_source = find_trace(args, L, E, K)
+    work = Workload(trace, args, int(spec["vocab_size"]), device)
+    pad = int(spec["eos_token_id"])
+    log(
+        f"trace {trace_source}: measured request {args.seq} ({work.prompt} prompt tokens, "
+        f"{work.new_tokens} new), warm-up request {args.warm_seq} ({work.warm_tokens} new)"
+    )
+    header = {
+        "shape": args.shape,
+        "tiny": args.tiny,
+        "config": spec,
+        "dtype": args.dtype,
+        "checkpoint": str(path),
+        "checkpoint_bytes": ckpt_bytes,
+        "trace": trace_source,
+        "seq": args.seq,
+        "warm_seq": args.warm_seq,
+        "prompt_tokens": work.prompt,
+        "new_tokens": work.new_tokens,
+        "warmup_tokens": work.warm_tokens,
+    }
+    runs: list[dict] = []
+    if args.resume and out_path.is_file():
+        old = json.loads(out_path.read_text())
+        if {k: old.get(k) for k in header} == json.loads(json.dumps(header)):
+            runs = old.get("runs", [])
+            log(f"resuming: {len(runs)} configuration(s) from {out_path}")
+        else:
+            log(f"{out_path} is for another model or trace: starting over")
+    done = {(r["kind"], r["budget"], r["policy"]) for r in runs}
+    bw = next((r for r in runs if r["kind"] == "bandwidth"), None)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+    def save(finished: bool) -> None:
+        ref = next((r for r in runs if r["kind"] == "reference"), None)
+        engine = [r for r in runs if r["kind"] == "engine"]
+        expert_bytes = engine[0]["expert_bytes"] if engine else None
+        lim = limits(work, runs, bw["pinned_bytes_per_s"], expert_bytes) if bw and engine else []
+        match = None if ref is None else all(r["tokens"] == ref["tokens"] for r in engine)
+        body = {
+            **provenance(),
+            **header,
+            "device": dev_name,
+            "torch": torch.__version__,
+            "finished": finished,
+            "tokens_match_reference": match,
+            "sim_matches_engine": all(r["sim_matches_engine"] for r in engine) if engine else None,
+            "limits": lim,
+            "runs": runs,
+        }
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(body, indent=1))
+
+    def show(r: dict) -> str:
+        s = f"{r['tokens_per_s']:8.2f} tok/s  TTFT {r['ttft_s'] * 1e3:8.1f} ms"
+        s += f"  TPOT {r['tpot_s'] * 1e3:7.2f} ms"
+        if r["kind"] == "engine":
+            s += f"  decode misses {r['decode_misses']:5d}  stall {r['stall_s']:6.2f} s"
+            s += f"  sim==engine {r['sim_matches_engine']}"
+        return s
+
+    if bw is None:
+        ffn = int(spec.get("moe_intermediate_size") or spec["intermediate_size"])
+        expert_bytes = 3 * int(spec["hidden_size"]) * ffn * dtype.itemsize  # gate, up, down
+        big = min(args.bandwidth_bytes, 2**26) if args.tiny else args.bandwidth_bytes
+        bw = {"kind": "bandwidth", "budget": None, "policy": None, **bandwidth(device, expert_bytes, big)}
+        runs.append(bw)
+        log(
+            f"bandwidth: pinned {bw['pinned_bytes_per_s'] / 1e9:.1f} GB/s, one expert "
+            f"({expert_bytes / 1e6:.1f} MB) {bw['expert_copy_s'] * 1e3:.2f} ms, pageable "
+            f"{bw['pageable_bytes_per_s'] / 1e9:.1f} GB/s"
+        )
+        save(False)
+    plan = [("reference", "100%", None)] if not args.no_reference else []
+    plan += [("engine", "100%", "lru")]
+    plan += [("engine", f"{b:g}%", p) for b in args.budgets for p in args.policies]
+    for kind, budget, policy in plan:
+        if (kind, budget, policy) in done:
+            continue
+        if kind == "reference":
+            r = run_reference(path, work, device, pad)
+        else:
+            r = run_engine(path, work, device, pad, budget, policy)
+        ref = next((x for x in runs if x["kind"] == "reference"), None)
+        r["tokens_match_reference"] = None if ref is None else r["tokens"] == ref["tokens"]
+        runs.append(r)
+        log(f"{kind:9s} {budget:>5s} {policy or '':5s} {show(r)}  match={r['tokens_match_reference']}")
+        save(False)
+    save(True)
+    body = json.loads(out_path.read_text())
+    for x in body["limits"]:
+        log(
+            f"limit at {x['budget']:>5s} ({x['capacity_experts']} experts): OPT decode misses "
+            f"{x['opt_decode_misses']}, limit TPOT {x['limit_tpot_s'] * 1e3:.2f} ms "
+            f"(resident {x['resident_tpot_s'] * 1e3:.2f}, transfer {x['transfer_s_per_token'] * 1e3:.2f})"
+        )
+    log(f"wrote {out_path}: tokens match reference: {body['tokens_match_reference']}")
+
+
+if __name__ == "__main__":
+    main()
