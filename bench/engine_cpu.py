@@ -43,7 +43,7 @@ import torch
 from provenance import ROOT, provenance
 
 from expertcache.engine import load
-from expertcache.engine.api import DEFAULT_MODEL
+from expertcache.engine.api import DEFAULT_MODEL, TokenTimer
 from expertcache.engine.loader import load_reference
 from expertcache.engine.routing import replay_routing
 from expertcache.engine.runtime import _expert_output
@@ -123,26 +123,10 @@ def model_info(path: Path) -> dict[str, object]:
 
 
 # ------------------------------------------------------------------------------------- timing
-class _Timer:
-    """A generate() streamer that timestamps each new token (the prompt's put is skipped)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
 def timed_generate(model, tok, prompt: str, new_tokens: int) -> dict[str, object]:
     """Greedy generation on a transformers model, timed as ``OffloadedModel.generate_text`` times it."""
     ids = tok(prompt, return_tensors="pt").input_ids
-    timer = _Timer()
+    timer = TokenTimer()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(

@@ -50,6 +50,7 @@ import torch
 from provenance import ROOT, provenance
 
 from expertcache.engine import load
+from expertcache.engine.api import TokenTimer
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.loader import load_reference
 from expertcache.engine.routing import replay_routing
@@ -301,22 +302,8 @@ def bandwidth(device: torch.device, expert_bytes: int, big: int) -> dict[str, ob
     }
 
 
-class _Timer:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
 def generate(model, ids: torch.Tensor, new_tokens: int, pad: int) -> dict[str, object]:
-    timer = _Timer()
+    timer = TokenTimer()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(

@@ -55,8 +55,8 @@ class Generation:
         }
 
 
-class _Timer:
-    """A generate() streamer that timestamps every new token and forwards to another streamer."""
+class TokenTimer:
+    """A generate() streamer that timestamps every new token (``times``), forwarding to another one."""
 
     def __init__(self, inner=None) -> None:
         self.inner, self.times, self._prompt_seen = inner, [], False
@@ -220,7 +220,7 @@ class OffloadedModel:
                 f"context of {limit}"
             )
         before = self.stats
-        timer = _Timer(streamer)
+        timer = TokenTimer(streamer)
         start = time.perf_counter()
         out = self.generate(
             ids.to(self.device),
