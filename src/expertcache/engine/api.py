@@ -19,7 +19,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.policy.registry import is_offline, make_policy, min_capacity, parse_policy, policy_class
 from expertcache.sim.schedule import build_schedule
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, load_trace
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default"
 
@@ -112,6 +112,10 @@ class OffloadedModel:
             raise ExpertcacheError(
                 f"policy {name} needs the future (simulator only); use it with 'expertcache sim'"
             )
+        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
+        if tier not in ("host", "disk"):
+            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
+        self.link = EmulatedLink.parse(link_bandwidth, link_latency)
         show = sys.stderr.isatty() if progress is None else progress
         sk = build_skeleton(self.path, dtype, progress=show)
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
@@ -134,7 +138,7 @@ class OffloadedModel:
         if policy_class(name).needs_profile:
             if profile is None:
                 raise ExpertcacheError(f"policy {name} ranks experts by a usage profile: pass profile=TRACE")
-            tr = profile if isinstance(profile, Trace) else __import__("expertcache").load_trace(profile)
+            tr = profile if isinstance(profile, Trace) else load_trace(profile)
             if (tr.num_layers, tr.num_experts) != (self.num_layers, self.num_experts):
                 raise ExpertcacheError(
                     f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
@@ -156,7 +160,6 @@ class OffloadedModel:
             raise ExpertcacheError(
                 f"policy {name} gives layer {low[0]} {pol.room(low[0])} slot(s), below top-k {self.top_k}"
             )
-        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         if tier == "host":
             bar = _progress("experts to host memory", show)
             self.tier = HostTier(
@@ -167,11 +170,8 @@ class OffloadedModel:
                 pin=self.device.type == "cuda",
                 progress=bar,
             )
-        elif tier == "disk":
-            self.tier = DiskTier(sk.store, layout, self.device)
         else:
-            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
-        self.link = EmulatedLink.parse(link_bandwidth, link_latency)
+            self.tier = DiskTier(sk.store, layout, self.device)
         self.pool = SlotPool(layout, capacity, self.device)
         worker = TransferWorker(self.tier, self.pool, self.link)
         self.cache = ExpertCache(pol, self.pool, worker, self.num_layers)
