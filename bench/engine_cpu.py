@@ -43,7 +43,8 @@ import torch
 from provenance import ROOT, provenance
 
 from expertcache.engine import load
-from expertcache.engine.api import DEFAULT_MODEL, TokenTimer
+from expertcache.engine.api import DEFAULT_MODEL
+from expertcache.engine.api import timed_generate as engine_timed_generate
 from expertcache.engine.loader import load_reference
 from expertcache.engine.routing import replay_routing
 from expertcache.engine.runtime import _expert_output
@@ -126,30 +127,17 @@ def model_info(path: Path) -> dict[str, object]:
 def timed_generate(model, tok, prompt: str, new_tokens: int) -> dict[str, object]:
     """Greedy generation on a transformers model, timed as ``OffloadedModel.generate_text`` times it."""
     ids = tok(prompt, return_tensors="pt").input_ids
-    timer = TokenTimer()
-    start = time.perf_counter()
+    pad = tok.pad_token_id
     with torch.inference_mode():
-        out = model.generate(
+        return engine_timed_generate(
+            model.generate,
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
-            streamer=timer,
-            pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            pad_token_id=pad if pad is not None else tok.eos_token_id,
         )
-    total = time.perf_counter() - start
-    new = out[0, ids.shape[1] :].tolist()
-    t = timer.times
-    return {
-        "tokens": new,
-        "prompt_tokens": int(ids.shape[1]),
-        "new_tokens": len(new),
-        "ttft_s": t[0] - start,
-        "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0,
-        "tokens_per_s": len(new) / total,
-        "total_s": total,
-    }
 
 
 def summary(r: dict[str, object]) -> str:

@@ -50,7 +50,7 @@ import torch
 from provenance import ROOT, provenance
 
 from expertcache.engine import load
-from expertcache.engine.api import TokenTimer
+from expertcache.engine.api import timed_generate
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.loader import load_reference
 from expertcache.engine.routing import replay_routing
@@ -303,30 +303,16 @@ def bandwidth(device: torch.device, expert_bytes: int, big: int) -> dict[str, ob
 
 
 def generate(model, ids: torch.Tensor, new_tokens: int, pad: int) -> dict[str, object]:
-    timer = TokenTimer()
-    start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
+        return timed_generate(
+            model.generate,
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
-            streamer=timer,
             pad_token_id=pad,
         )
-    total = time.perf_counter() - start
-    t = timer.times
-    new = out[0, ids.shape[1] :].tolist()
-    return {
-        "tokens": new,
-        "prompt_tokens": int(ids.shape[1]),
-        "new_tokens": len(new),
-        "ttft_s": t[0] - start,
-        "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0,
-        "tokens_per_s": len(new) / total,
-        "total_s": total,
-    }
 
 
 class Workload:

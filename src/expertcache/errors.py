@@ -11,3 +11,8 @@ class TraceError(ExpertcacheError):
 
 class PolicyError(ExpertcacheError):
     """An unknown policy name, bad policy parameters, or a capacity the policy cannot work with."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none), for one-line errors."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]

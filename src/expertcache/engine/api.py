@@ -15,7 +15,7 @@ from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, capacity_for, format_bytes
 from expertcache.engine.runtime import Engine
 from expertcache.engine.transfer import DiskTier, HostTier, TransferWorker
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.policy.registry import is_offline, make_policy, min_capacity, parse_policy, policy_class
 from expertcache.sim.schedule import build_schedule
@@ -71,6 +71,27 @@ class TokenTimer:
     def end(self) -> None:
         if self.inner is not None:
             self.inner.end()
+
+
+def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict[str, object]:
+    """Run ``generate(ids, streamer=..., **kwargs)`` (a transformers-style generate) and time it:
+    the new tokens of row 0, TTFT (start to first new token), TPOT (mean gap between new tokens),
+    tokens per second over the whole call."""
+    timer = TokenTimer(streamer)
+    start = time.perf_counter()
+    out = generate(ids, streamer=timer, **kwargs)
+    total = time.perf_counter() - start
+    new = out[0, ids.shape[1] :].tolist()
+    times = timer.times
+    return {
+        "tokens": new,
+        "prompt_tokens": int(ids.shape[1]),
+        "new_tokens": len(new),
+        "ttft_s": (times[0] - start) if times else total,
+        "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0,
+        "tokens_per_s": len(new) / total if total > 0 else 0.0,
+        "total_s": total,
+    }
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -188,7 +209,7 @@ class OffloadedModel:
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
             except Exception as exc:
-                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({_first_line(exc)})") from None
+                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({first_line(exc)})") from None
         return self._tokenizer
 
     def __call__(self, *args, **kwargs):
@@ -220,23 +241,16 @@ class OffloadedModel:
                 f"context of {limit}"
             )
         before = self.stats
-        timer = TokenTimer(streamer)
-        start = time.perf_counter()
-        out = self.generate(
+        pad = self.tokenizer.pad_token_id
+        run = timed_generate(
+            self.generate,
             ids.to(self.device),
+            streamer,
             attention_mask=torch.ones_like(ids).to(self.device),
             max_new_tokens=max_new_tokens,
-            streamer=timer,
-            pad_token_id=pad
-            if (pad := self.tokenizer.pad_token_id) is not None
-            else self.tokenizer.eos_token_id,
+            pad_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
             **kwargs,
         )
-        total = time.perf_counter() - start
-        new = out[0, ids.shape[1] :].tolist()
-        times = timer.times
-        ttft = (times[0] - start) if times else total
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
         after = self.stats
         delta = {
             "hits": after["hits"] - before["hits"],
@@ -250,13 +264,13 @@ class OffloadedModel:
             "device": str(self.device),
         }
         return Generation(
-            tokens=new,
-            text=self.tokenizer.decode(new, skip_special_tokens=True),
-            prompt_tokens=int(ids.shape[1]),
-            ttft_s=ttft,
-            tpot_s=tpot,
-            tokens_per_s=len(new) / total if total > 0 else 0.0,
-            total_s=total,
+            tokens=run["tokens"],
+            text=self.tokenizer.decode(run["tokens"], skip_special_tokens=True),
+            prompt_tokens=run["prompt_tokens"],
+            ttft_s=run["ttft_s"],
+            tpot_s=run["tpot_s"],
+            tokens_per_s=run["tokens_per_s"],
+            total_s=run["total_s"],
             stats=delta,
         )
 
@@ -315,10 +329,6 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "dense_bytes": dense,
         "min_expert_memory_bytes": sk.top_k * layout.slot_bytes,
     }
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def _progress(desc: str, show: bool):

@@ -18,7 +18,7 @@ import torch
 
 from expertcache.engine.families import Family, family_of
 from expertcache.engine.store import Checkpoint, ExpertStore
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 
 IMPLEMENTATION = "expertcache"
 _LAYER = re.compile(r"^(.*\blayers\.\d+)\.")
@@ -55,11 +55,7 @@ def read_config(path: str | Path):
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as exc:
-        raise ExpertcacheError(f"{cfg_file}: cannot build the config ({_first_line(exc)})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ExpertcacheError(f"{cfg_file}: cannot build the config ({first_line(exc)})") from None
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 
 _ALIGN_BYTES = 64
 _UNITS = {
@@ -137,7 +137,7 @@ class SlotPool:
         except RuntimeError as exc:
             raise ExpertcacheError(
                 f"cannot allocate {num_slots} expert slots ({format_bytes(num_slots * layout.slot_bytes)}) "
-                f"on {self.device}: {str(exc).splitlines()[0]}"
+                f"on {self.device}: {first_line(exc)}"
             ) from None
         self.views = [layout.views(self.buffer[s]) for s in range(num_slots)]
 
