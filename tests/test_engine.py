@@ -686,3 +686,14 @@ def test_a_mis_shaped_tensor_of_any_expert_is_refused(bad_ckpt):
 def test_link_options_are_validated_even_without_a_bandwidth(kwargs, message, ckpt):
     with pytest.raises(ExpertcacheError, match=message):
         load(ckpt("mixtral"), device="cpu", progress=False, **kwargs).close()
+
+
+def test_loading_shows_progress_bars_when_asked(ckpt, capfd):
+    """Long loads report progress on stderr: dense weights, then the experts filling host memory."""
+    from expertcache.engine import load
+
+    for progress in (True, False):
+        with load(ckpt("mixtral"), device="cpu", slow_tier="host", progress=progress):
+            pass
+        err = capfd.readouterr().err
+        assert ("dense weights" in err and "experts to host memory" in err) == progress
