@@ -95,6 +95,7 @@ def drive(sched: Schedule, name: str, capacity: int, seed: int = 0) -> list[tupl
     per_visit = sched.num_layers * sched.per_layer
     for g, keys in enumerate(sched.groups):
         clock.round, rest = divmod(g, per_visit)
+        clock.token, clock.seq = int(sched.round_token[clock.round]), int(sched.round_seq[clock.round])
         clock.layer, clock.group = rest // sched.per_layer, g
         if not keys:
             continue

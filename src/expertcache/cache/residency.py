@@ -13,7 +13,7 @@ The engine and the simulator call the same two methods, so they agree hit for hi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from expertcache.errors import PolicyError
 from expertcache.policy.base import Key, Policy
@@ -55,9 +55,27 @@ class Residency:
         ordered = [k for k in keys if k in res] + [k for k in keys if k not in res]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
+    def insert(self, key: Key, pinned: Container[Key]) -> Key | None:
+        """Make a missing key resident, evicting the policy's victim (never one in ``pinned``); return
+        the victim. Raises PolicyError, with nothing changed, when every candidate is pinned."""
+        victim = self.policy.victim(key, pinned)
+        if victim is not None:
+            self.resident.remove(victim)
+            self.policy.on_evict(victim)
+        self.resident.add(key)
+        self.policy.on_insert(key)
+        return victim
+
+    def remove(self, key: Key) -> None:
+        """Take a key out (a prefetch dropped before it arrived): the policy sees an eviction."""
+        self.resident.remove(key)
+        self.policy.on_evict(key)
+
     def admit(self, chunk: Sequence[Key]) -> list[tuple[Key, Key | None]]:
         """Make every key of the chunk resident, the whole chunk pinned; return (miss, evicted) pairs."""
         res, policy, misses = self.resident, self.policy, []
+        if policy.observes:
+            policy.on_request(chunk)
         pinned = chunk if len(chunk) <= _SET_PIN_THRESHOLD else frozenset(chunk)
         for key in chunk:
             if key in res:

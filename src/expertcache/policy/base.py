@@ -10,8 +10,8 @@ it needs over the same keys.
 Time comes from a ``Clock`` owned by the driver: ``round`` counts passes over the layers (one per
 decode token or prefill step in layer order, one per token in flat order, one per seed-000 round
 in rounds order), ``layer`` is the layer being served, ``group`` indexes the request group, the unit in
-which an offline policy's future is given, and ``token`` counts tokens (the first token of a prefill
-step; the K rounds of a token in rounds order share it).
+which an offline policy's future is given, ``token`` counts tokens (the first token of a prefill
+step; the K rounds of a token in rounds order share it), and ``seq`` is the request being served.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ Key = tuple[int, int]  # (layer, expert)
 class Clock:
     """Mutable time cursor written by the driver (simulator or engine) and read by policies."""
 
-    __slots__ = ("round", "layer", "group", "token")
+    __slots__ = ("round", "layer", "group", "token", "seq")
 
     def __init__(self) -> None:
         self.round = 0
         self.layer = 0
         self.group = 0
         self.token = 0
+        self.seq = 0  # the request (sequence) the current step serves: its first row's id
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Policy(ABC):
     name: ClassVar[str]
     offline: ClassVar[bool] = False  # needs ctx.future (the requests to come)
     needs_profile: ClassVar[bool] = False  # needs ctx.profile (usage counts)
+    observes: ClassVar[bool] = False  # wants on_request for every requested group
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -87,6 +89,10 @@ class Policy(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool:
         """Whether the policy tracks ``key`` as resident."""
+
+    def on_request(self, keys: Sequence[Key]) -> None:  # noqa: B027 (optional hook)
+        """A layer's group (or one chunk of it) was requested, before it is admitted. Called only
+        for policies with ``observes`` set (activation-tracking ones such as ``eam``)."""
 
     @abstractmethod
     def on_hit(self, key: Key) -> None:

@@ -9,6 +9,7 @@ from functools import partial
 from expertcache.errors import PolicyError
 from expertcache.policy.base import Policy, PolicyContext
 from expertcache.policy.dist import Dist
+from expertcache.policy.eam import EAM
 from expertcache.policy.fifo import FIFO
 from expertcache.policy.lcp import LCP
 from expertcache.policy.lfu import LFU
@@ -29,6 +30,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "marking": Marking,
     "llru": LLRU,
     "lcp": LCP,
+    "eam": EAM,
     "static": Static,
     "opt": OPT,
     "lru-dist": partial(Dist, inner=LRU),

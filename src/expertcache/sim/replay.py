@@ -103,10 +103,11 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
     misses = [[0] * L, [0] * L]  # [phase][layer]; phase 1 = prefill
     slots = [(layer, sub) for layer in range(L) for sub in range(per_layer)]
     groups, g = iter(schedule.groups), 0
-    tokens = schedule.round_token.tolist()
+    tokens, seqs = schedule.round_token.tolist(), schedule.round_seq.tolist()
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         clock.round = r
         clock.token = tokens[r]
+        clock.seq = seqs[r]
         row = misses[prefill]
         for (layer, _), keys in zip(slots, groups, strict=False):  # per_layer groups per (round, layer) visit
             clock.layer = layer

@@ -40,6 +40,7 @@ class Schedule:
     groups: list[tuple[Key, ...]]
     round_prefill: np.ndarray  # bool [rounds]: the round is a prefill step / a prompt token
     round_token: np.ndarray  # int64 [rounds]: index of the round's (first) token in the trace
+    round_seq: np.ndarray  # int64 [rounds]: request (seq_id) of the round's (first) token, 0 if unknown
     req_group: np.ndarray  # int64 [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
 
@@ -163,6 +164,7 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         groups=groups,
         round_prefill=np.repeat(prefill, rounds_per_token),
         round_token=np.repeat(np.arange(trace.num_tokens, dtype=np.int64), rounds_per_token),
+        round_seq=np.repeat(_token_seq(trace), rounds_per_token),
         req_group=np.flatnonzero(valid),
         req_key=kid[valid].astype(np.int32),
     )
@@ -213,6 +215,7 @@ def _layer_order(trace: Trace) -> Schedule:
         groups=[keys[i] for i in flat_gid.tolist()],
         round_prefill=_token_prefill(trace)[starts],
         round_token=starts.astype(np.int64),
+        round_seq=_token_seq(trace)[starts],
         req_group=np.nonzero(valid)[0],
         req_key=members[valid].astype(np.int32),
     )
@@ -229,6 +232,12 @@ def _unique_rows(rows: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
         code = code * base + (rows[:, col] + 1)  # +1: unknown entries (-1) become digit 0
     _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
     return rows[first], inverse.reshape(-1)
+
+
+def _token_seq(trace: Trace) -> np.ndarray:
+    if trace.seq_id is None:
+        return np.zeros(trace.num_tokens, dtype=np.int64)
+    return trace.seq_id.astype(np.int64)
 
 
 def _token_prefill(trace: Trace) -> np.ndarray:
