@@ -527,13 +527,14 @@ class _GateTier:
         self.started = threading.Event()
         self.fail = set(fail)
 
-    def copy_into(self, key, views, flat) -> None:
+    def copy_chunk(self, key, views, chunk) -> None:
         self.started.set()
         assert self.gate.wait(timeout=10)
         if key in self.fail:
             raise RuntimeError("disk on fire")
         self.order.append(key)
-        flat.fill_(key[0] * 100 + key[1])
+        for name, start, stop, _ in chunk:
+            views[name][start:stop].fill_(key[0] * 100 + key[1])
 
 
 def _pool(slots: int = 8, shape=(4, 4)) -> SlotPool:

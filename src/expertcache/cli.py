@@ -65,6 +65,32 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--per-layer", action="store_true", help="also print each result's misses per layer")
     s.set_defaults(func=_cmd_sim)
 
+    tm = sub.add_parser("timing", help="replay a trace in virtual time: TTFT, TPOT, stall, prefetching")
+    tm.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
+    tm.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="any policy (default lru)")
+    size = tm.add_mutually_exclusive_group()
+    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
+    size.add_argument(
+        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
+    )
+    tm.add_argument(
+        "--prefetch", default="none", metavar="NAME", help="predictor, or none (default); 'recorded' "
+        "replays the trace's recorded predictions, as do the gate-input predictors"
+    )  # fmt: skip
+    tm.add_argument("--window", type=int, metavar="K", help="layers ahead (default: the predictor's)")
+    tm.add_argument(
+        "--predictor", metavar="TRACE.npz", help="trace token/eam learn from (default: the simulated one)"
+    )
+    tm.add_argument("--no-chunking", action="store_true", help="move each expert as one chunk")
+    tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
+    tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
+    tm.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
+    for flag, meta, what in _TIMING_COST_FLAGS:
+        tm.add_argument(flag, metavar=meta, help=what)
+    tm.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
+    tm.add_argument("--json", action="store_true", help="print one JSON object")
+    tm.set_defaults(func=_cmd_timing)
+
     t = sub.add_parser("trace", help="inspect or generate routing traces")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     info = tsub.add_parser("info", help="shape, per-layer entropy and reuse of a trace")
@@ -113,6 +139,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object with tokens, text, timings, cache"
     )
     g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
+    _add_prefetch_args(g)
     g.set_defaults(func=_cmd_generate)
 
     mdl = sub.add_parser("model", help="inspect a MoE checkpoint or build a random one")
@@ -161,6 +188,65 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             print("\n" + format_layers(results))
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+_TIMING_COST_FLAGS = (
+    ("--link-bandwidth", "RATE", "e.g. 16GB/s (default 25GB/s)"),
+    ("--link-latency", "TIME", "per chunk, e.g. 20us"),
+    ("--dense-time", "TIME[,TIME...]", "per layer: attention, norms, router (one, or one per layer)"),
+    ("--expert-time", "TIME[,PER_TOKEN]", "one expert's compute: fixed, and per token (e.g. 0.35ms,2us)"),
+    ("--step-time", "TIME", "per forward step: embeddings, LM head"),
+    ("--expert-bytes", "SIZE", "bytes of one expert, e.g. 336MiB"),
+    ("--chunk-size", "SIZE", "bytes per transfer chunk at most (default: a third of an expert)"),
+)
+
+
+def _cmd_timing(args: argparse.Namespace) -> int:
+    from expertcache.engine.memory import capacity_for
+    from expertcache.sim.timing import CostModel, format_timing, simulate_timing
+
+    trace = default_trace() if args.trace == "default" else load_trace(args.trace)
+    prefetch = args.prefetch.strip().lower()
+    if (args.window is not None or args.predictor) and prefetch == "none":
+        raise ExpertcacheError("--window and --predictor need a predictor (--prefetch NAME)")
+    split = {k: v.split(",") for k in ("dense_time", "expert_time") if (v := getattr(args, k)) is not None}
+    if len(split.get("expert_time", ())) > 2:
+        raise ExpertcacheError(f"--expert-time {args.expert_time!r} is TIME or TIME,PER_TOKEN")
+    fields = {
+        "link_bandwidth": args.link_bandwidth,
+        "link_latency": args.link_latency,
+        "dense_s": split["dense_time"] if len(split.get("dense_time", ())) > 1 else args.dense_time,
+        "expert_s": split["expert_time"][0] if "expert_time" in split else None,
+        "expert_token_s": split["expert_time"][1] if len(split.get("expert_time", ())) == 2 else None,
+        "step_s": args.step_time,
+        "expert_bytes": args.expert_bytes,
+        "chunk_bytes": args.chunk_size,
+    }
+    base = CostModel.load(args.cost) if args.cost else None
+    cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
+    if args.no_chunking:
+        cost = CostModel.from_dict({"chunk_bytes": None}, cost)
+    total = trace.num_layers * trace.num_experts
+    capacity = args.capacity or capacity_for(args.expert_memory or "50%", cost.expert_bytes, total)
+    result = simulate_timing(
+        trace,
+        args.policy,
+        capacity=capacity,
+        predictor=prefetch,
+        window=args.window,
+        predictor_trace=load_trace(args.predictor) if args.predictor else None,
+        cost=cost,
+        preemption=not args.no_preemption,
+        reorder=not args.no_reorder,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps({"trace": trace.source, **result.to_dict()}))
+    else:
+        print(f"trace      {trace.source}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} "
+              f"K={trace.top_k}")  # fmt: skip
+        print(format_timing(result))
     return 0
 
 
@@ -240,6 +326,44 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_prefetch_args(p: argparse.ArgumentParser) -> None:
+    """Proactive caching switches (engine): predictor, window, chunking, preemption, reordering."""
+    p.add_argument(
+        "--prefetch",
+        default="none",
+        metavar="NAME",
+        help="predictor for prefetching: none, next-gate, window, learned, token, eam (default none)",
+    )
+    p.add_argument(
+        "--window", type=int, metavar="K", help="predict K layers ahead (default: the predictor's)"
+    )
+    p.add_argument(
+        "--predictor",
+        metavar="PATH",
+        help="trained predictor dir (learned) or recorded trace (token, eam); default: the embedded model's",
+    )
+    p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
+    p.add_argument(
+        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
+    )
+    p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
+    p.add_argument(
+        "--no-reorder", action="store_true", help="compute experts in routing order, not readiness"
+    )
+
+
+def _prefetch_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "prefetch": args.prefetch.strip().lower(),
+        "window": args.window,
+        "predictor": args.predictor,
+        "chunking": not args.no_chunking,
+        "chunk_size": args.chunk_size,
+        "preemption": not args.no_preemption,
+        "reorder": not args.no_reorder,
+    }
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from expertcache.engine.api import load  # torch and transformers only for this command
 
@@ -259,6 +383,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         link_latency=args.link_latency,
         slow_tier=args.slow_tier,
         profile=args.profile,
+        **_prefetch_kwargs(args),
     )
     try:
         streamer = None
@@ -287,6 +412,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"({out['policy']}, {out['device']}) | "
         f"hits {out['hits']} | misses {out['misses']} | "
         f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
+        + (
+            f"\nprefetch {out['prefetch']} (window {out['window']}) | issued {out['prefetch_issued']} | "
+            f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
+            f"cancelled {out['prefetch_cancelled']}"
+            if out["prefetch"] != "none"
+            else ""
+        )
         + (f"\ntrace written to {args.record_trace}" if args.record_trace else "")
     )
     return 0

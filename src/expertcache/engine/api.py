@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -12,12 +13,16 @@ import torch
 from expertcache.engine.cache import ExpertCache
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
-from expertcache.engine.memory import SlotLayout, SlotPool, capacity_for, format_bytes
+from expertcache.engine.memory import SlotLayout, SlotPool, capacity_for, format_bytes, parse_size
+from expertcache.engine.routing import moe_routers
 from expertcache.engine.runtime import Engine
 from expertcache.engine.transfer import DiskTier, HostTier, TransferWorker
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.policy.registry import is_offline, make_policy, min_capacity, parse_policy, policy_class
+from expertcache.predict.base import PredictContext
+from expertcache.predict.registry import make_predictor, predictor_class
+from expertcache.sim.api import default_trace
 from expertcache.sim.schedule import build_schedule
 from expertcache.trace.trace import Trace, load_trace
 
@@ -125,9 +130,29 @@ class OffloadedModel:
         seed: int = 0,
         progress: bool | None = None,
         record: bool = True,
+        prefetch: str | None = "none",
+        window: int | None = None,
+        predictor: str | Path | Trace | None = None,
+        chunking: bool = True,
+        chunk_size: str | int | None = None,
+        preemption: bool = True,
+        reorder: bool = True,
     ) -> None:
         self.path = Path(path) if path is not None else DEFAULT_MODEL
         self.device = _device(device)
+        prefetch = "none" if prefetch in (None, "none") else str(prefetch)
+        if prefetch != "none":
+            pcls = predictor_class(prefetch)
+            if pcls.sim_only:
+                raise ExpertcacheError(
+                    f"predictor {prefetch} needs the future (simulator only); "
+                    "use it with 'expertcache timing'"
+                )
+        if window is not None and int(window) < 1:
+            raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {window}")
+        chunk_bytes = parse_size(chunk_size, "chunk size") if chunk_size is not None else None
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ExpertcacheError(f"chunk size must be positive, got {chunk_size}")
         name, params = parse_policy(policy)
         if is_offline(name):
             raise ExpertcacheError(
@@ -194,11 +219,64 @@ class OffloadedModel:
         else:
             self.tier = DiskTier(sk.store, layout, self.device)
         self.pool = SlotPool(layout, capacity, self.device)
-        worker = TransferWorker(self.tier, self.pool, self.link)
-        self.cache = ExpertCache(pol, self.pool, worker, self.num_layers)
+        if not chunking:
+            chunk_bytes = None
+        elif chunk_bytes is None:  # the expert's three matrices
+            chunk_bytes = -(-layout.nbytes // 3)
+        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
+        worker = TransferWorker(self.tier, self.pool, self.link, chunk_bytes=self.chunk_bytes)
+        self.prefetch_limit = max(self.top_k, capacity // self.num_layers)
+        self.cache = ExpertCache(
+            pol,
+            self.pool,
+            worker,
+            self.num_layers,
+            limit=self.prefetch_limit,
+            preemption=preemption,
+            reorder=reorder,
+        )
         self.model = sk.model.to(self.device)
-        self.engine = Engine(self.model, sk.experts, self.cache, self.top_k, record=record)
+        self.prefetch = prefetch
+        self.predictor = None
+        if prefetch != "none":
+            self.predictor = self._make_predictor(prefetch, window, predictor, seed)
+        self.engine = Engine(
+            self.model, sk.experts, self.cache, self.top_k, record=record, predictor=self.predictor
+        )
         self._tokenizer = None
+
+    def _make_predictor(self, name: str, window, source, seed: int):
+        routers = [partial(_route, r) for r in moe_routers(self.model)]
+        trace = source if isinstance(source, Trace) else None
+        path = None
+        if source is not None and trace is None:
+            src = Path(source)
+            if src.is_file() and src.suffix == ".npz":
+                trace = load_trace(src)
+            elif src.is_dir():
+                path = str(src)
+            else:
+                raise ExpertcacheError(
+                    f"{src}: predictor data must be a trained predictor directory or a .npz trace"
+                )
+        if trace is None and source is None and self.path == DEFAULT_MODEL:
+            trace = default_trace()  # token's table and eam's warm start on the embedded model
+        if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
+            raise ExpertcacheError(
+                f"predictor trace has {trace.num_layers} layers x {trace.num_experts} experts, the model "
+                f"{self.num_layers} x {self.num_experts}"
+            )
+        ctx = PredictContext(
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            window=None if window is None else int(window),
+            routers=routers,
+            trace=trace,
+            path=path,
+            seed=seed,
+        )
+        return make_predictor(name, ctx)
 
     # ----------------------------------------------------------------- transformers-style use
     @property
@@ -257,6 +335,13 @@ class OffloadedModel:
             "misses": after["misses"] - before["misses"],
             "bytes_transferred": after["bytes_transferred"] - before["bytes_transferred"],
             "stall_s": after["stall_s"] - before["stall_s"],
+            "decode_stall_s": after["decode_stall_s"] - before["decode_stall_s"],
+            "prefill_stall_s": after["prefill_stall_s"] - before["prefill_stall_s"],
+            **{
+                k: after[k] - before[k]
+                for k in ("prefetch_issued", "prefetch_used", "prefetch_late", "prefetch_cancelled")
+            },
+            **self.prefetch_config,
             "capacity_experts": self.capacity,
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,
@@ -288,15 +373,31 @@ class OffloadedModel:
             "device": str(self.device),
             "slow_tier": self.tier.name,
             "link": self.link.describe() if self.link else None,
+            **self.prefetch_config,
+            **self.cache.proactive.stats.to_dict(),
+            "retried_chunks": self.cache.worker.retried,
+        }
+
+    @property
+    def prefetch_config(self) -> dict[str, object]:
+        """How transfers are scheduled: predictor, window, chunk size, preemption, reordering."""
+        pro = self.cache.proactive
+        return {
+            "prefetch": self.prefetch,
+            "window": self.predictor.window if self.predictor is not None else None,
+            "chunk_bytes": self.chunk_bytes,
+            "preemption": pro.preemption,
+            "reorder": pro.reorder,
         }
 
     def trace(self) -> Trace:
         """The routing of everything run since load, in the simulator's trace format."""
         if self.engine.recorder is None:
             raise ExpertcacheError("routing was not recorded: load with record=True to get a trace")
-        return self.engine.recorder.trace(
-            meta={"model": str(self.path), "policy": self.policy_name, "capacity": self.capacity}
-        )
+        meta = {"model": str(self.path), "policy": self.policy_name, "capacity": self.capacity}
+        if self.predictor is not None:
+            meta.update(predictor=self.prefetch, window=self.predictor.window)
+        return self.engine.recorder.trace(meta=meta)
 
     def save_trace(self, path: str | Path) -> None:
         self.trace().save(path)
@@ -331,6 +432,11 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     }
 
 
+def _route(router, x: torch.Tensor) -> torch.Tensor:
+    """A router's top-k choice for ``x`` [T, H], without its hooks (a routing replay's included)."""
+    return router.forward(x)[2]
+
+
 def _progress(desc: str, show: bool):
     if not show:
         return None
@@ -353,5 +459,9 @@ def load(
     Further options: ``dtype``, ``link_bandwidth`` / ``link_latency`` (emulated link), ``slow_tier``
     (``"host"`` or ``"disk"``), ``profile`` (a trace, for ``static``), ``seed``, ``progress``, ``record``
     (keep the routing for ``trace()``; on by default, a few bytes per token and layer).
+    Proactive caching: ``prefetch`` (a predictor name: ``"next-gate"``, ``"window"``, ``"learned"``,
+    ``"token"``, ``"eam"``; ``"none"`` by default), ``window`` (layers ahead), ``predictor`` (a trained
+    predictor directory for ``learned``, a recorded trace for ``token``/``eam``), ``chunking`` and
+    ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on).
     """
     return OffloadedModel(path, expert_memory=expert_memory, policy=policy, device=device, **kwargs)

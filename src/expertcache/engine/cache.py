@@ -1,10 +1,10 @@
-"""The engine's expert cache: the shared residency logic, bound to slots and transfers.
+"""The engine's expert cache: the shared proactive-caching logic, bound to slots and transfers.
 
 ``serve(layer, experts)`` is the engine-side twin of the simulator's replay step: the same
-``Residency.chunks`` / ``admit`` decide hits, misses and victims (so a recorded trace replayed in the
-simulator gives the same counts), and each miss becomes a demand transfer into the victim's slot
-(or a free one). Every chunk is resident when it is yielded; the layer computes it before asking
-for the next, so a chunk's experts are never evicted before use.
+``Residency`` (through ``cache.proactive.Proactive``) decides hits, misses and victims, so a recorded
+trace replayed in the simulator gives the same counts when nothing is prefetched; each miss or
+prefetch becomes a transfer into the victim's slot (or a free one). Every expert is resident and
+ready when it is yielded, and the layer computes it before asking for the next.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from expertcache.cache.proactive import FAILED, PENDING, READY, Proactive
 from expertcache.cache.residency import Residency
 from expertcache.engine.memory import SlotPool
-from expertcache.engine.transfer import DEMAND, TransferWorker
+from expertcache.engine.transfer import Transfer, TransferWorker
 from expertcache.policy.base import Key, Policy
 
 
@@ -32,6 +33,7 @@ class CacheStats:
     bytes_transferred: int = 0
     stall_s: float = 0.0
     steps: int = 0
+    stall_by_phase: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [decode, prefill]
 
     def __post_init__(self) -> None:
         self.requests = np.zeros((2, self.num_layers), dtype=np.int64)
@@ -50,6 +52,8 @@ class CacheStats:
             "miss_ratio": miss / req if req else 0.0,
             "bytes_transferred": self.bytes_transferred,
             "stall_s": self.stall_s,
+            "decode_stall_s": self.stall_by_phase[0],
+            "prefill_stall_s": self.stall_by_phase[1],
             "steps": self.steps,
             "misses_by_layer": self.misses.sum(axis=0).tolist(),
             "prefill_misses": int(self.misses[1].sum()),
@@ -58,11 +62,26 @@ class CacheStats:
 
 
 class ExpertCache:
-    """Which experts sit in which slot, decided by a policy through the shared ``Residency``."""
+    """Which experts sit in which slot: the shared ``Proactive`` decides, this class is its transport.
 
-    def __init__(self, policy: Policy, pool: SlotPool, worker: TransferWorker, num_layers: int) -> None:
+    ``Proactive`` (over the shared ``Residency``) decides hits, misses, victims, prefetches,
+    preemption and the order experts are computed in; this class gives each admitted key a slot
+    (its victim's, or a free one) and hands the copy to the transfer worker.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        pool: SlotPool,
+        worker: TransferWorker,
+        num_layers: int,
+        limit: int = 1,
+        preemption: bool = True,
+        reorder: bool = True,
+    ) -> None:
         self.policy, self.pool, self.worker = policy, pool, worker
         self.residency = Residency(policy)
+        self.proactive = Proactive(self.residency, self, num_layers, limit, preemption, reorder)
         self.clock = policy.clock
         self.num_layers = num_layers
         self.slot_of: dict[Key, int] = {}
@@ -71,35 +90,62 @@ class ExpertCache:
         self._round = -1
         self._prefill = 0
 
-    def begin_step(self, first_token: int, prefill: bool) -> None:
+    def begin_step(self, first_token: int, prefill: bool, seq: int = 0) -> None:
         """A forward step starts (one round of the simulator's layer order)."""
         self._round += 1
         self._prefill = int(prefill)
         self.clock.round = self._round
         self.clock.token = first_token
+        self.clock.seq = seq
+        self.clock.layer = 0
         self.stats.steps += 1
+        self.proactive.begin_step()
 
-    def serve(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, dict[str, torch.Tensor]]]]:
-        """Yield the layer's experts chunk by chunk as (expert, slot views), each chunk resident."""
-        clock, res, stats = self.clock, self.residency, self.stats
+    def prefetch(self, predictions: dict[int, list[int]], current=()) -> int:
+        """Queue speculative transfers for predicted experts (see ``Proactive.prefetch``)."""
+        return self.proactive.prefetch(predictions, current)
+
+    def serve(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield the layer's experts one by one as (expert, slot views), each resident and ready."""
+        clock, stats, pro = self.clock, self.stats, self.proactive
         clock.layer = layer
         clock.group = self._round * self.num_layers + layer
-        keys = [(layer, e) for e in experts]
-        chunks = [keys] if len(keys) <= self.policy.room(layer) else res.chunks(layer, keys)
-        for chunk in chunks:
-            misses = res.admit(chunk)
-            if misses:
-                pending = []
-                for key, victim in misses:
-                    slot = self.slot_of.pop(victim) if victim is not None else self.free.pop()
-                    self.slot_of[key] = slot
-                    pending.append(self.worker.submit(key, slot, DEMAND))
-                start = time.perf_counter()
-                for t in pending:
-                    self.worker.wait(t)
-                stats.stall_s += time.perf_counter() - start
-                stats.bytes_transferred += len(misses) * self.pool.layout.nbytes
-            stats.requests[self._prefill, layer] += len(chunk)
-            stats.misses[self._prefill, layer] += len(misses)
-            views = self.pool.views
-            yield [(e, views[self.slot_of[(lay, e)]]) for lay, e in chunk]
+        misses = int(pro.stats.misses[layer])
+        views = self.pool.views
+        for key in pro.serve(layer, experts):
+            yield key[1], views[self.slot_of[key]]
+        stats.requests[self._prefill, layer] += len(experts)
+        stats.misses[self._prefill, layer] += int(pro.stats.misses[layer]) - misses
+        stats.bytes_transferred = self.worker.bytes_moved
+
+    # -- Transport (for Proactive) -------------------------------------------------------------
+    def submit(self, key: Key, victim: Key | None, priority: int) -> Transfer:
+        slot = self.slot_of.pop(victim) if victim is not None else self.free.pop()
+        self.slot_of[key] = slot
+        return self.worker.submit(key, slot, priority)
+
+    def cancel(self, handle: Transfer) -> bool:
+        return self.worker.cancel(handle)
+
+    def promote(self, handle: Transfer) -> None:
+        self.worker.promote(handle)
+
+    def poll(self, handle: Transfer) -> int:
+        if not handle.done.is_set():
+            return PENDING
+        return FAILED if handle.error is not None or handle.cancelled else READY
+
+    def started(self, handle: Transfer) -> bool:
+        return handle.started
+
+    def wait(self, handle: Transfer) -> None:
+        start = time.perf_counter()
+        try:
+            self.worker.wait(handle)
+        finally:
+            waited = time.perf_counter() - start
+            self.stats.stall_s += waited
+            self.stats.stall_by_phase[self._prefill] += waited
+
+    def release(self, key: Key) -> None:
+        self.free.append(self.slot_of.pop(key))

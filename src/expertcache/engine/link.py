@@ -32,11 +32,17 @@ class EmulatedLink:
         """Seconds one transfer of ``nbytes`` occupies the link."""
         return self.latency + nbytes / self.bandwidth
 
-    def finish(self, started: float, nbytes: int) -> None:
-        """Block until a transfer that started at ``started`` (perf_counter) would be done."""
-        remaining = started + self.duration(nbytes) - time.perf_counter()
+    def finish(self, started: float, nbytes: int, begin: float | None = None) -> float:
+        """Block until a transfer would be done; return when it is done on the emulated timeline.
+
+        It starts at ``begin`` when given (the emulated time the link became free for it, which
+        may be before the worker woke up: a sleep's overshoot is the emulation's, not the link's,
+        and must not accumulate over back-to-back chunks), else at ``started`` (perf_counter)."""
+        end = (started if begin is None else min(begin, started)) + self.duration(nbytes)
+        remaining = end - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+        return end
 
     def describe(self) -> str:
         return f"{self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"  # inf GB/s: latency only

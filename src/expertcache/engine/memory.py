@@ -42,6 +42,11 @@ def parse_size(text: str | int | float, what: str = "size") -> float:
 
 def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
     """Bytes per second from ``16GB/s``, ``500MiB/s`` or a plain number of bytes per second."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        value = parse_size(text, what)
+        if value <= 0:
+            raise ExpertcacheError(f"{what} {text!r} must be positive")
+        return value
     s = str(text).strip()
     if s.lower().endswith("/s"):
         s = s[:-2]
@@ -53,6 +58,10 @@ def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
 
 def parse_duration(text: str | int | float, what: str = "latency") -> float:
     """Seconds from ``20us``, ``1.5ms``, ``0.01s`` or a plain number of seconds."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        if not math.isfinite(text) or text < 0:
+            raise ExpertcacheError(f"{what} {text!r} must be a non-negative duration")
+        return float(text)
     m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$", str(text))
     if m is None:
         raise ExpertcacheError(f"{what} {text!r} is not a duration (examples: 20us, 1.5ms, 0.01s)")
@@ -115,6 +124,23 @@ class SlotLayout:
     def slot_bytes(self) -> int:
         """Bytes one slot occupies in the pool (what the budget is charged per expert)."""
         return self.slot_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def chunks(self, chunk_bytes: int | None) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
+        """How a transfer moves one expert: chunks, each a tuple of ``(tensor, first row, end row,
+        bytes)`` pieces. With ``chunk_bytes`` every chunk is one piece of at most that many bytes (at
+        least one row), tensor by tensor; with None the whole expert is one chunk (one piece per tensor)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        pieces = []
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            rows = shape[0]
+            row_bytes = math.prod(shape[1:]) * size
+            step = rows if not chunk_bytes else max(1, min(rows, chunk_bytes // row_bytes))
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                pieces.append((name, start, stop, (stop - start) * row_bytes))
+        if not chunk_bytes:
+            return (tuple(pieces),)
+        return tuple((p,) for p in pieces)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The expert's tensors as views into one slot's flat buffer."""

@@ -11,6 +11,8 @@ is bit-identical whatever order the experts became resident in.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -58,12 +60,19 @@ class Recorder:
     def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.steps: list[dict[str, object]] = []
+        self.predicted = False  # some step recorded predictions
 
     def begin(self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray) -> None:
         """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id."""
         self.steps.append(
-            {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}}
+            {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}, "pred": {}}
         )
+
+    def predict(self, predictions: dict[int, list[int]]) -> None:
+        """What the predictor said this step: target layer -> ranked experts."""
+        if self.steps and predictions:
+            self.steps[-1]["pred"].update(predictions)
+            self.predicted = True
 
     def add(self, layer: int, index: torch.Tensor, weights: torch.Tensor) -> None:
         step = self.steps[-1]
@@ -72,7 +81,7 @@ class Recorder:
 
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
-        ex, wt, tok, pf, seq, step = [], [], [], [], [], []
+        ex, wt, tok, pf, seq, step, pred = [], [], [], [], [], [], []
         for i, s in enumerate(self.steps):
             t = len(s["token_id"])
             e = np.full((t, L, K), -1, dtype=np.int16)
@@ -80,6 +89,13 @@ class Recorder:
             for layer, idx in s["experts"].items():
                 e[:, layer] = idx
                 w[:, layer] = s["weights"][layer]
+            p = np.full((t, L, K), -1, dtype=np.int16)
+            for layer, ranked in s["pred"].items():  # the step's ranked list, spread over its rows
+                block = np.full(t * K, -1, dtype=np.int16)
+                flat = ranked[: t * K]
+                block[: len(flat)] = flat
+                p[:, layer] = block.reshape(t, K)
+            pred.append(p)
             ex.append(e)
             wt.append(w)
             tok.append(s["token_id"])
@@ -96,12 +112,17 @@ class Recorder:
             is_prefill=np.concatenate(pf),
             token_id=np.concatenate(tok).astype(np.int32),
             step_id=np.concatenate(step),
+            predicted=np.concatenate(pred) if self.predicted else None,
             meta=dict(meta or {}),
         )
 
 
 class Engine:
-    """Runs a model's experts through an ``ExpertCache``; tracks forward steps with a pre-hook."""
+    """Runs a model's experts through an ``ExpertCache``; tracks forward steps with a pre-hook.
+
+    With a predictor, every step asks it for predictions at the step's start and after each layer's
+    router, and the cache prefetches them (``Proactive``): after the layer's own misses are queued,
+    before its experts are computed, so the transfers overlap the computation."""
 
     def __init__(
         self,
@@ -110,8 +131,10 @@ class Engine:
         cache: ExpertCache,
         top_k: int,
         record: bool = True,
+        predictor=None,
     ):
         self.model, self.cache, self.top_k = model, cache, top_k
+        self.predictor = predictor
         self.num_layers = len(experts)
         self.num_experts = int(experts[0].num_experts)
         for layer, module in enumerate(experts):
@@ -133,22 +156,34 @@ class Engine:
             self._seq += rows
         seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
         flat = ids.detach().reshape(-1).to("cpu").numpy().astype(np.int32)
-        self.cache.begin_step(self._tokens, prefill)
+        self.cache.begin_step(self._tokens, prefill, self._seq - rows)
         if self.recorder is not None:
             self.recorder.begin(flat, prefill, seq)
         self._tokens += len(flat)
+        if self.predictor is not None:
+            self._prefetch(self.predictor.begin_step(flat, prefill, prefill), ())
         return None
+
+    def _prefetch(self, predictions: dict[int, list[int]], current) -> None:
+        if predictions:
+            if self.recorder is not None:
+                self.recorder.predict(predictions)
+            self.cache.prefetch(predictions, current)
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         if self.recorder is not None:
             self.recorder.add(layer, top_k_index, top_k_weights)
         order = group_experts(top_k_index.tolist())
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for chunk in self.cache.serve(layer, order):
-            for expert, views in chunk:
-                top_k_pos, token_idx = torch.where(expert == top_k_index.T)
-                out = _expert_output(module, views, hidden[token_idx])
-                outputs[expert] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
+        serving = self.cache.serve(layer, order)
+        first = next(serving)  # the layer's misses are queued (and its stale prefetches dropped)
+        if self.predictor is not None:
+            predictions = self.predictor.after_router(layer, top_k_index.detach().cpu().numpy(), hidden)
+            self._prefetch(predictions, [(layer, e) for e in order])
+        for expert, views in itertools.chain((first,), serving):
+            top_k_pos, token_idx = torch.where(expert == top_k_index.T)
+            out = _expert_output(module, views, hidden[token_idx])
+            outputs[expert] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
         final = torch.zeros_like(hidden)
         for expert in sorted(outputs):  # eager's order of accumulation
             token_idx, out = outputs[expert]

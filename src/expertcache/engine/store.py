@@ -125,14 +125,21 @@ class ExpertStore:
 
     def read(self, key: Key, views: dict[str, torch.Tensor]) -> None:
         """Copy expert ``key`` into ``views`` (name -> tensor of the slot shape), converting dtype."""
+        for name in self.sources(key):
+            self.read_rows(key, name, 0, views[name].shape[0], views[name])
+
+    def read_rows(self, key: Key, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
+        """Copy rows ``start:stop`` of the expert's tensor ``name`` into the same rows of ``dst``
+        (one chunk of a chunked transfer; a slot tensor may gather several checkpoint tensors)."""
         _, expert = key
-        for name, srcs in self.sources(key).items():
-            dst, row = views[name], 0
-            for ckey, fused in srcs:
-                src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
-                n = src.shape[0]
-                copy_tensor(dst[row : row + n], src)
-                row += n
+        row = 0
+        for ckey, fused in self.sources(key)[name]:
+            src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+            n = src.shape[0]
+            lo, hi = max(start, row), min(stop, row + n)
+            if lo < hi:
+                copy_tensor(dst[lo:hi], src[lo - row : hi - row])
+            row += n
 
     def _check(self) -> None:
         """Every tensor of every expert exists and has the shape the model expects (headers only)."""

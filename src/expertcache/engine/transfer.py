@@ -1,11 +1,11 @@
 """Moving experts from the slow tier into slots: the tiers, and the transfer worker.
 
-The worker is one thread serving a priority queue (lower number first, FIFO within a priority).
-Demand loads (known misses of the layer being computed) use ``DEMAND``; ``SPECULATIVE`` is there
-for the prefetcher, and a queued transfer can be cancelled before it starts (preemption drops a
-layer's speculative work). On CUDA the copies run on the worker's own stream from pinned host
-memory, non-blocking, and the compute stream waits on the transfer's event; on CPU the same code
-copies from the memory-mapped checkpoint into the slot.
+The worker is one thread serving a priority queue (lower number first, FIFO within a priority),
+one chunk at a time. Demand loads (known misses of the layer being computed) use ``DEMAND``,
+prefetches ``SPECULATIVE``; a queued transfer can be promoted, or cancelled while it is not being
+copied (early preemption drops a layer's speculative work). On CUDA the copies run on the worker's
+own stream from pinned host memory, non-blocking, and the compute stream waits on the transfer's
+event; on CPU the same code copies from the memory-mapped checkpoint into the slot.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import time
 
 import torch
 
+from expertcache.cache.proactive import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.store import ExpertStore, copy_tensor
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.base import Key
-
-DEMAND, SPECULATIVE = 0, 1
 
 
 class DiskTier:
@@ -37,12 +36,16 @@ class DiskTier:
         if device.type == "cuda":
             self.staging = SlotPool(layout, 1, torch.device("cpu"), pin=True)
 
-    def copy_into(self, key: Key, views: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
+        """Copy one chunk (``(tensor, first row, end row, bytes)`` pieces) of ``key`` into ``views``."""
         if self.staging is None:
-            self.store.read(key, views)
-        else:  # the worker waits for each copy to finish before the staging buffer is reused
-            self.store.read(key, self.staging.views[0])
-            flat.copy_(self.staging.buffer[0], non_blocking=True)
+            for name, start, stop, _ in chunk:
+                self.store.read_rows(key, name, start, stop, views[name])
+            return
+        staged = self.staging.views[0]  # the worker waits for each copy before reusing the staging buffer
+        for name, start, stop, _ in chunk:
+            self.store.read_rows(key, name, start, stop, staged[name])
+            views[name][start:stop].copy_(staged[name][start:stop], non_blocking=True)
 
 
 class HostTier:
@@ -65,37 +68,77 @@ class HostTier:
         for i, key in enumerate(progress(keys) if progress else keys):
             store.read(key, self.pool.views[i])
 
-    def copy_into(self, key: Key, views: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
         layer, expert = key
-        src = self.pool.buffer[layer * self.num_experts + expert]
-        if flat.device.type == "cpu":
-            copy_tensor(flat, src)
-        else:
-            flat.copy_(src, non_blocking=True)
+        src = self.pool.views[layer * self.num_experts + expert]
+        for name, start, stop, _ in chunk:
+            dst = views[name][start:stop]
+            if dst.device.type == "cpu":
+                copy_tensor(dst, src[name][start:stop])
+            else:
+                dst.copy_(src[name][start:stop], non_blocking=True)
 
 
 class Transfer:
-    """One expert moving into one slot; ``done`` is set when the slot holds it (or it failed)."""
+    """One expert moving into one slot, chunk by chunk; ``done`` is set when the slot holds it, or
+    when it failed or was cancelled."""
 
-    __slots__ = ("key", "slot", "priority", "seq", "done", "error", "cancelled", "event", "ready", "nbytes")
+    __slots__ = (
+        "key",
+        "slot",
+        "priority",
+        "seq",
+        "done",
+        "error",
+        "cancelled",
+        "event",
+        "ready",
+        "next_chunk",
+        "moved",
+        "submitted",
+    )
 
-    def __init__(self, key: Key, slot: int, priority: int, seq: int, nbytes: int) -> None:
-        self.key, self.slot, self.priority, self.seq, self.nbytes = key, slot, priority, seq, nbytes
+    def __init__(self, key: Key, slot: int, priority: int, seq: int) -> None:
+        self.key, self.slot, self.priority, self.seq = key, slot, priority, seq
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cancelled = False
-        self.event = None  # CUDA: recorded on the transfer stream when the copy is issued
+        self.event = None  # CUDA: recorded on the transfer stream after the last chunk is issued
         self.ready = None  # CUDA: recorded on the compute stream at submit (the slot's last reader)
+        self.next_chunk = 0  # chunks already copied
+        self.moved = 0  # bytes already copied
+        self.submitted = time.perf_counter()
+
+    @property
+    def started(self) -> bool:
+        return self.next_chunk > 0
 
     def __lt__(self, other: Transfer) -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
 
 
 class TransferWorker:
-    """A thread that performs queued transfers in priority order, one at a time (the link is serial)."""
+    """A thread performing queued transfers in priority order, one chunk at a time (the link is serial).
 
-    def __init__(self, tier, pool: SlotPool, link: EmulatedLink | None = None) -> None:
+    After every chunk the highest-priority transfer goes next, so a demand transfer waits for at most
+    one chunk of a speculative one; the interrupted transfer resumes later where it stopped, and can
+    still be cancelled until it finishes. A chunk whose copy raises is retried up to ``retries``
+    times before the transfer fails. ``fault`` (tests) is called before every chunk copy with
+    ``(transfer, chunk index, attempt)`` and may sleep or raise.
+    """
+
+    def __init__(
+        self,
+        tier,
+        pool: SlotPool,
+        link: EmulatedLink | None = None,
+        chunk_bytes: int | None = None,
+        retries: int = 2,
+    ) -> None:
         self.tier, self.pool, self.link = tier, pool, link
+        self.plan = pool.layout.chunks(chunk_bytes)
+        self.retries = retries
+        self.fault = None
         self.cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
         self._heap: list[Transfer] = []
@@ -103,11 +146,14 @@ class TransferWorker:
         self._seq = itertools.count()
         self._closed = False
         self.busy_s = 0.0  # time the link was occupied
+        self._link_free = 0.0  # emulated link: when its last chunk ended (perf_counter timeline)
+        self.bytes_moved = 0
+        self.retried = 0  # chunk copies that raised and were retried
         self._thread = threading.Thread(target=self._run, name="expertcache-transfer", daemon=True)
         self._thread.start()
 
     def submit(self, key: Key, slot: int, priority: int = DEMAND) -> Transfer:
-        t = Transfer(key, slot, priority, next(self._seq), self.pool.layout.nbytes)
+        t = Transfer(key, slot, priority, next(self._seq))
         if self.cuda:  # kernels already queued may still read the slot's previous expert
             t.ready = torch.cuda.Event()
             t.ready.record(torch.cuda.current_stream(self.pool.device))
@@ -119,18 +165,27 @@ class TransferWorker:
         return t
 
     def cancel(self, t: Transfer) -> bool:
-        """Drop a queued transfer that has not started; True when it will not run."""
+        """Drop a queued transfer (one not being copied right now, partly moved or not); True when
+        it will not complete."""
         with self._cv:
             if t.done.is_set() or t not in self._heap:
                 return False
             t.cancelled = True
             return True
 
+    def promote(self, t: Transfer, priority: int = DEMAND) -> None:
+        """Raise a queued transfer's priority (a speculative one the router has now chosen)."""
+        with self._cv:
+            if t.priority > priority:
+                t.priority = priority
+                if t in self._heap:
+                    heapq.heapify(self._heap)
+
     def wait(self, t: Transfer) -> None:
         """Block until the transfer's slot is usable by the compute stream."""
         t.done.wait()
         if t.error is not None:
-            raise ExpertcacheError(f"transfer of expert {t.key} failed: {t.error}") from t.error
+            raise ExpertcacheError(f"transfer of expert {t.key} failed: {first_line(t.error)}") from t.error
         if t.cancelled:
             raise ExpertcacheError(f"transfer of expert {t.key} was cancelled")
         if t.event is not None:
@@ -156,20 +211,46 @@ class TransferWorker:
     def _run(self) -> None:
         while (t := self._next()) is not None:
             started = time.perf_counter()
+            chunk = self.plan[t.next_chunk]
+            nbytes = sum(piece[3] for piece in chunk)
             try:
-                flat = self.pool.buffer[t.slot]
-                if self.cuda:
-                    with torch.cuda.stream(self.stream):
-                        self.stream.wait_event(t.ready)
-                        self.tier.copy_into(t.key, self.pool.views[t.slot], flat)
-                        t.event = torch.cuda.Event()
-                        t.event.record(self.stream)
-                    t.event.synchronize()
-                else:
-                    self.tier.copy_into(t.key, self.pool.views[t.slot], flat)
-                if self.link is not None:
-                    self.link.finish(started, t.nbytes)
+                self._copy(t, chunk)
+                if self.link is not None:  # back to back from the last chunk, or from submission
+                    begin = max(self._link_free, t.submitted)
+                    self._link_free = self.link.finish(started, nbytes, begin)
             except BaseException as exc:  # reported to the waiter, never lost in the thread
                 t.error = exc
             self.busy_s += time.perf_counter() - started
+            if t.error is not None:
+                t.done.set()
+                continue
+            t.next_chunk += 1
+            t.moved += nbytes
+            self.bytes_moved += nbytes
+            if t.next_chunk < len(self.plan):
+                with self._cv:  # back in the queue: a higher priority may go first
+                    heapq.heappush(self._heap, t)
+                continue
             t.done.set()
+
+    def _copy(self, t: Transfer, chunk) -> None:
+        views = self.pool.views[t.slot]
+        for attempt in range(self.retries + 1):
+            try:
+                if self.fault is not None:
+                    self.fault(t, t.next_chunk, attempt)
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        if t.next_chunk == 0:
+                            self.stream.wait_event(t.ready)
+                        self.tier.copy_chunk(t.key, views, chunk)
+                        t.event = torch.cuda.Event()
+                        t.event.record(self.stream)
+                    t.event.synchronize()  # the staging buffer (disk tier) is reused by the next chunk
+                else:
+                    self.tier.copy_chunk(t.key, views, chunk)
+                return
+            except Exception:
+                if attempt == self.retries:
+                    raise
+                self.retried += 1

@@ -4,8 +4,10 @@ Layout (see ../shared/traces/README.md): ``experts`` int16 [T, L, K] (expert ids
 ``num_experts`` scalar, and optional ``weights`` float32 [T, L, K], ``seq_id`` int32 [T],
 ``is_prefill`` int8 [T] (1 prompt token, 0 generated, -1 unknown), ``token_id`` int32 [T]
 (-1 unknown), ``step_id`` int32 [T] (the forward step that served the token, non-decreasing: an
-engine's batched steps; without it, steps are derived from ``is_prefill`` and ``seq_id``). Other
-arrays and scalars in a file are kept as metadata.
+engine's batched steps; without it, steps are derived from ``is_prefill`` and ``seq_id``),
+``predicted`` int16 [T, L, K] (what the engine's predictor predicted for each step and layer: the
+step's ranked list, read row after row over the step's tokens, -1 padding; meta ``predictor`` and
+``window`` name it). Other arrays and scalars in a file are kept as metadata.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ _OPTIONAL = {
     "is_prefill": ("iu", np.int8, 1),
     "token_id": ("iu", np.int32, 1),
     "step_id": ("iu", np.int32, 1),
+    "predicted": ("iu", np.int16, 3),
 }
 _CORE = ("experts", "num_experts", *_OPTIONAL)
 
@@ -41,6 +44,7 @@ class Trace:
     is_prefill: np.ndarray | None = None  # int8 [T]
     token_id: np.ndarray | None = None  # int32 [T]
     step_id: np.ndarray | None = None  # int32 [T], non-decreasing
+    predicted: np.ndarray | None = None  # int16 [T, L, K]: the engine predictor's experts, -1 none
     meta: dict[str, object] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -158,6 +162,10 @@ def _validate(trace: Trace) -> None:
         want = ex.shape if rank == 3 else (t,)
         if value.shape != want:
             raise TraceError(f"{src}: '{name}' has shape {value.shape}, expected {want}")
+    if trace.predicted is not None and (
+        trace.predicted.min() < -1 or trace.predicted.max() >= trace.num_experts
+    ):
+        raise TraceError(f"{src}: 'predicted' has expert ids outside -1..{trace.num_experts - 1}")
     if trace.is_prefill is not None and not np.isin(trace.is_prefill, (-1, 0, 1)).all():
         raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
     if trace.seq_id is not None and (trace.seq_id < 0).any():

@@ -1,0 +1,437 @@
+"""Proactive caching in the engine: prefetch, chunking, preemption and reordering never change outputs.
+
+- ``Proactive`` alone with a scripted transport: what is prefetched, evicted, dropped, promoted.
+- The engine against transformers' eager reference: identical tokens and logits for every predictor
+  and switch, at random budgets and windows (hypothesis), under injected transfer faults and delays,
+  and with predictions that are always wrong at the minimum budget (no deadlock).
+- The chunked, preemptible transfer worker on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import (
+    FAMILIES,
+    TOP_K,
+    assert_exact,
+    engine_load,
+    greedy,
+    moe_layers,
+    total_experts,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from expertcache.cache.proactive import DEMAND, FAILED, PENDING, READY, SPECULATIVE, Proactive
+from expertcache.cache.residency import Residency
+from expertcache.cli import main
+from expertcache.engine.memory import SlotLayout, SlotPool
+from expertcache.engine.transfer import TransferWorker
+from expertcache.policy.base import PolicyContext
+from expertcache.policy.registry import make_policy
+from expertcache.predict.base import Predictor
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+reference = engine_fixtures.reference
+tokenizer_dir = engine_fixtures.tokenizer_dir
+PREDICTORS = ("next-gate", "window", "token", "eam")
+
+
+# --------------------------------------------------------------------------- Proactive, scripted
+class _Handle:
+    def __init__(self, key, victim, priority, seq):
+        self.key, self.victim, self.priority, self.seq = key, victim, priority, seq
+        self.state, self.started, self.cancelled = PENDING, False, False
+
+
+class _Script:
+    """A transport whose transfers finish only when the test says (or at ``wait``)."""
+
+    def __init__(self):
+        self.handles: list[_Handle] = []
+        self.released: list = []
+
+    def submit(self, key, victim, priority):
+        h = _Handle(key, victim, priority, len(self.handles))
+        self.handles.append(h)
+        return h
+
+    def cancel(self, h):
+        if h.state != PENDING or h.started:
+            return False
+        h.cancelled, h.state = True, FAILED
+        return True
+
+    def promote(self, h):
+        h.priority = DEMAND
+
+    def poll(self, h):
+        return h.state
+
+    def started(self, h):
+        return h.started
+
+    def wait(self, h):
+        assert not h.cancelled
+        h.state = READY
+
+    def release(self, key):
+        self.released.append(key)
+
+
+def _proactive(capacity=4, layers=3, experts=4, limit=2, **kw):
+    ctx = PolicyContext(capacity=capacity, num_layers=layers, num_experts=experts, top_k=1)
+    res = Residency(make_policy("lru", ctx))
+    tr = _Script()
+    return Proactive(res, tr, layers, limit=limit, **kw), tr, res
+
+
+def test_prefetch_admits_through_the_policy_as_speculative_transfers():
+    pro, tr, res = _proactive()
+    assert pro.prefetch({1: [2, 3, 0]}) == 2  # limit 2 per layer
+    assert [(h.key, h.priority) for h in tr.handles] == [((1, 2), SPECULATIVE), ((1, 3), SPECULATIVE)]
+    assert (1, 2) in res and (1, 3) in res
+    assert pro.prefetch({1: [2]}) == 0  # resident (in flight) already: nothing queued
+
+
+def test_preemption_drops_unchosen_queued_prefetches_and_promotes_chosen_ones():
+    pro, tr, res = _proactive()
+    pro.prefetch({1: [2, 3]})
+    order = list(pro.serve(1, [3, 1]))
+    a, b = tr.handles[:2]
+    assert a.cancelled and (1, 2) not in res and tr.released == [(1, 2)]
+    assert b.priority == DEMAND and not b.cancelled
+    assert tr.handles[2].key == (1, 1) and tr.handles[2].priority == DEMAND
+    assert order == [(1, 3), (1, 1)]
+    assert pro.stats.cancelled[1] == 1 and pro.stats.used[1] == 1 and pro.stats.misses[1] == 1
+
+
+def test_without_preemption_stale_prefetches_stay_queued():
+    pro, tr, res = _proactive(preemption=False)
+    pro.prefetch({1: [2, 3]})
+    list(pro.serve(1, [3, 1]))
+    assert not tr.handles[0].cancelled and (1, 2) in res
+    assert tr.handles[1].priority == SPECULATIVE
+
+
+def test_prefetch_never_evicts_the_current_layer_in_flight_or_awaited_keys():
+    pro, tr, res = _proactive(capacity=3, limit=3)
+    list(pro.serve(0, [0, 1]))  # resident: (0,0), (0,1)
+    pro.prefetch({1: [0, 1, 2]}, current=[(0, 0), (0, 1)])
+    # one free slot: (1,0) is queued; (1,1) would need to evict (0,x) (current) or (1,0) (in flight)
+    assert [h.key for h in tr.handles[2:]] == [(1, 0)]
+    assert pro.stats.skipped[1] == 2
+    assert (0, 0) in res and (0, 1) in res
+
+
+def test_reordering_computes_resident_then_moving_then_queued():
+    pro, tr, res = _proactive(capacity=4, limit=4)
+    list(pro.serve(0, [0]))  # (0,0) resident
+    pro.prefetch({0: [1, 2]})
+    tr.handles[-2].started = True  # (0,1) is being copied, (0,2) queued
+    assert list(pro.serve(0, [3, 2, 1, 0])) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    pro2, tr2, _ = _proactive(capacity=4, limit=4, reorder=False)
+    list(pro2.serve(0, [0]))
+    pro2.prefetch({0: [1, 2]})
+    assert list(pro2.serve(0, [3, 2, 1, 0])) == [(0, 3), (0, 2), (0, 1), (0, 0)]
+
+
+def test_a_demand_miss_with_every_slot_in_flight_drains_speculation_instead_of_failing():
+    pro, tr, res = _proactive(capacity=2, limit=2)
+    pro.prefetch({1: [0, 1]})  # both slots now hold in-flight prefetches for layer 1
+    tr.handles[0].started = True  # one is mid-copy: it must be waited for, not cancelled
+    assert list(pro.serve(0, [3])) == [(0, 3)]
+    assert tr.handles[1].cancelled and tr.handles[0].state == READY
+    assert (0, 3) in res and len(res) <= 2
+
+
+def test_accuracy_fetchrate_goodpred_counts():
+    pro, tr, res = _proactive(capacity=4, limit=2)
+    pro.prefetch({1: [0, 1]})
+    tr.handles[0].state = READY  # (1,0) arrived in time; (1,1) was wrong
+    list(pro.serve(1, [0, 2]))
+    s = pro.stats.to_dict()
+    assert pro.stats.actual[1] == 2 and pro.stats.correct[1] == 1 and pro.stats.in_time[1] == 1
+    assert s["accuracy"] == 0.5 and s["fetchrate"] == 1.0 and s["goodpred"] == 0.5
+
+
+# ------------------------------------------------------------------------- engine exactness
+@pytest.mark.parametrize("family", FAMILIES)
+def test_next_gate_prefetch_is_exact_for_every_family_at_the_minimum_budget(family, ckpt, reference):
+    path = ckpt(family)
+    want = reference(path, IDS)
+    low = moe_layers(family) * TOP_K
+    with engine_load(path, low, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
+        got = greedy(model, IDS)
+        stats = model.stats
+    assert_exact(got, want)
+    assert stats["prefetch_issued"] > 0
+
+
+_TRACES: dict = {}
+
+
+def _trace_for(path):
+    """A recorded trace of the model (another prompt): token's table and eam's warm start."""
+    if path not in _TRACES:
+        with engine_load(path) as model:
+            greedy(model, torch.tensor([engine_fixtures.PROMPT_B]))
+            _TRACES[path] = model.trace()
+    return _TRACES[path]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_any_predictor_window_budget_and_switches_give_the_reference(data, ckpt, reference):
+    family = data.draw(st.sampled_from(("mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3")), label="family")
+    predictor = data.draw(st.sampled_from(PREDICTORS), label="predictor")
+    window = data.draw(st.integers(1, 3), label="window")
+    policy = data.draw(st.sampled_from(("lru", "lfu", "llru", "lru-dist", "eam")), label="policy")
+    low, high = moe_layers(family) * TOP_K, total_experts(family)
+    cap = data.draw(st.integers(low, high), label="capacity")
+    switches = {
+        "chunking": data.draw(st.booleans(), label="chunking"),
+        "preemption": data.draw(st.booleans(), label="preemption"),
+        "reorder": data.draw(st.booleans(), label="reorder"),
+    }
+    path = ckpt(family)
+    extra = {"predictor": _trace_for(path)} if predictor in ("token", "eam") else {}
+    want = reference(path, IDS)
+    with engine_load(
+        path, cap, policy, prefetch=predictor, window=window, link_latency="30us", **switches, **extra
+    ) as model:
+        got = greedy(model, IDS)
+    assert_exact(got, want)
+
+
+def test_injected_delays_and_failures_are_retried_and_change_nothing(ckpt, reference):
+    path = ckpt("mixtral")
+    want = reference(path, IDS)
+    rng = random.Random(7)
+    failed: set = set()
+
+    def fault(transfer, chunk, attempt):
+        time.sleep(rng.random() * 2e-4)
+        key = (transfer.key, transfer.seq, chunk)
+        if attempt == 0 and rng.random() < 0.3 and key not in failed:
+            failed.add(key)
+            raise OSError("injected read error")
+
+    with engine_load(path, moe_layers("mixtral") * TOP_K + 3, "lru", prefetch="window", window=2) as model:
+        model.cache.worker.fault = fault
+        got = greedy(model, IDS)
+        stats = model.stats
+    assert_exact(got, want)
+    assert stats["retried_chunks"] == len(failed) > 0
+
+
+def test_a_transfer_that_keeps_failing_is_one_clear_error(ckpt):
+    path = ckpt("mixtral")
+
+    def fault(transfer, chunk, attempt):
+        raise OSError("disk gone")
+
+    with engine_load(path, moe_layers("mixtral") * TOP_K) as model:
+        model.cache.worker.fault = fault
+        with pytest.raises(Exception, match="failed: disk gone"):
+            greedy(model, IDS)
+
+
+class _AlwaysWrong(Predictor):
+    """Predicts, for every layer, every expert the step will NOT use there (read from a recording)."""
+
+    name = "always-wrong"
+
+    def __init__(self, ctx, steps):
+        super().__init__(ctx)
+        self.steps, self.step = steps, -1
+        self.num_experts = ctx.num_experts
+
+    def _begin(self, token_ids, prefill, new_request, future):
+        self.step += 1
+
+    def _predict(self, source, target, gate_input):
+        used = self.steps[self.step][target]
+        return [e for e in range(self.num_experts) if e not in used]
+
+
+def _recorded_groups(trace):
+    out = []
+    for step in np.unique(trace.step_id):
+        rows = trace.experts[trace.step_id == step]
+        out.append([set(rows[:, layer].reshape(-1).tolist()) for layer in range(trace.num_layers)])
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-dist"])
+def test_every_prediction_wrong_at_the_minimum_budget_neither_deadlocks_nor_changes_output(
+    policy, ckpt, reference
+):
+    from expertcache.predict.base import PredictContext
+
+    path = ckpt("mixtral")
+    want = reference(path, IDS)
+    low = moe_layers("mixtral") * TOP_K
+    with engine_load(path, low, policy) as model:
+        greedy(model, IDS)
+        steps = _recorded_groups(model.trace())
+    with engine_load(path, low, policy, link_latency="50us") as model:
+        ctx = PredictContext(model.num_layers, model.num_experts, model.top_k, window=1)
+        model.engine.predictor = _AlwaysWrong(ctx, steps)
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(out=greedy(model, IDS)), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "generation deadlocked"
+        stats = model.stats
+    assert_exact(result["out"], want)
+    assert stats["prefetch_issued"] > 0 and stats["prefetch_used"] == 0
+    assert stats["accuracy"] == 0.0
+
+
+def test_the_trace_records_what_the_predictor_predicted(ckpt, tmp_path):
+    path = ckpt("mixtral")
+    with engine_load(path, moe_layers("mixtral") * TOP_K + 2, prefetch="next-gate") as model:
+        greedy(model, IDS)
+        trace = model.trace()
+    assert trace.predicted is not None and trace.predicted.shape == trace.experts.shape
+    assert trace.meta["predictor"] == "next-gate" and trace.meta["window"] == 1
+    decode = trace.is_prefill == 0
+    # next-gate predicts layers 1.. (layer 0 has nothing before it); every decode step predicts them all
+    assert (trace.predicted[decode][:, 0] == -1).all()
+    assert (trace.predicted[decode][:, 1:] >= 0).all()
+    trace.save(tmp_path / "t.npz")
+    from expertcache.trace.trace import load_trace
+
+    assert np.array_equal(load_trace(tmp_path / "t.npz").predicted, trace.predicted)
+
+
+def test_without_prefetch_the_engine_still_matches_the_simulator_with_chunking(ckpt):
+    from expertcache.sim.replay import replay
+    from expertcache.sim.schedule import build_schedule
+
+    path = ckpt("mixtral")
+    cap = moe_layers("mixtral") * TOP_K + 1
+    with engine_load(path, cap, "lru", link_latency="20us") as model:
+        greedy(model, IDS)
+        stats, trace = model.stats, model.trace()
+    sim = replay(build_schedule(trace, "layer"), "lru", cap)
+    assert sim.misses == stats["misses"] and sim.requests == stats["requests"]
+
+
+# --------------------------------------------------------------------------- transfer worker
+class _SlowTier:
+    name = "slow"
+
+    def __init__(self):
+        self.log: list = []
+        self.gate = threading.Event()
+
+    def copy_chunk(self, key, views, chunk):
+        self.gate.wait(5)
+        for name, start, stop, _ in chunk:
+            views[name][start:stop].fill_(key[0] * 100 + key[1])
+        self.log.append((key, chunk[0][1]))
+
+
+def test_a_demand_transfer_overtakes_a_speculative_one_between_chunks():
+    layout = SlotLayout.of({"w": (6, 4)}, torch.float32)
+    pool = SlotPool(layout, 4, torch.device("cpu"))
+    tier = _SlowTier()
+    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4)  # 3 chunks of 2 rows
+    try:
+        spec = worker.submit((0, 1), 0, SPECULATIVE)
+        time.sleep(0.05)  # the worker is inside spec's first chunk
+        demand = worker.submit((0, 2), 1, DEMAND)
+        tier.gate.set()
+        worker.wait(demand)
+        worker.wait(spec)
+    finally:
+        worker.close()
+    keys = [k for k, _ in tier.log]
+    assert keys == [(0, 1), (0, 2), (0, 2), (0, 2), (0, 1), (0, 1)]
+    assert torch.all(pool.buffer[0][: layout.numel] == 1) and torch.all(pool.buffer[1][: layout.numel] == 2)
+
+
+def test_a_partly_moved_speculative_transfer_can_be_cancelled_and_one_can_be_promoted():
+    layout = SlotLayout.of({"w": (6, 4)}, torch.float32)
+    pool = SlotPool(layout, 4, torch.device("cpu"))
+    tier = _SlowTier()
+    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4)
+    try:
+        a = worker.submit((0, 1), 0, SPECULATIVE)
+        time.sleep(0.05)
+        b = worker.submit((0, 2), 1, SPECULATIVE)
+        c = worker.submit((0, 3), 2, SPECULATIVE)
+        worker.promote(c)
+        assert worker.cancel(b)
+        tier.gate.set()
+        worker.wait(c)
+        worker.wait(a)
+        b.done.wait(5)
+    finally:
+        worker.close()
+    keys = [k for k, _ in tier.log]
+    assert (0, 2) not in keys and keys.index((0, 3)) < keys.index((0, 1), 1)
+    assert b.cancelled and a.started and c.moved == layout.nbytes
+
+
+def test_chunks_cover_each_tensor_once():
+    layout = SlotLayout.of({"gate_up_proj": (8, 5), "down_proj": (5, 4), "bias": (3,)}, torch.float32)
+    for chunk_bytes in (None, 1, 20, 64, 10_000):
+        covered: dict[str, list[int]] = {n: [] for n in layout.names}
+        for chunk in layout.chunks(chunk_bytes):
+            if chunk_bytes:
+                assert len(chunk) == 1
+            for name, start, stop, nbytes in chunk:
+                covered[name] += range(start, stop)
+                assert nbytes == (stop - start) * (nbytes // (stop - start))
+        for name, shape in zip(layout.names, layout.shapes, strict=True):
+            assert covered[name] == list(range(shape[0]))
+    assert len(layout.chunks(None)) == 1
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
+    path = ckpt("mixtral")
+    rc = main(
+        [
+            "generate", "--model", str(path), "--prompt", "a b c", "--max-new-tokens", "4",
+            "--expert-memory", "50%", "--device", "cpu", "--prefetch", "window", "--window", "2",
+            "--no-preemption", "--chunk-size", "1KB", "--json",
+        ]
+    )  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["prefetch"] == "window" and out["window"] == 2 and out["preemption"] is False
+    assert out["chunk_bytes"] == 1000 and out["reorder"] is True
+    assert out["prefetch_issued"] >= out["prefetch_used"] >= 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prefetch", "oracle"], "simulator only"),
+        (["--prefetch", "nope"], "unknown predictor 'nope'"),
+        (["--prefetch", "window", "--window", "0"], "at least 1 layer"),
+        (["--chunk-size", "0"], "chunk size must be positive"),
+        (["--chunk-size", "lots"], "chunk size"),
+        (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
+    ],
+)
+def test_cli_prefetch_errors_are_one_line_and_exit_2(ckpt, capsys, args, message):
+    path = ckpt("mixtral")
+    rc = main(["generate", "--model", str(path), "--prompt", "a", "--device", "cpu", *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and "\n" not in err
