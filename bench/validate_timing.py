@@ -1,0 +1,218 @@
+"""The simulator's timing model against the CPU engine with an emulated link.
+
+1. Calibrate a ``CostModel`` on the engine with every expert resident and no link: one expert's
+   compute for 1..32 tokens (fitted to a + b * tokens), the decode step time, and from it the dense
+   time per layer (decode TPOT minus the experts' share, spread over the layers; the per-step time is
+   folded into it). The link is the emulated one: bandwidth set so that one expert's transfer takes
+   ``--link-ratio`` times one expert's compute for one token, ``--link-latency`` per chunk. The
+   engine's wake-up overhead (``wake_s``: an isolated transfer's wall time minus its emulated time,
+   i.e. the sleep's overshoot plus the compute thread's wake-up) is measured on the worker itself.
+2. For each budget and predictor, run the engine (fresh load, greedy, ``--new-tokens``) with that
+   link, record its trace (routing and, for gate-based predictors, what it predicted), and measure
+   TPOT and decode stall per token (medians over ``--repeats`` loads).
+3. Replay each recorded trace through ``simulate_timing`` with the same policy, capacity, predictor
+   (recorded predictions for gate-based ones), window and switches, and compare.
+
+    .venv/bin/python bench/validate_timing.py [--quick] [--out bench/results/validate_timing.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from provenance import ROOT, provenance
+
+from expertcache.cache.proactive import DEMAND
+from expertcache.engine import load
+from expertcache.engine.runtime import _expert_output
+from expertcache.sim.timing import CostModel, simulate_timing
+
+PROMPT = (
+    "import json\n"
+    "from pathlib import Path\n\n\n"
+    "def read_config(path):\n"
+    '    """Read a JSON configuration file and return it as a dictionary."""\n'
+)
+
+
+def expert_samples(model, counts=(1, 2, 4, 8, 16, 32), reps: int = 200) -> list[tuple[int, float]]:
+    """(tokens, seconds) of one expert's compute, the median of ``reps`` calls per count."""
+    modules = [m for m in model.model.modules() if hasattr(m, "_expertcache_layer")]
+    module, views = modules[0], model.pool.views[0]
+    hidden = model.config.hidden_size
+    out = []
+    with torch.inference_mode():
+        for n in counts:
+            x = torch.randn(n, hidden, dtype=model.dtype)
+            for _ in range(20):
+                _expert_output(module, views, x)
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                _expert_output(module, views, x)
+                times.append(time.perf_counter() - t)
+            out.append((n, statistics.median(times)))
+    return out
+
+
+def wake_overhead(path, cost: CostModel, reps: int = 200) -> float:
+    """Median of (wall time of submit + wait on one isolated transfer) - its emulated duration: the
+    emulated link's sleep overshoot plus the compute thread's wake-up, which the engine really pays."""
+    with load(
+        path,
+        expert_memory="100%",
+        progress=False,
+        record=False,
+        link_bandwidth=cost.link_bandwidth,
+        link_latency=cost.link_latency,
+        chunking=cost.chunk_bytes is not None,
+    ) as model:
+        worker, slot_of = model.cache.worker, model.cache.slot_of
+        keys = list(slot_of)
+        if not keys:  # nothing resident yet: one short generation fills the cache
+            model.generate_text(PROMPT, max_new_tokens=2)
+            keys = list(slot_of)
+        over = []
+        for i in range(reps):
+            key = keys[i % len(keys)]
+            start = time.perf_counter()
+            worker.wait(worker.submit(key, slot_of[key], DEMAND))  # rewrites the slot with its own expert
+            over.append(time.perf_counter() - start - cost.transfer_s)
+            time.sleep(1e-3)
+    return max(0.0, statistics.median(over))
+
+
+def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
+    with load(path, expert_memory="100%", progress=False, record=False) as model:
+        samples = expert_samples(model)
+        model.generate_text(PROMPT, max_new_tokens=8)  # warm-up
+        tpots = [model.generate_text(PROMPT, max_new_tokens=args.new_tokens).tpot_s for _ in range(3)]
+        L, K, nbytes = model.num_layers, model.top_k, model.layout.nbytes
+    base = CostModel.from_measurements(0.0, samples, 0.0, float("inf"), 0.0, nbytes)
+    tpot = statistics.median(tpots)
+    one = base.expert(1)
+    dense = max(0.0, (tpot - L * K * one) / L)
+    transfer = args.link_ratio * one
+    latency = args.link_latency_s
+    bandwidth = nbytes / max(transfer - latency, 1e-9)
+    cost = CostModel.from_measurements(
+        dense, samples, 0.0, bandwidth, latency, nbytes, None if args.no_chunking else "auto"
+    )
+    wake = wake_overhead(path, cost) if not args.no_wake else 0.0
+    cost = replace(cost, wake_s=wake)
+    return cost, {"tpot_resident_s": tpot, "expert_samples": samples, "expert_1_s": one, "wake_s": wake}
+
+
+def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, window):
+    runs = []
+    for _ in range(args.repeats):
+        with load(
+            path,
+            expert_memory=budget,
+            policy=args.policy,
+            progress=False,
+            link_bandwidth=cost.link_bandwidth,
+            link_latency=cost.link_latency,
+            prefetch=predictor or "none",
+            window=window,
+            chunking=not args.no_chunking,
+        ) as model:
+            gen = model.generate_text(PROMPT, max_new_tokens=args.new_tokens)
+            decode_steps = len(gen.tokens) - 1
+            runs.append(
+                {
+                    "tpot_s": gen.tpot_s,
+                    "ttft_s": gen.ttft_s,
+                    "decode_stall_per_token_s": gen.stats["decode_stall_s"] / decode_steps,
+                    "stall_s": gen.stats["stall_s"],
+                    "misses": gen.stats["misses"],
+                    "capacity": model.capacity,
+                    "trace": model.trace(),
+                    "goodpred": model.stats["goodpred"],
+                }
+            )
+    keys = ("tpot_s", "ttft_s", "decode_stall_per_token_s", "stall_s", "misses", "goodpred")
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    # the run whose TPOT is the median gives the trace the simulator replays
+    pick = sorted(runs, key=lambda r: r["tpot_s"])[len(runs) // 2]
+    return med, pick["trace"], pick["capacity"], [{k: r[k] for k in keys} for r in runs]
+
+
+def run_sim(trace, args, cost, capacity, predictor, window):
+    res = simulate_timing(
+        trace, args.policy, capacity=capacity, predictor=predictor, window=window, cost=cost
+    )
+    decode_steps = max(1, int((trace.is_prefill == 0).sum()))
+    return {
+        "tpot_s": res.tpot_s,
+        "ttft_s": res.ttft_s,
+        "decode_stall_per_token_s": res.stall_by_phase[0] / decode_steps,
+        "stall_s": res.stall_s,
+        "misses": res.misses,
+        "goodpred": res.proactive.get("goodpred"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    ap.add_argument("--budgets", nargs="+", default=["25%", "50%", "75%"])
+    ap.add_argument("--predictors", nargs="+", default=["none", "next-gate", "window", "learned"])
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-ratio", type=float, default=3.0)
+    ap.add_argument("--link-latency-us", type=float, default=5.0)
+    ap.add_argument("--no-chunking", action="store_true")
+    ap.add_argument("--no-wake", action="store_true", help="model no wake-up overhead (wake_s = 0)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "validate_timing.json")
+    args = ap.parse_args()
+    args.link_latency_s = args.link_latency_us * 1e-6
+    if args.quick:
+        args.budgets, args.predictors, args.new_tokens, args.repeats = ["50%"], ["none", "next-gate"], 16, 1
+    torch.set_num_threads(1)
+    cost, calib = calibrate(args.model, args)
+    print(cost.describe(), flush=True)
+    rows = []
+    for budget in args.budgets:
+        for name in args.predictors:
+            predictor = None if name == "none" else name
+            window = 2 if name in ("window", "learned") else None
+            eng, trace, capacity, runs = run_engine(args.model, args, cost, budget, predictor, window)
+            sim = run_sim(trace, args, cost, capacity, predictor, window)
+            err = {
+                k: (sim[k] - eng[k]) / eng[k] if eng[k] else None
+                for k in ("tpot_s", "decode_stall_per_token_s", "stall_s")
+            }
+            row = {"budget": budget, "predictor": name, "capacity": capacity, "engine": eng, "sim": sim}
+            row.update(error=err, runs=runs)
+            rows.append(row)
+            e_stall, s_stall = eng["decode_stall_per_token_s"], sim["decode_stall_per_token_s"]
+            print(
+                f"{budget:>4} {name:10} TPOT engine {eng['tpot_s'] * 1e3:6.2f} "
+                f"sim {sim['tpot_s'] * 1e3:6.2f} ({err['tpot_s']:+.1%}) | decode stall/token engine "
+                f"{e_stall * 1e3:6.3f} sim {s_stall * 1e3:6.3f} ({err['decode_stall_per_token_s'] or 0:+.1%})"
+                f" | misses {eng['misses']:.0f} / {sim['misses']}",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = {
+        "provenance": provenance(),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "cost": cost.to_dict(),
+        "calibration": calib,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

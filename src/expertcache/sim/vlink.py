@@ -1,0 +1,143 @@
+"""The timing simulator's link: ``cache.proactive.Transport`` in virtual time.
+
+One serial link moves experts chunk by chunk, each chunk taking a fixed time (latency + its bytes over
+the bandwidth). Two clocks: ``now`` is the compute clock, which the simulator advances (``advance``)
+and which ``wait`` moves on to a transfer's end (that wait is stall); ``free_at`` is when the link
+finishes the last chunk it started. The link works in the background of compute: before every call
+it starts, one after another, every chunk whose start time ``max(free_at, submit time)`` is <= now
+(a chunk starting exactly at ``now`` has started). After each chunk it chooses again: DEMAND before
+SPECULATIVE, first submitted first within one priority, so a demand transfer overtakes a speculative
+one between two chunks and the interrupted one resumes later, keeping its place. A started chunk
+always runs to its end; a transfer may be cancelled unless one of its chunks is on the link right now
+or all of them have started.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from expertcache.cache.proactive import DEMAND, FAILED, PENDING, READY
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Key
+
+
+class VTransfer:
+    """One expert on the virtual link: how many of its chunks have started, when it completes."""
+
+    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled")
+
+    def __init__(self, key: Key, priority: int, seq: int, submitted: float) -> None:
+        self.key, self.priority, self.seq, self.submitted = key, priority, seq, submitted
+        self.moved = 0  # chunks started (each runs to its end)
+        self.done_at: float | None = None  # end of its last chunk, once that chunk has started
+        self.cancelled = False
+
+
+class VirtualLink:
+    """A serial link in virtual time, with chunked, prioritised, cancellable transfers."""
+
+    def __init__(
+        self, chunk_s: Sequence[float], chunk_bytes: Sequence[int] | None = None, wake_s: float = 0.0
+    ) -> None:
+        if not chunk_s or min(chunk_s) < 0:
+            raise ExpertcacheError("a virtual link needs one non-negative duration per chunk of an expert")
+        self.chunk_s = [float(s) for s in chunk_s]  # seconds of each chunk of one expert
+        self.chunk_bytes = list(chunk_bytes) if chunk_bytes is not None else [0] * len(chunk_s)
+        self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
+        self.now = 0.0  # the compute clock
+        self.free_at = 0.0  # end of the last started chunk
+        self.current: VTransfer | None = None  # the transfer whose chunk ends at free_at
+        self.stall_s = 0.0  # compute time spent in wait()
+        self.busy_s = 0.0  # link time of every started chunk
+        self.bytes_moved = 0
+        self.transfers = 0  # submitted
+        self._heap: list[tuple[int, int, VTransfer]] = []  # (priority, seq, transfer), lazily cleaned
+        self._seq = itertools.count()
+
+    # -- the simulator's clock ------------------------------------------------------------------
+    def advance(self, seconds: float) -> None:
+        """Compute runs for ``seconds``; the link works meanwhile."""
+        if seconds < 0:
+            raise ExpertcacheError(f"cannot advance time by a negative {seconds} s")
+        self.now += seconds
+        self._run(self.now)
+
+    # -- Transport ------------------------------------------------------------------------------
+    def submit(self, key: Key, victim: Key | None, priority: int) -> VTransfer:
+        t = VTransfer(key, priority, next(self._seq), self.now)
+        heapq.heappush(self._heap, (priority, t.seq, t))
+        self.transfers += 1
+        self._run(self.now)
+        return t
+
+    def cancel(self, handle: VTransfer) -> bool:
+        self._run(self.now)
+        if handle.cancelled:
+            return True
+        if handle.done_at is not None or (handle is self.current and self.free_at > self.now):
+            return False  # complete, or one of its chunks is on the link right now
+        handle.cancelled = True
+        return True
+
+    def promote(self, handle: VTransfer) -> None:
+        self._run(self.now)
+        if handle.priority != DEMAND and handle.done_at is None and not handle.cancelled:
+            handle.priority = DEMAND  # the old heap entry is stale from now on
+            heapq.heappush(self._heap, (DEMAND, handle.seq, handle))
+
+    def poll(self, handle: VTransfer) -> int:
+        self._run(self.now)
+        if handle.cancelled:
+            return FAILED
+        return READY if handle.done_at is not None and handle.done_at <= self.now else PENDING
+
+    def started(self, handle: VTransfer) -> bool:
+        self._run(self.now)
+        return handle.moved > 0
+
+    def wait(self, handle: VTransfer) -> None:
+        """Compute blocks until the transfer has arrived: the link runs on (nothing new is submitted
+        meanwhile), then ``now`` moves to the transfer's end and the difference counts as stall."""
+        if handle.cancelled:
+            raise ExpertcacheError(f"transfer of expert {handle.key} was cancelled")
+        self._run(self.now)
+        while handle.done_at is None:
+            self._move(self._next())  # type: ignore[arg-type]  # the handle itself is still queued
+        if handle.done_at > self.now:
+            resume = handle.done_at + self.wake_s
+            self.stall_s += resume - self.now
+            self.now = resume
+            self._run(self.now)
+
+    def release(self, key: Key) -> None:
+        """Nothing to free: the virtual link holds no buffers."""
+
+    # -- the link's work ------------------------------------------------------------------------
+    def _next(self) -> VTransfer | None:
+        """The transfer the link serves next (stale, cancelled and finished entries dropped)."""
+        heap = self._heap
+        while heap:
+            priority, _, t = heap[0]
+            if t.cancelled or t.done_at is not None or priority != t.priority:
+                heapq.heappop(heap)
+                continue
+            return t
+        return None
+
+    def _run(self, limit: float) -> None:
+        """Start every chunk whose start time is at most ``limit``."""
+        while (t := self._next()) is not None and max(self.free_at, t.submitted) <= limit:
+            self._move(t)
+
+    def _move(self, t: VTransfer) -> None:
+        """Start the next chunk of ``t`` on the link."""
+        start = max(self.free_at, t.submitted)
+        self.free_at = start + self.chunk_s[t.moved]
+        self.busy_s += self.chunk_s[t.moved]
+        self.bytes_moved += self.chunk_bytes[t.moved]
+        self.current = t
+        t.moved += 1
+        if t.moved == len(self.chunk_s):
+            t.done_at = self.free_at
