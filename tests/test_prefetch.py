@@ -435,3 +435,13 @@ def test_cli_prefetch_errors_are_one_line_and_exit_2(ckpt, capsys, args, message
     rc = main(["generate", "--model", str(path), "--prompt", "a", "--device", "cpu", *args])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and message in err and "\n" not in err
+
+
+def test_cli_lists_every_predictor(capsys):
+    from expertcache.predict.registry import PREDICTORS
+
+    assert main(["predictors"]) == 0
+    out = capsys.readouterr().out
+    for name in PREDICTORS:
+        assert f"\n{name} " in "\n" + out
+    assert "oracle     sim" in out

@@ -4,7 +4,16 @@ __version__ = "0.1.0"
 
 from expertcache.errors import ExpertcacheError, PolicyError, TraceError  # noqa: E402
 from expertcache.policy import POLICIES, PolicyContext, make_policy  # noqa: E402
-from expertcache.sim import build_schedule, default_trace, replay, run_policy, simulate  # noqa: E402
+from expertcache.predict import PREDICTORS, PredictContext, make_predictor  # noqa: E402
+from expertcache.sim import (  # noqa: E402
+    CostModel,
+    build_schedule,
+    default_trace,
+    replay,
+    run_policy,
+    simulate,
+    simulate_timing,
+)
 from expertcache.trace import Trace, load_trace, synthesize  # noqa: E402
 
 
@@ -18,8 +27,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CostModel",
     "OffloadedModel",
     "POLICIES",
+    "PREDICTORS",
+    "PredictContext",
     "ExpertcacheError",
     "PolicyContext",
     "PolicyError",
@@ -31,8 +43,10 @@ __all__ = [
     "load",
     "load_trace",
     "make_policy",
+    "make_predictor",
     "replay",
     "run_policy",
     "simulate",
+    "simulate_timing",
     "synthesize",
 ]

@@ -110,6 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=_cmd_policies)
+    prd = sub.add_parser("predictors", help="list the expert predictors (for --prefetch)")
+    prd.set_defaults(func=_cmd_predictors)
 
     g = sub.add_parser("generate", help="generate text with experts offloaded under a memory budget")
     g.add_argument(
@@ -162,6 +164,21 @@ def _build_parser() -> argparse.ArgumentParser:
         "--tokenizer", metavar="DIR", help="copy the tokenizer from here (default: embedded model)"
     )
     ms.set_defaults(func=_cmd_model_synth)
+
+    tp = sub.add_parser("train-predictor", help="train ProMoE's learned expert predictor for a model")
+    tp.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
+    tp.add_argument("--out", required=True, metavar="DIR", help="where the predictor is written")
+    tp.add_argument(
+        "--window", type=int, nargs="+", default=[2], metavar="K",
+        help="layers ahead (default 2); several windows: one DIR/window-K/ each",
+    )  # fmt: skip
+    tp.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: stdlib sources)")
+    tp.add_argument("--epochs", type=int, metavar="N", help="training epochs (default 10)")
+    tp.add_argument("--hidden", type=int, metavar="N", help="MLP hidden width (default 128)")
+    tp.add_argument("--max-new-tokens", type=int, metavar="N", help="greedy tokens per prompt (default 64)")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
+    tp.set_defaults(func=_cmd_train_predictor)
     return p
 
 
@@ -199,6 +216,7 @@ _TIMING_COST_FLAGS = (
     ("--step-time", "TIME", "per forward step: embeddings, LM head"),
     ("--expert-bytes", "SIZE", "bytes of one expert, e.g. 336MiB"),
     ("--chunk-size", "SIZE", "bytes per transfer chunk at most (default: a third of an expert)"),
+    ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
 )
 
 
@@ -222,6 +240,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "step_s": args.step_time,
         "expert_bytes": args.expert_bytes,
         "chunk_bytes": args.chunk_size,
+        "wake_s": args.wake_time,
     }
     base = CostModel.load(args.cost) if args.cost else None
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
@@ -323,6 +342,20 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
         kind = "offline" if cls.offline else "online"
         print(f"{name:13s} {kind:7s} {'per-layer split of ' if name.endswith('-dist') else ''}{doc}")
+    return 0
+
+
+def _cmd_predictors(args: argparse.Namespace) -> int:
+    from expertcache.predict.registry import PREDICTORS
+
+    for name, cls in PREDICTORS.items():
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        where = "sim" if cls.sim_only else "engine" if cls.needs_model else "both"
+        print(f"{name:10s} {where:6s} window {cls.default_window}  {doc}")
+    print(
+        "(engine-only predictors are replayed by 'expertcache timing' from a trace recorded with "
+        "'generate --prefetch NAME --record-trace FILE')"
+    )
     return 0
 
 
@@ -467,6 +500,24 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     print(f"wrote {out}")
+    return 0
+
+
+def _cmd_train_predictor(args: argparse.Namespace) -> int:
+    from expertcache.predict.train import format_report, train_predictor
+
+    _quiet_transformers()
+    opts = {n: getattr(args, n) for n in ("epochs", "hidden", "max_new_tokens") if getattr(args, n) is not None}
+    report = train_predictor(
+        args.model,
+        args.out,
+        args.prompts,
+        args.window[0] if len(args.window) == 1 else args.window,
+        seed=args.seed,
+        log=None if args.json else lambda line: print(line, file=sys.stderr),
+        **opts,
+    )
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 

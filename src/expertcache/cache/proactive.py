@@ -108,10 +108,15 @@ class ProactiveStats:
             "accuracy": ratio(self.correct, self.actual),
             "fetchrate": ratio(self.in_time, self.correct),
             "goodpred": ratio(self.in_time, self.actual),
-            "goodpred_by_layer": [
-                float(i / a) if a else None for i, a in zip(self.in_time, self.actual, strict=True)
-            ],
+            "accuracy_by_layer": _per_layer(self.correct, self.actual),
+            "fetchrate_by_layer": _per_layer(self.in_time, self.correct),
+            "goodpred_by_layer": _per_layer(self.in_time, self.actual),
         }
+
+
+def _per_layer(num: np.ndarray, den: np.ndarray) -> list[float | None]:
+    """num / den per layer; None where a layer was never predicted (layer 0 of gate predictors)."""
+    return [float(n / d) if d else None for n, d in zip(num.tolist(), den.tolist(), strict=True)]
 
 
 class Proactive:

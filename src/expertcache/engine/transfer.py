@@ -18,7 +18,7 @@ import time
 import torch
 
 from expertcache.cache.proactive import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
-from expertcache.engine.link import EmulatedLink
+from expertcache.engine.link import EmulatedLink, tighten_timer_slack
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.store import ExpertStore, copy_tensor
 from expertcache.errors import ExpertcacheError, first_line
@@ -145,7 +145,7 @@ class TransferWorker:
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
-        self.busy_s = 0.0  # time the link was occupied
+        self.busy_s = 0.0  # time the link was occupied (emulated: at least each chunk's duration)
         self._link_free = 0.0  # emulated link: when its last chunk ended (perf_counter timeline)
         self.bytes_moved = 0
         self.retried = 0  # chunk copies that raised and were retried
@@ -209,6 +209,8 @@ class TransferWorker:
                 self._cv.wait()
 
     def _run(self) -> None:
+        if self.link is not None:
+            tighten_timer_slack()  # the emulated link sleeps for tens of microseconds at a time
         while (t := self._next()) is not None:
             started = time.perf_counter()
             chunk = self.plan[t.next_chunk]
@@ -220,7 +222,9 @@ class TransferWorker:
                     self._link_free = self.link.finish(started, nbytes, begin)
             except BaseException as exc:  # reported to the waiter, never lost in the thread
                 t.error = exc
-            self.busy_s += time.perf_counter() - started
+            took = time.perf_counter() - started
+            # an emulated chunk occupies the link for its duration even when it started late
+            self.busy_s += max(took, self.link.duration(nbytes)) if self.link is not None else took
             if t.error is not None:
                 t.done.set()
                 continue

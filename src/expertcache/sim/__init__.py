@@ -4,9 +4,12 @@ from expertcache.sim.api import default_trace, simulate
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.schedule import ORDERS, Schedule, build_schedule
+from expertcache.sim.timing import CostModel, TimingResult, simulate_timing
 
 __all__ = [
     "ORDERS",
+    "CostModel",
+    "TimingResult",
     "Schedule",
     "SimResult",
     "all_capacities",
@@ -15,5 +18,6 @@ __all__ = [
     "replay",
     "run_policy",
     "simulate",
+    "simulate_timing",
     "with_opt",
 ]
