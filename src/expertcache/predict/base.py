@@ -108,7 +108,10 @@ class Predictor(ABC):
 
 def rank_union(index: np.ndarray, scores: np.ndarray | None = None) -> list[int]:
     """Distinct experts of per-token top-k rows [T, K], most tokens first (ties: best rank, then id)."""
-    index = np.asarray(index).reshape(-1, np.asarray(index).shape[-1])
+    index = np.asarray(index)
+    index = index.reshape(-1, index.shape[-1])
+    if index.shape[0] == 1:  # one token (every decode step): its own ranking, ids distinct already
+        return [e for e in index[0].tolist() if e >= 0]
     valid = index >= 0
     if not valid.any():
         return []

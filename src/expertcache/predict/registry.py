@@ -5,12 +5,14 @@ from __future__ import annotations
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.predict.eam import Eam
 from expertcache.predict.gate import NextGate, Window
+from expertcache.predict.learned import Learned
 from expertcache.predict.oracle import Oracle
 from expertcache.predict.token import TokenPredictor
 
 PREDICTORS: dict[str, type[Predictor]] = {
     "next-gate": NextGate,
     "window": Window,
+    "learned": Learned,
     "token": TokenPredictor,
     "eam": Eam,
     "oracle": Oracle,

@@ -1,0 +1,177 @@
+"""Prediction accuracy, ProMoE's ACCURACY_i(k): the share of layer i's experts predicted k layers ahead.
+
+``evaluate(predictor, captured)`` drives a predictor through captured forward steps exactly as the
+engine does (``begin_step``, then ``after_router`` for each layer in order, with the layer's chosen
+experts and its gate input) and compares each prediction of a target layer with what the layer then
+chose: ACCURACY_i = sum over steps of |pred ∩ actual| / sum of |actual|, where actual is the layer's
+distinct experts in the step and pred the first |actual| experts of the ranked prediction (the first
+top_k in a decode step). Every step drives the predictor (stateful predictors see the prompts);
+by default only decode steps are counted, as in ProMoE. A target layer never predicted in a counted
+step scores 0 for that step, so "no prediction" is not rewarded.
+
+``evaluate_model`` captures a model's routing over prompts (``predict/capture.py``) and tabulates
+ACCURACY for predictors by name and window; the same window means the same FETCHRATE, so accuracy
+alone decides which predictor's GOODPRED is higher (ProMoE Sec. 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.predict.base import PredictContext, Predictor, PredictorError
+from expertcache.predict.capture import Captured, capture, load_for_capture
+from expertcache.predict.registry import make_predictor
+
+HELDOUT_CHARS = 600  # tools/record_default_trace.py's --prompt-chars
+
+
+def router_fns(model: torch.nn.Module) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Each MoE layer's router as ``gate input [T, H] -> top-k index [T, K]``, bypassing hooks."""
+    from expertcache.engine.routing import moe_routers
+
+    def call(router: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        p = next(router.parameters())
+        return lambda x: router.forward(x.to(p.device, p.dtype))[2]
+
+    return [call(r) for r in moe_routers(model)]
+
+
+def evaluate(predictor: Predictor, captured: Captured, decode_only: bool = True) -> dict:
+    """ACCURACY per target layer (None: never predicted) and overall (layers 1..L-1, micro-averaged)."""
+    L = captured.num_layers
+    hits, totals = np.zeros(L), np.zeros(L)
+    predicted = np.zeros(L, dtype=bool)
+    seen: set[int] = set()
+    counted = 0
+    for rows in captured.steps():
+        seq, prefill = int(captured.sequence[rows.start]), bool(captured.prefill[rows.start])
+        experts = captured.experts[rows]  # [T, L, K]
+        actual = [_distinct(experts[:, layer]) for layer in range(L)]
+        preds = dict(predictor.begin_step(captured.token_ids[rows], prefill, seq not in seen, actual))
+        seen.add(seq)
+        for layer in range(L):
+            gate_input = torch.from_numpy(captured.gate_input[rows, layer])  # [T, H]
+            for target, ranked in predictor.after_router(layer, experts[:, layer], gate_input).items():
+                preds.setdefault(target, ranked)
+        predicted[list(preds)] = True
+        if decode_only and prefill:
+            continue
+        counted += 1
+        for layer in range(L):
+            truth = actual[layer]
+            hits[layer] += len(set(preds.get(layer, [])[: len(truth)]) & set(truth))
+            totals[layer] += len(truth)
+    per_layer = [float(h / t) if p and t else None for h, t, p in zip(hits, totals, predicted, strict=True)]
+    overall = float(hits[1:].sum() / totals[1:].sum()) if totals[1:].sum() else None
+    return {
+        "name": predictor.name,
+        "window": predictor.window,
+        "accuracy": overall,
+        "per_layer": per_layer,
+        "steps": counted,
+    }
+
+
+def _distinct(index: np.ndarray) -> list[int]:
+    """A layer's distinct experts in a step [T, K], in first-use order (the engine's request group)."""
+    flat = index.reshape(-1)
+    return [int(e) for e in dict.fromkeys(flat[flat >= 0].tolist())]
+
+
+def build_predictor(
+    name: str,
+    model: torch.nn.Module,
+    window: int | None = None,
+    path: str | Path | None = None,
+    trace: object | None = None,
+) -> Predictor:
+    """A registered predictor for a loaded transformers model (routers from ``router_fns``).
+
+    ``path``: a trained predictor directory (``learned``); ``trace``: a recorded trace (``token``).
+    """
+    from expertcache.engine.routing import moe_routers
+
+    first = moe_routers(model)[0]
+    num_experts = int(getattr(first, "num_experts", 0) or first.weight.shape[0])
+    top_k = int(getattr(first, "top_k", 0) or getattr(model.config, "num_experts_per_tok", 0))
+    routers = router_fns(model)
+    ctx = PredictContext(
+        num_layers=len(routers),
+        num_experts=num_experts,
+        top_k=top_k,
+        window=window,
+        routers=routers,
+        trace=trace,
+        path=None if path is None else str(path),
+    )
+    return make_predictor(name, ctx)
+
+
+def heldout_prompts(count: int = 16) -> list[str]:
+    """The default trace's prompts: the first 600 characters of held-out standard-library files.
+
+    These are the evaluation prompts of the embedded model (``tools/record_default_trace.py``); they
+    are read from this interpreter's standard library, named in the default trace's metadata.
+    """
+    import sysconfig
+
+    from expertcache.sim.api import default_trace
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = str(default_trace().meta.get("prompts", "")).split(";")
+    out = []
+    for rel in [n for n in names if n][:count]:
+        if not (root / rel).is_file():
+            raise PredictorError(
+                f"held-out prompt file {rel} is not in this Python's standard library {root}"
+            )
+        out.append((root / rel).read_text(encoding="utf-8", errors="replace").strip()[:HELDOUT_CHARS])
+    return out
+
+
+def evaluate_model(
+    model_path: str | Path | None = None,
+    prompts: Sequence[str] | None = None,
+    names: Sequence[str] = ("next-gate", "window", "learned"),
+    windows: Sequence[int] = (1, 2, 3, 4),
+    max_new_tokens: int = 128,
+    learned_path: str | Path | None = None,
+    trace: object | None = None,
+) -> list[dict]:
+    """ACCURACY of each named predictor at each window on a model's greedy runs over ``prompts``.
+
+    Defaults: the embedded model, its 16 held-out prompts (``heldout_prompts``) and, for ``learned``,
+    the shipped predictors (``learned_path`` None) or those under ``learned_path``. ``trace`` goes
+    to the predictors that read a recorded trace (record it on other prompts than these).
+    """
+    from expertcache.engine.api import DEFAULT_MODEL
+
+    path = DEFAULT_MODEL if model_path is None else Path(model_path)
+    model, tokenizer = load_for_capture(path)
+    captured = capture(
+        model, tokenizer, list(prompts) if prompts is not None else heldout_prompts(), max_new_tokens
+    )
+    rows = []
+    for name in names:
+        for k in windows:
+            predictor = build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
+            rows.append(evaluate(predictor, captured))
+    return rows
+
+
+def format_accuracy(rows: Sequence[dict]) -> str:
+    """A text table: one row per (predictor, window), ACCURACY overall and per layer."""
+    L = max(len(r["per_layer"]) for r in rows)
+    head = f"{'predictor':12s} {'k':>2s} {'overall':>7s}  " + " ".join(
+        f"{'L' + str(i):>5s}" for i in range(L)
+    )
+    lines = [head]
+    for r in rows:
+        cells = " ".join("    -" if a is None else f"{a:5.3f}" for a in r["per_layer"])
+        overall = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        lines.append(f"{r['name']:12s} {r['window']:2d} {overall:>7s}  {cells}")
+    return "\n".join(lines)

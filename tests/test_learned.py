@@ -1,0 +1,342 @@
+"""The learned predictor (ProMoE Sec. 4): capture, training, save/load, errors, ACCURACY, shipped, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import make_ckpt, tokenizer_dir  # noqa: F401  (fixtures)
+
+from expertcache.cli import main
+from expertcache.predict import PredictContext, Predictor, PredictorError, make_predictor
+from expertcache.predict.capture import Captured, capture_model
+from expertcache.predict.evaluate import build_predictor, evaluate, evaluate_model, heldout_prompts
+from expertcache.predict.learned import (
+    CONFIG,
+    DEFAULT_PREDICTORS,
+    WEIGHTS,
+    Learned,
+    load_predictor,
+    make_mlp,
+    save_predictor,
+)
+from expertcache.predict.train import read_prompts, train_predictor
+
+LAYERS, EXPERTS, HIDDEN, TOP_K = 4, 8, 32, 2
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture-of-experts models route every token to a few experts.",
+    "Experts that are not resident are loaded from the slow tier.",
+    "hello world, hello experts, hello cache",
+    "0123456789 + - * / = ( ) [ ] { } < > ! ? ; :",
+    "The lazy dog sleeps; the quick fox runs.",
+]
+NEW = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(make_ckpt) -> Path:  # noqa: F811
+    return make_ckpt("mixtral", layers=LAYERS, experts=EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("learned")
+    report = train_predictor(tiny, out, PROMPTS, window=[1, 2], hidden=32, epochs=60, max_new_tokens=NEW)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def captured(tiny: Path) -> Captured:
+    return capture_model(tiny, PROMPTS, max_new_tokens=NEW)
+
+
+def ctx(window: int | None = 2, path: Path | str | None = None, **kw) -> PredictContext:
+    shape = dict(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+    return PredictContext(**{**shape, **kw}, window=window, path=None if path is None else str(path))
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+class TestCapture:
+    def test_rows_steps_and_routing_agree(self, captured: Captured):
+        assert captured.gate_input.shape[1:] == (LAYERS, HIDDEN)
+        assert captured.experts.shape[1:] == (LAYERS, TOP_K)
+        steps = captured.steps()
+        assert len(steps) == len(PROMPTS) * NEW  # one prefill step, then NEW - 1 decode steps per prompt
+        assert int(captured.prefill.sum()) == sum(s.stop - s.start for s in steps[::NEW])
+        top = np.argsort(-captured.logits, axis=-1, kind="stable")[..., :TOP_K]
+        assert (np.sort(top, -1) == np.sort(captured.experts, -1)).all()  # the recorded top-k is the logits'
+
+    def test_save_load_round_trip(self, captured: Captured, tmp_path: Path):
+        captured.save(tmp_path / "c.npz")
+        back = Captured.load(tmp_path / "c.npz")
+        assert all(
+            np.array_equal(getattr(back, n), getattr(captured, n)) for n in ("gate_input", "experts", "step")
+        )
+
+
+class TestTraining:
+    def test_writes_one_directory_per_window(self, trained):
+        out, report = trained
+        assert sorted(report["windows"]) == [1, 2]
+        for k in (1, 2):
+            meta = json.loads((out / f"window-{k}" / CONFIG).read_text())
+            assert (meta["window"], meta["num_layers"], meta["num_experts"]) == (k, LAYERS, EXPERTS)
+            assert meta["hidden_size"] == HIDDEN and meta["targets"] == list(range(1, LAYERS))
+            assert len(meta["model"]["routers_sha256"]) == 64
+            assert meta["validation"]["val_prompts"] >= 1
+
+    def test_validation_reports_learned_and_skip_per_layer(self, trained):
+        for k, w in trained[1]["windows"].items():
+            assert [r["layer"] for r in w["per_layer"]] == list(range(1, LAYERS))
+            assert [r["source"] for r in w["per_layer"]] == [max(i - k, 0) for i in range(1, LAYERS)]
+            assert all(0 <= r["learned"] <= 1 and 0 <= r["skip"] <= 1 for r in w["per_layer"])
+
+    def test_beats_random_on_its_training_distribution(self, trained, tiny, captured):
+        predictor = build_predictor("learned", _model(tiny), 2, trained[0])
+        result = evaluate(predictor, captured)
+        assert result["accuracy"] > 2 * TOP_K / EXPERTS  # random top-k guesses score K/E
+
+    def test_one_window_writes_the_directory_itself(self, tiny, tmp_path):
+        train_predictor(tiny, tmp_path, PROMPTS[:3], window=3, hidden=8, epochs=1, max_new_tokens=3)
+        assert (tmp_path / CONFIG).is_file() and (tmp_path / WEIGHTS).is_file()
+        assert Learned(ctx(None, tmp_path)).window == 3  # no window asked: the trained one
+
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            (dict(window=0), "windows must be integers >= 1"),
+            (dict(epochs=0), "epochs must be at least 1"),
+            (dict(prompts=PROMPTS[:1]), "at least 2 prompts"),
+        ],
+    )
+    def test_bad_arguments(self, tiny, tmp_path, kwargs, match):
+        with pytest.raises(Exception, match=match) as exc:
+            train_predictor(tiny, tmp_path, **{"prompts": PROMPTS[:3], "max_new_tokens": 3, **kwargs})
+        one_line(exc)
+
+    def test_prompt_file_escapes(self, tmp_path):
+        f = tmp_path / "p.txt"
+        f.write_text("def f():\\n\\treturn 1\n\n  \nback\\\\slash\n")
+        assert read_prompts(f) == ["def f():\n\treturn 1", "back\\slash"]
+
+
+def _model(path: Path):
+    from expertcache.engine.loader import load_reference
+
+    return load_reference(path)
+
+
+class TestLoad:
+    def test_save_load_round_trip(self, tmp_path):
+        torch.manual_seed(0)
+        mlps = {1: make_mlp(HIDDEN, 16, EXPERTS), 3: make_mlp(HIDDEN, 16, EXPERTS)}
+        meta = dict(
+            window=2, hidden=16, num_layers=LAYERS, num_experts=EXPERTS, hidden_size=HIDDEN, top_k=TOP_K
+        )
+        save_predictor(tmp_path / "f32", mlps, meta, dtype=torch.float32)
+        save_predictor(tmp_path / "f16", mlps, meta)
+        back32 = load_predictor(tmp_path / "f32")[1]
+        meta16, back16, probe = load_predictor(tmp_path / "f16")
+        assert probe is None and meta16["dtype"] == "float16" and meta16["targets"] == [1, 3]
+        for t, mlp in mlps.items():
+            for (name, p), q32, q16 in zip(
+                mlp.state_dict().items(),
+                back32[t].state_dict().values(),
+                back16[t].state_dict().values(),
+                strict=True,
+            ):
+                assert torch.equal(p, q32), name
+                assert torch.equal(p.half().float(), q16), name
+
+    def test_picks_the_window_subdirectory(self, trained):
+        for k in (1, 2):
+            assert Learned(ctx(k, trained[0])).directory == trained[0] / f"window-{k}"
+        assert Learned(ctx(None, trained[0])).window == Learned.default_window
+
+    @pytest.mark.parametrize(
+        "build, match",
+        [
+            (lambda d: ctx(3, d), r"no predictor trained for window 3 \(trained: 1, 2\)"),
+            (
+                lambda d: ctx(2, d, num_layers=LAYERS + 1),
+                "trained for a model with 4 MoE layers, this one has 5",
+            ),
+            (lambda d: ctx(2, d, num_experts=EXPERTS * 2), "8 experts per layer, this one has 16"),
+            (lambda d: ctx(1, d / "window-2"), "trained for window 2, asked for window 1"),
+            (lambda d: ctx(2, d / "missing"), "no such learned-predictor directory"),
+            (lambda d: ctx(2, d.parent), r"neither predictor.json nor window-<k>/"),
+        ],
+    )
+    def test_mismatches_are_one_line_errors(self, trained, build, match):
+        with pytest.raises(PredictorError, match=match) as exc:
+            Learned(build(trained[0]))
+        one_line(exc)
+
+    def test_another_model_with_the_same_shapes(self, trained, make_ckpt):  # noqa: F811
+        other = make_ckpt("mixtral", layers=LAYERS, experts=EXPERTS, seed=1)
+        predictor = build_predictor("learned", _model(other), 2, trained[0])
+        with pytest.raises(PredictorError, match="trained for another model") as exc:
+            predictor.after_router(0, np.zeros((1, TOP_K), dtype=np.int64), torch.randn(1, HIDDEN))
+        one_line(exc)
+
+    def test_missing_weights_and_wrong_hidden_size(self, trained, tmp_path):
+        import shutil
+
+        broken = tmp_path / "broken"
+        shutil.copytree(trained[0] / "window-2", broken)
+        (broken / WEIGHTS).unlink()
+        with pytest.raises(PredictorError, match="no predictor.safetensors") as exc:
+            Learned(ctx(2, broken))
+        one_line(exc)
+        predictor = Learned(ctx(2, trained[0]))
+        with pytest.raises(PredictorError, match="hidden size 32, the gate input has 16") as exc:
+            predictor.after_router(0, np.zeros((1, TOP_K), dtype=np.int64), torch.zeros(1, 16))
+        one_line(exc)
+
+
+class TestPredictions:
+    def test_valid_expert_ids_for_the_window_targets(self, trained, captured):
+        predictor = Learned(ctx(2, trained[0]))
+        rows = captured.steps()[1]  # a decode step: one token
+        predictor.begin_step(captured.token_ids[rows], False, False)
+        seen = {}
+        for layer in range(LAYERS):
+            x = torch.from_numpy(captured.gate_input[rows, layer])
+            seen[layer] = predictor.after_router(layer, captured.experts[rows, layer], x)
+        assert sorted(seen[0]) == [1, 2] and sorted(seen[1]) == [3] and seen[2] == seen[3] == {}
+        for preds in seen.values():
+            for ranked in preds.values():
+                assert len(ranked) == TOP_K == len(set(ranked))
+                assert all(isinstance(e, int) and 0 <= e < EXPERTS for e in ranked)
+
+    def test_no_gate_input_no_prediction(self, trained):
+        predictor = Learned(ctx(2, trained[0]))
+        assert predictor.after_router(0, np.zeros((1, TOP_K), dtype=np.int64), None) == {}
+
+
+class _Fixed(Predictor):
+    """Predicts experts [0, 1] for every target layer at the start of the step (hand-made case)."""
+
+    name = "fixed"
+    default_window = 2
+
+    def _predict(self, source, target, gate_input):
+        return [0, 1]
+
+
+def _hand_captured() -> Captured:
+    """2 prompts; each a 2-token prefill then 2 decode steps; 2 layers, 4 experts, top-2."""
+    experts = np.array(
+        [
+            [[0, 1], [0, 1]], [[2, 3], [2, 3]],  # prefill of prompt 0 (not counted)
+            [[0, 1], [0, 1]],  # decode: layer 1 gets 2 of 2 right
+            [[0, 1], [1, 2]],  # decode: 1 of 2
+            [[0, 1], [0, 1]], [[0, 1], [0, 1]],  # prefill of prompt 1
+            [[3, 2], [3, 2]],  # decode: 0 of 2
+            [[3, 2], [0, 3]],  # decode: 1 of 2
+        ]
+    )  # fmt: skip
+    n = len(experts)
+    return Captured(
+        gate_input=np.zeros((n, 2, 4), dtype=np.float32),
+        logits=np.zeros((n, 2, 4), dtype=np.float32),
+        experts=experts,
+        token_ids=np.arange(n),
+        step=np.array([0, 0, 1, 2, 3, 3, 4, 5]),
+        prefill=np.array([1, 1, 0, 0, 1, 1, 0, 0], dtype=bool),
+        sequence=np.array([0, 0, 0, 0, 1, 1, 1, 1]),
+    )
+
+
+class TestEvaluate:
+    def test_hand_made_case(self):
+        hand = _hand_captured()
+        result = evaluate(_Fixed(PredictContext(num_layers=2, num_experts=4, top_k=2)), hand)
+        assert result["steps"] == 4
+        assert result["per_layer"] == [pytest.approx(4 / 8), pytest.approx(4 / 8)]
+        assert result["accuracy"] == pytest.approx(4 / 8)  # layers 1.. only
+        everything = evaluate(_Fixed(PredictContext(num_layers=2, num_experts=4, top_k=2)), hand, False)
+        # prefill groups: layer 1 {0,1,2,3} -> pred [0,1] = 2 of 4; {0,1} -> 2 of 2
+        assert everything["per_layer"][1] == pytest.approx((4 + 2 + 2) / (8 + 4 + 2))
+
+    def test_oracle_is_exact_and_unpredicted_layers_are_none(self):
+        hand = _hand_captured()
+        oracle = make_predictor("oracle", PredictContext(num_layers=2, num_experts=4, top_k=2))
+        result = evaluate(oracle, hand, decode_only=False)
+        assert result["accuracy"] == 1.0 and result["per_layer"] == [1.0, 1.0]
+
+    def test_model_predictors_skip_layer_zero(self, trained, tiny):
+        rows = evaluate_model(tiny, PROMPTS[:2], ["next-gate", "learned"], [1, 2], max_new_tokens=4,
+                              learned_path=trained[0])  # fmt: skip
+        assert [(r["name"], r["window"]) for r in rows] == [
+            ("next-gate", 1),
+            ("next-gate", 2),
+            ("learned", 1),
+            ("learned", 2),
+        ]
+        for r in rows:
+            assert r["per_layer"][0] is None and all(a is not None for a in r["per_layer"][1:])
+            assert r["steps"] == 2 * 3
+
+
+class TestShippedDefault:
+    def test_every_window_loads_and_is_small(self):
+        size = sum(p.stat().st_size for p in DEFAULT_PREDICTORS.rglob("*") if p.is_file())
+        assert size < 2_000_000
+        for k in (1, 2, 3, 4):
+            p = Learned(PredictContext(num_layers=6, num_experts=16, top_k=2, window=k))
+            assert p.window == k and sorted(p.mlps) == [1, 2, 3, 4, 5]
+
+    def test_beats_next_gate_at_window_2_on_held_out_prompts(self):
+        rows = evaluate_model(None, heldout_prompts(3), ["next-gate", "learned"], [2], max_new_tokens=24)
+        gate, learned = (r["accuracy"] for r in rows)
+        assert learned > gate + 0.1
+
+
+class TestCli:
+    def test_trains_and_reports(self, tiny, tmp_path, capsys):
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+        out = tmp_path / "pred"
+        argv = ["train-predictor", "--model", str(tiny), "--out", str(out), "--prompts", str(prompts),
+                "--window", "1", "2", "--epochs", "1", "--hidden", "8", "--max-new-tokens", "3",
+                "--json"]  # fmt: skip
+        assert main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert sorted(report["windows"]) == ["1", "2"]
+        assert (out / "window-2" / CONFIG).is_file()
+
+    @pytest.mark.parametrize(
+        "extra, match",
+        [
+            (["--model", "/nonexistent/model"], "no such checkpoint directory"),
+            (["--window", "0"], "windows must be integers >= 1"),
+            (["--window", "two"], "invalid int value"),
+        ],
+    )
+    def test_bad_model_or_window_is_one_line_and_exit_2(self, tiny, tmp_path, capsys, extra, match):
+        argv = ["train-predictor", "--model", str(tiny), "--out", str(tmp_path / "o"), *extra]
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2
+        assert len(err.strip().splitlines()) == 1 and match in err
