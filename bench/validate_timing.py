@@ -4,9 +4,11 @@
    compute for 1..32 tokens (fitted to a + b * tokens), the decode step time, and from it the dense
    time per layer (decode TPOT minus the experts' share, spread over the layers; the per-step time is
    folded into it). The link is the emulated one: bandwidth set so that one expert's transfer takes
-   ``--link-ratio`` times one expert's compute for one token, ``--link-latency`` per chunk. The
-   engine's wake-up overhead (``wake_s``: an isolated transfer's wall time minus its emulated time,
-   i.e. the sleep's overshoot plus the compute thread's wake-up) is measured on the worker itself.
+   ``--link-ratio`` times one expert's compute for one token, ``--link-latency`` per chunk. Two engine
+   overheads no other term covers are fitted on ONE configuration (``--fit-on``, predictor none):
+   ``submit_s``, the compute thread's time per transfer it issues (bookkeeping, the hand-off to the
+   worker thread, contention on the interpreter lock), and ``wake_s``, the delay between a transfer
+   landing and the blocked compute thread running again (thread wake-up, the sleep's overshoot).
 2. For each budget and predictor, run the engine (fresh load, greedy, ``--new-tokens``) with that
    link, record its trace (routing and, for gate-based predictors, what it predicted), and measure
    TPOT and decode stall per token (medians over ``--repeats`` loads).
@@ -28,8 +30,8 @@ from pathlib import Path
 import torch
 from provenance import ROOT, provenance
 
-from expertcache.cache.proactive import DEMAND
 from expertcache.engine import load
+from expertcache.engine.routing import replay_routing
 from expertcache.engine.runtime import _expert_output
 from expertcache.sim.timing import CostModel, simulate_timing
 
@@ -39,6 +41,29 @@ PROMPT = (
     "def read_config(path):\n"
     '    """Read a JSON configuration file and return it as a dictionary."""\n'
 )
+
+
+class _Replay:
+    """Every generation of a random-weight model routes by the same synthetic trace (``--replay``)."""
+
+    trace = None
+
+    @classmethod
+    def around(cls, model):
+        return replay_routing(model.model, cls.trace) if cls.trace is not None else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def generate(model, new_tokens: int):
+    with _Replay.around(model):
+        return model.generate_text(PROMPT, max_new_tokens=new_tokens)
 
 
 def expert_samples(model, counts=(1, 2, 4, 8, 16, 32), reps: int = 200) -> list[tuple[int, float]]:
@@ -61,38 +86,11 @@ def expert_samples(model, counts=(1, 2, 4, 8, 16, 32), reps: int = 200) -> list[
     return out
 
 
-def wake_overhead(path, cost: CostModel, reps: int = 200) -> float:
-    """Median of (wall time of submit + wait on one isolated transfer) - its emulated duration: the
-    emulated link's sleep overshoot plus the compute thread's wake-up, which the engine really pays."""
-    with load(
-        path,
-        expert_memory="100%",
-        progress=False,
-        record=False,
-        link_bandwidth=cost.link_bandwidth,
-        link_latency=cost.link_latency,
-        chunking=cost.chunk_bytes is not None,
-    ) as model:
-        worker, slot_of = model.cache.worker, model.cache.slot_of
-        keys = list(slot_of)
-        if not keys:  # nothing resident yet: one short generation fills the cache
-            model.generate_text(PROMPT, max_new_tokens=2)
-            keys = list(slot_of)
-        over = []
-        for i in range(reps):
-            key = keys[i % len(keys)]
-            start = time.perf_counter()
-            worker.wait(worker.submit(key, slot_of[key], DEMAND))  # rewrites the slot with its own expert
-            over.append(time.perf_counter() - start - cost.transfer_s)
-            time.sleep(1e-3)
-    return max(0.0, statistics.median(over))
-
-
 def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
     with load(path, expert_memory="100%", progress=False, record=False) as model:
         samples = expert_samples(model)
-        model.generate_text(PROMPT, max_new_tokens=8)  # warm-up
-        tpots = [model.generate_text(PROMPT, max_new_tokens=args.new_tokens).tpot_s for _ in range(3)]
+        generate(model, 8)  # warm-up
+        tpots = [generate(model, args.new_tokens).tpot_s for _ in range(3)]
         L, K, nbytes = model.num_layers, model.top_k, model.layout.nbytes
     base = CostModel.from_measurements(0.0, samples, 0.0, float("inf"), 0.0, nbytes)
     tpot = statistics.median(tpots)
@@ -104,9 +102,28 @@ def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
     cost = CostModel.from_measurements(
         dense, samples, 0.0, bandwidth, latency, nbytes, None if args.no_chunking else "auto"
     )
-    wake = wake_overhead(path, cost) if not args.no_wake else 0.0
-    cost = replace(cost, wake_s=wake)
-    return cost, {"tpot_resident_s": tpot, "expert_samples": samples, "expert_1_s": one, "wake_s": wake}
+    return cost, {"tpot_resident_s": tpot, "expert_samples": samples, "expert_1_s": one}
+
+
+def fit_overheads(eng: dict, trace, args, cost: CostModel, capacity: int) -> tuple[CostModel, dict]:
+    """The engine's two overheads the link and compute terms do not cover, fitted on one configuration:
+    ``submit_s`` (compute time per transfer issued) and ``wake_s`` (per wait that blocked). The sim's
+    decode TPOT and stall per token are linear in both, so two finite differences and a 2 x 2 solve
+    match them to the engine's; the other configurations then test the model."""
+    import numpy as np
+
+    def at(submit: float, wake: float) -> np.ndarray:
+        r = run_sim(trace, args, replace(cost, submit_s=submit, wake_s=wake), capacity, None, None)
+        return np.array([r["tpot_s"], r["decode_stall_per_token_s"]])
+
+    d = 50e-6
+    base = at(0.0, 0.0)
+    jac = np.column_stack([(at(d, 0.0) - base) / d, (at(0.0, d) - base) / d])
+    target = np.array([eng["tpot_s"], eng["decode_stall_per_token_s"]])
+    submit, wake = (max(0.0, float(v)) for v in np.linalg.lstsq(jac, target - base, rcond=None)[0])
+    fitted = replace(cost, submit_s=submit, wake_s=wake)
+    check = at(submit, wake).tolist()
+    return fitted, {"submit_s": submit, "wake_s": wake, "fit_on": args.fit_on, "check": check}
 
 
 def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, window):
@@ -123,7 +140,7 @@ def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, 
             window=window,
             chunking=not args.no_chunking,
         ) as model:
-            gen = model.generate_text(PROMPT, max_new_tokens=args.new_tokens)
+            gen = generate(model, args.new_tokens)
             decode_steps = len(gen.tokens) - 1
             runs.append(
                 {
@@ -170,15 +187,26 @@ def main() -> None:
     ap.add_argument("--link-ratio", type=float, default=3.0)
     ap.add_argument("--link-latency-us", type=float, default=5.0)
     ap.add_argument("--no-chunking", action="store_true")
-    ap.add_argument("--no-wake", action="store_true", help="model no wake-up overhead (wake_s = 0)")
+    ap.add_argument("--fit-on", default="50%", help="budget (predictor none) the overheads are fitted on")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--replay", action="store_true", help="route by a synthetic sticky-Zipf trace (random-weight models)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "validate_timing.json")
     args = ap.parse_args()
     args.link_latency_s = args.link_latency_us * 1e-6
     if args.quick:
         args.budgets, args.predictors, args.new_tokens, args.repeats = ["50%"], ["none", "next-gate"], 16, 1
     torch.set_num_threads(1)
+    if args.replay:
+        from engine_cpu import replay_trace
+
+        args.warmup_tokens = 8
+        _Replay.trace, _ = replay_trace(Path(args.model), args)
     cost, calib = calibrate(args.model, args)
+    eng0, trace0, cap0, _ = run_engine(args.model, args, cost, args.fit_on, None, None)
+    cost, fit = fit_overheads(eng0, trace0, args, cost, cap0)
+    calib["fit"] = fit
     print(cost.describe(), flush=True)
     rows = []
     for budget in args.budgets:
@@ -192,6 +220,7 @@ def main() -> None:
                 for k in ("tpot_s", "decode_stall_per_token_s", "stall_s")
             }
             row = {"budget": budget, "predictor": name, "capacity": capacity, "engine": eng, "sim": sim}
+            row["fitted_here"] = budget == args.fit_on and name == "none"
             row.update(error=err, runs=runs)
             rows.append(row)
             e_stall, s_stall = eng["decode_stall_per_token_s"], sim["decode_stall_per_token_s"]

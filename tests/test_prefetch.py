@@ -445,3 +445,29 @@ def test_cli_lists_every_predictor(capsys):
     for name in PREDICTORS:
         assert f"\n{name} " in "\n" + out
     assert "oracle     sim" in out
+
+
+def test_cli_predictor_accuracy_reports_per_layer_accuracy(ckpt, tmp_path, capsys):
+    path = ckpt("mixtral")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a b c d\ne f g\n")
+    args = [
+        "--model",
+        str(path),
+        "--prompts",
+        str(prompts),
+        "--predictors",
+        "next-gate",
+        "--window",
+        "1",
+        "2",
+    ]
+    rc = main(["predictor-accuracy", *args, "--max-new-tokens", "4", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [(r["name"], r["window"]) for r in rows] == [("next-gate", 1), ("next-gate", 2)]
+    layers = moe_layers("mixtral")
+    for r in rows:
+        assert len(r["per_layer"]) == layers and r["per_layer"][0] is None  # layer 0 is never predicted
+        assert all(a is None or 0.0 <= a <= 1.0 for a in r["per_layer"]) and 0.0 <= r["accuracy"] <= 1.0
+    assert main(["predictor-accuracy", "--model", str(path), "--predictors", "oracle"]) == 2
+    assert "exact by definition" in capsys.readouterr().err

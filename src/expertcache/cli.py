@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from expertcache import __version__
 from expertcache.errors import ExpertcacheError
@@ -179,6 +180,21 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
     tp.set_defaults(func=_cmd_train_predictor)
+
+    pa = sub.add_parser("predictor-accuracy", help="ProMoE's ACCURACY_i(k) of predictors on a model's runs")
+    pa.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
+    pa.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: the held-out prompts)")
+    pa.add_argument(
+        "--predictors", nargs="+", default=["next-gate", "learned"], metavar="NAME",
+        help="predictor names (default: next-gate learned)",
+    )  # fmt: skip
+    pa.add_argument("--window", type=int, nargs="+", default=[1, 2, 3, 4], metavar="K")
+    pa.add_argument(
+        "--predictor", metavar="PATH", help="trained predictor dir (learned) or trace (token, eam)"
+    )
+    pa.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    pa.add_argument("--json", action="store_true")
+    pa.set_defaults(func=_cmd_predictor_accuracy)
     return p
 
 
@@ -217,6 +233,7 @@ _TIMING_COST_FLAGS = (
     ("--expert-bytes", "SIZE", "bytes of one expert, e.g. 336MiB"),
     ("--chunk-size", "SIZE", "bytes per transfer chunk at most (default: a third of an expert)"),
     ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
+    ("--issue-time", "TIME", "compute time spent issuing one transfer (default 0)"),
 )
 
 
@@ -241,6 +258,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "expert_bytes": args.expert_bytes,
         "chunk_bytes": args.chunk_size,
         "wake_s": args.wake_time,
+        "submit_s": args.issue_time,
     }
     base = CostModel.load(args.cost) if args.cost else None
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
@@ -507,7 +525,8 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
     from expertcache.predict.train import format_report, train_predictor
 
     _quiet_transformers()
-    opts = {n: getattr(args, n) for n in ("epochs", "hidden", "max_new_tokens") if getattr(args, n) is not None}
+    names = ("epochs", "hidden", "max_new_tokens")
+    opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     report = train_predictor(
         args.model,
         args.out,
@@ -518,6 +537,34 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
         **opts,
     )
     print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
+    from expertcache.predict.evaluate import evaluate_model, format_accuracy
+    from expertcache.predict.registry import predictor_class
+    from expertcache.predict.train import read_prompts
+
+    _quiet_transformers()
+    names = [n.strip().lower() for n in args.predictors]
+    for name in names:
+        if predictor_class(name).sim_only:
+            raise ExpertcacheError(f"predictor {name} needs the future; it is exact by definition")
+    if min(args.window) < 1 or args.max_new_tokens < 1:
+        raise ExpertcacheError("--window and --max-new-tokens must be at least 1")
+    trace = None
+    if args.predictor and Path(args.predictor).suffix == ".npz":
+        trace = load_trace(args.predictor)
+    rows = evaluate_model(
+        args.model,
+        read_prompts(args.prompts) if args.prompts else None,
+        names=names,
+        windows=args.window,
+        max_new_tokens=args.max_new_tokens,
+        learned_path=args.predictor if trace is None else None,
+        trace=trace,
+    )
+    print(json.dumps(rows) if args.json else format_accuracy(rows))
     return 0
 
 

@@ -47,13 +47,14 @@ class CostModel:
     expert_bytes: int = 352_321_536
     chunk_bytes: int | None | str = AUTO  # at most this per chunk; None: one chunk per expert
     wake_s: float = 0.0  # compute resumes this long after a transfer it waited for lands (thread wake-up)
+    submit_s: float = 0.0  # compute time the engine spends issuing one transfer (bookkeeping, hand-off)
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_s, list | tuple):
             object.__setattr__(self, "dense_s", tuple(float(d) for d in self.dense_s))
             if not self.dense_s:
                 raise ExpertcacheError("cost: dense_s must be a time or a non-empty list of times")
-        for name in ("expert_s", "expert_token_s", "step_s", "link_latency", "wake_s"):
+        for name in ("expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s"):
             _check_time(name, getattr(self, name))
         for d in self.dense_s if isinstance(self.dense_s, tuple) else (self.dense_s,):
             _check_time("dense_s", d)
@@ -175,6 +176,7 @@ class CostModel:
             f"{self.link_latency * 1e6:g} us/chunk | expert {self.expert_bytes / 2**20:.1f} MiB in "
             f"{chunks} chunk{'s' if chunks > 1 else ''}: {self.transfer_s * 1e3:.3g} ms"
             + (f" | wake {self.wake_s * 1e6:g} us" if self.wake_s else "")
+            + (f" | issue {self.submit_s * 1e6:g} us/transfer" if self.submit_s else "")
         )
 
 
@@ -317,6 +319,7 @@ class TimingResult:
     link_busy_s: float
     bytes_moved: int
     transfers: int
+    blocked_waits: int
     requests: int
     misses: int
     proactive: dict[str, object] = field(default_factory=dict)
@@ -367,6 +370,7 @@ class TimingResult:
             "link_busy_s": self.link_busy_s,
             "bytes_moved": self.bytes_moved,
             "transfers": self.transfers,
+            "blocked_waits": self.blocked_waits,
             "requests": self.requests,
             "hits": self.hits,
             "misses": self.misses,
@@ -405,7 +409,7 @@ def simulate_timing(
     pol = policy_for(schedule, name, capacity, seed, **params)
     check_rooms(schedule, pol)
     pred = make_sim_predictor(predictor, trace, window, seed, predictor_trace)
-    link = VirtualLink(cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s)
+    link = VirtualLink(cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s)
     pro = Proactive(Residency(pol), link, L, max(K, capacity // L), preemption, reorder)
     run = _Run(trace, schedule, cost, pro, pred)
     steps, times, stalls = [0, 0], [0.0, 0.0], [0.0, 0.0]
@@ -431,6 +435,7 @@ def simulate_timing(
         link_busy_s=link.busy_s,
         bytes_moved=link.bytes_moved,
         transfers=link.transfers,
+        blocked_waits=link.blocked,
         requests=int(st.requests.sum()),
         misses=int(st.misses.sum()),
         proactive=st.to_dict(),

@@ -39,13 +39,19 @@ class VirtualLink:
     """A serial link in virtual time, with chunked, prioritised, cancellable transfers."""
 
     def __init__(
-        self, chunk_s: Sequence[float], chunk_bytes: Sequence[int] | None = None, wake_s: float = 0.0
+        self,
+        chunk_s: Sequence[float],
+        chunk_bytes: Sequence[int] | None = None,
+        wake_s: float = 0.0,
+        submit_s: float = 0.0,
     ) -> None:
         if not chunk_s or min(chunk_s) < 0:
             raise ExpertcacheError("a virtual link needs one non-negative duration per chunk of an expert")
         self.chunk_s = [float(s) for s in chunk_s]  # seconds of each chunk of one expert
         self.chunk_bytes = list(chunk_bytes) if chunk_bytes is not None else [0] * len(chunk_s)
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
+        self.submit_s = float(submit_s)  # compute time spent issuing one transfer
+        self.blocked = 0  # waits that found their transfer still moving
         self.now = 0.0  # the compute clock
         self.free_at = 0.0  # end of the last started chunk
         self.current: VTransfer | None = None  # the transfer whose chunk ends at free_at
@@ -66,6 +72,8 @@ class VirtualLink:
 
     # -- Transport ------------------------------------------------------------------------------
     def submit(self, key: Key, victim: Key | None, priority: int) -> VTransfer:
+        if self.submit_s:  # the compute thread's own cost of issuing it, before the link can start it
+            self.advance(self.submit_s)
         t = VTransfer(key, priority, next(self._seq), self.now)
         heapq.heappush(self._heap, (priority, t.seq, t))
         self.transfers += 1
@@ -106,6 +114,7 @@ class VirtualLink:
         while handle.done_at is None:
             self._move(self._next())  # type: ignore[arg-type]  # the handle itself is still queued
         if handle.done_at > self.now:
+            self.blocked += 1
             resume = handle.done_at + self.wake_s
             self.stall_s += resume - self.now
             self.now = resume
