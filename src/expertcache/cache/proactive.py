@@ -179,16 +179,17 @@ class Proactive:
         spec = self.spec.pop(layer, {})
         predicted = self.predicted.pop(layer, None)
         chosen = set(experts)
-        for key in spec:
-            handle = inflight.get(key)
-            if handle is None or not self.preemption:
-                continue
-            if key[1] in chosen:
-                transport.promote(handle)
-                self.demand.add(key)
-            elif transport.cancel(handle):
-                self._forget(key)
-                stats.cancelled[layer] += 1
+        if self.preemption:
+            for key in spec:
+                handle = inflight.get(key)
+                if handle is not None and key[1] not in chosen and transport.cancel(handle):
+                    self._forget(key)
+                    stats.cancelled[layer] += 1
+            for key in keys:  # chosen and still moving, whenever it was prefetched: now a demand
+                handle = inflight.get(key)
+                if handle is not None and key not in self.demand:
+                    transport.promote(handle)
+                    self.demand.add(key)
         self._reap()
         here = {key: self._arrived(key) for key in keys}  # resident and not moving any more
         if predicted is not None:
