@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import make_ckpt, tokenizer_dir  # noqa: F401  (fixtures)
+from engine_fixtures import _one_torch_thread, make_ckpt, tokenizer_dir  # noqa: F401  (fixtures)
 
 from expertcache.cli import main
 from expertcache.predict import PredictContext, Predictor, PredictorError, make_predictor
@@ -35,14 +35,6 @@ PROMPTS = [
     "The lazy dog sleeps; the quick fox runs.",
 ]
 NEW = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
