@@ -416,6 +416,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
     assert rc == 0
     assert out["prefetch"] == "window" and out["window"] == 2 and out["preemption"] is False
     assert out["chunk_bytes"] == 1000 and out["reorder"] is True
+    assert out["prefetch_limit"] == TOP_K  # ProMoE's default: top-k per predicted layer
     assert out["prefetch_issued"] >= out["prefetch_used"] >= 0
 
 
@@ -426,6 +427,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         (["--prefetch", "nope"], "unknown predictor 'nope'"),
         (["--prefetch", "window", "--window", "0"], "at least 1 layer"),
         (["--chunk-size", "0"], "chunk size must be positive"),
+        (["--prefetch", "window", "--prefetch-limit", "0"], "prefetch limit must be at least 1"),
         (["--chunk-size", "lots"], "chunk size"),
         (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
     ],

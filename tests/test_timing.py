@@ -311,7 +311,13 @@ class TestHandTraces:
         c = transfer(1.0, dense_s=0.5)
         runs = {
             pre: simulate_timing(
-                trace, "lru", capacity=4, cost=c, predictor=Fixed(ctx_of(trace), [1, 2]), preemption=pre
+                trace,
+                "lru",
+                capacity=4,
+                cost=c,
+                predictor=Fixed(ctx_of(trace), [1, 2]),
+                preemption=pre,
+                prefetch_limit=2,
             )
             for pre in (True, False)
         }

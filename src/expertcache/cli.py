@@ -80,7 +80,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tm.add_argument("--window", type=int, metavar="K", help="layers ahead (default: the predictor's)")
     tm.add_argument(
-        "--predictor", metavar="TRACE.npz", help="trace token/eam learn from (default: the simulated one)"
+        "--predictor", metavar="TRACE.npz", help="a recorded trace token (required) and eam learn from"
+    )
+    tm.add_argument(
+        "--prefetch-limit",
+        type=int,
+        metavar="N",
+        help="experts prefetched per predicted layer (default top-k)",
     )
     tm.add_argument("--no-chunking", action="store_true", help="move each expert as one chunk")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
@@ -277,6 +283,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         preemption=not args.no_preemption,
         reorder=not args.no_reorder,
         seed=args.seed,
+        prefetch_limit=args.prefetch_limit,
     )
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
@@ -393,6 +400,12 @@ def _add_prefetch_args(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="trained predictor dir (learned) or recorded trace (token, eam); default: the embedded model's",
     )
+    p.add_argument(
+        "--prefetch-limit",
+        type=int,
+        metavar="N",
+        help="experts prefetched per predicted layer (default top-k)",
+    )
     p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
     p.add_argument(
         "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
@@ -412,6 +425,7 @@ def _prefetch_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "chunk_size": args.chunk_size,
         "preemption": not args.no_preemption,
         "reorder": not args.no_reorder,
+        "prefetch_limit": args.prefetch_limit,
     }
 
 

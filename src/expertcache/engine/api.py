@@ -137,6 +137,7 @@ class OffloadedModel:
         chunk_size: str | int | None = None,
         preemption: bool = True,
         reorder: bool = True,
+        prefetch_limit: int | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else DEFAULT_MODEL
         self.device = _device(device)
@@ -151,6 +152,10 @@ class OffloadedModel:
         if window is not None and int(window) < 1:
             raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {window}")
         chunk_bytes = parse_size(chunk_size, "chunk size") if chunk_size is not None else None
+        if prefetch_limit is not None and int(prefetch_limit) < 1:
+            raise ExpertcacheError(
+                f"prefetch limit must be at least 1 expert per layer, got {prefetch_limit}"
+            )
         if chunk_bytes is not None and chunk_bytes < 1:
             raise ExpertcacheError(f"chunk size must be positive, got {chunk_size}")
         name, params = parse_policy(policy)
@@ -225,7 +230,8 @@ class OffloadedModel:
             chunk_bytes = -(-layout.nbytes // 3)
         self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
         worker = TransferWorker(self.tier, self.pool, self.link, chunk_bytes=self.chunk_bytes)
-        self.prefetch_limit = max(self.top_k, capacity // self.num_layers)
+        # ProMoE: as many experts per predicted layer as the model activates for one token
+        self.prefetch_limit = self.top_k if prefetch_limit is None else int(prefetch_limit)
         self.cache = ExpertCache(
             pol,
             self.pool,
@@ -385,6 +391,7 @@ class OffloadedModel:
         return {
             "prefetch": self.prefetch,
             "window": self.predictor.window if self.predictor is not None else None,
+            "prefetch_limit": pro.limit,
             "chunk_bytes": self.chunk_bytes,
             "preemption": pro.preemption,
             "reorder": pro.reorder,
@@ -462,6 +469,7 @@ def load(
     Proactive caching: ``prefetch`` (a predictor name: ``"next-gate"``, ``"window"``, ``"learned"``,
     ``"token"``, ``"eam"``; ``"none"`` by default), ``window`` (layers ahead), ``predictor`` (a trained
     predictor directory for ``learned``, a recorded trace for ``token``/``eam``), ``chunking`` and
-    ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on).
+    ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
+    ``prefetch_limit`` (experts prefetched per predicted layer; default top-k, as ProMoE).
     """
     return OffloadedModel(path, expert_memory=expert_memory, policy=policy, device=device, **kwargs)

@@ -392,6 +392,7 @@ def simulate_timing(
     reorder: bool = True,
     seed: int = 0,
     predictor_trace: Trace | None = None,
+    prefetch_limit: int | None = None,
     **policy_params: object,
 ) -> TimingResult:
     """Replay ``trace`` step by step in layer order through a cache of ``capacity`` experts under
@@ -410,7 +411,10 @@ def simulate_timing(
     check_rooms(schedule, pol)
     pred = make_sim_predictor(predictor, trace, window, seed, predictor_trace)
     link = VirtualLink(cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s)
-    pro = Proactive(Residency(pol), link, L, max(K, capacity // L), preemption, reorder)
+    if prefetch_limit is not None and prefetch_limit < 1:
+        raise ExpertcacheError(f"prefetch limit must be at least 1 expert per layer, got {prefetch_limit}")
+    limit = K if prefetch_limit is None else int(prefetch_limit)  # as the engine: top-k by default
+    pro = Proactive(Residency(pol), link, L, limit, preemption, reorder)
     run = _Run(trace, schedule, cost, pro, pred)
     steps, times, stalls = [0, 0], [0.0, 0.0], [0.0, 0.0]
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
