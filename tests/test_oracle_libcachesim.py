@@ -193,6 +193,7 @@ def _our_hits(s: Schedule, policy: str, capacity: int) -> np.ndarray:
     for g in s.req_group.tolist():  # the non-empty groups, one request each
         clock.round, within = divmod(g, per_round)
         clock.token, clock.layer, clock.group = tokens[clock.round], within // s.per_layer, g
+        clock.seq = int(s.round_seq[clock.round])
         hits.append(not residency.admit(s.groups[g]))
     return np.asarray(hits, dtype=bool)
 

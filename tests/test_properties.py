@@ -100,11 +100,11 @@ class Served(NamedTuple):
 
 def drive(s: Schedule, policy: Policy) -> Iterator[Served]:
     """Serve every group through a Residency under ``policy``, setting the clock as replay() does
-    (round, token, layer, group), without replay's capacity check; yield each group once served."""
+    (round, token, seq, layer, group), without replay's capacity check; yield each group once served."""
     residency, clock = Residency(policy), policy.clock
-    g, tokens = 0, s.round_token.tolist()
+    g, tokens, seqs = 0, s.round_token.tolist(), s.round_seq.tolist()
     for r, prefill in enumerate(s.round_prefill.tolist()):
-        clock.round, clock.token = r, tokens[r]
+        clock.round, clock.token, clock.seq = r, tokens[r], seqs[r]
         for layer in range(s.num_layers):
             for _ in range(s.per_layer):
                 keys = s.groups[g]
@@ -344,9 +344,9 @@ def test_residency_invariants(order: str, trace: Trace, name: str, seed: int, da
     res, clock = Residency(policy), policy.clock
     rooms = [policy.room(layer) for layer in range(s.num_layers)]
     limits = policy.budgets if isinstance(policy, Dist) else None
-    total, g, tokens = 0, 0, s.round_token.tolist()
+    total, g, tokens, seqs = 0, 0, s.round_token.tolist(), s.round_seq.tolist()
     for r in range(s.num_rounds):
-        clock.round, clock.token = r, tokens[r]
+        clock.round, clock.token, clock.seq = r, tokens[r], seqs[r]
         for layer in range(s.num_layers):
             for _ in range(s.per_layer):
                 keys = s.groups[g]
