@@ -182,24 +182,29 @@ def routing_replay(model, trace):
     return None if trace is None else replay_routing(model, trace)
 
 
-def run_reference(path: Path, args, trace) -> dict[str, object]:
+def measure_hf(load_model, path: Path, args, trace) -> dict[str, object]:
+    """Load a plain transformers model with ``load_model()``, measure it, and free it before the next
+    configuration loads: {"load_s": ..., **measure(...)}."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    model = load_reference(path)
+    model = load_model()
     tok = AutoTokenizer.from_pretrained(str(path))
     load_s = time.perf_counter() - t0
-    replay = routing_replay(model, trace)
     r = measure(
         lambda n: timed_generate(model, tok, PROMPT, n),
         args.warmup_tokens,
         args.new_tokens,
         args.repeats,
-        replay,
+        routing_replay(model, trace),
     )
-    model = None  # free it before the next configuration loads
+    model = None
     gc.collect()
-    return {"kind": "reference", "load_s": load_s, **r}
+    return {"load_s": load_s, **r}
+
+
+def run_reference(path: Path, args, trace) -> dict[str, object]:
+    return {"kind": "reference", **measure_hf(lambda: load_reference(path), path, args, trace)}
 
 
 def run_engine(path: Path, args, trace, budget: str, policy: str, **kwargs) -> dict[str, object]:
@@ -265,31 +270,23 @@ def accelerate_device_map(path: Path, share: float) -> tuple[dict[str, str], lis
 
 
 def run_accelerate(path: Path, args, trace, share: float, offload_root: Path) -> dict[str, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dmap, off_layers, n_layers = accelerate_device_map(path, share)
     folder = Path(tempfile.mkdtemp(prefix="offload-", dir=offload_root))
     try:
-        t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            device_map=dmap,
-            offload_folder=str(folder),
-            experts_implementation="eager",
-            dtype=torch.float32,
-        ).eval()
-        tok = AutoTokenizer.from_pretrained(str(path))
-        load_s = time.perf_counter() - t0
-        replay = routing_replay(model, trace)
-        r = measure(
-            lambda n: timed_generate(model, tok, PROMPT, n),
-            args.warmup_tokens,
-            args.new_tokens,
-            args.repeats,
-            replay,
+        r = measure_hf(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                str(path),
+                device_map=dmap,
+                offload_folder=str(folder),
+                experts_implementation="eager",
+                dtype=torch.float32,
+            ).eval(),
+            path,
+            args,
+            trace,
         )
-        model = None  # free it before the next configuration loads
-        gc.collect()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     resident = 1 - len(off_layers) / n_layers
@@ -298,7 +295,6 @@ def run_accelerate(path: Path, args, trace, share: float, offload_root: Path) ->
         "budget": f"{share * 100:g}%",
         "expert_share_resident": resident,
         "offloaded_expert_layers": off_layers,
-        "load_s": load_s,
         **r,
     }
 

@@ -149,6 +149,7 @@ class Proactive:
         """Queue speculative transfers for predicted experts; return how many were queued."""
         queued = 0
         res, stats = self.residency, self.stats
+        self._reap()  # finished transfers are no longer pinned (what this call queues is still moving)
         for target, ranked in predictions.items():
             chosen = ranked[: self.limit]
             self.predicted.setdefault(target, set()).update(chosen)
@@ -157,7 +158,6 @@ class Proactive:
                 key = (target, expert)
                 if key in res:
                     continue
-                self._reap()
                 pinned = _Pins(current, self.inflight, self.spec)
                 try:
                     victim = res.insert(key, pinned)

@@ -63,6 +63,17 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
+def router_fns(model: torch.nn.Module) -> list:
+    """Each MoE layer's router as ``gate input [T, H] -> top-k index [T, K]``, called without its hooks
+    (a routing replay is not disturbed): what the gate-based predictors feed."""
+
+    def call(router: torch.nn.Module):
+        p = next(router.parameters())
+        return lambda x: router.forward(x.to(p.device, p.dtype))[2]
+
+    return [call(r) for r in moe_routers(model)]
+
+
 class RoutingReplay:
     """Forward hooks that make every router return the trace's experts; ``remove()`` restores them."""
 

@@ -16,28 +16,18 @@ alone decides which predictor's GOODPRED is higher (ProMoE Sec. 4).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from expertcache.engine.routing import router_fns
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.predict.capture import Captured, capture, load_for_capture
 from expertcache.predict.registry import make_predictor
 
 HELDOUT_CHARS = 600  # tools/record_default_trace.py's --prompt-chars
-
-
-def router_fns(model: torch.nn.Module) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-    """Each MoE layer's router as ``gate input [T, H] -> top-k index [T, K]``, bypassing hooks."""
-    from expertcache.engine.routing import moe_routers
-
-    def call(router: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        p = next(router.parameters())
-        return lambda x: router.forward(x.to(p.device, p.dtype))[2]
-
-    return [call(r) for r in moe_routers(model)]
 
 
 def evaluate(predictor: Predictor, captured: Captured, decode_only: bool = True) -> dict:
