@@ -473,3 +473,71 @@ def test_cli_predictor_accuracy_reports_per_layer_accuracy(ckpt, tmp_path, capsy
         assert all(a is None or 0.0 <= a <= 1.0 for a in r["per_layer"]) and 0.0 <= r["accuracy"] <= 1.0
     assert main(["predictor-accuracy", "--model", str(path), "--predictors", "oracle"]) == 2
     assert "exact by definition" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["next-gate", "window", "eam"])
+def test_a_predictor_on_its_own_thread_changes_nothing_but_timing(name, ckpt, reference):
+    path = ckpt("mixtral")
+    want = reference(path, IDS)
+    extra = {"predictor": _trace_for(path)} if name == "eam" else {}
+    low = moe_layers("mixtral") * TOP_K
+    with engine_load(path, low + 1, "lru", prefetch=name, predictor_thread=True, **extra) as model:
+        got = greedy(model, IDS)
+        thread, stats = model.engine.predictor_thread, model.stats
+        assert stats["predictor_thread"] is True
+        calls = thread.calls
+    assert_exact(got, want)
+    steps = engine_fixtures.NEW  # one prefill step and NEW - 1 decode steps
+    assert calls == steps * (1 + moe_layers("mixtral"))  # begin_step + one call per layer, every step
+    assert stats["prefetch_issued"] > 0  # finished predictions were collected and prefetched
+
+
+class _Slow:
+    """A predictor whose calls take a while and record their order."""
+
+    window = 1
+
+    def __init__(self):
+        self.seen = []
+        self.gate = threading.Event()
+
+    def begin_step(self, *args):
+        self.gate.wait(5)
+        self.seen.append("begin")
+        return {0: [1]}
+
+    def after_router(self, layer, *args):
+        self.seen.append(layer)
+        if layer == 9:
+            raise ValueError("predictor broke")
+        return {layer + 1: [layer]}
+
+
+def test_predictor_thread_never_waits_keeps_order_drops_stale_and_surfaces_errors():
+    from expertcache.engine.runtime import PredictorThread
+
+    slow = _Slow()
+    pt = PredictorThread(slow)
+    try:
+        pt.begin_step()
+        pt.after_router(0)
+        assert pt.ready() == []  # nothing finished yet: no waiting
+        slow.gate.set()
+        deadline = time.time() + 5
+        got = []
+        while len(got) < 2 and time.time() < deadline:
+            got += pt.ready()
+        assert got == [{0: [1]}, {1: [0]}] and slow.seen == ["begin", 0]
+        pt.after_router(3)
+        pt.begin_step()  # a new step: layer 3's prediction belongs to the old one
+        deadline = time.time() + 5
+        while pt._pending and time.time() < deadline:
+            got = pt.ready()
+        assert pt.stale == 1 and got == [{0: [1]}]
+        pt.after_router(9)
+        time.sleep(0.05)
+        with pytest.raises(ValueError, match="predictor broke"):
+            while time.time() < deadline + 5:
+                pt.ready()
+    finally:
+        pt.close()

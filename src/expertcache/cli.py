@@ -406,6 +406,9 @@ def _add_prefetch_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="experts prefetched per predicted layer (default top-k)",
     )
+    p.add_argument(
+        "--predictor-thread", action="store_true", help="run the predictor beside inference, not inline"
+    )
     p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
     p.add_argument(
         "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
@@ -426,6 +429,7 @@ def _prefetch_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "preemption": not args.no_preemption,
         "reorder": not args.no_reorder,
         "prefetch_limit": args.prefetch_limit,
+        "predictor_thread": args.predictor_thread,
     }
 
 

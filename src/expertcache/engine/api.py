@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ from expertcache.engine.cache import ExpertCache
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, capacity_for, format_bytes, parse_size
-from expertcache.engine.routing import moe_routers
+from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine
 from expertcache.engine.transfer import DiskTier, HostTier, TransferWorker
 from expertcache.errors import ExpertcacheError, first_line
@@ -138,6 +137,7 @@ class OffloadedModel:
         preemption: bool = True,
         reorder: bool = True,
         prefetch_limit: int | None = None,
+        predictor_thread: bool = False,
     ) -> None:
         self.path = Path(path) if path is not None else DEFAULT_MODEL
         self.device = _device(device)
@@ -247,12 +247,18 @@ class OffloadedModel:
         if prefetch != "none":
             self.predictor = self._make_predictor(prefetch, window, predictor, seed)
         self.engine = Engine(
-            self.model, sk.experts, self.cache, self.top_k, record=record, predictor=self.predictor
+            self.model,
+            sk.experts,
+            self.cache,
+            self.top_k,
+            record=record,
+            predictor=self.predictor,
+            predictor_thread=predictor_thread,
         )
         self._tokenizer = None
 
     def _make_predictor(self, name: str, window, source, seed: int):
-        routers = [partial(_route, r) for r in moe_routers(self.model)]
+        routers = router_fns(self.model)
         trace = source if isinstance(source, Trace) else None
         path = None
         if source is not None and trace is None:
@@ -392,6 +398,7 @@ class OffloadedModel:
             "prefetch": self.prefetch,
             "window": self.predictor.window if self.predictor is not None else None,
             "prefetch_limit": pro.limit,
+            "predictor_thread": self.engine.predictor_thread is not None,
             "chunk_bytes": self.chunk_bytes,
             "preemption": pro.preemption,
             "reorder": pro.reorder,
@@ -439,11 +446,6 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     }
 
 
-def _route(router, x: torch.Tensor) -> torch.Tensor:
-    """A router's top-k choice for ``x`` [T, H], without its hooks (a routing replay's included)."""
-    return router.forward(x)[2]
-
-
 def _progress(desc: str, show: bool):
     if not show:
         return None
@@ -470,6 +472,7 @@ def load(
     ``"token"``, ``"eam"``; ``"none"`` by default), ``window`` (layers ahead), ``predictor`` (a trained
     predictor directory for ``learned``, a recorded trace for ``token``/``eam``), ``chunking`` and
     ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
-    ``prefetch_limit`` (experts prefetched per predicted layer; default top-k, as ProMoE).
+    ``prefetch_limit`` (experts prefetched per predicted layer; default top-k, as ProMoE),
+    ``predictor_thread`` (run the predictor on a thread beside inference instead of inline).
     """
     return OffloadedModel(path, expert_memory=expert_memory, policy=policy, device=device, **kwargs)

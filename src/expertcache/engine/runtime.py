@@ -12,6 +12,8 @@ is bit-identical whatever order the experts became resident in.
 from __future__ import annotations
 
 import itertools
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -74,9 +76,9 @@ class Recorder:
             self.steps[-1]["pred"].update(predictions)
             self.predicted = True
 
-    def add(self, layer: int, index: torch.Tensor, weights: torch.Tensor) -> None:
+    def add(self, layer: int, index: np.ndarray, weights: torch.Tensor) -> None:
         step = self.steps[-1]
-        step["experts"][layer] = index.detach().to("cpu", torch.int16).numpy()
+        step["experts"][layer] = index.astype(np.int16)
         step["weights"][layer] = weights.detach().to("cpu", torch.float32).numpy()
 
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
@@ -117,12 +119,62 @@ class Recorder:
         )
 
 
+class PredictorThread:
+    """A predictor run beside inference, on a thread of its own (ProMoE runs its MLPs on the CPU beside
+    the GPU): the compute thread queues each call and goes on; one thread runs them in order, so a
+    predictor with state (``eam``, ``token``) sees its calls as it would inline. ``ready()`` hands back,
+    without waiting, the finished predictions of the current step in call order; those of an earlier
+    step are dropped (their layers have been computed)."""
+
+    def __init__(self, predictor) -> None:
+        self.predictor = predictor
+        self.window = predictor.window
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="expertcache-predict")
+        self._pending: deque[tuple[int, Future]] = deque()
+        self.step = 0
+        self.calls = 0  # queued
+        self.stale = 0  # finished after their step was over
+
+    def begin_step(self, *args) -> None:
+        self.step += 1
+        self._submit(self.predictor.begin_step, args)
+
+    def after_router(self, *args) -> None:
+        self._submit(self.predictor.after_router, args)
+
+    def ready(self) -> list[dict[int, list[int]]]:
+        out = []
+        while self._pending and self._pending[0][1].done():
+            step, future = self._pending.popleft()
+            result = future.result()  # a predictor's error surfaces on the compute thread
+            if step == self.step:
+                out.append(result)
+            else:
+                self.stale += 1
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _submit(self, fn, args) -> None:
+        self.calls += 1
+        self._pending.append((self.step, self._pool.submit(_inference, fn, args)))
+
+
+def _inference(fn, args):
+    with torch.inference_mode():  # inference mode is per thread
+        return fn(*args)
+
+
 class Engine:
     """Runs a model's experts through an ``ExpertCache``; tracks forward steps with a pre-hook.
 
     With a predictor, every step asks it for predictions at the step's start and after each layer's
     router, and the cache prefetches them (``Proactive``): after the layer's own misses are queued,
-    before its experts are computed, so the transfers overlap the computation."""
+    before its experts are computed, so the transfers overlap the computation. With
+    ``predictor_thread`` the predictor runs beside the computation instead (``PredictorThread``), and
+    what it has finished is prefetched at the next layer boundary (before and after each layer's
+    experts), for layers still ahead."""
 
     def __init__(
         self,
@@ -132,9 +184,11 @@ class Engine:
         top_k: int,
         record: bool = True,
         predictor=None,
+        predictor_thread: bool = False,
     ):
         self.model, self.cache, self.top_k = model, cache, top_k
         self.predictor = predictor
+        self.predictor_thread = PredictorThread(predictor) if predictor and predictor_thread else None
         self.num_layers = len(experts)
         self.num_experts = int(experts[0].num_experts)
         for layer, module in enumerate(experts):
@@ -160,9 +214,16 @@ class Engine:
         if self.recorder is not None:
             self.recorder.begin(flat, prefill, seq)
         self._tokens += len(flat)
-        if self.predictor is not None:
+        if self.predictor_thread is not None:
+            self.predictor_thread.begin_step(flat, prefill, prefill)
+        elif self.predictor is not None:
             self._prefetch(self.predictor.begin_step(flat, prefill, prefill), ())
         return None
+
+    def _collect(self, layer: int, current) -> None:
+        """Prefetch what the predictor thread has finished, for the layers still ahead of ``layer``."""
+        for predictions in self.predictor_thread.ready():
+            self._prefetch({t: r for t, r in predictions.items() if t > layer}, current)
 
     def _prefetch(self, predictions: dict[int, list[int]], current) -> None:
         if predictions:
@@ -171,19 +232,25 @@ class Engine:
             self.cache.prefetch(predictions, current)
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        index = top_k_index.detach().cpu().numpy()  # one host copy: grouping, recording, predicting
         if self.recorder is not None:
-            self.recorder.add(layer, top_k_index, top_k_weights)
-        order = group_experts(top_k_index.tolist())
+            self.recorder.add(layer, index, top_k_weights)
+        order = group_experts(index.tolist())
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         serving = self.cache.serve(layer, order)
         first = next(serving)  # the layer's misses are queued (and its stale prefetches dropped)
-        if self.predictor is not None:
-            predictions = self.predictor.after_router(layer, top_k_index.detach().cpu().numpy(), hidden)
-            self._prefetch(predictions, [(layer, e) for e in order])
+        current = [(layer, e) for e in order] if self.predictor is not None else ()
+        if self.predictor_thread is not None:
+            self._collect(layer, current)
+            self.predictor_thread.after_router(layer, index, hidden)
+        elif self.predictor is not None:
+            self._prefetch(self.predictor.after_router(layer, index, hidden), current)
         for expert, views in itertools.chain((first,), serving):
             top_k_pos, token_idx = torch.where(expert == top_k_index.T)
             out = _expert_output(module, views, hidden[token_idx])
             outputs[expert] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
+        if self.predictor_thread is not None:
+            self._collect(layer, current)
         final = torch.zeros_like(hidden)
         for expert in sorted(outputs):  # eager's order of accumulation
             token_idx, out = outputs[expert]
@@ -192,4 +259,6 @@ class Engine:
 
     def close(self) -> None:
         self._hook.remove()
+        if self.predictor_thread is not None:
+            self.predictor_thread.close()
         self.cache.worker.close()
