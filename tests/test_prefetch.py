@@ -229,11 +229,13 @@ def test_injected_delays_and_failures_are_retried_and_change_nothing(ckpt, refer
             raise OSError("injected read error")
 
     with engine_load(path, moe_layers("mixtral") * TOP_K + 3, "lru", prefetch="window", window=2) as model:
-        model.cache.worker.fault = fault
+        worker = model.cache.worker
+        worker.fault = fault
         got = greedy(model, IDS)
-        stats = model.stats
+        reported = model.stats["retried_chunks"]
+    # counted once the worker has stopped: a prefetch may still be failing and retrying after generate
     assert_exact(got, want)
-    assert stats["retried_chunks"] == len(failed) > 0
+    assert reported <= worker.retried == len(failed) > 0
 
 
 def test_a_transfer_that_keeps_failing_is_one_clear_error(ckpt):
