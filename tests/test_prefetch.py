@@ -487,11 +487,13 @@ def test_a_predictor_on_its_own_thread_changes_nothing_but_timing(name, ckpt, re
         got = greedy(model, IDS)
         thread, stats = model.engine.predictor_thread, model.stats
         assert stats["predictor_thread"] is True
-        calls = thread.calls
+        calls, returned = thread.calls, thread.collected + thread.stale
     assert_exact(got, want)
     steps = engine_fixtures.NEW  # one prefill step and NEW - 1 decode steps
     assert calls == steps * (1 + moe_layers("mixtral"))  # begin_step + one call per layer, every step
-    assert stats["prefetch_issued"] > 0  # finished predictions were collected and prefetched
+    # results come back without the compute thread waiting; whether in time to prefetch is timing's
+    # (on a tiny model a window-1 prediction often lands after its layer): see test_predictor_thread_...
+    assert 0 < returned <= calls
 
 
 class _Slow:

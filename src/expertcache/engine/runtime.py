@@ -133,7 +133,8 @@ class PredictorThread:
         self._pending: deque[tuple[int, Future]] = deque()
         self.step = 0
         self.calls = 0  # queued
-        self.stale = 0  # finished after their step was over
+        self.collected = 0  # handed back within their step
+        self.stale = 0  # handed back after their step was over (dropped)
 
     def begin_step(self, *args) -> None:
         self.step += 1
@@ -148,6 +149,7 @@ class PredictorThread:
             step, future = self._pending.popleft()
             result = future.result()  # a predictor's error surfaces on the compute thread
             if step == self.step:
+                self.collected += 1
                 out.append(result)
             else:
                 self.stale += 1
