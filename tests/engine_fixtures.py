@@ -2,13 +2,14 @@
 
 Everything here is built once per session in a temporary directory (nothing from the network, no
 embedded model needed): a byte-level BPE tokenizer trained on a few lines, and random-weight
-checkpoints made with ``expertcache.engine.synth.make_checkpoint``. Import the fixtures into a test
-module (``from engine_fixtures import ...``) to use them.
+checkpoints made with ``expertcache.engine.random_checkpoint.make_checkpoint``. Import the fixtures into
+a test module (``from engine_fixtures import ...``) to use them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,6 +33,8 @@ ONLINE = [name for name in POLICIES if not is_offline(name)]
 OFFLINE = [name for name in POLICIES if is_offline(name)]
 NEEDS_PROFILE = ("static", "static-dist")
 
+# EXPERTCACHE_TEST_DEVICE=cuda runs the engine tests (engine and reference alike) on a GPU
+DEVICE = os.environ.get("EXPERTCACHE_TEST_DEVICE", "cpu")
 TOP_K = 2
 NEW = 6  # new tokens per greedy generation
 PROMPT = [5, 17, 42, 99, 120, 7, 250, 33]  # 8 token ids below the tiny vocabulary's 300
@@ -94,7 +97,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
     """``make_ckpt(family, **overrides)``: a tiny checkpoint, built once per (family, overrides)."""
-    from expertcache.engine.synth import make_checkpoint
+    from expertcache.engine.random_checkpoint import make_checkpoint
 
     built: dict[tuple, Path] = {}
 
@@ -133,13 +136,14 @@ def capacities(family: str, policy: str) -> list[int]:
 
 
 def engine_load(path: Path, capacity: int | None = None, policy: str = "lru", **kwargs):
-    """``expertcache.engine.load`` on CPU; ``capacity`` experts as a byte budget (default: all)."""
+    """``expertcache.engine.load`` on the test device; ``capacity`` experts as bytes (default: all)."""
     from expertcache.engine import load
 
     budget = kwargs.pop("expert_memory", "100%") if capacity is None else capacity * _slot_bytes(path)
     if policy in NEEDS_PROFILE and "profile" not in kwargs:
         kwargs["profile"] = profile_for(path)
-    return load(path, expert_memory=budget, policy=policy, device="cpu", progress=False, **kwargs)
+    kwargs.setdefault("device", DEVICE)
+    return load(path, expert_memory=budget, policy=policy, progress=False, **kwargs)
 
 
 _SLOT_BYTES: dict[Path, int] = {}
@@ -175,11 +179,12 @@ def profile_for(path: Path):
 
 
 def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, new: int = NEW):
-    """Greedy generation of exactly ``new`` tokens -> (sequences, logits [new, B, V])."""
+    """Greedy generation of exactly ``new`` tokens -> (sequences, logits [new, B, V]), on the CPU."""
+    device = model.device
     with torch.inference_mode():
         out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids) if mask is None else mask,
+            ids.to(device),
+            attention_mask=(torch.ones_like(ids) if mask is None else mask).to(device),
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
@@ -187,7 +192,7 @@ def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, new: int 
             return_dict_in_generate=True,
             pad_token_id=0,
         )
-    return out.sequences, torch.stack(out.logits)
+    return out.sequences.cpu(), torch.stack(out.logits).cpu()
 
 
 @pytest.fixture(scope="session")
@@ -206,7 +211,7 @@ def reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         )
         if key not in runs:
             if path not in models:
-                models[path] = load_reference(path)
+                models[path] = load_reference(path, device=DEVICE)
             runs[key] = greedy(models[path], ids, mask)
         return runs[key]
 

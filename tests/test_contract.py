@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from expertcache.cache import Residency
+from expertcache.cache.schedule import Schedule, build_schedule
 from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.policy import (
     POLICIES,
@@ -26,7 +27,6 @@ from expertcache.policy import (
     parse_policy,
 )
 from expertcache.sim.replay import policy_for, replay
-from expertcache.sim.schedule import Schedule, build_schedule
 from expertcache.trace import Trace
 from expertcache.trace.synth import synthesize
 
@@ -99,8 +99,9 @@ def drive(sched: Schedule, name: str, capacity: int, seed: int = 0) -> list[tupl
         clock.layer, clock.group = rest // sched.per_layer, g
         if not keys:
             continue
+        scores = sched.group_scores[g] if policy.observes else None  # as replay gives them (mrs)
         for chunk in res.chunks(clock.layer, keys):
-            log += res.admit(chunk)
+            log += res.admit(chunk, scores=scores)
             check_view(policy, res)
             assert all(k in res for k in chunk)
     assert asked == [k for k, _ in log]  # every miss, and only misses, asked for a victim

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import expertcache
+from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
-from expertcache.engine.api import DEFAULT_MODEL
 from expertcache.engine.loader import load_reference
-from expertcache.sim.api import DEFAULT_TRACE, default_trace
+from expertcache.engine.offloaded import DEFAULT_MODEL
 from expertcache.sim.replay import replay
-from expertcache.sim.schedule import build_schedule
+from expertcache.trace.default import DEFAULT_TRACE, default_trace
 
 LIMIT_BYTES = 25_000_000  # the "at most 25 MB", counted in decimal megabytes
 
@@ -31,7 +31,7 @@ def test_the_default_model_is_shipped_and_small():
     files = {p.name: p.stat().st_size for p in DEFAULT_MODEL.iterdir() if p.is_file()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
     assert sum(files.values()) <= LIMIT_BYTES
-    info = expertcache.engine.api.model_info()
+    info = expertcache.engine.offloaded.model_info()
     assert info["family"] == "mixtral"
     assert info["moe_layers"] * info["experts_per_layer"] >= 64  # enough keys for a cache to matter
 

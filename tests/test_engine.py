@@ -40,20 +40,13 @@ from engine_fixtures import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from expertcache.cache.schedule import build_schedule
 from expertcache.engine import EmulatedLink, load
-from expertcache.engine.memory import (
-    SlotLayout,
-    SlotPool,
-    capacity_for,
-    format_bytes,
-    parse_duration,
-    parse_rate,
-    parse_size,
-)
+from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.transfer import DEMAND, SPECULATIVE, TransferWorker
 from expertcache.errors import ExpertcacheError
 from expertcache.sim.replay import replay
-from expertcache.sim.schedule import build_schedule
+from expertcache.units import capacity_for, format_bytes, parse_duration, parse_rate, parse_size
 
 # the shared fixtures, by name
 _one_torch_thread = engine_fixtures._one_torch_thread
@@ -643,7 +636,7 @@ def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
     with engine_load(path, TOP_K, link_bandwidth="200MB/s", link_latency="0.5ms") as model:
         got = greedy(model, IDS)
         stats = model.stats
-        busy = model.cache.worker.busy_s
+        busy = model.worker.busy_s
         nbytes = model.layout.nbytes
     assert_exact(got, reference(path, IDS))
     assert stats["misses"] > 0 and stats["stall_s"] > 0

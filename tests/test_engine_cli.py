@@ -19,9 +19,9 @@ from engine_fixtures import (
     total_experts,
 )
 
+from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
 from expertcache.sim.replay import replay
-from expertcache.sim.schedule import build_schedule
 from expertcache.trace import load_trace
 
 # the shared fixtures, by name

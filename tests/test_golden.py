@@ -15,9 +15,9 @@ from types import ModuleType
 
 import pytest
 
+from expertcache.cache.schedule import Schedule
 from expertcache.policy import POLICIES
 from expertcache.sim import ORDERS, build_schedule
-from expertcache.sim.schedule import Schedule
 from expertcache.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"

@@ -12,8 +12,6 @@ from engine_fixtures import _one_torch_thread, make_ckpt, tokenizer_dir  # noqa:
 
 from expertcache.cli import main
 from expertcache.predict import PredictContext, Predictor, PredictorError, make_predictor
-from expertcache.predict.capture import Captured, capture_model
-from expertcache.predict.evaluate import build_predictor, evaluate, evaluate_model, heldout_prompts
 from expertcache.predict.learned import (
     CONFIG,
     DEFAULT_PREDICTORS,
@@ -23,7 +21,9 @@ from expertcache.predict.learned import (
     make_mlp,
     save_predictor,
 )
-from expertcache.predict.train import read_prompts, train_predictor
+from expertcache.tools.capture import Captured, capture_model
+from expertcache.tools.predictor_accuracy import build_predictor, evaluate, evaluate_model, heldout_prompts
+from expertcache.tools.train_predictor import read_prompts, train_predictor
 
 LAYERS, EXPERTS, HIDDEN, TOP_K = 4, 8, 32, 2
 PROMPTS = [

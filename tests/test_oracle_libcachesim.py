@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from expertcache.cache import Residency
+from expertcache.cache.schedule import Schedule
 from expertcache.sim import build_schedule, replay, run_policy
 from expertcache.sim.replay import policy_for
-from expertcache.sim.schedule import Schedule
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.trace import Trace, load_trace, synthesize
 

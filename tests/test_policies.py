@@ -156,7 +156,7 @@ class TestLRU:
         assert run_flat(build("lru", 2), [0, 1, 0, 2, 1, 0, 0, 1]) == [None, None, HIT, 1, 0, 2, HIT, HIT]
 
     def test_cyclic_k_plus_one_pages_always_miss(self) -> None:
-        # seed 000 Thm 3.3: k + 1 pages in a cycle; once full, LRU evicts exactly the page requested
+        # the LLRU paper Thm 3.3: k + 1 pages in a cycle; once full, LRU evicts exactly the page requested
         # next, i.e. request i evicts request i - 3 (the oldest of the 3 resident pages)
         requests = [0, 1, 2, 3] * 5
         out = run_flat(build("lru", 3), requests)
@@ -310,7 +310,7 @@ class TestMarking:
 
 
 def llru_rank(t: int, tau: int, num_layers: int) -> tuple[int, int]:
-    """Seed 000 Def. 2: R = floor((t - tau) / L), D = (tau - t) mod L."""
+    """The LLRU paper Def. 2: R = floor((t - tau) / L), D = (tau - t) mod L."""
     return (t - tau) // num_layers, (tau - t) % num_layers
 
 
@@ -489,6 +489,42 @@ class TestLCP:
                     mu[k] += 1
                     last[k] = rnd
         assert len(checked) > 20
+
+
+# --------------------------------------------------------------------------------------- MRS
+
+
+class TestMRS:
+    def test_hand_traced_scores_decay_per_step_and_pick_the_victim(self) -> None:
+        # cap 2, alpha 0.5, one layer; each request carries its routing score (the gate weight).
+        # round 0: a = (0,0) routed with s 0.9 -> S_a = 0.45
+        # round 1: b = (0,1) routed with s 0.2 -> S_b = 0.1; S_a decays to 0.225
+        # round 2: c = (0,2) misses: S_a = 0.1125, S_b = 0.05 -> b (lowest) is evicted
+        # LRU would evict a (least recent); MRS keeps the expert routed with the larger weight
+        policy = build("mrs", 2)
+        res = Residency(policy)
+
+        def request(rnd: int, expert: int, score: float) -> list[tuple[Key, Key | None]]:
+            policy.clock.round = policy.clock.token = rnd
+            return res.admit([(0, expert)], scores={(0, expert): score})
+
+        request(0, 0, 0.9)
+        request(1, 1, 0.2)
+        assert policy.current((0, 0)) == pytest.approx(0.225) and policy.current((0, 1)) == pytest.approx(0.1)
+        [(_, victim)] = request(2, 2, 0.3)
+        assert victim == (0, 1)
+        assert policy.current((0, 2)) == pytest.approx(0.15)
+
+    def test_without_scores_every_routed_expert_scores_one_over_k(self) -> None:
+        policy = build("mrs", 2, top_k=2)
+        drv = Driver(policy)
+        drv.serve([(0, 0), (0, 1)], 0)  # Residency calls on_request without scores
+        assert policy.current((0, 0)) == pytest.approx(0.25)
+
+    def test_bad_alpha(self) -> None:
+        for alpha in (0.0, 1.0, -0.5, 2.0):
+            with pytest.raises(PolicyError, match="alpha"):
+                build("mrs", 2, alpha=alpha)
 
 
 # --------------------------------------------------------------------------------------- Static

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from expertcache.cache import Residency
-from expertcache.errors import PolicyError
+from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.policy import POLICIES, Clock, PolicyContext, make_policy, parse_policy
 from expertcache.policy.eam import EAM
+from expertcache.policy.eam_model import EamModel, request_eams
 from expertcache.predict import PREDICTORS, PredictContext, PredictorError, make_predictor
-from expertcache.predict.eam import Eam, EamModel, request_eams
+from expertcache.predict.eam_matching import Eam
 from expertcache.sim import build_schedule, replay
-from expertcache.sim.api import default_trace
 from expertcache.trace import Trace
+from expertcache.trace.default import default_trace
 
 EPS = 1e-3  # the eam policy's default epsilon
 
@@ -198,9 +199,9 @@ class TestEamModel:
             assert np.array_equal(model.aggregate(), reference_aggregate(stored, current, m))
 
     def test_bad_parameters(self) -> None:
-        with pytest.raises(PredictorError):
+        with pytest.raises(ExpertcacheError, match="capacity"):
             EamModel(2, 2, capacity=0)
-        with pytest.raises(PredictorError):
+        with pytest.raises(ExpertcacheError, match="matches"):
             EamModel(2, 2, matches=0)
 
 
@@ -422,7 +423,7 @@ class TestSimulator:
         seen: list[tuple[int, int]] = []
         original = EAM.on_request
 
-        def spy(self, keys):
+        def spy(self, keys, scores=None):
             seen.append((self.clock.round, self.clock.seq))
             original(self, keys)
 

@@ -1,6 +1,6 @@
 """Proactive caching in the engine: prefetch, chunking, preemption and reordering never change outputs.
 
-- ``Proactive`` alone with a scripted transport: what is prefetched, evicted, dropped, promoted.
+- ``ExpertCache`` alone with a scripted transport: what is prefetched, evicted, dropped, promoted.
 - The engine against transformers' eager reference: identical tokens and logits for every predictor
   and switch, at random budgets and windows (hypothesis), under injected transfer faults and delays,
   and with predictions that are always wrong at the minimum budget (no deadlock).
@@ -30,11 +30,14 @@ from engine_fixtures import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertcache.cache.proactive import DEMAND, FAILED, PENDING, READY, SPECULATIVE, Proactive
+from expertcache.cache.expert_cache import ExpertCache
 from expertcache.cache.residency import Residency
+from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY, SPECULATIVE
 from expertcache.cli import main
+from expertcache.config import PrefetchConfig
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.transfer import TransferWorker
+from expertcache.miss.base import FULL, MissContext, MissPath
 from expertcache.policy.base import PolicyContext
 from expertcache.policy.registry import make_policy
 from expertcache.predict.base import Predictor
@@ -48,7 +51,7 @@ tokenizer_dir = engine_fixtures.tokenizer_dir
 PREDICTORS = ("next-gate", "window", "token", "eam")
 
 
-# --------------------------------------------------------------------------- Proactive, scripted
+# ------------------------------------------------------------------------ ExpertCache, scripted
 class _Handle:
     def __init__(self, key, victim, priority, seq):
         self.key, self.victim, self.priority, self.seq = key, victim, priority, seq
@@ -62,7 +65,7 @@ class _Script:
         self.handles: list[_Handle] = []
         self.released: list = []
 
-    def submit(self, key, victim, priority):
+    def submit(self, key, victim, priority, part=FULL):
         h = _Handle(key, victim, priority, len(self.handles))
         self.handles.append(h)
         return h
@@ -86,7 +89,7 @@ class _Script:
         assert not h.cancelled
         h.state = READY
 
-    def release(self, key):
+    def release(self, key, part=FULL):
         self.released.append(key)
 
 
@@ -94,7 +97,8 @@ def _proactive(capacity=4, layers=3, experts=4, limit=2, **kw):
     ctx = PolicyContext(capacity=capacity, num_layers=layers, num_experts=experts, top_k=1)
     res = Residency(make_policy("lru", ctx))
     tr = _Script()
-    return Proactive(res, tr, layers, limit=limit, **kw), tr, res
+    miss = MissPath(MissContext(layers, experts, 1))
+    return ExpertCache({FULL: res}, tr, miss, layers, limit=limit, **kw), tr, res
 
 
 def test_prefetch_admits_through_the_policy_as_speculative_transfers():
@@ -114,7 +118,7 @@ def test_preemption_drops_unchosen_queued_prefetches_and_promotes_chosen_ones():
     assert b.priority == DEMAND and not b.cancelled
     assert tr.handles[2].key == (1, 1) and tr.handles[2].priority == DEMAND
     assert order == [(1, 3), (1, 1)]
-    assert pro.stats.cancelled[1] == 1 and pro.stats.used[1] == 1 and pro.stats.misses[1] == 1
+    assert pro.stats.cancelled[1] == 1 and pro.stats.used[1] == 1 and pro.stats.misses[0, 1] == 1
 
 
 def test_without_preemption_stale_prefetches_stay_queued():
@@ -131,7 +135,7 @@ def test_prefetch_never_evicts_the_current_layer_in_flight_or_awaited_keys():
     pro.prefetch({1: [0, 1, 2]}, current=[(0, 0), (0, 1)])
     # one free slot: (1,0) is queued; (1,1) would need to evict (0,x) (current) or (1,0) (in flight)
     assert [h.key for h in tr.handles[2:]] == [(1, 0)]
-    assert pro.stats.skipped[1] == 2
+    assert pro.stats.skipped_prefetches[1] == 2
     assert (0, 0) in res and (0, 1) in res
 
 
@@ -229,7 +233,7 @@ def test_injected_delays_and_failures_are_retried_and_change_nothing(ckpt, refer
             raise OSError("injected read error")
 
     with engine_load(path, moe_layers("mixtral") * TOP_K + 3, "lru", prefetch="window", window=2) as model:
-        worker = model.cache.worker
+        worker = model.worker
         worker.fault = fault
         got = greedy(model, IDS)
         reported = model.stats["retried_chunks"]
@@ -245,7 +249,7 @@ def test_a_transfer_that_keeps_failing_is_one_clear_error(ckpt):
         raise OSError("disk gone")
 
     with engine_load(path, moe_layers("mixtral") * TOP_K) as model:
-        model.cache.worker.fault = fault
+        model.worker.fault = fault
         with pytest.raises(Exception, match="failed: disk gone"):
             greedy(model, IDS)
 
@@ -288,9 +292,9 @@ def test_every_prediction_wrong_at_the_minimum_budget_neither_deadlocks_nor_chan
     with engine_load(path, low, policy) as model:
         greedy(model, IDS)
         steps = _recorded_groups(model.trace())
-    with engine_load(path, low, policy, link_latency="50us") as model:
-        ctx = PredictContext(model.num_layers, model.num_experts, model.top_k, window=1)
-        model.engine.predictor = _AlwaysWrong(ctx, steps)
+    ctx = PredictContext(moe_layers("mixtral"), engine_fixtures.SPECS["mixtral"]["experts"], TOP_K, window=1)
+    wrong = PrefetchConfig(_AlwaysWrong(ctx, steps))  # a predictor object, through the API
+    with engine_load(path, low, policy, link_latency="50us", prefetch=wrong) as model:
         result: dict = {}
         worker = threading.Thread(target=lambda: result.update(out=greedy(model, IDS)), daemon=True)
         worker.start()
@@ -320,8 +324,8 @@ def test_the_trace_records_what_the_predictor_predicted(ckpt, tmp_path):
 
 
 def test_without_prefetch_the_engine_still_matches_the_simulator_with_chunking(ckpt):
+    from expertcache.cache.schedule import build_schedule
     from expertcache.sim.replay import replay
-    from expertcache.sim.schedule import build_schedule
 
     path = ckpt("mixtral")
     cap = moe_layers("mixtral") * TOP_K + 1
@@ -428,7 +432,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         (["--prefetch", "oracle"], "simulator only"),
         (["--prefetch", "nope"], "unknown predictor 'nope'"),
         (["--prefetch", "window", "--window", "0"], "at least 1 layer"),
-        (["--chunk-size", "0"], "chunk size must be positive"),
+        (["--chunk-size", "0"], "chunk size must be a positive"),
         (["--prefetch", "window", "--prefetch-limit", "0"], "prefetch limit must be at least 1"),
         (["--chunk-size", "lots"], "chunk size"),
         (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
@@ -485,7 +489,7 @@ def test_a_predictor_on_its_own_thread_changes_nothing_but_timing(name, ckpt, re
     low = moe_layers("mixtral") * TOP_K
     with engine_load(path, low + 1, "lru", prefetch=name, predictor_thread=True, **extra) as model:
         got = greedy(model, IDS)
-        thread, stats = model.engine.predictor_thread, model.stats
+        thread, stats = model.driver.predictor, model.stats
         assert stats["predictor_thread"] is True
         calls, returned = thread.calls, thread.collected + thread.stale
     assert_exact(got, want)

@@ -15,19 +15,41 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertcache.cache.proactive import DEMAND, FAILED, PENDING, READY, SPECULATIVE
+from expertcache.cache.schedule import build_schedule
+from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY, SPECULATIVE
 from expertcache.cli import main
+from expertcache.config import PrefetchConfig
+from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
 from expertcache.policy import POLICIES
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
+from expertcache.sim.recorded import Recorded, make_sim_predictor
 from expertcache.sim.replay import replay
-from expertcache.sim.schedule import build_schedule
-from expertcache.sim.timing import CostModel, Recorded, format_timing, make_sim_predictor, simulate_timing
+from expertcache.sim.timing import format_timing, simulate_timing
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace import Trace, synthesize
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FREE = dict(link_bandwidth=math.inf, link_latency=0.0)  # transfers take no time
+
+
+def simulate(
+    trace,
+    policy="lru",
+    *,
+    capacity,
+    predictor=None,
+    window=None,
+    preemption=True,
+    reorder=True,
+    prefetch_limit=None,
+    **kw,
+):
+    """``simulate_timing`` with the prefetch options spelled out (a PrefetchConfig each time)."""
+    prefetch = PrefetchConfig(
+        predictor or "none", window=window, preemption=preemption, reorder=reorder, limit=prefetch_limit
+    )
+    return simulate_timing(trace, capacity, cache=policy, prefetch=prefetch, **kw)
 
 
 def cost(**kw: object) -> CostModel:
@@ -261,7 +283,7 @@ class TestHandTraces:
     def test_free_link_gives_no_stall_and_tpot_is_compute(self):
         trace = synthesize("sticky", tokens=60, layers=3, experts=6, top_k=2, seed=2)
         c = cost(dense_s=[1.0, 2.0, 0.5], expert_s=0.25, expert_token_s=0.125, step_s=4.0)
-        r = simulate_timing(trace, "lru", capacity=2, cost=c, predictor="oracle")
+        r = simulate(trace, "lru", capacity=2, cost=c, predictor="oracle")
         assert r.stall_s == 0.0 and r.ttft_s is None
         assert r.tpot_s == pytest.approx(4.0 + 3.5 + 3 * 2 * 0.375)  # each of 2 experts: 1 token
 
@@ -270,7 +292,7 @@ class TestHandTraces:
         trace = decode_trace([[[0]], [[1]], [[0]], [[2]]])
         c = transfer(2.0, dense_s=1.0, expert_s=1.0)
         for capacity, misses in ((1, 4), (2, 3)):
-            r = simulate_timing(trace, "lru", capacity=capacity, cost=c)
+            r = simulate(trace, "lru", capacity=capacity, cost=c)
             assert (r.misses, r.stall_s) == (misses, 2.0 * misses)
             assert r.total_s == 4 * 2.0 + 2.0 * misses
 
@@ -282,7 +304,7 @@ class TestHandTraces:
             is_prefill=np.asarray([1, 1, 0], dtype=np.int8),
         )
         c = cost(dense_s=1.0, expert_s=1.0, expert_token_s=0.5, step_s=2.0)
-        r = simulate_timing(trace, "lru", capacity=2, cost=c)
+        r = simulate(trace, "lru", capacity=2, cost=c)
         assert (r.steps, r.ttft_s, r.tpot_s, r.total_s) == ([1, 1], 6.0, 4.5, 10.5)
 
     def test_expert_time_counts_the_tokens_routed_to_it(self):
@@ -291,15 +313,15 @@ class TestHandTraces:
             4,
             is_prefill=np.ones(3, dtype=np.int8),
         )
-        r = simulate_timing(trace, "lru", capacity=3, cost=cost(expert_s=1.0, expert_token_s=1.0))
+        r = simulate(trace, "lru", capacity=3, cost=cost(expert_s=1.0, expert_token_s=1.0))
         assert r.ttft_s == (1 + 3) + (1 + 2) + (1 + 1)
 
     def test_reorder_computes_resident_experts_first(self):
         # step 1 misses 0 and 1; step 2 needs 2 (missing) then 1 (resident)
         trace = decode_trace([[[0, 1]], [[2, 1]]])
         c = transfer(1.0, expert_s=1.0)
-        on = simulate_timing(trace, "lru", capacity=3, cost=c)
-        off = simulate_timing(trace, "lru", capacity=3, cost=c, reorder=False)
+        on = simulate(trace, "lru", capacity=3, cost=c)
+        off = simulate(trace, "lru", capacity=3, cost=c, reorder=False)
         assert (on.total_s, on.stall_s) == (5.0, 1.0)
         assert (off.total_s, off.stall_s) == (6.0, 2.0)
         assert (on.misses, on.hits) == (off.misses, off.hits) == (3, 1)
@@ -310,7 +332,7 @@ class TestHandTraces:
         trace = decode_trace([[[0]]])
         c = transfer(1.0, dense_s=0.5)
         runs = {
-            pre: simulate_timing(
+            pre: simulate(
                 trace,
                 "lru",
                 capacity=4,
@@ -323,30 +345,30 @@ class TestHandTraces:
         }
         for r in runs.values():  # the demand waits for 1's chunk, then moves: 0.5 -> 2.0
             assert (r.total_s, r.stall_s, r.misses) == (2.0, 1.5, 1)
-        assert runs[True].proactive["prefetch_cancelled"] == 1 and runs[True].link_busy_s == 2.0
-        assert runs[False].proactive["prefetch_cancelled"] == 0 and runs[False].link_busy_s == 3.0
+        assert runs[True].cache["prefetch_cancelled"] == 1 and runs[True].link_busy_s == 2.0
+        assert runs[False].cache["prefetch_cancelled"] == 0 and runs[False].link_busy_s == 3.0
 
     def test_prefetch_hides_a_transfer_behind_compute(self):
         # two layers; layer 1's expert is predicted after layer 0's router and moves while layer 0
         # computes (2 s) and layer 1's dense part runs (1 s): the 2 s transfer is hidden
         trace = decode_trace([[[0], [3]]])
         c = transfer(2.0, dense_s=1.0, expert_s=2.0)
-        none = simulate_timing(trace, "lru", capacity=2, cost=c)
-        oracle = simulate_timing(trace, "lru", capacity=2, cost=c, predictor="oracle", window=1)
+        none = simulate(trace, "lru", capacity=2, cost=c)
+        oracle = simulate(trace, "lru", capacity=2, cost=c, predictor="oracle", window=1)
         assert (none.stall_s, none.total_s) == (4.0, 10.0)
         # layer 0 is prefetched at the step's start: 2 s transfer, 1 s dense -> 1 s stall
         assert (oracle.stall_s, oracle.total_s) == (1.0, 7.0)
-        assert oracle.proactive["prefetch_used"] == 2 and oracle.proactive["prefetch_late"] >= 1
+        assert oracle.cache["prefetch_used"] == 2 and oracle.cache["prefetch_late"] >= 1
 
     def test_oracle_prefetch_reduces_stall_on_a_longer_trace(self):
         trace = synthesize(
             "sticky", tokens=400, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=8
         )
         c = CostModel(expert_bytes=2**20, link_bandwidth=2**20 / 1e-3, link_latency=0.0, dense_s=0.5e-3)
-        none = simulate_timing(trace, "lru", capacity=16, cost=c)
-        oracle = simulate_timing(trace, "lru", capacity=16, cost=c, predictor="oracle", window=1)
+        none = simulate(trace, "lru", capacity=16, cost=c)
+        oracle = simulate(trace, "lru", capacity=16, cost=c, predictor="oracle", window=1)
         assert oracle.stall_s < 0.8 * none.stall_s and oracle.total_s < none.total_s
-        assert oracle.proactive["accuracy"] > 0.9
+        assert oracle.cache["accuracy"] > 0.9
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,7 +382,7 @@ AGREE_TRACE = synthesize(
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("capacity", [8, 13, 32])
 def test_without_prefetch_hits_and_misses_equal_replay(name: str, capacity: int):
-    r = simulate_timing(AGREE_TRACE, name, capacity=capacity, cost=transfer(1.0, 3, dense_s=0.5))
+    r = simulate(AGREE_TRACE, name, capacity=capacity, cost=transfer(1.0, 3, dense_s=0.5))
     ref = replay(build_schedule(AGREE_TRACE, "layer"), name, capacity)
     assert (r.requests, r.misses, r.hits) == (ref.requests, ref.misses, ref.hits)
     # no expert compute to overlap with: every miss is waited for in full, one after another
@@ -374,23 +396,21 @@ def test_no_deadlock_at_the_minimum_capacity_with_a_wrong_predictor(name: str, w
     low = trace.top_k * (trace.num_layers if name.endswith("-dist") else 1)
     for capacity in (low, low + 1):
         pred = Wrong(ctx_of(trace, window))
-        r = simulate_timing(
-            trace, name, capacity=capacity, cost=transfer(1.0, 3, dense_s=0.5), predictor=pred
-        )
+        r = simulate(trace, name, capacity=capacity, cost=transfer(1.0, 3, dense_s=0.5), predictor=pred)
         assert (
             r.hits + r.misses == r.requests == replay(build_schedule(trace, "layer"), name, capacity).requests
         )
-        assert r.stall_s >= 0 and r.proactive["accuracy"] == 0.0
+        assert r.stall_s >= 0 and r.cache["accuracy"] == 0.0
 
 
 def test_preemption_cancels_wrong_prefetches_and_saves_link_time():
     c = transfer(1.0, 3, dense_s=0.5, expert_s=0.5)
     runs = {
-        pre: simulate_timing(AGREE_TRACE, "lru", capacity=16, cost=c, predictor=Wrong(ctx_of(AGREE_TRACE, 2)),
+        pre: simulate(AGREE_TRACE, "lru", capacity=16, cost=c, predictor=Wrong(ctx_of(AGREE_TRACE, 2)),
                              preemption=pre)
         for pre in (True, False)
     }  # fmt: skip
-    assert runs[True].proactive["prefetch_cancelled"] > 0 == runs[False].proactive["prefetch_cancelled"]
+    assert runs[True].cache["prefetch_cancelled"] > 0 == runs[False].cache["prefetch_cancelled"]
     assert runs[True].link_busy_s < runs[False].link_busy_s
     assert runs[True].total_s <= runs[False].total_s
 
@@ -430,7 +450,7 @@ def test_properties(trace, name, extra, predictor, window, chunks, latency, expe
         return
     c = transfer(latency, chunks, dense_s=0.25, expert_s=expert_s, step_s=0.5)
     pred = Wrong(ctx_of(trace, window)) if predictor == "wrong" else predictor
-    r = simulate_timing(
+    r = simulate(
         trace, name, capacity=capacity, cost=c, predictor=pred, window=window if pred else None,
         preemption=switches[0], reorder=switches[1], predictor_trace=trace if pred == "token" else None,
     )  # fmt: skip
@@ -439,7 +459,7 @@ def test_properties(trace, name, extra, predictor, window, chunks, latency, expe
     compute = steps * 0.5 + steps * trace.num_layers * 0.25 + expert_s * r.requests
     assert r.stall_s >= 0 and r.hits + r.misses == r.requests == ref.requests
     assert r.total_s == pytest.approx(compute + r.stall_s)
-    assert r.transfers == r.misses + r.proactive["prefetch_issued"]
+    assert r.transfers == r.misses + r.cache["prefetch_issued"]
     if predictor is None:
         assert r.misses == ref.misses
         if expert_s == 0.0:  # nothing overlaps a transfer: each miss is waited for in full
@@ -472,15 +492,15 @@ class TestRecorded:
     @pytest.mark.parametrize("name", ["next-gate", "recorded"])
     def test_gate_predictors_replay_the_recorded_predictions(self, name: str):
         trace = recorded_trace()
-        r = simulate_timing(trace, "lru", capacity=6, cost=transfer(1.0, dense_s=1.0), predictor=name)
+        r = simulate(trace, "lru", capacity=6, cost=transfer(1.0, dense_s=1.0), predictor=name)
         assert r.predictor == name and r.window == 1
-        by_layer = r.proactive["goodpred_by_layer"]
-        assert by_layer[0] is None and r.proactive["accuracy"] == 1.0  # layer 0 is never predicted
+        by_layer = r.cache["goodpred_by_layer"]
+        assert by_layer[0] is None and r.cache["accuracy"] == 1.0  # layer 0 is never predicted
 
     def test_recorded_replays_other_predictors_where_they_predicted(self):
         trace = recorded_trace("token", 1)
-        r = simulate_timing(trace, "lru", capacity=6, cost=transfer(1.0, dense_s=1.0), predictor="recorded")
-        assert r.proactive["goodpred_by_layer"][0] is not None  # predicted at the step's start
+        r = simulate(trace, "lru", capacity=6, cost=transfer(1.0, dense_s=1.0), predictor="recorded")
+        assert r.cache["goodpred_by_layer"][0] is not None  # predicted at the step's start
 
     def test_missing_or_other_recordings_are_one_line_errors(self):
         plain = synthesize("sticky", tokens=10, layers=2, experts=4, top_k=2, seed=0)
@@ -500,10 +520,10 @@ class TestRecorded:
         other = Trace(other.experts, 8, token_id=np.arange(200, dtype=np.int32) % 7)
         trace = Trace(AGREE_TRACE.experts, 8, token_id=np.arange(300, dtype=np.int32) % 5)
         with pytest.raises(PredictorError, match="needs a recorded trace to count from"):
-            simulate_timing(trace, "lru", capacity=8, predictor="token")  # never the simulated one, silently
-        own = simulate_timing(trace, "lru", capacity=8, predictor="token", predictor_trace=trace)
-        learned = simulate_timing(trace, "lru", capacity=8, predictor="token", predictor_trace=other)
-        assert own.proactive["accuracy"] != learned.proactive["accuracy"]
+            simulate(trace, "lru", capacity=8, predictor="token")  # never the simulated one, silently
+        own = simulate(trace, "lru", capacity=8, predictor="token", predictor_trace=trace)
+        learned = simulate(trace, "lru", capacity=8, predictor="token", predictor_trace=other)
+        assert own.cache["accuracy"] != learned.cache["accuracy"]
         small = synthesize("sticky", tokens=10, layers=2, experts=8, top_k=2, seed=0)
         with pytest.raises(PredictorError, match="2 layers x 8 experts, the simulated one 4 x 8"):
             make_sim_predictor("token", trace, data=small)
@@ -523,15 +543,15 @@ class TestRecorded:
 # ------------------------------------------------------------------------------------------------
 def test_api_errors():
     with pytest.raises(ExpertcacheError, match="below top-k"):
-        simulate_timing(AGREE_TRACE, "lru", capacity=1)
+        simulate(AGREE_TRACE, "lru", capacity=1)
     with pytest.raises(ExpertcacheError, match="3 times for a model of 4 layers"):
-        simulate_timing(AGREE_TRACE, "lru", capacity=8, cost=CostModel(dense_s=[1.0, 1.0, 1.0]))
+        simulate(AGREE_TRACE, "lru", capacity=8, cost=CostModel(dense_s=[1.0, 1.0, 1.0]))
     with pytest.raises(ExpertcacheError, match="unknown policy"):
-        simulate_timing(AGREE_TRACE, "lur", capacity=8)
+        simulate(AGREE_TRACE, "lur", capacity=8)
 
 
 def test_policy_spec_and_result_text():
-    r = simulate_timing(AGREE_TRACE, "lcp:rho=0.5", capacity=8, predictor="oracle")
+    r = simulate(AGREE_TRACE, "lcp:rho=0.5", capacity=8, predictor="oracle")
     assert r.params == {"rho": 0.5}
     text = format_timing(r)
     assert "lcp:rho=0.5" in text and "TPOT" in text and "goodpred" in text
@@ -583,8 +603,10 @@ def test_cli_switches_and_cost_file(capsys, trace_file, tmp_path):
     assert d["capacity"] == 8 and d["cost"]["link_latency"] == 1e-3 and d["cost"]["chunk_bytes"] is None
     d = json.loads(run_cli(capsys, *args, "--chunk-size", "1", "--no-reorder", "--no-preemption")[1])
     assert d["chunks_per_expert"] == 3 and not d["reorder"] and not d["preemption"]
-    d = json.loads(run_cli(capsys, *args, "--chunk-size", "1", "--no-chunking")[1])
+    d = json.loads(run_cli(capsys, *args, "--no-chunking")[1])
     assert d["chunks_per_expert"] == 1
+    code, _, err = run_cli(capsys, *args, "--chunk-size", "1", "--no-chunking")  # never silently ignored
+    assert code == 2 and "chunking off" in err
 
 
 def test_cli_text_on_the_default_trace(capsys):
@@ -595,7 +617,7 @@ def test_cli_text_on_the_default_trace(capsys):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--window", "2"], "--window and --predictor need a predictor"),
+        (["--window", "2"], "needs --prefetch NAME"),
         (["--link-bandwidth", "fast"], "link_bandwidth"),
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from expertcache.cache.schedule import build_schedule
 from expertcache.errors import ExpertcacheError, TraceError
-from expertcache.sim.schedule import build_schedule
 from expertcache.trace import GENERATORS, Trace, layer_entropy, load_trace, reuse_between_tokens, summary
 from expertcache.trace.synth import synthesize
 

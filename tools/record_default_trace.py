@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_default_model import is_validation, stdlib_files  # noqa: E402
 
 import expertcache  # noqa: E402
-from expertcache.engine.api import DEFAULT_MODEL  # noqa: E402
+from expertcache.engine.offloaded import DEFAULT_MODEL  # noqa: E402
 
 OUT = DEFAULT_MODEL.parent / "default_trace.npz"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train the embedded default model's learned predictors and measure them on its held-out prompts.
 
-Trains ProMoE's learned predictor for windows 1-4 (``expertcache.predict.train``) on prompts cut
+Trains ProMoE's learned predictor for windows 1-4 (``expertcache.tools.train_predictor``) on prompts cut
 from standard-library files of the model's training split (``default_prompts``: none of the 23
 validation files, so none of the 16 evaluation prompts), writes
 ``src/expertcache/data/default/predictors/window-{1,2,3,4}/``, then measures ACCURACY of next-gate
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from expertcache.predict.evaluate import evaluate_model, format_accuracy
 from expertcache.predict.learned import DEFAULT_PREDICTORS
-from expertcache.predict.train import (
+from expertcache.tools.predictor_accuracy import evaluate_model, format_accuracy
+from expertcache.tools.train_predictor import (
     DEFAULT_PROMPTS,
     EPOCHS,
     HIDDEN,

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from expertcache import __version__
+from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import POLICIES, min_capacity, parse_policy, policy_class
-from expertcache.sim.api import DEFAULT_POLICIES, default_trace, simulate
 from expertcache.sim.report import format_layers, format_table, plot_curves
-from expertcache.sim.schedule import ORDERS, check_capacity, min_room
+from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
+from expertcache.trace.default import default_trace
 from expertcache.trace.stats import summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
@@ -89,6 +90,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="experts prefetched per predicted layer (default top-k)",
     )
     tm.add_argument("--no-chunking", action="store_true", help="move each expert as one chunk")
+    tm.add_argument(
+        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
+    )
+    tm.add_argument(
+        "--miss", default="fetch", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)"
+    )
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
     tm.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
@@ -119,6 +126,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pol.set_defaults(func=_cmd_policies)
     prd = sub.add_parser("predictors", help="list the expert predictors (for --prefetch)")
     prd.set_defaults(func=_cmd_predictors)
+    mis = sub.add_parser("misses", help="list the miss paths (for --miss)")
+    mis.set_defaults(func=_cmd_misses)
 
     g = sub.add_parser("generate", help="generate text with experts offloaded under a memory budget")
     g.add_argument(
@@ -148,6 +157,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object with tokens, text, timings, cache"
     )
     g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
+    g.add_argument(
+        "--miss",
+        default="fetch",
+        metavar="NAME[:k=v,...]",
+        help="what to do on a miss: fetch (default), host, hybrid, placement, ... (expertcache misses)",
+    )
     _add_prefetch_args(g)
     g.set_defaults(func=_cmd_generate)
 
@@ -186,6 +201,38 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
     tp.set_defaults(func=_cmd_train_predictor)
+
+    q = sub.add_parser("quantize", help="write low-precision copies of a model's experts (for --miss hobbit)")
+    q.add_argument("model", nargs="?", help="checkpoint dir (default: the embedded model)")
+    q.add_argument(
+        "--bits", type=int, nargs="+", default=[8, 4], metavar="B", help="8, 4 and/or 2 (default 8 4)"
+    )
+    q.add_argument(
+        "--group", type=int, default=64, metavar="N", help="weights per scale and zero (default 64)"
+    )
+    q.add_argument(
+        "--out", metavar="DIR", help="where (default: beside the checkpoint, else the user's cache)"
+    )
+    q.add_argument("--fast", action="store_true", help="plain min-max rounding, without HQQ's optimisation")
+    q.add_argument("--json", action="store_true", help="print one JSON array of the files written")
+    q.set_defaults(func=_cmd_quantize)
+
+    ql = sub.add_parser(
+        "quality", help="perplexity and top-1 agreement of a lossy miss path against the model"
+    )
+    ql.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
+    ql.add_argument(
+        "--miss", required=True, metavar="NAME[:k=v,...]", help="the miss path measured, e.g. hobbit"
+    )
+    ql.add_argument("--expert-memory", default="25%", metavar="X", help="bytes or a share (default 25%%)")
+    ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]")
+    ql.add_argument(
+        "--tokens", type=int, default=2048, metavar="N", help="tokens measured in all (default 2048)"
+    )
+    ql.add_argument("--text", metavar="FILE", help="a text file to measure on (default: held-out files)")
+    ql.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ql.add_argument("--json", action="store_true", help="print one JSON object")
+    ql.set_defaults(func=_cmd_quality)
 
     pa = sub.add_parser("predictor-accuracy", help="ProMoE's ACCURACY_i(k) of predictors on a model's runs")
     pa.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
@@ -236,54 +283,61 @@ _TIMING_COST_FLAGS = (
     ("--dense-time", "TIME[,TIME...]", "per layer: attention, norms, router (one, or one per layer)"),
     ("--expert-time", "TIME[,PER_TOKEN]", "one expert's compute: fixed, and per token (e.g. 0.35ms,2us)"),
     ("--step-time", "TIME", "per forward step: embeddings, LM head"),
+    ("--host-time", "TIME[,PER_TOKEN]", "one expert computed on the host: fixed, and per token"),
+    ("--dequant-time", "TIME", "device time to expand a low-precision copy (default 0)"),
     ("--expert-bytes", "SIZE", "bytes of one expert, e.g. 336MiB"),
-    ("--chunk-size", "SIZE", "bytes per transfer chunk at most (default: a third of an expert)"),
     ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
     ("--issue-time", "TIME", "compute time spent issuing one transfer (default 0)"),
 )
 
 
 def _cmd_timing(args: argparse.Namespace) -> int:
-    from expertcache.engine.memory import capacity_for
-    from expertcache.sim.timing import CostModel, format_timing, simulate_timing
+    from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+    from expertcache.costs import CostModel
+    from expertcache.sim.timing import format_timing, simulate_timing
+    from expertcache.units import capacity_for
 
     trace = default_trace() if args.trace == "default" else load_trace(args.trace)
-    prefetch = args.prefetch.strip().lower()
-    if (args.window is not None or args.predictor) and prefetch == "none":
-        raise ExpertcacheError("--window and --predictor need a predictor (--prefetch NAME)")
-    split = {k: v.split(",") for k in ("dense_time", "expert_time") if (v := getattr(args, k)) is not None}
-    if len(split.get("expert_time", ())) > 2:
-        raise ExpertcacheError(f"--expert-time {args.expert_time!r} is TIME or TIME,PER_TOKEN")
+    prefetch = PrefetchConfig(
+        args.prefetch,
+        window=args.window,
+        data=args.predictor,
+        limit=args.prefetch_limit,
+        chunking=not args.no_chunking,
+        chunk_size=args.chunk_size,
+        preemption=not args.no_preemption,
+        reorder=not args.no_reorder,
+    )
+    cache, miss = CacheConfig(args.policy, seed=args.seed), MissConfig(args.miss)
+    split = {k: v.split(",") for k in ("dense_time", "expert_time", "host_time") if (v := getattr(args, k))}
+    for flag in ("expert_time", "host_time"):
+        if len(split.get(flag, ())) > 2:
+            given = getattr(args, flag)
+            raise ExpertcacheError(f"--{flag.replace('_', '-')} {given!r} is TIME or TIME,PER_TOKEN")
     fields = {
         "link_bandwidth": args.link_bandwidth,
         "link_latency": args.link_latency,
         "dense_s": split["dense_time"] if len(split.get("dense_time", ())) > 1 else args.dense_time,
         "expert_s": split["expert_time"][0] if "expert_time" in split else None,
         "expert_token_s": split["expert_time"][1] if len(split.get("expert_time", ())) == 2 else None,
+        "host_expert_s": split["host_time"][0] if "host_time" in split else None,
+        "host_expert_token_s": split["host_time"][1] if len(split.get("host_time", ())) == 2 else None,
         "step_s": args.step_time,
         "expert_bytes": args.expert_bytes,
-        "chunk_bytes": args.chunk_size,
+        "chunk_bytes": prefetch.chunk_bytes,
         "wake_s": args.wake_time,
         "submit_s": args.issue_time,
+        "dequant_s": args.dequant_time,
     }
     base = CostModel.load(args.cost) if args.cost else None
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
-    if args.no_chunking:
+    if not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
     total = trace.num_layers * trace.num_experts
     capacity = args.capacity or capacity_for(args.expert_memory or "50%", cost.expert_bytes, total)
+    predictor_trace = load_trace(args.predictor) if args.predictor else None
     result = simulate_timing(
-        trace,
-        args.policy,
-        capacity=capacity,
-        predictor=prefetch,
-        window=args.window,
-        predictor_trace=load_trace(args.predictor) if args.predictor else None,
-        cost=cost,
-        preemption=not args.no_preemption,
-        reorder=not args.no_reorder,
-        seed=args.seed,
-        prefetch_limit=args.prefetch_limit,
+        trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
     )
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
@@ -370,6 +424,19 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_misses(args: argparse.Namespace) -> int:
+    from expertcache.miss.registry import MISS_PATHS, parameters
+
+    for name, cls in MISS_PATHS.items():
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        if cls.__module__.endswith(".base"):
+            doc = "fetch the whole expert at full precision (the default)."
+        kind = "lossy" if cls.lossy else "exact"
+        params = ",".join(parameters(cls))
+        print(f"{name:10s} {kind:6s} {doc}" + (f" [{params}]" if params else ""))
+    return 0
+
+
 def _cmd_predictors(args: argparse.Namespace) -> int:
     from expertcache.predict.registry import PREDICTORS
 
@@ -434,7 +501,7 @@ def _prefetch_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from expertcache.engine.api import load  # torch and transformers only for this command
+    from expertcache.engine.offloaded import load  # torch and transformers only for this command
 
     _quiet_transformers()
 
@@ -452,6 +519,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         link_latency=args.link_latency,
         slow_tier=args.slow_tier,
         profile=args.profile,
+        miss=args.miss,
         **_prefetch_kwargs(args),
     )
     try:
@@ -502,7 +570,7 @@ def _quiet_transformers() -> None:
 
 
 def _cmd_model_info(args: argparse.Namespace) -> int:
-    from expertcache.engine.api import model_info
+    from expertcache.engine.offloaded import model_info
 
     _quiet_transformers()
     info = model_info(args.path)
@@ -515,7 +583,7 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_synth(args: argparse.Namespace) -> int:
-    from expertcache.engine.synth import make_checkpoint
+    from expertcache.engine.random_checkpoint import make_checkpoint
 
     _quiet_transformers()
     for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
@@ -540,7 +608,7 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_predictor(args: argparse.Namespace) -> int:
-    from expertcache.predict.train import format_report, train_predictor
+    from expertcache.tools.train_predictor import format_report, train_predictor
 
     _quiet_transformers()
     names = ("epochs", "hidden", "max_new_tokens")
@@ -558,10 +626,48 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from expertcache.tools.quantize import quantize_model
+
+    _quiet_transformers()
+    records = quantize_model(
+        args.model, args.bits, args.group, args.out, optimize=not args.fast,
+        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(records))
+    else:
+        for r in records:
+            share = r["bytes_per_expert"] / r["full_bytes_per_expert"]
+            print(f"int{r['bits']} (group {r['group']}): {r['path']} ({r['bytes_per_expert']} bytes per "
+                  f"expert, {share:.1%} of the full one)")  # fmt: skip
+    return 0
+
+
+def _cmd_quality(args: argparse.Namespace) -> int:
+    from expertcache.config import MissConfig
+    from expertcache.tools.quality import format_quality, measure
+
+    _quiet_transformers()
+    MissConfig(args.miss)  # a bad spec is refused before anything loads
+    texts = None
+    if args.text:
+        try:
+            texts = [Path(args.text).read_text(encoding="utf-8")]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
+    r = measure(
+        args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
+        progress=not args.json,
+    )  # fmt: skip
+    print(json.dumps(r) if args.json else format_quality(r))
+    return 0
+
+
 def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
-    from expertcache.predict.evaluate import evaluate_model, format_accuracy
     from expertcache.predict.registry import predictor_class
-    from expertcache.predict.train import read_prompts
+    from expertcache.tools.predictor_accuracy import evaluate_model, format_accuracy
+    from expertcache.tools.train_predictor import read_prompts
 
     _quiet_transformers()
     names = [n.strip().lower() for n in args.predictors]

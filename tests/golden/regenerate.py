@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.cache.schedule import Schedule
 from expertcache.policy import POLICIES
 from expertcache.sim import ORDERS, build_schedule, run_policy
-from expertcache.sim.schedule import Schedule
 from expertcache.trace import Trace, load_trace
 
 HERE = Path(__file__).resolve().parent

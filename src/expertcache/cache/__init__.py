@@ -1,5 +1,15 @@
-"""Cache mechanism shared by the simulator and the engine: residency and the serving of a step."""
+"""The step logic shared by the simulator and the engine: residency, the expert cache, the step driver."""
 
+from expertcache.cache.expert_cache import ExpertCache, LayerWork
 from expertcache.cache.residency import Residency, group_experts
+from expertcache.cache.step import InlinePredictor, StepDriver, needs_of
 
-__all__ = ["Residency", "group_experts"]
+__all__ = [
+    "ExpertCache",
+    "InlinePredictor",
+    "LayerWork",
+    "Residency",
+    "StepDriver",
+    "group_experts",
+    "needs_of",
+]

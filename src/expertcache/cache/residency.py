@@ -1,19 +1,21 @@
 """Which experts are resident, and how one layer's request group is served. One place for both.
 
-The engine and the simulator call the same two methods, so they agree hit for hit by construction:
+The engine and the simulator call the same methods, so they agree hit for hit by construction:
 
 - ``chunks(layer, keys)``: a layer's distinct experts in first-use order are one group, pinned
   together (none may be evicted to make room for another of the same group). When the group is
   larger than the room the policy gives that layer (a prefill layer, or a small per-layer budget),
   it is served one chunk after another: the resident experts first (they need no transfer and must
   not be evicted before use), then the missing ones, ``room`` at a time.
+- ``insert(key, pinned)``: the one place a key becomes resident: the policy's victim (never a pinned
+  key) leaves, the key enters. ``admit`` (a chunk of demand requests) and a prefetch both go through it.
 - ``admit(chunk)``: every key of the chunk becomes resident; returns the misses as
   ``(key, evicted key or None)`` pairs, the transfers the engine must make.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from expertcache.errors import PolicyError
 from expertcache.policy.base import Key, Policy
@@ -71,27 +73,38 @@ class Residency:
         self.resident.remove(key)
         self.policy.on_evict(key)
 
-    def admit(self, chunk: Sequence[Key]) -> list[tuple[Key, Key | None]]:
-        """Make every key of the chunk resident, the whole chunk pinned; return (miss, evicted) pairs."""
+    def admit(
+        self,
+        chunk: Sequence[Key],
+        pinned: Container[Key] | None = None,
+        make_room: Callable[[], None] | None = None,
+        scores: Mapping[Key, float] | None = None,
+    ) -> list[tuple[Key, Key | None]]:
+        """Make every key of the chunk resident, never evicting one in ``pinned`` (default: the chunk);
+        return (miss, evicted) pairs. When every candidate is pinned, ``make_room`` (if given) is called
+        once to unpin some, and the insertion tried again. ``scores`` (routing scores by key, when known)
+        go to policies that observe requests."""
         res, policy, misses = self.resident, self.policy, []
         if policy.observes:
-            policy.on_request(chunk)
-        pinned = chunk if len(chunk) <= _SET_PIN_THRESHOLD else frozenset(chunk)
+            policy.on_request(chunk, None if scores is None else [scores.get(k, 0.0) for k in chunk])
+        if pinned is None:
+            pinned = chunk if len(chunk) <= _SET_PIN_THRESHOLD else frozenset(chunk)
         for key in chunk:
             if key in res:
                 policy.on_hit(key)
                 continue
-            victim = policy.victim(key, pinned)
-            if victim is not None:
-                res.remove(victim)
-                policy.on_evict(victim)
-            res.add(key)
-            policy.on_insert(key)
+            try:
+                victim = self.insert(key, pinned)
+            except PolicyError:
+                if make_room is None:
+                    raise
+                make_room()
+                victim = self.insert(key, pinned)
             misses.append((key, victim))
         return misses
 
-    def serve(self, layer: int, keys: Sequence[Key]) -> int:
+    def serve(self, layer: int, keys: Sequence[Key], scores: Mapping[Key, float] | None = None) -> int:
         """Serve a whole group (chunk after chunk, as the engine computes them); return its misses."""
         if len(keys) <= self.policy.room(layer):
-            return len(self.admit(keys))
-        return sum(len(self.admit(chunk)) for chunk in self.chunks(layer, keys))
+            return len(self.admit(keys, scores=scores))
+        return sum(len(self.admit(chunk, scores=scores)) for chunk in self.chunks(layer, keys))

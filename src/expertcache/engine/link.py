@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from expertcache.engine.memory import parse_duration, parse_rate
+from expertcache.units import parse_duration, parse_rate
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ import time
 
 import torch
 
-from expertcache.cache.proactive import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
+from expertcache.cache.transfers import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
 from expertcache.engine.link import EmulatedLink, tighten_timer_slack
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.store import ExpertStore, copy_tensor
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
 
 
@@ -31,10 +32,33 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, store: ExpertStore, layout: SlotLayout, device: torch.device) -> None:
-        self.store = store
+        self.store, self.layout = store, layout
         self.staging = None
         if device.type == "cuda":
             self.staging = SlotPool(layout, 1, torch.device("cpu"), pin=True)
+        self._scratch: SlotPool | None = None
+
+    def host_views(self, key: Key) -> dict[str, torch.Tensor]:
+        """The expert's tensors in host memory, for computing it there: read into a scratch slot (valid
+        until the next call; one caller at a time)."""
+        if self._scratch is None:
+            self._scratch = SlotPool(self.layout, 1, torch.device("cpu"))
+        views = self._scratch.views[0]
+        self.store.read(key, views)
+        return views
+
+    def reader(self):
+        """A ``key -> tensors in host memory`` function with a scratch slot of its own, which keeps the
+        last expert read (the chunks of one transfer come one after another): for one thread."""
+        scratch, last = SlotPool(self.layout, 1, torch.device("cpu")).views[0], [None]
+
+        def read(key: Key) -> dict[str, torch.Tensor]:
+            if last[0] != key:
+                self.store.read(key, scratch)
+                last[0] = key
+            return scratch
+
+        return read
 
     def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
         """Copy one chunk (``(tensor, first row, end row, bytes)`` pieces) of ``key`` into ``views``."""
@@ -68,6 +92,14 @@ class HostTier:
         for i, key in enumerate(progress(keys) if progress else keys):
             store.read(key, self.pool.views[i])
 
+    def host_views(self, key: Key) -> dict[str, torch.Tensor]:
+        """The expert's tensors in host memory, for computing it there (no copy)."""
+        return self.pool.views[key[0] * self.num_experts + key[1]]
+
+    def reader(self):
+        """``host_views``: every thread may read the host tier at once."""
+        return self.host_views
+
     def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
         layer, expert = key
         src = self.pool.views[layer * self.num_experts + expert]
@@ -79,12 +111,40 @@ class HostTier:
                 dst.copy_(src[name][start:stop], non_blocking=True)
 
 
+class Target:
+    """Where one pool's transfers go: the source that fills a slot, the pool, and the layout of each
+    layer's key inside a slot when the pool is shared by layers of different layouts (else the pool's)."""
+
+    def __init__(self, source, pool: SlotPool, layouts: dict[int, SlotLayout] | None = None) -> None:
+        self.source, self.pool, self.layouts = source, pool, layouts
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._plans: dict[int | None, tuple] = {}
+
+    def layout(self, key: Key) -> SlotLayout:
+        return self.pool.layout if self.layouts is None else self.layouts[key[0]]
+
+    def views(self, key: Key, slot: int) -> dict[str, torch.Tensor]:
+        if self.layouts is None:
+            return self.pool.views[slot]
+        got = self._views.get((key[0], slot))
+        if got is None:
+            got = self._views[(key[0], slot)] = self.layouts[key[0]].views(self.pool.buffer[slot])
+        return got
+
+    def plan(self, key: Key, chunk_bytes: int | None) -> tuple:
+        layer = None if self.layouts is None else key[0]
+        if layer not in self._plans:
+            self._plans[layer] = self.layout(key).chunks(chunk_bytes)
+        return self._plans[layer]
+
+
 class Transfer:
-    """One expert moving into one slot, chunk by chunk; ``done`` is set when the slot holds it, or
-    when it failed or was cancelled."""
+    """One expert (one part of it) moving into one slot, chunk by chunk; ``done`` is set when the slot
+    holds it, or when it failed or was cancelled."""
 
     __slots__ = (
         "key",
+        "part",
         "slot",
         "priority",
         "seq",
@@ -98,8 +158,8 @@ class Transfer:
         "submitted",
     )
 
-    def __init__(self, key: Key, slot: int, priority: int, seq: int) -> None:
-        self.key, self.slot, self.priority, self.seq = key, slot, priority, seq
+    def __init__(self, key: Key, slot: int, priority: int, seq: int, part: str = FULL) -> None:
+        self.key, self.slot, self.priority, self.seq, self.part = key, slot, priority, seq, part
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cancelled = False
@@ -129,18 +189,24 @@ class TransferWorker:
 
     def __init__(
         self,
-        tier,
-        pool: SlotPool,
+        tier=None,
+        pool: SlotPool | None = None,
         link: EmulatedLink | None = None,
         chunk_bytes: int | None = None,
         retries: int = 2,
+        parts: dict[object, Target] | None = None,
     ) -> None:
-        self.tier, self.pool, self.link = tier, pool, link
-        self.plan = pool.layout.chunks(chunk_bytes)
+        """``tier`` fills ``pool`` (the ``full`` part); ``parts`` adds or replaces targets by pool id,
+        each a ``Target`` (source with ``copy_chunk(key, views, chunk)``, slot pool, layouts)."""
+        self.link, self.chunk_bytes = link, chunk_bytes
+        self.parts: dict[object, Target] = {FULL: Target(tier, pool)} if pool is not None else {}
+        self.parts.update(parts or {})
+        first = next(iter(self.parts.values())).pool
         self.retries = retries
         self.fault = None
-        self.cuda = pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
+        self.device = first.device
+        self.cuda = first.device.type == "cuda"
+        self.stream = torch.cuda.Stream(first.device) if self.cuda else None
         self._heap: list[Transfer] = []
         self._cv = threading.Condition()
         self._seq = itertools.count()
@@ -152,11 +218,11 @@ class TransferWorker:
         self._thread = threading.Thread(target=self._run, name="expertcache-transfer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: Key, slot: int, priority: int = DEMAND) -> Transfer:
-        t = Transfer(key, slot, priority, next(self._seq))
+    def submit(self, key: Key, slot: int, priority: int = DEMAND, part: str = FULL) -> Transfer:
+        t = Transfer(key, slot, priority, next(self._seq), part)
         if self.cuda:  # kernels already queued may still read the slot's previous expert
             t.ready = torch.cuda.Event()
-            t.ready.record(torch.cuda.current_stream(self.pool.device))
+            t.ready.record(torch.cuda.current_stream(self.device))
         with self._cv:
             if self._closed:
                 raise ExpertcacheError("the transfer worker is closed")
@@ -189,7 +255,7 @@ class TransferWorker:
         if t.cancelled:
             raise ExpertcacheError(f"transfer of expert {t.key} was cancelled")
         if t.event is not None:
-            torch.cuda.current_stream(self.pool.device).wait_event(t.event)
+            torch.cuda.current_stream(self.device).wait_event(t.event)
 
     def close(self) -> None:
         with self._cv:
@@ -213,7 +279,8 @@ class TransferWorker:
             tighten_timer_slack()  # the emulated link sleeps for tens of microseconds at a time
         while (t := self._next()) is not None:
             started = time.perf_counter()
-            chunk = self.plan[t.next_chunk]
+            plan = self.parts[t.part].plan(t.key, self.chunk_bytes)
+            chunk = plan[t.next_chunk]
             nbytes = sum(piece[3] for piece in chunk)
             try:
                 self._copy(t, chunk)
@@ -231,14 +298,15 @@ class TransferWorker:
             t.next_chunk += 1
             t.moved += nbytes
             self.bytes_moved += nbytes
-            if t.next_chunk < len(self.plan):
+            if t.next_chunk < len(plan):
                 with self._cv:  # back in the queue: a higher priority may go first
                     heapq.heappush(self._heap, t)
                 continue
             t.done.set()
 
     def _copy(self, t: Transfer, chunk) -> None:
-        views = self.pool.views[t.slot]
+        target = self.parts[t.part]
+        source, views = target.source, target.views(t.key, t.slot)
         for attempt in range(self.retries + 1):
             try:
                 if self.fault is not None:
@@ -247,12 +315,12 @@ class TransferWorker:
                     with torch.cuda.stream(self.stream):
                         if t.next_chunk == 0:
                             self.stream.wait_event(t.ready)
-                        self.tier.copy_chunk(t.key, views, chunk)
+                        source.copy_chunk(t.key, views, chunk)
                         t.event = torch.cuda.Event()
                         t.event.record(self.stream)
                     t.event.synchronize()  # the staging buffer (disk tier) is reused by the next chunk
                 else:
-                    self.tier.copy_chunk(t.key, views, chunk)
+                    source.copy_chunk(t.key, views, chunk)
                 return
             except Exception:
                 if attempt == self.retries:

@@ -90,9 +90,10 @@ class Policy(ABC):
     def __contains__(self, key: object) -> bool:
         """Whether the policy tracks ``key`` as resident."""
 
-    def on_request(self, keys: Sequence[Key]) -> None:  # noqa: B027 (optional hook)
-        """A layer's group (or one chunk of it) was requested, before it is admitted. Called only
-        for policies with ``observes`` set (activation-tracking ones such as ``eam``)."""
+    def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:  # noqa: B027
+        """A layer's group (or one chunk of it) was requested, before it is admitted; ``scores`` are the
+        keys' routing scores (their gate weight summed over the step's tokens) when the driver knows
+        them. Called only for policies with ``observes`` set (``eam``, ``mrs``, ``hobbit``)."""
 
     @abstractmethod
     def on_hit(self, key: Key) -> None:

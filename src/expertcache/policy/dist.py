@@ -1,8 +1,8 @@
 """The "-Dist" wrapper: a fixed per-layer split of the capacity, one inner policy per layer.
 
-Seed 000 Sec. 5.1 (LRU-Dist, OPT-Dist, ...), as Mixtral-offloading's per-layer LRU does: layer l may
+The LLRU paper Sec. 5.1 (LRU-Dist, OPT-Dist, ...), as Mixtral-offloading's per-layer LRU does: layer l may
 hold at most budget[l] experts and a miss in layer l evicts from layer l only. Budgets are uniform
-(capacity // L each, the first capacity % L layers one more) or given. Seed 000 Thm 3.1: any fixed
+(capacity // L each, the first capacity % L layers one more) or given. The LLRU paper Thm 3.1: any fixed
 split has unbounded competitive ratio.
 """
 
@@ -40,6 +40,7 @@ class Dist(Policy):
         super().__init__(ctx)
         self.name = f"{inner.name}-dist"
         self.offline = inner.offline
+        self.observes = inner.observes
         L = ctx.num_layers
         budgets = list(budgets) if budgets is not None else uniform_budgets(ctx.capacity, L)
         if len(budgets) != L:
@@ -70,6 +71,14 @@ class Dist(Policy):
         if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int)):
             return False
         return 0 <= key[0] < len(self.layers) and key in self.layers[key[0]]
+
+    def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_layer.setdefault(key[0], []).append(i)
+        for layer, idx in by_layer.items():
+            own = [keys[i] for i in idx]
+            self.layers[layer].on_request(own, None if scores is None else [scores[i] for i in idx])
 
     def on_hit(self, key: Key) -> None:
         self.layers[key[0]].on_hit(key)

@@ -1,4 +1,4 @@
-"""EAM: MoE-Infinity's sparsity-aware expert cache (seed 004 Sec. 4.6-4.7, Algorithm 1).
+"""EAM: MoE-Infinity's sparsity-aware expert cache (Sec. 4.6-4.7, Algorithm 1).
 
 The policy tracks expert activations per request in an ``EamModel`` (shared with the ``eam``
 predictor): the current request's EAM, and an EAMC of past requests' EAMs. At an eviction the
@@ -22,8 +22,9 @@ from collections.abc import Collection, Container, Sequence
 
 import numpy as np
 
-from expertcache.errors import PolicyError
+from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.policy.base import Key, Policy, PolicyContext, no_victim
+from expertcache.policy.eam_model import EamModel
 
 
 class EAM(Policy):
@@ -31,16 +32,12 @@ class EAM(Policy):
     observes = True
 
     def __init__(self, ctx: PolicyContext, *, eamc: int = 64, matches: int = 3, eps: float = 1e-3) -> None:
-        # Imported here: expertcache.predict pulls in torch (its routers), which replay does not need.
-        from expertcache.predict.base import PredictorError
-        from expertcache.predict.eam import EamModel
-
         super().__init__(ctx)
         if eps <= 0:
             raise PolicyError(f"eam: eps must be positive, got {eps}")
         try:
             self.model = EamModel(ctx.num_layers, ctx.num_experts, int(eamc), int(matches))
-        except PredictorError as e:
+        except ExpertcacheError as e:
             raise PolicyError(str(e)) from None
         self.eps = float(eps)
         L, E = ctx.num_layers, ctx.num_experts
@@ -60,7 +57,7 @@ class EAM(Policy):
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def on_request(self, keys: Sequence[Key]) -> None:
+    def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
         seq = self.clock.seq
         if seq != self._seq:
             if self._seq is not None:

@@ -1,4 +1,4 @@
-"""LCP, least cache priority (MoEpic, seed 002 Sec. 3.3).
+"""LCP, least cache priority (MoEpic, Sec. 3.3).
 
 Each expert has an activation count mu (all requests so far) and nu, the tokens since its last
 activation; its priority is P = mu * rho^(nu / omega) (rho = 0.25, omega = 128 by default) and the

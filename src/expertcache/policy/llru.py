@@ -1,4 +1,4 @@
-"""LLRU, layered LRU (seed 000 Sec. 4).
+"""LLRU, layered LRU (the LLRU paper Sec. 4).
 
 With t the current time and tau(p) the last request time of page p, both counted in layer visits
 (round * L + layer), R(p) = floor((t - tau) / L) is the number of whole rounds since p was used and

@@ -1,4 +1,4 @@
-"""LRU: evict the resident expert whose last request is oldest (the classic; seed 000 Sec. 3).
+"""LRU: evict the resident expert whose last request is oldest (the classic; the LLRU paper Sec. 3).
 
 An insertion-ordered dict is the recency list: a hit moves the key to the end, the victim is the
 first key not pinned.

@@ -1,4 +1,4 @@
-"""Randomized marking (Fiat, Karp, Luby, McGeoch, Sleator, Young 1991; seed 000 Sec. 5.1, "Marking").
+"""Randomized marking (Fiat, Karp, Luby, McGeoch, Sleator, Young 1991; the LLRU paper Sec. 5.1, "Marking").
 
 Every request marks its page. On a miss with a full cache, evict a uniformly random unmarked page;
 when every resident page is marked a new phase begins and all marks are cleared (the pages of the

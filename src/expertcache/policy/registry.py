@@ -11,14 +11,17 @@ from expertcache.policy.base import Policy, PolicyContext
 from expertcache.policy.dist import Dist
 from expertcache.policy.eam import EAM
 from expertcache.policy.fifo import FIFO
+from expertcache.policy.hobbit import Hobbit
 from expertcache.policy.lcp import LCP
 from expertcache.policy.lfu import LFU
 from expertcache.policy.llru import LLRU
 from expertcache.policy.lru import LRU
 from expertcache.policy.marking import Marking
+from expertcache.policy.mrs import MRS
 from expertcache.policy.opt import OPT
 from expertcache.policy.rand import Random
 from expertcache.policy.static import Static
+from expertcache.spec import parse_spec
 
 PolicyFactory = Callable[..., Policy]
 
@@ -31,6 +34,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "llru": LLRU,
     "lcp": LCP,
     "eam": EAM,
+    "mrs": MRS,
+    "hobbit": Hobbit,
     "static": Static,
     "opt": OPT,
     "lru-dist": partial(Dist, inner=LRU),
@@ -40,6 +45,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "marking-dist": partial(Dist, inner=Marking),
     "llru-dist": partial(Dist, inner=LLRU),
     "lcp-dist": partial(Dist, inner=LCP),
+    "mrs-dist": partial(Dist, inner=MRS),
+    "hobbit-dist": partial(Dist, inner=Hobbit),
     "static-dist": partial(Dist, inner=Static),
     "opt-dist": partial(Dist, inner=OPT),
 }
@@ -84,29 +91,14 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
 
 def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
     """Parse 'name' or 'name:key=value,key=value' (budgets as 2/2/3) into (name, params)."""
-    name, _, rest = spec.partition(":")
-    name = name.strip().lower()
+    name, params = parse_spec(spec, "policy", PolicyError)
     _lookup(name)
-    params: dict[str, object] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise PolicyError(f"policy {spec!r}: parameter {item!r} is not key=value")
-        params[key.strip()] = _parse_value(spec, value.strip())
+    for value in params.values():
+        if not isinstance(value, int | float) and not (
+            isinstance(value, list) and all(isinstance(v, int) for v in value)
+        ):
+            raise PolicyError(f"policy {spec!r}: value {value!r} is not a number")
     return name, params
-
-
-def _parse_value(spec: str, text: str) -> object:
-    try:
-        if "/" in text:
-            return [int(v) for v in text.split("/")]
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise PolicyError(f"policy {spec!r}: value {text!r} is not a number") from None
 
 
 def _parameters(name: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Static: keep the most frequently used experts resident; stream the rest through LRU slots.
 
-The baseline "static cache" of ProMoE (seed 001) and Fiddler-style offline placement: from a usage
+The baseline "static cache" of ProMoE and Fiddler-style offline placement: from a usage
 profile (the trace itself in the simulator, a profiling run in the engine), the
 capacity - top_k most used experts are favoured and never evicted while an unfavoured expert is
 evictable; the other top_k slots (at least) hold on-demand experts, evicted in LRU order. When a

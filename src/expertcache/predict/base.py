@@ -58,6 +58,7 @@ class Predictor(ABC):
     needs_model: ClassVar[bool] = False  # uses the gate input of the source layer (engine only)
     sim_only: ClassVar[bool] = False  # needs the true future (simulator only)
     default_window: ClassVar[int] = 1  # layers ahead when the user gives no window
+    adaptive: ClassVar[bool] = False  # prefetch its targets only up to the first with a missing expert
 
     def __init__(self, ctx: PredictContext) -> None:
         self.ctx = ctx
@@ -106,7 +107,7 @@ class Predictor(ABC):
         return out
 
 
-def rank_union(index: np.ndarray, scores: np.ndarray | None = None) -> list[int]:
+def rank_union(index: np.ndarray) -> list[int]:
     """Distinct experts of per-token top-k rows [T, K], most tokens first (ties: best rank, then id)."""
     index = np.asarray(index)
     index = index.reshape(-1, index.shape[-1])
@@ -124,12 +125,3 @@ def rank_union(index: np.ndarray, scores: np.ndarray | None = None) -> list[int]
     experts = np.flatnonzero(counts)
     order = np.lexsort((experts, best[experts], -counts[experts]))
     return experts[order].tolist()
-
-
-def top_experts(scores: np.ndarray, k: int) -> np.ndarray:
-    """The k best experts of each row of scores [T, E], best first. -> [T, k]"""
-    scores = np.asarray(scores, dtype=np.float64)
-    k = min(k, scores.shape[-1])
-    part = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
-    order = np.take_along_axis(scores, part, axis=-1).argsort(axis=-1, kind="stable")[..., ::-1]
-    return np.take_along_axis(part, order, axis=-1)

@@ -1,7 +1,9 @@
 """Skip-based prediction: a layer's gate input through a later layer's router.
 
 ``next-gate`` feeds layer i's gate input to layer i+1's router (Mixtral-offloading, MoEpic, Fate);
-``window`` feeds it to layer i+k's (ProMoE's sliding-window skip, Sec. 4). The routers are the
+``window`` feeds it to layer i+k's (ProMoE's sliding-window skip, Sec. 4); ``adaptive`` to each of the
+next p layers' routers, and the prefetch walks them forward while their experts are cached, stopping at
+the first layer with a miss (HOBBIT's layer-adaptive prefetch). The routers are the
 model's own, called without hooks, so the predicted experts are what layer i+k would choose if its
 input were layer i's. Engine only: the simulator replays predictions recorded by the engine.
 """
@@ -41,3 +43,17 @@ class Window(NextGate):
 
     name = "window"
     default_window = 2
+
+
+class Adaptive(NextGate):
+    """HOBBIT's layer-adaptive prefetch: the next p layers' routers on this gate input, walked forward
+    while their predicted experts are already cached, up to the first layer with a miss (default p = 3)."""
+
+    name = "adaptive"
+    default_window = 3
+    adaptive = True  # the step driver keeps the targets up to the first one with a missing expert
+
+    def after_router(self, layer: int, experts, gate_input=None):
+        self._observe(layer, experts)
+        targets = [t for t in range(layer + 1, layer + self.window + 1) if t < self.num_layers]
+        return self._targets(layer, targets, gate_input)

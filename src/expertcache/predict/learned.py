@@ -20,11 +20,14 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from expertcache.predict.base import PredictContext, Predictor, PredictorError, rank_union
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "predictor.json"
 WEIGHTS = "predictor.safetensors"
@@ -37,6 +40,8 @@ DEFAULT_PREDICTORS = Path(__file__).resolve().parent.parent / "data" / "default"
 
 def probe_routing(routers, hidden_size: int, device=None, dtype=None) -> np.ndarray:
     """Each router's top-k [L, R, K] for fixed random inputs: identifies the model a predictor fits."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, hidden_size, generator=gen).to(device or "cpu", dtype or torch.float32)
     with torch.no_grad():
@@ -53,6 +58,8 @@ def topk_overlap(index: np.ndarray, experts: np.ndarray) -> float:
 
 def make_mlp(hidden_size: int, hidden: int, num_experts: int) -> torch.nn.Sequential:
     """One target layer's predictor: gate input [T, H] -> predicted gate logits [T, E]."""
+    import torch
+
     return torch.nn.Sequential(
         torch.nn.Linear(hidden_size, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, num_experts)
     )
@@ -67,15 +74,17 @@ def save_predictor(
     out_dir: str | Path,
     mlps: dict[int, torch.nn.Module],
     meta: dict,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     probe: np.ndarray | None = None,
 ) -> Path:
     """Write ``predictor.json`` and ``predictor.safetensors`` (weights in ``dtype``) into ``out_dir``.
 
     ``probe``: the model's ``probe_routing`` [L, R, K], checked against the model the predictor runs on.
     """
+    import torch
     from safetensors.torch import save_file
 
+    dtype = torch.float16 if dtype is None else dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -174,23 +183,27 @@ class Learned(Predictor):
         self._on: dict[torch.device, dict[int, torch.nn.Module]] = {}
         self._checked = False
 
-    def _mlps(self, device: torch.device) -> dict[int, torch.nn.Module]:
+    def _mlps(self, device) -> dict[int, torch.nn.Module]:
         if device not in self._on:
             self._on[device] = {t: copy.deepcopy(m).to(device) for t, m in self.mlps.items()}
         return self._on[device]
 
-    @torch.no_grad()
     def _predict(self, source: int, target: int, gate_input) -> list[int]:
         if gate_input is None:
             return []
-        x = torch.as_tensor(gate_input)
+        import torch
+
+        with torch.no_grad():
+            return self._run(torch.as_tensor(gate_input), target)
+
+    def _run(self, x, target: int) -> list[int]:
         if not self._checked:
             self._check_model(x)
         mlp = self._mlps(x.device).get(target)
         if mlp is None:
             return []
         logits = mlp(x.reshape(-1, self.hidden_size).float())  # [T, E]
-        index = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices  # [T, K]
+        index = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices  # [T, K]
         return rank_union(np.asarray(index.cpu().numpy()))
 
     def _check_model(self, x: torch.Tensor) -> None:

@@ -1,22 +1,25 @@
-"""Every predictor by the name the CLI and the API use (``none`` means no prefetching)."""
+"""Every predictor by the name the CLI and the API use (``none`` means no prefetching).
+
+Values name the class (``module:Class``) and are imported on first use, so that listing names or
+using a torch-free predictor never imports torch (the gate-input predictors need the model).
+"""
 
 from __future__ import annotations
 
+from expertcache.lazy import LazyRegistry
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
-from expertcache.predict.eam import Eam
-from expertcache.predict.gate import NextGate, Window
-from expertcache.predict.learned import Learned
-from expertcache.predict.oracle import Oracle
-from expertcache.predict.token import TokenPredictor
 
-PREDICTORS: dict[str, type[Predictor]] = {
-    "next-gate": NextGate,
-    "window": Window,
-    "learned": Learned,
-    "token": TokenPredictor,
-    "eam": Eam,
-    "oracle": Oracle,
-}
+PREDICTORS: LazyRegistry[type[Predictor]] = LazyRegistry(
+    {
+        "next-gate": "expertcache.predict.gate:NextGate",
+        "window": "expertcache.predict.gate:Window",
+        "adaptive": "expertcache.predict.gate:Adaptive",
+        "learned": "expertcache.predict.learned:Learned",
+        "token": "expertcache.predict.token:TokenPredictor",
+        "eam": "expertcache.predict.eam_matching:Eam",
+        "oracle": "expertcache.predict.oracle:Oracle",
+    }
+)
 
 
 def predictor_class(name: str) -> type[Predictor]:

@@ -1,4 +1,4 @@
-"""Token-based prediction: the experts a recorded trace used with the same input token (ProMoE, seed 001).
+"""Token-based prediction: the experts a recorded trace used with the same input token (ProMoE,).
 
 From a recorded trace (``ctx.trace``, with ``token_id``), count for each token id and layer how
 many times each expert was chosen. A step's prediction for a layer ranks the experts by their
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
-from expertcache.predict.eam import check_trace, ranked
+from expertcache.predict.eam_matching import check_trace, ranked
 
 
 class TokenPredictor(Predictor):

@@ -1,10 +1,11 @@
 """Trace-driven simulation: replay routing through any policy at any capacity, OPT as the bound."""
 
-from expertcache.sim.api import default_trace, simulate
+from expertcache.cache.schedule import ORDERS, Schedule, build_schedule
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult, replay
-from expertcache.sim.schedule import ORDERS, Schedule, build_schedule
+from expertcache.sim.simulate import simulate
 from expertcache.sim.timing import CostModel, TimingResult, simulate_timing
+from expertcache.trace.default import default_trace
 
 __all__ = [
     "ORDERS",

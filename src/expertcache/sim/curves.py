@@ -8,8 +8,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
+from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.sim.replay import SimResult, replay
-from expertcache.sim.schedule import Schedule, check_capacity
 from expertcache.sim.stack import lru_depths, opt_depths
 
 # Stack algorithms by registry name: their whole curve comes from one pass over the schedule.

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from expertcache.cache.residency import Residency
+from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, Policy, PolicyContext
 from expertcache.policy.registry import make_policy, policy_class
-from expertcache.sim.schedule import Schedule, check_capacity
 
 
 @dataclass
@@ -104,6 +104,7 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
     slots = [(layer, sub) for layer in range(L) for sub in range(per_layer)]
     groups, g = iter(schedule.groups), 0
     tokens, seqs = schedule.round_token.tolist(), schedule.round_seq.tolist()
+    scores = schedule.group_scores if policy.observes else None  # routing scores, for mrs
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         clock.round = r
         clock.token = tokens[r]
@@ -113,7 +114,9 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
             clock.layer = layer
             clock.group = g
             g += 1
-            if keys:  # a group that fits is admitted at once (serve's own fast path, without the call)
+            if keys and scores is not None:
+                row[layer] += serve(layer, keys, scores[g - 1])
+            elif keys:  # a group that fits is admitted at once (serve's own fast path, without the call)
                 row[layer] += len(admit(keys)) if len(keys) <= rooms[layer] else serve(layer, keys)
     return SimResult(
         policy.name,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertcache.sim.schedule import Schedule
+from expertcache.cache.schedule import Schedule
 
 _NEVER = 1 << 62
 

@@ -1,15 +1,15 @@
-"""The timing simulator's link: ``cache.proactive.Transport`` in virtual time.
+"""The timing simulator's link: ``cache.transfers.Transport`` in virtual time.
 
-One serial link moves experts chunk by chunk, each chunk taking a fixed time (latency + its bytes over
-the bandwidth). Two clocks: ``now`` is the compute clock, which the simulator advances (``advance``)
-and which ``wait`` moves on to a transfer's end (that wait is stall); ``free_at`` is when the link
-finishes the last chunk it started. The link works in the background of compute: before every call
-it starts, one after another, every chunk whose start time ``max(free_at, submit time)`` is <= now
-(a chunk starting exactly at ``now`` has started). After each chunk it chooses again: DEMAND before
-SPECULATIVE, first submitted first within one priority, so a demand transfer overtakes a speculative
-one between two chunks and the interrupted one resumes later, keeping its place. A started chunk
-always runs to its end; a transfer may be cancelled unless one of its chunks is on the link right now
-or all of them have started.
+One serial link moves experts (or parts of them: a low-precision copy, a segment) chunk by chunk, each
+chunk taking a fixed time (latency + its bytes over the bandwidth). Two clocks: ``now`` is the compute
+clock, which the simulator advances (``advance``) and which ``wait`` moves on to a transfer's end (that
+wait is stall); ``free_at`` is when the link finishes the last chunk it started. The link works in the
+background of compute: before every call it starts, one after another, every chunk whose start time
+``max(free_at, submit time)`` is <= now (a chunk starting exactly at ``now`` has started). After each
+chunk it chooses again: DEMAND before SPECULATIVE, first submitted first within one priority, so a
+demand transfer overtakes a speculative one between two chunks and the interrupted one resumes later,
+keeping its place. A started chunk always runs to its end; a transfer may be cancelled unless one of its
+chunks is on the link right now or all of them have started.
 """
 
 from __future__ import annotations
@@ -18,18 +18,20 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from expertcache.cache.proactive import DEMAND, FAILED, PENDING, READY
+from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY
 from expertcache.errors import ExpertcacheError
+from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
 
 
 class VTransfer:
     """One expert on the virtual link: how many of its chunks have started, when it completes."""
 
-    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled")
+    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled", "chunks")
 
-    def __init__(self, key: Key, priority: int, seq: int, submitted: float) -> None:
+    def __init__(self, key: Key, priority: int, seq: int, submitted: float, chunks) -> None:
         self.key, self.priority, self.seq, self.submitted = key, priority, seq, submitted
+        self.chunks = chunks  # (seconds, bytes) of each chunk
         self.moved = 0  # chunks started (each runs to its end)
         self.done_at: float | None = None  # end of its last chunk, once that chunk has started
         self.cancelled = False
@@ -44,11 +46,17 @@ class VirtualLink:
         chunk_bytes: Sequence[int] | None = None,
         wake_s: float = 0.0,
         submit_s: float = 0.0,
+        parts: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
     ) -> None:
-        if not chunk_s or min(chunk_s) < 0:
-            raise ExpertcacheError("a virtual link needs one non-negative duration per chunk of an expert")
-        self.chunk_s = [float(s) for s in chunk_s]  # seconds of each chunk of one expert
-        self.chunk_bytes = list(chunk_bytes) if chunk_bytes is not None else [0] * len(chunk_s)
+        """``chunk_s`` / ``chunk_bytes``: each chunk of a whole expert; ``parts``: the same for other
+        parts, keyed by part name, or by (part, layer) for parts whose size differs by layer."""
+        plans = {FULL: (chunk_s, chunk_bytes), **(parts or {})}
+        self.plans: dict[object, list[tuple[float, int]]] = {}  # -> (seconds, bytes) of each chunk
+        for part, (times, sizes) in plans.items():
+            if not times or min(times) < 0:
+                raise ExpertcacheError(f"a virtual link needs one non-negative duration per chunk of {part}")
+            sizes = list(sizes) if sizes is not None else [0] * len(times)
+            self.plans[part] = [(float(t), int(b)) for t, b in zip(times, sizes, strict=True)]
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
         self.submit_s = float(submit_s)  # compute time spent issuing one transfer
         self.blocked = 0  # waits that found their transfer still moving
@@ -56,6 +64,7 @@ class VirtualLink:
         self.free_at = 0.0  # end of the last started chunk
         self.current: VTransfer | None = None  # the transfer whose chunk ends at free_at
         self.stall_s = 0.0  # compute time spent in wait()
+        self.host_wait_s = 0.0  # compute time spent in join(): waiting for the host's experts
         self.busy_s = 0.0  # link time of every started chunk
         self.bytes_moved = 0
         self.transfers = 0  # submitted
@@ -71,10 +80,11 @@ class VirtualLink:
         self._run(self.now)
 
     # -- Transport ------------------------------------------------------------------------------
-    def submit(self, key: Key, victim: Key | None, priority: int) -> VTransfer:
+    def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> VTransfer:
         if self.submit_s:  # the compute thread's own cost of issuing it, before the link can start it
             self.advance(self.submit_s)
-        t = VTransfer(key, priority, next(self._seq), self.now)
+        plan = self.plans.get(part) or self.plans[(part, key[0])]
+        t = VTransfer(key, priority, next(self._seq), self.now, plan)
         heapq.heappush(self._heap, (priority, t.seq, t))
         self.transfers += 1
         self._run(self.now)
@@ -120,7 +130,14 @@ class VirtualLink:
             self.now = resume
             self._run(self.now)
 
-    def release(self, key: Key) -> None:
+    def join(self, until: float) -> None:
+        """Compute waits for other work that ends at ``until`` (the host's experts): host wait, not stall."""
+        if until > self.now:
+            self.host_wait_s += until - self.now
+            self.now = until
+            self._run(self.now)
+
+    def release(self, key: Key, part: str = FULL) -> None:
         """Nothing to free: the virtual link holds no buffers."""
 
     # -- the link's work ------------------------------------------------------------------------
@@ -143,10 +160,11 @@ class VirtualLink:
     def _move(self, t: VTransfer) -> None:
         """Start the next chunk of ``t`` on the link."""
         start = max(self.free_at, t.submitted)
-        self.free_at = start + self.chunk_s[t.moved]
-        self.busy_s += self.chunk_s[t.moved]
-        self.bytes_moved += self.chunk_bytes[t.moved]
+        seconds, nbytes = t.chunks[t.moved]
+        self.free_at = start + seconds
+        self.busy_s += seconds
+        self.bytes_moved += nbytes
         self.current = t
         t.moved += 1
-        if t.moved == len(self.chunk_s):
+        if t.moved == len(t.chunks):
             t.done_at = self.free_at

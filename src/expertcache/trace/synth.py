@@ -1,14 +1,15 @@
 """Seeded synthetic routing traces.
 
-- ``zipf``: each layer draws its K experts without replacement from p_j ~ 1/(j+b)^a (seed 000,
+- ``zipf``: each layer draws its K experts without replacement from p_j ~ 1/(j+b)^a (the LLRU paper,
   Sec. 5.1); the popularity ranking is shuffled per layer so that layers differ.
 - ``uniform``: every expert equally likely (``zipf`` with a = 0).
 - ``sticky``: Zipf draws with temporal locality: with probability ``stickiness`` a layer repeats the
   previous token's experts.
-- ``cyclic``: seed 000, Thm 3.3: round i uses expert i mod E in every layer (K = 1). With capacity
+- ``cyclic``: the LLRU paper, Thm 3.3: round i uses expert i mod E in every layer (K = 1). With capacity
   L*E - 1 LRU misses every request while OPT misses about once per capacity.
-- ``partition``: seed 000, Thm 3.1: every layer uses expert 0 except layer ``layer``, which cycles through
-  all E experts; a fixed per-layer split of a cache that holds E + L - 1 experts keeps missing, OPT does not.
+- ``partition``: the LLRU paper, Thm 3.1: every layer uses expert 0 except layer ``layer``, which cycles
+  through all E experts; a fixed per-layer split of a cache that holds E + L - 1 experts keeps missing,
+  OPT does not.
 
 Every generator can split its tokens into ``sequences`` requests, each starting with ``prompt_len``
 prefill tokens, so that layer-order replay sees prefill steps.
@@ -82,14 +83,14 @@ def sticky(
 
 
 def cyclic(tokens: int = 1_000, layers: int = 4, experts: int = 2, seed: int = 0) -> Trace:
-    """Seed 000 Thm 3.3: round i requests expert (i mod E) of every layer (K = 1)."""
+    """The LLRU paper Thm 3.3: round i requests expert (i mod E) of every layer (K = 1)."""
     _check_shape(tokens, layers, experts, 1)
     ex = np.broadcast_to((np.arange(tokens) % experts)[:, None, None], (tokens, layers, 1))
     return _finish(ex.copy(), experts, 1, 0, {"generator": "cyclic"})
 
 
 def partition(tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int = 0, seed: int = 0) -> Trace:
-    """Seed 000 Thm 3.1: one layer cycles through all its experts, every other layer uses expert 0."""
+    """The LLRU paper Thm 3.1: one layer cycles through all its experts, every other layer uses expert 0."""
     _check_shape(tokens, layers, experts, 1)
     if not 0 <= layer < layers:
         raise ExpertcacheError(f"layer must be in 0..{layers - 1}, got {layer}")

@@ -80,7 +80,7 @@ def make_checkpoint(
         raise ExpertcacheError(f"hidden {hidden} is not a multiple of heads {heads}")
     if not 1 <= top_k <= experts:
         raise ExpertcacheError(f"top_k must be in 1..{experts}, got {top_k}")
-    from expertcache.engine.api import DEFAULT_MODEL
+    from expertcache.engine.offloaded import DEFAULT_MODEL
 
     tok_dir = Path(tokenizer) if tokenizer is not None else DEFAULT_MODEL
     if not (tok_dir / "tokenizer.json").is_file():

@@ -9,13 +9,13 @@ empty (unknown entries).
   a step is one group, its distinct experts in first-use order (``cache.group_experts``, the rule the
   engine applies to its router's choices), served pinned together.
 - ``flat``: plain paging over token, layer, experts in stored order: one request per group.
-- ``rounds``: seed 000's conversion of top-k routing into K rounds per token: round t*K + k requests
+- ``rounds``: the LLRU paper's conversion of top-k routing into K rounds per token: round t*K + k requests
   the k-th expert of every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -43,6 +43,7 @@ class Schedule:
     round_seq: np.ndarray  # int64 [rounds]: request (seq_id) of the round's (first) token, 0 if unknown
     req_group: np.ndarray  # int64 [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
+    trace: Trace | None = field(default=None, repr=False)  # the routing it came from (for group_scores)
 
     @property
     def num_rounds(self) -> int:
@@ -95,6 +96,28 @@ class Schedule:
         return {self.key(k): g.tolist() for k, g in zip(keys.tolist(), groups, strict=True)}
 
     @cached_property
+    def group_scores(self) -> list[dict[Key, float]] | None:
+        """Each group's routing scores by key (the gate weight renormalised per token, summed over the
+        group's tokens; 1/K per token without gate weights), what score-based policies (``mrs``)
+        observe, as the engine computes them; None for a schedule built without its trace."""
+        tr = self.trace
+        if tr is None:
+            return None
+        if self.order != "layer":
+            return _token_group_scores(self, tr)
+        from expertcache.cache.step import needs_of  # the engine's own rule, for the same scores
+
+        out: list[dict[Key, float]] = []
+        starts = self.round_token.tolist()
+        ends = [*starts[1:], tr.num_tokens]
+        for s, e in zip(starts, ends, strict=True):
+            for layer in range(self.num_layers):
+                weights = None if tr.weights is None else tr.weights[s:e, layer]
+                needs = needs_of(layer, tr.experts[s:e, layer], weights)
+                out.append({n.key: n.mass for n in needs})
+        return out
+
+    @cached_property
     def profile(self) -> dict[Key, int]:
         """How often each key is requested (what Static ranks by)."""
         counts = np.bincount(self.req_key, minlength=self.num_layers * self.num_experts)
@@ -104,13 +127,28 @@ class Schedule:
 def build_schedule(trace: Trace, order: str = "layer") -> Schedule:
     """The request groups of ``trace`` in ``order`` (layer, flat or rounds)."""
     if order == "layer":
-        return _layer_order(trace)
-    if order == "flat":
-        return _token_order(trace, trace.experts, order, rounds_per_token=1)  # [T, L, K]
-    if order == "rounds":
+        schedule = _layer_order(trace)
+    elif order == "flat":
+        schedule = _token_order(trace, trace.experts, order, rounds_per_token=1)  # [T, L, K]
+    elif order == "rounds":
         ex = trace.experts.transpose(0, 2, 1)[:, :, :, None]  # [T, K, L, 1]
-        return _token_order(trace, ex.reshape(-1, trace.num_layers, 1), order, trace.top_k)
-    raise ExpertcacheError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
+        schedule = _token_order(trace, ex.reshape(-1, trace.num_layers, 1), order, trace.top_k)
+    else:
+        raise ExpertcacheError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
+    object.__setattr__(schedule, "trace", trace)
+    return schedule
+
+
+def _token_group_scores(schedule: Schedule, trace: Trace) -> list[dict[Key, float]]:
+    """flat and rounds order: each group is one (token, layer, k) entry (or none), scored by its weight
+    renormalised over the token's experts of that layer."""
+    given = trace.weights if trace.weights is not None else 1.0
+    w = np.where(trace.experts >= 0, given, 0.0).astype(np.float64)  # [T, L, K]
+    total = w.sum(axis=2, keepdims=True)
+    w = np.divide(w, total, out=np.zeros_like(w), where=total > 0)
+    if schedule.order == "rounds":  # round t*K + k holds the k-th expert of every layer
+        w = w.transpose(0, 2, 1)  # [T, K, L]
+    return [{g[0]: s} if g else {} for g, s in zip(schedule.groups, w.reshape(-1).tolist(), strict=True)]
 
 
 def min_room(order: str, top_k: int) -> int:

@@ -1,4 +1,5 @@
-"""EAM prediction: MoE-Infinity's request-level activation matching (seed 004 Sec. 4.3-4.5, App. B.1).
+"""The expert activation model of MoE-Infinity (EAM, EAMC, matching), shared by the ``eam`` eviction
+policy and the ``eam`` predictor.
 
 An EAM (expert activation matrix) counts, for one request, the tokens routed to each expert: [L, E].
 The EAMC keeps up to ``capacity`` past request EAMs; a finished request's EAM is added, and when the
@@ -7,11 +8,9 @@ keeps the collection recent and diverse. To predict, the current request's EAM (
 matched by cosine similarity against the collection, the ``matches`` most similar are summed and
 each row normalised, and future layers are weighted by layer proximity ``1 - (i - l)/L`` (l the
 current layer). An empty collection falls back to the current EAM, and an unknown row to uniform.
-
-``EamModel`` holds that state for both users: the ``eam`` predictor (here) and the ``eam`` eviction
-policy (``expertcache.policy.eam``, Algorithm 1). Counts are integers kept in float64 (exact), and
-the similarities are updated incrementally, so matching costs O(capacity) per observed expert and the
-aggregate is rebuilt only when the set of matches changes.
+Counts are integers kept in float64 (exact), and the similarities are updated incrementally, so
+matching costs O(capacity) per observed expert and the aggregate is rebuilt only when the set of
+matches changes. (MoE-Infinity, Sec. 4.3-4.5 and App. B.1.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from expertcache.predict.base import PredictContext, Predictor, PredictorError
+from expertcache.errors import ExpertcacheError
 from expertcache.trace.trace import Trace
 
 DEFAULT_CAPACITY = 64  # paper Fig. 9: latency is lowest from a few tens of stored EAMs (1 to 120 tried)
@@ -38,9 +37,9 @@ class EamModel:
         matches: int = DEFAULT_MATCHES,
     ) -> None:
         if capacity < 1:
-            raise PredictorError(f"eam: EAMC capacity must be at least 1, got {capacity}")
+            raise ExpertcacheError(f"eam: EAMC capacity must be at least 1, got {capacity}")
         if matches < 1:
-            raise PredictorError(f"eam: matches must be at least 1, got {matches}")
+            raise ExpertcacheError(f"eam: matches must be at least 1, got {matches}")
         self.num_layers, self.num_experts = num_layers, num_experts
         self.capacity, self.matches = capacity, matches
         self._stored = np.zeros((num_layers * num_experts, capacity))  # [L*E, C] one column per EAM
@@ -190,50 +189,3 @@ def request_eams(trace: Trace) -> list[np.ndarray]:
         ids = flat[tokens].reshape(-1)
         out.append(np.bincount(ids[ids >= 0], minlength=L * E).reshape(L, E).astype(np.float64))
     return out
-
-
-def check_trace(name: str, trace: object, ctx: PredictContext) -> None:
-    """A trace given to a predictor must be a Trace of the model's shape (L and E)."""
-    if not isinstance(trace, Trace):
-        raise PredictorError(
-            f"predictor {name!r}: the recorded trace must be a Trace, got {type(trace).__name__}"
-        )
-    if (trace.num_layers, trace.num_experts) != (ctx.num_layers, ctx.num_experts):
-        raise PredictorError(
-            f"predictor {name!r}: trace {trace.source} has {trace.num_layers} layers x "
-            f"{trace.num_experts} experts, the model {ctx.num_layers} x {ctx.num_experts}"
-        )
-
-
-class Eam(Predictor):
-    """MoE-Infinity's prediction: the current request's EAM matched against past requests' EAMs."""
-
-    name = "eam"
-
-    def __init__(
-        self, ctx: PredictContext, *, capacity: int = DEFAULT_CAPACITY, matches: int = DEFAULT_MATCHES
-    ) -> None:
-        super().__init__(ctx)
-        self.model = EamModel(ctx.num_layers, ctx.num_experts, capacity, matches)
-        if ctx.trace is not None:  # warm start: the recorded requests fill the EAMC
-            check_trace(self.name, ctx.trace, ctx)
-            for eam in request_eams(ctx.trace):
-                self.model.store(eam)
-
-    def _begin(self, token_ids, prefill, new_request, future) -> None:
-        if new_request:
-            self.model.end_request()
-
-    def _observe(self, layer: int, experts: np.ndarray) -> None:
-        self.model.observe(layer, experts)
-
-    def _predict(self, source: int, target: int, gate_input) -> list[int]:
-        # The proximity weight scales a whole row, so a target's ranking is its aggregate row's.
-        row = self.model.aggregate()[target]
-        return ranked(row)
-
-
-def ranked(scores: np.ndarray) -> list[int]:
-    """Experts with a positive score, best first (ties: lower id)."""
-    order = np.lexsort((np.arange(len(scores)), -scores))
-    return order[scores[order] > 0].tolist()

@@ -24,8 +24,8 @@ import torch
 
 from expertcache.engine.routing import router_fns
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
-from expertcache.predict.capture import Captured, capture, load_for_capture
 from expertcache.predict.registry import make_predictor
+from expertcache.tools.capture import Captured, capture, load_for_capture
 
 HELDOUT_CHARS = 600  # tools/record_default_trace.py's --prompt-chars
 
@@ -109,7 +109,7 @@ def heldout_prompts(count: int = 16) -> list[str]:
     """
     import sysconfig
 
-    from expertcache.sim.api import default_trace
+    from expertcache.trace.default import default_trace
 
     root = Path(sysconfig.get_paths()["stdlib"])
     names = str(default_trace().meta.get("prompts", "")).split(";")
@@ -138,7 +138,7 @@ def evaluate_model(
     the shipped predictors (``learned_path`` None) or those under ``learned_path``. ``trace`` goes
     to the predictors that read a recorded trace (record it on other prompts than these).
     """
-    from expertcache.engine.api import DEFAULT_MODEL
+    from expertcache.engine.offloaded import DEFAULT_MODEL
 
     path = DEFAULT_MODEL if model_path is None else Path(model_path)
     model, tokenizer = load_for_capture(path)

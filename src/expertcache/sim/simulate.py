@@ -3,41 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
+from expertcache.cache.schedule import build_schedule
 from expertcache.policy.registry import min_capacity, parse_policy
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
-from expertcache.sim.schedule import build_schedule
-from expertcache.trace.synth import sticky
-from expertcache.trace.trace import Trace, load_trace
+from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
+from expertcache.trace.trace import Trace
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
-
-
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "data" / "default_trace.npz"
-
-
-def default_trace() -> Trace:
-    """The embedded default: the routing of the embedded model (6 layers, 16 experts, top-2) on 16
-    prompts from held-out standard-library files, recorded by ``tools/record_default_trace.py``."""
-    return load_trace(DEFAULT_TRACE)
-
-
-def synthetic_trace() -> Trace:
-    """A seeded sticky-Zipf trace of Mixtral's shape (L=32, E=8, K=2): 8 requests of 32 prompt and
-    224 generated tokens (the default of earlier versions)."""
-    return sticky(
-        tokens=2048,
-        layers=32,
-        experts=8,
-        top_k=2,
-        a=1.0,
-        stickiness=0.3,
-        seed=0,
-        sequences=8,
-        prompt_len=32,
-    )
 
 
 def simulate(

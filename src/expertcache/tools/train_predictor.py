@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.engine.routing import router_fns
 from expertcache.errors import ExpertcacheError
 from expertcache.predict.base import PredictorError
-from expertcache.predict.capture import Captured, capture, load_for_capture
-from expertcache.predict.evaluate import router_fns
 from expertcache.predict.learned import make_mlp, probe_routing, save_predictor, source_layer, topk_overlap
+from expertcache.tools.capture import Captured, capture, load_for_capture
 
 HIDDEN = 128
 EPOCHS = 10
@@ -86,7 +86,7 @@ def default_prompts(count: int = DEFAULT_PROMPTS, chars: int = PROMPT_CHARS) -> 
 
 
 def _default_model_validation_files() -> set[str]:
-    from expertcache.engine.api import DEFAULT_MODEL
+    from expertcache.engine.offloaded import DEFAULT_MODEL
 
     record = json.loads((DEFAULT_MODEL / "training.json").read_text())
     return set(record["corpus"]["validation"]["file_list"])
@@ -239,8 +239,8 @@ def train_predictor(
     docstring), a list of prompts, or None for ``default_prompts()``. ``model_path`` None: the
     embedded model.
     """
-    from expertcache.engine.api import DEFAULT_MODEL
     from expertcache.engine.loader import read_config
+    from expertcache.engine.offloaded import DEFAULT_MODEL
 
     windows = [window] if isinstance(window, int) else list(window)
     _check_args(windows, hidden, epochs, max_new_tokens)

@@ -61,10 +61,6 @@ class Captured:
         bounds = [0, *cuts.tolist(), len(self.step)]
         return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def select(self, rows: np.ndarray) -> Captured:
-        """The captured rows selected by a boolean mask or an index array."""
-        return Captured(*(getattr(self, name)[rows] for name in _ARRAYS))
-
     def save(self, path: str | Path) -> None:
         np.savez_compressed(path, **{name: getattr(self, name) for name in _ARRAYS})
 

@@ -1,0 +1,82 @@
+"""Building an expert cache's parts: the budget shared among them, a policy for each, their checks.
+
+The engine and the timing simulator build their caches here, from the same miss path and capacities, so
+both hold the same parts with the same policies; only the bytes of one slot differ (the engine's real
+layouts, the simulator's cost model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from expertcache.cache.residency import Residency
+from expertcache.errors import ExpertcacheError
+from expertcache.miss.base import MissPath
+from expertcache.policy.base import PolicyContext
+from expertcache.policy.registry import make_policy, min_capacity, parse_policy
+from expertcache.units import format_bytes
+
+
+def part_capacities(
+    miss: MissPath, budget: int, slot_bytes: dict[str, object], top_k: int
+) -> dict[str, object]:
+    """Keys each part holds out of ``budget`` bytes (per layer for parts whose slots differ by layer);
+    a part below what it needs is one clear error."""
+    caps = miss.capacities(int(budget), slot_bytes)
+    for spec in miss.parts():
+        need = top_k if spec.min_room is None else spec.min_room
+        have = caps.get(spec.name, 0)
+        have = min(have) if isinstance(have, list) else have
+        size = slot_bytes[spec.name]
+        slot = format_bytes(max(size) if isinstance(size, list) else size)
+        if have < need and len(miss.host_layers()) < miss.ctx.num_layers:
+            raise ExpertcacheError(
+                f"expert memory of {format_bytes(budget)} gives the {spec.name!r} part of miss path "
+                f"{miss.describe()} {have} slot(s) of {slot}; it needs at least {need}"
+            )
+    return caps
+
+
+def build_parts(
+    miss: MissPath, capacities: dict[str, int], policy: str, ctx: PolicyContext
+) -> dict[str, Residency]:
+    """One residency per part of ``miss``, the primary under ``policy`` (``name[:k=v,...]``), the others
+    under their own policy or the same one; each checked to give every layer room for its needs."""
+    parts: dict[str, Residency] = {}
+    host = miss.host_layers()
+    cached = len(host) < ctx.num_layers  # some layer's experts enter the cache
+    for spec in miss.parts():
+        name, params = parse_policy(spec.policy or policy)
+        cap = capacities[spec.name]
+        if isinstance(cap, list):  # a budget per layer: the -dist form of the policy holds it
+            name, params = _per_layer(name, params, cap)
+            cap = sum(cap)
+        cap = max(1, cap)
+        need = ctx.top_k if spec.min_room is None else spec.min_room
+        low = min_capacity(name, ctx.num_layers, params, min_room=need)
+        if cached and cap < low:
+            raise ExpertcacheError(
+                f"the {spec.name!r} part holds {cap} expert(s); policy {name} needs at least {low} "
+                f"(each layer needs {need} slot(s))"
+            )
+        pol = make_policy(name, replace(ctx, capacity=max(cap, low)), **params)
+        short = [layer for layer in range(ctx.num_layers) if layer not in host and pol.room(layer) < need]
+        if short:
+            raise ExpertcacheError(
+                f"policy {name} gives layer {short[0]} of the {spec.name!r} part {pol.room(short[0])} "
+                f"slot(s), below the {need} it needs (a token's experts of a layer must be resident together)"
+            )
+        parts[spec.name] = Residency(pol)
+    return parts
+
+
+def _per_layer(name: str, params: dict, budgets: list[int]) -> tuple[str, dict]:
+    """``name``'s -dist form holding ``budgets`` (one per layer)."""
+    from expertcache.policy.registry import POLICIES
+
+    dist = name if name.endswith("-dist") else f"{name}-dist"
+    if dist not in POLICIES or "budgets" in params:
+        raise ExpertcacheError(
+            f"per-layer budgets need a policy with a -dist form and no budgets of its own, not {name!r}"
+        )
+    return dist, {**params, "budgets": list(budgets)}

@@ -1,0 +1,74 @@
+"""The routing of every step as a trace (``--record-trace``): what the step driver saw, in order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expertcache.errors import ExpertcacheError
+from expertcache.trace.trace import Trace
+
+
+class Recorder:
+    """Routing of every step (for ``--record-trace``): experts, weights, token ids, phase, sequence."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.steps: list[dict[str, object]] = []
+        self.predicted = False  # some step recorded predictions
+
+    def begin(self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray) -> None:
+        """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id."""
+        self.steps.append(
+            {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}, "pred": {}}
+        )
+
+    def predict(self, predictions: dict[int, list[int]]) -> None:
+        """What the predictor said this step: target layer -> ranked experts."""
+        if self.steps and predictions:
+            self.steps[-1]["pred"].update(predictions)
+            self.predicted = True
+
+    def add(self, layer: int, index: np.ndarray, weights: np.ndarray | None) -> None:
+        """Layer ``layer`` routed the step's tokens: experts [T, K] and their gate weights [T, K]."""
+        step = self.steps[-1]
+        step["experts"][layer] = index.astype(np.int16)
+        if weights is not None:
+            step["weights"][layer] = np.asarray(weights, dtype=np.float32)
+
+    def trace(self, meta: dict[str, object] | None = None) -> Trace:
+        L, K = self.num_layers, self.top_k
+        ex, wt, tok, pf, seq, step, pred = [], [], [], [], [], [], []
+        for i, s in enumerate(self.steps):
+            t = len(s["token_id"])
+            e = np.full((t, L, K), -1, dtype=np.int16)
+            w = np.zeros((t, L, K), dtype=np.float32)
+            for layer, idx in s["experts"].items():
+                e[:, layer] = idx
+                if layer in s["weights"]:
+                    w[:, layer] = s["weights"][layer]
+            p = np.full((t, L, K), -1, dtype=np.int16)
+            for layer, ranked in s["pred"].items():  # the step's ranked list, spread over its rows
+                block = np.full(t * K, -1, dtype=np.int16)
+                flat = ranked[: t * K]
+                block[: len(flat)] = flat
+                p[:, layer] = block.reshape(t, K)
+            pred.append(p)
+            ex.append(e)
+            wt.append(w)
+            tok.append(s["token_id"])
+            pf.append(np.full(t, 1 if s["prefill"] else 0, dtype=np.int8))
+            seq.append(s["seq"])
+            step.append(np.full(t, i, dtype=np.int32))
+        if not ex:
+            raise ExpertcacheError("nothing was generated yet: the trace is empty")
+        return Trace(
+            experts=np.concatenate(ex),
+            num_experts=self.num_experts,
+            weights=np.concatenate(wt),
+            seq_id=np.concatenate(seq),
+            is_prefill=np.concatenate(pf),
+            token_id=np.concatenate(tok).astype(np.int32),
+            step_id=np.concatenate(step),
+            predicted=np.concatenate(pred) if self.predicted else None,
+            meta=dict(meta or {}),
+        )

@@ -1,0 +1,74 @@
+"""What the expert cache did, counted by the cache itself (the engine adds bytes and stall times).
+
+Per phase and layer (arrays [2, L], row 1 = prefill): ``requests`` (experts the steps needed), ``misses``
+(needed but not present in the primary part: not resident and not moving in), and how the misses were
+served: ``host`` (computed on the host), ``low_precision`` (from a low-precision copy), ``skipped``
+(not computed: lossy). Per part: demand transfers. Per layer: ``filled``, experts computed on the host
+and moved into the cache in the background for later steps. Per layer (ProMoE's accounting of prefetching):
+speculative transfers ``issued``, ``used`` (their layer then asked for them), ``late`` (still moving
+then), ``cancelled``, ``skipped_prefetches`` (no evictable slot), and the prediction quality: ``actual``
+experts of predicted layer visits, ``correct`` (predicted), ``in_time`` (predicted and resident when
+needed): ACCURACY = correct / actual, FETCHRATE = in_time / correct, GOODPRED = in_time / actual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_PHASED = ("requests", "misses", "host", "low_precision", "skipped")
+_LAYERED = (
+    "issued", "used", "late", "cancelled", "skipped_prefetches", "actual", "correct", "in_time", "filled",
+)  # fmt: skip
+
+
+class CacheStats:
+    """Counters since the start; see the module docstring."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        for name in _PHASED:
+            setattr(self, name, np.zeros((2, num_layers), dtype=np.int64))
+        for name in _LAYERED:
+            setattr(self, name, np.zeros(num_layers, dtype=np.int64))
+        self.part_misses: dict[str, int] = {}  # demand transfers of each part
+
+    @property
+    def hits(self) -> int:
+        return int(self.requests.sum() - self.misses.sum())
+
+    def to_dict(self) -> dict[str, object]:
+        req, miss = int(self.requests.sum()), int(self.misses.sum())
+
+        def ratio(a: np.ndarray, b: np.ndarray) -> float:
+            return float(a.sum() / b.sum()) if b.sum() else 0.0
+
+        return {
+            "requests": req,
+            "hits": req - miss,
+            "misses": miss,
+            "miss_ratio": miss / req if req else 0.0,
+            "misses_by_layer": self.misses.sum(axis=0).tolist(),
+            "prefill_misses": int(self.misses[1].sum()),
+            "decode_misses": int(self.misses[0].sum()),
+            "host_computed": int(self.host.sum()),
+            "low_precision": int(self.low_precision.sum()),
+            "skipped": int(self.skipped.sum()),
+            "filled": int(self.filled.sum()),
+            "part_misses": dict(self.part_misses),
+            "prefetch_issued": int(self.issued.sum()),
+            "prefetch_used": int(self.used.sum()),
+            "prefetch_late": int(self.late.sum()),
+            "prefetch_cancelled": int(self.cancelled.sum()),
+            "prefetch_skipped": int(self.skipped_prefetches.sum()),
+            "accuracy": ratio(self.correct, self.actual),
+            "fetchrate": ratio(self.in_time, self.correct),
+            "goodpred": ratio(self.in_time, self.actual),
+            "accuracy_by_layer": _per_layer(self.correct, self.actual),
+            "fetchrate_by_layer": _per_layer(self.in_time, self.correct),
+            "goodpred_by_layer": _per_layer(self.in_time, self.actual),
+        }
+
+
+def _per_layer(num: np.ndarray, den: np.ndarray) -> list[float | None]:
+    """num / den per layer; None where a layer was never predicted (layer 0 of gate predictors)."""
+    return [float(n / d) if d else None for n, d in zip(num.tolist(), den.tolist(), strict=True)]

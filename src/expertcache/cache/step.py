@@ -1,0 +1,207 @@
+"""The step driver: one forward step after another, layer by layer, for the engine and the simulator.
+
+Both drive the expert cache the same way, so they take the same decisions; only the work differs (the
+engine computes, the timing simulator advances virtual time):
+
+    driver.begin_step(token_ids, prefill, seq)     # the clock, the predictor's step-start predictions
+    for each MoE layer:
+        work = driver.layer(layer, index, weights, gate_input)
+            # the router has chosen: needs, preemption, routes (miss paths), demand transfers queued,
+            # then the predictor sees the router's choice and its predictions are prefetched
+        ... compute work.host on the host, and each unit of work.units() on the device ...
+        driver.end_layer(layer)                    # predictions finished meanwhile (predictor thread)
+
+Shape letters: T tokens of the step, K experts per token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from expertcache.cache.expert_cache import ExpertCache, LayerWork
+from expertcache.cache.recorder import Recorder
+from expertcache.cache.residency import group_experts
+from expertcache.miss.base import Need
+from expertcache.policy.base import Clock
+
+Predictions = dict[int, list[int]]
+
+
+class PredictorRunner(Protocol):
+    """How the driver calls a predictor: each call returns the predictions ready to prefetch now."""
+
+    window: int
+
+    def begin_step(self, token_ids, prefill: bool, new_request: bool, future) -> list[Predictions]: ...
+
+    def after_router(self, layer: int, index: np.ndarray, gate_input) -> list[Predictions]: ...
+
+    def collect(self, layer: int) -> list[Predictions]: ...
+
+    def close(self) -> None: ...
+
+
+class InlinePredictor:
+    """A predictor called on the compute thread: its predictions are ready as soon as it returns."""
+
+    def __init__(self, predictor) -> None:
+        self.predictor = predictor
+        self.window = predictor.window
+        self.adaptive = getattr(predictor, "adaptive", False)
+
+    def begin_step(self, token_ids, prefill, new_request, future=None) -> list[Predictions]:
+        return [self.predictor.begin_step(token_ids, prefill, new_request, future)]
+
+    def after_router(self, layer, index, gate_input) -> list[Predictions]:
+        return [self.predictor.after_router(layer, index, gate_input)]
+
+    def collect(self, layer: int) -> list[Predictions]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class StepDriver:
+    """Drives an ``ExpertCache`` through forward steps: the clock, the predictor, the recorder."""
+
+    def __init__(
+        self,
+        cache: ExpertCache,
+        num_layers: int,
+        predictor: PredictorRunner | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.cache, self.num_layers = cache, num_layers
+        self.predictor, self.recorder = predictor, recorder
+        self.clock: Clock = cache.policy.clock
+        self.steps = 0  # forward steps begun
+        self.tokens = 0  # tokens of those steps
+        self._seq: int | None = None
+
+    def begin_step(
+        self, token_ids: np.ndarray, prefill: bool, seq: int, future=None, seq_ids: np.ndarray | None = None
+    ) -> None:
+        """A forward step of ``token_ids`` (all rows, flattened) starts; ``seq`` is its first row's
+        request (``seq_ids`` each token's, for the recorder); ``future`` (simulator only) the step's true
+        experts per layer, for the oracle."""
+        clock = self.clock
+        clock.round, clock.token, clock.seq, clock.layer = self.steps, self.tokens, seq, 0
+        new_request = prefill or self._seq is None or seq != self._seq
+        self._seq = seq
+        self.steps += 1
+        self.tokens += len(token_ids)
+        self.cache.begin_step(prefill)
+        if self.recorder is not None:
+            if seq_ids is None:
+                seq_ids = np.full(len(token_ids), seq, dtype=np.int32)
+            self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids)
+        if self.predictor is not None:
+            self._prefetch(self.predictor.begin_step(token_ids, prefill, new_request, future), ())
+
+    def layer(self, layer: int, index: np.ndarray, weights: np.ndarray | None, gate_input=None) -> LayerWork:
+        """Layer ``layer`` routed the step's tokens to ``index`` [T, K] with gate ``weights`` [T, K]."""
+        clock = self.clock
+        clock.layer, clock.group = layer, clock.round * self.num_layers + layer
+        if self.recorder is not None:
+            self.recorder.add(layer, index, weights)
+        needs = needs_of(layer, index, weights)
+        work = self.cache.begin_layer(layer, needs)
+        if self.predictor is not None:
+            current = [n.key for n in needs]
+            self._prefetch(self.predictor.collect(layer), current, after=layer)
+            self._prefetch(self.predictor.after_router(layer, index, gate_input), current)
+        return work
+
+    def end_layer(self, layer: int) -> None:
+        """The layer's experts are computed: prefetch what a predictor thread finished meanwhile."""
+        if self.predictor is not None:
+            self._prefetch(self.predictor.collect(layer), (), after=layer)
+
+    def _prefetch(self, batches: list[Predictions], current, after: int = -1) -> None:
+        for predictions in batches:
+            if after >= 0:  # layers already computed need nothing any more
+                predictions = {t: r for t, r in predictions.items() if t > after}
+            if getattr(self.predictor, "adaptive", False):
+                predictions = self._up_to_first_miss(predictions)
+            if predictions:
+                if self.recorder is not None:
+                    self.recorder.predict(predictions)
+                self.cache.prefetch(predictions, current)
+
+    def _up_to_first_miss(self, predictions: Predictions) -> Predictions:
+        """HOBBIT's layer-adaptive walk: the target layers in order, up to the first one whose predicted
+        experts are not all present already (those are cached: nothing to move for them)."""
+        out, cache, limit = {}, self.cache, self.cache.limit
+        for target in sorted(predictions):
+            out[target] = predictions[target]
+            if not all(cache.present(cache.primary, (target, e)) for e in predictions[target][:limit]):
+                break
+        return out
+
+    def close(self) -> None:
+        if self.predictor is not None:
+            self.predictor.close()
+
+
+def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> list[Need]:
+    """The distinct experts of one layer's routing ``index`` [T, K] (-1 unknown) in first-use order,
+    each with its tokens, largest renormalised gate weight, best rank, HOBBIT's importance (the least,
+    over its tokens, of the summed weight of the experts ranked above it) and its summed weight. Without
+    ``weights`` every expert of a token weighs 1/K and ranks in column order."""
+    index = np.asarray(index)
+    index = index.reshape(-1, index.shape[-1])  # [T, K]
+    if index.shape[0] == 1:
+        return _needs_of_token(layer, index[0], None if weights is None else np.asarray(weights).reshape(-1))
+    w = _renormalised(index, weights)  # [T, K]
+    order = np.argsort(-w, axis=1, kind="stable")  # [T, K] columns by descending weight
+    ranked_w = np.take_along_axis(w, order, axis=1)
+    above = np.cumsum(ranked_w, axis=1) - ranked_w  # [T, K] weight of the experts ranked above
+    stats: dict[int, list] = {}
+    for t, (row, cols) in enumerate(zip(index.tolist(), order.tolist(), strict=True)):
+        for rank, col in enumerate(cols):
+            e = row[col]
+            if e < 0:
+                continue
+            s = stats.get(e)
+            weight, imp = float(w[t, col]), float(above[t, rank])
+            if s is None:
+                stats[e] = [1, weight, imp, rank, weight]
+            else:
+                s[0] += 1
+                s[1], s[2], s[3] = max(s[1], weight), min(s[2], imp), min(s[3], rank)
+                s[4] += weight
+    return [Need((layer, e), *stats[e]) for e in group_experts(index.tolist())]
+
+
+def _needs_of_token(layer: int, row: np.ndarray, weights: np.ndarray | None) -> list[Need]:
+    """``needs_of`` for one token (every decode step): its distinct experts in routing order."""
+    experts = row.tolist()
+    valid = [e >= 0 for e in experts]
+    if weights is None:
+        w = [1.0 / len(experts) if ok else 0.0 for ok in valid]
+    else:
+        w = [float(x) if ok else 0.0 for x, ok in zip(weights.tolist(), valid, strict=True)]
+    total = sum(w) or 1.0
+    w = [x / total for x in w]
+    order = sorted(range(len(experts)), key=lambda i: -w[i])  # stable: ties keep column order
+    out: dict[int, Need] = {}
+    above = 0.0
+    for rank, i in enumerate(order):
+        if valid[i]:
+            out[i] = Need((layer, experts[i]), 1, w[i], above, rank, w[i])
+            above += w[i]
+    return [out[i] for i in range(len(experts)) if i in out]
+
+
+def _renormalised(index: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """Gate weights [T, K] scaled to sum to 1 per token over known entries (uniform without weights)."""
+    valid = index >= 0
+    if weights is None:
+        w = valid.astype(np.float64)
+    else:
+        w = np.where(valid, np.asarray(weights, dtype=np.float64).reshape(index.shape), 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    return np.divide(w, total, out=np.zeros_like(w), where=total > 0)

@@ -1,0 +1,135 @@
+"""Configuration: one frozen dataclass per domain, validated once, on creation.
+
+The engine (``expertcache.load``), the timing simulator (``simulate_timing``), the CLI and the Python
+API all build these and nothing else, so an option means the same everywhere and a bad one is refused
+with the same one-line message, before any work starts. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from expertcache.errors import ExpertcacheError
+from expertcache.miss.registry import parse_miss
+from expertcache.policy.registry import is_offline, parse_policy
+from expertcache.predict.registry import predictor_class
+from expertcache.units import parse_duration, parse_rate, parse_size
+
+RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
+
+
+def _set(obj: object, **values: object) -> None:
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The eviction policy (``'name'`` or ``'name:k=v,...'``), its seed, and a usage profile (a trace or
+    its path, for ``static``)."""
+
+    policy: str = "lru"
+    seed: int = 0
+    profile: object = None
+    name: str = field(init=False, repr=False)
+    params: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name, params = parse_policy(self.policy)
+        _set(self, name=name, params=params)
+
+    @property
+    def offline(self) -> bool:
+        """Needs the future (``opt``): the simulator's only."""
+        return is_offline(self.name)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Proactive caching (ProMoE): the predictor (``none`` to switch it off), its window (layers ahead;
+    None: the predictor's default) and data (a trained predictor directory, or a recorded trace), the
+    experts prefetched per predicted layer (None: top-k), chunked transfers (``chunk_size`` bytes, None:
+    a third of an expert), early preemption, reordered execution, and a predictor thread."""
+
+    predictor: str = "none"
+    window: int | None = None
+    data: object = None
+    limit: int | None = None
+    chunking: bool = True
+    chunk_size: str | int | None = None
+    preemption: bool = True
+    reorder: bool = True
+    thread: bool = False
+    chunk_bytes: int | None = field(init=False, repr=False)
+    predictor_object: object = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        obj = None
+        if self.predictor is not None and not isinstance(self.predictor, str):  # a Predictor (the API)
+            obj, name = self.predictor, str(getattr(self.predictor, "name", "custom"))
+        else:
+            name = "none" if self.predictor in (None, "none") else str(self.predictor).strip().lower()
+        _set(self, predictor=name, predictor_object=obj)
+        if name not in ("none", RECORDED) and obj is None:
+            predictor_class(name)
+        if name == "none" and (self.window is not None or self.data is not None or self.thread):
+            raise ExpertcacheError("a window, predictor data or a predictor thread needs --prefetch NAME")
+        if self.window is not None and int(self.window) < 1:
+            raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {self.window}")
+        if self.limit is not None and int(self.limit) < 1:
+            raise ExpertcacheError(f"prefetch limit must be at least 1 expert per layer, got {self.limit}")
+        chunk = None
+        if self.chunk_size is not None:
+            if not self.chunking:
+                raise ExpertcacheError("a chunk size was given with chunking off (--no-chunking)")
+            chunk = parse_size(self.chunk_size, "chunk size")
+            if chunk < 1 or chunk != int(chunk):
+                got = self.chunk_size
+                raise ExpertcacheError(f"chunk size must be a positive whole number of bytes, got {got}")
+        _set(self, chunk_bytes=None if chunk is None else int(chunk))
+
+    @property
+    def enabled(self) -> bool:
+        return self.predictor != "none"
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """An emulated slow-tier link: bandwidth (``16GB/s``; None: unbounded) and latency per transfer
+    (``20us``). Neither set: no emulation, transfers run at the machine's own speed."""
+
+    bandwidth: str | float | None = None
+    latency: str | float = 0.0
+    bandwidth_Bps: float = field(init=False, repr=False)
+    latency_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        lat = parse_duration(self.latency if self.latency is not None else 0, "link latency")
+        bw = math.inf if self.bandwidth is None else parse_rate(self.bandwidth, "link bandwidth")
+        _set(self, bandwidth_Bps=bw, latency_s=lat)
+
+    @property
+    def emulated(self) -> bool:
+        return self.bandwidth is not None or self.latency_s > 0
+
+
+@dataclass(frozen=True)
+class MissConfig:
+    """What to do on a miss (``--miss NAME[:k=v,...]``): ``fetch`` (default, exact) or another miss path
+    of ``expertcache misses``; its name and parameters are checked here, its values when it is built."""
+
+    path: str = "fetch"
+    name: str = field(init=False, repr=False)
+    params: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name, params = parse_miss(str(self.path))
+        _set(self, name=name, params=params)
+
+
+def as_config(value: object, cls: type):
+    """``value`` as a ``cls`` config: itself, None (the defaults), or the config's first field (a spec)."""
+    if isinstance(value, cls):
+        return value
+    return cls() if value is None else cls(value)

@@ -1,0 +1,250 @@
+"""The cost model: what one forward step costs on a machine, in seconds and bytes. Torch-free.
+
+Shared by the timing simulator (which advances virtual time by these costs) and the miss paths (which
+decide by them: Fiddler's and HybriMoE's host compute, for instance, compares ``host_expert(n)`` with
+``transfer_time(bytes) + expert(n)``). The engine measures one for its own machine at warm-up
+(``engine.calibrate``); ``bench/cost_triples.py`` measures the figures of any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from expertcache.errors import ExpertcacheError, first_line
+from expertcache.units import parse_duration, parse_rate, parse_size
+
+AUTO = "auto"  # chunk_bytes: an expert's three weight matrices, about a third of it each
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of one forward step, in seconds and bytes. The defaults: a Mixtral-8x7B expert in fp16
+    (3 x 4096 x 14336 x 2 bytes) over PCIe 4.0 x16, with compute times of a recent GPU at batch 1, and
+    host compute as measured for that expert in bf16 on the 16-core Xeon of an H100 machine
+    (``bench/results/cost_triples_h100.json``)."""
+
+    dense_s: float | tuple[float, ...] = 0.25e-3  # per MoE layer: attention, norms, router (or one per layer)
+    expert_s: float = 0.35e-3  # a: an expert's fixed time (reading its weights)
+    expert_token_s: float = 2e-6  # b: its time per token routed to it
+    step_s: float = 0.5e-3  # per forward step: embeddings and LM head
+    link_bandwidth: float = 25e9  # bytes/s (inf: free transfers but for the latency)
+    link_latency: float = 20e-6  # seconds per chunk
+    expert_bytes: int = 352_321_536
+    chunk_bytes: int | None | str = AUTO  # at most this per chunk; None: one chunk per expert
+    wake_s: float = 0.0  # compute resumes this long after a transfer it waited for lands (thread wake-up)
+    submit_s: float = 0.0  # compute time the engine spends issuing one transfer (bookkeeping, hand-off)
+    host_expert_s: float = 5.06e-3  # a: an expert's fixed time computed on the host (reading its weights)
+    host_expert_token_s: float = 63e-6  # b: its host time per token
+    dequant_s: float = 0.0  # device time to expand a low-precision copy before computing with it
+    host_parallel: bool = True  # the host computes beside the device (False: the same processor, inline)
+    weight_bits: int = 16  # bits per weight of a whole expert (its low-precision copies are sized from it)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dense_s, list | tuple):
+            object.__setattr__(self, "dense_s", tuple(float(d) for d in self.dense_s))
+            if not self.dense_s:
+                raise ExpertcacheError("cost: dense_s must be a time or a non-empty list of times")
+        for name in _TIMES:
+            _check_time(name, getattr(self, name))
+        for d in self.dense_s if isinstance(self.dense_s, tuple) else (self.dense_s,):
+            _check_time("dense_s", d)
+        if not self.link_bandwidth > 0:  # also refuses NaN
+            raise ExpertcacheError(f"cost: link_bandwidth must be positive, got {self.link_bandwidth}")
+        if self.weight_bits not in (16, 32):
+            raise ExpertcacheError(f"cost: weight_bits must be 16 or 32, got {self.weight_bits!r}")
+        if not isinstance(self.expert_bytes, int) or self.expert_bytes < 1:
+            raise ExpertcacheError(
+                f"cost: expert_bytes must be a positive integer, got {self.expert_bytes!r}"
+            )
+        chunk = self.chunk_bytes
+        if chunk not in (None, AUTO) and (not isinstance(chunk, int) or chunk < 1):
+            raise ExpertcacheError(
+                f"cost: chunk_bytes must be a positive integer, 'auto' or null, got {self.chunk_bytes!r}"
+            )
+
+    # -- what the simulator asks ----------------------------------------------------------------
+    def dense(self, layer: int) -> float:
+        return self.dense_s[layer] if isinstance(self.dense_s, tuple) else self.dense_s
+
+    def expert(self, tokens: int) -> float:
+        """Compute time of one expert given ``tokens`` tokens."""
+        return self.expert_s + self.expert_token_s * tokens
+
+    def host_expert(self, tokens: int) -> float:
+        """Time of one expert computed on the host, given ``tokens`` tokens."""
+        return self.host_expert_s + self.host_expert_token_s * tokens
+
+    def chunk_sizes(self, nbytes: int | None = None) -> list[int]:
+        """Bytes of each chunk of a transfer of ``nbytes`` (default: one whole expert). Chunks are at most
+        ``chunk_bytes`` (auto: a third of a whole expert, its three matrices); None: one chunk."""
+        nbytes = self.expert_bytes if nbytes is None else int(nbytes)
+        size = self.chunk_bytes or nbytes
+        if size == AUTO:  # resolved here, so that a changed expert_bytes keeps its thirds
+            size = -(-self.expert_bytes // 3)
+        full, rest = divmod(nbytes, size)
+        return [size] * full + ([rest] if rest else [])
+
+    def chunk_times(self, nbytes: int | None = None) -> list[float]:
+        """Link seconds of each chunk of a transfer: latency + bytes / bandwidth."""
+        return [self.link_latency + b / self.link_bandwidth for b in self.chunk_sizes(nbytes)]
+
+    def transfer_time(self, nbytes: int | None = None) -> float:
+        """Link seconds of a whole transfer of ``nbytes`` (default: one expert), all its chunks."""
+        return sum(self.chunk_times(nbytes))
+
+    @property
+    def transfer_s(self) -> float:
+        """Link seconds of one whole expert, all its chunks."""
+        return self.transfer_time()
+
+    # -- construction, files ---------------------------------------------------------------------
+    @classmethod
+    def from_measurements(
+        cls,
+        dense_s: float | Sequence[float],
+        expert_samples: Sequence[tuple[int, float]],
+        step_s: float,
+        link_bandwidth: float,
+        link_latency: float,
+        expert_bytes: int,
+        chunk_bytes: int | None | str = AUTO,
+    ) -> CostModel:
+        """A cost model from measured times; ``expert_samples`` are (tokens, seconds) of expert calls,
+        fitted by least squares to ``a + b * tokens`` (b = 0 from one token count)."""
+        a, b = fit_linear(expert_samples)
+        dense = dense_s if isinstance(dense_s, int | float) else tuple(dense_s)
+        return cls(dense, a, b, step_s, link_bandwidth, link_latency, expert_bytes, chunk_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["dense_s"] = list(self.dense_s) if isinstance(self.dense_s, tuple) else self.dense_s
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write the model as JSON (an infinite bandwidth as the string "inf")."""
+        data = self.to_dict()
+        if math.isinf(self.link_bandwidth):
+            data["link_bandwidth"] = "inf"
+        try:
+            Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as e:
+            raise ExpertcacheError(f"{path}: cannot write cost model ({e.strerror or e})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """Read a JSON cost model: any subset of the fields, times as seconds or "1ms", rates as
+        bytes/s or "16GB/s", sizes as bytes or "336MiB"; problems are one line naming the field."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ExpertcacheError(f"{path}: cannot read cost model ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
+        if not isinstance(data, dict):
+            raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
+        try:
+            return cls.from_dict(data)
+        except ExpertcacheError as e:
+            raise ExpertcacheError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object], base: CostModel | None = None) -> CostModel:
+        """``base`` (default: the defaults) with the given fields, parsed as ``load`` does."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ExpertcacheError(f"cost: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        parsed = {name: _parse_field(name, value) for name, value in data.items()}
+        return replace(base or cls(), **parsed)
+
+    def describe(self) -> str:
+        """One line: every cost, and what one expert's transfer takes."""
+        dense = (
+            "/".join(f"{d * 1e3:g}" for d in self.dense_s) if isinstance(self.dense_s, tuple)
+            else f"{self.dense_s * 1e3:g}"
+        )  # fmt: skip
+        chunks = len(self.chunk_sizes())
+        return (
+            f"dense {dense} ms/layer | expert {self.expert_s * 1e3:g} ms + {self.expert_token_s * 1e6:g} "
+            f"us/token | step {self.step_s * 1e3:g} ms | link {self.link_bandwidth / 1e9:g} GB/s + "
+            f"{self.link_latency * 1e6:g} us/chunk | expert {self.expert_bytes / 2**20:.1f} MiB in "
+            f"{chunks} chunk{'s' if chunks > 1 else ''}: {self.transfer_s * 1e3:.3g} ms"
+            + (f" | wake {self.wake_s * 1e6:g} us" if self.wake_s else "")
+            + (f" | issue {self.submit_s * 1e6:g} us/transfer" if self.submit_s else "")
+            + f" | host expert {self.host_expert_s * 1e3:g} ms + {self.host_expert_token_s * 1e6:g} us/token"
+            + ("" if self.host_parallel else " (inline)")
+            + (f" | dequant {self.dequant_s * 1e6:g} us" if self.dequant_s else "")
+        )
+
+
+_TIMES = (
+    "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s",
+    "host_expert_s", "host_expert_token_s", "dequant_s",
+)  # fmt: skip
+
+
+def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``seconds = a + b * tokens`` over (tokens, seconds) samples, a and b at least 0
+    (b = 0 when every sample has one token count)."""
+    tokens = np.asarray([s[0] for s in samples], dtype=np.float64)
+    secs = np.asarray([s[1] for s in samples], dtype=np.float64)
+    if len(secs) == 0:
+        raise ExpertcacheError("cost: no timings to fit")
+    if np.ptp(tokens) == 0:
+        return max(float(secs.mean()), 0.0), 0.0
+    b, a = (float(v) for v in np.polyfit(tokens, secs, 1))
+    return max(a, 0.0), max(b, 0.0)
+
+
+def _check_time(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise ExpertcacheError(f"cost: {name} must be a non-negative number of seconds, got {value!r}")
+
+
+def _parse_field(name: str, value: object) -> object:
+    """One JSON value of a cost field: numbers as they are, strings with units through the parsers."""
+    what = f"cost field {name!r}"
+    if name == "host_parallel":
+        if not isinstance(value, bool):
+            raise ExpertcacheError(f"{what}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ExpertcacheError(f"{what}: expected a number or a string with a unit, got {value}")
+    if name == "dense_s" and isinstance(value, list):
+        return tuple(_parse_field(name, v) for v in value)
+    if name == "chunk_bytes" and (value is None or value == AUTO):
+        return value
+    if isinstance(value, str) and name == "link_bandwidth" and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if name == "weight_bits":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ExpertcacheError(f"{what}: expected 16 or 32, got {value!r}")
+        return value
+    if name in ("expert_bytes", "chunk_bytes"):
+        size = parse_size(value, what) if isinstance(value, str | int | float) else None
+        if size is None or size != int(size):
+            raise ExpertcacheError(f"{what}: expected a whole number of bytes, got {value!r}")
+        return int(size)
+    if isinstance(value, int | float):
+        return float(value)
+    if not isinstance(value, str):
+        raise ExpertcacheError(f"{what}: expected a number or a string with a unit, got {value!r}")
+    if name != "link_bandwidth":
+        return parse_duration(value, what)
+    try:
+        return parse_rate(value, what)
+    except ExpertcacheError:
+        raise ExpertcacheError(f"{what}: {value!r} is not a rate (examples: 16GB/s, 500MiB/s, inf)") from None
+
+
+def quantized_bytes(nbytes: int, bits: int, base_bits: int = 16, group: int = 64) -> int:
+    """Bytes of a group-wise ``bits``-bit copy of ``nbytes`` of ``base_bits``-bit weights: the packed
+    weights plus a 16-bit scale and zero per ``group`` weights (how ``expertcache quantize`` stores them)."""
+    weights = nbytes * 8 // base_bits
+    return -(-weights * bits // 8) + -(-weights // group) * 4

@@ -1,0 +1,91 @@
+"""The engine's costs on this machine, measured at load: what the cost-based miss paths decide by.
+
+HybriMoE measures its costs at warm-up, and so does the engine when a miss path needs them (``host``,
+``hybrid``) and none were given (``load(..., costs=CostModel(...))``): with the first MoE layer's module
+and expert 0 (any expert has the same shapes), it times
+
+- the transfer of one whole expert from the slow tier into a device buffer outside the cache, chunk by
+  chunk as the transfer worker moves it, the emulated link's time included when one is set;
+- the expert's computation on the device, ``a + b * n``, from token counts 1 and 16 (after a warm-up);
+- the same on the host, from the slow tier's weights (``a + b * n``).
+
+Medians of a few repetitions. On a CPU-only machine the device and the host are the same processor, and
+the host's work runs inline (``host_parallel`` false): the timing model then adds it to the compute
+clock instead of a second timeline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from expertcache.costs import CostModel, fit_linear
+from expertcache.engine.memory import SlotPool
+from expertcache.engine.parts import expert_output
+
+TOKENS = (1, 16)
+REPEATS = 5
+
+
+def _median(fn, device: torch.device, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: allocator, kernels, page faults
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(model, module) -> CostModel:
+    """A ``CostModel`` of ``model``'s machine (an ``OffloadedModel`` being built), from ``module`` (an
+    Experts module of it) and expert (0, 0)."""
+    device, layout, tier, link = model.device, model.layout, model.tier, model.link
+    key = (0, 0)
+    scratch = SlotPool(layout, 1, device).views[0]
+    plan = layout.chunks(model.chunk_bytes)
+    hidden = layout.shapes[layout.names.index("gate_up_proj")][-1 if not module.is_transposed else 0]
+
+    def move() -> None:
+        for chunk in plan:
+            tier.copy_chunk(key, scratch, chunk)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    transfer = _median(move, device, 3)
+    if link is not None:  # the emulated link's time for the same chunks, beyond the copy itself
+        transfer = max(transfer, sum(link.duration(sum(p[3] for p in chunk)) for chunk in plan))
+    with torch.inference_mode():
+        dev, host = [], []
+        for n in TOKENS:
+            x = torch.randn(n, hidden, dtype=model.dtype, device=device)
+            dev.append((n, _median(lambda x=x: expert_output(module, scratch, x), device)))
+            xh = x.to("cpu")
+            host.append(
+                (
+                    n,
+                    _median(
+                        lambda xh=xh: expert_output(module, tier.host_views(key), xh), torch.device("cpu")
+                    ),
+                )
+            )
+    a, b = fit_linear(dev)
+    ha, hb = fit_linear(host)
+    return CostModel(
+        expert_s=a,
+        expert_token_s=b,
+        host_expert_s=ha,
+        host_expert_token_s=hb,
+        link_bandwidth=layout.nbytes / max(transfer, 1e-9),
+        link_latency=0.0,
+        expert_bytes=layout.nbytes,
+        chunk_bytes=None,
+        host_parallel=device.type != "cpu",
+        weight_bits=8 * torch.empty((), dtype=model.dtype).element_size(),
+    )

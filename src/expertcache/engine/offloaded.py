@@ -1,0 +1,510 @@
+"""``expertcache.load``: a Hugging Face MoE checkpoint with its experts behind a bounded cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from expertcache.cache.build import build_parts, part_capacities
+from expertcache.cache.expert_cache import ExpertCache
+from expertcache.cache.recorder import Recorder
+from expertcache.cache.schedule import build_schedule
+from expertcache.cache.step import InlinePredictor, StepDriver
+from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig, as_config
+from expertcache.costs import CostModel
+from expertcache.engine.generation import Generation, timed_generate
+from expertcache.engine.host import HostExperts
+from expertcache.engine.link import EmulatedLink
+from expertcache.engine.loader import build_skeleton
+from expertcache.engine.memory import SlotLayout, SlotPool
+from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
+from expertcache.engine.routing import router_fns
+from expertcache.engine.runtime import Engine, PredictorThread
+from expertcache.engine.slots import SlotTransport
+from expertcache.engine.transfer import DiskTier, HostTier, Target, TransferWorker
+from expertcache.errors import ExpertcacheError, first_line
+from expertcache.miss.base import FULL, MissContext, PartSpec
+from expertcache.miss.registry import miss_class
+from expertcache.policy.base import Clock, PolicyContext
+from expertcache.policy.registry import policy_class
+from expertcache.predict.base import PredictContext
+from expertcache.predict.registry import make_predictor, predictor_class
+from expertcache.trace.default import default_trace
+from expertcache.trace.trace import Trace, load_trace
+from expertcache.units import format_bytes, parse_size
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default"
+
+
+def default_model_path() -> Path:
+    return DEFAULT_MODEL
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExpertcacheError("device cuda was asked for, but torch sees no CUDA GPU (use --device cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
+    return dev
+
+
+class OffloadedModel:
+    """A causal LM whose experts stream through a bounded cache; use like a transformers model.
+
+    Built from one config object per domain (``cache``, ``prefetch``, ``link``, ``miss``), each
+    validated on creation; ``expertcache.load`` builds them from keyword arguments."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        expert_memory: str | int | float = "100%",
+        *,
+        cache: CacheConfig | None = None,
+        prefetch: PrefetchConfig | None = None,
+        link: LinkConfig | None = None,
+        miss: MissConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype=None,
+        slow_tier: str | None = None,
+        costs: CostModel | None = None,
+        progress: bool | None = None,
+        record: bool = True,
+    ) -> None:
+        self.path = Path(path) if path is not None else DEFAULT_MODEL
+        self.cache_config = cache = cache or CacheConfig()
+        self.prefetch_config_ = prefetch = prefetch or PrefetchConfig()
+        self.link_config = link = link or LinkConfig()
+        self.miss_config = miss = miss or MissConfig()
+        self.device = _device(device)
+        self._check_cheap(cache, prefetch, slow_tier, expert_memory)
+        self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
+        show = sys.stderr.isatty() if progress is None else progress
+        sk = build_skeleton(self.path, dtype, progress=show)
+        self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
+        self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
+        self.layout = SlotLayout.of(sk.shapes, sk.dtype)  # one whole expert
+        self.miss = miss_class(miss.name)(
+            MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
+        )
+        self.parts = self._engine_parts(sk)
+        slot_bytes = {name: p.slot_bytes() for name, p in self.parts.items()}
+        self.budget = self._budget(expert_memory, cache)
+        self.capacities = part_capacities(self.miss, self.budget, slot_bytes, self.top_k)
+        primary = self.capacities[self.miss.parts()[0].name]
+        self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
+        self.tier = self._tier(sk, slow_tier, show)
+        self.targets = self._targets()  # (part, layer or None) -> its slots and their source
+        self.pool = next(iter(self.targets.values())).pool
+        third = -(-self.layout.nbytes // 3)  # an expert's three matrices
+        self.chunk_bytes = (prefetch.chunk_bytes or third) if prefetch.chunking else None
+        self.worker = TransferWorker(
+            link=self.link,
+            chunk_bytes=self.chunk_bytes,
+            parts=self.targets,
+        )
+        self.transport = SlotTransport(self.targets, self.worker)
+        residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
+        self.model = sk.model.to(self.device)
+        self.host = HostExperts(self.tier, self.device)
+        if self.miss.needs_costs and costs is None:
+            from expertcache.engine.calibrate import calibrate
+
+            measured = calibrate(self, sk.experts[0])
+            self.miss.ctx = dataclasses.replace(self.miss.ctx, costs=measured)
+        self.costs = self.miss.ctx.costs
+        # ProMoE: as many experts per predicted layer as the model activates for one token
+        self.prefetch_limit = self.top_k if prefetch.limit is None else int(prefetch.limit)
+        self.cache = ExpertCache(
+            residencies, self.transport, self.miss, self.num_layers, self.prefetch_limit,
+            prefetch.preemption, prefetch.reorder,
+        )  # fmt: skip
+        self.prefetch = prefetch.predictor
+        self.predictor = self._make_predictor(prefetch) if prefetch.enabled else None
+        runner = None
+        if self.predictor is not None:
+            runner = PredictorThread(self.predictor) if prefetch.thread else InlinePredictor(self.predictor)
+        recorder = Recorder(self.num_layers, self.num_experts, self.top_k) if record else None
+        self.driver = StepDriver(self.cache, self.num_layers, runner, recorder)
+        self.engine = Engine(self.model, sk.experts, self.driver, self.transport, self.parts, self.host)
+        self._tokenizer = None
+
+    # -- construction ------------------------------------------------------------------------------
+    def _check_cheap(self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory) -> None:
+        """Option errors that need no loading, before any loading."""
+        if cache.offline:
+            raise ExpertcacheError(
+                f"policy {cache.name} needs the future (simulator only); use it with 'expertcache sim'"
+            )
+        named = prefetch.enabled and prefetch.predictor_object is None
+        if named and predictor_class(prefetch.predictor).sim_only:
+            raise ExpertcacheError(
+                f"predictor {prefetch.predictor} needs the future (simulator only); "
+                "use it with 'expertcache timing'"
+            )
+        if slow_tier not in (None, "host", "disk"):
+            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
+        if policy_class(cache.name).needs_profile and cache.profile is None:
+            raise ExpertcacheError(
+                f"policy {cache.name} ranks experts by a usage profile: pass profile=TRACE"
+            )
+        text = str(expert_memory).strip()
+        if not text.endswith("%"):
+            parse_size(expert_memory, "expert memory")
+
+    def _engine_parts(self, sk) -> dict[str, EnginePart]:
+        parts = {}
+        for spec in self.miss.parts():
+            parts[spec.name] = self._engine_part(spec, sk)
+        return parts
+
+    def _engine_part(self, spec: PartSpec, sk) -> EnginePart:
+        if spec.kind == "full":
+            return full_part(spec, self.layout)
+        if spec.kind == "segment":
+            transposed = bool(sk.experts[0].is_transposed)
+            return segment_part(spec, self.layout, transposed, self.num_layers)
+        if spec.kind == "quantized":
+            return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")
+        raise ExpertcacheError(f"part kind {spec.kind!r} is not supported by the engine")
+
+    def _targets(self) -> dict[tuple[str, int | None], Target]:
+        """The slot pools of every part: one for the part, one per layer for a part whose slots differ
+        by layer, or one shared by layers of different layouts (slots of the largest)."""
+        targets = {}
+        for name, part in self.parts.items():
+            part.bind(self.tier)
+            caps = self.capacities[name]
+            if part.per_layer and part.spec.shared:
+                pool = SlotPool(part.largest(), caps, self.device)
+                targets[(name, None)] = Target(part.source, pool, part.layouts)
+                continue
+            for group, layout in part.layouts.items():
+                n = caps if group is None else caps[group]
+                targets[(name, group)] = Target(part.source, SlotPool(layout, n, self.device))
+        return targets
+
+    def _budget(self, expert_memory: str | int | float, cache: CacheConfig) -> int:
+        """Bytes of expert memory: as given, or a share of all experts at full precision."""
+        text = str(expert_memory).strip()
+        total = self.num_layers * self.num_experts * self.layout.slot_bytes
+        if text.endswith("%"):
+            try:
+                share = float(text[:-1])
+            except ValueError:
+                raise ExpertcacheError(f"expert memory {expert_memory!r} is not a percentage") from None
+            if not 0 < share <= 100:
+                raise ExpertcacheError(f"expert memory {expert_memory!r} must be a share in (0%, 100%]")
+            budget = round(total * share / 100)
+        else:
+            budget = int(parse_size(expert_memory, "expert memory"))
+        budget = min(budget, total)
+        slot = self.parts[FULL].slot_bytes() if FULL in self.parts else None
+        if slot is not None and self.miss.parts()[0].name == FULL:  # the whole-expert cache's own message
+            from expertcache.policy.registry import min_capacity
+
+            need = min_capacity(cache.name, self.num_layers, cache.params, min_room=self.top_k)
+            cap = budget // slot
+            if cap < need and len(self.miss.host_layers()) < self.num_layers:
+                raise ExpertcacheError(
+                    f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
+                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): "
+                    f"a layer's top-{self.top_k} experts must be resident together"
+                )
+        return budget
+
+    def _tier(self, sk, slow_tier: str | None, show: bool):
+        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
+        if tier == "host":
+            bar = _progress("experts to host memory", show)
+            pin = self.device.type == "cuda"
+            return HostTier(sk.store, self.layout, self.num_layers, self.num_experts, pin=pin, progress=bar)
+        return DiskTier(sk.store, self.layout, self.device)
+
+    def _policy_context(self, cache: CacheConfig) -> PolicyContext:
+        prof = None
+        if policy_class(cache.name).needs_profile:
+            tr = cache.profile if isinstance(cache.profile, Trace) else load_trace(cache.profile)
+            if (tr.num_layers, tr.num_experts) != (self.num_layers, self.num_experts):
+                raise ExpertcacheError(
+                    f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
+                    f"{self.num_layers} x {self.num_experts}"
+                )
+            prof = build_schedule(tr, "layer").profile
+        return PolicyContext(
+            capacity=max(1, self.capacity), num_layers=self.num_layers, num_experts=self.num_experts,
+            top_k=self.top_k, clock=Clock(), seed=cache.seed, profile=prof,
+        )  # fmt: skip
+
+    def _make_predictor(self, prefetch: PrefetchConfig):
+        if prefetch.predictor_object is not None:
+            return prefetch.predictor_object
+        source = prefetch.data
+        trace = source if isinstance(source, Trace) else None
+        path = None
+        if source is not None and trace is None:
+            src = Path(source)
+            if src.is_file() and src.suffix == ".npz":
+                trace = load_trace(src)
+            elif src.is_dir():
+                path = str(src)
+            else:
+                raise ExpertcacheError(
+                    f"{src}: predictor data must be a trained predictor directory or a .npz trace"
+                )
+        if trace is None and source is None and self.path == DEFAULT_MODEL:
+            trace = default_trace()  # token's table and eam's warm start on the embedded model
+        if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
+            raise ExpertcacheError(
+                f"predictor trace has {trace.num_layers} layers x {trace.num_experts} experts, the model "
+                f"{self.num_layers} x {self.num_experts}"
+            )
+        ctx = PredictContext(
+            num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
+            window=None if prefetch.window is None else int(prefetch.window), routers=router_fns(self.model),
+            trace=trace, path=path, seed=self.cache_config.seed,
+        )  # fmt: skip
+        return make_predictor(prefetch.predictor, ctx)
+
+    # ----------------------------------------------------------------- transformers-style use
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            except Exception as exc:
+                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({first_line(exc)})") from None
+        return self._tokenizer
+
+    def __call__(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise)."""
+        kwargs.setdefault("do_sample", False)
+        with torch.inference_mode():
+            return self.model.generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------------ text in, text out
+    def encode(self, prompt: str) -> torch.Tensor:
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise ExpertcacheError("the prompt is empty")
+        return ids
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 32, streamer=None, **kwargs) -> Generation:
+        """Generate from a text prompt; returns tokens, text, TTFT/TPOT and the cache's work."""
+        if max_new_tokens < 1:
+            raise ExpertcacheError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = self.encode(prompt)
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and ids.shape[1] + max_new_tokens > limit:
+            raise ExpertcacheError(
+                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit}"
+            )
+        before = self.stats
+        pad = self.tokenizer.pad_token_id
+        run = timed_generate(
+            self.generate,
+            ids.to(self.device),
+            streamer,
+            attention_mask=torch.ones_like(ids).to(self.device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
+            **kwargs,
+        )
+        after = self.stats
+        counted = (
+            "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
+            "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
+            "prefetch_late", "prefetch_cancelled",
+        )  # fmt: skip
+        delta = {
+            **{k: after[k] - before[k] for k in counted},
+            **self.prefetch_config,
+            **self._describe(),
+        }
+        return Generation(
+            tokens=run["tokens"],
+            text=self.tokenizer.decode(run["tokens"], skip_special_tokens=True),
+            prompt_tokens=run["prompt_tokens"],
+            ttft_s=run["ttft_s"],
+            tpot_s=run["tpot_s"],
+            tokens_per_s=run["tokens_per_s"],
+            total_s=run["total_s"],
+            stats=delta,
+        )
+
+    # ------------------------------------------------------------------------------- reports
+    def _describe(self) -> dict[str, object]:
+        """What this model is: its cache's size and parts, policy, miss path, device."""
+        return {
+            "capacity_experts": self.capacity,
+            "total_experts": self.num_layers * self.num_experts,
+            "expert_bytes": self.layout.nbytes,
+            "policy": self.cache_config.policy,
+            "miss": self.miss.describe(),
+            "lossy": self.miss.lossy,
+            "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
+                      for name, p in self.parts.items()},
+            "device": str(self.device),
+        }  # fmt: skip
+
+    @property
+    def stats(self) -> dict[str, object]:
+        """The cache's work since load: hits, misses, bytes moved, stall time, per layer too."""
+        t = self.transport
+        return {
+            **self.cache.stats.to_dict(),
+            **self._describe(),
+            "bytes_transferred": t.bytes_moved,
+            "stall_s": t.stall_s,
+            "decode_stall_s": t.stall_by_phase[0],
+            "prefill_stall_s": t.stall_by_phase[1],
+            "host_wait_s": self.host.wait_s,
+            "host_busy_s": self.host.busy_s,
+            "steps": self.driver.steps,
+            "expert_memory_bytes": self._memory_bytes(),
+            "slow_tier": self.tier.name,
+            "link": self.link.describe() if self.link else None,
+            "costs": None if self.costs is None else self.costs.to_dict(),
+            **self.prefetch_config,
+            "retried_chunks": self.worker.retried,
+        }
+
+    def _memory_bytes(self) -> int:
+        return sum(len(t.pool) * t.pool.layout.slot_bytes for t in self.targets.values())
+
+    @property
+    def prefetch_config(self) -> dict[str, object]:
+        """How transfers are scheduled: predictor, window, chunk size, preemption, reordering."""
+        pf = self.prefetch_config_
+        return {
+            "prefetch": self.prefetch,
+            "window": self.predictor.window if self.predictor is not None else None,
+            "prefetch_limit": self.cache.limit,
+            "predictor_thread": pf.thread and self.predictor is not None,
+            "chunk_bytes": self.chunk_bytes,
+            "preemption": pf.preemption,
+            "reorder": pf.reorder,
+        }
+
+    def trace(self) -> Trace:
+        """The routing of everything run since load, in the simulator's trace format."""
+        if self.driver.recorder is None:
+            raise ExpertcacheError("routing was not recorded: load with record=True to get a trace")
+        meta = {
+            "model": str(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
+            "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
+        }  # fmt: skip
+        if self.predictor is not None:
+            meta.update(predictor=self.prefetch, window=self.predictor.window)
+        return self.driver.recorder.trace(meta=meta)
+
+    def save_trace(self, path: str | Path) -> None:
+        self.trace().save(path)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> OffloadedModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def model_info(path: str | Path | None = None) -> dict[str, object]:
+    """What a checkpoint holds, without reading any expert: family, MoE layers, experts, bytes."""
+    sk = build_skeleton(path if path is not None else DEFAULT_MODEL)
+    layout = SlotLayout.of(sk.shapes, sk.dtype)
+    total = len(sk.experts) * sk.num_experts
+    dense = sum(t.numel() * t.element_size() for t in sk.model.state_dict().values())
+    return {
+        "path": str(path if path is not None else DEFAULT_MODEL),
+        "family": sk.family.name,
+        "dtype": str(sk.dtype).removeprefix("torch."),
+        "moe_layers": len(sk.experts),
+        "experts_per_layer": sk.num_experts,
+        "top_k": sk.top_k,
+        "expert_bytes": layout.nbytes,
+        "all_experts_bytes": total * layout.nbytes,
+        "dense_bytes": dense,
+        "min_expert_memory_bytes": sk.top_k * layout.slot_bytes,
+    }
+
+
+def _progress(desc: str, show: bool):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda items: tqdm(items, desc=desc, unit="expert", leave=False)
+
+
+def load(
+    path: str | Path | None = None,
+    expert_memory: str | int | float = "100%",
+    policy: str | CacheConfig = "lru",
+    device: str | torch.device | None = None,
+    *,
+    miss: str | MissConfig = "fetch",
+    prefetch: str | PrefetchConfig | None = "none",
+    link_bandwidth: str | float | None = None,
+    link_latency: str | float = 0.0,
+    seed: int = 0,
+    profile: str | Path | Trace | None = None,
+    window: int | None = None,
+    predictor: str | Path | Trace | None = None,
+    prefetch_limit: int | None = None,
+    chunking: bool = True,
+    chunk_size: str | int | None = None,
+    preemption: bool = True,
+    reorder: bool = True,
+    predictor_thread: bool = False,
+    **options,
+) -> OffloadedModel:
+    """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
+
+    ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
+    ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``);
+    ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
+    see ``expertcache misses``). Link emulation: ``link_bandwidth``, ``link_latency``. ``seed`` and
+    ``profile`` (a trace, for ``static``) go to the policy. Proactive caching: ``prefetch`` (a predictor
+    name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"`` by default),
+    ``window`` (layers ahead), ``predictor`` (a trained predictor directory for ``learned``, a recorded
+    trace for ``token``/``eam``), ``prefetch_limit`` (per predicted layer; default top-k), ``chunking``
+    and ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
+    ``predictor_thread``. Config objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be
+    passed for ``policy``, ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
+    (``"host"`` or ``"disk"``), ``costs`` (a ``CostModel`` for cost-based miss paths; default: measured
+    at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default).
+    """
+    cache = policy if isinstance(policy, CacheConfig) else CacheConfig(policy, seed=seed, profile=profile)
+    if isinstance(prefetch, PrefetchConfig):
+        pf = prefetch
+    else:
+        pf = PrefetchConfig(
+            prefetch, window=window, data=predictor, limit=prefetch_limit, chunking=chunking,
+            chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
+        )  # fmt: skip
+    return OffloadedModel(
+        path, expert_memory, cache=cache, prefetch=pf, link=LinkConfig(link_bandwidth, link_latency),
+        miss=as_config(miss, MissConfig), device=device, **options,
+    )  # fmt: skip
+
+
+__all__ = ["DEFAULT_MODEL", "Generation", "OffloadedModel", "default_model_path", "load"]

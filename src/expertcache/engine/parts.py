@@ -1,0 +1,203 @@
+"""The engine's side of the cache parts: what one slot of a part holds, where it comes from, how it runs.
+
+A miss path names its parts (``miss.base.PartSpec``); here each becomes an ``EnginePart``: the layout of
+one slot, the source that fills a slot from the slow tier (``copy_chunk``), and the computation of one
+unit from a slot's tensors. ``full`` is the whole expert, computed with the operations of transformers'
+eager loop for its family, so that the output is the reference's bit for bit.
+
+Shape letters: T tokens routed to the expert, H hidden size, F the expert's intermediate size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from expertcache.engine.memory import SlotLayout
+from expertcache.miss.base import PartSpec
+
+
+def expert_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens x [T, H] -> [T, H], with the operations of transformers' eager loop."""
+    if module.is_transposed:  # GPT-OSS: x @ W + b
+        h = x @ views["gate_up_proj"] + views["gate_up_proj_bias"]
+        h = module._apply_gate(h)
+        return h @ views["down_proj"] + views["down_proj_bias"]
+    gate, up = F.linear(x, views["gate_up_proj"]).chunk(2, dim=-1)  # [T, F] each
+    h = module.act_fn(gate) * up
+    return F.linear(h, views["down_proj"])
+
+
+@dataclass
+class EnginePart:
+    """One cache part in the engine: the layout of its slots (one for every layer, key None, or one
+    per layer when its slots differ by layer), its source in the slow tier, its computation."""
+
+    spec: PartSpec
+    layouts: dict[int | None, SlotLayout]
+    make_source: Callable[[object], object]  # tier -> a source: copy_chunk(key, views, chunk) fills a slot
+    compute: Callable[[object, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+    source: object = None  # set by bind(), once the slow tier exists
+
+    def bind(self, tier) -> None:
+        self.source = self.make_source(tier)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def per_layer(self) -> bool:
+        return None not in self.layouts
+
+    def slot_bytes(self) -> int | list[int]:
+        """Bytes of one slot: one figure (a shared pool's: the largest layer's), or one per layer."""
+        if not self.per_layer:
+            return self.layouts[None].slot_bytes
+        sizes = [self.layouts[layer].slot_bytes for layer in sorted(self.layouts)]
+        return max(sizes) if self.spec.shared else sizes
+
+    def largest(self) -> SlotLayout:
+        """The layout with the largest slot (a shared pool's)."""
+        return max(self.layouts.values(), key=lambda layout: layout.slot_bytes)
+
+
+def full_part(spec: PartSpec, layout: SlotLayout) -> EnginePart:
+    """The whole expert, read by the slow tier as it is."""
+    return EnginePart(spec, {None: layout}, lambda tier: tier, expert_output)
+
+
+def segment_part(spec: PartSpec, full: SlotLayout, transposed: bool, num_layers: int) -> EnginePart:
+    """A segment of every expert's neurons (``spec.bounds(layer)``), copied from the whole expert."""
+    bounds = {layer: neuron_bounds(full, transposed, *spec.bounds(layer)) for layer in range(num_layers)}
+    layouts = {layer: segment_layout(full, transposed, a, b) for layer, (a, b) in bounds.items()}
+    if len(set(bounds.values())) == 1:  # one layout for every layer: one pool
+        layouts = {None: layouts[0]}
+    source = lambda tier: SegmentSource(tier, full, transposed, bounds)  # noqa: E731
+    return EnginePart(spec, layouts, source, segment_output)
+
+
+# -- split experts (MoEpic): a segment of the intermediate neurons ---------------------------------
+def intermediate_size(full: SlotLayout, transposed: bool) -> int:
+    """F, the expert's intermediate size, from the whole expert's layout."""
+    shape = full.shapes[full.names.index("gate_up_proj")]  # [2F, H], or [H, 2F] transposed
+    return (shape[1] if transposed else shape[0]) // 2
+
+
+def neuron_bounds(full: SlotLayout, transposed: bool, lo: float, hi: float) -> tuple[int, int]:
+    """The neurons ``[a, b)`` of the fractions ``[lo, hi)``, at least one on each side of a cut."""
+    f = intermediate_size(full, transposed)
+    cut = lambda x: 0 if x <= 0 else f if x >= 1 else min(f - 1, max(1, round(x * f)))  # noqa: E731
+    return cut(lo), cut(hi)
+
+
+def segment_layout(full: SlotLayout, transposed: bool, a: int, b: int) -> SlotLayout:
+    """One slot of the neurons ``[a, b)``: gate_up [2s, H] and down [H, s] (transposed: gate_up
+    [H, 2s] with its bias [2s], down [s, H]; the down bias, added once, goes with the top segment)."""
+    s = b - a
+    shapes = dict(zip(full.names, full.shapes, strict=True))
+    if not transposed:
+        h = shapes["gate_up_proj"][1]
+        return SlotLayout.of({"gate_up_proj": (2 * s, h), "down_proj": (h, s)}, full.dtype)
+    h = shapes["gate_up_proj"][0]
+    out = {"gate_up_proj": (h, 2 * s), "gate_up_proj_bias": (2 * s,), "down_proj": (s, h)}
+    if a == 0:
+        out["down_proj_bias"] = (h,)
+    return SlotLayout.of(out, full.dtype)
+
+
+class SegmentSource:
+    """Fills a segment's slot from the slow tier's whole expert: ``copy_chunk`` as the worker asks.
+
+    A segment's columns of a matrix are strided in the whole expert (the down projection's, or GPT-OSS's
+    interleaved gate_up): for a GPU they are gathered into a pinned staging buffer first, so that the
+    copy over the link is one contiguous, asynchronous transfer (the worker waits for each chunk's copies
+    before the next chunk reuses the buffer). Measured on an H100 before this: a strided copy from pinned
+    memory made a split expert's decode step 6x slower than moving the whole expert."""
+
+    def __init__(self, tier, full: SlotLayout, transposed: bool, bounds: dict[int, tuple[int, int]]) -> None:
+        self.tier, self.transposed, self.bounds = tier, transposed, bounds  # layer -> (a, b)
+        self.f = intermediate_size(full, transposed)
+        self._reader = tier.reader()  # host views of whole experts, for the transfer worker's thread
+        self._staging: torch.Tensor | None = None  # pinned bytes, grown on demand
+
+    def copy_chunk(self, key, views: dict[str, torch.Tensor], chunk) -> None:
+        src = self._reader(key)
+        a, b = self.bounds[key[0]]
+        offset = 0  # into the staging buffer, for this chunk's strided pieces
+        for name, start, stop, _ in chunk:
+            for dst_rows, piece in self._pieces(src, name, a, b, start, stop):
+                dst = views[name][dst_rows]
+                if dst.device.type == "cpu":
+                    dst.copy_(piece)
+                elif piece.is_contiguous():
+                    dst.copy_(piece, non_blocking=True)
+                else:
+                    staged = self._stage(piece, offset)
+                    offset += piece.numel() * piece.element_size()
+                    dst.copy_(staged, non_blocking=True)
+
+    def _stage(self, piece: torch.Tensor, offset: int) -> torch.Tensor:
+        """``piece`` gathered, contiguous, into pinned memory at byte ``offset`` of the staging buffer."""
+        need = offset + piece.numel() * piece.element_size()
+        if self._staging is None or self._staging.numel() < need:
+            size = max(need, 2 * (0 if self._staging is None else self._staging.numel()))
+            self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        out = self._staging[offset:need].view(piece.dtype).view(piece.shape)
+        out.copy_(piece)
+        return out
+
+    def _pieces(self, src, name: str, a: int, b: int, start: int, stop: int):
+        """(slot rows, source tensor) pairs that fill rows ``[start, stop)`` of the slot's ``name``."""
+        s, f = b - a, self.f
+        t = src[name]
+        if not self.transposed:
+            if name == "down_proj":  # [H, F]: the columns of the neurons
+                return [(slice(start, stop), t[start:stop, a:b])]
+            out = []  # gate_up [2F, H]: gate rows [a, b), then up rows F + [a, b)
+            if start < s:
+                out.append((slice(start, min(stop, s)), t[a + start : a + min(stop, s)]))
+            if stop > s:
+                lo = max(start, s)
+                out.append((slice(lo, stop), t[f + a + lo - s : f + a + stop - s]))
+            return out
+        if name == "gate_up_proj":  # [H, 2F] interleaved gate/up: columns [2a, 2b)
+            return [(slice(start, stop), t[start:stop, 2 * a : 2 * b])]
+        if name == "gate_up_proj_bias":
+            return [(slice(start, stop), t[2 * a + start : 2 * a + stop])]
+        if name == "down_proj":  # [F, H]: rows of the neurons
+            return [(slice(start, stop), t[a + start : a + stop])]
+        return [(slice(start, stop), t[start:stop])]  # down_proj_bias (top segment only)
+
+
+def segment_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One segment's share of the expert's output on x [T, H] -> [T, H] (the segments sum to it)."""
+    if module.is_transposed:
+        h = module._apply_gate(x @ views["gate_up_proj"] + views["gate_up_proj_bias"])
+        out = h @ views["down_proj"]
+        return out + views["down_proj_bias"] if "down_proj_bias" in views else out
+    gate, up = F.linear(x, views["gate_up_proj"]).chunk(2, dim=-1)  # [T, s] each
+    return F.linear(module.act_fn(gate) * up, views["down_proj"])
+
+
+# -- low-precision copies (HOBBIT) ------------------------------------------------------------------
+def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = False) -> EnginePart:
+    """The ``spec.bits``-bit copies that ``expertcache quantize`` wrote for ``model``: read from their
+    file (into host memory first, with the host tier), expanded to ``dtype`` to compute."""
+    from expertcache.engine.quantized import Dequantizer, QuantSource, find_copy, quant_layout, read_meta
+
+    path = find_copy(model, int(spec.bits), int(spec.group or 64))
+    meta = read_meta(path)
+    layout = quant_layout(meta)
+    expand = Dequantizer(meta, dtype)
+
+    def source(tier) -> QuantSource:
+        return QuantSource(path, layout, pin=pin, in_memory=getattr(tier, "name", "") == "host")
+
+    return EnginePart(
+        spec, {None: layout}, source, lambda module, views, x: expert_output(module, expand(views), x)
+    )

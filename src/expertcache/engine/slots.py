@@ -1,0 +1,75 @@
+"""The engine's transport: the shared expert cache's decisions, bound to slots and the transfer worker.
+
+``cache.expert_cache.ExpertCache`` decides hits, misses, victims, prefetches, preemption, routes and the
+order units are computed in; this class gives each admitted key a slot of its part (its victim's, or a
+free one), hands the copy to the transfer worker, and measures the time compute waits for transfers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from expertcache.cache.transfers import FAILED, PENDING, READY
+from expertcache.engine.transfer import Target, Transfer, TransferWorker
+from expertcache.miss.base import FULL
+from expertcache.policy.base import Key
+
+PoolId = tuple[str, int | None]  # (part, layer) for a part whose slots differ by layer, else (part, None)
+
+
+class SlotTransport:
+    """Slots of every cache part, filled by one transfer worker (``cache.transfers.Transport``)."""
+
+    def __init__(self, targets: dict[PoolId, Target], worker: TransferWorker) -> None:
+        self.targets, self.worker = targets, worker
+        self.slot_of: dict[tuple[str, Key], int] = {}
+        self.free = {pid: list(range(len(t.pool)))[::-1] for pid, t in targets.items()}
+        self.stall_s = 0.0
+        self.stall_by_phase = [0.0, 0.0]  # [decode, prefill]
+        self.phase = 0  # set by the engine at each step
+
+    def pool_id(self, part: str, key: Key) -> PoolId:
+        return (part, key[0]) if (part, key[0]) in self.targets else (part, None)
+
+    def views(self, key: Key, part: str = FULL) -> dict[str, torch.Tensor]:
+        """The tensors of a resident key's slot."""
+        return self.targets[self.pool_id(part, key)].views(key, self.slot_of[(part, key)])
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.worker.bytes_moved
+
+    # -- Transport -------------------------------------------------------------------------------
+    def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> Transfer:
+        pid = self.pool_id(part, key)  # a victim of a per-layer part is of the same layer: the same pool
+        slot = self.slot_of.pop((part, victim)) if victim is not None else self.free[pid].pop()
+        self.slot_of[(part, key)] = slot
+        return self.worker.submit(key, slot, priority, pid)
+
+    def cancel(self, handle: Transfer) -> bool:
+        return self.worker.cancel(handle)
+
+    def promote(self, handle: Transfer) -> None:
+        self.worker.promote(handle)
+
+    def poll(self, handle: Transfer) -> int:
+        if not handle.done.is_set():
+            return PENDING
+        return FAILED if handle.error is not None or handle.cancelled else READY
+
+    def started(self, handle: Transfer) -> bool:
+        return handle.started
+
+    def wait(self, handle: Transfer) -> None:
+        start = time.perf_counter()
+        try:
+            self.worker.wait(handle)
+        finally:
+            waited = time.perf_counter() - start
+            self.stall_s += waited
+            self.stall_by_phase[self.phase] += waited
+
+    def release(self, key: Key, part: str = FULL) -> None:
+        self.free[self.pool_id(part, key)].append(self.slot_of.pop((part, key)))

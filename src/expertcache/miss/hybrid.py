@@ -1,0 +1,51 @@
+"""HybriMoE: per layer, split the missed experts between host compute and transfers, scheduled greedily.
+
+For each layer, once its router has chosen (Zhong et al., "HybriMoE: Hybrid CPU-GPU Scheduling and Cache
+Management for Efficient MoE Inference"), three timelines are simulated: the device computes the cached
+experts (heaviest first), the host computes uncached experts lightest first, and the link moves the
+heaviest uncached expert to the device's queue. One uncached expert at a time goes where the makespan
+``max(host, device)`` grows least: the lightest one to the host, or the heaviest over the link (it is
+then computed on the device once it lands). Costs are the machine's (``CostModel``; the engine measures
+them at load): device ``a + b * n``, host ``a + b * n``, a constant transfer per expert. Fetched
+experts enter the cache; host-computed ones do not. Its cache policy is ``mrs`` (``policy/mrs.py``).
+Exact, as ``host``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from expertcache.miss.base import FETCH, ON_HOST, CacheView, MissPath, MissPathError, Need, Route
+
+
+class Hybrid(MissPath):
+    name = "hybrid"
+    needs_costs = True
+
+    def decide(
+        self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
+    ) -> list[Route]:
+        c = self.ctx.costs
+        if c is None:
+            raise MissPathError("miss path 'hybrid' decides by the machine's costs, and none were given")
+        transfer = c.transfer_time()
+        device = sum(c.expert(n.tokens) for n in hits)  # busy with the cached experts first
+        host = link = 0.0
+        order = sorted(range(len(needs)), key=lambda i: needs[i].tokens)  # lightest first
+        lo, hi = 0, len(order) - 1
+        routes: list[Route] = [FETCH] * len(needs)
+        # the time to finish: both timelines in parallel, or one after the other on one processor
+        end = max if c.host_parallel else lambda a, b: a + b
+        while lo <= hi:
+            light, heavy = needs[order[lo]], needs[order[hi]]
+            on_host = end(host + c.host_expert(light.tokens), device)
+            arrive = link + transfer
+            fetched = end(host, max(device, arrive) + c.expert(heavy.tokens))
+            if on_host <= fetched:
+                routes[order[lo]] = ON_HOST
+                host += c.host_expert(light.tokens)
+                lo += 1
+            else:
+                link, device = arrive, max(device, arrive) + c.expert(heavy.tokens)
+                hi -= 1
+        return routes

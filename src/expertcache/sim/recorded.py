@@ -1,0 +1,95 @@
+"""Predictions the simulator can make: trace-based predictors by name, gate-input ones replayed.
+
+Gate-input predictors (``next-gate``, ``window``, ``learned``) need the model's hidden states, which a
+trace does not hold; the engine records what they predicted into the trace (``predicted``), and
+``Recorded`` replays it where the original issued it. Trace-based predictors (``token``, ``eam``) and
+``oracle`` run directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from expertcache.predict.base import PredictContext, Predictor, PredictorError
+from expertcache.predict.registry import PREDICTORS, predictor_class
+from expertcache.trace.trace import Trace
+
+
+class Recorded(Predictor):
+    """The predictions an engine's predictor made, replayed from the trace's ``predicted`` array.
+
+    For each step and layer the engine recorded its ranked list row after row over the step's rows
+    (-1 padding). Each ``begin_step`` takes the next ``len(token_ids)`` rows of the trace, so the
+    driver must run the trace's steps in order. Issued where the original issued them: for a
+    gate-input predictor (``needs_model``) layers 1..k at layer 0 and layer i at layer i - k, for
+    the others layers 0..k-1 at the step's start.
+    """
+
+    name = "recorded"
+    needs_model = True
+
+    def __init__(self, ctx: PredictContext, predicted: np.ndarray, needs_model: bool = True) -> None:
+        super().__init__(ctx)
+        self.predicted = predicted  # [T, L, K]
+        self.needs_model = needs_model  # type: ignore[misc]  # as the recorded predictor
+        self._rows = slice(0, 0)
+
+    def _begin(self, token_ids, prefill, new_request, future) -> None:
+        start = self._rows.stop
+        self._rows = slice(start, start + len(token_ids))
+
+    def _predict(self, source: int, target: int, gate_input) -> list[int]:
+        flat = self.predicted[self._rows, target].reshape(-1).tolist()
+        return list(dict.fromkeys(e for e in flat if e >= 0))
+
+
+def make_sim_predictor(
+    spec: str | Predictor | None,
+    trace: Trace,
+    window: int | None = None,
+    seed: int = 0,
+    data: Trace | None = None,
+) -> Predictor | None:
+    """A predictor the simulator can run. Trace-based ones by name, learning from ``data``, a recorded
+    trace of other runs (``token`` requires one; ``eam`` without one starts cold and learns online; the
+    simulated trace is never used silently, as it holds the future). Gate-input ones (``needs_model``)
+    are replayed from the trace's recorded predictions; ``recorded`` replays whatever the trace holds."""
+    if isinstance(spec, Predictor):
+        return spec
+    if spec is None or spec == "none":
+        return None
+    if data is None and spec != Recorded.name and not predictor_class(spec).needs_model:
+        if spec == "token":  # its table from the simulated trace itself would read the future
+            raise PredictorError(
+                "predictor 'token' needs a recorded trace to count from (--predictor TRACE.npz), another "
+                "run than the one simulated; passing the simulated trace itself gives an in-sample bound"
+            )
+    elif data is None:
+        data = trace
+    if data is not None and (data.num_layers, data.num_experts) != (trace.num_layers, trace.num_experts):
+        raise PredictorError(
+            f"predictor trace {data.source} has {data.num_layers} layers x {data.num_experts} experts, "
+            f"the simulated one {trace.num_layers} x {trace.num_experts}"
+        )
+    ctx = PredictContext(trace.num_layers, trace.num_experts, trace.top_k, window, trace=data, seed=seed)
+    if spec != Recorded.name and not predictor_class(spec).needs_model:
+        return predictor_class(spec)(ctx)
+    recorded = trace.meta.get("predictor")
+    if trace.predicted is None or (spec != Recorded.name and recorded != spec):
+        has = f"those of {recorded!r}" if trace.predicted is not None else "none"
+        raise PredictorError(
+            f"{trace.source}: predictor {spec!r} needs the model's gate inputs, so the simulator replays "
+            f"the predictions an engine recorded into the trace, and this trace has {has}"
+        )
+    rec_window = trace.meta.get("window")
+    rec_window = int(rec_window) if rec_window is not None else None
+    if window is not None and rec_window is not None and window != rec_window:
+        raise PredictorError(
+            f"{trace.source}: predictions were recorded with window {rec_window}, not {window}"
+        )
+    original = PREDICTORS.get(recorded) if isinstance(recorded, str) else None  # None: unknown here
+    default = original.default_window if original is not None else 1
+    ctx = replace(ctx, window=window or rec_window or default)
+    return Recorded(ctx, trace.predicted, original.needs_model if original is not None else True)

@@ -1,0 +1,1 @@
+"""Tools that run models: capture routing, train and evaluate predictors, quantise experts."""

@@ -1,0 +1,151 @@
+"""``expertcache quality``: what a lossy miss path costs in accuracy, measured as generation sees it.
+
+Held-out texts are fed token by token (teacher forcing, one forward step per token with the KV cache, so
+every token is a decode step as in generation, and each text its own request) through transformers'
+eager reference (every expert resident, full precision) and through the offloaded model under the miss
+path being measured. Reported: perplexity of both on the same tokens and its relative change, top-1
+agreement (the share of positions where both predict the same next token), and the share of expert uses
+served at low precision or skipped. By default the texts are the embedded model's held-out files (the
+standard-library files of its validation split that its default trace's prompts come from); ``texts``
+takes any list of strings.
+
+Shape letters: N tokens of a text, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from expertcache.errors import ExpertcacheError
+
+DEFAULT_TOKENS = 2048  # tokens measured in all, split over the texts
+DEFAULT_TEXTS = 8
+
+
+def heldout_texts(count: int = DEFAULT_TEXTS, chars: int = 4000) -> list[str]:
+    """The first ``chars`` characters of the embedded model's held-out standard-library files."""
+    import sysconfig
+
+    from expertcache.trace.default import default_trace
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = [n for n in str(default_trace().meta.get("prompts", "")).split(";") if n][:count]
+    missing = [n for n in names if not (root / n).is_file()]
+    if missing or not names:
+        raise ExpertcacheError(
+            f"held-out file {missing[0] if missing else '?'} is not in this Python's stdlib {root}"
+        )
+    return [(root / n).read_text(encoding="utf-8", errors="replace")[:chars] for n in names]
+
+
+def _stream(model, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits at every position of ids [N], one decode step per token. -> [N, V] (float32)"""
+    past, out = None, []
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    with torch.inference_mode():
+        for t in range(ids.shape[0]):
+            res = model(input_ids=ids[t : t + 1].view(1, 1).to(device), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(res.logits[0, -1].float().cpu())
+    return torch.stack(out)
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1:] given logits[:-1], and the number of tokens."""
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return float(-logp.gather(1, ids[1:, None]).sum()), ids.shape[0] - 1
+
+
+class Reference:
+    """The full-precision reference's logits for token sequences, computed once and kept (a benchmark
+    measures many miss paths on the same tokens)."""
+
+    def __init__(self, model_path: str | Path | None, device: str = "cpu") -> None:
+        from expertcache.engine.loader import load_reference
+        from expertcache.engine.offloaded import DEFAULT_MODEL
+
+        self.model = load_reference(model_path or DEFAULT_MODEL, device=device)
+        self._done: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        key = tuple(ids.tolist())
+        if key not in self._done:
+            self._done[key] = _stream(self.model, ids)
+        return self._done[key]
+
+
+def measure(
+    model_path: str | Path | None,
+    miss: str,
+    expert_memory: str = "25%",
+    policy: str = "lru",
+    texts: Sequence[str] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    device: str = "cpu",
+    reference: Reference | None = None,
+    progress: bool = False,
+) -> dict[str, object]:
+    """Perplexity, its change and top-1 agreement of ``miss`` against the full-precision reference
+    (``reference``: one to reuse across calls on the same model and texts)."""
+    from expertcache.engine import load
+
+    if tokens < 2:
+        raise ExpertcacheError(f"--tokens must be at least 2, got {tokens}")
+    model = load(
+        model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, progress=False
+    )
+    try:
+        texts = list(texts) if texts is not None else heldout_texts()
+        per_text = max(2, tokens // len(texts))
+        tok = model.tokenizer
+        seqs = [tok(t, return_tensors="pt", truncation=True, max_length=per_text).input_ids[0] for t in texts]
+        seqs = [s for s in seqs if s.shape[0] >= 2]
+        if not seqs:
+            raise ExpertcacheError("the texts give no two tokens to measure")
+        ref = reference if reference is not None else Reference(model.path, device)
+        nll = {"reference": 0.0, "measured": 0.0}
+        count = agree = 0
+        before = model.stats
+        for i, ids in enumerate(seqs):
+            want, got = ref.logits(ids), _stream(model.model, ids)
+            for name, logits in (("reference", want), ("measured", got)):
+                nll[name] += _nll(logits, ids)[0]
+            count += ids.shape[0] - 1
+            agree += int((want[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
+            if progress:
+                print(f"text {i + 1}/{len(seqs)}: {count} tokens", file=sys.stderr, flush=True)
+        after = model.stats
+        uses = after["requests"] - before["requests"]
+        low = after["low_precision"] - before["low_precision"]
+        skipped = after["skipped"] - before["skipped"]
+        ppl_ref, ppl = math.exp(nll["reference"] / count), math.exp(nll["measured"] / count)
+        return {
+            "miss": model.miss.describe(),
+            "policy": policy,
+            "expert_memory": expert_memory,
+            "tokens": count,
+            "texts": len(seqs),
+            "perplexity_reference": ppl_ref,
+            "perplexity": ppl,
+            "perplexity_change": ppl / ppl_ref - 1.0,
+            "top1_agreement": agree / count,
+            "expert_uses": uses,
+            "low_precision_share": low / uses if uses else 0.0,
+            "skipped_share": skipped / uses if uses else 0.0,
+        }
+    finally:
+        model.close()
+
+
+def format_quality(r: dict[str, object]) -> str:
+    return (
+        f"{r['miss']} ({r['policy']}, {r['expert_memory']}): perplexity {r['perplexity']:.3f} against "
+        f"{r['perplexity_reference']:.3f} ({r['perplexity_change']:+.2%}) | top-1 agreement "
+        f"{r['top1_agreement']:.2%} over {r['tokens']} tokens | low precision "
+        f"{r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of {r['expert_uses']} expert uses"
+    )
