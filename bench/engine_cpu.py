@@ -40,15 +40,15 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import ROOT, provenance
+from provenance import ROOT, provenance, write_json
 
 from expertcache.engine import load
-from expertcache.engine.api import DEFAULT_MODEL
-from expertcache.engine.api import timed_generate as engine_timed_generate
 from expertcache.engine.loader import load_reference
+from expertcache.engine.offloaded import DEFAULT_MODEL
+from expertcache.engine.offloaded import timed_generate as engine_timed_generate
+from expertcache.engine.parts import expert_output as _expert_output
+from expertcache.engine.random_checkpoint import make_checkpoint
 from expertcache.engine.routing import replay_routing
-from expertcache.engine.runtime import _expert_output
-from expertcache.engine.synth import make_checkpoint
 from expertcache.trace import Trace, synthesize
 
 PROMPT = (
@@ -503,7 +503,7 @@ def main() -> None:
         "models": results,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=1))
+    write_json(out_path, out)
     log(f"wrote {out_path} ({out['wall_s']:.0f} s)")
 
 

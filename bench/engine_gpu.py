@@ -20,14 +20,19 @@ Measured (``--device cuda``, slow tier = pinned host memory):
   (``replay(build_schedule(slice, "layer"), "opt", capacity)``, cold start), beside the serial
   figure (resident TPOT + that transfer time, i.e. no overlap at all);
 - a consistency check: the simulator replaying the engine's recorded trace with the same policy and
-  capacity gives the engine's miss count.
+  capacity gives the engine's miss count (other miss paths: ``simulate_timing`` with the same path,
+  policy, expert memory and the costs the engine measured at load);
+- ``--miss``: each budget x policy also runs under the given miss paths (``expertcache.load(...,
+  miss=SPEC)``: ``host``, ``host:fill=1``, ``hybrid``, ``placement:first=N``, ``split:theta=0.5``, ...);
+  the path is recorded in each row (``miss``: the spec as given, ``miss_path``: the engine's form).
 
 Results are written after every configuration; ``--resume`` keeps the configurations already in
 ``--out`` (same model and trace), so a sweep can be split over several runs of at most ~10 minutes:
 
     .venv/bin/python bench/engine_gpu.py --build-only            # write the checkpoint (once)
     .venv/bin/python bench/engine_gpu.py --resume                # repeat until it reports done
-    .venv/bin/python bench/engine_gpu.py --device cpu --tiny     # smoke test on CPU (tiny dims)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_gpu.py --device cpu --tiny   # smoke test (tiny dims)
+    .venv/bin/python bench/engine_gpu.py --resume --policies lru --miss fetch host hybrid split:theta=0.5
 
 ``--shape mixtral-8x7b`` uses Mixtral-8x7B dimensions (truncated to ``--layers``, default 8: all 32
 layers are ~93 GB, more than a 64 GB disk) with a synthetic sticky-Zipf trace, as no real Mixtral
@@ -37,6 +42,7 @@ trace is shared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import shutil
@@ -47,14 +53,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import ROOT, provenance
+from provenance import ROOT, provenance, write_json
 
+from expertcache.config import MissConfig
+from expertcache.costs import CostModel
 from expertcache.engine import load
-from expertcache.engine.api import timed_generate
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.loader import load_reference
+from expertcache.engine.offloaded import timed_generate
 from expertcache.engine.routing import replay_routing
+from expertcache.errors import ExpertcacheError
 from expertcache.sim import build_schedule, replay
+from expertcache.sim.timing import simulate_timing
 from expertcache.trace import Trace, load_trace, synthesize
 
 SHAPES: dict[str, dict[str, object]] = {
@@ -84,6 +94,11 @@ TINY: dict[str, dict[str, object]] = {  # same L, E, K (the trace must fit), sma
     ),
 }  # fmt: skip
 SHARD_BYTES = 4 * 2**30
+# the measured generation's share of the engine's cumulative counters
+DELTAS = (
+    "misses", "decode_misses", "prefill_misses", "stall_s", "decode_stall_s", "bytes_transferred",
+    "host_computed", "host_wait_s", "host_busy_s",
+)  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -354,9 +369,26 @@ def run_reference(path: Path, work: Workload, device: torch.device, pad: int) ->
     return {"kind": "reference", "budget": "100%", "policy": None, "load_s": load_s, **r}
 
 
-def run_engine(path: Path, work: Workload, device: torch.device, pad: int, budget: str, policy: str) -> dict:
+def sim_misses(m, recorded: Trace, policy: str, miss: str) -> tuple[int, dict[str, object]]:
+    """The simulator's misses on the engine's recorded routing (cold start, as the engine's since load):
+    the counting replay for fetch; for other miss paths the timing model with the same path, policy and
+    expert memory, deciding by the costs the engine measured at load. Also the parts' capacities."""
+    if m.miss.name == "fetch":
+        return replay(build_schedule(recorded, "layer"), policy, m.capacity).misses, {}
+    cost = dataclasses.replace(m.costs or CostModel(), expert_bytes=m.layout.nbytes)
+    whole = m.budget // m.layout.slot_bytes
+    res = simulate_timing(recorded, whole, cache=policy, miss=miss, cost=cost)
+    return res.misses, res.capacities
+
+
+def run_engine(
+    path: Path, work: Workload, device: torch.device, pad: int, budget: str, policy: str, miss: str = "fetch"
+) -> dict:
     t0 = time.perf_counter()
-    m = load(path, expert_memory=budget, policy=policy, device=str(device), slow_tier="host", progress=False)
+    m = load(
+        path, expert_memory=budget, policy=policy, device=str(device), miss=miss, slow_tier="host",
+        progress=False,
+    )  # fmt: skip
     load_s = time.perf_counter() - t0
     try:
         with replay_routing(m.model, work.trace) as rep:
@@ -368,27 +400,29 @@ def run_engine(path: Path, work: Workload, device: torch.device, pad: int, budge
             after = m.stats
             if rep.position != work.start + work.rows:
                 raise RuntimeError(f"replay consumed rows up to {rep.position}, not {work.start + work.rows}")
-        recorded = m.trace()
-        sim = replay(build_schedule(recorded, "layer"), policy, m.capacity)
+        sim, sim_caps = sim_misses(m, m.trace(), policy, miss)
+        delta = {k: after[k] - before[k] for k in DELTAS}
         out = {
             "kind": "engine",
             "budget": budget,
             "policy": policy,
+            "miss": miss,
+            "miss_path": m.miss.describe(),
             "slow_tier": m.tier.name,
             "capacity_experts": m.capacity,
+            "whole_expert_capacity": m.budget // m.layout.slot_bytes,
+            "parts": {name: p["slots"] for name, p in after["parts"].items()},
             "total_experts": m.num_layers * m.num_experts,
             "expert_bytes": m.layout.nbytes,
-            "expert_memory_bytes": m.capacity * m.layout.slot_bytes,
+            "expert_memory_bytes": after["expert_memory_bytes"],
+            "costs": after["costs"],
             "load_s": load_s,
             **r,
-            "misses": after["misses"] - before["misses"],
-            "decode_misses": after["decode_misses"] - before["decode_misses"],
-            "prefill_misses": after["prefill_misses"] - before["prefill_misses"],
-            "stall_s": after["stall_s"] - before["stall_s"],
-            "bytes_transferred": after["bytes_transferred"] - before["bytes_transferred"],
-            "sim_misses_same_policy": sim.misses,
+            **delta,
+            "sim_misses_same_policy": sim,
+            "sim_capacities": sim_caps,
             "engine_misses_since_load": after["misses"],
-            "sim_matches_engine": sim.misses == after["misses"],
+            "sim_matches_engine": sim == after["misses"],
         }
     finally:
         m.close()
@@ -400,8 +434,10 @@ def run_engine(path: Path, work: Workload, device: torch.device, pad: int, budge
 
 
 def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> list[dict]:
-    """Per budget: OPT decode misses of the measured request and the TPOT they allow."""
-    resident = [r["tpot_s"] for r in runs if r["kind"] == "engine" and r["budget"] == "100%"]
+    """Per budget: OPT decode misses of the measured request and the TPOT they allow (whole experts: the
+    expert memory of every miss path's row counted in whole experts, as fetch would use it)."""
+    engine = [r for r in runs if r["kind"] == "engine"]
+    resident = [r["tpot_s"] for r in engine if r["budget"] == "100%" and r.get("miss", "fetch") == "fetch"]
     resident += [r["tpot_s"] for r in runs if r["kind"] == "reference"]
     if not resident:
         return []
@@ -409,10 +445,10 @@ def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> li
     sched = build_schedule(work.slice, "layer")
     steps = work.new_tokens - 1
     out, seen = [], set()
-    for r in runs:
-        if r["kind"] != "engine" or r["capacity_experts"] in seen:
+    for r in engine:
+        cap = r.get("whole_expert_capacity", r["capacity_experts"])  # rows of older runs: fetch only
+        if cap in seen:
             continue
-        cap = r["capacity_experts"]
         seen.add(cap)
         res = replay(sched, "opt", cap).to_dict()
         opt_dec = res["phases"]["decode"]["misses"]
@@ -434,6 +470,26 @@ def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> li
     return out
 
 
+def summary_table(runs: list[dict]) -> str:
+    """Every engine row as a markdown table; vs fetch: fetch's TPOT at the same budget and policy."""
+    engine = [r for r in runs if r["kind"] == "engine"]
+    fetch = {(r["budget"], r["policy"]): r["tpot_s"] for r in engine if r.get("miss", "fetch") == "fetch"}
+    out = [
+        "| budget | policy | miss path | TPOT ms | vs fetch | TTFT ms | decode misses | host computed | "
+        "stall s | tokens = reference |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in engine:
+        base = fetch.get((r["budget"], r["policy"]))
+        vs = f"{base / r['tpot_s']:.2f}x" if base else "-"
+        out.append(
+            f"| {r['budget']} | {r['policy']} | {r.get('miss', 'fetch')} | {r['tpot_s'] * 1e3:.2f} | {vs} | "
+            f"{r['ttft_s'] * 1e3:.1f} | {r['decode_misses']} | {r.get('host_computed', 0)} | "
+            f"{r['stall_s']:.3f} | {r['tokens_match_reference']} |"
+        )
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -450,6 +506,13 @@ def main() -> None:
     ap.add_argument("--warmup-tokens", type=int, default=4)
     ap.add_argument("--budgets", type=float, nargs="+", default=[10, 20, 30, 50, 75])
     ap.add_argument("--policies", nargs="+", default=["lru", "lfu", "llru"])
+    ap.add_argument(
+        "--miss",
+        nargs="+",
+        default=["fetch"],
+        help="miss paths each budget x policy runs under (fetch, host, host:fill=1, hybrid, "
+        "placement:first=N, split:theta=0.5, ...; see `expertcache misses`)",
+    )
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers all-resident run")
     ap.add_argument("--bandwidth-bytes", type=int, default=2**30)
     ap.add_argument("--build-only", action="store_true")
@@ -458,6 +521,11 @@ def main() -> None:
         "--out", type=Path, default=None, help="default bench/results/engine_gpu.json (tiny: /tmp)"
     )
     args = ap.parse_args()
+    for miss in args.miss:  # a bad spec fails here, in one line, before any loading
+        try:
+            MissConfig(miss)
+        except ExpertcacheError as exc:
+            raise SystemExit(f"--miss {miss}: {exc}") from None
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu --tiny for the smoke test)")
@@ -509,7 +577,8 @@ def main() -> None:
             log(f"resuming: {len(runs)} configuration(s) from {out_path}")
         else:
             log(f"{out_path} is for another model or trace: starting over")
-    done = {(r["kind"], r["budget"], r["policy"]) for r in runs}
+    done = {(r["kind"], r["budget"], r["policy"], r.get("miss", "fetch" if r["kind"] == "engine" else None))
+            for r in runs}  # fmt: skip
     bw = next((r for r in runs if r["kind"] == "bandwidth"), None)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -519,6 +588,10 @@ def main() -> None:
         expert_bytes = engine[0]["expert_bytes"] if engine else None
         lim = limits(work, runs, bw["pinned_bytes_per_s"], expert_bytes) if bw and engine else []
         match = None if ref is None else all(r["tokens"] == ref["tokens"] for r in engine)
+        by_miss = {}  # host compute rounds as the CPU does: on a GPU its tokens may differ
+        for r in engine if ref is not None else []:
+            m = r.get("miss", "fetch")
+            by_miss[m] = by_miss.get(m, True) and r["tokens"] == ref["tokens"]
         body = {
             **provenance(),
             **header,
@@ -526,18 +599,21 @@ def main() -> None:
             "torch": torch.__version__,
             "finished": finished,
             "tokens_match_reference": match,
+            "tokens_match_reference_by_miss": by_miss,
             "sim_matches_engine": all(r["sim_matches_engine"] for r in engine) if engine else None,
             "limits": lim,
             "runs": runs,
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(body, indent=1))
+        write_json(out_path, body)
 
     def show(r: dict) -> str:
         s = f"{r['tokens_per_s']:8.2f} tok/s  TTFT {r['ttft_s'] * 1e3:8.1f} ms"
         s += f"  TPOT {r['tpot_s'] * 1e3:7.2f} ms"
         if r["kind"] == "engine":
             s += f"  decode misses {r['decode_misses']:5d}  stall {r['stall_s']:6.2f} s"
+            if r["miss"] != "fetch":
+                s += f"  host {r['host_computed']:5d} ({r['host_busy_s']:.2f} s)"
             s += f"  sim==engine {r['sim_matches_engine']}"
         return s
 
@@ -553,22 +629,26 @@ def main() -> None:
             f"{bw['pageable_bytes_per_s'] / 1e9:.1f} GB/s"
         )
         save(False)
-    plan = [("reference", "100%", None)] if not args.no_reference else []
-    plan += [("engine", "100%", "lru")]
-    plan += [("engine", f"{b:g}%", p) for b in args.budgets for p in args.policies]
-    for kind, budget, policy in plan:
-        if (kind, budget, policy) in done:
+    plan = [("reference", "100%", None, None)] if not args.no_reference else []
+    plan += [("engine", "100%", "lru", "fetch")]
+    plan += [("engine", f"{b:g}%", p, m) for b in args.budgets for p in args.policies for m in args.miss]
+    for kind, budget, policy, miss in plan:
+        if (kind, budget, policy, miss) in done:
             continue
         if kind == "reference":
             r = run_reference(path, work, device, pad)
         else:
-            r = run_engine(path, work, device, pad, budget, policy)
+            r = run_engine(path, work, device, pad, budget, policy, miss)
         ref = next((x for x in runs if x["kind"] == "reference"), None)
         r["tokens_match_reference"] = None if ref is None else r["tokens"] == ref["tokens"]
         runs.append(r)
-        log(f"{kind:9s} {budget:>5s} {policy or '':5s} {show(r)}  match={r['tokens_match_reference']}")
+        log(
+            f"{kind:9s} {budget:>5s} {policy or '':5s} {miss or '':18s} {show(r)}  "
+            f"match={r['tokens_match_reference']}"
+        )
         save(False)
     save(True)
+    print(summary_table(runs), flush=True)
     body = json.loads(out_path.read_text())
     for x in body["limits"]:
         log(

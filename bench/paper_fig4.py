@@ -1,4 +1,4 @@
-"""Seed 000, Fig. 4 and Fig. 5 on a real trace: misses against cache size for OPT and online policies.
+"""The LLRU paper, Fig. 4 and Fig. 5 on a real trace: misses against cache size for OPT and online policies.
 
 Fig. 4: misses of each policy for capacities from 1 (top-k in layer order) to L*E, in two orders:
 
@@ -24,7 +24,6 @@ the trace as its own trace, the closest we have to the paper's ten traces).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,14 +33,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
+from provenance import ROOT, provenance, write_json  # noqa: E402
 
+from expertcache.cache.schedule import Schedule  # noqa: E402
 from expertcache.policy.registry import is_offline  # noqa: E402
 from expertcache.sim import build_schedule, run_policy  # noqa: E402
-from expertcache.sim.schedule import Schedule  # noqa: E402
 from expertcache.trace import Trace, load_trace  # noqa: E402
 
-DEFAULT_TRACE = "/work/shared/traces/qwen15_moe_a27b_chat.npz"
+DEFAULT_TRACE = str(ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz")
 CURVE_POLICIES = ["opt", "lru", "lru-dist", "marking", "llru", "lfu", "lcp"]
 SUMMARY_POLICIES = ["marking", "lru", "lru-dist", "llru", "lfu", "lcp", "opt-dist"]
 STYLE = {
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(trace.meta.get("model", Path(args.trace).stem)).split(",")[0]
     print(f"trace {args.trace}: {model}; T={T} tokens, L={L}, E={E}, K={K}")
     result: dict[str, object] = {
-        "figure": "seed 000 Fig. 4 (misses vs capacity) and Fig. 5 (normalised by OPT)",
+        "figure": "the LLRU paper Fig. 4 (misses vs capacity) and Fig. 5 (normalised by OPT)",
         **provenance(),
         "trace": {
             "path": str(args.trace),
@@ -353,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     result["runtime_s"] = {"total": round(runtime, 1), "cpu": round(cpu, 1), "summary": round(t_summary, 1)}
     path = args.out / "fig4.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(path, result)
     imgs = ", ".join(str(args.img / f"fig4_{o}.png") for o in args.orders)
     print(f"\nwrote {path}, {imgs}, {args.img / 'fig5_normalized.png'}")
     print(f"running time {runtime:.1f} s (CPU {cpu:.1f} s)")

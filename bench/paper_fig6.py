@@ -1,4 +1,4 @@
-"""Seed 000, Fig. 6: OPT-Dist (a fixed per-layer split of the cache) against OPT on synthetic Zipf traces.
+"""The LLRU paper, Fig. 6: OPT-Dist (a fixed per-layer split of the cache) against OPT on Zipf traces.
 
 (a) Zipf a (default 2, b = 0), cache k (default 16), a grid of n experts per layer x l layers: the fault
     ratio OPT-Dist / OPT per cell (mean over seeds). Cells with k < l cannot give every layer a slot, so
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
+from provenance import ROOT, provenance, write_json  # noqa: E402
 
 from expertcache.sim import build_schedule, replay  # noqa: E402
 from expertcache.trace import synthesize  # noqa: E402
@@ -296,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_sweep(sweep, check, args.img / "fig6b_opt_dist_vs_a.png", args.tokens)
     runtime, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     result = {
-        "figure": "seed 000 Fig. 6 (OPT vs OPT-Dist on Zipf traces)",
+        "figure": "the LLRU paper Fig. 6 (OPT vs OPT-Dist on Zipf traces)",
         **provenance(),
         "runtime_s": {
             "total": round(runtime, 1),
@@ -317,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "length_check": check,
     }
     path = args.out / "fig6.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(path, result)
     print(f"\nwrote {path}, {args.img / 'fig6a_opt_dist_grid.png'}, {args.img / 'fig6b_opt_dist_vs_a.png'}")
     print(f"running time {runtime:.1f} s (CPU {cpu:.1f} s)")
     return 0

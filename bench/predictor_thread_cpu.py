@@ -11,12 +11,11 @@ chunking off). Tokens of every run are checked against the on-demand run's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 from engine_cpu import PROMPT
-from provenance import ROOT, provenance
+from provenance import ROOT, provenance, write_json
 
 from expertcache.engine import load
 
@@ -78,8 +77,7 @@ def main() -> None:
                 )
     for r in rows:
         r.pop("tokens")
-    with open(args.out, "w") as f:
-        json.dump({"provenance": provenance(), "args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.out, {"provenance": provenance(), "args": vars(args), "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -29,7 +29,7 @@ link then sets the transfer time, and the transfer thread holds the GIL as littl
 ``disk``, each transfer also runs safetensors and slicing code in that thread, which on the demo model
 takes longer than the emulated transfer itself). ``--limits``: each predictor runs with the engine's
 default prefetch limit (experts prefetched per predicted layer: top_k) and with the engine's former
-default, max(top_k, capacity // layers) (``share``, set on the engine's ``Proactive`` after loading,
+default, max(top_k, capacity // layers) (``share``, set on the engine's ``ExpertCache`` after loading,
 as it depends on the capacity).
 
 Everything else as in ``engine_cpu``: one warm-up generation, then ``--repeats`` measured ones of the
@@ -68,13 +68,13 @@ from engine_cpu import (
     routing_replay,
     run_reference,
 )
-from provenance import ROOT, provenance
+from provenance import ROOT, provenance, write_json
 
 from expertcache.engine import load
-from expertcache.engine.api import DEFAULT_MODEL
-from expertcache.engine.memory import parse_duration
+from expertcache.engine.offloaded import DEFAULT_MODEL
 from expertcache.errors import ExpertcacheError
 from expertcache.trace import Trace, synthesize
+from expertcache.units import parse_duration
 
 # name -> (uses the predictor, chunking, preemption, reorder)
 ABLATION = {
@@ -161,23 +161,22 @@ def eam_warm_trace(spec: dict[str, object], replayed: int, seed: int, held_out: 
 
 # ------------------------------------------------------------------------------------ one config
 def _counters(m) -> dict[str, float]:
-    s = m.cache.stats
-    p = m.cache.proactive.stats
-    w = m.cache.worker
+    s = p = m.cache.stats
+    t, w = m.transport, m.worker
     return {
         "misses": int(s.misses.sum()),
         "decode_misses": int(s.misses[0].sum()),
         "prefill_misses": int(s.misses[1].sum()),
         "requests": int(s.requests.sum()),
         "decode_requests": int(s.requests[0].sum()),
-        "stall_s": s.stall_s,
-        "decode_stall_s": s.stall_by_phase[0],
-        "prefill_stall_s": s.stall_by_phase[1],
+        "stall_s": t.stall_s,
+        "decode_stall_s": t.stall_by_phase[0],
+        "prefill_stall_s": t.stall_by_phase[1],
         "prefetch_issued": int(p.issued.sum()),
         "prefetch_used": int(p.used.sum()),
         "prefetch_late": int(p.late.sum()),
         "prefetch_cancelled": int(p.cancelled.sum()),
-        "prefetch_skipped": int(p.skipped.sum()),
+        "prefetch_skipped": int(p.skipped_prefetches.sum()),
         "pred_actual": int(p.actual.sum()),
         "pred_correct": int(p.correct.sum()),
         "pred_in_time": int(p.in_time.sum()),
@@ -208,11 +207,11 @@ def run_config(
         path, expert_memory=budget, policy="lru", device="cpu", slow_tier=args.slow_tier, progress=False, **kw
     )
     load_s = time.perf_counter() - t0
-    engine_limit = m.cache.proactive.limit
+    engine_limit = m.cache.limit
     if limit == "k":
-        m.cache.proactive.limit = m.top_k
-    elif limit == "share":  # depends on the capacity: set on the Proactive after loading
-        m.cache.proactive.limit = max(m.top_k, m.capacity // m.num_layers)
+        m.cache.limit = m.top_k
+    elif limit == "share":  # depends on the capacity: set on the cache after loading
+        m.cache.limit = max(m.top_k, m.capacity // m.num_layers)
     eam_state = copy.deepcopy(m.predictor.model) if m.prefetch == "eam" else None
     runs: list[dict[str, object]] = []
     try:
@@ -251,7 +250,7 @@ def run_config(
             "capacity_experts": m.capacity,
             "link": m.link.describe() if m.link else None,
             "slow_tier": m.tier.name,
-            "prefetch_limit": m.cache.proactive.limit,
+            "prefetch_limit": m.cache.limit,
             "engine_prefetch_limit": engine_limit,
         }
     finally:
@@ -566,7 +565,7 @@ def main() -> None:
             "decode_stall_s / (new tokens - 1); reductions against on-demand at the same budget; an "
             "ablation step's increment is (previous - this) / on-demand; tpot_reduction_bound = "
             "on-demand's decode stall per step / its TPOT (the TPOT cut if stall went to zero at no cost); "
-            "prefetch_limit 'limit=C/L' = max(top_k, capacity // layers), set on the Proactive after load"
+            "prefetch_limit 'limit=C/L' = max(top_k, capacity // layers), set on the cache after load"
         ),
         "build_s": build_s,
         "wall_s": time.perf_counter() - t_start,
@@ -575,7 +574,7 @@ def main() -> None:
     out["targets"] = targets(results)
     out["all_tokens_match_reference"] = all(m["all_tokens_match_reference"] for m in results)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=1))
+    write_json(out_path, out)
     log(f"wrote {out_path} ({out['wall_s']:.0f} s)")
     for t in out["targets"]:
         log(

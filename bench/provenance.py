@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -49,3 +50,19 @@ def provenance() -> dict[str, object]:
         "machine": machine_info(),
         "git": git_state(),
     }
+
+
+def portable_text(text: str) -> str:
+    """``text`` with this checkout's absolute paths made relative to the repository root.
+
+    Results are committed; the machine that produced them must not leak into them (``/home/me/ec/src``
+    becomes ``src``, a file beside the checkout such as the shared traces becomes ``../shared/...``).
+    """
+    root, parent = str(ROOT), str(ROOT.parent)
+    text = text.replace(root + os.sep, "").replace(f'"{root}"', '"."')
+    return text.replace(parent + os.sep, ".." + os.sep)
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``data`` as indented JSON with portable paths (see :func:`portable_text`)."""
+    Path(path).write_text(portable_text(json.dumps(data, indent=1, default=str)) + "\n")

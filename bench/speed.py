@@ -10,11 +10,10 @@ LRU and OPT curves (every capacity 2..256) are computed from one stack pass each
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import provenance, write_json
 
 from expertcache.sim import all_capacities, build_schedule, replay, run_policy
 from expertcache.trace import synthesize
@@ -83,7 +82,7 @@ def main() -> None:
         "curves": curves,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -28,12 +28,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from provenance import ROOT, provenance
+from provenance import ROOT, provenance, write_json
 
+from expertcache.config import PrefetchConfig
+from expertcache.costs import CostModel, fit_linear
 from expertcache.engine import load
+from expertcache.engine.parts import expert_output as _expert_output
 from expertcache.engine.routing import replay_routing
-from expertcache.engine.runtime import _expert_output
-from expertcache.sim.timing import CostModel, simulate_timing
+from expertcache.sim.timing import simulate_timing
+
+# miss paths validated, with prefetch off (hobbit needs 'expertcache quantize' of the model first)
+MISS_PATHS = ("fetch", "host", "hybrid", "placement:first=2", "split:theta=0.5,buffer=4", "hobbit")
 
 PROMPT = (
     "import json\n"
@@ -86,12 +91,55 @@ def expert_samples(model, counts=(1, 2, 4, 8, 16, 32), reps: int = 200) -> list[
     return out
 
 
+def host_samples(model, counts=(1, 4, 16), reps: int = 100) -> list[tuple[int, float]]:
+    """(tokens, seconds) of one expert computed on the host from the slow tier, as the host path does
+    (with the disk tier, reading the expert from the mapped checkpoint first)."""
+    modules = [m for m in model.model.modules() if hasattr(m, "_expertcache_layer")]
+    module, hidden, out = modules[0], model.config.hidden_size, []
+    with torch.inference_mode():
+        for n in counts:
+            x = torch.randn(n, hidden, dtype=model.dtype)
+            times = []
+            for i in range(reps):
+                t = time.perf_counter()
+                _expert_output(module, model.tier.host_views((0, i % model.num_experts)), x)
+                times.append(time.perf_counter() - t)
+            out.append((n, statistics.median(times)))
+    return out
+
+
+def dequant_seconds(model, miss: str) -> float:
+    """Median time to expand one expert's low-precision copy (the hobbit path's extra device work)."""
+    from expertcache.engine.parts import quantized_part
+    from expertcache.miss.registry import make_miss
+
+    path = make_miss(miss, model.miss.ctx)
+    spec = path.parts()[1]
+    part = quantized_part(spec, model.path, model.dtype)
+    from expertcache.engine.quantized import Dequantizer, find_copy, read_meta
+
+    expand = Dequantizer(read_meta(find_copy(model.path, spec.bits, spec.group)), model.dtype)
+    views = part.layouts[None].views(torch.zeros(part.layouts[None].slot_numel, dtype=torch.uint8))
+    for _ in range(10):
+        expand(views)
+    times = []
+    for _ in range(100):
+        t = time.perf_counter()
+        expand(views)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
-    with load(path, expert_memory="100%", progress=False, record=False) as model:
+    with load(path, expert_memory="100%", progress=False, record=False, slow_tier=args.slow_tier) as model:
         samples = expert_samples(model)
+        hosts = host_samples(model)
+        hobbit = [m for m in args.miss if m.startswith("hobbit")]
+        dequant = dequant_seconds(model, hobbit[0]) if hobbit else 0.0
         generate(model, 8)  # warm-up
         tpots = [generate(model, args.new_tokens).tpot_s for _ in range(3)]
         L, K, nbytes = model.num_layers, model.top_k, model.layout.nbytes
+        bits = 8 * model.layout.slot_bytes // model.layout.slot_numel
     base = CostModel.from_measurements(0.0, samples, 0.0, float("inf"), 0.0, nbytes)
     tpot = statistics.median(tpots)
     one = base.expert(1)
@@ -102,7 +150,13 @@ def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
     cost = CostModel.from_measurements(
         dense, samples, 0.0, bandwidth, latency, nbytes, None if args.no_chunking else "auto"
     )
-    return cost, {"tpot_resident_s": tpot, "expert_samples": samples, "expert_1_s": one}
+    ha, hb = fit_linear(hosts)
+    # one processor: the host's experts run inline, after the device's
+    cost = replace(cost, host_expert_s=ha, host_expert_token_s=hb, host_parallel=False, dequant_s=dequant,
+                   weight_bits=bits)  # fmt: skip
+    calib = {"tpot_resident_s": tpot, "expert_samples": samples, "expert_1_s": one, "host_samples": hosts,
+             "dequant_s": dequant}  # fmt: skip
+    return cost, calib
 
 
 def fit_overheads(eng: dict, trace, args, cost: CostModel, capacity: int) -> tuple[CostModel, dict]:
@@ -126,7 +180,7 @@ def fit_overheads(eng: dict, trace, args, cost: CostModel, capacity: int) -> tup
     return fitted, {"submit_s": submit, "wake_s": wake, "fit_on": args.fit_on, "check": check}
 
 
-def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, window):
+def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, window, miss: str = "fetch"):
     runs = []
     for _ in range(args.repeats):
         with load(
@@ -139,6 +193,9 @@ def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, 
             prefetch=predictor or "none",
             window=window,
             chunking=not args.no_chunking,
+            miss=miss,
+            costs=cost,  # the simulator's own costs: the same decisions in both
+            slow_tier=args.slow_tier,
         ) as model:
             gen = generate(model, args.new_tokens)
             decode_steps = len(gen.tokens) - 1
@@ -161,9 +218,11 @@ def run_engine(path, args, cost: CostModel, budget: str, predictor: str | None, 
     return med, pick["trace"], pick["capacity"], [{k: r[k] for k in keys} for r in runs]
 
 
-def run_sim(trace, args, cost, capacity, predictor, window):
+def run_sim(trace, args, cost, capacity, predictor, window, miss: str = "fetch"):
+    prefetch = PrefetchConfig(predictor, window=window)
+    caps = json.loads(trace.meta["capacities"])  # the engine's own parts
     res = simulate_timing(
-        trace, args.policy, capacity=capacity, predictor=predictor, window=window, cost=cost
+        trace, capacity, cache=args.policy, prefetch=prefetch, cost=cost, miss=miss, capacities=caps
     )
     decode_steps = max(1, int((trace.is_prefill == 0).sum()))
     return {
@@ -172,7 +231,7 @@ def run_sim(trace, args, cost, capacity, predictor, window):
         "decode_stall_per_token_s": res.stall_by_phase[0] / decode_steps,
         "stall_s": res.stall_s,
         "misses": res.misses,
-        "goodpred": res.proactive.get("goodpred"),
+        "goodpred": res.cache.get("goodpred"),
     }
 
 
@@ -189,6 +248,12 @@ def main() -> None:
     ap.add_argument("--no-chunking", action="store_true")
     ap.add_argument("--fit-on", default="50%", help="budget (predictor none) the overheads are fitted on")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--miss", nargs="+", default=list(MISS_PATHS), help="validated at --miss-budgets")
+    ap.add_argument("--miss-budgets", nargs="+", default=["25%", "50%"])
+    ap.add_argument(
+        "--slow-tier", choices=["disk", "host"], default="disk",
+        help="where experts wait (host: in RAM, so host compute reads no file)",
+    )  # fmt: skip
     ap.add_argument(
         "--replay", action="store_true", help="route by a synthetic sticky-Zipf trace (random-weight models)"
     )
@@ -197,6 +262,7 @@ def main() -> None:
     args.link_latency_s = args.link_latency_us * 1e-6
     if args.quick:
         args.budgets, args.predictors, args.new_tokens, args.repeats = ["50%"], ["none", "next-gate"], 16, 1
+        args.miss_budgets = ["25%"]
     torch.set_num_threads(1)
     if args.replay:
         from engine_cpu import replay_trace
@@ -209,28 +275,30 @@ def main() -> None:
     calib["fit"] = fit
     print(cost.describe(), flush=True)
     rows = []
-    for budget in args.budgets:
-        for name in args.predictors:
-            predictor = None if name == "none" else name
-            window = 2 if name in ("window", "learned") else None
-            eng, trace, capacity, runs = run_engine(args.model, args, cost, budget, predictor, window)
-            sim = run_sim(trace, args, cost, capacity, predictor, window)
-            err = {
-                k: (sim[k] - eng[k]) / eng[k] if eng[k] else None
-                for k in ("tpot_s", "decode_stall_per_token_s", "stall_s")
-            }
-            row = {"budget": budget, "predictor": name, "capacity": capacity, "engine": eng, "sim": sim}
-            row["fitted_here"] = budget == args.fit_on and name == "none"
-            row.update(error=err, runs=runs)
-            rows.append(row)
-            e_stall, s_stall = eng["decode_stall_per_token_s"], sim["decode_stall_per_token_s"]
-            print(
-                f"{budget:>4} {name:10} TPOT engine {eng['tpot_s'] * 1e3:6.2f} "
-                f"sim {sim['tpot_s'] * 1e3:6.2f} ({err['tpot_s']:+.1%}) | decode stall/token engine "
-                f"{e_stall * 1e3:6.3f} sim {s_stall * 1e3:6.3f} ({err['decode_stall_per_token_s'] or 0:+.1%})"
-                f" | misses {eng['misses']:.0f} / {sim['misses']}",
-                flush=True,
-            )
+    configs = [(b, n, "fetch") for b in args.budgets for n in args.predictors]
+    configs += [(b, "none", m) for b in args.miss_budgets for m in args.miss if m != "fetch"]
+    for budget, name, miss in configs:
+        predictor = None if name == "none" else name
+        window = 2 if name in ("window", "learned") else None
+        eng, trace, capacity, runs = run_engine(args.model, args, cost, budget, predictor, window, miss)
+        sim = run_sim(trace, args, cost, capacity, predictor, window, miss)
+        err = {
+            k: (sim[k] - eng[k]) / eng[k] if eng[k] else None
+            for k in ("tpot_s", "decode_stall_per_token_s", "stall_s")
+        }
+        row = {"budget": budget, "predictor": name, "miss": miss, "capacity": capacity, "engine": eng,
+                   "sim": sim}  # fmt: skip
+        row["fitted_here"] = budget == args.fit_on and name == "none" and miss == "fetch"
+        row.update(error=err, runs=runs)
+        rows.append(row)
+        e_stall, s_stall = eng["decode_stall_per_token_s"], sim["decode_stall_per_token_s"]
+        print(
+            f"{budget:>4} {name:10} {miss:24} TPOT engine {eng['tpot_s'] * 1e3:6.2f} "
+            f"sim {sim['tpot_s'] * 1e3:6.2f} ({err['tpot_s']:+.1%}) | decode stall/token engine "
+            f"{e_stall * 1e3:6.3f} sim {s_stall * 1e3:6.3f} ({err['decode_stall_per_token_s'] or 0:+.1%})"
+            f" | misses {eng['misses']:.0f} / {sim['misses']}",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "provenance": provenance(),
@@ -239,7 +307,7 @@ def main() -> None:
         "calibration": calib,
         "rows": rows,
     }
-    args.out.write_text(json.dumps(out, indent=1, default=str))
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 
