@@ -50,6 +50,7 @@ from expertcache.engine.parts import expert_output as _expert_output
 from expertcache.engine.random_checkpoint import make_checkpoint
 from expertcache.engine.routing import replay_routing
 from expertcache.trace import Trace, synthesize
+from expertcache.units import parse_duration
 
 PROMPT = (
     "import json\n"
@@ -334,6 +335,26 @@ def expert_costs(path: Path, max_experts: int = 64, reps: int = 5) -> dict[str, 
         "copy_from_checkpoint_s": statistics.median(copy),
         "copy_bandwidth_bytes_per_s": nbytes / statistics.median(copy),
     }
+
+
+def emulated_link(path: Path, ratio: float, latency: str) -> tuple[dict[str, object], dict[str, object]]:
+    """``load()`` link arguments making one expert's transfer ``ratio`` x its compute for one token.
+
+    Returns the link arguments and the expert costs with the link's figures added.
+    """
+    costs = expert_costs(path)
+    latency_s = parse_duration(latency, "link latency")
+    transfer = ratio * costs["compute_one_token_s"]
+    if transfer <= latency_s:
+        raise SystemExit(f"link latency {latency} exceeds {ratio} x one expert's compute for one token")
+    bw = float(f"{costs['expert_bytes'] / (transfer - latency_s):.3g}")
+    costs.update(
+        link_ratio=ratio,
+        link_bandwidth_bytes_per_s=bw,
+        link_latency=latency,
+        link_transfer_s=latency_s + costs["expert_bytes"] / bw,
+    )
+    return {"link_bandwidth": bw, "link_latency": latency}, costs
 
 
 def nice(x: float) -> float:

@@ -27,20 +27,12 @@ from provenance import ROOT, provenance, write_json
 
 from expertcache.costs import CostModel
 from expertcache.engine import load
+from expertcache.engine.families import FAMILIES as ENGINE_FAMILIES
 from expertcache.engine.loader import load_reference
 from expertcache.engine.random_checkpoint import make_checkpoint
 from expertcache.tools.quantize import quantize_model
 
-FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "granitemoe",
-)
+FAMILIES = tuple(ENGINE_FAMILIES)  # every family the engine supports
 PATHS = (
     "fetch", "host", "hybrid", "placement", "placement:first=1", "split:theta=0.5,buffer=1",
     "split:theta=0.3/0.7", "hobbit:t1=1,t2=1,group=32", "hobbit:bits=8,t1=-1,group=32", "hobbit:group=32",

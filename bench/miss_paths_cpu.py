@@ -39,13 +39,12 @@ import time
 from pathlib import Path
 
 import torch
-from engine_cpu import PROMPT, expert_costs
+from engine_cpu import PROMPT, emulated_link
 from provenance import ROOT, provenance, write_json
 
 from expertcache.engine import load
 from expertcache.engine.offloaded import DEFAULT_MODEL
 from expertcache.errors import ExpertcacheError
-from expertcache.units import parse_duration
 
 # (label, miss path spec, cache policy); the first is the baseline every other row is compared with
 PATHS: list[tuple[str, str, str]] = [
@@ -127,24 +126,6 @@ def run_config(path, args, budget: str, row: tuple[str, str, str], link: dict, s
     out["tokens_same_every_repeat"] = all(r["tokens"] == first["tokens"] for r in runs)
     out["os_load_avg_1m"] = os.getloadavg()[0]
     return out
-
-
-# ------------------------------------------------------------------------------------ the link
-def emulated_link(path, args) -> tuple[dict[str, object], dict[str, object]]:
-    """load() link arguments making one expert's transfer ``--link-ratio`` x its compute for one token."""
-    costs = expert_costs(path)
-    latency = parse_duration(args.link_latency, "link latency")
-    transfer = args.link_ratio * costs["compute_one_token_s"]
-    if transfer <= latency:
-        raise SystemExit(f"link latency {args.link_latency} exceeds {args.link_ratio} x one expert's compute")
-    bw = float(f"{costs['expert_bytes'] / (transfer - latency):.3g}")
-    costs.update(
-        link_ratio=args.link_ratio,
-        link_bandwidth_bytes_per_s=bw,
-        link_latency=args.link_latency,
-        link_transfer_s=latency + costs["expert_bytes"] / bw,
-    )
-    return {"link_bandwidth": bw, "link_latency": args.link_latency}, costs
 
 
 # ------------------------------------------------------------------------------------ output
@@ -256,7 +237,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prov = provenance()  # the code as it is when the run starts
     t_start = time.perf_counter()
-    link, costs = emulated_link(args.model, args)
+    link, costs = emulated_link(args.model, args.link_ratio, args.link_latency)
     log(
         f"one expert: {costs['expert_bytes'] / 1e6:.2f} MB, compute (1 token) "
         f"{costs['compute_one_token_s'] * 1e6:.0f} us; link {link['link_bandwidth'] / 1e9:.3g} GB/s + "

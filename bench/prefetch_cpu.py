@@ -59,7 +59,7 @@ from engine_cpu import (
     LARGE,
     LARGE_QUICK,
     PROMPT,
-    expert_costs,
+    emulated_link,
     large_model,
     log,
     measure,
@@ -74,7 +74,6 @@ from expertcache.engine import load
 from expertcache.engine.offloaded import DEFAULT_MODEL
 from expertcache.errors import ExpertcacheError
 from expertcache.trace import Trace, synthesize
-from expertcache.units import parse_duration
 
 # name -> (uses the predictor, chunking, preemption, reorder)
 ABLATION = {
@@ -309,20 +308,8 @@ def reductions(rows: dict[str, dict[str, object]], base: dict[str, object]) -> d
 def bench_model(label: str, path: Path, args, predictors: list[str]) -> dict[str, object]:
     info = model_info(path)
     log(f"== {label}: {path} ({info['checkpoint_bytes'] / 1e9:.2f} GB)")
-    costs = expert_costs(path)
-    latency = parse_duration(args.link_latency, "link latency")
-    transfer = args.link_ratio * costs["compute_one_token_s"]
-    if transfer <= latency:
-        raise SystemExit(
-            f"{label}: link latency {args.link_latency} exceeds {args.link_ratio} x expert compute"
-        )
-    bw = float(f"{costs['expert_bytes'] / (transfer - latency):.3g}")
-    costs.update(
-        link_ratio=args.link_ratio,
-        link_bandwidth_bytes_per_s=bw,
-        link_latency=args.link_latency,
-        link_transfer_s=latency + costs["expert_bytes"] / bw,
-    )
+    _, costs = emulated_link(path, args.link_ratio, args.link_latency)
+    bw = costs["link_bandwidth_bytes_per_s"]
     log(
         f"one expert: {costs['expert_bytes'] / 1e6:.2f} MB, compute (1 token) "
         f"{costs['compute_one_token_s'] * 1e6:.0f} us, copy {costs['copy_from_checkpoint_s'] * 1e6:.0f} us; "

@@ -16,19 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from expertcache.engine.families import FAMILIES as ENGINE_FAMILIES
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
 
-FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "granitemoe",
-)
+FAMILIES = tuple(ENGINE_FAMILIES)  # every family the engine supports
 ONLINE = [name for name in POLICIES if not is_offline(name)]
 OFFLINE = [name for name in POLICIES if is_offline(name)]
 NEEDS_PROFILE = ("static", "static-dist")
