@@ -1,23 +1,42 @@
 """Every ``expertcache`` command example in the README and the docs runs as written.
 
-Examples are the lines of ``bash``/``sh`` code blocks that start with ``expertcache`` (a ``$ `` prompt
-and a trailing ``# comment`` are dropped, ``a && b`` runs both). Usage synopses (``[--flag ...]``) are
-not examples and are left out. Placeholders are filled in: ``DIR`` is a tiny checkpoint (a new directory
-after ``-o``), ``TRACE.npz`` a small synthetic trace, ``"..."`` a short prompt; relative outputs land in
-a temporary directory. Examples for a GPU (``--device cuda``) run only where torch sees one.
+Examples are the lines of ``bash``/``sh`` code blocks that start with ``expertcache``, and the lines of
+any other code block that start with ``$ expertcache`` (a ``$ `` prompt and a trailing ``# comment`` are
+dropped, ``a && b`` runs both). Usage synopses (``[--flag ...]``) are not examples and are left out.
+Placeholders are filled in: ``DIR`` is a tiny checkpoint (a new directory after ``-o``), ``TRACE.npz`` a
+small synthetic trace, ``"..."`` a short prompt; relative outputs land in a temporary directory. Examples
+for a GPU (``--device cuda``) run only where torch sees one.
+
+Sample outputs: the lines after a ``$ expertcache ...`` line, up to the next ``$ `` line or the block's
+end, are what that command prints, and an example without placeholders must print exactly that (line for
+line, trailing spaces aside; ``...`` in a sample line stands for any text, e.g. a machine's path).
+
+Inline code is checked without running it: an ``expertcache ...`` span must parse as a command line
+(placeholders and synopsis brackets allowed), a span of bare words must name a real (sub)command, and
+every concrete ``--policy``/``--miss``/``--prefetch`` value or ``name:k=v`` spec of a policy or miss path
+must be accepted by its registry.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import itertools
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import engine_fixtures
 import pytest
 import torch
 
-from expertcache.cli import main
+from expertcache.cli import _build_parser, main
+from expertcache.config import MissConfig, PrefetchConfig
+from expertcache.errors import ExpertcacheError
+from expertcache.miss.registry import MISS_PATHS
+from expertcache.policy.base import PolicyContext
+from expertcache.policy.registry import POLICIES, make_policy, parse_policy
 from expertcache.trace import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,29 +46,68 @@ make_ckpt = engine_fixtures.make_ckpt
 tokenizer_dir = engine_fixtures.tokenizer_dir
 
 
-def examples() -> list[tuple[str, str]]:
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+SYNOPSIS = re.compile(r"\[-|\[[A-Z]")
+
+
+def examples() -> list[tuple[str, str, str | None]]:
+    """(doc, command, the sample output shown after it or None) for every example."""
     out = []
     for doc in DOCS:
-        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", doc.read_text(), re.S):
-            for line in block.splitlines():
-                line = line.strip().removeprefix("$ ")
-                if not line.startswith("expertcache ") or re.search(r"\[-|\[[A-Z]", line):
+        for lang, block in FENCE.findall(doc.read_text()):
+            lines = block.splitlines()
+            for i, line in enumerate(lines):
+                line = line.strip()
+                prompted, line = line.startswith("$ "), line.removeprefix("$ ")
+                if not (prompted or lang in ("bash", "sh")) or not line.startswith("expertcache "):
                     continue
-                for command in line.split(" && "):
-                    command = command.split("  #")[0].split(" # ")[0].strip()
-                    out.append((doc.name, command))
+                if SYNOPSIS.search(line):
+                    continue
+                shown = (
+                    itertools.takewhile(lambda s: not s.startswith("$ "), lines[i + 1 :]) if prompted else ()
+                )
+                sample = "\n".join(shown).strip("\n") or None
+                commands = [c.split("  #")[0].split(" # ")[0].strip() for c in line.split(" && ")]
+                out += [(doc.name, c, sample if c is commands[-1] else None) for c in commands]
+    return out
+
+
+def inline_code() -> list[tuple[str, str]]:
+    """(doc, span) for every inline code span outside code blocks, whitespace collapsed."""
+    out = []
+    for doc in DOCS:
+        text = FENCE.sub("", doc.read_text())
+        out += [(doc.name, " ".join(span.split())) for span in re.findall(r"`([^`]+)`", text)]
     return out
 
 
 EXAMPLES = examples()
+INLINE = inline_code()
+
+
+def matches_sample(out: str, sample: str) -> bool:
+    """Line for line, trailing spaces aside; ``...`` in a sample line matches any text."""
+    got, want = out.strip("\n").splitlines(), sample.splitlines()
+    pattern = [".*".join(map(re.escape, w.rstrip().split("..."))) for w in want]
+    return len(got) == len(want) and all(
+        re.fullmatch(p, g.rstrip()) for p, g in zip(pattern, got, strict=True)
+    )
 
 
 def test_the_docs_have_examples():
-    assert len(EXAMPLES) > 20 and any(doc == "MISS.md" for doc, _ in EXAMPLES)
+    assert len(EXAMPLES) > 20 and any(doc == "MISS.md" for doc, _, _ in EXAMPLES)
+    assert any(sample for _, _, sample in EXAMPLES)  # TIMING.md's sample output
 
 
-@pytest.mark.parametrize("doc, command", EXAMPLES, ids=[f"{d}:{c[:60]}" for d, c in EXAMPLES])
-def test_example_runs_as_written(doc, command, make_ckpt, tmp_path, monkeypatch, capsys):
+def test_samples_match_like_this():
+    sample = "trace      .../data/t.npz: T=5\nTPOT       1.5 ms"
+    assert matches_sample("trace      /x/y/data/t.npz: T=5  \nTPOT       1.5 ms\n", sample)
+    assert not matches_sample("trace      /x/y/data/t.npz: T=5\nTPOT       1.6 ms\n", sample)
+    assert not matches_sample("trace      /x/y/data/t.npz: T=5\n", sample)
+
+
+@pytest.mark.parametrize("doc, command, sample", EXAMPLES, ids=[f"{d}:{c[:60]}" for d, c, _ in EXAMPLES])
+def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monkeypatch, capsys):
     if "--device cuda" in command and not torch.cuda.is_available():
         pytest.skip("a GPU example, and torch sees no CUDA device here")
     monkeypatch.chdir(tmp_path)
@@ -58,6 +116,11 @@ def test_example_runs_as_written(doc, command, make_ckpt, tmp_path, monkeypatch,
         trace
     )
     argv = shlex.split(command)[1:]
+    redirected = ">" in argv  # `... > out.txt`: the output goes to stdout, which is what is checked
+    if redirected:
+        argv = argv[: argv.index(">")]
+    (tmp_path / "prompts.txt").write_text("def add(a, b):\nimport os\n")  # a prompts file's placeholder
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n"))  # what `chat` and `--prompt -` read
     for i, arg in enumerate(argv):
         if arg == "DIR":
             argv[i] = (
@@ -72,4 +135,66 @@ def test_example_runs_as_written(doc, command, make_ckpt, tmp_path, monkeypatch,
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, f"{doc}: {command}\n{err}"
-    assert out.strip() or err.strip()
+    assert out.strip() if redirected else out.strip() or err.strip()
+    if sample is not None and argv == shlex.split(command)[1:]:  # no placeholder: the output is the doc's
+        assert matches_sample(out, sample), f"{doc}: {command} prints, unlike its sample output:\n{out}"
+
+
+def _placeholder(word: str) -> bool:
+    return word == "..." or bool(re.fullmatch(r"[A-Z][A-Z_.]*", word))
+
+
+def test_inline_commands_parse():
+    """`expertcache sim FILE --order layer` parses; `expertcache sim timing` names no command."""
+    bad = []
+    for doc, span in INLINE:
+        if not span.startswith("expertcache "):
+            continue
+        words = shlex.split(span.replace("[", " ").replace("]", " "))[1:]
+        if all(re.fullmatch(r"[a-z][a-z-]*", w) for w in words):  # a command's name
+            parser = _build_parser()
+            for word in words:
+                subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+                if not subs or word not in subs[0].choices:
+                    bad.append(f"{doc}: `{span}`: {word!r} is not a command here")
+                    break
+                parser = subs[0].choices[word]
+            continue
+        try:
+            _build_parser().parse_args(["x" if _placeholder(w) else w for w in words])
+        except SystemExit:
+            bad.append(f"{doc}: `{span}` does not parse")
+    assert not bad, "\n".join(bad)
+
+
+def inline_specs() -> list[tuple[str, str, str]]:
+    """(doc, kind, value) for every concrete --policy/--miss/--prefetch value and name:k=v spec."""
+    out = []
+    for doc, span in INLINE:
+        found = re.findall(r"--(policy|miss|prefetch) (\S+)", span)
+        name = span.split(":")[0]
+        if re.fullmatch(r"[a-z-]+:[a-z_]+=\S+", span) and (name in POLICIES or name in MISS_PATHS):
+            found.append(("policy" if name in POLICIES else "miss", span))
+        for kind, value in found:
+            out += [(doc, kind, v) for v in value.split("|") if not re.search(r"[A-Z\[]|\.\.\.", v)]
+    return out
+
+
+def test_inline_specs_are_accepted():
+    """`--policy llru:window=8` in prose is as wrong as on a command line."""
+    specs = inline_specs()
+    assert {"policy", "prefetch"} <= {kind for _, kind, _ in specs}
+    ctx = PolicyContext(capacity=64, num_layers=4, num_experts=16, top_k=2, future={}, profile={})
+    bad = []
+    for doc, kind, value in specs:
+        try:
+            if kind == "policy":
+                name, params = parse_policy(value)
+                make_policy(name, ctx, **params)
+            elif kind == "miss":
+                MissConfig(value)
+            else:
+                PrefetchConfig(value)
+        except ExpertcacheError as e:
+            bad.append(f"{doc}: --{kind} {value}: {e}")
+    assert not bad, "\n".join(bad)

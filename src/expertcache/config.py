@@ -128,6 +128,49 @@ class MissConfig:
         _set(self, name=name, params=params)
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen: greedy (``temperature`` 0, the default: the offloaded model's tokens equal
+    the reference's) or sampled at ``temperature`` with ``top_p`` / ``top_k`` cut-offs and a ``seed``
+    (None: a fresh one, reported with the result); a ``repetition_penalty`` (1: none) for both; and
+    ``stop`` strings that end a sequence (the text is cut before the first one)."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ExpertcacheError(f"temperature must be a number >= 0 (0: greedy), got {t!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ExpertcacheError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ExpertcacheError(f"top-k must be at least 1, got {self.top_k}")
+        for name in ("top_p", "top_k", "seed"):
+            if t == 0 and getattr(self, name) is not None:
+                flag = name.replace("_", "-")
+                raise ExpertcacheError(
+                    f"{flag} is for sampling: give a temperature > 0 too (greedy ignores it)"
+                )
+        rp = self.repetition_penalty
+        if rp is not None and (not math.isfinite(rp) or rp <= 0):
+            raise ExpertcacheError(f"repetition penalty must be > 0 (1: none), got {rp}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ExpertcacheError(f"seed must be in 0 .. 2**63-1, got {self.seed}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ExpertcacheError(f"stop strings must be non-empty text, got {list(stop)!r}")
+        _set(self, stop=stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
 def as_config(value: object, cls: type):
     """``value`` as a ``cls`` config: itself, None (the defaults), or the config's first field (a spec)."""
     if isinstance(value, cls):

@@ -38,7 +38,10 @@ class Recorder:
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
         ex, wt, tok, pf, seq, step, pred = [], [], [], [], [], [], []
-        for i, s in enumerate(self.steps):
+        steps = self.steps
+        if steps and len(steps[-1]["experts"]) < L:  # interrupted (Ctrl-C) before its last layer: dropped
+            steps = steps[:-1]
+        for i, s in enumerate(steps):
             t = len(s["token_id"])
             e = np.full((t, L, K), -1, dtype=np.int16)
             w = np.zeros((t, L, K), dtype=np.float32)

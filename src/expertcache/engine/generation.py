@@ -1,16 +1,31 @@
-"""One generate() call's result, and the timing of a transformers-style generate: TTFT, TPOT, tokens/s."""
+"""Text in, text out: prompts (plain or chat) in left-padded batches, greedy or sampled, stop strings,
+and the timing of a transformers-style generate (TTFT, TPOT, tokens/s).
+
+A prompt is text, or with ``chat`` a conversation (a list of ``{"role", "content"}`` messages; text is
+one user message) rendered by the tokenizer's chat template. A batch is padded on the left, so every
+row's new tokens start at the same position (right padding would put pad tokens between a prompt and
+its continuation). Greedy is the default and gives the reference model's tokens.
+"""
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from expertcache.config import SamplingConfig
+from expertcache.errors import ExpertcacheError
+
+Prompt = str | list[dict[str, str]]
+ROLES = ("system", "user", "assistant")
+
 
 @dataclass
 class Generation:
-    """One generate() call: tokens, text, timings and the cache's work during it."""
+    """One prompt's result: tokens, text, why it ended, timings and the cache's work during its batch."""
 
     tokens: list[int]
     text: str
@@ -20,17 +35,23 @@ class Generation:
     tokens_per_s: float
     total_s: float
     stats: dict[str, object] = field(default_factory=dict)
+    finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    seed: int | None = None  # the sampling seed (None: greedy)
+    batch_size: int = 1  # prompts generated together; timings and stats are the batch's
 
     def to_dict(self) -> dict[str, object]:
         return {
             "tokens": self.tokens,
             "text": self.text,
+            "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": len(self.tokens),
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
             "tokens_per_s": self.tokens_per_s,
             "total_s": self.total_s,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
             **self.stats,
         }
 
@@ -56,7 +77,7 @@ class TokenTimer:
 def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict[str, object]:
     """Run ``generate(ids, streamer=..., **kwargs)`` (a transformers-style generate) and time it:
     the new tokens of row 0, TTFT (start to first new token), TPOT (mean gap between new tokens),
-    tokens per second over the whole call."""
+    tokens per second over the whole call (row 0's), and the whole ``output`` (all rows)."""
     timer = TokenTimer(streamer)
     start = time.perf_counter()
     out = generate(ids, streamer=timer, **kwargs)
@@ -71,4 +92,94 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
         "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0,
         "tokens_per_s": len(new) / total if total > 0 else 0.0,
         "total_s": total,
+        "output": out,
     }
+
+
+# ------------------------------------------------------------------------------------ prompts
+def render(tokenizer, prompt: Prompt, chat: bool, where: str = "the prompt") -> str:
+    """The text the model sees: the prompt, or with ``chat`` the conversation through the template."""
+    if not chat:
+        if not isinstance(prompt, str):
+            raise ExpertcacheError(f"{where} is a conversation (a list of messages): it needs chat mode")
+        if not prompt:
+            raise ExpertcacheError(f"{where} is empty")
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    check_messages(messages, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ExpertcacheError(
+            f"{tokenizer.name_or_path}: the tokenizer has no chat template; drop chat mode (--chat) or "
+            "give a template (--chat-template FILE.jinja)"
+        )
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def check_messages(messages: object, where: str = "the conversation") -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ExpertcacheError(f"{where} must be a non-empty list of messages")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ExpertcacheError(
+                f'{where}: each message is {{"role": one of {", ".join(ROLES)}, "content": text}}, got {m!r}'
+            )
+
+
+def encode(tokenizer, texts: Sequence[str], chat: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask ``[B, P]``, padded on the left. A chat template writes its own
+    special tokens; plain text gets the tokenizer's (the embedded model's ``<|endoftext|>`` in front)."""
+    if len(texts) > 1 and tokenizer.pad_token_id is None:
+        raise ExpertcacheError(
+            f"{tokenizer.name_or_path}: the tokenizer has no pad or eos token to batch with"
+        )
+    tokenizer.padding_side = "left"
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=not chat)
+    if enc.input_ids.shape[1] == 0:
+        raise ExpertcacheError("the prompt has no tokens")
+    return enc.input_ids, enc.attention_mask
+
+
+# ------------------------------------------------------------------------------------ decoding
+def sampling_kwargs(sampling: SamplingConfig, tokenizer) -> tuple[dict[str, object], int | None]:
+    """``generate`` keyword arguments for ``sampling``, and the seed (drawn when sampling without one).
+    Cut-offs not given are off (``top_p`` 1, ``top_k`` 0), not the checkpoint's defaults."""
+    kw: dict[str, object] = {"do_sample": not sampling.greedy}
+    seed = None
+    if not sampling.greedy:
+        seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**31)
+        kw.update(
+            temperature=float(sampling.temperature), top_p=sampling.top_p or 1.0, top_k=sampling.top_k or 0
+        )
+    if sampling.repetition_penalty is not None:
+        kw["repetition_penalty"] = float(sampling.repetition_penalty)
+    if sampling.stop:
+        kw.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    return kw, seed
+
+
+def finish(tokens: list[int], decode: Callable[[list[int]], str], eos: set[int], stop: Sequence[str]):
+    """A row's new tokens cut where it ended (its first eos, kept; or the token that completed a stop
+    string, whose text is cut before the stop string), its text, and why it ended."""
+    reason = "length"
+    for i, t in enumerate(tokens):
+        if t in eos:
+            tokens, reason = tokens[: i + 1], "eos"
+            break
+    text = decode(tokens)
+    hits = [(text.find(s), s) for s in stop if s in text]
+    if hits:
+        at = min(hits)[0]
+        for k in range(1, len(tokens) + 1):  # the shortest prefix holding a stop string (decode is cheap)
+            piece = decode(tokens[:k])
+            if any(s in piece for s in stop):
+                tokens = tokens[:k]
+                break
+        text, reason = text[:at], "stop"
+    return tokens, text, reason
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])

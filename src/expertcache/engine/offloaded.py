@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,10 +15,12 @@ from expertcache.cache.expert_cache import ExpertCache
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.step import InlinePredictor, StepDriver
-from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig, as_config
+from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig, SamplingConfig, as_config
 from expertcache.costs import CostModel
+from expertcache.engine import generation as gen
 from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.host import HostExperts
+from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
@@ -36,8 +39,6 @@ from expertcache.predict.registry import make_predictor, predictor_class
 from expertcache.trace.default import default_trace
 from expertcache.trace.trace import Trace, load_trace
 from expertcache.units import format_bytes, parse_size
-
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "default"
 
 
 def default_model_path() -> Path:
@@ -79,8 +80,10 @@ class OffloadedModel:
         costs: CostModel | None = None,
         progress: bool | None = None,
         record: bool = True,
+        download: bool = False,
     ) -> None:
-        self.path = Path(path) if path is not None else DEFAULT_MODEL
+        self.path = resolve_model(path, download)
+        self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
         self.cache_config = cache = cache or CacheConfig()
         self.prefetch_config_ = prefetch = prefetch or PrefetchConfig()
         self.link_config = link = link or LinkConfig()
@@ -151,11 +154,19 @@ class OffloadedModel:
                 f"predictor {prefetch.predictor} needs the future (simulator only); "
                 "use it with 'expertcache timing'"
             )
+        bundled = named and prefetch.data is None and predictor_class(prefetch.predictor).trained
+        if bundled and self.path.resolve() != DEFAULT_MODEL:
+            raise ExpertcacheError(
+                f"the bundled {prefetch.predictor} predictor is for the embedded model; for {self.path} "
+                f"train one (expertcache train-predictor --model {self.path} --out DIR), then pass "
+                "--predictor DIR"
+            )
         if slow_tier not in (None, "host", "disk"):
             raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
         if policy_class(cache.name).needs_profile and cache.profile is None:
             raise ExpertcacheError(
-                f"policy {cache.name} ranks experts by a usage profile: pass profile=TRACE"
+                f"policy {cache.name} ranks experts by a usage profile: pass --profile TRACE.npz (a "
+                "trace of an earlier run, from --record-trace; in Python: profile=TRACE.npz)"
             )
         text = str(expert_memory).strip()
         if not text.endswith("%"):
@@ -207,18 +218,25 @@ class OffloadedModel:
             budget = round(total * share / 100)
         else:
             budget = int(parse_size(expert_memory, "expert memory"))
+        if budget > total:
+            self.notes.append(
+                f"expert memory {expert_memory} is more than all experts take; capped at "
+                f"{format_bytes(total)} (100%: no offloading)"
+            )
         budget = min(budget, total)
         slot = self.parts[FULL].slot_bytes() if FULL in self.parts else None
         if slot is not None and self.miss.parts()[0].name == FULL:  # the whole-expert cache's own message
-            from expertcache.policy.registry import min_capacity
+            from expertcache.policy.registry import fixed_capacity, min_capacity
 
             need = min_capacity(cache.name, self.num_layers, cache.params, min_room=self.top_k)
             cap = budget // slot
+            why = f"a layer's top-{self.top_k} experts must be resident together"
+            if fixed_capacity(cache.name, cache.params) is not None:
+                why = f"its budgets sum to {need}"
             if cap < need and len(self.miss.host_layers()) < self.num_layers:
                 raise ExpertcacheError(
                     f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
-                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): "
-                    f"a layer's top-{self.top_k} experts must be resident together"
+                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): {why}"
                 )
         return budget
 
@@ -282,9 +300,13 @@ class OffloadedModel:
             from transformers import AutoTokenizer
 
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+                tok = AutoTokenizer.from_pretrained(str(self.path))
             except Exception as exc:
                 raise ExpertcacheError(f"{self.path}: no usable tokenizer ({first_line(exc)})") from None
+            tok.padding_side = "left"  # batches: every row's new tokens start at the same position
+            if tok.pad_token is None and tok.eos_token is not None:
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
         return self._tokenizer
 
     def __call__(self, *args, **kwargs):
@@ -299,54 +321,88 @@ class OffloadedModel:
 
     # ------------------------------------------------------------------------ text in, text out
     def encode(self, prompt: str) -> torch.Tensor:
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-        if ids.shape[1] == 0:
-            raise ExpertcacheError("the prompt is empty")
-        return ids
+        return gen.encode(self.tokenizer, [gen.render(self.tokenizer, prompt, False)], False)[0]
 
-    def generate_text(self, prompt: str, max_new_tokens: int = 32, streamer=None, **kwargs) -> Generation:
-        """Generate from a text prompt; returns tokens, text, TTFT/TPOT and the cache's work."""
+    def generate_text(
+        self,
+        prompt: gen.Prompt | Sequence[gen.Prompt],
+        max_new_tokens: int = 32,
+        streamer=None,
+        *,
+        sampling: SamplingConfig | None = None,
+        chat: bool = False,
+        batch_size: int = 8,
+        **kwargs,
+    ) -> Generation | list[Generation]:
+        """Generate from a prompt (one ``Generation``) or a list of them (a list, run ``batch_size`` at a
+        time, padded on the left). ``sampling``: greedy by default (the reference's tokens), or a
+        ``SamplingConfig`` (temperature, top-p, top-k, seed, repetition penalty, stop strings). ``chat``:
+        prompts go through the tokenizer's chat template (a prompt may then be a list of messages).
+        Each result has tokens, text, finish reason, TTFT/TPOT and the cache's work during its batch."""
         if max_new_tokens < 1:
             raise ExpertcacheError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        ids = self.encode(prompt)
+        if batch_size < 1:
+            raise ExpertcacheError(f"batch size must be at least 1, got {batch_size}")
+        sampling = sampling or SamplingConfig()
+        one = isinstance(prompt, str) or (
+            chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        )
+        prompts = [prompt] if one else list(prompt)
+        if not prompts:
+            raise ExpertcacheError("no prompts were given")
+        if streamer is not None and len(prompts) > 1:
+            raise ExpertcacheError("streaming is for one prompt at a time")
+        texts = [gen.render(self.tokenizer, p, chat, f"prompt {i + 1}" if not one else "the prompt")
+                 for i, p in enumerate(prompts)]  # fmt: skip
+        results: list[Generation] = []
+        for start in range(0, len(texts), batch_size):
+            results += self._generate_batch(texts[start : start + batch_size], max_new_tokens, streamer,
+                                            sampling, chat, kwargs)  # fmt: skip
+        return results[0] if one else results
+
+    def _generate_batch(self, texts, max_new_tokens, streamer, sampling, chat, kwargs) -> list[Generation]:
+        tok = self.tokenizer
+        ids, mask = gen.encode(tok, texts, chat)
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit is not None and ids.shape[1] + max_new_tokens > limit:
             raise ExpertcacheError(
                 f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"context of {limit}"
             )
+        decode_kw, seed = gen.sampling_kwargs(sampling, tok)
+        if seed is not None:
+            torch.manual_seed(seed)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         before = self.stats
-        pad = self.tokenizer.pad_token_id
         run = timed_generate(
-            self.generate,
-            ids.to(self.device),
-            streamer,
-            attention_mask=torch.ones_like(ids).to(self.device),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
-            **kwargs,
-        )
+            self.generate, ids.to(self.device), streamer, attention_mask=mask.to(self.device),
+            max_new_tokens=max_new_tokens, pad_token_id=pad, **{**decode_kw, **kwargs},
+        )  # fmt: skip
         after = self.stats
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
             "prefetch_late", "prefetch_cancelled",
         )  # fmt: skip
-        delta = {
-            **{k: after[k] - before[k] for k in counted},
-            **self.prefetch_config,
-            **self._describe(),
-        }
-        return Generation(
-            tokens=run["tokens"],
-            text=self.tokenizer.decode(run["tokens"], skip_special_tokens=True),
-            prompt_tokens=run["prompt_tokens"],
-            ttft_s=run["ttft_s"],
-            tpot_s=run["tpot_s"],
-            tokens_per_s=run["tokens_per_s"],
-            total_s=run["total_s"],
-            stats=delta,
-        )
+        delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
+        eos = gen.eos_ids(self.model, tok)
+        out, width = run["output"], ids.shape[1]
+        rows = [
+            gen.finish(
+                out[r, width:].tolist(), lambda t: tok.decode(t, skip_special_tokens=True), eos, sampling.stop
+            )
+            for r in range(len(texts))
+        ]
+        rate = sum(len(t) for t, _, _ in rows) / run["total_s"] if run["total_s"] > 0 else 0.0
+        results = [
+            Generation(
+                tokens=tokens, text=text, prompt_tokens=int(mask[r].sum()), ttft_s=run["ttft_s"],
+                tpot_s=run["tpot_s"], tokens_per_s=rate, total_s=run["total_s"], stats=delta,
+                finish_reason=reason, seed=seed, batch_size=len(texts),
+            )
+            for r, (tokens, text, reason) in enumerate(rows)
+        ]  # fmt: skip
+        return results
 
     # ------------------------------------------------------------------------------- reports
     def _describe(self) -> dict[str, object]:
@@ -407,7 +463,7 @@ class OffloadedModel:
         if self.driver.recorder is None:
             raise ExpertcacheError("routing was not recorded: load with record=True to get a trace")
         meta = {
-            "model": str(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
+            "model": model_label(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
             "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
         }  # fmt: skip
         if self.predictor is not None:
@@ -429,12 +485,13 @@ class OffloadedModel:
 
 def model_info(path: str | Path | None = None) -> dict[str, object]:
     """What a checkpoint holds, without reading any expert: family, MoE layers, experts, bytes."""
-    sk = build_skeleton(path if path is not None else DEFAULT_MODEL)
+    path = resolve_model(path)
+    sk = build_skeleton(path)
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     total = len(sk.experts) * sk.num_experts
     dense = sum(t.numel() * t.element_size() for t in sk.model.state_dict().values())
     return {
-        "path": str(path if path is not None else DEFAULT_MODEL),
+        "path": str(path),
         "family": sk.family.name,
         "dtype": str(sk.dtype).removeprefix("torch."),
         "moe_layers": len(sk.experts),
@@ -479,6 +536,9 @@ def load(
 ) -> OffloadedModel:
     """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
 
+    ``path`` is a checkpoint folder or a Hugging Face id (``org/name``) found in the local Hugging Face
+    cache; ``download=True`` fetches one that is not there (nothing is downloaded otherwise).
+
     ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
     ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``);
     ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
@@ -491,7 +551,7 @@ def load(
     ``predictor_thread``. Config objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be
     passed for ``policy``, ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
     (``"host"`` or ``"disk"``), ``costs`` (a ``CostModel`` for cost-based miss paths; default: measured
-    at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default).
+    at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``.
     """
     cache = policy if isinstance(policy, CacheConfig) else CacheConfig(policy, seed=seed, profile=profile)
     if isinstance(prefetch, PrefetchConfig):

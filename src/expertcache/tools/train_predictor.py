@@ -1,6 +1,6 @@
 """Training the learned predictor offline: capture a model's gates, fit one MLP per target layer.
 
-1. Capture (``predict/capture.py``): the model, every expert resident, generates greedily after each
+1. Capture (``tools/capture.py``): the model, every expert resident, generates greedily after each
    prompt; every token's gate input and chosen experts are recorded at every MoE layer.
 2. Split by prompt: ``val_fraction`` of the prompts (at least one) is held out whole, so validation
    never sees a step of a sequence it trained on.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.predict.base import PredictorError
 from expertcache.predict.learned import make_mlp, probe_routing, save_predictor, source_layer, topk_overlap
 from expertcache.tools.capture import Captured, capture, load_for_capture
+from expertcache.tools.prompts import read_prompts
 
 HIDDEN = 128
 EPOCHS = 10
@@ -46,19 +46,6 @@ VAL_FRACTION = 0.15
 PROMPT_CHARS = 600
 DEFAULT_PROMPTS = 300
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per non-blank line; ``\\n``, ``\\t``, ``\\\\`` are a newline, a tab, a backslash."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ExpertcacheError(f"{path}: cannot read prompts ({exc.__class__.__name__})") from None
-    prompts = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], line) for line in lines if line.strip()]
-    if not prompts:
-        raise ExpertcacheError(f"{path}: no prompts (one per line)")
-    return prompts
 
 
 def default_prompts(count: int = DEFAULT_PROMPTS, chars: int = PROMPT_CHARS) -> list[str]:
@@ -231,27 +218,31 @@ def train_predictor(
     seed: int = 0,
     val_fraction: float = VAL_FRACTION,
     log: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> dict:
-    """Capture, fit and save learned predictors; returns the training report.
+    """Capture, fit and save learned predictors; returns the training report (``log``: a line per
+    stage; ``progress``: a progress bar of the capture on stderr).
 
     ``window`` an int: ``out_dir`` becomes that window's predictor directory. A sequence of windows:
     one capture, and ``out_dir/window-<k>/`` for each. ``prompts``: a prompt file (see the module
     docstring), a list of prompts, or None for ``default_prompts()``. ``model_path`` None: the
     embedded model.
     """
+    from expertcache.engine.hub import resolve_model
     from expertcache.engine.loader import read_config
-    from expertcache.engine.offloaded import DEFAULT_MODEL
 
     windows = [window] if isinstance(window, int) else list(window)
     _check_args(windows, hidden, epochs, max_new_tokens)
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ExpertcacheError(f"{out_dir}: exists and is not a directory")
-    path = DEFAULT_MODEL if model_path is None else Path(model_path)
+    _check_out_dir(Path(out_dir))
+    path = resolve_model(model_path)
     read_config(path)  # a bad checkpoint fails before any capture
     texts = _prompts(prompts)
     t0 = time.perf_counter()
     model, tokenizer = load_for_capture(path)
-    captured = capture(model, tokenizer, texts, max_new_tokens)
+    _check_windows(windows, len(router_fns(model)), path)
+    if log:
+        log(f"capturing the routing of {len(texts)} prompts, {max_new_tokens} new tokens each")
+    captured = capture(model, tokenizer, texts, max_new_tokens, progress=progress)
     capture_s = time.perf_counter() - t0
     if log:
         log(f"captured {len(captured.step)} tokens ({int((~captured.prefill).sum())} generated) "
@@ -303,6 +294,30 @@ def _check_args(windows: list[int], hidden: int, epochs: int, max_new_tokens: in
     ):
         if value < low:
             raise ExpertcacheError(f"{name} must be at least {low}, got {value}")
+
+
+def _check_out_dir(out: Path) -> None:
+    """The predictor's folder can be written: found out before the capture, not after it."""
+    if out.exists() and not out.is_dir():
+        raise ExpertcacheError(f"{out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ExpertcacheError(f"{out}: cannot write the predictor there ({exc.strerror or exc})") from None
+
+
+def _check_windows(windows: Sequence[int], layers: int, path: Path) -> None:
+    """A window reaches back at most to layer 0: one of L or more layers predicts nothing new."""
+    far = [k for k in windows if k >= layers]
+    if far:
+        useful = f"1..{layers - 1}" if layers > 1 else "none"
+        raise PredictorError(
+            f"window {far[0]} reaches past the first of {path}'s {layers} MoE layers; "
+            f"use a window in {useful}"
+        )
 
 
 def _prompts(prompts: str | Path | Sequence[str] | None) -> list[str]:

@@ -1,19 +1,33 @@
-"""Command line: thin wrappers that build the library's objects and print what they return."""
+"""Command line: thin wrappers that build the library's objects and print what they return.
+
+This module holds the parser and the simulator-side commands; ``generate`` and ``chat`` are in
+``cli/generate.py``, shared helpers in ``cli/util.py``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
+from expertcache.cli import generate as cli_generate
+from expertcache.cli.util import check_writable, quiet_transformers
 from expertcache.errors import ExpertcacheError
-from expertcache.policy.registry import POLICIES, min_capacity, parse_policy, policy_class
-from expertcache.sim.report import format_layers, format_table, plot_curves
+from expertcache.policy.registry import (
+    POLICIES,
+    capacity_reason,
+    fixed_capacity,
+    min_capacity,
+    parse_policy,
+    policy_class,
+)
+from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
 from expertcache.trace.default import default_trace
 from expertcache.trace.stats import summary
@@ -21,6 +35,7 @@ from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
 
 DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
+_SIGNED = re.compile(r"^-[0-9.]")  # a negative value with a unit: -5%, -1ms
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +43,20 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """A value that starts with a minus and a digit (``--expert-memory -5%``, ``--link-latency -1ms``)
+        is the option's value, as a plain negative number already is, so that it gets a real message."""
+        args = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        for arg in args:
+            action = self._option_string_actions.get(out[-1]) if out else None
+            takes_one = action is not None and action.nargs is None and action.option_strings
+            if takes_one and _SIGNED.match(arg) and not self._negative_number_matcher.match(arg):
+                out[-1] = f"{out[-1]}={arg}"
+            else:
+                out.append(arg)
+        return super().parse_known_args(out, namespace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("expertcache: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 141
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -57,7 +90,11 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"experts: N [N ...], START:STOP[:STEP] or all = 1..L*E (default: {DEFAULT_STEPS} even steps)",
     )
-    s.add_argument("--order", choices=ORDERS, default="layer")
+    s.add_argument(
+        "--order", choices=ORDERS, default="layer",
+        help="requests the cache sees: layer (a step's experts of a layer together, as the engine; "
+        "default), flat (one expert at a time) or rounds (top-k as k rounds per token)",
+    )  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     s.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="processes for replays (default: all CPUs)"
@@ -71,7 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
     tm.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="any policy (default lru)")
     size = tm.add_mutually_exclusive_group()
-    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
+    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds (at least 1)")
     size.add_argument(
         "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
     )
@@ -81,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tm.add_argument("--window", type=int, metavar="K", help="layers ahead (default: the predictor's)")
     tm.add_argument(
-        "--predictor", metavar="TRACE.npz", help="a recorded trace token (required) and eam learn from"
+        "--predictor", metavar="TRACE.npz", help="a recorded trace for token (required) and eam to learn from"
     )
     tm.add_argument(
         "--prefetch-limit",
@@ -108,18 +145,14 @@ def _build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="inspect or generate routing traces")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     info = tsub.add_parser("info", help="shape, per-layer entropy and reuse of a trace")
-    info.add_argument("file")
-    info.add_argument("--json", action="store_true")
+    info.add_argument("file", help="trace .npz, or default (the embedded trace)")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_trace_info)
     syn = tsub.add_parser("synth", help="write a seeded synthetic trace")
-    syn.add_argument("--kind", required=True, choices=list(GENERATORS))
-    syn.add_argument("-o", "--out", required=True, metavar="FILE.npz")
-    for flag, typ in (
-        ("--tokens", int), ("--layers", int), ("--experts", int), ("--top-k", int), ("--seed", int),
-        ("--a", float), ("--b", float), ("--stickiness", float), ("--sequences", int),
-        ("--prompt-len", int), ("--layer", int),
-    ):  # fmt: skip
-        syn.add_argument(flag, type=typ)
+    syn.add_argument("--kind", required=True, choices=list(GENERATORS), help="the generator")
+    syn.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
+    for flag, typ, what in _SYNTH_FLAGS:
+        syn.add_argument(flag, type=typ, metavar="N" if typ is int else "X", help=what)
     syn.set_defaults(func=_cmd_trace_synth)
 
     pol = sub.add_parser("policies", help="list the eviction policies")
@@ -129,59 +162,32 @@ def _build_parser() -> argparse.ArgumentParser:
     mis = sub.add_parser("misses", help="list the miss paths (for --miss)")
     mis.set_defaults(func=_cmd_misses)
 
-    g = sub.add_parser("generate", help="generate text with experts offloaded under a memory budget")
-    g.add_argument(
-        "--model", metavar="PATH", help="Hugging Face MoE checkpoint dir (default: the embedded model)"
-    )
-    g.add_argument("--prompt", required=True, help="prompt text")
-    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    g.add_argument(
-        "--expert-memory",
-        default="100%",
-        metavar="X",
-        help="bytes (6GiB, 500MB) or a share of all experts (30%%)",
-    )
-    g.add_argument(
-        "--policy", default="lru", metavar="NAME[:k=v,...]", help="any online policy (default lru)"
-    )
-    g.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
-    g.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
-    g.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)")
-    g.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
-    g.add_argument("--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us")
-    g.add_argument(
-        "--stream", action="store_true", help="print tokens as they come (with --json: one line each)"
-    )
-    g.add_argument(
-        "--json", action="store_true", help="print one JSON object with tokens, text, timings, cache"
-    )
-    g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
-    g.add_argument(
-        "--miss",
-        default="fetch",
-        metavar="NAME[:k=v,...]",
-        help="what to do on a miss: fetch (default), host, hybrid, placement, ... (expertcache misses)",
-    )
-    _add_prefetch_args(g)
-    g.set_defaults(func=_cmd_generate)
+    cli_generate.add_parsers(sub)
 
     mdl = sub.add_parser("model", help="inspect a MoE checkpoint or build a random one")
     msub = mdl.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
     mi = msub.add_parser("info", help="family, MoE layers, experts and their bytes")
     mi.add_argument("path", nargs="?", help="checkpoint dir (default: the embedded model)")
-    mi.add_argument("--json", action="store_true")
+    mi.add_argument("--json", action="store_true", help="print one JSON object")
     mi.set_defaults(func=_cmd_model_info)
     ms = msub.add_parser("synth", help="save a random-weight checkpoint of a supported family")
     ms.add_argument("--family", required=True, help="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, ...")
-    ms.add_argument("-o", "--out", required=True, metavar="DIR")
-    for flag, default in (("--hidden", 64), ("--layers", 2), ("--experts", 8), ("--top-k", 2)):
-        ms.add_argument(flag, type=int, default=default)
-    ms.add_argument("--intermediate", type=int, default=64)
-    ms.add_argument("--heads", type=int, default=4)
-    ms.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ms.add_argument(
+        "-o", "--out", required=True, metavar="DIR",
+        help="a new or empty folder, or a checkpoint to replace (its weights and index are removed)",
+    )  # fmt: skip
+    for flag, default, what in (
+        ("--hidden", 64, "hidden size"), ("--layers", 2, "decoder layers"),
+        ("--experts", 8, "experts per MoE layer"), ("--top-k", 2, "experts a token uses per layer"),
+        ("--intermediate", 64, "an expert's intermediate size"), ("--heads", 4, "attention heads"),
+    ):  # fmt: skip
+        ms.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    ms.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="weight dtype (default float32)",
+    )  # fmt: skip
     ms.add_argument("--max-shard-size", metavar="SIZE", help="shard the safetensors files, e.g. 500MB")
-    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ms.add_argument(
         "--tokenizer", metavar="DIR", help="copy the tokenizer from here (default: embedded model)"
     )
@@ -198,7 +204,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--epochs", type=int, metavar="N", help="training epochs (default 10)")
     tp.add_argument("--hidden", type=int, metavar="N", help="MLP hidden width (default 128)")
     tp.add_argument("--max-new-tokens", type=int, metavar="N", help="greedy tokens per prompt (default 64)")
-    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--seed", type=int, default=0, help="seed of the split and the training (default 0)")
     tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
     tp.set_defaults(func=_cmd_train_predictor)
 
@@ -225,12 +231,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--miss", required=True, metavar="NAME[:k=v,...]", help="the miss path measured, e.g. hobbit"
     )
     ql.add_argument("--expert-memory", default="25%", metavar="X", help="bytes or a share (default 25%%)")
-    ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]")
+    ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="eviction policy (default lru)")
     ql.add_argument(
         "--tokens", type=int, default=2048, metavar="N", help="tokens measured in all (default 2048)"
     )
     ql.add_argument("--text", metavar="FILE", help="a text file to measure on (default: held-out files)")
-    ql.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ql.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (default cpu)")
     ql.add_argument("--json", action="store_true", help="print one JSON object")
     ql.set_defaults(func=_cmd_quality)
 
@@ -241,18 +247,38 @@ def _build_parser() -> argparse.ArgumentParser:
         "--predictors", nargs="+", default=["next-gate", "learned"], metavar="NAME",
         help="predictor names (default: next-gate learned)",
     )  # fmt: skip
-    pa.add_argument("--window", type=int, nargs="+", default=[1, 2, 3, 4], metavar="K")
+    pa.add_argument(
+        "--window",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4],
+        metavar="K",
+        help="layers ahead (default 1 2 3 4)",
+    )
     pa.add_argument(
         "--predictor", metavar="PATH", help="trained predictor dir (learned) or trace (token, eam)"
     )
-    pa.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    pa.add_argument("--json", action="store_true")
+    pa.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="greedy tokens per prompt (default 64)"
+    )
+    pa.add_argument("--json", action="store_true", help="print one JSON array of rows")
     pa.set_defaults(func=_cmd_predictor_accuracy)
+
+    st = sub.add_parser(
+        "selftest", help="tiny models of every family through the engine against transformers, on this device"
+    )
+    st.add_argument("--device", choices=["cpu", "cuda"], help="(default: cuda when torch sees a GPU)")
+    st.add_argument("--quick", action="store_true", help="one miss path per family (a few seconds)")
+    st.add_argument("--json", action="store_true", help="print one JSON object with every check")
+    st.set_defaults(func=_cmd_selftest)
     return p
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    trace = default_trace() if args.trace == "default" else load_trace(args.trace)
+    if args.plot:  # before the replays, not after
+        check_writable(args.plot, "plot")
+        check_plot_path(args.plot)
+    trace = _trace(args.trace)
     keys = trace.num_layers * trace.num_experts
     step = max(1, keys // DEFAULT_STEPS)
     caps = _capacities(args.capacity or [f"{step}:{keys}:{step}"], trace, args.order)
@@ -263,29 +289,47 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         check_capacity(c, args.order, trace.top_k)
     _note_skipped(policies, caps, trace.num_layers, min_room(args.order, trace.top_k))
     results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
-    if args.plot:
-        name = "embedded default trace" if args.trace == "default" else args.trace
-        plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
     if args.json:
-        print(json.dumps([r.to_dict() for r in results]))
+        print(json.dumps([r.to_dict() for r in results]), flush=True)
     else:
         print(format_table(results))
         if args.per_layer:
             print("\n" + format_layers(results))
-        if args.plot:
-            print(f"plot written to {args.plot}")
+        sys.stdout.flush()
+    if args.plot:  # after the results: a plot that fails to write loses nothing
+        name = "embedded default trace" if args.trace == "default" else args.trace
+        plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
+_SYNTH_FLAGS = (  # (flag, type, help); a kind that does not take a flag refuses it
+    ("--tokens", int, "tokens (default: the kind's)"),
+    ("--layers", int, "MoE layers (default: the kind's)"),
+    ("--experts", int, "experts per layer (default: the kind's)"),
+    ("--top-k", int, "experts a token uses per layer (default 2; cyclic and partition: 1)"),
+    ("--seed", int, "random seed (default 0)"),
+    ("--a", float, "zipf, sticky: Zipf exponent, p_j ~ 1/(j+b)^a (default 1)"),
+    ("--b", float, "zipf, sticky: Zipf offset (default 0)"),
+    ("--stickiness", float, "sticky: chance a layer repeats the previous token's experts (default 0.5)"),
+    ("--sequences", int, "requests the tokens are split into (default 1)"),
+    ("--prompt-len", int, "prefill tokens at the start of each request (default 0)"),
+    ("--layer", int, "partition: the layer that cycles through all experts (default 0)"),
+)
+
 _TIMING_COST_FLAGS = (
     ("--link-bandwidth", "RATE", "e.g. 16GB/s (default 25GB/s)"),
-    ("--link-latency", "TIME", "per chunk, e.g. 20us"),
-    ("--dense-time", "TIME[,TIME...]", "per layer: attention, norms, router (one, or one per layer)"),
-    ("--expert-time", "TIME[,PER_TOKEN]", "one expert's compute: fixed, and per token (e.g. 0.35ms,2us)"),
-    ("--step-time", "TIME", "per forward step: embeddings, LM head"),
-    ("--host-time", "TIME[,PER_TOKEN]", "one expert computed on the host: fixed, and per token"),
+    ("--link-latency", "TIME", "per chunk, e.g. 5us (default 20us)"),
+    (
+        "--dense-time",
+        "TIME[,TIME...]",
+        "attention, norms, router: one for all layers, or one per layer (default 0.25ms)",
+    ),
+    ("--expert-time", "TIME[,PER_TOKEN]", "one expert's compute: fixed, and per token (default 0.35ms,2us)"),
+    ("--step-time", "TIME", "per forward step: embeddings, LM head (default 0.5ms)"),
+    ("--host-time", "TIME[,PER_TOKEN]", "an expert on the host: fixed, and per token (default 5.06ms,63us)"),
     ("--dequant-time", "TIME", "device time to expand a low-precision copy (default 0)"),
-    ("--expert-bytes", "SIZE", "bytes of one expert, e.g. 336MiB"),
+    ("--expert-bytes", "SIZE", "bytes of one expert (default 336MiB)"),
     ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
     ("--issue-time", "TIME", "compute time spent issuing one transfer (default 0)"),
 )
@@ -295,9 +339,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
     from expertcache.costs import CostModel
     from expertcache.sim.timing import format_timing, simulate_timing
-    from expertcache.units import capacity_for
 
-    trace = default_trace() if args.trace == "default" else load_trace(args.trace)
+    _check_cost_flags(args)
+    trace = _trace(args.trace)
     prefetch = PrefetchConfig(
         args.prefetch,
         window=args.window,
@@ -334,7 +378,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     if not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
     total = trace.num_layers * trace.num_experts
-    capacity = args.capacity or capacity_for(args.expert_memory or "50%", cost.expert_bytes, total)
+    capacity = args.capacity
+    if capacity is None:  # 0 is a capacity, and refused, not the default
+        capacity = _timing_capacity(args.expert_memory or "50%", cost.expert_bytes, total)
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
@@ -348,19 +394,52 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_cost_flags(args: argparse.Namespace) -> None:
+    """Each cost flag's value has its unit, in a message that names the flag (``--link-latency '20'
+    needs a unit: 20us, 20ms or 20s``); the cost model converts them afterwards."""
+    from expertcache.units import parse_duration, parse_rate, parse_size
+
+    parsers = {"RATE": parse_rate, "SIZE": parse_size}
+    for flag, meta, _ in (*_TIMING_COST_FLAGS, ("--chunk-size", "SIZE", "")):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        for piece in [] if value is None else value.split(","):
+            if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
+                parsers.get(meta, parse_duration)(piece, flag)
+
+
+def _timing_capacity(memory: str, expert_bytes: int, total: int) -> int:
+    """Experts the cache of ``timing`` holds for ``--expert-memory``; a note when it holds them all."""
+    from expertcache.units import capacity_for, format_bytes, parse_size
+
+    capacity = capacity_for(memory, expert_bytes, total)
+    if capacity < 1:
+        raise ExpertcacheError(
+            f"--expert-memory {memory} holds no expert of {format_bytes(expert_bytes)} (see --expert-bytes)"
+        )
+    if not memory.strip().endswith("%") and parse_size(memory) > total * expert_bytes:
+        print(
+            f"note: --expert-memory {memory} is more than all {total} experts take; capped at "
+            f"{format_bytes(total * expert_bytes)} (100%: no offloading)",
+            file=sys.stderr,
+        )
+    return capacity
+
+
 def _note_skipped(policies: Sequence[str], caps: list[int], num_layers: int, min_room: int) -> None:
-    """Say which capacities a -dist policy could not run with (a layer's budget below its group)."""
+    """Say which capacities a -dist policy could not run with: a layer's budget below its group, or
+    a capacity other than the sum of the budgets it was given."""
     for spec in policies:
         name, params = parse_policy(spec)
         low = min_capacity(name, num_layers, params, min_room)
-        skipped = [c for c in caps if c < low]
+        fixed = fixed_capacity(name, params)
+        why = capacity_reason(name, params, min_room)
+        skipped = [c for c in caps if c < low or fixed not in (None, c)]
         if skipped and len(skipped) == len(caps):
-            raise ExpertcacheError(f"{name} needs capacity >= {low} (each layer needs {min_room} slot(s))")
+            need = f"capacity {fixed}" if fixed is not None else f"capacity >= {low}"
+            raise ExpertcacheError(f"{name} needs {need} ({why})")
         if skipped:
-            print(
-                f"note: {name} left out at capacities < {low} (each layer needs {min_room} slot(s))",
-                file=sys.stderr,
-            )
+            where = f"other than {fixed}" if fixed is not None else f"< {low}"
+            print(f"note: {name} left out at capacities {where} ({why})", file=sys.stderr)
 
 
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
@@ -386,8 +465,13 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
     return list(dict.fromkeys(caps))
 
 
+def _trace(name: str) -> Trace:
+    """A trace file, or ``default``: the embedded trace (as ``sim``, ``timing`` and ``trace info`` take)."""
+    return default_trace() if name == "default" else load_trace(name)
+
+
 def _cmd_trace_info(args: argparse.Namespace) -> int:
-    info = summary(load_trace(args.file))
+    info = summary(_trace(args.file))
     if args.json:
         print(json.dumps(info))
         return 0
@@ -451,128 +535,10 @@ def _cmd_predictors(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_prefetch_args(p: argparse.ArgumentParser) -> None:
-    """Proactive caching switches (engine): predictor, window, chunking, preemption, reordering."""
-    p.add_argument(
-        "--prefetch",
-        default="none",
-        metavar="NAME",
-        help="predictor for prefetching: none, next-gate, window, learned, token, eam (default none)",
-    )
-    p.add_argument(
-        "--window", type=int, metavar="K", help="predict K layers ahead (default: the predictor's)"
-    )
-    p.add_argument(
-        "--predictor",
-        metavar="PATH",
-        help="trained predictor dir (learned) or recorded trace (token, eam); default: the embedded model's",
-    )
-    p.add_argument(
-        "--prefetch-limit",
-        type=int,
-        metavar="N",
-        help="experts prefetched per predicted layer (default top-k)",
-    )
-    p.add_argument(
-        "--predictor-thread", action="store_true", help="run the predictor beside inference, not inline"
-    )
-    p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
-    p.add_argument(
-        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
-    )
-    p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
-    p.add_argument(
-        "--no-reorder", action="store_true", help="compute experts in routing order, not readiness"
-    )
-
-
-def _prefetch_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "prefetch": args.prefetch.strip().lower(),
-        "window": args.window,
-        "predictor": args.predictor,
-        "chunking": not args.no_chunking,
-        "chunk_size": args.chunk_size,
-        "preemption": not args.no_preemption,
-        "reorder": not args.no_reorder,
-        "prefetch_limit": args.prefetch_limit,
-        "predictor_thread": args.predictor_thread,
-    }
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from expertcache.engine.offloaded import load  # torch and transformers only for this command
-
-    _quiet_transformers()
-
-    if args.max_new_tokens < 1:
-        raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.record_trace:
-        _check_writable(args.record_trace)
-    model = load(
-        args.model,
-        expert_memory=args.expert_memory,
-        policy=args.policy,
-        device=args.device,
-        dtype=args.dtype,
-        link_bandwidth=args.link_bandwidth,
-        link_latency=args.link_latency,
-        slow_tier=args.slow_tier,
-        profile=args.profile,
-        miss=args.miss,
-        **_prefetch_kwargs(args),
-    )
-    try:
-        streamer = None
-        if args.stream and args.json:
-            streamer = _JsonLines(model.tokenizer)
-        elif not args.json:
-            from transformers import TextStreamer
-
-            streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        result = model.generate_text(args.prompt, max_new_tokens=args.max_new_tokens, streamer=streamer)
-        if args.record_trace:
-            model.save_trace(args.record_trace)
-    finally:
-        model.close()
-    out = result.to_dict()
-    if args.record_trace:
-        out["trace"] = args.record_trace
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(
-        f"\n---\n{out['prompt_tokens']} prompt + {out['new_tokens']} new tokens | "
-        f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
-        f"{out['tokens_per_s']:.1f} tok/s\n"
-        f"cache {out['capacity_experts']}/{out['total_experts']} experts "
-        f"({out['policy']}, {out['device']}) | "
-        f"hits {out['hits']} | misses {out['misses']} | "
-        f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
-        + (
-            f"\nprefetch {out['prefetch']} (window {out['window']}) | issued {out['prefetch_issued']} | "
-            f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
-            f"cancelled {out['prefetch_cancelled']}"
-            if out["prefetch"] != "none"
-            else ""
-        )
-        + (f"\ntrace written to {args.record_trace}" if args.record_trace else "")
-    )
-    return 0
-
-
-def _quiet_transformers() -> None:
-    """One line per problem: transformers' advice and progress bars stay out of the output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def _cmd_model_info(args: argparse.Namespace) -> int:
     from expertcache.engine.offloaded import model_info
 
-    _quiet_transformers()
+    quiet_transformers()
     info = model_info(args.path)
     if args.json:
         print(json.dumps(info))
@@ -585,7 +551,7 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
 def _cmd_model_synth(args: argparse.Namespace) -> int:
     from expertcache.engine.random_checkpoint import make_checkpoint
 
-    _quiet_transformers()
+    quiet_transformers()
     for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
         if getattr(args, name) < 1:
             raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least 1")
@@ -610,7 +576,7 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
 def _cmd_train_predictor(args: argparse.Namespace) -> int:
     from expertcache.tools.train_predictor import format_report, train_predictor
 
-    _quiet_transformers()
+    quiet_transformers()
     names = ("epochs", "hidden", "max_new_tokens")
     opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     report = train_predictor(
@@ -619,7 +585,8 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
         args.prompts,
         args.window[0] if len(args.window) == 1 else args.window,
         seed=args.seed,
-        log=None if args.json else lambda line: print(line, file=sys.stderr),
+        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+        progress=not args.json and sys.stderr.isatty(),
         **opts,
     )
     print(json.dumps(report) if args.json else format_report(report))
@@ -629,7 +596,7 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from expertcache.tools.quantize import quantize_model
 
-    _quiet_transformers()
+    quiet_transformers()
     records = quantize_model(
         args.model, args.bits, args.group, args.out, optimize=not args.fast,
         log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
@@ -648,7 +615,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     from expertcache.config import MissConfig
     from expertcache.tools.quality import format_quality, measure
 
-    _quiet_transformers()
+    quiet_transformers()
     MissConfig(args.miss)  # a bad spec is refused before anything loads
     texts = None
     if args.text:
@@ -669,7 +636,7 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
     from expertcache.tools.predictor_accuracy import evaluate_model, format_accuracy
     from expertcache.tools.train_predictor import read_prompts
 
-    _quiet_transformers()
+    quiet_transformers()
     names = [n.strip().lower() for n in args.predictors]
     for name in names:
         if predictor_class(name).sim_only:
@@ -687,35 +654,20 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         learned_path=args.predictor if trace is None else None,
         trace=trace,
+        progress=not args.json and sys.stderr.isatty(),
     )
     print(json.dumps(rows) if args.json else format_accuracy(rows))
     return 0
 
 
-class _JsonLines:
-    """Streams one JSON line per generated token: {"token": id, "text": piece}."""
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from expertcache.tools.selftest import selftest
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self._prompt = tokenizer, True
-
-    def put(self, value) -> None:
-        if self._prompt:
-            self._prompt = False
-            return
-        for tok in value.reshape(-1).tolist():
-            print(json.dumps({"token": tok, "text": self.tokenizer.decode([tok])}), flush=True)
-
-    def end(self) -> None:
-        pass
-
-
-def _check_writable(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ExpertcacheError(f"{path}: directory {parent} does not exist")
-    if os.path.isdir(path):
-        raise ExpertcacheError(f"{path}: is a directory")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    quiet_transformers()
+    log = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
+    report = selftest(args.device, quick=args.quick, log=log)
+    print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
+    if report.device_lost:  # freeing the dead GPU's memory at exit would abort with a C++ trace
+        sys.stderr.flush()
+        os._exit(1)
+    return 0 if report.ok else 1  # a failing check is a result, not bad input (2)

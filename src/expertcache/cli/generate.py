@@ -1,0 +1,465 @@
+"""``expertcache generate`` and ``expertcache chat``: text from the offloaded model, as people use it.
+
+Prompts come from ``--prompt`` (``-``: standard input), ``--prompt-file`` or, many at once, ``--prompts``
+(one a line, or JSON lines), run in left-padded batches. The text goes to stdout, everything else (the
+cache's work, timings, progress) to stderr, so ``generate ... > out.txt`` holds only the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from expertcache.cli.util import check_writable, quiet_transformers
+from expertcache.errors import ExpertcacheError
+
+CHAT_COMMANDS = "/reset (forget the conversation), /stats (the cache's work), /exit"
+
+
+# ------------------------------------------------------------------------------------ parsers
+def add_parsers(sub) -> None:
+    g = sub.add_parser("generate", help="generate text with experts offloaded under a memory budget")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt; - reads it from standard input")
+    src.add_argument("--prompt-file", metavar="FILE", help="the prompt: a whole file")
+    src.add_argument(
+        "--prompts", metavar="FILE",
+        help="many prompts: one a line (\\n for a newline) or JSON lines "
+        "({\"prompt\"|\"messages\", \"id\"}); - reads standard input; results are JSON lines",
+    )  # fmt: skip
+    g.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts run together (default 8)")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="(default 32)")
+    g.add_argument(
+        "--stream", action="store_true", help="with --json: a JSON line per token first (text always streams)"
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings, cache")
+    g.add_argument("--echo", action="store_true", help="print the prompt before the text")
+    g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
+    _add_chat_template(g, "--chat", "apply the tokenizer's chat template to the prompt (a user message)")
+    _add_common(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="talk to the model; the cache stays warm between turns")
+    c.add_argument("--system", metavar="TEXT", help="a system message first")
+    c.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per reply (default 128)")
+    _add_chat_template(c, None, None)
+    _add_common(c)
+    c.set_defaults(func=cmd_chat)
+
+
+def _add_chat_template(p, flag: str | None, what: str | None) -> None:
+    if flag:
+        p.add_argument(flag, action="store_true", help=what)
+    p.add_argument(
+        "--chat-template", metavar="FILE.jinja", help="a chat template to use (default: the tokenizer's)"
+    )
+
+
+def _add_common(p) -> None:
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--quiet", action="store_true", help="no statistics or progress on stderr")
+
+
+def _add_model_args(p) -> None:
+    p.add_argument(
+        "--model", metavar="PATH|ORG/NAME",
+        help="checkpoint folder, or a Hugging Face id in the local cache (default: the embedded model)",
+    )  # fmt: skip
+    p.add_argument("--download", action="store_true", help="download a Hugging Face id not in the cache")
+    p.add_argument(
+        "--expert-memory", default="100%", metavar="X",
+        help="bytes (6GiB, 500MB) or a share of all experts (30%%); default 100%% = no offloading",
+    )  # fmt: skip
+    p.add_argument(
+        "--policy", default="lru", metavar="NAME[:k=v,...]", help="any online policy (default lru)"
+    )
+    p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
+    p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)")
+    p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
+    p.add_argument(
+        "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"
+    )
+    p.add_argument(
+        "--miss", default="fetch", metavar="NAME[:k=v,...]",
+        help="what to do on a miss: fetch (default), host, hybrid, placement, ... (expertcache misses)",
+    )  # fmt: skip
+    add_prefetch_args(p)
+
+
+def _add_sampling_args(p) -> None:
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sample at T > 0 (default 0: greedy)"
+    )
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling cut-off (default: none)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest (default: all)")
+    p.add_argument("--seed", type=int, metavar="N", help="sampling seed (default: a fresh one, reported)")
+    p.add_argument("--repetition-penalty", type=float, metavar="R", help="e.g. 1.1 (default: none)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="end the text at TEXT (repeatable)")
+
+
+def add_prefetch_args(p: argparse.ArgumentParser) -> None:
+    """Proactive caching switches (engine): predictor, window, chunking, preemption, reordering."""
+    p.add_argument(
+        "--prefetch", default="none", metavar="NAME",
+        help="none (default), next-gate, window, adaptive, learned, token, eam (see: expertcache predictors)",
+    )  # fmt: skip
+    p.add_argument(
+        "--window", type=int, metavar="K", help="predict K layers ahead (default: the predictor's)"
+    )
+    p.add_argument(
+        "--predictor", metavar="PATH",
+        help="trained predictor dir (learned) or recorded trace (token, eam); default: the embedded model's",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-limit",
+        type=int,
+        metavar="N",
+        help="experts prefetched per predicted layer (default top-k)",
+    )
+    p.add_argument(
+        "--predictor-thread", action="store_true", help="run the predictor beside inference, not inline"
+    )
+    p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
+    p.add_argument(
+        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
+    )
+    p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
+    p.add_argument(
+        "--no-reorder", action="store_true", help="compute experts in routing order, not readiness"
+    )
+
+
+# ------------------------------------------------------------------------------------ building
+def _sampling(args):
+    from expertcache.config import SamplingConfig
+
+    return SamplingConfig(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, stop=tuple(args.stop or ()),
+    )  # fmt: skip
+
+
+def _load(args):
+    """The offloaded model the options describe; the options are checked before torch is imported."""
+    from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig
+
+    cache, miss = CacheConfig(args.policy, profile=args.profile), MissConfig(args.miss)
+    prefetch = PrefetchConfig(
+        args.prefetch, window=args.window, data=args.predictor, limit=args.prefetch_limit,
+        chunking=not args.no_chunking, chunk_size=args.chunk_size, preemption=not args.no_preemption,
+        reorder=not args.no_reorder, thread=args.predictor_thread,
+    )  # fmt: skip
+    LinkConfig(args.link_bandwidth, args.link_latency)
+    from expertcache.engine.offloaded import load
+
+    quiet_transformers()
+    model = load(
+        args.model, expert_memory=args.expert_memory, policy=cache, prefetch=prefetch, miss=miss,
+        device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
+        link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
+        progress=False if args.quiet else None,
+    )  # fmt: skip
+    for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
+        _err(f"note: {note}", args)
+    return model
+
+
+def _chat_template(model, args) -> None:
+    if args.chat_template:
+        from expertcache.tools.prompts import read_text
+
+        model.tokenizer.chat_template = read_text(args.chat_template, "chat template")
+
+
+def _err(line: str, args) -> None:
+    if not args.quiet:
+        print(line, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    from expertcache.tools.prompts import read_prompt_items, read_text
+
+    for flag in ("max_new_tokens", "batch_size"):
+        if getattr(args, flag) < 1:
+            raise ExpertcacheError(
+                f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+            )
+    if args.prompts and (args.stream or args.echo):
+        raise ExpertcacheError("--stream and --echo are for one prompt; --prompts writes JSON lines")
+    if args.chat_template and not args.chat:
+        raise ExpertcacheError("--chat-template needs --chat")
+    sampling = _sampling(args)
+    if args.record_trace:
+        check_writable(args.record_trace, "trace")
+    if args.prompts:
+        items = read_prompt_items(args.prompts)
+        _check_items(items, args)
+    else:
+        prompt = args.prompt if args.prompt not in (None, "-") else read_text(args.prompt_file or "-")
+        if args.chat and prompt.lstrip().startswith("["):
+            prompt = _messages(prompt)
+        items = None
+    model = _load(args)
+    saved = False
+    try:
+        _chat_template(model, args)
+        if items is None:
+            out = _generate_one(model, prompt, args, sampling)
+        else:
+            _generate_many(model, items, args, sampling)
+        saved = True  # tried once, whatever comes of it
+        _save_trace(model, args)
+        if items is None:
+            _print_one(out, prompt, args)
+        return 0
+    except KeyboardInterrupt:
+        _err("expertcache: interrupted", args)
+        return 130
+    finally:
+        try:
+            if not saved:  # interrupted or failed: keep what was recorded
+                try:
+                    _save_trace(model, args)
+                except ExpertcacheError as exc:
+                    print(f"expertcache: no trace written: {exc}", file=sys.stderr)
+        finally:
+            model.close()
+
+
+def _save_trace(model, args) -> None:
+    if args.record_trace:
+        model.save_trace(args.record_trace)
+        _err(f"trace written to {args.record_trace}", args)
+
+
+def _check_items(items, args) -> None:
+    """Conversations only with --chat, and well formed: refused before the model loads."""
+    from expertcache.engine.generation import check_messages
+
+    for it in items:
+        where = f"{args.prompts}:{it.line}"
+        if isinstance(it.prompt, list) and not args.chat:
+            raise ExpertcacheError(f"{where}: a conversation (messages) needs --chat")
+        if isinstance(it.prompt, list):
+            check_messages(it.prompt, where)
+        elif not it.prompt:
+            raise ExpertcacheError(f"{where}: the prompt is empty")
+
+
+def _messages(text: str) -> list:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ExpertcacheError(
+            f"the prompt starts with [ but is not a JSON list of messages ({exc.msg})"
+        ) from None
+
+
+def _generate_one(model, prompt, args, sampling) -> dict:
+    streamer = None
+    if args.echo and not args.json:
+        print(prompt if isinstance(prompt, str) else json.dumps(prompt), end="", flush=True)
+    if args.stream and args.json:
+        streamer = _JsonLines(model.tokenizer)
+    elif not args.json:  # text streams as it comes
+        streamer = _text_out(model.tokenizer, sampling.stop)
+    g = model.generate_text(
+        prompt, max_new_tokens=args.max_new_tokens, streamer=streamer, sampling=sampling, chat=args.chat
+    )
+    out = g.to_dict()
+    if args.record_trace:
+        out["trace"] = args.record_trace
+    return out
+
+
+def _print_one(out: dict, prompt, args) -> None:
+    if args.json:  # after the token lines when streaming
+        print(json.dumps({"prompt": prompt, **out} if args.echo else out))
+        return
+    _err(summary(out), args)  # the text has streamed
+
+
+def _generate_many(model, items, args, sampling) -> None:
+    done, start = 0, time.perf_counter()
+    for b in range(0, len(items), args.batch_size):
+        batch = items[b : b + args.batch_size]
+        results = model.generate_text(
+            [it.prompt for it in batch], max_new_tokens=args.max_new_tokens, sampling=sampling,
+            chat=args.chat, batch_size=len(batch),
+        )  # fmt: skip
+        for it, g in zip(batch, results, strict=True):
+            print(json.dumps({"id": it.id, "batch": b // args.batch_size, **g.to_dict()}), flush=True)
+        done += len(batch)
+        r = results[0]
+        _err(f"batch {b // args.batch_size}: {len(batch)} prompts, {sum(len(g.tokens) for g in results)} "
+             f"new tokens in {r.total_s:.2f} s ({r.tokens_per_s:.1f} tok/s) | hits {r.stats['hits']} | "
+             f"misses {r.stats['misses']} | {done}/{len(items)} prompts done", args)  # fmt: skip
+    _err(f"{len(items)} prompts in {time.perf_counter() - start:.1f} s", args)
+
+
+def summary(out: dict) -> str:
+    """The cache's work and the timings of one generation, for stderr."""
+    lines = [
+        f"---\n{out['prompt_tokens']} prompt + {out['new_tokens']} new tokens ({out['finish_reason']}) | "
+        f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
+        f"{out['tokens_per_s']:.1f} tok/s",
+        f"cache {out['capacity_experts']}/{out['total_experts']} experts ({out['policy']}, {out['device']}"
+        f"{'' if out['miss'] == 'fetch' else ', miss ' + str(out['miss'])}) | hits {out['hits']} | "
+        f"misses {out['misses']} | "
+        f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms",
+    ]
+    if out["prefetch"] != "none":
+        lines.append(
+            f"prefetch {out['prefetch']} (window {out['window']}) | issued {out['prefetch_issued']} | "
+            f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
+            f"cancelled {out['prefetch_cancelled']}"
+        )
+    if out.get("seed") is not None:
+        lines.append(f"sampled with seed {out['seed']} (--seed {out['seed']} repeats it)")
+    return "\n".join(lines)
+
+
+def _text_out(tokenizer, stop: tuple[str, ...] = ()):
+    """A generate() streamer printing the new text to stdout as it comes, ending with a newline; text
+    that may begin a stop string is held back until it is known not to, and nothing from a stop on is
+    printed, so what streams is exactly the result's text."""
+    from transformers import TextStreamer
+
+    class TextOut(TextStreamer):
+        def __init__(self) -> None:
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.pending, self.stopped = "", False
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            shown = ""
+            if not self.stopped:
+                self.pending += text
+                hits = [self.pending.find(s) for s in stop if s in self.pending]
+                if hits:
+                    shown, self.pending, self.stopped = self.pending[: min(hits)], "", True
+                else:
+                    held = 0 if stream_end else _held_back(self.pending, stop)
+                    shown, self.pending = (
+                        self.pending[: len(self.pending) - held],
+                        self.pending[len(self.pending) - held :],
+                    )
+            print(shown, end="\n" if stream_end else "", flush=True)
+
+    return TextOut()
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+class _JsonLines:
+    """Streams one JSON line per generated token: {"token": id, "text": piece}."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self._prompt = tokenizer, True
+
+    def put(self, value) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        for tok in value.reshape(-1).tolist():
+            print(json.dumps({"token": tok, "text": self.tokenizer.decode([tok])}), flush=True)
+
+    def end(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------ chat
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on standard input, a turn a line (a line ending in \\ goes on); replies stream to
+    stdout. The model stays loaded, so the cache is warm from one turn to the next."""
+    if args.max_new_tokens < 1:
+        raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = _sampling(args)
+    model = _load(args)
+    try:
+        _chat_template(model, args)
+        from expertcache.engine.generation import render
+        from expertcache.engine.hub import model_label
+
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        render(
+            model.tokenizer, system + [{"role": "user", "content": "hi"}], True
+        )  # a template, before input
+        tty = sys.stdin.isatty()
+        total = model.num_layers * model.num_experts
+        _err(f"chat with {model_label(model.path)} ({model.capacity}/{total} experts cached); "
+             f"commands: {CHAT_COMMANDS}", args)  # fmt: skip
+        _chat_loop(model, args, sampling, system, tty)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    finally:
+        model.close()
+    return 0
+
+
+def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
+    history: list[dict[str, str]] = []
+    while (line := _read_turn(tty)) is not None:
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            history = []
+            _err("(conversation forgotten; the cache stays warm)", args)
+            continue
+        if command == "/stats":
+            s = model.stats
+            print(f"hits {s['hits']} | misses {s['misses']} | moved {s['bytes_transferred'] / 2**20:.1f} MiB",
+                  file=sys.stderr)  # fmt: skip
+            continue
+        if not command:
+            continue
+        history.append({"role": "user", "content": line})
+        history = _fit(model, system, history, args)
+        g = model.generate_text(
+            system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
+            streamer=_text_out(model.tokenizer, sampling.stop),
+        )  # fmt: skip
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": g.text})
+        _err(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tok/s, hits {g.stats['hits']}, "
+             f"misses {g.stats['misses']}]", args)  # fmt: skip
+
+
+def _read_turn(tty: bool) -> str | None:
+    """One turn from standard input (None at its end); a line ending in a backslash goes on."""
+    parts: list[str] = []
+    while True:
+        if tty:  # the prompt goes to stderr: stdout holds only the replies
+            print("> " if not parts else ". ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if line == "":
+            return "\n".join(parts) if parts else None
+        line = line.rstrip("\n")
+        if not line.endswith("\\"):
+            return "\n".join([*parts, line])
+        parts.append(line[:-1])
+
+
+def _fit(model, system: list, history: list, args) -> list:
+    """The history, oldest turns dropped until the conversation and a reply fit the model's context."""
+    from expertcache.engine.generation import render
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return history
+    while True:
+        text = render(model.tokenizer, system + history, True)
+        n = len(model.tokenizer(text, add_special_tokens=False).input_ids)
+        if n + args.max_new_tokens <= limit or len(history) <= 1:
+            return history
+        history = history[2:] if len(history) > 2 else history[1:]
+        _err("(oldest turn dropped: the conversation is longer than the model's context)", args)

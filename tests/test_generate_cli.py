@@ -1,0 +1,298 @@
+"""Generation as people use it: prompts from flags, files and pipes, left-padded batches, sampling, stop
+strings, chat, Hugging Face ids in the local cache, output that pipes cleanly, work kept on Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import engine_load
+
+from expertcache.cache.recorder import Recorder
+from expertcache.cli import main
+from expertcache.config import SamplingConfig
+from expertcache.engine.generation import finish
+from expertcache.engine.loader import load_reference
+from expertcache.errors import ExpertcacheError
+from expertcache.tools.prompts import read_prompt_items
+from expertcache.trace import load_trace
+
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+PROMPTS = ["hello world", "the quick brown fox jumps over"]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def gen(capsys, path, *extra: str, new: int = 4) -> tuple[int, str, str]:
+    return run(
+        capsys, "generate", "--model", str(path), "--device", "cpu", "--max-new-tokens", str(new), *extra
+    )
+
+
+def one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (out, err)
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("expertcache: error: "), err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------ batches
+def test_a_batch_is_padded_on_the_left_and_equals_the_reference_batch(ckpt):
+    path = ckpt("mixtral")
+    with engine_load(path, 4) as model:
+        results = model.generate_text(PROMPTS, max_new_tokens=5)
+        tok = model.tokenizer
+        enc = tok(PROMPTS, return_tensors="pt", padding=True)
+        assert tok.padding_side == "left" and (enc.attention_mask[0, :1] == 0).all()  # row 0 is shorter
+        singles = [model.generate_text(p, max_new_tokens=5) for p in PROMPTS]
+    with torch.inference_mode():
+        ref = load_reference(path).generate(
+            enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=5, do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+    width = enc.input_ids.shape[1]
+    for row, g in enumerate(results):
+        want = ref[row, width:].tolist()
+        assert g.tokens == want[: len(g.tokens)] and len(g.tokens) >= 1
+        assert g.batch_size == 2 and g.prompt_tokens == int(enc.attention_mask[row].sum())
+    assert results[1].tokens == singles[1].tokens  # the longest row has no padding at all
+
+
+def test_a_list_of_prompts_runs_in_batches_of_batch_size(ckpt):
+    with engine_load(ckpt("qwen2_moe"), 8) as model:
+        results = model.generate_text(PROMPTS * 3, max_new_tokens=3, batch_size=4)
+    assert [g.batch_size for g in results] == [4, 4, 4, 4, 2, 2]
+    assert results[0].tokens == results[2].tokens == results[4].tokens
+
+
+def test_generate_prompts_file_writes_json_lines_in_order(capsys, ckpt, tmp_path):
+    path = ckpt("mixtral")
+    plain = tmp_path / "p.txt"
+    plain.write_text("hello world\n\nthe quick\\nbrown fox\n")
+    code, out, err = gen(capsys, path, "--prompts", str(plain), "--batch-size", "1")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == [1, 3] and [r["batch"] for r in rows] == [0, 1]
+    with engine_load(path) as model:
+        want = model.generate_text(["hello world", "the quick\nbrown fox"], max_new_tokens=4, batch_size=1)
+    assert [r["tokens"] for r in rows] == [g.tokens for g in want]
+    assert "2/2 prompts done" in err
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "hello world", "id": "a"}) + "\n" + json.dumps("the quick") + "\n")
+    code, out, err = gen(capsys, path, "--prompts", str(jsonl), "--quiet")
+    assert code == 0 and err == ""
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["a", 2] and rows[0]["tokens"] == want[0].tokens[
+        : len(rows[0]["tokens"])
+    ]
+
+
+def test_prompts_from_stdin_and_from_a_file(capsys, ckpt, tmp_path, monkeypatch):
+    path = ckpt("mixtral")
+    code, out, _ = gen(capsys, path, "--prompt", "hello world", "--json")
+    want = json.loads(out)["tokens"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello world"))
+    code, out, err = gen(capsys, path, "--prompt", "-", "--json")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == want
+    f = tmp_path / "prompt.txt"
+    f.write_text("hello world")
+    code, out, err = gen(capsys, path, "--prompt-file", str(f), "--json", "--echo")
+    assert json.loads(out)["tokens"] == want and json.loads(out)["prompt"] == "hello world"
+    code, out, err = gen(capsys, path, "--prompt-file", str(f), "--echo", "--quiet")
+    assert out.startswith("hello world") and err == ""
+
+
+def test_read_prompt_items_refuses_bad_json_lines(tmp_path):
+    f = tmp_path / "p.jsonl"
+    for text, words in [
+        ('{"prompt": 3}', '"prompt" must be text'),
+        ('{"prompt": "a", "messages": []}', 'an object with "prompt" or "messages"'),
+        ('{"prompt": "a", "max_tokens": 3}', "unknown key"),
+        ("{oops", "not JSON"),
+    ]:
+        f.write_text(text + "\n")
+        with pytest.raises(ExpertcacheError, match=words):
+            read_prompt_items(f)
+    f.write_text("\n\n")
+    with pytest.raises(ExpertcacheError, match="no prompts"):
+        read_prompt_items(f)
+
+
+# ------------------------------------------------------------------------------------ sampling
+def test_sampling_repeats_with_a_seed_and_reports_a_drawn_one(ckpt):
+    with engine_load(ckpt("olmoe"), 8) as model:
+        s = SamplingConfig(temperature=1.5, top_k=50, seed=7)
+        a = model.generate_text("hello", 8, sampling=s)
+        b = model.generate_text("hello", 8, sampling=s)
+        greedy = model.generate_text("hello", 8)
+        drawn = model.generate_text("hello", 8, sampling=SamplingConfig(temperature=1.5))
+        again = model.generate_text("hello", 8, sampling=SamplingConfig(temperature=1.5, seed=drawn.seed))
+    assert a.tokens == b.tokens and a.seed == 7 and greedy.seed is None
+    assert drawn.seed is not None and again.tokens == drawn.tokens
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--top-p", "0.9"], "top-p is for sampling"),
+        (["--seed", "3"], "seed is for sampling"),
+        (["--temperature", "-1"], "temperature must be"),
+        (["--temperature", "1", "--top-p", "1.5"], r"top-p must be in \(0, 1\]"),
+        (["--temperature", "1", "--top-k", "0"], "top-k must be at least 1"),
+        (["--repetition-penalty", "0"], "repetition penalty must be > 0"),
+        (["--stop", ""], "stop strings must be non-empty"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--chat-template", "x.jinja"], "--chat-template needs --chat"),
+    ],
+)
+def test_bad_sampling_options_are_one_line(capsys, ckpt, extra, words):
+    import re
+
+    line = one_line_error(*gen(capsys, ckpt("mixtral"), "--prompt", "hi", *extra))
+    assert re.search(words, line), line
+
+
+def test_a_stop_string_cuts_the_text(ckpt):
+    with engine_load(ckpt("mixtral"), 8) as model:
+        full = model.generate_text("hello world", 12)
+        assert len(full.text) > 3
+        stop = full.text[2:4]
+        cut = model.generate_text("hello world", 12, sampling=SamplingConfig(stop=(stop,)))
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+    assert cut.tokens == full.tokens[: len(cut.tokens)] and len(cut.tokens) <= len(full.tokens)
+
+
+def test_finish_cuts_at_eos_then_at_a_stop_string():
+    decode = lambda ts: "".join(chr(96 + t) for t in ts)  # noqa: E731  1 -> "a", 2 -> "b", ...
+    assert finish([1, 2, 0, 3], decode, {0}, ()) == ([1, 2, 0], "ab`", "eos")
+    assert finish([1, 2, 3, 4], decode, {0}, ("bc",)) == ([1, 2, 3], "a", "stop")
+    assert finish([1, 2], decode, {0}, ("z",)) == ([1, 2], "ab", "length")
+
+
+# ------------------------------------------------------------------------------------ chat
+def test_chat_mode_needs_a_template_and_uses_the_one_given(capsys, ckpt, tmp_path):
+    path = ckpt("mixtral")
+    line = one_line_error(*gen(capsys, path, "--prompt", "hi", "--chat"))
+    assert "no chat template" in line and "--chat-template" in line
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    code, out, err = gen(capsys, path, "--prompt", "hi", "--chat", "--chat-template", str(template), "--json")
+    assert code == 0, err
+    with engine_load(path) as model:
+        model.tokenizer.chat_template = TEMPLATE
+        want = model.generate_text("user: hi\nassistant:", 4)
+        convo = model.generate_text([{"role": "user", "content": "hi"}], 4, chat=True)
+    assert json.loads(out)["tokens"] == want.tokens == convo.tokens
+
+
+def test_the_embedded_model_has_a_plain_chat_template():
+    from transformers import AutoTokenizer
+
+    from expertcache.engine.generation import render
+    from expertcache.engine.hub import DEFAULT_MODEL
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    text = render(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], True)
+    assert text == "<|endoftext|># system: be brief\n# user: hi\n# assistant:\n"
+
+
+def test_chat_command_keeps_a_conversation_on_stdin(capsys, ckpt, tmp_path, monkeypatch):
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/stats\nmore \\\ntext\n/reset\nagain\n"))
+    code, out, err = run(
+        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
+        "--chat-template", str(template), "--expert-memory", "25%",
+    )  # fmt: skip
+    assert code == 0, err
+    assert err.count("tokens,") == 3  # three turns answered; /stats and /reset are commands
+    assert "hits" in err and "conversation forgotten" in err
+    assert out.count("\n") == 3  # one reply a line on stdout, nothing else
+
+
+# ------------------------------------------------------------------------------------ hub ids
+def test_a_hugging_face_id_is_found_in_the_local_cache_and_never_downloaded(ckpt, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-moe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(ckpt("mixtral"), repo / "snapshots" / "0123abcd")
+    from expertcache.engine import load
+
+    with load("tiny-org/tiny-moe", "50%", device="cpu", progress=False) as model:
+        assert model.path == repo / "snapshots" / "0123abcd"
+        assert len(model.generate_text("hello", 2).tokens) >= 1
+    with pytest.raises(ExpertcacheError, match="not in the local Hugging Face cache.*hf download other/moe"):
+        load("other/moe", device="cpu")
+
+
+# ------------------------------------------------------------------------------------ pipes, Ctrl-C
+def test_piping_into_head_prints_no_traceback(ckpt):
+    cmd = [sys.executable, "-m", "expertcache.cli", "generate", "--model", str(ckpt("mixtral")), "--device",
+           "cpu", "--prompt", "hello", "--max-new-tokens", "40", "--stream", "--json"]  # fmt: skip
+    p = subprocess.run(f"{' '.join(cmd)} | head -1", shell=True, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and len(p.stdout.splitlines()) == 1
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_ctrl_c_keeps_the_trace_of_what_was_generated(capsys, ckpt, tmp_path, monkeypatch):
+    from expertcache.engine.offloaded import OffloadedModel
+
+    original = OffloadedModel.generate_text
+
+    def interrupted(self, prompt, max_new_tokens=32, *a, **kw):
+        original(self, prompt, 2, *a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", interrupted)
+    out_file = tmp_path / "t.npz"
+    code, out, err = gen(capsys, ckpt("mixtral"), "--prompt", "hello", "--record-trace", str(out_file))
+    assert code == 130 and "interrupted" in err and f"trace written to {out_file}" in err
+    assert load_trace(out_file).num_tokens >= 2
+
+
+def test_a_step_cut_off_before_its_last_layer_is_left_out_of_the_trace():
+    rec = Recorder(num_layers=2, num_experts=4, top_k=1)
+    for layers in (2, 1):  # the second step stops after one layer
+        rec.begin(np.array([5]), False, np.array([0]))
+        for layer in range(layers):
+            rec.add(layer, np.array([[layer]]), None)
+    assert rec.trace().num_tokens == 1
+
+
+def test_streamed_text_stops_where_the_result_does(capsys, ckpt):
+    path = ckpt("mixtral")
+    code, out, _ = gen(capsys, path, "--prompt", "hello world", "--json", new=12)
+    text = json.loads(out)["text"]
+    stop = text[3:5]
+    code, out, _ = gen(capsys, path, "--prompt", "hello world", "--json", "--stop", stop, new=12)
+    cut = json.loads(out)
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.find(stop)]
+    code, out, err = gen(capsys, path, "--prompt", "hello world", "--stop", stop, new=12)
+    assert code == 0 and out == cut["text"] + "\n" and "(stop)" in err
+
+
+def test_text_that_may_start_a_stop_string_is_held_back():
+    from expertcache.cli.generate import _held_back
+
+    assert _held_back("abc<", ("<end>",)) == 1 and _held_back("abc<en", ("<end>",)) == 3
+    assert _held_back("abc", ("<end>",)) == 0 and _held_back("abc", ()) == 0
