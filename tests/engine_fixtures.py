@@ -1,9 +1,9 @@
 """Shared pieces of the engine tests: a tiny tokenizer, tiny checkpoints of every family, references.
 
 Everything here is built once per session in a temporary directory (nothing from the network, no
-embedded model needed): a byte-level BPE tokenizer trained on a few lines, and random-weight
-checkpoints made with ``expertcache.engine.random_checkpoint.make_checkpoint``. Import the fixtures into
-a test module (``from engine_fixtures import ...``) to use them.
+embedded model needed) by the library's own helpers, which ``expertcache selftest`` uses too: the tiny
+tokenizer and checkpoints of ``expertcache.tools.tiny``, greedy runs of ``expertcache.tools.compare``.
+Import the fixtures into a test module (``from engine_fixtures import ...``) to use them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ import torch
 from expertcache.engine.families import FAMILIES as ENGINE_FAMILIES
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
+from expertcache.tools.compare import NEW, greedy, prompt_ids  # noqa: F401  (used by the test modules)
+from expertcache.tools.tiny import (  # noqa: F401
+    PROMPT,
+    PROMPT_B,
+    SPECS,
+    TOP_K,
+    make_tiny,
+    make_tokenizer,
+    moe_layers,
+    total_experts,
+)
 
 FAMILIES = tuple(ENGINE_FAMILIES)  # every family the engine supports
 ONLINE = [name for name in POLICIES if not is_offline(name)]
@@ -27,30 +38,6 @@ NEEDS_PROFILE = ("static", "static-dist")
 
 # EXPERTCACHE_TEST_DEVICE=cuda runs the engine tests (engine and reference alike) on a GPU
 DEVICE = os.environ.get("EXPERTCACHE_TEST_DEVICE", "cpu")
-TOP_K = 2
-NEW = 6  # new tokens per greedy generation
-PROMPT = [5, 17, 42, 99, 120, 7, 250, 33]  # 8 token ids below the tiny vocabulary's 300
-PROMPT_B = [61, 3, 200, 148, 9]  # a shorter second prompt (left-padded in a batch)
-
-# Small shapes; deepseek's first layer is dense, so 3 layers give 2 MoE layers there too.
-SPECS: dict[str, dict[str, int]] = {
-    "mixtral": dict(hidden=32, layers=2, experts=8, intermediate=32),
-    "qwen2_moe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "qwen3_moe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "olmoe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "deepseek_v2": dict(hidden=32, layers=3, experts=6, intermediate=32),
-    "deepseek_v3": dict(hidden=32, layers=3, experts=6, intermediate=32),
-    "gpt_oss": dict(hidden=32, layers=2, experts=8, intermediate=32),
-    "granitemoe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-}
-
-_LINES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Mixture-of-experts models route every token to a few experts.",
-    "Experts that are not resident are loaded from the slow tier.",
-    "hello world, hello experts, hello cache",
-    "0123456789 + - * / = ( ) [ ] { } < > ! ? ; :",
-]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,40 +52,20 @@ def _one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE tokenizer (vocab ~300, ``<|endoftext|>`` as bos/eos/pad) saved to a directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_LINES * 5, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    out = tmp_path_factory.mktemp("tokenizer")
-    fast.save_pretrained(str(out))
-    return out
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
     """``make_ckpt(family, **overrides)``: a tiny checkpoint, built once per (family, overrides)."""
-    from expertcache.engine.random_checkpoint import make_checkpoint
-
     built: dict[tuple, Path] = {}
 
     def make(family: str, **overrides: object) -> Path:
         key = (family, tuple(sorted(overrides.items())))
         if key not in built:
-            kwargs = {**SPECS[family], "top_k": TOP_K, "heads": 4, "seed": 0, **overrides}
-            out = tmp_path_factory.mktemp(f"ckpt-{family}")
-            built[key] = make_checkpoint(out, family, tokenizer=tokenizer_dir, **kwargs)
+            built[key] = make_tiny(
+                tmp_path_factory.mktemp(f"ckpt-{family}"), family, tokenizer_dir, **overrides
+            )
         return built[key]
 
     return make
@@ -108,15 +75,6 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> 
 def ckpt(make_ckpt: Callable[..., Path]) -> Callable[[str], Path]:
     """``ckpt(family)``: the family's default tiny checkpoint."""
     return lambda family: make_ckpt(family)
-
-
-def moe_layers(family: str) -> int:
-    layers = SPECS[family]["layers"]
-    return layers - 1 if family.startswith("deepseek") else layers
-
-
-def total_experts(family: str) -> int:
-    return moe_layers(family) * SPECS[family]["experts"]
 
 
 def capacities(family: str, policy: str) -> list[int]:
@@ -170,23 +128,6 @@ def profile_for(path: Path):
     )
 
 
-def greedy(model, ids: torch.Tensor, mask: torch.Tensor | None = None, new: int = NEW):
-    """Greedy generation of exactly ``new`` tokens -> (sequences, logits [new, B, V]), on the CPU."""
-    device = model.device
-    with torch.inference_mode():
-        out = model.generate(
-            ids.to(device),
-            attention_mask=(torch.ones_like(ids) if mask is None else mask).to(device),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences.cpu(), torch.stack(out.logits).cpu()
-
-
 @pytest.fixture(scope="session")
 def reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``reference(path, ids, mask=None)``: transformers' eager run of the checkpoint (cached)."""
@@ -218,14 +159,6 @@ def assert_exact(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
     assert logits.shape == ref_logits.shape
     for step in range(logits.shape[0]):
         assert torch.equal(logits[step], ref_logits[step]), f"logits differ at step {step}"
-
-
-def prompt_ids(*prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded batch of prompts (pad id 0) and its attention mask."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def floor_share(total: int, percent: float) -> int:

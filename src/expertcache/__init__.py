@@ -23,6 +23,10 @@ def __getattr__(name: str):
         from expertcache import engine
 
         return getattr(engine, name)
+    if name == "selftest":
+        from expertcache.tools.selftest import selftest
+
+        return selftest
     raise AttributeError(f"module 'expertcache' has no attribute {name!r}")
 
 
@@ -46,6 +50,7 @@ __all__ = [
     "make_predictor",
     "replay",
     "run_policy",
+    "selftest",
     "simulate",
     "simulate_timing",
     "synthesize",

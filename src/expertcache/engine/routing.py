@@ -8,7 +8,8 @@ the trace's next rows, in order (prefill steps take as many rows as they have to
 the batch), every layer advancing its own position so that all layers stay on the same rows.
 
 The override is a PyTorch forward hook on each router module (``register_forward_hook``): every
-supported family's router returns ``(router_logits, top_k_weights, top_k_index)`` and the hook
+supported family's router returns ``(router_logits, top_k_weights, top_k_index)`` (in an order that
+depends on the transformers version: ``router_parts`` finds them) and the hook
 replaces the last two. Weights are the trace's when it has them, else uniform ``1/K``. A row with an
 unknown (-1) entry keeps the model's own routing for that (token, layer).
 
@@ -69,7 +70,12 @@ def router_fns(model: torch.nn.Module) -> list:
 
     def call(router: torch.nn.Module):
         p = next(router.parameters())
-        return lambda x: router.forward(x.to(p.device, p.dtype))[2]
+
+        def route(x: torch.Tensor) -> torch.Tensor:
+            out = router.forward(x.to(p.device, p.dtype))
+            return out[router_parts(out, router)[2]]
+
+        return route
 
     return [call(r) for r in moe_routers(model)]
 
@@ -151,12 +157,8 @@ class RoutingReplay:
 
     def _hook_for(self, layer: int):
         def hook(module, args, output):
-            if not (isinstance(output, tuple) and len(output) == 3):
-                raise ExpertcacheError(
-                    f"router of MoE layer {layer} ({type(module).__name__}) did not return "
-                    "(router_logits, top_k_weights, top_k_index)"
-                )
-            logits, weights, index = output
+            at = router_parts(output, module, layer)
+            logits, weights, index = (output[i] for i in at)
             rows = self._rows(layer, index.shape[0], index.device)
             experts, wts, unknown = self._tables(index.device, weights.dtype)
             new_index = experts[rows, layer].to(index.dtype).contiguous()
@@ -165,9 +167,29 @@ class RoutingReplay:
                 keep = unknown[rows, layer][:, None]
                 new_index = torch.where(keep, index, new_index)
                 new_weights = torch.where(keep, weights, new_weights)
-            return logits, new_weights, new_index
+            out = list(output)
+            out[at[1]], out[at[2]] = new_weights, new_index
+            return tuple(out)
 
         return hook
+
+
+def router_parts(output: object, module: torch.nn.Module, layer: int | None = None) -> tuple[int, int, int]:
+    """Where a router's output tuple holds (router_logits, top_k_weights, top_k_index): the order differs
+    between transformers versions (5.17's Granite-MoE returns the index first), so they are told apart by
+    type and shape: the index is the integer tensor, the weights the float tensor of the index's shape."""
+    where = f"router of MoE layer {layer} ({type(module).__name__})" if layer is not None else "router"
+    ok = isinstance(output, tuple) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)
+    ints = [i for i, t in enumerate(output) if not t.is_floating_point()] if ok else []
+    if len(ints) != 1:
+        raise ExpertcacheError(f"{where} did not return (router_logits, top_k_weights, top_k_index)")
+    index = ints[0]
+    floats = [i for i in range(3) if i != index]
+    same = [i for i in floats if output[i].shape == output[index].shape]
+    weights = same[-1] if same else None  # both match only when top-k is every expert: weights come later
+    if weights is None:
+        raise ExpertcacheError(f"{where}: no top-k weights of the index's shape {tuple(output[index].shape)}")
+    return next(i for i in floats if i != weights), weights, index
 
 
 def replay_routing(

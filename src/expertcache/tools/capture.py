@@ -12,6 +12,7 @@ Shape letters: N tokens captured, L MoE layers, H hidden size, E experts, K top-
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from expertcache.engine.routing import moe_routers
+from expertcache.engine.routing import moe_routers, router_parts
 from expertcache.errors import ExpertcacheError
 
 _ARRAYS = ("gate_input", "logits", "experts", "token_ids", "step", "prefill", "sequence")
@@ -80,7 +81,8 @@ class _Recorder:
     def _hook(self, layer: int):
         def hook(module, args, output) -> None:
             x = args[0]
-            logits, _, index = output
+            at = router_parts(output, module, layer)
+            logits, index = output[at[0]], output[at[2]]
             self.calls[layer].append(
                 (
                     _np(x.reshape(-1, x.shape[-1])),  # [T, H]
@@ -106,10 +108,12 @@ def capture(
     tokenizer,
     prompts: Sequence[str],
     max_new_tokens: int = 32,
+    progress: bool = False,
 ) -> Captured:
     """Greedy generation of ``max_new_tokens`` after each prompt, with every router's traffic recorded.
 
     A prompt longer than the model's context less ``max_new_tokens`` keeps its first tokens.
+    ``progress``: a progress bar of the prompts on stderr.
     """
     if max_new_tokens < 1:
         raise ExpertcacheError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -121,7 +125,7 @@ def capture(
     max_prompt_tokens = max(1, context - max_new_tokens) if context else None
     parts: list[Captured] = []
     step0 = 0
-    for seq, prompt in enumerate(prompts):
+    for seq, prompt in enumerate(_bar(prompts, progress)):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, :max_prompt_tokens].to(device)
         rec = _Recorder(routers)
         try:
@@ -138,6 +142,14 @@ def capture(
         parts.append(_assemble(rec.calls, out[0].cpu().numpy(), ids.shape[1], seq, step0))
         step0 = int(parts[-1].step[-1]) + 1
     return Captured(*(np.concatenate([getattr(p, n) for p in parts]) for n in _ARRAYS))
+
+
+def _bar(prompts: Sequence[str], show: bool):
+    if not show:
+        return prompts
+    from tqdm.auto import tqdm
+
+    return tqdm(prompts, desc="capturing routing", unit="prompt", leave=False, file=sys.stderr)
 
 
 def _assemble(calls, sequence: np.ndarray, prompt_len: int, seq: int, step0: int) -> Captured:
