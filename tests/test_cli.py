@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,8 +12,11 @@ import numpy as np
 import pytest
 
 from expertcache.cli import main
+from expertcache.errors import ExpertcacheError
 from expertcache.policy import POLICIES
 from expertcache.trace import load_trace, synthesize
+from expertcache.trace.default import default_trace
+from expertcache.trace.stats import summary
 
 
 @pytest.fixture
@@ -162,6 +166,96 @@ def test_trace_synth_then_info(capsys, tmp_path):
     assert all(0 < h <= np.log2(6) + 1e-9 for h in info["entropy_bits"])
 
 
+def test_trace_info_default_is_the_embedded_trace(capsys):
+    code, out, err = run(capsys, "trace", "info", "default", "--json")
+    assert code == 0, err
+    assert json.loads(out) == summary(default_trace())
+
+
+def test_sim_checks_the_plot_path_before_the_replays(capsys, trace_file, tmp_path, monkeypatch):
+    import expertcache.cli as cli
+
+    def no_replays(*args, **kwargs):
+        raise AssertionError("replayed before the plot path was checked")
+
+    monkeypatch.setattr(cli, "simulate", no_replays)
+    code, out, err = run(capsys, "sim", str(trace_file), "--plot", str(tmp_path / "missing" / "p.png"))
+    assert code == 2 and out == ""
+    assert err.strip() == f"expertcache: error: {tmp_path / 'missing' / 'p.png'}: cannot write the plot: " \
+        f"directory {tmp_path / 'missing'} does not exist"  # fmt: skip
+
+
+def test_sim_prints_its_results_before_the_plot(capsys, trace_file, tmp_path, monkeypatch):
+    import expertcache.cli as cli
+
+    def fails(*args, **kwargs):
+        raise ExpertcacheError("disk full")
+
+    monkeypatch.setattr(cli, "plot_curves", fails)
+    code, out, err = run(capsys, "sim", str(trace_file), "--capacity", "8", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "miss ratio" in out and err == "expertcache: error: disk full\n"
+
+
+def test_sim_dist_budgets_run_only_at_their_sum(capsys, trace_file):
+    argv = ["sim", str(trace_file), "--policy", "lru-dist:budgets=2/2/2/4", "--policy", "lru", "--json"]
+    code, out, err = run(capsys, *argv, "--capacity", "8", "10", "12")
+    assert code == 0
+    rows = [(r["policy"], r["capacity"]) for r in json.loads(out)]
+    assert rows == [("lru-dist", 10), ("lru", 8), ("lru", 10), ("lru", 12)]
+    assert err == "note: lru-dist left out at capacities other than 10 (its budgets sum to 10)\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--expert-memory", "-5%"], "expert memory '-5%' must be a share in (0%, 100%]"),
+        (["--expert-memory", "-5GiB"], "expert memory '-5GiB' must be a non-negative size"),
+        (["--link-latency", "-1ms"], "--link-latency '-1ms' must be a non-negative duration"),
+        (["--expert-bytes", "-5MB"], "--expert-bytes '-5MB' must be a non-negative size"),
+        (["--capacity", "-3"], "capacity must be at least 1 expert, got -3"),  # as argparse already did
+    ],
+)
+def test_a_negative_value_with_a_unit_is_the_options_value(capsys, argv, message):
+    """argparse takes ``-5%`` for an option ("expected one argument"); it is the value, and refused."""
+    code, out, err = run(capsys, "timing", *argv)
+    assert code == 2 and out == ""
+    assert err == f"expertcache: error: {message}\n"
+
+
+def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, action) for every argument of every command and subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        elif action.dest != "help":
+            yield path, action
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from expertcache.cli import _build_parser
+
+    options = list(_options(_build_parser()))
+    assert len(options) > 100
+    for path, action in options:
+        where = f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+        assert action.help, f"{where} has no help"
+        if action.default not in (None, False, argparse.SUPPRESS):
+            assert "default" in action.help, f"{where}: help does not show the default {action.default!r}"
+
+
+def test_help_texts_that_users_read_first():
+    from expertcache.cli import _build_parser
+
+    helps = {(" ".join(p), a.option_strings[0] if a.option_strings else a.dest): a.help
+             for p, a in _options(_build_parser())}  # fmt: skip
+    assert "default 32" in helps["generate", "--max-new-tokens"]
+    assert "100%% = no offloading" in helps["generate", "--expert-memory"]
+    assert helps["timing", "--predictor"] == "a recorded trace for token (required) and eam to learn from"
+    assert "flat" in helps["sim", "--order"] and "default" in helps["sim", "--order"]
+    assert "default" in helps["trace info", "file"]
+
+
 def test_policies_lists_every_registered_name(capsys):
     code, out, _ = run(capsys, "policies")
     assert code == 0
@@ -183,6 +277,22 @@ BAD_INPUTS = [
         "layer 0 gets 1 slot(s), below top-k 2",
     ),
     (["sim", "{trace}", "--policy", "lru-dist", "--capacity", "2", "4"], "needs capacity >= 8"),
+    (
+        ["sim", "{trace}", "--policy", "lru-dist:budgets=2/2/2/2", "--capacity", "10"],
+        "lru-dist needs capacity 8 (its budgets sum to 8)",  # not a capacity of 10 with 8 used
+    ),
+    (
+        ["sim", "{trace}", "--policy", "lru-dist:budgets=4/4/4/4", "--capacity", "8"],
+        "lru-dist needs capacity 16 (its budgets sum to 16)",
+    ),
+    (
+        ["sim", "{trace}", "--policy", "static:profile=run.npz"],
+        "the usage profile is not a policy parameter; give it as --policy static --profile TRACE.npz",
+    ),
+    (["sim", "{trace}", "--plot", "/nonexistent/dir/p.png"], "directory /nonexistent/dir does not exist"),
+    (["sim", "{trace}", "--plot", "{out}.docx"], "cannot write a .docx plot; use .png, .svg or .pdf"),
+    (["sim", "{trace}", "--capacity", "-3"], "capacity must be at least 1 expert, got -3"),
+    (["trace", "info", "{missing}", "--json"], "no such trace file"),
     (["sim", "{trace}", "--capacity", "abc"], "not an integer"),
     (["sim", "{trace}", "--order", "sideways"], "invalid choice"),
     (["trace", "info", "{missing}"], "no such trace file"),

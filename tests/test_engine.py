@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 
@@ -237,7 +238,7 @@ def test_budget_in_bytes_and_as_a_share_gives_the_capacity(ckpt):
     for budget, want in [
         (5 * slot, 5),
         (5 * slot + slot - 1, 5),
-        (str(3 * slot), 3),
+        (f"{3 * slot}B", 3),
         (f"{7 * slot / 1024}KiB", 7),
         ("6GiB", total),
         (10**12, total),
@@ -326,7 +327,10 @@ def test_bad_checkpoints_raise_one_clear_error(kind, message, bad_ckpt):
         ({"expert_memory": "12 parsecs"}, "not a size"),
         ({"expert_memory": "150%"}, "share"),
         ({"expert_memory": "0%"}, "share"),
-        ({"expert_memory": "-1GB"}, "not a size"),
+        ({"expert_memory": "-1GB"}, "non-negative size"),
+        ({"expert_memory": "6"}, "needs a unit: 6B, 6MB or 6GiB"),
+        ({"link_latency": "20"}, "link latency '20' needs a unit: 20us, 20ms or 20s"),
+        ({"link_bandwidth": "16"}, "link bandwidth '16' needs a unit: 16GB/s or 16MB/s"),
         ({"expert_memory": 1}, "at least 2"),
         ({"link_bandwidth": "fast"}, "link bandwidth"),
         ({"link_bandwidth": "0GB/s"}, "must be positive"),
@@ -405,7 +409,7 @@ def test_generate_text_reports_the_work_of_the_call(ckpt):
 @pytest.mark.parametrize(
     ("text", "value"),
     [
-        ("1234", 1234),
+        ("1234B", 1234),
         (1234, 1234),
         (2.5, 2.5),
         ("500MB", 500 * 10**6),
@@ -435,8 +439,8 @@ def test_parse_rate_and_duration():
     assert parse_rate("16GB/s") == 16e9
     assert parse_rate("500MiB/s") == 500 * 2**20
     assert parse_rate(1e6) == 1e6
-    assert parse_rate("2048") == 2048
-    for bad in ("0GB/s", "0", "fast", "-1GB/s", "GB/s"):
+    assert parse_rate("2048B/s") == 2048
+    for bad in ("0GB/s", "0", "fast", "-1GB/s", "GB/s", "2048", "inf"):
         with pytest.raises(ExpertcacheError, match="bandwidth"):
             parse_rate(bad)
     assert parse_duration("20us") == pytest.approx(20e-6)
@@ -446,9 +450,30 @@ def test_parse_rate_and_duration():
     assert parse_duration("7ns") == pytest.approx(7e-9)
     assert parse_duration(0.25) == 0.25
     assert parse_duration("0") == 0
-    for bad in ("soon", "-1ms", "1 hour", ""):
+    for bad in ("soon", "-1ms", "1 hour", "", "-5"):
         with pytest.raises(ExpertcacheError, match="latency"):
             parse_duration(bad)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "message"),
+    [
+        (parse_duration, "20", "latency '20' needs a unit: 20us, 20ms or 20s"),
+        (parse_duration, "1.5", "needs a unit: 1.5us, 1.5ms or 1.5s"),
+        (parse_rate, "16", "bandwidth '16' needs a unit: 16GB/s or 16MB/s"),
+        (parse_rate, "16GB", "bandwidth '16GB' is a size, not a rate: write 16GB/s"),
+        (parse_size, "500", "size '500' needs a unit: 500B, 500MB or 500GiB"),
+        (parse_size, "-5MB", "size '-5MB' must be a non-negative size"),
+        (parse_duration, "-1ms", "must be a non-negative duration"),
+    ],
+)
+def test_bare_numbers_need_a_unit(parse, text, message):
+    """Text without a unit is refused (20 seconds of latency is too easy to mean 20us); 0 needs none,
+    and Python numbers are in base units (bytes, seconds, bytes per second)."""
+    with pytest.raises(ExpertcacheError, match=re.escape(message)):
+        parse(text)
+    assert parse_duration("0") == parse_size("0") == 0
+    assert parse_duration(20) == 20 and parse_size(500) == 500 and parse_rate(16) == 16
 
 
 def test_capacity_for():
@@ -691,3 +716,40 @@ def test_loading_shows_progress_bars_when_asked(ckpt, capfd):
             pass
         err = capfd.readouterr().err
         assert ("dense weights" in err and "experts to host memory" in err) == progress
+
+
+def test_router_outputs_are_found_in_either_order_transformers_uses():
+    """transformers 5.23 routers return (logits, weights, index); 5.17's Granite-MoE (index, weights,
+    logits): the gate-input predictors and routing replay find the index by type and shape."""
+    from expertcache.engine.routing import router_parts
+
+    logits, weights, index = torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[1, 2], [0, 3], [4, 5]])
+    module = torch.nn.Linear(2, 2)
+    assert router_parts((logits, weights, index), module) == (0, 1, 2)
+    assert router_parts((index, weights, logits), module) == (2, 1, 0)
+    with pytest.raises(ExpertcacheError, match="did not return"):
+        router_parts((logits, weights), module, 3)
+    with pytest.raises(ExpertcacheError, match="no top-k weights"):
+        router_parts((logits, torch.rand(3, 5), index), module)
+
+
+def test_gate_input_routing_and_replay_with_a_router_in_the_older_order(ckpt):
+    from expertcache.engine.routing import moe_routers, replay_routing, router_fns
+
+    with engine_load(ckpt("mixtral"), 4) as model:
+        model.generate_text("hello", 2)
+        trace = model.trace()
+        router = moe_routers(model.model)[0]
+        x = torch.randn(trace.num_tokens, model.config.hidden_size)
+        logits, weights, index = router.forward(x)
+        want = router_fns(model.model)[0](x)
+        forward = router.forward
+        router.forward = lambda h: tuple(reversed(forward(h)))  # transformers 5.17's Granite-MoE order
+        assert torch.equal(router_fns(model.model)[0](x), want)
+        replay = replay_routing(model.model, trace)
+        try:
+            got = replay._hook_for(0)(router, (x,), (index, weights, logits))
+        finally:
+            replay.remove()
+    assert got[2] is logits and got[1].shape == weights.shape  # the same order back, logits untouched
+    assert got[0].tolist() == trace.experts[:, 0].tolist()  # the trace's experts, in the index's place

@@ -132,7 +132,7 @@ def test_recorded_trace_replays_to_the_same_misses(capsys, ckpt, tmp_path, polic
     trace_file = tmp_path / "t.npz"
     if not memory.endswith("%"):  # a number of experts, as bytes
         with engine_load(path) as model:
-            memory = str(int(memory) * model.layout.slot_bytes)
+            memory = f"{int(memory) * model.layout.slot_bytes}B"
     code, out, err = generate(
         capsys,
         path,
@@ -159,16 +159,16 @@ def test_recorded_trace_replays_to_the_same_misses(capsys, ckpt, tmp_path, polic
     assert sim.misses == gen["misses"]
 
 
-def test_generate_text_mode_prints_the_text_and_a_stats_table(capsys, ckpt):
+def test_generate_text_mode_prints_the_text_on_stdout_and_the_stats_on_stderr(capsys, ckpt):
     path = ckpt("mixtral")
     code, out, err = generate(capsys, path, "--json", "--expert-memory", "25%")
     assert code == 0, err
     r = json.loads(out)
     code, out, err = generate(capsys, path, "--expert-memory", "25%")
     assert code == 0, err
-    text, sep, table = out.partition("\n---\n")
-    assert sep, out
-    assert text.strip() == r["text"].strip()
+    assert out == r["text"] + "\n"  # stdout holds the text alone: `generate ... > out.txt`
+    _, sep, table = err.partition("---\n")
+    assert sep, err
     assert f"hits {r['hits']}" in table and f"misses {r['misses']}" in table
     assert f"{r['prompt_tokens']} prompt + {r['new_tokens']} new tokens" in table
     assert f"cache {r['capacity_experts']}/{r['total_experts']} experts (lru, cpu)" in table
@@ -248,7 +248,23 @@ def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
         (["--policy", "nope"], "unknown policy 'nope'"),
         (["--policy", "opt"], "simulator only"),
         (["--policy", "opt-dist"], "simulator only"),
-        (["--policy", "static"], "profile"),
+        (["--policy", "static"], "usage profile: pass --profile TRACE.npz"),
+        (
+            ["--policy", "static:profile=run.npz"],
+            "not a policy parameter; give it as --policy static --profile",
+        ),
+        (["--link-latency", "20"], "link latency '20' needs a unit: 20us, 20ms or 20s"),
+        (["--link-bandwidth", "16"], "link bandwidth '16' needs a unit: 16GB/s or 16MB/s"),
+        (["--expert-memory", "6"], "expert memory '6' needs a unit: 6B, 6MB or 6GiB"),
+        (["--expert-memory", "-5%"], r"expert memory '-5%' must be a share in \(0%, 100%\]"),
+        (["--expert-memory=-5%"], r"expert memory '-5%' must be a share in \(0%, 100%\]"),
+        (["--chunk-size", "100"], "chunk size '100' needs a unit"),
+        (
+            ["--prefetch", "learned"],
+            "bundled learned predictor is for the embedded model; .* train-predictor",
+        ),
+        (["--prefetch", "token"], "needs a recorded trace of this model .*--predictor TRACE.npz"),
+        (["--policy", "lru-dist:budgets=2/2"], r"budgets sum to 4; give budgets that sum to \d+"),
         (["--policy", "lru-dist", "--expert-memory", "3KB"], "needs at least 4"),
         (["--max-new-tokens", "0"], "at least 1"),
         (["--max-new-tokens", "-3"], "at least 1"),
@@ -281,6 +297,58 @@ def test_generate_prompt_longer_than_the_context(capsys, make_ckpt):
     assert "exceeds the model's context of 16" in line
     code, out, err = generate(capsys, path, "--json", prompt="hello", new=3)
     assert code == 0, err
+
+
+def test_generate_notes_expert_memory_capped_at_all_experts(capsys, ckpt):
+    path = ckpt("mixtral")
+    code, out, err = generate(capsys, path, "--json", "--expert-memory", "6GiB", new=2)
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["capacity_experts"] == r["total_experts"] == total_experts("mixtral")
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "expert memory 6GiB is more than all experts take; capped at" in notes[0]
+    assert notes[0].endswith("(100%: no offloading)")
+
+
+def test_generate_refuses_an_unwritable_trace_before_loading(capsys, ckpt, tmp_path, monkeypatch):
+    import expertcache.engine.offloaded as offloaded
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded the model before checking the trace path")
+
+    monkeypatch.setattr(offloaded, "load", no_load)
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode)
+    )
+    out_file = tmp_path / "t.npz"  # root may write anywhere: the check is what is tested here
+    line = one_line_error(*generate(capsys, ckpt("mixtral"), "--record-trace", str(out_file)))
+    assert line == f"expertcache: error: {out_file}: cannot write the trace: permission denied"
+
+
+def test_model_synth_replaces_an_older_sharded_checkpoint(capsys, tmp_path, tokenizer_dir):
+    out = tmp_path / "m"
+    synth = ("model", "synth", "--family", "mixtral", "-o", str(out), "--tokenizer", str(tokenizer_dir))
+    code, _, err = run(capsys, *synth, "--max-shard-size", "100KB")
+    assert code == 0, err
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 2
+    code, _, err = run(capsys, *synth, "--layers", "3")
+    assert code == 0, err
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]  # no stale index
+    code, out_text, err = run(capsys, "model", "info", str(out), "--json")
+    assert code == 0 and json.loads(out_text)["moe_layers"] == 3, err
+
+
+def test_model_synth_refuses_a_folder_that_is_not_a_checkpoint(capsys, tmp_path, tokenizer_dir):
+    from expertcache.engine.offloaded import DEFAULT_MODEL
+
+    (tmp_path / "notes.txt").write_text("mine")
+    synth = ("model", "synth", "--family", "mixtral", "--tokenizer", str(tokenizer_dir), "-o")
+    line = one_line_error(*run(capsys, *synth, str(tmp_path)))
+    assert line.endswith("not empty and not a checkpoint (no config.json); choose a new or empty folder")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    line = one_line_error(*run(capsys, "model", "synth", "--family", "mixtral", "-o", str(DEFAULT_MODEL)))
+    assert line.endswith("is the checkpoint the tokenizer comes from; choose another folder")
 
 
 def test_generate_rejects_a_malformed_link_latency_even_without_bandwidth(capsys, ckpt):

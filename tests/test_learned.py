@@ -321,9 +321,22 @@ class TestCli:
             (["--model", "/nonexistent/model"], "no such checkpoint directory"),
             (["--window", "0"], "windows must be integers >= 1"),
             (["--window", "two"], "invalid int value"),
+            (["--window", "2", "4"], f"window 4 reaches past the first of {{tiny}}'s {LAYERS} MoE layers"),
+            (["--window", "9"], f"use a window in 1..{LAYERS - 1}"),
+            (["--out", "{file}/pred"], "cannot write the predictor there"),
         ],
     )
-    def test_bad_model_or_window_is_one_line_and_exit_2(self, tiny, tmp_path, capsys, extra, match):
+    def test_bad_model_or_window_is_one_line_and_exit_2(
+        self, tiny, tmp_path, capsys, monkeypatch, extra, match
+    ):
+        import expertcache.tools.train_predictor as tp
+
+        def no_capture(*args, **kwargs):
+            raise AssertionError("captured before the options were checked")
+
+        monkeypatch.setattr(tp, "capture", no_capture)
+        (tmp_path / "file").write_text("")
+        extra = [a.format(file=tmp_path / "file") for a in extra]
         argv = ["train-predictor", "--model", str(tiny), "--out", str(tmp_path / "o"), *extra]
         try:
             code = main(argv)
@@ -331,4 +344,28 @@ class TestCli:
             code = e.code
         err = capsys.readouterr().err
         assert code == 2
-        assert len(err.strip().splitlines()) == 1 and match in err
+        assert len(err.strip().splitlines()) == 1 and match.format(tiny=tiny) in err
+
+    def test_predictor_accuracy_refuses_the_bundled_predictor_before_capturing(
+        self, tiny, capsys, monkeypatch
+    ):
+        import expertcache.tools.predictor_accuracy as pa
+
+        def no_capture(*args, **kwargs):
+            raise AssertionError("captured before the predictors were built")
+
+        monkeypatch.setattr(pa, "capture", no_capture)
+        code = main(["predictor-accuracy", "--model", str(tiny), "--predictors", "learned", "--window", "2"])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert "the bundled learned predictor is for the embedded model" in err
+        assert "train-predictor --model MODEL --out DIR), then pass --predictor DIR" in err
+
+    def test_capture_progress_goes_to_stderr_only(self, tiny, capsys):
+        from expertcache.tools.capture import capture, load_for_capture
+
+        model, tokenizer = load_for_capture(tiny)
+        got = capture(model, tokenizer, PROMPTS[:2], 2, progress=True)
+        out, err = capsys.readouterr()
+        assert out == "" and "capturing routing" in err
+        assert np.unique(got.sequence).tolist() == [0, 1]

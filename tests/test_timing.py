@@ -601,12 +601,29 @@ def test_cli_switches_and_cost_file(capsys, trace_file, tmp_path):
     )
     d = json.loads(run_cli(capsys, *args)[1])
     assert d["capacity"] == 8 and d["cost"]["link_latency"] == 1e-3 and d["cost"]["chunk_bytes"] is None
-    d = json.loads(run_cli(capsys, *args, "--chunk-size", "1", "--no-reorder", "--no-preemption")[1])
+    d = json.loads(run_cli(capsys, *args, "--chunk-size", "1B", "--no-reorder", "--no-preemption")[1])
     assert d["chunks_per_expert"] == 3 and not d["reorder"] and not d["preemption"]
     d = json.loads(run_cli(capsys, *args, "--no-chunking")[1])
     assert d["chunks_per_expert"] == 1
-    code, _, err = run_cli(capsys, *args, "--chunk-size", "1", "--no-chunking")  # never silently ignored
+    code, _, err = run_cli(capsys, *args, "--chunk-size", "1B", "--no-chunking")  # never silently ignored
     assert code == 2 and "chunking off" in err
+
+
+def test_cli_expert_memory_above_all_experts_is_capped_with_a_note(capsys, trace_file):
+    argv = ("timing", "--trace", str(trace_file), "--expert-bytes", "1MiB", "--json")
+    code, out, err = run_cli(capsys, *argv, "--expert-memory", "6GiB")
+    assert code == 0 and json.loads(out)["capacity"] == 32  # 4 layers x 8 experts
+    assert err == "note: --expert-memory 6GiB is more than all 32 experts take; capped at 32.0 MiB " \
+        "(100%: no offloading)\n"  # fmt: skip
+    code, out, err = run_cli(capsys, *argv, "--expert-memory", "16MiB")
+    assert code == 0 and json.loads(out)["capacity"] == 16 and err == ""
+
+
+def test_cli_budgets_that_fill_the_capacity_run(capsys, trace_file):
+    argv = ("timing", "--trace", str(trace_file), "--policy", "lru-dist:budgets=2/2/2/4", "--json")
+    code, out, err = run_cli(capsys, *argv, "--capacity", "10")
+    assert code == 0, err
+    assert json.loads(out)["capacity"] == 10
 
 
 def test_cli_text_on_the_default_trace(capsys):
@@ -618,13 +635,34 @@ def test_cli_text_on_the_default_trace(capsys):
     "argv, words",
     [
         (["--window", "2"], "needs --prefetch NAME"),
-        (["--link-bandwidth", "fast"], "link_bandwidth"),
+        (["--link-bandwidth", "fast"], "--link-bandwidth 'fast' is not a rate"),
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),
         (["--prefetch", "next-gate"], "has none"),
         (["--capacity", "1"], "below top-k"),
         (["--cost", "/nonexistent.json"], "cannot read"),
         (["--capacity", "4", "--expert-memory", "50%"], "not allowed with"),
+        (["--capacity", "0"], "capacity must be at least 1 expert, got 0"),  # not the default 50%
+        (["--capacity", "-3"], "capacity must be at least 1 expert, got -3"),
+        (["--expert-memory", "-5%"], "expert memory '-5%' must be a share in (0%, 100%]"),
+        (["--expert-memory=-5%"], "expert memory '-5%' must be a share in (0%, 100%]"),
+        (["--expert-memory", "1KB"], "--expert-memory 1KB holds no expert"),
+        (["--expert-memory", "6"], "expert memory '6' needs a unit: 6B, 6MB or 6GiB"),
+        (["--link-latency", "20"], "--link-latency '20' needs a unit: 20us, 20ms or 20s"),
+        (["--link-latency", "-1ms"], "--link-latency '-1ms' must be a non-negative duration"),
+        (["--link-bandwidth", "16"], "--link-bandwidth '16' needs a unit: 16GB/s or 16MB/s"),
+        (["--dense-time", "1ms,2"], "--dense-time '2' needs a unit: 2us, 2ms or 2s"),
+        (["--expert-bytes", "1000"], "--expert-bytes '1000' needs a unit"),
+        (["--chunk-size", "100"], "--chunk-size '100' needs a unit"),
+        (["--policy", "static:profile=x.npz"], "give it as --policy static --profile TRACE.npz"),
+        (
+            ["--policy", "lru-dist:budgets=2/2/2/2", "--capacity", "10"],
+            "holds 10 expert(s) but policy lru-dist's budgets sum to 8; give budgets that sum to 10",
+        ),
+        (
+            ["--policy", "lru-dist:budgets=4/4/4/4", "--capacity", "10"],
+            "needs at least 16 (its budgets sum to 16)",
+        ),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):

@@ -237,10 +237,7 @@ def _parse_field(name: str, value: object) -> object:
         raise ExpertcacheError(f"{what}: expected a number or a string with a unit, got {value!r}")
     if name != "link_bandwidth":
         return parse_duration(value, what)
-    try:
-        return parse_rate(value, what)
-    except ExpertcacheError:
-        raise ExpertcacheError(f"{what}: {value!r} is not a rate (examples: 16GB/s, 500MiB/s, inf)") from None
+    return parse_rate(value, what)
 
 
 def quantized_bytes(nbytes: int, bits: int, base_bits: int = 16, group: int = 64) -> int:

@@ -13,7 +13,13 @@ from expertcache.cache.residency import Residency
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissPath
 from expertcache.policy.base import PolicyContext
-from expertcache.policy.registry import make_policy, min_capacity, parse_policy
+from expertcache.policy.registry import (
+    capacity_reason,
+    fixed_capacity,
+    make_policy,
+    min_capacity,
+    parse_policy,
+)
 from expertcache.units import format_bytes
 
 
@@ -54,10 +60,16 @@ def build_parts(
         cap = max(1, cap)
         need = ctx.top_k if spec.min_room is None else spec.min_room
         low = min_capacity(name, ctx.num_layers, params, min_room=need)
+        why = capacity_reason(name, params, need)
         if cached and cap < low:
             raise ExpertcacheError(
-                f"the {spec.name!r} part holds {cap} expert(s); policy {name} needs at least {low} "
-                f"(each layer needs {need} slot(s))"
+                f"the {spec.name!r} part holds {cap} expert(s); policy {name} needs at least {low} ({why})"
+            )
+        fixed = fixed_capacity(name, params)
+        if cached and fixed is not None and cap > fixed:
+            raise ExpertcacheError(
+                f"the {spec.name!r} part holds {cap} expert(s) but policy {name}'s budgets sum to {fixed}; "
+                f"give budgets that sum to {cap}, or a capacity or expert memory of {fixed} expert(s)"
             )
         pol = make_policy(name, replace(ctx, capacity=max(cap, low)), **params)
         short = [layer for layer in range(ctx.num_layers) if layer not in host and pol.room(layer) < need]

@@ -68,9 +68,13 @@ def find_copy(model: str | Path, bits: int, group: int) -> Path:
             if meta.get("fingerprint") != want:
                 raise MissPathError(f"{path}: made for another checkpoint (run expertcache quantize again)")
             return path
+    from expertcache.engine.hub import EMBEDDED, model_label
+
+    name = model_label(Path(model))
+    arg = "" if name == EMBEDDED else f" {model}"
     raise MissPathError(
-        f"no int{bits} copies (group {group}) of {model}: build them once with "
-        f"'expertcache quantize {model} --bits {bits} --group {group}'"
+        f"no int{bits} copies (group {group}) of {name}: build them once with "
+        f"'expertcache quantize{arg} --bits {bits} --group {group}'"
     )
 
 

@@ -16,6 +16,10 @@ from expertcache.engine.families import FAMILIES
 from expertcache.errors import ExpertcacheError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_CHECKPOINT_FILES = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+    "pytorch_model*.bin", "pytorch_model*.bin.index.json",
+)  # fmt: skip
 
 
 def _family_kwargs(family: str, experts: int, top_k: int, inter: int, hidden: int, heads: int) -> dict:
@@ -54,6 +58,30 @@ def _family_kwargs(family: str, experts: int, top_k: int, inter: int, hidden: in
     return kw
 
 
+def _prepare_out(out: Path, tok_dir: Path) -> None:
+    """Refuse an output folder that is a file, holds something other than a checkpoint (a checkpoint is
+    overwritten), or is the folder the tokenizer comes from (the embedded model, by default)."""
+    if out.exists() and not out.is_dir():
+        raise ExpertcacheError(f"{out}: exists and is not a directory")
+    if out.is_dir() and tok_dir.is_dir() and out.resolve() == tok_dir.resolve():
+        raise ExpertcacheError(f"{out}: is the checkpoint the tokenizer comes from; choose another folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ExpertcacheError(
+            f"{out}: not empty and not a checkpoint (no config.json); choose a new or empty folder"
+        )
+
+
+def _clear_checkpoint(out: Path) -> None:
+    """Remove an older checkpoint's weights, index and config, so that no stale shard or index stays
+    beside the new files (transformers reads an index before a single file)."""
+    if not out.is_dir():
+        return
+    for pattern in _CHECKPOINT_FILES:
+        for f in out.glob(pattern):
+            if f.is_file():
+                f.unlink()
+
+
 def make_checkpoint(
     out: str | Path,
     family: str = "mixtral",
@@ -83,6 +111,7 @@ def make_checkpoint(
     from expertcache.engine.offloaded import DEFAULT_MODEL
 
     tok_dir = Path(tokenizer) if tokenizer is not None else DEFAULT_MODEL
+    _prepare_out(Path(out), tok_dir)
     if not (tok_dir / "tokenizer.json").is_file():
         raise ExpertcacheError(f"{tok_dir}: no tokenizer.json to copy the tokenizer from")
     try:
@@ -105,6 +134,7 @@ def make_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)
+    _clear_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), **kwargs)

@@ -75,14 +75,26 @@ def min_capacity(
     return min_room
 
 
+def fixed_capacity(name: str, params: dict[str, object] | None = None) -> int | None:
+    """The one capacity a -dist policy with given budgets fills (their sum; at a larger one, slots would
+    stay empty under its name), None for a policy that fills any capacity."""
+    budgets = (params or {}).get("budgets")
+    factory = _lookup(name)
+    if isinstance(factory, partial) and factory.func is Dist and isinstance(budgets, list):
+        return sum(budgets)
+    return None
+
+
+def capacity_reason(name: str, params: dict[str, object] | None = None, min_room: int = 1) -> str:
+    """Why ``min_capacity`` is what it is, for messages: the budgets given, or a layer's room."""
+    fixed = fixed_capacity(name, params)
+    return f"its budgets sum to {fixed}" if fixed is not None else f"each layer needs {min_room} slot(s)"
+
+
 def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
     """Build a registered policy; unknown names or parameters raise PolicyError."""
     factory = _lookup(name)
-    allowed = _parameters(name)
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        takes = ", ".join(allowed) if allowed else "no parameters"
-        raise PolicyError(f"policy {name!r} does not take {', '.join(unknown)} (it takes {takes})")
+    _check_parameters(name, params)
     try:
         return factory(ctx, **params)
     except TypeError as e:  # a parameter of the wrong type
@@ -93,12 +105,26 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
     """Parse 'name' or 'name:key=value,key=value' (budgets as 2/2/3) into (name, params)."""
     name, params = parse_spec(spec, "policy", PolicyError)
     _lookup(name)
+    if "profile" in params:
+        raise PolicyError(
+            f"policy {spec!r}: the usage profile is not a policy parameter; give it as --policy {name} "
+            "--profile TRACE.npz (in Python: profile=TRACE.npz); sim and timing profile the trace they replay"
+        )
+    _check_parameters(name, params)  # when a config is built, not later when the policy is
     for value in params.values():
         if not isinstance(value, int | float) and not (
             isinstance(value, list) and all(isinstance(v, int) for v in value)
         ):
             raise PolicyError(f"policy {spec!r}: value {value!r} is not a number")
     return name, params
+
+
+def _check_parameters(name: str, params: dict[str, object]) -> None:
+    allowed = _parameters(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "no parameters"
+        raise PolicyError(f"policy {name!r} does not take {', '.join(unknown)} (it takes {takes})")
 
 
 def _parameters(name: str) -> list[str]:

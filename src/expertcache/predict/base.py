@@ -59,6 +59,7 @@ class Predictor(ABC):
     sim_only: ClassVar[bool] = False  # needs the true future (simulator only)
     default_window: ClassVar[int] = 1  # layers ahead when the user gives no window
     adaptive: ClassVar[bool] = False  # prefetch its targets only up to the first with a missing expert
+    trained: ClassVar[bool] = False  # reads a predictor trained for the model (the embedded one's bundled)
 
     def __init__(self, ctx: PredictContext) -> None:
         self.ctx = ctx

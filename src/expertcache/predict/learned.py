@@ -5,7 +5,7 @@ logits (Linear(H, hidden) -> GELU -> Linear(hidden, E)); each token's top-k of t
 over the step's tokens by ``rank_union``, is the prediction. The skip predictor (``window``) asks
 layer i's own router the same question and loses accuracy fast as k grows, because the hidden state
 drifts between layers; the MLP learns that drift offline from (gate input, gate output) pairs
-captured from the model (``predict/train.py``). Inference is two small matmuls per token, float32,
+captured from the model (``tools/train_predictor.py``). Inference is two small matmuls per token, float32,
 on the gate input's device.
 
 A trained predictor is a directory: ``predictor.json`` (window, shapes, the model it was trained
@@ -160,6 +160,7 @@ class Learned(Predictor):
 
     name = "learned"
     needs_model = True
+    trained = True
     default_window = 2
 
     def __init__(self, ctx: PredictContext) -> None:
@@ -174,6 +175,12 @@ class Learned(Predictor):
             ("MoE layers", self.meta["num_layers"], ctx.num_layers),
             ("experts per layer", self.meta["num_experts"], ctx.num_experts),
         ):
+            if have != want and ctx.path is None:
+                raise PredictorError(
+                    f"the bundled learned predictor is for the embedded model ({have} {what}, this one "
+                    f"has {want}); train one (expertcache train-predictor --model MODEL --out DIR), "
+                    "then pass --predictor DIR"
+                )
             if have != want:
                 raise PredictorError(
                     f"{directory}: trained for a model with {have} {what}, this one has {want}"

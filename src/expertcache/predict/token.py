@@ -25,7 +25,10 @@ class TokenPredictor(Predictor):
         super().__init__(ctx)
         trace = ctx.trace
         if trace is None:
-            raise PredictorError(f"predictor {self.name!r} needs a recorded trace (with token ids)")
+            raise PredictorError(
+                f"predictor {self.name!r} needs a recorded trace of this model (with token ids): "
+                "--predictor TRACE.npz, from generate --record-trace"
+            )
         check_trace(self.name, trace, ctx)
         if trace.token_id is None or (trace.token_id < 0).all():
             raise PredictorError(f"predictor {self.name!r}: trace {trace.source} has no token ids")

@@ -92,6 +92,16 @@ def _render(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([top, "-" * len(top), *(line(r) for r in rows)])
 
 
+def check_plot_path(path: str | Path) -> None:
+    """Refuse a plot file of a format matplotlib cannot write, before the replays that feed it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ExpertcacheError(f"{path}: cannot write a .{suffix} plot; use .png, .svg or .pdf")
+
+
 def plot_curves(results: Sequence[SimResult], path: str | Path, title: str = "") -> None:
     """Misses against capacity, one line per policy, OPT dashed, written to ``path`` (PNG, SVG, PDF)."""
     import matplotlib

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from expertcache.cache.schedule import build_schedule
-from expertcache.policy.registry import min_capacity, parse_policy
+from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
@@ -25,7 +25,8 @@ def simulate(
 ) -> list[SimResult]:
     """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
     1..L*E); each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
-    policy cannot run with (below one slot per layer for -dist) are left out instead of raising.
+    policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
+    given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
     schedule = build_schedule(trace, order)
     caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
@@ -33,6 +34,7 @@ def simulate(
     for spec in policies:
         name, params = parse_policy(spec)
         low = min_capacity(name, trace.num_layers, params, schedule.min_room)
-        mine = [c for c in caps if c >= low] if skip_infeasible else caps
+        fixed = fixed_capacity(name, params)
+        mine = [c for c in caps if c >= low and fixed in (None, c)] if skip_infeasible else caps
         results += run_policy(schedule, name, mine, seed, params, jobs) if mine else []
     return with_opt(schedule, results)

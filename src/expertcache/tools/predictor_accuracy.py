@@ -9,7 +9,7 @@ top_k in a decode step). Every step drives the predictor (stateful predictors se
 by default only decode steps are counted, as in ProMoE. A target layer never predicted in a counted
 step scores 0 for that step, so "no prediction" is not rewarded.
 
-``evaluate_model`` captures a model's routing over prompts (``predict/capture.py``) and tabulates
+``evaluate_model`` captures a model's routing over prompts (``tools/capture.py``) and tabulates
 ACCURACY for predictors by name and window; the same window means the same FETCHRATE, so accuracy
 alone decides which predictor's GOODPRED is higher (ProMoE Sec. 4).
 """
@@ -131,20 +131,24 @@ def evaluate_model(
     max_new_tokens: int = 128,
     learned_path: str | Path | None = None,
     trace: object | None = None,
+    progress: bool = False,
 ) -> list[dict]:
-    """ACCURACY of each named predictor at each window on a model's greedy runs over ``prompts``.
+    """ACCURACY of each named predictor at each window on a model's greedy runs over ``prompts``
+    (``progress``: a progress bar of the capture on stderr).
 
     Defaults: the embedded model, its 16 held-out prompts (``heldout_prompts``) and, for ``learned``,
     the shipped predictors (``learned_path`` None) or those under ``learned_path``. ``trace`` goes
     to the predictors that read a recorded trace (record it on other prompts than these).
     """
-    from expertcache.engine.offloaded import DEFAULT_MODEL
+    from expertcache.engine.hub import resolve_model
 
-    path = DEFAULT_MODEL if model_path is None else Path(model_path)
+    path = resolve_model(model_path)
     model, tokenizer = load_for_capture(path)
-    captured = capture(
-        model, tokenizer, list(prompts) if prompts is not None else heldout_prompts(), max_new_tokens
-    )
+    for name in names:  # a predictor that cannot be built fails before the capture, not after
+        for k in windows:
+            build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
+    texts = list(prompts) if prompts is not None else heldout_prompts()
+    captured = capture(model, tokenizer, texts, max_new_tokens, progress=progress)
     rows = []
     for name in names:
         for k in windows:

@@ -66,10 +66,10 @@ class Reference:
     measures many miss paths on the same tokens)."""
 
     def __init__(self, model_path: str | Path | None, device: str = "cpu") -> None:
+        from expertcache.engine.hub import resolve_model
         from expertcache.engine.loader import load_reference
-        from expertcache.engine.offloaded import DEFAULT_MODEL
 
-        self.model = load_reference(model_path or DEFAULT_MODEL, device=device)
+        self.model = load_reference(resolve_model(model_path), device=device)
         self._done: dict[tuple[int, ...], torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -99,11 +99,15 @@ def measure(
     model = load(
         model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, progress=False
     )
+    for note in model.notes:  # e.g. expert memory capped at all experts
+        print(f"note: {note}", file=sys.stderr)
     try:
         texts = list(texts) if texts is not None else heldout_texts()
-        per_text = max(2, tokens // len(texts))
         tok = model.tokenizer
-        seqs = [tok(t, return_tensors="pt", truncation=True, max_length=per_text).input_ids[0] for t in texts]
+        # a text of n tokens gives n - 1 predictions: `tokens` predictions in all, spread over the texts
+        share = [tokens // len(texts) + (i < tokens % len(texts)) for i in range(len(texts))]
+        seqs = [tok(t, return_tensors="pt", truncation=True, max_length=n + 1).input_ids[0]
+                for t, n in zip(texts, share, strict=True) if n > 0]  # fmt: skip
         seqs = [s for s in seqs if s.shape[0] >= 2]
         if not seqs:
             raise ExpertcacheError("the texts give no two tokens to measure")

@@ -28,12 +28,16 @@ from expertcache.errors import ExpertcacheError
 
 
 def destination(model: Path, out: str | Path | None) -> Path:
-    """``out``, else beside the checkpoint when that can be written, else the user's cache."""
+    """``out``, else beside the checkpoint when that can be written, else the user's cache (always for
+    the embedded model: nothing is written into the installed package)."""
+    from expertcache.engine.hub import DEFAULT_MODEL
+
     if out is not None:
         folder = Path(out)
     else:
         beside = model / "expertcache-quant"
-        folder = beside if os.access(model, os.W_OK) else cache_root() / fingerprint(model)
+        mine = os.access(model, os.W_OK) and model.resolve() != DEFAULT_MODEL
+        folder = beside if mine else cache_root() / fingerprint(model)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".write-test"
@@ -109,14 +113,14 @@ def quantize_model(
 ) -> list[dict[str, object]]:
     """Write ``model``'s int``bits`` expert copies; return one record per file (path, bytes, seconds).
     The quantisation runs on ``device`` (default: a GPU if torch sees one, much faster for large experts)."""
-    from expertcache.engine.offloaded import DEFAULT_MODEL
+    from expertcache.engine.hub import resolve_model
 
     bad = [b for b in bits if b not in BITS]
     if bad or not bits:
         raise ExpertcacheError(f"--bits must be among {', '.join(map(str, BITS))}, got {list(bits)}")
     if group < 8 or group & (group - 1):
         raise ExpertcacheError(f"--group must be a power of two of at least 8, got {group}")
-    path = Path(model) if model is not None else DEFAULT_MODEL
+    path = resolve_model(model)
     sk = build_skeleton(path)
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     transposed = bool(sk.experts[0].is_transposed)
