@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import ROOT, provenance, write_json
+from provenance import ROOT, portable_text, provenance, write_json
 
 from expertcache.config import MissConfig
 from expertcache.costs import CostModel
@@ -572,7 +572,7 @@ def main() -> None:
     runs: list[dict] = []
     if args.resume and out_path.is_file():
         old = json.loads(out_path.read_text())
-        if {k: old.get(k) for k in header} == json.loads(json.dumps(header)):
+        if {k: old.get(k) for k in header} == json.loads(portable_text(json.dumps(header))):  # as written
             runs = old.get("runs", [])
             log(f"resuming: {len(runs)} configuration(s) from {out_path}")
         else:

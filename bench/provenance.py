@@ -6,9 +6,11 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +55,17 @@ def provenance() -> dict[str, object]:
 
 
 def portable_text(text: str) -> str:
-    """``text`` with this checkout's absolute paths made relative to the repository root.
+    """``text`` with this machine's absolute paths made portable (relative to the repository root).
 
     Results are committed; the machine that produced them must not leak into them (``/home/me/ec/src``
-    becomes ``src``, a file beside the checkout such as the shared traces becomes ``../shared/...``).
+    becomes ``src``, a file beside the checkout such as the shared traces becomes ``../shared/...``, and
+    a file in the system's temporary directory, such as a generated checkpoint, ``$TMPDIR/...``).
     """
     root, parent = str(ROOT), str(ROOT.parent)
     text = text.replace(root + os.sep, "").replace(f'"{root}"', '"."')
-    return text.replace(parent + os.sep, ".." + os.sep)
+    text = text.replace(parent + os.sep, ".." + os.sep)
+    tmp = re.escape(tempfile.gettempdir() + os.sep)
+    return re.sub(rf"(?<![\w.~/$-]){tmp}", lambda _: "$TMPDIR" + os.sep, text)
 
 
 def write_json(path: Path, data: object) -> None:

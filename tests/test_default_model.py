@@ -98,6 +98,7 @@ def test_default_trace_is_the_default_models_routing():
         mine = model.trace()
     finally:
         model.close()
+    assert mine.meta["model"] == trace.meta["model"] == "embedded"  # a name, never a machine's path
     n = mine.num_tokens
     assert np.array_equal(mine.token_id, trace.token_id[:n])
     same = (np.sort(mine.experts, axis=2) == np.sort(trace.experts[:n], axis=2)).all(axis=2)

@@ -27,7 +27,9 @@ from expertcache.sim.replay import policy_for
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.trace import Trace, load_trace, synthesize
 
-lcs = pytest.importorskip("libcachesim")
+lcs = pytest.importorskip(
+    "libcachesim", reason="libcachesim, the independent oracle, is not installed (pip install -e '.[dev]')"
+)
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
 NEVER = 2**63 - 1  # libCacheSim's "no next access"

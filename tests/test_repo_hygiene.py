@@ -1,19 +1,29 @@
 """The repository carries no trace of the machine it was written on.
 
 Benchmarks write their results through ``bench/provenance.write_json``, which makes this checkout's
-absolute paths relative; this test catches a result, doc or script that slipped past it.
+absolute paths relative (and the temporary directory ``$TMPDIR``); this test catches a result, doc or
+script that slipped past it, and any absolute path of a home, work or temporary directory in the data
+under src/ and bench/results (a compressed .npz hides its strings from a plain text search).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from expertcache.trace import default_trace
+
 REPO = Path(__file__).resolve().parents[1]
+DATA = [REPO / "src", REPO / "bench" / "results"]
+ABSOLUTE = re.compile(r"(?<![\w.~$/-])(?:/(?:home|work|tmp|Users)\b|[A-Za-z]:\\)")  # /home/me, C:\
 
 
 def tracked_files() -> list[str]:
@@ -43,3 +53,50 @@ def test_portable_text_relativises_checkout_paths():
         sys.path.remove(str(REPO / "bench"))
     text = f'{{"model": "{REPO}/src/x", "trace": "{REPO.parent}/shared/t.npz", "root": "{REPO}"}}'
     assert portable_text(text) == '{"model": "src/x", "trace": "../shared/t.npz", "root": "."}'
+    tmp = Path(tempfile.gettempdir())
+    assert portable_text(f'{{"checkpoint": "{tmp / "cache" / "m"}"}}') == '{"checkpoint": "$TMPDIR/cache/m"}'
+    assert portable_text(f'"/var{tmp}/x"') == f'"/var{tmp}/x"'  # another directory that ends alike
+
+
+def strings(value: object) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *strings(v)]]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+def npz_strings(path: Path) -> list[str]:
+    """Every string element of an .npz's arrays (metadata such as a trace's ``model``)."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = [data[name] for name in data.files]
+    return [str(s) for a in arrays if a.dtype.kind in "US" for s in a.ravel()]
+
+
+def test_the_absolute_path_detector():
+    found = [s for s in ["/home/me/x", "C:\\Users\\me", "src/x", "/var/tmp/x", "embedded", "a /tmp/b"]
+             if ABSOLUTE.search(s)]  # fmt: skip
+    assert found == ["/home/me/x", "C:\\Users\\me", "a /tmp/b"]
+
+
+def test_the_bundled_trace_names_no_path():
+    assert default_trace().meta["model"] == "embedded"
+
+
+def test_no_data_file_holds_an_absolute_path():
+    offenders, checked = [], 0
+    for root in DATA:
+        for path in sorted([*root.rglob("*.npz"), *root.rglob("*.json")]):
+            try:
+                found = npz_strings(path) if path.suffix == ".npz" else strings(json.loads(path.read_text()))
+            except ValueError as e:  # an object array (pickled), or JSON that is not
+                offenders.append(f"{path.relative_to(REPO)}: unreadable without pickle or not JSON ({e})")
+                continue
+            checked += 1
+            rel = path.relative_to(REPO)
+            offenders += [f"{rel}: {s[:120]!r}" for s in found if ABSOLUTE.search(s)]
+    assert checked >= 10  # the bundled trace, the model's JSON files, the benchmark results
+    assert not offenders, "absolute paths in data files:\n" + "\n".join(offenders)

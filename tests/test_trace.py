@@ -211,7 +211,9 @@ def corrupt_deflate_npz() -> bytes:
     return bytes(data)
 
 
-@pytest.mark.skipif(not QWEN.is_file(), reason=f"shared real trace not found at {QWEN}")
+@pytest.mark.skipif(
+    not QWEN.is_file(), reason=f"real trace not found at {QWEN} (the shared/ directory beside the repository)"
+)
 def test_real_trace_loads() -> None:
     trace = load_trace(QWEN)
     assert trace.experts.shape == (1096, 24, 4)

@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     trace = model.trace()
     trace.meta.update(
         {
+            "model": "embedded",  # the engine's name for it; never this machine's path
             "source": "expertcache embedded default model, tools/record_default_trace.py",
             "prompts": ";".join(rel for rel, _ in chosen),
             "new_tokens": args.new_tokens,
