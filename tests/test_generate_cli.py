@@ -296,3 +296,17 @@ def test_text_that_may_start_a_stop_string_is_held_back():
 
     assert _held_back("abc<", ("<end>",)) == 1 and _held_back("abc<en", ("<end>",)) == 3
     assert _held_back("abc", ("<end>",)) == 0 and _held_back("abc", ()) == 0
+
+
+def test_a_chat_prompt_may_be_a_json_conversation_and_an_empty_prompt_is_refused(capsys, ckpt, tmp_path):
+    path = ckpt("mixtral")
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    chat = ("--chat", "--chat-template", str(template), "--json")
+    convo = json.dumps([{"role": "user", "content": "hi"}])
+    code, out, err = gen(capsys, path, "--prompt", convo, *chat)
+    code2, out2, _ = gen(capsys, path, "--prompt", "hi", *chat)
+    assert code == code2 == 0 and json.loads(out)["tokens"] == json.loads(out2)["tokens"]
+    code, out, err = gen(capsys, path, "--prompt", "[1, 2] sorted", *chat)  # text that starts with [
+    assert code == 0, err
+    assert "the prompt is empty" in one_line_error(*gen(capsys, path, "--prompt", ""))

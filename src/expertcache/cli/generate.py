@@ -202,7 +202,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_items(items, args)
     else:
         prompt = args.prompt if args.prompt not in (None, "-") else read_text(args.prompt_file or "-")
-        if args.chat and prompt.lstrip().startswith("["):
+        if not prompt:
+            raise ExpertcacheError("the prompt is empty")
+        if args.chat:
             prompt = _messages(prompt)
         items = None
     model = _load(args)
@@ -252,13 +254,15 @@ def _check_items(items, args) -> None:
             raise ExpertcacheError(f"{where}: the prompt is empty")
 
 
-def _messages(text: str) -> list:
+def _messages(text: str) -> str | list:
+    """With --chat, a prompt that is a JSON list of messages is a conversation; any other is text."""
+    if not text.lstrip().startswith("["):
+        return text
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ExpertcacheError(
-            f"the prompt starts with [ but is not a JSON list of messages ({exc.msg})"
-        ) from None
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, list) and all(isinstance(m, dict) for m in value) else text
 
 
 def _generate_one(model, prompt, args, sampling) -> dict:
