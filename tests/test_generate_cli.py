@@ -310,3 +310,61 @@ def test_a_chat_prompt_may_be_a_json_conversation_and_an_empty_prompt_is_refused
     code, out, err = gen(capsys, path, "--prompt", "[1, 2] sorted", *chat)  # text that starts with [
     assert code == 0, err
     assert "the prompt is empty" in one_line_error(*gen(capsys, path, "--prompt", ""))
+
+
+def test_a_stop_string_is_matched_in_the_new_text_only(ckpt):
+    with engine_load(ckpt("mixtral"), 8) as model:
+        full = model.generate_text("hello world", 12)
+        spanning = "world" + full.text[:2]  # begins in the prompt, ends in the reply
+        assert spanning not in full.text
+        g = model.generate_text("hello world", 12, sampling=SamplingConfig(stop=(spanning,)))
+    assert g.tokens == full.tokens and g.finish_reason == full.finish_reason
+
+
+def test_chat_survives_a_turn_that_fails(capsys, ckpt, tmp_path, monkeypatch):
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    long_turn = "hello world, " * 2000  # more tokens than the tiny model's context
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_turn}\n/stat\nhi\n"))
+    code, out, err = run(
+        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
+        "--chat-template", str(template),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "exceeds the model's context" in err and "unknown command /stat" in err
+    assert err.count("tokens,") == 1  # "hi" was answered after the failed turn
+
+
+def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monkeypatch):
+    path = ckpt("mixtral")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("not a template {% for")
+    line = one_line_error(*gen(capsys, path, "--prompt", "x", "--chat", "--chat-template", str(bad)))
+    assert "the chat template does not render" in line
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad\n")))
+    line = one_line_error(*gen(capsys, path, "--prompt", "-"))
+    assert "standard input: cannot read the prompt (UnicodeDecodeError)" in line
+    many = tmp_path / "p.txt"
+    many.write_text("hello\n" + "hello world, " * 2000 + "\nworld\n")
+    code, out, err = gen(capsys, path, "--prompts", str(many), "--batch-size", "1")
+    assert out == "" and f"{many}:2: prompt of" in one_line_error(code, out, err)  # before batch 0
+    assert "float7" in one_line_error(*gen(capsys, path, "--prompt", "x", "--dtype", "float7"))
+
+
+def test_a_piped_prompt_loses_its_last_newline(capsys, ckpt, monkeypatch):
+    path = ckpt("mixtral")
+    code, out, _ = gen(capsys, path, "--prompt", "hello world", "--json")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello world\n"))
+    code2, out2, _ = gen(capsys, path, "--prompt", "-", "--json")
+    assert json.loads(out)["tokens"] == json.loads(out2)["tokens"]
+
+
+def test_a_failed_download_says_so(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from expertcache.engine.hub import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ExpertcacheError, match="could not download it"):
+        resolve_model("some-org/some-model", download=True)

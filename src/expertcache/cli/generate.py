@@ -202,6 +202,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_items(items, args)
     else:
         prompt = args.prompt if args.prompt not in (None, "-") else read_text(args.prompt_file or "-")
+        if args.prompt is None or args.prompt == "-":  # a file's or a pipe's last newline ends it
+            prompt = prompt.removesuffix("\n")
         if not prompt:
             raise ExpertcacheError("the prompt is empty")
         if args.chat:
@@ -289,7 +291,24 @@ def _print_one(out: dict, prompt, args) -> None:
     _err(summary(out), args)  # the text has streamed
 
 
+def _check_lengths(model, items, args) -> None:
+    """Every prompt renders and fits the model's context with its new tokens: checked before batch 0."""
+    from expertcache.engine.generation import render
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for it in items:
+        where = f"{args.prompts}:{it.line}"
+        text = render(model.tokenizer, it.prompt, args.chat, where)
+        n = len(model.tokenizer(text, add_special_tokens=not args.chat).input_ids)
+        if limit is not None and n + args.max_new_tokens > limit:
+            raise ExpertcacheError(
+                f"{where}: prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit}"
+            )
+
+
 def _generate_many(model, items, args, sampling) -> None:
+    _check_lengths(model, items, args)
     done, start = 0, time.perf_counter()
     for b in range(0, len(items), args.batch_size):
         batch = items[b : b + args.batch_size]
@@ -301,7 +320,7 @@ def _generate_many(model, items, args, sampling) -> None:
             print(json.dumps({"id": it.id, "batch": b // args.batch_size, **g.to_dict()}), flush=True)
         done += len(batch)
         r = results[0]
-        _err(f"batch {b // args.batch_size}: {len(batch)} prompts, {sum(len(g.tokens) for g in results)} "
+        _err(f"batch {b // args.batch_size}: {len(batch)} prompt(s), {sum(len(g.tokens) for g in results)} "
              f"new tokens in {r.total_s:.2f} s ({r.tokens_per_s:.1f} tok/s) | hits {r.stats['hits']} | "
              f"misses {r.stats['misses']} | {done}/{len(items)} prompts done", args)  # fmt: skip
     _err(f"{len(items)} prompts in {time.perf_counter() - start:.1f} s", args)
@@ -419,6 +438,9 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
             history = []
             _err("(conversation forgotten; the cache stays warm)", args)
             continue
+        if command.startswith("/") and " " not in command and command != "/stats":  # a mistyped command
+            _err(f"unknown command {command}; commands: {CHAT_COMMANDS}", args)
+            continue
         if command == "/stats":
             s = model.stats
             print(f"hits {s['hits']} | misses {s['misses']} | moved {s['bytes_transferred'] / 2**20:.1f} MiB",
@@ -427,11 +449,16 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
         if not command:
             continue
         history.append({"role": "user", "content": line})
-        history = _fit(model, system, history, args)
-        g = model.generate_text(
-            system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
-            streamer=_text_out(model.tokenizer, sampling.stop),
-        )  # fmt: skip
+        try:
+            history = _fit(model, system, history, args)
+            g = model.generate_text(
+                system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
+                streamer=_text_out(model.tokenizer, sampling.stop),
+            )  # fmt: skip
+        except ExpertcacheError as exc:  # this turn only: the conversation and the warm cache go on
+            history.pop()
+            print(f"expertcache: error: {exc}", file=sys.stderr)
+            continue
         sys.stdout.flush()
         history.append({"role": "assistant", "content": g.text})
         _err(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tok/s, hits {g.stats['hits']}, "
@@ -444,9 +471,10 @@ def _read_turn(tty: bool) -> str | None:
     while True:
         if tty:  # the prompt goes to stderr: stdout holds only the replies
             print("> " if not parts else ". ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if line == "":
+        raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode()
+        if raw == b"":
             return "\n".join(parts) if parts else None
+        line = raw.decode("utf-8", errors="replace")  # a stray byte is not worth ending the conversation
         line = line.rstrip("\n")
         if not line.endswith("\\"):
             return "\n".join([*parts, line])

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteria
 
 from expertcache.config import SamplingConfig
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 
 Prompt = str | list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
@@ -112,7 +113,12 @@ def render(tokenizer, prompt: Prompt, chat: bool, where: str = "the prompt") -> 
             f"{tokenizer.name_or_path}: the tokenizer has no chat template; drop chat mode (--chat) or "
             "give a template (--chat-template FILE.jinja)"
         )
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise ExpertcacheError(f"the chat template does not render: {first_line(exc)}") from None
 
 
 def check_messages(messages: object, where: str = "the conversation") -> None:
@@ -152,9 +158,25 @@ def sampling_kwargs(sampling: SamplingConfig, tokenizer) -> tuple[dict[str, obje
         )
     if sampling.repetition_penalty is not None:
         kw["repetition_penalty"] = float(sampling.repetition_penalty)
-    if sampling.stop:
-        kw.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
     return kw, seed
+
+
+class StopOnText(StoppingCriteria):
+    """A generate() stopping criterion: a row is done when its new text (never the prompt's) holds a stop
+    string. transformers' own ``stop_strings`` also match across the prompt's end, which would stop a
+    row before it wrote anything of the stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], prompt_width: int) -> None:
+        self.tokenizer, self.stop, self.width = tokenizer, tuple(stop), prompt_width
+        self.tail = max(len(s) for s in stop) + 2  # tokens enough to hold any stop string whole
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[:, self.width :]
+        done = [
+            any(s in self.tokenizer.decode(row[-self.tail :], skip_special_tokens=True) for s in self.stop)
+            for row in new.tolist()
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def finish(tokens: list[int], decode: Callable[[list[int]], str], eos: set[int], stop: Sequence[str]):

@@ -43,7 +43,12 @@ def _from_hub(repo_id: str, download: bool) -> Path:
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=not download, allow_patterns=_FILES))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as exc:
+        if download:  # asked to download, and it could not be reached
+            raise ExpertcacheError(
+                f"{repo_id}: could not download it (offline, HF_HUB_OFFLINE set, or the hub unreachable: "
+                f"{first_line(exc)})"
+            ) from None
         raise ExpertcacheError(
             f"{repo_id}: no such folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
             f"download it with `hf download {repo_id}`, or pass --download (Python: download=True)"

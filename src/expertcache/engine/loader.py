@@ -61,10 +61,13 @@ def read_config(path: str | Path):
 def resolve_dtype(dtype, config) -> torch.dtype:
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ExpertcacheError(f"dtype {dtype!r} is not a floating-point torch dtype")
+        raise ExpertcacheError(
+            f"dtype {given!r} is not a floating-point torch dtype (float32, bfloat16, float16)"
+        )
     return dtype
 
 

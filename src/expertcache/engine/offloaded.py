@@ -53,7 +53,7 @@ def _device(device: str | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError):
         raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ExpertcacheError("device cuda was asked for, but torch sees no CUDA GPU (use --device cpu)")
+        raise ExpertcacheError("device cuda was asked for, but torch sees no CUDA GPU (use device cpu)")
     if dev.type not in ("cpu", "cuda"):
         raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
     return dev
@@ -370,6 +370,11 @@ class OffloadedModel:
                 f"context of {limit}"
             )
         decode_kw, seed = gen.sampling_kwargs(sampling, tok)
+        if sampling.stop:
+            from transformers import StoppingCriteriaList
+
+            stop = gen.StopOnText(tok, sampling.stop, ids.shape[1])
+            decode_kw["stopping_criteria"] = StoppingCriteriaList([stop])
         if seed is not None:
             torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

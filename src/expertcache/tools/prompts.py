@@ -33,10 +33,12 @@ def read_text(path: str | Path, what: str = "prompt") -> str:
     """A whole file (``-``: standard input) as text."""
     try:
         if str(path) == "-":
-            return sys.stdin.read()
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+            return data.decode("utf-8")
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ExpertcacheError(f"{path}: cannot read the {what} ({exc.__class__.__name__})") from None
+        where = "standard input" if str(path) == "-" else path
+        raise ExpertcacheError(f"{where}: cannot read the {what} ({exc.__class__.__name__})") from None
 
 
 def read_prompt_items(path: str | Path) -> list[PromptItem]:
