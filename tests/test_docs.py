@@ -132,6 +132,9 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
             argv[i] = "def f(x):"
     if "run.npz" in argv and "--record-trace" not in argv:  # a trace an earlier example wrote
         assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--record-trace", "run.npz"]) == 0
+    if argv[0] == "serve":  # runs until stopped: parsed here, run by tests/test_serve.py
+        assert _build_parser().parse_args(argv).func is not None
+        return
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, f"{doc}: {command}\n{err}"

@@ -292,7 +292,7 @@ def test_streamed_text_stops_where_the_result_does(capsys, ckpt):
 
 
 def test_text_that_may_start_a_stop_string_is_held_back():
-    from expertcache.cli.generate import _held_back
+    from expertcache.engine.generation import held_back as _held_back
 
     assert _held_back("abc<", ("<end>",)) == 1 and _held_back("abc<en", ("<end>",)) == 3
     assert _held_back("abc", ("<end>",)) == 0 and _held_back("abc", ()) == 0

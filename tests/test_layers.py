@@ -34,8 +34,9 @@ LAYERS = {
     "sim": 7,
     "engine": 7,
     "tools": 8,
-    "cli": 9,
-    "__init__": 9,
+    "serve": 9,
+    "cli": 10,
+    "__init__": 10,
 }
 SIDE_BY_SIDE = {("sim", "engine"), ("engine", "sim")}
 

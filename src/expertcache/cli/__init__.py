@@ -17,6 +17,7 @@ from pathlib import Path
 from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
+from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_writable, quiet_transformers
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import (
@@ -163,6 +164,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mis.set_defaults(func=_cmd_misses)
 
     cli_generate.add_parsers(sub)
+    cli_serve.add_parser(sub)
 
     mdl = sub.add_parser("model", help="inspect a MoE checkpoint or build a random one")
     msub = mdl.add_subparsers(dest="model_command", required=True, parser_class=_Parser)

@@ -58,12 +58,12 @@ def _add_chat_template(p, flag: str | None, what: str | None) -> None:
 
 
 def _add_common(p) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--quiet", action="store_true", help="no statistics or progress on stderr")
 
 
-def _add_model_args(p) -> None:
+def add_model_args(p) -> None:
     p.add_argument(
         "--model", metavar="PATH|ORG/NAME",
         help="checkpoint folder, or a Hugging Face id in the local cache (default: the embedded model)",
@@ -144,8 +144,9 @@ def _sampling(args):
     )  # fmt: skip
 
 
-def _load(args):
-    """The offloaded model the options describe; the options are checked before torch is imported."""
+def load_model(args, record: bool = True):
+    """The offloaded model the options describe; the options are checked before torch is imported.
+    ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
     from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig
 
     cache, miss = CacheConfig(args.policy, profile=args.profile), MissConfig(args.miss)
@@ -162,7 +163,7 @@ def _load(args):
         args.model, expert_memory=args.expert_memory, policy=cache, prefetch=prefetch, miss=miss,
         device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
         link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
-        progress=False if args.quiet else None,
+        progress=False if args.quiet else None, record=record,
     )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)
@@ -209,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.chat:
             prompt = _messages(prompt)
         items = None
-    model = _load(args)
+    model = load_model(args)
     saved = False
     try:
         _chat_template(model, args)
@@ -354,6 +355,8 @@ def _text_out(tokenizer, stop: tuple[str, ...] = ()):
     printed, so what streams is exactly the result's text."""
     from transformers import TextStreamer
 
+    from expertcache.engine.generation import held_back
+
     class TextOut(TextStreamer):
         def __init__(self) -> None:
             super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -367,7 +370,7 @@ def _text_out(tokenizer, stop: tuple[str, ...] = ()):
                 if hits:
                     shown, self.pending, self.stopped = self.pending[: min(hits)], "", True
                 else:
-                    held = 0 if stream_end else _held_back(self.pending, stop)
+                    held = 0 if stream_end else held_back(self.pending, stop)
                     shown, self.pending = (
                         self.pending[: len(self.pending) - held],
                         self.pending[len(self.pending) - held :],
@@ -375,11 +378,6 @@ def _text_out(tokenizer, stop: tuple[str, ...] = ()):
             print(shown, end="\n" if stream_end else "", flush=True)
 
     return TextOut()
-
-
-def _held_back(text: str, stop: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string."""
-    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
 class _JsonLines:
@@ -406,7 +404,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = _sampling(args)
-    model = _load(args)
+    model = load_model(args)
     try:
         _chat_template(model, args)
         from expertcache.engine.generation import render

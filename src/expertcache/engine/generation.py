@@ -200,6 +200,12 @@ def finish(tokens: list[int], decode: Callable[[list[int]], str], eos: set[int],
     return tokens, text, reason
 
 
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string (a stream holds
+    them back until the next piece says)."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if ids is None:

@@ -1,0 +1,90 @@
+"""``GET /metrics``: the server's and the expert cache's work in Prometheus' text format (prometheus-client).
+
+Request, token and latency figures are updated as requests run; the cache's counters (hits, misses per
+layer, bytes moved, stall, prefetch accuracy and waste) are read from the engine's statistics at each
+scrape by a custom collector, so serving pays nothing for them between scrapes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# latency buckets from 1 ms to a minute: TPOT of a cached expert to TTFT of a long prompt over a slow link
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self, model) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "expertcache_"
+        self.requests = Counter(p + "requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated = Counter(p + "generated_tokens", "tokens generated", registry=r)
+        self.finishes = Counter(
+            p + "finished_requests", "generations ended, by reason", ["reason"], registry=r
+        )
+        self.cancels = Counter(p + "cancelled_requests", "generations cancelled (client gone)", registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "time to first token", buckets=BUCKETS, registry=r)
+        self.tpot = Histogram(
+            p + "tpot_seconds", "time per output token after the first", buckets=BUCKETS, registry=r
+        )
+        self.queue = Gauge(p + "requests_in_flight", "requests running or waiting in the batch", registry=r)
+        r.register(_CacheCollector(model))
+
+    # called by the batcher (its thread) and the app
+    def queued(self, n: int) -> None:
+        self.queue.set(n)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def next_tokens(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.tpot.observe(seconds / tokens)
+
+    def finished(self, piece, in_flight: int) -> None:
+        self.finishes.labels(piece.finish or "error").inc()
+        self.queue.set(in_flight)
+
+    def cancelled(self) -> None:
+        self.cancels.inc()
+
+    def answered(self, endpoint: str, status: int, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated.inc(tokens)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _CacheCollector:
+    """The expert cache's counters, read from ``model.stats`` when scraped."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def collect(self):
+        s = self.model.stats
+        p = "expertcache_cache_"
+        for name, key, what in (
+            ("hits", "hits", "expert requests served from the cache"),
+            ("misses", "misses", "expert requests that missed the cache"),
+            ("bytes_moved", "bytes_transferred", "bytes moved from the slow tier"),
+            ("stall_seconds", "stall_s", "compute time spent waiting for experts"),
+            ("host_computed", "host_computed", "missed experts computed on the host"),
+            ("prefetch_issued", "prefetch_issued", "experts prefetched"),
+            ("prefetch_used", "prefetch_used", "prefetched experts used before eviction"),
+            ("prefetch_cancelled", "prefetch_cancelled", "prefetches cancelled (waste avoided)"),
+        ):
+            yield CounterMetricFamily(p + name, what, value=float(s[key]))
+        layers = CounterMetricFamily(p + "layer_misses", "misses per MoE layer", labels=["layer"])
+        for layer, misses in enumerate(s["misses_by_layer"]):
+            layers.add_metric([str(layer)], float(misses))
+        yield layers
+        yield GaugeMetricFamily(
+            p + "capacity_experts", "experts the cache holds", value=s["capacity_experts"]
+        )
+        yield GaugeMetricFamily(p + "prefetch_accuracy", "share of prefetches used", value=s["accuracy"])
