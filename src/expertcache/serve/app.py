@@ -100,9 +100,8 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         ids = model.tokenizer(req.prompt).input_ids
-        return await _generate(
-            req, ids, "text_completion", req.max_tokens, echo=req.prompt if req.echo else ""
-        )
+        echo = req.prompt if req.echo else ""
+        return await _generate(req, ids, "text_completion", req.max_tokens, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):

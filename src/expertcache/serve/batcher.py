@@ -164,6 +164,7 @@ class Batcher:
         if gone is not None and not job.done:
             job.done = True
             self.manager.cancel_request(job.id)
+            job.loop.call_soon_threadsafe(job.queue.put_nowait, Piece("", len(job.tokens), error="cancelled"))
             if self.metrics:
                 self.metrics.cancelled()
         if self.metrics:
