@@ -200,6 +200,13 @@ def test_serve_bad_options_are_one_line(capsys):
         assert len(err) == 1 and words in err[0]
 
 
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,6 +231,16 @@ def test_a_real_server_answers_the_openai_client_and_stops_on_sigterm(ckpt):
                 time.sleep(0.5)
         r = client.completions.create(model=name, prompt="hello", max_tokens=3)
         assert r.usage.completion_tokens >= 1
+        impatient = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=0.3
+        )
+        with pytest.raises(openai.APITimeoutError):  # a plain request whose client leaves is cancelled
+            impatient.completions.create(model=name, prompt="hello", max_tokens=900)
+        metrics = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.time() + 30
+        while "expertcache_cancelled_requests_total 1.0" not in _get(metrics) and time.time() < deadline:
+            time.sleep(0.2)
+        assert "expertcache_cancelled_requests_total 1.0" in _get(metrics)
         stream = client.completions.create(model=name, prompt="hello", max_tokens=500, stream=True)
         next(iter(stream))  # a request in flight when the signal comes
         start = time.time()

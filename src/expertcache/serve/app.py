@@ -8,12 +8,13 @@ queue is full); one bad request never disturbs the others. The generation loop i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
@@ -53,15 +54,15 @@ def create_app(
     app = FastAPI(title="expertcache", lifespan=lifespan)
     limit = getattr(model.config, "max_position_embeddings", None)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+    async def check_key(request: Request) -> None:
+        """A dependency of every /v1 route, not a middleware: Starlette's HTTP middleware would hide a
+        client's disconnect from the endpoint, which cancels a request whose client went away."""
+        if api_key:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(
-                    ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
-                )
-        return await call_next(request)
+                raise ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -90,30 +91,30 @@ def create_app(
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return {
             "object": "list",
             "data": [{"id": name, "object": "model", "created": 0, "owned_by": "expertcache"}],
         }
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest, request: Request):
         ids = model.tokenizer(req.prompt).input_ids
         echo = req.prompt if req.echo else ""
-        return await _generate(req, ids, "text_completion", req.max_tokens, echo)
+        return await _generate(req, request, ids, "text_completion", req.max_tokens, echo)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    @v1.post("/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             text = render(model.tokenizer, messages, True)
         except (ValueError, ExpertcacheError) as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         ids = model.tokenizer(text, add_special_tokens=False).input_ids
-        return await _generate(req, ids, "chat.completion", req.limit)
+        return await _generate(req, request, ids, "chat.completion", req.limit)
 
-    async def _generate(req, ids: list[int], kind: str, max_tokens: int | None, echo: str = ""):
+    async def _generate(req, request: Request, ids: list[int], kind: str, max_tokens: int | None, echo=""):
         if req.model != name:
             raise ApiError(
                 404,
@@ -144,9 +145,15 @@ def create_app(
         if req.stream:
             return EventSourceResponse(_stream(batcher, job, kind, head, req.include_usage, echo), ping=15)
         text, last = echo, None
-        async for piece in batcher.pieces(job):
-            text += piece.text
-            last = piece
+        watcher = asyncio.create_task(_watch(request, batcher, job))
+        try:
+            async for piece in batcher.pieces(job):
+                text += piece.text
+                last = piece
+        finally:
+            watcher.cancel()
+        if last.error == "cancelled":
+            return Response(status_code=499)  # nobody is listening
         if last.error:
             metrics.answered(_path(kind), 500)
             return _error(ApiError(500, last.error, "server_error"))
@@ -182,7 +189,15 @@ def create_app(
                 yield {"data": json.dumps({**head, "object": chunk_kind, "choices": [], "usage": usage})}
         yield {"data": "[DONE]"}
 
+    app.include_router(v1)
     return app
+
+
+async def _watch(request: Request, batcher, job) -> None:
+    """A non-streaming request whose client went away is cancelled (a stream notices by itself)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    batcher.cancel(job)
 
 
 def _path(kind: str) -> str:
