@@ -99,6 +99,8 @@ def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served)
     assert 'expertcache_requests_total{endpoint="/v1/completions",status="200"}' in metrics
     assert "expertcache_cache_hits_total" in metrics and "expertcache_cache_layer_misses_total" in metrics
     assert "expertcache_ttft_seconds_count" in metrics
+    steps, tokens = (float(_metric(metrics, f"expertcache_{n}_total")) for n in ("steps", "step_tokens"))
+    assert tokens > steps > 0  # some steps computed several requests' tokens
 
 
 def test_stop_strings_and_sampling(served):
@@ -198,6 +200,10 @@ def test_serve_bad_options_are_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0]
+
+
+def _metric(text: str, name: str) -> str:
+    return next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _get(url: str) -> str:

@@ -80,6 +80,9 @@ class _CacheCollector:
             ("prefetch_cancelled", "prefetch_cancelled", "prefetches cancelled (waste avoided)"),
         ):
             yield CounterMetricFamily(p + name, what, value=float(s[key]))
+        driver = self.model.driver  # tokens / steps = the mean batch a step computed, in tokens
+        yield CounterMetricFamily("expertcache_steps", "forward steps run", value=float(driver.steps))
+        yield CounterMetricFamily("expertcache_step_tokens", "their tokens", value=float(driver.tokens))
         layers = CounterMetricFamily(p + "layer_misses", "misses per MoE layer", labels=["layer"])
         for layer, misses in enumerate(s["misses_by_layer"]):
             layers.add_metric([str(layer)], float(misses))
