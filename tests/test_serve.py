@@ -127,6 +127,11 @@ def test_stop_strings_and_sampling(served):
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "not supported by this server: logprobs"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
+        (
+            {"model": "tiny", "prompt": "x", "max_tokens": "5"},
+            400,
+            "max_tokens: Input should be a valid integer",
+        ),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, status, words):
@@ -192,6 +197,16 @@ def test_an_api_key_is_required_when_set(make_ckpt):
         model.close()
 
 
+def test_serve_refuses_a_port_in_use_before_loading(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0]
+
+
 def test_serve_bad_options_are_one_line(capsys):
     for argv, words in (
         [["serve", "--port", "0"], "--port"],
@@ -247,10 +262,13 @@ def test_a_real_server_answers_the_openai_client_and_stops_on_sigterm(ckpt):
         while "expertcache_cancelled_requests_total 1.0" not in _get(metrics) and time.time() < deadline:
             time.sleep(0.2)
         assert "expertcache_cancelled_requests_total 1.0" in _get(metrics)
-        stream = client.completions.create(model=name, prompt="hello", max_tokens=500, stream=True)
-        next(iter(stream))  # a request in flight when the signal comes
+        stream = iter(client.completions.create(model=name, prompt="hello", max_tokens=900, stream=True))
+        next(stream)  # a request in flight when the signal comes
         start = time.time()
         proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):  # not a quiet, seemingly finished end
+            for _ in stream:
+                pass
         proc.wait(timeout=15)
         assert time.time() - start < 10 and "Traceback" not in proc.stderr.read()
     finally:

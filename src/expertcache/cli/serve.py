@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {args.kv_cache_tokens}")
     if args.max_queue < 1:
         raise ExpertcacheError(f"--max-queue must be at least 1, got {args.max_queue}")
+    _check_port(args.host, args.port)  # before the model loads
     from expertcache.engine.hub import model_label
     from expertcache.serve import run
 
@@ -68,3 +69,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         model.close()
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ExpertcacheError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise ExpertcacheError(f"cannot listen on {host}:{port}: {exc.strerror}") from None

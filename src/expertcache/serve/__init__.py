@@ -19,7 +19,18 @@ def run(
     from expertcache.serve.app import create_app
 
     app = create_app(model, name, api_key=api_key, max_queue=max_queue, kv_tokens=kv_tokens)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """On SIGINT/SIGTERM, running requests end with an error event first, before uvicorn closes
+            their connections: a client can tell a cut-off answer from a finished one."""
+            batcher = getattr(app.state, "batcher", None)
+            if batcher is not None:
+                batcher.fail_all()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    Server(config).run()
 
 
 __all__ = ["run"]

@@ -170,11 +170,16 @@ class Batcher:
         if self.metrics:
             self.metrics.queued(len(self.jobs))
 
+    def fail_all(self, message: str = "the server is shutting down") -> None:
+        """End every request still running with an error piece (its client sees an error, not a quiet end)."""
+        for job in list(self.jobs.values()):
+            if job is not None and not job.done:
+                self._hand(job, Piece("", len(job.tokens), error=message))
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop: requests still running are ended (their clients get an error piece)."""
+        self.fail_all()
         self._running = False
-        for job in list(self.jobs.values()):
-            self._hand(job, Piece("", len(job.tokens), error="the server is shutting down"))
         self.manager.stop(block=True, timeout=timeout)
         self._thread.join(timeout)
 

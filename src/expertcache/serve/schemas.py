@@ -16,7 +16,7 @@ MAX_STOP = 4  # as OpenAI
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
