@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 LAYERS = {
     "errors": 0,
     "units": 0,
+    "paths": 0,
     "lazy": 0,
     "spec": 0,
     "costs": 0,

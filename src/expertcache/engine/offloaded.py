@@ -45,17 +45,21 @@ def default_model_path() -> Path:
     return DEFAULT_MODEL
 
 
-def _device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device (None: CUDA when torch sees a GPU); one clear line when unusable."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ExpertcacheError("device cuda was asked for, but torch sees no CUDA GPU (use device cpu)")
     if dev.type not in ("cpu", "cuda"):
         raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ExpertcacheError(
+            f"device {device} was asked for, but torch {torch.__version__} sees no GPU ({why})"
+        )
     return dev
 
 
@@ -88,7 +92,7 @@ class OffloadedModel:
         self.prefetch_config_ = prefetch = prefetch or PrefetchConfig()
         self.link_config = link = link or LinkConfig()
         self.miss_config = miss = miss or MissConfig()
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self._check_cheap(cache, prefetch, slow_tier, expert_memory)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress

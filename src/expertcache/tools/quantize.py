@@ -25,6 +25,7 @@ from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import writable_dir
 
 
 def destination(model: Path, out: str | Path | None) -> Path:
@@ -38,16 +39,7 @@ def destination(model: Path, out: str | Path | None) -> Path:
         beside = model / "expertcache-quant"
         mine = os.access(model, os.W_OK) and model.resolve() != DEFAULT_MODEL
         folder = beside if mine else cache_root() / fingerprint(model)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ExpertcacheError(
-            f"{folder}: cannot write the quantised copies there ({exc.strerror or exc})"
-        ) from None
-    return folder
+    return writable_dir(folder, "the quantised copies")
 
 
 def quantize_expert(

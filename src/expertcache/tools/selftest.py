@@ -32,7 +32,8 @@ import torch
 
 from expertcache.costs import CostModel
 from expertcache.engine.families import FAMILIES
-from expertcache.errors import ExpertcacheError, first_line
+from expertcache.engine.offloaded import resolve_device
+from expertcache.errors import first_line
 from expertcache.miss.registry import parse_miss
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
@@ -232,24 +233,6 @@ def selftest(
         torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - start
     return report
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """``device`` as a torch device (None: CUDA when torch sees a GPU); one clear line when unusable."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise ExpertcacheError(
-            f"device {device} was asked for, but torch {torch.__version__} sees no GPU ({why})"
-        )
-    return dev
 
 
 def device_lost(dev: torch.device) -> str | None:

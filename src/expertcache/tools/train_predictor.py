@@ -31,6 +31,7 @@ import torch
 
 from expertcache.engine.routing import router_fns
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import writable_dir
 from expertcache.predict.base import PredictorError
 from expertcache.predict.learned import make_mlp, probe_routing, save_predictor, source_layer, topk_overlap
 from expertcache.tools.capture import Captured, capture, load_for_capture
@@ -298,15 +299,7 @@ def _check_args(windows: list[int], hidden: int, epochs: int, max_new_tokens: in
 
 def _check_out_dir(out: Path) -> None:
     """The predictor's folder can be written: found out before the capture, not after it."""
-    if out.exists() and not out.is_dir():
-        raise ExpertcacheError(f"{out}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ExpertcacheError(f"{out}: cannot write the predictor there ({exc.strerror or exc})") from None
+    writable_dir(out, "the predictor")
 
 
 def _check_windows(windows: Sequence[int], layers: int, path: Path) -> None:

@@ -1,0 +1,23 @@
+"""Output folders checked before the work that fills them. Torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from expertcache.errors import ExpertcacheError
+
+
+def writable_dir(folder: str | Path, what: str) -> Path:
+    """``folder``, created if need be, after proving a file can be written there: a bad output folder is
+    found out before a long job, not after it (``what`` names the output in the message)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ExpertcacheError(f"{folder}: exists and is not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ExpertcacheError(f"{folder}: cannot write {what} there ({exc.strerror or exc})") from None
+    return folder
