@@ -753,3 +753,25 @@ def test_gate_input_routing_and_replay_with_a_router_in_the_older_order(ckpt):
             replay.remove()
     assert got[2] is logits and got[1].shape == weights.shape  # the same order back, logits untouched
     assert got[0].tolist() == trace.experts[:, 0].tolist()  # the trace's experts, in the index's place
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_tensors_are_views_of_one_map_equal_to_safe_open(make_ckpt, dtype):
+    """The disk tier reads views of a memory map (safetensors' get_tensor keeps memory per call), and
+    they hold exactly what safe_open reads, sharded checkpoints included."""
+    from safetensors import safe_open
+
+    from expertcache.engine.store import Checkpoint
+
+    path = make_ckpt("qwen2_moe", dtype=dtype, max_shard_size="50KB")
+    ckpt = Checkpoint(path)
+    assert len(set(ckpt.files.values())) > 1  # sharded
+    for key, file in ckpt.files.items():
+        with safe_open(str(file), framework="pt") as f:
+            want = f.get_tensor(key)
+        got = ckpt.tensor(key)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+        assert ckpt.tensor(key).data_ptr() == got.data_ptr()  # the same view again, no new read
+        if got.dim() > 1:
+            last = got.shape[0] - 1
+            assert torch.equal(ckpt.row(key, last), want[last])
