@@ -134,7 +134,7 @@ def create_app(
             raise ApiError(503, "the server is starting or stopping", "server_error")
         try:
             stop = tuple(req.stop or ())
-            job = batcher.submit(ids, max_tokens, req.temperature, req.top_p, req.top_k, stop)
+            job = batcher.submit(ids, max_tokens, req.temperature, req.top_p, req.top_k, stop, req.seed)
         except QueueFull as exc:
             raise ApiError(503, str(exc), "server_error", "queue_full") from None
         head = {

@@ -7,12 +7,19 @@ request joins at a step boundary and leaves when it ends; nobody waits for a bat
 
 Sampling is per request: the manager samples (``do_sample``) with per-request temperature, top-k and
 top-p, and a greedy request is sampled with ``top_k=1``, which is the argmax (the tests check that a
-greedy request's tokens equal ``expertcache generate``'s for the same prompt alone). Per-request seeds
-are not supported by transformers' batching: a sampled request is not reproducible under concurrency.
+greedy request's tokens equal ``expertcache generate``'s for the same prompt alone). transformers'
+batching has one random stream for the whole batch, so a request with a ``seed`` is drawn by our own
+last processor (``SeededSampler``) from a generator of its own, the way ``generate`` draws after
+``torch.manual_seed``: its tokens do not depend on what else runs, and equal ``expertcache generate
+--seed``'s for the same prompt alone.
+
+CUDA graphs and asynchronous batching stay off: the offloaded experts run host-side cache logic on each
+step's routing, which a captured graph would not replay.
 
 One thread (``_dispatch``) reads the manager's results and hands each request its new text on the
-server's event loop: detokenised, cut at a stop string (held back while it may begin one), finished
-at eos, a stop string or ``max_tokens``. A full queue is refused (``QueueFull``), a cancelled request
+server's event loop: detokenised incrementally (a window of the last tokens, so a long answer costs
+linear time), cut at a stop string (held back while it may begin one), finished at eos, a stop string
+or ``max_tokens``. A full queue is refused (``QueueFull``), a cancelled request
 (a client that went away) leaves the batch at the next step.
 """
 
@@ -59,8 +66,13 @@ class Job:
     first_token: float | None = None
     last_token: float | None = None
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the text of ``tokens`` up to the last complete character
+    prefix: int = 0  # incremental detokenisation: tokens[prefix:read] gave the end of ``text``
+    read: int = 0
+    scanned: int = 0  # characters of ``text`` searched for stop strings
     sent: int = 0  # characters of the text already handed out
     done: bool = False
+    slot: int | None = None  # the request's generator in the SeededSampler
 
 
 class Batcher:
@@ -98,7 +110,8 @@ class Batcher:
         try:
             cb = ContinuousBatchingConfig(
                 per_request_processors=True, page_size=page, num_blocks=-(-self.kv_tokens // page),
-                max_batch_tokens=batch_tokens,
+                max_batch_tokens=batch_tokens, use_cuda_graph=False, use_async_batching=False,
+                auto_switch_to_flash=False,
             )  # fmt: skip
         except TypeError:
             raise ExpertcacheError(
@@ -108,6 +121,7 @@ class Batcher:
         self.manager = model.model.init_continuous_batching(
             generation_config=config, continuous_batching_config=cb
         )
+        self.sampler = SeededSampler.install(self.manager)
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -125,8 +139,10 @@ class Batcher:
         top_p: float = 1.0,
         top_k: int | None = None,
         stop: tuple[str, ...] = (),
+        seed: int | None = None,
     ) -> Job:
-        """Queue a request; its pieces arrive on ``job.queue`` (use ``pieces``). Refused when full."""
+        """Queue a request; its pieces arrive on ``job.queue`` (use ``pieces``). Refused when full.
+        ``seed`` (sampling only): the request's tokens are drawn from a generator of its own."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if len(self.jobs) >= self.max_queue:
@@ -134,6 +150,8 @@ class Batcher:
             job = Job(f"r{next(self._ids)}", len(prompt_ids), max_tokens, stop, asyncio.Queue(), loop)
             self.jobs[job.id] = job
         greedy = temperature == 0
+        if seed is not None and not greedy:
+            job.slot = self.sampler.open(seed)
         self.manager.add_request(
             prompt_ids,
             request_id=job.id,
@@ -142,6 +160,7 @@ class Batcher:
             temperature=1.0 if greedy else float(temperature),
             top_k=1 if greedy else int(top_k or self.vocab),
             top_p=1.0 if greedy else float(top_p),
+            seed_slot=-1 if job.slot is None else job.slot,
         )
         if self.metrics:
             self.metrics.queued(len(self.jobs))
@@ -163,6 +182,7 @@ class Batcher:
             gone = self.jobs.pop(job.id, None)
         if gone is not None and not job.done:
             job.done = True
+            self.sampler.close(job.slot)
             self.manager.cancel_request(job.id)
             job.loop.call_soon_threadsafe(job.queue.put_nowait, Piece("", len(job.tokens), error="cancelled"))
             if self.metrics:
@@ -212,28 +232,110 @@ class Batcher:
         if out.status == FAILED or out.error:
             self._hand(job, Piece("", len(new), error=f"generation failed: {out.error}"))
             return
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        hits = [text.find(s) for s in job.stop if s in text]
+        finished = out.status == FINISHED
+        self._detokenize(job, final=finished)
+        text = job.text
+        longest = max((len(s) for s in job.stop), default=0)
+        hits = [i for s in job.stop if (i := text.find(s, max(0, job.scanned - longest + 1))) >= 0]
+        job.scanned = len(text)
         if hits:  # cut before the stop string; the request leaves the batch
             self._hand(job, Piece(text[job.sent : min(hits)], len(new), finish="stop"))
             self.manager.cancel_request(job.id)
             return
-        if out.status == FINISHED:
+        if finished:
             reason = "length" if len(new) >= job.max_tokens else "stop"
             self._hand(job, Piece(text[job.sent :], len(new), finish=reason))
             return
         end = len(text) - held_back(text, job.stop)
-        while end > job.sent and text[end - 1] == "\ufffd":  # a character whose bytes are still coming
-            end -= 1
         if end > job.sent:
             piece, job.sent = text[job.sent : end], end
             job.loop.call_soon_threadsafe(job.queue.put_nowait, Piece(piece, len(new)))
 
+    def _detokenize(self, job: Job, final: bool) -> None:
+        """Extend ``job.text`` with the new tokens' text, decoding only a window: the tokens since the
+        last complete character plus the one before (so a leading space decodes as it does in context).
+        A character whose bytes are still coming waits for the next token, unless this is the end."""
+        decode = self.tokenizer.decode
+        before = decode(job.tokens[job.prefix : job.read], skip_special_tokens=True)
+        after = decode(job.tokens[job.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            job.text += after[len(before) :]
+            job.prefix, job.read = job.read, len(job.tokens)
+
     def _hand(self, job: Job, piece: Piece) -> None:
         """A request's last piece: it leaves the table of running requests."""
         job.done = True
+        self.sampler.close(job.slot)
         with self._lock:
             self.jobs.pop(job.id, None)
         if self.metrics:
             self.metrics.finished(piece, len(self.jobs))
         job.loop.call_soon_threadsafe(job.queue.put_nowait, piece)
+
+
+class SeededSampler:
+    """The last per-request logits processor of transformers' batching: each row of a request with a
+    seed is sampled here, from the request's own ``torch.Generator``, and replaced by a certainty
+    (0 at the drawn token, -inf elsewhere) that the manager's own draw then keeps. The draw is
+    ``generate``'s (softmax, one ``multinomial``), so a request alone gets ``generate``'s tokens for its
+    seed. Rows without a seed (slot -1) pass through to the manager's shared random stream."""
+
+    supported_kwargs = {"seed_slot": int}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.generators: dict[int, object] = {}
+        self.seeds: dict[int, int] = {}
+        self._slots = itertools.count()
+
+    @classmethod
+    def install(cls, manager) -> SeededSampler:
+        """Append to ``manager``'s processors; before ``manager.start()``, which sizes their arguments."""
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingLogitsProcessor,
+        )
+
+        sampler = cls()
+        ContinuousBatchingLogitsProcessor.register(cls)  # an ABC: a virtual subclass
+        processors = manager.logit_processor
+        processors.logits_processor.append(sampler)
+        processors.tensors_required += 1
+        processors.supported_keys.update(cls.supported_kwargs)
+        processors.do_processing = True
+        return sampler
+
+    def open(self, seed: int) -> int:
+        """A slot for a new request sampled with ``seed``; its generator is made on the logits' device."""
+        slot = next(self._slots) % 2**31
+        self.seeds[slot] = seed
+        return slot
+
+    def close(self, slot: int | None) -> None:
+        if slot is not None:
+            self.seeds.pop(slot, None)
+            self.generators.pop(slot, None)
+
+    # the ContinuousBatchingLogitsProcessor interface
+    def fill_defaults(self, int32_tensor) -> None:
+        int32_tensor.fill_(-1)
+
+    def prepare_tensor_args(self, requests_with_new_token) -> object:
+        import torch
+
+        slots = [r.state.logit_processor_kwargs.get("seed_slot", -1) for r in requests_with_new_token]
+        return torch.tensor(slots, dtype=torch.int32)
+
+    def __call__(self, scores, tensor_arg):
+        import torch
+
+        for row, slot in enumerate(tensor_arg[: scores.size(0)].tolist()):
+            if slot < 0 or slot not in self.seeds:
+                continue
+            gen = self.generators.get(slot)
+            if gen is None:
+                gen = self.generators[slot] = torch.Generator(scores.device).manual_seed(self.seeds[slot])
+            probs = torch.nn.functional.softmax(scores[row : row + 1], dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=gen)[0, 0]
+            scores[row].fill_(float("-inf"))
+            scores[row, token] = 0.0
+        return scores
