@@ -28,6 +28,7 @@ from expertcache.policy.registry import (
     parse_policy,
     policy_class,
 )
+from expertcache.sim.planner import METHODS, OBJECTIVES
 from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
 from expertcache.trace.default import default_trace
@@ -107,14 +108,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tm = sub.add_parser("timing", help="replay a trace in virtual time: TTFT, TPOT, stall, prefetching")
     tm.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
-    tm.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="any policy (default lru)")
+    tm.add_argument("--policy", metavar="NAME[:k=v,...]", help="any policy (default lru)")
+    tm.add_argument(
+        "--plan", metavar="PLAN.json", help="run a plan (expertcache plan): its policy, budgets, miss path, "
+        "predictor and capacity"
+    )  # fmt: skip
     size = tm.add_mutually_exclusive_group()
     size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds (at least 1)")
     size.add_argument(
         "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
     )
     tm.add_argument(
-        "--prefetch", default="none", metavar="NAME", help="predictor, or none (default); 'recorded' "
+        "--prefetch", metavar="NAME", help="predictor, or none (default); 'recorded' "
         "replays the trace's recorded predictions, as do the gate-input predictors"
     )  # fmt: skip
     tm.add_argument("--window", type=int, metavar="K", help="layers ahead (default: the predictor's)")
@@ -131,9 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument(
         "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
     )
-    tm.add_argument(
-        "--miss", default="fetch", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)"
-    )
+    tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
     tm.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
@@ -142,6 +145,50 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     tm.add_argument("--json", action="store_true", help="print one JSON object")
     tm.set_defaults(func=_cmd_timing)
+
+    pl = sub.add_parser(
+        "plan", help="choose per-layer budgets, miss path and predictor on the timing model; write plan.json"
+    )
+    pl.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
+    pl.add_argument("-o", "--out", metavar="PLAN.json", help="where the plan is written")
+    size = pl.add_mutually_exclusive_group()
+    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
+    size.add_argument(
+        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
+    )
+    pl.add_argument(
+        "--policy",
+        default="lru",
+        metavar="NAME",
+        help="the policy laid out (one with a -dist form; default lru)",
+    )
+    pl.add_argument(
+        "--method", action="append", choices=METHODS, help=f"a layout to compare (repeat; default all: "
+        f"{', '.join(METHODS)})"
+    )  # fmt: skip
+    pl.add_argument(
+        "--miss",
+        action="append",
+        metavar="NAME[:k=v,...]",
+        help="a miss path to compare (repeat; default fetch)",
+    )
+    pl.add_argument(
+        "--prefetch",
+        action="append",
+        metavar="NAME",
+        help="a predictor to compare, or none (repeat; default none)",
+    )
+    pl.add_argument("--window", type=int, metavar="K", help="layers ahead for the predictors")
+    pl.add_argument(
+        "--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam to learn from"
+    )
+    pl.add_argument("--objective", choices=OBJECTIVES, default="tpot", help="what to minimise (default tpot)")
+    pl.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
+    for flag, meta, what in _TIMING_COST_FLAGS:
+        pl.add_argument(flag, metavar=meta, help=what)
+    pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
 
     t = sub.add_parser("trace", help="inspect or generate routing traces")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
@@ -339,22 +386,66 @@ _TIMING_COST_FLAGS = (
 
 def _cmd_timing(args: argparse.Namespace) -> int:
     from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
-    from expertcache.costs import CostModel
+    from expertcache.plan import Plan
     from expertcache.sim.timing import format_timing, simulate_timing
 
     _check_cost_flags(args)
     trace = _trace(args.trace)
-    prefetch = PrefetchConfig(
-        args.prefetch,
-        window=args.window,
-        data=args.predictor,
-        limit=args.prefetch_limit,
-        chunking=not args.no_chunking,
-        chunk_size=args.chunk_size,
-        preemption=not args.no_preemption,
-        reorder=not args.no_reorder,
+    plan = None
+    if args.plan:
+        given = [
+            f
+            for f in ("policy", "miss", "prefetch", "window", "capacity", "expert_memory")
+            if getattr(args, f)
+        ]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ExpertcacheError(
+                f"--plan sets the policy, miss path, predictor and capacity; leave out {flag}"
+            )
+        plan = Plan.load(args.plan)
+        plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
+    options = {
+        "data": args.predictor,
+        "limit": args.prefetch_limit,
+        "chunking": not args.no_chunking,
+        "chunk_size": args.chunk_size,
+        "preemption": not args.no_preemption,
+        "reorder": not args.no_reorder,
+    }
+    if plan is not None:
+        prefetch, cache, miss = (
+            plan.prefetch_config(**options),
+            plan.cache_config(args.seed),
+            plan.miss_config(),
+        )
+    else:
+        prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
+        cache, miss = CacheConfig(args.policy or "lru", seed=args.seed), MissConfig(args.miss or "fetch")
+    cost = _cost_from_args(args, prefetch)
+    total = trace.num_layers * trace.num_experts
+    capacity = plan.capacity if plan is not None else args.capacity
+    if capacity is None:  # 0 is a capacity, and refused, not the default
+        capacity = _timing_capacity(args.expert_memory or "50%", cost.expert_bytes, total)
+    predictor_trace = load_trace(args.predictor) if args.predictor else None
+    result = simulate_timing(
+        trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
     )
-    cache, miss = CacheConfig(args.policy, seed=args.seed), MissConfig(args.miss)
+    if args.json:
+        print(json.dumps({"trace": trace.source, **result.to_dict()}))
+    else:
+        print(f"trace      {trace.source}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} "
+              f"K={trace.top_k}")  # fmt: skip
+        if plan is not None:
+            print(f"plan       {args.plan}: {plan.describe()}")
+        print(format_timing(result))
+    return 0
+
+
+def _cost_from_args(args: argparse.Namespace, prefetch=None):
+    """The cost model of ``timing`` and ``plan``: ``--cost`` overridden by the cost flags."""
+    from expertcache.costs import CostModel
+
     split = {k: v.split(",") for k in ("dense_time", "expert_time", "host_time") if (v := getattr(args, k))}
     for flag in ("expert_time", "host_time"):
         if len(split.get(flag, ())) > 2:
@@ -370,29 +461,46 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "host_expert_token_s": split["host_time"][1] if len(split.get("host_time", ())) == 2 else None,
         "step_s": args.step_time,
         "expert_bytes": args.expert_bytes,
-        "chunk_bytes": prefetch.chunk_bytes,
+        "chunk_bytes": prefetch.chunk_bytes if prefetch is not None else None,
         "wake_s": args.wake_time,
         "submit_s": args.issue_time,
         "dequant_s": args.dequant_time,
     }
     base = CostModel.load(args.cost) if args.cost else None
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
-    if not prefetch.chunking:
+    if prefetch is not None and not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
-    total = trace.num_layers * trace.num_experts
+    return cost
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from expertcache.config import PrefetchConfig
+    from expertcache.sim.planner import format_plan, make_plan
+
+    _check_cost_flags(args)
+    if args.out:
+        check_writable(args.out, "--out")
+    trace = _trace(args.trace)
+    cost = _cost_from_args(args)
     capacity = args.capacity
-    if capacity is None:  # 0 is a capacity, and refused, not the default
-        capacity = _timing_capacity(args.expert_memory or "50%", cost.expert_bytes, total)
+    if capacity is None:
+        capacity = _timing_capacity(
+            args.expert_memory or "50%", cost.expert_bytes, trace.num_layers * trace.num_experts
+        )
+    prefetches = [
+        PrefetchConfig(p, window=None if p == "none" else args.window, data=args.predictor)
+        for p in dict.fromkeys(args.prefetch or ["none"])
+    ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
-    result = simulate_timing(
-        trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
-    )
-    if args.json:
-        print(json.dumps({"trace": trace.source, **result.to_dict()}))
-    else:
-        print(f"trace      {trace.source}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} "
-              f"K={trace.top_k}")  # fmt: skip
-        print(format_timing(result))
+    plan = make_plan(
+        trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
+        prefetches=prefetches, methods=list(dict.fromkeys(args.method or METHODS)), objective=args.objective,
+        seed=args.seed, predictor_trace=predictor_trace,
+    )  # fmt: skip
+    if args.out:
+        plan.save(args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
 
 

@@ -70,12 +70,14 @@ def add_model_args(p) -> None:
     )  # fmt: skip
     p.add_argument("--download", action="store_true", help="download a Hugging Face id not in the cache")
     p.add_argument(
-        "--expert-memory", default="100%", metavar="X",
+        "--expert-memory", metavar="X",
         help="bytes (6GiB, 500MB) or a share of all experts (30%%); default 100%% = no offloading",
     )  # fmt: skip
+    p.add_argument("--policy", metavar="NAME[:k=v,...]", help="any online policy (default lru)")
     p.add_argument(
-        "--policy", default="lru", metavar="NAME[:k=v,...]", help="any online policy (default lru)"
-    )
+        "--plan", metavar="PLAN.json",
+        help="run a plan (expertcache plan): its expert memory, policy and budgets, miss path, predictor",
+    )  # fmt: skip
     p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
@@ -85,7 +87,7 @@ def add_model_args(p) -> None:
         "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"
     )
     p.add_argument(
-        "--miss", default="fetch", metavar="NAME[:k=v,...]",
+        "--miss", metavar="NAME[:k=v,...]",
         help="what to do on a miss: fetch (default), host, hybrid, placement, ... (expertcache misses)",
     )  # fmt: skip
     add_prefetch_args(p)
@@ -105,7 +107,7 @@ def _add_sampling_args(p) -> None:
 def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     """Proactive caching switches (engine): predictor, window, chunking, preemption, reordering."""
     p.add_argument(
-        "--prefetch", default="none", metavar="NAME",
+        "--prefetch", metavar="NAME",
         help="none (default), next-gate, window, adaptive, learned, token, eam (see: expertcache predictors)",
     )  # fmt: skip
     p.add_argument(
@@ -148,22 +150,36 @@ def load_model(args, record: bool = True):
     """The offloaded model the options describe; the options are checked before torch is imported.
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
     from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig
+    from expertcache.plan import Plan
 
-    cache, miss = CacheConfig(args.policy, profile=args.profile), MissConfig(args.miss)
-    prefetch = PrefetchConfig(
-        args.prefetch, window=args.window, data=args.predictor, limit=args.prefetch_limit,
-        chunking=not args.no_chunking, chunk_size=args.chunk_size, preemption=not args.no_preemption,
-        reorder=not args.no_reorder, thread=args.predictor_thread,
-    )  # fmt: skip
+    options = {
+        "data": args.predictor, "limit": args.prefetch_limit, "chunking": not args.no_chunking,
+        "chunk_size": args.chunk_size, "preemption": not args.no_preemption, "reorder": not args.no_reorder,
+        "thread": args.predictor_thread,
+    }  # fmt: skip
+    plan = None
+    if args.plan:
+        given = [f for f in ("expert_memory", "policy", "miss", "prefetch", "window") if getattr(args, f)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ExpertcacheError(
+                f"--plan sets the expert memory, policy, miss path and predictor; leave out {flag}"
+            )
+        plan = Plan.load(args.plan)
+        cache, miss, prefetch = plan.cache_config(), plan.miss_config(), plan.prefetch_config(**options)
+    else:
+        cache = CacheConfig(args.policy or "lru", profile=args.profile)
+        miss = MissConfig(args.miss or "fetch")
+        prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
     from expertcache.engine.offloaded import load
 
     quiet_transformers()
     model = load(
-        args.model, expert_memory=args.expert_memory, policy=cache, prefetch=prefetch, miss=miss,
+        args.model, expert_memory=args.expert_memory or "100%", policy=cache, prefetch=prefetch, miss=miss,
         device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
         link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
-        progress=False if args.quiet else None, record=record,
+        progress=False if args.quiet else None, record=record, plan=plan,
     )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)

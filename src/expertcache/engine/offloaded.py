@@ -32,6 +32,7 @@ from expertcache.engine.transfer import DiskTier, HostTier, Target, TransferWork
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL, MissContext, PartSpec
 from expertcache.miss.registry import miss_class
+from expertcache.plan import Plan, as_plan
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.policy.registry import policy_class
 from expertcache.predict.base import PredictContext
@@ -85,8 +86,10 @@ class OffloadedModel:
         progress: bool | None = None,
         record: bool = True,
         download: bool = False,
+        plan: Plan | None = None,
     ) -> None:
         self.path = resolve_model(path, download)
+        self.plan = plan
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
         self.cache_config = cache = cache or CacheConfig()
         self.prefetch_config_ = prefetch = prefetch or PrefetchConfig()
@@ -100,6 +103,9 @@ class OffloadedModel:
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         self.layout = SlotLayout.of(sk.shapes, sk.dtype)  # one whole expert
+        if plan is not None:  # its budget is in experts: the timing model's unit
+            plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
+            expert_memory = plan.capacity * self.layout.slot_bytes
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
         )
@@ -448,6 +454,7 @@ class OffloadedModel:
             "costs": None if self.costs is None else self.costs.to_dict(),
             **self.prefetch_config,
             "retried_chunks": self.worker.retried,
+            "plan": None if self.plan is None else self.plan.describe(),
         }
 
     def _memory_bytes(self) -> int:
@@ -541,6 +548,7 @@ def load(
     preemption: bool = True,
     reorder: bool = True,
     predictor_thread: bool = False,
+    plan: str | Path | Plan | None = None,
     **options,
 ) -> OffloadedModel:
     """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
@@ -562,6 +570,31 @@ def load(
     (``"host"`` or ``"disk"``), ``costs`` (a ``CostModel`` for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``.
     """
+    plan = as_plan(plan)
+    if plan is not None:
+        defaults = {
+            "expert_memory": "100%",
+            "policy": "lru",
+            "miss": "fetch",
+            "prefetch": "none",
+            "window": None,
+        }
+        given = {
+            "expert_memory": expert_memory,
+            "policy": policy,
+            "miss": miss,
+            "prefetch": prefetch,
+            "window": window,
+        }
+        extra = [k for k, v in given.items() if v != defaults[k] and not _is_plans(v, plan)]
+        if extra:
+            raise ExpertcacheError(
+                f"plan sets the expert memory, policy, miss path and predictor; leave out {extra[0]}"
+            )
+        policy = policy if isinstance(policy, CacheConfig) else plan.cache_config(seed)
+        miss = plan.miss_config()
+        if not isinstance(prefetch, PrefetchConfig):
+            prefetch, window = plan.prefetch, plan.window
     cache = policy if isinstance(policy, CacheConfig) else CacheConfig(policy, seed=seed, profile=profile)
     if isinstance(prefetch, PrefetchConfig):
         pf = prefetch
@@ -572,8 +605,15 @@ def load(
         )  # fmt: skip
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=LinkConfig(link_bandwidth, link_latency),
-        miss=as_config(miss, MissConfig), device=device, **options,
+        miss=as_config(miss, MissConfig), device=device, plan=plan, **options,
     )  # fmt: skip
+
+
+def _is_plans(value: object, plan: Plan) -> bool:
+    """A config the plan itself gives (what the CLI passes along with the plan)."""
+    return value in (plan.cache_config(), plan.miss_config()) or (
+        isinstance(value, PrefetchConfig) and value.predictor == plan.prefetch and value.window == plan.window
+    )
 
 
 __all__ = ["DEFAULT_MODEL", "Generation", "OffloadedModel", "default_model_path", "load"]

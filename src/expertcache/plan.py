@@ -1,0 +1,154 @@
+"""A plan: what ``expertcache plan`` chose for a model at a budget, as the engine and the timing model run it.
+
+A plan names the cache policy and its per-layer budgets (``None``: one cache shared by all layers), the
+miss path, the predictor and its window, for a model of given shape (layers, experts, top-k) and a cache
+of ``capacity`` experts; beside the choice it keeps what was predicted for it and for every candidate the
+planner compared, and which of its parts are lossy. ``expertcache generate --plan``, ``expertcache
+timing --plan`` and ``expertcache.load(..., plan=...)`` read it; a plan for another model's shape is
+refused. Plain JSON, so a plan can be read, diffed and edited; torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+from expertcache.errors import ExpertcacheError
+from expertcache.miss.registry import miss_class
+
+FORMAT = "expertcache-plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One plan (see the module's docstring). ``budgets``: experts per layer, summing to ``capacity``."""
+
+    layers: int
+    experts: int
+    top_k: int
+    capacity: int
+    policy: str = "lru"
+    budgets: tuple[int, ...] | None = None
+    miss: str = "fetch"
+    prefetch: str = "none"
+    window: int | None = None
+    method: str = "uniform"
+    objective: str = "tpot"
+    predicted: dict = field(default_factory=dict)  # the timing model's figures for the choice
+    candidates: tuple[dict, ...] = ()  # every layout compared, with its figures
+    lower_bound: dict = field(default_factory=dict)  # OPT's, shared cache, same miss path
+    source: dict = field(default_factory=dict)  # the trace and cost model it was planned on
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        for name in ("layers", "experts", "top_k", "capacity"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ExpertcacheError(f"plan: {name} must be a positive integer, got {value!r}")
+        if self.budgets is not None:
+            budgets = tuple(self.budgets)
+            object.__setattr__(self, "budgets", budgets)
+            if len(budgets) != self.layers:
+                raise ExpertcacheError(f"plan: {len(budgets)} budgets for a model of {self.layers} layers")
+            if any(not isinstance(b, int) or b < self.top_k or b > self.experts for b in budgets):
+                raise ExpertcacheError(
+                    f"plan: every layer's budget must be {self.top_k} .. {self.experts} experts, got "
+                    f"{list(budgets)}"
+                )
+            if sum(budgets) != self.capacity:
+                raise ExpertcacheError(
+                    f"plan: budgets sum to {sum(budgets)}, not the plan's capacity of {self.capacity}"
+                )
+            if ":" in self.policy or self.policy.endswith("-dist"):
+                raise ExpertcacheError(
+                    f"plan: with budgets, policy is the per-layer policy's name, not {self.policy!r}"
+                )
+        self.cache_config()  # a bad policy, miss path or predictor is refused here, by its own check
+        self.miss_config()
+        self.prefetch_config()
+
+    # ------------------------------------------------------------------------------ what it runs
+    @property
+    def policy_spec(self) -> str:
+        """The policy as the engine and the simulator take it: ``lru-dist:budgets=2/3/...`` or ``lru``."""
+        if self.budgets is None:
+            return self.policy
+        return f"{self.policy}-dist:budgets={'/'.join(map(str, self.budgets))}"
+
+    def cache_config(self, seed: int = 0) -> CacheConfig:
+        return CacheConfig(self.policy_spec, seed=seed)
+
+    def miss_config(self) -> MissConfig:
+        return MissConfig(self.miss)
+
+    def prefetch_config(self, **options: object) -> PrefetchConfig:
+        return PrefetchConfig(self.prefetch, window=self.window, **options)
+
+    @property
+    def lossy(self) -> list[str]:
+        """The parts of the plan that change the model's output (empty: the plan is exact)."""
+        return [f"miss path {self.miss}"] if miss_class(self.miss_config().name).lossy else []
+
+    def check_model(self, layers: int, experts: int, top_k: int, what: str = "the model") -> None:
+        """Refuse to run the plan on a model of another shape."""
+        have, want = (layers, experts, top_k), (self.layers, self.experts, self.top_k)
+        if have != want:
+            raise ExpertcacheError(
+                f"the plan is for a model of {want[0]} MoE layers x {want[1]} experts, top-{want[2]}; "
+                f"{what} has {have[0]} x {have[1]}, top-{have[2]}"
+            )
+
+    def describe(self) -> str:
+        layout = "shared" if self.budgets is None else "/".join(map(str, self.budgets))
+        pf = "" if self.prefetch == "none" else f", prefetch {self.prefetch}"
+        return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}"
+
+    # ------------------------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["budgets"] = None if self.budgets is None else list(self.budgets)
+        data["candidates"] = list(self.candidates)
+        return {"format": FORMAT, "version": VERSION, **data, "lossy": self.lossy}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "plan") -> Plan:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ExpertcacheError(f"{source}: not an expertcache plan (written by 'expertcache plan')")
+        if data.get("version") != VERSION:
+            raise ExpertcacheError(
+                f"{source}: plan version {data.get('version')!r}; this expertcache reads {VERSION}"
+            )
+        known = set(cls.__dataclass_fields__)
+        fields = {k: v for k, v in data.items() if k in known}
+        try:
+            plan = cls(**fields)
+        except TypeError as exc:
+            raise ExpertcacheError(f"{source}: {exc}") from None
+        except ExpertcacheError as exc:
+            raise ExpertcacheError(f"{source}: {exc}") from None
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ExpertcacheError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ExpertcacheError(f"plan {path} is not JSON: {exc}") from None
+        return cls.from_dict(data, str(path))
+
+
+def as_plan(value: object) -> Plan | None:
+    """A ``Plan``, a plan file's path, or None."""
+    if value is None or isinstance(value, Plan):
+        return value
+    if isinstance(value, str | Path):
+        return Plan.load(value)
+    raise ExpertcacheError(f"plan must be a Plan or a plan file's path, got {type(value).__name__}")

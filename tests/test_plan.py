@@ -1,0 +1,226 @@
+"""The planner (``expertcache plan``): per-layer layouts (uniform, AdapMoE's knapsack, Fate's
+shallow-favouring), their figures from the timing model, the plan file, and plans run by ``timing``, the
+engine and ``generate`` (exact)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import SPECS, TOP_K, assert_exact, engine_load, greedy, moe_layers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.cli import main
+from expertcache.errors import ExpertcacheError
+from expertcache.plan import Plan
+from expertcache.sim.planner import fate_budgets, knapsack, layer_curves, make_plan
+from expertcache.sim.replay import replay
+from expertcache.sim.timing import simulate_timing
+from expertcache.trace import synthesize
+from expertcache.trace.default import default_trace
+
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+reference = engine_fixtures.reference
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+TRACE = synthesize("sticky", tokens=400, layers=4, experts=8, top_k=2, seed=1, sequences=3, prompt_len=10)
+
+
+# ------------------------------------------------------------------------------------ layouts
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 4),
+    experts=st.integers(2, 6),
+    low=st.integers(1, 2),
+    data=st.data(),
+)
+def test_knapsack_equals_brute_force(layers, experts, low, data):
+    """The dynamic programme finds the fewest misses of every layout, for any (non-increasing or not)
+    per-layer curves."""
+    low = min(low, experts)
+    capacity = data.draw(st.integers(layers * low, layers * experts))
+    curves = np.zeros((layers, experts + 1), dtype=np.int64)
+    for layer in range(layers):
+        curves[layer, low:] = data.draw(st.lists(st.integers(0, 50), min_size=experts - low + 1,
+                                                 max_size=experts - low + 1))  # fmt: skip
+    sizes = knapsack(curves, capacity, low)
+    assert sum(sizes) == capacity and all(low <= s <= experts for s in sizes)
+    best = min(
+        sum(int(curves[layer, s]) for layer, s in enumerate(combo))
+        for combo in itertools.product(range(low, experts + 1), repeat=layers)
+        if sum(combo) == capacity
+    )
+    assert sum(int(curves[layer, s]) for layer, s in enumerate(sizes)) == best
+
+
+def test_knapsack_refuses_a_budget_it_cannot_lay_out():
+    with pytest.raises(ExpertcacheError, match="cannot give 4 layers 2 .. 8 each"):
+        knapsack(np.zeros((4, 9), dtype=np.int64), 7, 2)
+
+
+@pytest.mark.parametrize(
+    "capacity, want",
+    [
+        (48, [8, 8, 8, 8, 8, 8]),  # 4 whole layers + 2 x 8 = 48: room for 4 whole, rest even
+        (40, [8, 8, 8, 8, 4, 4]),
+        (30, [8, 8, 8, 2, 2, 2]),  # a fourth whole layer would leave the last two below top-2
+        (12, [2, 2, 2, 2, 2, 2]),  # no whole layer fits: uniform
+    ],
+)
+def test_fate_favours_shallow_layers(capacity, want):
+    assert fate_budgets(capacity, 6, 8, 2) == want
+
+
+def test_layer_curves_equal_the_simulators_lru_dist():
+    """Each layer's curve at its budget, summed, is what the simulator's lru-dist does with those budgets
+    (the per-layer caches are independent): an oracle for the curves the knapsack optimises."""
+    curves = layer_curves(TRACE, "lru")
+    schedule = build_schedule(TRACE, "layer")
+    for budgets in ([2, 2, 2, 2], [4, 3, 2, 5], [8, 8, 8, 8], [2, 8, 3, 2]):
+        r = replay(schedule, "lru-dist", sum(budgets), budgets=budgets)
+        want = [int(curves[:, layer, b].sum()) for layer, b in enumerate(budgets)]
+        assert r.layer_misses.sum(axis=0).tolist() == want
+
+
+# ------------------------------------------------------------------------------------ plans
+@pytest.fixture(scope="module")
+def embedded_plan() -> Plan:
+    trace = default_trace()
+    return make_plan(trace, trace.num_layers * trace.num_experts // 2)
+
+
+def test_the_plan_is_the_best_candidate_and_above_opt(embedded_plan):
+    plan = embedded_plan
+    methods = {c["method"] for c in plan.candidates}
+    assert methods == {"shared", "uniform", "knapsack", "fate"}
+    assert plan.predicted["tpot_s"] == min(c["tpot_s"] for c in plan.candidates)
+    by = {c["method"]: c for c in plan.candidates}
+    assert by["knapsack"]["misses"] <= by["uniform"]["misses"]  # decode misses are what it minimises
+    assert plan.lower_bound["misses"] <= plan.predicted["misses"]
+    assert plan.budgets is None or sum(plan.budgets) == plan.capacity
+    assert plan.lossy == []
+
+
+def test_timing_of_a_plan_is_what_the_plan_predicted(embedded_plan, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    embedded_plan.save(path)
+    assert main(["timing", "--plan", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tpot_s"] == pytest.approx(embedded_plan.predicted["tpot_s"], rel=1e-12)
+    assert got["misses"] == embedded_plan.predicted["misses"]
+
+
+def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    embedded_plan.save(path)
+    again = Plan.load(path)
+    assert again == embedded_plan and again.policy_spec == embedded_plan.policy_spec
+    data = json.loads(path.read_text())
+    cases = [
+        ({"format": "other"}, "not an expertcache plan"),
+        ({**data, "version": 9}, "plan version 9"),
+        ({**data, "budgets": [1] * data["layers"], "capacity": data["layers"]}, "must be 2 .. 16"),
+        ({**data, "budgets": [4] * data["layers"]}, f"not the plan's capacity of {data['capacity']}"),
+        ({**data, "miss": "nope"}, "unknown miss path 'nope'"),
+    ]
+    for body, words in cases:
+        path.write_text(json.dumps(body))
+        with pytest.raises(ExpertcacheError, match=words):
+            Plan.load(path)
+    path.write_text("{")
+    with pytest.raises(ExpertcacheError, match="is not JSON"):
+        Plan.load(path)
+
+
+def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
+    trace = tmp_path / "t.npz"
+    TRACE.save(trace)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", str(trace), "--capacity", "16", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen:" in printed and "lower bound" in printed
+    plan = Plan.load(out)
+    assert (plan.layers, plan.experts, plan.top_k, plan.capacity) == (4, 8, 2, 16)
+    plan_at = ["plan", "--trace", str(trace), "--capacity"]
+    bad = [
+        ([*plan_at, "6", "--method", "uniform"], "needs 8: top-2 in every layer"),
+        ([*plan_at, "16", "--policy", "opt"], "needs the future"),
+        ([*plan_at, "16", "--policy", "eam"], "-dist form and no parameters"),
+        ([*plan_at, "16", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
+        (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
+        (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),
+    ]  # fmt: skip
+    for argv, words in bad:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+def test_a_known_answer_uniform_routing_gains_nothing_from_a_layout(tmp_path):
+    """Every expert equally likely in every layer: no layout beats another by much, and knapsack never
+    does worse than uniform on the misses it optimises."""
+    trace = synthesize("uniform", tokens=600, layers=4, experts=8, top_k=2, seed=3)
+    plan = make_plan(trace, 16, methods=("uniform", "knapsack"))
+    by = {c["method"]: c for c in plan.candidates}
+    assert by["knapsack"]["misses"] <= by["uniform"]["misses"] * 1.02
+
+
+# ------------------------------------------------------------------------------------ the engine
+def test_a_plan_recorded_on_the_model_runs_in_the_engine_exactly(ckpt, reference, tmp_path, capsys):
+    path = ckpt("mixtral")
+    L, E = moe_layers("mixtral"), SPECS["mixtral"]["experts"]
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    with engine_load(path) as model:
+        greedy(model, ids)
+        trace = model.trace()
+    capacity = L * E // 2
+    plan = make_plan(trace, capacity, methods=("uniform", "knapsack", "fate"))
+    assert plan.budgets is not None and len(plan.budgets) == L
+    file = tmp_path / "plan.json"
+    plan.save(file)
+    with _load_plan(path, str(file)) as model:
+        assert model.capacity == capacity and model.cache_config.params["budgets"] == list(plan.budgets)
+        assert_exact(greedy(model, ids), reference(path, ids))
+        assert model.stats["plan"] == plan.describe()
+    # the engine's counts equal the timing model's on the trace the engine records
+    with _load_plan(path, file) as model:
+        greedy(model, ids)
+        again = model.trace()
+        stats = model.stats
+    predicted = simulate_timing(again, capacity, cache=plan.cache_config())
+    assert stats["misses"] == predicted.misses
+    # a plan for another shape, or with options it sets
+    other = Plan(layers=L + 1, experts=E, top_k=TOP_K, capacity=capacity)
+    with pytest.raises(ExpertcacheError, match=f"the plan is for a model of {L + 1} MoE layers"):
+        _load_plan(path, other)
+    with pytest.raises(ExpertcacheError, match="leave out policy"):
+        _load_plan(path, file, policy="lfu")
+
+
+def _load_plan(path: Path, plan, **kwargs):
+    from expertcache.engine import load
+
+    return load(path, plan=plan, device="cpu", progress=False, **kwargs)
+
+
+def test_generate_runs_a_plan_and_refuses_options_it_sets(tmp_path, capsys):
+    trace = default_trace()
+    plan = make_plan(trace, trace.num_layers * trace.num_experts // 4, methods=("uniform", "knapsack"))
+    file = tmp_path / "plan.json"
+    plan.save(file)
+    argv = ["generate", "--prompt", "def add(", "--max-new-tokens", "6", "--device", "cpu", "--quiet"]
+    assert main([*argv, "--plan", str(file)]) == 0
+    planned = capsys.readouterr().out
+    assert main(argv) == 0
+    assert planned == capsys.readouterr().out  # exact: the plan changes the cost, not the text
+    assert main([*argv, "--plan", str(file), "--expert-memory", "50%"]) == 2
+    assert "leave out --expert-memory" in capsys.readouterr().err
