@@ -108,6 +108,7 @@ def _run_without_torch(*args: str) -> subprocess.CompletedProcess:
         ["timing", "--capacity", "24", "--json"],
         ["timing", "--capacity", "24", "--prefetch", "eam", "--json"],
         ["plan", "--capacity", "24", "--json"],
+        ["doctor", "--capacity", "24", "--json"],
         ["trace", "info", "default"],
     ],
     ids=lambda a: " ".join(a[:2]),

@@ -19,6 +19,7 @@ import numpy as np
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.units import parse_duration, parse_rate, parse_size
 
+PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
 AUTO = "auto"  # chunk_bytes: an expert's three weight matrices, about a third of it each
 
 
@@ -148,10 +149,23 @@ class CostModel:
             raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
+        if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
+            data = data.get("cost")
+            if not isinstance(data, dict):
+                raise ExpertcacheError(f"{path}: a profile without its 'cost' object")
         try:
             return cls.from_dict(data)
         except ExpertcacheError as e:
             raise ExpertcacheError(f"{path}: {e}") from None
+
+    @classmethod
+    def load_profile(cls, path: str | Path) -> tuple[CostModel, dict | None]:
+        """A cost model file or a profile (``expertcache profile``): the costs, and the profile's model
+        shape (``layers``, ``experts``, ``top_k``, ...; None for a plain cost model)."""
+        cost = cls.load(path)
+        data = json.loads(Path(path).read_text())
+        shape = data.get("model") if data.get("format") == PROFILE_FORMAT else None
+        return cost, shape if isinstance(shape, dict) else None
 
     @classmethod
     def from_dict(cls, data: dict[str, object], base: CostModel | None = None) -> CostModel:

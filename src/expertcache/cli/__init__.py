@@ -190,6 +190,61 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
 
+    dr = sub.add_parser(
+        "doctor", help="pre-flight: can a cache help this routing at this budget, what to run"
+    )
+    dr.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
+    dr.add_argument(
+        "--model", metavar="PATH", help="record the trace from this model instead (with --prompts)"
+    )
+    dr.add_argument("--prompts", metavar="FILE", help="prompts to record with, one per line (with --model)")
+    dr.add_argument(
+        "--max-new-tokens", type=int, default=32, metavar="N", help="per prompt when recording (default 32)"
+    )
+    size = dr.add_mutually_exclusive_group()
+    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
+    size.add_argument(
+        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 25%%)"
+    )
+    dr.add_argument(
+        "--window-tokens",
+        type=int,
+        default=16,
+        metavar="M",
+        help="tokens per window of SRP and SCH (default 16)",
+    )
+    dr.add_argument("--policy", default="lru", metavar="NAME", help="the policy planned (default lru)")
+    dr.add_argument(
+        "--miss", action="append", metavar="NAME[:k=v,...]", help="a miss path the plan may use (repeat; "
+        "default fetch)"
+    )  # fmt: skip
+    dr.add_argument("--cost", metavar="FILE.json", help="cost model or profile (the flags below override it)")
+    for flag, meta, what in _TIMING_COST_FLAGS:
+        dr.add_argument(flag, metavar=meta, help=what)
+    dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
+
+    pr = sub.add_parser("profile", help="measure this machine's cost triple for a model (for plan --cost)")
+    pr.add_argument("--model", metavar="PATH", help="checkpoint folder (default: the embedded model)")
+    pr.add_argument("-o", "--out", metavar="PROFILE.json", help="where the profile is written")
+    pr.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
+    pr.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    pr.add_argument(
+        "--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)"
+    )
+    pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
+    pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")
+    pr.add_argument("--device-latency", metavar="TIME", help="declare its latency per chunk, e.g. 20us")
+    pr.add_argument("--device-time", metavar="TIME[,PER_TOKEN]", help="declare one expert's device compute")
+    pr.add_argument("--dense-time", metavar="TIME", help="declare the rest of a decode step, per MoE layer")
+    pr.add_argument(
+        "--device-profile", metavar="FILE.json", help="declare the link and device figures of a profile "
+        "measured on the target machine"
+    )  # fmt: skip
+    pr.add_argument("--json", action="store_true", help="print the profile as JSON")
+    pr.set_defaults(func=_cmd_profile)
+
     t = sub.add_parser("trace", help="inspect or generate routing traces")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     info = tsub.add_parser("info", help="shape, per-layer entropy and reuse of a trace")
@@ -422,6 +477,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     else:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
         cache, miss = CacheConfig(args.policy or "lru", seed=args.seed), MissConfig(args.miss or "fetch")
+    _check_profile(args, trace)
     cost = _cost_from_args(args, prefetch)
     total = trace.num_layers * trace.num_experts
     capacity = plan.capacity if plan is not None else args.capacity
@@ -473,6 +529,96 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None):
     return cost
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from expertcache.tools.profile import declared_fields, format_profile, profile
+
+    if args.out:
+        check_writable(args.out, "profile")
+    if args.steps < 2:
+        raise ExpertcacheError(f"--steps must be at least 2, got {args.steps}")
+    declared = declared_fields(
+        args.device_bandwidth, args.device_latency, args.device_time, args.dense_time, args.device_profile
+    )
+    quiet_transformers()
+    data = profile(
+        args.model, device=args.device, dtype=args.dtype, slow_tier=args.slow_tier, declared=declared,
+        steps=args.steps,
+    )  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(json.dumps(data) if args.json else format_profile(data))
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis
+
+    _check_cost_flags(args)
+    if args.plot:
+        check_plot_path(args.plot)
+    if bool(args.model) != bool(args.prompts):
+        raise ExpertcacheError("--model and --prompts go together: the trace is recorded from them")
+    if args.window_tokens < 1:
+        raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
+    if args.model:
+        if args.trace != "default":
+            raise ExpertcacheError("give --trace or --model with --prompts, not both")
+        trace = _record_trace(args.model, args.prompts, args.max_new_tokens)
+    else:
+        trace = _trace(args.trace)
+    _check_profile(args, trace)
+    cost = _cost_from_args(args)
+    capacity = args.capacity
+    if capacity is None:
+        capacity = _timing_capacity(
+            args.expert_memory or "25%", cost.expert_bytes, trace.num_layers * trace.num_experts
+        )
+    report = diagnose(
+        trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
+        misses=tuple(dict.fromkeys(args.miss or ["fetch"])),
+    )  # fmt: skip
+    if args.plot:
+        plot_diagnosis(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    print(json.dumps(report) if args.json else format_diagnosis(report))
+    return 0
+
+
+def _record_trace(model: str, prompts: str, max_new_tokens: int) -> Trace:
+    """The routing of ``model`` over the prompts of a file (every expert resident, greedy)."""
+    from expertcache.tools.prompts import read_prompt_items
+
+    items = read_prompt_items(prompts)
+    if max_new_tokens < 1:
+        raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    quiet_transformers()
+    from expertcache.engine.offloaded import load
+
+    with load(model, "100%", progress=False) as m:
+        for item in items:
+            m.generate_text(item.prompt, max_new_tokens, chat=isinstance(item.prompt, list))
+        return m.trace()
+
+
+def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
+    """A ``--cost`` profile measured for another model's shape is refused."""
+    from expertcache.costs import CostModel
+
+    if not args.cost:
+        return
+    _, shape = CostModel.load_profile(args.cost)
+    if shape is None:
+        return
+    have = (trace.num_layers, trace.num_experts, trace.top_k)
+    want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
+    if have != want:
+        raise ExpertcacheError(
+            f"profile {args.cost} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
+            f"experts, top-{want[2]}); trace {trace.source} has {have[0]} x {have[1]}, top-{have[2]}"
+        )
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from expertcache.config import PrefetchConfig
     from expertcache.sim.planner import format_plan, make_plan
@@ -481,6 +627,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out, "--out")
     trace = _trace(args.trace)
+    _check_profile(args, trace)
     cost = _cost_from_args(args)
     capacity = args.capacity
     if capacity is None:

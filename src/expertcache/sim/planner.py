@@ -167,18 +167,23 @@ def make_plan(
             f"a cache of {capacity} experts: the planner needs {K} .. {L * E} (top-k .. all of the model's)"
         )
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
-    candidates = []
+    candidates, seen = [], {}
     for method, budgets in layouts(trace, capacity, name, methods, objective).items():
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
         for miss in misses:
             for pf in prefetch_cfgs:
-                r = simulate_timing(
-                    trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf, miss=MissConfig(miss),
-                    cost=cost, predictor_trace=predictor_trace,
-                )  # fmt: skip
+                cell = (spec, miss, pf.predictor, pf.window)
+                if cell in seen:  # another method laid the budget out the same way
+                    figures = {**seen[cell], "same_as": seen[cell]["method"]}
+                else:
+                    r = simulate_timing(
+                        trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
+                        miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace,
+                    )  # fmt: skip
+                    figures = seen[cell] = {"method": method, **_figures(r)}
                 candidates.append(
-                    {"method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
-                     "window": pf.window, **_figures(r)}
+                    {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
+                     "window": pf.window}
                 )  # fmt: skip
     if not candidates:
         raise ExpertcacheError(
@@ -186,7 +191,7 @@ def make_plan(
             f"{L * K}: top-{K} in every layer); add 'shared'"
         )
     key = f"{objective}_s"
-    best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))
+    best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))  # the first of equals
     bound = simulate_timing(trace, capacity, cache="opt", miss="fetch", cost=cost)
     return Plan(
         layers=L, experts=E, top_k=K, capacity=capacity, policy=name,
@@ -230,6 +235,8 @@ def format_plan(plan: Plan) -> str:
             and (c["budgets"] is None) == (plan.budgets is None)
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
+        if "same_as" in c:
+            budgets += f" (as {c['same_as']})"
         rows.append(
             f"{'* ' if chosen else '  '}{c['method']:10}{c['miss']:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
             f"{ms(c['ttft_s']):>10}{c['misses']:>9}  {budgets}"

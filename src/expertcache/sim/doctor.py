@@ -1,0 +1,263 @@
+"""``expertcache doctor``: can an expert cache help this model at this budget, and what to run.
+
+From a routing trace, before any tuning:
+
+- local routing consistency ("Not all models suit expert offloading"): SRP(m), the best F1 over a
+  threshold of predicting a window's routing by one fixed set of experts (those used at least alpha*m
+  times in its m tokens), and SCH(m, C), the hit rate of a cache holding each window's C most-used
+  experts of a layer (an oracle that knows the window): per layer and overall;
+- the knee of LRU's hit-rate curve (a per-layer cache of c experts, c in units of the active top-k);
+- how predictable the next layers are: the accuracy of the predictors that run on a trace alone
+  (MoE-Infinity's EAM, and the engine's recorded predictions when the trace holds them);
+- OPT's and LRU's miss ratios at the budget;
+- the planner's predicted TPOT against every expert resident and on-demand LRU;
+
+and a verdict in words. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError
+from expertcache.sim.curves import run_policy
+from expertcache.sim.planner import layer_curves, make_plan
+from expertcache.sim.timing import simulate_timing
+from expertcache.trace.trace import Trace
+
+LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
+
+
+def window_counts(trace: Trace, m: int) -> np.ndarray:
+    """Tokens routed to each expert in each window of ``m`` consecutive tokens of a sequence (a
+    sequence's last, shorter window left out): int32 [W, L, E]."""
+    if m < 1:
+        raise ExpertcacheError(f"the window must be at least 1 token, got {m}")
+    seq = trace.seq_id if trace.seq_id is not None else np.zeros(trace.num_tokens, dtype=np.int64)
+    starts = []
+    edges = np.flatnonzero(np.diff(seq)) + 1
+    for lo, hi in zip(np.r_[0, edges], np.r_[edges, trace.num_tokens], strict=True):
+        starts += range(int(lo), int(hi) - m + 1, m)
+    if not starts:
+        raise ExpertcacheError(
+            f"no sequence of trace {trace.source} has {m} tokens: give a smaller window (--window-tokens)"
+        )
+    L, E = trace.num_layers, trace.num_experts
+    idx = np.asarray(starts)[:, None] + np.arange(m)[None, :]  # [W, m]
+    ex = trace.experts[idx].astype(np.int64)  # [W, m, L, K]
+    w = np.broadcast_to(np.arange(len(starts))[:, None, None, None], ex.shape)
+    layer = np.broadcast_to(np.arange(L)[None, None, :, None], ex.shape)
+    ok = ex >= 0
+    flat = (w[ok] * L + layer[ok]) * E + ex[ok]
+    return np.bincount(flat, minlength=len(starts) * L * E).reshape(len(starts), L, E).astype(np.int32)
+
+
+def srp(counts: np.ndarray, m: int) -> dict[str, object]:
+    """SRP(m) from window counts: per layer and overall, the best F1 over thresholds t = 1..m of the
+    set {experts used >= t times} held for the whole window against each token's routing."""
+    total = counts.sum(axis=(0, 2)).astype(np.float64)  # activations per layer
+    best_f1, best_t = np.zeros(counts.shape[1]), np.zeros(counts.shape[1], dtype=np.int64)
+    overall, overall_t = 0.0, 0
+    for t in range(1, m + 1):
+        chosen = counts >= t
+        tp = (counts * chosen).sum(axis=(0, 2)).astype(np.float64)
+        predicted = m * chosen.sum(axis=(0, 2)).astype(np.float64)
+        f1 = np.divide(2 * tp, predicted + total, out=np.zeros_like(tp), where=(predicted + total) > 0)
+        better = f1 > best_f1
+        best_f1[better], best_t[better] = f1[better], t
+        all_f1 = 2 * tp.sum() / (predicted.sum() + total.sum()) if predicted.sum() + total.sum() else 0.0
+        if all_f1 > overall:
+            overall, overall_t = float(all_f1), t
+    return {
+        "m": m,
+        "srp": overall,
+        "alpha": overall_t / m,
+        "per_layer": best_f1.tolist(),
+        "per_layer_alpha": (best_t / m).tolist(),
+    }
+
+
+def sch(counts: np.ndarray, sizes: list[int]) -> dict[str, object]:
+    """SCH(m, C): the hit rate of each layer's C most-used experts of every window, per layer and
+    overall, for each C in ``sizes``."""
+    ranked = -np.sort(-counts, axis=2)  # [W, L, E] descending
+    top = np.cumsum(ranked, axis=2)  # top[..., c-1]: hits of the c most used
+    total = counts.sum(axis=(0, 2)).astype(np.float64)
+    per_layer = [(top[:, :, c - 1].sum(axis=0) / np.maximum(total, 1)).tolist() for c in sizes]
+    overall = [float(top[:, :, c - 1].sum() / max(total.sum(), 1)) for c in sizes]
+    return {"sizes": list(sizes), "sch": overall, "per_layer": per_layer}
+
+
+def knee(xs: list[float], ys: list[float]) -> float | None:
+    """The knee of an increasing, concave curve (Kneedle: the point farthest above the chord)."""
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if len(x) < 3 or np.ptp(y) == 0:
+        return None
+    xn, yn = (x - x[0]) / np.ptp(x), (y - y[0]) / np.ptp(y)
+    return float(x[int(np.argmax(yn - xn))])
+
+
+def diagnose(
+    trace: Trace,
+    capacity: int,
+    cost: CostModel | None = None,
+    *,
+    window_tokens: int = 16,
+    policy: str = "lru",
+    misses: tuple[str, ...] = ("fetch",),
+) -> dict[str, object]:
+    """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module)."""
+    cost = cost or CostModel()
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    counts = window_counts(trace, window_tokens)
+    consistency = srp(counts, window_tokens)
+    sizes = list(range(1, E + 1))
+    hits = sch(counts, sizes)
+    # LRU per layer at every size: its hit-rate curve, and its knee in units of the active experts
+    curves = layer_curves(trace, policy).sum(axis=0)  # [L, E + 1], both phases
+    schedule = build_schedule(trace, "layer")
+    requests = schedule.num_requests  # an expert a step needs (a prefill step's tokens share them)
+    per_size = {c: 1 - float(curves[:, c].sum()) / requests for c in range(K, E + 1)}
+    knee_c = knee(list(per_size), list(per_size.values()))
+    at = {name: run_policy(schedule, name, [capacity])[0] for name in ("lru", "opt")}
+    predict = {}
+    for name in ("eam", "recorded") if trace.predicted is not None else ("eam",):
+        r = simulate_timing(trace, capacity, prefetch=name, cost=cost)
+        predict[name] = {"accuracy": r.cache.get("accuracy"), "goodpred": r.cache.get("goodpred")}
+    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses)
+    free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
+    resident = simulate_timing(trace, L * E, cost=free)
+    on_demand = simulate_timing(trace, capacity, cache=policy, cost=cost)
+    saved = 1 - at["lru"].miss_ratio  # without a cache every request is a transfer
+    report = {
+        "trace": trace.source,
+        "shape": {"layers": L, "experts": E, "top_k": K, "tokens": trace.num_tokens},
+        "capacity": capacity,
+        "capacity_share": capacity / (L * E),
+        "capacity_per_layer_in_active": capacity / (L * K),
+        "consistency": consistency,
+        "sch": hits,
+        "lru_curve": {"sizes": list(per_size), "hit_ratio": list(per_size.values())},
+        "knee_experts_per_layer": knee_c,
+        "knee_in_active": None if knee_c is None else knee_c / K,
+        "lru_miss_ratio": at["lru"].miss_ratio,
+        "opt_miss_ratio": at["opt"].miss_ratio,
+        "predictors": predict,
+        "tpot_s": {
+            "all_resident": resident.tpot_s,
+            "on_demand_lru": on_demand.tpot_s,
+            "plan": plan.predicted["tpot_s"],
+        },
+        "plan": plan.describe(),
+        "transfer_saved_by_lru": saved,
+    }
+    report["verdict"] = verdict(report)
+    return report
+
+
+def verdict(r: dict[str, object]) -> list[str]:
+    """The diagnosis in a few sentences."""
+    out = []
+    srp_m, m = r["consistency"]["srp"], r["consistency"]["m"]
+    lru, opt = r["lru_miss_ratio"], r["opt_miss_ratio"]
+    share = r["capacity_share"]
+    out.append(
+        f"caching will save about {100 * (1 - lru):.0f} % of transfers at this budget ({100 * share:.0f} % "
+        f"of the experts) with LRU; an oracle (OPT) would save {100 * (1 - opt):.0f} %"
+    )
+    if srp_m < LOCAL_SRP:
+        out.append(
+            f"this model's routing is not local (SRP({m}) = {srp_m:.2f} < {LOCAL_SRP}): a cache gains "
+            "little beyond its share; prefer host compute (--miss host or hybrid) or a larger budget"
+        )
+    else:
+        out.append(f"routing is local (SRP({m}) = {srp_m:.2f}): a cache can exploit it")
+        per = r["consistency"]["per_layer"]
+        low = [i for i, x in enumerate(per) if x < LOCAL_SRP]
+        if low:
+            shown = ", ".join(f"{i} ({per[i]:.2f})" for i in low[:8]) + (" ..." if len(low) > 8 else "")
+            out.append(
+                f"but not in layer(s) {shown}: there a cache gains little; per-layer budgets "
+                "(expertcache plan) can give those layers less"
+            )
+    if 1 - lru <= share * 1.1:
+        out.append(
+            "LRU hits no more than the budget's share of experts would by chance: the cache is not finding "
+            "reuse at this budget"
+        )
+    if r["knee_in_active"] is not None:
+        out.append(
+            f"the hit-rate curve bends at about {r['knee_in_active']:.1f}x the active experts per layer "
+            f"({r['knee_experts_per_layer']:.0f} of {r['shape']['experts']}); this budget gives "
+            f"{r['capacity_per_layer_in_active']:.1f}x"
+        )
+    t = r["tpot_s"]
+    if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
+        out.append(
+            f"predicted TPOT: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
+            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU, {1e3 * t['all_resident']:.3f} ms all resident"
+        )
+    return out
+
+
+def format_diagnosis(r: dict[str, object]) -> str:
+    c, s = r["consistency"], r["sch"]
+    sh = r["shape"]
+    K = sh["top_k"]
+    picks = [x for x in (K, 2 * K, 4 * K) if x <= sh["experts"]]
+    sch_txt = ", ".join(f"C={x}: {s['sch'][s['sizes'].index(x)]:.2f}" for x in picks)
+    pred = ", ".join(
+        f"{k} {v['accuracy']:.2f}" for k, v in r["predictors"].items() if v["accuracy"] is not None
+    )
+    head = f"{r['trace']}: {sh['tokens']} tokens, {sh['layers']} layers x {sh['experts']} experts, top-{K}"
+    lines = [
+        f"trace        {head}",
+        f"budget       {r['capacity']} experts ({100 * r['capacity_share']:.0f} %), "
+        f"{r['capacity_per_layer_in_active']:.1f}x the active per layer",
+        f"SRP({c['m']})       {c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "
+        + " ".join(f"{x:.2f}" for x in c["per_layer"]),
+        f"SCH({c['m']}, C)    {sch_txt}",
+        f"miss ratio   LRU {r['lru_miss_ratio']:.3f} | OPT {r['opt_miss_ratio']:.3f}",
+        f"predictors   accuracy {pred or '-'}",
+        "verdict",
+        *(f"  - {v}" for v in r["verdict"]),
+    ]
+    return "\n".join(lines)
+
+
+def plot_diagnosis(r: dict[str, object], path: str) -> None:
+    """Hit rate against the per-layer cache size: LRU's curve and SCH(m, C), the knee marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    K = r["shape"]["top_k"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lc = r["lru_curve"]
+    ax.plot([c / K for c in lc["sizes"]], lc["hit_ratio"], marker="o", ms=3, label="LRU (per layer)")
+    s = r["sch"]
+    ax.plot(
+        [c / K for c in s["sizes"]],
+        s["sch"],
+        ls="--",
+        label=f"SCH({r['consistency']['m']}, C): each window's C most used",
+    )
+    if r["knee_in_active"] is not None:
+        ax.axvline(r["knee_in_active"], color="grey", lw=0.8, label="knee")
+    ax.axvline(r["capacity_per_layer_in_active"], color="black", lw=1, ls=":", label="this budget")
+    ax.set_xlabel("cache per layer, in active experts (top-k)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title(str(r["trace"]).split("/")[-1])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["diagnose", "format_diagnosis", "knee", "plot_diagnosis", "sch", "srp", "window_counts"]

@@ -1,0 +1,81 @@
+"""``expertcache doctor``: SRP and SCH against hand-computed values, the knee, and verdicts on traces
+whose answer is known (the cyclic and partition adversaries, a sticky Zipf trace)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from expertcache.cli import main
+from expertcache.sim.doctor import diagnose, knee, sch, srp, window_counts
+from expertcache.trace import Trace, synthesize
+
+
+def _trace(rows: list[list[int]], experts: int = 4) -> Trace:
+    """One layer, top-1: ``rows`` are the experts of consecutive tokens."""
+    ex = np.asarray(rows, dtype=np.int16).reshape(-1, 1, 1)
+    return Trace(experts=ex, num_experts=experts)
+
+
+def test_srp_and_sch_by_hand():
+    # two windows of 4 tokens: [0, 0, 0, 1] and [2, 2, 3, 3]
+    counts = window_counts(_trace([0, 0, 0, 1, 2, 2, 3, 3, 1]), 4)  # the 9th token: a partial window
+    assert counts[:, 0].tolist() == [[3, 1, 0, 0], [0, 0, 2, 2]]
+    r = srp(counts, 4)
+    # t=1: sets {0,1} and {2,3}: tp 8, predicted 16, actual 8 -> F1 2*8/24 = 0.667
+    # t=2: sets {0} and {2,3}: tp 7, predicted 12 -> 14/20 = 0.7 ; t=3: {0}: tp 3, predicted 4 -> 6/12
+    assert r["srp"] == pytest.approx(0.7) and r["alpha"] == 0.5
+    h = sch(counts, [1, 2])
+    assert h["sch"] == pytest.approx([5 / 8, 8 / 8])  # the most used: 3 + 2; the two most used: all
+
+
+def test_knee_of_a_concave_curve():
+    xs = [1, 2, 3, 4, 5, 6, 7, 8]
+    ys = [0.2, 0.6, 0.8, 0.85, 0.88, 0.9, 0.92, 0.93]
+    assert knee(xs, ys) == 3
+    assert knee([1, 2], [0.1, 0.2]) is None
+
+
+@pytest.mark.parametrize(
+    "kind, params, capacity, local, saves",
+    [
+        ("cyclic", {"experts": 8}, 4, False, (0.0, 0.02)),  # a cycle longer than the cache: no reuse
+        ("sticky", {"experts": 8, "top_k": 2, "stickiness": 0.8}, 8, True, (0.5, 1.0)),
+    ],
+)
+def test_verdicts_on_traces_whose_answer_is_known(kind, params, capacity, local, saves):
+    trace = synthesize(kind, tokens=1500, layers=4, seed=2, **params)
+    r = diagnose(trace, capacity)
+    saved = 1 - r["lru_miss_ratio"]
+    assert saves[0] <= saved <= saves[1]
+    assert (r["consistency"]["srp"] >= 0.4) is local
+    words = "routing is local" if local else "not local"
+    assert any(words in v for v in r["verdict"])
+    t = r["tpot_s"]
+    assert t["all_resident"] <= t["plan"] <= t["on_demand_lru"] * (1 + 1e-9)
+
+
+def test_the_partition_adversary_names_its_layer():
+    r = diagnose(synthesize("partition", tokens=1000, layers=4, experts=8, layer=2), 4)
+    assert r["consistency"]["per_layer"][2] < 0.4 < min(r["consistency"]["per_layer"][:2])
+    assert any("but not in layer(s) 2 (" in v for v in r["verdict"])
+
+
+def test_doctor_cli_json_plot_and_bad_input(tmp_path, capsys):
+    trace = tmp_path / "t.npz"
+    synthesize("sticky", tokens=600, layers=4, experts=8, top_k=2, seed=1).save(trace)
+    plot = tmp_path / "d.png"
+    assert main(["doctor", "--trace", str(trace), "--capacity", "8", "--json", "--plot", str(plot)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["capacity"] == 8 and r["verdict"] and plot.stat().st_size > 0
+    for argv, words in [
+        (["doctor", "--trace", str(trace), "--window-tokens", "0"], "--window-tokens must be at least 1"),
+        (["doctor", "--trace", str(trace), "--window-tokens", "5000"], "no sequence of trace"),
+        (["doctor", "--trace", str(trace), "--model", "x"], "--model and --prompts go together"),
+        (["doctor", "--trace", str(trace), "--plot", str(tmp_path / "d.xyz")], "xyz"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err

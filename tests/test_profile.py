@@ -1,0 +1,85 @@
+"""``expertcache profile``: the cost triple measured with the engine's own paths, declared figures for
+what the machine lacks, and the profile read back by ``plan`` and ``timing`` (a profile of another
+model's shape refused)."""
+
+from __future__ import annotations
+
+import json
+
+import engine_fixtures
+from engine_fixtures import SPECS, TOP_K, moe_layers
+
+from expertcache.cli import main
+from expertcache.costs import CostModel
+from expertcache.trace import synthesize
+
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+
+def test_profile_measures_a_model_and_plan_reads_it(ckpt, tmp_path, capsys):
+    path = ckpt("mixtral")
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--model", str(path), "--device", "cpu", "--steps", "4", "-o", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "measured" in printed and "declared   nothing" in printed
+    data = json.loads(out.read_text())
+    L, E = moe_layers("mixtral"), SPECS["mixtral"]["experts"]
+    assert (data["model"]["layers"], data["model"]["experts"], data["model"]["top_k"]) == (L, E, TOP_K)
+    assert data["declared"] == [] and {"expert_s", "link_bandwidth", "dense_s"} <= set(data["measured"])
+    cost = CostModel.load(out)
+    assert (
+        cost.expert_bytes == data["model"]["expert_bytes"] and cost.expert_s > 0 and cost.link_bandwidth > 0
+    )
+    assert cost.host_parallel is False  # a CPU alone: host work runs inline
+    # a trace of the model's shape plans with it; another shape is refused
+    same = tmp_path / "same.npz"
+    synthesize("sticky", tokens=200, layers=L, experts=E, top_k=TOP_K, seed=1).save(same)
+    assert main(["plan", "--trace", str(same), "--cost", str(out), "--capacity", str(L * TOP_K)]) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.npz"
+    synthesize("sticky", tokens=200, layers=L + 1, experts=E, top_k=TOP_K, seed=1).save(other)
+    for cmd in ("plan", "timing"):
+        assert main([cmd, "--trace", str(other), "--cost", str(out), "--capacity", str(E)]) == 2
+        err = capsys.readouterr().err
+        assert f"is for {path} ({L} MoE layers" in err or f"({L} MoE layers x {E} experts" in err, err
+
+
+def test_declared_figures_replace_measured_ones(ckpt, tmp_path, capsys):
+    path = ckpt("mixtral")
+    out = tmp_path / "gpu.json"
+    argv = [
+        "profile", "--model", str(path), "--device", "cpu", "--steps", "2", "-o", str(out),
+        "--device-bandwidth", "25GB/s", "--device-time", "0.35ms,2us", "--dense-time", "0.25ms",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    assert {"link_bandwidth", "link_latency", "expert_s", "expert_token_s", "dense_s"} <= set(
+        data["declared"]
+    )
+    assert "host_expert_s" in data["measured"] and "link_bandwidth" not in data["measured"]
+    cost = CostModel.load(out)
+    assert cost.link_bandwidth == 25e9 and cost.expert_s == 0.35e-3 and cost.host_parallel is True
+    # a profile of the target machine declares its figures for another
+    again = tmp_path / "again.json"
+    argv = ["profile", "--model", str(path), "--device", "cpu", "--steps", "2", "-o", str(again)]
+    assert main([*argv, "--device-profile", str(out)]) == 0
+    capsys.readouterr()
+    assert CostModel.load(again).link_bandwidth == 25e9
+
+
+def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
+    for argv, words in [
+        (["profile", "--device-bandwidth", "25"], "needs a unit"),
+        (["profile", "--device-time", "1ms,2us,3"], "is TIME or TIME,PER_TOKEN"),
+        (["profile", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
+        (["profile", "--steps", "1"], "--steps must be at least 2"),
+        (["profile", "--device-profile", str(tmp_path / "missing.json")], "cannot read cost model"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
