@@ -207,7 +207,12 @@ def test_costs_are_measured_at_load_when_not_given(ckpt, reference):
 
 
 # split experts: tokens equal, logits within rounding (two products and a sum instead of one product)
-SPLITS = ("split:theta=0.5,buffer=1", "split:theta=0.25", "split:theta=0.3/0.7")
+SPLITS = (
+    "split:theta=0.5,buffer=1",
+    "split:theta=0.25",
+    "split:theta=0.3/0.7",
+    "split:theta=0.3/0.7,weights=2/3",
+)
 SPLIT_ATOL = 1e-5
 
 
@@ -268,6 +273,23 @@ class TestSplitDecisions:
         # (1000 - 80) / 4 = 230 bytes per layer; the 220 bytes the tops leave hold 2 more bottoms
         assert caps == {"top": [8, 5, 3, 2], "bottom": 3}
 
+    def test_weights_share_the_budget_between_layers(self):
+        """MoEpic's per-layer VRAM budgets: bytes in proportion to the weights."""
+        path = make_miss("split:theta=0.2/0.4/0.6/0.8,buffer=1,weights=4/2/1/1", MissContext(4, 8, 2))
+        caps = path.capacities(1000, {"top": [20, 40, 60, 80], "bottom": 80})
+        # 920 bytes: 460, 230, 115, 115 -> 23 (8 at most), 5, 1, 1 tops; 920 - 160 - 200 - 60 - 80 left
+        assert caps == {"top": [8, 5, 1, 1], "bottom": 1 + 420 // 80}
+        assert path.describe() == "split:theta=0.2/0.4/0.6/0.8,buffer=1,weights=4/2/1/1"
+
+    def test_a_theta_per_layer_runs_in_the_timing_model(self):
+        from expertcache.sim.timing import simulate_timing
+        from expertcache.trace import synthesize
+
+        trace = synthesize("sticky", tokens=200, layers=4, experts=8, top_k=2, seed=1)
+        for spec in ("split:theta=0.2/0.4/0.6/0.8", "split:theta=0.2/0.4/0.6/0.8,weights=4/2/1/1"):
+            r = simulate_timing(trace, 20, miss=spec)
+            assert r.tpot_s > 0 and isinstance(r.capacities["top"], list)
+
     def test_every_expert_is_split_and_prefetched_whole(self):
         path = make_miss("split", MissContext(4, 8, 2))
         assert path.decide(0, [need(1)], _View()) == [path.hit(0)]
@@ -282,6 +304,9 @@ class TestSplitDecisions:
             ("split:theta=0.5/0.5", "one per layer \\(4\\)"),
             ("split:buffer=0", "buffer must be"),
             ("split:theta=half", "theta must be"),
+            ("split:theta=0.5,weights=1/1/1/1", "with one theta per layer"),
+            ("split:theta=0.5/0.5/0.5/0.5,weights=1/1", "one positive number per layer \\(4\\)"),
+            ("split:theta=0.5/0.5/0.5/0.5,weights=1/0/1/1", "one positive number per layer"),
         ],
     )
     def test_bad_parameters(self, spec, words):

@@ -101,7 +101,7 @@ def embedded_plan() -> Plan:
 def test_the_plan_is_the_best_candidate_and_above_opt(embedded_plan):
     plan = embedded_plan
     methods = {c["method"] for c in plan.candidates}
-    assert methods == {"shared", "uniform", "knapsack", "fate"}
+    assert methods == {"shared", "uniform", "knapsack", "fate", "moepic"}
     assert plan.predicted["tpot_s"] == min(c["tpot_s"] for c in plan.candidates)
     by = {c["method"]: c for c in plan.candidates}
     assert by["knapsack"]["misses"] <= by["uniform"]["misses"]  # decode misses are what it minimises
@@ -224,3 +224,39 @@ def test_generate_runs_a_plan_and_refuses_options_it_sets(tmp_path, capsys):
     assert planned == capsys.readouterr().out  # exact: the plan changes the cost, not the text
     assert main([*argv, "--plan", str(file), "--expert-memory", "50%"]) == 2
     assert "leave out --expert-memory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ MoEpic
+def test_expert_split_keeps_split_ratios_in_bounds_and_more_budget_never_exposes_more():
+    from expertcache.costs import CostModel
+    from expertcache.sim.planner import THETA, expert_split, moepic_stats
+
+    hit, prob = moepic_stats(TRACE, "lru")
+    assert hit.shape == (4, 9) and prob.shape == (4, 2) and not prob.any()  # no recorded predictions
+    assert all(0 <= h <= 1 for h in hit[:, 2:].ravel()) and (np.diff(hit[:, 2:], axis=1) >= -1e-12).all()
+    cost = CostModel(expert_bytes=8 << 20)
+    prev = None
+    for v in (1.0, 2.0, 4.0, 7.0):
+        exposed, thetas, sizes = expert_split([v] * 4, hit, prob, cost, 2)
+        assert all(THETA[0] <= t <= THETA[1] + 1e-9 for t in thetas) and all(2 <= c <= 8 for c in sizes)
+        assert all(x >= 0 for x in exposed)
+        if prev is not None:
+            assert sum(exposed) <= sum(prev) + 1e-12
+        prev = exposed
+
+
+def test_moepic_allocation_only_lowers_its_exposed_latency_and_its_plan_runs():
+    from expertcache.costs import CostModel
+    from expertcache.sim.planner import expert_split, moepic_config, moepic_stats
+
+    trace = synthesize("partition", tokens=600, layers=4, experts=8, layer=1)
+    cost = CostModel(expert_bytes=8 << 20)
+    budgets, thetas, total = moepic_config(trace, 12.0, cost)
+    assert sum(budgets) == pytest.approx(12.0) and len(thetas) == 4
+    hit, prob = moepic_stats(trace, "lru")
+    even, _, _ = expert_split([3.0] * 4, hit, prob, cost, 1)
+    assert total <= sum(even) + 1e-12
+    plan = make_plan(trace, 12, cost, methods=("uniform", "moepic"))
+    moepic = next(c for c in plan.candidates if c["method"] == "moepic")
+    assert moepic["miss"].startswith("split:theta=") and moepic["tpot_s"] > 0
+    assert "lossy" not in str(plan.lossy)  # split is exact

@@ -103,6 +103,8 @@ class Plan:
 
     def describe(self) -> str:
         layout = "shared" if self.budgets is None else "/".join(map(str, self.budgets))
+        if self.budgets is None and "/" in self.miss:  # a miss path laid out per layer (moepic's split)
+            layout = "per-layer split"
         pf = "" if self.prefetch == "none" else f", prefetch {self.prefetch}"
         return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}"
 

@@ -9,11 +9,12 @@ own is ``lcp``), so about ``1 / theta`` times as many experts fit; a buffer of b
 later steps). On use, a cached top segment is computed while its bottom moves in; an expert whose top is
 not cached is moved whole (both segments). The prefetcher asks for the bottom when the top is cached,
 the whole expert otherwise. ``theta`` is one fraction for every layer, or one per layer
-(``0.4/0.5/...``; then each layer gets an equal share of the top budget, ``C_i = V_i / (theta_i *
-expert)``, under the ``-dist`` form of the policy). Mathematically exact: an expert's output is the sum
-of its segments' (the neurons are independent), computed as two matrix products and one addition, so the
-rounding differs from the whole product's; tokens equal the reference's in the tests, logits within
-~1e-6.
+(``0.4/0.5/...``; then each layer gets a share of the top budget V_i, equal or in proportion to
+``weights`` (one per layer: MoEpic's configurator's per-layer VRAM budgets), and holds ``C_i = V_i /
+(theta_i * expert)`` top segments, under the ``-dist`` form of the policy). Mathematically exact: an
+expert's output is the sum of its segments' (the neurons are independent), computed as two matrix
+products and one addition, so the rounding differs from the whole product's; tokens equal the
+reference's in the tests, logits within ~1e-6.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ SPLIT = Route(DEVICE, (TOP, BOTTOM))
 class Split(MissPath):
     name = "split"
 
-    def __init__(self, ctx: MissContext, *, theta: object = 0.5, buffer: int | None = None) -> None:
+    def __init__(
+        self, ctx: MissContext, *, theta: object = 0.5, buffer: int | None = None, weights: object = None
+    ) -> None:
         super().__init__(ctx)
         L = ctx.num_layers
         thetas = theta if isinstance(theta, list) else [theta]
@@ -49,6 +52,19 @@ class Split(MissPath):
             )
         self.thetas = tuple(float(t) for t in thetas)
         self.per_layer = len(self.thetas) > 1
+        if weights is not None:
+            ws = weights if isinstance(weights, list) else [weights]
+            if (
+                len(ws) != L
+                or not self.per_layer
+                or not all(isinstance(w, int | float) and w > 0 for w in ws)
+            ):
+                raise MissPathError(
+                    f"split: weights are one positive number per layer ({L}) as 1/2/..., with one theta per "
+                    f"layer, got {weights!r}"
+                )
+            weights = tuple(float(w) for w in ws)
+        self.weights = weights
         if buffer is None:
             buffer = 2 * ctx.top_k  # the bottoms of one layer, and of the next being prefetched
         if not isinstance(buffer, int) or buffer < 1:
@@ -67,16 +83,18 @@ class Split(MissPath):
 
     def capacities(self, budget: int, slot_bytes: dict[str, object]) -> dict[str, object]:
         """The buffer first (sized for the largest bottom), the rest to top segments."""
-        bottom, top = slot_bytes[BOTTOM], slot_bytes[TOP]  # a shared buffer's slots: the largest bottom
+        bottom, top = slot_bytes[BOTTOM], slot_bytes[TOP]
+        bottom = max(bottom) if isinstance(bottom, list) else bottom  # a shared buffer's slots: the largest
         L, E = self.ctx.num_layers, self.ctx.num_experts
         buffer = min(self.buffer, L * E)
         rest = max(0, budget - buffer * bottom)
         if not isinstance(top, list):  # never more slots than keys
             tops = min(L * E, rest // top)
             left = rest - tops * top
-        else:
-            share = rest // len(top)  # equal bytes per layer
-            tops = [min(E, share // t) for t in top]
+        else:  # bytes per layer: equal, or in proportion to the weights
+            w = self.weights or (1.0,) * len(top)
+            shares = [int(rest * x / sum(w)) for x in w]
+            tops = [min(E, share // t) for share, t in zip(shares, top, strict=True)]
             left = rest - sum(n * t for n, t in zip(tops, top, strict=True))
         # memory left once every top fits: more bottom slots, which then keep bottoms for later steps
         return {TOP: tops, BOTTOM: min(L * E, buffer + left // bottom)}
@@ -91,4 +109,5 @@ class Split(MissPath):
 
     def describe(self) -> str:
         theta = "/".join(f"{t:g}" for t in self.thetas)
-        return f"split:theta={theta},buffer={self.buffer}"
+        weights = "" if self.weights is None else ",weights=" + "/".join(f"{w:g}" for w in self.weights)
+        return f"split:theta={theta},buffer={self.buffer}{weights}"

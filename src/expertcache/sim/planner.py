@@ -11,10 +11,19 @@ with the lowest predicted TPOT (or TTFT). The layouts:
   (each layer's policy replayed on that layer's requests at every size, one stack pass for LRU), the
   sizes summing to the budget with the fewest misses of the objective's phase (decode for TPOT);
 - ``fate`` (Fate's shallow-favouring cache): the first four layers hold all their experts, the rest
-  share what is left evenly; with room for fewer than four whole layers, as many as fit.
+  share what is left evenly; with room for fewer than four whole layers, as many as fit;
+- ``moepic`` (MoEpic's cache configurator, its Sec. 3.4 and Algorithm 1): per-layer budgets V_i and
+  split ratios theta_i together, for the ``split`` miss path. ``ExpertSplit`` solves each layer's
+  sub-problem (Eq. 11: the cache size C_i = V_i / theta_i that maximises the activated experts already
+  in memory, cached top segments plus what the prefetch window moves) from the layer's hit-rate curve
+  H_i(C), the predictor's accuracy P_i(y) and predicted-hit curve PH_i(y, C), layer after layer as each
+  one's window follows from the one before (Eqs. 5-7); ``VramAllocation`` moves a grain zeta of the
+  budget from the layer that loses least to the layer that gains most while the exposed loading latency
+  falls (a fixed point). P_i(y) comes from the trace's recorded predictions (``generate --prefetch NAME
+  --record-trace``; none: no prefetching assumed), and PH_i(y, C) is approximated by P_i(y) H_i(C).
 
 Beside them it reports OPT (Belady, one shared cache, on demand) as the lower bound of on-demand
-fetching. MoEpic's configurator (budgets and split ratios together) is not here yet.
+fetching. Every layout is scored by the timing model, whatever the method's own model predicted.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import simulate_timing
 from expertcache.trace.trace import Trace
 
-METHODS = ("shared", "uniform", "knapsack", "fate")
+METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
+LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
 OBJECTIVES = ("tpot", "ttft")
 FATE_FULL_LAYERS = 4  # Fate caches its first four layers whole
 
@@ -113,7 +123,7 @@ def layouts(
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     fits = L * K <= capacity <= L * E
     out: dict[str, list[int] | None] = {}
-    for method in methods:
+    for method in (m for m in methods if m in LAYOUT_METHODS):
         if method == "shared":
             out[method] = None
         elif not fits:
@@ -128,6 +138,113 @@ def layouts(
         elif method == "fate":
             out[method] = fate_budgets(capacity, L, E, K)
     return out
+
+
+THETA = (0.05, 0.95)  # the split ratios the configurator considers
+
+
+def moepic_stats(trace: Trace, policy: str, phase: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """MoEpic's per-layer statistics from a trace: H [L, E + 1], the hit rate of a layer's cache of C
+    experts (the layer's own policy, ``phase`` 0 decode, 1 prefill), and P [L, K], the share of tokens
+    whose y-th predicted expert was activated (the trace's recorded predictions; zeros without them)."""
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    curves = layer_curves(trace, policy)[phase].astype(np.float64)
+    requests = build_schedule(trace, "layer").layer_requests[phase].astype(np.float64)  # [L]
+    hit = np.zeros((L, E + 1))
+    hit[:, K:] = 1 - curves[:, K:] / np.maximum(requests, 1)[:, None]
+    prob = np.zeros((L, K))
+    if trace.predicted is not None:
+        rows = np.ones(trace.num_tokens, dtype=bool)
+        if trace.is_prefill is not None:
+            rows = trace.is_prefill == (1 if phase else 0)
+        ex, pred = trace.experts[rows], trace.predicted[rows]  # [T, L, K]
+        if len(ex):
+            for y in range(K):
+                p = pred[:, :, y : y + 1]
+                prob[:, y] = ((ex == p) & (p >= 0)).any(axis=2).mean(axis=0)
+    return hit, prob
+
+
+def expert_split(
+    budgets: Sequence[float], hit: np.ndarray, prob: np.ndarray, cost: CostModel, top_k: int
+) -> tuple[list[float], list[float], list[int]]:
+    """MoEpic's ``ExpertSplit``: for per-layer budgets V_i (in whole experts), each layer's best cache
+    size and split ratio (Eq. 11), taken layer by layer with its prefetch window (Eqs. 5-7).
+    -> (exposed loading latency per layer, theta per layer, cache size per layer)."""
+    L, E = hit.shape[0], hit.shape[1] - 1
+    t_exp, t_load = cost.expert(1), cost.transfer_s
+    t_moe = top_k * t_exp
+    window = cost.step_s + cost.dense(0)
+    exposed, thetas, sizes = [], [], []
+    for i, v in enumerate(budgets):
+        best = (-1.0, 0.5, top_k)
+        low = max(top_k, int(np.ceil(v / THETA[1])))
+        for c in range(low, E + 1):
+            theta = v / c
+            if theta < THETA[0]:
+                break
+            m = top_k * hit[i, c] * theta
+            spent = 0.0
+            for y in range(prob.shape[1]):
+                ph = prob[i, y] * hit[i, c]  # PH_i(y, C) ~ P_i(y) H_i(C)
+                t = (1 - ph * theta) * t_load
+                if spent + t > window:
+                    break
+                spent += t
+                m += (1 - ph * theta) * prob[i, y]
+            m = min(float(top_k), m)
+            if m > best[0]:
+                best = (m, theta, c)
+        m, theta, c = best
+        hide, miss = m * t_exp, (top_k - m) * t_load
+        exposed.append(max(0.0, miss - hide))
+        thetas.append(theta)
+        sizes.append(c)
+        window = (t_moe - min(hide, miss)) + cost.dense(min(i + 1, L - 1))
+    return exposed, thetas, sizes
+
+
+def moepic_config(
+    trace: Trace, capacity: float, cost: CostModel, policy: str = "lru", zeta: float = 0.02
+) -> tuple[list[float], list[float], float]:
+    """MoEpic's ``VramAllocation`` (Algorithm 1): start even, then move ``zeta`` of the budget from the
+    layer whose exposed latency grows least when it has less to the one whose exposed latency falls
+    most when it has more, while the total falls. -> (V_i, theta_i, total exposed seconds per step)."""
+    L, K = trace.num_layers, trace.top_k
+    hit, prob = moepic_stats(trace, policy)
+    grain = zeta * capacity
+    floor = K * THETA[0]  # the least budget a layer can split into top-k segments
+    v = [capacity / L] * L
+    t1, thetas, _ = expert_split(v, hit, prob, cost, K)
+    for _ in range(int(4 * L / max(zeta, 1e-6))):  # a bound; the fixed point comes long before
+        t2, _, _ = expert_split([x + grain for x in v], hit, prob, cost, K)
+        t3, _, _ = expert_split([max(floor, x - grain) for x in v], hit, prob, cost, K)
+        gain = [a - b for a, b in zip(t1, t2, strict=True)]
+        i1 = int(np.argmax(gain))
+        loss = [
+            (b - a) if i != i1 and v[i] - grain >= floor else np.inf
+            for i, (a, b) in enumerate(zip(t1, t3, strict=True))
+        ]
+        i2 = int(np.argmin(loss))
+        if not np.isfinite(loss[i2]):
+            break
+        trial = list(v)
+        trial[i1] += grain
+        trial[i2] -= grain
+        t4, th4, _ = expert_split(trial, hit, prob, cost, K)
+        if sum(t4) - sum(t1) >= 0:
+            break
+        v, t1, thetas = trial, t4, th4
+    return v, thetas, sum(t1)
+
+
+def moepic_miss(trace: Trace, capacity: int, cost: CostModel, policy: str = "lru") -> str:
+    """The split miss path MoEpic's configurator chooses: per-layer theta and budget weights."""
+    budgets, thetas, _ = moepic_config(trace, capacity - trace.top_k, cost, policy)  # the bottom buffer
+    theta = "/".join(f"{min(max(t, THETA[0]), THETA[1]):.2f}" for t in thetas)
+    weights = "/".join(f"{max(b, 1e-3):.3f}" for b in budgets)
+    even = len(set(f"{b:.3f}" for b in budgets)) == 1
+    return f"split:theta={theta}" + ("" if even else f",weights={weights}")
 
 
 def make_plan(
@@ -167,10 +284,13 @@ def make_plan(
             f"a cache of {capacity} experts: the planner needs {K} .. {L * E} (top-k .. all of the model's)"
         )
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
+    cells = [(m, b, misses) for m, b in layouts(trace, capacity, name, methods, objective).items()]
+    if "moepic" in methods and L > 1 and capacity > K:  # its layout is a split miss path's
+        cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name)]))
     candidates, seen = [], {}
-    for method, budgets in layouts(trace, capacity, name, methods, objective).items():
+    for method, budgets, cell_misses in cells:
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
-        for miss in misses:
+        for miss in cell_misses:
             for pf in prefetch_cfgs:
                 cell = (spec, miss, pf.predictor, pf.window)
                 if cell in seen:  # another method laid the budget out the same way
@@ -229,16 +349,21 @@ def format_plan(plan: Plan) -> str:
     rows = [
         f"{'':2}{'method':10}{'miss':20}{'prefetch':12}{'TPOT ms':>10}{'TTFT ms':>10}{'misses':>9}  budgets"
     ]
+    notes = []
     for c in plan.candidates:
         chosen = (
             c["method"] == plan.method and c["miss"] == plan.miss and c["prefetch"] == plan.prefetch
             and (c["budgets"] is None) == (plan.budgets is None)
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
+        miss = c["miss"]
+        if len(miss) > 19:  # a per-layer miss path (moepic's split): in full below the table
+            notes.append(f"[{len(notes) + 1}] {miss}")
+            miss, budgets = f"{miss.split(':')[0]} [{len(notes)}]", "per layer, see [" + f"{len(notes)}]"
         if "same_as" in c:
             budgets += f" (as {c['same_as']})"
         rows.append(
-            f"{'* ' if chosen else '  '}{c['method']:10}{c['miss']:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
+            f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
             f"{ms(c['ttft_s']):>10}{c['misses']:>9}  {budgets}"
         )
     b = plan.lower_bound
@@ -246,6 +371,7 @@ def format_plan(plan: Plan) -> str:
         f"  {'opt':10}{'fetch':20}{'none':12}{ms(b['tpot_s']):>10}{ms(b['ttft_s']):>10}{b['misses']:>9}  "
         "shared (lower bound of on-demand fetching)"
     )
+    rows += notes
     rows.append(
         f"chosen: {plan.describe()}" + (f"; lossy: {', '.join(plan.lossy)}" if plan.lossy else "; exact")
     )
