@@ -70,6 +70,11 @@ def test_declared_figures_replace_measured_ones(ckpt, tmp_path, capsys):
     assert main([*argv, "--device-profile", str(out)]) == 0
     capsys.readouterr()
     assert CostModel.load(again).link_bandwidth == 25e9
+    # a declared link alone (the engine's emulated one): the CPU still computes host work inline
+    link = tmp_path / "link.json"
+    assert main([*argv[:-1], str(link), "--device-bandwidth", "1GB/s"]) == 0
+    capsys.readouterr()
+    assert CostModel.load(link).host_parallel is False and CostModel.load(link).link_bandwidth == 1e9
 
 
 def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):

@@ -213,7 +213,7 @@ def moepic_config(
     L, K = trace.num_layers, trace.top_k
     hit, prob = moepic_stats(trace, policy)
     grain = zeta * capacity
-    floor = K * THETA[0]  # the least budget a layer can split into top-k segments
+    floor = 2 * K * THETA[0]  # the least budget a layer can split into top-k segments, with a margin
     v = [capacity / L] * L
     t1, thetas, _ = expert_split(v, hit, prob, cost, K)
     for _ in range(int(4 * L / max(zeta, 1e-6))):  # a bound; the fixed point comes long before
@@ -287,7 +287,7 @@ def make_plan(
     cells = [(m, b, misses) for m, b in layouts(trace, capacity, name, methods, objective).items()]
     if "moepic" in methods and L > 1 and capacity > K:  # its layout is a split miss path's
         cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name)]))
-    candidates, seen = [], {}
+    candidates, seen, skipped = [], {}, []
     for method, budgets, cell_misses in cells:
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
         for miss in cell_misses:
@@ -296,10 +296,16 @@ def make_plan(
                 if cell in seen:  # another method laid the budget out the same way
                     figures = {**seen[cell], "same_as": seen[cell]["method"]}
                 else:
-                    r = simulate_timing(
-                        trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
-                        miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace,
-                    )  # fmt: skip
+                    try:
+                        r = simulate_timing(
+                            trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
+                            miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace,
+                        )  # fmt: skip
+                    except ExpertcacheError as exc:
+                        if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
+                            raise
+                        skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
+                        continue
                     figures = seen[cell] = {"method": method, **_figures(r)}
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
@@ -319,7 +325,9 @@ def make_plan(
         prefetch=best["prefetch"], window=best["window"], method=best["method"], objective=objective,
         predicted={k: best[k] for k in _FIGURES}, candidates=tuple(candidates),
         lower_bound={"method": "opt (shared, on demand)", **_figures(bound)},
-        source={"trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict()},
+        source={
+            "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
+        },
     )  # fmt: skip
 
 
@@ -372,6 +380,7 @@ def format_plan(plan: Plan) -> str:
         "shared (lower bound of on-demand fetching)"
     )
     rows += notes
+    rows += [f"left out: {line}" for line in plan.source.get("skipped", [])]
     rows.append(
         f"chosen: {plan.describe()}" + (f"; lossy: {', '.join(plan.lossy)}" if plan.lossy else "; exact")
     )

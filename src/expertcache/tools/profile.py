@@ -12,8 +12,9 @@ For the model's own expert shape and dtype, with the engine's own code paths (``
 What the machine does not have is declared: ``--device-bandwidth 25GB/s`` (and ``--device-latency``,
 ``--device-time A[,B]``, ``--dense-time``) or ``--device-profile FILE`` (a profile measured on the target
 machine: its link and device figures). The profile says which figures were measured and which declared.
-A declared device makes the host a second processor (``host_parallel``); a CPU alone computes host work
-inline. ``expertcache plan --cost PROFILE.json`` and ``expertcache timing --cost`` read it.
+A declared device compute (``--device-time``) makes the host a second processor (``host_parallel``); a
+CPU alone computes host work inline, also under a declared link (the engine's emulated one).
+``expertcache plan --cost PROFILE.json`` and ``expertcache timing --cost`` read it.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def profile(
         dev = str(m.device)
         tier = m.tier.name
     cost = CostModel.from_dict({"dense_s": dense, "step_s": 0.0}, measured)
-    if declared:
-        cost = CostModel.from_dict({**declared, "host_parallel": True}, cost)
+    if declared:  # a declared device (its compute) is another processor than this host
+        cost = CostModel.from_dict({**declared, "host_parallel": "expert_s" in declared}, cost)
     fields = [f for f in cost.to_dict() if f not in ("chunk_bytes", "wake_s", "submit_s", "dequant_s")]
     return {
         "format": PROFILE_FORMAT,
