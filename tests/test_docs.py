@@ -132,6 +132,10 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
             argv[i] = "def f(x):"
     if "run.npz" in argv and "--record-trace" not in argv:  # a trace an earlier example wrote
         assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--record-trace", "run.npz"]) == 0
+    if "profile.json" in argv and argv[0] != "profile":  # a profile an earlier example wrote
+        assert main(["profile", "--device", "cpu", "--steps", "2", "-o", "profile.json"]) == 0
+    if "plan.json" in argv and argv[0] != "plan":  # a plan an earlier example wrote
+        assert main(["plan", "--expert-memory", "25%", "--method", "uniform", "-o", "plan.json"]) == 0
     if argv[0] == "serve":  # runs until stopped: parsed here, run by tests/test_serve.py
         assert _build_parser().parse_args(argv).func is not None
         return

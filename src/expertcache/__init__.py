@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from expertcache.errors import ExpertcacheError, PolicyError, TraceError  # noqa: E402
+from expertcache.plan import Plan  # noqa: E402
 from expertcache.policy import POLICIES, PolicyContext, make_policy  # noqa: E402
 from expertcache.predict import PREDICTORS, PredictContext, make_predictor  # noqa: E402
 from expertcache.sim import (  # noqa: E402
@@ -14,6 +15,8 @@ from expertcache.sim import (  # noqa: E402
     simulate,
     simulate_timing,
 )
+from expertcache.sim.doctor import diagnose  # noqa: E402
+from expertcache.sim.planner import make_plan  # noqa: E402
 from expertcache.trace import Trace, load_trace, synthesize  # noqa: E402
 
 
@@ -27,6 +30,10 @@ def __getattr__(name: str):
         from expertcache.tools.selftest import selftest
 
         return selftest
+    if name == "profile":
+        from expertcache.tools.profile import profile
+
+        return profile
     raise AttributeError(f"module 'expertcache' has no attribute {name!r}")
 
 
@@ -35,6 +42,7 @@ __all__ = [
     "OffloadedModel",
     "POLICIES",
     "PREDICTORS",
+    "Plan",
     "PredictContext",
     "ExpertcacheError",
     "PolicyContext",
@@ -44,10 +52,13 @@ __all__ = [
     "__version__",
     "build_schedule",
     "default_trace",
+    "diagnose",
     "load",
     "load_trace",
+    "make_plan",
     "make_policy",
     "make_predictor",
+    "profile",
     "replay",
     "run_policy",
     "selftest",

@@ -177,7 +177,7 @@ def verdict(r: dict[str, object]) -> list[str]:
     else:
         out.append(f"routing is local (SRP({m}) = {srp_m:.2f}): a cache can exploit it")
         per = r["consistency"]["per_layer"]
-        low = [i for i, x in enumerate(per) if x < LOCAL_SRP]
+        low = [i for i, x in enumerate(per) if x < LOCAL_SRP and x < 0.8 * srp_m]  # well below the rest
         if low:
             shown = ", ".join(f"{i} ({per[i]:.2f})" for i in low[:8]) + (" ..." if len(low) > 8 else "")
             out.append(
@@ -218,9 +218,9 @@ def format_diagnosis(r: dict[str, object]) -> str:
         f"trace        {head}",
         f"budget       {r['capacity']} experts ({100 * r['capacity_share']:.0f} %), "
         f"{r['capacity_per_layer_in_active']:.1f}x the active per layer",
-        f"SRP({c['m']})       {c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "
+        f"{'SRP(' + str(c['m']) + ')':13}{c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "
         + " ".join(f"{x:.2f}" for x in c["per_layer"]),
-        f"SCH({c['m']}, C)    {sch_txt}",
+        f"{'SCH(' + str(c['m']) + ', C)':13}{sch_txt}",
         f"miss ratio   LRU {r['lru_miss_ratio']:.3f} | OPT {r['opt_miss_ratio']:.3f}",
         f"predictors   accuracy {pred or '-'}",
         "verdict",
