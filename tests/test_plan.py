@@ -260,3 +260,20 @@ def test_moepic_allocation_only_lowers_its_exposed_latency_and_its_plan_runs():
     moepic = next(c for c in plan.candidates if c["method"] == "moepic")
     assert moepic["miss"].startswith("split:theta=") and moepic["tpot_s"] > 0
     assert "lossy" not in str(plan.lossy)  # split is exact
+
+
+@pytest.mark.parametrize("policy", [p for p in engine_fixtures.ONLINE if p.endswith("-dist")])
+def test_any_budget_vector_runs_every_dist_policy_in_the_engine_exactly(policy, ckpt, reference):
+    """Uneven per-layer budgets (what a plan gives) for each online -dist policy: the engine holds no
+    layer above its budget, and stays exact."""
+    path = ckpt("mixtral")
+    L, E = moe_layers("mixtral"), SPECS["mixtral"]["experts"]
+    budgets = [E - 1 if layer % 2 == 0 else TOP_K for layer in range(L)]
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    spec = f"{policy}:budgets={'/'.join(map(str, budgets))}"
+    kwargs = {"profile": engine_fixtures.profile_for(path)} if policy.startswith("static") else {}
+    with engine_load(path, sum(budgets), spec, **kwargs) as model:
+        assert_exact(greedy(model, ids), reference(path, ids))
+        resident = model.cache.residency.resident
+        for layer, b in enumerate(budgets):
+            assert sum(1 for k in resident if k[0] == layer) <= b
