@@ -775,3 +775,22 @@ def test_checkpoint_tensors_are_views_of_one_map_equal_to_safe_open(make_ckpt, d
         if got.dim() > 1:
             last = got.shape[0] - 1
             assert torch.equal(ckpt.row(key, last), want[last])
+
+
+def test_a_closed_model_frees_its_memory_without_waiting_for_the_garbage_collector(ckpt):
+    """Loading one model after another in a process (a sweep) must not keep the closed ones' experts:
+    close() breaks the engine's reference cycle, so the last reference going frees them at once."""
+    import gc
+    import weakref
+
+    path = ckpt("mixtral")
+    gc.collect()
+    gc.disable()
+    try:
+        with engine_load(path, 8, slow_tier="host") as model:
+            greedy(model, IDS)
+            tier, pool = weakref.ref(model.tier), weakref.ref(model.pool)
+        del model
+        assert tier() is None and pool() is None
+    finally:
+        gc.enable()

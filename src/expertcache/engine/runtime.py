@@ -116,6 +116,7 @@ class Engine:
     ):
         self.model, self.driver, self.transport, self.parts, self.host = model, driver, transport, parts, host
         self.num_layers = len(experts)
+        self._experts = list(experts)
         for layer, module in enumerate(experts):
             module._expertcache_engine = self
             module._expertcache_layer = layer
@@ -179,7 +180,14 @@ class Engine:
         return final
 
     def close(self) -> None:
+        """Stop the threads and detach from the model. Detaching breaks the cycle model -> experts
+        modules -> engine -> model, so that a closed model's memory (every expert in host memory, the
+        slots) is freed when the last reference to it goes, not at some later garbage collection: a
+        sweep loading one model after another in one process held every closed one until then."""
         self._hook.remove()
         self.driver.close()
         self.host.close()
         self.transport.worker.close()
+        for module in self._experts:
+            module._expertcache_engine = None
+        self._experts = []
