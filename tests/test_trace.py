@@ -136,7 +136,10 @@ BAD_FILES = {
     "is_prefill shape": ({"is_prefill": np.zeros((3, 1), np.int8)}, "'is_prefill' has shape (3, 1)"),
     "is_prefill values": ({"is_prefill": np.array([0, 1, 2], np.int8)}, "'is_prefill' must hold only"),
     "weights shape": ({"weights": np.zeros((3, 2, 1), np.float32)}, "'weights' has shape (3, 2, 1)"),
-    "weights NaN": ({"weights": nan_weights()}, "'weights' has NaN or infinite values"),
+    "weights NaN": (
+        {"weights": nan_weights()},
+        "'weights' has NaN or infinite values where the expert is known (token 1, layer 0, slot 1)",
+    ),
     "token_id shape": ({"token_id": np.zeros(2, np.int32)}, "'token_id' has shape (2,)"),
 }
 
@@ -152,6 +155,17 @@ class TestValidation:
             load_trace(path)
         assert str(path) in str(err.value)
         assert fragment in str(err.value)
+
+    def test_nan_weights_of_unknown_entries_are_taken_and_read_as_zero(self, tmp_path: Path) -> None:
+        """Real recordings have gaps: an entry with expert id -1 may carry a NaN weight."""
+        arrays = good_arrays()
+        experts, weights = arrays["experts"].copy(), nan_weights()
+        experts[1, 0, 1] = -1  # the NaN's entry is unknown
+        path = tmp_path / "gaps.npz"
+        np.savez(path, **{**arrays, "experts": experts, "weights": weights})
+        trace = load_trace(path)
+        assert trace.weights[1, 0, 1] == 0 and np.isfinite(trace.weights).all()
+        assert trace.weights[0, 0, 0] == weights[0, 0, 0]
 
     def test_good_file_loads(self, tmp_path: Path) -> None:
         path = tmp_path / "good.npz"

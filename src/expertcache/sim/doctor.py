@@ -6,7 +6,8 @@ From a routing trace, before any tuning:
   threshold of predicting a window's routing by one fixed set of experts (those used at least alpha*m
   times in its m tokens), and SCH(m, C), the hit rate of a cache holding each window's C most-used
   experts of a layer (an oracle that knows the window): per layer and overall;
-- the knee of LRU's hit-rate curve (a per-layer cache of c experts, c in units of the active top-k);
+- the knee of the policy's hit-rate curve (LRU by default; a per-layer cache of c experts, c in units of
+  the active top-k);
 - how predictable the next layers are: the accuracy of the predictors that run on a trace alone
   (MoE-Infinity's EAM, and the engine's recorded predictions when the trace holds them);
 - OPT's and LRU's miss ratios at the budget;
@@ -117,7 +118,7 @@ def diagnose(
     consistency = srp(counts, window_tokens)
     sizes = list(range(1, E + 1))
     hits = sch(counts, sizes)
-    # LRU per layer at every size: its hit-rate curve, and its knee in units of the active experts
+    # the policy per layer at every size: its hit-rate curve, and its knee in units of the active experts
     curves = layer_curves(trace, policy).sum(axis=0)  # [L, E + 1], both phases
     schedule = build_schedule(trace, "layer")
     requests = schedule.num_requests  # an expert a step needs (a prefill step's tokens share them)
@@ -141,7 +142,8 @@ def diagnose(
         "capacity_per_layer_in_active": capacity / (L * K),
         "consistency": consistency,
         "sch": hits,
-        "lru_curve": {"sizes": list(per_size), "hit_ratio": list(per_size.values())},
+        "policy": policy,
+        "curve": {"sizes": list(per_size), "hit_ratio": list(per_size.values())},
         "knee_experts_per_layer": knee_c,
         "knee_in_active": None if knee_c is None else knee_c / K,
         "lru_miss_ratio": at["lru"].miss_ratio,
@@ -238,8 +240,10 @@ def plot_diagnosis(r: dict[str, object], path: str) -> None:
 
     K = r["shape"]["top_k"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    lc = r["lru_curve"]
-    ax.plot([c / K for c in lc["sizes"]], lc["hit_ratio"], marker="o", ms=3, label="LRU (per layer)")
+    lc = r["curve"]
+    ax.plot(
+        [c / K for c in lc["sizes"]], lc["hit_ratio"], marker="o", ms=3, label=f"{r['policy']} (per layer)"
+    )
     s = r["sch"]
     ax.plot(
         [c / K for c in s["sizes"]],

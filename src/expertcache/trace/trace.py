@@ -61,6 +61,9 @@ class Trace:
                 )
             object.__setattr__(self, name, value.astype(dtype, copy=False))
         _validate(self)
+        w = self.weights
+        if w is not None and not np.isfinite(w).all():  # only at unknown entries (validated): read as 0
+            object.__setattr__(self, "weights", np.where(np.isfinite(w), w, np.float32(0)))
 
     @property
     def num_tokens(self) -> int:
@@ -172,5 +175,11 @@ def _validate(trace: Trace) -> None:
         raise TraceError(f"{src}: 'seq_id' must be non-negative")
     if trace.step_id is not None and ((trace.step_id < 0).any() or (np.diff(trace.step_id) < 0).any()):
         raise TraceError(f"{src}: 'step_id' must be non-negative and non-decreasing")
-    if trace.weights is not None and not np.isfinite(trace.weights).all():
-        raise TraceError(f"{src}: 'weights' has NaN or infinite values")
+    if trace.weights is not None:
+        bad = ~np.isfinite(trace.weights) & (ex >= 0)  # an unknown entry (-1) may carry any weight
+        if bad.any():
+            tok, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+            raise TraceError(
+                f"{src}: 'weights' has NaN or infinite values where the expert is known (token {tok}, "
+                f"layer {layer}, slot {slot})"
+            )

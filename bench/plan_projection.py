@@ -1,0 +1,101 @@
+"""Plans for Mixtral-8x7B and Qwen1.5-MoE on a 24 GB GPU over PCIe 4 (timing model, declared costs).
+
+The machine, the traces, the expert memory and the cost model are ``bench/miss_projection.py``'s: device
+and host compute measured on an H100 machine, the link declared (PCIe 4.0 x16, 25 GB/s + 10 us per
+chunk), the expert memory what 24 GiB leaves after the dense weights and a 2 GiB workspace. The planner
+(``expertcache.sim.planner.make_plan``) compares its layouts (shared, uniform, AdapMoE's knapsack, Fate's,
+MoEpic's split configuration) with the miss paths ``fetch``, ``host`` and ``hybrid`` and chooses by TPOT.
+
+Reported: every candidate, the chosen plan, on-demand LRU (shared cache, fetch), OPT's on-demand TPOT,
+and the limit ``max(all-resident TPOT, OPT's decode transfers per token)`` of paths that move whole
+experts (host compute can go below it). The plan is made and scored on the same trace (in-sample);
+``bench/plan_cpu.py`` measures plans out of sample.
+
+    .venv/bin/python bench/plan_projection.py [--quick] [--out bench/results/plan_projection.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import miss_projection as mp
+from provenance import ROOT, provenance, write_json
+
+from expertcache.sim.planner import format_plan, make_plan
+from expertcache.units import parse_duration, parse_rate, parse_size
+
+MISSES = ("fetch", "host", "hybrid")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", choices=sorted(mp.SHAPES), default=list(mp.SHAPES))
+    ap.add_argument("--costs", type=Path, default=ROOT / "bench/results/cost_triples_h100.json")
+    ap.add_argument("--qwen-trace", type=Path, default=mp.QWEN_TRACE)
+    ap.add_argument("--mixtral-seed", type=int, default=0)
+    ap.add_argument("--gpu-memory", default="24GiB")
+    ap.add_argument("--workspace", default="2GiB")
+    ap.add_argument("--link-bandwidth", default="25GB/s")
+    ap.add_argument("--link-latency", default="10us")
+    ap.add_argument("--dense-fixed", default="0.1ms")
+    ap.add_argument("--step-fixed", default="0.1ms")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"the first {mp.QUICK_REQUESTS} requests of each trace"
+    )
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    triples = json.loads(args.costs.read_text())
+    args.gpu_memory_bytes = int(parse_size(args.gpu_memory, "GPU memory"))
+    args.workspace_bytes = int(parse_size(args.workspace, "workspace"))
+    args.link_bandwidth_Bps = parse_rate(args.link_bandwidth, "link bandwidth")
+    args.link_latency_s = parse_duration(args.link_latency, "link latency")
+    args.dense_fixed_s = parse_duration(args.dense_fixed, "dense fixed time")
+    args.step_fixed_s = parse_duration(args.step_fixed, "step fixed time")
+    mx = mp.measured(triples, "mixtral-8x7b")
+    args.weights_bandwidth = mx["expert_bytes"] / mx["device_a_s"]
+    out_path = args.out or (
+        Path(tempfile.gettempdir()) / "plan_projection.quick.json" if args.quick
+        else ROOT / "bench/results/plan_projection.json"
+    )  # fmt: skip
+    models = []
+    for name in args.models:
+        s = mp.SHAPES[name]
+        trace, source = mp.model_trace(name, s, args)
+        if trace is None:
+            print(f"{name}: skipped ({source})", file=sys.stderr)
+            models.append({"model": name, "skipped": source})
+            continue
+        b = mp.budget(s, args)
+        cost, derived = mp.cost_model(s, mp.measured(triples, name), args)
+        cap = b["capacity_experts"]
+        t0 = time.perf_counter()
+        plan = make_plan(trace, cap, cost, misses=MISSES)
+        lim = mp.limit(trace, cost, cap)
+        shared = next(c for c in plan.candidates if c["method"] == "shared" and c["miss"] == "fetch")
+        print(f"== {name}: {source}; {cap}/{b['total_experts']} experts; {cost.describe()}")
+        print(format_plan(plan))
+        tpot, lru, bound = plan.predicted["tpot_s"], shared["tpot_s"], lim["limit_tpot_s"]
+        print(
+            f"plan {tpot * 1e3:.2f} ms | on-demand LRU {lru * 1e3:.2f} ms ({lru / tpot:.2f}x) | limit "
+            f"{bound * 1e3:.2f} ms (plan / limit {tpot / bound:.2f}) | planned in "
+            f"{time.perf_counter() - t0:.1f} s\n"
+        )
+        models.append({
+            "model": name, "trace": source, "budget": b, "cost": cost.to_dict(), "derived": derived,
+            "plan": plan.to_dict(), "on_demand_lru_tpot_s": shared["tpot_s"], "limit": lim,
+            "plan_s": time.perf_counter() - t0,
+        })  # fmt: skip
+    write_json(
+        out_path, {**provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "models": models}
+    )
+    print(f"wrote {out_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
