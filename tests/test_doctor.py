@@ -36,6 +36,7 @@ def test_knee_of_a_concave_curve():
     ys = [0.2, 0.6, 0.8, 0.85, 0.88, 0.9, 0.92, 0.93]
     assert knee(xs, ys) == 3
     assert knee([1, 2], [0.1, 0.2]) is None
+    assert knee(xs, [0.0] * 7 + [1.0]) is None  # a cycle: nothing until the whole layer fits
 
 
 @pytest.mark.parametrize(

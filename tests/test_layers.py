@@ -39,6 +39,7 @@ LAYERS = {
     "serve": 9,
     "cli": 10,
     "__init__": 10,
+    "__main__": 10,
 }
 SIDE_BY_SIDE = {("sim", "engine"), ("engine", "sim")}
 

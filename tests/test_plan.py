@@ -101,7 +101,8 @@ def embedded_plan() -> Plan:
 def test_the_plan_is_the_best_candidate_and_above_opt(embedded_plan):
     plan = embedded_plan
     methods = {c["method"] for c in plan.candidates}
-    assert methods == {"shared", "uniform", "knapsack", "fate", "moepic"}
+    assert methods == {"shared", "uniform", "knapsack", "fate"}  # moepic: only with a split miss path
+    assert {c["miss"] for c in plan.candidates} == {"fetch"}
     assert plan.predicted["tpot_s"] == min(c["tpot_s"] for c in plan.candidates)
     by = {c["method"]: c for c in plan.candidates}
     assert by["knapsack"]["misses"] <= by["uniform"]["misses"]  # decode misses are what it minimises
@@ -110,13 +111,37 @@ def test_the_plan_is_the_best_candidate_and_above_opt(embedded_plan):
     assert plan.lossy == []
 
 
-def test_timing_of_a_plan_is_what_the_plan_predicted(embedded_plan, tmp_path, capsys):
+def test_timing_of_a_plan_is_what_the_plan_predicted_with_the_plans_costs(embedded_plan, tmp_path, capsys):
+    from expertcache.costs import CostModel
+
     path = tmp_path / "plan.json"
     embedded_plan.save(path)
     assert main(["timing", "--plan", str(path), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["tpot_s"] == pytest.approx(embedded_plan.predicted["tpot_s"], rel=1e-12)
     assert got["misses"] == embedded_plan.predicted["misses"]
+    # a plan made with other costs is timed with them, unless --cost says otherwise
+    trace = default_trace()
+    cheap = make_plan(trace, 48, CostModel(expert_bytes=1 << 20, link_bandwidth=1e9), methods=("uniform",))
+    cheap.save(path)
+    assert main(["timing", "--plan", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tpot_s"] == pytest.approx(
+        cheap.predicted["tpot_s"], rel=1e-12
+    )
+    assert main(["timing", "--plan", str(path)]) == 0
+    assert "costs: the plan's" in capsys.readouterr().out
+
+
+def test_moepic_runs_with_a_split_miss_path_and_layouts_with_one_part_paths():
+    plan = make_plan(TRACE, 16, misses=("fetch", "split:theta=0.5", "hobbit"))
+    rows = {(c["method"], c["miss"].split(":")[0]) for c in plan.candidates}
+    assert ("moepic", "split") in rows and ("shared", "hobbit") in rows
+    assert ("uniform", "hobbit") not in rows and ("uniform", "split") not in rows  # several cache parts
+    assert not any(c["miss"] == "split:theta=0.5" for c in plan.candidates)  # moepic's own split instead
+    assert any("hobbit with per-layer budgets" in line for line in plan.source["skipped"])
+    small = make_plan(TRACE, 6)  # below top-2 in each of 4 layers: the shared cache alone, said so
+    assert {c["method"] for c in small.candidates} == {"shared"}
+    assert any("needs 8 experts" in line for line in small.source["skipped"])
 
 
 def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_path):
@@ -139,6 +164,9 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_pat
     path.write_text("{")
     with pytest.raises(ExpertcacheError, match="is not JSON"):
         Plan.load(path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "layers"}))
+    with pytest.raises(ExpertcacheError, match="the plan has no layers"):
+        Plan.load(path)
 
 
 def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
@@ -147,7 +175,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--trace", str(trace), "--capacity", "16", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "chosen:" in printed and "lower bound" in printed
+    assert "chosen:" in printed and "a bound on fetching" in printed and printed.startswith("cost: ")
     plan = Plan.load(out)
     assert (plan.layers, plan.experts, plan.top_k, plan.capacity) == (4, 8, 2, 16)
     plan_at = ["plan", "--trace", str(trace), "--capacity"]
@@ -156,6 +184,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--policy", "opt"], "needs the future"),
         ([*plan_at, "16", "--policy", "eam"], "-dist form and no parameters"),
         ([*plan_at, "16", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
+        ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s has 2 times for a model"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
         (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),
     ]  # fmt: skip

@@ -77,6 +77,27 @@ def test_declared_figures_replace_measured_ones(ckpt, tmp_path, capsys):
     assert CostModel.load(link).host_parallel is False and CostModel.load(link).link_bandwidth == 1e9
 
 
+def test_a_device_profile_of_another_model_is_refused(ckpt, make_ckpt, tmp_path, capsys):
+    other = tmp_path / "other.json"
+    argv = [
+        "profile",
+        "--model",
+        str(make_ckpt("qwen2_moe")),
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "-o",
+        str(other),
+    ]
+    assert main(argv) == 0
+    capsys.readouterr()
+    argv = ["profile", "--model", str(ckpt("mixtral")), "--device", "cpu", "--device-profile", str(other)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the device profile is for" in err and err.count("\n") == 1
+
+
 def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     for argv, words in [
         (["profile", "--device-bandwidth", "25"], "needs a unit"),
@@ -88,3 +109,16 @@ def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def test_profile_measures_each_low_precision_copy_that_exists(ckpt, tmp_path, capsys):
+    path = ckpt("mixtral")
+    assert main(["quantize", str(path), "--bits", "4"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", str(path), "--device", "cpu", "--steps", "2", "-o", str(out)]) == 0
+    assert "precisions int4:" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    int4 = data["precisions"]["int4"]
+    assert 0 < int4["bytes"] < data["model"]["expert_bytes"] / 3 and int4["dequant_s"] > 0
+    assert data["cost"]["dequant_s"] == int4["dequant_s"] and "dequant_s" in data["measured"]

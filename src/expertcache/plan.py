@@ -128,6 +128,9 @@ class Plan:
             )
         known = set(cls.__dataclass_fields__)
         fields = {k: v for k, v in data.items() if k in known}
+        missing = [k for k in ("layers", "experts", "top_k", "capacity") if k not in fields]
+        if missing:
+            raise ExpertcacheError(f"{source}: the plan has no {', '.join(missing)}")
         try:
             plan = cls(**fields)
         except TypeError as exc:

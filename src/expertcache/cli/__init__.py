@@ -163,8 +163,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the policy laid out (one with a -dist form; default lru)",
     )
     pl.add_argument(
-        "--method", action="append", choices=METHODS, help=f"a layout to compare (repeat; default all: "
-        f"{', '.join(METHODS)})"
+        "--method", action="append", choices=METHODS, help=f"a layout to compare (repeat; default "
+        f"{', '.join(METHODS[:4])}, and moepic with --miss split)"
     )  # fmt: skip
     pl.add_argument(
         "--miss",
@@ -441,6 +441,7 @@ _TIMING_COST_FLAGS = (
 
 def _cmd_timing(args: argparse.Namespace) -> int:
     from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+    from expertcache.costs import CostModel
     from expertcache.plan import Plan
     from expertcache.sim.timing import format_timing, simulate_timing
 
@@ -478,7 +479,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
         cache, miss = CacheConfig(args.policy or "lru", seed=args.seed), MissConfig(args.miss or "fetch")
     _check_profile(args, trace)
-    cost = _cost_from_args(args, prefetch)
+    planned = plan.source.get("cost") if plan is not None and not args.cost else None
+    cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
     total = trace.num_layers * trace.num_experts
     capacity = plan.capacity if plan is not None else args.capacity
     if capacity is None:  # 0 is a capacity, and refused, not the default
@@ -493,13 +495,15 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         print(f"trace      {trace.source}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} "
               f"K={trace.top_k}")  # fmt: skip
         if plan is not None:
-            print(f"plan       {args.plan}: {plan.describe()}")
+            whose = "--cost" if args.cost else "the plan's" if planned else "the defaults (the plan has none)"
+            print(f"plan       {args.plan}: {plan.describe()}; costs: {whose}")
         print(format_timing(result))
     return 0
 
 
-def _cost_from_args(args: argparse.Namespace, prefetch=None):
-    """The cost model of ``timing`` and ``plan``: ``--cost`` overridden by the cost flags."""
+def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
+    """The cost model of ``timing``, ``plan`` and ``doctor``: ``--cost`` (or ``base``: a plan's) overridden
+    by the cost flags."""
     from expertcache.costs import CostModel
 
     split = {k: v.split(",") for k in ("dense_time", "expert_time", "host_time") if (v := getattr(args, k))}
@@ -522,7 +526,7 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None):
         "submit_s": args.issue_time,
         "dequant_s": args.dequant_time,
     }
-    base = CostModel.load(args.cost) if args.cost else None
+    base = CostModel.load(args.cost) if args.cost else base
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
     if prefetch is not None and not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
@@ -539,10 +543,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     declared = declared_fields(
         args.device_bandwidth, args.device_latency, args.device_time, args.dense_time, args.device_profile
     )
+    shape = None
+    if args.device_profile:
+        from expertcache.costs import CostModel
+
+        _, shape = CostModel.load_profile(args.device_profile)
     quiet_transformers()
     data = profile(
         args.model, device=args.device, dtype=args.dtype, slow_tier=args.slow_tier, declared=declared,
-        steps=args.steps,
+        steps=args.steps, device_profile_shape=shape,
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
@@ -641,7 +650,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     plan = make_plan(
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
-        prefetches=prefetches, methods=list(dict.fromkeys(args.method or METHODS)), objective=args.objective,
+        prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
+        objective=args.objective,
         seed=args.seed, predictor_trace=predictor_trace,
     )  # fmt: skip
     if args.out:
@@ -669,9 +679,12 @@ def _timing_capacity(memory: str, expert_bytes: int, total: int) -> int:
     from expertcache.units import capacity_for, format_bytes, parse_size
 
     capacity = capacity_for(memory, expert_bytes, total)
+    if capacity < 1 and memory.strip().endswith("%"):
+        raise ExpertcacheError(f"--expert-memory {memory} of {total} experts is less than one whole expert")
     if capacity < 1:
         raise ExpertcacheError(
-            f"--expert-memory {memory} holds no expert of {format_bytes(expert_bytes)} (see --expert-bytes)"
+            f"--expert-memory {memory} holds no expert of {format_bytes(expert_bytes)} (the cost model's "
+            "expert size: see --expert-bytes or --cost)"
         )
     if not memory.strip().endswith("%") and parse_size(memory) > total * expert_bytes:
         print(

@@ -99,7 +99,10 @@ def knee(xs: list[float], ys: list[float]) -> float | None:
     if len(x) < 3 or np.ptp(y) == 0:
         return None
     xn, yn = (x - x[0]) / np.ptp(x), (y - y[0]) / np.ptp(y)
-    return float(x[int(np.argmax(yn - xn))])
+    above = yn - xn
+    if above.max() <= 0.05:  # never clearly above the chord: not concave, no knee (e.g. a cycle)
+        return None
+    return float(x[int(np.argmax(above))])
 
 
 def diagnose(
@@ -137,6 +140,7 @@ def diagnose(
     report = {
         "trace": trace.source,
         "shape": {"layers": L, "experts": E, "top_k": K, "tokens": trace.num_tokens},
+        "cost": cost.to_dict(),
         "capacity": capacity,
         "capacity_share": capacity / (L * E),
         "capacity_per_layer_in_active": capacity / (L * K),
@@ -191,7 +195,9 @@ def verdict(r: dict[str, object]) -> list[str]:
             "LRU hits no more than the budget's share of experts would by chance: the cache is not finding "
             "reuse at this budget"
         )
-    if r["knee_in_active"] is not None:
+    if r["knee_in_active"] is None:
+        out.append("the hit-rate curve has no knee: it does not bend before the cache holds the layer")
+    else:
         out.append(
             f"the hit-rate curve bends at about {r['knee_in_active']:.1f}x the active experts per layer "
             f"({r['knee_experts_per_layer']:.0f} of {r['shape']['experts']}); this budget gives "
@@ -218,6 +224,7 @@ def format_diagnosis(r: dict[str, object]) -> str:
     head = f"{r['trace']}: {sh['tokens']} tokens, {sh['layers']} layers x {sh['experts']} experts, top-{K}"
     lines = [
         f"trace        {head}",
+        f"cost         {CostModel.from_dict(r['cost']).describe()}",
         f"budget       {r['capacity']} experts ({100 * r['capacity_share']:.0f} %), "
         f"{r['capacity_per_layer_in_active']:.1f}x the active per layer",
         f"{'SRP(' + str(c['m']) + ')':13}{c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "

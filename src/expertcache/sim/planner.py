@@ -37,6 +37,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
+from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, parse_policy
@@ -255,14 +256,23 @@ def make_plan(
     policy: str = "lru",
     misses: Sequence[str] = ("fetch",),
     prefetches: Sequence[PrefetchConfig | str] = ("none",),
-    methods: Sequence[str] = METHODS,
+    methods: Sequence[str] | None = None,
     objective: str = "tpot",
     seed: int = 0,
     predictor_trace: Trace | None = None,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
-    the timing model, and return the best as a ``Plan`` (every candidate's figures inside)."""
+    the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
+    None: every layout of a -dist policy, and MoEpic's when a ``split`` miss path is among ``misses``
+    (its layout is that path's: it replaces the split spec given)."""
     cost = cost or CostModel()
+    split_asked = any(parse_miss(m)[0] == "split" for m in misses)
+    if methods is None:
+        methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
+    if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != trace.num_layers:
+        raise ExpertcacheError(
+            f"cost: dense_s has {len(cost.dense_s)} times for a model of {trace.num_layers} layers"
+        )
     if objective not in OBJECTIVES:
         raise ExpertcacheError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     unknown = [m for m in methods if m not in METHODS]
@@ -284,10 +294,23 @@ def make_plan(
             f"a cache of {capacity} experts: the planner needs {K} .. {L * E} (top-k .. all of the model's)"
         )
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
-    cells = [(m, b, misses) for m, b in layouts(trace, capacity, name, methods, objective).items()]
-    if "moepic" in methods and L > 1 and capacity > K:  # its layout is a split miss path's
-        cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name)]))
-    candidates, seen, skipped = [], {}, []
+    laid = layouts(trace, capacity, name, methods, objective)
+    skipped = [
+        f"{m}: a per-layer layout needs {L * K} experts (top-{K} in each of {L} layers), not {capacity}"
+        for m in methods if m in LAYOUT_METHODS and m not in laid
+    ]  # fmt: skip
+    plain = [m for m in misses if parse_miss(m)[0] != "split"] if "moepic" in methods else list(misses)
+    one_part = [m for m in plain if _parts(m, L, E, K, cost) == 1]  # what -dist budgets can hold
+    for m in plain:
+        if m not in one_part and len(laid) > ("shared" in laid):
+            skipped.append(f"{m} with per-layer budgets: it has several cache parts (shared cache only)")
+    cells = [(m, b, plain if b is None else one_part) for m, b in laid.items()]
+    if "moepic" in methods:  # its layout is a split miss path's
+        if L > 1 and capacity > K:
+            cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name)]))
+        else:
+            skipped.append(f"moepic: needs more than one layer and more than top-{K} experts")
+    candidates, seen = [], {}
     for method, budgets, cell_misses in cells:
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
         for miss in cell_misses:
@@ -315,7 +338,9 @@ def make_plan(
         raise ExpertcacheError(
             f"no method could lay out {capacity} experts over {L} layers (a per-layer layout needs "
             f"{L * K}: top-{K} in every layer); add 'shared'"
-        )
+            if all(m in LAYOUT_METHODS for m in methods) else
+            f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
+        )  # fmt: skip
     key = f"{objective}_s"
     best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))  # the first of equals
     bound = simulate_timing(trace, capacity, cache="opt", miss="fetch", cost=cost)
@@ -329,6 +354,13 @@ def make_plan(
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
         },
     )  # fmt: skip
+
+
+def _parts(miss: str, layers: int, experts: int, top_k: int, cost: CostModel) -> int:
+    from expertcache.miss.base import MissContext
+    from expertcache.miss.registry import make_miss
+
+    return len(make_miss(miss, MissContext(layers, experts, top_k, costs=cost)).parts())
 
 
 _FIGURES = ("tpot_s", "ttft_s", "stall_s", "misses", "requests")
@@ -354,7 +386,9 @@ def format_plan(plan: Plan) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.3f}"
 
-    rows = [
+    cost = plan.source.get("cost")
+    rows = [] if cost is None else [f"cost: {CostModel.from_dict(cost).describe()}"]
+    rows += [
         f"{'':2}{'method':10}{'miss':20}{'prefetch':12}{'TPOT ms':>10}{'TTFT ms':>10}{'misses':>9}  budgets"
     ]
     notes = []
@@ -377,7 +411,7 @@ def format_plan(plan: Plan) -> str:
     b = plan.lower_bound
     rows.append(
         f"  {'opt':10}{'fetch':20}{'none':12}{ms(b['tpot_s']):>10}{ms(b['ttft_s']):>10}{b['misses']:>9}  "
-        "shared (lower bound of on-demand fetching)"
+        "shared: OPT's misses, a bound on fetching's (not on other paths' times)"
     )
     rows += notes
     rows += [f"left out: {line}" for line in plan.source.get("skipped", [])]

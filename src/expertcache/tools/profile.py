@@ -7,7 +7,10 @@ For the model's own expert shape and dtype, with the engine's own code paths (``
 - one expert's compute on the device, ``a + b * n`` for n tokens;
 - the same on the host (the CPU, with torch's threads as configured);
 - the rest of a decode step (attention, norms, router, embeddings, LM head), from an all-resident decode
-  step minus its experts' compute, spread over the MoE layers.
+  step minus its experts' compute, spread over the MoE layers;
+- per precision, for each low-precision copy ``expertcache quantize`` has made of the model (int8, int4,
+  int2): its bytes, its transfer from its file to the device, and its expansion on the device
+  (``dequant_s`` in the cost model is int4's, HOBBIT's default, or the only one measured).
 
 What the machine does not have is declared: ``--device-bandwidth 25GB/s`` (and ``--device-latency``,
 ``--device-time A[,B]``, ``--dense-time``) or ``--device-profile FILE`` (a profile measured on the target
@@ -41,7 +44,7 @@ def declared_fields(
     """The cost fields the user declares (checked, with units), a device profile's first."""
     out: dict[str, object] = {}
     if device_profile:
-        cost, _ = CostModel.load_profile(device_profile)
+        cost, _ = CostModel.load_profile(device_profile)  # its shape is checked against the model's
         data = cost.to_dict()
         out.update({k: data[k] for k in DEVICE_FIELDS})
     if device_bandwidth:
@@ -58,7 +61,7 @@ def declared_fields(
         out["dense_s"] = parse_duration(dense_time, "--dense-time")
         out["step_s"] = 0.0
     if "link_bandwidth" in out and "link_latency" not in out:  # a declared link: the default latency
-        out["link_latency"] = CostModel().link_latency
+        out["link_latency"] = CostModel().link_latency  # listed as declared: 20 us, the model's default
     return out
 
 
@@ -70,6 +73,7 @@ def profile(
     slow_tier: str | None = None,
     declared: dict[str, object] | None = None,
     steps: int = 16,
+    device_profile_shape: dict | None = None,
 ) -> dict[str, object]:
     """Measure the model's costs on this machine (see the module); ``declared`` fields replace the
     measured ones. -> the profile (a JSON object)."""
@@ -80,6 +84,8 @@ def profile(
     from expertcache.engine.offloaded import load
 
     declared = dict(declared or {})
+    if device_profile_shape is not None:  # before loading: a device profile of another model is refused
+        _check_shape(path, device_profile_shape)
     with load(
         path, "100%", device=device, dtype=dtype, slow_tier=slow_tier, progress=False, record=False
     ) as m:
@@ -96,17 +102,28 @@ def profile(
         }  # fmt: skip
         dev = str(m.device)
         tier = m.tier.name
-    cost = CostModel.from_dict({"dense_s": dense, "step_s": 0.0}, measured)
+        precisions = _precisions(m)
+    base = {"dense_s": dense, "step_s": 0.0}
+    if precisions:
+        low = precisions.get("int4") or next(iter(precisions.values()))
+        base["dequant_s"] = low["dequant_s"]
+    cost = CostModel.from_dict(base, measured)
     if declared:  # a declared device (its compute) is another processor than this host
         cost = CostModel.from_dict({**declared, "host_parallel": "expert_s" in declared}, cost)
-    fields = [f for f in cost.to_dict() if f not in ("chunk_bytes", "wake_s", "submit_s", "dequant_s")]
+    # step_s is 0: the rest of a step is measured (or declared) as dense_s
+    fields = [f for f in cost.to_dict() if f not in ("chunk_bytes", "wake_s", "submit_s", "step_s")]
     return {
         "format": PROFILE_FORMAT,
         "version": 1,
         "model": shape,
         "cost": cost.to_dict(),
-        "measured": [f for f in fields if f not in declared and f != "host_parallel"],
-        "declared": sorted(declared),
+        "measured": [
+            f
+            for f in fields
+            if f not in declared and f != "host_parallel" and (f != "dequant_s" or precisions)
+        ],
+        "precisions": precisions,
+        "declared": sorted(k for k in declared if k != "step_s"),
         "how": {
             "device": f"declared (host: {dev})" if "expert_s" in declared else dev,
             "slow_tier": tier,
@@ -124,6 +141,66 @@ def profile(
         "versions": {"python": platform.python_version(), "torch": torch.__version__, **_versions()},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def _check_shape(path, shape: dict) -> None:
+    from expertcache.engine.offloaded import model_info
+
+    info = model_info(path)
+    have = (info["moe_layers"], info["experts_per_layer"], info["top_k"])
+    want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
+    if have != want:
+        raise ExpertcacheError(
+            f"the device profile is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
+            f"experts, top-{want[2]}); this model has {have[0]} x {have[1]}, top-{have[2]}"
+        )
+
+
+def _precisions(m) -> dict[str, dict[str, float]]:
+    """Each low-precision copy of the model that exists (``expertcache quantize``): its bytes per expert,
+    its transfer to the device (from its file, in the engine's chunks) and its expansion there."""
+    import statistics
+    import time
+
+    import torch
+
+    from expertcache.engine.memory import SlotPool
+    from expertcache.engine.quantized import Dequantizer, QuantSource, find_copy, quant_layout, read_meta
+    from expertcache.errors import ExpertcacheError
+
+    def timed(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(5):
+            if m.device.type == "cuda":
+                torch.cuda.synchronize(m.device)
+            t0 = time.perf_counter()
+            fn()
+            if m.device.type == "cuda":
+                torch.cuda.synchronize(m.device)
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    out = {}
+    for bits in (8, 4, 2):
+        try:
+            path = find_copy(m.path, bits, 64)
+        except ExpertcacheError:
+            continue
+        meta = read_meta(path)
+        layout = quant_layout(meta)
+        source = QuantSource(path, layout, pin=m.device.type == "cuda")
+        views = SlotPool(layout, 1, m.device).views[0]
+        chunks = layout.chunks(m.chunk_bytes)
+        expand = Dequantizer(meta, m.dtype)
+        out[f"int{bits}"] = {
+            "bytes": layout.nbytes,
+            "transfer_s": timed(
+                lambda s=source, v=views, cs=chunks: [s.copy_chunk((0, 0), v, c) for c in cs]
+            ),
+            "dequant_s": timed(lambda e=expand, v=views: e(v)),
+        }
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -147,7 +224,17 @@ def format_profile(data: dict[str, object]) -> str:
         f"cost       {cost.describe()}",
         f"measured   {', '.join(data['measured'])}",
         f"declared   {', '.join(data['declared']) or 'nothing'}",
-        f"how        {data['how']['link']}; device {data['how']['device']}; decode step "
-        f"{data['how']['decode_step_s'] * 1e3:.3f} ms all resident",
+        "precisions "
+        + (
+            "; ".join(
+                f"{name}: {p['bytes'] / 2**20:.3f} MiB, transfer {p['transfer_s'] * 1e3:.3f} ms, expand "
+                f"{p['dequant_s'] * 1e3:.3f} ms"
+                for name, p in data["precisions"].items()
+            )
+            or "full only (no low-precision copies: expertcache quantize makes them)"
+        ),
+        f"how        link: {data['how']['link']}; device: {data['how']['device']}; host experts "
+        f"{'beside the device' if cost.host_parallel else 'inline (the device is this CPU)'}; "
+        f"an all-resident decode step measured here: {data['how']['decode_step_s'] * 1e3:.3f} ms",
     ]
     return "\n".join(lines)
