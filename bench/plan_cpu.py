@@ -13,7 +13,7 @@ weights, ``engine_cpu.LARGE``):
    here) with the emulated link declared (one expert's transfer = ``--link-ratio`` x its compute for one
    token, as ``bench/miss_paths_cpu.py``);
 3. at each budget the planner compares its layouts (shared, uniform, knapsack, fate) with the miss paths
-   ``fetch`` and ``host``, and MoEpic's split configuration, and chooses one;
+   ``fetch`` and ``host``, and MoEpic's configuration of ``split``, and chooses one;
 4. the engine runs every compared setting on held-out prompts (the embedded model's held-out files,
    ``tools.quality.heldout_texts``), ``--repeats`` fresh loads, one warm-up generation each, then each
    prompt for ``--new-tokens``; TPOT is the mean over prompts, median over repeats.
@@ -136,7 +136,7 @@ def bench_model(label: str, path: Path, args) -> dict:
     rows = []
     for share in args.budgets:
         capacity = max(trace.top_k, round(L * E * share / 100))
-        plan = make_plan(trace, capacity, cost, misses=("fetch", "host"))
+        plan = make_plan(trace, capacity, cost, misses=("fetch", "host", "split"))  # split: moepic
         log(f"{label} {share}%: {capacity} experts, chose {plan.describe()}")
         measured = []
         for cand in plan.candidates:

@@ -29,7 +29,7 @@ from provenance import ROOT, provenance, write_json
 from expertcache.sim.planner import format_plan, make_plan
 from expertcache.units import parse_duration, parse_rate, parse_size
 
-MISSES = ("fetch", "host", "hybrid")
+MISSES = ("fetch", "host", "hybrid", "split")  # split: laid out by moepic
 
 
 def main() -> int:

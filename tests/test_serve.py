@@ -163,6 +163,7 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": ""}, 400, "one non-empty prompt"),
         ({"model": "tiny", "prompt": ["a", "b"]}, 400, "one non-empty prompt"),
         ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "temperature": 1, "seed": -1}, 400, "seed: Input should be"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "exceeds the model's context"),
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n:"),
@@ -182,6 +183,9 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, s
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["type"]
+    if err["code"] == "invalid_value" and ":" in err["message"]:  # a field: OpenAI's param names it
+        field = err["message"].split(":")[0]
+        assert err["param"] == (None if field == "body" else field)
     assert (
         http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
         == 200

@@ -765,7 +765,7 @@ def _cmd_trace_synth(args: argparse.Namespace) -> int:
     trace = synthesize(args.kind, **params)
     trace.save(args.out)
     print(f"wrote {args.out}: {args.kind} trace, T={trace.num_tokens} L={trace.num_layers} "
-          f"E={trace.num_experts} K={trace.top_k}")  # fmt: skip
+          f"E={trace.num_experts} K={trace.top_k}", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -839,7 +839,7 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         tokenizer=args.tokenizer,
     )
-    print(f"wrote {out}")
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -31,10 +31,15 @@ DEFAULT_MAX_TOKENS = 256
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
 
 def create_app(
@@ -77,7 +82,8 @@ def create_app(
             why = first.get("ctx", {}).get("error", "")
             return _error(ApiError(400, f"the body is not valid JSON ({why})"))
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
-        return _error(ApiError(400, f"{where}: {first.get('msg')}", code="invalid_value"))
+        param = where if where != "body" else None
+        return _error(ApiError(400, f"{where}: {first.get('msg')}", code="invalid_value", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -213,5 +219,5 @@ def _usage(job, last) -> dict[str, int]:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    body = {"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}}
+    body = {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
     return JSONResponse(body, status_code=exc.status)
