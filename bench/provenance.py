@@ -61,11 +61,13 @@ def portable_text(text: str) -> str:
     becomes ``src``, a file beside the checkout such as the shared traces becomes ``../shared/...``, and
     a file in the system's temporary directory, such as a generated checkpoint, ``$TMPDIR/...``).
     """
-    root, parent = str(ROOT), str(ROOT.parent)
-    text = text.replace(root + os.sep, "").replace(f'"{root}"', '"."')
-    text = text.replace(parent + os.sep, ".." + os.sep)
+    start = r"(?<![\w.~/$-])"  # where a path begins: not inside another one (/var/tmp is not /tmp)
+    root, parent = re.escape(str(ROOT)), re.escape(str(ROOT.parent) + os.sep)
+    text = re.sub(rf"{start}{root}{re.escape(os.sep)}", "", text)
+    text = re.sub(rf'"{root}"', '"."', text)
+    text = re.sub(rf"{start}{parent}", lambda _: ".." + os.sep, text)
     tmp = re.escape(tempfile.gettempdir() + os.sep)
-    return re.sub(rf"(?<![\w.~/$-]){tmp}", lambda _: "$TMPDIR" + os.sep, text)
+    return re.sub(rf"{start}{tmp}", lambda _: "$TMPDIR" + os.sep, text)
 
 
 def write_json(path: Path, data: object) -> None:
