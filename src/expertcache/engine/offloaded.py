@@ -569,6 +569,8 @@ def load(
     passed for ``policy``, ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
     (``"host"`` or ``"disk"``), ``costs`` (a ``CostModel`` for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``.
+    ``plan`` (a ``Plan`` or a ``plan.json`` from ``expertcache plan``) sets the expert memory, the policy
+    and its per-layer budgets, the miss path and the predictor; giving one of those as well is an error.
     """
     plan = as_plan(plan)
     if plan is not None:
