@@ -257,6 +257,16 @@ def _build_parser() -> argparse.ArgumentParser:
     for flag, typ, what in _SYNTH_FLAGS:
         syn.add_argument(flag, type=typ, metavar="N" if typ is int else "X", help=what)
     syn.set_defaults(func=_cmd_trace_synth)
+    imp = tsub.add_parser("import", help="a routing log (JSON lines, CSV, torch tensors) as a trace")
+    imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (per-layer tensors)")
+    imp.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
+    imp.add_argument("--format", choices=["jsonl", "csv", "torch"], help="(default: by the file's suffix)")
+    imp.add_argument("--num-experts", type=int, metavar="N", help="experts per layer (default: the log's, "
+                     "or the largest id + 1)")  # fmt: skip
+    imp.add_argument(
+        "--keep-profiling", action="store_true", help="keep a leading profiling run (left out by default)"
+    )
+    imp.set_defaults(func=_cmd_trace_import)
 
     pol = sub.add_parser("policies", help="list the eviction policies")
     pol.set_defaults(func=_cmd_policies)
@@ -766,6 +776,32 @@ def _cmd_trace_synth(args: argparse.Namespace) -> int:
     trace.save(args.out)
     print(f"wrote {args.out}: {args.kind} trace, T={trace.num_tokens} L={trace.num_layers} "
           f"E={trace.num_experts} K={trace.top_k}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _cmd_trace_import(args: argparse.Namespace) -> int:
+    from expertcache.trace.importers import import_trace
+
+    check_writable(args.out, "trace")
+    if args.num_experts is not None and args.num_experts < 1:
+        raise ExpertcacheError(f"--num-experts must be at least 1, got {args.num_experts}")
+    fmt = args.format or ("torch" if Path(args.file).suffix.lower() in (".pt", ".pth") else None)
+    if fmt == "torch":
+        from expertcache.tools.trace_import import import_torch
+
+        trace, notes = import_torch(args.file, args.num_experts), []
+    else:
+        trace, notes = import_trace(args.file, fmt, args.num_experts, skip_profiling=not args.keep_profiling)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    trace.save(args.out)
+    seqs = 1 if trace.seq_id is None else int(trace.seq_id.max()) + 1
+    unknown = int((trace.experts < 0).sum())
+    print(
+        f"wrote {args.out}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} K={trace.top_k}, "
+        f"{seqs} request(s), {unknown} unknown entries",
+        file=sys.stderr,
+    )
     return 0
 
 

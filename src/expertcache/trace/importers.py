@@ -1,0 +1,258 @@
+"""Traces from the tools people run: routing logs as JSON lines or CSV, into the ``.npz`` trace format.
+
+Both formats hold one record per (request, token, layer):
+
+- **JSON lines** (``.jsonl``), as vLLM routing loggers write them: ``{"req_id": "r1", "token_idx": 0,
+  "layer": 3, "topk_ids": [5, 9], "topk_weights": [0.6, 0.4]}``. ``req_id`` and ``topk_weights`` are
+  optional; ``is_prefill`` (or ``phase``: ``"prefill"``/``"decode"``) and ``token_id`` are kept when
+  present. Lines without ``layer`` (a logger's ``{"type": "meta", ...}`` header) are metadata: their
+  fields go to the trace's metadata.
+- **CSV** (``.csv``), one row per token and layer, with a header: ``token_idx``, ``layer``, the experts as
+  ``topk_ids`` (ids separated by spaces, ``;`` or ``|``) or as ``expert_0``, ``expert_1``, ..., and
+  optionally ``req_id``, ``topk_weights`` / ``weight_0``, ..., ``is_prefill``, ``token_id``.
+
+Tokens are ordered by request (in order of first appearance) and ``token_idx``; layers are numbered in
+order of their ids (kept as the ``layer_ids`` metadata). Without ``req_id`` a request ends where
+``token_idx`` goes back. A (token, layer) a log does not hold is unknown (expert -1). Leading profiling
+rows are left out and reported: vLLM runs a dummy batch through the model before serving, which loggers
+record first. A leading request counts as profiling when its ``req_id`` says so (``dummy``, ``profile``,
+``warmup``) or, without ids, when every token of it routes identically in every layer (dummy inputs
+are one repeated token).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from expertcache.errors import TraceError
+from expertcache.trace.trace import Trace
+
+FORMATS = ("jsonl", "csv")
+PROFILING = re.compile(r"dummy|profil|warm", re.I)
+
+
+class _Rows:
+    """Records gathered as (request, token, layer) -> experts, weights; then laid out as a trace."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.routes: dict[tuple[object, int, int], tuple[list[int], list[float] | None]] = {}
+        self.extra: dict[tuple[object, int], dict[str, int]] = {}  # (request, token) -> is_prefill, token_id
+        self.requests: dict[object, None] = {}  # in order of first appearance
+        self.meta: dict[str, object] = {}
+        self._last: dict[int, int] = {}  # layer -> last token_idx (request boundaries without ids)
+        self._auto = 0
+        self.has_ids = None
+
+    def add(self, where: str, req, token, layer, experts, weights=None, prefill=None, token_id=None) -> None:
+        if self.has_ids is None:
+            self.has_ids = req is not None
+        if (req is not None) != self.has_ids:
+            raise TraceError(f"{self.source}: {where}: 'req_id' is given for some records and not for others")
+        token, layer = _int(where, "token_idx", token), _int(where, "layer", layer)
+        if token < 0 or layer < 0:
+            raise TraceError(f"{self.source}: {where}: token_idx and layer must be >= 0")
+        if req is None:  # a request ends where token_idx goes back (in any layer)
+            if token <= self._last.get(layer, -1):
+                self._auto += 1
+                self._last = {}
+            self._last[layer] = token
+            req = self._auto
+        ids = [_int(where, "topk_ids", e) for e in experts]
+        if not ids:
+            raise TraceError(f"{self.source}: {where}: no expert ids")
+        w = None
+        if weights is not None:
+            w = [float(x) for x in weights]
+            if len(w) != len(ids):
+                raise TraceError(f"{self.source}: {where}: {len(w)} weights for {len(ids)} experts")
+        key = (req, token, layer)
+        if key in self.routes:
+            raise TraceError(
+                f"{self.source}: {where}: a second record of request {req!r}, token {token}, layer {layer}"
+            )
+        self.routes[key] = (ids, w)
+        self.requests.setdefault(req)
+        info = self.extra.setdefault((req, token), {})
+        if prefill is not None:
+            info["is_prefill"] = prefill
+        if token_id is not None:
+            info["token_id"] = _int(where, "token_id", token_id)
+
+    def trace(self, num_experts: int | None, skip_profiling: bool) -> tuple[Trace, list[str]]:
+        if not self.routes:
+            raise TraceError(f"{self.source}: no routing records")
+        notes = []
+        requests = list(self.requests)
+        if skip_profiling and len(requests) > 1 and self._profiling(requests[0]):
+            first = requests.pop(0)
+            rows = sum(1 for k in self.routes if k[0] == first)
+            why = f"request {first!r}" if self.has_ids else "its every token routed alike in every layer"
+            notes.append(f"left out {rows} leading profiling rows ({why})")
+        layers = sorted({k[2] for k in self.routes})
+        col = {lid: i for i, lid in enumerate(layers)}
+        k = max(len(ids) for ids, _ in self.routes.values())
+        tokens = [(r, t) for r in requests for t in sorted({key[1] for key in self.routes if key[0] == r})]
+        row = {rt: i for i, rt in enumerate(tokens)}
+        ex = np.full((len(tokens), len(layers), k), -1, dtype=np.int64)
+        weighted = any(w is not None for _, w in self.routes.values())
+        wt = np.full(ex.shape, np.nan, dtype=np.float32) if weighted else None
+        for (r, t, lid), (ids, w) in self.routes.items():
+            if (r, t) not in row:
+                continue
+            i, j = row[(r, t)], col[lid]
+            ex[i, j, : len(ids)] = ids
+            if wt is not None and w is not None:
+                wt[i, j, : len(w)] = w
+        if wt is not None:
+            wt[(ex < 0)] = np.nan  # unknown entries: any weight (read as 0)
+            if np.isnan(wt[ex >= 0]).any():
+                raise TraceError(f"{self.source}: some records have topk_weights and others not")
+        if ex.max() > np.iinfo(np.int16).max or ex.min() < -1:
+            raise TraceError(f"{self.source}: expert ids outside 0..32767")
+        need = int(ex.max()) + 1
+        if num_experts is None:
+            num_experts = int(self.meta.get("num_experts") or need)
+        if need > num_experts:
+            raise TraceError(f"{self.source}: expert id {need - 1} is out of range for {num_experts} experts")
+        seq = np.asarray([requests.index(r) for r, _ in tokens], dtype=np.int32)
+        extra = [self.extra.get(rt, {}) for rt in tokens]
+        prefill = token_id = None
+        if any("is_prefill" in e for e in extra):
+            prefill = np.asarray([e.get("is_prefill", -1) for e in extra], dtype=np.int8)
+        if any("token_id" in e for e in extra):
+            token_id = np.asarray([e.get("token_id", -1) for e in extra], dtype=np.int32)
+        meta = {**self.meta, "layer_ids": np.asarray(layers), "imported_from": Path(self.source).name}
+        meta = {key: v for key, v in meta.items() if key not in ("num_experts", "top_k", "num_layers")}
+        trace = Trace(
+            experts=ex.astype(np.int16), num_experts=num_experts, weights=wt, seq_id=seq, is_prefill=prefill,
+            token_id=token_id, meta=meta, source=self.source,
+        )  # fmt: skip
+        return trace, notes
+
+    def _profiling(self, req) -> bool:
+        if self.has_ids:
+            return bool(PROFILING.search(str(req)))
+        routes = [(k[1], k[2], tuple(v[0])) for k, v in self.routes.items() if k[0] == req]
+        by_layer: dict[int, set] = {}
+        tokens = {t for t, _, _ in routes}
+        for _, layer, ids in routes:
+            by_layer.setdefault(layer, set()).add(ids)
+        return len(tokens) > 1 and all(len(s) == 1 for s in by_layer.values())
+
+
+def _int(where: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str | float) or str(value).strip() == "":
+        raise TraceError(f"{where}: '{name}' must be an integer, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise TraceError(f"{where}: '{name}' must be an integer, got {value!r}") from None
+    if number != int(number):
+        raise TraceError(f"{where}: '{name}' must be an integer, got {value!r}")
+    return int(number)
+
+
+def _prefill(record: dict) -> int | None:
+    if "is_prefill" in record:
+        v = record["is_prefill"]
+        return int(bool(int(v))) if str(v).strip() not in ("", "-1") else -1
+    phase = str(record.get("phase", "")).lower()
+    return {"prefill": 1, "decode": 0}.get(phase)
+
+
+def _jsonl(path: Path, rows: _Rows) -> None:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise TraceError(f"{where}: a record is a JSON object")
+            if "layer" not in rec:  # a header or metadata line
+                rows.meta.update(
+                    {k: v for k, v in rec.items() if isinstance(v, int | float | str) and k != "type"}
+                )
+                continue
+            for field in ("token_idx", "topk_ids"):
+                if field not in rec:
+                    raise TraceError(f"{where}: no '{field}'")
+            if not isinstance(rec["topk_ids"], list):
+                raise TraceError(f"{where}: 'topk_ids' must be a list of expert ids")
+            req = rec.get("req_id", rec.get("request_id"))
+            rows.add(
+                where, req, rec["token_idx"], rec["layer"], rec["topk_ids"], rec.get("topk_weights"),
+                _prefill(rec), rec.get("token_id"),
+            )  # fmt: skip
+
+
+def _split(cell: str) -> list[str]:
+    return [x for x in re.split(r"[\s;|,]+", cell.strip().strip("[]")) if x]
+
+
+def _csv(path: Path, rows: _Rows) -> None:
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        head = reader.fieldnames or []
+        experts = sorted((c for c in head if re.fullmatch(r"expert_\d+", c)), key=lambda c: int(c[7:]))
+        weights = sorted((c for c in head if re.fullmatch(r"weight_\d+", c)), key=lambda c: int(c[7:]))
+        missing = [c for c in ("token_idx", "layer") if c not in head]
+        if "topk_ids" not in head and not experts:
+            missing.append("topk_ids (or expert_0, expert_1, ...)")
+        if missing:
+            raise TraceError(
+                f"{path}: the header has no {', '.join(missing)} (it has {', '.join(head) or 'nothing'})"
+            )
+        for n, rec in enumerate(reader, 2):
+            where = f"{path}: line {n}"
+            ids = (
+                _split(rec["topk_ids"])
+                if "topk_ids" in head
+                else [rec[c] for c in experts if rec[c] not in ("", None)]
+            )
+            w = None
+            if "topk_weights" in head and rec["topk_weights"]:
+                w = _split(rec["topk_weights"])
+            elif weights:
+                w = [rec[c] for c in weights if rec[c] not in ("", None)]
+            try:
+                w = None if w is None else [float(x) for x in w]
+            except ValueError:
+                raise TraceError(f"{where}: weights must be numbers") from None
+            req = rec.get("req_id") if "req_id" in head else None
+            rows.add(
+                where, req, rec["token_idx"], rec["layer"], ids, w, _prefill(rec), rec.get("token_id") or None
+            )
+
+
+def import_trace(
+    path: str | Path, fmt: str | None = None, num_experts: int | None = None, skip_profiling: bool = True
+) -> tuple[Trace, list[str]]:
+    """Read a routing log (``fmt``: ``jsonl`` or ``csv``; default: by the file's suffix) as a trace.
+    -> (the trace, notes for the user: what was left out). ``num_experts`` defaults to the log's
+    ``num_experts`` metadata, else the largest id + 1."""
+    path = Path(path)
+    fmt = fmt or {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}.get(
+        path.suffix.lower()
+    )
+    if fmt not in FORMATS:
+        raise TraceError(f"{path}: give the format (--format {' or '.join(FORMATS)}, or torch for .pt files)")
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file")
+    rows = _Rows(str(path))
+    try:
+        (_jsonl if fmt == "jsonl" else _csv)(path, rows)
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
+    except csv.Error as exc:
+        raise TraceError(f"{path}: not CSV ({exc})") from None
+    return rows.trace(num_experts, skip_profiling)
