@@ -12,10 +12,24 @@ from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.stack import lru_depths, opt_depths
 
+
+def _depths(reference: Callable[[Schedule], np.ndarray], name: str) -> Callable[[Schedule], np.ndarray]:
+    """The compiled pass (``sim/fast.py``) for large schedules when numba is there, else the reference."""
+
+    def depths(schedule: Schedule) -> np.ndarray:
+        from expertcache.sim import fast
+
+        if schedule.num_requests >= fast.MIN_REQUESTS and fast.available():
+            return getattr(fast, name)(schedule)
+        return reference(schedule)
+
+    return depths
+
+
 # Stack algorithms by registry name: their whole curve comes from one pass over the schedule.
 STACK_DEPTHS: dict[str, Callable[[Schedule], np.ndarray]] = {
-    "lru": lru_depths,
-    "opt": opt_depths,
+    "lru": _depths(lru_depths, "lru_depths"),
+    "opt": _depths(opt_depths, "opt_depths"),
 }
 
 
