@@ -138,6 +138,14 @@ def test_torch_tensors_read_weights_only(tmp_path, capsys):
             "2 weights for 1 experts",
         ),
         ("", "no routing records"),
+        (
+            '{"token_idx": 0, "layer": 0, "topk_ids": [1], "topk_weights": ["a"]}\n',
+            "must be a list of numbers",
+        ),
+        (
+            '{"token_idx": 0, "layer": 0, "topk_ids": [1], "is_prefill": "maybe"}\n',
+            "'is_prefill' must be 1, 0",
+        ),
     ],
 )
 def test_bad_logs_are_one_line(tmp_path, capsys, content, words):

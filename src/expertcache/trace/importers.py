@@ -53,10 +53,10 @@ class _Rows:
         if self.has_ids is None:
             self.has_ids = req is not None
         if (req is not None) != self.has_ids:
-            raise TraceError(f"{self.source}: {where}: 'req_id' is given for some records and not for others")
+            raise TraceError(f"{where}: 'req_id' is given for some records and not for others")
         token, layer = _int(where, "token_idx", token), _int(where, "layer", layer)
         if token < 0 or layer < 0:
-            raise TraceError(f"{self.source}: {where}: token_idx and layer must be >= 0")
+            raise TraceError(f"{where}: token_idx and layer must be >= 0")
         if req is None:  # a request ends where token_idx goes back (in any layer)
             if token <= self._last.get(layer, -1):
                 self._auto += 1
@@ -65,17 +65,18 @@ class _Rows:
             req = self._auto
         ids = [_int(where, "topk_ids", e) for e in experts]
         if not ids:
-            raise TraceError(f"{self.source}: {where}: no expert ids")
+            raise TraceError(f"{where}: no expert ids")
         w = None
         if weights is not None:
-            w = [float(x) for x in weights]
+            try:
+                w = [float(x) for x in weights]
+            except (TypeError, ValueError):
+                raise TraceError(f"{where}: topk_weights must be a list of numbers") from None
             if len(w) != len(ids):
-                raise TraceError(f"{self.source}: {where}: {len(w)} weights for {len(ids)} experts")
+                raise TraceError(f"{where}: {len(w)} weights for {len(ids)} experts")
         key = (req, token, layer)
         if key in self.routes:
-            raise TraceError(
-                f"{self.source}: {where}: a second record of request {req!r}, token {token}, layer {layer}"
-            )
+            raise TraceError(f"{where}: a second record of request {req!r}, token {token}, layer {layer}")
         self.routes[key] = (ids, w)
         self.requests.setdefault(req)
         info = self.extra.setdefault((req, token), {})
@@ -158,10 +159,16 @@ def _int(where: str, name: str, value) -> int:
     return int(number)
 
 
-def _prefill(record: dict) -> int | None:
+def _prefill(record: dict, where: str) -> int | None:
+    """1 for a prompt token, 0 for a generated one, -1 unknown, None when the record does not say."""
     if "is_prefill" in record:
-        v = record["is_prefill"]
-        return int(bool(int(v))) if str(v).strip() not in ("", "-1") else -1
+        v = str(record["is_prefill"]).strip().lower()
+        value = {"1": 1, "true": 1, "0": 0, "false": 0, "-1": -1, "": -1, "none": -1}.get(v)
+        if value is None:
+            raise TraceError(
+                f"{where}: 'is_prefill' must be 1, 0, true, false or -1, got {record['is_prefill']!r}"
+            )
+        return value
     phase = str(record.get("phase", "")).lower()
     return {"prefill": 1, "decode": 0}.get(phase)
 
@@ -191,7 +198,7 @@ def _jsonl(path: Path, rows: _Rows) -> None:
             req = rec.get("req_id", rec.get("request_id"))
             rows.add(
                 where, req, rec["token_idx"], rec["layer"], rec["topk_ids"], rec.get("topk_weights"),
-                _prefill(rec), rec.get("token_id"),
+                _prefill(rec, where), rec.get("token_id"),
             )  # fmt: skip
 
 
@@ -230,7 +237,14 @@ def _csv(path: Path, rows: _Rows) -> None:
                 raise TraceError(f"{where}: weights must be numbers") from None
             req = rec.get("req_id") if "req_id" in head else None
             rows.add(
-                where, req, rec["token_idx"], rec["layer"], ids, w, _prefill(rec), rec.get("token_id") or None
+                where,
+                req,
+                rec["token_idx"],
+                rec["layer"],
+                ids,
+                w,
+                _prefill(rec, where),
+                rec.get("token_id") or None,
             )
 
 
