@@ -1,0 +1,116 @@
+"""``expertcache sim`` against libCacheSim's C core on the same requests, side by side, whole processes.
+
+The trace: ``synthesize("zipf", tokens=--tokens, layers=32, experts=8, top_k=2, seed=1)`` in flat order
+(one request per (token, layer, expert), 6.4M requests at the default 100,000 tokens), written twice: as
+an expertcache ``.npz`` and as libCacheSim's ``oracleGeneral`` binary (24-byte records: time, object id,
+size 1, the index of the object's next request or -1), so both see the same requests and Belady has the
+future. Each side runs as its own process (startup, reading and, for expertcache, OPT's bound included),
+``--repeats`` times, median wall time; the miss ratios must agree (the script fails otherwise).
+
+Rows: LRU, FIFO and OPT/Belady at one capacity (``--capacity``, 64), and expertcache's whole LRU curve
+(every capacity 1..256, OPT's bound at each) against libCacheSim at one capacity.
+
+    PYTHONPATH=bench .venv/bin/python bench/sim_vs_libcachesim.py [--tokens 100000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from provenance import ROOT, provenance, write_json
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.trace import synthesize
+
+LCS = {"lru": "LRU", "fifo": "FIFO", "opt": "Belady"}
+RECORD = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
+
+
+def write_oracle_general(keys: np.ndarray, path: Path) -> None:
+    n = len(keys)
+    nxt = np.full(n, -1, dtype=np.int64)
+    order = np.lexsort((np.arange(n), keys))
+    same = keys[order][1:] == keys[order][:-1]
+    nxt[order[:-1][same]] = order[1:][same]
+    rec = np.empty(n, dtype=RECORD)
+    rec["time"], rec["id"], rec["size"], rec["next"] = np.arange(n) + 1, keys + 1, 1, nxt
+    rec.tofile(path)
+
+
+def timed(cmd: list[str], repeats: int) -> tuple[float, str]:
+    runs, out = [], ""
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        runs.append(time.perf_counter() - t0)
+        out = done.stdout
+    return statistics.median(runs), out
+
+
+LCS_SCRIPT = """
+import sys, libcachesim as lcs
+policy, path, cap = sys.argv[1], sys.argv[2], int(sys.argv[3])
+reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
+cache = getattr(lcs, policy)(cap)
+print(cache.process_trace(reader)[0])
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_vs_libcachesim.json")
+    args = ap.parse_args()
+    exe = str(Path(sys.executable).parent / "expertcache")
+    with tempfile.TemporaryDirectory() as tmp:
+        npz, og = Path(tmp) / "t.npz", Path(tmp) / "t.oracleGeneral"
+        trace = synthesize("zipf", tokens=args.tokens, layers=32, experts=8, top_k=2, seed=1)
+        trace.save(npz)
+        keys = build_schedule(trace, "flat").req_key.astype(np.int64)
+        write_oracle_general(keys, og)
+        rows = []
+        for policy, lcs_name in LCS.items():
+            ec_s, out = timed([exe, "sim", str(npz), "--policy", policy, "--capacity", str(args.capacity),
+                               "--order", "flat", "--json", "--jobs", "1"], args.repeats)  # fmt: skip
+            ec = json.loads(out)[0]
+            lcs_s, out = timed([sys.executable, "-c", LCS_SCRIPT, lcs_name, str(og), str(args.capacity)],
+                               args.repeats)  # fmt: skip
+            lcs_ratio = float(out.strip())
+            agree = abs(lcs_ratio - ec["miss_ratio"]) < 1e-9
+            rows.append({
+                "policy": policy, "capacity": args.capacity, "requests": ec["requests"],
+                "expertcache_s": ec_s, "libcachesim_s": lcs_s, "ratio": ec_s / lcs_s,
+                "expertcache_miss_ratio": ec["miss_ratio"], "libcachesim_miss_ratio": lcs_ratio,
+                "agree": agree,
+            })  # fmt: skip
+            print(f"{policy:5} @{args.capacity}: expertcache {ec_s:6.2f} s | libCacheSim {lcs_s:6.2f} s | "
+                  f"{ec_s / lcs_s:5.2f}x | miss ratio {ec['miss_ratio']:.6f} vs {lcs_ratio:.6f}")  # fmt: skip
+        cmd = [exe, "sim", str(npz), "--policy", "lru", "--capacity", "all", "--order", "flat", "--json"]
+        curve_s, out = timed(cmd, args.repeats)
+        curve = json.loads(out)
+        lcs_lru = next(r["libcachesim_s"] for r in rows if r["policy"] == "lru")
+        per = curve_s / len(curve) * 1e3
+        print(f"lru curve ({len(curve)} capacities, OPT's bound at each): expertcache {curve_s:.2f} s, "
+              f"{per:.1f} ms per capacity | libCacheSim {lcs_lru:.2f} s for one")  # fmt: skip
+    write_json(args.out, {
+        **provenance(), "tokens": args.tokens, "rows": rows,
+        "curve": {"capacities": len(curve), "expertcache_s": curve_s, "libcachesim_one_capacity_s": lcs_lru},
+    })  # fmt: skip
+    if not all(r["agree"] for r in rows):
+        print("miss ratios differ between expertcache and libCacheSim", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
