@@ -80,3 +80,18 @@ def test_doctor_cli_json_plot_and_bad_input(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def test_the_shared_qwen_trace_is_not_local():
+    """The paper finds SRP(16) of 0.31-0.38 for Qwen1.5-MoE: its routing is not local."""
+    from pathlib import Path
+
+    from expertcache.trace import load_trace
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+    if not path.is_file():
+        pytest.skip(f"real trace not found at {path} (the shared/ directory beside the repository)")
+    trace = load_trace(path)
+    r = diagnose(trace, trace.num_layers * trace.num_experts // 4)
+    assert 0.25 < r["consistency"]["srp"] < 0.4
+    assert any("not local" in v for v in r["verdict"])

@@ -306,3 +306,26 @@ def test_any_budget_vector_runs_every_dist_policy_in_the_engine_exactly(policy, 
         resident = model.cache.residency.resident
         for layer, b in enumerate(budgets):
             assert sum(1 for k in resident if k[0] == layer) <= b
+
+
+def test_plan_compares_predictors_and_their_windows(tmp_path, capsys):
+    trace = default_trace()
+    argv = ["plan", "--capacity", "24", "--method", "uniform", "--prefetch", "none", "--prefetch", "eam"]
+    assert main([*argv, "--window", "1", "--window", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert {(r["prefetch"], r["window"]) for r in rows} == {("none", None), ("eam", 1), ("eam", 2)}
+    assert trace.num_layers * trace.top_k <= 24
+
+
+def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys):
+    path = ckpt("mixtral")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nimport os\n")
+    L, E = moe_layers("mixtral"), SPECS["mixtral"]["experts"]
+    argv = ["doctor", "--model", str(path), "--prompts", str(prompts), "--max-new-tokens", "20"]
+    assert main([*argv, "--window-tokens", "8", "--capacity", str(L * TOP_K), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["shape"]["layers"], r["shape"]["experts"], r["shape"]["top_k"]) == (L, E, TOP_K)
+    assert 0 <= r["consistency"]["srp"] <= 1 and r["verdict"]
+    assert main([*argv, "--trace", "x.npz"]) == 2
+    assert "give --trace or --model" in capsys.readouterr().err

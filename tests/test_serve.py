@@ -257,6 +257,7 @@ def test_serve_bad_options_are_one_line(capsys):
     for argv, words in (
         [["serve", "--port", "0"], "--port"],
         [["serve", "--miss", "teleport"], "unknown miss"],
+        [["serve", "--plan", "plan.json", "--policy", "lfu"], "--plan sets the expert memory"],
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

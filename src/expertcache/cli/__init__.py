@@ -178,7 +178,10 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a predictor to compare, or none (repeat; default none)",
     )
-    pl.add_argument("--window", type=int, metavar="K", help="layers ahead for the predictors")
+    pl.add_argument(
+        "--window", type=int, action="append", metavar="K",
+        help="layers ahead for the predictors (repeat to compare windows; default: each predictor's)",
+    )  # fmt: skip
     pl.add_argument(
         "--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam to learn from"
     )
@@ -653,9 +656,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         capacity = _timing_capacity(
             args.expert_memory or "50%", cost.expert_bytes, trace.num_layers * trace.num_experts
         )
+    windows = list(dict.fromkeys(args.window or [None]))
     prefetches = [
-        PrefetchConfig(p, window=None if p == "none" else args.window, data=args.predictor)
+        PrefetchConfig(p, window=w, data=args.predictor)
         for p in dict.fromkeys(args.prefetch or ["none"])
+        for w in ([None] if p == "none" else windows)
     ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     plan = make_plan(
