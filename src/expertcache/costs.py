@@ -140,7 +140,14 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
         """Read a JSON cost model: any subset of the fields, times as seconds or "1ms", rates as
-        bytes/s or "16GB/s", sizes as bytes or "336MiB"; problems are one line naming the field."""
+        bytes/s or "16GB/s", sizes as bytes or "336MiB"; problems are one line naming the field. A
+        profile (``expertcache profile``) reads as its cost model."""
+        return cls.load_profile(path)[0]
+
+    @classmethod
+    def load_profile(cls, path: str | Path) -> tuple[CostModel, dict | None]:
+        """A cost model file or a profile (``expertcache profile``): the costs, and the profile's model
+        shape (``layers``, ``experts``, ``top_k``, ...; None for a plain cost model)."""
         try:
             data = json.loads(Path(path).read_text())
         except OSError as e:
@@ -149,23 +156,16 @@ class CostModel:
             raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
+        shape = None
         if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
+            shape = data.get("model") if isinstance(data.get("model"), dict) else None
             data = data.get("cost")
             if not isinstance(data, dict):
                 raise ExpertcacheError(f"{path}: a profile without its 'cost' object")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data), shape
         except ExpertcacheError as e:
             raise ExpertcacheError(f"{path}: {e}") from None
-
-    @classmethod
-    def load_profile(cls, path: str | Path) -> tuple[CostModel, dict | None]:
-        """A cost model file or a profile (``expertcache profile``): the costs, and the profile's model
-        shape (``layers``, ``experts``, ``top_k``, ...; None for a plain cost model)."""
-        cost = cls.load(path)
-        data = json.loads(Path(path).read_text())
-        shape = data.get("model") if data.get("format") == PROFILE_FORMAT else None
-        return cost, shape if isinstance(shape, dict) else None
 
     @classmethod
     def from_dict(cls, data: dict[str, object], base: CostModel | None = None) -> CostModel:

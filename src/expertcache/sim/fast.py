@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from expertcache.cache.schedule import Schedule
+from expertcache.sim.stack import _NEVER, _next_use, group_bounds
 
 MIN_REQUESTS = 200_000  # below this the reference pass is about as fast as compiling
-_NEVER = 1 << 62
 _compiled: dict[str, object] = {}
 
 
@@ -106,25 +106,14 @@ def _jit():
     return _compiled
 
 
-def _bounds(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    g = s.req_group
-    if not len(g):
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]).astype(np.int64)
-    return starts, np.r_[starts[1:], len(g)].astype(np.int64)
-
-
 def lru_depths(s: Schedule) -> np.ndarray:
     """``stack.lru_depths``, compiled."""
-    starts, ends = _bounds(s)
+    starts, ends = group_bounds(s)
     return _jit()["lru"](s.req_key.astype(np.int64), starts, ends, s.num_layers * s.num_experts)
 
 
 def opt_depths(s: Schedule) -> np.ndarray:
     """``stack.opt_depths``, compiled."""
-    from expertcache.sim.stack import _next_use
-
-    starts, ends = _bounds(s)
+    starts, ends = group_bounds(s)
     keys, groups = s.req_key.astype(np.int64), s.req_group.astype(np.int64)
     return _jit()["opt"](keys, groups, _next_use(s), starts, ends, s.num_layers * s.num_experts, _NEVER)

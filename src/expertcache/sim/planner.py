@@ -117,10 +117,16 @@ def fate_budgets(capacity: int, layers: int, experts: int, low: int) -> list[int
 
 
 def layouts(
-    trace: Trace, capacity: int, policy: str, methods: Sequence[str], objective: str
+    trace: Trace,
+    capacity: int,
+    policy: str,
+    methods: Sequence[str],
+    objective: str,
+    curves: np.ndarray | None = None,
 ) -> dict[str, list[int] | None]:
     """Each method's budgets (None: a shared cache); methods that cannot lay this budget out are left
-    out (a per-layer layout needs top-k experts in every layer)."""
+    out (a per-layer layout needs top-k experts in every layer). ``curves``: ``layer_curves(trace,
+    policy)`` when the caller has them."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     fits = L * K <= capacity <= L * E
     out: dict[str, list[int] | None] = {}
@@ -132,10 +138,11 @@ def layouts(
         elif method == "uniform":
             out[method] = uniform_budgets(capacity, L)
         elif method == "knapsack":
-            curves = layer_curves(trace, policy)[0 if objective == "tpot" else 1]
-            if not curves[:, K:].any():  # the phase has no request: all phases
-                curves = layer_curves(trace, policy).sum(axis=0)
-            out[method] = knapsack(curves, capacity, K)
+            both = layer_curves(trace, policy) if curves is None else curves
+            phase = both[0 if objective == "tpot" else 1]
+            if not phase[:, K:].any():  # the phase has no request: all phases
+                phase = both.sum(axis=0)
+            out[method] = knapsack(phase, capacity, K)
         elif method == "fate":
             out[method] = fate_budgets(capacity, L, E, K)
     return out
@@ -144,12 +151,14 @@ def layouts(
 THETA = (0.05, 0.95)  # the split ratios the configurator considers
 
 
-def moepic_stats(trace: Trace, policy: str, phase: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def moepic_stats(
+    trace: Trace, policy: str, phase: int = 0, curves: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """MoEpic's per-layer statistics from a trace: H [L, E + 1], the hit rate of a layer's cache of C
     experts (the layer's own policy, ``phase`` 0 decode, 1 prefill), and P [L, K], the share of tokens
     whose y-th predicted expert was activated (the trace's recorded predictions; zeros without them)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    curves = layer_curves(trace, policy)[phase].astype(np.float64)
+    curves = (layer_curves(trace, policy) if curves is None else curves)[phase].astype(np.float64)
     requests = build_schedule(trace, "layer").layer_requests[phase].astype(np.float64)  # [L]
     hit = np.zeros((L, E + 1))
     hit[:, K:] = 1 - curves[:, K:] / np.maximum(requests, 1)[:, None]
@@ -206,13 +215,18 @@ def expert_split(
 
 
 def moepic_config(
-    trace: Trace, capacity: float, cost: CostModel, policy: str = "lru", zeta: float = 0.02
+    trace: Trace,
+    capacity: float,
+    cost: CostModel,
+    policy: str = "lru",
+    zeta: float = 0.02,
+    curves: np.ndarray | None = None,
 ) -> tuple[list[float], list[float], float]:
     """MoEpic's ``VramAllocation`` (Algorithm 1): start even, then move ``zeta`` of the budget from the
     layer whose exposed latency grows least when it has less to the one whose exposed latency falls
     most when it has more, while the total falls. -> (V_i, theta_i, total exposed seconds per step)."""
     L, K = trace.num_layers, trace.top_k
-    hit, prob = moepic_stats(trace, policy)
+    hit, prob = moepic_stats(trace, policy, curves=curves)
     grain = zeta * capacity
     floor = 2 * K * THETA[0]  # the least budget a layer can split into top-k segments, with a margin
     v = [capacity / L] * L
@@ -239,9 +253,11 @@ def moepic_config(
     return v, thetas, sum(t1)
 
 
-def moepic_miss(trace: Trace, capacity: int, cost: CostModel, policy: str = "lru") -> str:
+def moepic_miss(
+    trace: Trace, capacity: int, cost: CostModel, policy: str = "lru", curves: np.ndarray | None = None
+) -> str:
     """The split miss path MoEpic's configurator chooses: per-layer theta and budget weights."""
-    budgets, thetas, _ = moepic_config(trace, capacity - trace.top_k, cost, policy)  # the bottom buffer
+    budgets, thetas, _ = moepic_config(trace, capacity - trace.top_k, cost, policy, curves=curves)  # buffer
     theta = "/".join(f"{min(max(t, THETA[0]), THETA[1]):.2f}" for t in thetas)
     weights = "/".join(f"{max(b, 1e-3):.3f}" for b in budgets)
     even = len(set(f"{b:.3f}" for b in budgets)) == 1
@@ -294,7 +310,10 @@ def make_plan(
             f"a cache of {capacity} experts: the planner needs {K} .. {L * E} (top-k .. all of the model's)"
         )
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
-    laid = layouts(trace, capacity, name, methods, objective)
+    fits = L * K <= capacity <= L * E
+    need = ("knapsack" in methods and fits) or ("moepic" in methods and L > 1 and capacity > K)
+    curves = layer_curves(trace, name) if need else None  # one replay of each layer, shared
+    laid = layouts(trace, capacity, name, methods, objective, curves)
     skipped = [
         f"{m}: a per-layer layout needs {L * K} experts (top-{K} in each of {L} layers), not {capacity}"
         for m in methods if m in LAYOUT_METHODS and m not in laid
@@ -307,7 +326,7 @@ def make_plan(
     cells = [(m, b, plain if b is None else one_part) for m, b in laid.items()]
     if "moepic" in methods:  # its layout is a split miss path's
         if L > 1 and capacity > K:
-            cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name)]))
+            cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name, curves)]))
         else:
             skipped.append(f"moepic: needs more than one layer and more than top-{K} experts")
     candidates, seen = [], {}

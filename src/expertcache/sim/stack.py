@@ -85,13 +85,20 @@ def opt_depths(s: Schedule) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def _group_bounds(s: Schedule) -> zip:
-    """(first, end) request indices of each non-empty group, lazily."""
+def group_bounds(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """First and end request indices of each non-empty group: int64 [G], [G]."""
     g = s.req_group
     if not len(g):
-        return zip((), (), strict=True)
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    return zip(starts.tolist(), np.r_[starts[1:], len(g)].tolist(), strict=True)
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]).astype(np.int64)
+    return starts, np.r_[starts[1:], len(g)].astype(np.int64)
+
+
+def _group_bounds(s: Schedule) -> zip:
+    """(first, end) request indices of each non-empty group, lazily."""
+    starts, ends = group_bounds(s)
+    return zip(starts.tolist(), ends.tolist(), strict=True)
 
 
 def _next_use(s: Schedule) -> np.ndarray:

@@ -98,7 +98,11 @@ class _Rows:
         layers = sorted({k[2] for k in self.routes})
         col = {lid: i for i, lid in enumerate(layers)}
         k = max(len(ids) for ids, _ in self.routes.values())
-        tokens = [(r, t) for r in requests for t in sorted({key[1] for key in self.routes if key[0] == r})]
+        by_request: dict[object, list[int]] = {r: [] for r in requests}
+        for r, t in self.extra:  # every (request, token) a record named, once each
+            if r in by_request:
+                by_request[r].append(t)
+        tokens = [(r, t) for r in requests for t in sorted(by_request[r])]
         row = {rt: i for i, rt in enumerate(tokens)}
         ex = np.full((len(tokens), len(layers), k), -1, dtype=np.int64)
         weighted = any(w is not None for _, w in self.routes.values())
@@ -121,7 +125,8 @@ class _Rows:
             num_experts = int(self.meta.get("num_experts") or need)
         if need > num_experts:
             raise TraceError(f"{self.source}: expert id {need - 1} is out of range for {num_experts} experts")
-        seq = np.asarray([requests.index(r) for r, _ in tokens], dtype=np.int32)
+        index = {r: i for i, r in enumerate(requests)}
+        seq = np.asarray([index[r] for r, _ in tokens], dtype=np.int32)
         extra = [self.extra.get(rt, {}) for rt in tokens]
         prefill = token_id = None
         if any("is_prefill" in e for e in extra):
