@@ -358,3 +358,23 @@ def test_sim_jobs_give_identical_results(capsys, trace_file):
     _, two, _ = run(capsys, *argv, "--jobs", "2")
     assert json.loads(one) == json.loads(two)
     assert len(json.loads(one)) == 2 * 7
+
+
+def test_every_command_prints_its_help(capsys):
+    """argparse formats help texts with %: a stray % is a traceback on --help, found only by asking."""
+    import argparse
+
+    from expertcache.cli import _build_parser
+
+    def commands(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield [*prefix, name]
+                    yield from commands(sub, [*prefix, name])
+
+    for argv in commands(_build_parser(), []):
+        with pytest.raises(SystemExit) as done:
+            main([*argv, "--help"])
+        assert done.value.code == 0, argv
+        assert "usage: expertcache" in capsys.readouterr().out

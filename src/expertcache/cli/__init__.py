@@ -113,11 +113,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plan", metavar="PLAN.json", help="run a plan (expertcache plan): its policy, budgets, miss path, "
         "predictor and capacity"
     )  # fmt: skip
-    size = tm.add_mutually_exclusive_group()
-    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds (at least 1)")
-    size.add_argument(
-        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
-    )
+    _add_budget(tm, "50%")
     tm.add_argument(
         "--prefetch", metavar="NAME", help="predictor, or none (default); 'recorded' "
         "replays the trace's recorded predictions, as do the gate-input predictors"
@@ -139,9 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
-    tm.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
-    for flag, meta, what in _TIMING_COST_FLAGS:
-        tm.add_argument(flag, metavar=meta, help=what)
+    _add_costs(tm)
     tm.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     tm.add_argument("--json", action="store_true", help="print one JSON object")
     tm.set_defaults(func=_cmd_timing)
@@ -151,11 +145,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
     pl.add_argument("-o", "--out", metavar="PLAN.json", help="where the plan is written")
-    size = pl.add_mutually_exclusive_group()
-    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
-    size.add_argument(
-        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 50%%)"
-    )
+    _add_budget(pl, "50%")
     pl.add_argument(
         "--policy",
         default="lru",
@@ -186,9 +176,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam to learn from"
     )
     pl.add_argument("--objective", choices=OBJECTIVES, default="tpot", help="what to minimise (default tpot)")
-    pl.add_argument("--cost", metavar="FILE.json", help="cost model (the flags below override it)")
-    for flag, meta, what in _TIMING_COST_FLAGS:
-        pl.add_argument(flag, metavar=meta, help=what)
+    _add_costs(pl)
     pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
@@ -204,11 +192,7 @@ def _build_parser() -> argparse.ArgumentParser:
     dr.add_argument(
         "--max-new-tokens", type=int, default=32, metavar="N", help="per prompt when recording (default 32)"
     )
-    size = dr.add_mutually_exclusive_group()
-    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds")
-    size.add_argument(
-        "--expert-memory", metavar="X", help="bytes (6GiB) or a share of all experts (default 25%%)"
-    )
+    _add_budget(dr, "25%")
     dr.add_argument(
         "--window-tokens",
         type=int,
@@ -221,9 +205,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--miss", action="append", metavar="NAME[:k=v,...]", help="a miss path the plan may use (repeat; "
         "default fetch)"
     )  # fmt: skip
-    dr.add_argument("--cost", metavar="FILE.json", help="cost model or profile (the flags below override it)")
-    for flag, meta, what in _TIMING_COST_FLAGS:
-        dr.add_argument(flag, metavar=meta, help=what)
+    _add_costs(dr)
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
     dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
@@ -494,10 +476,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
-    total = trace.num_layers * trace.num_experts
-    capacity = plan.capacity if plan is not None else args.capacity
-    if capacity is None:  # 0 is a capacity, and refused, not the default
-        capacity = _timing_capacity(args.expert_memory or "50%", cost.expert_bytes, total)
+    capacity = plan.capacity if plan is not None else _capacity(args, cost, trace)
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
@@ -591,11 +570,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         trace = _trace(args.trace)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
-    capacity = args.capacity
-    if capacity is None:
-        capacity = _timing_capacity(
-            args.expert_memory or "25%", cost.expert_bytes, trace.num_layers * trace.num_experts
-        )
+    capacity = _capacity(args, cost, trace)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])),
@@ -651,11 +626,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     trace = _trace(args.trace)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
-    capacity = args.capacity
-    if capacity is None:
-        capacity = _timing_capacity(
-            args.expert_memory or "50%", cost.expert_bytes, trace.num_layers * trace.num_experts
-        )
+    capacity = _capacity(args, cost, trace)
     windows = list(dict.fromkeys(args.window or [None]))
     prefetches = [
         PrefetchConfig(p, window=w, data=args.predictor)
@@ -687,6 +658,33 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
                 parsers.get(meta, parse_duration)(piece, flag)
+
+
+def _add_budget(p: argparse.ArgumentParser, default: str) -> None:
+    """``--capacity`` or ``--expert-memory`` (``default`` when neither is given), as ``_capacity`` reads."""
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds (at least 1)")
+    shown = default.replace("%", "%%")  # argparse formats help with %
+    size.add_argument(
+        "--expert-memory", metavar="X", help=f"bytes (6GiB) or a share of all experts (default {shown})"
+    )
+    p.set_defaults(default_expert_memory=default)
+
+
+def _add_costs(p: argparse.ArgumentParser) -> None:
+    """``--cost`` (a cost model or a profile) and the cost flags that override it."""
+    p.add_argument("--cost", metavar="FILE.json", help="cost model or profile (the flags below override it)")
+    for flag, meta, what in _TIMING_COST_FLAGS:
+        p.add_argument(flag, metavar=meta, help=what)
+
+
+def _capacity(args: argparse.Namespace, cost, trace: Trace) -> int:
+    """Experts the cache holds: ``--capacity``, or ``--expert-memory`` (or the command's default) in
+    whole experts of the cost model's size."""
+    if args.capacity is not None:  # 0 is a capacity, and refused, not the default
+        return args.capacity
+    memory = args.expert_memory or args.default_expert_memory
+    return _timing_capacity(memory, cost.expert_bytes, trace.num_layers * trace.num_experts)
 
 
 def _timing_capacity(memory: str, expert_bytes: int, total: int) -> int:
