@@ -352,8 +352,8 @@ def header(mdl: dict[str, object]) -> str:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_machine_args(ap: argparse.ArgumentParser) -> None:
+    """The projected machine's options (shared with ``bench/plan_projection.py``)."""
     ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--costs", type=Path, default=ROOT / "bench/results/cost_triples_h100.json",
                     help="measured cost triples (device and host compute)")  # fmt: skip
@@ -369,10 +369,10 @@ def main() -> None:
     ap.add_argument("--dense-fixed", default="0.1ms", help="declared: per layer, beyond its weight read")
     ap.add_argument("--step-fixed", default="0.1ms", help="declared: per step, beyond the LM head's read")
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each trace")
-    ap.add_argument(
-        "--out", type=Path, default=None, help="default bench/results/miss_projection.json (quick: /tmp)"
-    )
-    args = ap.parse_args()
+
+
+def resolve_machine_args(args: argparse.Namespace) -> dict:
+    """Parse the machine's figures into ``args`` (bytes, seconds); -> the measured cost triples."""
     triples = json.loads(args.costs.read_text())
     args.gpu_memory_bytes = int(parse_size(args.gpu_memory, "GPU memory"))
     args.workspace_bytes = int(parse_size(args.workspace, "workspace"))
@@ -385,6 +385,17 @@ def main() -> None:
         args.weights_bandwidth = mx["expert_bytes"] / mx["device_a_s"]
     else:
         args.weights_bandwidth = parse_rate(args.weights_bandwidth, "weights bandwidth")
+    return triples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_machine_args(ap)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/miss_projection.json (quick: /tmp)"
+    )
+    args = ap.parse_args()
+    triples = resolve_machine_args(args)
     out_path = args.out or (
         Path(tempfile.gettempdir()) / "miss_projection.quick.json"
         if args.quick

@@ -17,7 +17,6 @@ experts (host compute can go below it). The plan is made and scored on the same 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -27,37 +26,16 @@ import miss_projection as mp
 from provenance import ROOT, provenance, write_json
 
 from expertcache.sim.planner import format_plan, make_plan
-from expertcache.units import parse_duration, parse_rate, parse_size
 
 MISSES = ("fetch", "host", "hybrid", "split")  # split: laid out by moepic
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", choices=sorted(mp.SHAPES), default=list(mp.SHAPES))
-    ap.add_argument("--costs", type=Path, default=ROOT / "bench/results/cost_triples_h100.json")
-    ap.add_argument("--qwen-trace", type=Path, default=mp.QWEN_TRACE)
-    ap.add_argument("--mixtral-seed", type=int, default=0)
-    ap.add_argument("--gpu-memory", default="24GiB")
-    ap.add_argument("--workspace", default="2GiB")
-    ap.add_argument("--link-bandwidth", default="25GB/s")
-    ap.add_argument("--link-latency", default="10us")
-    ap.add_argument("--dense-fixed", default="0.1ms")
-    ap.add_argument("--step-fixed", default="0.1ms")
-    ap.add_argument(
-        "--quick", action="store_true", help=f"the first {mp.QUICK_REQUESTS} requests of each trace"
-    )
+    mp.add_machine_args(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    triples = json.loads(args.costs.read_text())
-    args.gpu_memory_bytes = int(parse_size(args.gpu_memory, "GPU memory"))
-    args.workspace_bytes = int(parse_size(args.workspace, "workspace"))
-    args.link_bandwidth_Bps = parse_rate(args.link_bandwidth, "link bandwidth")
-    args.link_latency_s = parse_duration(args.link_latency, "link latency")
-    args.dense_fixed_s = parse_duration(args.dense_fixed, "dense fixed time")
-    args.step_fixed_s = parse_duration(args.step_fixed, "step fixed time")
-    mx = mp.measured(triples, "mixtral-8x7b")
-    args.weights_bandwidth = mx["expert_bytes"] / mx["device_a_s"]
+    triples = mp.resolve_machine_args(args)
     out_path = args.out or (
         Path(tempfile.gettempdir()) / "plan_projection.quick.json" if args.quick
         else ROOT / "bench/results/plan_projection.json"
