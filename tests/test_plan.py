@@ -329,3 +329,16 @@ def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys)
     assert 0 <= r["consistency"]["srp"] <= 1 and r["verdict"]
     assert main([*argv, "--trace", "x.npz"]) == 2
     assert "give --trace or --model" in capsys.readouterr().err
+
+
+def test_bare_placement_and_host_are_searched_per_layer_and_by_fill():
+    from expertcache.sim.planner import expand_misses
+
+    assert expand_misses(["fetch", "placement", "host"], 8) == [
+        "fetch", "placement:first=1", "placement:first=2", "placement:first=4", "placement:first=6",
+        "placement:first=7", "placement", "host", "host:fill=1",
+    ]  # fmt: skip
+    assert expand_misses(["placement:first=3", "host:fill=1"], 8) == ["placement:first=3", "host:fill=1"]
+    plan = make_plan(default_trace(), 24, misses=("fetch", "placement"), methods=("shared",))
+    assert {c["miss"] for c in plan.candidates} >= {"placement:first=1", "placement:first=5", "placement"}
+    assert plan.predicted["tpot_s"] == min(c["tpot_s"] for c in plan.candidates)

@@ -282,6 +282,7 @@ def make_plan(
     None: every layout of a -dist policy, and MoEpic's when a ``split`` miss path is among ``misses``
     (its layout is that path's: it replaces the split spec given)."""
     cost = cost or CostModel()
+    misses = expand_misses(misses, trace.num_layers)
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
     if methods is None:
         methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
@@ -373,6 +374,23 @@ def make_plan(
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
         },
     )  # fmt: skip
+
+
+def expand_misses(misses: Sequence[str], layers: int) -> list[str]:
+    """The miss paths to compare: as given, but a bare ``placement`` becomes a choice per layer (the first
+    N layers' experts on the host, for a spread of N, and all of them) and a bare ``host`` both of its
+    fills; a path with parameters is taken as it is."""
+    out: list[str] = []
+    for miss in misses:
+        name, params = parse_miss(miss)
+        if name == "placement" and not params and layers > 1:
+            firsts = sorted({1, layers // 4, layers // 2, (3 * layers) // 4, layers - 1} - {0})
+            out += [f"placement:first={n}" for n in firsts] + ["placement"]
+        elif name == "host" and not params:
+            out += ["host", "host:fill=1"]
+        else:
+            out.append(miss)
+    return list(dict.fromkeys(out))
 
 
 def _parts(miss: str, layers: int, experts: int, top_k: int, cost: CostModel) -> int:
