@@ -1,18 +1,33 @@
-"""The compiled stack passes (numba) equal the reference ones request for request: LRU's and OPT's
-depths, on every order, on synthetic traces and the real one, with prefill groups larger than any
-capacity; and the curves ``run_policy`` builds with them equal per-capacity replays."""
+"""The compiled simulator (numba) equals the Python reference request for request.
+
+- Replays of LRU, FIFO, LFU, LCP, LLRU, OPT and their -dist forms (uniform and given budgets), on every
+  order, at many capacities (from the smallest feasible, where prefill groups are split into chunks, to
+  all experts), on synthetic traces, the embedded one and the shared real one when present, and on
+  random traces (hypothesis): the same misses per phase and layer.
+- LRU's and OPT's stack depths, and the curves ``run_policy`` builds with them.
+- ``run_policy`` and ``simulate`` pick the compiled path by themselves on large schedules.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from expertcache.cache.schedule import ORDERS, build_schedule
-from expertcache.sim import fast, stack
-from expertcache.sim.curves import misses_by_layer
+from expertcache.errors import PolicyError
+from expertcache.sim import fast, simulate, stack
+from expertcache.sim.curves import misses_by_layer, run_policy
 from expertcache.sim.replay import replay
-from expertcache.trace import synthesize
+from expertcache.trace import Trace, load_trace, synthesize
 from expertcache.trace.default import default_trace
+
+QWEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+COMPILED = ["lru", "fifo", "lfu", "lcp", "llru", "opt"]
+COMPILED += [f"{n}-dist" for n in COMPILED]
 
 pytestmark = pytest.mark.skipif(not fast.available(), reason="numba is not installed")
 
@@ -40,3 +55,102 @@ def test_compiled_curves_equal_replays():
         curve = misses_by_layer(s, depths, caps)
         for c, per in zip(caps, curve, strict=True):
             assert per.tolist() == replay(s, name, c).layer_misses.tolist()
+
+
+def _capacities(s) -> list[int]:
+    """From the smallest feasible capacity (groups split) to all experts."""
+    K, low = s.num_layers * s.num_experts, s.min_room
+    return sorted(c for c in {low, low + 1, s.max_group, K // 4, K // 2, K - 1, K} if low <= c <= K)
+
+
+def _check_replays(s, names=COMPILED, caps=None) -> int:
+    checked = 0
+    for name in names:
+        for c in caps or _capacities(s):
+            if name.endswith("-dist") and c < s.num_layers * s.min_room:
+                continue
+            ref = replay(s, name, c)
+            got, rooms = fast.replay(s, name, c)
+            assert got.tolist() == ref.layer_misses.tolist(), (name, c, s.order)
+            assert bool((rooms < s.max_group_by_layer).any()) == ref.split_groups
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", list(TRACES))
+def test_compiled_replays_equal_the_reference(name, order):
+    assert _check_replays(build_schedule(TRACES[name](), order)) > 50
+
+
+@pytest.mark.skipif(not QWEN.exists(), reason="the shared real trace is not here")
+@pytest.mark.parametrize("order", ["layer", "flat"])
+def test_compiled_replays_equal_the_reference_on_the_real_trace(order):
+    tr = load_trace(QWEN)
+    tr = Trace(tr.experts[:600], tr.num_experts)
+    s = build_schedule(tr, order)
+    K = s.num_layers * s.num_experts
+    assert _check_replays(s, caps=[s.num_layers * s.min_room, K // 10, K // 4, K // 2]) >= 40
+
+
+def test_given_budgets_and_parameters_run_compiled():
+    s = build_schedule(TRACES["sticky"](), "layer")
+    budgets = [2, 3, 5, 6]
+    cases = [("lru-dist", {"budgets": budgets}), ("lcp-dist", {"budgets": budgets, "rho": 0.5}),
+             ("lcp", {"rho": 0.1, "omega": 16.0}), ("opt-dist", {"budgets": budgets})]  # fmt: skip
+    for name, params in cases:
+        got, rooms = fast.replay(s, name, 16, params)
+        assert rooms.tolist() == (budgets if "budgets" in params else [16] * 4)
+        assert got.tolist() == replay(s, name, 16, **params).layer_misses.tolist(), name
+    with pytest.raises(PolicyError, match="budgets sum"):
+        fast.replay(s, "lru-dist", 10, {"budgets": budgets})
+    assert not fast.supports("marking") and not fast.supports("lru", {"budgets": [1]})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    layers=st.integers(1, 4),
+    experts=st.integers(2, 9),
+    top_k=st.integers(1, 3),
+    order=st.sampled_from(ORDERS),
+    gaps=st.booleans(),
+)
+def test_compiled_replays_equal_the_reference_on_random_traces(seed, layers, experts, top_k, order, gaps):
+    top_k = min(top_k, experts)
+    rng = np.random.default_rng(seed)
+    tr = synthesize("sticky", tokens=60, layers=layers, experts=experts, top_k=top_k, seed=seed,
+                    sequences=2, prompt_len=int(rng.integers(0, 12)))  # fmt: skip
+    if gaps:  # unknown entries (-1) leave holes and empty groups
+        ex = tr.experts.copy()
+        ex[rng.random(ex.shape) < 0.2] = -1
+        tr = Trace(ex, tr.num_experts, seq_id=tr.seq_id, is_prefill=tr.is_prefill)
+    s = build_schedule(tr, order)
+    _check_replays(s)
+
+
+def test_run_policy_and_simulate_use_the_compiled_replay(monkeypatch):
+    tr = TRACES["sticky"]()
+    s = build_schedule(tr, "layer")
+    caps = [8, 13, 32]
+    reference = {n: [r.layer_misses.tolist() for r in run_policy(s, n, caps)] for n in ("fifo", "lcp-dist")}
+    expected = simulate(tr, ["fifo", "lru"], caps, "layer")
+    calls = []
+    real = fast.replay
+    monkeypatch.setattr(fast, "MIN_REQUESTS", 0)
+    monkeypatch.setattr(fast, "replay", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    for name, want in reference.items():
+        got = run_policy(s, name, caps, jobs=2)
+        assert [r.layer_misses.tolist() for r in got] == want
+    assert calls.count("fifo") == 3 and calls.count("lcp-dist") == 3
+    got = simulate(tr, ["fifo", "lru"], caps, "layer")
+    assert [r.to_dict() for r in got] == [r.to_dict() for r in expected]
+    assert calls.count("lru") == 3  # three capacities: compiled replays beat the stack pass
+
+
+def test_compiled_flat_schedule_needs_no_group_objects():
+    s = build_schedule(synthesize("zipf", tokens=2000, layers=4, experts=8, top_k=2, seed=1), "flat")
+    fast.replay(s, "lru", 8)
+    run_policy(s, "opt", [8, 9, 10, 11])
+    assert "groups" not in s.__dict__  # the per-group tuples are built only for the Python reference
+    assert s.groups[0] == (s.key(s.req_key[0]),) and "groups" in s.__dict__

@@ -37,13 +37,25 @@ class Schedule:
     num_experts: int
     top_k: int
     per_layer: int  # groups per (round, layer) visit
-    groups: list[tuple[Key, ...]]
+    group_table: list[tuple[Key, ...]]  # the distinct groups (index 0 is the empty one where any is)
+    group_index: np.ndarray  # int32 [G]: each group's row of group_table
     round_prefill: np.ndarray  # bool [rounds]: the round is a prefill step / a prompt token
     round_token: np.ndarray  # int64 [rounds]: index of the round's (first) token in the trace
     round_seq: np.ndarray  # int64 [rounds]: request (seq_id) of the round's (first) token, 0 if unknown
     req_group: np.ndarray  # int64 [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
     trace: Trace | None = field(default=None, repr=False)  # the routing it came from (for group_scores)
+
+    @cached_property
+    def groups(self) -> list[tuple[Key, ...]]:
+        """Every request group's keys in service order, for the reference replay (built on first use:
+        one reference per group into ``group_table``; the compiled replay reads the arrays instead)."""
+        table = self.group_table
+        return [table[i] for i in self.group_index.tolist()]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_index)
 
     @property
     def num_rounds(self) -> int:
@@ -59,6 +71,19 @@ class Schedule:
         return len(self.req_key)
 
     @cached_property
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """First and end request indices of each non-empty group: int64 [G'], [G']."""
+        g = self.req_group
+        if not len(g):
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty
+        if self.order != "layer":  # flat and rounds: one request per group
+            starts = np.arange(len(g), dtype=np.int64)
+            return starts, starts + 1
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]).astype(np.int64)
+        return starts, np.r_[starts[1:], len(g)].astype(np.int64)
+
+    @cached_property
     def max_group(self) -> int:
         """The largest group: capacities from here up are served without splitting."""
         return int(self.max_group_by_layer.max(initial=0))
@@ -67,6 +92,8 @@ class Schedule:
     def max_group_by_layer(self) -> np.ndarray:
         """The largest group of each layer: a layer whose room is smaller has its groups split. -> [L]"""
         out = np.zeros(self.num_layers, dtype=np.int64)
+        if self.order != "layer":  # flat and rounds: one request per group
+            return (self.layer_requests.sum(axis=0) > 0).astype(np.int64)
         if self.num_requests:
             sizes = np.bincount(self.req_group)  # [G] (0 for empty groups)
             layer = (np.arange(len(sizes)) // self.per_layer) % self.num_layers
@@ -79,11 +106,17 @@ class Schedule:
     @cached_property
     def layer_requests(self) -> np.ndarray:
         """Requests per phase (row 0 decode, row 1 prefill) and layer. -> int64 [2, L]"""
-        layer = (self.req_group // self.per_layer) % self.num_layers
-        rnd = self.req_group // (self.per_layer * self.num_layers)
-        phase = self.round_prefill[rnd].astype(np.int64)
-        counts = np.bincount(phase * self.num_layers + layer, minlength=2 * self.num_layers)
-        return counts.reshape(2, self.num_layers)
+        L, E = self.num_layers, self.num_experts
+        out = np.zeros((2, L), dtype=np.int64)
+        per_key = np.bincount(self.req_key, minlength=L * E)  # a key's layer is key // E
+        out[0] = per_key.reshape(L, E).sum(axis=1)
+        if self.round_prefill.any():  # the prefill rounds' requests, found by their group ranges
+            per_round = self.per_layer * L
+            edges = np.searchsorted(self.req_group, np.arange(self.num_rounds + 1) * per_round)
+            prefill = np.repeat(self.round_prefill, np.diff(edges))
+            out[1] = np.bincount(self.req_key[prefill] // E, minlength=L)
+            out[0] -= out[1]
+        return out
 
     @cached_property
     def future(self) -> dict[Key, list[int]]:
@@ -186,12 +219,17 @@ def step_starts(trace: Trace) -> np.ndarray:
 def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int) -> Schedule:
     """One request per group: ex is [rounds, L, per_layer] in service order."""
     L, E = trace.num_layers, trace.num_experts
-    flat = ex.reshape(-1).astype(np.int64)
-    layer_of = np.broadcast_to(np.arange(L)[None, :, None], ex.shape).reshape(-1)
-    valid = flat >= 0
-    kid = np.where(valid, layer_of * E + flat, -1)
+    dtype = np.int32 if L * E < 2**31 else np.int64
+    kid = ex.astype(dtype) + (np.arange(L, dtype=dtype) * E)[None, :, None]  # [rounds, L, per_layer]
+    kid = kid.reshape(-1)
+    if ex.min(initial=0) >= 0:  # no unknown entries: one request per group
+        req_group, req_key = np.arange(len(kid), dtype=np.int64), kid
+        index = kid + 1
+    else:
+        valid = (ex >= 0).reshape(-1)
+        kid[~valid] = -1
+        req_group, req_key, index = np.flatnonzero(valid), kid[valid], kid + 1
     singles = [()] + [((k // E, k % E),) for k in range(L * E)]
-    groups = [singles[k + 1] for k in kid.tolist()]
     prefill = _token_prefill(trace)
     return Schedule(
         order=order,
@@ -199,12 +237,13 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         num_experts=E,
         top_k=trace.top_k,
         per_layer=ex.shape[2],
-        groups=groups,
+        group_table=singles,
+        group_index=index.astype(np.int32, copy=False),
         round_prefill=np.repeat(prefill, rounds_per_token),
         round_token=np.repeat(np.arange(trace.num_tokens, dtype=np.int64), rounds_per_token),
         round_seq=np.repeat(_token_seq(trace), rounds_per_token),
-        req_group=np.flatnonzero(valid),
-        req_key=kid[valid].astype(np.int32),
+        req_group=req_group,
+        req_key=req_key.astype(np.int32, copy=False),
     )
 
 
@@ -250,7 +289,8 @@ def _layer_order(trace: Trace) -> Schedule:
         num_experts=E,
         top_k=trace.top_k,
         per_layer=1,
-        groups=[keys[i] for i in flat_gid.tolist()],
+        group_table=keys,
+        group_index=flat_gid.astype(np.int32),
         round_prefill=_token_prefill(trace)[starts],
         round_token=starts.astype(np.int64),
         round_seq=_token_seq(trace)[starts],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 
@@ -19,7 +19,7 @@ def _depths(reference: Callable[[Schedule], np.ndarray], name: str) -> Callable[
     def depths(schedule: Schedule) -> np.ndarray:
         from expertcache.sim import fast
 
-        if schedule.num_requests >= fast.MIN_REQUESTS and fast.available():
+        if fast.use_compiled(schedule):
             return getattr(fast, name)(schedule)
         return reference(schedule)
 
@@ -33,15 +33,19 @@ STACK_DEPTHS: dict[str, Callable[[Schedule], np.ndarray]] = {
 }
 
 
-_STACK_FROM = 2  # a stack pass costs about two replays: use it from two capacities on
+_STACK_FROM = 2  # a stack pass costs about two Python replays: use it from two capacities on
+# with the compiled replay, the capacities from which the compiled stack pass is cheaper (measured on
+# 6.4M requests: LRU's pass costs about 12 compiled replays, OPT's about 2; docs/BENCHMARKS.md)
+_STACK_FROM_COMPILED = {"lru": 12, "opt": 3}
 
 
-def _stack_from(schedule: Schedule) -> int:
-    """Capacities from which one stack pass beats replaying each: two, or one where the compiled pass runs
-    (on millions of requests it is about ten times faster than one Python replay)."""
+def _stack_from(schedule: Schedule, name: str, params: dict[str, object]) -> int:
+    """Capacities from which one stack pass beats replaying each."""
     from expertcache.sim import fast
 
-    return 1 if schedule.num_requests >= fast.MIN_REQUESTS and fast.available() else _STACK_FROM
+    if not fast.use_compiled(schedule):
+        return _STACK_FROM
+    return _STACK_FROM_COMPILED[name] if fast.supports(name, params) else 1
 
 
 def all_capacities(schedule: Schedule) -> list[int]:
@@ -58,19 +62,24 @@ def run_policy(
     params: dict[str, object] | None = None,
     jobs: int = 1,
 ) -> list[SimResult]:
-    """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group,
-    other capacities are replayed, on ``jobs`` processes when there are several."""
+    """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group when
+    that is cheaper, other capacities are replayed: compiled (``sim/fast.py``, on ``jobs`` threads) where
+    the policy has a compiled replay and the schedule is large, else by the Python reference (on ``jobs``
+    processes)."""
     params = params or {}
     for c in capacities:
         check_capacity(c, schedule.order, schedule.top_k)
     done: dict[int, SimResult] = {}
     by_stack = [c for c in capacities if c >= schedule.max_group]
-    if name in STACK_DEPTHS and not params and len(by_stack) >= _stack_from(schedule):
+    if name in STACK_DEPTHS and not params and len(by_stack) >= _stack_from(schedule, name, params):
         layer_misses = misses_by_layer(schedule, STACK_DEPTHS[name](schedule), by_stack)
         for c, m in zip(by_stack, layer_misses, strict=True):
             done[c] = SimResult(name, c, schedule.order, schedule.layer_requests, m)
     todo = [c for c in dict.fromkeys(capacities) if c not in done]
-    for r in _replay_all(schedule, name, todo, seed, params, jobs):
+    from expertcache.sim import fast
+
+    compiled = fast.use_compiled(schedule) and fast.supports(name, params)
+    for r in (_fast_all if compiled else _replay_all)(schedule, name, todo, seed, params, jobs):
         done[r.capacity] = r
     return [done[c] for c in capacities]
 
@@ -88,19 +97,46 @@ def _replay_all(
         return [r for part in parts for r in part]
 
 
+def _fast_all(
+    schedule: Schedule, name: str, caps: list[int], seed: int, params: dict[str, object], jobs: int
+) -> list[SimResult]:
+    """Compiled replays at many capacities, on ``jobs`` threads (the kernels release the GIL)."""
+    if not caps:
+        return []
+    jobs = max(1, min(jobs, len(caps)))
+    if jobs == 1:
+        return [_fast_one(schedule, name, c, params) for c in caps]
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda c: _fast_one(schedule, name, c, params), caps))
+
+
+def _fast_one(schedule: Schedule, name: str, capacity: int, params: dict[str, object]) -> SimResult:
+    from expertcache.sim import fast
+
+    misses, rooms = fast.replay(schedule, name, capacity, params)
+    split = bool((rooms < schedule.max_group_by_layer).any())
+    req, order = schedule.layer_requests, schedule.order
+    return SimResult(name, capacity, order, req, misses, params=dict(params), split_groups=split)
+
+
 def _replay_part(task: tuple[Schedule, str, list[int], int, dict[str, object]]) -> list[SimResult]:
     schedule, name, caps, seed, params = task
     return [replay(schedule, name, c, seed, **params) for c in caps]
 
 
-def with_opt(schedule: Schedule, results: list[SimResult]) -> list[SimResult]:
+def with_opt(
+    schedule: Schedule, results: list[SimResult], opt: Sequence[SimResult] | None = None
+) -> list[SimResult]:
     """Fill in each result's OPT misses at its capacity (one OPT pass for all of them).
 
     Belady is optimal when no group is split. When a group is larger than its layer's room (a prefill
     layer above the capacity, or above a -dist budget) the chunked serving rule is not Belady's
-    model, and a policy can make fewer misses than OPT: ``opt_is_bound`` says which results are bounded."""
+    model, and a policy can make fewer misses than OPT: ``opt_is_bound`` says which results are bounded.
+    ``opt``: OPT's results, when already computed (they must cover every result's capacity)."""
     caps = sorted({r.capacity for r in results})
-    opt = {r.capacity: r for r in run_policy(schedule, "opt", caps)}
+    known = {r.capacity: r for r in opt or ()}
+    missing = [c for c in caps if c not in known]
+    opt = {**known, **{r.capacity: r for r in run_policy(schedule, "opt", missing)}} if missing else known
     for r in results:
         ref = opt[r.capacity]
         r.opt_misses = ref.misses

@@ -1,13 +1,17 @@
-"""Compiled stack passes (numba): LRU's and OPT's depths for whole miss-ratio curves, at C speed.
+"""The compiled simulator (numba): per-capacity replays of the policies sweeps use most, and the LRU and
+OPT stack passes for whole curves, at C speed over arrays (no Python object per request).
 
-The same algorithms as ``sim/stack.py`` (which stays the reference, and the path when numba is missing or
-the schedule is small), over arrays instead of Python lists: a group's members are looked up at the
-group's start and pinned together, and OPT carries the entry with the later next use down, level by
-level (Mattson's priority update). ``tests/test_fast.py`` checks both equal the reference request for
-request, on every order, on real and synthetic traces.
+- ``replay(schedule, name, capacity, params)``: LRU, FIFO, LFU, LCP, LLRU and OPT, and their ``-dist``
+  forms (uniform or given budgets), on every order: the rules of ``cache.residency.Residency`` (a layer's
+  group pinned together; a group above its room served in chunks, resident experts first) with each
+  policy's victim, tie-breaks included (``sim/_kernels.py``).
+- ``lru_depths`` / ``opt_depths``: ``sim/stack.py``'s passes, compiled.
 
-numba compiles each function once per process (a second or two; cached on disk where the package folder
-is writable), so the compiled pass is used from ``MIN_REQUESTS`` requests on, where it pays for itself.
+The Python policy objects stay the reference, and the route for every other policy and for plug-ins;
+``tests/test_fast.py`` checks that the compiled paths equal them request for request, on every order, at
+many capacities, on real and synthetic traces. ``sim.curves.run_policy`` picks the compiled path by
+itself (``use_compiled``): from ``MIN_REQUESTS`` requests on, where compiling (once per machine: numba
+caches the code on disk) or loading it pays for itself.
 """
 
 from __future__ import annotations
@@ -15,10 +19,16 @@ from __future__ import annotations
 import numpy as np
 
 from expertcache.cache.schedule import Schedule
-from expertcache.sim.stack import _NEVER, _next_use, group_bounds
+from expertcache.errors import PolicyError
+from expertcache.policy.base import PolicyContext
+from expertcache.policy.dist import Dist
+from expertcache.policy.registry import make_policy
+from expertcache.sim.stack import _NEVER
 
-MIN_REQUESTS = 200_000  # below this the reference pass is about as fast as compiling
-_compiled: dict[str, object] = {}
+MIN_REQUESTS = 200_000  # below this the reference is about as fast as loading the compiled code
+# registry names -> kernel kinds (sim/_kernels.py); each also runs as "<name>-dist"
+_KINDS = {"lru": 0, "fifo": 1, "lfu": 2, "lcp": 3, "opt": 4, "llru": 5}
+_PARAMS = {"lcp": {"rho", "omega"}}  # parameters the compiled path takes (-dist forms: also budgets)
 
 
 def available() -> bool:
@@ -29,91 +39,78 @@ def available() -> bool:
     return True
 
 
-def _jit():
-    if _compiled:
-        return _compiled
-    import numba
+def _k():
+    from expertcache.sim import _kernels
 
-    @numba.njit(cache=True)
-    def lru(keys, starts, ends, num_keys):  # pragma: no cover (compiled)
-        out = np.zeros(len(keys), dtype=np.int64)
-        stack = np.empty(num_keys, dtype=np.int64)  # stack[0] is the most recent
-        size = 0
-        for g in range(len(starts)):
-            i, j = starts[g], ends[g]
-            for r in range(i, j):  # depths at the group's start
-                k = keys[r]
-                for d in range(size):
-                    if stack[d] == k:
-                        out[r] = d + 1
-                        break
-            for r in range(i, j):  # remove the members found ...
-                if out[r]:
-                    k = keys[r]
-                    for d in range(size):
-                        if stack[d] == k:
-                            for e in range(d, size - 1):
-                                stack[e] = stack[e + 1]
-                            size -= 1
-                            break
-            for r in range(i, j):  # ... and push every member on top, in service order
-                for e in range(size, 0, -1):
-                    stack[e] = stack[e - 1]
-                stack[0] = keys[r]
-                size += 1
-        return out
+    return _kernels
 
-    @numba.njit(cache=True)
-    def opt(keys, groups, nxt, starts, ends, num_keys, never):  # pragma: no cover (compiled)
-        out = np.zeros(len(keys), dtype=np.int64)
-        prio = np.full(num_keys, never, dtype=np.int64)
-        stack = np.empty(num_keys, dtype=np.int64)
-        size = 0
-        for g in range(len(starts)):
-            i, j = starts[g], ends[g]
-            for r in range(i, j):
-                x = keys[r]
-                prio[x] = groups[r]  # pinned while its group is served
-                d = -1
-                for e in range(size):
-                    if stack[e] == x:
-                        d = e
-                        break
-                if d >= 0:
-                    out[r] = d + 1
-                else:
-                    d = size
-                    stack[size] = x
-                    size += 1
-                if d == 0:
-                    continue
-                carried = stack[0]
-                stack[0] = x
-                cp = prio[carried]
-                for pos in range(1, d):
-                    y = stack[pos]
-                    py = prio[y]
-                    if py > cp:
-                        stack[pos] = carried
-                        carried = y
-                        cp = py
-                stack[d] = carried
-            for r in range(i, j):
-                prio[keys[r]] = nxt[r]
-        return out
 
-    _compiled.update(lru=lru, opt=opt)
-    return _compiled
+def supports(name: str, params: dict[str, object] | None = None) -> bool:
+    """Whether ``replay`` runs this registry name with these parameters."""
+    base, dist = (name[:-5], True) if name.endswith("-dist") else (name, False)
+    allowed = _PARAMS.get(base, set()) | ({"budgets"} if dist else set())
+    return base in _KINDS and set(params or {}) <= allowed
+
+
+def use_compiled(schedule: Schedule) -> bool:
+    """Whether the compiled paths pay on this schedule (and numba is installed)."""
+    return schedule.num_requests >= MIN_REQUESTS and available()
+
+
+def next_use(s: Schedule) -> np.ndarray:
+    """``stack._next_use``, compiled: the group index of each request's next use of its key. [R]"""
+    return _k().next_use(s.req_key, s.req_group, s.num_layers * s.num_experts, _NEVER)
+
+
+def replay(schedule: Schedule, name: str, capacity: int, params: dict[str, object] | None = None):
+    """Misses of one policy at one capacity: ``sim.replay.replay``'s result, compiled.
+    -> (layer_misses int64 [2, L], rooms: each layer's room)"""
+    params = dict(params or {})
+    if not supports(name, params):
+        raise PolicyError(f"{name!r} with {sorted(params)} has no compiled replay")
+    base = name.removesuffix("-dist")
+    policy = make_policy(name, _context(schedule, capacity, base == "opt"), **params)  # validates
+    L = schedule.num_layers
+    rooms = np.asarray([policy.room(layer) for layer in range(L)], dtype=np.int64)
+    decay = float(getattr(policy.layers[0] if isinstance(policy, Dist) else policy, "_decay", 0.0))
+    k = _k()
+    nxt = next_use(schedule) if base == "opt" else np.zeros(0, dtype=np.int64)
+    misses, status = k.replay(
+        _KINDS[base],
+        name.endswith("-dist"),
+        schedule.req_key,
+        schedule.req_group,
+        schedule.per_layer,
+        L,
+        schedule.num_experts,
+        schedule.round_prefill,
+        schedule.round_token,
+        nxt,
+        rooms,
+        decay,
+    )
+    if status == k.NO_VICTIM:
+        raise PolicyError(f"{name}: no evictable expert (capacity {capacity}, all pinned)")
+    return misses, rooms
+
+
+def _context(schedule: Schedule, capacity: int, offline: bool) -> PolicyContext:
+    """A context to build (and so validate) the policy: the compiled replay reads the future itself."""
+    return PolicyContext(
+        capacity=capacity,
+        num_layers=schedule.num_layers,
+        num_experts=schedule.num_experts,
+        top_k=schedule.top_k,
+        future={} if offline else None,
+    )
 
 
 def lru_depths(s: Schedule) -> np.ndarray:
     """``stack.lru_depths``, compiled."""
-    starts, ends = group_bounds(s)
-    return _jit()["lru"](s.req_key.astype(np.int64), starts, ends, s.num_layers * s.num_experts)
+    return _k().lru_depths(s.req_key, s.req_group, s.num_layers * s.num_experts)
 
 
 def opt_depths(s: Schedule) -> np.ndarray:
     """``stack.opt_depths``, compiled."""
-    starts, ends = group_bounds(s)
-    keys, groups = s.req_key.astype(np.int64), s.req_group.astype(np.int64)
-    return _jit()["opt"](keys, groups, _next_use(s), starts, ends, s.num_layers * s.num_experts, _NEVER)
+    keys, groups, num_keys = s.req_key, s.req_group, s.num_layers * s.num_experts
+    return _k().opt_depths(keys, groups, next_use(s), num_keys, _NEVER)

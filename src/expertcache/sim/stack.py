@@ -86,13 +86,8 @@ def opt_depths(s: Schedule) -> np.ndarray:
 
 
 def group_bounds(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """First and end request indices of each non-empty group: int64 [G], [G]."""
-    g = s.req_group
-    if not len(g):
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]).astype(np.int64)
-    return starts, np.r_[starts[1:], len(g)].astype(np.int64)
+    """First and end request indices of each non-empty group: int64 [G], [G] (cached on the schedule)."""
+    return s.bounds
 
 
 def _group_bounds(s: Schedule) -> zip:
