@@ -34,6 +34,10 @@ def __getattr__(name: str):
         from expertcache.tools.profile import profile
 
         return profile
+    if name == "sweep":  # the table, plots and backends load what they need when used
+        from expertcache.tools.sweep import sweep
+
+        return sweep
     raise AttributeError(f"module 'expertcache' has no attribute {name!r}")
 
 
@@ -64,5 +68,6 @@ __all__ = [
     "selftest",
     "simulate",
     "simulate_timing",
+    "sweep",
     "synthesize",
 ]

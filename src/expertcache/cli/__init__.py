@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from expertcache import __version__
@@ -105,6 +106,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
     s.add_argument("--per-layer", action="store_true", help="also print each result's misses per layer")
     s.set_defaults(func=_cmd_sim)
+
+    _add_sweep(sub)
 
     tm = sub.add_parser("timing", help="replay a trace in virtual time: TTFT, TPOT, stall, prefetching")
     tm.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
@@ -399,6 +402,86 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         name = "embedded default trace" if args.trace == "default" else args.trace
         plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _add_sweep(sub) -> None:
+    sw = sub.add_parser(
+        "sweep", help="a grid of traces x policies x capacities x orders (x timing cells) as one table"
+    )
+    sw.add_argument(
+        "grid", nargs="?", metavar="GRID.yaml", help="a grid file (.yaml or .toml; flags override)"
+    )
+    many = {"nargs": "+", "action": "extend"}
+    sw.add_argument("--trace", **many, metavar="FILE.npz", help="traces, or default (the embedded one)")
+    sw.add_argument("--policy", **many, metavar="NAME[:k=v,...]", help="policies (default: as sim)")
+    sw.add_argument(
+        "--capacity", **many, metavar="N",
+        help="experts (24), ranges (8:96:8), shares of all experts (25%%) or all (default: 16 even steps)",
+    )  # fmt: skip
+    sw.add_argument("--order", **many, choices=ORDERS, help="layer, flat, rounds (default layer)")
+    sw.add_argument("--seed", **many, type=int, help="seeds of randomized policies (default 0)")
+    sw.add_argument("--timing", action="store_true", help="add timing-model cells (any flag below does)")
+    sw.add_argument("--miss", **many, metavar="NAME[:k=v,...]", help="miss paths (timing; default fetch)")
+    sw.add_argument("--prefetch", **many, metavar="NAME", help="predictors, or none (timing; default none)")
+    sw.add_argument("--window", **many, type=int, metavar="K", help="layers ahead (timing; default: each "
+                    "predictor's)")  # fmt: skip
+    sw.add_argument("--link-bandwidth", **many, metavar="RATE", help="e.g. 16GB/s (timing; default 25GB/s)")
+    sw.add_argument(
+        "--link-latency", **many, metavar="TIME", help="per chunk, e.g. 5us (timing; default 20us)"
+    )
+    sw.add_argument("--cost", metavar="FILE.json", help="cost model or profile of the timing cells")
+    sw.add_argument("--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam (timing)")
+    where = sw.add_mutually_exclusive_group()
+    where.add_argument("-o", "--out", metavar="FILE", help="results file: .csv, .json or .parquet (default: "
+                       "CSV on stdout)")  # fmt: skip
+    where.add_argument("--json", action="store_true", help="print one JSON array of rows instead of CSV")
+    again = sw.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="skip the cells --out already holds")
+    again.add_argument("--force", action="store_true", help="replace an existing --out")
+    sw.add_argument("--jobs", type=int, metavar="N", help="local processes (default: all CPUs)")
+    sw.add_argument(
+        "--ray", nargs="?", const="", metavar="ADDRESS",
+        help="run on Ray: a cluster's address, or none for a local Ray (pip install 'expertcache[cluster]')",
+    )  # fmt: skip
+    sw.add_argument("--plot", metavar="DIR", help="write miss-ratio curves and ratio-to-OPT heat maps here")
+    sw.add_argument("--quiet", action="store_true", help="no progress bar and no notes, only the summary")
+    sw.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from expertcache.tools.sweep import Grid, sweep
+    from expertcache.tools.sweep_table import to_json, write_csv
+
+    if args.out:
+        check_writable(args.out, "results")
+    if args.ray is not None and args.jobs is not None:
+        raise ExpertcacheError("--jobs sets local processes; with --ray the cluster's CPUs run the cells")
+    if args.ray and Path(args.ray).suffix.lower() in (".yaml", ".yml", ".toml"):
+        raise ExpertcacheError(f"--ray {args.ray}: that is a grid file; give it before --ray")
+    grid = Grid.load(args.grid) if args.grid else Grid()
+    timing_flags = {
+        name: getattr(args, name)
+        for name in ("miss", "prefetch", "window", "link_bandwidth", "link_latency", "cost", "predictor")
+        if getattr(args, name) is not None
+    }
+    timing = None
+    if args.timing or timing_flags:
+        from expertcache.tools.sweep import Timing
+
+        timing = replace(grid.timing or Timing(), **timing_flags)
+    rows = sweep(
+        grid, out=args.out, resume=args.resume, force=args.force,
+        jobs=args.jobs or os.cpu_count() or 1, ray=args.ray, plot=args.plot,
+        progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
+        traces=args.trace, policies=args.policy, capacities=args.capacity, orders=args.order,
+        seeds=args.seed, timing=timing,
+    )  # fmt: skip
+    if args.json:
+        print(to_json(rows), flush=True)
+    elif not args.out:
+        write_csv(rows, list(rows[0]), sys.stdout)
+        sys.stdout.flush()
     return 0
 
 

@@ -261,12 +261,17 @@ def replay(
     misses = np.zeros((2, L), dtype=np.int64)
     st = 0
     j = 0
+    rnd, layer, base = 0, 0, 0  # the (round, layer) visit of group g, and its first group (no divisions)
     while j < len(keys):
         i = j
         j = _group_end(groups, i)
         g = groups[i]
-        layer = (g // per_layer) % L
-        rnd = g // (per_layer * L)
+        while g >= base + per_layer:
+            base += per_layer
+            layer += 1
+            if layer == L:
+                layer = 0
+                rnd += 1
         phase = 1 if round_prefill[rnd] else 0
         now = rnd * L + layer
         token = round_token[rnd]
@@ -286,7 +291,8 @@ def replay(
                 if not resident[keys[r]]:
                     order[n] = r
                     n += 1
-        for c0 in range(0, n, room):
+        c0 = 0
+        while c0 < n:
             c1 = min(c0 + room, n)
             epoch += 1
             for c in range(c0, c1):
@@ -294,7 +300,7 @@ def replay(
             for c in range(c0, c1):
                 r = order[c]
                 k = keys[r]
-                s = k // E if dist else 0
+                s = layer if dist else 0  # a key's layer is its group's
                 if resident[k]:  # a hit
                     if kind in (LRU, LLRU):
                         _list_remove(k, s, prv, nxt, head, tail)
@@ -303,13 +309,13 @@ def replay(
                     elif kind != FIFO:
                         st += 1
                         stamp[k] = st
-                        if kind == OPT:
+                        if kind == OPT:  # the next use moves from now to later: a lower score, up
                             score[k] = -float(nxt_use[r])
-                        else:
+                            _sift_up(heap, s * M, pos, pos[k], score, stamp)
+                        else:  # a count grows (and LCP's time): a higher score, down
                             count[k] += 1
                             score[k] = count[k] if kind == LFU else np.log(count[k]) + decay * token
-                        _sift_down(heap, s * M, pos, pos[k], size[s], score, stamp)
-                        _sift_up(heap, s * M, pos, pos[k], score, stamp)
+                            _sift_down(heap, s * M, pos, pos[k], size[s], score, stamp)
                     continue
                 misses[phase, layer] += 1
                 if size[s] >= caps[s]:  # evict the policy's victim, never a pinned key
@@ -341,7 +347,13 @@ def replay(
                     if listed:
                         _list_remove(v, s, prv, nxt, head, tail)
                     else:
-                        _heap_remove(heap, s * M, pos, size[s], v, score, stamp)
+                        b, m = s * M, size[s] - 1
+                        if pos[v] == 0:  # the root (no pinned key above it): the last leaf replaces it
+                            heap[b] = heap[b + m]
+                            pos[heap[b]] = 0
+                            _sift_down(heap, b, pos, 0, m, score, stamp)
+                        else:
+                            _heap_remove(heap, b, pos, size[s], v, score, stamp)
                     size[s] -= 1
                 resident[k] = True
                 if listed:
@@ -359,4 +371,5 @@ def replay(
                     pos[k] = size[s]
                     _sift_up(heap, s * M, pos, size[s], score, stamp)
                 size[s] += 1
+            c0 = c1
     return misses, 0
