@@ -127,6 +127,11 @@ def test_compiled_replays_equal_the_reference_on_random_traces(seed, layers, exp
         tr = Trace(ex, tr.num_experts, seq_id=tr.seq_id, is_prefill=tr.is_prefill)
     s = build_schedule(tr, order)
     _check_replays(s)
+    # requests per phase and layer (counted from the trace in token orders) match the request arrays
+    rnd = s.req_group // (s.per_layer * s.num_layers)
+    phase = s.round_prefill[rnd].astype(np.int64)
+    want = np.bincount(phase * s.num_layers + s.req_key // s.num_experts, minlength=2 * s.num_layers)
+    assert s.layer_requests.tolist() == want.reshape(2, s.num_layers).tolist()
 
 
 def test_run_policy_and_simulate_use_the_compiled_replay(monkeypatch):

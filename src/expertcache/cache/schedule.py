@@ -37,12 +37,12 @@ class Schedule:
     num_experts: int
     top_k: int
     per_layer: int  # groups per (round, layer) visit
-    group_table: list[tuple[Key, ...]]  # the distinct groups (index 0 is the empty one where any is)
-    group_index: np.ndarray  # int32 [G]: each group's row of group_table
+    group_table: list[tuple[Key, ...]]  # the distinct groups (flat and rounds: () then one per key)
+    group_index: np.ndarray | None  # int32 [G]: each group's row of group_table (None: 1 + key id)
     round_prefill: np.ndarray  # bool [rounds]: the round is a prefill step / a prompt token
     round_token: np.ndarray  # int64 [rounds]: index of the round's (first) token in the trace
     round_seq: np.ndarray  # int64 [rounds]: request (seq_id) of the round's (first) token, 0 if unknown
-    req_group: np.ndarray  # int64 [R]: group index of each request, ascending
+    req_group: np.ndarray  # int64 (or int32) [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
     trace: Trace | None = field(default=None, repr=False)  # the routing it came from (for group_scores)
 
@@ -50,12 +50,15 @@ class Schedule:
     def groups(self) -> list[tuple[Key, ...]]:
         """Every request group's keys in service order, for the reference replay (built on first use:
         one reference per group into ``group_table``; the compiled replay reads the arrays instead)."""
-        table = self.group_table
-        return [table[i] for i in self.group_index.tolist()]
+        table, index = self.group_table, self.group_index
+        if index is None:  # flat and rounds: a group is one request, or empty (an unknown entry)
+            index = np.zeros(self.num_groups, dtype=np.int32)
+            index[self.req_group] = self.req_key + 1
+        return [table[i] for i in index.tolist()]
 
     @property
     def num_groups(self) -> int:
-        return len(self.group_index)
+        return self.num_rounds * self.num_layers * self.per_layer
 
     @property
     def num_rounds(self) -> int:
@@ -220,31 +223,41 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
     """One request per group: ex is [rounds, L, per_layer] in service order."""
     L, E = trace.num_layers, trace.num_experts
     dtype = np.int32 if L * E < 2**31 else np.int64
-    kid = ex.astype(dtype) + (np.arange(L, dtype=dtype) * E)[None, :, None]  # [rounds, L, per_layer]
+    kid = ex.astype(dtype)  # [rounds, L, per_layer] -> key ids, in place (100M requests: memory counts)
+    kid += (np.arange(L, dtype=dtype) * E)[None, :, None]
     kid = kid.reshape(-1)
     if ex.min(initial=0) >= 0:  # no unknown entries: one request per group
-        req_group, req_key = np.arange(len(kid), dtype=np.int64), kid
-        index = kid + 1
+        wide = np.int32 if len(kid) < 2**31 else np.int64
+        req_group, req_key = np.arange(len(kid), dtype=wide), kid
     else:
         valid = (ex >= 0).reshape(-1)
-        kid[~valid] = -1
-        req_group, req_key, index = np.flatnonzero(valid), kid[valid], kid + 1
-    singles = [()] + [((k // E, k % E),) for k in range(L * E)]
+        req_group, req_key = np.flatnonzero(valid), kid[valid]
     prefill = _token_prefill(trace)
-    return Schedule(
+    schedule = Schedule(
         order=order,
         num_layers=L,
         num_experts=E,
         top_k=trace.top_k,
         per_layer=ex.shape[2],
-        group_table=singles,
-        group_index=index.astype(np.int32, copy=False),
+        group_table=[()] + [((k // E, k % E),) for k in range(L * E)],
+        group_index=None,
         round_prefill=np.repeat(prefill, rounds_per_token),
         round_token=np.repeat(np.arange(trace.num_tokens, dtype=np.int64), rounds_per_token),
         round_seq=np.repeat(_token_seq(trace), rounds_per_token),
         req_group=req_group,
         req_key=req_key.astype(np.int32, copy=False),
     )
+
+    # requests per phase and layer, from the trace (cheaper than counting 100M keys)
+    def per_layer(ex: np.ndarray) -> np.ndarray:  # known entries per layer of [T, L, K]
+        return (ex >= 0).reshape(len(ex), -1).sum(axis=0, dtype=np.int64).reshape(L, -1).sum(axis=1)
+
+    counts = np.zeros((2, L), dtype=np.int64)
+    if prefill.any():
+        counts[1] = per_layer(trace.experts[prefill])
+    counts[0] = per_layer(trace.experts) - counts[1]
+    object.__setattr__(schedule, "layer_requests", counts)  # the cached property's value
+    return schedule
 
 
 def _layer_order(trace: Trace) -> Schedule:
