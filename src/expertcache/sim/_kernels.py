@@ -227,12 +227,14 @@ def _llru_victim(s, now, L, head, nxt, tau, pin, epoch):  # pragma: no cover (co
 
 @numba.njit(cache=True, nogil=True)
 def replay(
-    kind, dist, keys, groups, per_layer, L, E, round_prefill, round_token, nxt_use, rooms, decay
+    kind, dist, keys, groups, per_layer, L, E, round_prefill, round_token, nxt_use, rooms, decay, hits
 ):  # pragma: no cover (compiled)
     """Serve every group (its requests are contiguous: ``groups`` gives each one's group index) through a
     cache of ``rooms`` (per layer: the capacity, or each layer's -dist budget): ``residency.Residency``'s
     rules (pinned groups; a group above its room in chunks, resident first) and one policy's victims.
+    ``hits``: empty, or one byte per request, set to 1 where the request hits.
     Returns (misses int64 [2, L], status: 0, or NO_VICTIM)."""
+    record = len(hits) > 0
     K = L * E
     S = L if dist else 1
     M = E if dist else K
@@ -302,6 +304,8 @@ def replay(
                 k = keys[r]
                 s = layer if dist else 0  # a key's layer is its group's
                 if resident[k]:  # a hit
+                    if record:
+                        hits[r] = 1
                     if kind in (LRU, LLRU):
                         _list_remove(k, s, prv, nxt, head, tail)
                         _list_append(k, s, prv, nxt, head, tail)

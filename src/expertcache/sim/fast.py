@@ -62,9 +62,16 @@ def next_use(s: Schedule) -> np.ndarray:
     return _k().next_use(s.req_key, s.req_group, s.num_layers * s.num_experts, _NEVER)
 
 
-def replay(schedule: Schedule, name: str, capacity: int, params: dict[str, object] | None = None):
+def replay(
+    schedule: Schedule,
+    name: str,
+    capacity: int,
+    params: dict[str, object] | None = None,
+    record: bool = False,
+):
     """Misses of one policy at one capacity: ``sim.replay.replay``'s result, compiled.
-    -> (layer_misses int64 [2, L], rooms: each layer's room)"""
+    -> (layer_misses int64 [2, L], rooms: each layer's room), and with ``record`` a third item: uint8 [R],
+    1 where a request hit."""
     params = dict(params or {})
     if not supports(name, params):
         raise PolicyError(f"{name!r} with {sorted(params)} has no compiled replay")
@@ -75,6 +82,7 @@ def replay(schedule: Schedule, name: str, capacity: int, params: dict[str, objec
     decay = float(getattr(policy.layers[0] if isinstance(policy, Dist) else policy, "_decay", 0.0))
     k = _k()
     nxt = next_use(schedule) if base == "opt" else np.zeros(0, dtype=np.int64)
+    hits = np.zeros(schedule.num_requests if record else 0, dtype=np.uint8)
     misses, status = k.replay(
         _KINDS[base],
         name.endswith("-dist"),
@@ -88,10 +96,11 @@ def replay(schedule: Schedule, name: str, capacity: int, params: dict[str, objec
         nxt,
         rooms,
         decay,
+        hits,
     )
     if status == k.NO_VICTIM:
         raise PolicyError(f"{name}: no evictable expert (capacity {capacity}, all pinned)")
-    return misses, rooms
+    return (misses, rooms, hits) if record else (misses, rooms)
 
 
 def _context(schedule: Schedule, capacity: int, offline: bool) -> PolicyContext:
