@@ -4,8 +4,9 @@ Examples are the lines of ``bash``/``sh`` code blocks that start with ``expertca
 any other code block that start with ``$ expertcache`` (a ``$ `` prompt and a trailing ``# comment`` are
 dropped, ``a && b`` runs both). Usage synopses (``[--flag ...]``) are not examples and are left out.
 Placeholders are filled in: ``DIR`` is a tiny checkpoint (a new directory after ``-o``), ``TRACE.npz`` a
-small synthetic trace, ``"..."`` a short prompt; relative outputs land in a temporary directory. Examples
-for a GPU (``--device cuda``) run only where torch sees one.
+small synthetic trace, ``"..."`` a short prompt; relative outputs land in a temporary directory (with a
+copy of ``examples/``, whose files examples name). Examples for a GPU (``--device cuda``) run only where
+torch sees one.
 
 Sample outputs: the lines after a ``$ expertcache ...`` line, up to the next ``$ `` line or the block's
 end, are what that command prints, and an example without placeholders must print exactly that (line for
@@ -24,6 +25,7 @@ import io
 import itertools
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -124,6 +126,7 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
         '{"req_id": "r1", "token_idx": 0, "layer": 0, "topk_ids": [5, 9], "topk_weights": [0.6, 0.4]}\n'
     )
     (tmp_path / "routes.csv").write_text("token_idx,layer,topk_ids\n0,0,5 9\n0,1,1 2\n")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # files the examples name (a sweep's grid)
     monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n"))  # what `chat` and `--prompt -` read
     for i, arg in enumerate(argv):
         if arg == "DIR":

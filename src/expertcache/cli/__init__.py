@@ -455,6 +455,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.out:
         check_writable(args.out, "results")
+    if args.jobs is not None and args.jobs < 1:
+        raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
     if args.ray is not None and args.jobs is not None:
         raise ExpertcacheError("--jobs sets local processes; with --ray the cluster's CPUs run the cells")
     if args.ray and Path(args.ray).suffix.lower() in (".yaml", ".yml", ".toml"):
@@ -472,7 +474,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         timing = replace(grid.timing or Timing(), **timing_flags)
     rows = sweep(
         grid, out=args.out, resume=args.resume, force=args.force,
-        jobs=args.jobs or os.cpu_count() or 1, ray=args.ray, plot=args.plot,
+        jobs=(os.cpu_count() or 1) if args.jobs is None else args.jobs, ray=args.ray, plot=args.plot,
         progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
         traces=args.trace, policies=args.policy, capacities=args.capacity, orders=args.order,
         seeds=args.seed, timing=timing,

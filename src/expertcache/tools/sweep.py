@@ -1,0 +1,574 @@
+"""``expertcache sweep``: a grid of simulator (and timing model) cells, run on local processes or Ray.
+
+A grid (``tools/sweep_grid.py``) is traces x policies (with parameters) x seeds x orders x capacities
+(expert counts or shares of all experts, resolved per trace), and optionally timing-model cells: x miss
+paths x predictors (and windows) x link bandwidths x latencies. Cells that share (trace, policy, seed,
+order) are one task, so a stack algorithm (LRU, OPT) gives its whole curve in one pass and every task
+finds OPT's misses at its capacities in one more (``sim.curves.run_policy``, ``with_opt``); a timing
+cell is a task of its own.
+
+Tasks run in this process (one job), on local processes (``jobs``; fork where the platform has it),
+or on a Ray cluster (``ray``): each trace is put in Ray's object store once, so it travels to each node
+once, and every task is one remote call. Results do not depend on where a task ran. Rows are written as
+tasks finish (``tools/sweep_table.py``), which is what lets an interrupted sweep resume. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from expertcache.cache.schedule import build_schedule, min_room
+from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError, first_line
+from expertcache.policy.base import PolicyContext
+from expertcache.policy.registry import (
+    capacity_reason,
+    fixed_capacity,
+    make_policy,
+    min_capacity,
+    parse_policy,
+)
+from expertcache.sim.curves import run_policy, with_opt
+from expertcache.tools.sweep_grid import Grid, Timing, capacity_items
+from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
+from expertcache.trace.trace import Trace, load_trace
+
+__all__ = ["Grid", "Timing", "sweep"]
+
+Log = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# -- cells and tasks -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TimingCell:
+    """One timing combination: miss path, predictor and window, and the cost model (its link set)."""
+
+    miss: str
+    prefetch: str
+    window: int | None
+    cost: CostModel
+
+    def columns(self) -> dict[str, object]:
+        return {
+            "miss": self.miss,
+            "prefetch": self.prefetch,
+            "window": self.window,
+            "link_bandwidth_gb_s": self.cost.link_bandwidth / 1e9,
+            "link_latency_us": self.cost.link_latency * 1e6,
+        }
+
+
+@dataclass(frozen=True)
+class Task:
+    """Cells that run together: one (trace, policy, seed, order) at some capacities, or one timing cell."""
+
+    trace: str
+    sha: str
+    total: int  # L * E of the trace (for the share)
+    policy: str  # the registry name
+    params: tuple[tuple[str, object], ...]
+    seed: int
+    order: str
+    capacities: tuple[int, ...]
+    timing: TimingCell | None = None
+    predictor_sha: str | None = None
+
+    def base_row(self, capacity: int) -> dict[str, object]:
+        return {
+            "trace": self.trace,
+            "trace_sha": self.sha,
+            "policy": self.policy,
+            "params": format_params(dict(self.params)),
+            "seed": self.seed,
+            "order": self.order,
+            "capacity": capacity,
+            "share": capacity / self.total,
+        }
+
+
+def format_params(params: dict[str, object]) -> str:
+    """A policy's or miss path's parameters as ``k=v,...`` (keys sorted; lists as ``a/b/c``)."""
+    return ",".join(
+        f"{k}={'/'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in sorted(params.items())
+    )
+
+
+def _spec(name: str, params: dict[str, object]) -> str:
+    return f"{name}:{format_params(params)}" if params else name
+
+
+@dataclass
+class Cells:
+    """A grid's tasks, the order of its rows, and what was left out and why."""
+
+    tasks: list[Task] = field(default_factory=list)
+    order: dict[tuple[object, ...], int] = field(default_factory=dict)  # cell identity -> position
+    notes: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+@dataclass
+class _Loaded:
+    name: str
+    sha: str
+    trace: Trace
+
+
+def _load_traces(grid: Grid, log: Log | None) -> list[_Loaded]:
+    loaded: dict[str, _Loaded] = {}
+    for name in grid.traces:
+        path = grid.trace_path(name)
+        trace = load_trace(path)
+        sha = file_sha(path)
+        if sha in loaded:
+            if log:
+                log(f"note: trace {name} is the same file as {loaded[sha].name}; it runs once")
+            continue
+        loaded[sha] = _Loaded(name, sha, trace)
+    return list(loaded.values())
+
+
+def file_sha(path: str | Path) -> str:
+    """A short content hash of a file (12 hex digits of SHA-256): a changed trace is another trace."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def _timing_cells(grid: Grid, t: _Loaded, predictor: Trace | None) -> list[TimingCell]:
+    """The timing grid's combinations for one trace; predictors and miss paths are built once here,
+    so that a predictor this trace cannot feed, or a bad parameter, is refused before any work."""
+    from expertcache.miss.base import MissContext
+    from expertcache.miss.registry import miss_class
+    from expertcache.sim.recorded import make_sim_predictor
+
+    assert grid.timing is not None
+    tm, base = grid.timing, grid.timing.cost_model()
+    tr = t.trace
+    cells = []
+    for miss_spec in tm.miss:
+        miss = MissConfig(miss_spec)
+        miss_class(miss.name)(MissContext(tr.num_layers, tr.num_experts, tr.top_k, costs=base), **miss.params)
+        for prefetch in tm.prefetch:
+            name = PrefetchConfig(prefetch).predictor
+            for window in [None] if name == "none" else tm.window:
+                pred = make_sim_predictor(name, tr, window, 0, predictor)
+                for bw in tm.link_bandwidth:
+                    for lat in tm.link_latency:
+                        link = {"link_bandwidth": bw, "link_latency": lat}
+                        cost = CostModel.from_dict({k: v for k, v in link.items() if v is not None}, base)
+                        window_used = None if pred is None else pred.window
+                        cells.append(TimingCell(_spec(miss.name, miss.params), name, window_used, cost))
+    return list(dict.fromkeys(cells))
+
+
+def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = None) -> Cells:
+    """The tasks of a grid in its order (trace, policy, seed, order, [timing,] capacity), infeasible
+    cells left out with a note: below a layer's room (top-k in layer order, one slot per layer for
+    -dist), other than the sum of given -dist budgets, a share below one expert."""
+    p = Cells()
+    timing = grid.timing is not None
+    for t in traces:
+        L, K, total = t.trace.num_layers, t.trace.top_k, t.trace.num_keys
+        cells = _timing_cells(grid, t, predictor.trace if predictor else None) if timing else []
+        caps_by_order = {order: _capacities(grid, t, order, p) for order in grid.orders}
+        for spec in grid.policies:
+            name, params = parse_policy(str(spec))
+            _check_policy(name, params, t.trace)
+            for seed in grid.seeds:
+                for order in grid.orders:
+                    wanted, room = caps_by_order[order], min_room(order, K)
+                    low, fixed = min_capacity(name, L, params, room), fixed_capacity(name, params)
+                    mine = tuple(c for c in wanted if isinstance(c, int) and c >= low and fixed in (None, c))
+                    left = [c for c in wanted if isinstance(c, int) and c >= room and c not in mine]
+                    if left and seed == grid.seeds[0]:
+                        why = capacity_reason(name, params, room)
+                        p.notes.append(f"note: {t.name}: {_spec(name, params)} left out at capacities "
+                                       f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
+                    each = len(cells) if timing and order == "layer" else 1
+                    p.skipped += (len(wanted) - len(mine)) * each
+                    task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine)
+                    if timing and order == "layer":
+                        pred = predictor.sha if predictor else None
+                        p.tasks += [
+                            replace(task, capacities=(c,), timing=cell, predictor_sha=pred)
+                            for cell in cells
+                            for c in mine
+                        ]
+                    elif mine:
+                        p.tasks.append(task)
+    for task in p.tasks:
+        for c in task.capacities:
+            p.order.setdefault(cell_identity(task, c, timing), len(p.order))
+    return p
+
+
+def _check_policy(name: str, params: dict[str, object], trace: Trace) -> None:
+    """A policy's parameter values are refused here, before any cell runs, not in a worker (the
+    registry checks their names; a policy checks their values when it is built)."""
+    total = trace.num_keys
+    ctx = PolicyContext(
+        capacity=fixed_capacity(name, params) or total, num_layers=trace.num_layers,
+        num_experts=trace.num_experts, top_k=trace.top_k, future={}, profile={},
+    )  # fmt: skip
+    make_policy(name, ctx, **params)
+
+
+def _capacities(grid: Grid, t: _Loaded, order: str, p: Cells) -> list[int | str]:
+    """The grid's capacities on one trace in one order, repeats dropped; a note on those no policy can
+    run with (a share below one expert, below top-k in layer order), which stay in the list to be
+    counted as left out."""
+    total, low = t.trace.num_keys, min_room(order, t.trace.top_k)
+    caps = list(dict.fromkeys(c for item in grid.capacities for c in capacity_items(item, total, low)))
+    shares = [c for c in caps if isinstance(c, str)]
+    if shares and order == grid.orders[0]:
+        p.notes.append(f"note: {t.name}: capacities {', '.join(shares)} of {total} experts are less than "
+                       "one expert; left out")  # fmt: skip
+    below = [c for c in caps if isinstance(c, int) and c < low]
+    if below:
+        p.notes.append(f"note: {t.name}: capacities {_ranges(below)} are below top-k {low}: left out in "
+                       "layer order (a token's experts of a layer must be resident together)")  # fmt: skip
+    return caps
+
+
+def _ranges(caps: Sequence[int]) -> str:
+    return ", ".join(map(str, caps[:8])) + (f" ... ({len(caps)} in all)" if len(caps) > 8 else "")
+
+
+def cell_identity(task: Task, capacity: int, timing: bool) -> tuple[object, ...]:
+    row = task.base_row(capacity)
+    if timing:
+        row.update(task.timing.columns() if task.timing else dict.fromkeys(TIMING_IDENTITY))
+    return identity(row, timing)
+
+
+# -- running one task (in this process, a worker process, or a Ray worker) --------------------------
+def run_task(task: Task, trace: Trace, predictor: Trace | None = None) -> tuple[list[dict], list[str]]:
+    """The rows of one task, and notes on cells it had to leave out."""
+    schedule = build_schedule(trace, task.order)
+    params = dict(task.params)
+    if task.timing is None:
+        results = run_policy(schedule, task.policy, list(task.capacities), task.seed, params)
+        rows = [_row(task, r.capacity, r.requests, r.misses, r) for r in with_opt(schedule, results)]
+        return rows, []
+    return _timing_task(task, trace, schedule, params, predictor)
+
+
+def _row(task: Task, capacity: int, requests: int, misses: int, ref, timing: dict | None = None) -> dict:
+    """A table row; ``ref`` carries OPT's misses and whether they bound this cell (a SimResult)."""
+    opt = ref.opt_misses
+    row = {
+        **task.base_row(capacity),
+        "requests": requests,
+        "misses": misses,
+        "miss_ratio": misses / requests if requests else 0.0,
+        "opt_misses": opt,
+        "ratio_to_opt": misses / opt if opt else 1.0,
+        "opt_is_bound": ref.opt_is_bound,
+    }
+    return {**row, **timing} if timing is not None else row
+
+
+def _timing_task(task, trace, schedule, params, predictor) -> tuple[list[dict], list[str]]:
+    from expertcache.sim.timing import simulate_timing
+
+    (capacity,) = task.capacities
+    cell = task.timing
+    prefetch = PrefetchConfig(cell.prefetch, window=cell.window if cell.prefetch != "none" else None)
+    try:
+        r = simulate_timing(
+            trace, capacity, cache=CacheConfig(_spec(task.policy, params), seed=task.seed),
+            prefetch=prefetch, miss=cell.miss, cost=cell.cost, predictor_trace=predictor,
+        )  # fmt: skip
+    except ExpertcacheError as e:  # a capacity this miss path cannot divide among its parts
+        where = f"{task.trace}: {_spec(task.policy, params)} at capacity {capacity} with miss {cell.miss}"
+        return [], [f"note: {where} left out ({first_line(e)})"]
+    # OPT bounds the demand misses of a plain cache (whose misses are the replay's: its SimResult says
+    # whether a group was split); prefetching and other miss paths change what a miss is, so there OPT
+    # is a reference, not a bound
+    if cell.miss == "fetch" and cell.prefetch == "none":
+        ref = with_opt(schedule, run_policy(schedule, task.policy, [capacity], task.seed, params))[0]
+    else:
+        ref = run_policy(schedule, "opt", [capacity])[0]
+        ref.opt_misses, ref.opt_is_bound = ref.misses, False
+    ms = lambda s: None if s is None else s * 1e3  # noqa: E731
+    timing = {
+        **cell.columns(),
+        "ttft_ms": ms(r.ttft_s),
+        "tpot_ms": ms(r.tpot_s),
+        "stall_s": r.stall_s,
+        "total_s": r.total_s,
+        "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+        "bytes_moved": r.bytes_moved,
+        "transfers": r.transfers,
+    }
+    return [_row(task, capacity, r.requests, r.misses, ref, timing)], []
+
+
+# -- backends ------------------------------------------------------------------------------------------
+_WORKER_TRACES: dict[str, Trace] = {}  # a worker process's traces, shipped once when it starts
+
+
+def _init_worker(traces: dict[str, Trace]) -> None:
+    _WORKER_TRACES.update(traces)
+
+
+def _run_in_worker(task: Task) -> tuple[list[dict], list[str]]:
+    pred = _WORKER_TRACES[task.predictor_sha] if task.predictor_sha else None
+    return run_task(task, _WORKER_TRACES[task.sha], pred)
+
+
+Done = Callable[[Task, list[dict], list[str]], None]
+
+
+def run_local(tasks: Sequence[Task], traces: dict[str, Trace], jobs: int, done: Done) -> None:
+    """Tasks on ``jobs`` processes (in this one for one job), each result handed to ``done`` as its task
+    finishes. Each worker gets the traces once, when it starts."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    jobs = max(1, min(jobs, len(tasks)))
+    if jobs == 1:
+        for task in tasks:
+            pred = traces[task.predictor_sha] if task.predictor_sha else None
+            done(task, *run_task(task, traces[task.sha], pred))
+        return
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(traces,))
+    finished = False
+    try:
+        pending = {pool.submit(_run_in_worker, task): task for task in tasks}
+        while pending:
+            ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in ready:
+                done(pending.pop(future), *future.result())
+        finished = True
+    finally:
+        if not finished:  # interrupted or failed: stop the workers now, not after their current task
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None, done: Done) -> None:
+    """Tasks as Ray remote calls, each result handed to ``done`` as its task finishes. A Ray already
+    initialised in this process is used as it is; else ``address`` is joined (None or "": a running
+    local Ray, or a new one started for this sweep and stopped after it)."""
+    ray = _import_ray()
+    started = not ray.is_initialized()
+    if started:
+        import logging
+
+        if address:
+            _check_reachable(address)
+        try:
+            ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
+                     include_dashboard=False if not address else None)  # fmt: skip
+        except Exception as e:  # Ray raises ConnectionError, RuntimeError, ValueError, ... for this
+            raise ExpertcacheError(
+                f"--ray {address or ''}: cannot start or join Ray ({first_line(e)})"
+            ) from None
+    try:
+        refs = {sha: ray.put(trace) for sha, trace in traces.items()}  # once: the object store ships it
+        remote = ray.remote(num_cpus=1)(run_task)
+        pending = {
+            remote.remote(
+                task, refs[task.sha], refs[task.predictor_sha] if task.predictor_sha else None
+            ): task
+            for task in tasks
+        }
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                task = pending.pop(ref)
+                try:
+                    rows, notes = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, ExpertcacheError):
+                        raise ExpertcacheError(str(e.cause)) from None
+                    raise
+                done(task, rows, notes)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """Something answers at a cluster's ``host:port`` (or ``ray://host:port``): Ray's own connection
+    attempts to an address where nothing does go on for minutes."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # auto, local: Ray resolves these itself, and says so at once when it cannot
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ExpertcacheError(f"--ray {address}: nothing answers there ({e.strerror or e})") from None
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ExpertcacheError(
+            "--ray needs Ray: pip install 'expertcache[cluster]' (or pip install ray)"
+        ) from None
+    return ray
+
+
+# -- the sweep -----------------------------------------------------------------------------------------
+def sweep(
+    grid: Grid | str | Path | None = None,
+    *,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    jobs: int = 1,
+    ray: str | bool | None = None,
+    plot: str | Path | None = None,
+    progress: bool = False,
+    quiet: bool = False,
+    log: Log | None = _stderr,
+    **dimensions: object,
+) -> list[dict[str, object]]:
+    """Run a grid (a ``Grid``, a YAML/TOML file, or the defaults; keyword dimensions such as
+    ``policies=[...]`` replace the grid's) and return its rows in the grid's order. ``out``: a ``.csv``,
+    ``.json`` or ``.parquet`` results file, written as cells finish; with ``resume`` the cells it holds are
+    not run again, with ``force`` it is replaced (without either an existing file is refused). ``jobs``:
+    local processes; ``ray``: run on Ray instead (True or "": a local Ray, or an address). ``plot``: a
+    folder for miss-ratio curves and heat maps of the ratio to OPT. Notes (not with ``quiet``) and a
+    one-line summary go to ``log``."""
+    t0 = time.perf_counter()
+    if not isinstance(grid, Grid):
+        grid = Grid.load(grid) if grid is not None else Grid()
+    grid = grid.with_overrides(**dimensions)
+    if jobs < 1:
+        raise ExpertcacheError(f"jobs must be at least 1, got {jobs}")
+    if resume and out is None:
+        raise ExpertcacheError("resuming reads the results file: give it (--out FILE)")
+    if resume and force:
+        raise ExpertcacheError("--resume goes on from the results, --force replaces them: choose one")
+    if plot is not None:
+        from expertcache.tools.sweep_plots import check_plot_dir
+
+        check_plot_dir(plot)
+    timing = grid.timing is not None
+    results = Results(out, timing) if out is not None else None
+    on_ray = ray is not None and ray is not False
+    if on_ray:
+        _import_ray()  # missing Ray is found before any work
+    notes = None if quiet else log
+    traces = _load_traces(grid, notes)
+    predictor = _load_predictor(grid)
+    p = plan_cells(grid, traces, predictor)
+    for note in p.notes if notes else ():
+        notes(note)
+    if not p.tasks:
+        raise ExpertcacheError("no cell of the grid can run (see the notes above)")
+    rows = {}
+    if results is not None:
+        for row in results.start(resume, force):
+            rows[identity(row, timing)] = row
+    try:
+        computed, skipped = _run(grid, p, traces, predictor, rows, results, jobs, ray, progress, notes)
+    finally:
+        if results is not None:
+            results.close()
+    extra = len(p.order)
+    table = sorted(rows.values(), key=lambda r: p.order.get(identity(r, timing), extra))
+    if not table:  # every cell a miss path could not divide
+        raise ExpertcacheError("no cell of the grid could run (see the notes above)")
+    if results is not None:
+        results.finish(table)
+    written = []
+    if plot is not None:
+        from expertcache.tools.sweep_plots import plot_sweep
+
+        written = plot_sweep(table, plot)
+    if log:
+        where = (f"Ray at {ray}" if isinstance(ray, str) and ray else "Ray") if on_ray else f"{jobs} job(s)"
+        kept = f", {len(table) - computed} already in {out}" if resume else ""
+        wrote = [str(out)] if out else []
+        wrote += [f"{len(written)} plots in {plot}"] if plot is not None else []
+        log(
+            f"sweep: {len(table)} rows ({computed} computed{kept}), {p.skipped + skipped} cells left out, "
+            f"{time.perf_counter() - t0:.1f} s on {where}" + (f"; wrote {', '.join(wrote)}" if wrote else "")
+        )
+    return table
+
+
+def _load_predictor(grid: Grid) -> _Loaded | None:
+    """The timing grid's predictor trace (for ``token`` and ``eam``), if it names one."""
+    if grid.timing is None or grid.timing.predictor is None:
+        return None
+    trace = load_trace(grid.timing.predictor)
+    return _Loaded(grid.timing.predictor, file_sha(grid.timing.predictor), trace)
+
+
+def _run(grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, log) -> tuple[int, int]:
+    """Run the plan's cells that ``rows`` lacks; each finished task's rows go to ``rows`` and the file."""
+    timing = grid.timing is not None
+    todo = []
+    for task in p.tasks:
+        caps = tuple(c for c in task.capacities if cell_identity(task, c, timing) not in rows)
+        if caps:
+            todo.append(replace(task, capacities=caps))
+    cells = sum(len(t.capacities) for t in todo)
+    shipped = {t.sha: t.trace for t in traces}
+    if predictor is not None:
+        shipped[predictor.sha] = predictor.trace
+    count = {"rows": 0, "skipped": 0}
+    bar = _progress_bar(cells, progress)
+
+    names = [name for name, _ in columns(timing)]
+    said: set[str] = set()
+
+    def done(task: Task, new_rows: list[dict], notes: list[str]) -> None:
+        new_rows = [{name: row.get(name) for name in names} for row in new_rows]  # the table's columns
+        for row in new_rows:
+            rows[identity(row, timing)] = row
+        if results is not None and new_rows:
+            results.append(new_rows)
+        for note in notes:  # once each: a capacity a miss path cannot divide fails every link alike
+            if log and note not in said:
+                said.add(note)
+                (bar.write if bar is not None else log)(note)
+        count["rows"] += len(new_rows)
+        count["skipped"] += len(task.capacities) - len(new_rows)
+        if bar is not None:
+            bar.update(len(task.capacities))
+
+    try:
+        if ray is not None and ray is not False:
+            run_ray(todo, shipped, None if ray is True else str(ray), done)
+        else:
+            run_local(todo, shipped, jobs, done)
+    except KeyboardInterrupt:
+        if results is not None and log:
+            log(f"note: {count['rows']} new rows are in {results.journal}; run again with --resume to go on")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return count["rows"], count["skipped"]
+
+
+def _progress_bar(total: int, show: bool):
+    if not show or total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True, desc="sweep")

@@ -1,0 +1,495 @@
+"""``expertcache sweep``: grids from flags and files, rows equal to the simulator's, resumable results
+files, local processes and Ray alike, timing cells, plots, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import expertcache
+from expertcache.cli import main
+from expertcache.sim.timing import simulate_timing
+from expertcache.tools import sweep as sweep_module
+from expertcache.tools.sweep import Grid, Timing, sweep
+from expertcache.tools.sweep_table import COUNT_COLUMNS, TIMING_COLUMNS
+from expertcache.trace import load_trace, synthesize
+
+COLUMNS = [name for name, _ in COUNT_COLUMNS]
+ALL_COLUMNS = COLUMNS + [name for name, _ in TIMING_COLUMNS]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> tuple[Path, Path]:
+    """Two small traces of different shapes (32 and 48 experts in all)."""
+    folder = tmp_path_factory.mktemp("traces")
+    a, b = folder / "a.npz", folder / "b.npz"
+    synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=1, sequences=2, prompt_len=20).save(a)
+    synthesize("zipf", tokens=200, layers=3, experts=16, top_k=2, seed=2, sequences=2, prompt_len=10).save(b)
+    return a, b
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def quiet(**kwargs) -> list[dict]:
+    return sweep(log=None, **kwargs)
+
+
+# -- grids ---------------------------------------------------------------------------------------------
+def test_flags_make_the_grid_and_rows_come_in_its_order(capsys, traces):
+    a, b = traces
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(a), str(b), "--policy", "lru", "opt", "--capacity", "4", "50%",
+        "--order", "layer", "flat", "--json", "--jobs", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(out)
+    assert all(list(r) == COLUMNS for r in rows)
+    got = [(Path(r["trace"]).name, r["policy"], r["order"], r["capacity"]) for r in rows]
+    want = [
+        (t, p, o, c)
+        for t, half in (("a.npz", 16), ("b.npz", 24))
+        for p in ("lru", "opt")
+        for o in ("layer", "flat")
+        for c in (4, half)
+    ]
+    assert got == want
+    assert {r["share"] for r in rows if r["capacity"] == 16 and "a.npz" in r["trace"]} == {0.5}
+    assert err.startswith("sweep: 16 rows (16 computed), 0 cells left out")
+    assert len(err.splitlines()) == 1  # the summary, always; no progress bar when stderr is not a TTY
+
+
+def test_csv_on_stdout_by_default(capsys, traces):
+    code, out, _ = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == ",".join(COLUMNS) and len(lines) == 2
+    assert lines[1].startswith(f"{traces[0]},")
+
+
+def test_yaml_and_toml_grids_are_the_same_grid(tmp_path, traces):
+    a, b = traces
+    (tmp_path / "g.yaml").write_text(
+        f"traces: [{a}, {b}]\npolicies: [lru, 'lcp:rho=0.5', lru-dist]\ncapacities: [8, 25%, 4:12:4]\n"
+        "orders: [layer, rounds]\nseeds: 0\ntiming:\n  prefetch: [none, eam]\n  link_bandwidth: 16GB/s\n"
+    )
+    (tmp_path / "g.toml").write_text(
+        f'traces = ["{a}", "{b}"]\npolicies = ["lru", "lcp:rho=0.5", "lru-dist"]\n'
+        'capacities = [8, "25%", "4:12:4"]\norders = ["layer", "rounds"]\nseeds = 0\n'
+        '[timing]\nprefetch = ["none", "eam"]\nlink_bandwidth = "16GB/s"\n'
+    )
+    from_yaml, from_toml = Grid.load(tmp_path / "g.yaml"), Grid.load(tmp_path / "g.toml")
+    assert from_yaml == from_toml
+    assert from_yaml.capacities == (8, "25%", "4:12:4") and from_yaml.seeds == (0,)
+    assert from_yaml.timing == Timing(prefetch=("none", "eam"), link_bandwidth=("16GB/s",))
+
+
+def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_path, traces, capsys):
+    folder = tmp_path / "grids"
+    folder.mkdir()
+    (folder / "t.npz").write_bytes(traces[0].read_bytes())
+    (folder / "g.yaml").write_text("traces: [t.npz]\npolicies: [fifo, opt]\ncapacities: [8, 16]\n")
+    code, out, err = run(capsys, "sweep", str(folder / "g.yaml"), "--policy", "lru", "--json", "--jobs", "1")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["trace"], r["policy"], r["capacity"]) for r in rows] == [
+        ("t.npz", "lru", 8),
+        ("t.npz", "lru", 16),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("g.yaml", "policies: [lru, opt\n", "g.yaml: not valid YAML (line 2: "),
+        ("g.toml", "policies = [\n", "g.toml: not valid TOML ("),
+        ("g.yaml", "polices: [lru]\n", "g.yaml: unknown key 'polices'; a grid has traces, policies, "),
+        ("g.yaml", "- lru\n", "g.yaml: a grid is a mapping of traces, policies"),
+        ("g.toml", 'policies = ["lruu"]\n', "g.toml: unknown policy 'lruu'"),
+        ("g.yaml", "capacities: [0]\n", "g.yaml: capacity 0: a capacity is at least 1 expert"),
+        ("g.yaml", "capacities: [120%]\n", "g.yaml: capacity '120%': a share is in (0%, 100%]"),
+        ("g.yaml", "capacities: [{a: 1}]\n", "g.yaml: 'capacities' takes a value or a list of values"),
+        ("g.yaml", "orders: [zigzag]\n", "g.yaml: order 'zigzag' is not one of layer, flat, rounds"),
+        ("g.yaml", "seeds: [a]\n", "g.yaml: seed 'a' is not an integer"),
+        ("g.yaml", "policies: []\n", "g.yaml: 'policies' is empty"),
+        ("g.yaml", "timing: {miss: [nope]}\n", "g.yaml: unknown miss path 'nope'"),
+        ("g.yaml", "timing: {links: [1]}\n", "g.yaml: unknown key 'links' in timing"),
+        ("g.yaml", "timing: {link_latency: [20]}\n", "g.yaml: link latency '20' needs a unit"),
+        ("g.yaml", "orders: [flat]\ntiming: true\n", "g.yaml: timing cells run in layer order"),
+        ("g.txt", "policies: [lru]\n", "g.txt: a grid file is .yaml, .yml or .toml"),
+    ],
+)
+def test_a_bad_grid_file_is_one_line_naming_it(tmp_path, capsys, name, text, message):
+    (tmp_path / name).write_text(text)
+    code, out, err = run(capsys, "sweep", str(tmp_path / name))
+    assert code == 2 and out == ""
+    assert err.startswith(f"expertcache: error: {tmp_path / name}: ")
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "missing.npz"], "missing.npz: no such trace file"),
+        (["--capacity", "8:4:0"], "capacity '8:4:0': a capacity is at least 1 expert, a step at least 1"),
+        (
+            ["--capacity", "lots"],
+            "capacity 'lots' is not experts (24), a range (8:96:8), a share (25%) or all",
+        ),
+        (["--policy", "lru:rho=2"], "policy 'lru' does not take rho"),
+        (["--policy", "lcp:rho=7"], "rho"),
+        (["--prefetch", "token"], "predictor 'token' needs a recorded trace"),
+        (["--prefetch", "next-gate"], "the simulator replays the predictions an engine recorded"),
+        (["--order", "flat", "--timing"], "timing cells run in layer order"),
+        (["--out", "r.txt"], "r.txt: a results file is .csv, .json or .parquet"),
+        (["--out", "no/such/dir/r.csv"], "cannot write the results: directory"),
+        (["--resume"], "resuming reads the results file: give it (--out FILE)"),
+        (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+        (["--ray", "--jobs", "2"], "with --ray the cluster's CPUs run the cells"),
+        (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers there"),
+        (["--policy", "lru-dist", "--capacity", "4"], "no cell of the grid can run"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, traces, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), *argv)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith("expertcache: error: ") and message in err.splitlines()[-1], err
+    assert "Traceback" not in err
+
+
+# -- rows ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["layer", "flat", "rounds"])
+def test_rows_equal_the_simulators_results(traces, order):
+    trace = load_trace(traces[0])
+    policies = ["opt", "lru", "fifo", "llru", "lcp:rho=0.5", "lru-dist", "random"]
+    caps = [2, 4, 8, 12, 20, 32]
+    rows = quiet(traces=[str(traces[0])], policies=policies, capacities=caps, orders=[order], jobs=2)
+    want = expertcache.simulate(trace, policies, caps, order, skip_infeasible=True)
+    assert len(rows) == len(want)
+    for row, r in zip(rows, want, strict=True):
+        assert (row["capacity"], row["requests"], row["misses"]) == (r.capacity, r.requests, r.misses)
+        assert (row["opt_misses"], row["opt_is_bound"]) == (r.opt_misses, r.opt_is_bound)
+        assert row["ratio_to_opt"] == pytest.approx(r.ratio_to_opt)
+        assert row["miss_ratio"] == pytest.approx(r.miss_ratio)
+
+
+def test_infeasible_cells_are_left_out_with_a_note(capsys, traces):
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "lru-dist", "--capacity", "1", "4",
+        "8", "--json",
+    )  # fmt: skip
+    assert code == 0
+    assert [(r["policy"], r["capacity"]) for r in json.loads(out)] == [
+        ("lru", 4),
+        ("lru", 8),
+        ("lru-dist", 8),
+    ]
+    assert "capacities 1 are below top-k 2: left out in layer order" in err
+    assert "lru-dist left out at capacities 4 in layer order (each layer needs 2 slot(s))" in err
+    assert "3 cells left out" in err.splitlines()[-1]
+
+
+def test_seeds_are_a_dimension(traces):
+    rows = quiet(traces=[str(traces[0])], policies=["random"], capacities=[8], seeds=[0, 1, 2])
+    assert [r["seed"] for r in rows] == [0, 1, 2]
+    assert len({r["misses"] for r in rows}) > 1  # a randomized policy: the seed matters
+
+
+def test_the_python_api(traces):
+    rows = expertcache.sweep(traces=[str(traces[1])], policies=["lru"], capacities=["all"], log=None)
+    assert [r["capacity"] for r in rows] == list(range(2, 49))
+    assert rows[-1]["misses"] == rows[-1]["opt_misses"]  # everything fits: only first uses miss
+
+
+# -- results files and resuming ------------------------------------------------------------------------
+GRID = {"policies": ["opt", "lru", "fifo", "llru"], "capacities": [4, 8, 16, 24], "orders": ["layer", "flat"]}
+
+
+def test_csv_json_and_parquet_hold_the_same_table(tmp_path, traces):
+    grid = {**GRID, "traces": [str(traces[0])]}
+    rows = quiet(out=tmp_path / "r.csv", **grid)
+    with open(tmp_path / "r.csv", newline="") as f:
+        text_rows = list(csv.DictReader(f))
+    assert [list(r) for r in text_rows[:1]] == [COLUMNS]
+    assert [r["misses"] for r in text_rows] == [str(r["misses"]) for r in rows]
+    assert quiet(out=tmp_path / "r.json", **grid) == rows
+    assert json.loads((tmp_path / "r.json").read_text()) == rows
+    assert not (tmp_path / "r.json.partial").exists()
+    pq = pytest.importorskip("pyarrow.parquet")
+    assert quiet(out=tmp_path / "r.parquet", **grid) == rows
+    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == rows
+
+
+def test_parquet_without_pyarrow_is_refused_before_the_work(tmp_path, monkeypatch, capsys, traces):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--out", str(tmp_path / "r.parquet"))
+    assert code == 2 and out == ""
+    assert "writing Parquet needs pyarrow: pip install pyarrow" in err and len(err.splitlines()) == 1
+
+
+def test_ray_missing_is_refused_before_the_work(monkeypatch, capsys, traces):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    code, _, err = run(capsys, "sweep", "--trace", str(traces[0]), "--ray")
+    assert code == 2
+    assert (
+        err
+        == "expertcache: error: --ray needs Ray: pip install 'expertcache[cluster]' (or pip install ray)\n"
+    )
+
+
+def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_path, capsys, traces):
+    out = tmp_path / "r.csv"
+    argv = ["sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8", "--out", str(out)]
+    assert run(capsys, *argv)[0] == 0
+    before = out.read_text()
+    code, _, err = run(capsys, *argv[:-2], "--capacity", "16", "--out", str(out))
+    assert code == 2
+    refusal = f"{out}: results exist; --resume to go on from them, or --force to replace them"
+    assert err == f"expertcache: error: {refusal}\n"
+    assert out.read_text() == before
+    assert run(capsys, *argv[:-4], "--capacity", "16", "--out", str(out), "--force")[0] == 0
+    assert [r["capacity"] for r in csv.DictReader(out.open())] == ["16"]
+    with pytest.raises(SystemExit) as refused:  # argparse's own one-line refusal
+        main([*argv, "--resume", "--force"])
+    assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    code, _, err = run(capsys, *argv[:-1], str(tmp_path / "other.csv"), "--resume")
+    assert code == 2 and "not this sweep's results (its header lacks trace" in err
+
+
+def test_resume_runs_only_the_missing_cells_and_ends_with_the_same_table(tmp_path, monkeypatch, traces):
+    grid = {**GRID, "traces": [str(traces[0]), str(traces[1])]}
+    quiet(out=tmp_path / "full.csv", **grid)
+    computed: list[tuple] = []
+    real = sweep_module.run_task
+
+    def counting(task, trace, predictor=None):
+        computed.extend((task.trace, task.policy, task.order, c) for c in task.capacities)
+        return real(task, trace, predictor)
+
+    monkeypatch.setattr(sweep_module, "run_task", counting)
+    part = tmp_path / "part.csv"
+    quiet(out=part, **{**grid, "capacities": [4, 16]})  # a sweep that stopped half way
+    first = list(computed)
+    computed.clear()
+    quiet(out=part, resume=True, **grid)
+    assert not set(first) & set(computed)  # no cell ran twice
+    assert len(first) + len(computed) == len(set(first) | set(computed)) == 2 * 4 * 2 * 4
+    assert part.read_text() == (tmp_path / "full.csv").read_text()
+
+
+def test_an_interrupted_sweep_keeps_its_rows_even_a_cut_line(tmp_path, monkeypatch, traces):
+    grid = {**GRID, "traces": [str(traces[0])]}
+    full = quiet(out=tmp_path / "full.json", **grid)
+    from expertcache.tools.sweep_table import Results
+
+    appended = []
+    real = Results.append
+
+    def append_then_stop(self, rows):
+        real(self, rows)
+        appended.append(len(rows))
+        if len(appended) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Results, "append", append_then_stop)
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        quiet(out=out, **grid)
+    journal = tmp_path / "r.json.partial"
+    assert not out.exists() and len(journal.read_text().splitlines()) == sum(appended)
+    with open(journal, "a") as f:
+        f.write('{"trace": "cut off wh')  # killed while writing a row
+    monkeypatch.setattr(Results, "append", real)
+    assert quiet(out=out, resume=True, **grid) == full
+    assert json.loads(out.read_text()) == full and not journal.exists()
+
+
+def test_ctrl_c_stops_the_workers_and_the_sweep_resumes(tmp_path):
+    """A real interruption: SIGINT to the command, after its first rows, on two processes."""
+    out = tmp_path / "r.csv"
+    argv = [
+        sys.executable, "-m", "expertcache", "sweep", "--policy", "fifo", "lfu", "lcp", "--capacity",
+        "8:96:8", "--order", "layer", "flat", "rounds", "--jobs", "2", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and len(out.read_text().splitlines()) > 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    if proc.returncode == 130:  # stopped half way (else it was done before the signal came)
+        assert "run again with --resume to go on" in err and "expertcache: interrupted" in err
+    else:
+        assert proc.returncode == 0, err
+    kept = len(out.read_text().splitlines()) - 1
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 3 * 12 * 3
+    assert f"({len(rows) - kept} computed, {kept} already in" in done.stderr
+
+
+# -- timing cells --------------------------------------------------------------------------------------
+def test_timing_cells_have_units_and_equal_the_timing_model(tmp_path, traces, capsys):
+    a = traces[0]
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(a), "--policy", "lru", "opt", "--capacity", "8", "16", "--order",
+        "layer", "flat", "--prefetch", "none", "eam", "--miss", "fetch", "host", "--link-bandwidth",
+        "16GB/s", "32GB/s", "--link-latency", "10us", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(out)
+    assert all(list(r) == ALL_COLUMNS for r in rows)
+    timed = [r for r in rows if r["order"] == "layer"]
+    assert len(timed) == 2 * 2 * 2 * 2 * 2  # policies x capacities x miss paths x predictors x links
+    assert all(r["miss"] is None and r["tpot_ms"] is None for r in rows if r["order"] == "flat")
+    assert {(r["link_bandwidth_gb_s"], r["link_latency_us"]) for r in timed} == {(16.0, 10.0), (32.0, 10.0)}
+    assert {r["window"] for r in timed if r["prefetch"] == "eam"} == {1}
+    from expertcache.costs import CostModel
+
+    r = next(r for r in timed if (r["policy"], r["miss"], r["prefetch"], r["link_bandwidth_gb_s"]) ==
+             ("lru", "host", "eam", 32.0) and r["capacity"] == 16)  # fmt: skip
+    cost = CostModel.from_dict({"link_bandwidth": "32GB/s", "link_latency": "10us"})
+    want = simulate_timing(load_trace(a), 16, cache="lru", prefetch="eam", miss="host", cost=cost)
+    assert r["tpot_ms"] == pytest.approx(want.tpot_s * 1e3) and r["ttft_ms"] == pytest.approx(
+        want.ttft_s * 1e3
+    )
+    assert (r["misses"], r["bytes_moved"], r["stall_s"]) == (want.misses, want.bytes_moved, want.stall_s)
+    assert r["opt_is_bound"] is False  # prefetching and host compute: OPT is a reference there
+    plain = {
+        (r["policy"], r["capacity"]): r for r in timed if (r["miss"], r["prefetch"]) == ("fetch", "none")
+    }
+    counted = expertcache.simulate(load_trace(a), ["lru", "opt"], [8, 16])
+    for c in counted:  # a plain cache misses as the counting simulator says
+        row = plain[c.policy, c.capacity]
+        assert (row["misses"], row["opt_misses"], row["opt_is_bound"]) == (
+            c.misses,
+            c.opt_misses,
+            c.opt_is_bound,
+        )
+
+
+def test_a_capacity_a_miss_path_cannot_divide_is_left_out(capsys, traces):
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "2", "8", "--miss",
+        "split", "--json",
+    )  # fmt: skip
+    assert code == 0
+    assert [r["capacity"] for r in json.loads(out)] == [8]
+    assert err.count("lru at capacity 2 with miss split left out (expert memory of") == 1
+
+
+# -- backends ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module (starting one takes seconds); stopped after it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_and_local_processes_give_the_same_table(tmp_path, traces, local_ray):
+    grid = {
+        "traces": [str(traces[0]), str(traces[1])], "policies": ["opt", "lru", "random"],
+        "capacities": [4, "50%"], "orders": ["layer", "flat"], "seeds": [0, 1],
+        "timing": Timing(prefetch=("none", "eam")),
+    }  # fmt: skip
+    on_ray = quiet(out=tmp_path / "ray.csv", ray=True, **grid)
+    local = quiet(out=tmp_path / "local.csv", jobs=2, **grid)
+    assert on_ray == local and len(local) == 2 * 3 * 2 * 2 * (2 + 1)
+    assert (tmp_path / "ray.csv").read_text() == (tmp_path / "local.csv").read_text()
+    assert quiet(out=tmp_path / "ray.csv", ray=True, resume=True, **grid) == local  # nothing left to run
+
+
+def test_ray_ships_each_trace_once(traces, local_ray, monkeypatch):
+    put = []
+    real = local_ray.put
+
+    def counting_put(value, *args, **kwargs):
+        put.append(value)
+        return real(value, *args, **kwargs)
+
+    monkeypatch.setattr(local_ray, "put", counting_put)
+    rows = quiet(
+        traces=[str(traces[0]), str(traces[1])], policies=["lru", "fifo", "opt"], capacities=[8], ray=True
+    )
+    assert len(rows) == 6 and len(put) == 2
+
+
+def test_errors_in_a_ray_task_are_one_line(traces, local_ray, capsys):
+    code, _, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lcp:rho=7", "--ray")
+    assert code == 2 and err.startswith("expertcache: error: ") and "rho" in err
+    assert len(err.splitlines()) == 1  # refused before any cell runs
+    trace = load_trace(traces[0])
+    task = sweep_module.Task(str(traces[0]), "sha", trace.num_keys, "lru", (), 0, "layer", (1,))
+    with pytest.raises(expertcache.ExpertcacheError) as raised:  # what a worker raises comes back as it was
+        sweep_module.run_ray([task], {"sha": trace}, None, lambda *_: None)
+    assert type(raised.value) is expertcache.ExpertcacheError
+    assert str(raised.value).startswith("capacity 1 is below top-k 2: in layer order a token's 2 experts")
+
+
+# -- plots and the rest --------------------------------------------------------------------------------
+def test_plots_per_trace_order_and_timing_combination(tmp_path, capsys, traces):
+    plots = tmp_path / "plots"
+    code, _, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "opt", "lru", "--capacity", "4", "8", "16",
+        "--order", "layer", "flat", "--prefetch", "none", "eam", "--plot", str(plots), "--out",
+        str(tmp_path / "r.csv"),
+    )  # fmt: skip
+    assert code == 0, err
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == sorted(
+        f"a_{g}_{kind}.png"
+        for g in ("flat", "layer_fetch_none_25GBps_20us", "layer_fetch_eam-w1_25GBps_20us")
+        for kind in ("mrc", "ratio")
+    )
+    assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+    assert "6 plots in" in err
+
+
+def test_a_plot_folder_that_cannot_be_written_is_refused_first(tmp_path, capsys, traces):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "r.csv"
+    code, _, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--plot", str(tmp_path / "file"), "--out", str(out)
+    )
+    assert code == 2 and "cannot write the plots there: it is a file, not a folder" in err
+    assert not out.exists()
+
+
+_LIGHT = """
+import sys
+sys.modules["torch"] = None  # an import of torch now fails
+sys.modules["transformers"] = None
+import expertcache.cli, expertcache.tools.sweep
+heavy = [m for m in ("ray", "pandas", "pyarrow", "matplotlib", "yaml", "tqdm") if m in sys.modules]
+assert not heavy, heavy
+sys.exit(expertcache.cli.main(sys.argv[1:]))
+"""
+
+
+def test_the_sweep_runs_without_torch_and_imports_the_heavy_parts_only_when_used(tmp_path, traces):
+    out = tmp_path / "r.csv"
+    done = subprocess.run(
+        [sys.executable, "-c", _LIGHT, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity",
+         "8", "--prefetch", "eam", "--out", str(out), "--jobs", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 2
