@@ -1,0 +1,73 @@
+"""The compiled replays against the Python reference: seconds and requests/s per policy, one capacity.
+
+The trace: ``synthesize("zipf", tokens=--tokens, layers=32, experts=8, top_k=2, seed=1)`` (6.4M requests
+in flat order at the default 100,000 tokens; the same as ``sim_vs_libcachesim.py``). Each compiled replay
+runs once to load its code, then ``--repeats`` times (best kept); the Python reference runs on the first
+``--reference-tokens`` tokens only (it is slow) and its rate is scaled from there. The misses of both
+must agree on the part both ran (the script fails otherwise).
+
+    PYTHONPATH=bench .venv/bin/python bench/sim_kernels.py [--tokens 100000] [--order flat]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from provenance import ROOT, provenance, write_json
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.sim import fast
+from expertcache.sim.replay import replay
+from expertcache.trace import Trace, synthesize
+
+POLICIES = ["lru", "fifo", "lfu", "lcp", "llru", "opt", "lru-dist", "lfu-dist", "llru-dist", "opt-dist"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--reference-tokens", type=int, default=10_000)
+    ap.add_argument("--order", default="flat")
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_kernels.json")
+    args = ap.parse_args()
+    trace = synthesize("zipf", tokens=args.tokens, layers=32, experts=8, top_k=2, seed=1)
+    s = build_schedule(trace, args.order)
+    part = Trace(trace.experts[: args.reference_tokens], trace.num_experts)
+    small = build_schedule(part, args.order)
+    rows = []
+    for name in POLICIES:
+        fast.replay(s, name, args.capacity)  # load (or compile) the code
+        runs = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            misses, _ = fast.replay(s, name, args.capacity)
+            runs.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref = replay(small, name, args.capacity)
+        ref_s = time.perf_counter() - t0
+        agree = fast.replay(small, name, args.capacity)[0].tolist() == ref.layer_misses.tolist()
+        compiled_rate = s.num_requests / min(runs)
+        reference_rate = small.num_requests / ref_s
+        rows.append({
+            "policy": name, "requests": s.num_requests, "compiled_s": min(runs),
+            "compiled_requests_per_s": compiled_rate, "reference_requests_per_s": reference_rate,
+            "speedup": compiled_rate / reference_rate, "miss_ratio": int(misses.sum()) / s.num_requests,
+            "agree": agree,
+        })  # fmt: skip
+        print(f"{name:10} compiled {min(runs):6.3f} s ({compiled_rate / 1e6:5.1f}M req/s) | Python "
+              f"{reference_rate / 1e6:5.2f}M req/s | {compiled_rate / reference_rate:5.0f}x | "
+              f"agree {agree}")  # fmt: skip
+    write_json(args.out, {**provenance(), "tokens": args.tokens, "order": args.order, "rows": rows})
+    if not all(r["agree"] for r in rows):
+        print("the compiled and the reference replays disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
