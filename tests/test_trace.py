@@ -523,3 +523,15 @@ def test_round_token_counts_tokens_in_every_order() -> None:
     assert layer.round_prefill.tolist() == [True, False, False, False, True, False, False, False]
     assert build_schedule(trace, "flat").round_token.tolist() == list(range(12))
     assert build_schedule(trace, "rounds").round_token.tolist() == [t for t in range(12) for _ in range(2)]
+
+
+@pytest.mark.parametrize("base", [9, 300, 2**20])  # a table of codes, sorted codes, rows as they are
+def test_unique_layer_rows_equals_numpy_unique(base):
+    from expertcache.cache.schedule import _unique_layer_rows
+
+    rng = np.random.default_rng(base)
+    ex = rng.integers(-1, 8, size=(200, 3, 3)).astype(np.int16)
+    sig = np.concatenate([np.broadcast_to(np.arange(3)[None, :, None], (200, 3, 1)), ex], axis=2)
+    want, want_inverse = np.unique(sig.reshape(-1, 4).astype(np.int64), axis=0, return_inverse=True)
+    uniq, inverse = _unique_layer_rows(ex, base)
+    assert uniq.tolist() == want.tolist() and inverse.tolist() == want_inverse.reshape(-1).tolist()

@@ -278,25 +278,25 @@ def _layer_order(trace: Trace) -> Schedule:
     single = np.flatnonzero(ends - starts == 1)
     if len(single):  # one-token steps: intern distinct (layer, row) pairs in bulk
         ex = trace.experts[starts[single]]  # [S, L, K]
-        sig = np.concatenate(
-            [np.broadcast_to(np.arange(L)[None, :, None], (len(single), L, 1)), ex], axis=2
-        ).reshape(-1, ex.shape[2] + 1)
-        uniq, inverse = _unique_rows(sig, base=max(E, L) + 1)
+        uniq, inverse = _unique_layer_rows(ex, base=max(E, L) + 1)
         local = [intern(int(r[0]), group_experts([r[1:]])) for r in uniq.tolist()]
-        gid[single] = np.asarray(local, dtype=np.int64)[inverse.reshape(-1)].reshape(len(single), L)
+        gid[single] = np.asarray(local, dtype=np.int64)[inverse].reshape(len(single), L)
     for s in np.flatnonzero(ends - starts > 1).tolist():  # prompt steps: union over tokens
         block = trace.experts[starts[s] : ends[s]]  # [n, L, K]
         for layer in range(L):
             gid[s, layer] = intern(layer, group_experts(block[:, layer, :].tolist()))
     keys = [tuple((r[0], e) for e in r[1:]) for r in rows]
     width = max((len(r) - 1 for r in rows), default=0)
-    padded = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
+    padded = np.full((len(rows), max(width, 1)), -1, dtype=np.int32 if L * E < 2**31 else np.int64)
     for i, r in enumerate(rows):
         padded[i, : len(r) - 1] = [r[0] * E + e for e in r[1:]]
     flat_gid = gid.reshape(-1)
-    members = padded[flat_gid]  # [G, width]
-    valid = members >= 0
-    return Schedule(
+    row_len = (padded >= 0).sum(axis=1)  # a row's members fill it from the left
+    req_group = np.repeat(np.arange(len(flat_gid), dtype=np.int64), row_len[flat_gid])
+    members = padded[flat_gid].reshape(-1)  # [G * width]
+    req_key = members if width == 1 and (row_len == 1).all() else np.compress(members >= 0, members)
+    prefill = _token_prefill(trace)[starts]
+    schedule = Schedule(
         order="layer",
         num_layers=L,
         num_experts=E,
@@ -304,25 +304,53 @@ def _layer_order(trace: Trace) -> Schedule:
         per_layer=1,
         group_table=keys,
         group_index=flat_gid.astype(np.int32),
-        round_prefill=_token_prefill(trace)[starts],
+        round_prefill=prefill,
         round_token=starts.astype(np.int64),
         round_seq=_token_seq(trace)[starts],
-        req_group=np.nonzero(valid)[0],
-        req_key=members[valid].astype(np.int32),
+        req_group=req_group,
+        req_key=req_key.astype(np.int32, copy=False),
     )
+    # requests per phase and layer, from how often each distinct group is used (not per request)
+    row_layer = np.asarray([r[0] for r in rows], dtype=np.int64)
+    counts = np.zeros((2, L), dtype=np.int64)
+    for phase, steps in enumerate((~prefill, prefill)):
+        if steps.any():
+            uses = np.bincount(gid[steps].reshape(-1), minlength=len(rows))
+            counts[phase] = np.bincount(row_layer, weights=uses * row_len, minlength=L).astype(np.int64)
+    object.__setattr__(schedule, "layer_requests", counts)  # the cached property's value
+    return schedule
 
 
-def _unique_rows(rows: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(rows, axis=0) with the inverse; through one int64 code per row when it fits."""
-    rows = rows.astype(np.int64)
-    if rows.shape[1] * np.log2(base) >= 62:
-        uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+def _unique_layer_rows(ex: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (layer, e0, e1, ...) rows of ex [S, L, K], sorted, and each (step, layer)'s index
+    among them: -> int64 [U, 1 + K], [S * L]. Through one integer code per row when it fits; by a table
+    of every code (linear time) when the codes are few, else by sorting."""
+    S, L, K = ex.shape
+    if (K + 1) * np.log2(base) >= 62:  # no code fits: rows as they are
+        sig = np.concatenate([np.broadcast_to(np.arange(L)[None, :, None], (S, L, 1)), ex], axis=2)
+        uniq, inverse = np.unique(sig.reshape(-1, K + 1).astype(np.int64), axis=0, return_inverse=True)
         return uniq, inverse.reshape(-1)
-    code = np.zeros(len(rows), dtype=np.int64)
-    for col in range(rows.shape[1]):
-        code = code * base + (rows[:, col] + 1)  # +1: unknown entries (-1) become digit 0
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    return rows[first], inverse.reshape(-1)
+    code = np.broadcast_to(np.arange(L, dtype=np.int64)[None, :] + 1, (S, L)).copy()
+    for col in range(K):
+        code *= base
+        code += ex[:, :, col] + 1  # +1: unknown entries (-1) become digit 0
+    code = code.reshape(-1)
+    size = (L + 1) * base**K
+    if size <= 1 << 26:  # few possible codes: mark them in a table, no sort
+        seen = np.zeros(size, dtype=bool)
+        seen[code] = True
+        codes = np.flatnonzero(seen)
+        rank = np.cumsum(seen, dtype=np.int64) - 1
+        inverse = rank[code]
+    else:
+        codes, inverse = np.unique(code, return_inverse=True)
+    uniq = np.empty((len(codes), K + 1), dtype=np.int64)  # decode the digits
+    rest = codes.astype(np.int64)
+    for col in range(K, 0, -1):
+        rest, digit = np.divmod(rest, base)
+        uniq[:, col] = digit - 1
+    uniq[:, 0] = rest - 1
+    return uniq, inverse.reshape(-1)
 
 
 def _token_seq(trace: Trace) -> np.ndarray:
