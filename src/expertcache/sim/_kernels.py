@@ -158,6 +158,26 @@ def _sift_down(h, b, pos, i, n, score, stamp):  # pragma: no cover (compiled)
 
 
 @numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
+def _pop_root(h, b, pos, m, score, stamp):  # pragma: no cover (compiled)
+    """Remove the root of a heap of m + 1 entries (Floyd): the hole goes down along the smaller children
+    to a leaf (one comparison a level), the last entry fills it and moves up (rarely far)."""
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= m:
+            break
+        if c + 1 < m and _less(h[b + c + 1], h[b + c], score, stamp):
+            c += 1
+        h[b + i] = h[b + c]
+        pos[h[b + i]] = i
+        i = c
+    if i < m:
+        h[b + i] = h[b + m]
+        pos[h[b + i]] = i
+        _sift_up(h, b, pos, i, score, stamp)
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
 def _heap_remove(h, b, pos, n, k, score, stamp):  # pragma: no cover (compiled)
     """Remove k from a heap of n entries; returns the new size."""
     i = pos[k]
@@ -352,10 +372,8 @@ def replay(
                         _list_remove(v, s, prv, nxt, head, tail)
                     else:
                         b, m = s * M, size[s] - 1
-                        if pos[v] == 0:  # the root (no pinned key above it): the last leaf replaces it
-                            heap[b] = heap[b + m]
-                            pos[heap[b]] = 0
-                            _sift_down(heap, b, pos, 0, m, score, stamp)
+                        if pos[v] == 0:  # the root (no pinned key above it): Floyd's pop
+                            _pop_root(heap, b, pos, m, score, stamp)
                         else:
                             _heap_remove(heap, b, pos, size[s], v, score, stamp)
                     size[s] -= 1
