@@ -94,6 +94,24 @@ def test_sim_capacity_all_and_orders(capsys, trace_file):
         assert caps == list(range(low, 4 * 8 + 1))
 
 
+def test_sim_capacity_shares(capsys, trace_file):
+    code, out, _ = run(
+        capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", "25%", "50%", "8", "--json"
+    )
+    assert code == 0 and [r["capacity"] for r in json.loads(out)] == [
+        8,
+        16,
+    ]  # of 4 x 8 experts; duplicates once
+    for bad, why in (
+        ("0%", "a share is in"),
+        ("101%", "a share is in"),
+        ("1%", "below one expert"),
+        ("a%", "not a share"),
+    ):
+        code, _, err = run(capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", bad)
+        assert code == 2 and why in err and len(err.strip().splitlines()) == 1
+
+
 def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):
     argv = ["sim", str(trace_file), "--policy", "lru-dist", "--json", "--capacity"]
     code, out, err = run(capsys, *argv, "2", "4", "8")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from expertcache.cache.residency import Residency
 from expertcache.cache.schedule import ORDERS, build_schedule
-from expertcache.errors import PolicyError
+from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.sim import fast, simulate, stack
 from expertcache.sim.curves import misses_by_layer, run_policy
 from expertcache.sim.replay import policy_for, replay
@@ -185,3 +185,20 @@ def test_compiled_flat_schedule_needs_no_group_objects():
     run_policy(s, "opt", [8, 9, 10, 11])
     assert "groups" not in s.__dict__  # the per-group tuples are built only for the Python reference
     assert s.groups[0] == (s.key(s.req_key[0]),) and "groups" in s.__dict__
+
+
+def test_compiled_replay_refuses_what_the_reference_refuses(monkeypatch):
+    s = build_schedule(synthesize("zipf", tokens=300, layers=32, experts=8, top_k=2, seed=1), "layer")
+    budgets = {"budgets": [1] * 31 + [33]}  # 64 slots, but layer 0 holds one expert: below top-k
+    with pytest.raises(ExpertcacheError, match="layer 0 gets 1 slot") as ref:
+        replay(s, "lru-dist", 64, **budgets)
+    with pytest.raises(ExpertcacheError) as got:
+        fast.replay(s, "lru-dist", 64, budgets)
+    assert str(got.value) == str(ref.value)
+    monkeypatch.setattr(fast, "MIN_REQUESTS", 0)  # and run_policy, compiled
+    with pytest.raises(ExpertcacheError, match="layer 0 gets 1 slot"):
+        run_policy(s, "lru-dist", [64], params=budgets)
+    with pytest.raises(
+        ExpertcacheError, match="lru-dist at capacity 40: each layer needs 2 slot.s. in layer order"
+    ):
+        run_policy(s, "lru-dist", [40])

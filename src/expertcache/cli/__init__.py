@@ -32,6 +32,7 @@ from expertcache.policy.registry import (
 from expertcache.sim.planner import METHODS, OBJECTIVES
 from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
+from expertcache.tools.sweep_grid import capacity_items
 from expertcache.trace.default import default_trace
 from expertcache.trace.stats import summary
 from expertcache.trace.synth import GENERATORS, synthesize
@@ -91,7 +92,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--capacity",
         nargs="+",
         metavar="N",
-        help=f"experts: N [N ...], START:STOP[:STEP] or all = 1..L*E (default: {DEFAULT_STEPS} even steps)",
+        help=f"experts: N [N ...], START:STOP[:STEP], shares of all experts (25%%) or all = 1..L*E "
+        f"(default: {DEFAULT_STEPS} even steps)",
     )
     s.add_argument(
         "--order", choices=ORDERS, default="layer",
@@ -816,11 +818,19 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
         return list(range(min_room(order, trace.top_k), total + 1))
     caps: list[int] = []
     for item in items:
+        if item.endswith("%"):  # a share of all experts, rounded down (as sweep resolves it)
+            (n,) = capacity_items(item, total, 1)
+            if not isinstance(n, int):
+                raise ExpertcacheError(f"capacity {item!r} is below one expert of {total}")
+            caps.append(n)
+            continue
         parts = item.split(":")
         try:
             nums = [int(x) for x in parts]
         except ValueError:
-            raise ExpertcacheError(f"capacity {item!r} is not an integer, START:STOP[:STEP] or all") from None
+            raise ExpertcacheError(
+                f"capacity {item!r} is not an integer, START:STOP[:STEP], a share (25%) or all"
+            ) from None
         if len(nums) == 1:
             caps.append(nums[0])
         elif len(nums) in (2, 3) and (len(nums) == 2 or nums[2] > 0):

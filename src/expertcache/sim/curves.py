@@ -9,6 +9,8 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 import numpy as np
 
 from expertcache.cache.schedule import Schedule, check_capacity
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.registry import capacity_reason, min_capacity
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.stack import lru_depths, opt_depths
 
@@ -67,8 +69,14 @@ def run_policy(
     the policy has a compiled replay and the schedule is large, else by the Python reference (on ``jobs``
     processes)."""
     params = params or {}
+    low = min_capacity(name, schedule.num_layers, params, schedule.min_room)
     for c in capacities:
         check_capacity(c, schedule.order, schedule.top_k)
+        if c < low:
+            why = capacity_reason(name, params, schedule.min_room)
+            raise ExpertcacheError(
+                f"{name} at capacity {c}: {why} in {schedule.order} order, so it needs capacity >= {low}"
+            )
     done: dict[int, SimResult] = {}
     by_stack = [c for c in capacities if c >= schedule.max_group]
     if name in STACK_DEPTHS and not params and len(by_stack) >= _stack_from(schedule, name, params):

@@ -23,6 +23,7 @@ from expertcache.errors import PolicyError
 from expertcache.policy.base import PolicyContext
 from expertcache.policy.dist import Dist
 from expertcache.policy.registry import make_policy
+from expertcache.sim.replay import check_rooms
 from expertcache.sim.stack import _NEVER
 
 MIN_REQUESTS = 200_000  # below this the reference is about as fast as loading the compiled code
@@ -77,8 +78,8 @@ def replay(
         raise PolicyError(f"{name!r} with {sorted(params)} has no compiled replay")
     base = name.removesuffix("-dist")
     policy = make_policy(name, _context(schedule, capacity, base == "opt"), **params)  # validates
+    rooms = np.asarray(check_rooms(schedule, policy), dtype=np.int64)  # the reference's refusals
     L = schedule.num_layers
-    rooms = np.asarray([policy.room(layer) for layer in range(L)], dtype=np.int64)
     decay = float(getattr(policy.layers[0] if isinstance(policy, Dist) else policy, "_decay", 0.0))
     k = _k()
     nxt = next_use(schedule) if base == "opt" else np.zeros(0, dtype=np.int64)
