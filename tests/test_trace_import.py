@@ -115,7 +115,11 @@ def test_torch_tensors_read_weights_only(tmp_path, capsys):
     torch.save({"topk_ids": [Evil()]}, tmp_path / "evil.pt")
     assert main(["trace", "import", str(tmp_path / "evil.pt"), "-o", str(out)]) == 2
     captured = capsys.readouterr()
-    assert "only files of plain tensors are" in captured.err and "ran" not in captured.out
+    assert "ran" not in captured.out and captured.err.count("\n") == 1 and "\x1b" not in captured.err
+    assert (
+        "evil.pt: refused: the file holds Python objects, not only tensors (it names print; read with "
+        "weights_only=True, so code in it is never run)" in captured.err
+    )
 
 
 @pytest.mark.parametrize(
@@ -174,3 +178,189 @@ def test_import_cli_refuses_before_reading(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def _import_cli(path: Path, capsys, *flags: str) -> tuple[int, str]:
+    code = main(["trace", "import", str(path), "-o", str(path.with_suffix(".npz")), *flags])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"", "empty file"),
+        (b"hello world\n", "not a file torch.save wrote of tensors (torch.load: KeyError"),
+        (b"garbage" * 10, "not a file torch.save wrote of tensors (torch.load: Unsupported operand"),
+        (None, "not a file torch.save wrote of tensors (torch.load: PytorchStreamReader failed reading zip"),
+        ("numpy", "(it names numpy."),
+    ],
+)
+def test_unreadable_torch_files_are_one_clean_line(tmp_path, capsys, content, words):
+    path = tmp_path / "bad.pt"
+    if content is None:  # a file torch.save wrote, cut in half
+        torch.save([torch.zeros(3, 2, dtype=torch.long)], path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif content == "numpy":  # a numpy array is a Python object to weights_only=True
+        torch.save({"topk_ids": np.zeros((3, 2, 2), dtype=np.int64)}, path)
+    else:
+        path.write_bytes(content)
+    code, err = _import_cli(path, capsys)
+    assert code == 2 and words in err and str(path) in err
+    assert err.count("\n") == 1 and "\x1b" not in err and "Traceback" not in err
+
+
+def test_torch_messages_lose_their_terminal_escapes():
+    import pickle
+
+    from expertcache.tools.trace_import import _load_error
+
+    exc = pickle.UnpicklingError(
+        "Weights only load failed. \x1b[1mtrust\x1b[0m the source.\n\tPlease file an issue: "
+        "WeightsUnpickler error: \n\n\x1b[1mUnsupported\x1b[0m operand 103\n\nCheck the documentation of "
+        "torch.load to learn more."
+    )
+    assert str(_load_error(Path("x.pt"), exc)) == (
+        "x.pt: not a file torch.save wrote of tensors (torch.load: Unsupported operand 103)"
+    )
+
+
+def test_torch_forms_all_read_alike(tmp_path):
+    ids = torch.tensor([[[1, 2], [0, 6]], [[3, 4], [6, 7]], [[1, 5], [2, 3]]])  # [T=3, L=2, K=2]
+    weights = ids.float() / 10
+    per_layer = [ids[:, 0], ids[:, 1]]
+    forms = {
+        "bare": ids,
+        "list": per_layer,
+        "tuple": tuple(per_layer),
+        "dict": {1: per_layer[1], 0: per_layer[0]},
+        "named": {"layer_0": per_layer[0], "layer_1": per_layer[1]},
+        "ids": {"topk_ids": ids},
+        "weighted": {"topk_ids": ids, "topk_weights": weights},
+        "mixed": {"topk_ids": ids, "topk_weights": [weights[:, 0], weights[:, 1]]},
+        "grad": {"topk_ids": per_layer, "topk_weights": weights.clone().requires_grad_()},
+    }
+    from expertcache.tools.trace_import import import_torch
+
+    for name, obj in forms.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        trace = import_torch(tmp_path / f"{name}.pt")
+        assert trace.experts.tolist() == ids.tolist() and trace.num_experts == 8, name
+        if name in ("weighted", "mixed", "grad"):
+            np.testing.assert_allclose(trace.weights, weights.numpy(), err_msg=name)
+        else:
+            assert trace.weights is None, name
+
+
+@pytest.mark.parametrize(
+    "obj, words",
+    [
+        (
+            torch.tensor([[1, 2], [3, 4]]),
+            "topk_ids: a tensor of shape [2, 2]; expected [tokens, layers, top-k]",
+        ),
+        (torch.ones(2, 1, 2), "expert ids must be integers, got torch.float32"),
+        (torch.ones(2, 1, 2, dtype=torch.bfloat16), "expert ids must be integers, got torch.bfloat16"),
+        (torch.zeros(0, 2, 2, dtype=torch.long), "no routing (topk_ids has shape [0, 2, 2])"),
+        (
+            {
+                "topk_ids": torch.zeros(2, 1, 2, dtype=torch.long) + torch.tensor([0, 1]),
+                "topk_weights": torch.ones(2, 2),
+            },
+            "topk_weights: a tensor of shape [2, 2]",
+        ),
+        (
+            {"topk_ids": torch.tensor([[[0, 1]]]), "topk_weights": torch.ones(1, 1, 3)},
+            "topk_weights has shape [1, 1, 3] as [tokens, layers, top-k], topk_ids [1, 1, 2]",
+        ),
+        (
+            {0: torch.tensor([[0, 1]]), "layer_0": torch.tensor([[0, 1]])},
+            "two keys name the same layer number",
+        ),
+        ("text", "expected a [tokens, layers, top-k] tensor, or a list or dict of per-layer"),
+    ],
+)
+def test_bad_torch_forms_are_one_line(tmp_path, capsys, obj, words):
+    path = tmp_path / "bad.pt"
+    torch.save(obj, path)
+    code, err = _import_cli(path, capsys)
+    assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_a_repeated_expert_is_refused_in_every_format(tmp_path, capsys):
+    jsonl = _jsonl(
+        tmp_path / "r.jsonl",
+        [
+            {"req_id": "a", "token_idx": 0, "layer": 0, "topk_ids": [1, 2]},
+            {"req_id": "a", "token_idx": 1, "layer": 3, "topk_ids": [4, 4]},
+        ],
+    )
+    ids_csv = tmp_path / "ids.csv"
+    ids_csv.write_text("token_idx,layer,topk_ids\n0,0,1 2\n0,1,5 5\n")
+    cols_csv = tmp_path / "cols.csv"
+    cols_csv.write_text("token_idx,layer,expert_0,expert_1\n0,0,1,2\n1,0,7,7\n")
+    pt = tmp_path / "r.pt"
+    torch.save(torch.tensor([[[0, 1], [2, 3]], [[0, 1], [6, 6]]]), pt)
+    for path, words in [
+        (jsonl, "r.jsonl: line 2: expert 4 appears twice in the top-k of request 'a', token 1, layer 3"),
+        (ids_csv, "ids.csv: line 3: expert 5 appears twice in the top-k of token 0, layer 1"),
+        (cols_csv, "cols.csv: line 3: expert 7 appears twice in the top-k of token 1, layer 0"),
+        (pt, "r.pt: expert 6 appears twice in the top-k of token 1, layer 1"),
+    ]:
+        code, err = _import_cli(path, capsys)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+    # unknown slots (-1) may repeat
+    ok = tmp_path / "ok.csv"
+    ok.write_text("token_idx,layer,topk_ids\n0,0,1 2\n1,0,-1 -1\n")
+    trace, notes = import_trace(ok)
+    assert trace.experts[1, 0].tolist() == [-1, -1] and notes == []
+
+
+def test_rows_with_fewer_ids_than_top_k_are_reported(tmp_path, capsys):
+    path = tmp_path / "r.csv"
+    path.write_text("token_idx,layer,topk_ids\n0,0,1 2\n0,1,3\n1,0,4 5\n1,1,6\n")
+    trace, notes = import_trace(path)
+    assert trace.experts[:, 1].tolist() == [[3, -1], [6, -1]]
+    assert notes == [
+        "2 of 4 rows have fewer than 2 expert ids (top-k is the widest row's); the first: line 3 (token 0, "
+        "layer 1); their missing slots are unknown (-1)"
+    ]
+    code, err = _import_cli(path, capsys)
+    assert code == 0 and "note: 2 of 4 rows have fewer than 2 expert ids" in err
+    cols = tmp_path / "cols.jsonl"  # JSON lines alike, naming the request
+    _jsonl(
+        cols,
+        [
+            {"req_id": "a", "token_idx": 0, "layer": 0, "topk_ids": [1, 2, 3]},
+            {"req_id": "a", "token_idx": 1, "layer": 0, "topk_ids": [1, 2]},
+        ],
+    )
+    assert "the first: line 2 (request 'a', token 1, layer 0)" in import_trace(cols)[1][0]
+
+
+def test_weights_on_some_records_only_say_which(tmp_path, capsys):
+    dummy = [{"req_id": "dummy", "token_idx": t, "layer": 0, "topk_ids": [1, 2]} for t in range(3)]
+    path = _jsonl(tmp_path / "r.jsonl", dummy + _routes("a", 2, 1, 1))
+    code, err = _import_cli(path, capsys)
+    assert code == 0 and "left out 3 leading profiling rows" in err
+    code, err = _import_cli(path, capsys, "--keep-profiling")
+    assert code == 2 and err.count("\n") == 1
+    assert (
+        "r.jsonl: the kept profiling run's records (request 'dummy') have no topk_weights while the others "
+        "do: import without --keep-profiling, or give the profiling records weights" in err
+    )
+    # the other way round: weighted profiling records, left out, no longer spoil the rest
+    weighted = [{**r, "topk_weights": [0.5, 0.5]} for r in dummy]
+    plain = [{k: v for k, v in r.items() if k != "topk_weights"} for r in _routes("a", 2, 1, 1)]
+    other = _jsonl(tmp_path / "o.jsonl", weighted + plain)
+    trace, _ = import_trace(other)
+    assert trace.weights is None and trace.num_tokens == 2
+    with pytest.raises(TraceError, match="have topk_weights while the others do not"):
+        import_trace(other, skip_profiling=False)
+    # no profiling run: the first record that differs from those before it is named
+    mixed = _jsonl(tmp_path / "m.jsonl", _routes("a", 2, 1, 1) + [{**plain[0], "req_id": "b"}])
+    code, err = _import_cli(mixed, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert (
+        "m.jsonl: line 3: request 'b', token 0, layer 0 has no topk_weights while the records before it "
+        "have them: give every record topk_weights, or none" in err
+    )

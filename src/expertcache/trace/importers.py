@@ -13,11 +13,14 @@ Both formats hold one record per (request, token, layer):
 
 Tokens are ordered by request (in order of first appearance) and ``token_idx``; layers are numbered in
 order of their ids (kept as the ``layer_ids`` metadata). Without ``req_id`` a request ends where
-``token_idx`` goes back. A (token, layer) a log does not hold is unknown (expert -1). Leading profiling
-rows are left out and reported: vLLM runs a dummy batch through the model before serving, which loggers
-record first. A leading request counts as profiling when its ``req_id`` says so (``dummy``, ``profile``,
-``warmup``) or, without ids, when every token of it routes identically in every layer (dummy inputs
-are one repeated token).
+``token_idx`` goes back. A (token, layer) a log does not hold is unknown (expert -1). Top-k is the widest
+record's: a record with fewer ids keeps its missing slots unknown (-1), and a note counts such records and
+names the first (a truncated row shows there). An expert named twice in one record is refused: a router
+picks an expert at most once per token. Records with ``topk_weights`` and records without are refused
+together. Leading profiling rows are left out and reported: vLLM runs a dummy batch through the model
+before serving, which loggers record first. A leading request counts as profiling when its ``req_id`` says
+so (``dummy``, ``profile``, ``warmup``) or, without ids, when every token of it routes identically in every
+layer (dummy inputs are one repeated token).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class _Rows:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.routes: dict[tuple[object, int, int], tuple[list[int], list[float] | None]] = {}
+        # (request, token, layer) -> experts, weights, where the record is (for notes)
+        self.routes: dict[tuple[object, int, int], tuple[list[int], list[float] | None, str]] = {}
         self.extra: dict[tuple[object, int], dict[str, int]] = {}  # (request, token) -> is_prefill, token_id
         self.requests: dict[object, None] = {}  # in order of first appearance
         self.meta: dict[str, object] = {}
@@ -66,6 +70,16 @@ class _Rows:
         ids = [_int(where, "topk_ids", e) for e in experts]
         if not ids:
             raise TraceError(f"{where}: no expert ids")
+        outside = next((e for e in ids if not -1 <= e <= np.iinfo(np.int16).max), None)
+        if outside is not None:
+            raise TraceError(f"{where}: expert id {outside} is outside 0..32767 (-1: unknown)")
+        known = [e for e in ids if e >= 0]  # -1: an unknown slot, as often as it likes
+        if len(set(known)) != len(known):
+            twice = next(e for e in known if known.count(e) > 1)
+            raise TraceError(
+                f"{where}: expert {twice} appears twice in the top-k of {self._at(req, token, layer)} "
+                "(a router picks an expert at most once per token)"
+            )
         w = None
         if weights is not None:
             try:
@@ -77,7 +91,7 @@ class _Rows:
         key = (req, token, layer)
         if key in self.routes:
             raise TraceError(f"{where}: a second record of request {req!r}, token {token}, layer {layer}")
-        self.routes[key] = (ids, w)
+        self.routes[key] = (ids, w, where)
         self.requests.setdefault(req)
         info = self.extra.setdefault((req, token), {})
         if prefill is not None:
@@ -90,14 +104,31 @@ class _Rows:
             raise TraceError(f"{self.source}: no routing records")
         notes = []
         requests = list(self.requests)
-        if skip_profiling and len(requests) > 1 and self._profiling(requests[0]):
+        profiling = len(requests) > 1 and self._profiling(requests[0])
+        if skip_profiling and profiling:
             first = requests.pop(0)
             rows = sum(1 for k in self.routes if k[0] == first)
             why = f"request {first!r}" if self.has_ids else "its every token routed alike in every layer"
             notes.append(f"left out {rows} leading profiling rows ({why})")
-        layers = sorted({k[2] for k in self.routes})
+        kept = set(requests)
+        routes = [(key, v) for key, v in self.routes.items() if key[0] in kept]  # in the log's order
+        weighted = [v[1] is not None for _, v in routes]
+        if any(weighted) and not all(weighted):
+            raise TraceError(
+                self._mixed_weights(routes, requests[0] if profiling and not skip_profiling else None)
+            )
+        layers = sorted({k[2] for k, _ in routes})
         col = {lid: i for i, lid in enumerate(layers)}
-        k = max(len(ids) for ids, _ in self.routes.values())
+        k = max(len(v[0]) for _, v in routes)
+        short = [(key, v[2]) for key, v in routes if len(v[0]) < k]
+        if short:
+            (r, t, lid), where = short[0]
+            have = "has" if len(short) == 1 else "have"
+            notes.append(
+                f"{len(short)} of {len(routes)} rows {have} fewer than {k} expert ids (top-k is the widest "
+                f"row's); the first: {where.removeprefix(self.source + ': ')} ({self._at(r, t, lid)}); "
+                "their missing slots are unknown (-1)"
+            )
         by_request: dict[object, list[int]] = {r: [] for r in requests}
         for r, t in self.extra:  # every (request, token) a record named, once each
             if r in by_request:
@@ -105,19 +136,14 @@ class _Rows:
         tokens = [(r, t) for r in requests for t in sorted(by_request[r])]
         row = {rt: i for i, rt in enumerate(tokens)}
         ex = np.full((len(tokens), len(layers), k), -1, dtype=np.int64)
-        weighted = any(w is not None for _, w in self.routes.values())
-        wt = np.full(ex.shape, np.nan, dtype=np.float32) if weighted else None
-        for (r, t, lid), (ids, w) in self.routes.items():
-            if (r, t) not in row:
-                continue
+        wt = np.full(ex.shape, np.nan, dtype=np.float32) if all(weighted) else None
+        for (r, t, lid), (ids, w, _) in routes:
             i, j = row[(r, t)], col[lid]
             ex[i, j, : len(ids)] = ids
-            if wt is not None and w is not None:
+            if wt is not None:
                 wt[i, j, : len(w)] = w
         if wt is not None:
             wt[(ex < 0)] = np.nan  # unknown entries: any weight (read as 0)
-            if np.isnan(wt[ex >= 0]).any():
-                raise TraceError(f"{self.source}: some records have topk_weights and others not")
         if ex.max() > np.iinfo(np.int16).max or ex.min() < -1:
             raise TraceError(f"{self.source}: expert ids outside 0..32767")
         need = int(ex.max()) + 1
@@ -141,6 +167,35 @@ class _Rows:
         )  # fmt: skip
         return trace, notes
 
+    def _at(self, req, token: int, layer: int) -> str:
+        """A record in the log's terms: its request (when the log names them), token_idx and layer."""
+        return (f"request {req!r}, " if self.has_ids else "") + f"token {token}, layer {layer}"
+
+    def _mixed_weights(self, routes: list, profiling) -> str:
+        """Why some records have topk_weights and others not; ``profiling``: the kept profiling request."""
+        if profiling is not None:
+            inside = {v[1] is not None for key, v in routes if key[0] == profiling}
+            outside = {v[1] is not None for key, v in routes if key[0] != profiling}
+            if len(inside) == len(outside) == 1 and inside != outside:
+                who = f"request {profiling!r}" if self.has_ids else "every token routed alike"
+                if outside == {True}:
+                    return (
+                        f"{self.source}: the kept profiling run's records ({who}) have no topk_weights while "
+                        "the others do: import without --keep-profiling, or give the profiling records "
+                        "weights"
+                    )
+                return (
+                    f"{self.source}: the kept profiling run's records ({who}) have topk_weights while the "
+                    "others do not: import without --keep-profiling, or give every record weights"
+                )
+        first = routes[0][1][1] is not None
+        (r, t, lid), (_, _, where) = next((key, v) for key, v in routes if (v[1] is not None) != first)
+        has, lacks = ("has no", "have them") if first else ("has", "have none")
+        return (
+            f"{where}: {self._at(r, t, lid)} {has} topk_weights while the records before it {lacks}: "
+            "give every record topk_weights, or none"
+        )
+
     def _profiling(self, req) -> bool:
         if self.has_ids:
             return bool(PROFILING.search(str(req)))
@@ -150,6 +205,17 @@ class _Rows:
         for _, layer, ids in routes:
             by_layer.setdefault(layer, set()).add(ids)
         return len(tokens) > 1 and all(len(s) == 1 for s in by_layer.values())
+
+
+def repeated_expert(experts: np.ndarray) -> tuple[int, int, int] | None:
+    """(token, layer, expert) of the first top-k in ``experts`` ``[T, L, K]`` that names an expert twice
+    (unknown slots, -1, aside), or None: a router picks an expert at most once per token."""
+    ordered = np.sort(experts, axis=-1)
+    twice = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if not twice.any():
+        return None
+    token, layer, slot = (int(i) for i in np.argwhere(twice)[0])
+    return token, layer, int(ordered[token, layer, slot])
 
 
 def _int(where: str, name: str, value) -> int:
