@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -154,11 +155,13 @@ def test_a_bad_grid_file_is_one_line_naming_it(tmp_path, capsys, name, text, mes
         (["--order", "flat", "--timing"], "timing cells run in layer order"),
         (["--out", "r.txt"], "r.txt: a results file is .csv, .json or .parquet"),
         (["--out", "no/such/dir/r.csv"], "cannot write the results: directory"),
-        (["--resume"], "resuming reads the results file: give it (--out FILE)"),
+        (["--resume"], "resuming reads the results file: give it (--out FILE; out=FILE)"),
         (["--jobs", "0"], "--jobs must be at least 1, got 0"),
         (["--ray", "--jobs", "2"], "with --ray the cluster's CPUs run the cells"),
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers there"),
         (["--policy", "lru-dist", "--capacity", "4"], "no cell of the grid can run"),
+        (["--capacity", "12:4"], "capacity 12:4 selects no capacity"),
+        (["--policy", "lru", "--capacity", "12:4", "8"], "capacity 12:4 selects no capacity"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, traces, argv, message):
@@ -167,6 +170,43 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, traces
     assert code == 2 and out == ""
     assert err.splitlines()[-1].startswith("expertcache: error: ") and message in err.splitlines()[-1], err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--trace", "--policy", "--capacity", "--order", "--seed", "--miss", "--ray"]
+)
+def test_a_grid_file_after_a_list_flag_is_named_as_one(tmp_path, capsys, flag):
+    (tmp_path / "g.toml").write_text('policies = ["lru"]\n')
+    with pytest.raises(SystemExit) as refused:
+        value = {"--seed": ["1"], "--order": ["layer"], "--ray": []}.get(flag, ["x"])
+        main(["sweep", flag, *value, str(tmp_path / "g.toml")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{tmp_path / 'g.toml'} looks like a grid file: give it first, before {flag}" in err
+
+
+def test_a_range_that_selects_no_capacity_of_a_trace_is_a_note_even_quiet(capsys, traces):
+    for quiet_flag in ([], ["--quiet"]):
+        code, _, err = run(capsys, "sweep", "--trace", str(traces[0]), "--capacity", "100:200", *quiet_flag)
+        assert code == 2
+        assert err.splitlines() == [
+            f"note: {traces[0]}: capacities 100:200 select no capacity of its 32 experts; left out",
+            "expertcache: error: no cell of the grid can run (see the notes above)",
+        ]
+    with pytest.raises(expertcache.ExpertcacheError, match=r"can run \(.*100:200 select no capacity"):
+        quiet(traces=[str(traces[0])], capacities=["100:200"])  # no log: the note is the message
+
+
+def test_a_trace_a_grid_file_names_is_reported_as_resolved(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    grid = tmp_path / "sub" / "g.toml"
+    grid.write_text('traces = ["small.npz"]\n')
+    code, _, err = run(capsys, "sweep", str(grid))
+    assert code == 2
+    assert (
+        err
+        == f"expertcache: error: {tmp_path / 'sub' / 'small.npz'} (from grid {grid}): no such trace file\n"
+    )
 
 
 # -- rows ----------------------------------------------------------------------------------------------
@@ -201,6 +241,66 @@ def test_infeasible_cells_are_left_out_with_a_note(capsys, traces):
     assert "3 cells left out" in err.splitlines()[-1]
 
 
+def test_dist_budgets_a_trace_cannot_take_are_left_out_before_any_work(tmp_path, capsys, traces):
+    a, b = traces  # 4 and 3 layers, top-2
+    out = tmp_path / "r.csv"
+    code, _, err = run(
+        capsys, "sweep", "--trace", str(a), str(b), "--policy", "opt", "lru-dist:budgets=1/1/1/5",
+        "--capacity", "8", "--order", "layer", "flat", "--jobs", "2", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [(Path(r["trace"]).name, r["policy"], r["order"]) for r in csv.DictReader(out.open())]
+    assert rows == [
+        ("a.npz", "opt", "layer"), ("a.npz", "opt", "flat"), ("a.npz", "lru-dist", "flat"),
+        ("b.npz", "opt", "layer"), ("b.npz", "opt", "flat"),
+    ]  # fmt: skip
+    assert err.splitlines()[:2] == [
+        f"note: {a}: lru-dist:budgets=1/1/1/5 left out in layer order (its budgets give layer 0 1 slot(s), "
+        "below top-k 2)",
+        f"note: {b}: lru-dist:budgets=1/1/1/5 left out: 4 budgets given for its 3 layers",
+    ]
+    assert "5 rows (5 computed), 3 cells left out" in err.splitlines()[-1]
+    code, _, err = run(capsys, "sweep", "--trace", str(b), "--policy", "lru-dist:budgets=1/1/1/5")
+    assert code == 2 and err.splitlines()[-1].endswith("no cell of the grid can run (see the notes above)")
+
+
+def test_an_error_in_a_task_names_it_and_keeps_the_rows_in_the_grids_order(tmp_path, monkeypatch, traces):
+    grid = {"traces": [str(traces[0])], "policies": ["opt", "lru", "fifo"], "capacities": [4, 8]}
+    full = quiet(**grid)
+    real = sweep_module.run_task
+
+    def failing(task, trace, predictor=None):
+        if task.policy == "fifo":
+            raise expertcache.ExpertcacheError("it broke")
+        return real(task, trace, predictor)
+
+    monkeypatch.setattr(sweep_module, "run_task", failing)
+    lines: list[str] = []
+    out = tmp_path / "r.json"
+    with pytest.raises(expertcache.ExpertcacheError) as raised:
+        sweep(out=out, jobs=1, log=lines.append, **grid)
+    assert str(raised.value) == f"{traces[0]}: fifo in layer order: it broke"
+    assert lines == [f"note: 4 rows are in {out}; run again with --resume (resume=True) to go on"]
+    assert json.loads(out.read_text()) == full[:4]  # the finished rows, in the grid's order
+    with pytest.raises(expertcache.ExpertcacheError, match=f"^{traces[0]}: fifo in layer order: it broke$"):
+        quiet(out=tmp_path / "pool.csv", jobs=2, **grid)  # from a worker process (forked: patched too)
+
+    def dying(task, trace, predictor=None):
+        if task.policy == "fifo":
+            os._exit(1)  # a worker killed (out of memory, say)
+        return real(task, trace, predictor)
+
+    monkeypatch.setattr(sweep_module, "run_task", dying)
+    with pytest.raises(expertcache.ExpertcacheError, match=f"^{traces[0]}: .* a worker process died"):
+        quiet(jobs=2, **grid)
+    monkeypatch.setattr(sweep_module, "run_task", lambda *_: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as bug:  # a bug keeps its traceback, with the task noted
+        quiet(**grid)
+    assert bug.value.__notes__ == [f"in the sweep task {traces[0]}: opt in layer order"]
+    monkeypatch.setattr(sweep_module, "run_task", real)
+    assert quiet(out=out, resume=True, **grid) == full
+
+
 def test_seeds_are_a_dimension(traces):
     rows = quiet(traces=[str(traces[0])], policies=["random"], capacities=[8], seeds=[0, 1, 2])
     assert [r["seed"] for r in rows] == [0, 1, 2]
@@ -211,6 +311,29 @@ def test_the_python_api(traces):
     rows = expertcache.sweep(traces=[str(traces[1])], policies=["lru"], capacities=["all"], log=None)
     assert [r["capacity"] for r in rows] == list(range(2, 49))
     assert rows[-1]["misses"] == rows[-1]["opt_misses"]  # everything fits: only first uses miss
+
+
+def test_the_python_api_speaks_to_python_callers(tmp_path, traces):
+    with pytest.raises(expertcache.ExpertcacheError) as raised:
+        quiet(traces=[str(traces[0])], polices=["lru"])
+    assert str(raised.value) == (
+        "sweep() has no keyword 'polices'; it takes grid, out, resume, force, jobs, ray, plot, progress, "
+        "quiet, log and the dimensions traces, policies, capacities, orders, seeds, timing"
+    )
+    with pytest.raises(expertcache.ExpertcacheError, match="unknown dimension 'polices'"):
+        Grid().with_overrides(polices=["lru"])
+    with pytest.raises(expertcache.ExpertcacheError, match=r"give it \(--out FILE; out=FILE\)"):
+        quiet(resume=True)
+    with pytest.raises(
+        expertcache.ExpertcacheError, match=r"--resume \(resume=True\) goes on .* --force \(force"
+    ):
+        quiet(out=tmp_path / "r.csv", resume=True, force=True)
+    grid = {"traces": [str(traces[0])], "policies": ["lru"], "capacities": [8]}
+    quiet(out=tmp_path / "r.csv", **grid)
+    with pytest.raises(
+        expertcache.ExpertcacheError, match=r"--resume \(resume=True\) to go on .* \(force=True\)"
+    ):
+        quiet(out=tmp_path / "r.csv", **grid)
 
 
 # -- results files and resuming ------------------------------------------------------------------------
@@ -256,7 +379,10 @@ def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_p
     before = out.read_text()
     code, _, err = run(capsys, *argv[:-2], "--capacity", "16", "--out", str(out))
     assert code == 2
-    refusal = f"{out}: results exist; --resume to go on from them, or --force to replace them"
+    refusal = (
+        f"{out}: results exist; --resume (resume=True) to go on from them, or --force (force=True) to "
+        "replace them"
+    )
     assert err == f"expertcache: error: {refusal}\n"
     assert out.read_text() == before
     assert run(capsys, *argv[:-4], "--capacity", "16", "--out", str(out), "--force")[0] == 0
@@ -317,6 +443,39 @@ def test_an_interrupted_sweep_keeps_its_rows_even_a_cut_line(tmp_path, monkeypat
     assert json.loads(out.read_text()) == full and not journal.exists()
 
 
+def test_resume_counts_only_this_grids_cells_and_names_the_file_they_were_in(tmp_path, monkeypatch, traces):
+    trace = tmp_path / "t.npz"
+    trace.write_bytes(traces[0].read_bytes())
+    grid = {"traces": [str(trace)], "policies": ["lru", "opt"], "capacities": [4, 8]}
+    out = tmp_path / "gr.csv"
+    quiet(out=out, **grid)
+    trace.write_bytes(traces[1].read_bytes())  # the same name, other contents: another trace
+    lines: list[str] = []
+    rows = sweep(out=out, resume=True, log=lines.append, **grid)
+    assert len(rows) == 8 and [r["trace_sha"] for r in rows[:4]] == [rows[0]["trace_sha"]] * 4
+    assert lines[0] == (
+        f"note: 4 rows in {out} are not cells of this grid (another trace content, or removed from the "
+        "grid): kept"
+    )
+    assert f"8 rows (4 computed, 0 already in {out}, 4 kept that are not cells of this grid)" in lines[1]
+    # a JSON sweep interrupted after its first task: its rows are in the journal, and said to be there
+    from expertcache.tools.sweep_table import Results
+
+    real = Results.append
+
+    def append_then_stop(self, rows):
+        real(self, rows)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Results, "append", append_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        quiet(out=tmp_path / "r.json", **grid)
+    monkeypatch.setattr(Results, "append", real)
+    lines.clear()
+    sweep(out=tmp_path / "r.json", resume=True, log=lines.append, **grid)
+    assert f"(2 computed, 2 already in {tmp_path / 'r.json.partial'})" in lines[-1]
+
+
 def test_ctrl_c_stops_the_workers_and_the_sweep_resumes(tmp_path):
     """A real interruption: SIGINT to the command, after its first rows, on two processes."""
     out = tmp_path / "r.csv"
@@ -333,7 +492,7 @@ def test_ctrl_c_stops_the_workers_and_the_sweep_resumes(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     if proc.returncode == 130:  # stopped half way (else it was done before the signal came)
-        assert "run again with --resume to go on" in err and "expertcache: interrupted" in err
+        assert "run again with --resume (resume=True) to go on" in err and "expertcache: interrupted" in err
     else:
         assert proc.returncode == 0, err
     kept = len(out.read_text().splitlines()) - 1
@@ -342,6 +501,58 @@ def test_ctrl_c_stops_the_workers_and_the_sweep_resumes(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 3 * 12 * 3
     assert f"({len(rows) - kept} computed, {kept} already in" in done.stderr
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return [c.pid for c in psutil.Process(pid).children()]
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _running(pid: int) -> bool:
+    """Whether a process is there and not a zombie (one that exited, not yet reaped by its new parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_a_killed_sweep_leaves_no_workers_behind(tmp_path):
+    """kill -9 of the sweep cannot stop its worker processes: they notice their parent is gone and exit."""
+    argv = [
+        sys.executable, "-m", "expertcache", "sweep", "--policy", "fifo", "lfu", "lcp", "--capacity",
+        "8:96:8", "--order", "layer", "flat", "rounds", "--jobs", "2", "--out", str(tmp_path / "r.csv"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and len(workers) < 2:
+        workers = _children(proc.pid)
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert len(workers) == 2, "the sweep ended before its workers were seen"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(map(_running, workers)):
+        time.sleep(0.1)
+    left = [pid for pid in workers if _running(pid)]
+    for pid in left:  # not to leave them running past a failure
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "workers outlived their killed parent"
 
 
 # -- timing cells --------------------------------------------------------------------------------------
@@ -441,7 +652,9 @@ def test_errors_in_a_ray_task_are_one_line(traces, local_ray, capsys):
     with pytest.raises(expertcache.ExpertcacheError) as raised:  # what a worker raises comes back as it was
         sweep_module.run_ray([task], {"sha": trace}, None, lambda *_: None)
     assert type(raised.value) is expertcache.ExpertcacheError
-    assert str(raised.value).startswith("capacity 1 is below top-k 2: in layer order a token's 2 experts")
+    assert str(raised.value).startswith(  # naming the task it came from
+        f"{traces[0]}: lru in layer order: capacity 1 is below top-k 2: in layer order a token's 2 experts"
+    )
 
 
 # -- plots and the rest --------------------------------------------------------------------------------
@@ -461,6 +674,18 @@ def test_plots_per_trace_order_and_timing_combination(tmp_path, capsys, traces):
     )
     assert all((plots / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     assert "6 plots in" in err
+
+
+def test_a_heat_map_of_many_capacities_stays_readable(tmp_path, capsys, traces):
+    from expertcache.tools.sweep_plots import _heatmap
+
+    rows = quiet(traces=[str(traces[1])], policies=["lru", "fifo"], capacities=["all"], plot=tmp_path)
+    png = (tmp_path / "b_layer_ratio.png").read_bytes()
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width <= 1600 and height <= 1200  # 47 capacities: 16 inches at 100 dpi, not 26.5
+    fig = _heatmap(rows, "t")
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert len(labels) <= 40 and labels[:3] == ["2", "4", "6"]  # every second capacity of 47
 
 
 def test_a_plot_folder_that_cannot_be_written_is_refused_first(tmp_path, capsys, traces):

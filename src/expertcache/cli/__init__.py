@@ -248,7 +248,7 @@ def _build_parser() -> argparse.ArgumentParser:
         syn.add_argument(flag, type=typ, metavar="N" if typ is int else "X", help=what)
     syn.set_defaults(func=_cmd_trace_synth)
     imp = tsub.add_parser("import", help="a routing log (JSON lines, CSV, torch tensors) as a trace")
-    imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (per-layer tensors)")
+    imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (tensors: [T, L, K] ids, or per layer)")
     imp.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
     imp.add_argument("--format", choices=["jsonl", "csv", "torch"], help="(default: by the file's suffix)")
     imp.add_argument("--num-experts", type=int, metavar="N", help="experts per layer (default: the log's, "
@@ -449,6 +449,21 @@ def _add_sweep(sub) -> None:
     sw.add_argument("--plot", metavar="DIR", help="write miss-ratio curves and ratio-to-OPT heat maps here")
     sw.add_argument("--quiet", action="store_true", help="no progress bar and no notes, only the summary")
     sw.set_defaults(func=_cmd_sweep)
+    for action in sw._actions:  # a grid file after a list flag (or --ray) is not one of its values
+        if action.option_strings and (action.nargs == "+" or action.dest == "ray"):
+            action.type = _not_a_grid(action.option_strings[-1], action.type or str)
+
+
+def _not_a_grid(flag: str, convert):
+    """A flag's value type that refuses a grid file's name, saying where the grid file goes."""
+
+    def value(text: str):
+        if Path(text).suffix.lower() in (".yaml", ".yml", ".toml"):
+            raise argparse.ArgumentTypeError(f"{text} looks like a grid file: give it first, before {flag}")
+        return convert(text)
+
+    value.__name__ = convert.__name__  # argparse's "invalid int value" names the type
+    return value
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -461,8 +476,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
     if args.ray is not None and args.jobs is not None:
         raise ExpertcacheError("--jobs sets local processes; with --ray the cluster's CPUs run the cells")
-    if args.ray and Path(args.ray).suffix.lower() in (".yaml", ".yml", ".toml"):
-        raise ExpertcacheError(f"--ray {args.ray}: that is a grid file; give it before --ray")
     grid = Grid.load(args.grid) if args.grid else Grid()
     timing_flags = {
         name: getattr(args, name)

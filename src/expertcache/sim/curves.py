@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import capacity_reason, min_capacity
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.stack import lru_depths, opt_depths
+from expertcache.workers import exit_with_parent
 
 
 def _depths(reference: Callable[[Schedule], np.ndarray], name: str) -> Callable[[Schedule], np.ndarray]:
@@ -100,7 +102,9 @@ def _replay_all(
     if jobs == 1:
         return [replay(schedule, name, c, seed, **params) for c in caps]
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(
+        jobs, mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         parts = pool.map(_replay_part, [(schedule, name, caps[i::jobs], seed, params) for i in range(jobs)])
         return [r for part in parts for r in part]
 

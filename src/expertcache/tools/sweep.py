@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 from expertcache.cache.schedule import build_schedule, min_room
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
@@ -36,11 +38,12 @@ from expertcache.policy.registry import (
     parse_policy,
 )
 from expertcache.sim.curves import run_policy, with_opt
-from expertcache.tools.sweep_grid import Grid, Timing, capacity_items
+from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
 from expertcache.trace.trace import Trace, load_trace
+from expertcache.workers import exit_with_parent
 
-__all__ = ["Grid", "Timing", "sweep"]
+__all__ = ["Grid", "Timing", "exit_with_parent", "sweep"]
 
 Log = Callable[[str], None]
 
@@ -83,6 +86,14 @@ class Task:
     capacities: tuple[int, ...]
     timing: TimingCell | None = None
     predictor_sha: str | None = None
+
+    def where(self) -> str:
+        """The task, for messages: its trace, policy and order (and timing combination)."""
+        text = f"{self.trace}: {_spec(self.policy, dict(self.params))} in {self.order} order"
+        if self.timing is not None:
+            cell = self.timing
+            text += f" at capacity {self.capacities[0]} with miss {cell.miss}, prefetch {cell.prefetch}"
+        return text
 
     def base_row(self, capacity: int) -> dict[str, object]:
         return {
@@ -129,7 +140,14 @@ def _load_traces(grid: Grid, log: Log | None) -> list[_Loaded]:
     loaded: dict[str, _Loaded] = {}
     for name in grid.traces:
         path = grid.trace_path(name)
-        trace = load_trace(path)
+        try:
+            trace = load_trace(path)
+        except ExpertcacheError as e:
+            if grid.source is None or name == "default":
+                raise
+            # the path as resolved, and the grid file that named it: a relative path is read from there
+            text = str(e).removeprefix(f"{path}: ")
+            raise ExpertcacheError(f"{path} (from grid {grid.source}): {text}") from None
         sha = file_sha(path)
         if sha in loaded:
             if log:
@@ -178,28 +196,46 @@ def _timing_cells(grid: Grid, t: _Loaded, predictor: Trace | None) -> list[Timin
 def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = None) -> Cells:
     """The tasks of a grid in its order (trace, policy, seed, order, [timing,] capacity), infeasible
     cells left out with a note: below a layer's room (top-k in layer order, one slot per layer for
-    -dist), other than the sum of given -dist budgets, a share below one expert."""
+    -dist), other than the sum of given -dist budgets, given budgets that leave a layer less than its
+    room or that are not one per layer of the trace, a share below one expert."""
     p = Cells()
     timing = grid.timing is not None
     for t in traces:
         L, K, total = t.trace.num_layers, t.trace.top_k, t.trace.num_keys
         cells = _timing_cells(grid, t, predictor.trace if predictor else None) if timing else []
         caps_by_order = {order: _capacities(grid, t, order, p) for order in grid.orders}
+        each = {order: len(cells) if timing and order == "layer" else 1 for order in grid.orders}
         for spec in grid.policies:
             name, params = parse_policy(str(spec))
+            budgets = params.get("budgets") if fixed_capacity(name, params) is not None else None
+            if budgets is not None and len(budgets) != L:  # another trace of the grid may have L layers
+                p.notes.append(f"note: {t.name}: {_spec(name, params)} left out: {len(budgets)} budgets "
+                               f"given for its {L} layers")  # fmt: skip
+                p.skipped += len(grid.seeds) * sum(len(caps_by_order[o]) * each[o] for o in grid.orders)
+                continue
             _check_policy(name, params, t.trace)
             for seed in grid.seeds:
                 for order in grid.orders:
                     wanted, room = caps_by_order[order], min_room(order, K)
                     low, fixed = min_capacity(name, L, params, room), fixed_capacity(name, params)
-                    mine = tuple(c for c in wanted if isinstance(c, int) and c >= low and fixed in (None, c))
+                    short = [i for i, b in enumerate(budgets or ()) if b < room]
+                    if short:  # given budgets that leave a layer less than a token's experts of it
+                        mine = ()
+                        if seed == grid.seeds[0]:
+                            i = short[0]
+                            p.notes.append(f"note: {t.name}: {_spec(name, params)} left out in {order} "
+                                           f"order (its budgets give layer {i} {budgets[i]} slot(s), "
+                                           f"below top-k {room})")  # fmt: skip
+                    else:
+                        mine = tuple(
+                            c for c in wanted if isinstance(c, int) and c >= low and fixed in (None, c)
+                        )
                     left = [c for c in wanted if isinstance(c, int) and c >= room and c not in mine]
-                    if left and seed == grid.seeds[0]:
+                    if left and not short and seed == grid.seeds[0]:
                         why = capacity_reason(name, params, room)
                         p.notes.append(f"note: {t.name}: {_spec(name, params)} left out at capacities "
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
-                    each = len(cells) if timing and order == "layer" else 1
-                    p.skipped += (len(wanted) - len(mine)) * each
+                    p.skipped += (len(wanted) - len(mine)) * each[order]
                     task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine)
                     if timing and order == "layer":
                         pred = predictor.sha if predictor else None
@@ -232,7 +268,12 @@ def _capacities(grid: Grid, t: _Loaded, order: str, p: Cells) -> list[int | str]
     run with (a share below one expert, below top-k in layer order), which stay in the list to be
     counted as left out."""
     total, low = t.trace.num_keys, min_room(order, t.trace.top_k)
-    caps = list(dict.fromkeys(c for item in grid.capacities for c in capacity_items(item, total, low)))
+    by_item = {item: capacity_items(item, total, low) for item in grid.capacities}
+    caps = list(dict.fromkeys(c for items in by_item.values() for c in items))
+    none = [str(item) for item, items in by_item.items() if not items]
+    if none and order == grid.orders[0]:
+        p.notes.append(f"note: {t.name}: capacities {', '.join(none)} select no capacity of its {total} "
+                       "experts; left out")  # fmt: skip
     shares = [c for c in caps if isinstance(c, str)]
     if shares and order == grid.orders[0]:
         p.notes.append(f"note: {t.name}: capacities {', '.join(shares)} of {total} experts are less than "
@@ -322,7 +363,8 @@ def _timing_task(task, trace, schedule, params, predictor) -> tuple[list[dict], 
 _WORKER_TRACES: dict[str, Trace] = {}  # a worker process's traces, shipped once when it starts
 
 
-def _init_worker(traces: dict[str, Trace]) -> None:
+def _init_worker(traces: dict[str, Trace], parent: int | None = None) -> None:
+    exit_with_parent(parent)
     _WORKER_TRACES.update(traces)
 
 
@@ -343,17 +385,30 @@ def run_local(tasks: Sequence[Task], traces: dict[str, Trace], jobs: int, done: 
     if jobs == 1:
         for task in tasks:
             pred = traces[task.predictor_sha] if task.predictor_sha else None
-            done(task, *run_task(task, traces[task.sha], pred))
+            try:
+                result = run_task(task, traces[task.sha], pred)
+            except Exception as e:
+                _raise_for(task, e)
+            done(task, *result)
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(traces,))
+    pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(traces, os.getpid()))
     finished = False
     try:
         pending = {pool.submit(_run_in_worker, task): task for task in tasks}
         while pending:
             ready, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in ready:
-                done(pending.pop(future), *future.result())
+            failed = None
+            for future in ready:  # the tasks that finished beside a failed one keep their rows
+                task = pending.pop(future)
+                try:
+                    result = future.result()
+                except Exception as e:
+                    failed = failed or (task, e)
+                    continue
+                done(task, *result)
+            if failed is not None:
+                _raise_for(*failed)
         finished = True
     finally:
         if not finished:  # interrupted or failed: stop the workers now, not after their current task
@@ -396,13 +451,27 @@ def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None
                 try:
                     rows, notes = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
-                    if isinstance(e.cause, ExpertcacheError):
-                        raise ExpertcacheError(str(e.cause)) from None
-                    raise
+                    _raise_for(task, e.cause if isinstance(e.cause, ExpertcacheError) else e)
                 done(task, rows, notes)
     finally:
         if started:
             ray.shutdown()
+
+
+def _raise_for(task: Task, error: Exception) -> NoReturn:
+    """Raise what a task raised, naming the task: an ExpertcacheError as one line (trace, policy,
+    order: the problem), a worker that died as one line too, anything else (a bug) as it was, with a
+    note naming the task under its traceback."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if isinstance(error, ExpertcacheError):
+        raise ExpertcacheError(f"{task.where()}: {error}") from None
+    if isinstance(error, BrokenProcessPool):
+        raise ExpertcacheError(
+            f"{task.where()} (or a task beside it): a worker process died (out of memory, or killed?)"
+        ) from None
+    error.add_note(f"in the sweep task {task.where()}")
+    raise error
 
 
 def _check_reachable(address: str) -> None:
@@ -448,19 +517,29 @@ def sweep(
     ``policies=[...]`` replace the grid's) and return its rows in the grid's order. ``out``: a ``.csv``,
     ``.json`` or ``.parquet`` results file, written as cells finish; with ``resume`` the cells it holds are
     not run again, with ``force`` it is replaced (without either an existing file is refused). ``jobs``:
-    local processes; ``ray``: run on Ray instead (True or "": a local Ray, or an address). ``plot``: a
-    folder for miss-ratio curves and heat maps of the ratio to OPT. Notes (not with ``quiet``) and a
-    one-line summary go to ``log``."""
+    local processes (default 1 here, in this process; the command line's ``--jobs`` defaults to all
+    CPUs: pass ``jobs=os.cpu_count()`` for that); ``ray``: run on Ray instead (True or "": a local Ray,
+    or an address). ``plot``: a folder for miss-ratio curves and heat maps of the ratio to OPT. Notes
+    (not with ``quiet``) and a one-line summary go to ``log``. A keyword that is none of these is
+    refused, naming the ones there are."""
     t0 = time.perf_counter()
+    unknown = [k for k in dimensions if k not in DIMENSIONS]
+    if unknown:
+        raise ExpertcacheError(
+            f"sweep() has no keyword {unknown[0]!r}; it takes grid, {', '.join(_OPTIONS)} and the "
+            f"dimensions {', '.join(DIMENSIONS)}"
+        )
     if not isinstance(grid, Grid):
         grid = Grid.load(grid) if grid is not None else Grid()
     grid = grid.with_overrides(**dimensions)
-    if jobs < 1:
-        raise ExpertcacheError(f"jobs must be at least 1, got {jobs}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
     if resume and out is None:
-        raise ExpertcacheError("resuming reads the results file: give it (--out FILE)")
+        raise ExpertcacheError("resuming reads the results file: give it (--out FILE; out=FILE)")
     if resume and force:
-        raise ExpertcacheError("--resume goes on from the results, --force replaces them: choose one")
+        raise ExpertcacheError(
+            "--resume (resume=True) goes on from the results, --force (force=True) replaces them: choose one"
+        )
     if plot is not None:
         from expertcache.tools.sweep_plots import check_plot_dir
 
@@ -474,21 +553,44 @@ def sweep(
     traces = _load_traces(grid, notes)
     predictor = _load_predictor(grid)
     p = plan_cells(grid, traces, predictor)
+    if not p.tasks:  # the notes say why, even with quiet; without a log the first is the message
+        if log and p.notes:
+            for note in p.notes:
+                log(note)
+            raise ExpertcacheError("no cell of the grid can run (see the notes above)")
+        why = p.notes[0].removeprefix("note: ") if p.notes else "the grid is empty"
+        raise ExpertcacheError(f"no cell of the grid can run ({why})")
     for note in p.notes if notes else ():
         notes(note)
-    if not p.tasks:
-        raise ExpertcacheError("no cell of the grid can run (see the notes above)")
     rows = {}
     if results is not None:
         for row in results.start(resume, force):
             rows[identity(row, timing)] = row
+    before = [key for key in rows if key in p.order]  # cells of this grid the file already holds
+    stale = len(rows) - len(before)  # rows of other cells (another trace content, a smaller grid)
+    if stale and notes:
+        notes(f"note: {stale} rows in {_files(results, (k for k in rows if k not in p.order))} are not "
+              "cells of this grid (another trace content, or removed from the grid): kept")  # fmt: skip
+
+    def in_order() -> list[dict[str, object]]:  # the grid's cells in its order, then any others
+        return sorted(rows.values(), key=lambda r: p.order.get(identity(r, timing), len(p.order)))
+
     try:
         computed, skipped = _run(grid, p, traces, predictor, rows, results, jobs, ray, progress, notes)
+    except Exception:  # a task failed: the rows so far stay, in the grid's order, for --resume
+        if results is not None and rows:
+            try:
+                results.finish(in_order())
+            except ExpertcacheError:
+                pass  # they stay in the journal, as they were
+            if log:
+                log(f"note: {len(rows)} rows are in {results.path}; run again with --resume "
+                    "(resume=True) to go on")  # fmt: skip
+        raise
     finally:
         if results is not None:
             results.close()
-    extra = len(p.order)
-    table = sorted(rows.values(), key=lambda r: p.order.get(identity(r, timing), extra))
+    table = in_order()
     if not table:  # every cell a miss path could not divide
         raise ExpertcacheError("no cell of the grid could run (see the notes above)")
     if results is not None:
@@ -500,7 +602,8 @@ def sweep(
         written = plot_sweep(table, plot)
     if log:
         where = (f"Ray at {ray}" if isinstance(ray, str) and ray else "Ray") if on_ray else f"{jobs} job(s)"
-        kept = f", {len(table) - computed} already in {out}" if resume else ""
+        kept = f", {len(before)} already in {_files(results, before)}" if resume else ""
+        kept += f", {stale} kept that are not cells of this grid" if stale else ""
         wrote = [str(out)] if out else []
         wrote += [f"{len(written)} plots in {plot}"] if plot is not None else []
         log(
@@ -508,6 +611,17 @@ def sweep(
             f"{time.perf_counter() - t0:.1f} s on {where}" + (f"; wrote {', '.join(wrote)}" if wrote else "")
         )
     return table
+
+
+_OPTIONS = ("out", "resume", "force", "jobs", "ray", "plot", "progress", "quiet", "log")
+
+
+def _files(results: Results | None, keys) -> str:
+    """The results files that rows (by identity) were read from, for messages."""
+    if results is None:
+        return "the results"
+    paths = list(dict.fromkeys(results.read_from.get(k, results.path) for k in keys)) or [results.path]
+    return " and ".join(map(str, paths))
 
 
 def _load_predictor(grid: Grid) -> _Loaded | None:
@@ -558,7 +672,10 @@ def _run(grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, 
             run_local(todo, shipped, jobs, done)
     except KeyboardInterrupt:
         if results is not None and log:
-            log(f"note: {count['rows']} new rows are in {results.journal}; run again with --resume to go on")
+            log(
+                f"note: {count['rows']} new rows are in {results.journal}; run again with --resume "
+                "(resume=True) to go on"
+            )
         raise
     finally:
         if bar is not None:

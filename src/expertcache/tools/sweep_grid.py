@@ -7,7 +7,7 @@ when the grid is made, so that a bad one is one line naming the file before any 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from expertcache.cache.schedule import ORDERS
@@ -21,6 +21,7 @@ from expertcache.units import capacity_for, parse_duration, parse_rate
 
 DEFAULT_CAPACITIES = tuple(f"{100 * i / 16:g}%" for i in range(1, 17))  # as `sim`: 16 even steps
 GRID_SUFFIXES = (".yaml", ".yml", ".toml")
+DIMENSIONS = ("traces", "policies", "capacities", "orders", "seeds", "timing")  # a grid file's keys
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class Timing:
 class Grid:
     """What a sweep runs: every combination of these, as rows of one table. Capacities are expert counts
     (``24``), ranges (``8:96:8``), shares of all experts (``25%``) or ``all`` (top-k or 1 .. L*E), resolved
-    per trace; ``default`` is the embedded trace; relative trace paths are read from ``base``."""
+    per trace; ``default`` is the embedded trace; relative trace paths are read from ``base`` (the folder
+    of ``source``, the grid file they were named in, if any)."""
 
     traces: tuple[str, ...] = ("default",)
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -75,6 +77,7 @@ class Grid:
     seeds: tuple[int, ...] = (0,)
     timing: Timing | None = None
     base: str = "."
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("traces", "policies", "capacities", "orders", "seeds"):
@@ -109,27 +112,29 @@ class Grid:
             raise ExpertcacheError(f"{path}: cannot read the grid ({first_line(e)})") from None
         data = _parse_grid_text(path, text)
         try:
-            return cls.from_dict(data, base=str(path.parent))
+            return cls.from_dict(data, base=str(path.parent), source=str(path))
         except ExpertcacheError as e:
             raise ExpertcacheError(f"{path}: {e}") from None
 
     @classmethod
-    def from_dict(cls, data: object, base: str = ".") -> Grid:
+    def from_dict(cls, data: object, base: str = ".", source: str | None = None) -> Grid:
         """A grid from a mapping of the file's keys (``traces``, ``policies``, ..., ``timing``)."""
-        known = [f.name for f in fields(cls) if f.name != "base"]
         if not isinstance(data, dict):
-            raise ExpertcacheError(f"a grid is a mapping of {', '.join(known)}")
-        unknown = [k for k in data if k not in known]
+            raise ExpertcacheError(f"a grid is a mapping of {', '.join(DIMENSIONS)}")
+        unknown = [k for k in data if k not in DIMENSIONS]
         if unknown:
-            raise ExpertcacheError(f"unknown key {unknown[0]!r}; a grid has {', '.join(known)}")
-        return cls(**data, base=base)
+            raise ExpertcacheError(f"unknown key {unknown[0]!r}; a grid has {', '.join(DIMENSIONS)}")
+        return cls(**data, base=base, source=source)
 
     def with_overrides(self, **values: object) -> Grid:
         """This grid with some dimensions replaced (what command-line flags do to a grid file's);
-        traces given here are read from the current directory."""
+        traces given here are read from the current directory. An unknown dimension is refused."""
+        unknown = [k for k in values if k not in DIMENSIONS]
+        if unknown:
+            raise ExpertcacheError(f"unknown dimension {unknown[0]!r}; a grid has {', '.join(DIMENSIONS)}")
         given = {k: v for k, v in values.items() if v is not None}
         if "traces" in given:
-            given["base"] = "."
+            given["base"], given["source"] = ".", None
         return replace(self, **given)
 
     def trace_path(self, name: str) -> Path:
@@ -233,4 +238,6 @@ def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
         raise ExpertcacheError(f"capacity {item!r}: a capacity is at least 1 expert, a step at least 1")
     if len(nums) == 1:
         return nums
+    if nums[1] < nums[0]:
+        raise ExpertcacheError(f"capacity {text} selects no capacity (a range is START:STOP, STOP >= START)")
     return list(range(nums[0], min(nums[1], total) + 1, nums[2] if len(nums) == 3 else 1))

@@ -14,6 +14,8 @@ from expertcache.errors import ExpertcacheError
 from expertcache.tools.sweep_table import TIMING_IDENTITY
 
 _ANNOTATE_MAX = 12  # a heat map writes its values in the cells up to this many rows and columns
+_HEATMAP_MAX_IN = (16, 12)  # a heat map's largest figure (inches, at 100 dpi), however many cells
+_TICKS_MAX = (40, 40)  # labels on its axes at most: every n-th capacity (policy) beyond
 
 
 def check_plot_dir(folder: str | Path) -> None:
@@ -120,11 +122,14 @@ def _heatmap(group: Sequence[dict[str, object]], title: str):
     labels = list(ratios)
     caps = sorted({c for by_cap in ratios.values() for c in by_cap})
     grid = np.array([[ratios[lab].get(c, math.nan) for c in caps] for lab in labels])  # [policies, caps]
-    fig, ax = plt.subplots(figsize=(max(7, 0.5 * len(caps) + 3), max(3.5, 0.4 * len(labels) + 2)))
+    width = min(_HEATMAP_MAX_IN[0], max(7, 0.5 * len(caps) + 3))
+    height = min(_HEATMAP_MAX_IN[1], max(3.5, 0.4 * len(labels) + 2))
+    fig, ax = plt.subplots(figsize=(width, height))
     image = ax.imshow(grid, aspect="auto", cmap="viridis_r", interpolation="nearest")
     norm = image.norm
-    ax.set_xticks(range(len(caps)), [str(c) for c in caps], rotation=90 if len(caps) > 12 else 0)
-    ax.set_yticks(range(len(labels)), labels)
+    xs, ys = _thinned(len(caps), _TICKS_MAX[0]), _thinned(len(labels), _TICKS_MAX[1])
+    ax.set_xticks(xs, [str(caps[j]) for j in xs], rotation=90 if len(xs) > 12 else 0)
+    ax.set_yticks(ys, [labels[i] for i in ys])
     if len(caps) <= _ANNOTATE_MAX and len(labels) <= _ANNOTATE_MAX:
         for i in range(len(labels)):
             for j in range(len(caps)):
@@ -136,6 +141,11 @@ def _heatmap(group: Sequence[dict[str, object]], title: str):
     ax.set_title(f"ratio to OPT\n{title}", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _thinned(n: int, most: int) -> list[int]:
+    """Positions of the tick labels on an axis of ``n`` cells: all, or every k-th for at most ``most``."""
+    return list(range(0, n, math.ceil(n / most) if n > most else 1))
 
 
 def _save(fig, path: Path) -> Path:

@@ -101,6 +101,7 @@ class Results:
         if self.kind == ".parquet":
             _pyarrow(path)
         self.journal = self.path if self.kind == ".csv" else Path(f"{self.path}.partial")
+        self.read_from: dict[tuple[object, ...], Path] = {}  # a resumed row's identity -> its file
         self._out: IO[str] | None = None
 
     def existing(self) -> list[Path]:
@@ -113,12 +114,16 @@ class Results:
         there = self.existing()
         if there and not (resume or force):
             raise ExpertcacheError(
-                f"{there[0]}: results exist; --resume to go on from them, or --force to replace them"
+                f"{there[0]}: results exist; --resume (resume=True) to go on from them, or --force "
+                "(force=True) to replace them"
             )
         rows: list[dict[str, object]] = []
         if resume:
+            timing = len(self.cols) > len(COUNT_COLUMNS)
             for path in there:
-                rows += self._read(path)
+                read = self._read(path)
+                self.read_from.update((identity(r, timing), path) for r in read)
+                rows += read
         else:
             for path in there:
                 path.unlink()
@@ -274,7 +279,7 @@ def _other_columns(path: Path, got: Sequence[str], want: Sequence[str], where: s
     ) else "has the columns in another order"  # fmt: skip
     return (
         f"{path}: not this sweep's results ({where} {what}; timing columns come with a timing grid); "
-        "--force to replace it, or another --out"
+        "--force (force=True) to replace it, or another --out (out=FILE)"
     )
 
 
