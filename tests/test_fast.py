@@ -165,7 +165,7 @@ def test_run_policy_and_simulate_use_the_compiled_replay(monkeypatch):
     s = build_schedule(tr, "layer")
     caps = [8, 13, 32]
     reference = {n: [r.layer_misses.tolist() for r in run_policy(s, n, caps)] for n in ("fifo", "lcp-dist")}
-    expected = simulate(tr, ["fifo", "lru"], caps, "layer")
+    expected = simulate(tr, ["opt", "fifo", "lru"], caps, "layer")
     calls = []
     real = fast.replay
     monkeypatch.setattr(fast, "MIN_REQUESTS", 0)
@@ -174,7 +174,7 @@ def test_run_policy_and_simulate_use_the_compiled_replay(monkeypatch):
         got = run_policy(s, name, caps, jobs=2)
         assert [r.layer_misses.tolist() for r in got] == want
     assert calls.count("fifo") == 3 and calls.count("lcp-dist") == 3
-    got = simulate(tr, ["fifo", "lru"], caps, "layer")
+    got = simulate(tr, ["opt", "fifo", "lru"], caps, "layer")  # the opt row: the bound, computed once
     assert [r.to_dict() for r in got] == [r.to_dict() for r in expected]
     assert calls.count("lru") == 3  # three capacities: compiled replays beat the stack pass
 

@@ -282,12 +282,14 @@ def replay(
     order = np.empty(K, dtype=np.int64)  # a split group's requests, resident first
     misses = np.zeros((2, L), dtype=np.int64)
     st = 0
-    j = 0
+    j, n_req = 0, len(keys)
     rnd, layer, base = 0, 0, 0  # the (round, layer) visit of group g, and its first group (no divisions)
-    while j < len(keys):
+    while j < n_req:
         i = j
-        j = _group_end(groups, i)
         g = groups[i]
+        j = i + 1  # the group's end (its requests are contiguous)
+        while j < n_req and groups[j] == g:
+            j += 1
         while g >= base + per_layer:
             base += per_layer
             layer += 1
