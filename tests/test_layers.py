@@ -112,6 +112,7 @@ def _run_without_torch(*args: str) -> subprocess.CompletedProcess:
         ["plan", "--capacity", "24", "--json"],
         ["doctor", "--capacity", "24", "--json"],
         ["trace", "info", "default"],
+        ["sweep", "--policy", "lru", "opt", "--capacity", "25%", "--json", "--jobs", "1", "--quiet"],
     ],
     ids=lambda a: " ".join(a[:2]),
 )
@@ -124,6 +125,20 @@ def test_simulator_commands_run_without_torch(args: list[str]) -> None:
     assert done.stdout.strip()
     if "--json" in args:
         json.loads(done.stdout)
+
+
+def test_the_compiled_simulator_runs_without_torch(tmp_path: Path) -> None:
+    from expertcache.sim import fast
+    from expertcache.trace import synthesize
+
+    big = tmp_path / "big.npz"  # 320k flat requests: above the compiled path's threshold
+    synthesize("zipf", tokens=5000, layers=32, experts=8, top_k=2, seed=1).save(big)
+    assert fast.MIN_REQUESTS <= 5000 * 32 * 2
+    done = _run_without_torch(
+        "sim", str(big), "--policy", "lfu", "--capacity", "64", "--order", "flat", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["requests"] == 320_000
 
 
 def test_trace_synth_runs_without_torch(tmp_path: Path) -> None:
