@@ -44,6 +44,7 @@ class Schedule:
     round_seq: np.ndarray  # int64 [rounds]: request (seq_id) of the round's (first) token, 0 if unknown
     req_group: np.ndarray  # int64 (or int32) [R]: group index of each request, ascending
     req_key: np.ndarray  # int32 [R]: key id (layer * E + expert) of each request
+    layer_requests: np.ndarray  # int64 [2, L]: requests per phase (row 0 decode, row 1 prefill) and layer
     trace: Trace | None = field(default=None, repr=False)  # the routing it came from (for group_scores)
 
     @cached_property
@@ -105,21 +106,6 @@ class Schedule:
 
     def key(self, key_id: int) -> Key:
         return divmod(int(key_id), self.num_experts)
-
-    @cached_property
-    def layer_requests(self) -> np.ndarray:
-        """Requests per phase (row 0 decode, row 1 prefill) and layer. -> int64 [2, L]"""
-        L, E = self.num_layers, self.num_experts
-        out = np.zeros((2, L), dtype=np.int64)
-        per_key = np.bincount(self.req_key, minlength=L * E)  # a key's layer is key // E
-        out[0] = per_key.reshape(L, E).sum(axis=1)
-        if self.round_prefill.any():  # the prefill rounds' requests, found by their group ranges
-            per_round = self.per_layer * L
-            edges = np.searchsorted(self.req_group, np.arange(self.num_rounds + 1) * per_round)
-            prefill = np.repeat(self.round_prefill, np.diff(edges))
-            out[1] = np.bincount(self.req_key[prefill] // E, minlength=L)
-            out[0] -= out[1]
-        return out
 
     @cached_property
     def future(self) -> dict[Key, list[int]]:
@@ -233,7 +219,15 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         valid = (ex >= 0).reshape(-1)
         req_group, req_key = np.flatnonzero(valid), kid[valid]
     prefill = _token_prefill(trace)
-    schedule = Schedule(
+
+    def per_layer(ex: np.ndarray) -> np.ndarray:  # known entries per layer of [T, L, K]
+        return (ex >= 0).reshape(len(ex), -1).sum(axis=0, dtype=np.int64).reshape(L, -1).sum(axis=1)
+
+    counts = np.zeros((2, L), dtype=np.int64)  # requests per phase and layer, from the trace
+    if prefill.any():
+        counts[1] = per_layer(trace.experts[prefill])
+    counts[0] = per_layer(trace.experts) - counts[1]
+    return Schedule(
         order=order,
         num_layers=L,
         num_experts=E,
@@ -246,18 +240,8 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         round_seq=np.repeat(_token_seq(trace), rounds_per_token),
         req_group=req_group,
         req_key=req_key.astype(np.int32, copy=False),
+        layer_requests=counts,
     )
-
-    # requests per phase and layer, from the trace (cheaper than counting 100M keys)
-    def per_layer(ex: np.ndarray) -> np.ndarray:  # known entries per layer of [T, L, K]
-        return (ex >= 0).reshape(len(ex), -1).sum(axis=0, dtype=np.int64).reshape(L, -1).sum(axis=1)
-
-    counts = np.zeros((2, L), dtype=np.int64)
-    if prefill.any():
-        counts[1] = per_layer(trace.experts[prefill])
-    counts[0] = per_layer(trace.experts) - counts[1]
-    object.__setattr__(schedule, "layer_requests", counts)  # the cached property's value
-    return schedule
 
 
 def _layer_order(trace: Trace) -> Schedule:
@@ -296,7 +280,14 @@ def _layer_order(trace: Trace) -> Schedule:
     members = padded[flat_gid].reshape(-1)  # [G * width]
     req_key = members if width == 1 and (row_len == 1).all() else np.compress(members >= 0, members)
     prefill = _token_prefill(trace)[starts]
-    schedule = Schedule(
+    # requests per phase and layer, from how often each distinct group is used (not per request)
+    row_layer = np.asarray([r[0] for r in rows], dtype=np.int64)
+    counts = np.zeros((2, L), dtype=np.int64)
+    for phase, steps in enumerate((~prefill, prefill)):
+        if steps.any():
+            uses = np.bincount(gid[steps].reshape(-1), minlength=len(rows))
+            counts[phase] = np.bincount(row_layer, weights=uses * row_len, minlength=L).astype(np.int64)
+    return Schedule(
         order="layer",
         num_layers=L,
         num_experts=E,
@@ -309,16 +300,8 @@ def _layer_order(trace: Trace) -> Schedule:
         round_seq=_token_seq(trace)[starts],
         req_group=req_group,
         req_key=req_key.astype(np.int32, copy=False),
+        layer_requests=counts,
     )
-    # requests per phase and layer, from how often each distinct group is used (not per request)
-    row_layer = np.asarray([r[0] for r in rows], dtype=np.int64)
-    counts = np.zeros((2, L), dtype=np.int64)
-    for phase, steps in enumerate((~prefill, prefill)):
-        if steps.any():
-            uses = np.bincount(gid[steps].reshape(-1), minlength=len(rows))
-            counts[phase] = np.bincount(row_layer, weights=uses * row_len, minlength=L).astype(np.int64)
-    object.__setattr__(schedule, "layer_requests", counts)  # the cached property's value
-    return schedule
 
 
 def _unique_layer_rows(ex: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:

@@ -43,13 +43,11 @@ _STACK_FROM = 2  # a stack pass costs about two Python replays: use it from two 
 _STACK_FROM_COMPILED = {"lru": 12, "opt": 3}
 
 
-def _stack_from(schedule: Schedule, name: str, params: dict[str, object]) -> int:
+def _stack_from(schedule: Schedule, name: str) -> int:
     """Capacities from which one stack pass beats replaying each."""
     from expertcache.sim import fast
 
-    if not fast.use_compiled(schedule):
-        return _STACK_FROM
-    return _STACK_FROM_COMPILED[name] if fast.supports(name, params) else 1
+    return _STACK_FROM_COMPILED[name] if fast.use_compiled(schedule) else _STACK_FROM
 
 
 def all_capacities(schedule: Schedule) -> list[int]:
@@ -81,7 +79,7 @@ def run_policy(
             )
     done: dict[int, SimResult] = {}
     by_stack = [c for c in capacities if c >= schedule.max_group]
-    if name in STACK_DEPTHS and not params and len(by_stack) >= _stack_from(schedule, name, params):
+    if name in STACK_DEPTHS and not params and len(by_stack) >= _stack_from(schedule, name):
         layer_misses = misses_by_layer(schedule, STACK_DEPTHS[name](schedule), by_stack)
         for c, m in zip(by_stack, layer_misses, strict=True):
             done[c] = SimResult(name, c, schedule.order, schedule.layer_requests, m)
