@@ -109,6 +109,17 @@ def test_compiled_replays_equal_the_reference(name, order):
     assert _check_replays(s, caps=caps) >= 6 * len(caps)  # the -dist forms need one slot per layer
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_opt_heap_and_scan_kernels_both_equal_the_reference(order, monkeypatch):
+    """OPT runs on a scan kernel up to ``SCAN_MAX`` slots and on ``replay``'s heap above: both exact."""
+    for make in TRACES.values():
+        s = build_schedule(make(), order)
+        for scan_max in (0, 10**9):
+            monkeypatch.setattr(fast, "SCAN_MAX", scan_max)
+            assert _check_replays(s, names=["opt"]) >= 4
+    assert fast._scans(s, 16) and not fast._scans(s, fast.SCAN_MAX + 1)
+
+
 @pytest.mark.skipif(not QWEN.exists(), reason="the shared real trace is not here")
 @pytest.mark.parametrize("order", ["layer", "flat"])
 def test_compiled_replays_equal_the_reference_on_the_real_trace(order):

@@ -29,6 +29,7 @@ from expertcache.policy.registry import (
     parse_policy,
     policy_class,
 )
+from expertcache.sim import fast
 from expertcache.sim.planner import METHODS, OBJECTIVES
 from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
@@ -382,7 +383,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     if args.plot:  # before the replays, not after
         check_writable(args.plot, "plot")
         check_plot_path(args.plot)
-    trace = _trace(args.trace)
+    with fast.plain_pages():  # reading a large trace too
+        trace = _trace(args.trace)
     keys = trace.num_layers * trace.num_experts
     step = max(1, keys // DEFAULT_STEPS)
     caps = _capacities(args.capacity or [f"{step}:{keys}:{step}"], trace, args.order)

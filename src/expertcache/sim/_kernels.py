@@ -16,15 +16,14 @@ NO_VICTIM = -1  # replay's status when every candidate was pinned
 
 
 @numba.njit(cache=True, nogil=True)
-def next_use(keys, groups, num_keys, never):  # pragma: no cover (compiled)
-    """Group index of the next request of the same key, or ``never``; groups ascend. [R]"""
-    out = np.empty(len(keys), dtype=np.int64)
-    last = np.full(num_keys, never, dtype=np.int64)
+def next_use(keys, groups, num_keys, never, out):  # pragma: no cover (compiled)
+    """Fill ``out`` [R] with the group index of the next request of the same key, or ``never``; groups
+    ascend. (``out``'s dtype is the caller's: int32 halves the largest array of an OPT run.)"""
+    last = np.full(num_keys, never, dtype=out.dtype)
     for r in range(len(keys) - 1, -1, -1):
         k = keys[r]
         out[r] = last[k]
         last[k] = groups[r]
-    return out
 
 
 @numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
@@ -395,5 +394,145 @@ def replay(
                     pos[k] = size[s]
                     _sift_up(heap, s * M, pos, size[s], score, stamp)
                 size[s] += 1
+            c0 = c1
+    return misses, 0
+
+
+# -- OPT's bound: a scan over packed priorities ---------------------------------------------------------
+# ``replay``'s OPT keeps an indexed heap and moves a key's entry on each hit: about log2(capacity)
+# unpredictable branches per request. OPT's bound is on every row of every run, so it has its own kernel:
+# each resident key holds one int64 in a dense array (next use << 32 | ~stamp: the farthest next use
+# first, the oldest stamp first among equals, ``replay``'s order exactly); a hit rewrites it, a miss scans
+# for the largest. Keys of the chunk being served are pinned by holding -1 until the chunk ends.
+# Needs group indices < 2**31 - 1 and fewer than 2**32 - 1 requests (``fast`` checks; beyond, ``replay``).
+
+_FAR = (1 << 31) - 1  # a never-again next use, packed
+_LOW = (1 << 32) - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def opt_replay(
+    keys, groups, per_layer, L, E, round_prefill, nxt_use, never, rooms, single, hits
+):  # pragma: no cover
+    """``replay(OPT, dist=False, ...)``'s result (same misses, same hits, same status), faster.
+    ``single``: every group is one request (flat and rounds orders), so no key is ever pinned against
+    its own group's eviction, and the loop needs no chunks."""
+    record = len(hits) > 0
+    K = L * E
+    cap = rooms[0]
+    size = 0
+    slot = np.full(K, -1, dtype=np.int64)  # key -> its slot, -1 when not resident
+    owner = np.empty(K, dtype=np.int64)  # slot -> key
+    prio = np.empty(K, dtype=np.int64)  # slot -> packed priority, -1 while pinned
+    later = np.empty(K, dtype=np.int64)  # the chunk's keys' priorities, set when the chunk ends
+    order = np.empty(K, dtype=np.int64)
+    misses = np.zeros((2, L), dtype=np.int64)
+    st = 0
+    j, n_req = 0, len(keys)
+    rnd, layer, base = 0, 0, 0
+    if single:
+        for r in range(n_req):
+            g = groups[r]
+            while g >= base + per_layer:
+                base += per_layer
+                layer += 1
+                if layer == L:
+                    layer = 0
+                    rnd += 1
+            k = keys[r]
+            st += 1
+            u = np.int64(nxt_use[r])
+            p = ((_FAR if u == never else u) << 32) | (_LOW - st)
+            q = slot[k]
+            if q >= 0:
+                if record:
+                    hits[r] = 1
+                prio[q] = p
+                continue
+            misses[1 if round_prefill[rnd] else 0, layer] += 1
+            if size >= cap:
+                best = -1
+                for q in range(size):
+                    best = max(best, prio[q])
+                v = 0
+                while prio[v] != best:
+                    v += 1
+                slot[owner[v]] = -1
+                size -= 1
+                if v < size:
+                    owner[v], prio[v] = owner[size], prio[size]
+                    slot[owner[v]] = v
+            slot[k] = size
+            owner[size] = k
+            prio[size] = p
+            size += 1
+        return misses, 0
+    while j < n_req:
+        i = j
+        g = groups[i]
+        j = i + 1
+        while j < n_req and groups[j] == g:
+            j += 1
+        while g >= base + per_layer:
+            base += per_layer
+            layer += 1
+            if layer == L:
+                layer = 0
+                rnd += 1
+        phase = 1 if round_prefill[rnd] else 0
+        room = rooms[layer]
+        m = 0
+        if j - i <= room:
+            for r in range(i, j):
+                order[m] = r
+                m += 1
+            room = m
+        else:
+            for r in range(i, j):
+                if slot[keys[r]] >= 0:
+                    order[m] = r
+                    m += 1
+            for r in range(i, j):
+                if slot[keys[r]] < 0:
+                    order[m] = r
+                    m += 1
+        c0 = 0
+        while c0 < m:
+            c1 = min(c0 + room, m)
+            for c in range(c0, c1):  # pin the chunk's resident keys
+                q = slot[keys[order[c]]]
+                if q >= 0:
+                    prio[q] = -1
+            for c in range(c0, c1):
+                r = order[c]
+                k = keys[r]
+                if slot[k] >= 0:
+                    if record:
+                        hits[r] = 1
+                else:
+                    misses[phase, layer] += 1
+                    if size >= cap:  # evict the unpinned key with the largest priority
+                        best = -1
+                        for q in range(size):  # a branch-free maximum (vectorised), then its place
+                            best = max(best, prio[q])
+                        if best < 0:
+                            return misses, NO_VICTIM
+                        v = 0
+                        while prio[v] != best:
+                            v += 1
+                        slot[owner[v]] = -1
+                        size -= 1
+                        if v < size:  # the last slot fills the hole
+                            owner[v], prio[v] = owner[size], prio[size]
+                            slot[owner[v]] = v
+                    slot[k] = size
+                    owner[size] = k
+                    prio[size] = -1
+                    size += 1
+                st += 1
+                u = np.int64(nxt_use[r])
+                later[c - c0] = ((_FAR if u == never else u) << 32) | (_LOW - st)
+            for c in range(c0, c1):  # unpin: each key's priority from its access
+                prio[slot[keys[order[c]]]] = later[c - c0]
             c0 = c1
     return misses, 0

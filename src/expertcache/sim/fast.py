@@ -16,6 +16,9 @@ caches the code on disk) or loading it pays for itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from expertcache.cache.schedule import Schedule
@@ -26,6 +29,7 @@ from expertcache.policy.registry import make_policy
 from expertcache.sim.replay import check_rooms
 from expertcache.sim.stack import _NEVER
 
+_NEVER32 = (1 << 31) - 1  # never, in an int32 next-use array
 MIN_REQUESTS = 200_000  # below this the reference is about as fast as loading the compiled code
 # registry names -> kernel kinds (sim/_kernels.py); each also runs as "<name>-dist"
 _KINDS = {"lru": 0, "fifo": 1, "lfu": 2, "lcp": 3, "opt": 4, "llru": 5}
@@ -58,9 +62,31 @@ def use_compiled(schedule: Schedule) -> bool:
     return schedule.num_requests >= MIN_REQUESTS and available()
 
 
-def next_use(s: Schedule) -> np.ndarray:
-    """``stack._next_use``, compiled: the group index of each request's next use of its key. [R]"""
-    return _k().next_use(s.req_key, s.req_group, s.num_layers * s.num_experts, _NEVER)
+def next_use(s: Schedule) -> tuple[np.ndarray, int]:
+    """``stack._next_use``, compiled: the group index of each request's next use of its key, and the
+    value that stands for never. int32 where the group indices fit (100M requests: 400 MB, not 800). [R]"""
+    small = s.num_groups < _NEVER32
+    out = np.empty(s.num_requests, dtype=np.int32 if small else np.int64)
+    never = _NEVER32 if small else _NEVER
+    _k().next_use(s.req_key, s.req_group, s.num_layers * s.num_experts, never, out)
+    return out, never
+
+
+@contextmanager
+def plain_pages() -> Iterator[None]:
+    """Allocate without numpy's transparent-huge-page advice meanwhile. The simulator's large arrays are
+    written once and streamed, so huge pages save it little, while on machines whose kernel compacts
+    memory for them on first touch (``/sys/kernel/mm/transparent_hugepage/defrag`` = madvise, this
+    project's VM) they cost up to 2 s per GB (measured: 100M requests, 6.0 s -> 4.7 s for a whole run)."""
+    toggle = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
+    if toggle is None:  # another numpy: leave its default
+        yield
+        return
+    before = toggle(False)
+    try:
+        yield
+    finally:
+        toggle(before)
 
 
 def replay(
@@ -82,26 +108,40 @@ def replay(
     L = schedule.num_layers
     decay = float(getattr(policy.layers[0] if isinstance(policy, Dist) else policy, "_decay", 0.0))
     k = _k()
-    nxt = next_use(schedule) if base == "opt" else np.zeros(0, dtype=np.int64)
+    nxt, never = next_use(schedule) if base == "opt" else (np.zeros(0, dtype=np.int32), _NEVER32)
     hits = np.zeros(schedule.num_requests if record else 0, dtype=np.uint8)
-    misses, status = k.replay(
-        _KINDS[base],
-        name.endswith("-dist"),
-        schedule.req_key,
-        schedule.req_group,
-        schedule.per_layer,
-        L,
-        schedule.num_experts,
-        schedule.round_prefill,
-        schedule.round_token,
-        nxt,
-        rooms,
-        decay,
-        hits,
-    )
+    if name == "opt" and _scans(schedule, capacity):
+        args = (schedule.req_key, schedule.req_group, schedule.per_layer, L, schedule.num_experts)
+        single = schedule.order != "layer"  # flat and rounds: one request a group
+        misses, status = k.opt_replay(*args, schedule.round_prefill, nxt, never, rooms, single, hits)
+    else:
+        misses, status = k.replay(
+            _KINDS[base],
+            name.endswith("-dist"),
+            schedule.req_key,
+            schedule.req_group,
+            schedule.per_layer,
+            L,
+            schedule.num_experts,
+            schedule.round_prefill,
+            schedule.round_token,
+            nxt,
+            rooms,
+            decay,
+            hits,
+        )
     if status == k.NO_VICTIM:
         raise PolicyError(f"{name}: no evictable expert (capacity {capacity}, all pinned)")
     return (misses, rooms, hits) if record else (misses, rooms)
+
+
+SCAN_MAX = 1024  # OPT's scan kernel up to this capacity (it scans on each miss), the heap above
+
+
+def _scans(schedule: Schedule, capacity: int) -> bool:
+    """Whether OPT runs on its scan kernel: a capacity it pays at (measured: 1.3-2.4x the heap's speed
+    from 16 to 1400 slots, misses falling as capacity grows), group indices and stamps in 31 + 32 bits."""
+    return capacity <= SCAN_MAX and schedule.num_requests < _NEVER32
 
 
 def _context(schedule: Schedule, capacity: int, offline: bool) -> PolicyContext:
@@ -123,4 +163,5 @@ def lru_depths(s: Schedule) -> np.ndarray:
 def opt_depths(s: Schedule) -> np.ndarray:
     """``stack.opt_depths``, compiled."""
     keys, groups, num_keys = s.req_key, s.req_group, s.num_layers * s.num_experts
-    return _k().opt_depths(keys, groups, next_use(s), num_keys, _NEVER)
+    nxt, never = next_use(s)
+    return _k().opt_depths(keys, groups, nxt, num_keys, never)

@@ -31,6 +31,19 @@ def simulate(
     policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
     given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
+    with fast.plain_pages():  # arrays of 100M requests: see plain_pages
+        return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs)
+
+
+def _simulate(
+    trace: Trace,
+    policies: Sequence[str],
+    capacities: Sequence[int] | str,
+    order: str,
+    seed: int,
+    skip_infeasible: bool,
+    jobs: int,
+) -> list[SimResult]:
     schedule = build_schedule(trace, order)
     caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
     specs = [parse_policy(spec) for spec in policies]

@@ -37,6 +37,7 @@ from expertcache.policy.registry import (
     min_capacity,
     parse_policy,
 )
+from expertcache.sim import fast
 from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
@@ -299,13 +300,14 @@ def cell_identity(task: Task, capacity: int, timing: bool) -> tuple[object, ...]
 # -- running one task (in this process, a worker process, or a Ray worker) --------------------------
 def run_task(task: Task, trace: Trace, predictor: Trace | None = None) -> tuple[list[dict], list[str]]:
     """The rows of one task, and notes on cells it had to leave out."""
-    schedule = build_schedule(trace, task.order)
-    params = dict(task.params)
-    if task.timing is None:
-        results = run_policy(schedule, task.policy, list(task.capacities), task.seed, params)
-        rows = [_row(task, r.capacity, r.requests, r.misses, r) for r in with_opt(schedule, results)]
-        return rows, []
-    return _timing_task(task, trace, schedule, params, predictor)
+    with fast.plain_pages():  # the simulator's large arrays: see plain_pages
+        schedule = build_schedule(trace, task.order)
+        params = dict(task.params)
+        if task.timing is None:
+            results = run_policy(schedule, task.policy, list(task.capacities), task.seed, params)
+            rows = [_row(task, r.capacity, r.requests, r.misses, r) for r in with_opt(schedule, results)]
+            return rows, []
+        return _timing_task(task, trace, schedule, params, predictor)
 
 
 def _row(task: Task, capacity: int, requests: int, misses: int, ref, timing: dict | None = None) -> dict:
