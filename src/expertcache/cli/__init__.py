@@ -313,6 +313,15 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
     tp.set_defaults(func=_cmd_train_predictor)
 
+    tpol = sub.add_parser("train-policy", help="fit the reuse eviction policy's model on recorded traces")
+    tpol.add_argument("traces", nargs="+", metavar="TRACE", help="routing traces (.npz), or default")
+    tpol.add_argument("-o", "--out", metavar="FILE.json", help="weights file (default: JSON on stdout)")
+    tpol.add_argument(
+        "--order", action="append", choices=ORDERS, help="orders to learn from (default: layer and flat)"
+    )
+    tpol.add_argument("--test", nargs="+", metavar="TRACE", help="held-out traces to score (default: none)")
+    tpol.set_defaults(func=_cmd_train_policy)
+
     q = sub.add_parser("quantize", help="write low-precision copies of a model's experts (for --miss hobbit)")
     q.add_argument("model", nargs="?", help="checkpoint dir (default: the embedded model)")
     q.add_argument(
@@ -989,6 +998,25 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_train_policy(args: argparse.Namespace) -> int:
+    from expertcache.tools.train_policy import format_report, train_policy, write_weights
+
+    if args.out:
+        check_writable(args.out, "weights file")
+    traces = [_trace(t) for t in args.traces]
+    test = [_trace(t) for t in args.test or ()]
+    report = train_policy(traces, args.traces, tuple(dict.fromkeys(args.order or ("layer", "flat"))),
+                          test, args.test or ())  # fmt: skip
+    if args.out:
+        write_weights(report, args.out)
+        print(format_report(report))
+        print(f"weights written to {args.out}; use --policy reuse:weights={args.out}", file=sys.stderr)
+    else:
+        print(format_report(report), file=sys.stderr)
+        print(json.dumps(report))
     return 0
 
 

@@ -72,6 +72,7 @@ class Policy(ABC):
     offline: ClassVar[bool] = False  # needs ctx.future (the requests to come)
     needs_profile: ClassVar[bool] = False  # needs ctx.profile (usage counts)
     observes: ClassVar[bool] = False  # wants on_request for every requested group
+    text_params: ClassVar[frozenset[str]] = frozenset()  # parameters that are text (file names), not numbers
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

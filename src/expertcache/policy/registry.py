@@ -20,6 +20,7 @@ from expertcache.policy.marking import Marking
 from expertcache.policy.mrs import MRS
 from expertcache.policy.opt import OPT
 from expertcache.policy.rand import Random
+from expertcache.policy.reuse import Reuse
 from expertcache.policy.static import Static
 from expertcache.spec import parse_spec
 
@@ -36,6 +37,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "eam": EAM,
     "mrs": MRS,
     "hobbit": Hobbit,
+    "reuse": Reuse,
     "static": Static,
     "opt": OPT,
     "lru-dist": partial(Dist, inner=LRU),
@@ -111,8 +113,11 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
             "--profile TRACE.npz (in Python: profile=TRACE.npz); sim and timing profile the trace they replay"
         )
     _check_parameters(name, params)  # when a config is built, not later when the policy is
-    for value in params.values():
-        if not isinstance(value, int | float) and not (
+    text = policy_class(name).text_params
+    for key, value in params.items():
+        if key in text:  # a file name, as written (a number-like name too)
+            params[key] = spec.split(f"{key}=", 1)[1].split(",", 1)[0].strip()
+        elif not isinstance(value, int | float) and not (
             isinstance(value, list) and all(isinstance(v, int) for v in value)
         ):
             raise PolicyError(f"policy {spec!r}: value {value!r} is not a number")

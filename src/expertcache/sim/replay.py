@@ -28,6 +28,14 @@ class SimResult:
     opt_is_bound: bool | None = None  # neither this run nor OPT split a group: OPT's misses are a bound
 
     @property
+    def label(self) -> str:
+        """The policy as it was asked for: its name, and its parameters if any (``lcp:rho=0.5``)."""
+        if not self.params:
+            return self.policy
+        value = {k: "/".join(map(str, v)) if isinstance(v, list) else v for k, v in self.params.items()}
+        return f"{self.policy}:" + ",".join(f"{k}={v}" for k, v in value.items())
+
+    @property
     def requests(self) -> int:
         return int(self.layer_requests.sum())
 

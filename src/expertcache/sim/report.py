@@ -28,7 +28,7 @@ def format_layers(results: Sequence[SimResult]) -> str:
             (str(layer), str(q), str(m), f"{m / q:.4f}" if q else "-")
             for layer, (q, m) in enumerate(zip(req.tolist(), mis.tolist(), strict=True))
         ]
-        title = f"{r.policy} at capacity {r.capacity} ({r.order} order)"
+        title = f"{r.label} at capacity {r.capacity} ({r.order} order)"
         blocks.append(title + "\n" + _render(("layer", "requests", "misses", "miss ratio"), rows))
     return "\n\n".join(blocks)
 
@@ -40,7 +40,7 @@ def _long_table(results: Sequence[SimResult]) -> str:
         phases = r.to_dict()["phases"]
         rows.append(
             (
-                r.policy,
+                r.label,
                 str(r.capacity),
                 str(r.requests),
                 str(r.hits),
@@ -66,8 +66,8 @@ def _pivot_table(results: Sequence[SimResult]) -> str:
     shown = caps[::step][:_PIVOT_COLUMNS]
     if caps[-1] not in shown:
         shown[-1] = caps[-1]
-    cell = {(r.policy, r.capacity): r for r in results}
-    policies = list(dict.fromkeys(r.policy for r in results))
+    cell = {(r.label, r.capacity): r for r in results}
+    policies = list(dict.fromkeys(r.label for r in results))
     head = ("policy \\ capacity", *map(str, shown))
     rows = []
     for p in policies:
@@ -110,9 +110,9 @@ def plot_curves(results: Sequence[SimResult], path: str | Path, title: str = "")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    policies = list(dict.fromkeys(r.policy for r in results))
+    policies = list(dict.fromkeys(r.label for r in results))
     for p in policies:
-        pts = sorted((r.capacity, r.misses) for r in results if r.policy == p)
+        pts = sorted((r.capacity, r.misses) for r in results if r.label == p)
         style = {"color": "black", "linestyle": "--", "linewidth": 2} if p == "opt" else {}
         ax.plot(
             [c for c, _ in pts], [m for _, m in pts], label=p, marker="." if len(pts) < 40 else None, **style

@@ -1,0 +1,279 @@
+"""Reuse: evict the latest predicted next use (a logistic reuse model, trained and learning online; Hawkeye, LRB).
+
+A logistic model estimates, for every expert, the probability ``p`` that it is requested at its layer's
+next visit (the next round: token in flat order, forward step in layer order) from features known at
+that moment (``FEATURES``): rounds since its last use (as indicators for 1 and 2, and log), its requests
+in exponentially decaying windows of about 2, 8 and 32 rounds, its request rate since the start, and its
+routing score (renormalised gate weight) at its last use. With ``p`` the next use is about
+``1/p - 1`` rounds after the next visit, as for a geometric wait, so the victim is the resident expert
+with the latest expected next use, ``D + L * (1/p - 1)``, D being the layer visits until its layer comes
+again: Belady's rule with predicted next uses (LLRU's D breaks near-ties the same way).
+
+The model learns while it runs: at each round's end every expert's features at the round's start are
+labelled by whether it was requested in the round (the label never depends on the cache, so the same
+examples train it offline: ``expertcache train-policy``), and one gradient step of size ``lr`` is taken
+on the log-loss over all experts. It starts from trained weights: ``weights=FILE`` (a ``train-policy``
+output), else the weights shipped with the package (``DEFAULT_WEIGHTS``, trained on the embedded
+trace). An expert requested in the current round counts as certain (``p`` = 1) until the round ends.
+
+It observes every requested group (``on_request``), so prefetched experts, inserted without a request,
+are not counted as used. Cost: O(L*E) numpy work per round and per eviction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from expertcache.errors import PolicyError
+from expertcache.policy.base import Key, Policy, PolicyContext, no_victim
+
+FEATURES = (
+    "bias",
+    "age == 1",
+    "age == 2",
+    "log(1 + age) / 5",
+    "requests, decay 1/2 per round",
+    "requests / 4, decay 1/8 per round",
+    "requests / 16, decay 1/32 per round",
+    "request rate / top-k share",
+    "score at last use, if age == 1",
+    "score at last use",
+    "last use in a step of several tokens",
+)
+_DECAY = np.array([0.5, 0.875, 0.96875])  # 1 - 1/2, 1 - 1/8, 1 - 1/32
+_SCALE = np.array([1.0, 4.0, 16.0])
+_NEVER_AGE = 1 << 20  # the age of an expert never requested
+# ``expertcache train-policy default -o FILE``: the embedded trace, layer and flat order (docs/POLICIES.md).
+DEFAULT_WEIGHTS = (
+    -2.268658, -0.215159, 0.392364, -1.18711, -0.078484, 1.134546,
+    1.0422, 0.282201, -0.059615, 0.176722, -0.532515,
+)  # fmt: skip
+
+
+class ReuseModel:
+    """The features and the online logistic model, over every (layer, expert) key; no cache state, so
+    ``train-policy`` runs it alone over recorded traces."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, weights: Sequence[float], lr: float):
+        if len(weights) != len(FEATURES):
+            raise PolicyError(f"reuse: {len(weights)} weights given, the model has {len(FEATURES)}")
+        if lr < 0:
+            raise PolicyError(f"reuse: lr must be >= 0, got {lr}")
+        K = num_layers * num_experts
+        self.num_experts, self.top_k = num_experts, max(1, top_k)
+        self.w = np.asarray(weights, dtype=np.float64).copy()
+        self.lr = float(lr)
+        self.last = np.full(K, -_NEVER_AGE, dtype=np.int64)  # round of the last request
+        self.counts = np.zeros((3, K))  # decaying request counts
+        self.total = np.zeros(K)
+        self.score = np.zeros(K)  # routing score at the last request
+        self.used = np.zeros(K, dtype=bool)  # requested in the current round
+        self.used_score = np.zeros(K)
+        self.wide = np.zeros(K)  # 1 where the last request was in a step of several tokens (a prompt)
+        self.rounds = 0  # rounds closed
+        self.round = 0  # the current round
+        self.token = 0  # the current round's first token
+        self.X = self.features()
+        self.p = self.predict(self.X)
+
+    def features(self, ahead: int | np.ndarray = 0, ids: np.ndarray | None = None) -> np.ndarray:
+        """[K, F] at the start of the current round, or ``ahead`` rounds later if nothing is requested
+        (only the keys ``ids``, if given). With several ``ahead`` values: [len(ahead) * K, F], one block
+        of rows per value."""
+        at = slice(None) if ids is None else ids
+        ahead = np.atleast_1d(np.asarray(ahead, dtype=np.int64))[:, None]  # [A, 1]
+        shape = (ahead.shape[0], len(self.last) if ids is None else len(ids))
+        age = np.minimum(self.round + ahead - self.last[at], _NEVER_AGE)  # [A, n]
+        share = self.top_k / self.num_experts * max(1, self.rounds)
+        one = age == 1
+        decay = (_DECAY[:, None] ** ahead[None, :, 0])[:, :, None] / _SCALE[:, None, None]  # [3, A, 1]
+        counts = self.counts[:, None, at] * decay  # [3, A, n]
+        score = np.broadcast_to(self.score[at], shape)
+        cols = [
+            np.ones(shape),
+            one,
+            age == 2,
+            np.log1p(np.minimum(age, 256)) / 5.0,
+            counts[0],
+            counts[1],
+            counts[2],
+            np.broadcast_to(np.minimum(self.total[at] / share, 8.0) / 4.0, shape),
+            one * score,
+            score,
+            np.broadcast_to(self.wide[at], shape),
+        ]
+        return np.stack([np.asarray(c, dtype=np.float64).reshape(-1) for c in cols], axis=1)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-np.clip(X @ self.w, -30.0, 30.0)))
+
+    def observe(self, ids: Sequence[int], scores: Sequence[float] | None) -> None:
+        """Keys (by id) requested in the current round, with their routing scores if known."""
+        for j, i in enumerate(ids):
+            self.used[i] = True
+            self.used_score[i] = max(self.used_score[i], 1.0 if scores is None else float(scores[j]))
+
+    def advance(self, new_round: int, token: int) -> None:
+        """Close the current round (label, learn, update the features) and open ``new_round``, whose first
+        token is ``token`` (so the closed round covered ``token - self.token`` tokens)."""
+        y = self.used.astype(np.float64)
+        if self.lr:
+            self.w += self.lr * (self.X.T @ (y - self.p)) / len(y)
+        u = self.used
+        self.counts *= _DECAY[:, None]
+        self.counts += y
+        self.total += y
+        self.score = np.where(u, np.minimum(self.used_score, 1.0), self.score)
+        self.last = np.where(u, self.round, self.last)
+        self.wide = np.where(u, float(token - self.token > 1), self.wide)
+        self.token = token
+        self.used[:] = False
+        self.used_score[:] = 0.0
+        self.rounds += 1
+        self.round = new_round
+        self.X = self.features()
+        self.p = self.predict(self.X)
+
+
+def load_weights(path: str | Path) -> tuple[float, ...]:
+    """The weights of a ``train-policy`` file (JSON: {"policy": "reuse", "features": [...], "weights":
+    [...]}); any problem is a PolicyError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PolicyError(f"reuse: cannot read weights {path}: {e.strerror or e}") from None
+    except ValueError:
+        raise PolicyError(f"reuse: {path} is not JSON (expected a train-policy output)") from None
+    if not isinstance(data, dict) or data.get("policy") != "reuse" or "weights" not in data:
+        raise PolicyError(f"reuse: {path} is not a reuse weights file (expected a train-policy output)")
+    if list(data.get("features", [])) != list(FEATURES):
+        raise PolicyError(f"reuse: {path} was trained on other features; train again with this version")
+    w = data["weights"]
+    if not isinstance(w, list) or not all(isinstance(x, int | float) for x in w) or not np.isfinite(w).all():
+        raise PolicyError(f"reuse: {path}: 'weights' must be {len(FEATURES)} finite numbers")
+    return tuple(float(x) for x in w)
+
+
+class Reuse(Policy):
+    name = "reuse"
+    observes = True
+    text_params = frozenset({"weights"})
+
+    def __init__(
+        self, ctx: PolicyContext, *, lr: float = 0.5, weights: str | None = None, horizon: int = 8
+    ) -> None:
+        super().__init__(ctx)
+        if int(horizon) < 1:
+            raise PolicyError(f"reuse: horizon must be >= 1, got {horizon}")
+        self._horizon = int(horizon)
+        L, E = ctx.num_layers, ctx.num_experts
+        w = DEFAULT_WEIGHTS if weights is None else load_weights(str(weights))
+        self.model = ReuseModel(L, E, ctx.top_k, w, float(lr))
+        self._L, self._E = L, E
+        self._resident = np.zeros(L * E, dtype=bool)
+        self._live = bytearray(L * E)  # resident and not requested this round: the round's candidates
+        self._n = 0
+        lay = np.arange(L * E) // E
+        here = np.arange(L)[:, None]
+        self._dist = np.where(lay[None, :] > here, lay[None, :] - here, lay[None, :] + L - here).tolist()
+        self._rank: tuple[list[int], list[float]] | None = None  # this round's candidates, built when needed
+        self._start = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key: object) -> bool:
+        return self._resident[key[0] * self._E + key[1]]  # type: ignore[index]
+
+    def _sync(self) -> None:
+        r = self.clock.round
+        if r != self.model.round:
+            self.model.advance(r, self.clock.token)
+            self._rank = None
+            self._live = bytearray(self._resident.tobytes())
+
+    def waits(self, ids: np.ndarray) -> np.ndarray:
+        """Layer visits from each key's next visit to its expected next use: L * (E[N] - 1), N the visit
+        of the next use, from the model's hazards over the next ``horizon`` visits and the last one's
+        geometric tail."""
+        m, H, n = self.model, self._horizon, len(ids)
+        p = np.empty((H, n))
+        p[0] = m.p[ids]
+        if H > 1:  # the hazards 1 .. H - 1 rounds on, if nothing is requested meanwhile
+            p[1:] = m.predict(m.features(np.arange(1, H), ids)).reshape(H - 1, n)
+        p = np.maximum(p, 1e-9)
+        alive = np.cumprod(1.0 - p, axis=0)  # alive[j]: not requested in visits 1 .. j + 1
+        expect = 1.0 + alive[:-1].sum(axis=0) + alive[-1] / p[-1]
+        return self._L * (expect - 1.0)
+
+    def _ranking(self) -> tuple[list[int], list[float]]:
+        """The round's candidates (resident, not yet requested in the round) by wait, longest first (ties:
+        the lower key id first). Keys requested or evicted later in the round are skipped when met."""
+        ids = np.flatnonzero(self._resident & ~self.model.used)
+        wait = self.waits(ids)
+        order = np.lexsort((ids, -wait))
+        self._start = 0
+        return ids[order].tolist(), wait[order].tolist()
+
+    def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
+        self._sync()
+        ids = [layer * self._E + e for layer, e in keys]
+        self.model.observe(ids, scores)
+        live = self._live
+        for i in ids:
+            live[i] = 0
+
+    def on_hit(self, key: Key) -> None:
+        self._sync()
+
+    def on_insert(self, key: Key) -> None:
+        self._sync()
+        i = key[0] * self._E + key[1]
+        self._resident[i] = True
+        self._n += 1
+        if not self.model.used[i]:  # a prefetch: a candidate the round's ranking lacks
+            self._live[i] = 1
+            self._rank = None
+
+    def on_evict(self, key: Key) -> None:
+        i = key[0] * self._E + key[1]
+        self._resident[i] = False
+        self._live[i] = 0
+        self._n -= 1
+
+    def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
+        """The candidate with the latest expected next use, D + wait (D: layer visits until its layer
+        comes again, 1..L); requested this round counts as certain, so those go last."""
+        if self._n < self.capacity:
+            return None
+        self._sync()
+        if self._rank is None:
+            self._rank = self._ranking()
+        ids, waits = self._rank
+        live, dist, L, E = self._live, self._dist[self.clock.layer], self._L, self._E
+        start = self._start
+        while start < len(ids) and not live[ids[start]]:
+            start += 1  # gone for the rest of the round
+        self._start = start
+        best, best_due = -1, -np.inf
+        for j in range(start, len(ids)):
+            w = waits[j]
+            if w + L <= best_due:  # D <= L: nothing further down can be later
+                break
+            i = ids[j]
+            if live[i]:
+                due = w + dist[i]
+                if due > best_due and divmod(i, E) not in pinned:
+                    best, best_due = i, due
+        if best >= 0:
+            return divmod(best, E)
+        # every candidate pinned or gone: the keys requested this round, by layer distance
+        for i in sorted(np.flatnonzero(self._resident).tolist(), key=lambda i: -dist[i]):
+            if divmod(i, E) not in pinned:
+                return divmod(i, E)
+        raise no_victim(self, incoming)
