@@ -10,8 +10,8 @@ OPT's misses (our OPT, which in layer order keeps a group resident together).
 - ``reuse``: the shipped weights, trained on the embedded model's trace only. On the Qwen trace this is
   a held-out (leave-one-trace-out) figure; on the embedded trace it is a training figure.
 - ``reuse@self``: weights trained on the whole trace it then runs on (a training figure).
-- leave-one-request-out folds (traces with several requests): for each request, weights trained on the
-  other requests, then every policy replays that request alone (cache empty at its start); the folds'
+- leave-one-request-out folds on the Qwen trace (6 requests): for each request, weights trained on the
+  other five, then every policy replays that request alone (cache empty at its start); the folds'
   misses are summed per policy and compared with OPT's sum. ``reuse@fold`` is the held-out figure.
 
 Then the engine: the embedded model, ``--expert-memory 25%``, the emulated link (``--link-bandwidth``,
@@ -50,9 +50,10 @@ SHARES = (0.10, 0.25, 0.50, 0.75)
 ORDERS = ("flat", "layer")
 RECORD = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 LCS = ["ARC", "Cacheus", "Clock", "Clock2QPlus", "ClockPro", "FIFO", "GDSF", "GLCache",
-       "Hyperbolic", "LFU", "LFUDA", "LHD", "LIRS", "LRB", "LRU", "LRUProb", "LeCaR", "MQ", "Random",
+       "Hyperbolic", "LFU", "LHD", "LIRS", "LRB", "LRU", "LRUProb", "LeCaR", "MQ", "Random",
        "S3FIFO", "SLRU", "Sieve", "ThreeLCache", "TwoQ", "WTinyLFU"]  # fmt: skip
-# FlashProb is left out: a two-tier (RAM + flash) cache that aborts the process below a few objects.
+# Left out: FlashProb, a two-tier (RAM + flash) cache that aborts the process below a few objects, and
+# LFUDA, which in libcachesim 0.3.5 never returns on the embedded trace at 25-75 % (killed after 30 s).
 OURS = [n for n in POLICIES if not n.endswith("-dist") and not policy_class(n).offline
         and not policy_class(n).needs_profile]  # fmt: skip
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:", "for i in range(10):", "def parse(text):\n    "]
@@ -108,7 +109,7 @@ def lcs_misses(keys: np.ndarray, capacities: list[int], tmp: Path) -> dict[str, 
 def _lcs_run(name: str, path: Path, capacities: list[int]) -> dict[str, float] | None:
     cmd = [sys.executable, "-c", LCS_SCRIPT, name, str(path), json.dumps(capacities)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -164,7 +165,7 @@ def evaluate(name: str, tr: Trace, tmp: Path, quick: bool) -> dict:
         result[f"whole_{order}"] = summarize(rows, caps, "reuse")
         log(f"{name} {order}: whole trace in {time.perf_counter() - t0:.0f} s")
     seqs = np.unique(tr.seq_id) if tr.seq_id is not None else np.zeros(0)
-    if len(seqs) >= 2 and not quick:
+    if len(seqs) >= 2 and name == "qwen" and not quick:  # the real trace: train and test stay apart
         folds = {order: {} for order in ORDERS}
         for s in seqs.tolist():
             test, train = np.flatnonzero(tr.seq_id == s), np.flatnonzero(tr.seq_id != s)

@@ -195,7 +195,8 @@ def test_reuse_runs_in_simulate_on_every_order_and_beats_lru_where_routing_is_st
 
 def test_train_policy_command(tmp_path):
     out = tmp_path / "w.json"
-    cmd = [sys.executable, "-m", "expertcache.cli", "train-policy", "default", "--order", "flat", "-o", str(out)]
+    cmd = [sys.executable, "-m", "expertcache.cli", "train-policy", "default", "--order", "flat", "-o",
+           str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "train: log-loss" in done.stdout and f"reuse:weights={out}" in done.stderr

@@ -1,13 +1,15 @@
-"""Reuse: evict the latest predicted next use (a logistic reuse model, trained and learning online; Hawkeye, LRB).
+"""Reuse: evict the latest predicted next use (a logistic reuse model, learning online; Hawkeye, LRB).
 
 A logistic model estimates, for every expert, the probability ``p`` that it is requested at its layer's
 next visit (the next round: token in flat order, forward step in layer order) from features known at
 that moment (``FEATURES``): rounds since its last use (as indicators for 1 and 2, and log), its requests
-in exponentially decaying windows of about 2, 8 and 32 rounds, its request rate since the start, and its
-routing score (renormalised gate weight) at its last use. With ``p`` the next use is about
-``1/p - 1`` rounds after the next visit, as for a geometric wait, so the victim is the resident expert
-with the latest expected next use, ``D + L * (1/p - 1)``, D being the layer visits until its layer comes
-again: Belady's rule with predicted next uses (LLRU's D breaks near-ties the same way).
+in exponentially decaying windows of about 2, 8 and 32 rounds, its request rate since the start, its
+routing score (renormalised gate weight) at its last use, and whether that use was in a step of several
+tokens (a prompt). From the model's ``p`` for the next ``horizon`` rounds (if nothing is requested
+meanwhile) and a geometric tail after them comes E[N], the expected round of its next request; the
+victim is the resident expert with the latest expected next use, ``D + L * (E[N] - 1)`` in layer
+visits, D being the visits until its layer comes again: Belady's rule with predicted next uses, and
+LLRU's D.
 
 The model learns while it runs: at each round's end every expert's features at the round's start are
 labelled by whether it was requested in the round (the label never depends on the cache, so the same
@@ -17,12 +19,14 @@ output), else the weights shipped with the package (``DEFAULT_WEIGHTS``, trained
 trace). An expert requested in the current round counts as certain (``p`` = 1) until the round ends.
 
 It observes every requested group (``on_request``), so prefetched experts, inserted without a request,
-are not counted as used. Cost: O(L*E) numpy work per round and per eviction.
+are not counted as used. Cost: numpy work over every expert once per round (and over the resident
+ones for the next ``horizon`` rounds, at the round's first eviction), then a short scan per eviction.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Container, Sequence
 from pathlib import Path
 
@@ -188,7 +192,11 @@ class Reuse(Policy):
         return self._n
 
     def __contains__(self, key: object) -> bool:
-        return self._resident[key[0] * self._E + key[1]]  # type: ignore[index]
+        try:
+            layer, e = (operator.index(k) for k in key)  # type: ignore[union-attr]
+        except (TypeError, ValueError):  # not a (layer, expert) pair of integers
+            return False
+        return 0 <= layer < self._L and 0 <= e < self._E and bool(self._resident[layer * self._E + e])
 
     def _sync(self) -> None:
         r = self.clock.round

@@ -83,7 +83,8 @@ def scores(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, float]:
     p = 1.0 / (1.0 + np.exp(-np.clip(X @ w, -30, 30)))
     eps = 1e-12
     loss = -float(np.mean(y * np.log(p + eps) + (1 - y) * np.log(1 - p + eps)))
-    return {"log_loss": loss, "accuracy": float(np.mean((p >= 0.5) == (y >= 0.5))), "base_rate": float(y.mean())}
+    accuracy = float(np.mean((p >= 0.5) == (y >= 0.5)))
+    return {"log_loss": loss, "accuracy": accuracy, "base_rate": float(y.mean())}
 
 
 def train_policy(
