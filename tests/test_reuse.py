@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +211,57 @@ def test_train_policy_command(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "missing.npz" in bad.stderr
     bad = subprocess.run([*cmd[:-1], str(tmp_path / "no" / "w.json")], capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot write" in bad.stderr
+
+
+def test_the_fit_never_diverges_on_sticky_routing():
+    """Plain Newton blew up here (log-loss 24, a bias of 1e10); with step halving the loss only falls."""
+    tr = synthesize("sticky", tokens=1500, layers=4, experts=16, top_k=2, seed=0, stickiness=0.7,
+                    sequences=4, prompt_len=32)  # fmt: skip
+    report = train_policy([tr], ["sticky"])
+    w = np.asarray(report["weights"])
+    rate = report["train"]["base_rate"]
+    base = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
+    assert np.isfinite(w).all() and np.abs(w).max() < 100
+    assert report["train"]["log_loss"] < 0.8 * base
+    assert report["train"]["accuracy"] > 1 - rate  # better than always "not requested"
+
+
+def test_parameters_are_checked_and_weights_can_be_given_in_memory(tmp_path):
+    ctx = PolicyContext(capacity=8, num_layers=4, num_experts=8, top_k=2)
+    for bad in (float("nan"), float("inf"), -0.1):
+        with pytest.raises(PolicyError, match="lr must be a finite number"):
+            make_policy("reuse", ctx, lr=bad)
+    for bad in (2.5, 10**9, 0, True):
+        with pytest.raises(PolicyError, match="horizon must be a whole number"):
+            make_policy("reuse", ctx, horizon=bad)
+    assert make_policy("reuse", ctx, horizon=4.0)._horizon == 4
+    w = [0.5] * len(FEATURES)
+    assert tuple(make_policy("reuse", ctx, weights=w).model.w) == tuple(w)
+    for bad in ([True] * len(FEATURES), [1.0] * 3, [float("nan")] * len(FEATURES)):
+        with pytest.raises(PolicyError, match="finite numbers"):
+            make_policy("reuse", ctx, weights=bad)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    name, params = parse_policy(f"reuse:weights={a},lr=0,weights={b}")
+    assert params["weights"] == str(b)  # the last one given, as for numbers
+
+
+def test_a_sweep_knows_a_weights_file_by_its_content(tmp_path):
+    from expertcache.tools.sweep import Grid, sweep
+
+    w = tmp_path / "w.json"
+    write_weights(train_policy([default_trace()], ["default"], orders=("flat",)), w)
+    grid = Grid(traces=("default",), policies=(f"reuse:weights={w}",), capacities=("25%",), orders=("flat",))
+    first = sweep(grid, jobs=1, log=None)
+    data = json.loads(w.read_text())
+    data["weights"] = [x * 0.5 for x in data["weights"]]
+    w.write_text(json.dumps(data))
+    second = sweep(grid, jobs=1, log=None)
+    assert first[0]["params"] != second[0]["params"] and "weights_sha=" in first[0]["params"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_train_policy_reports_a_failed_write_in_one_line():
+    cmd = [sys.executable, "-m", "expertcache.cli", "train-policy", "default", "--order", "flat", "-o",
+           "/dev/full"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot write" in done.stderr

@@ -317,7 +317,10 @@ def _build_parser() -> argparse.ArgumentParser:
     tpol.add_argument("traces", nargs="+", metavar="TRACE", help="routing traces (.npz), or default")
     tpol.add_argument("-o", "--out", metavar="FILE.json", help="weights file (default: JSON on stdout)")
     tpol.add_argument(
-        "--order", action="append", choices=ORDERS, help="orders to learn from (default: layer and flat)"
+        "--order",
+        action="append",
+        choices=ORDERS,
+        help="an order to learn from; repeat for several (default: layer and flat)",
     )
     tpol.add_argument("--test", nargs="+", metavar="TRACE", help="held-out traces to score (default: none)")
     tpol.set_defaults(func=_cmd_train_policy)
@@ -1011,7 +1014,10 @@ def _cmd_train_policy(args: argparse.Namespace) -> int:
     report = train_policy(traces, args.traces, tuple(dict.fromkeys(args.order or ("layer", "flat"))),
                           test, args.test or ())  # fmt: skip
     if args.out:
-        write_weights(report, args.out)
+        try:
+            write_weights(report, args.out)
+        except OSError as e:
+            raise ExpertcacheError(f"{args.out}: cannot write the weights file: {e.strerror or e}") from None
         print(format_report(report))
         print(f"weights written to {args.out}; use --policy reuse:weights={args.out}", file=sys.stderr)
     else:

@@ -114,9 +114,10 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
         )
     _check_parameters(name, params)  # when a config is built, not later when the policy is
     text = policy_class(name).text_params
+    raw = {k.strip(): v.strip() for k, _, v in (i.partition("=") for i in spec.partition(":")[2].split(","))}
     for key, value in params.items():
-        if key in text:  # a file name, as written (a number-like name too)
-            params[key] = spec.split(f"{key}=", 1)[1].split(",", 1)[0].strip()
+        if key in text:  # a file name as written (a number-like one too); the last given, as for numbers
+            params[key] = raw.get(key, value)
         elif not isinstance(value, int | float) and not (
             isinstance(value, list) and all(isinstance(v, int) for v in value)
         ):

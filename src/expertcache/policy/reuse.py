@@ -26,6 +26,7 @@ ones for the next ``horizon`` rounds, at the round's first eviction), then a sho
 from __future__ import annotations
 
 import json
+import math
 import operator
 from collections.abc import Container, Sequence
 from pathlib import Path
@@ -51,6 +52,7 @@ FEATURES = (
 _DECAY = np.array([0.5, 0.875, 0.96875])  # 1 - 1/2, 1 - 1/8, 1 - 1/32
 _SCALE = np.array([1.0, 4.0, 16.0])
 _NEVER_AGE = 1 << 20  # the age of an expert never requested
+MAX_HORIZON = 256
 # ``expertcache train-policy default -o FILE``: the embedded trace, layer and flat order (docs/POLICIES.md).
 DEFAULT_WEIGHTS = (
     -2.268658, -0.215159, 0.392364, -1.18711, -0.078484, 1.134546,
@@ -65,8 +67,8 @@ class ReuseModel:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, weights: Sequence[float], lr: float):
         if len(weights) != len(FEATURES):
             raise PolicyError(f"reuse: {len(weights)} weights given, the model has {len(FEATURES)}")
-        if lr < 0:
-            raise PolicyError(f"reuse: lr must be >= 0, got {lr}")
+        if not (math.isfinite(lr) and lr >= 0):
+            raise PolicyError(f"reuse: lr must be a finite number >= 0, got {lr}")
         K = num_layers * num_experts
         self.num_experts, self.top_k = num_experts, max(1, top_k)
         self.w = np.asarray(weights, dtype=np.float64).copy()
@@ -157,9 +159,20 @@ def load_weights(path: str | Path) -> tuple[float, ...]:
         raise PolicyError(f"reuse: {path} is not a reuse weights file (expected a train-policy output)")
     if list(data.get("features", [])) != list(FEATURES):
         raise PolicyError(f"reuse: {path} was trained on other features; train again with this version")
-    w = data["weights"]
-    if not isinstance(w, list) or not all(isinstance(x, int | float) for x in w) or not np.isfinite(w).all():
-        raise PolicyError(f"reuse: {path}: 'weights' must be {len(FEATURES)} finite numbers")
+    try:
+        return check_weights(data["weights"])
+    except PolicyError as e:
+        raise PolicyError(f"reuse: {path}: {str(e).removeprefix('reuse: ')}") from None
+
+
+def check_weights(w: object) -> tuple[float, ...]:
+    """``len(FEATURES)`` finite numbers (not booleans), as a tuple; else a PolicyError."""
+    ok = isinstance(w, list | tuple | np.ndarray) and len(w) == len(FEATURES)
+    ok = ok and all(
+        isinstance(x, int | float | np.floating | np.integer) and not isinstance(x, bool) for x in w
+    )
+    if not ok or not np.isfinite(np.asarray(w, dtype=np.float64)).all():
+        raise PolicyError(f"reuse: 'weights' must be {len(FEATURES)} finite numbers")
     return tuple(float(x) for x in w)
 
 
@@ -169,14 +182,29 @@ class Reuse(Policy):
     text_params = frozenset({"weights"})
 
     def __init__(
-        self, ctx: PolicyContext, *, lr: float = 0.5, weights: str | None = None, horizon: int = 8
+        self,
+        ctx: PolicyContext,
+        *,
+        lr: float = 0.5,
+        weights: str | Path | Sequence[float] | None = None,
+        horizon: int = 8,
     ) -> None:
         super().__init__(ctx)
-        if int(horizon) < 1:
-            raise PolicyError(f"reuse: horizon must be >= 1, got {horizon}")
+        whole = (
+            isinstance(horizon, int | float) and not isinstance(horizon, bool) and float(horizon).is_integer()
+        )
+        if not (whole and 1 <= horizon <= MAX_HORIZON):
+            raise PolicyError(
+                f"reuse: horizon must be a whole number of rounds, 1 to {MAX_HORIZON}, got {horizon}"
+            )
         self._horizon = int(horizon)
         L, E = ctx.num_layers, ctx.num_experts
-        w = DEFAULT_WEIGHTS if weights is None else load_weights(str(weights))
+        if weights is None:
+            w = DEFAULT_WEIGHTS
+        elif isinstance(weights, str | Path):
+            w = load_weights(weights)
+        else:  # in memory (the API): a train-policy result's "weights"
+            w = check_weights(weights)
         self.model = ReuseModel(L, E, ctx.top_k, w, float(lr))
         self._L, self._E = L, E
         self._resident = np.zeros(L * E, dtype=bool)

@@ -36,6 +36,7 @@ from expertcache.policy.registry import (
     make_policy,
     min_capacity,
     parse_policy,
+    policy_class,
 )
 from expertcache.sim import fast
 from expertcache.sim.curves import run_policy, with_opt
@@ -87,6 +88,7 @@ class Task:
     capacities: tuple[int, ...]
     timing: TimingCell | None = None
     predictor_sha: str | None = None
+    file_shas: str = ""  # ",k_sha=..." for each file a parameter names: a changed file is another cell
 
     def where(self) -> str:
         """The task, for messages: its trace, policy and order (and timing combination)."""
@@ -101,7 +103,7 @@ class Task:
             "trace": self.trace,
             "trace_sha": self.sha,
             "policy": self.policy,
-            "params": format_params(dict(self.params)),
+            "params": format_params(dict(self.params)) + self.file_shas,
             "seed": self.seed,
             "order": self.order,
             "capacity": capacity,
@@ -156,6 +158,12 @@ def _load_traces(grid: Grid, log: Log | None) -> list[_Loaded]:
             continue
         loaded[sha] = _Loaded(name, sha, trace)
     return list(loaded.values())
+
+
+def _file_shas(name: str, params: dict[str, object]) -> str:
+    """``,weights_sha=...`` for each parameter of the policy that names a file (``reuse:weights=``)."""
+    text = policy_class(name).text_params
+    return "".join(f",{k}_sha={file_sha(str(params[k]))}" for k in sorted(text) if k in params)
 
 
 def file_sha(path: str | Path) -> str:
@@ -237,7 +245,8 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                         p.notes.append(f"note: {t.name}: {_spec(name, params)} left out at capacities "
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
                     p.skipped += (len(wanted) - len(mine)) * each[order]
-                    task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine)
+                    task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine,
+                                file_shas=_file_shas(name, params))  # fmt: skip
                     if timing and order == "layer":
                         pred = predictor.sha if predictor else None
                         p.tasks += [
