@@ -1,4 +1,4 @@
-"""Reuse: evict the latest predicted next use (a logistic reuse model, learning online; Hawkeye, LRB).
+"""Reuse: evict the latest predicted next use (a logistic model fitted by train-policy; Hawkeye, LRB).
 
 A logistic model estimates, for every expert, the probability ``p`` that it is requested at its layer's
 next visit (the next round: token in flat order, forward step in layer order) from features known at
