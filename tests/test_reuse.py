@@ -265,3 +265,14 @@ def test_train_policy_reports_a_failed_write_in_one_line():
            "/dev/full"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot write" in done.stderr
+
+
+def test_training_samples_rounds_before_building_them(monkeypatch):
+    from expertcache.tools import train_policy as tp
+
+    tr = synthesize("zipf", tokens=400, layers=3, experts=8, top_k=2, seed=1)
+    full = tp.train_policy([tr], ["z"], ("flat",))["examples"]
+    assert full == 400 * 24
+    monkeypatch.setattr(tp, "MAX_EXAMPLES", 2000)
+    sampled = tp.train_policy([tr], ["z"], ("flat",))["examples"]
+    assert sampled <= 2000 and sampled >= 2000 // 2  # every 5th round: 80 rounds of 24 experts

@@ -27,12 +27,13 @@ from expertcache.trace.trace import Trace
 
 RIDGE = 1e-3  # per example, on every weight but the bias
 ITERATIONS = 25
-MAX_EXAMPLES = 4_000_000  # rounds are sampled evenly beyond this (memory: 80 bytes an example)
+MAX_EXAMPLES = 4_000_000  # rounds are sampled evenly beyond this (memory: 88 bytes an example)
 
 
-def examples(trace: Trace, order: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(X [K, F], y [K]) per round of ``trace`` in ``order``: the model's features at the round's start
-    and which experts the round requested, as the policy sees them (``on_request`` per group)."""
+def examples(trace: Trace, order: str, every: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(X [K, F], y [K]) per round of ``trace`` in ``order`` (every ``every``-th round): the model's
+    features at the round's start and which experts the round requested, as the policy sees them
+    (``on_request`` per group)."""
     s = build_schedule(trace, order)
     model = ReuseModel(s.num_layers, s.num_experts, s.top_k, DEFAULT_WEIGHTS, lr=0.0)
     scores = s.group_scores
@@ -41,22 +42,24 @@ def examples(trace: Trace, order: str) -> Iterator[tuple[np.ndarray, np.ndarray]
     for g, keys in enumerate(s.groups):
         rnd = g // per_round
         if rnd != model.round:
-            yield model.X, model.used.astype(np.float64)
+            if model.round % every == 0:
+                yield model.X, model.used.astype(np.float64)
             model.advance(rnd, int(s.round_token[rnd]))
         if keys:
             sc = None if scores is None else [scores[g].get(k, 0.0) for k in keys]
             model.observe([layer * E + e for layer, e in keys], sc)
-    yield model.X, model.used.astype(np.float64)
+    if model.round % every == 0:
+        yield model.X, model.used.astype(np.float64)
 
 
 def _stack(traces: Sequence[Trace], orders: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    parts = [(X, y) for tr in traces for order in orders for X, y in examples(tr, order)]
+    """Every example of the traces in the orders; beyond ``MAX_EXAMPLES``, every k-th round's, chosen
+    before they are built (a long trace would not fit in memory otherwise)."""
+    total = sum(tr.num_tokens * tr.num_layers * tr.num_experts for tr in traces) * len(orders)
+    every = max(1, math.ceil(total / MAX_EXAMPLES))  # rounds <= tokens: at most MAX_EXAMPLES kept
+    parts = [(X, y) for tr in traces for order in orders for X, y in examples(tr, order, every)]
     if not parts:
         raise ExpertcacheError("train-policy: the traces hold no rounds")
-    total = sum(len(y) for _, y in parts)
-    if total > MAX_EXAMPLES:  # every k-th round
-        k = math.ceil(total / MAX_EXAMPLES)
-        parts = parts[::k]
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
