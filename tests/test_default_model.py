@@ -111,3 +111,31 @@ def test_default_trace_replays():
     assert trace.step_id is not None and trace.is_prefill is not None
     result = replay(build_schedule(trace, "layer"), "lru", trace.num_layers * trace.num_experts // 4)
     assert 0 < result.misses < result.requests
+
+
+def test_model_info_counts_a_tied_head_once():
+    """The embedded model ties lm_head to the input embedding: one tensor in memory and on disk, so the
+    dense bytes are the checkpoint's non-expert tensors, each once (issue: models larger than memory)."""
+    from safetensors import safe_open
+
+    from expertcache.engine.offloaded import stored_bytes
+
+    info = expertcache.engine.offloaded.model_info()
+    on_disk = 0
+    with safe_open(str(DEFAULT_MODEL / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            if ".experts." not in name:
+                t = f.get_slice(name)
+                on_disk += int(np.prod(t.get_shape())) * 4  # float32
+    assert info["dense_bytes"] == on_disk
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("kept", torch.zeros(3))
+            self.register_buffer("scratch", torch.zeros(100), persistent=False)  # not saved: not counted
+
+    assert stored_bytes(Tied()) == (10 * 4 + 3) * 4

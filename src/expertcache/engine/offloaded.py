@@ -499,13 +499,20 @@ class OffloadedModel:
         self.close()
 
 
+def stored_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's saved tensors (parameters and persistent buffers), a tensor that several names
+    share counted once: a tied ``lm_head`` is the input embedding, one tensor in memory."""
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}  # tied names: one object
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def model_info(path: str | Path | None = None) -> dict[str, object]:
     """What a checkpoint holds, without reading any expert: family, MoE layers, experts, bytes."""
     path = resolve_model(path)
     sk = build_skeleton(path)
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     total = len(sk.experts) * sk.num_experts
-    dense = sum(t.numel() * t.element_size() for t in sk.model.state_dict().values())
+    dense = stored_bytes(sk.model)
     return {
         "path": str(path),
         "family": sk.family.name,
