@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from provenance import ROOT, provenance, write_json
+from sim_vs_libcachesim import write_oracle_general
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.policy import POLICIES
@@ -48,7 +49,6 @@ from expertcache.trace.default import default_trace
 QWEN = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
 SHARES = (0.10, 0.25, 0.50, 0.75)
 ORDERS = ("flat", "layer")
-RECORD = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 LCS = ["ARC", "Cacheus", "Clock", "Clock2QPlus", "ClockPro", "FIFO", "GDSF", "GLCache",
        "Hyperbolic", "LFU", "LHD", "LIRS", "LRB", "LRU", "LRUProb", "LeCaR", "MQ", "Random",
        "S3FIFO", "SLRU", "Sieve", "ThreeLCache", "TwoQ", "WTinyLFU"]  # fmt: skip
@@ -61,17 +61,6 @@ PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:", "for i in range(10
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def write_oracle_general(keys: np.ndarray, path: Path) -> None:
-    n = len(keys)
-    nxt = np.full(n, -1, dtype=np.int64)
-    order = np.lexsort((np.arange(n), keys))
-    same = keys[order][1:] == keys[order][:-1]
-    nxt[order[:-1][same]] = order[1:][same]
-    rec = np.empty(n, dtype=RECORD)
-    rec["time"], rec["id"], rec["size"], rec["next"] = np.arange(n) + 1, keys + 1, 1, nxt
-    rec.tofile(path)
 
 
 LCS_SCRIPT = """

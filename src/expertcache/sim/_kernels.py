@@ -35,6 +35,36 @@ def _group_end(groups, i):  # pragma: no cover (compiled)
     return j
 
 
+@numba.njit(cache=True, nogil=True, _nrt=False)  # scalars only
+def _visit(g, base, per_layer, layer, rnd, L):  # pragma: no cover (compiled)
+    """Advance (base, layer, rnd), the (round, layer) visit of group g and its first group, to g's visit
+    (groups ascend, so without divisions)."""
+    while g >= base + per_layer:
+        base += per_layer
+        layer += 1
+        if layer == L:
+            layer = 0
+            rnd += 1
+    return base, layer, rnd
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
+def _split_order(keys, i, j, resident, order):  # pragma: no cover (compiled)
+    """Requests i..j of a group larger than its room into ``order``, resident first
+    (``Residency.chunks``); the common case, a group that fits, stays inline in the callers (a call per
+    group cost LRU's flat replay 30 %). Returns the count."""
+    n = 0
+    for r in range(i, j):
+        if resident[keys[r]]:
+            order[n] = r
+            n += 1
+    for r in range(i, j):
+        if not resident[keys[r]]:
+            order[n] = r
+            n += 1
+    return n
+
+
 @numba.njit(cache=True, nogil=True)
 def lru_depths(keys, groups, num_keys):  # pragma: no cover (compiled)
     """LRU stack depth at each request's group start (``stack.lru_depths``)."""
@@ -289,31 +319,17 @@ def replay(
         j = i + 1  # the group's end (its requests are contiguous)
         while j < n_req and groups[j] == g:
             j += 1
-        while g >= base + per_layer:
-            base += per_layer
-            layer += 1
-            if layer == L:
-                layer = 0
-                rnd += 1
+        base, layer, rnd = _visit(g, base, per_layer, layer, rnd, L)
         phase = 1 if round_prefill[rnd] else 0
         now = rnd * L + layer
         token = round_token[rnd]
-        room = rooms[layer]
-        n = 0
-        if j - i <= room:
+        room, n = rooms[layer], j - i
+        if n <= room:
             for r in range(i, j):
-                order[n] = r
-                n += 1
+                order[r - i] = r
             room = n
         else:
-            for r in range(i, j):
-                if resident[keys[r]]:
-                    order[n] = r
-                    n += 1
-            for r in range(i, j):
-                if not resident[keys[r]]:
-                    order[n] = r
-                    n += 1
+            _split_order(keys, i, j, resident, order)
         c0 = 0
         while c0 < n:
             c1 = min(c0 + room, n)
@@ -410,6 +426,49 @@ _FAR = (1 << 31) - 1  # a never-again next use, packed
 _LOW = (1 << 32) - 1
 
 
+@numba.njit(cache=True, nogil=True, _nrt=False)  # scalars only
+def _pack(u, never, st):  # pragma: no cover (compiled)
+    """The priority of a key next used at group u (or never) and touched at stamp st."""
+    u = np.int64(u)
+    return ((_FAR if u == never else u) << 32) | (_LOW - st)
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
+def _latest(prio, size):  # pragma: no cover (compiled)
+    """The slot with the largest priority (-1 if every slot is pinned): a branch-free maximum
+    (vectorised), then its place."""
+    best = -1
+    for q in range(size):
+        best = max(best, prio[q])
+    if best < 0:
+        return -1
+    v = 0
+    while prio[v] != best:
+        v += 1
+    return v
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
+def _evict(v, size, slot, owner, prio, resident):  # pragma: no cover (compiled)
+    """Empty slot v (the last slot fills the hole); returns the new size."""
+    resident[owner[v]] = False
+    slot[owner[v]] = -1
+    size -= 1
+    if v < size:
+        owner[v], prio[v] = owner[size], prio[size]
+        slot[owner[v]] = v
+    return size
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)  # takes arrays, allocates none: no reference counting
+def _insert(k, p, size, slot, owner, prio, resident):  # pragma: no cover (compiled)
+    resident[k] = True
+    slot[k] = size
+    owner[size] = k
+    prio[size] = p
+    return size + 1
+
+
 @numba.njit(cache=True, nogil=True)
 def opt_replay(
     keys, groups, per_layer, L, E, round_prefill, nxt_use, never, rooms, single, hits
@@ -421,6 +480,7 @@ def opt_replay(
     K = L * E
     cap = rooms[0]
     size = 0
+    resident = np.zeros(K, dtype=np.bool_)
     slot = np.full(K, -1, dtype=np.int64)  # key -> its slot, -1 when not resident
     owner = np.empty(K, dtype=np.int64)  # slot -> key
     prio = np.empty(K, dtype=np.int64)  # slot -> packed priority, -1 while pinned
@@ -432,17 +492,10 @@ def opt_replay(
     rnd, layer, base = 0, 0, 0
     if single:
         for r in range(n_req):
-            g = groups[r]
-            while g >= base + per_layer:
-                base += per_layer
-                layer += 1
-                if layer == L:
-                    layer = 0
-                    rnd += 1
+            base, layer, rnd = _visit(groups[r], base, per_layer, layer, rnd, L)
             k = keys[r]
             st += 1
-            u = np.int64(nxt_use[r])
-            p = ((_FAR if u == never else u) << 32) | (_LOW - st)
+            p = _pack(nxt_use[r], never, st)
             q = slot[k]
             if q >= 0:
                 if record:
@@ -450,52 +503,22 @@ def opt_replay(
                 prio[q] = p
                 continue
             misses[1 if round_prefill[rnd] else 0, layer] += 1
-            if size >= cap:
-                best = -1
-                for q in range(size):
-                    best = max(best, prio[q])
-                v = 0
-                while prio[v] != best:
-                    v += 1
-                slot[owner[v]] = -1
-                size -= 1
-                if v < size:
-                    owner[v], prio[v] = owner[size], prio[size]
-                    slot[owner[v]] = v
-            slot[k] = size
-            owner[size] = k
-            prio[size] = p
-            size += 1
+            if size >= cap:  # nothing is pinned: a victim always exists
+                size = _evict(_latest(prio, size), size, slot, owner, prio, resident)
+            size = _insert(k, p, size, slot, owner, prio, resident)
         return misses, 0
     while j < n_req:
         i = j
-        g = groups[i]
-        j = i + 1
-        while j < n_req and groups[j] == g:
-            j += 1
-        while g >= base + per_layer:
-            base += per_layer
-            layer += 1
-            if layer == L:
-                layer = 0
-                rnd += 1
+        j = _group_end(groups, i)
+        base, layer, rnd = _visit(groups[i], base, per_layer, layer, rnd, L)
         phase = 1 if round_prefill[rnd] else 0
-        room = rooms[layer]
-        m = 0
-        if j - i <= room:
+        room, m = rooms[layer], j - i
+        if m <= room:
             for r in range(i, j):
-                order[m] = r
-                m += 1
+                order[r - i] = r
             room = m
         else:
-            for r in range(i, j):
-                if slot[keys[r]] >= 0:
-                    order[m] = r
-                    m += 1
-            for r in range(i, j):
-                if slot[keys[r]] < 0:
-                    order[m] = r
-                    m += 1
+            _split_order(keys, i, j, resident, order)
         c0 = 0
         while c0 < m:
             c1 = min(c0 + room, m)
@@ -512,26 +535,13 @@ def opt_replay(
                 else:
                     misses[phase, layer] += 1
                     if size >= cap:  # evict the unpinned key with the largest priority
-                        best = -1
-                        for q in range(size):  # a branch-free maximum (vectorised), then its place
-                            best = max(best, prio[q])
-                        if best < 0:
+                        v = _latest(prio, size)
+                        if v < 0:
                             return misses, NO_VICTIM
-                        v = 0
-                        while prio[v] != best:
-                            v += 1
-                        slot[owner[v]] = -1
-                        size -= 1
-                        if v < size:  # the last slot fills the hole
-                            owner[v], prio[v] = owner[size], prio[size]
-                            slot[owner[v]] = v
-                    slot[k] = size
-                    owner[size] = k
-                    prio[size] = -1
-                    size += 1
+                        size = _evict(v, size, slot, owner, prio, resident)
+                    size = _insert(k, -1, size, slot, owner, prio, resident)  # pinned until the chunk ends
                 st += 1
-                u = np.int64(nxt_use[r])
-                later[c - c0] = ((_FAR if u == never else u) << 32) | (_LOW - st)
+                later[c - c0] = _pack(nxt_use[r], never, st)
             for c in range(c0, c1):  # unpin: each key's priority from its access
                 prio[slot[keys[order[c]]]] = later[c - c0]
             c0 = c1
