@@ -1,6 +1,7 @@
 """The compiled simulator (numba) equals the Python reference request for request.
 
-- Replays of LRU, FIFO, LFU, LCP, LLRU, OPT and their -dist forms (uniform and given budgets), on every
+- Replays of LRU, FIFO, LFU, LCP, LLRU, OPT and their -dist forms (uniform and given budgets), and of
+  ``reuse`` (its parameters and routing scores included), on every
   order, at many capacities (from the smallest feasible, where prefill groups are split into chunks, to
   all experts), on synthetic traces, the embedded one and the shared real one when present, and on
   random traces (hypothesis): the same misses per phase and layer.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,7 @@ from expertcache.trace.default import default_trace
 
 QWEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
 COMPILED = ["lru", "fifo", "lfu", "lcp", "llru", "opt"]
-COMPILED += [f"{n}-dist" for n in COMPILED]
+COMPILED += [f"{n}-dist" for n in COMPILED] + ["reuse"]
 
 pytestmark = pytest.mark.skipif(not fast.available(), reason="numba is not installed")
 
@@ -75,7 +77,11 @@ def reference_hits(s, name: str, capacity: int, **params) -> np.ndarray:
         rnd, layer = g // (per_layer * L), (g // per_layer) % L
         clock.round, clock.layer, clock.group = rnd, layer, g
         clock.token, clock.seq = int(s.round_token[rnd]), int(s.round_seq[rnd])
-        missed = {key for chunk in residency.chunks(layer, keys) for key, _ in residency.admit(chunk)}
+        if not keys:  # an empty group is no event (replay's rule: a round without one is not seen)
+            continue
+        scores = s.group_scores[g] if policy.observes and s.group_scores is not None else None
+        chunks = residency.chunks(layer, keys)
+        missed = {key for chunk in chunks for key, _ in residency.admit(chunk, scores=scores)}
         for key in keys:  # a group's requests are its keys, in order
             assert s.key(s.req_key[r]) == key
             hits[r] = key not in missed
@@ -142,6 +148,31 @@ def test_given_budgets_and_parameters_run_compiled():
     with pytest.raises(PolicyError, match="budgets sum"):
         fast.replay(s, "lru-dist", 10, {"budgets": budgets})
     assert not fast.supports("marking") and not fast.supports("lru", {"budgets": [1]})
+    assert not fast.supports("reuse-dist") and not fast.supports("reuse", {"rho": 1})
+
+
+def test_reuse_parameters_and_scores_run_compiled(tmp_path):
+    """``reuse``'s weights, learning rate and horizon reach the kernel; routing scores (the trace's gate
+    weights) and their absence (a schedule without its trace: 1 per request) both match the object."""
+    from expertcache.tools.train_policy import train_policy, write_weights
+
+    tr = TRACES["sticky"]()
+    weights = tmp_path / "w.json"
+    write_weights(train_policy([TRACES["zipf"]()], ["zipf"], orders=("flat",)), weights)
+    ex = tr.experts
+    scored = Trace(ex, tr.num_experts, weights=np.random.default_rng(0).random(ex.shape).astype(np.float32),
+                   seq_id=tr.seq_id, is_prefill=tr.is_prefill)  # fmt: skip
+    for order in ORDERS:
+        s = build_schedule(scored, order)
+        for params in ({"weights": str(weights)}, {"lr": 0.0}, {"lr": 3.0, "horizon": 1}, {"horizon": 40}):
+            for c in (s.min_room + 1, 12):
+                got, _, hits = fast.replay(s, "reuse", c, params, record=True)
+                assert got.tolist() == replay(s, "reuse", c, **params).layer_misses.tolist(), (params, c)
+                assert np.array_equal(hits, reference_hits(s, "reuse", c, **params))
+        bare = dataclasses.replace(s, trace=None)
+        assert bare.req_score.tolist() == [1.0] * bare.num_requests and s.req_score.min() < 1
+        for c in (s.min_room + 1, 12):
+            assert fast.replay(bare, "reuse", c)[0].tolist() == replay(bare, "reuse", c).layer_misses.tolist()
 
 
 @settings(max_examples=40, deadline=None)

@@ -93,6 +93,34 @@ def test_model_features_and_labels_follow_the_rounds():
     assert tuple(m.w) == DEFAULT_WEIGHTS  # lr = 0: frozen
 
 
+def test_the_compiled_model_equals_its_numpy_reference():
+    """The kernels (``_reuse_jit``: predictions, learning step, waits and victim order) against the
+    features written out in numpy (``ReuseModel.features``) and the formulas of the docstring."""
+    tr = synthesize("sticky", tokens=60, layers=3, experts=8, top_k=2, seed=3, stickiness=0.5,
+                    sequences=2, prompt_len=6)  # fmt: skip
+    m = ReuseModel(3, 8, 2, DEFAULT_WEIGHTS, lr=0.5)
+    rng = np.random.default_rng(0)
+    for t in range(1, tr.num_tokens):
+        ids = (np.arange(3)[:, None] * 8 + tr.experts[t - 1]).reshape(-1).tolist()
+        m.observe(ids, rng.random(len(ids)).tolist())
+        X, p, w, used = m.features(), m.p.copy(), m.w.copy(), m.used.astype(np.float64)
+        assert np.allclose(p, m.predict(X), rtol=0, atol=1e-12)
+        m.advance(t, t + (t % 5 == 0))  # every fifth round covers two tokens (a prompt step)
+        assert np.allclose(m.w, w + 0.5 * X.T @ (used - p) / len(p), rtol=1e-12, atol=1e-14)
+    ids = np.arange(0, 24, 2)
+    H, L = 6, 3
+    got, v, wait, lay = m.rank(ids, H, L)
+    P = np.vstack([m.p[ids], m.predict(m.features(np.arange(1, H), ids)).reshape(H - 1, len(ids))])
+    P = np.maximum(P, 1e-9)
+    alive = np.cumprod(1 - P, axis=0)
+    want = L * (alive[:-1].sum(axis=0) + alive[-1] / P[-1])  # L * (E[N] - 1)
+    assert np.allclose(wait, want[np.searchsorted(ids, got)], rtol=1e-12)
+    assert lay.tolist() == (got // 8).tolist() and np.array_equal(v, wait + lay)
+    assert [(-a, -b, c) for a, b, c in zip(v, wait, got, strict=True)] == sorted(
+        (-a, -b, c) for a, b, c in zip(v, wait, got, strict=True)
+    )  # v descending, then wait descending, then key
+
+
 def test_online_learning_moves_the_weights_toward_the_labels():
     m = ReuseModel(1, 4, 1, DEFAULT_WEIGHTS, lr=0.5)
     for r in range(1, 60):  # expert 0 every round, the others never

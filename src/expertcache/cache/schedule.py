@@ -140,6 +140,20 @@ class Schedule:
         return out
 
     @cached_property
+    def req_score(self) -> np.ndarray:
+        """Each request's routing score in its group (``group_scores``; 1 for a schedule built without its
+        trace, what a policy that observes scores assumes then), as one array for compiled replays. [R]"""
+        tr, R = self.trace, self.num_requests
+        if tr is None:
+            return np.ones(R)
+        if self.order != "layer":
+            return _token_scores(self, tr)[self.req_group]
+        scores, E = self.group_scores, self.num_experts
+        assert scores is not None
+        pairs = zip(self.req_group.tolist(), self.req_key.tolist(), strict=True)
+        return np.fromiter((scores[g].get(divmod(k, E), 0.0) for g, k in pairs), dtype=np.float64, count=R)
+
+    @cached_property
     def profile(self) -> dict[Key, int]:
         """How often each key is requested (what Static ranks by)."""
         counts = np.bincount(self.req_key, minlength=self.num_layers * self.num_experts)
@@ -164,13 +178,19 @@ def build_schedule(trace: Trace, order: str = "layer") -> Schedule:
 def _token_group_scores(schedule: Schedule, trace: Trace) -> list[dict[Key, float]]:
     """flat and rounds order: each group is one (token, layer, k) entry (or none), scored by its weight
     renormalised over the token's experts of that layer."""
+    scores = _token_scores(schedule, trace).tolist()
+    return [{g[0]: s} if g else {} for g, s in zip(schedule.groups, scores, strict=True)]
+
+
+def _token_scores(schedule: Schedule, trace: Trace) -> np.ndarray:
+    """flat and rounds order: each group's score (``_token_group_scores``; 0 for an empty group). [G]"""
     given = trace.weights if trace.weights is not None else 1.0
     w = np.where(trace.experts >= 0, given, 0.0).astype(np.float64)  # [T, L, K]
     total = w.sum(axis=2, keepdims=True)
     w = np.divide(w, total, out=np.zeros_like(w), where=total > 0)
     if schedule.order == "rounds":  # round t*K + k holds the k-th expert of every layer
         w = w.transpose(0, 2, 1)  # [T, K, L]
-    return [{g[0]: s} if g else {} for g, s in zip(schedule.groups, w.reshape(-1).tolist(), strict=True)]
+    return w.reshape(-1)
 
 
 def min_room(order: str, top_k: int) -> int:

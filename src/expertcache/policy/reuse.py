@@ -19,8 +19,11 @@ output), else the weights shipped with the package (``DEFAULT_WEIGHTS``, trained
 trace). An expert requested in the current round counts as certain (``p`` = 1) until the round ends.
 
 It observes every requested group (``on_request``), so prefetched experts, inserted without a request,
-are not counted as used. Cost: numpy work over every expert once per round (and over the resident
-ones for the next ``horizon`` rounds, at the round's first eviction), then a short scan per eviction.
+are not counted as used. Cost: compiled work (``_reuse_jit``, numba) over every expert once per round
+(the learning step and the predictions) and over the resident ones for the next ``horizon`` rounds at the
+round's first eviction (the ranking); then each eviction takes the first live entry of two pointers into
+that ranking. The simulator replays it on a compiled kernel that calls the same functions, so its
+decisions equal this object's (``tests/test_fast.py``).
 """
 
 from __future__ import annotations
@@ -77,14 +80,40 @@ class ReuseModel:
         self.counts = np.zeros((3, K))  # decaying request counts
         self.total = np.zeros(K)
         self.score = np.zeros(K)  # routing score at the last request
-        self.used = np.zeros(K, dtype=bool)  # requested in the current round
-        self.used_score = np.zeros(K)
+        self.seen: dict[int, float] = {}  # requested in the current round: key id -> highest score
         self.wide = np.zeros(K)  # 1 where the last request was in a step of several tokens (a prompt)
         self.rounds = 0  # rounds closed
         self.round = 0  # the current round
         self.token = 0  # the current round's first token
-        self.X = self.features()
-        self.p = self.predict(self.X)
+        self._start()
+
+    @property
+    def X(self) -> np.ndarray:
+        """[K, F]: every key's features at the current round's start (``features()``, computed once)."""
+        return self.XT.T
+
+    @property
+    def used(self) -> np.ndarray:
+        """[K] bool: requested in the current round."""
+        u = np.zeros(len(self.last), dtype=bool)
+        u[list(self.seen)] = True
+        return u
+
+    def _start(self) -> None:
+        """The round's features (``features()``, computed by the compiled kernel) and predictions."""
+        j = _jit()
+        self.XT = np.empty((len(FEATURES), len(self.last)))  # a new one each round: train-policy keeps them
+        self.p = np.empty(len(self.last))
+        m = self
+        j.start(m.w, m.last, m.counts, m.total, m.score, m.wide, m.round, m.rounds, m.top_k, m.num_experts,
+                m.XT, m.p)  # fmt: skip
+
+    def rank(self, ids: np.ndarray, horizon: int, num_layers: int) -> tuple[np.ndarray, ...]:
+        """The keys ``ids`` (ascending) in the policy's victim order, with their waits: ``_reuse_jit.rank``.
+        -> (ids, v, wait, layer)"""
+        m = self
+        return _jit().rank(ids, horizon, num_layers, m.num_experts, m.w, m.p, m.last, m.counts, m.total,
+                           m.score, m.wide, m.round, m.rounds, m.top_k)  # fmt: skip
 
     def features(self, ahead: int | np.ndarray = 0, ids: np.ndarray | None = None) -> np.ndarray:
         """[K, F] at the start of the current round, or ``ahead`` rounds later if nothing is requested
@@ -115,34 +144,50 @@ class ReuseModel:
         return np.stack([np.asarray(c, dtype=np.float64).reshape(-1) for c in cols], axis=1)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
+        """The reference of the compiled predictions: ``predict(features())`` equals ``p``."""
         return 1.0 / (1.0 + np.exp(-np.clip(X @ self.w, -30.0, 30.0)))
 
     def observe(self, ids: Sequence[int], scores: Sequence[float] | None) -> None:
         """Keys (by id) requested in the current round, with their routing scores if known."""
-        for j, i in enumerate(ids):
-            self.used[i] = True
-            self.used_score[i] = max(self.used_score[i], 1.0 if scores is None else float(scores[j]))
+        seen = self.seen
+        if scores is None:
+            for i in ids:
+                seen[i] = 1.0
+        else:
+            for i, sc in zip(ids, scores, strict=True):
+                sc = float(sc)
+                if seen.get(i, 0.0) < sc:
+                    seen[i] = sc
+                elif i not in seen:
+                    seen[i] = 0.0
 
     def advance(self, new_round: int, token: int) -> None:
         """Close the current round (label, learn, update the features) and open ``new_round``, whose first
         token is ``token`` (so the closed round covered ``token - self.token`` tokens)."""
-        y = self.used.astype(np.float64)
-        if self.lr:
-            self.w += self.lr * (self.X.T @ (y - self.p)) / len(y)
-        u = self.used
-        self.counts *= _DECAY[:, None]
-        self.counts += y
-        self.total += y
-        self.score = np.where(u, np.minimum(self.used_score, 1.0), self.score)
-        self.last = np.where(u, self.round, self.last)
-        self.wide = np.where(u, float(token - self.token > 1), self.wide)
+        seen, m = self.seen, self
+        used = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        scores = np.fromiter(seen.values(), dtype=np.float64, count=len(seen))
+        _jit().finish(m.w, m.lr, m.XT, m.p, used, scores, len(used), m.last, m.counts, m.total, m.score,
+                      m.wide, m.round, token - m.token > 1)  # fmt: skip
         self.token = token
-        self.used[:] = False
-        self.used_score[:] = 0.0
+        seen.clear()
         self.rounds += 1
         self.round = new_round
-        self.X = self.features()
-        self.p = self.predict(self.X)
+        self._start()
+
+
+_JIT = None
+
+
+def _jit():
+    """The compiled kernels (``_reuse_jit``), imported on first use: numba loads in about 0.15 s, which
+    every other policy's user would otherwise pay."""
+    global _JIT
+    if _JIT is None:
+        from expertcache.policy import _reuse_jit
+
+        _JIT = _reuse_jit
+    return _JIT
 
 
 def load_weights(path: str | Path) -> tuple[float, ...]:
@@ -209,12 +254,15 @@ class Reuse(Policy):
         self._L, self._E = L, E
         self._resident = np.zeros(L * E, dtype=bool)
         self._live = bytearray(L * E)  # resident and not requested this round: the round's candidates
+        self._live_view = np.frombuffer(self._live, dtype=np.uint8)
         self._n = 0
         lay = np.arange(L * E) // E
         here = np.arange(L)[:, None]
         self._dist = np.where(lay[None, :] > here, lay[None, :] - here, lay[None, :] + L - here).tolist()
-        self._rank: tuple[list[int], list[float]] | None = None  # this round's candidates, built when needed
-        self._start = 0
+        self._by_dist: dict[int, np.ndarray] = {}  # per layer: every key by distance, then id (built lazily)
+        # this round's candidates, built at its first eviction: (ids, v, wait, layer) in victim order, and
+        # best's pointers
+        self._rank: tuple[np.ndarray, ...] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -232,47 +280,38 @@ class Reuse(Policy):
             self.model.advance(r, self.clock.token)
             self._rank = None
             self._live = bytearray(self._resident.tobytes())
+            self._live_view = np.frombuffer(self._live, dtype=np.uint8)
 
     def waits(self, ids: np.ndarray) -> np.ndarray:
         """Layer visits from each key's next visit to its expected next use: L * (E[N] - 1), N the visit
         of the next use, from the model's hazards over the next ``horizon`` visits and the last one's
-        geometric tail."""
-        m, H, n = self.model, self._horizon, len(ids)
-        p = np.empty((H, n))
-        p[0] = m.p[ids]
-        if H > 1:  # the hazards 1 .. H - 1 rounds on, if nothing is requested meanwhile
-            p[1:] = m.predict(m.features(np.arange(1, H), ids)).reshape(H - 1, n)
-        p = np.maximum(p, 1e-9)
-        alive = np.cumprod(1.0 - p, axis=0)  # alive[j]: not requested in visits 1 .. j + 1
-        expect = 1.0 + alive[:-1].sum(axis=0) + alive[-1] / p[-1]
-        return self._L * (expect - 1.0)
-
-    def _ranking(self) -> tuple[list[int], list[float]]:
-        """The round's candidates (resident, not yet requested in the round) by wait, longest first (ties:
-        the lower key id first). Keys requested or evicted later in the round are skipped when met."""
-        ids = np.flatnonzero(self._resident & ~self.model.used)
-        wait = self.waits(ids)
-        order = np.lexsort((ids, -wait))
-        self._start = 0
-        return ids[order].tolist(), wait[order].tolist()
+        geometric tail (in the order of ``ids``)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        order, _, wait, _ = self.model.rank(ids, self._horizon, self._L)
+        out = np.empty(len(ids))
+        out[np.searchsorted(ids, order) if len(ids) else order] = wait
+        return out
 
     def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
-        self._sync()
-        ids = [layer * self._E + e for layer, e in keys]
+        if self.clock.round != self.model.round:
+            self._sync()
+        E, live = self._E, self._live
+        ids = [layer * E + e for layer, e in keys]
         self.model.observe(ids, scores)
-        live = self._live
         for i in ids:
             live[i] = 0
 
     def on_hit(self, key: Key) -> None:
-        self._sync()
+        if self.clock.round != self.model.round:
+            self._sync()
 
     def on_insert(self, key: Key) -> None:
-        self._sync()
+        if self.clock.round != self.model.round:
+            self._sync()
         i = key[0] * self._E + key[1]
         self._resident[i] = True
         self._n += 1
-        if not self.model.used[i]:  # a prefetch: a candidate the round's ranking lacks
+        if i not in self.model.seen:  # a prefetch: a candidate the round's ranking lacks
             self._live[i] = 1
             self._rank = None
 
@@ -283,33 +322,43 @@ class Reuse(Policy):
         self._n -= 1
 
     def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
-        """The candidate with the latest expected next use, D + wait (D: layer visits until its layer
-        comes again, 1..L); requested this round counts as certain, so those go last."""
+        """The candidate (resident, not requested this round) with the latest expected next use,
+        D + wait in layer visits (D: the visits until its layer comes again, 1..L; ties: the longer
+        wait, then the lower key); the keys requested this round count as certain, so they go last."""
         if self._n < self.capacity:
             return None
-        self._sync()
+        if self.clock.round != self.model.round:
+            self._sync()
+        E, c = self._E, self.clock.layer
         if self._rank is None:
-            self._rank = self._ranking()
-        ids, waits = self._rank
-        live, dist, L, E = self._live, self._dist[self.clock.layer], self._L, self._E
-        start = self._start
-        while start < len(ids) and not live[ids[start]]:
-            start += 1  # gone for the rest of the round
-        self._start = start
-        best, best_due = -1, -np.inf
-        for j in range(start, len(ids)):
-            w = waits[j]
-            if w + L <= best_due:  # D <= L: nothing further down can be later
-                break
-            i = ids[j]
-            if live[i]:
-                due = w + dist[i]
-                if due > best_due and divmod(i, E) not in pinned:
-                    best, best_due = i, due
+            ids = np.flatnonzero(self._live_view)
+            self._rank = (*self.model.rank(ids, self._horizon, self._L), np.array([0, -1, 0, 0]))
+        ids, v, wait, lay, ptr = self._rank
+        best = _jit().best(c, self._live_view, ids, v, wait, lay, self._L, ptr)
         if best >= 0:
-            return divmod(best, E)
-        # every candidate pinned or gone: the keys requested this round, by layer distance
-        for i in sorted(np.flatnonzero(self._resident).tolist(), key=lambda i: -dist[i]):
+            if divmod(best, E) not in pinned:
+                return divmod(best, E)
+            best = self._scan(c, pinned)  # the best is pinned: the next best
+            if best >= 0:
+                return divmod(best, E)
+        # every candidate pinned or gone: the keys requested this round, by layer distance, then key
+        by_dist = self._by_dist.get(c)
+        if by_dist is None:
+            by_dist = self._by_dist[c] = np.lexsort((np.arange(self._L * E), -np.asarray(self._dist[c])))
+        for i in by_dist[self._resident[by_dist]].tolist():
             if divmod(i, E) not in pinned:
                 return divmod(i, E)
         raise no_victim(self, incoming)
+
+    def _scan(self, c: int, pinned: Container[Key]) -> int:
+        """As ``_reuse_jit.best``, among the live candidates not in ``pinned``; -1 if none."""
+        assert self._rank is not None
+        ids, v, wait, lay, _ = (a.tolist() for a in self._rank)
+        live, L, E = self._live, self._L, self._E
+        best, top = -1, (-math.inf, 0.0, 0)
+        for j, i in enumerate(ids):
+            if live[i]:
+                rank = (v[j] - c + L if lay[j] <= c else v[j] - c, wait[j], -i)
+                if rank > top and divmod(i, E) not in pinned:
+                    best, top = i, rank
+        return best

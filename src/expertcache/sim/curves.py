@@ -86,7 +86,7 @@ def run_policy(
     todo = [c for c in dict.fromkeys(capacities) if c not in done]
     from expertcache.sim import fast
 
-    compiled = fast.use_compiled(schedule) and fast.supports(name, params)
+    compiled = fast.use_compiled(schedule, name) and fast.supports(name, params)
     for r in (_fast_all if compiled else _replay_all)(schedule, name, todo, seed, params, jobs):
         done[r.capacity] = r
     return [done[c] for c in capacities]

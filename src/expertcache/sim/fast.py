@@ -4,7 +4,8 @@ OPT stack passes for whole curves, at C speed over arrays (no Python object per 
 - ``replay(schedule, name, capacity, params)``: LRU, FIFO, LFU, LCP, LLRU and OPT, and their ``-dist``
   forms (uniform or given budgets), on every order: the rules of ``cache.residency.Residency`` (a layer's
   group pinned together; a group above its room served in chunks, resident experts first) with each
-  policy's victim, tie-breaks included (``sim/_kernels.py``).
+  policy's victim, tie-breaks included (``sim/_kernels.py``); and ``reuse``, whose policy object runs on
+  compiled kernels itself, replayed by a kernel beside them (``policy/_reuse_jit.py``).
 - ``lru_depths`` / ``opt_depths``: ``sim/stack.py``'s passes, compiled.
 
 The Python policy objects stay the reference, and the route for every other policy and for plug-ins;
@@ -52,14 +53,17 @@ def _k():
 
 def supports(name: str, params: dict[str, object] | None = None) -> bool:
     """Whether ``replay`` runs this registry name with these parameters."""
+    if name == "reuse":
+        return set(params or {}) <= {"lr", "weights", "horizon"}
     base, dist = (name[:-5], True) if name.endswith("-dist") else (name, False)
     allowed = _PARAMS.get(base, set()) | ({"budgets"} if dist else set())
     return base in _KINDS and set(params or {}) <= allowed
 
 
-def use_compiled(schedule: Schedule) -> bool:
-    """Whether the compiled paths pay on this schedule (and numba is installed)."""
-    return schedule.num_requests >= MIN_REQUESTS and available()
+def use_compiled(schedule: Schedule, name: str | None = None) -> bool:
+    """Whether the compiled paths pay on this schedule (and numba is installed). For ``reuse`` always:
+    the policy object runs on the same compiled kernels, so loading them is paid either way."""
+    return (name == "reuse" or schedule.num_requests >= MIN_REQUESTS) and available()
 
 
 def next_use(s: Schedule) -> tuple[np.ndarray, int]:
@@ -105,11 +109,16 @@ def replay(
     base = name.removesuffix("-dist")
     policy = make_policy(name, _context(schedule, capacity, base == "opt"), **params)  # validates
     rooms = np.asarray(check_rooms(schedule, policy), dtype=np.int64)  # the reference's refusals
+    hits = np.zeros(schedule.num_requests if record else 0, dtype=np.uint8)
+    if name == "reuse":
+        misses, status = _reuse(schedule, policy, hits)
+        if status < 0:
+            raise PolicyError(f"{name}: no evictable expert (capacity {capacity}, all pinned)")
+        return (misses, rooms, hits) if record else (misses, rooms)
     L = schedule.num_layers
     decay = float(getattr(policy.layers[0] if isinstance(policy, Dist) else policy, "_decay", 0.0))
     k = _k()
     nxt, never = next_use(schedule) if base == "opt" else (np.zeros(0, dtype=np.int32), _NEVER32)
-    hits = np.zeros(schedule.num_requests if record else 0, dtype=np.uint8)
     if name == "opt" and _scans(schedule, capacity):
         args = (schedule.req_key, schedule.req_group, schedule.per_layer, L, schedule.num_experts)
         single = schedule.order != "layer"  # flat and rounds: one request a group
@@ -133,6 +142,18 @@ def replay(
     if status == k.NO_VICTIM:
         raise PolicyError(f"{name}: no evictable expert (capacity {capacity}, all pinned)")
     return (misses, rooms, hits) if record else (misses, rooms)
+
+
+def _reuse(s: Schedule, policy, hits: np.ndarray) -> tuple[np.ndarray, int]:
+    """The ``reuse`` policy's compiled replay (``policy/_reuse_jit.replay``: the kernels the policy object
+    itself calls, so the same floats and decisions)."""
+    from expertcache.policy import _reuse_jit
+
+    model = policy.model
+    return _reuse_jit.replay(
+        s.req_key, s.req_group, s.req_score, s.per_layer, s.num_layers, s.num_experts, model.top_k,
+        s.round_prefill, s.round_token, policy.capacity, policy._horizon, model.w.copy(), model.lr, hits,
+    )  # fmt: skip
 
 
 SCAN_MAX = 1024  # OPT's scan kernel up to this capacity (it scans on each miss), the heap above
