@@ -11,7 +11,8 @@ experts, so its routing is replayed from a synthetic sticky-Zipf trace through
 
 - ``reference``: ``load_reference`` (transformers, experts_implementation="eager", all resident);
 - ``engine``: ``expertcache.engine.load`` at 100% and at each budget x policy, slow tier = the
-  memory-mapped checkpoint (``slow_tier="disk"``; on a warm page cache each miss is a memcpy);
+  memory-mapped checkpoint (``slow_tier="mapped"``, the ``disk`` tier before it dropped pages; on a
+  warm page cache each miss is a memcpy);
 - ``accelerate``: transformers/accelerate disk offload of the same checkpoint (the naive
   baseline): an explicit device_map that sends whole ``...mlp.experts`` modules of the first
   ``round((1 - budget) * L)`` layers to "disk" (``offload_folder``), everything else "cpu", so about
@@ -211,7 +212,7 @@ def run_reference(path: Path, args, trace) -> dict[str, object]:
 def run_engine(path: Path, args, trace, budget: str, policy: str, **kwargs) -> dict[str, object]:
     t0 = time.perf_counter()
     m = load(
-        path, expert_memory=budget, policy=policy, device="cpu", slow_tier="disk", progress=False, **kwargs
+        path, expert_memory=budget, policy=policy, device="cpu", slow_tier="mapped", progress=False, **kwargs
     )
     load_s = time.perf_counter() - t0
     try:
@@ -235,7 +236,7 @@ def run_engine(path: Path, args, trace, budget: str, policy: str, **kwargs) -> d
         "budget": budget,
         "policy": policy,
         "link": link,
-        "slow_tier": "disk",
+        "slow_tier": "mapped",
         "expert_memory_bytes": mem,
         "load_s": load_s,
         **{k: v for k, v in g.items() if k not in drop},
@@ -302,7 +303,7 @@ def run_accelerate(path: Path, args, trace, share: float, offload_root: Path) ->
 
 def expert_costs(path: Path, max_experts: int = 64, reps: int = 5) -> dict[str, object]:
     """Median time to compute one expert for one token, and to copy one from the slow tier (warm)."""
-    m = load(path, expert_memory="100%", policy="lru", device="cpu", slow_tier="disk", progress=False)
+    m = load(path, expert_memory="100%", policy="lru", device="cpu", slow_tier="mapped", progress=False)
     try:
         module = next(mod for mod in m.model.modules() if hasattr(mod, "_expertcache_layer"))
         L, E = m.num_layers, m.num_experts

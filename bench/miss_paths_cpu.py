@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="fresh loads per configuration (medians)")
     ap.add_argument("--link-ratio", type=float, default=3.0, help="one expert's transfer / its compute")
     ap.add_argument("--link-latency", default="5us")
-    ap.add_argument("--slow-tier", choices=["host", "disk"], default="host")
+    ap.add_argument("--slow-tier", choices=["host", "disk", "mapped"], default="host")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument(
         "--quick", action="store_true", help="one budget (25%% or the first given), 8 tokens, 1 repeat"

@@ -188,7 +188,8 @@ def engine_tpot(policies: list[str], repeats: int, bandwidth: str, latency: str,
         for _ in range(repeats):
             cmd = [exe, "generate", "--prompts", str(prompts), "--batch-size", "1", "--max-new-tokens", "32",
                    "--expert-memory", "25%", "--policy", policy, "--link-bandwidth", bandwidth,
-                   "--link-latency", latency, "--device", "cpu", "--quiet"]  # fmt: skip
+                   "--link-latency", latency, "--device", "cpu", "--slow-tier", "mapped",
+                   "--quiet"]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
             tpots += [r["tpot_s"] for r in runs]

@@ -482,10 +482,11 @@ def main() -> None:
     ap.add_argument("--link-latency", default="5us")
     ap.add_argument(
         "--slow-tier",
-        choices=["host", "disk"],
+        choices=["host", "disk", "mapped"],
         default="host",
-        help="host (default): every expert in RAM, a transfer is one memcpy per tensor; disk: the "
-        "memory-mapped checkpoint (more Python per transfer, in the transfer thread)",
+        help="host (default): every expert in RAM, a transfer is one memcpy per tensor; mapped: the "
+        "memory-mapped checkpoint (more Python per transfer, in the transfer thread); disk: exact reads "
+        "from the file, pages dropped",
     )
     ap.add_argument(
         "--limits",

@@ -376,3 +376,17 @@ def test_placement_of_every_layer_needs_no_expert_memory(ckpt, reference):
 def test_a_budget_too_small_for_a_partial_placement_is_refused(ckpt):
     with pytest.raises(ExpertcacheError, match="needs at least"):
         engine_load(ckpt("mixtral"), expert_memory="1B", miss="placement:layers=0")
+
+
+def test_quantised_experts_without_hqq_say_how_to_install_it(monkeypatch, capsys):
+    """hqq is optional (``expertcache[quant]``): without it the low-precision paths say so, exit 2."""
+    import sys
+
+    from expertcache.lazy import hqq_quantizer
+
+    monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # an import of it now fails
+    with pytest.raises(ExpertcacheError, match=r"pip install 'expertcache\[quant\]'"):
+        hqq_quantizer()
+    assert main(["quantize", "default", "--bits", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expertcache[quant]" in err

@@ -35,3 +35,19 @@ class LazyRegistry(Mapping[str, T], Generic[T]):
     def path(self, name: str) -> str:
         """Where the entry lives (``module:Attribute``), without importing it."""
         return self._paths[name]
+
+
+def hqq_quantizer():
+    """hqq's ``Quantizer``, the quantised miss path's and ``expertcache quantize``'s library. It is an
+    optional dependency (``pip install 'expertcache[quant]'``): when installed, transformers imports it
+    with every model (its quantised KV cache), and its ``torch.compile`` decorators pull in TorchDynamo
+    and Inductor, about 1.2 s of every start on this project's CI machine."""
+    try:
+        from hqq.core.quantize import Quantizer
+    except ImportError:
+        from expertcache.errors import ExpertcacheError
+
+        raise ExpertcacheError(
+            "quantised experts need the optional hqq package: pip install 'expertcache[quant]'"
+        ) from None
+    return Quantizer

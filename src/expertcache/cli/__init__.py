@@ -222,7 +222,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     pr.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     pr.add_argument(
-        "--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)"
+        "--slow-tier",
+        choices=["host", "disk", "mapped"],
+        help="where experts wait: host memory, the disk (each expert's pages let go once read: memory "
+        "bounded by the budget; default on cpu) or the page cache (mapped; default: host on cuda)",
     )
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")

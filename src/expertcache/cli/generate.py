@@ -14,6 +14,7 @@ import time
 
 from expertcache.cli.util import check_writable, quiet_transformers
 from expertcache.errors import ExpertcacheError
+from expertcache.units import format_bytes
 
 CHAT_COMMANDS = "/reset (forget the conversation), /stats (the cache's work), /exit"
 
@@ -81,7 +82,11 @@ def add_model_args(p) -> None:
     p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--slow-tier", choices=["host", "disk"], help="where experts wait (default: host on cuda)")
+    p.add_argument(
+        "--slow-tier", choices=["host", "disk", "mapped"],
+        help="where experts wait: host memory, the disk (each expert's pages let go once read: memory "
+        "bounded by the budget; default on cpu) or the page cache (mapped; default: host on cuda)"
+    )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
         "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"
@@ -354,6 +359,14 @@ def summary(out: dict) -> str:
         f"misses {out['misses']} | "
         f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms",
     ]
+    mem = out.get("memory") or {}
+    if mem.get("rss") is not None:
+        b, cached = format_bytes, mem.get("page_cache")
+        lines.append(
+            f"memory: resident {b(mem['rss'])} ({b(mem['rss_anon'])} anonymous, {b(mem['rss_file'])} file "
+            f"pages) | expert slots {b(out['expert_memory_bytes'])} | slow tier {out['slow_tier']}"
+            + ("" if cached is None else f" | checkpoint cached {b(cached)}")
+        )
     if out["prefetch"] != "none":
         lines.append(
             f"prefetch {out['prefetch']} (window {out['window']}) | issued {out['prefetch_issued']} | "

@@ -15,6 +15,7 @@ from expertcache.cache.expert_cache import ExpertCache
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.step import InlinePredictor, StepDriver
+from expertcache.cache.transfers import DEMAND
 from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig, SamplingConfig, as_config
 from expertcache.costs import CostModel
 from expertcache.engine import generation as gen
@@ -23,12 +24,12 @@ from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
-from expertcache.engine.memory import SlotLayout, SlotPool
+from expertcache.engine.memory import SlotLayout, SlotPool, resident_memory
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
 from expertcache.engine.slots import SlotTransport
-from expertcache.engine.transfer import DiskTier, HostTier, Target, TransferWorker
+from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, Target, TransferWorker
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL, MissContext, PartSpec
 from expertcache.miss.registry import miss_class
@@ -116,7 +117,10 @@ class OffloadedModel:
         primary = self.capacities[self.miss.parts()[0].name]
         self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
         self.tier = self._tier(sk, slow_tier, show)
-        self.targets = self._targets()  # (part, layer or None) -> its slots and their source
+        self._weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
+        # nothing to offload (the plain fetch path, every expert fits): every slot is filled at load
+        self._whole = miss.name == "fetch" and self.capacity >= self.num_layers * self.num_experts
+        self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
         third = -(-self.layout.nbytes // 3)  # an expert's three matrices
         self.chunk_bytes = (prefetch.chunk_bytes or third) if prefetch.chunking else None
@@ -150,8 +154,26 @@ class OffloadedModel:
         self.driver = StepDriver(self.cache, self.num_layers, runner, recorder)
         self.engine = Engine(self.model, sk.experts, self.driver, self.transport, self.parts, self.host)
         self._tokenizer = None
+        self.preloaded = self._preload(show)
 
     # -- construction ------------------------------------------------------------------------------
+    def _preload(self, show: bool) -> int:
+        """With the plain fetch path and a budget that holds every expert, there is nothing to offload:
+        every expert is read into its slot now (a progress bar), as a model loads its weights, through the
+        policy's inserts and the transfer worker a miss takes; the first request then finds them all
+        resident (no first-use misses, no stall). The cache's work counts from the first step: these are
+        in ``preloaded_experts``, not in misses, bytes moved or stall. Returns how many."""
+        if not self._whole:
+            return 0
+        keys = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
+        residency, part = self.cache.residency, self.cache.primary
+        bar = _progress("experts to expert memory", show)
+        for key in bar(keys) if bar else keys:
+            victim = residency.insert(key, ())
+            self.worker.wait(self.transport.submit(key, victim, DEMAND, part))
+        self.worker.bytes_moved = 0
+        return len(keys)
+
     def _check_cheap(self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory) -> None:
         """Option errors that need no loading, before any loading."""
         if cache.offline:
@@ -171,8 +193,8 @@ class OffloadedModel:
                 f"train one (expertcache train-predictor --model {self.path} --out DIR), then pass "
                 "--predictor DIR"
             )
-        if slow_tier not in (None, "host", "disk"):
-            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: host, disk")
+        if slow_tier not in (None, *SLOW_TIERS):
+            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: {', '.join(SLOW_TIERS)}")
         if policy_class(cache.name).needs_profile and cache.profile is None:
             raise ExpertcacheError(
                 f"policy {cache.name} ranks experts by a usage profile: pass --profile TRACE.npz (a "
@@ -198,20 +220,24 @@ class OffloadedModel:
             return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")
         raise ExpertcacheError(f"part kind {spec.kind!r} is not supported by the engine")
 
-    def _targets(self) -> dict[tuple[str, int | None], Target]:
+    def _targets(self, show: bool) -> dict[tuple[str, int | None], Target]:
         """The slot pools of every part: one for the part, one per layer for a part whose slots differ
-        by layer, or one shared by layers of different layouts (slots of the largest)."""
+        by layer, or one shared by layers of different layouts (slots of the largest). Host pools are
+        prefaulted (``SlotPool``): the budget is memory the engine uses, so it is backed at load (unless
+        every slot is about to be filled: ``_preload``)."""
         targets = {}
+        bar, fault = _progress("expert memory", show), not self._whole
         for name, part in self.parts.items():
             part.bind(self.tier)
             caps = self.capacities[name]
             if part.per_layer and part.spec.shared:
-                pool = SlotPool(part.largest(), caps, self.device)
+                pool = SlotPool(part.largest(), caps, self.device, prefault=fault, progress=bar)
                 targets[(name, None)] = Target(part.source, pool, part.layouts)
                 continue
             for group, layout in part.layouts.items():
                 n = caps if group is None else caps[group]
-                targets[(name, group)] = Target(part.source, SlotPool(layout, n, self.device))
+                pool = SlotPool(layout, n, self.device, prefault=fault, progress=bar)
+                targets[(name, group)] = Target(part.source, pool)
         return targets
 
     def _budget(self, expert_memory: str | int | float, cache: CacheConfig) -> int:
@@ -256,7 +282,7 @@ class OffloadedModel:
             bar = _progress("experts to host memory", show)
             pin = self.device.type == "cuda"
             return HostTier(sk.store, self.layout, self.num_layers, self.num_experts, pin=pin, progress=bar)
-        return DiskTier(sk.store, self.layout, self.device)
+        return DiskTier(sk.store, self.layout, self.device, drop=tier == "disk")
 
     def _policy_context(self, cache: CacheConfig) -> PolicyContext:
         prof = None
@@ -388,18 +414,20 @@ class OffloadedModel:
         if seed is not None:
             torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        before = self.stats
+        before = self._stats(memory=False)
         run = timed_generate(
             self.generate, ids.to(self.device), streamer, attention_mask=mask.to(self.device),
             max_new_tokens=max_new_tokens, pad_token_id=pad, **{**decode_kw, **kwargs},
         )  # fmt: skip
-        after = self.stats
+        after = self._stats(memory=False)
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
             "prefetch_late", "prefetch_cancelled",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
+        delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],
+                     memory=resident_memory(self._weight_files))  # fmt: skip
         eos = gen.eos_ids(self.model, tok)
         out, width = run["output"], ids.shape[1]
         rows = [
@@ -432,11 +460,16 @@ class OffloadedModel:
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),
+            "preloaded_experts": self.preloaded,
         }  # fmt: skip
 
     @property
     def stats(self) -> dict[str, object]:
-        """The cache's work since load: hits, misses, bytes moved, stall time, per layer too."""
+        """The cache's work since load: hits, misses, bytes moved, stall time, per layer too; and the
+        memory the process holds now (``engine.memory.resident_memory``)."""
+        return self._stats(memory=True)
+
+    def _stats(self, memory: bool) -> dict[str, object]:
         t = self.transport
         return {
             **self.cache.stats.to_dict(),
@@ -449,6 +482,7 @@ class OffloadedModel:
             "host_busy_s": self.host.busy_s,
             "steps": self.driver.steps,
             "expert_memory_bytes": self._memory_bytes(),
+            "memory": resident_memory(self._weight_files) if memory else None,
             "slow_tier": self.tier.name,
             "link": self.link.describe() if self.link else None,
             "costs": None if self.costs is None else self.costs.to_dict(),
@@ -574,7 +608,8 @@ def load(
     and ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
     ``predictor_thread``. Config objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be
     passed for ``policy``, ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
-    (``"host"`` or ``"disk"``), ``costs`` (a ``CostModel`` for cost-based miss paths; default: measured
+    (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
+    for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``.
     ``plan`` (a ``Plan`` or a ``plan.json`` from ``expertcache plan``) sets the expert memory, the policy
     and its per-layer budgets, the miss path and the predictor; giving one of those as well is an error.

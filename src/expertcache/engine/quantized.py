@@ -133,9 +133,9 @@ class Dequantizer:
     """Expands a quantised slot's matrices to the compute dtype (HQQ), for the expert's operations."""
 
     def __init__(self, meta: dict, dtype: torch.dtype) -> None:
-        from hqq.core.quantize import Quantizer
+        from expertcache.lazy import hqq_quantizer
 
-        self.quantizer, self.dtype = Quantizer, dtype
+        self.quantizer, self.dtype = hqq_quantizer(), dtype
         self.bits, self.group = int(meta["bits"]), int(meta["group"])
         self.tensors = meta["tensors"]
         self.matrices = [n.removesuffix(".q") for n in self.tensors if n.endswith(".q")]

@@ -25,13 +25,28 @@ from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
 
+# where experts wait: every expert in host memory; the checkpoint read from disk, each expert's pages let
+# go once copied; the checkpoint's memory map, its pages left to the page cache
+SLOW_TIERS = ("host", "disk", "mapped")
+
 
 class DiskTier:
-    """Slow tier = the memory-mapped checkpoint (via a pinned staging buffer when the slot is on CUDA)."""
+    """Slow tier = the checkpoint on disk, read through its memory map (via a pinned staging buffer when
+    the slot is on CUDA).
 
-    name = "disk"
+    ``drop`` (the ``disk`` tier): an expert's pages leave this process's page tables and the page cache as
+    soon as they are copied, so resident memory is the budget's slots, the dense weights and a stated
+    overhead, whatever the checkpoint's size; a miss reads from the disk. Without it (the ``mapped``
+    tier) they stay for the kernel to evict: misses are copies from memory while the page cache holds the
+    checkpoint, and the memory the budget was meant to bound is not bounded."""
 
-    def __init__(self, store: ExpertStore, layout: SlotLayout, device: torch.device) -> None:
+    def __init__(
+        self, store: ExpertStore, layout: SlotLayout, device: torch.device, drop: bool = True
+    ) -> None:
+        self.name = "disk" if drop else "mapped"
+        store.drop_pages = drop
+        if drop:
+            store.ckpt.forget_all()  # the dense weights are copied; the rest is read on demand
         self.store, self.layout = store, layout
         self.staging = None
         if device.type == "cuda":

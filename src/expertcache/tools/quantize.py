@@ -25,6 +25,7 @@ from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
+from expertcache.lazy import hqq_quantizer
 from expertcache.paths import writable_dir
 
 
@@ -52,15 +53,14 @@ def quantize_expert(
 ) -> dict[str, torch.Tensor]:
     """One expert's stored tensors: per matrix its packed weights, 16-bit scales and zeros (HQQ, groups of
     ``group`` along the input dimension, computed on ``device``); biases as they are."""
-    from hqq.core.quantize import Quantizer
-
+    quantizer = hqq_quantizer()
     out = {}
     for name, view in views.items():
         if name not in MATRICES:
             out[name] = view.clone()
             continue
         w = view.T.contiguous() if transposed else view  # [O, I]
-        q, meta = Quantizer.quantize(
+        q, meta = quantizer.quantize(
             w.to(device, torch.float32), nbits=bits, group_size=group, axis=1, optimize=optimize,
             device=device, compute_dtype=torch.float32,
         )  # fmt: skip
@@ -112,6 +112,7 @@ def quantize_model(
         raise ExpertcacheError(f"--bits must be among {', '.join(map(str, BITS))}, got {list(bits)}")
     if group < 8 or group & (group - 1):
         raise ExpertcacheError(f"--group must be a power of two of at least 8, got {group}")
+    hqq_quantizer()  # optional: refused before any work when it is not installed
     path = resolve_model(model)
     sk = build_skeleton(path)
     layout = SlotLayout.of(sk.shapes, sk.dtype)

@@ -1,0 +1,137 @@
+"""What the expert budget bounds on a CPU.
+
+- The ``disk`` tier (the CPU default) reads an expert's bytes exactly and leaves none of them in memory:
+  not mapped in the process, not in the page cache; the ``mapped`` tier leaves them to the page cache.
+  Both give the reference's bytes (O_DIRECT, and the buffered fallback).
+- Host slot pools are backed when allocated (``prefault``), not at the first request.
+- A budget that holds every expert has nothing to offload: the experts are read at load, and the first
+  request finds them resident.
+- ``stats["memory"]`` says what the process holds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import assert_exact, engine_load, greedy, total_experts
+
+from expertcache.cli import main
+from expertcache.engine.loader import build_skeleton
+from expertcache.engine.memory import SlotLayout, SlotPool, _cached_bytes, resident_memory
+from expertcache.engine.transfer import DiskTier
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+reference = engine_fixtures.reference
+tokenizer_dir = engine_fixtures.tokenizer_dir
+LINUX = Path("/proc/self/status").is_file()
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def _evict(files: list[Path]) -> bool:
+    """Drop the files from the page cache; False where the file system keeps them (tmpfs)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)  # just written: dirty pages are never dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    return sum(_cached_bytes(f) or 0 for f in files) == 0
+
+
+def _all_experts(store, layout) -> list[np.ndarray]:
+    views = SlotPool(layout, 1, torch.device("cpu")).views[0]
+    out = []
+    for layer in range(len(store.prefixes)):
+        for e in range(store.num_experts):
+            store.read((layer, e), views)
+            out.append(torch.cat([v.reshape(-1).view(torch.uint8) for v in views.values()]).numpy().copy())
+    return out
+
+
+@pytest.mark.skipif(not LINUX or not hasattr(os, "posix_fadvise"), reason="page-cache advice is Linux's")
+def test_the_disk_tier_leaves_no_expert_pages_behind_and_reads_the_same_bytes(ckpt):
+    path = ckpt("mixtral")
+    files = _files(path)
+    if not _evict(files):
+        pytest.skip("this file system keeps its pages (tmpfs)")
+    sk = build_skeleton(path)
+    layout = SlotLayout.of(sk.shapes, sk.dtype)
+    mapped = _all_experts(sk.store, layout)  # the mapped path: copies from the memory map
+    assert sum(_cached_bytes(f) for f in files) > 0.5 * sum(f.stat().st_size for f in files)
+
+    DiskTier(sk.store, layout, torch.device("cpu"), drop=True)  # dense weights copied: all pages go
+    assert sum(_cached_bytes(f) for f in files) == 0
+    direct = _all_experts(sk.store, layout)
+    assert all(np.array_equal(a, b) for a, b in zip(direct, mapped, strict=True))
+    assert sum(_cached_bytes(f) for f in files) == 0  # O_DIRECT: the page cache never saw them
+    for mapping in sk.store.ckpt._mappings.values():
+        mapping._direct = -1  # the fallback: buffered reads, dropped after each
+    buffered = _all_experts(sk.store, layout)
+    assert all(np.array_equal(a, b) for a, b in zip(buffered, mapped, strict=True))
+    assert sum(_cached_bytes(f) for f in files) <= 2 * len(mapped) * 4096  # at most a page at each end
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/self/status")
+def test_host_pools_are_backed_when_allocated():
+    layout = SlotLayout.of({"w": (1024, 1024)}, torch.float32)  # 4 MiB a slot
+
+    def grown(prefault: bool) -> int:
+        before = resident_memory()["rss_anon"]
+        pool = SlotPool(layout, 16, torch.device("cpu"), prefault=prefault)
+        after = resident_memory()["rss_anon"]
+        del pool
+        return after - before
+
+    assert grown(True) >= 0.9 * 16 * layout.slot_bytes
+    assert grown(False) < 0.5 * 16 * layout.slot_bytes  # the allocator only reserves address space
+
+
+def test_a_budget_that_holds_every_expert_reads_them_at_load(ckpt, reference):
+    path = ckpt("mixtral")
+    want = reference(path, IDS)
+    with engine_load(path) as model:  # 100 %
+        assert model.stats["preloaded_experts"] == total_experts("mixtral")
+        assert model.stats["bytes_transferred"] == 0 and model.stats["stall_s"] == 0  # counted from here
+        assert_exact(greedy(model, IDS), want)
+        assert model.stats["misses"] == 0 and model.stats["hits"] > 0
+    with engine_load(path, total_experts("mixtral") - 1) as model:  # one short: offloaded, cold
+        assert model.stats["preloaded_experts"] == 0
+        assert_exact(greedy(model, IDS), want)
+        assert model.stats["misses"] > 0
+    with engine_load(path, miss="host") as model:  # another miss path: nothing preloaded
+        assert model.stats["preloaded_experts"] == 0
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/self/status")
+@pytest.mark.parametrize("tier", ["disk", "mapped", "host"])
+def test_stats_report_the_memory_the_process_holds(ckpt, tier):
+    path = ckpt("mixtral")
+    with engine_load(path, 2 * engine_fixtures.TOP_K * 2, slow_tier=tier) as model:
+        out = model.generate_text("hello", max_new_tokens=4)
+        mem = out.stats["memory"]
+        assert mem["rss"] >= mem["rss_anon"] > 0 and mem["rss_file"] >= 0
+        assert out.stats["slow_tier"] == tier and out.stats["expert_memory_bytes"] > 0
+        assert model.stats["memory"]["page_cache"] is not None
+
+
+def test_the_cli_takes_each_tier_and_prints_the_memory_line(capsys):
+    for tier in ("disk", "mapped"):
+        rc = main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "2", "--expert-memory", "30%",
+                   "--slow-tier", tier, "--device", "cpu"])  # fmt: skip
+        assert rc == 0
+        err = capsys.readouterr().err
+        if LINUX:
+            assert f"slow tier {tier}" in err and "memory: resident" in err
+    with pytest.raises(SystemExit) as bad:
+        main(["generate", "--prompt", "x", "--slow-tier", "ssd"])
+    assert bad.value.code == 2 and "invalid choice: 'ssd'" in capsys.readouterr().err
