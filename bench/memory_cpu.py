@@ -90,9 +90,11 @@ def child(spec: dict) -> dict:
         ids = tok(PROMPT, return_tensors="pt").input_ids
         out = {"ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"],
                "tokens": run["output"][0, ids.shape[1]:].tolist()}  # fmt: skip
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # its maxrss outlives exec: VmHWM instead
     io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return {"load_s": load_s, **out, "max_rss_bytes": usage.ru_maxrss * 1024, "major_faults": usage.ru_majflt,
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    peak = int(status["VmHWM"].split()[0]) * 1024
+    return {"load_s": load_s, **out, "peak_rss_bytes": peak, "major_faults": usage.ru_majflt,
             "disk_read_bytes": int(io["read_bytes"])}  # fmt: skip
 
 
@@ -282,7 +284,7 @@ def main() -> int:
                 r["cgroup_peak_bytes"] = group.peak()
             results[name] = r
             log(f"{name}: load {r['load_s']:.1f} s | TTFT {r['ttft_s']:.2f} s | "
-                f"TPOT {r['tpot_s'] * 1e3:.0f} ms | RSS {r['max_rss_bytes'] / 2**30:.2f} GiB | "
+                f"TPOT {r['tpot_s'] * 1e3:.0f} ms | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB | "
                 f"major faults {r['major_faults']} | "
                 f"read {r['disk_read_bytes'] / 2**30:.2f} GiB"
                 + (f" | cgroup peak {r['cgroup_peak_bytes'] / 2**30:.2f} GiB" if group else ""))  # fmt: skip

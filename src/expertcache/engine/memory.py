@@ -187,3 +187,48 @@ def _libc():
             lib = None
         _LIBC.append(lib)
     return _LIBC[0]
+
+
+def available_memory() -> tuple[int, str] | None:
+    """Bytes this process may still allocate, and how that was found: the smaller of the system's
+    ``MemAvailable`` and its memory cgroup's room (limit - usage; cgroup v1 or v2). None where neither
+    can be read (not Linux)."""
+    found: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "available system memory"))
+    except (OSError, ValueError, IndexError):
+        pass
+    room = _cgroup_room()
+    if room is not None:
+        found.append(room)
+    return min(found) if found else None
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    """limit - usage of this process's memory cgroup, if it has a limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if "memory" in controllers.split(","):  # v1
+            base = Path("/sys/fs/cgroup/memory") / rel
+            limit_f, usage_f = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+        elif controllers == "":  # v2's unified hierarchy
+            base = Path("/sys/fs/cgroup") / rel
+            limit_f, usage_f = base / "memory.max", base / "memory.current"
+        else:
+            continue
+        try:
+            limit_text = limit_f.read_text().strip()
+            if limit_text == "max" or int(limit_text) >= 1 << 60:  # no limit
+                continue
+            limit, usage = int(limit_text), int(usage_f.read_text())
+        except (OSError, ValueError):
+            continue
+        return max(0, limit - usage), f"its memory cgroup's room ({format_bytes(limit)} limit)"
+    return None

@@ -24,7 +24,7 @@ from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
-from expertcache.engine.memory import SlotLayout, SlotPool, resident_memory
+from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, resident_memory
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
@@ -116,6 +116,7 @@ class OffloadedModel:
         self.capacities = part_capacities(self.miss, self.budget, slot_bytes, self.top_k)
         primary = self.capacities[self.miss.parts()[0].name]
         self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
+        self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
         self._weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
         # nothing to offload (the plain fetch path, every expert fits): every slot is filled at load
@@ -219,6 +220,25 @@ class OffloadedModel:
         if spec.kind == "quantized":
             return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")
         raise ExpertcacheError(f"part kind {spec.kind!r} is not supported by the engine")
+
+    def _check_fits(self, slow_tier: str | None) -> None:
+        """Refuse, before anything is read, host memory the machine (or the process's memory cgroup)
+        does not have: the slots on a CPU, and every expert for the host tier. Left to run, the process
+        would be killed for memory at load, or swap."""
+        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
+        need = self.budget if self.device.type == "cpu" else 0
+        if tier == "host":
+            need += self.num_layers * self.num_experts * self.layout.slot_bytes
+        room = available_memory()
+        if room is not None and need > room[0]:
+            what = "the expert slots" + (
+                " and the host tier's copy of every expert" if tier == "host" else ""
+            )
+            raise ExpertcacheError(
+                f"{what} need {format_bytes(need)} of host memory, more than this process may use "
+                f"({format_bytes(room[0])}: {room[1]}); give a smaller --expert-memory"
+                + (" or --slow-tier disk" if tier == "host" else "")
+            )
 
     def _targets(self, show: bool) -> dict[tuple[str, int | None], Target]:
         """The slot pools of every part: one for the part, one per layer for a part whose slots differ
