@@ -159,7 +159,8 @@ def main() -> int:
     port = free_port()
     queue = str(max(64, args.clients))
     cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--expert-memory", args.expert_memory, "--max-queue", queue, "--quiet"]  # fmt: skip
+           "--expert-memory", args.expert_memory, "--max-queue", queue, "--slow-tier", "mapped",
+           "--quiet"]  # fmt: skip
     server = subprocess.Popen(
         cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     )

@@ -251,7 +251,7 @@ def main() -> None:
     ap.add_argument("--miss", nargs="+", default=list(MISS_PATHS), help="validated at --miss-budgets")
     ap.add_argument("--miss-budgets", nargs="+", default=["25%", "50%"])
     ap.add_argument(
-        "--slow-tier", choices=["disk", "host"], default="disk",
+        "--slow-tier", choices=["disk", "mapped", "host"], default="mapped",
         help="where experts wait (host: in RAM, so host compute reads no file)",
     )  # fmt: skip
     ap.add_argument(

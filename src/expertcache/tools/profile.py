@@ -3,7 +3,8 @@
 For the model's own expert shape and dtype, with the engine's own code paths (``engine.calibrate``):
 
 - the slow tier's transfer of one expert to the compute device, chunk by chunk (host RAM -> GPU, pinned,
-  on a GPU; the memory-mapped checkpoint -> RAM on a CPU, or host RAM with ``--slow-tier host``);
+  on a GPU; on a CPU the checkpoint read from the disk -> RAM, its memory map with ``--slow-tier
+  mapped``, or host RAM with ``--slow-tier host``);
 - one expert's compute on the device, ``a + b * n`` for n tokens;
 - the same on the host (the CPU, with torch's threads as configured);
 - the rest of a decode step (attention, norms, router, embeddings, LM head), from an all-resident decode
