@@ -133,9 +133,9 @@ class _Mapping:
             done += n
         return done
 
-    def forget(self, start: int = 0, end: int | None = None, unmap: bool = False) -> None:
-        """Let the page cache drop bytes ``start:end`` (all by default), first out of this process's page
-        tables too with ``unmap``."""
+    def forget(self, start: int = 0, end: int | None = None, unmap: bool = False, cache: bool = True) -> None:
+        """Let the page cache drop bytes ``start:end`` (all by default; not with ``cache=False``), first
+        out of this process's page tables too with ``unmap``."""
         page = mmap.PAGESIZE
         end = len(self.map) if end is None else min(end, len(self.map))
         start -= start % page
@@ -144,7 +144,7 @@ class _Mapping:
             return
         if unmap and hasattr(mmap, "MADV_DONTNEED"):  # POSIX systems
             self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
-        if hasattr(os, "posix_fadvise"):  # Linux (macOS has no page-cache advice)
+        if cache and hasattr(os, "posix_fadvise"):  # Linux (macOS has no page-cache advice)
             os.posix_fadvise(self._reader(), start, end - start, os.POSIX_FADV_DONTNEED)
 
 
@@ -264,12 +264,14 @@ class Checkpoint:
             copy_tensor(dst, out)
         return True
 
-    def forget_all(self) -> None:
+    def forget_all(self, cache: bool = True) -> None:
         """Drop every mapped file's pages from this process and from the page cache (after loading the
-        dense weights, which are copied: the disk tier then reads experts exactly, on demand)."""
+        dense weights, which are copied: the disk tier then reads experts exactly, on demand); with
+        ``cache=False`` only from this process (the host tier, which holds its own copies: the page
+        cache may keep the file for the next start)."""
         for mapping in self._mappings.values():
             if mapping is not None:
-                mapping.forget(unmap=True)
+                mapping.forget(unmap=True, cache=cache)
 
 
 class ExpertStore:

@@ -106,6 +106,7 @@ class HostTier:
         keys = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
         for i, key in enumerate(progress(keys) if progress else keys):
             store.read(key, self.pool.views[i])
+        store.ckpt.forget_all(cache=False)  # the copies are the tier: no second one mapped here
 
     def host_views(self, key: Key) -> dict[str, torch.Tensor]:
         """The expert's tensors in host memory, for computing it there (no copy)."""
