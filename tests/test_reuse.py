@@ -304,3 +304,18 @@ def test_training_samples_rounds_before_building_them(monkeypatch):
     monkeypatch.setattr(tp, "MAX_EXAMPLES", 2000)
     sampled = tp.train_policy([tr], ["z"], ("flat",))["examples"]
     assert sampled <= 2000 and sampled >= 2000 // 2  # every 5th round: 80 rounds of 24 experts
+
+
+def test_without_numba_reuse_says_so_in_one_line(monkeypatch):
+    import sys
+
+    from expertcache.policy import reuse
+
+    monkeypatch.setattr(reuse, "_JIT", None)
+    import expertcache.policy
+
+    monkeypatch.setitem(sys.modules, "expertcache.policy._reuse_jit", None)  # its import now fails
+    monkeypatch.delattr(expertcache.policy, "_reuse_jit", raising=False)
+    ctx = PolicyContext(capacity=4, num_layers=2, num_experts=4, top_k=1)
+    with pytest.raises(PolicyError, match="reuse: its kernels need numba"):
+        make_policy("reuse", ctx)

@@ -184,8 +184,10 @@ def _jit():
     every other policy's user would otherwise pay."""
     global _JIT
     if _JIT is None:
-        from expertcache.policy import _reuse_jit
-
+        try:
+            from expertcache.policy import _reuse_jit
+        except ImportError as e:  # numba is a dependency; a broken install is one line, not a traceback
+            raise PolicyError(f"reuse: its kernels need numba, which does not import here ({e})") from None
         _JIT = _reuse_jit
     return _JIT
 
