@@ -100,6 +100,9 @@ def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served)
     assert 'expertcache_requests_total{endpoint="/v1/completions",status="200"}' in metrics
     assert "expertcache_cache_hits_total" in metrics and "expertcache_cache_layer_misses_total" in metrics
     assert "expertcache_ttft_seconds_count" in metrics
+    if sys.platform == "linux":  # read from /proc
+        assert float(_metric(metrics, "expertcache_memory_resident_bytes")) > 0
+        assert float(_metric(metrics, "expertcache_memory_checkpoint_cached_bytes")) >= 0
     steps, tokens = (float(_metric(metrics, f"expertcache_{n}_total")) for n in ("steps", "step_tokens"))
     assert tokens > steps > 0  # some steps computed several requests' tokens
 

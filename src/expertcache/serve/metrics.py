@@ -91,3 +91,11 @@ class _CacheCollector:
             p + "capacity_experts", "experts the cache holds", value=s["capacity_experts"]
         )
         yield GaugeMetricFamily(p + "prefetch_accuracy", "share of prefetches used", value=s["accuracy"])
+        mem = s.get("memory") or {}
+        for name, key, what in (
+            ("resident_bytes", "rss", "the server's resident memory (VmRSS)"),
+            ("anonymous_bytes", "rss_anon", "its anonymous share: slots, dense weights, activations"),
+            ("checkpoint_cached_bytes", "page_cache", "the checkpoint's bytes in the page cache"),
+        ):
+            if mem.get(key) is not None:
+                yield GaugeMetricFamily("expertcache_memory_" + name, what, value=float(mem[key]))
