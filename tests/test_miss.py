@@ -390,3 +390,7 @@ def test_quantised_experts_without_hqq_say_how_to_install_it(monkeypatch, capsys
     assert main(["quantize", "default", "--bits", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expertcache[quant]" in err
+    # the miss path says it before looking for copies (which it would tell the user to build with quantize)
+    assert main(["generate", "--prompt", "x", "--miss", "hobbit", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expertcache[quant]" in err and "quantize --bits" not in err

@@ -224,8 +224,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--slow-tier",
         choices=["host", "disk", "mapped"],
-        help="where experts wait: host memory, the disk (each expert's pages let go once read: memory "
-        "bounded by the budget; default on cpu) or the page cache (mapped; default: host on cuda)",
+        help="where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in "
+        "the page cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map "
+        "(mapped: its pages stay in the page cache)",
     )
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")

@@ -84,8 +84,9 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     p.add_argument(
         "--slow-tier", choices=["host", "disk", "mapped"],
-        help="where experts wait: host memory, the disk (each expert's pages let go once read: memory "
-        "bounded by the budget; default on cpu) or the page cache (mapped; default: host on cuda)"
+        help="where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in "
+        "the page cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map "
+        "(mapped: its pages stay in the page cache)"
     )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
@@ -357,15 +358,17 @@ def summary(out: dict) -> str:
         f"cache {out['capacity_experts']}/{out['total_experts']} experts ({out['policy']}, {out['device']}"
         f"{'' if out['miss'] == 'fetch' else ', miss ' + str(out['miss'])}) | hits {out['hits']} | "
         f"misses {out['misses']} | "
-        f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms",
+        f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
+        + (f" | {out['preloaded_experts']} read at load" if out.get("preloaded_experts") else ""),
     ]
     mem = out.get("memory") or {}
     if mem.get("rss") is not None:
-        b, cached = format_bytes, mem.get("page_cache")
+        b, cached, shmem = format_bytes, mem.get("page_cache"), mem.get("rss_shmem") or 0
+        shared = f", {b(shmem)} shared" if shmem >= 2**20 else ""  # a checkpoint on tmpfs, say
         lines.append(
-            f"memory: resident {b(mem['rss'])} ({b(mem['rss_anon'])} anonymous, {b(mem['rss_file'])} file "
-            f"pages) | expert slots {b(out['expert_memory_bytes'])} | slow tier {out['slow_tier']}"
-            + ("" if cached is None else f" | checkpoint cached {b(cached)}")
+            f"memory: resident {b(mem['rss'])} ({b(mem['rss_anon'])} anonymous, {b(mem['rss_file'])} mapped "
+            f"files with the libraries{shared}) | expert slots {b(out['expert_memory_bytes'])} | "
+            f"slow tier {out['slow_tier']}" + ("" if cached is None else f" | checkpoint cached {b(cached)}")
         )
     if out["prefetch"] != "none":
         lines.append(

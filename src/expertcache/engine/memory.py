@@ -120,11 +120,13 @@ class SlotPool:
 
 def resident_memory(files: Iterable[Path] = ()) -> dict[str, int | None]:
     """What this process holds in memory now, in bytes (Linux; None elsewhere): ``rss`` (VmRSS), its
-    ``rss_anon`` (slots, dense weights, activations) and ``rss_file`` (file pages mapped here) shares, and
+    ``rss_anon`` (slots, dense weights, activations), ``rss_file`` (file pages mapped here: libraries, and
+    a checkpoint's pages with the mapped tier) and ``rss_shmem`` (shared memory: a file on tmpfs) shares,
+    and
     ``page_cache`` (the pages of ``files``, the checkpoint, in the page cache, whoever mapped or read
     them: memory the kernel may reclaim, but which a memory cgroup charges)."""
-    out: dict[str, int | None] = dict.fromkeys(("rss", "rss_anon", "rss_file", "page_cache"))
-    fields = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"}
+    out: dict[str, int | None] = dict.fromkeys(("rss", "rss_anon", "rss_file", "rss_shmem", "page_cache"))
+    fields = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file", "RssShmem:": "rss_shmem"}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             name, _, rest = line.partition("\t") if "\t" in line else line.partition(" ")

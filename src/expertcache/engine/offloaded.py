@@ -236,7 +236,7 @@ class OffloadedModel:
             )
             raise ExpertcacheError(
                 f"{what} need {format_bytes(need)} of host memory, more than this process may use "
-                f"({format_bytes(room[0])}: {room[1]}); give a smaller --expert-memory"
+                f"({format_bytes(room[0])}: {room[1]}); give a smaller expert memory (--expert-memory)"
                 + (" or --slow-tier disk" if tier == "host" else "")
             )
 

@@ -189,7 +189,9 @@ def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = 
     """The ``spec.bits``-bit copies that ``expertcache quantize`` wrote for ``model``: read from their
     file (into host memory first, with the host tier), expanded to ``dtype`` to compute."""
     from expertcache.engine.quantized import Dequantizer, QuantSource, find_copy, quant_layout, read_meta
+    from expertcache.lazy import hqq_quantizer
 
+    hqq_quantizer()  # optional: said first, before the copies it would build are looked for
     path = find_copy(model, int(spec.bits), int(spec.group or 64))
     meta = read_meta(path)
     layout = quant_layout(meta)

@@ -1,4 +1,4 @@
-"""HOBBIT: on a miss of a less critical expert, use a low-precision copy instead of the full one.
+"""HOBBIT: on a miss of a less critical expert, use a low-precision copy instead of the full one (needs hqq).
 
 Token-level dynamic loading (Tang et al., "HOBBIT: A Mixed Precision Expert Offloading System for Fast
 MoE Inference"): the experts a token chose, sorted by their renormalised gate weights ``w``, get the
