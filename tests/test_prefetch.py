@@ -549,3 +549,26 @@ def test_predictor_thread_never_waits_keeps_order_drops_stale_and_surfaces_error
                 pt.ready()
     finally:
         pt.close()
+
+
+def test_transfers_move_in_chunks_only_where_something_speculative_can_be_waited_behind(ckpt):
+    """Chunks bound a demand transfer's wait behind a prefetch; without a prefetcher or a miss path's
+    background fills an expert moves in one piece per tensor, unless a chunk size is given. The timing
+    simulator applies the same rule."""
+    from expertcache.sim.timing import simulate_timing
+    from expertcache.trace.default import default_trace
+
+    assert not PrefetchConfig("none").chunked() and PrefetchConfig("none").chunked(background=True)
+    assert PrefetchConfig("next-gate").chunked() and PrefetchConfig("none", chunk_size="4KiB").chunked()
+    assert not PrefetchConfig("next-gate", chunking=False).chunked()
+    path = ckpt("mixtral")
+    with engine_load(path, 4) as model:
+        assert model.chunk_bytes is None
+    with engine_load(path, 4, prefetch="next-gate") as model:
+        assert model.chunk_bytes == -(-model.layout.nbytes // 3)
+    with engine_load(path, 4, miss="hybrid") as model:
+        assert model.chunk_bytes is not None
+    tr = default_trace()
+    plain = simulate_timing(tr, 24).to_dict()
+    prefetched = simulate_timing(tr, 24, prefetch="oracle").to_dict()  # a predictor a trace can replay
+    assert plain["chunks_per_expert"] == 1 and prefetched["chunks_per_expert"] == 3

@@ -93,6 +93,14 @@ class PrefetchConfig:
     def enabled(self) -> bool:
         return self.predictor != "none"
 
+    def chunked(self, background: bool = False) -> bool:
+        """Whether transfers move in chunks. Chunks bound how long a demand transfer waits behind a
+        speculative one, so they pay only where speculative transfers exist: a prefetcher, or a miss
+        path that fills the cache in the background (``background``); or where a chunk size was given.
+        Otherwise an expert moves as one piece per tensor: on the disk tier a third fewer, larger reads
+        (TPOT 0.265 s against 0.31-0.32 s, a Granite-shaped model at 25 %, no prefetch)."""
+        return self.chunking and (self.enabled or background or self.chunk_bytes is not None)
+
 
 @dataclass(frozen=True)
 class LinkConfig:

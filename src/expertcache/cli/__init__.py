@@ -136,7 +136,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tm.add_argument("--no-chunking", action="store_true", help="move each expert as one chunk")
     tm.add_argument(
-        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
+        "--chunk-size",
+        metavar="SIZE",
+        help="bytes per transfer chunk (default: a third of an expert, when prefetching)",
     )
     tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")

@@ -134,7 +134,9 @@ def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-chunking", action="store_true", help="move each expert in one piece")
     p.add_argument(
-        "--chunk-size", metavar="SIZE", help="bytes per transfer chunk (default: a third of an expert)"
+        "--chunk-size",
+        metavar="SIZE",
+        help="bytes per transfer chunk (default: a third of an expert, when prefetching)",
     )
     p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
     p.add_argument(

@@ -124,7 +124,8 @@ class OffloadedModel:
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
         third = -(-self.layout.nbytes // 3)  # an expert's three matrices
-        self.chunk_bytes = (prefetch.chunk_bytes or third) if prefetch.chunking else None
+        chunked = prefetch.chunked(background=miss.name != "fetch")
+        self.chunk_bytes = (prefetch.chunk_bytes or third) if chunked else None
         self.worker = TransferWorker(
             link=self.link,
             chunk_bytes=self.chunk_bytes,

@@ -24,7 +24,7 @@ from expertcache.cache.expert_cache import ExpertCache
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig, as_config
-from expertcache.costs import CostModel, quantized_bytes
+from expertcache.costs import AUTO, CostModel, quantized_bytes
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissContext, PartSpec
 from expertcache.miss.registry import miss_class
@@ -141,6 +141,8 @@ def simulate_timing(
     each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly."""
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     miss_cfg, cost = as_config(miss, MissConfig), cost or CostModel()
+    if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
+        cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
         raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
