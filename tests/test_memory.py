@@ -170,3 +170,10 @@ def test_available_memory_is_read_from_the_system():
 
     room = available_memory()
     assert room is not None and room[0] > 0 and isinstance(room[1], str)
+
+
+def test_the_cli_offers_the_engines_tiers():
+    from expertcache.cli.generate import SLOW_TIERS
+    from expertcache.engine.transfer import SLOW_TIERS as ENGINE_TIERS
+
+    assert list(ENGINE_TIERS) == SLOW_TIERS

@@ -223,13 +223,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("-o", "--out", metavar="PROFILE.json", help="where the profile is written")
     pr.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     pr.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    pr.add_argument(
-        "--slow-tier",
-        choices=["host", "disk", "mapped"],
-        help="where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in "
-        "the page cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map "
-        "(mapped: its pages stay in the page cache)",
-    )
+    pr.add_argument("--slow-tier", choices=cli_generate.SLOW_TIERS, help=cli_generate.SLOW_TIER_HELP)
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")
     pr.add_argument("--device-latency", metavar="TIME", help="declare its latency per chunk, e.g. 20us")

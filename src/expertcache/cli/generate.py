@@ -16,6 +16,13 @@ from expertcache.cli.util import check_writable, quiet_transformers
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
+SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
+SLOW_TIER_HELP = (
+    "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
+    "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
+    "pages stay in the page cache)"
+)
+
 CHAT_COMMANDS = "/reset (forget the conversation), /stats (the cache's work), /exit"
 
 
@@ -82,12 +89,7 @@ def add_model_args(p) -> None:
     p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
-    p.add_argument(
-        "--slow-tier", choices=["host", "disk", "mapped"],
-        help="where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in "
-        "the page cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map "
-        "(mapped: its pages stay in the page cache)"
-    )  # fmt: skip
+    p.add_argument("--slow-tier", choices=SLOW_TIERS, help=SLOW_TIER_HELP)
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
         "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"

@@ -244,7 +244,9 @@ def replay(keys, groups, scores, per_layer, L, E, top_k, round_prefill, round_to
         if n <= capacity:
             for r in range(i, j):
                 order[r - i] = r
-        else:  # chunks of the capacity, the resident requests first
+        else:  # chunks of the capacity, the resident requests first (sim/_kernels._split_order's rule,
+            # written here: numba caches a caller with its callees compiled in, and an edit of another
+            # file would not invalidate it, so each kernel file keeps its helpers to itself)
             room = capacity
             m = 0
             for r in range(i, j):
