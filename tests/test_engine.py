@@ -547,7 +547,7 @@ class _GateTier:
         self.started = threading.Event()
         self.fail = set(fail)
 
-    def copy_chunk(self, key, views, chunk) -> None:
+    def copy_chunk(self, key, views, chunk, flat=None) -> None:
         self.started.set()
         assert self.gate.wait(timeout=10)
         if key in self.fail:
@@ -563,7 +563,7 @@ def _pool(slots: int = 8, shape=(4, 4)) -> SlotPool:
 
 def test_transfer_worker_runs_by_priority_then_fifo():
     tier, pool = _GateTier(), _pool()
-    worker = TransferWorker(tier, pool)
+    worker = TransferWorker(tier, pool, steal=False)  # the worker's own order
     try:
         first = worker.submit((0, 0), 0, SPECULATIVE)
         assert tier.started.wait(5)  # the worker is inside the first copy
@@ -588,7 +588,7 @@ def test_transfer_worker_runs_by_priority_then_fifo():
 
 def test_transfer_worker_cancel_drops_a_queued_transfer():
     tier, pool = _GateTier(), _pool()
-    worker = TransferWorker(tier, pool)
+    worker = TransferWorker(tier, pool, steal=False)
     try:
         running = worker.submit((0, 0), 0, DEMAND)
         assert tier.started.wait(5)
@@ -796,3 +796,97 @@ def test_a_closed_model_frees_its_memory_without_waiting_for_the_garbage_collect
         assert tier() is None and pool() is None
     finally:
         gc.enable()
+
+
+class _OneSlowTier(_GateTier):
+    """The first copy waits for ``gate``; every copy records the thread that made it. It copies on
+    several threads at once (``concurrent``), so a waiting thread may take its transfers."""
+
+    concurrent = True
+
+    def copy_chunk(self, key, views, chunk, flat=None) -> None:
+        if key == (0, 0):
+            self.started.set()
+            assert self.gate.wait(timeout=10)
+        self.order.append((key, threading.current_thread().name))
+        for name, start, stop, _ in chunk:
+            views[name][start:stop].fill_(key[0] * 100 + key[1])
+
+
+def test_a_waiting_thread_copies_a_transfer_the_worker_has_not_taken():
+    """While the worker is inside a slow copy, a thread that waits for a queued transfer copies it
+    itself rather than wait behind it; the worker then serves the rest, and nothing is copied twice."""
+    tier, pool = _OneSlowTier(), _pool()
+    worker = TransferWorker(tier, pool)
+    assert worker.steal  # host slots, no link: the default
+    try:
+        slow = worker.submit((0, 0), 0, DEMAND)
+        assert tier.started.wait(5)
+        mine = worker.submit((0, 1), 1, SPECULATIVE)
+        later = worker.submit((0, 2), 2, DEMAND)
+        worker.wait(mine)  # returns while the worker still waits for the gate
+        assert not slow.done.is_set()
+        assert tier.order == [((0, 1), threading.current_thread().name)]
+        assert worker.cancel(mine) is False and worker.stolen == 1
+        tier.gate.set()
+        worker.wait(slow)
+        later.done.wait(5)
+        worker.wait(later)
+        assert [k for k, _ in tier.order] == [(0, 1), (0, 0), (0, 2)]
+        for t in (slow, mine, later):
+            assert (pool.buffer[t.slot] == t.key[1]).all()
+        assert worker.bytes_moved == 3 * pool.layout.nbytes
+    finally:
+        tier.gate.set()
+        worker.close()
+
+
+def test_a_source_for_one_thread_is_never_copied_by_a_waiting_thread():
+    """A source that keeps state for the worker's thread (a split expert's scratch slot) does not say
+    ``concurrent``: its transfers stay with the worker."""
+    tier, pool = _GateTier(), _pool()
+    worker = TransferWorker(tier, pool)
+    try:
+        first = worker.submit((0, 0), 0, DEMAND)
+        assert tier.started.wait(5)
+        queued = worker.submit((0, 1), 1, DEMAND)
+        threading.Timer(0.2, tier.gate.set).start()
+        worker.wait(queued)
+        worker.wait(first)
+        assert worker.stolen == 0 and tier.order == [(0, 0), (0, 1)]
+    finally:
+        tier.gate.set()
+        worker.close()
+
+
+def test_an_emulated_link_stays_serial():
+    """With an emulated link no waiting thread copies (the link is one line, its time the worker's)."""
+    tier, pool = _GateTier(), _pool()
+    tier.gate.set()
+    link = EmulatedLink(bandwidth=1e9)
+    worker = TransferWorker(tier, pool, link)
+    try:
+        assert not worker.steal
+        worker.wait(worker.submit((0, 1), 1, DEMAND))
+        assert worker.stolen == 0
+    finally:
+        worker.close()
+    with pytest.raises(ExpertcacheError, match="without a link"):
+        TransferWorker(tier, pool, link, steal=True)
+
+
+def test_the_worker_survives_a_transfer_whose_plan_raises():
+    """A transfer for a part the worker has no target for fails alone; the worker goes on (before, the
+    raise was outside the copy's guard and ended the thread: every later wait hung)."""
+    tier, pool = _GateTier(), _pool()
+    tier.gate.set()
+    worker = TransferWorker(tier, pool, steal=False)
+    try:
+        bad = worker.submit((0, 1), 1, DEMAND, part="no such part")
+        with pytest.raises(ExpertcacheError, match="failed"):
+            worker.wait(bad)
+        good = worker.submit((0, 2), 2, DEMAND)
+        assert good.done.wait(5)
+        worker.wait(good)
+    finally:
+        worker.close()

@@ -177,3 +177,66 @@ def test_the_cli_offers_the_engines_tiers():
     from expertcache.engine.transfer import SLOW_TIERS as ENGINE_TIERS
 
     assert list(ENGINE_TIERS) == SLOW_TIERS
+
+
+# ------------------------------------------------------------------------ the copy path of a miss
+@pytest.mark.parametrize("family", engine_fixtures.FAMILIES)
+@pytest.mark.parametrize("tier", ["disk", "mapped", "host"])
+def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(ckpt, family, tier):
+    """The byte-range copy (one read per run of an expert's bytes in the file, one copy per run of a
+    slot's bytes) and the tensor-by-tensor copy give the same slot, byte for byte, for every expert,
+    whole and in chunks (a chunk may take rows of two checkpoint tensors, or part of one)."""
+    with engine_load(ckpt(family), 2 * engine_fixtures.TOP_K * 2, slow_tier=tier) as model:
+        target = next(iter(model.targets.values()))
+        layout = model.layout
+        pool = SlotPool(layout, 2, torch.device("cpu"))
+        planned, flat = pool.views[0], pool.buffer[0].view(torch.uint8).numpy()
+        for chunk_bytes in (None, 3 * layout.dtype.itemsize * layout.shapes[0][-1], 100):
+            chunks = layout.chunks(chunk_bytes)
+            for key in [(layer, e) for layer in range(model.num_layers) for e in range(model.num_experts)]:
+                pool.buffer.fill_(7)
+                for chunk in chunks:
+                    target.source.copy_chunk(key, planned, chunk, flat)
+                    target.source.copy_chunk(key, pool.views[1], chunk)  # no bytes: tensor by tensor
+                for name in layout.names:
+                    assert torch.equal(planned[name], pool.views[1][name]), (key, name, chunk_bytes)
+        if tier != "host":
+            assert model.tier.store._plans and all(p is not None for p in model.tier.store._plans.values())
+
+
+def test_a_copy_plan_reads_an_experts_neighbouring_tensors_at_once(ckpt, make_ckpt):
+    """Mixtral keeps an expert's w1, w2 and w3 side by side in the file: one read for the whole expert.
+    In a sharded checkpoint whose shards split experts, each file's bytes are a read of their own, and
+    the slot is still the tensor-by-tensor copy's."""
+    with engine_load(ckpt("mixtral"), 2 * engine_fixtures.TOP_K * 2, slow_tier="disk") as model:
+        store, layout = model.tier.store, model.layout
+        for key in [(0, 0), (1, 3)]:
+            plan = store.copy_plan(key, layout.chunks(None)[0], layout)
+            assert len(plan) == 1 and len(plan[0].pieces) == 3
+            assert plan[0].stop - plan[0].start == layout.nbytes
+    path = make_ckpt("mixtral", max_shard_size="100KB")
+    with engine_load(path, 2 * engine_fixtures.TOP_K * 2, slow_tier="disk") as model:
+        store, layout, source = model.tier.store, model.layout, model.tier
+        pool = SlotPool(layout, 2, torch.device("cpu"))
+        flat, files = pool.buffer[0].view(torch.uint8).numpy(), set()
+        for key in [(layer, e) for layer in range(model.num_layers) for e in range(model.num_experts)]:
+            whole = layout.chunks(None)[0]
+            files.update(read.mapping.file for read in store.copy_plan(key, whole, layout))
+            source.copy_chunk(key, pool.views[0], whole, flat)
+            source.copy_chunk(key, pool.views[1], whole)
+            assert all(torch.equal(pool.views[0][n], pool.views[1][n]) for n in layout.names), key
+        assert len(files) > 1
+
+
+def test_a_dtype_conversion_has_no_copy_plan_and_is_still_exact(make_ckpt):
+    """A bfloat16 checkpoint computed in float32: no byte copy can convert, so the tensor-by-tensor
+    copy does it (and the output is the reference's in float32)."""
+    path = make_ckpt("mixtral", dtype="bfloat16")
+    with engine_load(path, 2 * engine_fixtures.TOP_K * 2, slow_tier="disk", dtype="float32") as model:
+        layout = model.layout
+        assert model.tier.store.copy_plan((0, 0), layout.chunks(None)[0], layout) is None
+        got = greedy(model, IDS)
+        assert model.stats["misses"] > 0
+    from expertcache.engine.loader import load_reference
+
+    assert_exact(got, greedy(load_reference(path, dtype=torch.float32), IDS))

@@ -344,7 +344,7 @@ class _SlowTier:
         self.log: list = []
         self.gate = threading.Event()
 
-    def copy_chunk(self, key, views, chunk):
+    def copy_chunk(self, key, views, chunk, flat=None):
         self.gate.wait(5)
         for name, start, stop, _ in chunk:
             views[name][start:stop].fill_(key[0] * 100 + key[1])
@@ -355,7 +355,7 @@ def test_a_demand_transfer_overtakes_a_speculative_one_between_chunks():
     layout = SlotLayout.of({"w": (6, 4)}, torch.float32)
     pool = SlotPool(layout, 4, torch.device("cpu"))
     tier = _SlowTier()
-    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4)  # 3 chunks of 2 rows
+    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4, steal=False)  # 3 chunks of 2 rows
     try:
         spec = worker.submit((0, 1), 0, SPECULATIVE)
         time.sleep(0.05)  # the worker is inside spec's first chunk
@@ -374,7 +374,7 @@ def test_a_partly_moved_speculative_transfer_can_be_cancelled_and_one_can_be_pro
     layout = SlotLayout.of({"w": (6, 4)}, torch.float32)
     pool = SlotPool(layout, 4, torch.device("cpu"))
     tier = _SlowTier()
-    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4)
+    worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4, steal=False)
     try:
         a = worker.submit((0, 1), 0, SPECULATIVE)
         time.sleep(0.05)

@@ -49,13 +49,15 @@ def calibrate(model, module) -> CostModel:
     Experts module of it) and expert (0, 0)."""
     device, layout, tier, link = model.device, model.layout, model.tier, model.link
     key = (0, 0)
-    scratch = SlotPool(layout, 1, device).views[0]
+    pool = SlotPool(layout, 1, device)
+    scratch = pool.views[0]
+    flat = pool.buffer[0].view(torch.uint8).numpy() if device.type == "cpu" else None  # as the worker
     plan = layout.chunks(model.chunk_bytes)
     hidden = layout.shapes[layout.names.index("gate_up_proj")][-1 if not module.is_transposed else 0]
 
     def move() -> None:
         for chunk in plan:
-            tier.copy_chunk(key, scratch, chunk)
+            tier.copy_chunk(key, scratch, chunk, flat)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 

@@ -125,7 +125,7 @@ class SegmentSource:
         self._reader = tier.reader()  # host views of whole experts, for the transfer worker's thread
         self._staging: torch.Tensor | None = None  # pinned bytes, grown on demand
 
-    def copy_chunk(self, key, views: dict[str, torch.Tensor], chunk) -> None:
+    def copy_chunk(self, key, views: dict[str, torch.Tensor], chunk, flat=None) -> None:
         src = self._reader(key)
         a, b = self.bounds[key[0]]
         offset = 0  # into the staging buffer, for this chunk's strided pieces

@@ -121,7 +121,7 @@ class QuantSource:
         t = self._file.get_tensor(f"{key[0]}.{key[1]}.{name}")
         return t.contiguous().view(torch.uint8).reshape(-1)
 
-    def copy_chunk(self, key, views: dict[str, torch.Tensor], chunk) -> None:
+    def copy_chunk(self, key, views: dict[str, torch.Tensor], chunk, flat=None) -> None:
         src = self._host.get(key)
         for name, start, stop, _ in chunk:
             piece = src[name][start:stop] if src is not None else self._bytes(key, name)[start:stop]

@@ -9,23 +9,30 @@ loading or serving materialises every expert.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
 from expertcache.engine.families import Family
+from expertcache.engine.memory import SlotLayout
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Key
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# bytes between two pieces of one chunk that one read takes along rather than split in two reads: about
+# what a disk moves in the time a second request costs it (a 184 KiB read took 0.4-1 ms on the
+# development VM's virtio disk against about 0.1 ms per 128 KiB of bandwidth)
+READ_GAP = 128 << 10
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -53,6 +60,16 @@ _DTYPES = {
 }  # fmt: skip
 
 
+class Read(NamedTuple):
+    """One read of a copy plan: bytes ``start:stop`` of a file, and the pieces of it a slot takes, each
+    ``(offset in the read, bytes, offset in the slot)``."""
+
+    mapping: _Mapping
+    start: int
+    stop: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+
 class _Mapping:
     """One file's read-only memory map, and exact reads of its bytes that leave no pages behind (the
     disk tier's path, ``read``): ``O_DIRECT`` where the file system takes it (the page cache is not
@@ -74,53 +91,70 @@ class _Mapping:
         self._fd: int | None = None  # buffered, RANDOM
         self._direct: int | None = None  # O_DIRECT; -1 where the file system refuses it
         self._local = threading.local()  # per thread: an aligned scratch buffer for O_DIRECT
+        self._opening = threading.Lock()  # the descriptors are opened once, by whichever thread is first
 
     def _reader(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.file, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # Linux: read exactly what is asked
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return self._fd
+        with self._opening:
+            if self._fd is None:
+                fd = os.open(self.file, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):  # Linux: read exactly what is asked
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fd = fd
+            return self._fd
 
     def _direct_fd(self) -> int:
-        if self._direct is None:
-            try:
-                self._direct = (
-                    os.open(self.file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-                    if hasattr(os, "O_DIRECT")
-                    else -1
-                )
-            except OSError:  # e.g. tmpfs
-                self._direct = -1
-        return self._direct
+        with self._opening:
+            if self._direct is None:
+                try:
+                    self._direct = (
+                        os.open(self.file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                        if hasattr(os, "O_DIRECT")
+                        else -1
+                    )
+                except OSError:  # e.g. tmpfs
+                    self._direct = -1
+            return self._direct
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Bytes ``start : start + out.nbytes`` of the file into ``out`` (contiguous uint8), leaving none
         of them in the page cache."""
+        np.copyto(out, self.span(start, start + out.nbytes))
+
+    def span(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``start:stop`` of the file, read at once into a scratch buffer of the calling thread
+        (valid until its next call), leaving none of them in the page cache."""
         fd = self._direct_fd()
         if fd >= 0:
             try:
-                self._read_direct(fd, start, out)
-                return
+                return self._read_direct(fd, start, stop)
             except OSError:  # EINVAL: the file system takes O_DIRECT at open but not these reads
-                os.close(fd)
-                self._direct = -1
+                with self._opening:
+                    if self._direct == fd:  # not already given up by another thread
+                        self._direct = -1
+                        os.close(fd)
+        out = self._scratch(stop - start)[: stop - start]
         self._read_all(self._reader(), start, memoryview(out).cast("B"))
-        self.forget(start, start + out.nbytes)
+        self.forget(start, stop)
+        return out
 
-    def _read_direct(self, fd: int, start: int, out: np.ndarray) -> None:
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """This thread's scratch buffer of at least ``nbytes``: page-aligned (anonymous memory), as
+        ``O_DIRECT`` wants, grown when a larger read comes."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            size = max(nbytes, 1 << 20, 0 if buf is None else 2 * len(buf))
+            self._local.buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+        return self._local.buf
+
+    def _read_direct(self, fd: int, start: int, stop: int) -> np.ndarray:
         a = self.ALIGN
-        lo, end = start - start % a, start + out.nbytes
-        hi = -(-end // a) * a
-        scratch = getattr(self._local, "buf", None)
-        if scratch is None or len(scratch) < hi - lo:
-            scratch = self._local.buf = mmap.mmap(-1, max(hi - lo, 1 << 20))  # page-aligned, anonymous
-        span = memoryview(scratch)[: hi - lo]
-        got = self._read_all(fd, lo, span, eof_ok=True)
-        if got < end - lo:
+        lo = start - start % a
+        hi = -(-stop // a) * a
+        scratch = self._scratch(hi - lo)
+        got = self._read_all(fd, lo, memoryview(scratch[: hi - lo]), eof_ok=True)
+        if got < stop - lo:
             raise ExpertcacheError(f"{self.file}: short read at byte {lo + got} (file truncated?)")
-        np.copyto(out, np.frombuffer(span, dtype=np.uint8, count=out.nbytes, offset=start - lo))
-        span.release()
+        return scratch[start - lo : stop - lo]
 
     def _read_all(self, fd: int, start: int, view: memoryview, eof_ok: bool = False) -> int:
         done = 0
@@ -264,6 +298,17 @@ class Checkpoint:
             copy_tensor(dst, out)
         return True
 
+    def locate(self, key: str, piece: torch.Tensor) -> tuple[_Mapping, int] | None:
+        """Where ``piece`` (a contiguous view of tensor ``key``) lies: its file's mapping and its first
+        byte in the file; None for a tensor read through ``safe_open`` (not a view of a map)."""
+        mapping = self._mappings.get(self.files[key])
+        if mapping is None or not piece.is_contiguous():
+            return None
+        start = piece.data_ptr() - mapping.base
+        if not (0 <= start <= start + piece.nbytes <= len(mapping.map)):
+            return None
+        return mapping, start
+
     def forget_all(self, cache: bool = True) -> None:
         """Drop every mapped file's pages from this process and from the page cache (after loading the
         dense weights, which are copied: the disk tier then reads experts exactly, on demand); with
@@ -290,6 +335,7 @@ class ExpertStore:
         # read an expert's bytes exactly and let their pages go (the disk tier: memory bounded by the
         # budget), rather than copy from the map and leave them to the page cache (the mapped tier)
         self.drop_pages = False
+        self._plans: dict[tuple, tuple[Read, ...] | None] = {}  # (key, chunk) -> its copy plan
         self._check()
 
     def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
@@ -309,6 +355,63 @@ class ExpertStore:
         """Copy expert ``key`` into ``views`` (name -> tensor of the slot shape), converting dtype."""
         for name in self.sources(key):
             self.read_rows(key, name, 0, views[name].shape[0], views[name])
+
+    def copy_plan(self, key: Key, chunk, layout: SlotLayout) -> tuple[Read, ...] | None:
+        """How to fill one chunk (``(tensor, first row, end row, bytes)`` pieces) of expert ``key`` in a
+        slot of ``layout``, as byte ranges: reads of the checkpoint's files, each a run of the chunk's
+        source bytes that lie close together in one file (an expert's tensors usually lie side by side:
+        one read for all of them), and where each piece of it lands in the slot. Made once per expert
+        and chunk. None where some piece is not a view of a file's map in the slot's dtype (a tensor read
+        through ``safe_open``, a dtype conversion): ``read_rows`` copies those."""
+        cache_key = (key, chunk)
+        if cache_key in self._plans:
+            return self._plans[cache_key]
+        _, expert = key
+        size = layout.dtype.itemsize
+        segments = []  # (mapping, first byte in the file, bytes, first byte in the slot)
+        sources = self.sources(key)
+        plan: tuple[Read, ...] | None = None
+        for name, start, stop, _ in chunk:
+            i = layout.names.index(name)
+            shape = layout.shapes[i]
+            row_bytes, base = math.prod(shape[1:]) * size, layout.offsets[i] * size
+            row = 0
+            for ckey, fused in sources[name]:
+                src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+                n = src.shape[0]
+                lo, hi = max(start, row), min(stop, row + n)
+                if lo < hi:
+                    piece = src[lo - row : hi - row]
+                    where = self.ckpt.locate(ckey, piece) if piece.dtype == layout.dtype else None
+                    if where is None:
+                        self._plans[cache_key] = None
+                        return None
+                    segments.append((where[0], where[1], piece.nbytes, base + lo * row_bytes))
+                row += n
+        reads: list[Read] = []
+        for mapping, first, nbytes, dst in sorted(segments, key=lambda s: (s[0].file, s[1])):
+            last = reads[-1] if reads else None
+            if last is not None and last.mapping is mapping and 0 <= first - last.stop <= READ_GAP:
+                reads[-1] = Read(
+                    mapping, last.start, first + nbytes, (*last.pieces, (first - last.start, nbytes, dst))
+                )
+            else:
+                reads.append(Read(mapping, first, first + nbytes, ((0, nbytes, dst),)))
+        plan = tuple(reads)
+        self._plans[cache_key] = plan
+        return plan
+
+    def run_plan(self, plan: tuple[Read, ...], slot: np.ndarray) -> None:
+        """Fill ``slot`` (the slot's bytes) by ``plan``: copies from the files' maps (the ``mapped``
+        tier), or with ``drop_pages`` one exact read per run of bytes, none of them left in the page
+        cache (the ``disk`` tier)."""
+        for read in plan:
+            if self.drop_pages:
+                span, at = read.mapping.span(read.start, read.stop), 0
+            else:
+                span, at = read.mapping.array, read.start
+            for offset, nbytes, dst in read.pieces:
+                slot[dst : dst + nbytes] = span[at + offset : at + offset + nbytes]
 
     def read_rows(self, key: Key, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
         """Copy rows ``start:stop`` of the expert's tensor ``name`` into the same rows of ``dst``

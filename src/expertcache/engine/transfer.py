@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 
+import numpy as np
 import torch
 
 from expertcache.cache.transfers import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
@@ -38,7 +40,13 @@ class DiskTier:
     soon as they are copied, so resident memory is the budget's slots, the dense weights and a stated
     overhead, whatever the checkpoint's size; a miss reads from the disk. Without it (the ``mapped``
     tier) they stay for the kernel to evict: misses are copies from memory while the page cache holds the
-    checkpoint, and the memory the budget was meant to bound is not bounded."""
+    checkpoint, and the memory the budget was meant to bound is not bounded.
+
+    ``copy_chunk`` may run on several threads at once (``concurrent``): a copy plan's reads use a scratch
+    buffer of the calling thread; the tensor-by-tensor path (a dtype conversion, a tensor that
+    ``safe_open`` reads) takes a lock."""
+
+    concurrent = True
 
     def __init__(
         self, store: ExpertStore, layout: SlotLayout, device: torch.device, drop: bool = True
@@ -52,6 +60,7 @@ class DiskTier:
         if device.type == "cuda":
             self.staging = SlotPool(layout, 1, torch.device("cpu"), pin=True)
         self._scratch: SlotPool | None = None
+        self._lock = threading.Lock()
 
     def host_views(self, key: Key) -> dict[str, torch.Tensor]:
         """The expert's tensors in host memory, for computing it there: read into a scratch slot (valid
@@ -75,11 +84,21 @@ class DiskTier:
 
         return read
 
-    def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
-        """Copy one chunk (``(tensor, first row, end row, bytes)`` pieces) of ``key`` into ``views``."""
+    def copy_chunk(
+        self, key: Key, views: dict[str, torch.Tensor], chunk, flat: np.ndarray | None = None
+    ) -> None:
+        """Copy one chunk (``(tensor, first row, end row, bytes)`` pieces) of ``key`` into ``views``;
+        ``flat``, the slot's bytes (a host slot of this tier's layout), takes the store's copy plan: the
+        chunk's bytes in one read per run of them in the file (``ExpertStore.copy_plan``)."""
+        if flat is not None:
+            plan = self.store.copy_plan(key, chunk, self.layout)
+            if plan is not None:
+                self.store.run_plan(plan, flat)
+                return
         if self.staging is None:
-            for name, start, stop, _ in chunk:
-                self.store.read_rows(key, name, start, stop, views[name])
+            with self._lock:
+                for name, start, stop, _ in chunk:
+                    self.store.read_rows(key, name, start, stop, views[name])
             return
         staged = self.staging.views[0]  # the worker waits for each copy before reusing the staging buffer
         for name, start, stop, _ in chunk:
@@ -88,9 +107,11 @@ class DiskTier:
 
 
 class HostTier:
-    """Slow tier = every expert in (pinned) host memory, filled once from the checkpoint at load."""
+    """Slow tier = every expert in (pinned) host memory, filled once from the checkpoint at load.
+    ``copy_chunk`` may run on several threads at once (``concurrent``)."""
 
     name = "host"
+    concurrent = True
 
     def __init__(
         self,
@@ -107,6 +128,27 @@ class HostTier:
         for i, key in enumerate(progress(keys) if progress else keys):
             store.read(key, self.pool.views[i])
         store.ckpt.forget_all(cache=False)  # the copies are the tier: no second one mapped here
+        self.layout = layout
+        self._bytes = self.pool.buffer.view(torch.uint8).numpy()  # [experts, slot bytes]
+        self._spans: dict[tuple, tuple[tuple[int, int], ...]] = {}
+
+    def _ranges(self, chunk) -> tuple[tuple[int, int], ...]:
+        """The chunk's bytes in a slot as ``(first, end)`` ranges, neighbours joined (a tensor's
+        alignment padding included: a whole expert is one range)."""
+        got = self._spans.get(chunk)
+        if got is None:
+            size, layout = self.layout.dtype.itemsize, self.layout
+            ranges: list[list[int]] = []
+            for name, start, _, nbytes in chunk:
+                i = layout.names.index(name)
+                row_bytes = math.prod(layout.shapes[i][1:]) * size
+                lo = layout.offsets[i] * size + start * row_bytes
+                if ranges and 0 <= lo - ranges[-1][1] < _JOIN:
+                    ranges[-1][1] = lo + nbytes
+                else:
+                    ranges.append([lo, lo + nbytes])
+            got = self._spans[chunk] = tuple((lo, hi) for lo, hi in ranges)
+        return got
 
     def host_views(self, key: Key) -> dict[str, torch.Tensor]:
         """The expert's tensors in host memory, for computing it there (no copy)."""
@@ -116,15 +158,28 @@ class HostTier:
         """``host_views``: every thread may read the host tier at once."""
         return self.host_views
 
-    def copy_chunk(self, key: Key, views: dict[str, torch.Tensor], chunk) -> None:
+    def copy_chunk(
+        self, key: Key, views: dict[str, torch.Tensor], chunk, flat: np.ndarray | None = None
+    ) -> None:
+        """Copy one chunk of ``key`` into ``views``; with ``flat`` (the slot's bytes: a host slot of this
+        tier's layout) the chunk's bytes at once, one copy per run of them (a whole expert: one)."""
         layer, expert = key
-        src = self.pool.views[layer * self.num_experts + expert]
+        index = layer * self.num_experts + expert
+        if flat is not None:
+            src = self._bytes[index]
+            for lo, hi in self._ranges(chunk):
+                flat[lo:hi] = src[lo:hi]
+            return
+        src = self.pool.views[index]
         for name, start, stop, _ in chunk:
             dst = views[name][start:stop]
             if dst.device.type == "cpu":
                 copy_tensor(dst, src[name][start:stop])
             else:
                 dst.copy_(src[name][start:stop], non_blocking=True)
+
+
+_JOIN = 64  # bytes of padding between two tensors of a slot (SlotLayout's alignment): copied along
 
 
 class Target:
@@ -135,6 +190,14 @@ class Target:
         self.source, self.pool, self.layouts = source, pool, layouts
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._plans: dict[int | None, tuple] = {}
+        # a host pool of one layout: each slot's bytes, for sources that copy by byte ranges
+        self._bytes = None
+        if layouts is None and pool.device.type == "cpu":
+            self._bytes = pool.buffer.view(torch.uint8).numpy()
+
+    def flat(self, slot: int) -> np.ndarray | None:
+        """Slot ``slot``'s bytes (a host pool of one layout), else None."""
+        return None if self._bytes is None else self._bytes[slot]
 
     def layout(self, key: Key) -> SlotLayout:
         return self.pool.layout if self.layouts is None else self.layouts[key[0]]
@@ -201,6 +264,13 @@ class TransferWorker:
     still be cancelled until it finishes. A chunk whose copy raises is retried up to ``retries``
     times before the transfer fails. ``fault`` (tests) is called before every chunk copy with
     ``(transfer, chunk index, attempt)`` and may sleep or raise.
+
+    ``steal`` (host slots without an emulated link, by default): a thread that waits for a transfer the
+    worker has not taken yet takes it out of the queue and copies it itself. It would otherwise sit
+    idle while the worker wakes up and works through what is ahead of it: on the development VM the
+    hand-off alone cost 22 us a miss, twice the demo expert's compute for a token, and on the disk
+    tier the two threads' reads are then in flight together. An emulated link stays serial, and a
+    GPU's copies stay on the worker's stream.
     """
 
     def __init__(
@@ -211,6 +281,7 @@ class TransferWorker:
         chunk_bytes: int | None = None,
         retries: int = 2,
         parts: dict[object, Target] | None = None,
+        steal: bool | None = None,
     ) -> None:
         """``tier`` fills ``pool`` (the ``full`` part); ``parts`` adds or replaces targets by pool id,
         each a ``Target`` (source with ``copy_chunk(key, views, chunk)``, slot pool, layouts)."""
@@ -223,6 +294,10 @@ class TransferWorker:
         self.device = first.device
         self.cuda = first.device.type == "cuda"
         self.stream = torch.cuda.Stream(first.device) if self.cuda else None
+        self.steal = (link is None and not self.cuda) if steal is None else bool(steal)
+        if self.steal and (link is not None or self.cuda):
+            raise ExpertcacheError("transfers are taken by waiting threads only on host slots without a link")
+        self.stolen = 0  # transfers copied by the thread that waited for them
         self._heap: list[Transfer] = []
         self._cv = threading.Condition()
         self._seq = itertools.count()
@@ -264,7 +339,11 @@ class TransferWorker:
                     heapq.heapify(self._heap)
 
     def wait(self, t: Transfer) -> None:
-        """Block until the transfer's slot is usable by the compute stream."""
+        """Block until the transfer's slot is usable by the compute stream (copying it here, with
+        ``steal``, when the worker has not taken it yet)."""
+        if self.steal and not t.done.is_set() and self._take(t):
+            while self._chunk(t):
+                pass
         t.done.wait()
         if t.error is not None:
             raise ExpertcacheError(f"transfer of expert {t.key} failed: {first_line(t.error)}") from t.error
@@ -278,6 +357,21 @@ class TransferWorker:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=10)
+
+    def _take(self, t: Transfer) -> bool:
+        """Take queued transfer ``t`` out of the queue, for the calling thread to copy: only from a
+        source that copies on several threads at once (``concurrent``; a split expert's source keeps
+        one scratch slot for the worker's thread)."""
+        target = self.parts.get(t.part)
+        if target is None or not getattr(target.source, "concurrent", False):
+            return False
+        with self._cv:
+            if t.cancelled or t not in self._heap:
+                return False
+            self._heap.remove(t)
+            heapq.heapify(self._heap)
+            self.stolen += 1
+            return True
 
     def _next(self) -> Transfer | None:
         with self._cv:
@@ -294,31 +388,39 @@ class TransferWorker:
         if self.link is not None:
             tighten_timer_slack()  # the emulated link sleeps for tens of microseconds at a time
         while (t := self._next()) is not None:
-            started = time.perf_counter()
+            if self._chunk(t):
+                with self._cv:  # back in the queue: a higher priority may go first
+                    heapq.heappush(self._heap, t)
+
+    def _chunk(self, t: Transfer) -> bool:
+        """Copy ``t``'s next chunk; True when chunks remain (the transfer is not done)."""
+        started = time.perf_counter()
+        plan, nbytes = (), 0
+        try:  # anything raised is the transfer's error: the thread must go on serving the others
             plan = self.parts[t.part].plan(t.key, self.chunk_bytes)
             chunk = plan[t.next_chunk]
             nbytes = sum(piece[3] for piece in chunk)
-            try:
-                self._copy(t, chunk)
-                if self.link is not None:  # back to back from the last chunk, or from submission
-                    begin = max(self._link_free, t.submitted)
-                    self._link_free = self.link.finish(started, nbytes, begin)
-            except BaseException as exc:  # reported to the waiter, never lost in the thread
-                t.error = exc
-            took = time.perf_counter() - started
+            self._copy(t, chunk)
+            if self.link is not None:  # back to back from the last chunk, or from submission
+                begin = max(self._link_free, t.submitted)
+                self._link_free = self.link.finish(started, nbytes, begin)
+        except BaseException as exc:  # reported to the waiter, never lost in the thread
+            t.error = exc
+        took = time.perf_counter() - started
+        with self._cv:  # the worker and a waiting thread may both count
             # an emulated chunk occupies the link for its duration even when it started late
             self.busy_s += max(took, self.link.duration(nbytes)) if self.link is not None else took
-            if t.error is not None:
-                t.done.set()
-                continue
-            t.next_chunk += 1
-            t.moved += nbytes
-            self.bytes_moved += nbytes
-            if t.next_chunk < len(plan):
-                with self._cv:  # back in the queue: a higher priority may go first
-                    heapq.heappush(self._heap, t)
-                continue
+            if t.error is None:
+                self.bytes_moved += nbytes
+        if t.error is not None:
             t.done.set()
+            return False
+        t.next_chunk += 1
+        t.moved += nbytes
+        if t.next_chunk < len(plan):
+            return True
+        t.done.set()
+        return False
 
     def _copy(self, t: Transfer, chunk) -> None:
         target = self.parts[t.part]
@@ -336,7 +438,7 @@ class TransferWorker:
                         t.event.record(self.stream)
                     t.event.synchronize()  # the staging buffer (disk tier) is reused by the next chunk
                 else:
-                    source.copy_chunk(t.key, views, chunk)
+                    source.copy_chunk(t.key, views, chunk, target.flat(t.slot))
                 return
             except Exception:
                 if attempt == self.retries:
