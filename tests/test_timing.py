@@ -21,6 +21,7 @@ from expertcache.cli import main
 from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
+from expertcache.miss.base import FULL
 from expertcache.policy import POLICIES
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.sim.recorded import Recorded, make_sim_predictor
@@ -148,6 +149,22 @@ class TestVirtualLink:
         assert link.started(s) and link.poll(s) == PENDING
         link.wait(s)  # resumed where it stopped: chunks 1 and 2
         assert s.done_at == 6.0 and link.busy_s == 6.0
+
+    def test_a_demand_transfer_moves_whole_a_speculative_one_in_chunks(self):
+        """As the engine's worker: chunks only bound how long a demand waits behind a speculative
+        transfer; a demand transfer itself moves whole, paying one latency, not one per chunk."""
+        link = VirtualLink([1.0, 1.0, 1.0], [1, 1, 1], whole={FULL: ([1.5], [3])})
+        s = link.submit((0, 1), None, SPECULATIVE)
+        link.advance(0.5)
+        d = link.submit((0, 2), None, DEMAND)  # after s's first chunk, in one piece
+        link.wait(d)
+        assert d.done_at == 2.5 and link.stall_s == 2.0
+        link.wait(s)
+        assert s.done_at == 4.5 and link.busy_s == 4.5 and link.bytes_moved == 6
+        promoted = link.submit((0, 3), None, SPECULATIVE)
+        link.promote(promoted)  # keeps the plan it was submitted with
+        link.wait(promoted)
+        assert promoted.done_at == 7.5
 
     def test_cancel(self):
         link = VirtualLink([1.0, 1.0])
@@ -385,8 +402,9 @@ def test_without_prefetch_hits_and_misses_equal_replay(name: str, capacity: int)
     r = simulate(AGREE_TRACE, name, capacity=capacity, cost=transfer(1.0, 3, dense_s=0.5))
     ref = replay(build_schedule(AGREE_TRACE, "layer"), name, capacity)
     assert (r.requests, r.misses, r.hits) == (ref.requests, ref.misses, ref.hits)
-    # no expert compute to overlap with: every miss is waited for in full, one after another
-    assert r.stall_s == 3.0 * r.misses
+    # no expert compute to overlap with: every miss is waited for in full, one after another; a demand
+    # transfer moves whole (one latency), not in the 3 chunks a speculative one would take
+    assert r.stall_s == 1.0 * r.misses
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -462,8 +480,8 @@ def test_properties(trace, name, extra, predictor, window, chunks, latency, expe
     assert r.transfers == r.misses + r.cache["prefetch_issued"]
     if predictor is None:
         assert r.misses == ref.misses
-        if expert_s == 0.0:  # nothing overlaps a transfer: each miss is waited for in full
-            assert r.stall_s == pytest.approx(r.misses * chunks * latency)
+        if expert_s == 0.0:  # nothing overlaps a transfer: each miss is waited for in full, whole
+            assert r.stall_s == pytest.approx(r.misses * latency)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -189,7 +189,7 @@ class Target:
     def __init__(self, source, pool: SlotPool, layouts: dict[int, SlotLayout] | None = None) -> None:
         self.source, self.pool, self.layouts = source, pool, layouts
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._plans: dict[int | None, tuple] = {}
+        self._plans: dict[tuple[int | None, int | None], tuple] = {}  # (layer, chunk bytes) -> chunks
         # a host pool of one layout: each slot's bytes, for sources that copy by byte ranges
         self._bytes = None
         if layouts is None and pool.device.type == "cpu":
@@ -211,10 +211,12 @@ class Target:
         return got
 
     def plan(self, key: Key, chunk_bytes: int | None) -> tuple:
-        layer = None if self.layouts is None else key[0]
-        if layer not in self._plans:
-            self._plans[layer] = self.layout(key).chunks(chunk_bytes)
-        return self._plans[layer]
+        """The chunks that move ``key`` into a slot, at most ``chunk_bytes`` each (None: whole)."""
+        at = (None if self.layouts is None else key[0], chunk_bytes)
+        got = self._plans.get(at)
+        if got is None:
+            got = self._plans[at] = self.layout(key).chunks(chunk_bytes)
+        return got
 
 
 class Transfer:
@@ -235,6 +237,7 @@ class Transfer:
         "next_chunk",
         "moved",
         "submitted",
+        "chunked",
     )
 
     def __init__(self, key: Key, slot: int, priority: int, seq: int, part: str = FULL) -> None:
@@ -247,6 +250,7 @@ class Transfer:
         self.next_chunk = 0  # chunks already copied
         self.moved = 0  # bytes already copied
         self.submitted = time.perf_counter()
+        self.chunked = priority != DEMAND  # its plan for its whole life, promoted or not
 
     @property
     def started(self) -> bool:
@@ -261,9 +265,11 @@ class TransferWorker:
 
     After every chunk the highest-priority transfer goes next, so a demand transfer waits for at most
     one chunk of a speculative one; the interrupted transfer resumes later where it stopped, and can
-    still be cancelled until it finishes. A chunk whose copy raises is retried up to ``retries``
-    times before the transfer fails. ``fault`` (tests) is called before every chunk copy with
-    ``(transfer, chunk index, attempt)`` and may sleep or raise.
+    still be cancelled until it finishes. Only transfers submitted as speculative move in chunks of
+    ``chunk_bytes``: a demand transfer has nothing to make way for (demand transfers go first submitted,
+    first served, whole), and each chunk costs the link a latency of its own. A chunk whose copy raises
+    is retried up to ``retries`` times before the transfer fails. ``fault`` (tests) is called before
+    every chunk copy with ``(transfer, chunk index, attempt)`` and may sleep or raise.
 
     ``steal`` (host slots without an emulated link, by default): a thread that waits for a transfer the
     worker has not taken yet takes it out of the queue and copies it itself. It would otherwise sit
@@ -397,7 +403,7 @@ class TransferWorker:
         started = time.perf_counter()
         plan, nbytes = (), 0
         try:  # anything raised is the transfer's error: the thread must go on serving the others
-            plan = self.parts[t.part].plan(t.key, self.chunk_bytes)
+            plan = self.parts[t.part].plan(t.key, self.chunk_bytes if t.chunked else None)
             chunk = plan[t.next_chunk]
             nbytes = sum(piece[3] for piece in chunk)
             self._copy(t, chunk)

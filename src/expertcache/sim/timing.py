@@ -26,7 +26,7 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
 from expertcache.errors import ExpertcacheError
-from expertcache.miss.base import MissContext, PartSpec
+from expertcache.miss.base import FULL, MissContext, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.sim.recorded import make_sim_predictor
@@ -158,13 +158,16 @@ def simulate_timing(
         profile=schedule.profile if _needs_profile(cache_cfg) else None,
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
-    plans = {}
+    one = CostModel.from_dict({"chunk_bytes": None}, cost)  # demand transfers move whole (the engine's rule)
+    plans, whole = {}, {FULL: (one.chunk_times(), one.chunk_sizes())}  # the parts' own replace FULL's
     for part, nbytes in part_bytes.items():
         for where, n in enumerate(nbytes) if isinstance(nbytes, list) else [(None, nbytes)]:
             plans[part if where is None else (part, where)] = (cost.chunk_times(n), cost.chunk_sizes(n))
+            whole[part if where is None else (part, where)] = (one.chunk_times(n), one.chunk_sizes(n))
     link = VirtualLink(
-        cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s, parts=plans
-    )
+        cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s, parts=plans,
+        whole=whole,
+    )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
     limit = K if pf.limit is None else int(pf.limit)  # as the engine: top-k by default

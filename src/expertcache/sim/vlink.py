@@ -8,8 +8,10 @@ background of compute: before every call it starts, one after another, every chu
 ``max(free_at, submit time)`` is <= now (a chunk starting exactly at ``now`` has started). After each
 chunk it chooses again: DEMAND before SPECULATIVE, first submitted first within one priority, so a
 demand transfer overtakes a speculative one between two chunks and the interrupted one resumes later,
-keeping its place. A started chunk always runs to its end; a transfer may be cancelled unless one of its
-chunks is on the link right now or all of them have started.
+keeping its place. As in the engine, only a transfer submitted as speculative moves in chunks; a demand
+transfer moves whole (``whole``: its one-chunk plan per part). A started chunk always runs to its end;
+a transfer may be cancelled unless one of its chunks is on the link right now or all of them have
+started.
 """
 
 from __future__ import annotations
@@ -47,16 +49,13 @@ class VirtualLink:
         wake_s: float = 0.0,
         submit_s: float = 0.0,
         parts: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
+        whole: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
     ) -> None:
         """``chunk_s`` / ``chunk_bytes``: each chunk of a whole expert; ``parts``: the same for other
-        parts, keyed by part name, or by (part, layer) for parts whose size differs by layer."""
-        plans = {FULL: (chunk_s, chunk_bytes), **(parts or {})}
-        self.plans: dict[object, list[tuple[float, int]]] = {}  # -> (seconds, bytes) of each chunk
-        for part, (times, sizes) in plans.items():
-            if not times or min(times) < 0:
-                raise ExpertcacheError(f"a virtual link needs one non-negative duration per chunk of {part}")
-            sizes = list(sizes) if sizes is not None else [0] * len(times)
-            self.plans[part] = [(float(t), int(b)) for t, b in zip(times, sizes, strict=True)]
+        parts, keyed by part name, or by (part, layer) for parts whose size differs by layer. ``whole``:
+        the plans of demand transfers by the same keys (None: the same plans as speculative ones)."""
+        self.plans = self._plans({FULL: (chunk_s, chunk_bytes), **(parts or {})})
+        self.whole = self._plans(whole) if whole is not None else self.plans
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
         self.submit_s = float(submit_s)  # compute time spent issuing one transfer
         self.blocked = 0  # waits that found their transfer still moving
@@ -71,6 +70,16 @@ class VirtualLink:
         self._heap: list[tuple[int, int, VTransfer]] = []  # (priority, seq, transfer), lazily cleaned
         self._seq = itertools.count()
 
+    @staticmethod
+    def _plans(plans) -> dict[object, list[tuple[float, int]]]:
+        out = {}  # -> (seconds, bytes) of each chunk
+        for part, (times, sizes) in plans.items():
+            if not times or min(times) < 0:
+                raise ExpertcacheError(f"a virtual link needs one non-negative duration per chunk of {part}")
+            sizes = list(sizes) if sizes is not None else [0] * len(times)
+            out[part] = [(float(t), int(b)) for t, b in zip(times, sizes, strict=True)]
+        return out
+
     # -- the simulator's clock ------------------------------------------------------------------
     def advance(self, seconds: float) -> None:
         """Compute runs for ``seconds``; the link works meanwhile."""
@@ -83,7 +92,8 @@ class VirtualLink:
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> VTransfer:
         if self.submit_s:  # the compute thread's own cost of issuing it, before the link can start it
             self.advance(self.submit_s)
-        plan = self.plans.get(part) or self.plans[(part, key[0])]
+        plans = self.whole if priority == DEMAND else self.plans
+        plan = plans.get(part) or plans[(part, key[0])]
         t = VTransfer(key, priority, next(self._seq), self.now, plan)
         heapq.heappush(self._heap, (priority, t.seq, t))
         self.transfers += 1
