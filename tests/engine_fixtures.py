@@ -86,9 +86,12 @@ def capacities(family: str, policy: str) -> list[int]:
 
 
 def engine_load(path: Path, capacity: int | None = None, policy: str = "lru", **kwargs):
-    """``expertcache.engine.load`` on the test device; ``capacity`` experts as bytes (default: all)."""
+    """``expertcache.engine.load`` on the test device; ``capacity`` experts as bytes (default: all).
+    Without prefetching unless asked (the engine's default, ``auto``, prefetches in the steps where its
+    wall-clock measurements say it pays: tests of something else must not depend on that)."""
     from expertcache.engine import load
 
+    kwargs.setdefault("prefetch", "none")
     budget = kwargs.pop("expert_memory", "100%") if capacity is None else capacity * _slot_bytes(path)
     if policy in NEEDS_PROFILE and "profile" not in kwargs:
         kwargs["profile"] = profile_for(path)

@@ -19,7 +19,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY, SPECULATIVE
 from expertcache.cli import main
 from expertcache.config import PrefetchConfig
-from expertcache.costs import CostModel
+from expertcache.costs import CostModel, chunks_pay
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL
 from expertcache.policy import POLICIES
@@ -220,12 +220,22 @@ class TestVirtualLink:
 # ------------------------------------------------------------------------------------------------
 class TestCostModel:
     def test_chunks(self):
+        slow = dict(link_bandwidth=1.0, link_latency=0.0)  # 10 s of data, no latency: chunks pay
         assert CostModel(expert_bytes=10, chunk_bytes=4).chunk_sizes() == [4, 4, 2]
-        assert CostModel(expert_bytes=10).chunk_sizes() == [4, 4, 2]  # auto: a third, rounded up
-        assert CostModel(expert_bytes=9).chunk_sizes() == [3, 3, 3]
+        assert CostModel(expert_bytes=10, **slow).chunk_sizes() == [4, 4, 2]  # auto: a third, rounded up
+        assert CostModel(expert_bytes=9, **slow).chunk_sizes() == [3, 3, 3]
         assert CostModel(expert_bytes=10, chunk_bytes=None).chunk_sizes() == [10]
-        c = CostModel(expert_bytes=300, link_bandwidth=100.0, link_latency=0.5)
-        assert c.chunk_times() == [1.5, 1.5, 1.5] and c.transfer_s == 4.5
+        # auto where the latency is most of a transfer (10 bytes over 25 GB/s + 20 us): one chunk
+        assert CostModel(expert_bytes=10).chunk_sizes() == [10]
+
+    def test_chunks_pay_when_the_data_takes_more_than_five_latencies(self):
+        """Three chunks add two latencies to every speculative transfer and save at most a third of a
+        transfer per demand that waits behind one: T / 3 > 2 lat, T = lat + data."""
+        assert not chunks_pay(5.0, 1.0) and chunks_pay(5.01, 1.0)
+        assert chunks_pay(1.0, 0.0) and not chunks_pay(0.0, 0.0)
+        assert not chunks_pay(3.0, 1.0, chunks=2) and chunks_pay(3.01, 1.0, chunks=2)  # T > 4 lat
+        mixtral = CostModel()  # 336 MiB over PCIe 4: 14 ms of data, 20 us latency
+        assert len(mixtral.chunk_sizes()) == 3 and sum(mixtral.chunk_sizes()) == mixtral.expert_bytes
 
     def test_times(self):
         c = CostModel(dense_s=[1.0, 2.0], expert_s=0.5, expert_token_s=0.25)

@@ -17,6 +17,8 @@ from expertcache.predict.registry import predictor_class
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
+AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
+WHEN = ("always", "pays")  # prefetch in every step, or only while the governor measures that it pays
 
 
 def _set(obj: object, **values: object) -> None:
@@ -50,7 +52,12 @@ class PrefetchConfig:
     """Proactive caching (ProMoE): the predictor (``none`` to switch it off), its window (layers ahead;
     None: the predictor's default) and data (a trained predictor directory, or a recorded trace), the
     experts prefetched per predicted layer (None: top-k), chunked transfers (``chunk_size`` bytes, None:
-    a third of an expert), early preemption, reordered execution, and a predictor thread."""
+    a third of an expert), early preemption, reordered execution, and a predictor thread.
+
+    ``auto`` (the engine's default) picks the model's predictor when the model is loaded (the trained
+    ``learned`` one where there is one, else ``next-gate``). ``when``: ``always`` predicts in every step;
+    ``pays`` only while the governor (``cache.governor``) measures that prefetching makes steps shorter.
+    None: ``pays`` for ``auto``, ``always`` for a named predictor."""
 
     predictor: str = "none"
     window: int | None = None
@@ -61,6 +68,7 @@ class PrefetchConfig:
     preemption: bool = True
     reorder: bool = True
     thread: bool = False
+    when: str | None = None
     chunk_bytes: int | None = field(init=False, repr=False)
     predictor_object: object = field(init=False, repr=False, compare=False)
 
@@ -71,10 +79,16 @@ class PrefetchConfig:
         else:
             name = "none" if self.predictor in (None, "none") else str(self.predictor).strip().lower()
         _set(self, predictor=name, predictor_object=obj)
-        if name not in ("none", RECORDED) and obj is None:
+        if name not in ("none", RECORDED, AUTO) and obj is None:
             predictor_class(name)
         if name == "none" and (self.window is not None or self.data is not None or self.thread):
             raise ExpertcacheError("a window, predictor data or a predictor thread needs --prefetch NAME")
+        when = None if self.when is None else str(self.when).strip().lower()
+        if when is not None and when not in WHEN:
+            raise ExpertcacheError(f"prefetch when {self.when!r} is not one of: {', '.join(WHEN)}")
+        if when is not None and name == "none":
+            raise ExpertcacheError("--prefetch-when needs a predictor (--prefetch NAME or auto)")
+        _set(self, when=when or ("pays" if name == AUTO else "always"))
         if self.window is not None and int(self.window) < 1:
             raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {self.window}")
         if self.limit is not None and int(self.limit) < 1:
@@ -92,6 +106,11 @@ class PrefetchConfig:
     @property
     def enabled(self) -> bool:
         return self.predictor != "none"
+
+    @property
+    def governed(self) -> bool:
+        """Prefetching only while it pays (a governor decides, step by step)."""
+        return self.enabled and self.when == "pays"
 
     def chunked(self, background: bool = False) -> bool:
         """Whether transfers move in chunks. Chunks bound how long a demand transfer waits behind a

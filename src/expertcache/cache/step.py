@@ -3,13 +3,16 @@
 Both drive the expert cache the same way, so they take the same decisions; only the work differs (the
 engine computes, the timing simulator advances virtual time):
 
-    driver.begin_step(token_ids, prefill, seq)     # the clock, the predictor's step-start predictions
+    driver.begin_step(token_ids, prefill, seq)     # the clock, the governor, the step-start predictions
     for each MoE layer:
         work = driver.layer(layer, index, weights, gate_input)
             # the router has chosen: needs, preemption, routes (miss paths), demand transfers queued,
             # then the predictor sees the router's choice and its predictions are prefetched
         ... compute work.host on the host, and each unit of work.units() on the device ...
         driver.end_layer(layer)                    # predictions finished meanwhile (predictor thread)
+
+With a governor (``cache.governor``: prefetch only where it pays) the predictor runs in the steps the
+governor says, and not at all in the others.
 
 Shape letters: T tokens of the step, K experts per token.
 """
@@ -21,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from expertcache.cache.expert_cache import ExpertCache, LayerWork
+from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.residency import group_experts
 from expertcache.miss.base import Need
@@ -73,9 +77,12 @@ class StepDriver:
         num_layers: int,
         predictor: PredictorRunner | None = None,
         recorder: Recorder | None = None,
+        governor: PrefetchGovernor | None = None,
     ) -> None:
         self.cache, self.num_layers = cache, num_layers
-        self.predictor, self.recorder = predictor, recorder
+        self.predictor, self.recorder, self.governor = predictor, recorder, governor
+        self.predicting = predictor is not None  # in this step
+        self.predictor_s = 0.0  # time spent in predictor calls (measured with a governor, for it)
         self.clock: Clock = cache.policy.clock
         self.steps = 0  # forward steps begun
         self.tokens = 0  # tokens of those steps
@@ -98,8 +105,11 @@ class StepDriver:
             if seq_ids is None:
                 seq_ids = np.full(len(token_ids), seq, dtype=np.int32)
             self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids)
-        if self.predictor is not None:
-            self._prefetch(self.predictor.begin_step(token_ids, prefill, new_request, future), ())
+        if self.predictor is not None and self.governor is not None:
+            stall = self.cache.transport.stall_s
+            self.predicting = self.governor.begin_step(prefill, len(token_ids), stall, self.predictor_s)
+        if self.predicting:
+            self._prefetch(self._call(self.predictor.begin_step, token_ids, prefill, new_request, future), ())
 
     def layer(self, layer: int, index: np.ndarray, weights: np.ndarray | None, gate_input=None) -> LayerWork:
         """Layer ``layer`` routed the step's tokens to ``index`` [T, K] with gate ``weights`` [T, K]."""
@@ -109,16 +119,26 @@ class StepDriver:
             self.recorder.add(layer, index, weights)
         needs = needs_of(layer, index, weights)
         work = self.cache.begin_layer(layer, needs)
-        if self.predictor is not None:
+        if self.predicting:
             current = [n.key for n in needs]
-            self._prefetch(self.predictor.collect(layer), current, after=layer)
-            self._prefetch(self.predictor.after_router(layer, index, gate_input), current)
+            self._prefetch(self._call(self.predictor.collect, layer), current, after=layer)
+            self._prefetch(self._call(self.predictor.after_router, layer, index, gate_input), current)
         return work
 
     def end_layer(self, layer: int) -> None:
         """The layer's experts are computed: prefetch what a predictor thread finished meanwhile."""
-        if self.predictor is not None:
-            self._prefetch(self.predictor.collect(layer), (), after=layer)
+        if self.predicting:
+            self._prefetch(self._call(self.predictor.collect, layer), (), after=layer)
+
+    def _call(self, fn, *args):
+        """A predictor call, its time counted for the governor."""
+        if self.governor is None:
+            return fn(*args)
+        start = self.governor.clock()
+        try:
+            return fn(*args)
+        finally:
+            self.predictor_s += self.governor.clock() - start
 
     def _prefetch(self, batches: list[Predictions], current, after: int = -1) -> None:
         for predictions in batches:

@@ -19,6 +19,8 @@ PENDING, READY, FAILED = 0, 1, 2  # transfer states
 class Transport(Protocol):
     """Moves one key of one part into the fast tier: the engine's worker or the simulator's link."""
 
+    stall_s: float  # compute time spent waiting for transfers so far (what prefetching could save)
+
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> object:
         """Queue the transfer of ``key`` into ``victim``'s place in the part (or a free one); a handle."""
 

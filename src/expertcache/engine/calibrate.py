@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from expertcache.costs import CostModel, fit_linear
+from expertcache.cache.transfers import SPECULATIVE
+from expertcache.costs import AUTO_CHUNKS, CostModel, fit_linear
 from expertcache.engine.memory import SlotPool
 from expertcache.engine.parts import expert_output
 
@@ -42,6 +43,32 @@ def _median(fn, device: torch.device, repeats: int = REPEATS) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def chunk_costs(worker, part, chunks: int = AUTO_CHUNKS) -> tuple[float, float]:
+    """``(data seconds, seconds per chunk)`` of moving one expert on this machine, through ``worker``
+    into slot 0 of its pool ``part`` (free at load): a speculative transfer whole timed against the same
+    in ``chunks`` chunks (medians); the difference per extra chunk is a chunk's fixed cost (a read
+    request, the worker's bookkeeping), the rest the data's time. What ``costs.chunks_pay`` decides by
+    when no emulated link says. The worker is left unchunked, its byte count at zero."""
+    target = worker.parts[part]
+    layout, device = target.pool.layout, target.pool.device
+
+    def move(chunk_bytes) -> None:
+        worker.chunk_bytes = chunk_bytes
+        worker.wait(worker.submit((0, 0), 0, SPECULATIVE, part))
+
+    steal, worker.steal = worker.steal, False  # prefetches' chunks go through the worker's loop
+    try:
+        one = _median(lambda: move(None), device)
+        third = -(-layout.nbytes // chunks)
+        if len(layout.chunks(third)) < 2:
+            return one, 0.0
+        many = _median(lambda: move(third), device)
+    finally:
+        worker.chunk_bytes, worker.bytes_moved, worker.steal = None, 0, steal
+    latency = max(0.0, (many - one) / (len(layout.chunks(third)) - 1))
+    return max(0.0, one - latency), latency
 
 
 def calibrate(model, module) -> CostModel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,12 +13,21 @@ import torch
 
 from expertcache.cache.build import build_parts, part_capacities
 from expertcache.cache.expert_cache import ExpertCache
+from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.transfers import DEMAND
-from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig, SamplingConfig, as_config
-from expertcache.costs import CostModel
+from expertcache.config import (
+    AUTO,
+    CacheConfig,
+    LinkConfig,
+    MissConfig,
+    PrefetchConfig,
+    SamplingConfig,
+    as_config,
+)
+from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
 from expertcache.engine import generation as gen
 from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.host import HostExperts
@@ -93,7 +103,7 @@ class OffloadedModel:
         self.plan = plan
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
         self.cache_config = cache = cache or CacheConfig()
-        self.prefetch_config_ = prefetch = prefetch or PrefetchConfig()
+        self.prefetch_config_ = prefetch = prefetch or PrefetchConfig(AUTO)
         self.link_config = link = link or LinkConfig()
         self.miss_config = miss = miss or MissConfig()
         self.device = resolve_device(device)
@@ -123,14 +133,12 @@ class OffloadedModel:
         self._whole = miss.name == "fetch" and self.capacity >= self.num_layers * self.num_experts
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
-        third = -(-self.layout.nbytes // 3)  # an expert's three matrices
-        chunked = prefetch.chunked(background=miss.name != "fetch")
-        self.chunk_bytes = (prefetch.chunk_bytes or third) if chunked else None
-        self.worker = TransferWorker(
-            link=self.link,
-            chunk_bytes=self.chunk_bytes,
-            parts=self.targets,
-        )
+        # prefetching only while it pays has nothing to do when every expert is resident from the start
+        idle = prefetch.governed and self._whole
+        chunked = prefetch.chunked(background=miss.name != "fetch") and not idle
+        self.worker = TransferWorker(link=self.link, parts=self.targets)
+        self.chunking = self._chunking(prefetch) if chunked else None
+        self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
         self.transport = SlotTransport(self.targets, self.worker)
         residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
         self.model = sk.model.to(self.device)
@@ -147,13 +155,16 @@ class OffloadedModel:
             residencies, self.transport, self.miss, self.num_layers, self.prefetch_limit,
             prefetch.preemption, prefetch.reorder,
         )  # fmt: skip
-        self.prefetch = prefetch.predictor
-        self.predictor = self._make_predictor(prefetch) if prefetch.enabled else None
-        runner = None
+        self.prefetch = self._auto_predictor(prefetch) if prefetch.predictor == AUTO else prefetch.predictor
+        idle_prefetch = prefetch.governed and self._whole
+        self.predictor = self._make_predictor(prefetch) if prefetch.enabled and not idle_prefetch else None
+        runner, self.governor = None, None
         if self.predictor is not None:
             runner = PredictorThread(self.predictor) if prefetch.thread else InlinePredictor(self.predictor)
+            if prefetch.governed:
+                self.governor = PrefetchGovernor(time.perf_counter)
         recorder = Recorder(self.num_layers, self.num_experts, self.top_k) if record else None
-        self.driver = StepDriver(self.cache, self.num_layers, runner, recorder)
+        self.driver = StepDriver(self.cache, self.num_layers, runner, recorder, self.governor)
         self.engine = Engine(self.model, sk.experts, self.driver, self.transport, self.parts, self.host)
         self._tokenizer = None
         self.preloaded = self._preload(show)
@@ -182,7 +193,7 @@ class OffloadedModel:
             raise ExpertcacheError(
                 f"policy {cache.name} needs the future (simulator only); use it with 'expertcache sim'"
             )
-        named = prefetch.enabled and prefetch.predictor_object is None
+        named = prefetch.enabled and prefetch.predictor_object is None and prefetch.predictor != AUTO
         if named and predictor_class(prefetch.predictor).sim_only:
             raise ExpertcacheError(
                 f"predictor {prefetch.predictor} needs the future (simulator only); "
@@ -320,6 +331,44 @@ class OffloadedModel:
             top_k=self.top_k, clock=Clock(), seed=cache.seed, profile=prof,
         )  # fmt: skip
 
+    def _chunking(self, prefetch: PrefetchConfig) -> dict[str, object]:
+        """How speculative transfers move: in chunks of ``--chunk-size``, or by default in thirds of an
+        expert where chunks pay (``costs.chunks_pay``: the data of an expert's transfer takes more than 5
+        latencies of a chunk), else whole. The latency is the emulated link's, or measured at load
+        (``calibrate.chunk_costs``: one expert whole against the same in chunks)."""
+        third = -(-self.layout.nbytes // AUTO_CHUNKS)  # an expert's three matrices
+        full = (FULL, None)
+        if prefetch.chunk_bytes is not None:
+            return {"chunk_bytes": prefetch.chunk_bytes, "why": "given (--chunk-size)"}
+        if self.link is not None:
+            data, latency, source = self.layout.nbytes / self.link.bandwidth, self.link.latency, "link"
+        elif full in self.targets and self.targets[full].layouts is None and len(self.targets[full].pool):
+            from expertcache.engine.calibrate import chunk_costs
+
+            (data, latency), source = chunk_costs(self.worker, full), "measured"
+        else:  # no whole-expert slot to measure in (split experts, low-precision copies, placement): thirds
+            return {"chunk_bytes": third, "why": "thirds of an expert (nothing to measure them by)"}
+        pays = chunks_pay(data, latency)
+        why = (f"{source}: an expert's data takes {data * 1e6:.0f} us, a chunk's latency "
+               f"{latency * 1e6:.0f} us: " + ("thirds" if pays else "whole (chunks do not pay)"))  # fmt: skip
+        return {
+            "chunk_bytes": third if pays else None,
+            "data_s": data,
+            "chunk_latency_s": latency,
+            "why": why,
+        }
+
+    def _auto_predictor(self, prefetch: PrefetchConfig) -> str:
+        """``auto``'s predictor for this model: ``learned`` where a trained one is given (or bundled: the
+        embedded model's), ``eam`` learning from a recorded trace given as its data, else ``next-gate``
+        (every family's routers, nothing to train)."""
+        data = prefetch.data
+        if data is not None and not (isinstance(data, str | Path) and Path(data).is_dir()):
+            return "eam"  # a recorded trace (a file, or a Trace object)
+        if data is not None or self.path.resolve() == DEFAULT_MODEL:
+            return "learned"
+        return "next-gate"
+
     def _make_predictor(self, prefetch: PrefetchConfig):
         if prefetch.predictor_object is not None:
             return prefetch.predictor_object
@@ -348,7 +397,7 @@ class OffloadedModel:
             window=None if prefetch.window is None else int(prefetch.window), routers=router_fns(self.model),
             trace=trace, path=path, seed=self.cache_config.seed,
         )  # fmt: skip
-        return make_predictor(prefetch.predictor, ctx)
+        return make_predictor(self.prefetch, ctx)
 
     # ----------------------------------------------------------------- transformers-style use
     @property
@@ -520,14 +569,29 @@ class OffloadedModel:
         """How transfers are scheduled: predictor, window, chunk size, preemption, reordering."""
         pf = self.prefetch_config_
         return {
-            "prefetch": self.prefetch,
+            "prefetch": self.prefetch if pf.enabled else "none",
+            "prefetch_when": pf.when if pf.enabled else None,
+            "prefetch_governor": self._governor_summary(),
             "window": self.predictor.window if self.predictor is not None else None,
             "prefetch_limit": self.cache.limit,
             "predictor_thread": pf.thread and self.predictor is not None,
             "chunk_bytes": self.chunk_bytes,
+            "chunking": None if self.chunking is None else self.chunking["why"],
             "preemption": pf.preemption,
             "reorder": pf.reorder,
         }
+
+    def _governor_summary(self) -> dict[str, object] | None:
+        """What ``prefetch_when="pays"`` decided and why (None: prefetching is always on, or off)."""
+        if self.governor is not None:
+            return self.governor.summary()
+        if self.prefetch_config_.governed:  # idle: every expert read at load
+            return {
+                "prefetching": False,
+                "state": "idle",
+                "reason": "every expert is resident: nothing to fetch",
+            }
+        return None
 
     def trace(self) -> Trace:
         """The routing of everything run since load, in the simulator's trace format."""
@@ -597,7 +661,7 @@ def load(
     device: str | torch.device | None = None,
     *,
     miss: str | MissConfig = "fetch",
-    prefetch: str | PrefetchConfig | None = "none",
+    prefetch: str | PrefetchConfig | None = AUTO,
     link_bandwidth: str | float | None = None,
     link_latency: str | float = 0.0,
     seed: int = 0,
@@ -610,6 +674,7 @@ def load(
     preemption: bool = True,
     reorder: bool = True,
     predictor_thread: bool = False,
+    prefetch_when: str | None = None,
     plan: str | Path | Plan | None = None,
     **options,
 ) -> OffloadedModel:
@@ -623,7 +688,9 @@ def load(
     ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
     see ``expertcache misses``). Link emulation: ``link_bandwidth``, ``link_latency``. ``seed`` and
     ``profile`` (a trace, for ``static``) go to the policy. Proactive caching: ``prefetch`` (a predictor
-    name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"`` by default),
+    name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"``; by default
+    ``"auto"``: the model's predictor, used only while it measurably pays), ``prefetch_when``
+    (``"always"`` or ``"pays"``; default ``"pays"`` for ``"auto"``, ``"always"`` for a named predictor),
     ``window`` (layers ahead), ``predictor`` (a trained predictor directory for ``learned``, a recorded
     trace for ``token``/``eam``), ``prefetch_limit`` (per predicted layer; default top-k), ``chunking``
     and ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
@@ -641,7 +708,7 @@ def load(
             "expert_memory": "100%",
             "policy": "lru",
             "miss": "fetch",
-            "prefetch": "none",
+            "prefetch": AUTO,
             "window": None,
         }
         given = {
@@ -667,6 +734,7 @@ def load(
         pf = PrefetchConfig(
             prefetch, window=window, data=predictor, limit=prefetch_limit, chunking=chunking,
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
+            when=prefetch_when,
         )  # fmt: skip
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=LinkConfig(link_bandwidth, link_latency),

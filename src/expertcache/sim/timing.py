@@ -21,8 +21,10 @@ import numpy as np
 
 from expertcache.cache.build import build_parts, part_capacities
 from expertcache.cache.expert_cache import ExpertCache
+from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
+from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
 from expertcache.errors import ExpertcacheError
@@ -60,6 +62,7 @@ class TimingResult:
     cache: dict[str, object] = field(default_factory=dict)  # the expert cache's counts (CacheStats)
     params: dict[str, object] = field(default_factory=dict)
     capacities: dict[str, int] = field(default_factory=dict)  # keys each cache part holds
+    governor: dict[str, object] | None = None  # with prefetch_when "pays": what the governor decided
 
     @property
     def total_s(self) -> float:
@@ -117,6 +120,7 @@ class TimingResult:
             "decode_host_wait_s": self.host_wait_by_phase[0],
             "prefill_host_wait_s": self.host_wait_by_phase[1],
             **self.cache,
+            "prefetch_governor": self.governor,
             "cost": self.cost.to_dict(),
         }
 
@@ -140,6 +144,11 @@ def simulate_timing(
     ``capacities`` (keys per cache part) replaces the share of ``capacity`` the miss path would give
     each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly."""
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
+    if pf.predictor == AUTO_PREFETCH:
+        raise ExpertcacheError(
+            "prefetch 'auto' is the engine's choice of predictor; here name one, with --prefetch-when pays "
+            "for the governor, or replay what an engine predicted with --prefetch recorded"
+        )
     miss_cfg, cost = as_config(miss, MissConfig), cost or CostModel()
     if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
@@ -172,7 +181,8 @@ def simulate_timing(
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
     limit = K if pf.limit is None else int(pf.limit)  # as the engine: top-k by default
     xcache = ExpertCache(parts, link, path, L, limit, pf.preemption, pf.reorder)
-    driver = StepDriver(xcache, L, InlinePredictor(pred) if pred is not None else None)
+    governor = PrefetchGovernor(lambda: link.now) if pred is not None and pf.governed else None
+    driver = StepDriver(xcache, L, InlinePredictor(pred) if pred is not None else None, governor=governor)
     run = _Run(trace, schedule, cost, driver, link, {s.name: s for s in path.parts()}, pred)
     steps, times, stalls, host = [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
@@ -206,6 +216,7 @@ def simulate_timing(
         cache=st.to_dict(),
         params=cache_cfg.params,
         capacities=caps,
+        governor=None if governor is None else governor.summary(),
     )
 
 
