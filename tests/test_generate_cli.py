@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -368,3 +369,36 @@ def test_a_failed_download_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ExpertcacheError, match="could not download it"):
         resolve_model("some-org/some-model", download=True)
+
+
+# ------------------------------------------------------------------------------------ start-up
+_AS_PROGRAM = """
+import atexit, gc, runpy, sys
+atexit.register(lambda: print("gc", gc.isenabled(), gc.get_freeze_count(), file=sys.stderr))
+sys.argv = ["expertcache", *sys.argv[1:]]
+runpy.run_module("expertcache", run_name="__main__")
+"""
+
+
+def test_the_command_loads_without_the_collector_and_generates_the_same_tokens(capsys):
+    """Run as a program, generate imports and loads with the cyclic collector off, then freezes what
+    it loaded (start-up; cli.util.startup_gc): the collector is on again for generation and the tokens
+    are those of main() called in-process, which freezes nothing (a test process would keep every
+    model's cycles) and also leaves the collector on, after a failed load too."""
+    import gc
+
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "8", "--device", "cpu", "--json"]
+    frozen = gc.get_freeze_count()
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and gc.isenabled() and gc.get_freeze_count() == frozen
+    code, _, err = run(capsys, *argv[:-1], "--model", "/nonexistent/checkpoint")
+    assert code == 2 and "no such checkpoint" in err
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the in-process run (one torch thread)
+    done = subprocess.run(
+        [sys.executable, "-c", _AS_PROGRAM, *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    _, enabled, count = done.stderr.strip().splitlines()[-1].split()
+    assert enabled == "True" and int(count) > 100_000  # the modules and the model: about 560,000
+    assert json.loads(done.stdout)["tokens"] == json.loads(out)["tokens"]

@@ -67,6 +67,9 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    # the command is the whole process (the console script, python -m), not main() called from Python:
+    # what it loads lives until exit (cli.util.startup_gc)
+    args.whole_process = argv is None
     try:
         return args.func(args)
     except ExpertcacheError as e:

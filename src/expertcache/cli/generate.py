@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from expertcache.cli.util import check_writable, quiet_transformers
+from expertcache.cli.util import check_writable, quiet_transformers, startup_gc
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
@@ -182,15 +182,16 @@ def load_model(args, record: bool = True):
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
-    from expertcache.engine.offloaded import load
+    with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
+        from expertcache.engine.offloaded import load
 
-    quiet_transformers()
-    model = load(
-        args.model, expert_memory=args.expert_memory or "100%", policy=cache, prefetch=prefetch, miss=miss,
-        device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
-        link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
-        progress=False if args.quiet else None, record=record, plan=plan,
-    )  # fmt: skip
+        quiet_transformers()
+        model = load(
+            args.model, expert_memory=args.expert_memory or "100%", policy=cache, prefetch=prefetch,
+            miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
+            link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
+            progress=False if args.quiet else None, record=record, plan=plan,
+        )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)
     return model
