@@ -37,6 +37,7 @@ from expertcache.cli import main
 from expertcache.config import PrefetchConfig
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.transfer import TransferWorker
+from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL, MissContext, MissPath
 from expertcache.policy.base import PolicyContext
 from expertcache.policy.registry import make_policy
@@ -436,6 +437,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         (["--prefetch", "window", "--prefetch-limit", "0"], "prefetch limit must be at least 1"),
         (["--chunk-size", "lots"], "chunk size"),
         (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
+        (["--prefetch", "none", "--prefetch-when", "pays"], "--prefetch-when needs a predictor"),
     ],
 )
 def test_cli_prefetch_errors_are_one_line_and_exit_2(ckpt, capsys, args, message):
@@ -563,12 +565,136 @@ def test_transfers_move_in_chunks_only_where_something_speculative_can_be_waited
     assert not PrefetchConfig("next-gate", chunking=False).chunked()
     path = ckpt("mixtral")
     with engine_load(path, 4) as model:
-        assert model.chunk_bytes is None
-    with engine_load(path, 4, prefetch="next-gate") as model:
+        assert model.chunk_bytes is None and model.stats["chunking"] is None
+    with engine_load(path, 4, miss="hybrid") as model:  # background fills: chunking is decided
+        assert "measured" in model.stats["chunking"]
+    with engine_load(path, 4, miss="split:theta=0.5") as model:  # no whole-expert slot to measure in
+        assert model.chunk_bytes == -(-model.layout.nbytes // 3) and "thirds" in model.stats["chunking"]
+    # where chunks pay: an expert's data takes more than 5 chunk latencies (here the emulated link's)
+    with engine_load(path, 4, prefetch="next-gate", link_bandwidth="1MB/s", link_latency="1us") as model:
         assert model.chunk_bytes == -(-model.layout.nbytes // 3)
-    with engine_load(path, 4, miss="hybrid") as model:
-        assert model.chunk_bytes is not None
+        assert "link" in model.stats["chunking"] and "thirds" in model.stats["chunking"]
+    with engine_load(path, 4, prefetch="next-gate", link_bandwidth="100GB/s", link_latency="50us") as model:
+        assert model.chunk_bytes is None and "chunks do not pay" in model.stats["chunking"]
+    with engine_load(path, 4, prefetch="next-gate", chunk_size="1KiB") as model:
+        assert model.chunk_bytes == 1024 and "given" in model.stats["chunking"]
+    with engine_load(path, 4, prefetch="next-gate") as model:  # no link: measured through the worker
+        assert "measured" in model.stats["chunking"] and model.stats["bytes_transferred"] == 0
     tr = default_trace()
     plain = simulate_timing(tr, 24).to_dict()
     prefetched = simulate_timing(tr, 24, prefetch="oracle").to_dict()  # a predictor a trace can replay
     assert plain["chunks_per_expert"] == 1 and prefetched["chunks_per_expert"] == 3
+
+
+# --------------------------------------------------------------------------- the default: auto, while it pays
+def test_the_default_is_the_models_predictor_used_only_while_it_pays(ckpt, tmp_path):
+    from expertcache.engine import load
+
+    path = ckpt("mixtral")
+    kw = {"expert_memory": 4 * engine_fixtures._slot_bytes(path), "device": engine_fixtures.DEVICE}
+    with load(path, progress=False, **kw) as model:  # no prefetch given
+        stats = model.stats
+        assert model.prefetch == "next-gate" and model.governor is not None  # every family has routers
+        assert stats["prefetch"] == "next-gate" and stats["prefetch_when"] == "pays"
+        assert stats["prefetch_governor"]["state"] == "warm" and not stats["prefetch_governor"]["prefetching"]
+    with load(path, device=engine_fixtures.DEVICE, progress=False) as model:  # 100 %: nothing to fetch
+        assert model.predictor is None and model.governor is None and model.chunk_bytes is None
+        assert model.stats["prefetch_governor"]["state"] == "idle"
+    with load(path, progress=False, prefetch="next-gate", **kw) as model:  # named: always on
+        assert model.governor is None and model.stats["prefetch_governor"] is None
+    trace_file = tmp_path / "other.npz"
+    with engine_load(path, 4) as model:
+        greedy(model, torch.tensor([engine_fixtures.PROMPT_B]))
+        model.save_trace(trace_file)
+    with load(path, progress=False, predictor=str(trace_file), **kw) as model:
+        assert model.prefetch == "eam" and model.governor is not None  # auto learning from a recorded trace
+
+
+def test_a_named_predictor_may_be_governed_and_auto_always_on(ckpt):
+    path = ckpt("mixtral")
+    with engine_load(path, 4, prefetch="next-gate", prefetch_when="pays") as model:
+        assert model.governor is not None and model.stats["prefetch_when"] == "pays"
+    with engine_load(path, 4, prefetch="auto", prefetch_when="always") as model:
+        assert model.governor is None and model.prefetch == "next-gate"
+    with pytest.raises(ExpertcacheError, match="needs a predictor"):
+        PrefetchConfig("none", when="pays")
+    with pytest.raises(ExpertcacheError, match="prefetch when 'sometimes'"):
+        PrefetchConfig("auto", when="sometimes")
+
+
+class _Alternate:
+    """A governor that predicts in every other step (deterministic, unlike the wall clock's)."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def begin_step(self, *args) -> bool:
+        self.step += 1
+        return self.step % 2 == 0
+
+
+def test_steps_switched_off_predict_nothing_record_nothing_and_stay_exact(ckpt, reference):
+    path = ckpt("mixtral")
+    with engine_load(
+        path, moe_layers("mixtral") * TOP_K + 2, prefetch="next-gate", prefetch_when="pays"
+    ) as m:
+        m.driver.governor = _Alternate()
+        got = greedy(m, IDS)
+        trace, stats = m.trace(), m.stats
+    assert_exact(got, reference(path, IDS))
+    steps = np.unique(trace.step_id)
+    predicted = [bool((trace.predicted[trace.step_id == s] >= 0).any()) for s in steps]
+    assert predicted == [s % 2 == 1 for s in range(len(steps))]  # steps 2, 4, ... (0-based 1, 3, ...)
+    assert stats["prefetch_issued"] > 0
+
+
+def test_cli_the_default_reports_what_the_governor_decided(ckpt, capsys):
+    from expertcache.cli.generate import PREFETCH_WHEN
+    from expertcache.config import WHEN
+
+    assert PREFETCH_WHEN == WHEN  # the CLI's choices, kept without importing the config at start-up
+    path = ckpt("mixtral")
+    base = ["generate", "--model", str(path), "--prompt", "a b c", "--max-new-tokens", "4", "--device", "cpu"]
+    assert main([*base, "--expert-memory", "50%", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefetch"] == "next-gate" and out["prefetch_when"] == "pays"
+    gov = out["prefetch_governor"]
+    assert gov["state"] == "warm" and gov["steps_on"] == 0 and gov["steps_off"] >= 4
+    assert main([*base, "--expert-memory", "50%"]) == 0
+    err = capsys.readouterr().err
+    assert "prefetch next-gate (window 1, while it pays: off (measuring on-demand first)" in err
+    assert main([*base, "--json"]) == 0  # 100 %: nothing to prefetch, and no prefetch line
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefetch_governor"]["state"] == "idle" and out["window"] is None
+    assert main(base) == 0
+    assert "prefetch" not in capsys.readouterr().err
+
+
+def test_cli_timing_governs_a_named_predictor_and_refuses_auto(capsys):
+    assert main(["timing", "--prefetch", "oracle", "--prefetch-when", "pays", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefetch_governor"]["steps_on"] + out["prefetch_governor"]["steps_off"] > 0
+    assert main(["timing", "--prefetch", "oracle", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefetch_governor"] is None
+    assert main(["timing", "--prefetch", "auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "engine's choice" in err and "\n" not in err
+
+
+def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
+    path = ckpt("mixtral")
+    trace = tmp_path / "run.npz"
+    args = ["generate", "--model", str(path), "--prompt", "a b c", "--max-new-tokens", "4", "--device", "cpu"]
+    assert (
+        main([*args, "--expert-memory", "50%", "--prefetch", "next-gate", "--record-trace", str(trace)]) == 0
+    )
+    capsys.readouterr()
+    assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "this run prefetched (next-gate, in 4 of 4 steps)" in err and "--prefetch recorded" in err
+    assert main([*args, "--expert-memory", "50%", "--prefetch", "none", "--record-trace", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0
+    assert "prefetched" not in capsys.readouterr().err

@@ -129,6 +129,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tm.add_argument("--window", type=int, metavar="K", help="layers ahead (default: the predictor's)")
     tm.add_argument(
+        "--prefetch-when", choices=cli_generate.PREFETCH_WHEN,
+        help="always (default): predict in every step; pays: only while the governor measures, in virtual "
+        "time, that it makes steps shorter",
+    )  # fmt: skip
+    tm.add_argument(
         "--predictor", metavar="TRACE.npz", help="a recorded trace for token (required) and eam to learn from"
     )
     tm.add_argument(
@@ -141,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument(
         "--chunk-size",
         metavar="SIZE",
-        help="bytes per transfer chunk (default: a third of an expert, when prefetching)",
+        help="bytes per chunk of a prefetch (default: a third of an expert where chunks pay, else whole)",
     )
     tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
@@ -409,6 +414,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     for c in caps:
         check_capacity(c, args.order, trace.top_k)
     _note_skipped(policies, caps, trace.num_layers, min_room(args.order, trace.top_k))
+    _note_prefetched(trace, args.trace)
     results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
     if args.json:
         print(json.dumps([r.to_dict() for r in results]), flush=True)
@@ -422,6 +428,24 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         plot_curves(results, args.plot, f"{name}: misses against capacity ({args.order} order)")
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _note_prefetched(trace, name: str) -> None:
+    """A run that prefetched moved experts these replays (no prefetching) do not: say how to replay it."""
+    if trace.predicted is None:
+        return
+    import numpy as np
+
+    steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
+    predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
+    n = len(np.unique(steps[predicted]))
+    who = trace.meta.get("predictor", "a predictor")
+    print(
+        f"note: this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
+        f"prefetch, so their misses are not the run's: 'expertcache timing --trace {name} --prefetch "
+        "recorded --capacity N' replays its prefetches",
+        file=sys.stderr,
+    )
 
 
 def _add_sweep(sub) -> None:
@@ -580,6 +604,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size,
         "preemption": not args.no_preemption,
         "reorder": not args.no_reorder,
+        "when": args.prefetch_when,
     }
     if plan is not None:
         prefetch, cache, miss = (

@@ -16,6 +16,8 @@ from expertcache.cli.util import check_writable, quiet_transformers, startup_gc
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
+PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start-up (a test keeps them equal)
+
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
@@ -116,7 +118,13 @@ def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     """Proactive caching switches (engine): predictor, window, chunking, preemption, reordering."""
     p.add_argument(
         "--prefetch", metavar="NAME",
-        help="none (default), next-gate, window, adaptive, learned, token, eam (see: expertcache predictors)",
+        help="auto (default: the model's predictor, used only while it pays), none, next-gate, window, "
+        "adaptive, learned, token, eam (see: expertcache predictors)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-when", choices=PREFETCH_WHEN,
+        help="always: predict in every step; pays: only while measured to make steps shorter (default: "
+        "pays for auto, always for a named predictor)",
     )  # fmt: skip
     p.add_argument(
         "--window", type=int, metavar="K", help="predict K layers ahead (default: the predictor's)"
@@ -138,7 +146,7 @@ def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-size",
         metavar="SIZE",
-        help="bytes per transfer chunk (default: a third of an expert, when prefetching)",
+        help="bytes per chunk of a prefetch (default: a third of an expert where chunks pay, else whole)",
     )
     p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
     p.add_argument(
@@ -159,13 +167,13 @@ def _sampling(args):
 def load_model(args, record: bool = True):
     """The offloaded model the options describe; the options are checked before torch is imported.
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
-    from expertcache.config import CacheConfig, LinkConfig, MissConfig, PrefetchConfig
+    from expertcache.config import AUTO, CacheConfig, LinkConfig, MissConfig, PrefetchConfig
     from expertcache.plan import Plan
 
     options = {
         "data": args.predictor, "limit": args.prefetch_limit, "chunking": not args.no_chunking,
         "chunk_size": args.chunk_size, "preemption": not args.no_preemption, "reorder": not args.no_reorder,
-        "thread": args.predictor_thread,
+        "thread": args.predictor_thread, "when": args.prefetch_when,
     }  # fmt: skip
     plan = None
     if args.plan:
@@ -180,7 +188,7 @@ def load_model(args, record: bool = True):
     else:
         cache = CacheConfig(args.policy or "lru", profile=args.profile)
         miss = MissConfig(args.miss or "fetch")
-        prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
+        prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
@@ -375,9 +383,15 @@ def summary(out: dict) -> str:
             f"files with the libraries{shared}) | expert slots {b(out['expert_memory_bytes'])} | "
             f"slow tier {out['slow_tier']}" + ("" if cached is None else f" | checkpoint cached {b(cached)}")
         )
-    if out["prefetch"] != "none":
+    gov = out.get("prefetch_governor") or {}
+    if out["prefetch"] != "none" and gov.get("state") != "idle":
+        when = ""
+        if gov:
+            steps = gov["steps_on"] + gov["steps_off"]
+            state = "on" if gov["prefetching"] else "off"
+            when = f", while it pays: {state} ({gov['reason']}), {gov['steps_on']} of {steps} steps predicted"
         lines.append(
-            f"prefetch {out['prefetch']} (window {out['window']}) | issued {out['prefetch_issued']} | "
+            f"prefetch {out['prefetch']} (window {out['window']}{when}) | issued {out['prefetch_issued']} | "
             f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
             f"cancelled {out['prefetch_cancelled']}"
         )

@@ -45,29 +45,43 @@ def _median(fn, device: torch.device, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def chunk_costs(worker, part, chunks: int = AUTO_CHUNKS) -> tuple[float, float]:
+def chunk_costs(worker, part, keys, chunks: int = AUTO_CHUNKS) -> tuple[float, float]:
     """``(data seconds, seconds per chunk)`` of moving one expert on this machine, through ``worker``
-    into slot 0 of its pool ``part`` (free at load): a speculative transfer whole timed against the same
-    in ``chunks`` chunks (medians); the difference per extra chunk is a chunk's fixed cost (a read
-    request, the worker's bookkeeping), the rest the data's time. What ``costs.chunks_pay`` decides by
-    when no emulated link says. The worker is left unchunked, its byte count at zero."""
+    into slot 0 of its pool ``part`` (free at load): speculative transfers of the distinct experts
+    ``keys`` (a read of the same bytes twice may find them in a cache), each moved whole and in
+    ``chunks`` chunks in turn after one warm-up of each; the medians' difference per extra chunk is a
+    chunk's fixed cost (a read request, the worker's bookkeeping), the rest the data's time. What
+    ``costs.chunks_pay`` decides by when no emulated link says. The worker is left unchunked, its byte
+    count at zero."""
     target = worker.parts[part]
     layout, device = target.pool.layout, target.pool.device
+    third = -(-layout.nbytes // chunks)
+    n_chunks = len(layout.chunks(third))
 
-    def move(chunk_bytes) -> None:
+    def move(key, chunk_bytes) -> float:
         worker.chunk_bytes = chunk_bytes
-        worker.wait(worker.submit((0, 0), 0, SPECULATIVE, part))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        worker.wait(worker.submit(key, 0, SPECULATIVE, part))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
     steal, worker.steal = worker.steal, False  # prefetches' chunks go through the worker's loop
     try:
-        one = _median(lambda: move(None), device)
-        third = -(-layout.nbytes // chunks)
-        if len(layout.chunks(third)) < 2:
-            return one, 0.0
-        many = _median(lambda: move(third), device)
+        move(keys[0], None), move(keys[0], third)  # warm-up: allocator, first faults
+        whole, parted = [], []
+        for key in keys:
+            whole.append(move(key, None))
+            if n_chunks > 1:
+                parted.append(move(key, third))
     finally:
         worker.chunk_bytes, worker.bytes_moved, worker.steal = None, 0, steal
-    latency = max(0.0, (many - one) / (len(layout.chunks(third)) - 1))
+    one = statistics.median(whole)
+    if n_chunks < 2:
+        return one, 0.0
+    latency = max(0.0, (statistics.median(parted) - one) / (n_chunks - 1))
     return max(0.0, one - latency), latency
 
 

@@ -345,7 +345,8 @@ class OffloadedModel:
         elif full in self.targets and self.targets[full].layouts is None and len(self.targets[full].pool):
             from expertcache.engine.calibrate import chunk_costs
 
-            (data, latency), source = chunk_costs(self.worker, full), "measured"
+            keys = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)][:8]
+            (data, latency), source = chunk_costs(self.worker, full, keys), "measured"
         else:  # no whole-expert slot to measure in (split experts, low-precision copies, placement): thirds
             return {"chunk_bytes": third, "why": "thirds of an expert (nothing to measure them by)"}
         pays = chunks_pay(data, latency)
