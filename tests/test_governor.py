@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.cache.governor import HOLD, PROBE, WARM, GovernorSettings, PrefetchGovernor
+from expertcache.cache.governor import HOLD, PROBE, WARM, GovernorSettings, PrefetchGovernor, describe
 from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
@@ -89,6 +89,23 @@ def test_prefetching_that_costs_is_dropped_after_a_short_probe():
     per_side = -(-s.min_samples // (s.block - 1)) * s.block
     assert exposed <= per_side and first <= s.warm + 2 * per_side
     assert sum(sides) / len(sides) < 0.1  # over the run: on-demand almost throughout
+    assert gov.history[0][2] == "prefetching makes a step 30.0% longer"  # said in words, never "-30% shorter"
+
+
+def test_reasons_and_their_one_line_description_say_longer_or_shorter_in_words():
+    clock = Clock()
+    gov = PrefetchGovernor(clock)
+    assert describe(gov.summary()) == (
+        "while it pays: not yet decided, measuring on-demand first; 0 of 0 steps predicted"
+    )
+    sides = drive(gov, clock, fixed(on_s=1.05, off_s=1.0, off_stall=0.3), 400)  # 5 % longer: not clear loss
+    assert not gov.on and gov.history[0][2] == "prefetching makes a step 5.0% longer"
+    line = describe(gov.summary())
+    assert line.startswith("while it pays: off, prefetching makes a step 5.0% longer; ")
+    assert line.endswith(f"; {sum(sides)} of 400 steps predicted")
+    gov = PrefetchGovernor(clock)
+    drive(gov, clock, fixed(on_s=0.99, off_s=1.0, off_stall=0.3), 400)  # 1 %: short of the margin
+    assert gov.history[0][2] == "prefetching makes a step 1.0% shorter, less than the 3% it must save"
 
 
 def test_a_predictor_costlier_than_the_stall_is_dropped_after_one_block():

@@ -437,7 +437,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         (["--prefetch", "window", "--prefetch-limit", "0"], "prefetch limit must be at least 1"),
         (["--chunk-size", "lots"], "chunk size"),
         (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
-        (["--prefetch", "none", "--prefetch-when", "pays"], "--prefetch-when needs a predictor"),
+        (["--prefetch", "none", "--prefetch-when", "pays"], "prefetch when 'pays' needs a predictor"),
     ],
 )
 def test_cli_prefetch_errors_are_one_line_and_exit_2(ckpt, capsys, args, message):
@@ -664,7 +664,10 @@ def test_cli_the_default_reports_what_the_governor_decided(ckpt, capsys):
     assert gov["state"] == "warm" and gov["steps_on"] == 0 and gov["steps_off"] >= 4
     assert main([*base, "--expert-memory", "50%"]) == 0
     err = capsys.readouterr().err
-    assert "prefetch next-gate (window 1, while it pays: off (measuring on-demand first)" in err
+    assert (
+        "prefetch next-gate, window 1 | while it pays: not yet decided, measuring on-demand first; 0 of"
+        in err
+    )
     assert main([*base, "--json"]) == 0  # 100 %: nothing to prefetch, and no prefetch line
     out = json.loads(capsys.readouterr().out)
     assert out["prefetch_governor"]["state"] == "idle" and out["window"] is None
@@ -676,6 +679,9 @@ def test_cli_timing_governs_a_named_predictor_and_refuses_auto(capsys):
     assert main(["timing", "--prefetch", "oracle", "--prefetch-when", "pays", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prefetch_governor"]["steps_on"] + out["prefetch_governor"]["steps_off"] > 0
+    assert main(["timing", "--prefetch", "oracle", "--prefetch-when", "pays"]) == 0
+    side = "on" if out["prefetch_governor"]["prefetching"] else "off"
+    assert f"prefetch oracle (window 1), while it pays: {side}, " in capsys.readouterr().out
     assert main(["timing", "--prefetch", "oracle", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["prefetch_governor"] is None
     assert main(["timing", "--prefetch", "auto"]) == 2

@@ -87,7 +87,9 @@ class PrefetchConfig:
         if when is not None and when not in WHEN:
             raise ExpertcacheError(f"prefetch when {self.when!r} is not one of: {', '.join(WHEN)}")
         if when is not None and name == "none":
-            raise ExpertcacheError("--prefetch-when needs a predictor (--prefetch NAME or auto)")
+            raise ExpertcacheError(
+                f"prefetch when {when!r} needs a predictor: --prefetch NAME or auto (prefetch= in the API)"
+            )
         _set(self, when=when or ("pays" if name == AUTO else "always"))
         if self.window is not None and int(self.window) < 1:
             raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {self.window}")

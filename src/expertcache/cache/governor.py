@@ -83,6 +83,19 @@ class _Sample:
     predictor: float
 
 
+def _change(gain: float) -> str:
+    """A step's relative change in words: ``gain`` > 0 is shorter."""
+    return f"{gain:.1%} shorter" if gain >= 0 else f"{-gain:.1%} longer"
+
+
+def describe(summary: dict[str, object]) -> str:
+    """A governor's ``summary()`` in words, for the CLI's one-line reports."""
+    decided = summary["state"] == HOLD
+    state = ("on" if summary["prefetching"] else "off") if decided else "not yet decided"
+    steps = int(summary["steps_on"]) + int(summary["steps_off"])  # type: ignore[call-overload]
+    return f"while it pays: {state}, {summary['reason']}; {summary['steps_on']} of {steps} steps predicted"
+
+
 class PrefetchGovernor:
     """Decides, at the start of every forward step, whether the predictor runs (``begin_step``)."""
 
@@ -175,7 +188,7 @@ class PrefetchGovernor:
 
     def _start_probe(self) -> None:
         self.state, self._at, self._probe = PROBE, 0, ([], [])
-        self.reason = "measuring prefetching against on-demand"
+        self.reason = "measuring steps with and without prefetching, in alternating blocks"
 
     def _test(self) -> None:
         s = self.settings
@@ -201,9 +214,12 @@ class PrefetchGovernor:
         err = math.hypot(_mean_error(a), _mean_error(b)) / t_off
         last = min(len(off), len(on)) >= s.max_samples
         if gain - 2 * err > s.margin or (last and gain > s.margin):
-            self._decide(True, f"prefetching makes a step {gain:.1%} shorter", off, on)
+            self._decide(True, f"prefetching makes a step {_change(gain)}", off, on)
         elif gain + err < s.margin or last:  # quicker to go back to on-demand, the safe side
-            self._decide(False, f"prefetching makes a step {gain:.1%} shorter, not {s.margin:.0%}", off, on)
+            why = f"prefetching makes a step {_change(gain)}" + (
+                f", less than the {s.margin:.0%} it must save" if gain > 0 else ""
+            )
+            self._decide(False, why, off, on)
 
     def _predictor_costs_more(self, on: list[_Sample]) -> bool:
         """Drop prefetching when the predictor's own time per step exceeds the stall of the latest
@@ -233,7 +249,7 @@ class PrefetchGovernor:
         loss = (statistics.fmean(b) - t_off) / t_off if t_off > 0 else 0.0
         if loss - 2 * math.hypot(_mean_error(a), _mean_error(b)) / max(t_off, 1e-12) <= CLEAR_LOSS:
             return False
-        self._decide(False, f"prefetching makes a step {loss:.0%} longer", off, on)
+        self._decide(False, f"prefetching makes a step {_change(-loss)}", off, on)
         return True
 
     def _decide(self, on: bool, why: str, off=None, on_samples=None) -> None:

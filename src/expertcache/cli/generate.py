@@ -385,13 +385,11 @@ def summary(out: dict) -> str:
         )
     gov = out.get("prefetch_governor") or {}
     if out["prefetch"] != "none" and gov.get("state") != "idle":
-        when = ""
-        if gov:
-            steps = gov["steps_on"] + gov["steps_off"]
-            state = "on" if gov["prefetching"] else "off"
-            when = f", while it pays: {state} ({gov['reason']}), {gov['steps_on']} of {steps} steps predicted"
+        from expertcache.cache.governor import describe
+
+        when = f" | {describe(gov)}" if gov else ""
         lines.append(
-            f"prefetch {out['prefetch']} (window {out['window']}{when}) | issued {out['prefetch_issued']} | "
+            f"prefetch {out['prefetch']}, window {out['window']}{when} | issued {out['prefetch_issued']} | "
             f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
             f"cancelled {out['prefetch_cancelled']}"
         )

@@ -21,7 +21,7 @@ import numpy as np
 
 from expertcache.cache.build import build_parts, part_capacities
 from expertcache.cache.expert_cache import ExpertCache
-from expertcache.cache.governor import PrefetchGovernor
+from expertcache.cache.governor import PrefetchGovernor, describe
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.config import AUTO as AUTO_PREFETCH
@@ -292,6 +292,8 @@ def format_timing(result: TimingResult) -> str:
 
     params = ":" + ",".join(f"{k}={v}" for k, v in r.params.items()) if r.params else ""
     prefetch = "none" if r.predictor is None else f"{r.predictor} (window {r.window})"
+    if r.governor is not None:
+        prefetch += f", {describe(r.governor)}"
     onoff = {True: "on", False: "off"}
     rate = f"{r.tokens / r.total_s:.1f} tok/s" if r.total_s else "-"
     lines = [
