@@ -108,6 +108,19 @@ def test_reasons_and_their_one_line_description_say_longer_or_shorter_in_words()
     assert gov.history[0][2] == "prefetching makes a step 1.0% shorter, less than the 3% it must save"
 
 
+def test_a_clear_loss_is_dropped_after_its_first_counted_step():
+    """Where each wrong guess is a disk read, a step with prefetching may take twice as long: the probe
+    stops after two such steps (the block's first, not counted, and one counted), not a whole block."""
+    clock = Clock()
+    s = GovernorSettings()
+    gov = PrefetchGovernor(clock, s)
+    rng = random.Random(3)
+    noisy = lambda on, i: ((2.0 if on else 1.0) * rng.uniform(0.9, 1.1), 0.0 if on else 0.3, 0.0)  # noqa: E731
+    sides = drive(gov, clock, noisy, 100)  # within the hold that follows
+    assert not gov.on and gov.history[0][2].endswith("longer")
+    assert sum(sides) == 2 and sides[s.warm : s.warm + 3] == [True, True, False]
+
+
 def test_a_predictor_costlier_than_the_stall_is_dropped_after_one_block():
     clock = Clock()
     s = GovernorSettings()

@@ -23,9 +23,10 @@ and keeps prefetching on only while it measurably pays:
    few steps that miss (a median step often misses nothing), and mean step time is TPOT. A step longer
    than 4 times the median of both sides counts as 4 times it, so one hiccup of the machine cannot
    decide. After the first on-block, prefetching is dropped at once when the predictor's own time per
-   step exceeds the on-demand stall it could remove, or when its steps are clearly longer (by over
-   ``CLEAR_LOSS`` at two standard errors) than the latest on-demand ones: a probe of a clear loss costs
-   one block.
+   step exceeds the on-demand stall it could remove; from the first counted step of that block on, when
+   its steps are clearly longer (by over ``CLEAR_LOSS`` at two standard errors; one step counted as
+   uncertain as one on-demand step) than the latest on-demand ones: a probe of a clear loss costs two
+   steps (where each wrong guess is a disk read, a step with prefetching can take twice as long).
 4. **Hold** the decision for ``hold`` decode steps, doubled each time a probe confirms it (up to
    ``max_hold``), then probe again: the cache warms, requests and the machine's load change.
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from expertcache.errors import ExpertcacheError
 
 WARM, PROBE, HOLD = "warm", "probe", "hold"
-CLEAR_LOSS = 0.25  # after one block, prefetching this much slower than on-demand is dropped at once
+CLEAR_LOSS = 0.25  # in the first on-block, prefetching this much slower than on-demand is dropped at once
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class PrefetchGovernor:
         self._probe[arm].append(sample)
         if self._at % s.block == 0:  # a block has ended
             self._test()
+        elif arm and self._at < s.block:  # inside the first on-block: each step may show a clear loss
+            self._clearly_worse(self._probe[1])
 
     def _after_warm(self) -> None:
         share = self._stall_share(list(self._off))
@@ -235,19 +238,22 @@ class PrefetchGovernor:
         return True
 
     def _clearly_worse(self, on: list[_Sample]) -> bool:
-        """Drop prefetching after its first block when its steps are longer than the latest on-demand
+        """Drop prefetching within its first block when its steps are longer than the latest on-demand
         steps of the same size by more than ``CLEAR_LOSS``, even at two standard errors: a re-probe then
-        costs one block, not a whole probe."""
+        costs a block at most, not a whole probe. Checked from its first counted step on (a single step
+        counts as uncertain as one on-demand step): where wrong guesses cost a disk read each, every step
+        spent measuring is expensive."""
         tokens = statistics.mode(x.tokens for x in on)
         off = [x for x in self._off if x.tokens == tokens]
         on = [x for x in on if x.tokens == tokens]
-        if len(off) < 2 or len(on) < 2:
+        if len(off) < 2 or not on:
             return False
         cap = 4 * statistics.median(x.seconds for x in off + on)
         a, b = [min(x.seconds, cap) for x in off], [min(x.seconds, cap) for x in on]
         t_off = statistics.fmean(a)
         loss = (statistics.fmean(b) - t_off) / t_off if t_off > 0 else 0.0
-        if loss - 2 * math.hypot(_mean_error(a), _mean_error(b)) / max(t_off, 1e-12) <= CLEAR_LOSS:
+        err_on = _mean_error(b) if len(b) > 1 else statistics.stdev(a)
+        if loss - 2 * math.hypot(_mean_error(a), err_on) / max(t_off, 1e-12) <= CLEAR_LOSS:
             return False
         self._decide(False, f"prefetching makes a step {_change(-loss)}", off, on)
         return True
