@@ -209,6 +209,10 @@ def main() -> int:
     ap.add_argument("--prefetch", default="next-gate", help="the engine's prefetch row (default next-gate)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="run only these configurations (names as printed)")
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of each configuration, each in a fresh process, round-robin (medians reported)",
+    )  # fmt: skip
     ap.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "expertcache-bench")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory_cpu.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -255,14 +259,19 @@ def main() -> int:
                                                       "budget": budget, "prefetch": args.prefetch},
         f"engine mapped lru {budget}": {"kind": "engine", "tier": "mapped", "policy": "lru",
                                         "budget": budget},
+        f"engine disk default {budget}": {"kind": "engine", "tier": "disk", "policy": "lru",
+                                          "budget": budget, "prefetch": "auto"},
         "engine disk 100%": {"kind": "engine", "tier": "disk", "policy": "lru", "budget": "100%"},
     }  # fmt: skip
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only}
     group = Cgroup(int(parse_size(args.limit, "--limit"))) if args.limit else None
     results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    todo = [name for _ in range(max(1, args.repeats)) for name in configs]  # round-robin: drift falls alike
     try:
-        for name, spec in configs.items():
+        for name in todo:
+            spec = configs[name]
             (evict if args.cache == "cold" else warm)(files)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps({**base, **spec})]
             if group is not None:
@@ -276,13 +285,15 @@ def main() -> int:
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 log(f"{name}: failed (exit {done.returncode}): {tail[0]}")
-                results[name] = {"failed": done.returncode, "stderr_tail": portable_text(done.stderr[-2000:])}
+                runs[name].append(
+                    {"failed": done.returncode, "stderr_tail": portable_text(done.stderr[-2000:])}
+                )
                 continue
             r = json.loads(done.stdout.strip().splitlines()[-1])
             r["wall_s"] = wall
             if group is not None:
                 r["cgroup_peak_bytes"] = group.peak()
-            results[name] = r
+            runs[name].append(r)
             log(f"{name}: load {r['load_s']:.1f} s | TTFT {r['ttft_s']:.2f} s | "
                 f"TPOT {r['tpot_s'] * 1e3:.0f} ms | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB | "
                 f"major faults {r['major_faults']} | "
@@ -292,6 +303,20 @@ def main() -> int:
         shutil.rmtree(offload, ignore_errors=True)
         if group is not None:
             group.remove()
+    for name, done_runs in runs.items():
+        ok = [r for r in done_runs if "failed" not in r]
+        if not ok:
+            results[name] = done_runs[0] if done_runs else {"failed": "not run"}
+            continue
+        results[name] = dict(ok[0])
+        if len(done_runs) > 1:  # medians of the timings; every run's kept
+            for key in ("load_s", "ttft_s", "tpot_s", "wall_s"):
+                results[name][key] = statistics.median(r[key] for r in ok)
+            results[name]["each"] = [
+                {k: r.get(k) for k in ("load_s", "ttft_s", "tpot_s", "peak_rss_bytes", "failed")}
+                for r in done_runs
+            ]
+            results[name]["tokens_agree_across_runs"] = all(r["tokens"] == ok[0]["tokens"] for r in ok)
     ref = results.get("transformers", {}).get("tokens")
     engines = [r["tokens"] for name, r in results.items() if name.startswith("engine") and "tokens" in r]
     for r in results.values():
