@@ -14,10 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.cache.governor import HOLD, PROBE, WARM, GovernorSettings, PrefetchGovernor, describe
+from expertcache.cache.governor import (
+    HOLD,
+    PROBE,
+    WARM,
+    GovernorSettings,
+    LinkCounts,
+    PrefetchGovernor,
+    describe,
+)
 from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
+from expertcache.predict.base import PredictContext, Predictor
 from expertcache.sim.timing import simulate_timing
 from expertcache.trace import synthesize
 
@@ -30,19 +39,23 @@ class Clock:
         return self.now
 
 
-def drive(gov: PrefetchGovernor, clock: Clock, cost, steps: int, prefill_every: int = 0, tokens=lambda i: 1):
-    """Run ``steps`` forward steps; ``cost(on, i) -> (seconds, stall, predictor seconds)`` of step i.
+def drive(gov: PrefetchGovernor, clock: Clock, cost, steps, prefill_every=0, tokens=lambda i: 1, link=None):
+    """Run ``steps`` forward steps; ``cost(on, i) -> (seconds, stall, predictor seconds)`` of step i,
+    ``link(on, shadow, i) -> (busy, active, transfers, guesses, hits)`` its transfers and shadow score.
     Returns the side of every step (True: predicted)."""
     stall = pred = 0.0
+    totals = [0.0, 0.0, 0, 0, 0]
     sides = []
     for i in range(steps):
         prefill = bool(prefill_every) and i % prefill_every == 0
-        on = gov.begin_step(prefill, tokens(i), stall, pred)
+        on = gov.begin_step(prefill, tokens(i), stall, pred, LinkCounts(*totals))
         sides.append(on)
         seconds, s, p = cost(on, i)
         clock.now += seconds
         stall += s
         pred += p
+        if link is not None:
+            totals = [a + b for a, b in zip(totals, link(on, gov.shadow, i), strict=True)]
     return sides
 
 
@@ -119,6 +132,62 @@ def test_a_clear_loss_is_dropped_after_its_first_counted_step():
     sides = drive(gov, clock, noisy, 100)  # within the hold that follows
     assert not gov.on and gov.history[0][2].endswith("longer")
     assert sum(sides) == 2 and sides[s.warm : s.warm + 3] == [True, True, False]
+
+
+def _link(guesses: int, hits: int, transfers: int = 10, per_transfer: float = 0.08):
+    """On-demand steps of ``transfers`` transfers, the link busy ``per_transfer`` each (one at a time);
+    in shadow steps the predictor guesses ``guesses`` experts a step, ``hits`` of them right."""
+    busy = transfers * per_transfer
+    return lambda on, shadow, i: (busy, busy, transfers, guesses if shadow else 0, hits if shadow else 0)
+
+
+def test_a_predictor_that_guesses_wrong_on_a_busy_link_is_not_even_probed():
+    """In the warm-up's last steps the predictor runs in shadow; 18 of 20 guesses wrong, where every
+    transfer takes the link 80 ms of a 1 s step: prefetching would keep the link busy 2.24 s a step
+    (the 10 on-demand transfers less 2 hits, plus 20), so it is not tried at all."""
+    clock = Clock()
+    s = GovernorSettings()
+    gov = PrefetchGovernor(clock, s)
+    shadows = []
+    link = _link(guesses=20, hits=2)
+    sides = drive(gov, clock, fixed(on_s=2.0, off_s=1.0, off_stall=0.5), 100,
+                  link=lambda on, shadow, i: (shadows.append(shadow), link(on, shadow, i))[1])  # fmt: skip
+    assert sum(sides) == 0 and gov.probes == 0 and not gov.on and gov.state == HOLD
+    assert shadows[: s.warm] == [False] * (s.warm - s.shadow) + [True] * s.shadow  # the warm-up's last steps
+    assert not any(shadows[s.warm :])  # not in the hold that follows
+    assert gov.history[0][0] == s.warm and gov.history[0][2] == (
+        "in shadow, 18 of its 20 guesses a step were wrong: with prefetching the link would move for "
+        "2240.0 ms a step, on-demand steps take 1000.0 ms"
+    )
+    summary = gov.summary()
+    assert summary["shadow_guesses_per_step"] == 20 and summary["shadow_hits_per_step"] == 2
+    assert summary["link_with_prefetch_s"] == pytest.approx(2.24)
+    assert summary["off_step_s"] == pytest.approx(1)
+
+
+def test_a_predictor_that_guesses_well_or_an_idle_link_is_probed():
+    for link in (_link(guesses=10, hits=9), _link(guesses=20, hits=2, per_transfer=0.01)):
+        clock = Clock()
+        gov = PrefetchGovernor(clock)
+        sides = drive(gov, clock, fixed(on_s=0.6, off_s=1.0, off_stall=0.5), 200, link=link)
+        assert gov.probes >= 1 and gov.history[0][1] and sum(sides) > 0
+        assert "link_with_prefetch_s" in gov.summary()
+    clock = Clock()  # a predictor that predicted nothing missing: nothing to screen, probed
+    gov = PrefetchGovernor(clock)
+    drive(gov, clock, fixed(on_s=0.6, off_s=1.0, off_stall=0.5), 200, link=_link(guesses=0, hits=0))
+    assert gov.on and gov.summary()["shadow_guesses_per_step"] == 0
+
+
+def test_the_predictors_time_in_shadow_is_not_counted_as_on_demand():
+    """Shadow steps run the predictor (0.5 s here): the on-demand step they measure is 1 s, not 1.5 s."""
+    clock = Clock()
+    gov = PrefetchGovernor(clock)
+    cost = lambda on, i: (1.5, 0.5, 0.5) if gov.shadow else (1.0, 0.5, 0.0)  # noqa: E731
+    drive(gov, clock, cost, 40, link=_link(guesses=20, hits=2))
+    assert gov.figures["off_step_s"] == pytest.approx(1.0)
+    gov = PrefetchGovernor(clock, GovernorSettings(shadow=0))  # no shadow: no screen, probed
+    drive(gov, clock, fixed(on_s=0.6, off_s=1.0, off_stall=0.5), 200, link=_link(guesses=20, hits=2))
+    assert gov.probes >= 1 and "shadow_guesses_per_step" in gov.summary()
 
 
 def test_a_predictor_costlier_than_the_stall_is_dropped_after_one_block():
@@ -224,6 +293,8 @@ def test_settings_are_checked():
         GovernorSettings(block=1)
     with pytest.raises(ExpertcacheError, match="max_samples"):
         GovernorSettings(min_samples=10, max_samples=5)
+    with pytest.raises(ExpertcacheError, match="shadow"):
+        GovernorSettings(warm=4, shadow=5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,13 +324,44 @@ def test_the_timing_simulator_governs_on_virtual_time_deterministically():
     assert always.governor is None and none.governor is None
 
 
+class _Wrong(Predictor):
+    """Predicts, at each step's start, experts its layers will not use (from the true future)."""
+
+    name = "wrong"
+    sim_only = True
+    default_window = 4
+
+    def _begin(self, token_ids, prefill, new_request, future) -> None:
+        self.future = future
+
+    def _predict(self, source, target, gate_input):
+        used = set(np.asarray(self.future[target]).ravel().tolist())
+        return [e for e in range(TRACE.num_experts) if e not in used][: TRACE.top_k]
+
+
+def test_the_timing_simulator_screens_out_a_predictor_that_guesses_wrong_on_a_slow_link():
+    ctx = PredictContext(num_layers=TRACE.num_layers, num_experts=TRACE.num_experts, top_k=TRACE.top_k)
+    cost = CostModel(
+        dense_s=1e-3, expert_s=0.2e-3, expert_token_s=0.0, step_s=1e-3, link_bandwidth=2e8,
+        link_latency=10e-6, expert_bytes=1 << 20, chunk_bytes=None,
+    )  # fmt: skip
+    governed = simulate_timing(TRACE, 10, prefetch=PrefetchConfig(_Wrong(ctx), when="pays"), cost=cost)
+    always = simulate_timing(TRACE, 10, prefetch=PrefetchConfig(_Wrong(ctx)), cost=cost)
+    none = simulate_timing(TRACE, 10, cost=cost)
+    gov = governed.governor
+    assert gov["steps_on"] == 0 and gov["reason"].startswith("in shadow, ")
+    assert gov["shadow_hits_per_step"] == 0
+    assert governed.tpot_s == pytest.approx(none.tpot_s) and none.tpot_s < always.tpot_s  # shadow: free here
+    assert governed.to_dict()["prefetch_issued"] == 0
+
+
 def test_the_timing_simulator_refuses_auto():
     with pytest.raises(ExpertcacheError, match="engine's choice"):
         simulate_timing(TRACE, 10, prefetch="auto")
 
 
 class Counting:
-    """A predictor that counts its calls and predicts nothing."""
+    """A predictor that counts its calls and predicts expert 3 of layer 1 (of 2)."""
 
     window = 1
     name = "counting"
@@ -271,12 +373,12 @@ class Counting:
         self.calls += 1
         return {}
 
-    def after_router(self, *args):
+    def after_router(self, layer, *args):
         self.calls += 1
-        return {}
+        return {1: [3]} if layer == 0 else {}
 
 
-def test_a_predictor_the_governor_switched_off_is_not_called():
+def test_a_predictor_the_governor_switched_off_is_not_called_and_in_shadow_moves_nothing():
     from expertcache.cache.build import build_parts, part_capacities
     from expertcache.cache.expert_cache import ExpertCache
     from expertcache.cache.step import InlinePredictor, StepDriver
@@ -296,18 +398,24 @@ def test_a_predictor_the_governor_switched_off_is_not_called():
 
     class Switch:
         clock = staticmethod(lambda: link.now)
-        on = False
+        on = shadow = False
 
         def begin_step(self, *args):
             return self.on
 
     switch = Switch()
     driver = StepDriver(cache, L, InlinePredictor(pred), governor=switch)
-    for step in range(6):
-        switch.on = step >= 3
+    for step in range(9):
+        switch.on, switch.shadow = step >= 6, 3 <= step < 6
         driver.begin_step(np.array([1]), False, 0)
         for layer in range(L):
             work = driver.layer(layer, np.array([[step % E]]), None)
             list(work.units())
             driver.end_layer(layer)
-    assert pred.calls == 3 * (1 + L)  # only the three steps the governor allowed
+        if step == 5:  # the shadow steps: predicted, scored, nothing moved for it
+            assert pred.calls == 3 * (1 + L) and cache.stats.issued.sum() == 0
+            assert link.transfers == 2 * 6  # demand transfers only: every step misses both layers
+            # (1, 3) was missing when guessed in step 3, and then chosen; resident in steps 4 and 5
+            assert cache.stats.shadow_guesses == 1 and cache.stats.shadow_hits == 1
+    assert pred.calls == 6 * (1 + L)  # only the six steps the governor allowed, three of them in shadow
+    assert cache.stats.issued.sum() > 0

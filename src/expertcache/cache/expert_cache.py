@@ -62,6 +62,7 @@ class ExpertCache:
         self.demand: set[PartKey] = set()  # in-flight transfers some layer now waits for (never dropped)
         self.spec: dict[int, dict[PartKey, None]] = {}  # target layer -> its prefetched transfers
         self.predicted: dict[int, set[int]] = {}  # target layer -> predicted experts, this step
+        self.shadowed: dict[int, set[Key]] = {}  # target layer -> what a shadow prediction would move
         self.stats = CacheStats(num_layers)
         self.phase = 0  # 1 while a prefill step is served
         self._scores: dict[Key, float] = {}  # the layer being served: each expert's routing score
@@ -89,6 +90,7 @@ class ExpertCache:
     def begin_step(self, prefill: bool = False) -> None:
         self.spec.clear()
         self.predicted.clear()
+        self.shadowed.clear()
         self.phase = int(prefill)
 
     def prefetch(self, predictions: dict[int, list[int]], current: Collection[Key] = ()) -> int:
@@ -116,6 +118,22 @@ class ExpertCache:
                     queued += 1
         return queued
 
+    def shadow(self, predictions: dict[int, list[int]]) -> int:
+        """Score predictions without acting on them (the governor's warm-up): each predicted expert not
+        in the primary part is a guess that prefetching would move; when its layer comes, a guess the
+        router chose and still missing is a hit (a demand transfer it would have saved), the others
+        were wrong (a transfer for nothing, and an eviction). Nothing is queued or evicted; returns the
+        guesses counted."""
+        primary, counted = self.parts[self.primary], 0
+        for target, ranked in predictions.items():
+            guesses = self.shadowed.setdefault(target, set())
+            for expert in ranked[: self.limit]:
+                key = (target, expert)
+                if key not in primary and key not in guesses:
+                    guesses.add(key)
+                    counted += 1
+        return counted
+
     # -- serving a layer -------------------------------------------------------------------------
     def begin_layer(self, layer: int, needs: Sequence[Need]) -> LayerWork:
         """The router has chosen ``needs`` (distinct experts, first-use order): preempt, route, and queue
@@ -123,6 +141,11 @@ class ExpertCache:
         keys = [n.key for n in needs]
         spec = self.spec.pop(layer, {})
         predicted = self.predicted.pop(layer, None)
+        guesses = self.shadowed.pop(layer, None)
+        if guesses:
+            primary = self.parts[self.primary]
+            self.stats.shadow_guesses += len(guesses)
+            self.stats.shadow_hits += sum(k in guesses and k not in primary for k in keys)
         if self.preemption:
             self._preempt(layer, keys, spec)
         self._reap()

@@ -11,6 +11,13 @@ and keeps prefetching on only while it measurably pays:
 1. **Bound.** The first ``warm`` decode steps run without prefetching; their stall's share of a step is
    the most prefetching could save. Under ``margin`` prefetching cannot pay ``margin``: it is not tried
    (at 100 % of the experts, or with a fast slow tier, nothing is ever predicted).
+   **Screen.** In the last ``shadow`` of those steps the predictor runs in shadow: its predictions are
+   scored (``ExpertCache.shadow``: guesses that would move an expert, hits the router then chose) and
+   nothing moves. With prefetching a step's transfers would be the on-demand ones less the hits plus
+   every guess; when moving those at the on-demand steps' cost of a transfer takes the link more than
+   ``CLEAR_LOSS`` longer than a whole on-demand step, prefetching cannot pay and is not probed (a
+   near-chance predictor on a disk: a probe's steps took twice as long). The wrong guesses' evictions
+   are not counted, so the screen errs on the side of probing.
 2. **Probe.** Decode steps then alternate in blocks of ``block`` with prefetching on and off, starting on.
    A step's time runs from its start to the next decode step's start (what a user waits per token; the
    step before a new request is not counted, nor the first step of each block, which inherits the
@@ -56,6 +63,7 @@ class GovernorSettings:
 
     margin: float = 0.03  # the least share of a step that prefetching must save to be kept
     warm: int = 12  # decode steps measured without prefetching first (and before each later probe)
+    shadow: int = 4  # the last of those in which the predictor runs in shadow, to score it
     block: int = 4  # decode steps per probing block (the first of each is not counted)
     min_samples: int = 9  # counted steps per side before a decision may be taken
     max_samples: int = 36  # counted steps per side after which a decision is taken
@@ -69,6 +77,8 @@ class GovernorSettings:
             raise ExpertcacheError(
                 f"governor blocks need at least 2 steps (one is not counted), got {self.block}"
             )
+        if not 0 <= self.shadow <= self.warm:
+            raise ExpertcacheError(f"governor shadow steps must be in [0, warm], got {self.shadow}")
         for name in ("warm", "min_samples", "hold"):
             if getattr(self, name) < 1:
                 raise ExpertcacheError(f"governor {name} must be at least 1, got {getattr(self, name)}")
@@ -77,11 +87,29 @@ class GovernorSettings:
 
 
 @dataclass(frozen=True)
+class LinkCounts:
+    """Totals so far of the transfers (``Transport``) and of the shadow predictions
+    (``ExpertCache.shadow``): what the warm-up's screen reads."""
+
+    busy_s: float = 0.0
+    active_s: float = 0.0
+    transfers: int = 0
+    guesses: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class _Sample:
     tokens: int
     seconds: float
     stall: float
     predictor: float
+    busy: float = 0.0
+    active: float = 0.0
+    transfers: int = 0
+    guesses: int = 0
+    hits: int = 0
+    shadow: bool = False  # the predictor ran in shadow
 
 
 def _change(gain: float) -> str:
@@ -108,6 +136,7 @@ class PrefetchGovernor:
         self.probes = 0  # probes finished
         self.reason = "measuring on-demand first"
         self.figures: dict[str, float | int | None] = {}  # the last decision's measurements
+        self.screen: dict[str, float] = {}  # the last warm-up's shadow score of the predictor
         self.history: list[tuple[int, bool, str]] = []  # (decode step, prefetching, why)
         self._decode = 0  # decode steps begun
         self._hold = self.settings.hold
@@ -115,20 +144,33 @@ class PrefetchGovernor:
         self._at = 0  # decode steps into the current probe
         self._off: deque[_Sample] = deque(maxlen=self.settings.warm)  # the latest on-demand steps
         self._probe: tuple[list[_Sample], list[_Sample]] = ([], [])  # (off, on) of this probe
-        self._prev: tuple[float, bool, int, float, float, bool] | None = None
+        self._prev: tuple[float, bool, int, float, float, bool, LinkCounts, bool] | None = None
+        self.shadow = False  # this step: predict without prefetching, to score the predictor
 
     # -- the driver's call -------------------------------------------------------------------------
-    def begin_step(self, prefill: bool, tokens: int, stall_s: float, predictor_s: float) -> bool:
+    def begin_step(
+        self, prefill: bool, tokens: int, stall_s: float, predictor_s: float, link: LinkCounts | None = None
+    ) -> bool:
         """A step of ``tokens`` tokens starts; ``stall_s`` and ``predictor_s``: the totals so far of the
-        compute's waits for transfers and of its time in the predictor. True: predict in this step."""
+        compute's waits for transfers and of its time in the predictor; ``link`` those of the transfers
+        and of the shadow predictions. True: predict and prefetch in this step; else ``shadow`` says
+        whether to predict without prefetching, only to score the predictor."""
         now = self.clock()
+        link = link or LinkCounts()
         if self._prev is not None and not prefill:  # the previous step ends where this decode step starts
-            start, arm, ptokens, pstall, ppred, counted = self._prev
+            start, arm, ptokens, pstall, ppred, counted, plink, pshadow = self._prev
             if counted:
-                self._record(arm, _Sample(ptokens, now - start, stall_s - pstall, predictor_s - ppred))
+                pred = predictor_s - ppred
+                seconds = now - start - (0.0 if arm else pred)  # a shadow step's predictor is not on-demand
+                moved = [getattr(link, f) - getattr(plink, f) for f in ("busy_s", "active_s", "transfers")]
+                scored = (link.guesses - plink.guesses, link.hits - plink.hits)
+                self._record(arm, _Sample(ptokens, seconds, stall_s - pstall, pred, *moved, *scored, pshadow))
         arm, counted = (self.on, False) if prefill else self._next_decode()
+        self.shadow = (
+            not prefill and self.state == WARM and len(self._off) >= self.settings.warm - self.settings.shadow
+        )
         self.steps[arm] += 1
-        self._prev = (now, arm, tokens, stall_s, predictor_s, counted)
+        self._prev = (now, arm, tokens, stall_s, predictor_s, counted, link, self.shadow)
         return arm
 
     # -- what it reports ---------------------------------------------------------------------------
@@ -142,6 +184,7 @@ class PrefetchGovernor:
             "steps_off": self.steps[0],
             "probes": self.probes,
             **self.figures,
+            **self.screen,
         }
 
     # -- the states --------------------------------------------------------------------------------
@@ -182,12 +225,46 @@ class PrefetchGovernor:
             self._clearly_worse(self._probe[1])
 
     def _after_warm(self) -> None:
-        share = self._stall_share(list(self._off))
+        warm = list(self._off)
+        share = self._stall_share(warm)
         if share is not None and share < self.settings.margin:
             self._decide(False, f"on-demand waits {share:.1%} of a step for transfers: no more to save")
             self.figures = {"stall_share": round(share, 4)}
-        else:
+        elif not self._screened_out(warm):
             self._start_probe()
+
+    def _screened_out(self, warm: list[_Sample]) -> bool:
+        """The predictor's shadow score against the link. With prefetching, every wrong guess is one
+        transfer more (and an eviction): a step's transfers are then the on-demand ones less the hits
+        plus every guess, and the worker alone moves the wrong guesses (a waiting thread takes only what
+        a layer waits for). At the on-demand steps' cost of a transfer (the link's active time per
+        transfer; a single thread's time per transfer for the worker), when that takes longer than
+        ``CLEAR_LOSS`` more than a whole on-demand step, prefetching cannot pay, and it is not probed:
+        where each wrong guess is a disk read a probe's steps take up to twice as long."""
+        n = len(warm)
+        shadowed = [x for x in warm if x.shadow]
+        guesses = statistics.fmean(x.guesses for x in shadowed) if shadowed else 0.0
+        hits = statistics.fmean(x.hits for x in shadowed) if shadowed else 0.0
+        transfers = sum(x.transfers for x in warm) / n
+        busy, active = sum(x.busy for x in warm) / n, sum(x.active for x in warm) / n
+        step = statistics.fmean(x.seconds for x in warm)
+        self.screen = {
+            "shadow_guesses_per_step": round(guesses, 2), "shadow_hits_per_step": round(hits, 2),
+            "transfers_per_step": round(transfers, 2), "link_active_per_step_s": active,
+        }  # fmt: skip
+        if guesses <= 0 or transfers <= 0 or step <= 0:
+            return False
+        wrong = guesses - hits
+        link = max(wrong * busy, (transfers - hits + guesses) * active) / transfers
+        self.screen["link_with_prefetch_s"] = link
+        if link <= (1 + CLEAR_LOSS) * step:
+            return False
+        why = (f"in shadow, {wrong:.0f} of its {guesses:.0f} guesses a step were wrong: with prefetching "
+               f"the link would move for {link * 1e3:.1f} ms a step, on-demand steps take "
+               f"{step * 1e3:.1f} ms")  # fmt: skip
+        self._decide(False, why)
+        self.figures = {"off_step_s": step, "off_stall_s": statistics.fmean(x.stall for x in warm)}
+        return True
 
     def _start_probe(self) -> None:
         self.state, self._at, self._probe = PROBE, 0, ([], [])

@@ -8,7 +8,10 @@ and moved into the cache in the background for later steps. Per layer (ProMoE's 
 speculative transfers ``issued``, ``used`` (their layer then asked for them), ``late`` (still moving
 then), ``cancelled``, ``skipped_prefetches`` (no evictable slot), and the prediction quality: ``actual``
 experts of predicted layer visits, ``correct`` (predicted), ``in_time`` (predicted and resident when
-needed): ACCURACY = correct / actual, FETCHRATE = in_time / correct, GOODPRED = in_time / actual.
+needed): ACCURACY = correct / actual, FETCHRATE = in_time / correct, GOODPRED = in_time / actual. In the
+prefetch governor's warm-up the predictor runs in shadow (``ExpertCache.shadow``): ``shadow_guesses``,
+predicted experts not present that prefetching would have moved, ``shadow_hits``, those of them the
+router then chose (a demand transfer saved); the others would have been moved for nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class CacheStats:
         for name in _LAYERED:
             setattr(self, name, np.zeros(num_layers, dtype=np.int64))
         self.part_misses: dict[str, int] = {}  # demand transfers of each part
+        self.shadow_guesses = 0  # predicted in shadow, not present: what prefetching would have moved
+        self.shadow_hits = 0  # of those, chosen by the router (and still missing then)
 
     @property
     def hits(self) -> int:
@@ -60,6 +65,8 @@ class CacheStats:
             "prefetch_late": int(self.late.sum()),
             "prefetch_cancelled": int(self.cancelled.sum()),
             "prefetch_skipped": int(self.skipped_prefetches.sum()),
+            "shadow_guesses": self.shadow_guesses,
+            "shadow_hits": self.shadow_hits,
             "accuracy": ratio(self.correct, self.actual),
             "fetchrate": ratio(self.in_time, self.correct),
             "goodpred": ratio(self.in_time, self.actual),

@@ -12,7 +12,8 @@ engine computes, the timing simulator advances virtual time):
         driver.end_layer(layer)                    # predictions finished meanwhile (predictor thread)
 
 With a governor (``cache.governor``: prefetch only where it pays) the predictor runs in the steps the
-governor says, and not at all in the others.
+governor says, in its warm-up in shadow (its predictions scored, nothing moved or recorded), and not at
+all in the others.
 
 Shape letters: T tokens of the step, K experts per token.
 """
@@ -24,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from expertcache.cache.expert_cache import ExpertCache, LayerWork
-from expertcache.cache.governor import PrefetchGovernor
+from expertcache.cache.governor import LinkCounts, PrefetchGovernor
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.residency import group_experts
 from expertcache.miss.base import Need
@@ -82,6 +83,7 @@ class StepDriver:
         self.cache, self.num_layers = cache, num_layers
         self.predictor, self.recorder, self.governor = predictor, recorder, governor
         self.predicting = predictor is not None  # in this step
+        self.shadow = False  # in this step, predictions are only scored (the governor's warm-up)
         self.predictor_s = 0.0  # time spent in predictor calls (measured with a governor, for it)
         self.clock: Clock = cache.policy.clock
         self.steps = 0  # forward steps begun
@@ -106,8 +108,11 @@ class StepDriver:
                 seq_ids = np.full(len(token_ids), seq, dtype=np.int32)
             self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids)
         if self.predictor is not None and self.governor is not None:
-            stall = self.cache.transport.stall_s
-            self.predicting = self.governor.begin_step(prefill, len(token_ids), stall, self.predictor_s)
+            t, stats = self.cache.transport, self.cache.stats
+            link = LinkCounts(t.busy_s, t.active_s, t.transfers, stats.shadow_guesses, stats.shadow_hits)
+            on = self.governor.begin_step(prefill, len(token_ids), t.stall_s, self.predictor_s, link)
+            self.shadow = not on and getattr(self.governor, "shadow", False)
+            self.predicting = on or self.shadow
         if self.predicting:
             self._prefetch(self._call(self.predictor.begin_step, token_ids, prefill, new_request, future), ())
 
@@ -146,10 +151,14 @@ class StepDriver:
                 predictions = {t: r for t, r in predictions.items() if t > after}
             if getattr(self.predictor, "adaptive", False):
                 predictions = self._up_to_first_miss(predictions)
-            if predictions:
-                if self.recorder is not None:
-                    self.recorder.predict(predictions)
-                self.cache.prefetch(predictions, current)
+            if not predictions:
+                continue
+            if self.shadow:
+                self.cache.shadow(predictions)
+                continue
+            if self.recorder is not None:
+                self.recorder.predict(predictions)
+            self.cache.prefetch(predictions, current)
 
     def _up_to_first_miss(self, predictions: Predictions) -> Predictions:
         """HOBBIT's layer-adaptive walk: the target layers in order, up to the first one whose predicted

@@ -20,6 +20,9 @@ class Transport(Protocol):
     """Moves one key of one part into the fast tier: the engine's worker or the simulator's link."""
 
     stall_s: float  # compute time spent waiting for transfers so far (what prefetching could save)
+    busy_s: float  # time transfers were moving so far, summed over the threads that move them
+    active_s: float  # wall time some transfer was moving so far (busy_s less the threads' overlap)
+    transfers: int  # transfers submitted so far
 
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> object:
         """Queue the transfer of ``key`` into ``victim``'s place in the part (or a free one); a handle."""

@@ -494,7 +494,7 @@ class OffloadedModel:
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
-            "prefetch_late", "prefetch_cancelled",
+            "prefetch_late", "prefetch_cancelled", "shadow_guesses", "shadow_hits",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
         delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],

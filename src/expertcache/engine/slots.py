@@ -29,6 +29,7 @@ class SlotTransport:
         self.stall_s = 0.0
         self.stall_by_phase = [0.0, 0.0]  # [decode, prefill]
         self.phase = 0  # set by the engine at each step
+        self.transfers = 0  # submitted
 
     def pool_id(self, part: str, key: Key) -> PoolId:
         return (part, key[0]) if (part, key[0]) in self.targets else (part, None)
@@ -41,11 +42,20 @@ class SlotTransport:
     def bytes_moved(self) -> int:
         return self.worker.bytes_moved
 
+    @property
+    def busy_s(self) -> float:
+        return self.worker.busy_s
+
+    @property
+    def active_s(self) -> float:
+        return self.worker.active_s
+
     # -- Transport -------------------------------------------------------------------------------
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> Transfer:
         pid = self.pool_id(part, key)  # a victim of a per-layer part is of the same layer: the same pool
         slot = self.slot_of.pop((part, victim)) if victim is not None else self.free[pid].pop()
         self.slot_of[(part, key)] = slot
+        self.transfers += 1
         return self.worker.submit(key, slot, priority, pid)
 
     def cancel(self, handle: Transfer) -> bool:

@@ -309,6 +309,8 @@ class TransferWorker:
         self._seq = itertools.count()
         self._closed = False
         self.busy_s = 0.0  # time the link was occupied (emulated: at least each chunk's duration)
+        self.active_s = 0.0  # wall time some chunk was moving (busy_s less the threads' overlap)
+        self._moving, self._since = 0, 0.0  # chunks moving now; since when some chunk has been
         self._link_free = 0.0  # emulated link: when its last chunk ended (perf_counter timeline)
         self.bytes_moved = 0
         self.retried = 0  # chunk copies that raised and were retried
@@ -402,6 +404,10 @@ class TransferWorker:
         """Copy ``t``'s next chunk; True when chunks remain (the transfer is not done)."""
         started = time.perf_counter()
         plan, nbytes = (), 0
+        with self._cv:
+            if not self._moving:
+                self._since = started
+            self._moving += 1
         try:  # anything raised is the transfer's error: the thread must go on serving the others
             plan = self.parts[t.part].plan(t.key, self.chunk_bytes if t.chunked else None)
             chunk = plan[t.next_chunk]
@@ -412,8 +418,12 @@ class TransferWorker:
                 self._link_free = self.link.finish(started, nbytes, begin)
         except BaseException as exc:  # reported to the waiter, never lost in the thread
             t.error = exc
-        took = time.perf_counter() - started
+        ended = time.perf_counter()
+        took = ended - started
         with self._cv:  # the worker and a waiting thread may both count
+            self._moving -= 1
+            if not self._moving:
+                self.active_s += ended - self._since
             # an emulated chunk occupies the link for its duration even when it started late
             self.busy_s += max(took, self.link.duration(nbytes)) if self.link is not None else took
             if t.error is None:

@@ -80,6 +80,11 @@ class VirtualLink:
             out[part] = [(float(t), int(b)) for t, b in zip(times, sizes, strict=True)]
         return out
 
+    @property
+    def active_s(self) -> float:
+        """One chunk at a time: the link is active while busy."""
+        return self.busy_s
+
     # -- the simulator's clock ------------------------------------------------------------------
     def advance(self, seconds: float) -> None:
         """Compute runs for ``seconds``; the link works meanwhile."""
