@@ -5,7 +5,8 @@
   Both give the reference's bytes (O_DIRECT, and the buffered fallback).
 - Host slot pools are backed when allocated (``prefault``), not at the first request.
 - A budget that holds every expert has nothing to offload: the experts are read at load, and the first
-  request finds them resident.
+  request finds them resident; a warm-up generation at load takes the first request's one-time costs
+  and leaves no trace in the counters, the recorded routing or the outputs.
 - ``stats["memory"]`` says what the process holds.
 """
 
@@ -117,6 +118,36 @@ def test_a_budget_that_holds_every_expert_reads_them_at_load(ckpt, reference):
         assert model.stats["misses"] > 0
     with engine_load(path, miss="host") as model:  # another miss path: nothing preloaded
         assert model.stats["preloaded_experts"] == 0
+
+
+def test_the_warm_up_at_load_leaves_no_trace(ckpt, reference):
+    path = ckpt("mixtral")
+    want = reference(path, IDS)
+    runs = {}
+    for warmup in (True, False):
+        with engine_load(path, warmup=warmup) as model:  # 100 %
+            stats = model.stats
+            assert (stats["warmup_s"] is not None) == warmup and (model.warmup_s or 0) >= 0
+            assert stats["requests"] == 0 and stats["hits"] == 0 and stats["misses"] == 0
+            got = greedy(model, IDS)
+            assert_exact(got, want)
+            trace = model.trace()
+            runs[warmup] = (model.stats["hits"], model.stats["requests"], trace.num_tokens, len(np.unique(trace.step_id)))
+            assert int(trace.seq_id.min()) == 0  # the warm-up's request is not counted either
+    assert runs[True] == runs[False]  # the same counters and the same recorded steps, with or without it
+    with engine_load(path, total_experts("mixtral") - 1) as model:  # offloaded: no warm-up (it would move)
+        assert model.warmup_s is None and model.stats["misses"] == 0
+
+
+def test_cli_no_warmup(ckpt, capsys):
+    import json
+
+    path = ckpt("mixtral")
+    base = ["generate", "--model", str(path), "--prompt", "a b", "--max-new-tokens", "2", "--device", "cpu"]
+    for flag, warmed in (([], True), (["--no-warmup"], False)):
+        assert main([*base, *flag, "--json", "--prefetch", "none"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["warmup_s"] is not None) == warmed
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc/self/status")

@@ -734,7 +734,7 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int) -> Trace:
     quiet_transformers()
     from expertcache.engine.offloaded import load
 
-    with load(model, "100%", progress=False) as m:
+    with load(model, "100%", progress=False, warmup=False) as m:
         for item in items:
             m.generate_text(item.prompt, max_new_tokens, chat=isinstance(item.prompt, list))
         return m.trace()

@@ -80,6 +80,11 @@ def add_model_args(p) -> None:
     )  # fmt: skip
     p.add_argument("--download", action="store_true", help="download a Hugging Face id not in the cache")
     p.add_argument(
+        "--no-warmup", action="store_true",
+        help="at 100%% expert memory, skip the 2-token warm-up generation at load (it takes the first "
+        "request's one-time costs)",
+    )  # fmt: skip
+    p.add_argument(
         "--expert-memory", metavar="X",
         help="bytes (6GiB, 500MB) or a share of all experts (30%%); default 100%% = no offloading",
     )  # fmt: skip
@@ -198,7 +203,7 @@ def load_model(args, record: bool = True):
             args.model, expert_memory=args.expert_memory or "100%", policy=cache, prefetch=prefetch,
             miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
-            progress=False if args.quiet else None, record=record, plan=plan,
+            progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)
