@@ -132,7 +132,8 @@ def test_the_warm_up_at_load_leaves_no_trace(ckpt, reference):
             got = greedy(model, IDS)
             assert_exact(got, want)
             trace = model.trace()
-            runs[warmup] = (model.stats["hits"], model.stats["requests"], trace.num_tokens, len(np.unique(trace.step_id)))
+            steps = len(np.unique(trace.step_id))
+            runs[warmup] = (model.stats["hits"], model.stats["requests"], trace.num_tokens, steps)
             assert int(trace.seq_id.min()) == 0  # the warm-up's request is not counted either
     assert runs[True] == runs[False]  # the same counters and the same recorded steps, with or without it
     with engine_load(path, total_experts("mixtral") - 1) as model:  # offloaded: no warm-up (it would move)
