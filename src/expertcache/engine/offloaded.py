@@ -196,7 +196,7 @@ class OffloadedModel:
         """With every expert resident, one generation of 2 tokens after a ``WARMUP_TOKENS``-token prompt
         now, on a driver of its own (no predictor, recorder or governor; the cache's counters reset
         after it): the first request would otherwise pay torch's and transformers' first-call costs
-        (on the development VM a Granite-shaped model's first TTFT was 0.38-0.42 s, 0.24-0.26 s after
+        (on the development VM a Granite-shaped model's first TTFT was 0.39-0.44 s, 0.23-0.26 s after
         this). Nothing is moved or evicted: every expert is already in its slot. Returns its seconds."""
         start = time.perf_counter()
         driver, seq, engine = self.engine.driver, self.engine._seq, self.engine
