@@ -284,8 +284,7 @@ class PrefetchGovernor:
         on = [x for x in on if x.tokens == tokens]
         if min(len(off), len(on)) < s.min_samples:
             return
-        cap = 4 * statistics.median(x.seconds for x in off + on)
-        a, b = [min(x.seconds, cap) for x in off], [min(x.seconds, cap) for x in on]
+        a, b = _capped(off, on)
         t_off, t_on = statistics.fmean(a), statistics.fmean(b)
         if t_off <= 0:
             self._decide(False, "on-demand steps take no time: nothing to save", off, on)
@@ -325,8 +324,7 @@ class PrefetchGovernor:
         on = [x for x in on if x.tokens == tokens]
         if len(off) < 2 or not on:
             return False
-        cap = 4 * statistics.median(x.seconds for x in off + on)
-        a, b = [min(x.seconds, cap) for x in off], [min(x.seconds, cap) for x in on]
+        a, b = _capped(off, on)
         t_off = statistics.fmean(a)
         loss = (statistics.fmean(b) - t_off) / t_off if t_off > 0 else 0.0
         err_on = _mean_error(b) if len(b) > 1 else statistics.stdev(a)
@@ -368,6 +366,13 @@ def _common_size(off: list[_Sample], on: list[_Sample]) -> int | None:
     if not sizes:
         return None
     return max(sizes, key=lambda t: min(sum(x.tokens == t for x in off), sum(x.tokens == t for x in on)))
+
+
+def _capped(off: list[_Sample], on: list[_Sample]) -> tuple[list[float], list[float]]:
+    """Both sides' step seconds, a step longer than 4 times the median of both counted as 4 times it
+    (one hiccup of the machine cannot decide)."""
+    cap = 4 * statistics.median(x.seconds for x in off + on)
+    return [min(x.seconds, cap) for x in off], [min(x.seconds, cap) for x in on]
 
 
 def _mean(values: list[float]) -> float | None:
