@@ -859,6 +859,92 @@ def test_a_source_for_one_thread_is_never_copied_by_a_waiting_thread():
         worker.close()
 
 
+class _MemoryTier:
+    """A fake tier that copies from memory (``concurrent``, not ``reads_device`` unless told):
+    records the thread of every copy."""
+
+    concurrent = True
+
+    def __init__(self, reads_device: bool = False) -> None:
+        self.reads_device = reads_device
+        self.order: list[tuple[tuple[int, int], str]] = []
+
+    def copy_chunk(self, key, views, chunk, flat=None) -> None:
+        self.order.append((key, threading.current_thread().name))
+        for name, start, stop, _ in chunk:
+            views[name][start:stop].fill_(key[0] * 100 + key[1])
+
+
+def test_a_demand_copy_from_memory_is_made_by_the_thread_that_submits_it():
+    """A demand transfer from memory neither waits in the queue nor wakes the worker (the hand-off cost
+    more than the copy): the submitting thread copies it there and then. A speculative one, or one from
+    a tier that reads a device, goes to the worker at once."""
+    tier, pool = _MemoryTier(), _pool()
+    worker = TransferWorker(tier, pool)
+    try:
+        mine = worker.submit((0, 1), 1, DEMAND)
+        assert mine.done.is_set() and not worker._heap
+        assert tier.order == [((0, 1), threading.current_thread().name)] and worker.stolen == 1
+        worker.wait(mine)
+        assert (pool.buffer[1] == 1).all() and worker.bytes_moved == pool.layout.nbytes
+        ahead = worker.submit((0, 2), 2, SPECULATIVE)
+        assert ahead.done.wait(5)  # nobody waited: the worker took it
+        assert tier.order[-1] == ((0, 2), "expertcache-transfer")
+    finally:
+        worker.close()
+    tier, pool = _MemoryTier(reads_device=True), _pool()
+    worker = TransferWorker(tier, pool)
+    try:
+        started = worker.submit((0, 3), 3, DEMAND)
+        assert started.done.wait(5)
+        assert tier.order == [((0, 3), "expertcache-transfer")] and worker.stolen == 0
+    finally:
+        worker.close()
+
+
+def test_a_failed_copy_by_the_submitting_thread_is_reported_at_the_wait():
+    """A demand copy made at submit that raises (after its retries) fails its transfer as the worker's
+    would: the wait raises, naming the expert; the worker goes on."""
+    tier, pool = _MemoryTier(), _pool()
+    worker = TransferWorker(tier, pool, retries=1)
+    tries = []
+    worker.fault = lambda t, chunk, attempt: tries.append(attempt) or (_ for _ in ()).throw(OSError("bad"))
+    try:
+        bad = worker.submit((0, 1), 1, DEMAND)
+        assert bad.done.is_set() and tries == [0, 1]
+        with pytest.raises(ExpertcacheError, match=r"transfer of expert \(0, 1\) failed: bad"):
+            worker.wait(bad)
+        worker.fault = None
+        worker.wait(worker.submit((0, 2), 2, DEMAND))
+        assert (pool.buffer[2] == 2).all()
+    finally:
+        worker.close()
+
+
+def test_a_large_demand_copy_goes_to_the_worker_only_when_a_processor_is_spare(monkeypatch):
+    """A copy longer than a wake-up (a slot over ``LEAVE_BYTES``) is worth overlapping with the
+    computation when the computation leaves the worker a processor (fewer torch threads than
+    processors); with every processor computing the submitting thread copies it, as a small one."""
+    from expertcache.engine import transfer
+
+    rows = transfer.LEAVE_BYTES // (4 * 256) + 1  # float32 rows of 256: just over LEAVE_BYTES
+    threads = torch.get_num_threads()
+    for processors, by_worker in ((threads, False), (threads + 1, True)):
+        monkeypatch.setattr(transfer, "_PROCESSORS", processors)
+        tier, pool = _MemoryTier(), _pool(2, (rows, 256))
+        worker = TransferWorker(tier, pool)
+        try:
+            t = worker.submit((0, 1), 1, DEMAND)
+            assert t.done.wait(5)  # by the worker, unless the submit copied it
+            worker.wait(t)
+            assert (pool.buffer[1] == 1).all()
+            assert worker.stolen == (0 if by_worker else 1)
+            copier = "expertcache-transfer" if by_worker else threading.current_thread().name
+            assert tier.order == [((0, 1), copier)]
+        finally:
+            worker.close()
+
+
 def test_an_emulated_link_stays_serial():
     """With an emulated link no waiting thread copies (the link is one line, its time the worker's)."""
     tier, pool = _GateTier(), _pool()
