@@ -9,7 +9,13 @@ reads from the disk, nothing left in the page cache) and model, medians over dis
 - ``miss``: a demand transfer through the engine's transfer worker, submitted and waited for (what a
   miss costs the compute thread when nothing overlaps it);
 - ``compute``: the expert's computation for one token, from a slot (what the miss enables);
-- ``memcpy``: ``np.copyto`` of the same bytes between two buffers (the floor of any copy).
+- ``memcpy``: ``np.copyto`` of the same bytes between two buffers (the floor of any copy);
+- ``in_generation``: what a miss costs inside a generation, everything around it included (the cache's
+  bookkeeping, the worker, the interpreter lock): one model at 25 % and one at 100 % of the experts in one
+  process, greedy generations of the same prompt interleaved (each round runs both, one after the other),
+  ``(TPOT at 25 % - TPOT at 100 %) / decode misses per token``, the median over rounds of each round's
+  difference (the development VM drifts by tens of percent within a minute: a round's two runs see the
+  same machine), at one torch thread and at one per processor.
 
 Each expert is read once per measurement (a second read of the same one would find it warm). The disk
 tier's figures depend on the disk; the mapped tier's on the page cache being warm (it is read once first).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import statistics
 import sys
 import tempfile
@@ -106,14 +113,51 @@ def measure(path: Path | None, tier: str, count: int) -> dict[str, object]:
     return out
 
 
+PROMPT = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\ndef main():"
+
+
+def in_generation(path: Path | None, tier: str, tokens: int, rounds: int, threads: int) -> dict[str, object]:
+    """The cost of a miss inside generations (module docstring): 25 % against 100 %, interleaved."""
+    torch.set_num_threads(threads)
+    kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False)
+    if "warmup" in inspect.signature(expertcache.load).parameters:
+        kw["warmup"] = False  # both models warmed below, the same way
+    models = {b: expertcache.load(path, expert_memory=b, **kw) for b in ("25%", "100%")}
+    for m in models.values():
+        m.generate_text(PROMPT, max_new_tokens=8)
+    runs: dict[str, list[tuple[float, float]]] = {b: [] for b in models}
+    for r in range(rounds):
+        for b in list(models) if r % 2 == 0 else list(models)[::-1]:
+            m = models[b]
+            before = int(m.cache.stats.misses[0].sum())
+            g = m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
+            misses = (int(m.cache.stats.misses[0].sum()) - before) / (len(g.tokens) - 1)
+            runs[b].append((g.tpot_s, misses))
+    for m in models.values():
+        m.close()
+    tpot = {b: statistics.median(t for t, _ in v) for b, v in runs.items()}
+    misses = statistics.median(n for _, n in runs["25%"])
+    paired = statistics.median(a - b for (a, _), (b, _) in zip(runs["25%"], runs["100%"], strict=True))
+    return {
+        "torch_threads": threads,
+        "tokens": tokens,
+        "rounds": rounds,
+        "tpot_ms": {b: round(t * 1e3, 3) for b, t in tpot.items()},
+        "tpot_runs_ms": {b: [round(t * 1e3, 3) for t, _ in v] for b, v in runs.items()},
+        "decode_misses_per_token": round(misses, 2),
+        "per_miss_us": round(paired / misses * 1e6, 1) if misses else None,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=150, help="distinct experts per measurement")
     p.add_argument("--quick", action="store_true", help="smoke test: a small generated model, 20 experts")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved generations per model in generation")
     p.add_argument("--out", type=Path, help="JSON results (default: bench/results/miss_cost_cpu.json)")
     args = p.parse_args()
     if args.quick:
-        args.count = 20
+        args.count, args.rounds = 20, 2
     out = args.out or ROOT / "bench" / "results" / (
         "miss_cost_cpu_quick.json" if args.quick else "miss_cost_cpu.json"
     )
@@ -123,10 +167,21 @@ def main() -> int:
     for label, path in (("embedded", None), ("granite", granite(args.quick))):
         results["models"][label] = {}
         for tier in ("host", "mapped", "disk"):
+            torch.set_num_threads(1)
             r = measure(path, tier, args.count)
             results["models"][label][tier] = r
             log(f"{label} {tier}: {r}")
             write_json(out, results)
+    processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    tokens = {"embedded": 64, "granite": 4 if args.quick else 16}
+    results["in_generation"] = {}
+    for label, path in (("embedded", None), ("granite", granite(args.quick))):
+        for tier in ("host", "mapped"):
+            for threads in sorted({1, processors}):
+                r = in_generation(path, tier, tokens[label], args.rounds, threads)
+                results["in_generation"][f"{label} {tier} {threads} thread(s)"] = r
+                log(f"in generation, {label} {tier} {threads} thread(s): {r['per_miss_us']} us a miss, {r}")
+                write_json(out, results)
     return 0
 
 
