@@ -250,6 +250,10 @@ class Done:
             self._set = True
             self._cv.notify_all()
 
+    def set_unseen(self) -> None:
+        """Set, when no other thread can be waiting (its transfer was never handed to one)."""
+        self._set = True
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._set:
             return True
@@ -389,8 +393,7 @@ class TransferWorker:
             raise ExpertcacheError("the transfer worker is closed")
         if priority == DEMAND and self._caller_copies(part):
             self.stolen += 1
-            while self._chunk(t):
-                pass
+            self._copy_here(t)
             return t
         with self._cv:
             heapq.heappush(self._heap, t)
@@ -485,12 +488,8 @@ class TransferWorker:
 
     def _chunk(self, t: Transfer) -> bool:
         """Copy ``t``'s next chunk; True when chunks remain (the transfer is not done)."""
-        started = time.perf_counter()
+        started = self._moving_from()
         plan, nbytes = (), 0
-        with self._counting:
-            if not self._moving:
-                self._since = started
-            self._moving += 1
         try:  # anything raised is the transfer's error: the thread must go on serving the others
             plan = self.parts[t.part].plan(t.key, self.chunk_bytes if t.chunked else None)
             chunk = plan[t.next_chunk]
@@ -501,16 +500,9 @@ class TransferWorker:
                 self._link_free = self.link.finish(started, nbytes, begin)
         except BaseException as exc:  # reported to the waiter, never lost in the thread
             t.error = exc
-        ended = time.perf_counter()
-        took = ended - started
-        with self._counting:  # the worker and a waiting thread may both count
-            self._moving -= 1
-            if not self._moving:
-                self.active_s += ended - self._since
-            # an emulated chunk occupies the link for its duration even when it started late
-            self.busy_s += max(took, self.link.duration(nbytes)) if self.link is not None else took
-            if t.error is None:
-                self.bytes_moved += nbytes
+        # an emulated chunk occupies the link for its duration even when it started late
+        least = self.link.duration(nbytes) if self.link is not None else 0.0
+        self._moved(started, least, 0 if t.error is not None else nbytes)
         if t.error is not None:
             t.done.set()
             return False
@@ -520,6 +512,39 @@ class TransferWorker:
             return True
         t.done.set()
         return False
+
+    def _copy_here(self, t: Transfer) -> None:
+        """All of demand transfer ``t``, whole, on the calling thread, before any other thread has seen
+        it (``_caller_copies``): ``_chunk``'s work without the queue's, and no one to wake when done."""
+        started = self._moving_from()
+        try:
+            for chunk in self.parts[t.part].plan(t.key, None):
+                self._copy(t, chunk)
+                t.next_chunk += 1
+                t.moved += sum(piece[3] for piece in chunk)
+        except BaseException as exc:  # reported at the wait, as the worker's
+            t.error = exc
+        self._moved(started, 0.0, t.moved)
+        t.done.set_unseen()
+
+    def _moving_from(self) -> float:
+        """A copy starts now (the link's counters: the worker and a caller may both copy)."""
+        started = time.perf_counter()
+        with self._counting:
+            if not self._moving:
+                self._since = started
+            self._moving += 1
+        return started
+
+    def _moved(self, started: float, least: float, nbytes: int) -> None:
+        """A copy since ``started`` ended, having moved ``nbytes`` and kept the link ``least`` seconds."""
+        ended = time.perf_counter()
+        with self._counting:
+            self._moving -= 1
+            if not self._moving:
+                self.active_s += ended - self._since
+            self.busy_s += max(ended - started, least)
+            self.bytes_moved += nbytes
 
     def _copy(self, t: Transfer, chunk) -> None:
         target = self.parts[t.part]
