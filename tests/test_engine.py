@@ -917,6 +917,16 @@ def test_a_failed_copy_by_the_submitting_thread_is_reported_at_the_wait():
         worker.fault = None
         worker.wait(worker.submit((0, 2), 2, DEMAND))
         assert (pool.buffer[2] == 2).all()
+
+        def interrupt(t, chunk, attempt):
+            raise KeyboardInterrupt
+
+        worker.fault = interrupt  # Ctrl-C during the copy: the transfer fails, the wait re-raises it
+        stopped = worker.submit((0, 3), 3, DEMAND)
+        with pytest.raises(KeyboardInterrupt):
+            worker.wait(stopped)
+        with pytest.raises(KeyboardInterrupt):  # and again: never a slot taken for filled
+            worker.wait(stopped)
     finally:
         worker.close()
 

@@ -440,6 +440,8 @@ class TransferWorker:
                 pass
         t.done.wait()
         if t.error is not None:
+            if not isinstance(t.error, Exception):  # an interrupt (Ctrl-C) in a copy on this thread
+                raise t.error
             raise ExpertcacheError(f"transfer of expert {t.key} failed: {first_line(t.error)}") from t.error
         if t.cancelled:
             raise ExpertcacheError(f"transfer of expert {t.key} was cancelled")
