@@ -3,6 +3,7 @@ strings, chat, Hugging Face ids in the local cache, output that pipes cleanly, w
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -402,3 +403,39 @@ def test_the_command_loads_without_the_collector_and_generates_the_same_tokens(c
     _, enabled, count = done.stderr.strip().splitlines()[-1].split()
     assert enabled == "True" and int(count) > 100_000  # the modules and the model: about 560,000
     assert json.loads(done.stdout)["tokens"] == json.loads(out)["tokens"]
+
+
+_HQQ_PROBE = """
+import atexit, runpy, sys
+def probe():
+    import transformers.cache_utils as cu, transformers.utils as tu
+    left = [n for n, m in sys.modules.items() if n.startswith("transformers")
+            and getattr(m, "is_hqq_available", tu.is_hqq_available) is not tu.is_hqq_available]
+    print("hqq", "hqq" in sys.modules, cu.is_hqq_available(), left, file=sys.stderr)
+atexit.register(probe)
+sys.argv = ["expertcache", *sys.argv[1:]]
+runpy.run_module("expertcache", run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hqq") is None, reason="hqq is not installed")
+def test_generate_does_not_import_hqq_and_transformers_still_finds_it():
+    """With hqq installed (the quant extra), transformers' cache_utils imports it at its own import for
+    a quantised KV cache the engine never uses: 0.7-0.8 s of every start here. The engine imports
+    cache_utils without it (lazy.defer_transformers_hqq); transformers' check still says hqq is there,
+    no module of transformers keeps the stand-in check, and that cache's quantizer is hqq's when used."""
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "2", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _HQQ_PROBE, *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "hqq False True []"
+    used = (
+        "import sys, expertcache.engine, transformers.cache_utils as cu; before = 'hqq' in sys.modules; "
+        "quantize = cu.HQQQuantizer.quantize; from hqq.core.quantize import Quantizer; "
+        "print(before, quantize == Quantizer.quantize)"
+    )
+    done = subprocess.run([sys.executable, "-c", used], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]  # the stand-in imports hqq when first used
