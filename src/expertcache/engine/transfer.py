@@ -5,7 +5,8 @@ one chunk at a time. Demand loads (known misses of the layer being computed) use
 prefetches ``SPECULATIVE``; a queued transfer can be promoted, or cancelled while it is not being
 copied (early preemption drops a layer's speculative work). On CUDA the copies run on the worker's
 own stream from pinned host memory, non-blocking, and the compute stream waits on the transfer's
-event; on CPU the same code copies from the memory-mapped checkpoint into the slot.
+event; on CPU the same code copies from the memory-mapped checkpoint into the slot, and a small
+demand copy from memory is made by the thread that submits it, without the queue (``TransferWorker``).
 """
 
 from __future__ import annotations
