@@ -925,7 +925,7 @@ def test_a_failed_copy_by_the_submitting_thread_is_reported_at_the_wait():
         stopped = worker.submit((0, 3), 3, DEMAND)
         with pytest.raises(KeyboardInterrupt):
             worker.wait(stopped)
-        with pytest.raises(KeyboardInterrupt):  # and again: never a slot taken for filled
+        with pytest.raises(KeyboardInterrupt):  # and again: the slot is never taken as filled
             worker.wait(stopped)
     finally:
         worker.close()

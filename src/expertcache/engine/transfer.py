@@ -369,7 +369,7 @@ class TransferWorker:
         if self.steal and (link is not None or self.cuda):
             raise ExpertcacheError("transfers are taken by waiting threads only on host slots without a link")
         self.stolen = 0  # transfers copied by the thread that needed them (at submit or wait)
-        self._left: dict[object, str] = {}  # part -> when its demand transfers are copied by their caller
+        self._by_caller: dict[object, str] = {}  # part -> when the caller copies its demand transfers
         self._finished = threading.Condition(threading.Lock())  # what the transfers' ``done`` share
         self._counting = threading.Lock()  # the link's counters: the worker and a caller may both copy
         self._heap: list[Transfer] = []
@@ -405,7 +405,7 @@ class TransferWorker:
         """A demand transfer to ``part`` is copied by the thread that submits it (class docstring)."""
         if not self.steal:
             return False
-        got = self._left.get(part)
+        got = self._by_caller.get(part)
         if got is None:
             target = self.parts.get(part)
             source = None if target is None else target.source
@@ -413,7 +413,7 @@ class TransferWorker:
                 got = _NEVER
             else:
                 got = _ALWAYS if target.pool.layout.slot_bytes <= LEAVE_BYTES else _NO_SPARE
-            self._left[part] = got
+            self._by_caller[part] = got
         return got is _ALWAYS or (got is _NO_SPARE and torch.get_num_threads() >= _PROCESSORS)
 
     def cancel(self, t: Transfer) -> bool:
