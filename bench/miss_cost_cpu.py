@@ -167,7 +167,6 @@ def main() -> int:
     for label, path in (("embedded", None), ("granite", granite(args.quick))):
         results["models"][label] = {}
         for tier in ("host", "mapped", "disk"):
-            torch.set_num_threads(1)
             r = measure(path, tier, args.count)
             results["models"][label][tier] = r
             log(f"{label} {tier}: {r}")
