@@ -214,10 +214,20 @@ def test_the_cli_offers_the_engines_tiers():
 # ------------------------------------------------------------------------ the copy path of a miss
 @pytest.mark.parametrize("family", engine_fixtures.FAMILIES)
 @pytest.mark.parametrize("tier", ["disk", "mapped", "host"])
-def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(ckpt, family, tier):
+@pytest.mark.parametrize("parallel", [False, True], ids=["numpy", "torch-threads"])
+def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(
+    ckpt, family, tier, parallel, monkeypatch
+):
     """The byte-range copy (one read per run of an expert's bytes in the file, one copy per run of a
     slot's bytes) and the tensor-by-tensor copy give the same slot, byte for byte, for every expert,
-    whole and in chunks (a chunk may take rows of two checkpoint tensors, or part of one)."""
+    whole and in chunks (a chunk may take rows of two checkpoint tensors, or part of one); with every
+    run long enough to go through torch's intra-op threads (``copy_bytes``) as well."""
+    from expertcache.engine import store
+
+    if parallel:
+        monkeypatch.setattr(store, "PARALLEL_BYTES", 1)
+        monkeypatch.setattr(store.torch, "get_num_threads", lambda: 2)
+        assert store.copies_in_parallel(1)
     with engine_load(ckpt(family), 2 * engine_fixtures.TOP_K * 2, slow_tier=tier) as model:
         target = next(iter(model.targets.values()))
         layout = model.layout
@@ -234,6 +244,58 @@ def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(ck
                     assert torch.equal(planned[name], pool.views[1][name]), (key, name, chunk_bytes)
         if tier != "host":
             assert model.tier.store._plans and all(p is not None for p in model.tier.store._plans.values())
+
+
+def test_long_copies_on_the_models_thread_go_through_torchs_threads(monkeypatch):
+    """``copy_bytes``: a run of ``PARALLEL_BYTES`` or more, on a thread that is not ``copy_alone`` (the
+    transfer worker's), while torch has several intra-op threads, is copied by them; anything else by
+    numpy. Both copy the same bytes, from a read-only source too (the checkpoint's map)."""
+    import threading
+
+    from expertcache.engine import store
+    from expertcache.engine.transfer import SPECULATIVE, TransferWorker
+
+    n = store.PARALLEL_BYTES
+    monkeypatch.setattr(store.torch, "get_num_threads", lambda: 2)
+    assert store.copies_in_parallel(n) and not store.copies_in_parallel(n - 1)
+    seen = []
+
+    def alone():
+        store.copy_alone()
+        seen.append(store.copies_in_parallel(n))
+
+    thread = threading.Thread(target=alone)
+    thread.start()
+    thread.join()
+    assert seen == [False] and store.copies_in_parallel(n)  # per thread
+    monkeypatch.setattr(store.torch, "get_num_threads", lambda: 1)
+    assert not store.copies_in_parallel(n)
+    monkeypatch.setattr(store.torch, "get_num_threads", lambda: 2)
+
+    src = np.random.default_rng(0).integers(0, 256, n + 3, dtype=np.uint8)
+    src.flags.writeable = False
+    dst = np.zeros(n + 3, dtype=np.uint8)
+    store.copy_bytes(dst, src, torch.from_numpy(src.copy()))  # a read-only source comes with its tensor
+    assert np.array_equal(dst, src)
+    dst[:] = 0
+    store.copy_bytes(dst[:100], src[:100])  # numpy: no tensor needed
+    assert np.array_equal(dst[:100], src[:100]) and not dst[100:].any()
+
+    class Tier:  # records what the worker's thread would do with a long copy
+        concurrent, reads_device = True, False
+
+        def copy_chunk(self, key, views, chunk, flat=None):
+            seen.append((threading.current_thread().name, store.copies_in_parallel(n)))
+
+    worker = TransferWorker(
+        Tier(), SlotPool(SlotLayout.of({"w": (4, 4)}, torch.float32), 2, torch.device("cpu"))
+    )
+    try:
+        t = worker.submit((0, 0), 0, SPECULATIVE)  # the worker copies it
+        assert t.done.wait(5)
+    finally:
+        worker.close()
+    assert seen[-1] == ("expertcache-transfer", False)
 
 
 def test_a_copy_plan_reads_an_experts_neighbouring_tensors_at_once(ckpt, make_ckpt):

@@ -24,7 +24,7 @@ import torch
 from expertcache.cache.transfers import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
 from expertcache.engine.link import EmulatedLink, tighten_timer_slack
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.store import ExpertStore, copy_tensor
+from expertcache.engine.store import ExpertStore, copy_alone, copy_bytes, copy_tensor
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
@@ -174,7 +174,7 @@ class HostTier:
         if flat is not None:
             src = self._bytes[index]
             for lo, hi in self._ranges(chunk):
-                flat[lo:hi] = src[lo:hi]
+                copy_bytes(flat[lo:hi], src[lo:hi])
             return
         src = self.pool.views[index]
         for name, start, stop, _ in chunk:
@@ -482,6 +482,7 @@ class TransferWorker:
                 self._cv.wait()
 
     def _run(self) -> None:
+        copy_alone()  # this thread's copies never start an OpenMP pool of their own
         if self.link is not None:
             tighten_timer_slack()  # the emulated link sleeps for tens of microseconds at a time
         while (t := self._next()) is not None:
