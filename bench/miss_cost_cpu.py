@@ -15,7 +15,10 @@ reads from the disk, nothing left in the page cache) and model, medians over dis
   process, greedy generations of the same prompt interleaved (each round runs both, one after the other),
   ``(TPOT at 25 % - TPOT at 100 %) / decode misses per token``, the median over rounds of each round's
   difference (the development VM drifts by tens of percent within a minute: a round's two runs see the
-  same machine), at one torch thread and at one per processor.
+  same machine), at one torch thread and at one per processor;
+- ``parallel_copies``: the Granite-shaped model's misses copied through torch's intra-op threads (runs of
+  ``PARALLEL_BYTES`` or more, as the engine does on the model's thread) against numpy's single thread,
+  in one process, interleaved with 100 %, on one torch thread per processor (``parallel_copies``).
 
 Each expert is read once per measurement (a second read of the same one would find it warm). The disk
 tier's figures depend on the disk; the mapped tier's on the page cache being warm (it is read once first).
@@ -149,6 +152,55 @@ def in_generation(path: Path | None, tier: str, tokens: int, rounds: int, thread
     }
 
 
+def parallel_copies(
+    path: Path, tier: str, tokens: int, rounds: int, threads: int
+) -> dict[str, object] | None:
+    """A miss's copy through torch's intra-op threads (``store.PARALLEL_BYTES``) against numpy's one,
+    in one process: each round generates at 25 % with the runs of ``PARALLEL_BYTES`` or more copied
+    by torch's threads, at 25 % with every copy by numpy (the limit out of reach), and at 100 %, the
+    order rotating. Per variant, the median over rounds of the TPOT over 100 %'s of the same round,
+    over the decode misses per token. None before the change (no ``PARALLEL_BYTES``)."""
+    from expertcache.engine import store
+
+    limit = getattr(store, "PARALLEL_BYTES", None)
+    if limit is None:
+        return None
+    torch.set_num_threads(threads)
+    kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False, warmup=False)
+    low, full = (expertcache.load(path, expert_memory=b, **kw) for b in ("25%", "100%"))
+    variants = {"torch threads": (low, limit), "numpy": (low, 1 << 62), "100%": (full, limit)}
+    for m in (low, full):
+        m.generate_text(PROMPT, max_new_tokens=8)
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    names = list(variants)
+    try:
+        for r in range(rounds):
+            for name in names[r % 3 :] + names[: r % 3]:
+                m, store.PARALLEL_BYTES = variants[name]
+                before = int(m.cache.stats.misses[0].sum())
+                g = m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
+                runs[name].append(
+                    (g.tpot_s, (int(m.cache.stats.misses[0].sum()) - before) / (len(g.tokens) - 1))
+                )
+    finally:
+        store.PARALLEL_BYTES = limit
+        low.close()
+        full.close()
+    misses = statistics.median(n for _, n in runs["numpy"] + runs["torch threads"])
+    out: dict[str, object] = {"torch_threads": threads, "tokens": tokens, "rounds": rounds}
+    out["tpot_ms"] = {v: round(statistics.median(t for t, _ in runs[v]) * 1e3, 3) for v in names}
+    out["tpot_runs_ms"] = {v: [round(t * 1e3, 3) for t, _ in runs[v]] for v in names}
+    out["decode_misses_per_token"] = round(misses, 2)
+    for v in ("torch threads", "numpy"):
+        paired = statistics.median(a - b for (a, _), (b, _) in zip(runs[v], runs["100%"], strict=True))
+        out[f"per_miss_us {v}"] = round(paired / misses * 1e6, 1) if misses else None
+    diff = statistics.median(
+        a - b for (a, _), (b, _) in zip(runs["torch threads"], runs["numpy"], strict=True)
+    )
+    out["tpot_torch_threads_minus_numpy_ms"] = round(diff * 1e3, 2)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=150, help="distinct experts per measurement")
@@ -181,6 +233,15 @@ def main() -> int:
                 results["in_generation"][f"{label} {tier} {threads} thread(s)"] = r
                 log(f"in generation, {label} {tier} {threads} thread(s): {r['per_miss_us']} us a miss, {r}")
                 write_json(out, results)
+    if processors > 1:
+        results["parallel_copies"] = {}
+        for tier in ("host", "mapped"):
+            r = parallel_copies(granite(args.quick), tier, tokens["granite"], args.rounds, processors)
+            if r is None:
+                break
+            results["parallel_copies"][f"granite {tier} {processors} threads"] = r
+            log(f"parallel copies, granite {tier}: {r}")
+            write_json(out, results)
     return 0
 
 

@@ -32,12 +32,24 @@ def git_state() -> dict[str, object]:
     return {"commit": git("rev-parse", "HEAD"), "src_modified": None if status is None else bool(status)}
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``), else None: a VM may move between hosts."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine_info() -> dict[str, object]:
-    """Platform, Python, CPU count and load (the machine may be shared), numpy version."""
+    """Platform, Python, CPU model, count and load (the machine may be shared), numpy version."""
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_avg_1_5_15": [round(v, 2) for v in os.getloadavg()],
         "numpy": np.__version__,

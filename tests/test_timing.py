@@ -700,3 +700,42 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and words in err and err.count("\n") == 1
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(["lru", "fifo", "lfu", "llru", "mrs"]),
+    miss=st.sampled_from(["fetch", "host", "hobbit", "split"]),
+    predictor=st.sampled_from([None, "oracle", "eam"]),
+    share=st.sampled_from([0.3, 0.6, 1.0]),
+    seed=st.integers(0, 3),
+)
+def test_the_all_resident_shortcut_takes_the_same_decisions(policy, miss, predictor, share, seed):
+    """``ExpertCache._all_resident`` (a layer whose experts are all resident, nothing moving) serves
+    without routing and admission: every count, virtual time and byte equals the full path's, at budgets
+    that hold every expert and at smaller ones, with and without prefetching, for every miss path."""
+    from unittest import mock
+
+    from expertcache.cache.expert_cache import ExpertCache
+
+    trace = synthesize(
+        "sticky", tokens=160, layers=3, experts=8, top_k=2, seed=seed, sequences=2, prompt_len=6
+    )
+    capacity = max(6, round(share * 3 * 8))
+    kw = dict(cache=policy, miss=miss, prefetch=predictor)
+    shortcut = simulate_timing(trace, capacity, **kw).to_dict()
+    with mock.patch.object(ExpertCache, "_all_resident", lambda self, layer, needs, keys: None):
+        full = simulate_timing(trace, capacity, **kw).to_dict()
+    assert shortcut == full
+    if share == 1.0 and miss == "fetch" and predictor is None:
+        taken = []
+        real = ExpertCache._all_resident
+
+        def spy(self, layer, needs, keys):
+            got = real(self, layer, needs, keys)
+            taken.append(got is not None)
+            return got
+
+        with mock.patch.object(ExpertCache, "_all_resident", spy):
+            simulate_timing(trace, capacity, **kw)
+        assert any(taken)  # the shortcut is exercised here

@@ -19,6 +19,11 @@ virtual link): it moves nothing itself, a ``Transport`` does, so both take the v
   did not choose are dropped (their keys leave the cache) and the chosen ones become demand transfers.
 - **Reordering**: a layer's units (one per part of each device expert) are computed resident first, then
   in flight, then not started in the link's order (the router's first-use order without it).
+- **All resident**: a layer whose experts are all hits of a one-part cache, with nothing moving and
+  nothing prefetched for it (every decode step of a model that fits), is served by a shortcut that makes
+  the same counts and policy calls without the routing and admission machinery: at 100 % of the experts
+  the cache's Python per layer is what the engine adds to the model's own (a property test replays
+  traces both ways and compares every count and virtual time).
 - A key is resident from the moment its transfer is queued; keys in flight are pinned. When a demand miss
   finds every other key pinned (the minimum budget, say), the queued speculative transfers are dropped and
   the started ones awaited, so serving never deadlocks. A group larger than a part's room for the layer is
@@ -146,9 +151,14 @@ class ExpertCache:
             primary = self.parts[self.primary]
             self.stats.shadow_guesses += len(guesses)
             self.stats.shadow_hits += sum(k in guesses and k not in primary for k in keys)
-        if self.preemption:
-            self._preempt(layer, keys, spec)
-        self._reap()
+        if self.inflight:  # nothing to preempt or reap otherwise
+            if self.preemption:
+                self._preempt(layer, keys, spec)
+            self._reap()
+        elif not spec and predicted is None:
+            work = self._all_resident(layer, needs, keys)
+            if work is not None:
+                return work
         routes = self._routes(layer, needs)
         self._account(layer, keys, routes, spec, predicted)
         work = LayerWork(self, layer, needs, routes)
@@ -158,6 +168,26 @@ class ExpertCache:
         if fills:
             self._fill(layer, fills, keys)
         return work
+
+    def _all_resident(self, layer: int, needs: Sequence[Need], keys: list[Key]) -> LayerWork | None:
+        """``begin_layer`` when nothing moves and every expert is a hit of a one-part cache (every decode
+        step of a model that fits): the same counts and policy calls, without the routing and admission
+        machinery. None where that does not apply."""
+        hit = self.miss.hit(layer)
+        primary = self.parts[self.primary]
+        policy = primary.policy
+        if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes:
+            return None
+        if len(keys) > policy.room(layer) or not all(k in primary for k in keys):
+            return None
+        self.stats.requests[self.phase, layer] += len(keys)
+        if hit.lossy:
+            self.stats.low_precision[self.phase, layer] += len(keys)
+        for key in keys:
+            policy.on_hit(key)
+        self._scores = {}
+        items = [(key, hit.parts) for key in keys]
+        return LayerWork(self, layer, needs, dict.fromkeys(keys, hit), chunks=[items] if items else [])
 
     def _fill(self, layer: int, items, current: list[Key]) -> None:
         """Experts computed on the host now, moved into the cache in the background for later steps:
@@ -223,7 +253,10 @@ class ExpertCache:
                 stats.used[layer] += 1
                 stats.late[layer] += not self.resident(part, key)
         stats.requests[phase, layer] += len(keys)
-        stats.misses[phase, layer] += sum(key not in self.parts[primary] for key in keys)
+        part = self.parts[primary]
+        missed = sum(key not in part for key in keys)
+        if missed:
+            stats.misses[phase, layer] += missed
         for route in routes.values():
             if route.where == HOST:
                 stats.host[phase, layer] += 1
@@ -237,7 +270,9 @@ class ExpertCache:
         else present first, then the others, as many as every part has room for."""
         if not items:
             return []
-        rooms = {p: self.parts[p].policy.room(layer) for _, ps in items for p in ps}
+        rooms = {p: self.parts[p].policy.room(layer) for p in {p for _, ps in items for p in ps}}
+        if min(rooms.values()) >= len(items):  # each item takes a part once at most: they all fit
+            return [items]
         counts = Counter(p for _, ps in items for p in ps)
         if all(counts[p] <= room for p, room in rooms.items()):
             return [items]
@@ -265,13 +300,16 @@ class ExpertCache:
 
     def admit(self, layer: int, chunk: list[tuple[Key, tuple[str, ...]]]) -> None:
         """Make every part of the chunk's experts resident; queue a demand transfer for each miss."""
-        keep = {(p, key) for key, ps in chunk for p in ps}
+
+        def make_room() -> None:
+            self._drain({(p, key) for key, ps in chunk for p in ps})
+
         for part, residency in self.parts.items():
             keys = [key for key, ps in chunk if part in ps]
             if not keys:
                 continue
             pins = _Pins(part, keys, self.inflight, {})
-            for key, victim in residency.admit(keys, pins, lambda: self._drain(keep), self._scores):
+            for key, victim in residency.admit(keys, pins, make_room, self._scores):
                 self.inflight[(part, key)] = self.transport.submit(key, victim, DEMAND, part)
                 self.demand.add((part, key))
                 self.stats.part_misses[part] = self.stats.part_misses.get(part, 0) + 1
@@ -279,7 +317,7 @@ class ExpertCache:
     def order(self, chunk: list[tuple[Key, tuple[str, ...]]]) -> list[Unit]:
         """The chunk's units in compute order: ready, moving, queued (in the link's order)."""
         units = [(key, p) for key, ps in chunk for p in ps]
-        if not self.reorder:
+        if not self.reorder or not self.inflight:  # nothing moving: all ready, in first-use order
             return units
         ready, moving, queued = [], [], []
         for key, part in units:
@@ -297,6 +335,8 @@ class ExpertCache:
 
     def wait(self, key: Key, part: str) -> None:
         """Until the unit's transfer (if any) has landed; it is no longer in flight."""
+        if not self.inflight:
+            return
         handle = self.inflight.get((part, key))
         if handle is not None:
             self.transport.wait(handle)
@@ -343,11 +383,30 @@ class LayerWork:
     part) in compute order, each ready when yielded; ``host`` are computed on the host; ``skipped`` not
     at all. The first chunk's transfers are queued on creation (``start``)."""
 
-    def __init__(self, cache: ExpertCache, layer: int, needs: Sequence[Need], routes: dict[Key, Route]):
+    def __init__(
+        self,
+        cache: ExpertCache,
+        layer: int,
+        needs: Sequence[Need],
+        routes: dict[Key, Route],
+        chunks: list[list] | None = None,
+    ):
+        """``chunks`` (every expert resident, on the device): the units' chunks, already admitted."""
         self.cache, self.layer, self.needs, self.routes = cache, layer, needs, routes
-        device = [(n.key, routes[n.key].parts) for n in needs if routes[n.key].where == DEVICE]
-        self.host = [n for n in needs if routes[n.key].where == HOST]
-        self.skipped = [n for n in needs if routes[n.key].where == SKIP]
+        if chunks is not None:
+            self.host, self.skipped, self.chunks = [], [], chunks
+            return
+        device: list[tuple[Key, tuple[str, ...]]] = []
+        self.host: list[Need] = []
+        self.skipped: list[Need] = []
+        for n in needs:
+            route = routes[n.key]
+            if route.where == DEVICE:
+                device.append((n.key, route.parts))
+            elif route.where == HOST:
+                self.host.append(n)
+            elif route.where == SKIP:
+                self.skipped.append(n)
         self.chunks = cache.chunks(layer, device)
 
     def start(self) -> None:

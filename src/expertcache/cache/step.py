@@ -208,21 +208,22 @@ def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -
 def _needs_of_token(layer: int, row: np.ndarray, weights: np.ndarray | None) -> list[Need]:
     """``needs_of`` for one token (every decode step): its distinct experts in routing order."""
     experts = row.tolist()
-    valid = [e >= 0 for e in experts]
+    k = len(experts)
     if weights is None:
-        w = [1.0 / len(experts) if ok else 0.0 for ok in valid]
+        w = [1.0 / k if e >= 0 else 0.0 for e in experts]
     else:
-        w = [float(x) if ok else 0.0 for x, ok in zip(weights.tolist(), valid, strict=True)]
+        w = [x if e >= 0 else 0.0 for x, e in zip(weights.tolist(), experts, strict=True)]
     total = sum(w) or 1.0
     w = [x / total for x in w]
-    order = sorted(range(len(experts)), key=lambda i: -w[i])  # stable: ties keep column order
-    out: dict[int, Need] = {}
+    order = sorted(range(k), key=w.__getitem__, reverse=True)  # stable: ties keep column order
+    out: list[Need | None] = [None] * k
     above = 0.0
     for rank, i in enumerate(order):
-        if valid[i]:
-            out[i] = Need((layer, experts[i]), 1, w[i], above, rank, w[i])
+        e = experts[i]
+        if e >= 0:
+            out[i] = Need((layer, e), 1, w[i], above, rank, w[i])
             above += w[i]
-    return [out[i] for i in range(len(experts)) if i in out]
+    return [n for n in out if n is not None]
 
 
 def _renormalised(index: np.ndarray, weights: np.ndarray | None) -> np.ndarray:

@@ -144,12 +144,18 @@ class Engine:
         weights = top_k_weights.detach().to("cpu", torch.float32).numpy()
         work = self.driver.layer(layer, index, weights, hidden)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (token_idx, top_k_pos)
+        on_cpu = hidden.device.type == "cpu"
 
         def tokens_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if expert not in rows:
-                top_k_pos, token_idx = torch.where(expert == top_k_index.T)
-                rows[expert] = (token_idx, top_k_pos)
-            return rows[expert]
+            got = rows.get(expert)
+            if got is None:
+                if on_cpu:  # from the host copy: the same indices, in the same order, as torch.where's
+                    top_k_pos, token_idx = np.nonzero(expert == index.T)
+                    got = rows[expert] = (torch.from_numpy(token_idx), torch.from_numpy(top_k_pos))
+                else:
+                    top_k_pos, token_idx = torch.where(expert == top_k_index.T)
+                    got = rows[expert] = (token_idx, top_k_pos)
+            return got
 
         on_host = {}
         for need in work.host:

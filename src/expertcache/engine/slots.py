@@ -24,6 +24,7 @@ class SlotTransport:
 
     def __init__(self, targets: dict[PoolId, Target], worker: TransferWorker) -> None:
         self.targets, self.worker = targets, worker
+        self._by_layer = any(layer is not None for _, layer in targets)  # some part's pools differ by layer
         self.slot_of: dict[tuple[str, Key], int] = {}
         self.free = {pid: list(range(len(t.pool)))[::-1] for pid, t in targets.items()}
         self.stall_s = 0.0
@@ -32,11 +33,14 @@ class SlotTransport:
         self.transfers = 0  # submitted
 
     def pool_id(self, part: str, key: Key) -> PoolId:
-        return (part, key[0]) if (part, key[0]) in self.targets else (part, None)
+        return (part, key[0]) if self._by_layer and (part, key[0]) in self.targets else (part, None)
 
     def views(self, key: Key, part: str = FULL) -> dict[str, torch.Tensor]:
-        """The tensors of a resident key's slot."""
-        return self.targets[self.pool_id(part, key)].views(key, self.slot_of[(part, key)])
+        """The tensors of a resident key's slot (asked for every expert computed)."""
+        pk = (part, key)
+        if not self._by_layer:
+            return self.targets[(part, None)].views(key, self.slot_of[pk])
+        return self.targets[self.pool_id(part, key)].views(key, self.slot_of[pk])
 
     @property
     def bytes_moved(self) -> int:

@@ -17,6 +17,7 @@ line in ``miss/registry.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -42,7 +43,7 @@ class Route:
     where: str
     parts: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property  # asked for every expert of every layer
     def lossy(self) -> bool:
         """Skipped, or computed from a low-precision copy."""
         return self.where == SKIP or any(p.startswith("int") for p in self.parts)
