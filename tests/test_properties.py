@@ -481,3 +481,68 @@ def test_llru_within_one_layer_is_lru(order: str, trace: Trace, data: st.DataObj
     c = data.draw(st.integers(low, low + distinct_keys(s)), label="capacity")
     lru = replay(s, "lru-dist", c)
     np.testing.assert_array_equal(replay(s, "llru-dist", c).layer_misses, lru.layer_misses)
+
+
+def _needs_by_loop(layer: int, index: np.ndarray, weights: np.ndarray | None) -> list:
+    """``needs_of`` as first written, one routing entry at a time: the oracle of the vectorised one."""
+    from expertcache.cache.residency import group_experts
+    from expertcache.cache.step import _renormalised
+    from expertcache.miss.base import Need
+
+    w = _renormalised(index, weights)
+    order = np.argsort(-w, axis=1, kind="stable")
+    ranked_w = np.take_along_axis(w, order, axis=1)
+    above = np.zeros_like(ranked_w)  # [T, K] weight of the experts ranked above: summed in rank order,
+    np.cumsum(ranked_w[:, :-1], axis=1, out=above[:, 1:])  # as a token alone sums it
+    stats: dict[int, list] = {}
+    for t, (row, cols) in enumerate(zip(index.tolist(), order.tolist(), strict=True)):
+        for rank, col in enumerate(cols):
+            e = row[col]
+            if e < 0:
+                continue
+            s = stats.get(e)
+            weight, imp = float(w[t, col]), float(above[t, rank])
+            if s is None:
+                stats[e] = [1, weight, imp, rank, weight]
+            else:
+                s[0] += 1
+                s[1], s[2], s[3] = max(s[1], weight), min(s[2], imp), min(s[3], rank)
+                s[4] += weight
+    return [Need((layer, e), *stats[e]) for e in group_experts(index.tolist())]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    top_k=st.integers(1, 4),
+    experts=st.integers(1, 12),
+    data=st.data(),
+)
+def test_needs_of_equals_its_entry_by_entry_definition(tokens: int, top_k: int, experts: int, data) -> None:
+    """Every expert's tokens, largest weight, least importance, best rank and summed weight (added in
+    the same order: the same float), in first-use order; unknown entries (-1), repeated experts in a
+    row, tied weights and no weights at all included."""
+    from expertcache.cache.step import needs_of
+
+    index = np.array(
+        data.draw(
+            st.lists(
+                st.lists(st.integers(-1, experts - 1), min_size=top_k, max_size=top_k),
+                min_size=tokens,
+                max_size=tokens,
+            )
+        )  # fmt: skip
+    )
+    weights = None
+    if data.draw(st.booleans()):
+        values = st.sampled_from([0.0, 0.125, 0.25, 0.3, 0.5, 1.0])  # ties and zeros
+        weights = np.array(
+            data.draw(
+                st.lists(st.lists(values, min_size=top_k, max_size=top_k), min_size=tokens, max_size=tokens)
+            ),
+            dtype=np.float32,
+        )
+    got = needs_of(3, index, weights)
+    assert got == _needs_by_loop(3, index, weights)
+    if tokens == 1:  # the decode path
+        assert got == needs_of(3, index[0][None, :], weights)

@@ -27,7 +27,6 @@ import numpy as np
 from expertcache.cache.expert_cache import ExpertCache, LayerWork
 from expertcache.cache.governor import LinkCounts, PrefetchGovernor
 from expertcache.cache.recorder import Recorder
-from expertcache.cache.residency import group_experts
 from expertcache.miss.base import Need
 from expertcache.policy.base import Clock
 
@@ -183,31 +182,42 @@ def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -
     index = np.asarray(index)
     index = index.reshape(-1, index.shape[-1])  # [T, K]
     if index.shape[0] == 1:
-        return _needs_of_token(layer, index[0], None if weights is None else np.asarray(weights).reshape(-1))
+        row = index[0].tolist()
+        if len(set(row)) == len(row):  # distinct experts (as a router chooses them)
+            return _needs_of_token(layer, row, None if weights is None else np.asarray(weights).reshape(-1))
     w = _renormalised(index, weights)  # [T, K]
     order = np.argsort(-w, axis=1, kind="stable")  # [T, K] columns by descending weight
     ranked_w = np.take_along_axis(w, order, axis=1)
-    above = np.cumsum(ranked_w, axis=1) - ranked_w  # [T, K] weight of the experts ranked above
-    stats: dict[int, list] = {}
-    for t, (row, cols) in enumerate(zip(index.tolist(), order.tolist(), strict=True)):
-        for rank, col in enumerate(cols):
-            e = row[col]
-            if e < 0:
-                continue
-            s = stats.get(e)
-            weight, imp = float(w[t, col]), float(above[t, rank])
-            if s is None:
-                stats[e] = [1, weight, imp, rank, weight]
-            else:
-                s[0] += 1
-                s[1], s[2], s[3] = max(s[1], weight), min(s[2], imp), min(s[3], rank)
-                s[4] += weight
-    return [Need((layer, e), *stats[e]) for e in group_experts(index.tolist())]
+    above = np.zeros_like(ranked_w)  # [T, K] weight of the experts ranked above: summed in rank order,
+    np.cumsum(ranked_w[:, :-1], axis=1, out=above[:, 1:])  # as a token alone sums it
+    ranked_e = np.take_along_axis(index, order, axis=1)  # [T, K] experts by descending weight
+    ranks = np.broadcast_to(np.arange(index.shape[1]), index.shape)
+    valid = ranked_e >= 0  # token by token, best rank first: the order the sums below add in
+    experts, slot = np.unique(ranked_e[valid], return_inverse=True)
+    if not len(experts):
+        return []
+    n = len(experts)
+    w_v, imp_v, rank_v = ranked_w[valid], above[valid], ranks[valid]
+    tokens = np.bincount(slot, minlength=n)
+    weight = np.full(n, -np.inf)
+    np.maximum.at(weight, slot, w_v)
+    importance = np.full(n, np.inf)
+    np.minimum.at(importance, slot, imp_v)
+    rank = np.full(n, index.shape[1], dtype=np.int64)
+    np.minimum.at(rank, slot, rank_v)
+    mass = np.zeros(n)
+    np.add.at(mass, slot, w_v)  # one after another, in the loop's order: the same float sum
+    seen, first = np.unique(index.reshape(-1), return_index=True)  # first use, row by row
+    first = first[seen >= 0]  # the same experts as ``experts``, both ascending
+    cols = [
+        a[np.argsort(first, kind="stable")].tolist()
+        for a in (experts, tokens, weight, importance, rank, mass)
+    ]
+    return [Need((layer, e), *rest) for e, *rest in zip(*cols, strict=True)]
 
 
-def _needs_of_token(layer: int, row: np.ndarray, weights: np.ndarray | None) -> list[Need]:
-    """``needs_of`` for one token (every decode step): its distinct experts in routing order."""
-    experts = row.tolist()
+def _needs_of_token(layer: int, experts: list[int], weights: np.ndarray | None) -> list[Need]:
+    """``needs_of`` for one token (every decode step) routed to distinct ``experts``, in routing order."""
     k = len(experts)
     if weights is None:
         w = [1.0 / k if e >= 0 else 0.0 for e in experts]
