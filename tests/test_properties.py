@@ -485,8 +485,8 @@ def test_llru_within_one_layer_is_lru(order: str, trace: Trace, data: st.DataObj
 
 def _needs_by_loop(layer: int, index: np.ndarray, weights: np.ndarray | None) -> list:
     """``needs_of`` as first written, one routing entry at a time: the oracle of the vectorised one."""
+    from expertcache.cache.needs import _renormalised
     from expertcache.cache.residency import group_experts
-    from expertcache.cache.step import _renormalised
     from expertcache.miss.base import Need
 
     w = _renormalised(index, weights)
@@ -522,7 +522,7 @@ def test_needs_of_equals_its_entry_by_entry_definition(tokens: int, top_k: int, 
     """Every expert's tokens, largest weight, least importance, best rank and summed weight (added in
     the same order: the same float), in first-use order; unknown entries (-1), repeated experts in a
     row, tied weights and no weights at all included."""
-    from expertcache.cache.step import needs_of
+    from expertcache.cache.needs import LayerNeeds, needs_of
 
     index = np.array(
         data.draw(
@@ -544,5 +544,6 @@ def test_needs_of_equals_its_entry_by_entry_definition(tokens: int, top_k: int, 
         )
     got = needs_of(3, index, weights)
     assert got == _needs_by_loop(3, index, weights)
-    if tokens == 1:  # the decode path
-        assert got == needs_of(3, index[0][None, :], weights)
+    lazy = LayerNeeds(3, index, weights)
+    assert lazy.keys_in_order == [n.key for n in got] and len(lazy) == len(got)  # before computing them
+    assert list(lazy) == got and lazy[0:1] == got[0:1]

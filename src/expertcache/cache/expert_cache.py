@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 
+from expertcache.cache.needs import LayerNeeds
 from expertcache.cache.residency import Residency
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.transfers import DEMAND, FAILED, READY, SPECULATIVE, Transport
@@ -143,7 +144,7 @@ class ExpertCache:
     def begin_layer(self, layer: int, needs: Sequence[Need]) -> LayerWork:
         """The router has chosen ``needs`` (distinct experts, first-use order): preempt, route, and queue
         the first chunk's demand transfers. The returned work yields the device units to compute."""
-        keys = [n.key for n in needs]
+        keys = needs.keys_in_order if isinstance(needs, LayerNeeds) else [n.key for n in needs]
         spec = self.spec.pop(layer, {})
         predicted = self.predicted.pop(layer, None)
         guesses = self.shadowed.pop(layer, None)

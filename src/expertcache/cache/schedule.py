@@ -127,7 +127,7 @@ class Schedule:
             return None
         if self.order != "layer":
             return _token_group_scores(self, tr)
-        from expertcache.cache.step import needs_of  # the engine's own rule, for the same scores
+        from expertcache.cache.needs import needs_of  # the engine's own rule, for the same scores
 
         out: list[dict[Key, float]] = []
         starts = self.round_token.tolist()

@@ -1,0 +1,122 @@
+"""What one layer needs in one step: the experts its router chose, as the cache and the miss paths see them.
+
+``needs_of`` turns a layer's routing (experts ``[T, K]``, gate weights ``[T, K]``) into one ``Need`` per
+distinct expert in first-use order (the rule the simulator applies to a trace). ``LayerNeeds`` is the
+same sequence made on first use: a layer whose experts are all resident (``ExpertCache``'s shortcut, every
+decode step of a model that fits) asks only for their keys, which it has at once.
+
+Shape letters: T tokens of the step, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from expertcache.miss.base import Need
+
+
+class LayerNeeds(Sequence):
+    """``needs_of(layer, index, weights)`` as a sequence computed on first use; ``keys_in_order``, the
+    distinct experts' keys in first-use order, at once."""
+
+    __slots__ = ("layer", "index", "weights", "keys_in_order", "_needs")
+
+    def __init__(self, layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> None:
+        self.layer, self.weights = layer, weights
+        self.index = index = np.asarray(index).reshape(-1, np.shape(index)[-1])  # [T, K]
+        if index.shape[0] == 1:
+            row = dict.fromkeys(index[0].tolist())
+            self.keys_in_order = [(layer, e) for e in row if e >= 0]
+        else:
+            seen, first = np.unique(index.reshape(-1), return_index=True)
+            order = first[seen >= 0].argsort(kind="stable")
+            self.keys_in_order = [(layer, e) for e in seen[seen >= 0][order].tolist()]
+        self._needs: list[Need] | None = None
+
+    @property
+    def needs(self) -> list[Need]:
+        if self._needs is None:
+            self._needs = needs_of(self.layer, self.index, self.weights)
+        return self._needs
+
+    def __len__(self) -> int:
+        return len(self.keys_in_order)
+
+    def __getitem__(self, i):
+        return self.needs[i]
+
+    def __iter__(self):
+        return iter(self.needs)
+
+
+def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> list[Need]:
+    """The distinct experts of one layer's routing ``index`` [T, K] (-1 unknown) in first-use order,
+    each with its tokens, largest renormalised gate weight, best rank, HOBBIT's importance (the least,
+    over its tokens, of the summed weight of the experts ranked above it) and its summed weight. Without
+    ``weights`` every expert of a token weighs 1/K and ranks in column order."""
+    index = np.asarray(index)
+    index = index.reshape(-1, index.shape[-1])  # [T, K]
+    if index.shape[0] == 1:
+        row = index[0].tolist()
+        if len(set(row)) == len(row):  # distinct experts (as a router chooses them)
+            return _needs_of_token(layer, row, None if weights is None else np.asarray(weights).reshape(-1))
+    w = _renormalised(index, weights)  # [T, K]
+    order = np.argsort(-w, axis=1, kind="stable")  # [T, K] columns by descending weight
+    ranked_w = np.take_along_axis(w, order, axis=1)
+    above = np.zeros_like(ranked_w)  # [T, K] weight of the experts ranked above: summed in rank order,
+    np.cumsum(ranked_w[:, :-1], axis=1, out=above[:, 1:])  # as a token alone sums it
+    ranked_e = np.take_along_axis(index, order, axis=1)  # [T, K] experts by descending weight
+    ranks = np.broadcast_to(np.arange(index.shape[1]), index.shape)
+    valid = ranked_e >= 0  # token by token, best rank first: the order the sums below add in
+    experts, slot = np.unique(ranked_e[valid], return_inverse=True)
+    if not len(experts):
+        return []
+    n = len(experts)
+    w_v, imp_v, rank_v = ranked_w[valid], above[valid], ranks[valid]
+    tokens = np.bincount(slot, minlength=n)
+    weight = np.full(n, -np.inf)
+    np.maximum.at(weight, slot, w_v)
+    importance = np.full(n, np.inf)
+    np.minimum.at(importance, slot, imp_v)
+    rank = np.full(n, index.shape[1], dtype=np.int64)
+    np.minimum.at(rank, slot, rank_v)
+    mass = np.zeros(n)
+    np.add.at(mass, slot, w_v)  # one after another, in the loop's order: the same float sum
+    seen, first = np.unique(index.reshape(-1), return_index=True)  # first use, row by row
+    first = first[seen >= 0]  # the same experts as ``experts``, both ascending
+    by_use = np.argsort(first, kind="stable")
+    cols = [a[by_use].tolist() for a in (experts, tokens, weight, importance, rank, mass)]
+    return [Need((layer, e), *rest) for e, *rest in zip(*cols, strict=True)]
+
+
+def _needs_of_token(layer: int, experts: list[int], weights: np.ndarray | None) -> list[Need]:
+    """``needs_of`` for one token (every decode step) routed to distinct ``experts``, in routing order."""
+    k = len(experts)
+    if weights is None:
+        w = [1.0 / k if e >= 0 else 0.0 for e in experts]
+    else:
+        w = [x if e >= 0 else 0.0 for x, e in zip(weights.tolist(), experts, strict=True)]
+    total = sum(w) or 1.0
+    w = [x / total for x in w]
+    order = sorted(range(k), key=w.__getitem__, reverse=True)  # stable: ties keep column order
+    out: list[Need | None] = [None] * k
+    above = 0.0
+    for rank, i in enumerate(order):
+        e = experts[i]
+        if e >= 0:
+            out[i] = Need((layer, e), 1, w[i], above, rank, w[i])
+            above += w[i]
+    return [n for n in out if n is not None]
+
+
+def _renormalised(index: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """Gate weights [T, K] scaled to sum to 1 per token over known entries (uniform without weights)."""
+    valid = index >= 0
+    if weights is None:
+        w = valid.astype(np.float64)
+    else:
+        w = np.where(valid, np.asarray(weights, dtype=np.float64).reshape(index.shape), 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    return np.divide(w, total, out=np.zeros_like(w), where=total > 0)
