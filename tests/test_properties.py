@@ -484,7 +484,8 @@ def test_llru_within_one_layer_is_lru(order: str, trace: Trace, data: st.DataObj
 
 
 def _needs_by_loop(layer: int, index: np.ndarray, weights: np.ndarray | None) -> list:
-    """``needs_of`` as first written, one routing entry at a time: the oracle of the vectorised one."""
+    """``needs_of`` one routing entry at a time, as first written (importance now summed in rank order,
+    as a single token sums it): the oracle of the vectorised one."""
     from expertcache.cache.needs import _renormalised
     from expertcache.cache.residency import group_experts
     from expertcache.miss.base import Need
