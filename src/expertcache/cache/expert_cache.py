@@ -254,8 +254,8 @@ class ExpertCache:
                 stats.used[layer] += 1
                 stats.late[layer] += not self.resident(part, key)
         stats.requests[phase, layer] += len(keys)
-        part = self.parts[primary]
-        missed = sum(key not in part for key in keys)
+        residency = self.parts[primary]
+        missed = sum(key not in residency for key in keys)
         if missed:
             stats.misses[phase, layer] += missed
         for route in routes.values():

@@ -30,15 +30,14 @@ class LayerNeeds(Sequence):
             row = dict.fromkeys(index[0].tolist())
             self.keys_in_order = [(layer, e) for e in row if e >= 0]
         else:
-            seen, first = np.unique(index.reshape(-1), return_index=True)
-            order = first[seen >= 0].argsort(kind="stable")
-            self.keys_in_order = [(layer, e) for e in seen[seen >= 0][order].tolist()]
+            self.keys_in_order = [(layer, e) for e in _first_use(index).tolist()]
         self._needs: list[Need] | None = None
 
     @property
     def needs(self) -> list[Need]:
         if self._needs is None:
-            self._needs = needs_of(self.layer, self.index, self.weights)
+            firsts = None if self.index.shape[0] == 1 else np.array([e for _, e in self.keys_in_order])
+            self._needs = needs_of(self.layer, self.index, self.weights, firsts)
         return self._needs
 
     def __len__(self) -> int:
@@ -51,11 +50,21 @@ class LayerNeeds(Sequence):
         return iter(self.needs)
 
 
-def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> list[Need]:
+def _first_use(index: np.ndarray) -> np.ndarray:
+    """The distinct known experts of ``index`` [T, K], in first-use order (row by row)."""
+    seen, first = np.unique(index.reshape(-1), return_index=True)
+    known = seen >= 0
+    return seen[known][first[known].argsort(kind="stable")]
+
+
+def needs_of(
+    layer: int, index: np.ndarray, weights: np.ndarray | None = None, firsts: np.ndarray | None = None
+) -> list[Need]:
     """The distinct experts of one layer's routing ``index`` [T, K] (-1 unknown) in first-use order,
     each with its tokens, largest renormalised gate weight, best rank, HOBBIT's importance (the least,
     over its tokens, of the summed weight of the experts ranked above it) and its summed weight. Without
-    ``weights`` every expert of a token weighs 1/K and ranks in column order."""
+    ``weights`` every expert of a token weighs 1/K and ranks in column order. ``firsts``: those experts
+    in first-use order, when the caller has them (``LayerNeeds``)."""
     index = np.asarray(index)
     index = index.reshape(-1, index.shape[-1])  # [T, K]
     if index.shape[0] == 1:
@@ -84,9 +93,9 @@ def needs_of(layer: int, index: np.ndarray, weights: np.ndarray | None = None) -
     np.minimum.at(rank, slot, rank_v)
     mass = np.zeros(n)
     np.add.at(mass, slot, w_v)  # one after another, in the loop's order: the same float sum
-    seen, first = np.unique(index.reshape(-1), return_index=True)  # first use, row by row
-    first = first[seen >= 0]  # the same experts as ``experts``, both ascending
-    by_use = np.argsort(first, kind="stable")
+    if firsts is None:
+        firsts = _first_use(index)
+    by_use = np.searchsorted(experts, firsts)  # ``experts`` ascending: where each first-used one is
     cols = [a[by_use].tolist() for a in (experts, tokens, weight, importance, rank, mass)]
     return [Need((layer, e), *rest) for e, *rest in zip(*cols, strict=True)]
 

@@ -37,10 +37,7 @@ class SlotTransport:
 
     def views(self, key: Key, part: str = FULL) -> dict[str, torch.Tensor]:
         """The tensors of a resident key's slot (asked for every expert computed)."""
-        pk = (part, key)
-        if not self._by_layer:
-            return self.targets[(part, None)].views(key, self.slot_of[pk])
-        return self.targets[self.pool_id(part, key)].views(key, self.slot_of[pk])
+        return self.targets[self.pool_id(part, key)].views(key, self.slot_of[(part, key)])
 
     @property
     def bytes_moved(self) -> int:

@@ -51,16 +51,23 @@ def copies_in_parallel(nbytes: int) -> bool:
     return nbytes >= PARALLEL_BYTES and not getattr(_alone, "on", False) and torch.get_num_threads() > 1
 
 
-def copy_bytes(dst: np.ndarray, src: np.ndarray, src_tensor: torch.Tensor | None = None) -> None:
+def copy_bytes(
+    dst: np.ndarray, src: np.ndarray, src_tensor: torch.Tensor | None = None, at: int | None = None
+) -> None:
     """``dst[:] = src`` (uint8, one length). A run of ``PARALLEL_BYTES`` or more, on a thread that may
     use torch's intra-op threads (not ``copy_alone``) while there are several, is copied by all of
     them: it is the computation's thread waiting for a miss, its other threads idle. Measured on the
     2-core development VM, 3 MiB experts copied inside a generation on 2 torch threads: 136 against
     275 us. Smaller runs go through numpy, which wakes no threads (a 180 KiB copy: 11 against 20 us).
     ``src_tensor``: ``src`` as a tensor (for a read-only ``src``, which ``torch.from_numpy`` warns
-    about)."""
+    about); with ``at``, a larger one whose bytes ``at : at + len(dst)`` are ``src`` (sliced only when
+    torch's threads copy)."""
     if copies_in_parallel(len(dst)):
-        torch.from_numpy(dst).copy_(torch.from_numpy(src) if src_tensor is None else src_tensor)
+        if src_tensor is None:
+            src_tensor = torch.from_numpy(src)
+        elif at is not None:
+            src_tensor = src_tensor[at : at + len(dst)]
+        torch.from_numpy(dst).copy_(src_tensor)
     else:
         dst[:] = src
 
@@ -451,11 +458,7 @@ class ExpertStore:
             tensor = None if self.drop_pages else read.mapping.tensor
             for offset, nbytes, dst in read.pieces:
                 lo = at + offset
-                copy_bytes(
-                    slot[dst : dst + nbytes],
-                    span[lo : lo + nbytes],
-                    None if tensor is None or nbytes < PARALLEL_BYTES else tensor[lo : lo + nbytes],
-                )
+                copy_bytes(slot[dst : dst + nbytes], span[lo : lo + nbytes], tensor, lo)
 
     def read_rows(self, key: Key, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
         """Copy rows ``start:stop`` of the expert's tensor ``name`` into the same rows of ``dst``
