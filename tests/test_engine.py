@@ -180,6 +180,47 @@ def test_engine_counts_equal_simulator_replay(family, policy, ckpt):
             assert stats["bytes_transferred"] == sim.misses * model.layout.nbytes
 
 
+@pytest.mark.parametrize("slow_tier", ["host", "disk"])
+def test_plain_layers_with_misses_take_the_full_paths_decisions(slow_tier, ckpt):
+    """A layer with misses served by ``ExpertCache._plain_layer`` (nothing moving, misses fetched whole)
+    makes the full path's decisions in the engine too: the same tokens and logits, counts, bytes, and
+    the same expert in every slot. From host memory each miss is copied at ``submit`` and never in
+    flight; from the disk it goes to the worker and is waited for as before."""
+    from unittest import mock
+
+    from expertcache.cache.expert_cache import ExpertCache
+
+    path = ckpt("mixtral")
+    cap = _agreement_capacities("mixtral", "lru")[1]
+    taken = []
+    real = ExpertCache._plain_layer
+
+    def spy(self, layer, needs, keys):
+        before = int(self.stats.misses.sum())
+        got = real(self, layer, needs, keys)
+        taken.append((got is not None, int(self.stats.misses.sum()) > before, len(self.inflight)))
+        return got
+
+    def run() -> tuple:
+        with engine_load(path, cap, slow_tier=slow_tier) as model:
+            out = greedy(model, IDS)
+            stats = {k: model.stats[k] for k in ("misses", "requests", "bytes_transferred")}
+            return out, stats, dict(model.engine.transport.slot_of), model.cache.inflight
+
+    with mock.patch.object(ExpertCache, "_plain_layer", spy):
+        plain = run()
+    with mock.patch.object(ExpertCache, "_plain_layer", lambda self, layer, needs, keys: None):
+        full = run()
+    assert_exact(plain[0], full[0])
+    assert plain[1] == full[1] and plain[1]["misses"] > 0
+    assert plain[2] == full[2]  # the same expert in the same slot
+    assert not plain[3] and not full[3]  # nothing left in flight
+    with_misses = [inflight for served, missed, inflight in taken if served and missed]
+    assert with_misses  # decode layers with misses took the shortcut
+    if slow_tier == "host":  # copied at submit: never in flight
+        assert not any(with_misses)
+
+
 # ------------------------------------------------------------------------------------------------
 # The recorded trace
 # ------------------------------------------------------------------------------------------------

@@ -710,10 +710,11 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):
     share=st.sampled_from([0.3, 0.6, 1.0]),
     seed=st.integers(0, 3),
 )
-def test_the_all_resident_shortcut_takes_the_same_decisions(policy, miss, predictor, share, seed):
-    """``ExpertCache._all_resident`` (a layer whose experts are all resident, nothing moving) serves
-    without routing and admission: every count, virtual time and byte equals the full path's, at budgets
-    that hold every expert and at smaller ones, with and without prefetching, for every miss path."""
+def test_the_plain_layer_shortcut_takes_the_same_decisions(policy, miss, predictor, share, seed):
+    """``ExpertCache._plain_layer`` (nothing moving or prefetched for the layer, one chunk, misses fetched
+    whole) serves without routing and admission: every count, virtual time and byte equals the full
+    path's, at budgets that hold every expert and at smaller ones, with and without prefetching, for
+    every miss path."""
     from unittest import mock
 
     from expertcache.cache.expert_cache import ExpertCache
@@ -724,18 +725,21 @@ def test_the_all_resident_shortcut_takes_the_same_decisions(policy, miss, predic
     capacity = max(6, round(share * 3 * 8))
     kw = dict(cache=policy, miss=miss, prefetch=predictor)
     shortcut = simulate_timing(trace, capacity, **kw).to_dict()
-    with mock.patch.object(ExpertCache, "_all_resident", lambda self, layer, needs, keys: None):
+    with mock.patch.object(ExpertCache, "_plain_layer", lambda self, layer, needs, keys: None):
         full = simulate_timing(trace, capacity, **kw).to_dict()
     assert shortcut == full
-    if share == 1.0 and miss == "fetch" and predictor is None and policy != "mrs":  # mrs observes requests
-        taken = []
-        real = ExpertCache._all_resident
+    if miss == "fetch" and predictor is None and policy != "mrs":  # mrs observes requests
+        taken = []  # (served by the shortcut, with misses)
+        real = ExpertCache._plain_layer
 
         def spy(self, layer, needs, keys):
+            before = int(self.stats.misses.sum())
             got = real(self, layer, needs, keys)
-            taken.append(got is not None)
+            taken.append((got is not None, int(self.stats.misses.sum()) > before))
             return got
 
-        with mock.patch.object(ExpertCache, "_all_resident", spy):
+        with mock.patch.object(ExpertCache, "_plain_layer", spy):
             simulate_timing(trace, capacity, **kw)
-        assert any(taken)  # the shortcut is exercised here
+        assert any(plain for plain, _ in taken)  # the shortcut is exercised here
+        if share < 1.0:  # and serves layers with misses
+            assert any(plain and missed for plain, missed in taken)

@@ -19,11 +19,12 @@ virtual link): it moves nothing itself, a ``Transport`` does, so both take the v
   did not choose are dropped (their keys leave the cache) and the chosen ones become demand transfers.
 - **Reordering**: a layer's units (one per part of each device expert) are computed resident first, then
   in flight, then not started in the link's order (the router's first-use order without it).
-- **All resident**: a layer whose experts are all hits of a one-part cache, with nothing moving and
-  nothing prefetched for it (every decode step of a model that fits), is served by a shortcut that makes
-  the same counts and policy calls without the routing and admission machinery: at 100 % of the experts
-  the cache's Python per layer is what the engine adds to the model's own (a property test replays
-  traces both ways and compares every count and virtual time).
+- **Plain layers**: a layer with nothing moving and nothing prefetched for it, whose experts fit one
+  chunk of a one-part route and whose misses (if any) are fetched whole (every decode step of a model
+  that fits, and most of one that does not, without prefetching), is served by a shortcut that makes the
+  same counts, policy calls and transfers without the routing and admission machinery: the cache's
+  Python per layer and per miss is what the engine adds to the model's own and to the copy (a property
+  test replays traces both ways and compares every count and virtual time).
 - A key is resident from the moment its transfer is queued; keys in flight are pinned. When a demand miss
   finds every other key pinned (the minimum budget, say), the queued speculative transfers are dropped and
   the started ones awaited, so serving never deadlocks. A group larger than a part's room for the layer is
@@ -36,11 +37,11 @@ from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 
 from expertcache.cache.needs import LayerNeeds
-from expertcache.cache.residency import Residency
+from expertcache.cache.residency import SET_PIN_THRESHOLD, Residency
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.transfers import DEMAND, FAILED, READY, SPECULATIVE, Transport
 from expertcache.errors import PolicyError
-from expertcache.miss.base import DEVICE, HOST, SKIP, MissPath, Need, Route
+from expertcache.miss.base import DEVICE, FETCH, HOST, SKIP, MissPath, Need, Route
 from expertcache.policy.base import Key
 
 PartKey = tuple[str, Key]  # (part, (layer, expert))
@@ -71,6 +72,7 @@ class ExpertCache:
         self.shadowed: dict[int, set[Key]] = {}  # target layer -> what a shadow prediction would move
         self.stats = CacheStats(num_layers)
         self.phase = 0  # 1 while a prefill step is served
+        self._fetches = type(miss).decide is MissPath.decide  # every miss fetched whole (``_plain_layer``)
         self._scores: dict[Key, float] = {}  # the layer being served: each expert's routing score
 
     @property
@@ -157,7 +159,7 @@ class ExpertCache:
                 self._preempt(layer, keys, spec)
             self._reap()
         elif not spec and predicted is None:
-            work = self._all_resident(layer, needs, keys)
+            work = self._plain_layer(layer, needs, keys)
             if work is not None:
                 return work
         routes = self._routes(layer, needs)
@@ -170,23 +172,46 @@ class ExpertCache:
             self._fill(layer, fills, keys)
         return work
 
-    def _all_resident(self, layer: int, needs: Sequence[Need], keys: list[Key]) -> LayerWork | None:
-        """``begin_layer`` when nothing moves and every expert is a hit of a one-part cache (every decode
-        step of a model that fits): the same counts and policy calls, without the routing and admission
-        machinery. None where that does not apply."""
+    def _plain_layer(self, layer: int, needs: Sequence[Need], keys: list[Key]) -> LayerWork | None:
+        """``begin_layer`` for a plain layer, served without the routing and admission machinery: nothing
+        moving and nothing prefetched for it, a policy that does not observe requests, its experts in one
+        chunk of a one-part route, and each miss (if any) fetched whole (the ``fetch`` miss path). Every
+        decode step of a model that fits, and most of one that does not: the same counts, policy calls and
+        transfers in the same order as the full path (a property test replays traces both ways). A miss
+        whose transfer has landed by the time ``submit`` returns (copied by the submitting thread) is
+        never in flight. None where that does not apply."""
         hit = self.miss.hit(layer)
         primary = self.parts[self.primary]
         policy = primary.policy
         if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes:
             return None
-        if len(keys) > policy.room(layer) or not all(k in primary for k in keys):
+        if len(keys) > policy.room(layer):
             return None
-        self.stats.requests[self.phase, layer] += len(keys)
+        resident = primary.resident
+        missed = sum(key not in resident for key in keys)
+        if missed and not (self._fetches and hit == FETCH):
+            return None
+        stats, phase = self.stats, self.phase
+        stats.requests[phase, layer] += len(keys)
         if hit.lossy:
-            self.stats.low_precision[self.phase, layer] += len(keys)
-        for key in keys:
-            policy.on_hit(key)
+            stats.low_precision[phase, layer] += len(keys)
         self._scores = {}
+        if not missed:
+            for key in keys:
+                policy.on_hit(key)
+        else:
+            stats.misses[phase, layer] += missed
+            part, transport = self.primary, self.transport
+            pinned = keys if len(keys) <= SET_PIN_THRESHOLD else frozenset(keys)
+            for key in keys:  # as ``admit`` does it: hits and insertions in first-use order
+                if key in resident:
+                    policy.on_hit(key)
+                    continue
+                handle = transport.submit(key, primary.insert(key, pinned), DEMAND, part)
+                stats.part_misses[part] = stats.part_misses.get(part, 0) + 1
+                if transport.poll(handle) != READY:
+                    self.inflight[(part, key)] = handle
+                    self.demand.add((part, key))
         items = [(key, hit.parts) for key in keys]
         return LayerWork(self, layer, needs, dict.fromkeys(keys, hit), chunks=[items] if items else [])
 

@@ -2,8 +2,8 @@
 
 ``needs_of`` turns a layer's routing (experts ``[T, K]``, gate weights ``[T, K]``) into one ``Need`` per
 distinct expert in first-use order (the rule the simulator applies to a trace). ``LayerNeeds`` is the
-same sequence made on first use: a layer whose experts are all resident (``ExpertCache``'s shortcut, every
-decode step of a model that fits) asks only for their keys, which it has at once.
+same sequence made on first use: a plain layer (``ExpertCache``'s shortcut: every decode step of a model
+that fits, and most of one that does not) asks only for their keys, which it has at once.
 
 Shape letters: T tokens of the step, K experts per token.
 """
