@@ -18,14 +18,18 @@ reads from the disk, nothing left in the page cache) and model, medians over dis
   same machine), at one torch thread and at one per processor;
 - ``parallel_copies``: the Granite-shaped model's misses copied through torch's intra-op threads (runs of
   ``PARALLEL_BYTES`` or more, as the engine does on the model's thread) against numpy's single thread,
-  in one process, interleaved with 100 %, on one torch thread per processor (``parallel_copies``).
+  in one process, interleaved with 100 %, on one torch thread per processor (``parallel_copies``);
+- ``plain_layers``: layers with misses served by the cache's plain-layer shortcut against its full path
+  (routes, chunks, admission), in one process, interleaved with 100 % (``plain_layers``).
 
 Each expert is read once per measurement (a second read of the same one would find it warm). The disk
 tier's figures depend on the disk; the mapped tier's on the page cache being warm (it is read once first).
 The script runs against older versions of the engine as well (a tier that takes no slot bytes is called
 without them), so the numbers before and after a change come from the same measurement:
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/miss_cost_cpu.py [--quick] [--out FILE]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/miss_cost_cpu.py [--quick] [--only SECTION ...] [--out FILE]
+
+(``measure`` is the first four figures; ``--only`` runs the named sections alone.)
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def measure(path: Path | None, tier: str, count: int) -> dict[str, object]:
     return out
 
 
+SECTIONS = ("measure", "in_generation", "parallel_copies", "plain_layers")
 PROMPT = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\ndef main():"
 
 
@@ -201,22 +206,73 @@ def parallel_copies(
     return out
 
 
+def plain_layers(
+    path: Path | None, tier: str, tokens: int, rounds: int, threads: int
+) -> dict[str, object] | None:
+    """A layer with misses served by ``ExpertCache._plain_layer`` (no routing or admission machinery)
+    against the full path, in one process: each round generates at 25 % with the shortcut, at 25 % with
+    layers that miss sent down the full path (the cache's ``_fetches`` off: what every layer with a miss
+    took before), and at 100 %, the order rotating; per variant, the median over rounds of the TPOT over
+    100 %'s of the same round, over the decode misses per token. None before the change."""
+    from expertcache.cache.expert_cache import ExpertCache
+
+    if not hasattr(ExpertCache, "_plain_layer"):
+        return None
+    torch.set_num_threads(threads)
+    kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False, warmup=False)
+    low, full = (expertcache.load(path, expert_memory=b, **kw) for b in ("25%", "100%"))
+    variants = {"plain layers": (low, True), "full path": (low, False), "100%": (full, True)}
+    for m in (low, full):
+        m.generate_text(PROMPT, max_new_tokens=8)
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    names, tokens_of = list(variants), {}
+    try:
+        for r in range(rounds):
+            for name in names[r % 3 :] + names[: r % 3]:
+                m, m.cache._fetches = variants[name]
+                before = int(m.cache.stats.misses[0].sum())
+                g = m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
+                runs[name].append(
+                    (g.tpot_s, (int(m.cache.stats.misses[0].sum()) - before) / (len(g.tokens) - 1))
+                )
+                tokens_of.setdefault(name, list(g.tokens))
+    finally:
+        low.close()
+        full.close()
+    misses = statistics.median(n for _, n in runs["plain layers"] + runs["full path"])
+    out: dict[str, object] = {"torch_threads": threads, "tokens": tokens, "rounds": rounds}
+    out["tpot_ms"] = {v: round(statistics.median(t for t, _ in runs[v]) * 1e3, 3) for v in names}
+    out["tpot_runs_ms"] = {v: [round(t * 1e3, 3) for t, _ in runs[v]] for v in names}
+    out["decode_misses_per_token"] = round(misses, 2)
+    out["tokens_equal"] = len({tuple(t) for t in tokens_of.values()}) == 1
+    for v in ("plain layers", "full path"):
+        paired = statistics.median(a - b for (a, _), (b, _) in zip(runs[v], runs["100%"], strict=True))
+        out[f"per_miss_us {v}"] = round(paired / misses * 1e6, 1) if misses else None
+    diff = statistics.median(
+        a - b for (a, _), (b, _) in zip(runs["plain layers"], runs["full path"], strict=True)
+    )
+    out["tpot_plain_minus_full_ms"] = round(diff * 1e3, 3)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=150, help="distinct experts per measurement")
     p.add_argument("--quick", action="store_true", help="smoke test: a small generated model, 20 experts")
     p.add_argument("--rounds", type=int, default=15, help="interleaved generations per model in generation")
-    p.add_argument("--out", type=Path, help="JSON results (default: bench/results/miss_cost_cpu.json)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, help="these measurements only (default: all)")
+    p.add_argument("--out", type=Path, help="JSON results (default: bench/results/miss_cost_cpu.json, with "
+                   "--only miss_cost_cpu_<sections>.json)")  # fmt: skip
     args = p.parse_args()
     if args.quick:
         args.count, args.rounds = 20, 2
-    out = args.out or ROOT / "bench" / "results" / (
-        "miss_cost_cpu_quick.json" if args.quick else "miss_cost_cpu.json"
-    )
+    only = set(args.only or SECTIONS)
+    name = "miss_cost_cpu" + ("" if args.only is None else "_" + "_".join(s for s in SECTIONS if s in only))
+    out = args.out or ROOT / "bench" / "results" / (name + ("_quick" if args.quick else "") + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     results = {"provenance": provenance(), "settings": vars(args) | {"out": str(out)}, "models": {}}
-    for label, path in (("embedded", None), ("granite", granite(args.quick))):
+    for label, path in (("embedded", None), ("granite", granite(args.quick))) if "measure" in only else ():
         results["models"][label] = {}
         for tier in ("host", "mapped", "disk"):
             r = measure(path, tier, args.count)
@@ -226,14 +282,16 @@ def main() -> int:
     processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     tokens = {"embedded": 64, "granite": 4 if args.quick else 16}
     results["in_generation"] = {}
-    for label, path in (("embedded", None), ("granite", granite(args.quick))):
+    for label, path in (
+        (("embedded", None), ("granite", granite(args.quick))) if "in_generation" in only else ()
+    ):
         for tier in ("host", "mapped"):
             for threads in sorted({1, processors}):
                 r = in_generation(path, tier, tokens[label], args.rounds, threads)
                 results["in_generation"][f"{label} {tier} {threads} thread(s)"] = r
                 log(f"in generation, {label} {tier} {threads} thread(s): {r['per_miss_us']} us a miss, {r}")
                 write_json(out, results)
-    if processors > 1:
+    if processors > 1 and "parallel_copies" in only:
         results["parallel_copies"] = {}
         for tier in ("host", "mapped"):
             r = parallel_copies(granite(args.quick), tier, tokens["granite"], args.rounds, processors)
@@ -242,6 +300,16 @@ def main() -> int:
             results["parallel_copies"][f"granite {tier} {processors} threads"] = r
             log(f"parallel copies, granite {tier}: {r}")
             write_json(out, results)
+    results["plain_layers"] = {}
+    runs = [("embedded", None, tier, t) for tier in ("host", "mapped") for t in sorted({1, processors})]
+    runs.append(("granite", granite(args.quick), "host", processors))
+    for label, path, tier, threads in runs if "plain_layers" in only else ():
+        r = plain_layers(path, tier, tokens[label], args.rounds, threads)
+        if r is None:
+            break
+        results["plain_layers"][f"{label} {tier} {threads} thread(s)"] = r
+        log(f"plain layers, {label} {tier} {threads} thread(s): {r}")
+        write_json(out, results)
     return 0
 
 
