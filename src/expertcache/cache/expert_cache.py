@@ -34,7 +34,8 @@ virtual link): it moves nothing itself, a ``Transport`` does, so both take the v
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 from expertcache.cache.needs import LayerNeeds
 from expertcache.cache.residency import SET_PIN_THRESHOLD, Residency
@@ -45,6 +46,7 @@ from expertcache.miss.base import DEVICE, FETCH, HOST, SKIP, MissPath, Need, Rou
 from expertcache.policy.base import Key
 
 PartKey = tuple[str, Key]  # (part, (layer, expert))
+_NOTHING: Mapping = MappingProxyType({})  # a layer with nothing prefetched for it
 Unit = tuple[Key, str]  # one device computation: an expert's part
 
 
@@ -147,9 +149,9 @@ class ExpertCache:
         """The router has chosen ``needs`` (distinct experts, first-use order): preempt, route, and queue
         the first chunk's demand transfers. The returned work yields the device units to compute."""
         keys = needs.keys_in_order if isinstance(needs, LayerNeeds) else [n.key for n in needs]
-        spec = self.spec.pop(layer, {})
-        predicted = self.predicted.pop(layer, None)
-        guesses = self.shadowed.pop(layer, None)
+        spec = self.spec.pop(layer, _NOTHING) if self.spec else _NOTHING
+        predicted = self.predicted.pop(layer, None) if self.predicted else None
+        guesses = self.shadowed.pop(layer, None) if self.shadowed else None
         if guesses:
             primary = self.parts[self.primary]
             self.stats.shadow_guesses += len(guesses)

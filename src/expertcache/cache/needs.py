@@ -25,7 +25,9 @@ class LayerNeeds(Sequence):
 
     def __init__(self, layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> None:
         self.layer, self.weights = layer, weights
-        self.index = index = np.asarray(index).reshape(-1, np.shape(index)[-1])  # [T, K]
+        if not (isinstance(index, np.ndarray) and index.ndim == 2):
+            index = np.asarray(index).reshape(-1, np.shape(index)[-1])
+        self.index = index  # [T, K]
         if index.shape[0] == 1:
             row = dict.fromkeys(index[0].tolist())
             self.keys_in_order = [(layer, e) for e in row if e >= 0]

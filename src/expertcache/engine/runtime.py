@@ -115,6 +115,7 @@ class Engine:
         host: HostExperts,
     ):
         self.model, self.driver, self.transport, self.parts, self.host = model, driver, transport, parts, host
+        self._one_part = next(iter(parts.values())) if len(parts) == 1 else None
         self.num_layers = len(experts)
         self._experts = list(experts)
         for layer, module in enumerate(experts):
@@ -157,32 +158,46 @@ class Engine:
                     got = rows[expert] = (token_idx, top_k_pos)
             return got
 
-        on_host = {}
-        for need in work.host:
-            expert = need.key[1]
-            on_host[expert] = self.host.submit(module, need.key, hidden[tokens_of(expert)[0]])
-        partial: dict[int, dict[str, torch.Tensor]] = {}
-        for key, part in work.units():
-            expert = key[1]
-            x = hidden[tokens_of(expert)[0]]
-            partial.setdefault(expert, {})[part] = self.parts[part].compute(
-                module, self.transport.views(key, part), x
-            )
-        self.driver.end_layer(layer)
+        # one token (a decode step of one sequence): every expert computes all of ``hidden``, which is
+        # then its own input, as eager's gathered copy would be (the same bytes, shape and alignment)
+        whole = hidden.shape[0] == 1 and hidden.is_contiguous() and hidden.data_ptr() % 64 == 0
+
+        def inputs(expert: int) -> torch.Tensor:
+            return hidden if whole else hidden[tokens_of(expert)[0]]
+
         outputs: dict[int, torch.Tensor] = {}
-        for expert, by_part in partial.items():  # parts summed in the part order, whatever came first
-            out = None
-            for part in self.parts:
-                if part in by_part:
-                    out = by_part[part] if out is None else out + by_part[part]
-            outputs[expert] = out
-        for expert, handle in on_host.items():
-            outputs[expert] = self.host.result(handle)
+        views = self.transport.views
+        if not work.host and self._one_part is not None:  # each unit is a whole expert
+            compute = self._one_part.compute
+            for key, part in work.units():
+                expert = key[1]
+                outputs[expert] = compute(module, views(key, part), inputs(expert))
+            self.driver.end_layer(layer)
+        else:
+            on_host = {}
+            for need in work.host:
+                expert = need.key[1]
+                on_host[expert] = self.host.submit(module, need.key, inputs(expert))
+            partial: dict[int, dict[str, torch.Tensor]] = {}
+            for key, part in work.units():
+                expert = key[1]
+                partial.setdefault(expert, {})[part] = self.parts[part].compute(
+                    module, views(key, part), inputs(expert)
+                )
+            self.driver.end_layer(layer)
+            for expert, by_part in partial.items():  # parts summed in the part order, whatever came first
+                out = None
+                for part in self.parts:
+                    if part in by_part:
+                        out = by_part[part] if out is None else out + by_part[part]
+                outputs[expert] = out
+            for expert, handle in on_host.items():
+                outputs[expert] = self.host.result(handle)
         final = torch.zeros_like(hidden)
         for expert in sorted(outputs):  # eager's order of accumulation
-            token_idx, top_k_pos = rows[expert]
+            token_idx, top_k_pos = tokens_of(expert)
             out = outputs[expert] * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
+            final.index_add_(0, token_idx, out if out.dtype == final.dtype else out.to(final.dtype))
         return final
 
     def close(self) -> None:
