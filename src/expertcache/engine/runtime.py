@@ -158,9 +158,10 @@ class Engine:
                     got = rows[expert] = (token_idx, top_k_pos)
             return got
 
-        # one token (a decode step of one sequence): every expert computes all of ``hidden``, which is
-        # then its own input, as eager's gathered copy would be (the same bytes, shape and alignment)
-        whole = hidden.shape[0] == 1 and hidden.is_contiguous() and hidden.data_ptr() % 64 == 0
+        # one token on a CPU (a decode step of one sequence): every expert computes all of ``hidden``,
+        # which is then its own input, as eager's gathered copy would be (the same bytes, shape and
+        # 64-byte alignment; a GPU keeps the gathered copy, its kernels never having been tried on this)
+        whole = on_cpu and hidden.shape[0] == 1 and hidden.is_contiguous() and hidden.data_ptr() % 64 == 0
 
         def inputs(expert: int) -> torch.Tensor:
             return hidden if whole else hidden[tokens_of(expert)[0]]
