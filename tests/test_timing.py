@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from expertcache.cache.schedule import build_schedule
@@ -702,6 +702,7 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):
     assert code == 2 and words in err and err.count("\n") == 1
 
 
+@example(policy="lru", miss="fetch", predictor=None, share=0.3, seed=0)  # the shortcut with misses
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(["lru", "fifo", "lfu", "llru", "mrs"]),
