@@ -157,79 +157,28 @@ def in_generation(path: Path | None, tier: str, tokens: int, rounds: int, thread
     }
 
 
-def parallel_copies(
-    path: Path, tier: str, tokens: int, rounds: int, threads: int
-) -> dict[str, object] | None:
-    """A miss's copy through torch's intra-op threads (``store.PARALLEL_BYTES``) against numpy's one,
-    in one process: each round generates at 25 % with the runs of ``PARALLEL_BYTES`` or more copied
-    by torch's threads, at 25 % with every copy by numpy (the limit out of reach), and at 100 %, the
-    order rotating. Per variant, the median over rounds of the TPOT over 100 %'s of the same round,
-    over the decode misses per token. None before the change (no ``PARALLEL_BYTES``)."""
-    from expertcache.engine import store
-
-    limit = getattr(store, "PARALLEL_BYTES", None)
-    if limit is None:
-        return None
+def against_full(
+    path: Path | None, tier: str, tokens: int, rounds: int, threads: int, variants: tuple[str, str], switch
+) -> dict[str, object]:
+    """Two variants of the model at 25 % and the model at 100 %, in one process: each round generates
+    greedily on each of the three, the order rotating; ``switch(model, name)`` sets the 25 % model up as
+    variant ``name`` before each of its runs (``switch(model, None)`` restores it at the end). Per
+    variant, the median over rounds of the TPOT over 100 %'s of the same round, over the decode misses
+    per token; and the median of the two variants' paired difference."""
     torch.set_num_threads(threads)
     kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False, warmup=False)
     low, full = (expertcache.load(path, expert_memory=b, **kw) for b in ("25%", "100%"))
-    variants = {"torch threads": (low, limit), "numpy": (low, 1 << 62), "100%": (full, limit)}
+    names = [*variants, "100%"]
     for m in (low, full):
         m.generate_text(PROMPT, max_new_tokens=8)
-    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-    names = list(variants)
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
+    tokens_of: dict[str, list[int]] = {}
     try:
         for r in range(rounds):
             for name in names[r % 3 :] + names[: r % 3]:
-                m, store.PARALLEL_BYTES = variants[name]
-                before = int(m.cache.stats.misses[0].sum())
-                g = m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
-                runs[name].append(
-                    (g.tpot_s, (int(m.cache.stats.misses[0].sum()) - before) / (len(g.tokens) - 1))
-                )
-    finally:
-        store.PARALLEL_BYTES = limit
-        low.close()
-        full.close()
-    misses = statistics.median(n for _, n in runs["numpy"] + runs["torch threads"])
-    out: dict[str, object] = {"torch_threads": threads, "tokens": tokens, "rounds": rounds}
-    out["tpot_ms"] = {v: round(statistics.median(t for t, _ in runs[v]) * 1e3, 3) for v in names}
-    out["tpot_runs_ms"] = {v: [round(t * 1e3, 3) for t, _ in runs[v]] for v in names}
-    out["decode_misses_per_token"] = round(misses, 2)
-    for v in ("torch threads", "numpy"):
-        paired = statistics.median(a - b for (a, _), (b, _) in zip(runs[v], runs["100%"], strict=True))
-        out[f"per_miss_us {v}"] = round(paired / misses * 1e6, 1) if misses else None
-    diff = statistics.median(
-        a - b for (a, _), (b, _) in zip(runs["torch threads"], runs["numpy"], strict=True)
-    )
-    out["tpot_torch_threads_minus_numpy_ms"] = round(diff * 1e3, 2)
-    return out
-
-
-def plain_layers(
-    path: Path | None, tier: str, tokens: int, rounds: int, threads: int
-) -> dict[str, object] | None:
-    """A layer with misses served by ``ExpertCache._plain_layer`` (no routing or admission machinery)
-    against the full path, in one process: each round generates at 25 % with the shortcut, at 25 % with
-    layers that miss sent down the full path (the cache's ``_fetches`` off: what every layer with a miss
-    took before), and at 100 %, the order rotating; per variant, the median over rounds of the TPOT over
-    100 %'s of the same round, over the decode misses per token. None before the change."""
-    from expertcache.cache.expert_cache import ExpertCache
-
-    if not hasattr(ExpertCache, "_plain_layer"):
-        return None
-    torch.set_num_threads(threads)
-    kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False, warmup=False)
-    low, full = (expertcache.load(path, expert_memory=b, **kw) for b in ("25%", "100%"))
-    variants = {"plain layers": (low, True), "full path": (low, False), "100%": (full, True)}
-    for m in (low, full):
-        m.generate_text(PROMPT, max_new_tokens=8)
-    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-    names, tokens_of = list(variants), {}
-    try:
-        for r in range(rounds):
-            for name in names[r % 3 :] + names[: r % 3]:
-                m, m.cache._fetches = variants[name]
+                m = full if name == "100%" else low
+                if m is low:
+                    switch(low, name)
                 before = int(m.cache.stats.misses[0].sum())
                 g = m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
                 runs[name].append(
@@ -237,22 +186,57 @@ def plain_layers(
                 )
                 tokens_of.setdefault(name, list(g.tokens))
     finally:
+        switch(low, None)
         low.close()
         full.close()
-    misses = statistics.median(n for _, n in runs["plain layers"] + runs["full path"])
+    misses = statistics.median(n for v in variants for _, n in runs[v])
     out: dict[str, object] = {"torch_threads": threads, "tokens": tokens, "rounds": rounds}
     out["tpot_ms"] = {v: round(statistics.median(t for t, _ in runs[v]) * 1e3, 3) for v in names}
     out["tpot_runs_ms"] = {v: [round(t * 1e3, 3) for t, _ in runs[v]] for v in names}
     out["decode_misses_per_token"] = round(misses, 2)
     out["tokens_equal"] = len({tuple(t) for t in tokens_of.values()}) == 1
-    for v in ("plain layers", "full path"):
+    for v in variants:
         paired = statistics.median(a - b for (a, _), (b, _) in zip(runs[v], runs["100%"], strict=True))
         out[f"per_miss_us {v}"] = round(paired / misses * 1e6, 1) if misses else None
-    diff = statistics.median(
-        a - b for (a, _), (b, _) in zip(runs["plain layers"], runs["full path"], strict=True)
-    )
-    out["tpot_plain_minus_full_ms"] = round(diff * 1e3, 3)
+    first, second = (runs[v] for v in variants)
+    diff = statistics.median(a - b for (a, _), (b, _) in zip(first, second, strict=True))
+    out["tpot_{}_minus_{}_ms".format(*(v.replace(" ", "_") for v in variants))] = round(diff * 1e3, 3)
     return out
+
+
+def parallel_copies(
+    path: Path, tier: str, tokens: int, rounds: int, threads: int
+) -> dict[str, object] | None:
+    """A miss's copy through torch's intra-op threads (``store.PARALLEL_BYTES``) against numpy's one
+    (the limit out of reach), at 25 %, against 100 % (``against_full``). None before the change (no
+    ``PARALLEL_BYTES``)."""
+    from expertcache.engine import store
+
+    limit = getattr(store, "PARALLEL_BYTES", None)
+    if limit is None:
+        return None
+
+    def switch(m, name: str | None) -> None:
+        store.PARALLEL_BYTES = 1 << 62 if name == "numpy" else limit
+
+    return against_full(path, tier, tokens, rounds, threads, ("torch threads", "numpy"), switch)
+
+
+def plain_layers(
+    path: Path | None, tier: str, tokens: int, rounds: int, threads: int
+) -> dict[str, object] | None:
+    """A layer with misses served by ``ExpertCache._plain_layer`` (no routing or admission machinery)
+    against the full path (the cache's ``_fetches`` off: what every layer with a miss took before), at
+    25 %, against 100 % (``against_full``). None before the change."""
+    from expertcache.cache.expert_cache import ExpertCache
+
+    if not hasattr(ExpertCache, "_plain_layer"):
+        return None
+
+    def switch(m, name: str | None) -> None:
+        m.cache._fetches = name != "full path"
+
+    return against_full(path, tier, tokens, rounds, threads, ("plain layers", "full path"), switch)
 
 
 def main() -> int:
