@@ -20,7 +20,9 @@ reads from the disk, nothing left in the page cache) and model, medians over dis
   ``PARALLEL_BYTES`` or more, as the engine does on the model's thread) against numpy's single thread,
   in one process, interleaved with 100 %, on one torch thread per processor (``parallel_copies``);
 - ``plain_layers``: layers with misses served by the cache's plain-layer shortcut against its full path
-  (routes, chunks, admission), in one process, interleaved with 100 % (``plain_layers``).
+  (routes, chunks, admission), in one process, interleaved with 100 % (``plain_layers``);
+- ``in_context``: a miss's copy and the computation of one expert for one token, both timed inside
+  generation at 25 % (``in_context``): the caches as the model's other layers leave them, for both.
 
 Each expert is read once per measurement (a second read of the same one would find it warm). The disk
 tier's figures depend on the disk; the mapped tier's on the page cache being warm (it is read once first).
@@ -120,7 +122,7 @@ def measure(path: Path | None, tier: str, count: int) -> dict[str, object]:
     return out
 
 
-SECTIONS = ("measure", "in_generation", "parallel_copies", "plain_layers")
+SECTIONS = ("measure", "in_generation", "parallel_copies", "plain_layers", "in_context")
 PROMPT = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\ndef main():"
 
 
@@ -239,6 +241,52 @@ def plain_layers(
     return against_full(path, tier, tokens, rounds, threads, ("plain layers", "full path"), switch)
 
 
+def in_context(path: Path | None, tier: str, tokens: int, rounds: int, threads: int) -> dict[str, object]:
+    """A miss's copy and the computation it enables, both timed inside generation at 25 % (``rounds``
+    greedy generations after one to warm up): every copy of an expert into a slot (the tier's
+    ``copy_chunk``, on whichever thread makes it) and every computation of one expert for one token (the
+    cache part's ``compute``). Both see the caches as the model's other layers leave them, where the
+    ``compute`` figure of ``measure`` (one expert again and again) sees them warm."""
+    torch.set_num_threads(threads)
+    kw = dict(device="cpu", slow_tier=tier, prefetch="none", progress=False, warmup=False)
+    m = expertcache.load(path, expert_memory="25%", **kw)
+    m.generate_text(PROMPT, max_new_tokens=8)
+    copies: list[float] = []
+    computes: list[float] = []
+    source, part = next(iter(m.targets.values())).source, m.parts["full"]
+    copy_chunk, compute = source.copy_chunk, part.compute
+
+    def timed_copy(*args) -> None:
+        start = time.perf_counter()
+        copy_chunk(*args)
+        copies.append(time.perf_counter() - start)
+
+    def timed_compute(module, views, x):
+        start = time.perf_counter()
+        out = compute(module, views, x)
+        if x.shape[0] == 1:
+            computes.append(time.perf_counter() - start)
+        return out
+
+    source.copy_chunk, part.compute = timed_copy, timed_compute  # both are looked up at every call
+    try:
+        for _ in range(rounds):
+            m.generate_text(PROMPT, max_new_tokens=tokens, min_new_tokens=tokens)
+    finally:
+        source.copy_chunk, part.compute = copy_chunk, compute
+        m.close()
+    copy_us, compute_us = statistics.median(copies) * 1e6, statistics.median(computes) * 1e6
+    return {
+        "torch_threads": threads,
+        "tokens": tokens,
+        "rounds": rounds,
+        "copies": len(copies),
+        "copy_us": round(copy_us, 1),
+        "compute_1_token_us": round(compute_us, 1),
+        "copy_over_compute": round(copy_us / compute_us, 2),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=150, help="distinct experts per measurement")
@@ -297,6 +345,17 @@ def main() -> int:
             break
         results["plain_layers"][f"{label} {tier} {threads} thread(s)"] = r
         log(f"plain layers, {label} {tier} {threads} thread(s): {r}")
+        write_json(out, results)
+    results["in_context"] = {}
+    for label, tier, threads in (
+        [(lab, tier, t) for lab in tokens for tier in ("host", "mapped") for t in sorted({1, processors})]
+        if "in_context" in only
+        else ()
+    ):
+        path = granite(args.quick) if label == "granite" else None
+        r = in_context(path, tier, tokens[label], args.rounds, threads)
+        results["in_context"][f"{label} {tier} {threads} thread(s)"] = r
+        log(f"in context, {label} {tier} {threads} thread(s): {r}")
         write_json(out, results)
     return 0
 
