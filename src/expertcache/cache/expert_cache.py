@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 from expertcache.cache.needs import LayerNeeds
-from expertcache.cache.residency import SET_PIN_THRESHOLD, Residency
+from expertcache.cache.residency import Residency
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.transfers import DEMAND, FAILED, READY, SPECULATIVE, Transport
 from expertcache.errors import PolicyError
@@ -204,12 +204,8 @@ class ExpertCache:
         else:
             stats.misses[phase, layer] += missed
             part, transport = self.primary, self.transport
-            pinned = keys if len(keys) <= SET_PIN_THRESHOLD else frozenset(keys)
-            for key in keys:  # as ``admit`` does it: hits and insertions in first-use order
-                if key in resident:
-                    policy.on_hit(key)
-                    continue
-                handle = transport.submit(key, primary.insert(key, pinned), DEMAND, part)
+            for key, victim in primary.admit(keys):  # the layer's keys pinned, as ``admit`` pins a chunk
+                handle = transport.submit(key, victim, DEMAND, part)
                 stats.part_misses[part] = stats.part_misses.get(part, 0) + 1
                 if transport.poll(handle) != READY:
                     self.inflight[(part, key)] = handle

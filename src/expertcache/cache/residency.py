@@ -20,7 +20,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from expertcache.errors import PolicyError
 from expertcache.policy.base import Key, Policy
 
-SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
+_SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
 
 
 def group_experts(rows: Iterable[Iterable[int]]) -> list[int]:
@@ -88,7 +88,7 @@ class Residency:
         if policy.observes:
             policy.on_request(chunk, None if scores is None else [scores.get(k, 0.0) for k in chunk])
         if pinned is None:
-            pinned = chunk if len(chunk) <= SET_PIN_THRESHOLD else frozenset(chunk)
+            pinned = chunk if len(chunk) <= _SET_PIN_THRESHOLD else frozenset(chunk)
         for key in chunk:
             if key in res:
                 policy.on_hit(key)
