@@ -5,10 +5,7 @@ alone, a full queue, a client that leaves, metrics, and a real server process st
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,7 +17,8 @@ from engine_fixtures import engine_load
 from fastapi.testclient import TestClient
 
 from expertcache.cli import main
-from expertcache.config import SamplingConfig
+from expertcache.config import SamplingConfig, ServeConfig
+from expertcache.serve import batcher as batcher_module
 from expertcache.serve.app import create_app
 
 _one_torch_thread = engine_fixtures._one_torch_thread
@@ -30,6 +28,7 @@ tokenizer_dir = engine_fixtures.tokenizer_dir
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 PROMPTS = ["hello world", "the quick brown fox", "jumps over", "a lazy dog"]
+BASE = "http://localhost"  # a loopback Host name: the server refuses others by default
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +37,8 @@ def served(make_ckpt):
     path = make_ckpt("mixtral")
     model = engine_load(path, 8, record=False)
     model.tokenizer.chat_template = TEMPLATE
-    with TestClient(create_app(model, "tiny", max_queue=8)) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    with TestClient(create_app(model, "tiny", ServeConfig(max_queue=8)), base_url=BASE) as http:
+        client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
         yield model, http, client
     model.close()
 
@@ -178,11 +177,35 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
             400,
             "max_tokens: Input should be a valid integer",
         ),
+        # the vocabulary bounds top_k (4097 and 2**63 used to kill the generation loop)
+        ({"model": "tiny", "prompt": "x", "temperature": 1, "top_k": 301}, 400, "top_k: at most the vocab"),
+        ({"model": "tiny", "prompt": "x", "temperature": 1, "top_k": 2**63}, 400, "top_k: at most the vocab"),
+        # fields accepted and ignored before: refused unless they ask for nothing
+        (
+            {"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "tool_choice": "auto"},
+            400,
+            "not supported by this server: tool_c",
+        ),
+        ({"model": "tiny", "prompt": "x", "function_call": "auto"}, 400, "function_call"),
+        ({"model": "tiny", "prompt": "x", "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+        ({"model": "tiny", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        ({"model": "tiny", "prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
+        ({"model": "tiny", "prompt": "x", "ignore_eos": True}, 400, "ignore_eos"),
+        ({"model": "tiny", "prompt": "x", "no_such_field": 1}, 400, "not a field this server takes: no_such"),
+        # a lone surrogate: 400, not a 500 from the tokenizer
+        ({"model": "tiny", "prompt": "a\ud800b"}, 400, "prompt: not valid Unicode text: a lone surrogate"),
+        ({"model": "tiny", "prompt": "x", "stop": ["\udfff"]}, 400, "lone surrogate"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, status, words):
     model, http, client = served
-    r = http.post("/v1/completions", json=body)
+    raw = json.dumps(body).encode()  # json.dumps escapes a lone surrogate as JSON allows
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["type"]
@@ -220,13 +243,14 @@ def test_a_client_that_leaves_cancels_its_request(served):
     assert "expertcache_cancelled_requests_total 0.0" not in http.get("/metrics").text
 
 
-def test_a_full_queue_answers_503(make_ckpt):
+def test_a_full_queue_answers_503_with_retry_after(make_ckpt):
     model = engine_load(make_ckpt("mixtral"), 8, record=False)
     try:
-        with TestClient(create_app(model, "tiny", max_queue=1)) as http:
+        with TestClient(create_app(model, "tiny", ServeConfig(max_queue=1)), base_url=BASE) as http:
             http.app.state.batcher.jobs["someone"] = None  # one request running: the queue is full
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1"
             del http.app.state.batcher.jobs["someone"]
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
             assert r.status_code == 200
@@ -234,16 +258,170 @@ def test_a_full_queue_answers_503(make_ckpt):
         model.close()
 
 
-def test_an_api_key_is_required_when_set(make_ckpt):
+def test_the_key_guards_everything_but_health_and_docs_are_off(make_ckpt):
     model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    key = {"Authorization": "Bearer s3cret"}
     try:
-        with TestClient(create_app(model, "tiny", api_key="s3cret")) as http:
+        with TestClient(create_app(model, "tiny", ServeConfig(api_key="s3cret")), base_url=BASE) as http:
             assert http.get("/v1/models").status_code == 401
             assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-            assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-            assert http.get("/health").status_code == 200  # health and metrics stay open
+            assert http.get("/v1/models", headers=key).status_code == 200
+            assert http.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+            assert http.get("/v1/models", headers={"Authorization": "BEARER  s3cret "}).status_code == 200
+            assert http.get("/v1/models?api_key=s3cret").status_code == 401  # only the header counts
+            assert http.get("/health").status_code == 200  # health stays open
+            for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/nothing"):
+                r = http.get(path)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert http.get("/metrics", headers=key).status_code == 200
+            for path in ("/docs", "/redoc", "/openapi.json"):  # off unless --docs
+                assert http.get(path, headers=key).status_code == 404
+            assert http.get("/health", headers={"host": "rebound.example:8000"}).status_code == 400
+        config = ServeConfig(api_key="s3cret", metrics_open=True, docs=True, allowed_hosts=("box.lan",))
+        with TestClient(create_app(model, "tiny", config), base_url="http://box.lan:8000") as http:
+            assert http.get("/metrics").status_code == 200  # --metrics-open
+            assert http.get("/openapi.json").status_code == 401
+            assert http.get("/openapi.json", headers=key).status_code == 200  # --docs, behind the key
+            assert http.get("/docs", headers=key).status_code == 200
+            r = http.get("/health", headers={"host": "other.lan"})
+            assert r.status_code == 400 and "--allowed-host" in r.json()["error"]["message"]
     finally:
         model.close()
+
+
+def test_a_tiny_temperature_is_greedy_and_developer_is_a_system_message(served):
+    model, http, client = served
+    greedy = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6).choices[0].text
+    for t in (1e-300, 1e-45, 1e-6):  # 1e-300 and 1e-45 overflowed the logits and killed the loop
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=t, seed=3)
+        assert r.choices[0].text == greedy
+    as_system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    want = client.chat.completions.create(model="tiny", messages=as_system, max_tokens=5)
+    as_developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    got = client.chat.completions.create(model="tiny", messages=as_developer, max_tokens=5)
+    assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_lengths_are_checked_against_the_kv_cache_and_the_default_fits(make_ckpt):
+    model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    try:
+        with TestClient(create_app(model, "tiny", ServeConfig(kv_tokens=200)), base_url=BASE) as http:
+            assert http.app.state.batcher.kv_tokens == 256  # whole pages
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 40, "max_tokens": 250})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+            assert "the server's KV cache (--kv-cache-tokens) of 256 tokens" in err["message"]
+            # without max_tokens the answer is as long as fits (it used to ask for 256 and fail)
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 40})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] <= 256
+            # too long a prompt is refused by its characters, before it is tokenised
+            limits_chars = 2048 * max(len(t) for t in model.tokenizer.get_vocab())
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "y" * (limits_chars + 1)})
+            assert r.status_code == 400 and "cannot fit the model's context of 2048" in r.text
+    finally:
+        model.close()
+
+
+def test_an_exception_in_a_route_is_a_json_500_without_its_text(served, monkeypatch):
+    model, http, client = served
+
+    def broken(*a, **k):
+        raise RuntimeError("raw torch text that must not reach a client")
+
+    monkeypatch.setattr("expertcache.serve.app.render", broken)
+    r = http.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert "incident" in err["message"] and "raw torch" not in r.text and err["type"] == "server_error"
+    monkeypatch.undo()
+    assert (
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
+        == 200
+    )
+
+
+@pytest.fixture
+def watched(make_ckpt):
+    """A server of its own for the watchdog tests (they break its loop)."""
+    model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    with TestClient(create_app(model, "tiny", ServeConfig(max_queue=8)), base_url=BASE) as http:
+        yield model, http
+    model.close()
+
+
+def _ask(http, n: int = 4, stream: bool = False):
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": n, "stream": stream}
+    if not stream:
+        return http.post("/v1/completions", json=body)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_an_exception_in_a_step_fails_its_requests_and_the_loop_goes_on(watched):
+    model, http = watched
+    want = _ask(http).json()["choices"][0]["text"]
+    fired = []
+
+    def explode(module, args):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected failure in a step")
+
+    hook = model.model.register_forward_pre_hook(explode)
+    try:
+        r = _ask(http)
+        assert r.status_code == 500 and "incident" in r.json()["error"]["message"]
+        assert "injected" not in r.text  # the log has it, the client does not
+        lines = _ask(http, stream=True)  # the loop was started again: served as before
+        assert lines[-1] == "data: [DONE]" and "error" not in lines[-2]
+        assert _ask(http).json()["choices"][0]["text"] == want
+    finally:
+        hook.remove()
+    assert http.get("/health").json() == {"status": "ok"}
+    assert len(http.app.state.batcher.restarts) == 1
+    assert "expertcache_requests_in_flight 0.0" in http.get("/metrics").text
+
+
+def test_an_exception_in_the_dispatching_loop_ends_running_streams_with_an_error(watched, monkeypatch):
+    model, http = watched
+    batcher = http.app.state.batcher
+    real = batcher.manager.get_result
+    calls = []
+
+    def flaky(*a, **k):
+        out = real(*a, **k)
+        if out is not None and not calls:  # fails while a request is running
+            calls.append(out)
+            raise RuntimeError("injected failure in the dispatcher")
+        return out
+
+    monkeypatch.setattr(batcher.manager, "get_result", flaky)
+    lines = _ask(http, n=50, stream=True)
+    assert calls and '"error"' in lines[-2] and "incident" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert _ask(http).status_code == 200 and http.get("/health").status_code == 200
+
+
+def test_a_loop_that_keeps_failing_fails_fast_instead_of_hanging(watched, monkeypatch):
+    model, http = watched
+    monkeypatch.setattr(batcher_module, "MAX_RESTARTS", 1)
+
+    def explode(module, args):
+        raise RuntimeError("injected failure in every step")
+
+    hook = model.model.register_forward_pre_hook(explode)
+    try:
+        assert _ask(http).status_code == 500  # restarted once
+        assert _ask(http).status_code == 500  # and given up on
+        r = _ask(http)
+        assert r.status_code == 503 and r.headers["retry-after"] and "restart the server" in r.text
+        health = http.get("/health")
+        assert health.status_code == 503 and "failed 2 times" in health.json()["reason"]
+    finally:
+        hook.remove()
 
 
 def test_serve_refuses_a_port_in_use_before_loading(capsys):
@@ -269,59 +447,3 @@ def test_serve_bad_options_are_one_line(capsys):
 
 def _metric(text: str, name: str) -> str:
     return next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))
-
-
-def _get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_real_server_answers_the_openai_client_and_stops_on_sigterm(ckpt):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--model", str(ckpt("mixtral")),
-           "--device", "cpu", "--port", str(port), "--expert-memory", "50%", "--quiet"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.time() + 120
-        while True:
-            try:
-                name = client.models.list().data[0].id
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-                time.sleep(0.5)
-        r = client.completions.create(model=name, prompt="hello", max_tokens=3)
-        assert r.usage.completion_tokens >= 1
-        impatient = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=0.3
-        )
-        with pytest.raises(openai.APITimeoutError):  # a plain request whose client leaves is cancelled
-            impatient.completions.create(model=name, prompt="hello", max_tokens=900)
-        metrics = f"http://127.0.0.1:{port}/metrics"
-        deadline = time.time() + 30
-        while "expertcache_cancelled_requests_total 1.0" not in _get(metrics) and time.time() < deadline:
-            time.sleep(0.2)
-        assert "expertcache_cancelled_requests_total 1.0" in _get(metrics)
-        stream = iter(client.completions.create(model=name, prompt="hello", max_tokens=900, stream=True))
-        next(stream)  # a request in flight when the signal comes
-        start = time.time()
-        proc.send_signal(signal.SIGTERM)
-        with pytest.raises(openai.APIError, match="shutting down"):  # not a quiet, seemingly finished end
-            for _ in stream:
-                pass
-        proc.wait(timeout=15)
-        assert time.time() - start < 10 and "Traceback" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert json.dumps(name)

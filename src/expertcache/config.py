@@ -200,6 +200,92 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers' block)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``expertcache serve`` meets its clients: where it listens, who may use it, and the bounds that
+    keep one client from hurting the others (``docs/SERVE.md``, "Limits").
+
+    ``max_queue`` requests running or waiting; a KV cache of ``kv_tokens`` (None: ``max_queue`` x
+    min(context, 2048); rounded up to whole pages of ``KV_PAGE``); a request body of ``max_body`` at
+    most (413); request headers complete within ``header_timeout`` of the connection (or of the last
+    response on it), the body within ``body_timeout`` of its headers (408); an idle keep-alive
+    connection closed after ``idle_timeout``; ``max_connections`` open at once (None: 4096, or less
+    below the open-file limit), the longest-idle dropped first beyond that. ``allowed_hosts`` adds
+    Host names to the loopback ones (``*``: any, behind a proxy that checks them). With an ``api_key``
+    everything but ``/health`` needs it, ``/metrics`` too unless ``metrics_open``; ``docs`` serves
+    ``/docs``, ``/redoc`` and ``/openapi.json`` (behind the key)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 64
+    kv_tokens: int | None = None
+    max_body: str | int = "4MiB"
+    max_connections: int | None = None
+    header_timeout: str | float = "10s"
+    body_timeout: str | float = "30s"
+    idle_timeout: str | float = "5s"
+    allowed_hosts: tuple[str, ...] = ()
+    metrics_open: bool = False
+    docs: bool = False
+    log_level: str = "info"
+    max_body_bytes: int = field(init=False, repr=False)
+    header_timeout_s: float = field(init=False, repr=False)
+    body_timeout_s: float = field(init=False, repr=False)
+    idle_timeout_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ExpertcacheError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queue < 1:
+            raise ExpertcacheError(f"--max-queue must be at least 1, got {self.max_queue}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {self.kv_tokens}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ExpertcacheError(f"--max-connections must be at least 1, got {self.max_connections}")
+        body = parse_size(self.max_body, "--max-body")
+        if body < 1024:
+            raise ExpertcacheError(f"--max-body must be at least 1KiB, got {self.max_body!r}")
+        times = {}
+        for name in ("header_timeout", "body_timeout", "idle_timeout"):
+            flag = "--" + name.replace("_", "-")
+            times[name + "_s"] = t = parse_duration(getattr(self, name), flag)
+            if t <= 0:
+                raise ExpertcacheError(f"{flag} must be longer than 0, got {getattr(self, name)!r}")
+        hosts = tuple(host_name(h) for h in self.allowed_hosts)
+        if any(not h for h in hosts):
+            raise ExpertcacheError(f"--allowed-host needs a host name, got {list(self.allowed_hosts)!r}")
+        _set(self, max_body_bytes=int(body), allowed_hosts=hosts, **times)
+
+    @property
+    def kv_rounded(self) -> int | None:
+        """``kv_tokens`` in whole pages, as the cache holds them (None: the default size)."""
+        return None if self.kv_tokens is None else -(-self.kv_tokens // KV_PAGE) * KV_PAGE
+
+    def host_names(self) -> frozenset[str] | None:
+        """The Host header names served (None: any): loopback, ``allowed_hosts``, and the address bound
+        when it is one address (not 0.0.0.0 or ::)."""
+        if "*" in self.allowed_hosts:
+            return None
+        bound = host_name(self.host)
+        extra = (bound,) if bound not in ("0.0.0.0", "::", "") else ()
+        return frozenset(LOOPBACK_HOSTS + self.allowed_hosts + extra)
+
+
+def host_name(host: str) -> str:
+    """A Host header's (or an address's) name: lower case, no port, no brackets, no trailing dot."""
+    host = str(host).strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        host = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:  # name:port (an IPv6 address without brackets has several colons)
+        host = host.split(":")[0]
+    return host.rstrip(".")
+
+
 def as_config(value: object, cls: type):
     """``value`` as a ``cls`` config: itself, None (the defaults), or the config's first field (a spec)."""
     if isinstance(value, cls):

@@ -39,35 +39,102 @@ def add_parser(sub) -> None:
         "--kv-cache-tokens", type=int, metavar="N",
         help="tokens the KV cache holds for all requests (default: max-queue x min(context, 2048))",
     )  # fmt: skip
+    s.add_argument(
+        "--max-body",
+        default="4MiB",
+        metavar="SIZE",
+        help="largest request body; larger ones get 413 before they are read (default 4MiB)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="connections open at once; beyond it the longest-idle is closed (default 4096, below the "
+        "open-file limit)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        default="10s",
+        metavar="TIME",
+        help="a connection must send its request's headers within this, else it is closed (default 10s)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        default="30s",
+        metavar="TIME",
+        help="the request body must arrive within this of its headers, else 408 (default 30s)",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        default="5s",
+        metavar="TIME",
+        help="an idle keep-alive connection is closed after this (default 5s)",
+    )
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header name clients may use besides localhost, 127.0.0.1 and ::1 (repeat it; "
+        "'*' for any, behind a proxy that checks it)",
+    )
+    s.add_argument(
+        "--metrics-open", action="store_true", help="/metrics without the API key (it needs it by default)"
+    )
+    s.add_argument(
+        "--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)"
+    )
     s.add_argument("--quiet", action="store_true", help="no access log or progress on stderr")
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if not 0 < args.port < 65536:
-        raise ExpertcacheError(f"--port must be in 1..65535, got {args.port}")
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
-        raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {args.kv_cache_tokens}")
-    if args.max_queue < 1:
-        raise ExpertcacheError(f"--max-queue must be at least 1, got {args.max_queue}")
+    from expertcache.config import LOOPBACK_HOSTS, ServeConfig
+
+    config = ServeConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("EXPERTCACHE_API_KEY"),
+        max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, max_body=args.max_body,
+        max_connections=args.max_connections, header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
+        allowed_hosts=tuple(args.allowed_host), metrics_open=args.metrics_open, docs=args.docs,
+        log_level="warning" if args.quiet else "info",
+    )  # fmt: skip
     _check_port(args.host, args.port)  # before the model loads
     from expertcache.engine.hub import model_label
     from expertcache.serve import run
 
-    model = load_model(args, record=False)
-    name = args.served_model_name or (args.model if args.model else model_label(model.path))
-    key = args.api_key or os.environ.get("EXPERTCACHE_API_KEY")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+    if config.kv_tokens is not None and config.kv_rounded != config.kv_tokens:
         print(
-            f"note: serving on {args.host} without an API key: anyone who can reach it can use it",
+            f"note: --kv-cache-tokens {config.kv_tokens} rounded up to {config.kv_rounded} "
+            "(the KV cache holds whole pages of 256 tokens)",
             file=sys.stderr,
         )
+    if args.host not in LOOPBACK_HOSTS:
+        if not config.api_key:
+            print(
+                f"note: serving on {args.host} without an API key: anyone who can reach it can use it",
+                file=sys.stderr,
+            )
+        if config.host_names() is not None and not config.allowed_hosts:
+            print(
+                f"note: clients must name this server {', '.join(sorted(config.host_names()))} in their "
+                "Host header; add the names they use with --allowed-host NAME",
+                file=sys.stderr,
+            )
+    model = load_model(args, record=False)
+    name = args.served_model_name or (args.model if args.model else model_label(model.path))
+    stopped = True  # run() raising means no loop was left running
     try:
-        level = "warning" if args.quiet else "info"
-        run(model, name, args.host, args.port, key, args.max_queue, level, args.kv_cache_tokens)
+        stopped = run(model, name, config)
     finally:
-        model.close()
+        if stopped:
+            model.close()
+        else:  # closing the engine under a loop still computing would fail inside it
+            print(
+                "note: the generation loop was still running at exit; the engine was not closed",
+                file=sys.stderr,
+            )
     return 0
 
 

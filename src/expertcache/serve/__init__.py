@@ -2,35 +2,67 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 
-def run(
-    model,
-    name: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_queue: int = 64,
-    log_level: str = "info",
-    kv_tokens: int | None = None,
-) -> None:
-    """Serve ``model`` until SIGINT or SIGTERM (in-flight requests are ended within a few seconds)."""
+from expertcache.config import ServeConfig
+
+
+def run(model, name: str, config: ServeConfig | None = None) -> bool:
+    """Serve ``model`` under the id ``name`` until SIGINT or SIGTERM; True when its generation loop
+    stopped (the engine may be closed). On the signal the server stops admitting requests, ends the
+    running ones with an error event, stops the loop after its current step and returns (exit 0)."""
     import uvicorn
 
     from expertcache.serve.app import create_app
+    from expertcache.serve.connections import (
+        connection_cap,
+        guarded_protocol,
+        quiet_accept_errors,
+        raise_file_limit,
+    )
 
-    app = create_app(model, name, api_key=api_key, max_queue=max_queue, kv_tokens=kv_tokens)
+    config = config or ServeConfig()
+    app = create_app(model, name, config)
+    cap = connection_cap(config.max_connections, raise_file_limit())
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            """On SIGINT/SIGTERM, running requests end with an error event first, before uvicorn closes
-            their connections: a client can tell a cut-off answer from a finished one."""
+            """Requests still running end with an error event first, before uvicorn closes their
+            connections (a client can tell a cut-off answer from a finished one); the signal is not
+            raised again after the shutdown, so a clean stop exits 0."""
             batcher = getattr(app.state, "batcher", None)
             if batcher is not None:
+                batcher.stop_admitting()
                 batcher.fail_all()
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
-    Server(config).run()
+        async def startup(self, sockets=None) -> None:
+            import asyncio
+
+            quiet_accept_errors(asyncio.get_running_loop())
+            await super().startup(sockets)
+
+    uv = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        http=guarded_protocol(cap, config.header_timeout_s), timeout_keep_alive=config.idle_timeout_s,
+        timeout_graceful_shutdown=3, server_header=False,
+    )  # fmt: skip
+    logging.getLogger("uvicorn.access").addFilter(_no_query)
+    Server(uv).run()
+    return getattr(app.state, "loop_stopped", True)
 
 
-__all__ = ["run"]
+def _no_query(record: logging.LogRecord) -> bool:
+    """The access log without query strings: a key sent as ``?api_key=...`` is not written to it."""
+    if isinstance(record.args, tuple) and len(record.args) >= 3 and isinstance(record.args[2], str):
+        args = list(record.args)
+        path, query, _ = args[2].partition("?")
+        args[2] = path + ("?..." if query else "")
+        record.args = tuple(args)
+    return True
+
+
+__all__ = ["ServeConfig", "run"]

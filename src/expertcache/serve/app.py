@@ -2,31 +2,40 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 as server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /health`` and
-``GET /metrics`` (Prometheus). Every error is OpenAI's JSON error object with a 4xx status (503 when the
-queue is full); one bad request never disturbs the others. The generation loop is ``serve.batcher``.
+``GET /metrics`` (Prometheus). Every error is OpenAI's JSON error object with a 4xx status (503 with
+``Retry-After`` when the queue is full or the server is stopping; 500 with an incident id the log
+repeats, never raw exception text); one bad request never disturbs the others. Every request first
+passes ``serve.gate`` (Host, key, body size and time); the generation loop is ``serve.batcher``.
+
+A request is checked against the model before it reaches the loop: ``top_k`` at most the vocabulary,
+the prompt's characters against what the context can hold (before tokenising, which runs off the event
+loop), and prompt plus ``max_tokens`` against both the context and the KV cache (400 naming the limit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from expertcache.config import ServeConfig
 from expertcache.engine.generation import render
 from expertcache.errors import ExpertcacheError
-from expertcache.serve.batcher import Batcher, QueueFull
+from expertcache.serve.batcher import Batcher, QueueFull, Unavailable
+from expertcache.serve.gate import Gate
 from expertcache.serve.metrics import CONTENT_TYPE, Metrics
 from expertcache.serve.schemas import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256
+RETRY_AFTER_S = 1  # a full queue frees a slot within about a request's time: ask again soon
 
 
 class ApiError(Exception):
@@ -42,32 +51,26 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
 
-def create_app(
-    model, name: str, api_key: str | None = None, max_queue: int = 64, kv_tokens: int | None = None
-) -> FastAPI:
-    """The app serving ``model`` (an ``OffloadedModel``) under the model id ``name``; ``max_queue``
-    requests running or waiting at most, a KV cache of ``kv_tokens`` (see ``Batcher``)."""
+def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
+    """The app serving ``model`` (an ``OffloadedModel``) under the model id ``name``, as ``config`` says
+    (``ServeConfig``: the queue, the KV cache, the key, the bounds on requests and the docs pages)."""
+    config = config or ServeConfig()
     metrics = Metrics(model)
     state: dict[str, Batcher] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["batcher"] = app.state.batcher = Batcher(model, max_queue, metrics, kv_tokens)
+        batcher = Batcher(model, config.max_queue, metrics, config.kv_tokens)
+        state["batcher"] = app.state.batcher = batcher
         yield
-        state.pop("batcher").close()
+        state.pop("batcher")
+        app.state.loop_stopped = batcher.close()
 
-    app = FastAPI(title="expertcache", lifespan=lifespan)
-    limit = getattr(model.config, "max_position_embeddings", None)
-
-    async def check_key(request: Request) -> None:
-        """A dependency of every /v1 route, not a middleware: Starlette's HTTP middleware would hide a
-        client's disconnect from the endpoint, which cancels a request whose client went away."""
-        if api_key:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="expertcache", lifespan=lifespan, **docs)
+    app.add_middleware(Gate, config=config, metrics=metrics)
+    limits = Limits(model)
+    v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -81,9 +84,14 @@ def create_app(
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
             return _error(ApiError(400, f"the body is not valid JSON ({why})"))
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
+        # the field's path without pydantic's own steps (``function-after[...]``, a union's member type)
+        loc = [str(p) for p in first.get("loc", ())[1:] if isinstance(p, int) or p.isidentifier()]
+        where = ".".join(loc) or "body"
         param = where if where != "body" else None
-        return _error(ApiError(400, f"{where}: {first.get('msg')}", code="invalid_value", param=param))
+        msg = str(first.get("msg")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            msg = "not a field this server takes (docs/SERVE.md lists them)"
+        return _error(ApiError(400, f"{where}: {msg}", code="invalid_value", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -91,7 +99,11 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if "batcher" in state else "starting"}
+        batcher = state.get("batcher")
+        ok, why = batcher.health() if batcher is not None else (False, "starting or stopping")
+        if ok:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": why}, 503, {"Retry-After": "5"})
 
     @app.get("/metrics")
     async def prometheus():
@@ -106,43 +118,44 @@ def create_app(
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
-        ids = model.tokenizer(req.prompt).input_ids
+        _check(req, limits, name)
+        limits.check_chars(len(req.prompt))
+        ids = await run_in_threadpool(lambda: model.tokenizer(req.prompt).input_ids)
         echo = req.prompt if req.echo else ""
         return await _generate(req, request, ids, "text_completion", req.max_tokens, echo)
 
     @v1.post("/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        _check(req, limits, name)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        limits.check_chars(sum(len(m["content"]) for m in messages))
+
+        def tokenize() -> list[int]:
             text = render(model.tokenizer, messages, True)
+            return model.tokenizer(text, add_special_tokens=False).input_ids
+
+        try:
+            ids = await run_in_threadpool(tokenize)
         except (ValueError, ExpertcacheError) as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
-        ids = model.tokenizer(text, add_special_tokens=False).input_ids
         return await _generate(req, request, ids, "chat.completion", req.limit)
 
     async def _generate(req, request: Request, ids: list[int], kind: str, max_tokens: int | None, echo=""):
-        if req.model != name:
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; this server serves {name!r}",
-                code="model_not_found",
-            )
-        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
-        if limit is not None and len(ids) + max_tokens > limit:
-            raise ApiError(
-                400,
-                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's "
-                f"context of {limit}",
-                code="context_length_exceeded",
-            )
+        max_tokens = limits.check_lengths(len(ids), max_tokens, state.get("batcher"))
         batcher = state.get("batcher")
         if batcher is None:
             raise ApiError(503, "the server is starting or stopping", "server_error")
+        await batcher.ready()
         try:
             stop = tuple(req.stop or ())
             job = batcher.submit(ids, max_tokens, req.temperature, req.top_p, req.top_k, stop, req.seed)
         except QueueFull as exc:
             raise ApiError(503, str(exc), "server_error", "queue_full") from None
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), "server_error", "unavailable") from None
         head = {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{job.id}",
             "created": int(time.time()),
@@ -178,6 +191,7 @@ def create_app(
         async for piece in batcher.pieces(job):
             last = piece
             if piece.error:
+                metrics.answered(_path(kind), 500)
                 yield {"data": json.dumps({"error": {"message": piece.error, "type": "server_error"}})}
                 break
             text = (echo if first else "") + piece.text
@@ -197,6 +211,58 @@ def create_app(
 
     app.include_router(v1)
     return app
+
+
+class Limits:
+    """What one request may ask of the model: its vocabulary (``top_k``), its context, and the
+    characters a prompt can have and still fit it (the context times the longest token's characters:
+    a longer prompt cannot fit, and is refused before it is tokenised)."""
+
+    def __init__(self, model) -> None:
+        self.vocab = int(model.config.vocab_size)
+        self.context = getattr(model.config, "max_position_embeddings", None)
+        longest = max((len(t) for t in model.tokenizer.get_vocab()), default=16)
+        self.chars = None if self.context is None else int(self.context) * max(longest, 1)
+
+    def check_chars(self, chars: int) -> None:
+        if self.chars is not None and chars > self.chars:
+            raise ApiError(
+                400, f"the prompt's {chars} characters cannot fit the model's context of {self.context} "
+                f"tokens (at most {self.chars} characters)", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def check_lengths(self, prompt: int, max_tokens: int | None, batcher) -> int:
+        """``max_tokens`` (None: up to 256, as room allows) after checking prompt + max_tokens against the
+        context and the KV cache."""
+        bounds = [(self.context, "the model's context")] if self.context is not None else []
+        if batcher is not None:
+            bounds.append((batcher.kv_tokens, "the server's KV cache (--kv-cache-tokens)"))
+        room = min((b for b, _ in bounds), default=None)
+        if max_tokens is None:
+            max_tokens = (
+                DEFAULT_MAX_TOKENS if room is None else max(1, min(DEFAULT_MAX_TOKENS, room - prompt))
+            )
+        for bound, what in bounds:
+            if prompt + max_tokens > bound:
+                raise ApiError(
+                    400, f"prompt of {prompt} tokens + max_tokens {max_tokens} exceeds {what} of {bound} "
+                    "tokens", code="context_length_exceeded",
+                )  # fmt: skip
+        return max_tokens
+
+
+def _check(req, limits: Limits, name: str) -> None:
+    if req.model != name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; this server serves {name!r}",
+            code="model_not_found",
+        )
+    if req.top_k is not None and req.top_k > limits.vocab:
+        raise ApiError(
+            400, f"top_k: at most the vocabulary's {limits.vocab} tokens, got {req.top_k}",
+            code="invalid_value", param="top_k",
+        )  # fmt: skip
 
 
 async def _watch(request: Request, batcher, job) -> None:
@@ -220,4 +286,5 @@ def _usage(job, last) -> dict[str, int]:
 
 def _error(exc: ApiError) -> JSONResponse:
     body = {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(body, status_code=exc.status, headers=headers)

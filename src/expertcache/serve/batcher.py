@@ -21,26 +21,44 @@ server's event loop: detokenised incrementally (a window of the last tokens, so 
 linear time), cut at a stop string (held back while it may begin one), finished at eos, a stop string
 or ``max_tokens``. A full queue is refused (``QueueFull``), a cancelled request
 (a client that went away) leaves the batch at the next step.
+
+Supervision: transformers' loop ends for good at the first exception in a step (it fails every request
+it holds and drops every later one without a word). The dispatching thread watches it: when it dies, or
+the dispatcher itself fails, every request still running gets an error piece naming an incident id
+(the log has the traceback), and the loop is started afresh, up to ``MAX_RESTARTS`` times a minute;
+past that the batcher is ``failed``, refuses new requests (``Unavailable``, HTTP 503) and says why in
+``health()``. A request is never left waiting on a loop that is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from expertcache.config import KV_PAGE
 from expertcache.engine.generation import held_back
 from expertcache.errors import ExpertcacheError
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
 FAILED = 4  # RequestStatus.FAILED
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (1e-45 would overflow the logits to inf)
+MAX_RESTARTS = 3  # restarts of the generation loop within RESTART_WINDOW before the batcher gives up
+RESTART_WINDOW = 60.0
+log = logging.getLogger("expertcache.serve")
 
 
 class QueueFull(ExpertcacheError):
     """More requests are waiting or running than the server takes (HTTP 503)."""
+
+
+class Unavailable(ExpertcacheError):
+    """The batcher takes no request now: stopping, or its generation loop failed for good (HTTP 503)."""
 
 
 @dataclass
@@ -105,11 +123,11 @@ class Batcher:
             max_new_tokens=1,
         )
         context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
-        self.kv_tokens = kv_tokens or max_queue * min(context, 2048)
-        page = 256
+        page = KV_PAGE
+        self.kv_tokens = -(-(kv_tokens or max_queue * min(context, 2048)) // page) * page  # whole pages
         try:
-            cb = ContinuousBatchingConfig(
-                per_request_processors=True, page_size=page, num_blocks=-(-self.kv_tokens // page),
+            self._cb = ContinuousBatchingConfig(
+                per_request_processors=True, page_size=page, num_blocks=self.kv_tokens // page,
                 max_batch_tokens=batch_tokens, use_cuda_graph=False, use_async_batching=False,
                 auto_switch_to_flash=False,
             )  # fmt: skip
@@ -118,17 +136,32 @@ class Batcher:
                 "expertcache serve needs a transformers whose continuous batching takes per-request sampling "
                 "(5.23 is tested): pip install -U transformers"
             ) from None
-        self.manager = model.model.init_continuous_batching(
-            generation_config=config, continuous_batching_config=cb
-        )
-        self.sampler = SeededSampler.install(self.manager)
+        self._generation_config = config
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._running = True
-        self.manager.start()
+        self.state, self.reason = "running", None  # running, restarting, stopping or failed; why
+        self.restarts: list[float] = []  # when the generation loop was started again
+        self._start_loop()
         self._thread = threading.Thread(target=self._dispatch, name="expertcache-dispatch", daemon=True)
         self._thread.start()
+
+    def _start_loop(self) -> None:
+        """A new transformers manager (its KV cache, its thread) with our sampler, started."""
+        from copy import deepcopy
+
+        self.manager = self.model.model.init_continuous_batching(
+            generation_config=self._generation_config, continuous_batching_config=deepcopy(self._cb)
+        )
+        self.sampler = SeededSampler.install(self.manager)
+        self.manager.start()
+
+    def health(self) -> tuple[bool, str]:
+        """(serving, why not): False while stopping or after the loop failed for good."""
+        if self.state in ("running", "restarting"):
+            return True, "ok"
+        return False, self.reason or self.state
 
     # ------------------------------------------------------------------------------ requests
     def submit(
@@ -145,23 +178,35 @@ class Batcher:
         ``seed`` (sampling only): the request's tokens are drawn from a generator of its own."""
         loop = asyncio.get_running_loop()
         with self._lock:
+            if self.state != "running":
+                raise Unavailable(self.reason or f"the server is {self.state}")
             if len(self.jobs) >= self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self.jobs)} requests running or waiting")
             job = Job(f"r{next(self._ids)}", len(prompt_ids), max_tokens, stop, asyncio.Queue(), loop)
             self.jobs[job.id] = job
-        greedy = temperature == 0
+        greedy = temperature < GREEDY_BELOW
         if seed is not None and not greedy:
             job.slot = self.sampler.open(seed)
-        self.manager.add_request(
-            prompt_ids,
-            request_id=job.id,
-            max_new_tokens=max_tokens,
-            streaming=True,
-            temperature=1.0 if greedy else float(temperature),
-            top_k=1 if greedy else int(top_k or self.vocab),
-            top_p=1.0 if greedy else float(top_p),
-            seed_slot=-1 if job.slot is None else job.slot,
-        )
+        try:
+            added = self.manager.add_request(
+                prompt_ids,
+                request_id=job.id,
+                max_new_tokens=max_tokens,
+                streaming=True,
+                temperature=1.0 if greedy else float(temperature),
+                top_k=1 if greedy else min(int(top_k or self.vocab), self.vocab),
+                top_p=1.0 if greedy else float(top_p),
+                seed_slot=-1 if job.slot is None else job.slot,
+            )
+        except Exception as exc:  # the loop's input queue full for 10 s, or the loop gone
+            added, why = None, f"{type(exc).__name__}"
+        else:
+            why = "the generation loop is not taking requests"
+        if added is None:  # transformers drops a request its stopped loop cannot take: say so instead
+            with self._lock:
+                self.jobs.pop(job.id, None)
+            self.sampler.close(job.slot)
+            raise Unavailable(f"{why}; try again shortly")
         if self.metrics:
             self.metrics.queued(len(self.jobs))
         return job
@@ -191,31 +236,108 @@ class Batcher:
             self.metrics.queued(len(self.jobs))
 
     def fail_all(self, message: str = "the server is shutting down") -> None:
-        """End every request still running with an error piece (its client sees an error, not a quiet end)."""
+        """End every request still running with an error piece (its client sees an error, not a quiet
+        end), and take it out of the loop."""
         for job in list(self.jobs.values()):
             if job is not None and not job.done:
                 self._hand(job, Piece("", len(job.tokens), error=message))
+                try:
+                    self.manager.cancel_request(job.id)
+                except Exception:
+                    pass
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop: requests still running are ended (their clients get an error piece)."""
+    def stop_admitting(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests from now on (``Unavailable``); running ones go on."""
+        with self._lock:
+            if self.state == "running":
+                self.state, self.reason = "stopping", reason
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop: requests still running end with an error piece, the loop stops after its current step.
+        True when the loop's thread has ended (the engine may be closed under it)."""
+        self.stop_admitting()
         self.fail_all()
         self._running = False
-        self.manager.stop(block=True, timeout=timeout)
         self._thread.join(timeout)
+        return self._stop_loop(timeout)
+
+    def _stop_loop(self, timeout: float) -> bool:
+        manager = self.manager
+        try:
+            manager.stop(block=True, timeout=timeout, hard_stop=True)
+        except Exception as exc:
+            log.warning("stopping the generation loop: %s", exc)
+        return not manager.is_running()
 
     # ------------------------------------------------------------------------------ results
     def _dispatch(self) -> None:
         while self._running:
-            out = self.manager.get_result(timeout=0.1)
-            if out is None:
-                continue
-            job = self.jobs.get(out.request_id)
-            if job is None or job.done:
-                continue
             try:
-                self._update(job, out)
-            except Exception as exc:  # a bad piece must not end the loop that serves everyone
-                self._hand(job, Piece("", len(job.tokens), error=f"generation failed: {exc}"))
+                out = self.manager.get_result(timeout=0.1)
+                if out is None:
+                    if self._running and self.state == "running" and not self.manager.is_running():
+                        error = self.manager.background_thread_status.fatal_error
+                        self._loop_failed(error or RuntimeError("the generation loop stopped"))
+                    continue
+                job = self.jobs.get(out.request_id)
+                if job is None or job.done:
+                    continue
+                try:
+                    self._update(job, out)
+                except Exception as exc:  # a bad piece must not end the loop that serves everyone
+                    incident = secrets.token_hex(4)
+                    log.error("request %s failed (incident %s)", job.id, incident, exc_info=exc)
+                    self._hand(job, Piece("", len(job.tokens), error=failed(incident)))
+            except Exception as exc:
+                self._loop_failed(exc)
+
+    def _loop_failed(self, error: BaseException) -> None:
+        """The generation loop (or this dispatcher) failed: start the loop again, then end every request
+        the failed one held with an error; give up after ``MAX_RESTARTS`` within ``RESTART_WINDOW``.
+        Requests that come meanwhile wait for the new loop (``ready``)."""
+        incident = secrets.token_hex(4)
+        log.error("the generation loop failed (incident %s)", incident, exc_info=error)
+        with self._lock:
+            if not self._running or self.state != "running":
+                return self.fail_all(failed(incident))
+            self.state = "restarting"
+            held = list(self.jobs.values())
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
+        old = self.manager
+        self._stop_loop(5.0)
+        state, reason = "running", None
+        if len(self.restarts) >= MAX_RESTARTS:
+            state = "failed"
+            reason = (
+                f"the generation loop failed {len(self.restarts) + 1} times within {RESTART_WINDOW:g} s "
+                f"(last: incident {incident}); restart the server"
+            )
+        else:
+            try:
+                self._start_loop()
+                self.restarts.append(now)
+            except Exception as exc:
+                state, reason = "failed", f"the generation loop could not start again: {exc}"
+        for job in held:  # what the failed loop held, on the old manager
+            if job is not None and not job.done:
+                self._hand(job, Piece("", len(job.tokens), error=failed(incident)))
+                try:
+                    old.cancel_request(job.id)
+                except Exception:
+                    pass
+        with self._lock:
+            self.state, self.reason = state, reason
+        if state == "failed":
+            log.error("%s", reason)
+        else:
+            log.warning("the generation loop was started again (%d in the last minute)", len(self.restarts))
+
+    async def ready(self, timeout: float = 30.0) -> None:
+        """Wait while the generation loop is being started again (a request then goes to the new one)."""
+        deadline = time.monotonic() + timeout
+        while self.state == "restarting" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _update(self, job: Job, out) -> None:
         now = time.perf_counter()
@@ -230,7 +352,9 @@ class Batcher:
             job.last_token = now
         job.tokens = new
         if out.status == FAILED or out.error:
-            self._hand(job, Piece("", len(new), error=f"generation failed: {out.error}"))
+            incident = secrets.token_hex(4)
+            log.error("request %s failed (incident %s): %s", job.id, incident, out.error)
+            self._hand(job, Piece("", len(new), error=failed(incident)))
             return
         finished = out.status == FINISHED
         self._detokenize(job, final=finished)
@@ -271,6 +395,11 @@ class Batcher:
         if self.metrics:
             self.metrics.finished(piece, len(self.jobs))
         job.loop.call_soon_threadsafe(job.queue.put_nowait, piece)
+
+
+def failed(incident: str) -> str:
+    """A failed request's message: no raw exception text for the client, an id to find it in the log."""
+    return f"generation failed (incident {incident}; the server log has the details)"
 
 
 class SeededSampler:

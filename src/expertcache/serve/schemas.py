@@ -1,24 +1,61 @@
 """The OpenAI requests the server takes, validated by pydantic: a bad field is a 400 naming it.
 
-Fields OpenAI clients send that change nothing here (``user``, ``stream_options``) are taken; fields whose
-meaning the server does not implement (``n`` > 1, ``logprobs``, penalties other than 0, ``best_of``,
-``suffix``, tools) are refused rather than ignored. ``temperature`` defaults to 0: greedy, the full
-model's tokens (OpenAI's own default is 1; pass it to sample).
+Nothing is ignored in silence. A field this server implements is checked; ``user`` and ``stream_options``
+change nothing here but the usage chunk and are taken; a field of OpenAI's (or vLLM's) API whose meaning
+the server does not implement (``n`` > 1, ``logprobs``, ``best_of``, ``suffix``, tools and function
+calls, ``response_format``, ``logit_bias``, penalties, ``min_tokens``, ``ignore_eos``) is refused unless
+it has the value that asks for nothing (``null``, ``false``, ``0``, ``"none"``, a text response format,
+a repetition penalty of 1); and a field nobody defined is refused. Text must be valid Unicode (a lone
+surrogate such as ``"\\ud800"`` is refused, not handed to the tokenizer). ``temperature`` defaults to 0:
+greedy, the full model's tokens (OpenAI's own default is 1; pass it to sample); below ``GREEDY_BELOW``
+(1e-5) it is greedy too. The ``developer`` role is OpenAI's current name for ``system``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 4  # as OpenAI
+# fields of OpenAI's or vLLM's API this server does not implement, with the values that ask for nothing
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+}
+
+
+def _unicode(text: str) -> str:
+    """Text that encodes as UTF-8: JSON lets a lone surrogate (``"\\ud800"``) through, tokenizers do not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(
+            f"not valid Unicode text: a lone surrogate (\\u{ord(bad):04x}) at {exc.start}"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -28,7 +65,7 @@ class Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict | None = None
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
 
@@ -38,14 +75,15 @@ class Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
-        return stops
+        return [_unicode(s) for s in stops]
 
     @model_validator(mode="after")
     def _no_unsupported(self):
-        unsupported = {"logprobs", "top_logprobs", "best_of", "suffix", "tools", "functions", "logit_bias"}
-        given = sorted(
-            k for k, v in (self.model_extra or {}).items() if k in unsupported and v not in (None, False)
-        )
+        extra = self.model_extra or {}
+        unknown = sorted(k for k in extra if k not in UNSUPPORTED)
+        if unknown:
+            raise ValueError(f"not a field this server takes: {', '.join(unknown)}")
+        given = sorted(k for k, v in extra.items() if not _asks_nothing(v, UNSUPPORTED[k]))
         if given:
             raise ValueError(f"not supported by this server: {', '.join(given)}")
         return self
@@ -55,8 +93,12 @@ class Sampling(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+def _asks_nothing(value, defaults: tuple) -> bool:
+    return value is None or any(value == d and type(value) is type(d) for d in defaults)
+
+
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     echo: bool = False
 
     @field_validator("prompt")
@@ -69,8 +111,23 @@ class CompletionRequest(Sampling):
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict]
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[dict]
+    name: Text | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _no_name(cls, v):
+        if v is not None:
+            raise ValueError("not supported by this server (the chat template has no speaker names)")
+        return v
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template knows: ``developer`` is OpenAI's newer name for ``system``."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -78,7 +135,7 @@ class Message(BaseModel):
         parts = [p.get("text") for p in self.content if p.get("type") == "text"]
         if len(parts) != len(self.content) or not all(isinstance(t, str) for t in parts):
             raise ValueError('message content parts must be text parts ({"type": "text", "text": ...})')
-        return "".join(parts)
+        return "".join(_unicode(t) for t in parts)
 
 
 class ChatRequest(Sampling):
