@@ -46,13 +46,26 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
             await super().startup(sockets)
 
     uv = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
+        app, host=config.host, port=config.port, log_level=config.log_level, log_config=_log_config(),
         http=guarded_protocol(cap, config.header_timeout_s), timeout_keep_alive=config.idle_timeout_s,
         timeout_graceful_shutdown=3, server_header=False,
     )  # fmt: skip
     logging.getLogger("uvicorn.access").addFilter(_no_query)
     Server(uv).run()
     return getattr(app.state, "loop_stopped", True)
+
+
+def _log_config() -> dict:
+    """uvicorn's logging with the access log on stderr too (stdout is for results, and a server has
+    none), and the server's own messages (``expertcache.serve``: failures with their incident ids)."""
+    from copy import deepcopy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config["loggers"]["expertcache"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 def _no_query(record: logging.LogRecord) -> bool:
