@@ -8,7 +8,18 @@ chunk), TPOT (mean gap between chunks after the first) and completion tokens fro
 unfinished streams are counted. The server's resident memory is sampled every second, and its expert
 cache's hits and misses are read from ``/metrics`` before and after each phase.
 
+``--faults`` mixes in hostile clients (issue 27): a ``--bad-share`` of the clients (default 10 %) send,
+back to back, one of the requests that used to kill or freeze the server (temperatures of 1e-300 and
+1e-45, ``top_k`` beyond the vocabulary up to 2**63, a lone surrogate, a 10 MB prompt, an unknown field,
+a foreign Host header, malformed JSON), each checked for its expected status; a ``--leave-share``
+(default 30 %) stream and hang up after a few chunks. Only the others, the good clients, count in the
+latency figures, and every one of their requests must succeed. ``--slowloris N`` then holds N
+connections that trickle header bytes (reconnecting when the server closes them) while one client
+sends short requests, whose latencies are reported; the server's health is checked at the end.
+
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py [--clients 64] [--duration 600]
+    OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py --faults --slowloris 2000 \
+        --single 0 --out bench/results/serve_faults.json
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -78,17 +90,74 @@ async def one_request(client: httpx.AsyncClient, base: str, prompt: str, tokens:
             "tokens": usage["completion_tokens"], "end_s": times[-1] - start}  # fmt: skip
 
 
+# the requests that used to kill the generation loop or freeze the server, and what they get now
+BAD = [
+    ("temperature 1e-300", {"temperature": 1e-300}, 200),
+    ("temperature 1e-45", {"temperature": 1e-45}, 200),
+    ("top_k 4097", {"temperature": 1.0, "top_k": 4097}, 400),
+    ("top_k 100000", {"temperature": 1.0, "top_k": 100000}, 400),
+    ("top_k 2**62", {"temperature": 1.0, "top_k": 2**62}, 400),
+    ("top_k 2**63", {"temperature": 1.0, "top_k": 2**63}, 400),
+    ("lone surrogate", {"prompt": "def f(\ud800):"}, 400),
+    ("10 MB prompt", {"prompt": "x" * 10_000_000}, 413),
+    ("unknown field", {"response_format": {"type": "json_object"}}, 400),
+    ("foreign Host", {"headers": {"host": "rebound.example"}}, 400),
+    ("malformed JSON", {"raw": b'{"model": "embedded", "prompt": '}, 400),
+]
+
+
+async def bad_request(client: httpx.AsyncClient, base: str, k: int) -> dict[str, object]:
+    name, change, want = BAD[k % len(BAD)]
+    change = dict(change)
+    headers = {"content-type": "application/json", **change.pop("headers", {})}
+    body = change.pop("raw", None)
+    if body is None:
+        body = json.dumps({"model": "embedded", "prompt": "import os", "max_tokens": 8, **change}).encode()
+    r = await client.post(f"{base}/v1/completions", content=body, headers=headers)
+    ok = r.status_code == want and (want == 200 or "error" in r.json())
+    return {"bad": name, "status": r.status_code, "as_expected": ok}
+
+
+async def leaving_request(client: httpx.AsyncClient, base: str, prompt: str, tokens: int) -> dict:
+    """A stream whose client hangs up after 0-4 chunks."""
+    body = {"model": "embedded", "prompt": prompt, "max_tokens": tokens, "stream": True}
+    chunks, leave_after = 0, random.randrange(5)
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+                if chunks > leave_after:
+                    break
+    return {"left_after_chunks": chunks, "status": r.status_code}
+
+
 async def phase(
-    base: str, clients: int, duration: float, prompts: list[str], tokens: int
+    base: str,
+    clients: int,
+    duration: float,
+    prompts: list[str],
+    tokens: int,
+    bad_share: float = 0.0,
+    leave_share: float = 0.0,
 ) -> dict[str, object]:
     results: list[dict] = []
+    bad: list[dict] = []
+    left: list[dict] = []
     stop_at = time.perf_counter() + duration
+    n_bad, n_leave = round(clients * bad_share), round(clients * leave_share)
 
     async def client_loop(i: int) -> None:
         async with httpx.AsyncClient(timeout=300) as client:
             k = i
             while time.perf_counter() < stop_at:
-                results.append(await one_request(client, base, prompts[k % len(prompts)], tokens))
+                prompt = prompts[k % len(prompts)]
+                if i < n_bad:
+                    bad.append(await bad_request(client, base, k))
+                    await asyncio.sleep(0.1)
+                elif i < n_bad + n_leave:
+                    left.append(await leaving_request(client, base, prompt, tokens))
+                else:
+                    results.append(await one_request(client, base, prompt, tokens))
                 k += clients
 
     before = cache_counts(base)
@@ -103,7 +172,16 @@ async def phase(
         vals = sorted(r[key] for r in ok if r.get(key) is not None)
         return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
 
+    faults = {}
+    if n_bad or n_leave:
+        faults = {
+            "bad_clients": n_bad, "leaving_clients": n_leave, "good_clients": clients - n_bad - n_leave,
+            "bad_requests": len(bad), "bad_not_as_expected": [b for b in bad if not b["as_expected"]][:20],
+            "bad_statuses": {n: sorted({b["status"] for b in bad if b["bad"] == n}) for n, _, _ in BAD},
+            "left_streams": len(left),
+        }  # fmt: skip
     return {
+        **faults,
         "clients": clients, "duration_s": duration, "wall_s": wall, "requests": len(results),
         "completed": len(ok), "errors": len(results) - len(ok),
         "error_kinds": sorted({r["error"] for r in results if "error" in r}),
@@ -112,6 +190,65 @@ async def phase(
         "tpot_p50_s": pct("tpot_s", 0.5), "tpot_p99_s": pct("tpot_s", 0.99),
         "cache_hits": hits, "cache_misses": misses,
         "hit_ratio": hits / (hits + misses) if hits + misses else None,
+    }  # fmt: skip
+
+
+async def slowloris(port: int, connections: int, duration: float, tokens: int) -> dict[str, object]:
+    """``connections`` trickling header bytes (reconnecting when closed) while one client sends short
+    non-streaming requests back to back: their latencies, and how often the trickles were closed."""
+    stop_at = time.perf_counter() + duration
+    closed = opened = 0
+
+    async def trickle(i: int) -> None:
+        nonlocal closed, opened
+        await asyncio.sleep(random.random() * 2)  # spread the connects
+        while time.perf_counter() < stop_at:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.5)
+                continue
+            opened += 1
+            try:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+                while time.perf_counter() < stop_at:
+                    await asyncio.sleep(2 + random.random() * 3)
+                    writer.write(b"X-a: b\r\n")
+                    await writer.drain()
+                    if reader.at_eof():
+                        break
+            except OSError:
+                pass
+            closed += 1
+            writer.close()
+
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async def prompt_client() -> None:
+        await asyncio.sleep(5)  # the trickles connected
+        async with httpx.AsyncClient(timeout=60) as client:
+            while time.perf_counter() < stop_at - 1:
+                body = {"model": "embedded", "prompt": "import os", "max_tokens": tokens}
+                start = time.perf_counter()
+                try:
+                    r = await client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                    if r.status_code != 200:
+                        errors.append(f"HTTP {r.status_code}")
+                except httpx.HTTPError as exc:
+                    errors.append(type(exc).__name__)
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.2)
+
+    await asyncio.gather(prompt_client(), *(trickle(i) for i in range(connections)))
+    lat = sorted(latencies)
+    return {
+        "connections": connections, "duration_s": duration, "max_tokens": tokens,
+        "requests": len(lat), "errors": errors[:20], "error_count": len(errors),
+        "latency_p50_s": lat[len(lat) // 2] if lat else None,
+        "latency_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+        "latency_max_s": lat[-1] if lat else None,
+        "within_1s": sum(x <= 1.0 for x in lat), "trickles_opened": opened, "trickles_closed": closed,
     }  # fmt: skip
 
 
@@ -128,17 +265,25 @@ async def run(args, base: str, pid: int) -> dict[str, object]:
     memory: list = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_memory(pid, memory, stop))
-    loaded = await phase(base, args.clients, args.duration, prompts, args.tokens)
+    shares = (args.bad_share, args.leave_share) if args.faults else (0.0, 0.0)
+    loaded = await phase(base, args.clients, args.duration, prompts, args.tokens, *shares)
     print(f"{args.clients} clients: {json.dumps(loaded)}", file=sys.stderr, flush=True)
-    single = await phase(base, 1, args.single, prompts, args.tokens)
-    print(f"1 client: {json.dumps(single)}", file=sys.stderr, flush=True)
+    single = None
+    if args.single > 0:
+        single = await phase(base, 1, args.single, prompts, args.tokens)
+        print(f"1 client: {json.dumps(single)}", file=sys.stderr, flush=True)
     stop.set()
     await sampler
+    loris = None
+    if args.slowloris:
+        loris = await slowloris(int(base.rsplit(":", 1)[1]), args.slowloris, args.slowloris_duration, 8)
+        print(f"slowloris: {json.dumps(loris)}", file=sys.stderr, flush=True)
+    health = httpx.get(f"{base}/health").status_code
     rss = [m for _, m in memory]
     tenth = max(1, len(rss) // 10)
     return {
-        "concurrent": loaded, "one_at_a_time": single,
-        "speedup_tokens_per_s": loaded["tokens_per_s"] / single["tokens_per_s"],
+        "concurrent": loaded, "one_at_a_time": single, "slowloris": loris, "health_at_end": health,
+        "speedup_tokens_per_s": loaded["tokens_per_s"] / single["tokens_per_s"] if single else None,
         "server_rss_bytes": {
             "start": rss[0], "peak": max(rss), "first_tenth_mean": statistics.mean(rss[:tenth]),
             "last_tenth_mean": statistics.mean(rss[-tenth:]),
@@ -154,6 +299,11 @@ def main() -> int:
     p.add_argument("--single", type=float, default=60, help="seconds of one client alone (default 60)")
     p.add_argument("--tokens", type=int, default=32, help="max_tokens per request (default 32)")
     p.add_argument("--expert-memory", default="30%")
+    p.add_argument("--faults", action="store_true", help="mix in bad and disconnecting clients")
+    p.add_argument("--bad-share", type=float, default=0.1, help="share of clients sending bad requests")
+    p.add_argument("--leave-share", type=float, default=0.3, help="share of clients that hang up")
+    p.add_argument("--slowloris", type=int, default=0, metavar="N", help="then N trickling connections")
+    p.add_argument("--slowloris-duration", type=float, default=60.0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load.json"))
     args = p.parse_args()
     port = free_port()

@@ -45,10 +45,11 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
             quiet_accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
 
+    protocol = guarded_protocol(cap, config.header_timeout_s, linger=config.body_timeout_s)
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, log_config=_log_config(),
-        http=guarded_protocol(cap, config.header_timeout_s), timeout_keep_alive=config.idle_timeout_s,
-        timeout_graceful_shutdown=3, server_header=False,
+        http=protocol, timeout_keep_alive=config.idle_timeout_s, timeout_graceful_shutdown=3,
+        server_header=False,
     )  # fmt: skip
     logging.getLogger("uvicorn.access").addFilter(_no_query)
     Server(uv).run()

@@ -10,7 +10,11 @@ limit, after which every accept fails. ``guarded_protocol`` makes uvicorn's h11 
 - **a connection cap** (``--max-connections``): beyond it, the connection idle longest (no request in
   progress: a trickling header, a keep-alive wait) is closed to make room; if every connection is
   busy, the newcomer gets 503 with ``Retry-After`` and is closed. So a slowloris crowd cannot lock out
-  clients that send their requests promptly, and the process never runs out of file descriptors.
+  clients that send their requests promptly, and the process never runs out of file descriptors;
+- **a lingering close:** a response sent before the request's body was read (413, 401, 408) is followed
+  by a half-close, and what the client still sends is read and dropped (``--body-timeout`` and 128 MiB
+  at most) before the connection closes. Closed at once, the kernel would answer the unread bytes with
+  a reset, and a client still sending its body would lose the response (nginx's ``lingering_close``).
 
 ``raise_file_limit`` lifts the soft open-file limit to the hard one at start, and the default cap stays
 below it. ``quiet_accept_errors`` makes the event loop log a repeated error (an accept failing for want
@@ -24,11 +28,13 @@ from __future__ import annotations
 import logging
 import time
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("expertcache.serve")
 DEFAULT_CONNECTIONS = 4096
 RESERVED_FILES = 256  # descriptors kept for the model, the checkpoint, logs and the event loop
+LINGER_BYTES = 128 * 2**20  # read and dropped at most after an early response, before closing
 
 
 def raise_file_limit() -> int | None:
@@ -65,13 +71,37 @@ class Tally:
         self.header_timeouts = self.evicted = self.refused = 0
 
 
-def guarded_protocol(cap: int, header_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a header timeout and a connection cap (one class per server)."""
+class _Lingering:
+    """The transport as uvicorn sees it: ``close`` while the client is still sending its body lingers."""
+
+    def __init__(self, transport, protocol) -> None:
+        self.raw, self.protocol = transport, protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+    def is_closing(self) -> bool:
+        return self.protocol._lingered is not None or self.raw.is_closing()
+
+    def close(self) -> None:
+        p = self.protocol
+        if p._lingered is not None:
+            return  # the linger's own timer closes it
+        if p.conn.their_state is h11.SEND_BODY and not self.raw.is_closing() and self.raw.can_write_eof():
+            p._linger()
+        else:
+            self.raw.close()
+
+
+def guarded_protocol(cap: int, header_timeout: float, linger: float = 30.0) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header timeout, a connection cap and a lingering close of at most
+    ``linger`` seconds (one class per server)."""
     tally = Tally()
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            self._lingered = None  # bytes dropped since the lingering close began
+            super().connection_made(_Lingering(transport, self))
             self._idle_since = time.monotonic()
             self._timer = None
             if len(self.connections) > cap and not self._make_room():
@@ -84,6 +114,20 @@ def guarded_protocol(cap: int, header_timeout: float) -> type[H11Protocol]:
             if self._timer is not None:
                 self._timer.cancel()
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingered is None:
+                return super().data_received(data)
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.transport.raw.close()
+
+        def _linger(self) -> None:
+            self._lingered = 0
+            raw = self.transport.raw
+            raw.write_eof()  # the response is out; the client reads it, then sees the end
+            raw.resume_reading()
+            self.loop.call_later(linger, raw.close)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -127,7 +171,7 @@ def guarded_protocol(cap: int, header_timeout: float) -> type[H11Protocol]:
                 b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
             )
             self.transport.write(head + body)
-            self.transport.close()
+            self.transport.raw.close()
 
     GuardedH11Protocol.tally = tally
     return GuardedH11Protocol
