@@ -8,6 +8,11 @@ the same prompt alone, on the same loaded model; so are the requests served one 
 whose tokens differ; reported: the requests with a flip, and the tokens generated after each request's
 first difference (a flipped token changes the rest of its answer).
 
+``--seeded T`` samples instead, at temperature T with request i seeded i, against ``generate_text`` with
+the same seed and temperature alone: whether a seeded answer is the same alone or among others. Both
+modes also serve the prompts one at a time a second time and compare the two serving runs with each
+other (``repeat_one_at_a_time``): whether the server repeats itself at all.
+
 Batching changes the shapes the kernels see (a step packs several requests' tokens; paged attention
 instead of ``generate``'s), so on a GPU rounding may differ; on the CPU the tests show equality. Run on
 your GPU:
@@ -25,6 +30,7 @@ import time
 
 from provenance import ROOT, provenance, write_json
 
+from expertcache.config import SamplingConfig
 from expertcache.engine import load
 from expertcache.serve.batcher import Batcher
 from expertcache.tools.quality import heldout_texts
@@ -39,13 +45,16 @@ def prompts(count: int) -> list[str]:
     return cut[:count]
 
 
-async def batched(batcher: Batcher, ids: list[list[int]], tokens: int, gap_s: float | None) -> list:
+async def batched(
+    batcher: Batcher, ids: list[list[int]], tokens: int, gap_s: float | None, temperature: float = 0.0
+) -> list:
     """Each prompt's tokens through the batcher: all at once, one every ``gap_s`` s, or (None) one
-    after another, each alone in the batch."""
+    after another, each alone in the batch; sampled with request i seeded i at ``temperature`` > 0."""
 
     async def one(i: int, row: list[int]) -> list[int]:
         await asyncio.sleep(i * (gap_s or 0))
-        job = batcher.submit(row, tokens)
+        seed = i if temperature > 0 else None
+        job = batcher.submit(row, tokens, temperature=temperature, seed=seed)
         async for _ in batcher.pieces(job):
             pass
         return job.tokens
@@ -83,6 +92,9 @@ def main() -> int:
     ap.add_argument("--expert-memory", default="25%")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument(
+        "--seeded", type=float, default=0.0, metavar="T", help="sample at T, seeded (default: greedy)"
+    )
     ap.add_argument("--out", default=None, help="JSON file (default: in bench/results/)")
     args = ap.parse_args()
     kw = {"dtype": args.dtype} if args.dtype else {}
@@ -91,15 +103,22 @@ def main() -> int:
         texts = prompts(args.prompts)
         ids = [model.tokenizer(t).input_ids for t in texts]
         start = time.perf_counter()
-        alone = [model.generate_text(t, args.tokens).tokens for t in texts]
+
+        def reference(i: int, text: str) -> list[int]:
+            sampling = SamplingConfig(temperature=args.seeded, seed=i) if args.seeded else None
+            return model.generate_text(text, args.tokens, sampling=sampling).tokens
+
+        alone = [reference(i, t) for i, t in enumerate(texts)]
         alone_s = time.perf_counter() - start
         batcher = Batcher(model, max_queue=args.prompts)
         try:
-            results = {}
+            results, runs = {}, {}
             for name, gap in PATTERNS:
                 start = time.perf_counter()
-                served = asyncio.run(batched(batcher, ids, args.tokens, gap))
-                results[name] = compare(alone, served) | {"wall_s": time.perf_counter() - start}
+                runs[name] = asyncio.run(batched(batcher, ids, args.tokens, gap, args.seeded))
+                results[name] = compare(alone, runs[name]) | {"wall_s": time.perf_counter() - start}
+            again = asyncio.run(batched(batcher, ids, args.tokens, None, args.seeded))
+            results["repeat_one_at_a_time"] = compare(runs["one_at_a_time"], again)
         finally:
             batcher.close()
         gpu = None
@@ -116,17 +135,18 @@ def main() -> int:
         "expert_memory": args.expert_memory,
         "prompts": args.prompts,
         "tokens": args.tokens,
+        "sampling": f"temperature {args.seeded}, request i seeded i" if args.seeded else "greedy",
         "alone_wall_s": alone_s,
         **results,
     }
-    name = f"serve_exactness_{device.split(':')[0]}_{str(model.dtype).split('.')[-1]}.json"
+    seeded = "_seeded" if args.seeded else ""
+    name = f"serve_exactness_{device.split(':')[0]}_{str(model.dtype).split('.')[-1]}{seeded}.json"
     path = args.out or ROOT / "bench" / "results" / name
     write_json(path, out)
-    for name, _ in PATTERNS:
-        r = results[name]
+    for name, r in results.items():
         print(
             f"{name}: {r['requests_flipped']}/{r['requests']} requests flipped, "
-            f"{r['tokens_after_a_flip']}/{r['tokens']} tokens after a flip ({r['wall_s']:.1f} s)"
+            f"{r['tokens_after_a_flip']}/{r['tokens']} tokens after a flip"
         )
     print(f"wrote {path}", file=sys.stderr)
     return 0

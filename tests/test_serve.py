@@ -439,6 +439,13 @@ def test_serve_bad_options_are_one_line(capsys):
         [["serve", "--port", "0"], "--port"],
         [["serve", "--miss", "teleport"], "unknown miss"],
         [["serve", "--plan", "plan.json", "--policy", "lfu"], "--plan sets the expert memory"],
+        [["serve", "--max-body", "lots"], "--max-body 'lots' is not a size"],
+        [["serve", "--max-body", "100B"], "--max-body must be at least 1KiB"],
+        [["serve", "--header-timeout", "0s"], "--header-timeout must be longer than 0"],
+        [["serve", "--body-timeout", "soon"], "--body-timeout 'soon' is not a duration"],
+        [["serve", "--max-connections", "0"], "--max-connections must be at least 1"],
+        [["serve", "--allowed-host", ""], "--allowed-host needs a host name"],
+        [["serve", "--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"],
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -447,3 +454,33 @@ def test_serve_bad_options_are_one_line(capsys):
 
 def _metric(text: str, name: str) -> str:
     return next(line.split()[1] for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_the_connection_cap_stays_below_the_open_file_limit():
+    from expertcache.serve.connections import connection_cap, raise_file_limit
+
+    assert connection_cap(None, None) == 4096 and connection_cap(100, None) == 100
+    assert connection_cap(None, 1024) == 1024 - 256 and connection_cap(5000, 20000) == 5000
+    limit = raise_file_limit()
+    assert limit is None or connection_cap(None, limit) < limit
+
+
+def test_a_repeated_loop_error_is_logged_once_per_interval(caplog):
+    import asyncio
+
+    from expertcache.serve.connections import quiet_accept_errors
+
+    loop = asyncio.new_event_loop()
+    try:
+        quiet_accept_errors(loop, interval=3600)
+        flood = OSError(24, "Too many open files")
+        with caplog.at_level("ERROR", logger="expertcache.serve"):
+            for _ in range(1000):  # what 20 000 connections over the open-file limit did to the log
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": flood}
+                )
+            loop.call_exception_handler({"message": "something else"})
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2 and "Too many open files" in lines[0] and lines[1] == "something else"
+    finally:
+        loop.close()

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--api-key",
         metavar="KEY",
-        help="/v1 requests must carry 'Authorization: Bearer KEY' (default: $EXPERTCACHE_API_KEY, else none)",
+        help="every request but /health must carry 'Authorization: Bearer KEY' (default: "
+        "$EXPERTCACHE_API_KEY, else none)",
     )
     s.add_argument(
         "--served-model-name",

@@ -193,6 +193,6 @@ def quiet_accept_errors(loop, interval: float = 10.0) -> None:
         repeats = seen[1] if seen else 0
         last[key] = [now, 0]
         more = f" (and {repeats} more times in the last {interval:g} s)" if repeats else ""
-        log.error("%s%s", key, more)
+        log.error("%s%s", key, more, exc_info=exc)
 
     loop.set_exception_handler(handler)
