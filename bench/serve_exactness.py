@@ -60,7 +60,7 @@ async def batched(
         return job.tokens
 
     if gap_s is None:
-        return [await one(0, row) for row in ids]
+        return [await one(i, row) for i, row in enumerate(ids)]  # gap None: no wait
     return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(ids))))
 
 

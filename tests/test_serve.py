@@ -344,6 +344,24 @@ def test_an_exception_in_a_route_is_a_json_500_without_its_text(served, monkeypa
     )
 
 
+def test_an_exception_inside_a_stream_ends_it_with_an_error_event(served, monkeypatch):
+    model, http, client = served
+    batcher = http.app.state.batcher
+
+    async def broken(job):
+        yield batcher_module.Piece("partial", 1)
+        raise RuntimeError("raw text that must not reach a client")
+
+    monkeypatch.setattr(batcher, "pieces", broken)
+    lines = _ask(http, stream=True)
+    assert '"error"' in lines[-2] and "incident" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert "raw text" not in "".join(lines)
+    for job in list(batcher.jobs.values()):  # the request the broken stream left behind, if running
+        batcher.cancel(job)
+    monkeypatch.undo()
+    assert _ask(http, 1).status_code == 200
+
+
 @pytest.fixture
 def watched(make_ckpt):
     """A server of its own for the watchdog tests (they break its loop)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import secrets
 import time
 from contextlib import asynccontextmanager
 
@@ -30,11 +32,12 @@ from expertcache.config import ServeConfig
 from expertcache.engine.generation import render
 from expertcache.errors import ExpertcacheError
 from expertcache.serve.batcher import Batcher, QueueFull, Unavailable
-from expertcache.serve.gate import Gate
+from expertcache.serve.gate import Gate, internal_error
 from expertcache.serve.metrics import CONTENT_TYPE, Metrics
 from expertcache.serve.schemas import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256
+log = logging.getLogger("expertcache.serve")
 RETRY_AFTER_S = 1  # a full queue frees a slot within about a request's time: ask again soon
 
 
@@ -186,6 +189,19 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         return {**head, "object": kind, "choices": [choice], "usage": usage}
 
     async def _stream(batcher, job, kind, head, include_usage: bool, echo: str):
+        try:
+            async for event in _events(batcher, job, kind, head, include_usage, echo):
+                yield event
+        except Exception as exc:  # the response has begun: end it with an error event, not a cut
+            incident = secrets.token_hex(4)
+            log.error("stream of request %s failed (incident %s)", job.id, incident, exc_info=exc)
+            metrics.answered(_path(kind), 500)
+            yield {
+                "data": json.dumps({"error": {"message": internal_error(incident), "type": "server_error"}})
+            }
+            yield {"data": "[DONE]"}
+
+    async def _events(batcher, job, kind, head, include_usage: bool, echo: str):
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         first, last = True, None
         async for piece in batcher.pieces(job):
