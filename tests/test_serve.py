@@ -15,6 +15,8 @@ import openai
 import pytest
 from engine_fixtures import engine_load
 from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
 
 from expertcache.cli import main
 from expertcache.config import SamplingConfig, ServeConfig
@@ -168,7 +170,7 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": "x", "temperature": 1, "seed": -1}, 400, "seed: Input should be"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "exceeds the model's context"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n:"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "not supported by this server: n"),
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "not supported by this server: logprobs"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
@@ -192,7 +194,7 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
             "not supported by this server: tool_c",
         ),
         ({"model": "tiny", "prompt": "x", "function_call": "auto"}, 400, "function_call"),
-        ({"model": "tiny", "prompt": "x", "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+        ({"model": "tiny", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
         ({"model": "tiny", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
         ({"model": "tiny", "prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
         ({"model": "tiny", "prompt": "x", "ignore_eos": True}, 400, "ignore_eos"),
@@ -200,6 +202,19 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         # a lone surrogate: 400, not a 500 from the tokenizer
         ({"model": "tiny", "prompt": "a\ud800b"}, 400, "prompt: not valid Unicode text: a lone surrogate"),
         ({"model": "tiny", "prompt": "x", "stop": ["\udfff"]}, 400, "lone surrogate"),
+        # a stop string that made every step rescan it (quadratic in its length): bounded
+        ({"model": "tiny", "prompt": "x", "stop": [" " * 1001]}, 400, "at most 1000 characters"),
+        (
+            {"model": "tiny", "prompt": "x", "stream_options": {"foo": 1}},
+            400,
+            "stream_options.foo: not a field",
+        ),
+        # null is the field left out, as the openai client sends it for None
+        (
+            {"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": None, "n": None, "top_p": None},
+            200,
+            "",
+        ),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, status, words):
@@ -207,6 +222,8 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, s
     raw = json.dumps(body).encode()  # json.dumps escapes a lone surrogate as JSON allows
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
+    if status == 200:
+        return
     err = r.json()["error"]
     assert words in err["message"] and err["type"]
     if err["code"] == "invalid_value" and ":" in err["message"]:  # a field: OpenAI's param names it
@@ -216,6 +233,38 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(served, body, s
         http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
         == 200
     )
+
+
+def test_chat_fields_nobody_defined_and_two_limits_are_refused(served):
+    model, http, client = served
+    part = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+    for body, words in (
+        ({"messages": [{"role": "user", "content": [part]}]}, "no other keys"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 5},
+            "give one",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "speaker names"),
+    ):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_the_door_refuses_compressed_bodies_and_two_keys_and_answers_head(make_ckpt):
+    model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    try:
+        with TestClient(create_app(model, "tiny", ServeConfig(api_key="k")), base_url=BASE) as http:
+            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1})
+            gz = {"content-type": "application/json", "content-encoding": "gzip", "authorization": "Bearer k"}
+            r = http.post("/v1/completions", content=body, headers=gz)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_encoding"
+            two = [("authorization", "Bearer wrong"), ("authorization", "Bearer k")]
+            assert http.get("/v1/models", headers=two).status_code == 401
+            assert http.head("/health").status_code == 200
+            r = http.get("/v1/nothing", headers={"authorization": "Bearer k"})
+            assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+    finally:
+        model.close()
 
 
 def test_malformed_json_bad_messages_and_unknown_routes(served):
@@ -502,3 +551,24 @@ def test_a_repeated_loop_error_is_logged_once_per_interval(caplog):
         assert len(lines) == 2 and "Too many open files" in lines[0] and lines[1] == "something else"
     finally:
         loop.close()
+
+
+@given(
+    text=st.text(alphabet="ab ", max_size=40),
+    stops=st.lists(st.text(alphabet="ab ", min_size=1, max_size=5), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
+def test_the_stop_finder_equals_searching_the_whole_text_each_time(text, stops, cuts):
+    """Fed the text in pieces, the streaming finder answers what a search of the whole text would."""
+    from expertcache.engine.generation import StopFinder, held_back
+
+    finder = StopFinder(stops)
+    for end in [*sorted(cuts), len(text)]:
+        seen = text[:end]
+        found, held = finder.feed(seen)
+        hits = [i for s in stops if (i := seen.find(s)) >= 0]
+        assert found == (min(hits) if hits else None)
+        if not hits:
+            assert held == held_back(seen, stops)
+        if found is not None:
+            break

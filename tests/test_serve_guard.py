@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import engine_fixtures
@@ -184,6 +185,13 @@ def test_errors_are_json_and_keep_the_connection(server):
         assert _request(port, "POST", "/v1/completions", good, AUTH, conn)[0] == 200
     finally:
         conn.close()
+    # HTTP that h11 cannot parse: answered in the same JSON shape, not uvicorn's plain text
+    for request in (
+        b"GET /health HTTP/1.1\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n",
+    ):
+        reply = _raw(port, request)
+        assert reply.startswith(b"HTTP/1.1 400") and b'"code": "invalid_http"' in reply, reply
     for field, value in (("response_format", {"type": "json_object"}), ("ignore_eos", True), ("foo", 1)):
         status, _, body = _request(port, "POST", "/v1/completions", {**good, field: value}, AUTH)
         assert status == 400 and field.encode() in body
@@ -225,11 +233,26 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
         time.sleep(0.2)
     stream = iter(client.completions.create(model=name, prompt="hello", max_tokens=250, stream=True))
     next(stream)  # a request in flight when the signal comes
+    plain: list = []  # and a plain one
+
+    def ask() -> None:
+        body = {"model": name, "prompt": "hi", "max_tokens": 250}
+        plain.append(_request(port, "POST", "/v1/completions", body, AUTH))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    deadline = time.time() + 30
+    while b"expertcache_requests_in_flight 2.0" not in _request(port, "GET", "/metrics", None, AUTH)[2]:
+        assert time.time() < deadline
+        time.sleep(0.1)
     start = time.time()
     proc.send_signal(signal.SIGTERM)
     with pytest.raises(openai.APIError, match="shutting down"):  # not a quiet, seemingly finished end
         for _ in stream:
             pass
+    asker.join(30)
+    status, headers, body = plain[0]
+    assert status == 503 and headers["retry-after"] and b"shutting_down" in body  # not a 500
     assert proc.wait(timeout=30) == 0
     text = log.read_text()
     assert time.time() - start < 10 and "Traceback" not in text and "did not exit" not in text, text

@@ -74,7 +74,6 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--allowed-host",
         action="append",
-        default=[],
         metavar="NAME",
         help="a Host header name clients may use besides localhost, 127.0.0.1 and ::1 (repeat it; "
         "'*' for any, behind a proxy that checks it)",
@@ -98,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, max_body=args.max_body,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
-        allowed_hosts=tuple(args.allowed_host), metrics_open=args.metrics_open, docs=args.docs,
+        allowed_hosts=tuple(args.allowed_host or ()), metrics_open=args.metrics_open, docs=args.docs,
         log_level="warning" if args.quiet else "info",
     )  # fmt: skip
     _check_port(args.host, args.port)  # before the model loads

@@ -200,6 +200,49 @@ def finish(tokens: list[int], decode: Callable[[list[int]], str], eos: set[int],
     return tokens, text, reason
 
 
+class StopFinder:
+    """Stop strings found in a text as it grows, each new character looked at once per stop string
+    (Knuth-Morris-Pratt): the cost of a step does not grow with the text or the stop strings' length.
+    ``feed`` the whole text so far; it answers where the first stop string found begins (None: none
+    yet), and how many characters at the end could still begin one (a stream holds them back)."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.fail = [_failure(s) for s in self.stop]
+        self.state = [0] * len(self.stop)  # the longest prefix of each stop string the text ends with
+        self.pos = 0
+
+    def feed(self, text: str) -> tuple[int | None, int]:
+        found = None
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            for k, s in enumerate(self.stop):
+                q, fail = self.state[k], self.fail[k]
+                while q and s[q] != c:
+                    q = fail[q - 1]
+                if s[q] == c:
+                    q += 1
+                if q == len(s):
+                    start = i + 1 - q
+                    found = start if found is None else min(found, start)
+                    q = fail[q - 1]
+                self.state[k] = q
+        self.pos = len(text)
+        return found, max(self.state, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's table: for each prefix of ``s``, the length of its longest proper prefix that is a suffix."""
+    fail, q = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = fail[q - 1]
+        if s[i] == s[q]:
+            q += 1
+        fail[i] = q
+    return fail
+
+
 def held_back(text: str, stop: Sequence[str]) -> int:
     """How many characters at the end of ``text`` could be the start of a stop string (a stream holds
     them back until the next piece says)."""

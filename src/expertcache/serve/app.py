@@ -98,8 +98,12 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code in (404, 405):  # as OpenAI answers an unknown route
+            message = f"Invalid URL ({request.method} {request.url.path})"
+            return _error(ApiError(exc.status_code, message, code="unknown_url"))
         return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
+    @app.head("/health", include_in_schema=False)  # load balancers check with HEAD
     @app.get("/health")
     async def health():
         batcher = state.get("batcher")
@@ -175,10 +179,13 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         finally:
             watcher.cancel()
         if last.error == "cancelled":
+            metrics.answered(_path(kind), 499)
             return Response(status_code=499)  # nobody is listening
         if last.error:
-            metrics.answered(_path(kind), 500)
-            return _error(ApiError(500, last.error, "server_error"))
+            status = 503 if last.shutdown else 500
+            metrics.answered(_path(kind), status)
+            code = "shutting_down" if last.shutdown else None
+            return _error(ApiError(status, last.error, "server_error", code))
         usage = _usage(job, last)
         metrics.answered(_path(kind), 200, usage["prompt_tokens"], usage["completion_tokens"])
         choice = {"index": 0, "finish_reason": last.finish}
@@ -189,9 +196,15 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         return {**head, "object": kind, "choices": [choice], "usage": usage}
 
     async def _stream(batcher, job, kind, head, include_usage: bool, echo: str):
+        ended = False
         try:
             async for event in _events(batcher, job, kind, head, include_usage, echo):
+                ended = event["data"] == "[DONE]"
                 yield event
+        except GeneratorExit:
+            if not ended:  # the client went away mid-stream
+                metrics.answered(_path(kind), 499)
+            raise
         except Exception as exc:  # the response has begun: end it with an error event, not a cut
             incident = secrets.token_hex(4)
             log.error("stream of request %s failed (incident %s)", job.id, incident, exc_info=exc)
@@ -207,8 +220,13 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         async for piece in batcher.pieces(job):
             last = piece
             if piece.error:
-                metrics.answered(_path(kind), 500)
-                yield {"data": json.dumps({"error": {"message": piece.error, "type": "server_error"}})}
+                metrics.answered(_path(kind), 503 if piece.shutdown else 500)
+                code = "shutting_down" if piece.shutdown else None
+                yield {
+                    "data": json.dumps(
+                        {"error": {"message": piece.error, "type": "server_error", "code": code}}
+                    )
+                }
                 break
             text = (echo if first else "") + piece.text
             if kind == "chat.completion":

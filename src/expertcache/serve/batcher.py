@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from expertcache.config import KV_PAGE
-from expertcache.engine.generation import held_back
+from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
@@ -70,6 +70,7 @@ class Piece:
     tokens: int
     finish: str | None = None
     error: str | None = None
+    shutdown: bool = False  # the error is the server stopping (HTTP 503), not a failure (500)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Job:
     text: str = ""  # the text of ``tokens`` up to the last complete character
     prefix: int = 0  # incremental detokenisation: tokens[prefix:read] gave the end of ``text``
     read: int = 0
-    scanned: int = 0  # characters of ``text`` searched for stop strings
+    finder: StopFinder | None = None  # the stop strings, found as the text grows
     sent: int = 0  # characters of the text already handed out
     done: bool = False
     slot: int | None = None  # the request's generator in the SeededSampler
@@ -140,6 +141,7 @@ class Batcher:
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._run = secrets.token_hex(3)  # request ids differ from one server process to the next
         self._running = True
         self.state, self.reason = "running", None  # running, restarting, stopping or failed; why
         self.restarts: list[float] = []  # when the generation loop was started again
@@ -182,7 +184,10 @@ class Batcher:
                 raise Unavailable(self.reason or f"the server is {self.state}")
             if len(self.jobs) >= self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self.jobs)} requests running or waiting")
-            job = Job(f"r{next(self._ids)}", len(prompt_ids), max_tokens, stop, asyncio.Queue(), loop)
+            job = Job(
+                f"{self._run}-{next(self._ids)}", len(prompt_ids), max_tokens, stop, asyncio.Queue(), loop
+            )
+            job.finder = StopFinder(stop)
             self.jobs[job.id] = job
         greedy = temperature < GREEDY_BELOW
         if seed is not None and not greedy:
@@ -235,12 +240,12 @@ class Batcher:
         if self.metrics:
             self.metrics.queued(len(self.jobs))
 
-    def fail_all(self, message: str = "the server is shutting down") -> None:
+    def fail_all(self, message: str = "the server is shutting down", shutdown: bool = True) -> None:
         """End every request still running with an error piece (its client sees an error, not a quiet
         end), and take it out of the loop."""
         for job in list(self.jobs.values()):
             if job is not None and not job.done:
-                self._hand(job, Piece("", len(job.tokens), error=message))
+                self._hand(job, Piece("", len(job.tokens), error=message, shutdown=shutdown))
                 try:
                     self.manager.cancel_request(job.id)
                 except Exception:
@@ -299,7 +304,7 @@ class Batcher:
         log.error("the generation loop failed (incident %s)", incident, exc_info=error)
         with self._lock:
             if not self._running or self.state != "running":
-                return self.fail_all(failed(incident))
+                return self.fail_all(failed(incident), shutdown=False)
             self.state = "restarting"
             held = list(self.jobs.values())
         now = time.monotonic()
@@ -359,18 +364,16 @@ class Batcher:
         finished = out.status == FINISHED
         self._detokenize(job, final=finished)
         text = job.text
-        longest = max((len(s) for s in job.stop), default=0)
-        hits = [i for s in job.stop if (i := text.find(s, max(0, job.scanned - longest + 1))) >= 0]
-        job.scanned = len(text)
-        if hits:  # cut before the stop string; the request leaves the batch
-            self._hand(job, Piece(text[job.sent : min(hits)], len(new), finish="stop"))
+        found, held = job.finder.feed(text)
+        if found is not None:  # cut before the stop string; the request leaves the batch
+            self._hand(job, Piece(text[job.sent : found], len(new), finish="stop"))
             self.manager.cancel_request(job.id)
             return
         if finished:
             reason = "length" if len(new) >= job.max_tokens else "stop"
             self._hand(job, Piece(text[job.sent :], len(new), finish=reason))
             return
-        end = len(text) - held_back(text, job.stop)
+        end = len(text) - held
         if end > job.sent:
             piece, job.sent = text[job.sent : end], end
             job.loop.call_soon_threadsafe(job.queue.put_nowait, Piece(piece, len(new)))

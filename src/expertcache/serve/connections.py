@@ -25,6 +25,7 @@ The h11 protocol is pinned, whether or not httptools is installed: one implement
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -162,6 +163,16 @@ def guarded_protocol(cap: int, header_timeout: float, linger: float = 30.0) -> t
             tally.evicted += 1
             victim.transport.close()
             return True
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (no Host, a bad length, a header too long): OpenAI's JSON error."""
+            body = json.dumps(
+                {"error": {"message": f"{msg[:-1]}: not valid HTTP/1.1", "type": "invalid_request_error",
+                           "param": None, "code": "invalid_http"}}
+            ).encode()  # fmt: skip
+            head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+            self.transport.raw.close()
 
         def _refuse(self) -> None:
             body = b'{"error": {"message": "the server has too many connections open (--max-connections)", ' \

@@ -5,13 +5,16 @@ In order, before a byte of the body is read:
 1. the ``Host`` header must name this server (loopback names, ``--allowed-host``): a page in a browser
    cannot reach a loopback server through a name it controls (DNS rebinding); else 400;
 2. with an API key, every path but ``/health`` (and ``/metrics`` with ``--metrics-open``) needs
-   ``Authorization: Bearer KEY`` (the scheme in any case, RFC 7235); else 401, unknown paths too;
-3. a declared ``Content-Length`` over ``--max-body`` is 413 at once; then the body is read here, at most
-   ``--max-body`` bytes (413) within ``--body-timeout`` (408), and handed to the route from memory.
+   ``Authorization: Bearer KEY`` (the scheme in any case, RFC 7235; one such header); else 401,
+   unknown paths too;
+3. a declared ``Content-Length`` over ``--max-body`` is 413 at once, a compressed body 415; then the body
+   is read here, at most ``--max-body`` bytes (413) within ``--body-timeout`` (408), and handed to the
+   route from memory.
 
 Then the route runs. An exception that escapes it is answered by a JSON 500 naming an incident id that
 the server log repeats with the traceback: no raw exception text reaches the client, and the connection
-stays usable (Starlette's own handler answers in plain text and closes it).
+stays usable (Starlette's own handler answers in plain text and closes it). A request the server's
+shutdown cancels is answered 503 if nothing was sent yet.
 
 A pure ASGI middleware rather than Starlette's ``BaseHTTPMiddleware``: that one hides a client's
 disconnect from the route, which is how a request whose client went away is cancelled.
@@ -55,6 +58,11 @@ class Gate:
                 send, path, 401, "invalid or missing API key (Authorization: Bearer KEY)",
                 "authentication_error", "invalid_api_key",
             )  # fmt: skip
+        if headers.get(b"content-encoding", b"identity").lower() != b"identity":
+            return await self._refuse(
+                send, path, 415, "compressed request bodies are not taken (Content-Encoding)",
+                "invalid_request_error", "unsupported_encoding", close=True,
+            )  # fmt: skip
         length = headers.get(b"content-length")
         limit = self.config.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -71,10 +79,22 @@ class Gate:
                 )  # fmt: skip
             except Disconnected:
                 return None
+            except asyncio.CancelledError:  # the server stops while the body is still coming
+                return await self._refuse(
+                    send,
+                    path,
+                    503,
+                    "the server is shutting down",
+                    "server_error",
+                    "shutting_down",
+                    close=True,
+                )
             receive = _replay(body, receive)
         await self._run(scope, receive, send)
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
+        if headers.get(DUPLICATES, ()) and b"authorization" in headers[DUPLICATES]:
+            return False  # two keys: which one is meant is not for the server to guess
         scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key)
 
@@ -91,6 +111,11 @@ class Gate:
 
         try:
             await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:  # the server's shutdown cancels what still runs after its grace
+            if not started:
+                await send_error(
+                    send, 503, "the server is shutting down", "server_error", "shutting_down", close=True
+                )
         except Exception as exc:
             incident = secrets.token_hex(4)
             log.error("internal error %s on %s %s", incident, scope.get("method"), scope.get("path"),
@@ -168,5 +193,14 @@ def _replay(body: bytes, receive):
     return replay
 
 
+DUPLICATES = b"\x00duplicates"  # a key no header can have: the names that came more than once
+
+
 def _headers(scope) -> dict[bytes, bytes]:
-    return {k.lower(): v for k, v in scope.get("headers", ())}
+    out: dict = {}
+    for k, v in scope.get("headers", ()):
+        k = k.lower()
+        if k in out:
+            out.setdefault(DUPLICATES, set()).add(k)
+        out[k] = v
+    return out

@@ -4,8 +4,10 @@ Nothing is ignored in silence. A field this server implements is checked; ``user
 change nothing here but the usage chunk and are taken; a field of OpenAI's (or vLLM's) API whose meaning
 the server does not implement (``n`` > 1, ``logprobs``, ``best_of``, ``suffix``, tools and function
 calls, ``response_format``, ``logit_bias``, penalties, ``min_tokens``, ``ignore_eos``) is refused unless
-it has the value that asks for nothing (``null``, ``false``, ``0``, ``"none"``, a text response format,
-a repetition penalty of 1); and a field nobody defined is refused. Text must be valid Unicode (a lone
+it has the value that asks for nothing (``false``, ``0``, ``1`` for ``n``, ``"none"``, a text response
+format, a repetition penalty of 1); and a field nobody defined is refused, in ``stream_options`` and
+content parts too. ``null`` is the field left out (the openai client sends it for ``None``). Stop strings
+have at most 1000 characters. Text must be valid Unicode (a lone
 surrogate such as ``"\\ud800"`` is refused, not handed to the tokenizer). ``temperature`` defaults to 0:
 greedy, the full model's tokens (OpenAI's own default is 1; pass it to sample); below ``GREEDY_BELOW``
 (1e-5) it is greedy too. The ``developer`` role is OpenAI's current name for ``system``.
@@ -18,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 4  # as OpenAI
+MAX_STOP_CHARS = 1000  # a stop string's characters at most (each is matched as the text grows)
 # fields of OpenAI's or vLLM's API this server does not implement, with the values that ask for nothing
 UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False, 0),
@@ -28,12 +31,15 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []),
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, False),
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0),
     "ignore_eos": (None, False),
+    "n": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
 }
 
 
@@ -52,6 +58,12 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = None
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -62,12 +74,15 @@ class Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """``"temperature": null`` is what the openai client sends for ``temperature=None``: the default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @field_validator("stop")
     @classmethod
@@ -75,6 +90,8 @@ class Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return [_unicode(s) for s in stops]
 
     @model_validator(mode="after")
@@ -90,7 +107,7 @@ class Sampling(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 def _asks_nothing(value, defaults: tuple) -> bool:
@@ -132,15 +149,26 @@ class Message(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = [p.get("text") for p in self.content if p.get("type") == "text"]
+        parts = [
+            p.get("text") for p in self.content if p.get("type") == "text" and p.keys() == {"type", "text"}
+        ]
         if len(parts) != len(self.content) or not all(isinstance(t, str) for t in parts):
-            raise ValueError('message content parts must be text parts ({"type": "text", "text": ...})')
+            raise ValueError(
+                'message content parts must be text parts ({"type": "text", "text": ...}, no other keys)'
+            )
         return "".join(_unicode(t) for t in parts)
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ: give one of them")
+        return self
 
     @property
     def limit(self) -> int | None:
