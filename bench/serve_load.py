@@ -10,12 +10,12 @@ cache's hits and misses are read from ``/metrics`` before and after each phase.
 
 ``--faults`` mixes in hostile clients (issue 27): a ``--bad-share`` of the clients (default 10 %) send,
 back to back, one of the requests that used to kill or freeze the server (temperatures of 1e-300 and
-1e-45, ``top_k`` beyond the vocabulary up to 2**63, a lone surrogate, a 10 MB prompt, an unknown field,
-a foreign Host header, malformed JSON, a stop string of 100 000 characters), each checked for its
-expected status; a ``--leave-share`` (default 30 %) stream and hang up after a few chunks. Only the
-others, the good clients, count in the latency figures, and every one of their requests must succeed. ``--slowloris N`` then holds N
-connections that trickle header bytes (reconnecting when the server closes them) while one client
-sends short requests, whose latencies are reported; the server's health is checked at the end.
+1e-45, ``top_k`` beyond the vocabulary up to 2**63, a lone surrogate, a 10 MB prompt, an unknown field, a
+foreign Host header, malformed JSON, a stop string of 100 000 characters), each checked for its expected
+status; a ``--leave-share`` (default 30 %) stream and hang up after a few chunks. Only the others, the
+good clients, count in the latency figures, and every one of their requests must succeed. ``--slowloris
+N`` then holds N connections that trickle header bytes (reconnecting when the server closes them) while
+one client sends short requests, whose latencies are reported; the server's health is checked at the end.
 
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py [--clients 64] [--duration 600]
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py --faults --slowloris 2000 \
