@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from expertcache.config import ServeConfig
 from expertcache.engine.generation import render
 from expertcache.errors import ExpertcacheError
-from expertcache.serve.batcher import Batcher, QueueFull, Unavailable
+from expertcache.serve.batcher import Batcher, QueueFull, Restarting, Unavailable
 from expertcache.serve.gate import Gate, internal_error
 from expertcache.serve.metrics import CONTENT_TYPE, Metrics
 from expertcache.serve.schemas import ChatRequest, CompletionRequest
@@ -155,14 +155,19 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         batcher = state.get("batcher")
         if batcher is None:
             raise ApiError(503, "the server is starting or stopping", "server_error")
-        await batcher.ready()
-        try:
-            stop = tuple(req.stop or ())
-            job = batcher.submit(ids, max_tokens, req.temperature, req.top_p, req.top_k, stop, req.seed)
-        except QueueFull as exc:
-            raise ApiError(503, str(exc), "server_error", "queue_full") from None
-        except Unavailable as exc:
-            raise ApiError(503, str(exc), "server_error", "unavailable") from None
+        stop = tuple(req.stop or ())
+        for attempt in range(3):  # a loop that dies under a submit is started again: submit to the new one
+            await batcher.ready()
+            try:
+                job = batcher.submit(ids, max_tokens, req.temperature, req.top_p, req.top_k, stop, req.seed)
+                break
+            except QueueFull as exc:
+                raise ApiError(503, str(exc), "server_error", "queue_full") from None
+            except Restarting as exc:
+                if attempt == 2:
+                    raise ApiError(503, str(exc), "server_error", "unavailable") from None
+            except Unavailable as exc:
+                raise ApiError(503, str(exc), "server_error", "unavailable") from None
         head = {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{job.id}",
             "created": int(time.time()),

@@ -61,6 +61,10 @@ class Unavailable(ExpertcacheError):
     """The batcher takes no request now: stopping, or its generation loop failed for good (HTTP 503)."""
 
 
+class Restarting(Unavailable):
+    """The generation loop died and is about to start again: wait (``ready``) and submit again."""
+
+
 @dataclass
 class Piece:
     """What a request produced since the last piece: new text, the token count so far, and, at its end,
@@ -161,6 +165,8 @@ class Batcher:
 
     def health(self) -> tuple[bool, str]:
         """(serving, why not): False while stopping or after the loop failed for good."""
+        if self._running and not self._thread.is_alive():
+            return False, "the dispatching thread stopped; restart the server"
         if self.state in ("running", "restarting"):
             return True, "ok"
         return False, self.reason or self.state
@@ -182,6 +188,8 @@ class Batcher:
         with self._lock:
             if self.state != "running":
                 raise Unavailable(self.reason or f"the server is {self.state}")
+            if not self._thread.is_alive():  # nobody would hand this request its results
+                raise Unavailable("the dispatching thread stopped; restart the server")
             if len(self.jobs) >= self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self.jobs)} requests running or waiting")
             job = Job(
@@ -211,6 +219,8 @@ class Batcher:
             with self._lock:
                 self.jobs.pop(job.id, None)
             self.sampler.close(job.slot)
+            if self._running and self.state in ("running", "restarting"):
+                raise Restarting(f"{why}; the loop is starting again")
             raise Unavailable(f"{why}; try again shortly")
         if self.metrics:
             self.metrics.queued(len(self.jobs))
@@ -339,9 +349,12 @@ class Batcher:
             log.warning("the generation loop was started again (%d in the last minute)", len(self.restarts))
 
     async def ready(self, timeout: float = 30.0) -> None:
-        """Wait while the generation loop is being started again (a request then goes to the new one)."""
+        """Wait while the generation loop is dead and not yet started again (the dispatcher notices
+        within 0.1 s, then restarts it): a request then goes to the new loop."""
         deadline = time.monotonic() + timeout
-        while self.state == "restarting" and time.monotonic() < deadline:
+        while time.monotonic() < deadline and self._thread.is_alive() and (
+            self.state == "restarting" or self.state == "running" and not self.manager.is_running()
+        ):
             await asyncio.sleep(0.05)
 
     def _update(self, job: Job, out) -> None:

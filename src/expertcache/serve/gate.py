@@ -45,29 +45,30 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = _headers(scope)
         path = scope.get("path", "")
+        length = headers.get(b"content-length")
+        unread = length not in (None, b"0") or b"transfer-encoding" in headers  # a body on its way
         if self.hosts is not None:
             host = host_name(headers.get(b"host", b"").decode("latin-1"))
             if host not in self.hosts:
                 shown = headers.get(b"host", b"").decode("latin-1")[:100]
                 return await self._refuse(
                     send, path, 400, f"the Host header {shown!r} is not a name of this server "
-                    "(add it with --allowed-host)", "invalid_request_error", "host_not_allowed",
+                    "(add it with --allowed-host)", "invalid_request_error", "host_not_allowed", close=unread,
                 )  # fmt: skip
         if self.key is not None and path not in self.open_paths and not self._authorised(headers):
             return await self._refuse(
                 send, path, 401, "invalid or missing API key (Authorization: Bearer KEY)",
-                "authentication_error", "invalid_api_key",
+                "authentication_error", "invalid_api_key", close=unread,
             )  # fmt: skip
         if headers.get(b"content-encoding", b"identity").lower() != b"identity":
             return await self._refuse(
                 send, path, 415, "compressed request bodies are not taken (Content-Encoding)",
-                "invalid_request_error", "unsupported_encoding", close=True,
+                "invalid_request_error", "unsupported_encoding", close=unread,
             )  # fmt: skip
-        length = headers.get(b"content-length")
         limit = self.config.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await self._too_large(send, path)
-        if length not in (None, b"0") or b"transfer-encoding" in headers:
+        if unread:
             try:
                 body = await asyncio.wait_for(_read_body(receive, limit), self.config.body_timeout_s)
             except TooLarge:
@@ -121,7 +122,8 @@ class Gate:
             log.error("internal error %s on %s %s", incident, scope.get("method"), scope.get("path"),
                       exc_info=exc)  # fmt: skip
             if not started:
-                await self._refuse(send, scope.get("path", ""), 500, internal_error(incident), "server_error")
+                path = scope.get("path", "")
+                await self._refuse(send, path, 500, internal_error(incident), "server_error", close=False)
             elif not complete:
                 raise  # a response half sent cannot be mended: the server closes the connection
 
@@ -132,10 +134,11 @@ class Gate:
             "invalid_request_error", "request_too_large", close=True,
         )  # fmt: skip
 
-    async def _refuse(self, send, path: str, status: int, message: str, kind: str, code=None, close=None):
+    async def _refuse(self, send, path: str, status: int, message: str, kind: str, code=None, close=True):
+        """An error before the route; ``close``: the request's body is not read, the connection cannot
+        carry another request (and lingers, ``serve.connections``)."""
         if self.metrics is not None:
             self.metrics.answered(path if path in KNOWN_PATHS else "other", status)
-        close = status in (408, 413) if close is None else close
         await send_error(send, status, message, kind, code, close=close)
 
 
