@@ -290,6 +290,10 @@ def test_a_client_that_leaves_cancels_its_request(served):
     while "expertcache_cancelled_requests_total 0.0" in http.get("/metrics").text and time.time() < deadline:
         time.sleep(0.1)
     assert "expertcache_cancelled_requests_total 0.0" not in http.get("/metrics").text
+    left = 'expertcache_requests_total{endpoint="/v1/completions",status="499"}'
+    while left not in http.get("/metrics").text and time.time() < deadline:  # counted as it went
+        time.sleep(0.1)
+    assert left in http.get("/metrics").text
 
 
 def test_a_full_queue_answers_503_with_retry_after(make_ckpt):

@@ -98,6 +98,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
+        metrics.answered("other", exc.status_code)
         if exc.status_code in (404, 405):  # as OpenAI answers an unknown route
             message = f"Invalid URL ({request.method} {request.url.path})"
             return _error(ApiError(exc.status_code, message, code="unknown_url"))
@@ -206,7 +207,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             async for event in _events(batcher, job, kind, head, include_usage, echo):
                 ended = event["data"] == "[DONE]"
                 yield event
-        except GeneratorExit:
+        except (GeneratorExit, asyncio.CancelledError):  # sse-starlette cancels the stream's task
             if not ended:  # the client went away mid-stream
                 metrics.answered(_path(kind), 499)
             raise

@@ -352,8 +352,10 @@ class Batcher:
         """Wait while the generation loop is dead and not yet started again (the dispatcher notices
         within 0.1 s, then restarts it): a request then goes to the new loop."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._thread.is_alive() and (
-            self.state == "restarting" or self.state == "running" and not self.manager.is_running()
+        while (
+            time.monotonic() < deadline
+            and self._thread.is_alive()
+            and (self.state == "restarting" or self.state == "running" and not self.manager.is_running())
         ):
             await asyncio.sleep(0.05)
 

@@ -153,6 +153,8 @@ async def send_error(send, status: int, message: str, kind: str, code=None, para
     """OpenAI's JSON error object as a whole response, sent at the ASGI level."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 503:
+        headers.append((b"retry-after", b"1"))
     if close:  # the rest of the request is not read: the connection cannot carry another one
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
