@@ -409,26 +409,20 @@ def _text_out(tokenizer, stop: tuple[str, ...] = ()):
     printed, so what streams is exactly the result's text."""
     from transformers import TextStreamer
 
-    from expertcache.engine.generation import held_back
+    from expertcache.engine.generation import StopFinder
 
     class TextOut(TextStreamer):
         def __init__(self) -> None:
             super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            self.pending, self.stopped = "", False
+            self.text, self.shown, self.stopped, self.finder = "", 0, False, StopFinder(stop)
 
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             shown = ""
             if not self.stopped:
-                self.pending += text
-                hits = [self.pending.find(s) for s in stop if s in self.pending]
-                if hits:
-                    shown, self.pending, self.stopped = self.pending[: min(hits)], "", True
-                else:
-                    held = 0 if stream_end else held_back(self.pending, stop)
-                    shown, self.pending = (
-                        self.pending[: len(self.pending) - held],
-                        self.pending[len(self.pending) - held :],
-                    )
+                self.text += text
+                found, held = self.finder.feed(self.text)
+                end = found if found is not None else len(self.text) - (0 if stream_end else held)
+                shown, self.shown, self.stopped = self.text[self.shown : end], end, found is not None
             print(shown, end="\n" if stream_end else "", flush=True)
 
     return TextOut()

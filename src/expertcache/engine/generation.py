@@ -245,7 +245,7 @@ def _failure(s: str) -> list[int]:
 
 def held_back(text: str, stop: Sequence[str]) -> int:
     """How many characters at the end of ``text`` could be the start of a stop string (a stream holds
-    them back until the next piece says)."""
+    them back until the next piece says): the definition ``StopFinder`` computes as the text grows."""
     return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 

@@ -32,7 +32,7 @@ from expertcache.config import ServeConfig
 from expertcache.engine.generation import render
 from expertcache.errors import ExpertcacheError
 from expertcache.serve.batcher import Batcher, QueueFull, Restarting, Unavailable
-from expertcache.serve.gate import Gate, internal_error
+from expertcache.serve.gate import Gate, error_object, internal_error
 from expertcache.serve.metrics import CONTENT_TYPE, Metrics
 from expertcache.serve.schemas import ChatRequest, CompletionRequest
 
@@ -152,8 +152,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         return await _generate(req, request, ids, "chat.completion", req.limit)
 
     async def _generate(req, request: Request, ids: list[int], kind: str, max_tokens: int | None, echo=""):
-        max_tokens = limits.check_lengths(len(ids), max_tokens, state.get("batcher"))
         batcher = state.get("batcher")
+        max_tokens = limits.check_lengths(len(ids), max_tokens, batcher)
         if batcher is None:
             raise ApiError(503, "the server is starting or stopping", "server_error")
         stop = tuple(req.stop or ())
@@ -325,6 +325,6 @@ def _usage(job, last) -> dict[str, int]:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    body = {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+    body = error_object(exc.message, exc.kind, exc.code, exc.param)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
     return JSONResponse(body, status_code=exc.status, headers=headers)

@@ -253,12 +253,16 @@ class Batcher:
     def fail_all(self, message: str = "the server is shutting down", shutdown: bool = True) -> None:
         """End every request still running with an error piece (its client sees an error, not a quiet
         end), and take it out of the loop."""
-        for job in list(self.jobs.values()):
+        self._end(list(self.jobs.values()), self.manager, message, shutdown)
+
+    def _end(self, jobs: list, manager, message: str, shutdown: bool) -> None:
+        """Each of ``jobs`` not ended yet gets its last piece, an error, and leaves ``manager``'s loop."""
+        for job in jobs:
             if job is not None and not job.done:
                 self._hand(job, Piece("", len(job.tokens), error=message, shutdown=shutdown))
                 try:
-                    self.manager.cancel_request(job.id)
-                except Exception:
+                    manager.cancel_request(job.id)
+                except Exception:  # a loop that is gone has nothing to cancel
                     pass
 
     def stop_admitting(self, reason: str = "the server is shutting down") -> None:
@@ -334,13 +338,7 @@ class Batcher:
                 self.restarts.append(now)
             except Exception as exc:
                 state, reason = "failed", f"the generation loop could not start again: {exc}"
-        for job in held:  # what the failed loop held, on the old manager
-            if job is not None and not job.done:
-                self._hand(job, Piece("", len(job.tokens), error=failed(incident)))
-                try:
-                    old.cancel_request(job.id)
-                except Exception:
-                    pass
+        self._end(held, old, failed(incident), shutdown=False)  # what the failed loop held
         with self._lock:
             self.state, self.reason = state, reason
         if state == "failed":

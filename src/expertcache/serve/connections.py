@@ -32,6 +32,8 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from expertcache.serve.gate import error_object
+
 log = logging.getLogger("expertcache.serve")
 DEFAULT_CONNECTIONS = 4096
 RESERVED_FILES = 256  # descriptors kept for the model, the checkpoint, logs and the event loop
@@ -166,22 +168,22 @@ def guarded_protocol(cap: int, header_timeout: float, linger: float = 30.0) -> t
 
         def send_400_response(self, msg: str) -> None:
             """A request h11 cannot parse (no Host, a bad length, a header too long): OpenAI's JSON error."""
-            body = json.dumps(
-                {"error": {"message": f"{msg[:-1]}: not valid HTTP/1.1", "type": "invalid_request_error",
-                           "param": None, "code": "invalid_http"}}
-            ).encode()  # fmt: skip
-            head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
-            self.transport.raw.close()
+            message = f"{msg[:-1]}: not valid HTTP/1.1"
+            self._reply(b"400 Bad Request", error_object(message, "invalid_request_error", "invalid_http"))
 
         def _refuse(self) -> None:
-            body = b'{"error": {"message": "the server has too many connections open (--max-connections)", ' \
-                   b'"type": "server_error", "param": null, "code": "too_many_connections"}}'  # fmt: skip
-            head = (
-                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+            message = "the server has too many connections open (--max-connections)"
+            error = error_object(message, "server_error", "too_many_connections")
+            self._reply(b"503 Service Unavailable", error, b"retry-after: 1\r\n")
+
+        def _reply(self, status: bytes, error: dict, extra: bytes = b"") -> None:
+            """A whole response written below h11 (no request to answer through it), then close."""
+            body = json.dumps(error).encode()
+            head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n" % (
+                status,
+                extra,
             )
-            self.transport.write(head + body)
+            self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
             self.transport.raw.close()
 
     GuardedH11Protocol.tally = tally

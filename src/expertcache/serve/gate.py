@@ -149,9 +149,14 @@ def internal_error(incident: str) -> str:
     return f"internal server error (incident {incident}; the server log has the details)"
 
 
+def error_object(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's JSON error object: every error the server sends, whichever layer sends it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 async def send_error(send, status: int, message: str, kind: str, code=None, param=None, close=False) -> None:
     """OpenAI's JSON error object as a whole response, sent at the ASGI level."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+    body = json.dumps(error_object(message, kind, code, param)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 503:
         headers.append((b"retry-after", b"1"))
