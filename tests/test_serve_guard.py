@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ make_ckpt = engine_fixtures.make_ckpt
 tokenizer_dir = engine_fixtures.tokenizer_dir
 
 KEY = "k3y"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 CAP = 24
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
@@ -41,7 +43,10 @@ def server(ckpt, tmp_path_factory):
     """(port, process, path of its stderr log)."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
-    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--model", str(ckpt("mixtral")),
+    model = tmp_path_factory.mktemp("chat") / "tiny"  # the tiny checkpoint, with a chat template
+    shutil.copytree(ckpt("mixtral"), model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--model", str(model),
            "--device", "cpu", "--port", str(port), "--expert-memory", "50%", "--api-key", KEY,
            "--kv-cache-tokens", "300", "--max-body", "64KiB", "--header-timeout", "1s",
            "--body-timeout", "1s", "--idle-timeout", "1s", "--max-connections", str(CAP),
@@ -195,6 +200,15 @@ def test_errors_are_json_and_keep_the_connection(server):
     for field, value in (("response_format", {"type": "json_object"}), ("ignore_eos", True), ("foo", 1)):
         status, _, body = _request(port, "POST", "/v1/completions", {**good, field: value}, AUTH)
         assert status == 400 and field.encode() in body
+    # OpenAI's current name for the system role: the same answer as "system"
+    client = _client(port)
+
+    def chat(role: str) -> str:
+        messages = [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model=_name(port), messages=messages, max_tokens=4)
+        return reply.choices[0].message.content
+
+    assert chat("developer") == chat("system")
 
 
 def test_slow_and_idle_connections_cannot_lock_out_prompt_clients(server):
