@@ -242,7 +242,7 @@ def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--expert-memory", "1KB"], "needs at least 2"),
+        (["--expert-memory", "1kB"], "needs at least 2"),
         (["--expert-memory", "12 parsecs"], "is not a size"),
         (["--expert-memory", "150%"], r"must be a share in \(0%, 100%\]"),
         (["--policy", "nope"], "unknown policy 'nope'"),
@@ -265,7 +265,7 @@ def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
         ),
         (["--prefetch", "token"], "needs a recorded trace of this model .*--predictor TRACE.npz"),
         (["--policy", "lru-dist:budgets=2/2"], r"budgets sum to 4; give budgets that sum to \d+"),
-        (["--policy", "lru-dist", "--expert-memory", "3KB"], "needs at least 4"),
+        (["--policy", "lru-dist", "--expert-memory", "3kB"], "needs at least 4"),
         (["--max-new-tokens", "0"], "at least 1"),
         (["--max-new-tokens", "-3"], "at least 1"),
         (["--link-bandwidth", "fast"], "link bandwidth 'fast'"),
@@ -330,6 +330,8 @@ def test_model_synth_replaces_an_older_sharded_checkpoint(capsys, tmp_path, toke
     out = tmp_path / "m"
     synth = ("model", "synth", "--family", "mixtral", "-o", str(out), "--tokenizer", str(tokenizer_dir))
     code, _, err = run(capsys, *synth, "--max-shard-size", "100KB")
+    assert code == 2 and "unit 'KB' is ambiguous; write 100kB (10^3 bytes) or 100KiB (2^10 bytes)" in err
+    code, _, err = run(capsys, *synth, "--max-shard-size", "100kB")
     assert code == 0, err
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 2
     code, _, err = run(capsys, *synth, "--layers", "3")

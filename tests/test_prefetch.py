@@ -416,7 +416,7 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         [
             "generate", "--model", str(path), "--prompt", "a b c", "--max-new-tokens", "4",
             "--expert-memory", "50%", "--device", "cpu", "--prefetch", "window", "--window", "2",
-            "--no-preemption", "--chunk-size", "1KB", "--json",
+            "--no-preemption", "--chunk-size", "1kB", "--json",
         ]
     )  # fmt: skip
     out = json.loads(capsys.readouterr().out)

@@ -614,6 +614,15 @@ def test_cli_json(capsys, trace_file):
     assert d["tpot_s"] > 0 and d["stall_s"] >= 0
 
 
+def test_cli_link_in_bits_is_an_eighth_of_bytes(capsys, trace_file):
+    """--link-bandwidth 2Gb/s is 2 gigabits a second (it was read as 2 GB/s, 8x too fast)."""
+    args = ("timing", "--trace", str(trace_file), "--link-bandwidth", "2Gb/s")
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and "link 0.25 GB/s" in out
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert json.loads(out)["cost"]["link_bandwidth"] == 0.25e9
+
+
 def test_cli_switches_and_cost_file(capsys, trace_file, tmp_path):
     cost_file = tmp_path / "c.json"
     cost(link_latency=1e-3, dense_s=1e-3, expert_bytes=3).save(cost_file)
@@ -674,7 +683,9 @@ def test_cli_text_on_the_default_trace(capsys):
         (["--capacity", "-3"], "capacity must be at least 1 expert, got -3"),
         (["--expert-memory", "-5%"], "expert memory '-5%' must be a share in (0%, 100%]"),
         (["--expert-memory=-5%"], "expert memory '-5%' must be a share in (0%, 100%]"),
-        (["--expert-memory", "1KB"], "--expert-memory 1KB holds no expert"),
+        (["--expert-memory", "1kB"], "--expert-memory 1kB holds no expert"),
+        (["--expert-memory", "5m"], "unit 'm' is ambiguous; write 5MB (10^6 bytes) or 5MiB (2^20 bytes)"),
+        (["--link-bandwidth", "2gb/s"], "unit 'gb' is ambiguous; write 2GB/s (10^9 bytes/s)"),
         (["--expert-memory", "6"], "expert memory '6' needs a unit: 6B, 6MB or 6GiB"),
         (["--link-latency", "20"], "--link-latency '20' needs a unit: 20us, 20ms or 20s"),
         (["--link-latency", "-1ms"], "--link-latency '-1ms' must be a non-negative duration"),

@@ -1,4 +1,10 @@
-"""Units on the command line and in files: sizes, rates, durations, budgets. Torch-free."""
+"""Units on the command line and in files: sizes, rates, durations, budgets. Torch-free.
+
+Unit spellings are case-sensitive, as in SI and IEC: ``B`` is a byte and ``b`` a bit, ``k`` ``M`` ``G``
+``T`` are powers of 1000 and ``Ki`` ``Mi`` ``Gi`` ``Ti`` powers of 1024. A spelling that could mean two of
+them (``mb``, ``KB``, a bare ``G``) is refused with the ones it could mean. Rates take bits (a link is often
+given in ``Gb/s``); sizes of memory take only bytes, where a bit unit is far likelier a mistake.
+"""
 
 from __future__ import annotations
 
@@ -7,48 +13,82 @@ import re
 
 from expertcache.errors import ExpertcacheError
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
+_PREFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+BYTE_UNITS: dict[str, int] = {p + "B": f for p, f in _PREFIXES.items()}
+"""Every size spelling and the bytes it stands for."""
+BIT_UNITS: dict[str, float] = {p + s: f / 8 for p, f in _PREFIXES.items() for s in ("b", "bit")}
+"""Every bit spelling (rates only) and the bytes it stands for: ``Gb/s`` is 0.125 ``GB/s``."""
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DURATION = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$")
 
 
+def _meaning(unit: str) -> str:
+    prefix = unit[: -3 if unit.endswith("bit") else -1]
+    power = {"": "", "k": "10^3 ", "M": "10^6 ", "G": "10^9 ", "T": "10^12 ",
+             "Ki": "2^10 ", "Mi": "2^20 ", "Gi": "2^30 ", "Ti": "2^40 "}[prefix]  # fmt: skip
+    return f"{power}{'bytes' if unit.endswith('B') else 'bits'}"
+
+
+def _unit_factor(text: object, number: str, unit: str, what: str, *, bits: bool, rate: str = "") -> float:
+    """Bytes per unit of a spelling in the table; a spelling that is not is refused, naming the
+    spellings it could have meant."""
+    if unit == "":
+        return 1.0
+    if unit in BYTE_UNITS:
+        return float(BYTE_UNITS[unit])
+    if unit in BIT_UNITS:
+        if bits:
+            return BIT_UNITS[unit]
+        byte = unit.removesuffix("bit").removesuffix("b") + "B"
+        raise ExpertcacheError(
+            f"{what} {text!r} is in bits ({_meaning(unit)}); give memory in bytes: "
+            f"{number}{byte} ({_meaning(byte)})"
+        )
+    low = unit.lower()
+    stems = {low, low + "b", low[:1] + "i" + low[1:], low[:1] + "ib"} if low else set()
+    known = [u for u in (*BYTE_UNITS, *(BIT_UNITS if bits else ())) if u.lower() in stems and u != "B"]
+    if known:
+        choices = [f"{number}{u}{rate} ({_meaning(u)}{rate})" for u in known]
+        raise ExpertcacheError(
+            f"{what} {text!r}: unit {unit!r} is ambiguous; write {', '.join(choices[:-1])} or {choices[-1]}"
+        )
+    kind, example = ("a rate", "16GB/s, 500MiB/s, 8Gb/s") if rate else ("a size", "6GiB, 500MB, 123456B")
+    raise ExpertcacheError(f"{what} {text!r} is not {kind}: unknown unit {unit!r} (examples: {example})")
+
+
 def parse_size(text: str | int | float, what: str = "size") -> float:
-    """Bytes from ``500MB``, ``6GiB``, ``1234B`` (decimal kB/MB/GB, binary KiB/MiB/GiB) or a number of
-    bytes given as a number; text needs a unit (but ``0``)."""
+    """Bytes from ``500MB``, ``6GiB``, ``1234B`` (decimal kB/MB/GB/TB, binary KiB/MiB/GiB/TiB) or a number
+    of bytes given as a number; text needs a unit (but ``0``)."""
     if isinstance(text, int | float) and not isinstance(text, bool):
         value = float(text)
     else:
         m = _SIZE.match(str(text))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
+        if m is None:
             raise ExpertcacheError(f"{what} {text!r} is not a size (examples: 6GiB, 500MB, 123456B)")
-        value = float(m.group(1)) * _UNITS[unit]
+        value = float(m.group(1)) * _unit_factor(text, m.group(1), m.group(2), what, bits=False)
         if value >= 0:
-            _need_unit(text, m.group(1), unit, what, ("B", "MB", "GiB"))
+            _need_unit(text, m.group(1), m.group(2), what, ("B", "MB", "GiB"))
     if not math.isfinite(value) or value < 0:
         raise ExpertcacheError(f"{what} {text!r} must be a non-negative size")
     return value
 
 
 def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
-    """Bytes per second from ``16GB/s``, ``500MiB/s``, or a number of bytes per second given as a number."""
+    """Bytes per second from ``16GB/s``, ``500MiB/s``, ``8Gb/s`` (bits: 1GB/s), or a number of bytes per
+    second given as a number."""
     if isinstance(text, int | float) and not isinstance(text, bool):
         value = float(text)
     else:
         s = str(text).strip()
-        m = _SIZE.match(s[:-2] if s.lower().endswith("/s") else s)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ExpertcacheError(f"{what} {text!r} is not a rate (examples: 16GB/s, 500MiB/s)")
-        value = float(m.group(1)) * _UNITS[unit]
+        per_second = s.endswith("/s")
+        m = _SIZE.match(s[:-2] if per_second else s)
+        if m is None:
+            raise ExpertcacheError(f"{what} {text!r} is not a rate (examples: 16GB/s, 500MiB/s, 8Gb/s)")
+        value = float(m.group(1)) * _unit_factor(text, m.group(1), m.group(2), what, bits=True, rate="/s")
         if value > 0:
-            _need_unit(text, m.group(1), unit, what, ("GB/s", "MB/s"))
-        if unit and not s.lower().endswith("/s"):
+            _need_unit(text, m.group(1), m.group(2), what, ("GB/s", "MB/s"))
+        if m.group(2) and not per_second:
             raise ExpertcacheError(f"{what} {text!r} is a size, not a rate: write {s}/s")
     if not (math.isfinite(value) and value > 0):
         raise ExpertcacheError(f"{what} {text!r} must be positive and finite")

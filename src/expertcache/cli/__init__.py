@@ -1009,6 +1009,9 @@ def _cmd_model_info(args: argparse.Namespace) -> int:
 
 def _cmd_model_synth(args: argparse.Namespace) -> int:
     from expertcache.engine.random_checkpoint import make_checkpoint
+    from expertcache.units import parse_size
+
+    shard = None if args.max_shard_size is None else int(parse_size(args.max_shard_size, "--max-shard-size"))
 
     quiet_transformers()
     for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
@@ -1024,7 +1027,7 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         intermediate=args.intermediate,
         heads=args.heads,
         dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=shard,
         seed=args.seed,
         tokenizer=args.tokenizer,
     )

@@ -96,7 +96,7 @@ def make_checkpoint(
     max_positions: int = 2048,
     seed: int = 0,
     dtype: str = "float32",
-    max_shard_size: str | None = None,
+    max_shard_size: int | str | None = None,
     tokenizer: str | Path | None = None,
 ) -> Path:
     """Build a random model of ``family`` and ``save_pretrained`` it (sharded if ``max_shard_size``)."""
