@@ -433,3 +433,13 @@ class TestSimulator:
         assert np.array_equal([s for _, s in seen], schedule.round_seq[rounds])
         # every request boundary of the trace is seen: one seq per request, in order
         assert list(dict.fromkeys(s for _, s in seen)) == list(dict.fromkeys(trace.seq_id.tolist()))
+
+
+@pytest.mark.parametrize(("name", "most"), [("next-gate", 5), ("window", 5), ("oracle", 6), ("token", 6)])
+def test_a_window_past_the_last_layer_is_refused(name, most):
+    """A window reaches at most the last layer (from layer 0 for gate predictors, from the step's start
+    for the others); --window 99 on 6 layers was reported as 99 while predicting from layer 0."""
+    trace = default_trace()
+    make_predictor(name, ctx_for(trace, window=most, routers=[None] * 6))
+    with pytest.raises(PredictorError, match=f"window {most + 1} is more layers ahead than a 6-layer model"):
+        make_predictor(name, ctx_for(trace, window=most + 1, routers=[None] * 6))

@@ -676,6 +676,7 @@ def test_cli_text_on_the_default_trace(capsys):
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),
         (["--prefetch", "next-gate"], "has none"),
+        (["--prefetch", "oracle", "--window", "99"], "window 99 is more layers ahead than a 4-layer model"),
         (["--capacity", "1"], "below top-k"),
         (["--cost", "/nonexistent.json"], "cannot read"),
         (["--capacity", "4", "--expert-memory", "50%"], "not allowed with"),

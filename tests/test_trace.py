@@ -141,7 +141,30 @@ BAD_FILES = {
         "'weights' has NaN or infinite values where the expert is known (token 1, layer 0, slot 1)",
     ),
     "token_id shape": ({"token_id": np.zeros(2, np.int32)}, "'token_id' has shape (2,)"),
+    "expert twice in a top-k": (
+        {"experts": np.array([[[0, 1, 2], [2, 3, 0]], [[1, 2, 3], [3, -1, 3]]], np.int16)},
+        "expert 3 appears twice in the top-k of token 1, layer 1 (slots 0 and 2;",
+    ),
 }
+
+
+def test_unknown_slots_may_repeat_and_a_repeated_expert_is_refused_everywhere(tmp_path: Path, capsys) -> None:
+    """-1 (unknown) may fill several slots of a top-k; a known expert twice is refused on load, by every
+    command that reads a trace (sim and trace info took it, and in flat order counted it as a hit)."""
+    from expertcache.cli import main
+
+    experts = tiny_experts()
+    experts[1, 1] = [-1, -1]
+    assert Trace(experts, 4).top_k == 2
+    experts[2, 0] = [3, 3]
+    path = tmp_path / "twice.npz"
+    np.savez(path, experts=experts, num_experts=np.int32(4))
+    for argv in (["sim", str(path)], ["sim", str(path), "--order", "flat"], ["trace", "info", str(path)],
+                 ["timing", "--trace", str(path)]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "expert 3 appears twice in the top-k of token 2, layer 0 (slots 0 and 1" in err
 
 
 class TestValidation:

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.errors import TraceError
-from expertcache.trace.importers import repeated_expert
 from expertcache.trace.trace import Trace
 
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # terminal escapes (torch puts bold text in its messages)
@@ -131,13 +130,6 @@ def import_torch(path: str | Path, num_experts: int | None = None) -> Trace:
             )
     if ex.min() < -1 or ex.max() > np.iinfo(np.int16).max:
         raise TraceError(f"{path}: expert ids outside -1..32767")
-    twice = repeated_expert(ex)
-    if twice is not None:
-        token, layer, expert = twice
-        raise TraceError(
-            f"{path}: expert {expert} appears twice in the top-k of token {token}, layer {layer} (a router "
-            "picks an expert at most once per token)"
-        )
     num_experts = num_experts or int(ex.max()) + 1
     return Trace(experts=ex.astype(np.int16), num_experts=num_experts, weights=wt, source=str(path),
                  meta={"imported_from": path.name})  # fmt: skip

@@ -207,17 +207,6 @@ class _Rows:
         return len(tokens) > 1 and all(len(s) == 1 for s in by_layer.values())
 
 
-def repeated_expert(experts: np.ndarray) -> tuple[int, int, int] | None:
-    """(token, layer, expert) of the first top-k in ``experts`` ``[T, L, K]`` that names an expert twice
-    (unknown slots, -1, aside), or None: a router picks an expert at most once per token."""
-    ordered = np.sort(experts, axis=-1)
-    twice = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
-    if not twice.any():
-        return None
-    token, layer, slot = (int(i) for i in np.argwhere(twice)[0])
-    return token, layer, int(ordered[token, layer, slot])
-
-
 def _int(where: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str | float) or str(value).strip() == "":
         raise TraceError(f"{where}: '{name}' must be an integer, got {value!r}")

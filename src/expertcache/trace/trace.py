@@ -147,6 +147,21 @@ def _as_experts(experts: object, source: str) -> np.ndarray:
     return arr.astype(np.int16, copy=False)
 
 
+def repeated_expert(experts: np.ndarray) -> tuple[int, int, int, int] | None:
+    """(token, layer, first slot, second slot) of the first top-k in ``experts`` ``[T, L, K]`` that names
+    an expert twice (unknown slots, -1, aside), or None: a router picks an expert at most once per token."""
+    if experts.shape[-1] < 2:
+        return None
+    ordered = np.sort(experts, axis=-1)
+    twice = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(axis=-1)
+    if not twice.any():
+        return None
+    tok, layer = (int(i) for i in np.argwhere(twice)[0])
+    row = [int(e) for e in experts[tok, layer]]
+    slot = next(s for s, e in enumerate(row) if e >= 0 and e in row[:s])
+    return tok, layer, row.index(row[slot]), slot
+
+
 def _validate(trace: Trace) -> None:
     src, ex = trace.source, trace.experts
     t, layers, k = ex.shape
@@ -158,6 +173,13 @@ def _validate(trace: Trace) -> None:
         raise TraceError(f"{src}: expert id {int(ex.max())} out of range for num_experts={trace.num_experts}")
     if k > trace.num_experts:
         raise TraceError(f"{src}: top-k {k} exceeds num_experts {trace.num_experts}")
+    twice = repeated_expert(ex)
+    if twice is not None:
+        tok, layer, first, slot = twice
+        raise TraceError(
+            f"{src}: expert {int(ex[tok, layer, slot])} appears twice in the top-k of token {tok}, layer "
+            f"{layer} (slots {first} and {slot}; a router picks an expert at most once per token)"
+        )
     for name, (_, _, rank) in _OPTIONAL.items():
         value = getattr(trace, name)
         if value is None:
