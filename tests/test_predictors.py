@@ -436,10 +436,15 @@ class TestSimulator:
 
 
 @pytest.mark.parametrize(("name", "most"), [("next-gate", 5), ("window", 5), ("oracle", 6), ("token", 6)])
-def test_a_window_past_the_last_layer_is_refused(name, most):
+def test_a_window_past_the_last_layer_is_clipped_with_a_note(name, most):
     """A window reaches at most the last layer (from layer 0 for gate predictors, from the step's start
     for the others); --window 99 on 6 layers was reported as 99 while predicting from layer 0."""
     trace = default_trace()
-    make_predictor(name, ctx_for(trace, window=most, routers=[None] * 6))
-    with pytest.raises(PredictorError, match=f"window {most + 1} is more layers ahead than a 6-layer model"):
-        make_predictor(name, ctx_for(trace, window=most + 1, routers=[None] * 6))
+    fits = make_predictor(name, ctx_for(trace, window=most, routers=[None] * 6))
+    assert fits.window == most and fits.note is None
+    past = make_predictor(name, ctx_for(trace, window=99, routers=[None] * 6))
+    assert past.window == most
+    assert past.note == (
+        f"prefetch window 99 reaches past a 6-layer model: {name} predicts at most {most} layer(s) ahead, "
+        f"so its window is {most}"
+    )

@@ -415,13 +415,13 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
     rc = main(
         [
             "generate", "--model", str(path), "--prompt", "a b c", "--max-new-tokens", "4",
-            "--expert-memory", "50%", "--device", "cpu", "--prefetch", "window", "--window", "2",
+            "--expert-memory", "50%", "--device", "cpu", "--prefetch", "window", "--window", "1",
             "--no-preemption", "--chunk-size", "1kB", "--json",
         ]
     )  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert out["prefetch"] == "window" and out["window"] == 2 and out["preemption"] is False
+    assert out["prefetch"] == "window" and out["window"] == 1 and out["preemption"] is False
     assert out["chunk_bytes"] == 1000 and out["reorder"] is True
     assert out["prefetch_limit"] == TOP_K  # ProMoE's default: top-k per predicted layer
     assert out["prefetch_issued"] >= out["prefetch_used"] >= 0
@@ -473,8 +473,10 @@ def test_cli_predictor_accuracy_reports_per_layer_accuracy(ckpt, tmp_path, capsy
         "2",
     ]
     rc = main(["predictor-accuracy", *args, "--max-new-tokens", "4", "--json"])
-    rows = json.loads(capsys.readouterr().out)
-    assert rc == 0 and [(r["name"], r["window"]) for r in rows] == [("next-gate", 1), ("next-gate", 2)]
+    out, err = capsys.readouterr()
+    rows = json.loads(out)  # 2 MoE layers: window 2 predicts no further than window 1 (and says so)
+    assert rc == 0 and [(r["name"], r["window"]) for r in rows] == [("next-gate", 1), ("next-gate", 1)]
+    assert "note: prefetch window 2 reaches past a 2-layer model: next-gate predicts at most 1" in err
     layers = moe_layers("mixtral")
     for r in rows:
         assert len(r["per_layer"]) == layers and r["per_layer"][0] is None  # layer 0 is never predicted
@@ -704,3 +706,44 @@ def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
     capsys.readouterr()
     assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0
     assert "prefetched" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("miss", ["fetch", "hobbit:bits=8,group=16"])
+def test_a_deterministic_run_repeats_whatever_the_transfers_take(ckpt, tmp_path, miss):
+    """deterministic=True: every transfer lands before the cache's next decision, so hits, misses,
+    prefetches and what the miss path did (HOBBIT's low-precision uses) are the same however long each
+    transfer takes (random delays injected here), and the outputs equal each other; the run says it
+    repeats (``varies_by`` empty). Without it the same run names what it follows."""
+    path = ckpt("mixtral")
+    if miss.startswith("hobbit"):
+        from expertcache.tools.quantize import quantize_model
+
+        quantize_model(path, bits=(8,), group=16, optimize=False, progress=False)  # a file of its own
+    capacity = moe_layers("mixtral") * TOP_K + 3
+    keys = ("hits", "misses", "prefetch_issued", "prefetch_used", "prefetch_cancelled", "low_precision",
+            "misses_by_layer", "bytes_transferred")  # fmt: skip
+    runs = []
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        kw = dict(prefetch="window", window=1, miss=miss, deterministic=True)
+        with engine_load(path, capacity, "lru", **kw) as m:
+            m.worker.fault = lambda transfer, chunk, attempt, rng=rng: time.sleep(rng.random() * 1e-3)
+            out = greedy(m, IDS)
+            stats = m.stats
+        assert stats["deterministic"] and stats["varies_by"] == [] and stats["prefetch_when"] == "always"
+        runs.append((out, {k: stats[k] for k in keys}))
+    assert runs[0][1]["prefetch_issued"] > 0 and runs[0][1]["misses"] > 0
+    for out, stats in runs[1:]:
+        assert stats == runs[0][1]
+        assert_exact(out, runs[0][0])
+    with engine_load(path, capacity, "lru", prefetch="window", window=1, miss=miss) as m:
+        assert m.stats["varies_by"] == ["when transfers in flight land"]
+
+
+def test_deterministic_refuses_what_follows_measured_times():
+    assert PrefetchConfig("auto", deterministic=True).when == "always"
+    assert PrefetchConfig("auto").when == "pays"
+    with pytest.raises(ExpertcacheError, match="prefetch when 'pays' follows measured times"):
+        PrefetchConfig("auto", when="pays", deterministic=True)
+    with pytest.raises(ExpertcacheError, match="a predictor thread races"):
+        PrefetchConfig("window", thread=True, deterministic=True)

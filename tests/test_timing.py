@@ -623,6 +623,18 @@ def test_cli_link_in_bits_is_an_eighth_of_bytes(capsys, trace_file):
     assert json.loads(out)["cost"]["link_bandwidth"] == 0.25e9
 
 
+def test_a_window_past_the_model_is_clipped_with_a_note(capsys, trace_file):
+    """--window 99 on 4 layers was reported as 99 while every layer was predicted from the step's start."""
+    code, out, err = run_cli(
+        capsys, "timing", "--trace", str(trace_file), "--prefetch", "oracle", "--window", "99"
+    )
+    assert code == 0 and "prefetch oracle (window 4)" in out
+    assert err == (
+        "note: prefetch window 99 reaches past a 4-layer model: oracle predicts at most 4 layer(s) ahead, so "
+        "its window is 4\n"
+    )
+
+
 def test_cli_switches_and_cost_file(capsys, trace_file, tmp_path):
     cost_file = tmp_path / "c.json"
     cost(link_latency=1e-3, dense_s=1e-3, expert_bytes=3).save(cost_file)
@@ -676,7 +688,6 @@ def test_cli_text_on_the_default_trace(capsys):
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),
         (["--prefetch", "next-gate"], "has none"),
-        (["--prefetch", "oracle", "--window", "99"], "window 99 is more layers ahead than a 4-layer model"),
         (["--capacity", "1"], "below top-k"),
         (["--cost", "/nonexistent.json"], "cannot read"),
         (["--capacity", "4", "--expert-memory", "50%"], "not allowed with"),

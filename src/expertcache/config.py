@@ -57,7 +57,12 @@ class PrefetchConfig:
     ``auto`` (the engine's default) picks the model's predictor when the model is loaded (the trained
     ``learned`` one where there is one, else ``next-gate``). ``when``: ``always`` predicts in every step;
     ``pays`` only while the governor (``cache.governor``) measures that prefetching makes steps shorter.
-    None: ``pays`` for ``auto``, ``always`` for a named predictor."""
+    None: ``pays`` for ``auto``, ``always`` for a named predictor.
+
+    ``deterministic``: a run that repeats exactly (hits, misses, what each miss path did, the outputs of
+    lossy paths): every transfer lands before the cache's next decision (no prefetch is cancelled or in
+    flight when a victim is chosen) and prefetching never follows measured times (``when`` is ``always``;
+    ``pays`` and a predictor thread are refused). Prefetches then do not overlap compute."""
 
     predictor: str = "none"
     window: int | None = None
@@ -69,6 +74,7 @@ class PrefetchConfig:
     reorder: bool = True
     thread: bool = False
     when: str | None = None
+    deterministic: bool = False
     chunk_bytes: int | None = field(init=False, repr=False)
     predictor_object: object = field(init=False, repr=False, compare=False)
 
@@ -90,7 +96,17 @@ class PrefetchConfig:
             raise ExpertcacheError(
                 f"prefetch when {when!r} needs a predictor: --prefetch NAME or auto (prefetch= in the API)"
             )
-        _set(self, when=when or ("pays" if name == AUTO else "always"))
+        if self.deterministic and when == "pays":
+            raise ExpertcacheError(
+                "prefetch when 'pays' follows measured times, so no two runs are alike: a deterministic run "
+                "prefetches always (--prefetch-when always) or not at all (--prefetch none)"
+            )
+        if self.deterministic and self.thread:
+            raise ExpertcacheError(
+                "a predictor thread races the model's layers: a deterministic run predicts inline (leave out "
+                "--predictor-thread)"
+            )
+        _set(self, when=when or ("pays" if name == AUTO and not self.deterministic else "always"))
         if self.window is not None and int(self.window) < 1:
             raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {self.window}")
         if self.limit is not None and int(self.limit) < 1:

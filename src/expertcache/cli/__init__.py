@@ -362,6 +362,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ql.add_argument("--text", metavar="FILE", help="a text file to measure on (default: held-out files)")
     ql.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (default cpu)")
+    ql.add_argument(
+        "--prefetch",
+        default="auto",
+        metavar="NAME",
+        help="the predictor, or none (default auto: the model's)",
+    )
+    ql.add_argument(
+        "--prefetch-when", choices=cli_generate.PREFETCH_WHEN, default="always",
+        help="always: predict in every step, a deterministic run (default); pays: as generate runs by "
+        "default, only while it measurably pays (the numbers vary from run to run)",
+    )  # fmt: skip
     ql.add_argument("--json", action="store_true", help="print one JSON object")
     ql.set_defaults(func=_cmd_quality)
 
@@ -623,6 +634,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
     )
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
     else:
@@ -1096,11 +1109,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_quality(args: argparse.Namespace) -> int:
-    from expertcache.config import MissConfig
+    from expertcache.config import MissConfig, PrefetchConfig
     from expertcache.tools.quality import format_quality, measure
 
     quiet_transformers()
     MissConfig(args.miss)  # a bad spec is refused before anything loads
+    PrefetchConfig(args.prefetch)
     texts = None
     if args.text:
         try:
@@ -1109,7 +1123,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
             raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
     r = measure(
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
-        progress=not args.json,
+        progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

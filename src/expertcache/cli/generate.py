@@ -155,6 +155,11 @@ def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-preemption", action="store_true", help="keep a layer's stale prefetches queued")
     p.add_argument(
+        "--deterministic", action="store_true",
+        help="repeat hits, misses and lossy outputs exactly: transfers land before each decision (no "
+        "overlap), prefetching always (not only while it pays)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-reorder", action="store_true", help="compute experts in routing order, not readiness"
     )
 
@@ -178,7 +183,7 @@ def load_model(args, record: bool = True):
     options = {
         "data": args.predictor, "limit": args.prefetch_limit, "chunking": not args.no_chunking,
         "chunk_size": args.chunk_size, "preemption": not args.no_preemption, "reorder": not args.no_reorder,
-        "thread": args.predictor_thread, "when": args.prefetch_when,
+        "thread": args.predictor_thread, "when": args.prefetch_when, "deterministic": args.deterministic,
     }  # fmt: skip
     plan = None
     if args.plan:
@@ -398,9 +403,33 @@ def summary(out: dict) -> str:
             f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
             f"cancelled {out['prefetch_cancelled']}"
         )
+    did = miss_work(out)
+    if did:
+        lines.append(f"miss path {out['miss']}: {did}")
+    varies = out.get("varies_by")
+    if varies:
+        lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")
+    elif out.get("deterministic"):
+        lines.append("repeatable (--deterministic): transfers landed before each decision")
     if out.get("seed") is not None:
         lines.append(f"sampled with seed {out['seed']} (--seed {out['seed']} repeats it)")
     return "\n".join(lines)
+
+
+def miss_work(out: dict) -> str:
+    """What the miss path did besides fetching whole experts, one phrase each: computed on the host, at
+    low precision, skipped, filled, transfers of each part (split experts' segments); empty when every
+    miss was a whole fetch."""
+    words = []
+    for key, what in (("host_computed", "expert uses computed on the host"),
+                      ("low_precision", "expert uses at low precision"), ("skipped", "expert uses skipped"),
+                      ("filled", "experts moved into the cache after host compute")):  # fmt: skip
+        if out.get(key):
+            words.append(f"{out[key]} {what}")
+    parts = out.get("part_misses") or {}
+    if len(parts) > 1 or (parts and "full" not in parts):  # split experts, low-precision copies
+        words.append("transfers by part: " + ", ".join(f"{p} {n}" for p, n in parts.items()))
+    return ", ".join(words)
 
 
 def _text_out(tokenizer, stop: tuple[str, ...] = ()):

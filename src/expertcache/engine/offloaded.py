@@ -144,6 +144,7 @@ class OffloadedModel:
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
         self.transport = SlotTransport(self.targets, self.worker)
+        self.transport.settle = prefetch.deterministic
         residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
         self.model = sk.model.to(self.device)
         self.host = HostExperts(self.tier, self.device)
@@ -152,6 +153,12 @@ class OffloadedModel:
 
             measured = calibrate(self, sk.experts[0])
             self.miss.ctx = dataclasses.replace(self.miss.ctx, costs=measured)
+            if prefetch.deterministic:
+                self.notes.append(
+                    f"miss path {self.miss.name} decides by costs measured at load, which differ from run to "
+                    "run: give them (load(costs=CostModel.load(PROFILE.json))) for a run that repeats"
+                )
+        self._measured_costs = self.miss.needs_costs and costs is None
         self.costs = self.miss.ctx.costs
         # ProMoE: as many experts per predicted layer as the model activates for one token
         self.prefetch_limit = self.top_k if prefetch.limit is None else int(prefetch.limit)
@@ -162,6 +169,8 @@ class OffloadedModel:
         self.prefetch = self._auto_predictor(prefetch) if prefetch.predictor == AUTO else prefetch.predictor
         idle_prefetch = prefetch.governed and self._whole
         self.predictor = self._make_predictor(prefetch) if prefetch.enabled and not idle_prefetch else None
+        if self.predictor is not None and self.predictor.note:
+            self.notes.append(self.predictor.note)
         runner, self.governor = None, None
         if self.predictor is not None:
             runner = PredictorThread(self.predictor) if prefetch.thread else InlinePredictor(self.predictor)
@@ -517,9 +526,13 @@ class OffloadedModel:
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
-            "prefetch_late", "prefetch_cancelled", "shadow_guesses", "shadow_hits",
+            "prefetch_late", "prefetch_cancelled", "shadow_guesses", "shadow_hits", "filled",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
+        parts = before["part_misses"]
+        delta["part_misses"] = {
+            p: n - parts.get(p, 0) for p, n in after["part_misses"].items() if n > parts.get(p, 0)
+        }
         delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],
                      memory=resident_memory(self._weight_files))  # fmt: skip
         eos = gen.eos_ids(self.model, tok)
@@ -604,7 +617,24 @@ class OffloadedModel:
             "chunking": None if self.chunking is None else self.chunking["why"],
             "preemption": pf.preemption,
             "reorder": pf.reorder,
+            "deterministic": pf.deterministic,
+            "varies_by": self._varies_by(),
         }
+
+    def _varies_by(self) -> list[str]:
+        """What makes two runs of the same input differ in hits, misses and what the miss path did (and
+        so in a lossy path's output): empty when the run repeats."""
+        why = []
+        if self.governor is not None:
+            why.append("the prefetch governor's measured step times")
+        if self.predictor is not None and self.prefetch_config_.thread:
+            why.append("the predictor thread")
+        moving = self.predictor is not None or self.miss.name != "fetch"
+        if moving and not self.transport.settle:
+            why.append("when transfers in flight land")
+        if self._measured_costs:
+            why.append(f"the costs {self.miss.name} measured at load")
+        return why
 
     def _governor_summary(self) -> dict[str, object] | None:
         """What ``prefetch_when="pays"`` decided and why (None: prefetching is always on, or off)."""
@@ -700,6 +730,7 @@ def load(
     reorder: bool = True,
     predictor_thread: bool = False,
     prefetch_when: str | None = None,
+    deterministic: bool = False,
     plan: str | Path | Plan | None = None,
     **options,
 ) -> OffloadedModel:
@@ -719,8 +750,10 @@ def load(
     ``window`` (layers ahead), ``predictor`` (a trained predictor directory for ``learned``, a recorded
     trace for ``token``/``eam``), ``prefetch_limit`` (per predicted layer; default top-k), ``chunking``
     and ``chunk_size`` (default: a third of an expert), ``preemption``, ``reorder`` (both on),
-    ``predictor_thread``. Config objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be
-    passed for ``policy``, ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
+    ``predictor_thread``. ``deterministic``: a run that repeats exactly, hits, misses and lossy outputs
+    included (``config.PrefetchConfig``; ``stats["varies_by"]`` says what else would vary). Config
+    objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be passed for ``policy``,
+    ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``,
@@ -761,7 +794,7 @@ def load(
         pf = PrefetchConfig(
             prefetch, window=window, data=predictor, limit=prefetch_limit, chunking=chunking,
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
-            when=prefetch_when,
+            when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=LinkConfig(link_bandwidth, link_latency),

@@ -31,6 +31,7 @@ class SlotTransport:
         self.stall_by_phase = [0.0, 0.0]  # [decode, prefill]
         self.phase = 0  # set by the engine at each step
         self.transfers = 0  # submitted
+        self.settle = False  # deterministic runs: a transfer lands before submit returns (see below)
 
     def pool_id(self, part: str, key: Key) -> PoolId:
         return (part, key[0]) if self._by_layer and (part, key[0]) in self.targets else (part, None)
@@ -57,10 +58,16 @@ class SlotTransport:
         slot = self.slot_of.pop((part, victim)) if victim is not None else self.free[pid].pop()
         self.slot_of[(part, key)] = slot
         self.transfers += 1
-        return self.worker.submit(key, slot, priority, pid)
+        handle = self.worker.submit(key, slot, priority, pid)
+        if self.settle:  # nothing in flight at the cache's next decision: no victim or cancel depends on time
+            try:
+                self.wait(handle)
+            except Exception:  # noqa: BLE001 (kept in the handle: poll says FAILED, wait raises it again)
+                pass
+        return handle
 
     def cancel(self, handle: Transfer) -> bool:
-        return self.worker.cancel(handle)
+        return False if self.settle else self.worker.cancel(handle)
 
     def promote(self, handle: Transfer) -> None:
         self.worker.promote(handle)
@@ -71,7 +78,7 @@ class SlotTransport:
         return FAILED if handle.error is not None or handle.cancelled else READY
 
     def started(self, handle: Transfer) -> bool:
-        return handle.started
+        return self.settle or handle.started
 
     def wait(self, handle: Transfer) -> None:
         start = time.perf_counter()

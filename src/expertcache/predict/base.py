@@ -66,11 +66,15 @@ class Predictor(ABC):
         self.window = ctx.window if ctx.window is not None else self.default_window
         self.num_layers = ctx.num_layers
         self.top_k = ctx.top_k
-        most = self.num_layers - 1 if self.needs_model else self.num_layers  # from layer 0 / the start
+        self.note: str | None = None  # for the user: the window was clipped to the model
+        most = max(
+            1, self.num_layers - 1 if self.needs_model else self.num_layers
+        )  # from layer 0 / the start
         if ctx.window is not None and ctx.window > most:
-            raise PredictorError(
-                f"prefetch window {ctx.window} is more layers ahead than a {self.num_layers}-layer model "
-                f"has: {self.name} takes a window of 1 to {most}"
+            self.window = most
+            self.note = (
+                f"prefetch window {ctx.window} reaches past a {self.num_layers}-layer model: {self.name} "
+                f"predicts at most {most} layer(s) ahead, so its window is {most}"
             )
 
     # -- the driver's calls -------------------------------------------------------------------

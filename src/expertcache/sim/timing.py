@@ -63,6 +63,7 @@ class TimingResult:
     params: dict[str, object] = field(default_factory=dict)
     capacities: dict[str, int] = field(default_factory=dict)  # keys each cache part holds
     governor: dict[str, object] | None = None  # with prefetch_when "pays": what the governor decided
+    notes: list[str] = field(default_factory=list)  # for the user: what was adjusted (a clipped window)
 
     @property
     def total_s(self) -> float:
@@ -217,6 +218,7 @@ def simulate_timing(
         params=cache_cfg.params,
         capacities=caps,
         governor=None if governor is None else governor.summary(),
+        notes=[pred.note] if pred is not None and pred.note else [],
     )
 
 

@@ -16,6 +16,7 @@ alone decides which predictor's GOODPRED is higher (ProMoE Sec. 4).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -98,7 +99,10 @@ def build_predictor(
         trace=trace,
         path=None if path is None else str(path),
     )
-    return make_predictor(name, ctx)
+    predictor = make_predictor(name, ctx)
+    if predictor.note:
+        print(f"note: {predictor.note}", file=sys.stderr)
+    return predictor
 
 
 def heldout_prompts(count: int = 16) -> list[str]:

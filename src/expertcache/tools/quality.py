@@ -89,16 +89,27 @@ def measure(
     device: str = "cpu",
     reference: Reference | None = None,
     progress: bool = False,
+    prefetch: str = "auto",
+    prefetch_when: str = "always",
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` against the full-precision reference
-    (``reference``: one to reuse across calls on the same model and texts)."""
+    (``reference``: one to reuse across calls on the same model and texts).
+
+    Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
+    prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
+    every run); ``prefetch_when="pays"`` measures the engine as ``generate`` runs it by default, where
+    the prefetch governor follows measured times and the numbers vary from run to run (``varies_by``)."""
+    from expertcache.config import PrefetchConfig
     from expertcache.engine import load
 
     if tokens < 2:
         raise ExpertcacheError(f"--tokens must be at least 2, got {tokens}")
+    when = None if prefetch == "none" else prefetch_when
+    pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
-        model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, progress=False
-    )
+        model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, prefetch=pf,
+        progress=False,
+    )  # fmt: skip
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
     try:
@@ -141,6 +152,10 @@ def measure(
             "expert_uses": uses,
             "low_precision_share": low / uses if uses else 0.0,
             "skipped_share": skipped / uses if uses else 0.0,
+            "prefetch": after["prefetch"],
+            "prefetch_when": after["prefetch_when"],
+            "deterministic": after["deterministic"],
+            "varies_by": after["varies_by"],
         }
     finally:
         model.close()
@@ -152,4 +167,5 @@ def format_quality(r: dict[str, object]) -> str:
         f"{r['perplexity_reference']:.3f} ({r['perplexity_change']:+.2%}) | top-1 agreement "
         f"{r['top1_agreement']:.2%} over {r['tokens']} tokens | low precision "
         f"{r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of {r['expert_uses']} expert uses"
+        + (f" | varies from run to run: follows {', '.join(r['varies_by'])}" if r.get("varies_by") else "")
     )
