@@ -22,7 +22,7 @@ from engine_fixtures import (
 from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
 from expertcache.sim.replay import replay
-from expertcache.trace import load_trace
+from expertcache.trace import load_trace, synthesize
 
 # the shared fixtures, by name
 _one_torch_thread = engine_fixtures._one_torch_thread
@@ -317,13 +317,9 @@ def test_generate_refuses_an_unwritable_trace_before_loading(capsys, ckpt, tmp_p
         raise AssertionError("loaded the model before checking the trace path")
 
     monkeypatch.setattr(offloaded, "load", no_load)
-    real_access = os.access
-    monkeypatch.setattr(
-        os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode)
-    )
-    out_file = tmp_path / "t.npz"  # root may write anywhere: the check is what is tested here
-    line = one_line_error(*generate(capsys, ckpt("mixtral"), "--record-trace", str(out_file)))
-    assert line == f"expertcache: error: {out_file}: cannot write the trace: permission denied"
+    out_file = "/proc/t.npz"  # refused even to root, whom the permission bits let write anywhere
+    line = one_line_error(*generate(capsys, ckpt("mixtral"), "--record-trace", out_file))
+    assert line == f"expertcache: error: {out_file}: cannot write the trace: no such file or directory"
 
 
 def test_model_synth_replaces_an_older_sharded_checkpoint(capsys, tmp_path, tokenizer_dir):
@@ -383,3 +379,25 @@ def test_console_script_reports_a_bad_checkpoint_in_one_line(bad_ckpt):
     assert proc.stderr.strip().splitlines() == [
         f"expertcache: error: {bad_ckpt('missing_expert')}: checkpoint lacks expert tensor {MISSING_EXPERT}"
     ]
+
+
+def test_options_that_would_do_nothing_are_refused_or_noted(capsys, ckpt, tmp_path):
+    """--profile with a policy that reads none, --stream without --json: refused (they were ignored);
+    a miss path that leaves the expert memory unused says so."""
+    path = str(ckpt("mixtral"))
+    capsys.readouterr()
+    trace = tmp_path / "t.npz"
+    synthesize("zipf", tokens=20, layers=5, experts=3, top_k=1).save(trace)  # another shape, even
+    base = ("generate", "--model", path, "--device", "cpu", "--prompt", "x", "--max-new-tokens", "2")
+    code, _, err = run(capsys, *base, "--profile", str(trace))
+    assert code == 2 and err == (
+        "expertcache: error: a usage profile (--profile) ranks experts for the static policies; policy lru "
+        "uses none (give --policy static or static-dist, or leave out --profile)\n"
+    )
+    code, _, err = run(capsys, *base, "--stream")
+    assert code == 2 and "--stream changes only --json's output" in err and err.count("\n") == 1
+    code, _, err = run(capsys, *base, "--miss", "placement", "--expert-memory", "30%")
+    assert code == 0, err
+    assert "note: miss path placement:layers=all computes every expert on the host: the expert memory" in err
+    assert "holds none and is not used" in err
+    assert "miss path placement:layers=all: " in err and "expert uses computed on the host" in err

@@ -337,6 +337,45 @@ def test_chat_survives_a_turn_that_fails(capsys, ckpt, tmp_path, monkeypatch):
     assert err.count("tokens,") == 1  # "hi" was answered after the failed turn
 
 
+def test_ctrl_c_in_a_chat_reply_stops_that_reply_and_the_conversation_goes_on(
+    capsys, ckpt, tmp_path, monkeypatch
+):
+    """Ctrl-C while a reply streams ends that reply (kept as far as it got) and reads the next turn; it
+    ended the whole conversation with exit 0."""
+    import signal
+
+    from expertcache.cli import generate as cli_gen
+
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    original, seen = cli_gen._text_out, []
+
+    def text_out(tokenizer, stop=()):
+        streamer = original(tokenizer, stop)
+        show = streamer.on_finalized_text
+
+        def on_text(text, stream_end=False):
+            seen.append(text)
+            if len(seen) == 2:  # the user presses Ctrl-C while the first reply streams
+                signal.raise_signal(signal.SIGINT)
+            show(text, stream_end)
+
+        streamer.on_finalized_text = on_text
+        return streamer
+
+    monkeypatch.setattr(cli_gen, "_text_out", text_out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    code, out, err = run(
+        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "12",
+        "--chat-template", str(template), "--stop", "NEVER-SEEN",  # the user's stop criteria stay
+    )  # fmt: skip
+    assert code == 0, err
+    turns = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(turns) == 2 and "stopped by Ctrl-C" in turns[0] and "stopped" not in turns[1]
+    assert int(turns[0][1:].split()[0]) < 12 and turns[1].startswith("[12 tokens")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after each reply
+
+
 def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monkeypatch):
     path = ckpt("mixtral")
     bad = tmp_path / "bad.jinja"

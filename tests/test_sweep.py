@@ -307,6 +307,24 @@ def test_seeds_are_a_dimension(traces):
     assert len({r["misses"] for r in rows}) > 1  # a randomized policy: the seed matters
 
 
+def test_a_policy_that_draws_no_random_numbers_runs_once_with_a_note(capsys, traces):
+    """sweep --seed 1 2 3 with lru computed three identical rows; now one, and a note says why."""
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "random",
+                         "--capacity", "8", "--seed", "1", "2", "3", "--json")  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["policy"], r["seed"]) for r in rows] == [
+        ("lru", 1),
+        ("random", 1),
+        ("random", 2),
+        ("random", 3),
+    ]
+    assert (
+        "note: lru draws no random numbers: its cells run once, with seed 1" in err
+        and "note: random" not in err
+    )
+
+
 def test_the_python_api(traces):
     rows = expertcache.sweep(traces=[str(traces[1])], policies=["lru"], capacities=["all"], log=None)
     assert [r["capacity"] for r in rows] == list(range(2, 49))

@@ -558,3 +558,19 @@ def test_unique_layer_rows_equals_numpy_unique(base):
     want, want_inverse = np.unique(sig.reshape(-1, 4).astype(np.int64), axis=0, return_inverse=True)
     uniq, inverse = _unique_layer_rows(ex, base)
     assert uniq.tolist() == want.tolist() and inverse.tolist() == want_inverse.reshape(-1).tolist()
+
+
+def test_a_prompt_as_long_as_a_sequence_is_refused(capsys) -> None:
+    """trace synth --prompt-len 1000 --tokens 100 made every token a prompt token (no decode at all)."""
+    from expertcache.cli import main
+
+    assert (
+        main(["trace", "synth", "--kind", "zipf", "--prompt-len", "1000", "--tokens", "100", "-o", "x.npz"])
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "expertcache: error: a prompt length of 1000 leaves no generated token in a sequence of 100 tokens "
+        "(100 tokens in 1 sequence(s)): give a prompt length below 100, or more tokens\n"
+    )
+    trace = synthesize("zipf", tokens=100, layers=2, experts=4, top_k=1, sequences=2, prompt_len=49)
+    assert int((trace.is_prefill == 0).sum()) == 2  # one generated token in each sequence of 50

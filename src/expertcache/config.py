@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import parse_miss
-from expertcache.policy.registry import is_offline, parse_policy
+from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.registry import predictor_class
 from expertcache.units import parse_duration, parse_rate, parse_size
 
@@ -40,6 +40,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         name, params = parse_policy(self.policy)
         _set(self, name=name, params=params)
+        if self.profile is not None and not policy_class(name).needs_profile:
+            raise ExpertcacheError(
+                f"a usage profile (--profile) ranks experts for the static policies; policy {name} uses none "
+                "(give --policy static or static-dist, or leave out --profile)"
+            )
 
     @property
     def offline(self) -> bool:

@@ -7,6 +7,7 @@ This module holds the parser and the simulator-side commands; ``generate`` and `
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
-from expertcache.cli.util import check_writable, quiet_transformers
+from expertcache.cli.util import check_outputs, output_option, quiet_transformers
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import (
     POLICIES,
@@ -71,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what it loads lives until exit (cli.util.startup_gc)
     args.whole_process = argv is None
     try:
-        return args.func(args)
+        check_outputs(args)
+        code = _run(args)
+        sys.stdout.flush()  # a full disk or a closed pipe under stdout is met here, not at exit
+        return code
     except ExpertcacheError as e:
         print(f"expertcache: error: {e}", file=sys.stderr)
         return 2
@@ -79,9 +83,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("expertcache: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as Unix tools do
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        _drop_stdout()
         return 141
+    except OSError as e:  # a write that failed late: a full disk, a quota, standard output on /dev/full
+        where = f"{e.filename}: " if e.filename else "standard output: " if _stdout_failed(e) else ""
+        print(f"expertcache: error: {where}cannot write: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        if _stdout_failed(e):
+            _drop_stdout()
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's work, once its options and outputs are checked (a test replaces it)."""
+    return args.func(args)
+
+
+def _drop_stdout() -> None:
+    """Standard output to /dev/null: no second error when Python flushes it at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _stdout_failed(e: OSError) -> bool:
+    """Whether ``e`` came from writing standard output (it names no file)."""
+    return e.filename is None and e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -110,6 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
+    output_option(s, "plot", "plot")
     s.add_argument("--per-layer", action="store_true", help="also print each result's misses per layer")
     s.set_defaults(func=_cmd_sim)
 
@@ -161,6 +187,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
     pl.add_argument("-o", "--out", metavar="PLAN.json", help="where the plan is written")
+    output_option(pl, "out", "plan")
     _add_budget(pl, "50%")
     pl.add_argument(
         "--policy",
@@ -223,12 +250,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_costs(dr)
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
+    output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
     dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
 
     pr = sub.add_parser("profile", help="measure this machine's cost triple for a model (for plan --cost)")
     pr.add_argument("--model", metavar="PATH", help="checkpoint folder (default: the embedded model)")
     pr.add_argument("-o", "--out", metavar="PROFILE.json", help="where the profile is written")
+    output_option(pr, "out", "profile")
     pr.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     pr.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     pr.add_argument("--slow-tier", choices=cli_generate.SLOW_TIERS, help=cli_generate.SLOW_TIER_HELP)
@@ -253,12 +282,14 @@ def _build_parser() -> argparse.ArgumentParser:
     syn = tsub.add_parser("synth", help="write a seeded synthetic trace")
     syn.add_argument("--kind", required=True, choices=list(GENERATORS), help="the generator")
     syn.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
+    output_option(syn, "out", "trace")
     for flag, typ, what in _SYNTH_FLAGS:
         syn.add_argument(flag, type=typ, metavar="N" if typ is int else "X", help=what)
     syn.set_defaults(func=_cmd_trace_synth)
     imp = tsub.add_parser("import", help="a routing log (JSON lines, CSV, torch tensors) as a trace")
     imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (tensors: [T, L, K] ids, or per layer)")
     imp.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
+    output_option(imp, "out", "trace")
     imp.add_argument("--format", choices=["jsonl", "csv", "torch"], help="(default: by the file's suffix)")
     imp.add_argument("--num-experts", type=int, metavar="N", help="experts per layer (default: the log's, "
                      "or the largest id + 1)")  # fmt: skip
@@ -289,6 +320,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "-o", "--out", required=True, metavar="DIR",
         help="a new or empty folder, or a checkpoint to replace (its weights and index are removed)",
     )  # fmt: skip
+    output_option(ms, "out", "checkpoint", folder=True)
     for flag, default, what in (
         ("--hidden", 64, "hidden size"), ("--layers", 2, "decoder layers"),
         ("--experts", 8, "experts per MoE layer"), ("--top-k", 2, "experts a token uses per layer"),
@@ -309,6 +341,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("train-predictor", help="train ProMoE's learned expert predictor for a model")
     tp.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
     tp.add_argument("--out", required=True, metavar="DIR", help="where the predictor is written")
+    output_option(tp, "out", "predictor", folder=True)
     tp.add_argument(
         "--window", type=int, nargs="+", default=[2], metavar="K",
         help="layers ahead (default 2); several windows: one DIR/window-K/ each",
@@ -324,6 +357,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tpol = sub.add_parser("train-policy", help="fit the reuse eviction policy's model on recorded traces")
     tpol.add_argument("traces", nargs="+", metavar="TRACE", help="routing traces (.npz), or default")
     tpol.add_argument("-o", "--out", metavar="FILE.json", help="weights file (default: JSON on stdout)")
+    output_option(tpol, "out", "weights file")
     tpol.add_argument(
         "--order",
         action="append",
@@ -344,6 +378,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--out", metavar="DIR", help="where (default: beside the checkpoint, else the user's cache)"
     )
+    output_option(q, "out", "quantised copies", folder=True)
     q.add_argument("--fast", action="store_true", help="plain min-max rounding, without HQQ's optimisation")
     q.add_argument("--json", action="store_true", help="print one JSON array of the files written")
     q.set_defaults(func=_cmd_quantize)
@@ -411,8 +446,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    if args.plot:  # before the replays, not after
-        check_writable(args.plot, "plot")
+    if args.plot:  # before the replays, not after (check_outputs: that it can be written)
         check_plot_path(args.plot)
     with fast.plain_pages():  # reading a large trace too
         trace = _trace(args.trace)
@@ -489,6 +523,7 @@ def _add_sweep(sub) -> None:
     where = sw.add_mutually_exclusive_group()
     where.add_argument("-o", "--out", metavar="FILE", help="results file: .csv, .json or .parquet (default: "
                        "CSV on stdout)")  # fmt: skip
+    output_option(sw, "out", "results")
     where.add_argument("--json", action="store_true", help="print one JSON array of rows instead of CSV")
     again = sw.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="skip the cells --out already holds")
@@ -499,6 +534,7 @@ def _add_sweep(sub) -> None:
         help="run on Ray: a cluster's address, or none for a local Ray (pip install 'expertcache[cluster]')",
     )  # fmt: skip
     sw.add_argument("--plot", metavar="DIR", help="write miss-ratio curves and ratio-to-OPT heat maps here")
+    output_option(sw, "plot", "plots", folder=True)
     sw.add_argument("--quiet", action="store_true", help="no progress bar and no notes, only the summary")
     sw.set_defaults(func=_cmd_sweep)
     for action in sw._actions:  # a grid file after a list flag (or --ray) is not one of its values
@@ -522,8 +558,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from expertcache.tools.sweep import Grid, sweep
     from expertcache.tools.sweep_table import to_json, write_csv
 
-    if args.out:
-        check_writable(args.out, "results")
     if args.jobs is not None and args.jobs < 1:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
     if args.ray is not None and args.jobs is not None:
@@ -683,8 +717,6 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
 def _cmd_profile(args: argparse.Namespace) -> int:
     from expertcache.tools.profile import declared_fields, format_profile, profile
 
-    if args.out:
-        check_writable(args.out, "profile")
     if args.steps < 2:
         raise ExpertcacheError(f"--steps must be at least 2, got {args.steps}")
     declared = declared_fields(
@@ -776,8 +808,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from expertcache.sim.planner import format_plan, make_plan
 
     _check_cost_flags(args)
-    if args.out:
-        check_writable(args.out, "--out")
     trace = _trace(args.trace)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
@@ -948,7 +978,6 @@ def _cmd_trace_synth(args: argparse.Namespace) -> int:
 def _cmd_trace_import(args: argparse.Namespace) -> int:
     from expertcache.trace.importers import import_trace
 
-    check_writable(args.out, "trace")
     if args.num_experts is not None and args.num_experts < 1:
         raise ExpertcacheError(f"--num-experts must be at least 1, got {args.num_experts}")
     fmt = args.format or ("torch" if Path(args.file).suffix.lower() in (".pt", ".pth") else None)
@@ -1051,8 +1080,6 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
 def _cmd_train_policy(args: argparse.Namespace) -> int:
     from expertcache.tools.train_policy import format_report, train_policy, write_weights
 
-    if args.out:
-        check_writable(args.out, "weights file")
     traces = [_trace(t) for t in args.traces]
     test = [_trace(t) for t in args.test or ()]
     report = train_policy(traces, args.traces, tuple(dict.fromkeys(args.order or ("layer", "flat"))),

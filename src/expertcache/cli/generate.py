@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from expertcache.cli.util import check_writable, quiet_transformers, startup_gc
+from expertcache.cli.util import output_option, quiet_transformers, startup_gc
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
@@ -47,6 +47,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, timings, cache")
     g.add_argument("--echo", action="store_true", help="print the prompt before the text")
     g.add_argument("--record-trace", metavar="FILE.npz", help="write the run's routing as a trace")
+    output_option(g, "record_trace", "trace")
     _add_chat_template(g, "--chat", "apply the tokenizer's chat template to the prompt (a user message)")
     _add_common(g)
     g.set_defaults(func=cmd_generate)
@@ -236,13 +237,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
             )
+    if args.stream and not args.json and not args.prompts:
+        raise ExpertcacheError(
+            "--stream changes only --json's output (a JSON line per token first); text always streams"
+        )
     if args.prompts and (args.stream or args.echo):
         raise ExpertcacheError("--stream and --echo are for one prompt; --prompts writes JSON lines")
     if args.chat_template and not args.chat:
         raise ExpertcacheError("--chat-template needs --chat")
     sampling = _sampling(args)
-    if args.record_trace:
-        check_writable(args.record_trace, "trace")
     if args.prompts:
         items = read_prompt_items(args.prompts)
         _check_items(items, args)
@@ -524,20 +527,55 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
         if not command:
             continue
         history.append({"role": "user", "content": line})
+        halt = _CtrlC()
         try:
             history = _fit(model, system, history, args)
-            g = model.generate_text(
-                system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
-                streamer=_text_out(model.tokenizer, sampling.stop),
-            )  # fmt: skip
+            with halt:
+                g = model.generate_text(
+                    system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
+                    streamer=_text_out(model.tokenizer, sampling.stop), stopping_criteria=[halt],
+                )  # fmt: skip
         except ExpertcacheError as exc:  # this turn only: the conversation and the warm cache go on
             history.pop()
             print(f"expertcache: error: {exc}", file=sys.stderr)
             continue
         sys.stdout.flush()
         history.append({"role": "assistant", "content": g.text})
+        stopped = " (stopped by Ctrl-C; the conversation goes on, Ctrl-C at the prompt ends it)"
+        stopped = stopped if halt.asked else ""
         _err(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tok/s, hits {g.stats['hits']}, "
-             f"misses {g.stats['misses']}]", args)  # fmt: skip
+             f"misses {g.stats['misses']}]{stopped}", args)  # fmt: skip
+
+
+class _CtrlC:
+    """Ctrl-C during a chat reply: the reply stops after the token being made (a stopping criterion), is
+    kept as it is, and the conversation goes on; a second Ctrl-C in the same reply interrupts at once.
+    The handler is installed only while the reply is generated (at the prompt Ctrl-C ends the chat)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._before = None
+
+    def __enter__(self) -> _CtrlC:
+        import signal
+
+        self._before = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, self._before)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.full((input_ids.shape[0],), self.asked, dtype=torch.bool, device=input_ids.device)
 
 
 def _read_turn(tty: bool) -> str | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,12 +49,61 @@ def startup_gc(whole_process: bool) -> Iterator[None]:
 
 
 def check_writable(path: str, what: str = "output") -> None:
-    """Refuse an output file that could not be written, before any work is done for it."""
-    parent = os.path.dirname(os.path.abspath(path))
+    """Refuse an output file that could not be written, before any work is done for it: the file is
+    opened for appending (nothing it holds is lost) and removed again if it was not there, so what is
+    refused is what the write would meet (a read-only file system, /proc, a full quota), not only what
+    the permission bits say (root passes those everywhere)."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ExpertcacheError(f"{path}: cannot write the {what}: it is a directory")
     if not os.path.isdir(parent):
         raise ExpertcacheError(f"{path}: cannot write the {what}: directory {parent} does not exist")
-    if os.path.isdir(path):
-        raise ExpertcacheError(f"{path}: cannot write the {what}: it is a directory")
-    target = path if os.path.exists(path) else parent
-    if not os.access(target, os.W_OK):
-        raise ExpertcacheError(f"{path}: cannot write the {what}: permission denied")
+    existed = os.path.lexists(full)
+    try:
+        with open(full, "ab"):
+            pass
+    except OSError as e:
+        raise ExpertcacheError(f"{path}: cannot write the {what}: {_why(e)}") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.unlink(full)
+
+
+def check_writable_dir(path: str, what: str = "output") -> None:
+    """Refuse an output folder that could not be made or written into, before any work is done for it
+    (a file is made and removed in it, or in the nearest folder above it that exists)."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ExpertcacheError(f"{path}: cannot write the {what} there: it is a file, not a folder")
+    base = full
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise ExpertcacheError(f"{path}: cannot write the {what} there: {base} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".expertcache-probe-")
+    except OSError as e:
+        raise ExpertcacheError(f"{path}: cannot write the {what} there: {_why(e)}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _why(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
+
+
+def output_option(parser, dest: str, what: str, folder: bool = False) -> None:
+    """Mark option ``dest`` of a command's parser as where the command writes (a file, or a ``folder``):
+    ``check_outputs`` checks every such option before the command starts, and a test walks them all."""
+    marked = list(parser.get_default("outputs") or ())
+    parser.set_defaults(outputs=[*marked, (dest, what, folder)])
+
+
+def check_outputs(args) -> None:
+    """Every output the command line names can be written: one line and exit 2 before any work."""
+    for dest, what, folder in getattr(args, "outputs", None) or ():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        (check_writable_dir if folder else check_writable)(str(value), what)

@@ -130,6 +130,11 @@ class OffloadedModel:
         self.capacities = part_capacities(self.miss, self.budget, slot_bytes, self.top_k)
         primary = self.capacities[self.miss.parts()[0].name]
         self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
+        if self.capacity == 0 and self.budget > 0:
+            self.notes.append(
+                f"miss path {self.miss.describe()} computes every expert on the host: the expert memory "
+                f"({format_bytes(self.budget)}) holds none and is not used"
+            )
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
         self._weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
@@ -501,6 +506,7 @@ class OffloadedModel:
 
     def _generate_batch(self, texts, max_new_tokens, streamer, sampling, chat, kwargs) -> list[Generation]:
         tok = self.tokenizer
+        kwargs = dict(kwargs)
         ids, mask = gen.encode(tok, texts, chat)
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit is not None and ids.shape[1] + max_new_tokens > limit:
@@ -512,8 +518,9 @@ class OffloadedModel:
         if sampling.stop:
             from transformers import StoppingCriteriaList
 
-            stop = gen.StopOnText(tok, sampling.stop, ids.shape[1])
-            decode_kw["stopping_criteria"] = StoppingCriteriaList([stop])
+            stop = gen.StopOnText(tok, sampling.stop, ids.shape[1])  # and the caller's criteria, if any
+            theirs = kwargs.pop("stopping_criteria", [])
+            decode_kw["stopping_criteria"] = StoppingCriteriaList([stop, *theirs])
         if seed is not None:
             torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

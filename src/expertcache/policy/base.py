@@ -71,6 +71,7 @@ class Policy(ABC):
     name: ClassVar[str]
     offline: ClassVar[bool] = False  # needs ctx.future (the requests to come)
     needs_profile: ClassVar[bool] = False  # needs ctx.profile (usage counts)
+    seeded: ClassVar[bool] = False  # draws from ctx.seed (two seeds, two different runs)
     observes: ClassVar[bool] = False  # wants on_request for every requested group
     text_params: ClassVar[frozenset[str]] = frozenset()  # parameters that are text (file names), not numbers
 

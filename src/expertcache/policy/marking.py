@@ -16,6 +16,7 @@ from expertcache.policy.base import Key, Policy, PolicyContext, no_victim
 
 class Marking(Policy):
     name = "marking"
+    seeded = True
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)

@@ -10,6 +10,7 @@ from expertcache.policy.base import Key, Policy, PolicyContext, no_victim
 
 class Random(Policy):
     name = "random"
+    seeded = True
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)

@@ -223,7 +223,12 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                 p.skipped += len(grid.seeds) * sum(len(caps_by_order[o]) * each[o] for o in grid.orders)
                 continue
             _check_policy(name, params, t.trace)
-            for seed in grid.seeds:
+            seeds = grid.seeds if policy_class(name).seeded else grid.seeds[:1]
+            note = (f"note: {_spec(name, params)} draws no random numbers: its cells run once, with seed "
+                    f"{seeds[0]} (seeds change only random and marking)")  # fmt: skip
+            if len(seeds) < len(grid.seeds) and note not in p.notes:
+                p.notes.append(note)
+            for seed in seeds:
                 for order in grid.orders:
                     wanted, room = caps_by_order[order], min_room(order, K)
                     low, fixed = min_capacity(name, L, params, room), fixed_capacity(name, params)

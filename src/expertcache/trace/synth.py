@@ -173,6 +173,12 @@ def _finish(ex: np.ndarray, experts: int, sequences: int, prompt_len: int, meta:
     if prompt_len < 0:
         raise ExpertcacheError(f"prompt_len must be >= 0, got {prompt_len}")
     seq_id = (np.arange(t) * sequences // t).astype(np.int32)  # contiguous, near-equal sequences
+    shortest = int(np.bincount(seq_id).min())
+    if prompt_len >= shortest:
+        raise ExpertcacheError(
+            f"a prompt length of {prompt_len} leaves no generated token in a sequence of {shortest} tokens "
+            f"({t} tokens in {sequences} sequence(s)): give a prompt length below {shortest}, or more tokens"
+        )
     starts = np.searchsorted(seq_id, seq_id)  # first token of each token's sequence
     is_prefill = ((np.arange(t) - starts) < prompt_len).astype(np.int8)
     return Trace(ex.astype(np.int16), experts, seq_id=seq_id, is_prefill=is_prefill, meta=meta)
