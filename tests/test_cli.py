@@ -480,3 +480,9 @@ def test_a_full_standard_output_is_one_line():
         )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr == "expertcache: error: standard output: cannot write: no space left on device\n"
+
+
+def test_trace_info_alone_takes_the_embedded_trace(capsys):
+    """As sim, timing and doctor do (it needed a file argument)."""
+    code, out, _ = run(capsys, "trace", "info", "--json")
+    assert code == 0 and json.loads(out) == summary(default_trace())

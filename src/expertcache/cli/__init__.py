@@ -276,7 +276,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="inspect or generate routing traces")
     tsub = t.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
     info = tsub.add_parser("info", help="shape, per-layer entropy and reuse of a trace")
-    info.add_argument("file", help="trace .npz, or default (the embedded trace)")
+    info.add_argument("file", nargs="?", default="default", help="trace .npz (default: the embedded trace)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_trace_info)
     syn = tsub.add_parser("synth", help="write a seeded synthetic trace")
