@@ -351,8 +351,8 @@ class TestGenerators:
         # contiguous near-equal requests: token i belongs to request i * 3 // 10
         assert trace.seq_id.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
         assert trace.is_prefill.tolist() == [1, 1, 0, 0, 1, 1, 0, 1, 1, 0]
-        whole = synthesize("uniform", tokens=6, layers=1, experts=3, top_k=1, sequences=2, prompt_len=5)
-        assert whole.is_prefill.tolist() == [1] * 6  # prompt longer than each request
+        with pytest.raises(ExpertcacheError, match="a prompt length of 5 leaves no generated token"):
+            synthesize("uniform", tokens=6, layers=1, experts=3, top_k=1, sequences=2, prompt_len=5)
         plain = synthesize("zipf", tokens=5, layers=1, experts=3, top_k=1)
         assert plain.seq_id.tolist() == [0] * 5 and plain.is_prefill.tolist() == [0] * 5
 
