@@ -394,6 +394,11 @@ def test_options_that_would_do_nothing_are_refused_or_noted(capsys, ckpt, tmp_pa
         "expertcache: error: a usage profile (--profile) ranks experts for the static policies; policy lru "
         "uses none (give --policy static or static-dist, or leave out --profile)\n"
     )
+    code, _, err = run(capsys, *base, "--expert-memory", "")
+    assert (
+        code == 2
+        and err == "expertcache: error: --expert-memory is empty; give a value or leave the option out\n"
+    )
     code, _, err = run(capsys, *base, "--stream")
     assert code == 2 and "--stream changes only --json's output" in err and err.count("\n") == 1
     code, _, err = run(capsys, *base, "--miss", "placement", "--expert-memory", "30%")
@@ -401,3 +406,14 @@ def test_options_that_would_do_nothing_are_refused_or_noted(capsys, ckpt, tmp_pa
     assert "note: miss path placement:layers=all computes every expert on the host: the expert memory" in err
     assert "holds none and is not used" in err
     assert "miss path placement:layers=all: " in err and "expert uses computed on the host" in err
+
+
+def test_the_table_says_when_host_compute_left_the_cache_empty():
+    from expertcache.cli.generate import miss_work
+
+    out = {"host_computed": 102, "hits": 0, "bytes_transferred": 0, "capacity_experts": 28}
+    assert miss_work(out) == (
+        "102 expert uses computed on the host, the cache's 28 slots stayed empty (host:fill=1 moves experts "
+        "in after computing)"
+    )
+    assert miss_work({**out, "hits": 3}) == "102 expert uses computed on the host"

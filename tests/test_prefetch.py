@@ -738,6 +738,8 @@ def test_a_deterministic_run_repeats_whatever_the_transfers_take(ckpt, tmp_path,
         assert_exact(out, runs[0][0])
     with engine_load(path, capacity, "lru", prefetch="window", window=1, miss=miss) as m:
         assert m.stats["varies_by"] == ["when transfers in flight land"]
+    with engine_load(path, None, "lru", prefetch="window", window=1, miss=miss) as m:  # all resident
+        assert m.stats["varies_by"] == ([] if miss == "fetch" else ["when transfers in flight land"])
 
 
 def test_deterministic_refuses_what_follows_measured_times():

@@ -705,6 +705,7 @@ def test_cli_text_on_the_default_trace(capsys):
         (["--dense-time", "1ms,2"], "--dense-time '2' needs a unit: 2us, 2ms or 2s"),
         (["--expert-bytes", "1000"], "--expert-bytes '1000' needs a unit"),
         (["--chunk-size", "100"], "--chunk-size '100' needs a unit"),
+        (["--chunk-size", "1B"], "into 352321536 chunks; at most 4096 (chunks of at least 86016 bytes)"),
         (["--policy", "static:profile=x.npz"], "give it as --policy static --profile TRACE.npz"),
         (
             ["--policy", "lru-dist:budgets=2/2/2/2", "--capacity", "10"],

@@ -574,3 +574,14 @@ def test_a_prompt_as_long_as_a_sequence_is_refused(capsys) -> None:
     )
     trace = synthesize("zipf", tokens=100, layers=2, experts=4, top_k=1, sequences=2, prompt_len=49)
     assert int((trace.is_prefill == 0).sum()) == 2  # one generated token in each sequence of 50
+
+
+def test_synthetic_traces_beyond_memory_or_with_nan_parameters_are_refused() -> None:
+    """A 95 GiB trace ended in numpy's MemoryError traceback; --a nan wrote a degenerate trace."""
+    with pytest.raises(
+        ExpertcacheError, match="is 95.4 GiB of expert ids; a synthetic trace is at most 4 GiB"
+    ):
+        synthesize("zipf", tokens=100_000_000, layers=64, experts=256, top_k=8)
+    for a, b in ((float("nan"), 0.0), (float("inf"), 0.0), (1.0, float("nan"))):
+        with pytest.raises(ExpertcacheError, match="needs finite a >= 0 and b > -1"):
+            synthesize("zipf", tokens=10, layers=1, experts=4, top_k=1, a=a, b=b)

@@ -20,6 +20,7 @@ from expertcache.errors import ExpertcacheError, first_line
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
+MAX_CHUNKS = 4096  # chunks per expert the timing model follows one by one (a chunk of 1 B ran out of memory)
 AUTO = "auto"  # chunk_bytes: an expert's three weight matrices, about a third of it each, where that pays
 AUTO_CHUNKS = 3
 
@@ -80,6 +81,12 @@ class CostModel:
         if chunk not in (None, AUTO) and (not isinstance(chunk, int) or chunk < 1):
             raise ExpertcacheError(
                 f"cost: chunk_bytes must be a positive integer, 'auto' or null, got {self.chunk_bytes!r}"
+            )
+        if chunk not in (None, AUTO) and self.expert_bytes / chunk > MAX_CHUNKS:
+            raise ExpertcacheError(
+                f"cost: chunks of {chunk} bytes cut an expert of {self.expert_bytes} bytes into "
+                f"{-(-self.expert_bytes // chunk)} chunks; at most {MAX_CHUNKS} (chunks of at least "
+                f"{-(-self.expert_bytes // MAX_CHUNKS)} bytes)"
             )
 
     # -- what the simulator asks ----------------------------------------------------------------

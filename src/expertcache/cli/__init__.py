@@ -79,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExpertcacheError as e:
         print(f"expertcache: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError:  # an allocation far beyond the machine (a huge synthetic trace, say)
+        print("expertcache: error: out of memory: the input asks for more than this machine has",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except KeyboardInterrupt:
         print("expertcache: interrupted", file=sys.stderr)
         return 130

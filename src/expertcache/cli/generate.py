@@ -181,6 +181,10 @@ def load_model(args, record: bool = True):
     from expertcache.config import AUTO, CacheConfig, LinkConfig, MissConfig, PrefetchConfig
     from expertcache.plan import Plan
 
+    for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model"):
+        if getattr(args, flag, None) is not None and not str(getattr(args, flag)).strip():
+            flag = "--" + flag.replace("_", "-")
+            raise ExpertcacheError(f"{flag} is empty; give a value or leave the option out")
     options = {
         "data": args.predictor, "limit": args.prefetch_limit, "chunking": not args.no_chunking,
         "chunk_size": args.chunk_size, "preemption": not args.no_preemption, "reorder": not args.no_reorder,
@@ -429,6 +433,12 @@ def miss_work(out: dict) -> str:
                       ("filled", "experts moved into the cache after host compute")):  # fmt: skip
         if out.get(key):
             words.append(f"{out[key]} {what}")
+    if out.get("host_computed") and not out.get("hits") and not out.get("bytes_transferred"):
+        slots = out.get("capacity_experts")
+        if slots:  # a cost-based path that judged every miss cheaper on the host, and nothing fills the cache
+            words.append(
+                f"the cache's {slots} slots stayed empty (host:fill=1 moves experts in after computing)"
+            )
     parts = out.get("part_misses") or {}
     if len(parts) > 1 or (parts and "full" not in parts):  # split experts, low-precision copies
         words.append("transfers by part: " + ", ".join(f"{p} {n}" for p, n in parts.items()))

@@ -636,7 +636,11 @@ class OffloadedModel:
             why.append("the prefetch governor's measured step times")
         if self.predictor is not None and self.prefetch_config_.thread:
             why.append("the predictor thread")
-        moving = self.predictor is not None or self.miss.name != "fetch"
+        moving = (
+            (self.predictor is not None or self.miss.name != "fetch")
+            and self.capacity > 0
+            and not self._whole
+        )
         if moving and not self.transport.settle:
             why.append("when transfers in flight land")
         if self._measured_costs:

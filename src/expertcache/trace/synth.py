@@ -18,6 +18,7 @@ prefill tokens, so that layer-order replay sees prefill steps.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -133,8 +134,8 @@ def _seeded_draws(
 ) -> tuple[np.random.Generator, np.ndarray]:
     """Check the parameters, then draw Zipf routing from a fresh seeded generator. -> (rng, [T, L, K])"""
     _check_shape(t, layers, experts, k)
-    if a < 0 or b <= -1:
-        raise ExpertcacheError(f"zipf routing needs a >= 0 and b > -1, got a={a}, b={b}")
+    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b <= -1:
+        raise ExpertcacheError(f"zipf routing needs finite a >= 0 and b > -1, got a={a}, b={b}")
     rng = np.random.default_rng(seed)
     return rng, _zipf_draws(rng, t, layers, experts, k, a, b)
 
@@ -156,6 +157,9 @@ def _zipf_draws(
     return out
 
 
+MAX_TRACE_BYTES = 4 * 2**30  # a synthetic trace's expert ids (its generator needs a few times more)
+
+
 def _check_shape(tokens: int, layers: int, experts: int, top_k: int) -> None:
     for name, value in (("tokens", tokens), ("layers", layers), ("experts", experts)):
         if value < 1:
@@ -164,6 +168,12 @@ def _check_shape(tokens: int, layers: int, experts: int, top_k: int) -> None:
         raise ExpertcacheError(f"top_k must be in 1..experts ({experts}), got {top_k}")
     if experts > np.iinfo(np.int16).max:
         raise ExpertcacheError(f"experts must be at most 32767, got {experts}")
+    need = tokens * layers * top_k * 2  # the int16 expert ids alone, before weights and working arrays
+    if need > MAX_TRACE_BYTES:
+        raise ExpertcacheError(
+            f"{tokens} tokens x {layers} layers x top-{top_k} is {need / 2**30:.1f} GiB of expert ids; a "
+            f"synthetic trace is at most {MAX_TRACE_BYTES / 2**30:.0f} GiB (fewer tokens, or several traces)"
+        )
 
 
 def _finish(ex: np.ndarray, experts: int, sequences: int, prompt_len: int, meta: dict[str, object]) -> Trace:
