@@ -13,11 +13,13 @@ import re
 
 from expertcache.errors import ExpertcacheError
 
-_PREFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
-BYTE_UNITS: dict[str, int] = {p + "B": f for p, f in _PREFIXES.items()}
+_PREFIXES = {p: (b**e, f"{b}^{e} " if e else "") for p, b, e in (
+    ("", 10, 0), ("k", 10, 3), ("M", 10, 6), ("G", 10, 9), ("T", 10, 12),
+    ("Ki", 2, 10), ("Mi", 2, 20), ("Gi", 2, 30), ("Ti", 2, 40),
+)}  # fmt: skip  # prefix -> (factor, how a message writes it)
+BYTE_UNITS: dict[str, int] = {p + "B": f for p, (f, _) in _PREFIXES.items()}
 """Every size spelling and the bytes it stands for."""
-BIT_UNITS: dict[str, float] = {p + s: f / 8 for p, f in _PREFIXES.items() for s in ("b", "bit")}
+BIT_UNITS: dict[str, float] = {p + s: f / 8 for p, (f, _) in _PREFIXES.items() for s in ("b", "bit")}
 """Every bit spelling (rates only) and the bytes it stands for: ``Gb/s`` is 0.125 ``GB/s``."""
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DURATION = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$")
@@ -25,9 +27,7 @@ _DURATION = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$")
 
 def _meaning(unit: str) -> str:
     prefix = unit[: -3 if unit.endswith("bit") else -1]
-    power = {"": "", "k": "10^3 ", "M": "10^6 ", "G": "10^9 ", "T": "10^12 ",
-             "Ki": "2^10 ", "Mi": "2^20 ", "Gi": "2^30 ", "Ti": "2^40 "}[prefix]  # fmt: skip
-    return f"{power}{'bytes' if unit.endswith('B') else 'bits'}"
+    return f"{_PREFIXES[prefix][1]}{'bytes' if unit.endswith('B') else 'bits'}"
 
 
 def _unit_factor(text: object, number: str, unit: str, what: str, *, bits: bool, rate: str = "") -> float:

@@ -20,7 +20,7 @@ from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
-from expertcache.cli.util import check_outputs, output_option, quiet_transformers
+from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import (
     POLICIES,
@@ -90,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         return 141
     except OSError as e:  # a write that failed late: a full disk, a quota, standard output on /dev/full
-        where = f"{e.filename}: " if e.filename else "standard output: " if _stdout_failed(e) else ""
-        print(f"expertcache: error: {where}cannot write: {(e.strerror or str(e)).lower()}", file=sys.stderr)
-        if _stdout_failed(e):
+        stdout = _stdout_failed(e)
+        where = f"{e.filename}: " if e.filename else "standard output: " if stdout else ""
+        print(f"expertcache: error: {where}cannot write: {why(e)}", file=sys.stderr)
+        if stdout:
             _drop_stdout()
         return 2
 

@@ -64,7 +64,7 @@ def check_writable(path: str, what: str = "output") -> None:
         with open(full, "ab"):
             pass
     except OSError as e:
-        raise ExpertcacheError(f"{path}: cannot write the {what}: {_why(e)}") from None
+        raise ExpertcacheError(f"{path}: cannot write the {what}: {why(e)}") from None
     if not existed:
         with contextlib.suppress(OSError):
             os.unlink(full)
@@ -84,12 +84,13 @@ def check_writable_dir(path: str, what: str = "output") -> None:
     try:
         fd, probe = tempfile.mkstemp(dir=base, prefix=".expertcache-probe-")
     except OSError as e:
-        raise ExpertcacheError(f"{path}: cannot write the {what} there: {_why(e)}") from None
+        raise ExpertcacheError(f"{path}: cannot write the {what} there: {why(e)}") from None
     os.close(fd)
     os.unlink(probe)
 
 
-def _why(e: OSError) -> str:
+def why(e: OSError) -> str:
+    """An OSError's reason as a message's tail: ``permission denied``."""
     return (e.strerror or str(e)).lower()
 
 

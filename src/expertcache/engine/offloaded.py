@@ -148,8 +148,7 @@ class OffloadedModel:
         self.worker = TransferWorker(link=self.link, parts=self.targets)
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
-        self.transport = SlotTransport(self.targets, self.worker)
-        self.transport.settle = prefetch.deterministic
+        self.transport = SlotTransport(self.targets, self.worker, settle=prefetch.deterministic)
         residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
         self.model = sk.model.to(self.device)
         self.host = HostExperts(self.tier, self.device)

@@ -22,7 +22,7 @@ PoolId = tuple[str, int | None]  # (part, layer) for a part whose slots differ b
 class SlotTransport:
     """Slots of every cache part, filled by one transfer worker (``cache.transfers.Transport``)."""
 
-    def __init__(self, targets: dict[PoolId, Target], worker: TransferWorker) -> None:
+    def __init__(self, targets: dict[PoolId, Target], worker: TransferWorker, settle: bool = False) -> None:
         self.targets, self.worker = targets, worker
         self._by_layer = any(layer is not None for _, layer in targets)  # some part's pools differ by layer
         self.slot_of: dict[tuple[str, Key], int] = {}
@@ -31,7 +31,7 @@ class SlotTransport:
         self.stall_by_phase = [0.0, 0.0]  # [decode, prefill]
         self.phase = 0  # set by the engine at each step
         self.transfers = 0  # submitted
-        self.settle = False  # deterministic runs: a transfer lands before submit returns (see below)
+        self.settle = settle  # deterministic runs: a transfer lands before submit returns (see below)
 
     def pool_id(self, part: str, key: Key) -> PoolId:
         return (part, key[0]) if self._by_layer and (part, key[0]) in self.targets else (part, None)
