@@ -62,10 +62,18 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> 
 
     def make(family: str, **overrides: object) -> Path:
         key = (family, tuple(sorted(overrides.items())))
-        if key not in built:
-            built[key] = make_tiny(
-                tmp_path_factory.mktemp(f"ckpt-{family}"), family, tokenizer_dir, **overrides
-            )
+        if key not in built:  # quietly: which test builds it first depends on how xdist shares them out,
+            from transformers.utils import logging as hf_logging  # and a test may read its own stderr
+
+            shown = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                built[key] = make_tiny(
+                    tmp_path_factory.mktemp(f"ckpt-{family}"), family, tokenizer_dir, **overrides
+                )
+            finally:
+                if shown:
+                    hf_logging.enable_progress_bar()
         return built[key]
 
     return make
