@@ -183,6 +183,7 @@ def test_a_budget_the_machine_cannot_hold_is_refused_before_loading(ckpt, monkey
     from expertcache.errors import ExpertcacheError
 
     path = ckpt("mixtral")
+    engine_fixtures._slot_bytes(path)  # measured by a load at 100 %, which the patched room would refuse
     monkeypatch.setattr(
         offloaded, "available_memory", lambda: (1000, "its memory cgroup's room (2.0 KiB limit)")
     )
@@ -202,6 +203,77 @@ def test_available_memory_is_read_from_the_system():
 
     room = available_memory()
     assert room is not None and room[0] > 0 and isinstance(room[1], str)
+
+
+GiB = 1 << 30
+
+
+def _fake_cgroup(root: Path, cgroup: str, folder: str, files: dict[str, str]) -> Path:
+    """A fake ``/proc/self/cgroup`` line and cgroup folder ``folder`` (under ``root/sys/fs/cgroup``)."""
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    base = root / "sys/fs/cgroup" / folder
+    base.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (base / name).write_text(text)
+    return base
+
+
+def test_the_cgroup_room_counts_inactive_file_pages_as_room_v1(tmp_path):
+    """Under a 2.05 GiB limit a 1.1 GiB budget was refused: the checkpoint's pages in the page cache,
+    which the kernel reclaims first, counted as used. The working set is usage less inactive file pages
+    (v1: the hierarchy's ``total_inactive_file``), as docker and the kubelet count it."""
+    from expertcache.engine.memory import _cgroup_room
+    from expertcache.units import format_bytes
+
+    stat = f"cache {int(1.5 * GiB)}\ninactive_file {GiB // 4}\ntotal_inactive_file {int(1.4 * GiB)}\n"
+    _fake_cgroup(tmp_path, "5:cpu:/\n4:memory:/job/7\n0::/\n", "memory/job/7", {
+        "memory.limit_in_bytes": f"{int(2.05 * GiB)}\n",
+        "memory.usage_in_bytes": f"{int(1.9 * GiB)}\n",
+        "memory.stat": stat,
+    })  # fmt: skip
+    room, why = _cgroup_room(tmp_path)
+    assert room == int(2.05 * GiB) - (int(1.9 * GiB) - int(1.4 * GiB)) and room > int(1.1 * GiB)
+    assert why == f"its memory cgroup's room ({format_bytes(int(2.05 * GiB))} limit)"
+    # a kernel without the hierarchical field: the cgroup's own
+    (tmp_path / "sys/fs/cgroup/memory/job/7/memory.stat").write_text(f"inactive_file {GiB // 4}\n")
+    assert _cgroup_room(tmp_path)[0] == int(2.05 * GiB) - int(1.9 * GiB) + GiB // 4
+    # no memory.stat: usage as it is; more inactive pages than usage: never more room than the limit
+    (tmp_path / "sys/fs/cgroup/memory/job/7/memory.stat").unlink()
+    assert _cgroup_room(tmp_path)[0] == int(2.05 * GiB) - int(1.9 * GiB)
+    (tmp_path / "sys/fs/cgroup/memory/job/7/memory.stat").write_text(f"total_inactive_file {3 * GiB}\n")
+    assert _cgroup_room(tmp_path)[0] == int(2.05 * GiB)
+
+
+def test_the_cgroup_room_v2_and_a_container_that_mounts_its_own_cgroup(tmp_path):
+    from expertcache.engine.memory import _cgroup_room
+
+    files = {"memory.max": f"{2 * GiB}\n", "memory.current": f"{GiB}\n",
+             "memory.stat": f"anon {GiB // 2}\nfile {GiB // 2}\ninactive_file {GiB // 4}\n"}  # fmt: skip
+    _fake_cgroup(tmp_path, "0::/user.slice/job.scope\n", "user.slice/job.scope", files)
+    assert _cgroup_room(tmp_path) == (2 * GiB - (GiB - GiB // 4), "its memory cgroup's room (2.0 GiB limit)")
+    # a container without a cgroup namespace: its path is the host's, its own cgroup is the mount
+    other = tmp_path / "container"
+    _fake_cgroup(other, "0::/system.slice/docker-abc.scope\n", "", files)
+    assert _cgroup_room(other)[0] == 2 * GiB - (GiB - GiB // 4)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "folder", "files"),
+    [
+        ("4:memory:/\n", "memory", {"memory.limit_in_bytes": "9223372036854771712\n",
+                                     "memory.usage_in_bytes": "6142480384\n"}),
+        ("0::/job\n", "job", {"memory.max": "max\n", "memory.current": "1000\n"}),
+        ("0::/job\n", "job", {}),  # no memory controller in the cgroup
+        ("4:memory:/job\n", "memory/job", {"memory.limit_in_bytes": "a lot\n"}),
+    ],
+)  # fmt: skip
+def test_the_cgroup_room_without_a_limit_is_none(tmp_path, cgroup, folder, files):
+    from expertcache.engine.memory import _cgroup_room
+
+    _fake_cgroup(tmp_path, cgroup, folder, files)
+    assert _cgroup_room(tmp_path) is None
+    assert _cgroup_room(tmp_path / "nowhere") is None  # no /proc (not Linux)
 
 
 def test_the_cli_offers_the_engines_tiers():
