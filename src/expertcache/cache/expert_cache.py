@@ -446,6 +446,34 @@ class LayerWork:
                 cache.wait(key, part)
                 yield key, part
 
+    def batches(self) -> Iterator[list[Unit]]:
+        """The units as groups computed together (the engine's grouped kernel): each chunk's units
+        ready now, then once they have landed the rest; the same admissions and waits, in the same order,
+        as ``units()``."""
+        cache = self.cache
+        for i, chunk in enumerate(self.chunks):
+            if i:
+                cache.admit(self.layer, chunk)
+            order = cache.order(chunk)
+            if not cache.inflight:  # nothing moving: every unit ready
+                yield order
+                continue
+            ready = 0  # the units ready now lead (``order`` puts them first)
+            for key, part in order:
+                handle = cache.inflight.get((part, key))
+                if handle is not None and cache.transport.poll(handle) != READY:
+                    break
+                ready += 1
+            head, rest = order[:ready], order[ready:]
+            for key, part in head:
+                cache.wait(key, part)
+            if head:
+                yield head
+            for key, part in rest:
+                cache.wait(key, part)
+            if rest:
+                yield rest
+
 
 class _Pins:
     """Keys of one part that may not be evicted: the current group, in flight, awaited prefetches."""

@@ -146,8 +146,13 @@ def _load_dense(
             raise ExpertcacheError(f"{ckpt.path}: checkpoint lacks tensor {name}")
 
 
-def load_reference(path: str | Path, dtype=None, device: str = "cpu") -> torch.nn.Module:
-    """The same model run by transformers with every weight resident (``experts_implementation="eager"``).
+def load_reference(
+    path: str | Path, dtype=None, device: str = "cpu", experts: str | None = None
+) -> torch.nn.Module:
+    """The same model run by transformers with every weight resident, its experts computed by transformers'
+    ``experts`` implementation (``"eager"``, ``"grouped_mm"``, ``"batched_mm"``); by default the one the
+    engine's default kernel on ``device`` is exact against (``engine.kernels``: ``grouped_mm`` where
+    torch has it).
 
     Every tensor is cloned into fresh memory, as the engine's slots and dense weights are, so that
     both see the same alignment (weights read in place from a memory map can round differently).
@@ -156,7 +161,11 @@ def load_reference(path: str | Path, dtype=None, device: str = "cpu") -> torch.n
 
     config = read_config(path)
     dtype = resolve_dtype(dtype, config)
-    model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation="eager", dtype=dtype)
+    if experts is None:
+        from expertcache.engine.kernels import default_kernel
+
+        experts = default_kernel(device).reference
+    model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()

@@ -33,13 +33,14 @@ from expertcache.engine import generation as gen
 from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
+from expertcache.engine.kernels import Kernel, StackedPool, resolve_kernel
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, resident_memory
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
-from expertcache.engine.slots import SlotTransport
+from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, Target, TransferWorker
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL, MissContext, PartSpec
@@ -102,6 +103,7 @@ class OffloadedModel:
         download: bool = False,
         plan: Plan | None = None,
         warmup: bool = True,
+        kernel: str | None = None,
     ) -> None:
         self.path = resolve_model(path, download)
         self.plan = plan
@@ -148,7 +150,10 @@ class OffloadedModel:
         self.worker = TransferWorker(link=self.link, parts=self.targets)
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
-        self.transport = SlotTransport(self.targets, self.worker, settle=prefetch.deterministic)
+        self.kernel, stacked, table = self._kernel(kernel, sk.experts[0])
+        tables = {} if table is None else {(FULL, None): table}
+        settle = prefetch.deterministic
+        self.transport = SlotTransport(self.targets, self.worker, settle=settle, tables=tables)
         residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
         self.model = sk.model.to(self.device)
         self.host = HostExperts(self.tier, self.device)
@@ -182,7 +187,10 @@ class OffloadedModel:
                 self.governor = PrefetchGovernor(time.perf_counter)
         recorder = Recorder(self.num_layers, self.num_experts, self.top_k) if record else None
         self.driver = StepDriver(self.cache, self.num_layers, runner, recorder, self.governor)
-        self.engine = Engine(self.model, sk.experts, self.driver, self.transport, self.parts, self.host)
+        self.engine = Engine(
+            self.model, sk.experts, self.driver, self.transport, self.parts, self.host,
+            kernel=self.kernel, stacked=stacked, table=table,
+        )  # fmt: skip
         self._tokenizer = None
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self._whole else None
@@ -252,6 +260,18 @@ class OffloadedModel:
         text = str(expert_memory).strip()
         if not text.endswith("%"):
             parse_size(expert_memory, "expert memory")
+
+    def _kernel(self, name: str | None, module) -> tuple[Kernel, StackedPool | None, SlotTable | None]:
+        """The experts kernel (``engine.kernels``), and for the grouped one the whole-expert pool as stacked
+        tensors with its slot table."""
+        kernel, note = resolve_kernel(name, self.device, module)
+        if note:
+            self.notes.append(note)
+        target = self.targets.get((FULL, None))
+        if kernel.name != "grouped" or target is None or target.layouts is not None or not len(target.pool):
+            return kernel, None, None
+        pool = target.pool
+        return kernel, StackedPool(pool), SlotTable(self.num_layers, self.num_experts, len(pool))
 
     def _engine_parts(self, sk) -> dict[str, EnginePart]:
         parts = {}
@@ -573,6 +593,7 @@ class OffloadedModel:
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),
+            "kernel": self.kernel.name,
             "preloaded_experts": self.preloaded,
             "warmup_s": self.warmup_s,
         }  # fmt: skip

@@ -22,9 +22,11 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertcache.cache.step import StepDriver
 from expertcache.engine.host import HostExperts
+from expertcache.engine.kernels import KERNELS, Kernel, StackedPool, combine, grouped_rows
 from expertcache.engine.parts import EnginePart
-from expertcache.engine.slots import SlotTransport
+from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.errors import ExpertcacheError
+from expertcache.miss.base import FULL
 
 IMPLEMENTATION = "expertcache"
 
@@ -113,9 +115,16 @@ class Engine:
         transport: SlotTransport,
         parts: dict[str, EnginePart],
         host: HostExperts,
+        kernel: Kernel = KERNELS["eager"],
+        stacked: StackedPool | None = None,
+        table: SlotTable | None = None,
     ):
         self.model, self.driver, self.transport, self.parts, self.host = model, driver, transport, parts, host
         self._one_part = next(iter(parts.values())) if len(parts) == 1 else None
+        self.kernel = kernel
+        self.grouped = kernel.name == "grouped"
+        self.stacked, self.table = stacked, table  # the whole-expert pool stacked (None without one)
+        self._only_full = set(parts) == {FULL}  # every device unit is a whole expert in the stacked pool
         self.num_layers = len(experts)
         self._experts = list(experts)
         for layer, module in enumerate(experts):
@@ -144,6 +153,8 @@ class Engine:
         index = top_k_index.detach().cpu().numpy()
         weights = top_k_weights.detach().to("cpu", torch.float32).numpy()
         work = self.driver.layer(layer, index, weights, hidden)
+        if self.grouped:
+            return self._grouped(module, layer, hidden, top_k_index, top_k_weights, index, work)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (token_idx, top_k_pos)
         on_cpu = hidden.device.type == "cpu"
 
@@ -200,6 +211,68 @@ class Engine:
             out = outputs[expert] * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out if out.dtype == final.dtype else out.to(final.dtype))
         return final
+
+    def _grouped(self, module, layer, hidden, top_k_index, top_k_weights, index, work) -> torch.Tensor:
+        """The layer with the grouped kernel: each batch of ready whole experts in one grouped computation
+        over the slot pool, every other unit (host, low precision, a split expert's segments) alone;
+        each (token, expert) pair's weighted output in its row, the rows summed per token."""
+        T, K = index.shape
+        batches = work.batches()
+        stacked = self.stacked
+        if stacked is not None:
+            table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, the sentinel if none
+            if not work.host and not work.skipped and len(work.chunks) == 1 and self._only_full:
+                batches = list(batches)  # every expert of the layer a whole expert on the device
+                if len(batches) == 1:  # all at once (every decode step of a model that fits)
+                    rows = grouped_rows(module, stacked, hidden, table[top_k_index], top_k_weights)
+                    self.driver.end_layer(layer)
+                    return combine(rows, T, K, hidden.dtype)
+        flat_index = index.reshape(-1)
+        rows: torch.Tensor | None = None
+        device = hidden.device
+
+        def put(flat: np.ndarray, values: torch.Tensor) -> None:
+            nonlocal rows
+            if rows is None:  # pairs left out (skipped experts) add nothing
+                rows = torch.zeros(T * K, values.shape[-1], dtype=values.dtype, device=values.device)
+            rows[torch.from_numpy(flat).to(device)] = values
+
+        def alone(expert: int, out: torch.Tensor) -> None:
+            """An expert computed alone: its output on each of its pairs, weighted, into their rows."""
+            flat = np.flatnonzero(flat_index == expert)
+            at = torch.from_numpy(flat).to(device)
+            put(flat, out * top_k_weights.reshape(-1)[at, None])
+
+        def tokens(expert: int) -> torch.Tensor:
+            return hidden[torch.from_numpy(np.flatnonzero(flat_index == expert) // K).to(device)]
+
+        on_host = {need.key[1]: self.host.submit(module, need.key, tokens(need.key[1])) for need in work.host}
+        partial: dict[int, dict[str, torch.Tensor]] = {}  # expert -> part -> output (units computed alone)
+        for batch in batches:
+            whole = [key[1] for key, part in batch if part == FULL] if stacked is not None else []
+            if whole:
+                mine = np.isin(flat_index, whole)
+                ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device), table[top_k_index],
+                                  self.table.sentinel)  # fmt: skip
+                out = grouped_rows(module, stacked, hidden, ids, top_k_weights)
+                flat = np.flatnonzero(mine)
+                put(flat, out[torch.from_numpy(flat).to(device)])
+            for key, part in batch:  # an expert's parts may come in different batches
+                if part != FULL or stacked is None:
+                    out = self.parts[part].compute(module, self.transport.views(key, part), tokens(key[1]))
+                    partial.setdefault(key[1], {})[part] = out
+        self.driver.end_layer(layer)
+        for expert, by_part in partial.items():  # parts summed in the part order
+            out = None
+            for part in self.parts:
+                if part in by_part:
+                    out = by_part[part] if out is None else out + by_part[part]
+            alone(expert, out)
+        for expert, handle in on_host.items():
+            alone(expert, self.host.result(handle))
+        if rows is None:  # nothing computed: every expert skipped
+            return torch.zeros_like(hidden)
+        return combine(rows, T, K, hidden.dtype)
 
     def close(self) -> None:
         """Stop the threads and detach from the model. Detaching breaks the cycle model -> experts

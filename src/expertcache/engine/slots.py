@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from expertcache.cache.transfers import FAILED, PENDING, READY
@@ -19,11 +20,48 @@ from expertcache.policy.base import Key
 PoolId = tuple[str, int | None]  # (part, layer) for a part whose slots differ by layer, else (part, None)
 
 
+class SlotTable:
+    """(layer, expert) -> slot of one pool, ``sentinel`` (the pool's size) where the expert has none: what
+    the grouped kernel maps a layer's routing through. ``host`` [L, E] is kept by the transport as it
+    gives and takes slots; ``on(device)`` is the table on the compute device (on a CPU the same memory;
+    on a GPU a copy made again only after a change)."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int) -> None:
+        self.sentinel = num_slots
+        self.host = np.full((num_layers, num_experts), num_slots, dtype=np.int64)
+        self._cpu = torch.from_numpy(self.host)
+        self._device: torch.Tensor | None = None
+        self._stale = True
+
+    def set(self, key: Key, slot: int) -> None:
+        self.host[key] = slot
+        self._stale = True
+
+    def clear(self, key: Key) -> None:
+        self.host[key] = self.sentinel
+        self._stale = True
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self._cpu
+        if self._stale or self._device is None:
+            self._device = self._cpu.to(device)  # [L, E]: a few kilobytes, copied once per change
+            self._stale = False
+        return self._device
+
+
 class SlotTransport:
     """Slots of every cache part, filled by one transfer worker (``cache.transfers.Transport``)."""
 
-    def __init__(self, targets: dict[PoolId, Target], worker: TransferWorker, settle: bool = False) -> None:
+    def __init__(
+        self,
+        targets: dict[PoolId, Target],
+        worker: TransferWorker,
+        settle: bool = False,
+        tables: dict[PoolId, SlotTable] | None = None,
+    ) -> None:
         self.targets, self.worker = targets, worker
+        self.tables = tables or {}  # pools the grouped kernel computes from: their slot tables
         self._by_layer = any(layer is not None for _, layer in targets)  # some part's pools differ by layer
         self.slot_of: dict[tuple[str, Key], int] = {}
         self.free = {pid: list(range(len(t.pool)))[::-1] for pid, t in targets.items()}
@@ -57,6 +95,11 @@ class SlotTransport:
         pid = self.pool_id(part, key)  # a victim of a per-layer part is of the same layer: the same pool
         slot = self.slot_of.pop((part, victim)) if victim is not None else self.free[pid].pop()
         self.slot_of[(part, key)] = slot
+        table = self.tables.get(pid) if self.tables else None
+        if table is not None:
+            if victim is not None:
+                table.clear(victim)
+            table.set(key, slot)
         self.transfers += 1
         handle = self.worker.submit(key, slot, priority, pid)
         if self.settle:  # nothing in flight at the cache's next decision: no victim or cancel depends on time
@@ -90,4 +133,8 @@ class SlotTransport:
             self.stall_by_phase[self.phase] += waited
 
     def release(self, key: Key, part: str = FULL) -> None:
-        self.free[self.pool_id(part, key)].append(self.slot_of.pop((part, key)))
+        pid = self.pool_id(part, key)
+        self.free[pid].append(self.slot_of.pop((part, key)))
+        table = self.tables.get(pid) if self.tables else None
+        if table is not None:
+            table.clear(key)

@@ -1,0 +1,141 @@
+"""How a layer's device experts are computed: one grouped computation over the slot pool, or one expert
+at a time. Each kernel is exact, bit for bit, against one of transformers' own experts implementations.
+
+- ``grouped`` (the default where torch has ``grouped_mm`` for the device): the slot pool seen as stacked
+  tensors (``StackedPool``: ``gate_up_proj`` ``[slots, 2F, H]``, ``down_proj`` ``[slots, H, F]``, views
+  of the pool's one buffer), the layer's routing mapped through the slot table to slot ids, and one
+  ``torch.nn.functional.grouped_mm`` per projection over every slot (vLLM's fused MoE takes an
+  ``expert_map`` the same way; fitz-tec turns llama.cpp's ``mul_mat_id(weights, x, ids)`` into
+  ``mul_mat_id(cache, x, slot_ids)``). Its operations are those of transformers'
+  ``grouped_mm_experts_forward`` (sort by id, gather, histogram offsets, gate, weight, unsort, a sum
+  over each token's top-k in the routing weights' precision), so its output equals
+  ``experts_implementation="grouped_mm"``'s. On a CPU ``grouped_mm`` computes each group as the matrix
+  product ``F.linear`` makes (``tests/test_kernels.py`` checks it), so an expert computed alone (on the
+  host, with ``parts.expert_output``) rounds as it would in the group.
+- ``eager``: one expert after another, added in ascending expert order into the output (transformers'
+  eager loop; ``runtime.Engine``), exact against ``experts_implementation="eager"``.
+
+Shape letters: T tokens, K experts per token, S slots, H hidden size, F the expert's intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from expertcache.errors import ExpertcacheError
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way of computing a layer's experts, and the transformers implementation it is exact against."""
+
+    name: str
+    reference: str  # transformers' ``experts_implementation`` whose outputs it equals bit for bit
+    summary: str
+
+
+KERNELS: dict[str, Kernel] = {
+    "grouped": Kernel(
+        "grouped", "grouped_mm", "one grouped matrix product per projection over the slot pool (default)"
+    ),
+    "eager": Kernel("eager", "eager", "one expert at a time, as transformers' eager loop"),
+}
+AUTO_KERNEL = "auto"
+
+
+def grouped_available(device: torch.device) -> str | None:
+    """Why the grouped kernel cannot run on ``device`` with this torch, or None when it can."""
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (torch >= 2.10 has)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "grouped_mm needs a GPU of compute capability 8.0 or newer"
+    return None
+
+
+def default_kernel(device: str | torch.device = "cpu") -> Kernel:
+    """The kernel ``auto`` takes on ``device`` (for a model whose experts have a gate projection)."""
+    return KERNELS["grouped" if grouped_available(torch.device(device)) is None else "eager"]
+
+
+def resolve_kernel(
+    name: str | None, device: torch.device, module: torch.nn.Module
+) -> tuple[Kernel, str | None]:
+    """The kernel to run for ``name`` (None or ``auto``: grouped where it can run, else eager), and a
+    note when ``auto`` could not take the grouped one. A named kernel that cannot run is an error."""
+    why = grouped_available(device)
+    if why is None and not getattr(module, "has_gate", True):
+        why = f"{type(module).__name__} has no gate projection"
+    if why is None and getattr(module, "has_post_expert_norm", False):
+        why = f"{type(module).__name__} normalises each expert's output"
+    if name in (None, AUTO_KERNEL):
+        if why is None:
+            return KERNELS["grouped"], None
+        return KERNELS["eager"], f"experts computed one at a time (eager kernel): {why}"
+    if name not in KERNELS:
+        raise ExpertcacheError(f"experts kernel {name!r} is not one of: {AUTO_KERNEL}, {', '.join(KERNELS)}")
+    if name == "grouped" and why is not None:
+        raise ExpertcacheError(f"experts kernel grouped cannot run here: {why}")
+    return KERNELS[name], None
+
+
+class StackedPool:
+    """The slot pool of whole experts as stacked tensors, one per tensor of an expert (views of the
+    pool's buffer: slot ``s`` of ``gate_up_proj`` is the ``gate_up_proj`` of the expert in slot ``s``)."""
+
+    def __init__(self, pool) -> None:
+        layout, buffer = pool.layout, pool.buffer  # [S, slot elements]
+        self.num_slots = buffer.shape[0]
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, shape, off in zip(layout.names, layout.shapes, layout.offsets, strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            self.tensors[name] = buffer[:, off : off + n].view(self.num_slots, *shape)
+
+
+def grouped_rows(
+    module: torch.nn.Module,
+    pool: StackedPool,
+    hidden: torch.Tensor,
+    slot_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output ``[T*K, H]``, in routing order, from the experts in
+    slots ``slot_ids`` ``[T, K]`` (``pool.num_slots`` for a pair computed elsewhere: its row is left
+    undefined). The operations of transformers' ``grouped_mm_experts_forward``, with the slot pool for
+    the experts' stacked weights and slot ids for expert ids."""
+    S, K = pool.num_slots, slot_ids.shape[-1]
+    t = pool.tensors
+    ids = slot_ids.reshape(-1)
+    ids_g, perm = torch.sort(ids)
+    x = hidden[perm // K]
+    w = top_k_weights.reshape(-1)[perm]
+    counts = torch.histc(
+        ids_g.float() if ids_g.device.type == "cpu" else ids_g.int(), bins=S, min=0, max=S - 1
+    )
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    transposed = module.is_transposed
+    gate_up, down = t["gate_up_proj"], t["down_proj"]
+    weight = gate_up if transposed else gate_up.transpose(-2, -1)
+    h = F.grouped_mm(x.to(weight.dtype), weight, offs=offs)
+    at = ids_g.clamp(max=S - 1) if module.has_bias else None
+    if at is not None:
+        h.add_(t["gate_up_proj_bias"][at])
+    h = module._apply_gate(h)
+    weight = down if transposed else down.transpose(-2, -1)
+    out = F.grouped_mm(h, weight, offs=offs)
+    if at is not None:
+        out.add_(t["down_proj_bias"][at])
+    out = out * w.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inv]
+
+
+def combine(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output ``[T, H]`` from its weighted rows ``[T*K, H]``: each token's top-k summed, as
+    transformers' grouped and batched implementations do (in the rows' precision), then cast."""
+    return rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1).to(dtype)
