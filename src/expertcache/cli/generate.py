@@ -19,6 +19,7 @@ from expertcache.units import format_bytes
 PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start-up (a test keeps them equal)
 
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
+KERNEL_CHOICES = ["auto", "grouped", "eager"]  # engine.kernels: AUTO_KERNEL and KERNELS (a test checks)
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
     "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
@@ -98,6 +99,12 @@ def add_model_args(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     p.add_argument("--slow-tier", choices=SLOW_TIERS, help=SLOW_TIER_HELP)
+    p.add_argument(
+        "--kernel", choices=KERNEL_CHOICES, default="auto",
+        help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
+        "against transformers' grouped_mm), eager (one at a time, exact against its eager loop); "
+        "default auto: grouped where torch has it",
+    )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
         "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"
@@ -214,6 +221,7 @@ def load_model(args, record: bool = True):
             miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
+            kernel=args.kernel,
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)

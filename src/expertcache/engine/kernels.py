@@ -60,12 +60,26 @@ def default_kernel(device: str | torch.device = "cpu") -> Kernel:
     return KERNELS["grouped" if grouped_available(torch.device(device)) is None else "eager"]
 
 
+def _unaligned(layout) -> str | None:
+    """Why ``grouped_mm`` cannot take an expert of ``layout``: it wants every matrix's rows (the last
+    dimension, and the intermediate size's rows of the gate's output) a multiple of 16 bytes."""
+    size = torch.empty((), dtype=layout.dtype).element_size()
+    for name, shape in zip(layout.names, layout.shapes, strict=True):
+        for dim in shape[-2:] if len(shape) >= 2 else ():
+            if dim * size % 16:
+                return f"grouped_mm needs rows of 16-byte multiples; {name} {tuple(shape)} in {layout.dtype}"
+    return None
+
+
 def resolve_kernel(
-    name: str | None, device: torch.device, module: torch.nn.Module
+    name: str | None, device: torch.device, module: torch.nn.Module, layout=None
 ) -> tuple[Kernel, str | None]:
     """The kernel to run for ``name`` (None or ``auto``: grouped where it can run, else eager), and a
-    note when ``auto`` could not take the grouped one. A named kernel that cannot run is an error."""
+    note when ``auto`` could not take the grouped one. A named kernel that cannot run is an error.
+    ``layout``: one whole expert's slot layout, whose shapes ``grouped_mm`` must take."""
     why = grouped_available(device)
+    if why is None and layout is not None:
+        why = _unaligned(layout)
     if why is None and not getattr(module, "has_gate", True):
         why = f"{type(module).__name__} has no gate projection"
     if why is None and getattr(module, "has_post_expert_norm", False):

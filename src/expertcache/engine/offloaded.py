@@ -33,7 +33,7 @@ from expertcache.engine import generation as gen
 from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
-from expertcache.engine.kernels import Kernel, StackedPool, resolve_kernel
+from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, resident_memory
@@ -113,7 +113,7 @@ class OffloadedModel:
         self.link_config = link = link or LinkConfig()
         self.miss_config = miss = miss or MissConfig()
         self.device = resolve_device(device)
-        self._check_cheap(cache, prefetch, slow_tier, expert_memory)
+        self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress
         sk = build_skeleton(self.path, dtype, progress=show)
@@ -204,12 +204,20 @@ class OffloadedModel:
         in ``preloaded_experts``, not in misses, bytes moved or stall. Returns how many."""
         if not self._whole:
             return 0
+        import contextlib
+
         keys = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
         residency, part = self.cache.residency, self.cache.primary
         bar = _progress("experts to expert memory", show)
-        for key in bar(keys) if bar else keys:
-            victim = residency.insert(key, ())
-            self.worker.wait(self.transport.submit(key, victim, DEMAND, part))
+        # the checkpoint's tiers note each expert's copy and read them all at once after, in long runs of
+        # the files on several threads (``ExpertStore.fill``); the host tier copies each from memory
+        store = getattr(self.tier, "store", None)
+        with store.collecting() if store is not None else contextlib.nullcontext() as jobs:
+            for key in bar(keys) if bar and store is None else keys:
+                victim = residency.insert(key, ())
+                self.worker.wait(self.transport.submit(key, victim, DEMAND, part))
+        if jobs:
+            store.fill(jobs, bar)
         self.worker.bytes_moved = 0
         return len(keys)
 
@@ -231,7 +239,9 @@ class OffloadedModel:
             self.cache.stats = CacheStats(self.num_layers)
         return time.perf_counter() - start
 
-    def _check_cheap(self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory) -> None:
+    def _check_cheap(
+        self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory, kernel=None
+    ) -> None:
         """Option errors that need no loading, before any loading."""
         if cache.offline:
             raise ExpertcacheError(
@@ -250,6 +260,10 @@ class OffloadedModel:
                 f"train one (expertcache train-predictor --model {self.path} --out DIR), then pass "
                 "--predictor DIR"
             )
+        if kernel not in (None, AUTO_KERNEL, *KERNELS):
+            raise ExpertcacheError(
+                f"experts kernel {kernel!r} is not one of: {AUTO_KERNEL}, {', '.join(KERNELS)}"
+            )
         if slow_tier not in (None, *SLOW_TIERS):
             raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: {', '.join(SLOW_TIERS)}")
         if policy_class(cache.name).needs_profile and cache.profile is None:
@@ -264,7 +278,7 @@ class OffloadedModel:
     def _kernel(self, name: str | None, module) -> tuple[Kernel, StackedPool | None, SlotTable | None]:
         """The experts kernel (``engine.kernels``), and for the grouped one the whole-expert pool as stacked
         tensors with its slot table."""
-        kernel, note = resolve_kernel(name, self.device, module)
+        kernel, note = resolve_kernel(name, self.device, module, self.layout)
         if note:
             self.notes.append(note)
         target = self.targets.get((FULL, None))
@@ -784,7 +798,10 @@ def load(
     ``predictor_thread``. ``deterministic``: a run that repeats exactly, hits, misses and lossy outputs
     included (``config.PrefetchConfig``; ``stats["varies_by"]`` says what else would vary). Config
     objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be passed for ``policy``,
-    ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``slow_tier``
+    ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``kernel`` (how a layer's experts are
+    computed: ``"grouped"``, one grouped matrix product over the slot pool, exact against transformers'
+    ``grouped_mm``; ``"eager"``, one at a time, exact against its eager loop; default ``"auto"``:
+    grouped where torch has it; ``engine.kernels``), ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``,

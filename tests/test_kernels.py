@@ -1,0 +1,199 @@
+"""The experts kernels (``engine.kernels``): the grouped computation over the slot pool and the eager loop.
+
+- Each kernel is exact, bit for bit, against the transformers experts implementation it names: the
+  grouped kernel against ``grouped_mm`` (for every family, every budget, bfloat16 too, a padded batch),
+  the eager one against ``eager``; the grouped kernel's greedy tokens equal eager's on the tests.
+- The grouped rows over a shuffled slot pool equal transformers' ``grouped_mm_experts_forward`` over the
+  experts' own stacked weights; on a CPU a group computes what ``F.linear`` does (why an expert computed
+  alone, on the host, rounds as in the group).
+- The slot table always says which slot holds which expert (the transport keeps it as it gives slots).
+"""
+
+from __future__ import annotations
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import FAMILIES, assert_exact, engine_load, greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from expertcache.engine.kernels import (
+    AUTO_KERNEL,
+    KERNELS,
+    StackedPool,
+    combine,
+    default_kernel,
+    grouped_rows,
+    resolve_kernel,
+)
+from expertcache.engine.memory import SlotLayout, SlotPool
+from expertcache.errors import ExpertcacheError
+
+ckpt = engine_fixtures.ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+make_ckpt = engine_fixtures.make_ckpt
+IDS = torch.tensor([[5, 17, 33, 60, 2, 9, 41, 7]])
+GROUPED = F.grouped_mm if hasattr(F, "grouped_mm") else None
+needs_grouped = pytest.mark.skipif(GROUPED is None, reason="this torch has no grouped_mm")
+
+
+def reference_of(path, experts: str, dtype=None, cache={}):  # noqa: B006 (a cache across tests)
+    from expertcache.engine.loader import load_reference
+
+    key = (path, experts, dtype)
+    if key not in cache:
+        cache[key] = greedy(load_reference(path, dtype=dtype, experts=experts), IDS)
+    return cache[key]
+
+
+def test_the_cli_offers_every_kernel():
+    from expertcache.cli.generate import KERNEL_CHOICES
+
+    assert [AUTO_KERNEL, *KERNELS] == KERNEL_CHOICES
+
+
+@needs_grouped
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("memory", ["100%", "40%"])
+def test_each_kernel_is_exact_against_its_transformers_implementation(family, memory, ckpt):
+    path = ckpt(family)
+    eager = reference_of(path, "eager")
+    for name, kernel in KERNELS.items():
+        with engine_load(path, expert_memory=memory, kernel=name) as model:
+            got = greedy(model, IDS)
+            assert model.stats["kernel"] == name
+        assert_exact(got, reference_of(path, kernel.reference))
+        assert got[0].tolist() == eager[0].tolist()  # the grouped kernel's tokens are eager's too
+
+
+@needs_grouped
+@pytest.mark.parametrize("memory", ["100%", "40%"])
+def test_the_grouped_kernel_is_exact_in_bfloat16(memory, make_ckpt):
+    path = make_ckpt("granitemoe", dtype="bfloat16")
+    with engine_load(path, expert_memory=memory) as model:
+        assert model.kernel.name == "grouped"
+        assert_exact(greedy(model, IDS), reference_of(path, "grouped_mm"))
+
+
+def test_the_default_kernel_is_grouped_where_torch_has_grouped_mm():
+    assert default_kernel("cpu").name == ("grouped" if GROUPED is not None else "eager")
+
+
+def test_without_grouped_mm_auto_falls_back_with_a_note_and_grouped_is_refused(monkeypatch):
+    module = torch.nn.Module()
+    monkeypatch.delattr(F, "grouped_mm", raising=False)
+    kernel, note = resolve_kernel(None, torch.device("cpu"), module)
+    assert kernel.name == "eager" and "grouped_mm" in note
+    with pytest.raises(ExpertcacheError, match="grouped cannot run here"):
+        resolve_kernel("grouped", torch.device("cpu"), module)
+    with pytest.raises(ExpertcacheError, match="not one of: auto, grouped, eager"):
+        resolve_kernel("fused", torch.device("cpu"), module)
+
+
+def test_shapes_grouped_mm_cannot_take_fall_back_to_eager_with_a_note():
+    layout = SlotLayout.of({"gate_up_proj": (12, 6), "down_proj": (6, 6)}, torch.bfloat16)  # 12-byte rows
+    kernel, note = resolve_kernel(None, torch.device("cpu"), torch.nn.Module(), layout)
+    assert kernel.name == "eager" and "16-byte" in note
+    with pytest.raises(ExpertcacheError, match="16-byte"):
+        resolve_kernel("grouped", torch.device("cpu"), torch.nn.Module(), layout)
+
+
+def test_an_unknown_kernel_is_refused_before_loading():
+    from expertcache.engine import load
+
+    with pytest.raises(ExpertcacheError, match="experts kernel 'fused' is not one of"):
+        load("/no/such/model", kernel="fused")
+
+
+@needs_grouped
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    out=st.integers(1, 5).map(lambda n: 8 * n),  # grouped_mm takes rows of 16-byte multiples
+    inp=st.integers(1, 5).map(lambda n: 8 * n),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_group_on_a_cpu_computes_what_linear_does(tokens, out, inp, dtype, seed):
+    """Why an expert computed alone (``parts.expert_output``: host compute) rounds as in the group."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(3, out, inp, generator=g).to(dtype)
+    x = torch.randn(tokens, inp, generator=g).to(dtype)
+    offs = torch.tensor([0, tokens, tokens], dtype=torch.int32)  # every row in group 1
+    assert torch.equal(F.grouped_mm(x, w.transpose(-2, -1), offs=offs), F.linear(x, w[1]))
+
+
+def _experts_module(family: str, ckpt):
+    """A real experts module of ``family`` (its first MoE layer), from the tiny checkpoint."""
+    from expertcache.engine.loader import load_reference
+
+    model = load_reference(ckpt(family), experts="grouped_mm")
+    return next(m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed"))
+
+
+@needs_grouped
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_grouped_rows_over_a_shuffled_pool_equal_transformers_grouped_mm(family, tokens, ckpt):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    module = _experts_module(family, ckpt)
+    E, K = module.gate_up_proj.shape[0], 2
+    names = ["gate_up_proj", "down_proj"]
+    names += ["gate_up_proj_bias", "down_proj_bias"] if module.has_bias else []
+    shapes = {n: tuple(getattr(module, n).shape[1:]) for n in names}
+    layout = SlotLayout.of(shapes, module.gate_up_proj.dtype)
+    slots = E + 3  # more slots than experts, in a shuffled order
+    pool = SlotPool(layout, slots, torch.device("cpu"))
+    slot_of = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:E]
+    with torch.no_grad():
+        for e in range(E):
+            for n in names:
+                pool.views[int(slot_of[e])][n].copy_(getattr(module, n)[e])
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, layout.shapes[0][-1] if not module.is_transposed else layout.shapes[0][0],
+                         generator=g)  # fmt: skip
+    index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, K, generator=g), -1)
+    with torch.inference_mode():
+        want = grouped_mm_experts_forward(module, hidden, index, weights)
+        rows = grouped_rows(module, StackedPool(pool), hidden, slot_of[index], weights)
+        assert torch.equal(combine(rows, tokens, K, hidden.dtype), want)
+        # pairs routed elsewhere (the sentinel) leave the others' rows as they were
+        keep = index != index[0, 0]
+        ids = torch.where(keep, slot_of[index], slots)
+        part = grouped_rows(module, StackedPool(pool), hidden, ids, weights)
+        flat = keep.reshape(-1)
+        assert torch.equal(part[flat], rows[flat])
+
+
+def test_stacked_pool_views_are_the_slots_tensors():
+    layout = SlotLayout.of({"gate_up_proj": (6, 4), "down_proj": (4, 3)}, torch.float32)
+    pool = SlotPool(layout, 5, torch.device("cpu"))
+    pool.buffer.copy_(torch.arange(pool.buffer.numel(), dtype=torch.float32).view_as(pool.buffer))
+    stacked = StackedPool(pool)
+    assert stacked.num_slots == 5
+    for s in range(5):
+        for name in layout.names:
+            assert torch.equal(stacked.tensors[name][s], pool.views[s][name])
+            assert stacked.tensors[name].data_ptr() == pool.views[0][name].data_ptr()  # views, not copies
+
+
+@needs_grouped
+@pytest.mark.parametrize("slow_tier", ["host", "disk"])
+def test_the_slot_table_names_the_slot_of_every_resident_expert(slow_tier, ckpt):
+    from expertcache.miss.base import FULL
+
+    path = ckpt("mixtral")
+    with engine_load(path, expert_memory="40%", slow_tier=slow_tier, prefetch="next-gate") as model:
+        greedy(model, IDS)
+        table = model.transport.tables[(FULL, None)]
+        want = np.full_like(table.host, table.sentinel)
+        for (part, key), slot in model.transport.slot_of.items():
+            if part == FULL:
+                want[key] = slot
+        assert (table.host == want).all()
+        assert set(model.cache.residency.resident) == {tuple(k) for k in np.argwhere(want != table.sentinel)}
