@@ -1,15 +1,26 @@
-"""Building an expert cache's parts: the budget shared among them, a policy for each, their checks.
+"""Building an expert cache: the budget shared among its parts, a policy for each, their checks, and the
+cache with its step driver over a transport.
 
 The engine and the timing simulator build their caches here, from the same miss path and capacities, so
-both hold the same parts with the same policies; only the bytes of one slot differ (the engine's real
-layouts, the simulator's cost model).
+both hold the same parts with the same policies, prefetch limit, preemption, reordering and governor;
+only the bytes of one slot (the engine's real layouts, the simulator's cost model), the transport (slots
+and a transfer worker, or a virtual link) and the governor's clock differ:
+
+    parts = build_parts(miss, part_capacities(miss, budget, slot_bytes, top_k), policy, ctx)
+    driver = assemble(parts, transport, miss, ctx, limit=..., predictor=..., governor_clock=...)
+    driver.cache  # the ExpertCache
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from expertcache.cache.expert_cache import ExpertCache
+from expertcache.cache.governor import PrefetchGovernor
+from expertcache.cache.recorder import Recorder
 from expertcache.cache.residency import Residency
+from expertcache.cache.step import PredictorRunner, StepDriver
+from expertcache.cache.transfers import Transport
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissPath
 from expertcache.policy.base import PolicyContext
@@ -80,6 +91,28 @@ def build_parts(
             )
         parts[spec.name] = Residency(pol)
     return parts
+
+
+def assemble(
+    parts: dict[str, Residency],
+    transport: Transport,
+    miss: MissPath,
+    ctx: PolicyContext,
+    *,
+    limit: int | None = None,
+    preemption: bool = True,
+    reorder: bool = True,
+    predictor: PredictorRunner | None = None,
+    governor_clock=None,
+    recorder: Recorder | None = None,
+) -> StepDriver:
+    """The expert cache over ``transport`` and the step driver that serves it: ``limit`` experts
+    prefetched per predicted layer (default: top-k, as ProMoE), a prefetch governor on ``governor_clock``
+    (the engine's wall clock, the simulator's virtual one) when one is given and there is a predictor."""
+    L, limit = ctx.num_layers, ctx.top_k if limit is None else int(limit)
+    cache = ExpertCache(parts, transport, miss, L, limit, preemption, reorder)
+    governed = predictor is not None and governor_clock is not None
+    return StepDriver(cache, L, predictor, recorder, PrefetchGovernor(governor_clock) if governed else None)
 
 
 def _per_layer(name: str, params: dict, budgets: list[int]) -> tuple[str, dict]:

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.cache.build import build_parts, part_capacities
-from expertcache.cache.expert_cache import ExpertCache
-from expertcache.cache.governor import PrefetchGovernor
+from expertcache.cache.build import assemble, build_parts, part_capacities
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.stats import CacheStats
@@ -154,7 +152,8 @@ class OffloadedModel:
         tables = {} if table is None else {(FULL, None): table}
         settle = prefetch.deterministic
         self.transport = SlotTransport(self.targets, self.worker, settle=settle, tables=tables)
-        residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_context(cache))
+        self._policy_ctx = self._policy_context(cache)
+        residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_ctx)
         self.model = sk.model.to(self.device)
         self.host = HostExperts(self.tier, self.device)
         if self.miss.needs_costs and costs is None:
@@ -169,24 +168,22 @@ class OffloadedModel:
                 )
         self._measured_costs = self.miss.needs_costs and costs is None
         self.costs = self.miss.ctx.costs
-        # ProMoE: as many experts per predicted layer as the model activates for one token
-        self.prefetch_limit = self.top_k if prefetch.limit is None else int(prefetch.limit)
-        self.cache = ExpertCache(
-            residencies, self.transport, self.miss, self.num_layers, self.prefetch_limit,
-            prefetch.preemption, prefetch.reorder,
-        )  # fmt: skip
         self.prefetch = self._auto_predictor(prefetch) if prefetch.predictor == AUTO else prefetch.predictor
         idle_prefetch = prefetch.governed and self._whole
         self.predictor = self._make_predictor(prefetch) if prefetch.enabled and not idle_prefetch else None
         if self.predictor is not None and self.predictor.note:
             self.notes.append(self.predictor.note)
-        runner, self.governor = None, None
+        runner = None
         if self.predictor is not None:
             runner = PredictorThread(self.predictor) if prefetch.thread else InlinePredictor(self.predictor)
-            if prefetch.governed:
-                self.governor = PrefetchGovernor(time.perf_counter)
-        recorder = Recorder(self.num_layers, self.num_experts, self.top_k) if record else None
-        self.driver = StepDriver(self.cache, self.num_layers, runner, recorder, self.governor)
+        self.driver = assemble(
+            residencies, self.transport, self.miss, self._policy_ctx, limit=prefetch.limit,
+            preemption=prefetch.preemption, reorder=prefetch.reorder, predictor=runner,
+            governor_clock=time.perf_counter if prefetch.governed else None,
+            recorder=Recorder(self.num_layers, self.num_experts, self.top_k) if record else None,
+        )  # fmt: skip
+        self.cache, self.governor = self.driver.cache, self.driver.governor
+        self.prefetch_limit = self.cache.limit
         self.engine = Engine(
             self.model, sk.experts, self.driver, self.transport, self.parts, self.host,
             kernel=self.kernel, stacked=stacked, table=table,

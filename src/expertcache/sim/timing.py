@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from expertcache.cache.build import build_parts, part_capacities
-from expertcache.cache.expert_cache import ExpertCache
-from expertcache.cache.governor import PrefetchGovernor, describe
+from expertcache.cache.build import assemble, build_parts, part_capacities
+from expertcache.cache.governor import describe
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.config import AUTO as AUTO_PREFETCH
@@ -180,10 +179,12 @@ def simulate_timing(
     )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
-    limit = K if pf.limit is None else int(pf.limit)  # as the engine: top-k by default
-    xcache = ExpertCache(parts, link, path, L, limit, pf.preemption, pf.reorder)
-    governor = PrefetchGovernor(lambda: link.now) if pred is not None and pf.governed else None
-    driver = StepDriver(xcache, L, InlinePredictor(pred) if pred is not None else None, governor=governor)
+    driver = assemble(
+        parts, link, path, ctx, limit=pf.limit, preemption=pf.preemption, reorder=pf.reorder,
+        predictor=InlinePredictor(pred) if pred is not None else None,
+        governor_clock=(lambda: link.now) if pf.governed else None,
+    )  # fmt: skip
+    xcache, governor = driver.cache, driver.governor
     run = _Run(trace, schedule, cost, driver, link, {s.name: s for s in path.parts()}, pred)
     steps, times, stalls, host = [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
