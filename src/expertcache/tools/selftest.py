@@ -1,10 +1,12 @@
-"""``expertcache selftest``: the engine against transformers' eager model, on this machine's device.
+"""``expertcache selftest``: the engine against transformers' own model, on this machine's device.
 
 CI has no GPU, so a GPU user's machine is the first to run the CUDA paths (pinned host tier, transfer
 stream and events, host experts on a thread beside the GPU, predictors on the device). The self-test
 builds a tiny random model of every supported family in a temporary directory, generates greedily
 through the engine under a matrix of budgets, policies, predictors and miss paths, and through
-transformers' eager model on the same device, and compares tokens and logits. A check passes with:
+transformers on the same device with the experts implementation the engine's default kernel is exact
+against (``grouped_mm`` where torch has it, else ``eager``: ``engine.kernels``), and compares tokens and
+logits. A check passes with:
 
 - tokens equal, logits bit-equal: float32 with experts computed on the device, or on a CPU-only
   machine wherever they are computed;
@@ -205,7 +207,7 @@ class Report:
 def selftest(
     device: str | None = None, *, quick: bool = False, log: Callable[[str], None] | None = None
 ) -> Report:
-    """Run the engine against transformers' eager model on ``device`` (default: CUDA when present).
+    """Run the engine against transformers' own model on ``device`` (default: CUDA when present).
 
     ``log`` receives each check's line as it ends. If the GPU stops answering (a sticky CUDA error),
     the remaining checks are reported as not run, ``device_lost`` says why, and garbage collection is
@@ -386,7 +388,8 @@ class Models:
         return self._once(("path", out), lambda: make_tiny(out, family, self.tokenizer(), **shapes))
 
     def reference(self, family: str, dtype: str, batch: bool) -> Run:
-        """transformers' eager run of the checkpoint on the device (``engine.loader.load_reference``)."""
+        """transformers' run of the checkpoint on the device, with the experts implementation of the
+        default kernel (``engine.loader.load_reference``)."""
         from expertcache.engine.loader import load_reference
 
         model = self._once(
