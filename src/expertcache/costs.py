@@ -56,6 +56,10 @@ class CostModel:
     submit_s: float = 0.0  # compute time the engine spends issuing one transfer (bookkeeping, hand-off)
     host_expert_s: float = 5.06e-3  # a: an expert's fixed time computed on the host (reading its weights)
     host_expert_token_s: float = 63e-6  # b: its host time per token
+    # r: reading the expert into host memory before the host computes it, at every use (a host-computed
+    # expert enters no cache): 0 where the host computes from the weights where they lie (the host tier);
+    # from the disk tier, its read from the disk (a profile of the disk or mapped tier: ``load_profile``)
+    host_read_s: float = 0.0
     dequant_s: float = 0.0  # device time to expand a low-precision copy before computing with it
     host_parallel: bool = True  # the host computes beside the device (False: the same processor, inline)
     weight_bits: int = 16  # bits per weight of a whole expert (its low-precision copies are sized from it)
@@ -98,8 +102,9 @@ class CostModel:
         return self.expert_s + self.expert_token_s * tokens
 
     def host_expert(self, tokens: int) -> float:
-        """Time of one expert computed on the host, given ``tokens`` tokens."""
-        return self.host_expert_s + self.host_expert_token_s * tokens
+        """Time of one expert computed on the host, given ``tokens`` tokens: its read into host memory
+        (``host_read_s``, from a slow tier that is not host memory) and its computation."""
+        return self.host_read_s + self.host_expert_s + self.host_expert_token_s * tokens
 
     def chunk_sizes(self, nbytes: int | None = None) -> list[int]:
         """Bytes of each chunk of a transfer of ``nbytes`` (default: one whole expert). Chunks are at most
@@ -178,16 +183,17 @@ class CostModel:
             raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
-        shape = None
+        shape, profile = None, None
         if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
             shape = data.get("model") if isinstance(data.get("model"), dict) else None
-            data = data.get("cost")
+            profile, data = data, data.get("cost")
             if not isinstance(data, dict):
                 raise ExpertcacheError(f"{path}: a profile without its 'cost' object")
         try:
-            return cls.from_dict(data), shape
+            cost = cls.from_dict(data)
         except ExpertcacheError as e:
             raise ExpertcacheError(f"{path}: {e}") from None
+        return (cost if profile is None else host_reads_of(profile, cost)), shape
 
     @classmethod
     def from_dict(cls, data: dict[str, object], base: CostModel | None = None) -> CostModel:
@@ -214,6 +220,7 @@ class CostModel:
             + (f" | wake {self.wake_s * 1e6:g} us" if self.wake_s else "")
             + (f" | issue {self.submit_s * 1e6:g} us/transfer" if self.submit_s else "")
             + f" | host expert {self.host_expert_s * 1e3:g} ms + {self.host_expert_token_s * 1e6:g} us/token"
+            + (f" + read {self.host_read_s * 1e3:g} ms" if self.host_read_s else "")
             + ("" if self.host_parallel else " (inline)")
             + (f" | dequant {self.dequant_s * 1e6:g} us" if self.dequant_s else "")
         )
@@ -221,8 +228,27 @@ class CostModel:
 
 _TIMES = (
     "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s",
-    "host_expert_s", "host_expert_token_s", "dequant_s",
+    "host_expert_s", "host_expert_token_s", "host_read_s", "dequant_s",
 )  # fmt: skip
+
+# slow tiers whose experts the host reads into memory before computing them (``DiskTier.host_views``):
+# ``expertcache profile`` writes the tier as ``how.slow_tier``
+READ_TIERS = ("disk", "mapped")
+
+
+def host_reads_of(profile: dict, cost: CostModel) -> CostModel:
+    """``cost``, a profile's, with the host's read of each expert it computes (``host_read_s``) where the
+    profile's slow tier is read into memory first (the disk tier, the mapped one) and gives none: there
+    the engine reads a host-computed expert from the tier at every use, as a transfer reads it. A CPU
+    engine's transfer is that read (the profile's measured link, ``how.link``: "disk -> cpu"); on a GPU it
+    adds the copy to the device, a bound on the read. Without a measured link (a declared one replaced
+    it) the read is not known and stays 0. A Granite-shaped model at 25 % on the disk tier was planned
+    with host compute at 216 ms a token, read-free, and measured 626-880 ms, against fetching's 436-491."""
+    how = profile.get("how") if isinstance(profile.get("how"), dict) else {}
+    measured = profile.get("measured") if isinstance(profile.get("measured"), list) else []
+    if cost.host_read_s or how.get("slow_tier") not in READ_TIERS or "link_bandwidth" not in measured:
+        return cost
+    return replace(cost, host_read_s=cost.transfer_time())
 
 
 def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:

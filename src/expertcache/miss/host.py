@@ -2,7 +2,9 @@
 
 A missed expert needed by ``n`` tokens of the step runs where its weights lie (the host) when
 ``t_host(n) < t_transfer + t_device(n)``, and is fetched whole otherwise (Fiddler, Kamahori et al.,
-"Fiddler: CPU-GPU Orchestration for Fast Inference of Mixture-of-Experts Models"). Decode steps route one
+"Fiddler: CPU-GPU Orchestration for Fast Inference of Mixture-of-Experts Models"); ``t_host`` is
+``CostModel.host_expert``: the computation, and the expert's read into host memory where the slow tier is
+not host memory (``host_read_s``: the disk tier reads it at every use). Decode steps route one
 token per expert, so on a slow link a miss is computed on the host; prefill steps route many, so the
 transfer pays. A host-computed expert does not enter the cache (Fiddler keeps a static set on the GPU:
 ``--policy static --profile TRACE`` with a prefetch, or ``fill``), unless ``fill=1``: then it is also
