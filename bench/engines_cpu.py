@@ -1,0 +1,674 @@
+"""CPU engines side by side: llama.cpp (GGUF bf16, Q8_0), transformers (each experts implementation) and
+expertcache (100 %, 25 % from disk), greedy decode at a fixed thread count, in alternating rounds.
+
+    .venv/bin/python bench/engines_cpu.py --model /work/bench-models/granite-3.1-1b-a400m-random \\
+        --llama-python /work/llama-venv/bin/python --threads 2 --rounds 5 --out /tmp/engines.json
+
+Every engine gets the same prompt: the first ``--prompt-tokens`` (64) token ids of a fixed code text under
+the checkpoint's tokenizer, then ``--new-tokens`` (64) greedy tokens. Engines are loaded once, each warmed
+by one short generation (whose TTFT is reported as the cold ``first_ttft``), then each round runs one
+generation on every engine, the order rotating from round to round, so that a shared machine's drift
+falls on all of them alike. Figures are medians over rounds, with their range and a bootstrap 95 %
+interval (``plenty_cpu.ci95``) of the per-round ratio to transformers eager.
+
+Engines (``--only SUBSTR ...`` keeps those whose name contains one of the strings):
+
+- ``llama.cpp <label>``: one per GGUF file (``--gguf``; default ``<model>-*.gguf``, the label is the
+  part after the model's name, e.g. ``bf16``, ``q8_0``), run through ``llama_cpp.Llama(n_threads=
+  n_threads_batch=--threads)`` in a worker process under ``--llama-python`` (llama-cpp-python lives in
+  its own virtualenv; a separate process also keeps ggml's and torch's OpenMP pools apart). The main
+  loop drives the worker over a pipe, so the rounds still alternate. Without ``--llama-python`` (or if
+  that Python cannot import llama_cpp) llama.cpp is skipped with a note. The worker runs
+  ``Llama.generate`` (greedy sampler, ``temp=0``) and timestamps each token as it is yielded: the
+  same TTFT/TPOT definition as the torch engines. llama.cpp's own perf counters
+  (``llama_perf_context``: prompt eval ms, eval ms per token) are recorded beside them in the JSON.
+  End-of-sequence is not suppressed there (``generate`` does not stop at it; a random model rarely
+  emits it), so every run still decodes ``--new-tokens`` tokens.
+- ``transformers <impl>``: ``experts_implementation`` ``eager``, ``batched_mm``, ``grouped_mm`` and
+  ``default`` (what ``from_pretrained`` picks with no argument; its resolved name is recorded). By
+  default one model is loaded (``engine.loader.load_reference``: eager, every tensor in fresh memory)
+  and its implementation is switched with ``set_experts_implementation`` before each generation (the
+  kernel is looked up at every forward), so the four share one load time and one copy of the
+  weights; ``--tf-separate`` loads each with its own ``from_pretrained`` instead (4x the memory).
+- ``expertcache <memory> <tier>``: ``expertcache.load(path, expert_memory=..., slow_tier=...,
+  device="cpu")`` for each ``--expertcache MEMORY[:TIER]`` (default ``100%:disk 25%:disk``), with
+  ``--expertcache-args key=value ...`` added to every ``load()`` (e.g. a future experts-kernel option;
+  values are Python literals, else strings). Their tokens are compared with transformers eager's.
+
+Per engine: TTFT (start to first new token) and TPOT (mean gap between later tokens), medians and
+ranges over rounds; CPU seconds per decoded token (``time.process_time`` of the whole process, all its
+threads, from the first to the last new token, over tokens - 1) and for the prefill; time to ready
+(the load call: ``Llama()``, ``load_reference``/``from_pretrained``, ``expertcache.load`` which
+includes its own 2-token warm-up); whether the greedy tokens equal transformers eager's in every round.
+Results: JSON at ``--out`` (with ``provenance.provenance()``); a markdown table on stdout, progress on
+stderr.
+
+Checkpoints (random weights, built with ``engine.random_checkpoint.make_checkpoint``; ``--build``
+reads a config.json for the shapes; the tokenizer comes from the config's folder or ``--tokenizer``):
+
+    .venv/bin/python bench/engines_cpu.py --build ../shared/models/granite-3.1-1b-a400m \\
+        --model /work/bench-models/granite-3.1-1b-a400m-random
+    .venv/bin/python bench/engines_cpu.py --build ../shared/models/olmoe-1b-7b --layers 4 \\
+        --tokenizer ../shared/models/granite-3.1-1b-a400m --model /work/bench-models/olmoe-1b-7b-4l-random
+
+and to GGUF with llama.cpp's converter (``convert_hf_to_gguf.py`` of the llama-cpp-python sdist):
+
+    /work/llama-venv/bin/python CONVERT --outtype bf16 --outfile <model>-bf16.gguf <model>
+    /work/llama-venv/bin/python CONVERT --outtype q8_0 --outfile <model>-q8_0.gguf <model>
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = '''import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Config:
+    """Settings read from a JSON file, with defaults for every field."""
+
+    name: str = "default"
+    threads: int = 2
+    paths: list[str] = field(default_factory=list)
+
+
+def read_config(path: str | Path) -> Config:
+    """Read a JSON configuration file and return it as a Config."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return Config(**data)
+
+
+def main() -> int:
+    config = read_config(os.environ.get("CONFIG", "config.json"))
+    for p in config.paths:
+        print(Path(p).resolve())
+    return 0
+'''
+IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "default")
+EAGER = "transformers eager"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ llama.cpp worker
+def worker() -> int:
+    """Runs under --llama-python: JSON lines in (load / generate / quit), JSON lines out."""
+    import llama_cpp
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing but replies on the pipe
+    models: dict[str, object] = {}
+
+    def reply(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    reply(
+        {
+            "ready": True,
+            "llama_cpp": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        }
+    )
+    for line in sys.stdin:
+        msg = json.loads(line)
+        try:
+            if msg["cmd"] == "quit":
+                return 0
+            if msg["cmd"] == "load":
+                t0 = time.perf_counter()
+                llm = llama_cpp.Llama(
+                    model_path=msg["path"],
+                    n_threads=msg["threads"],
+                    n_threads_batch=msg["threads"],
+                    n_ctx=msg["n_ctx"],
+                    n_batch=msg["n_ctx"],
+                    seed=0,
+                    verbose=False,
+                )
+                models[msg["name"]] = llm
+                meta = {k: v for k, v in llm.metadata.items() if "tokenizer" not in k}
+                reply({"ready_s": time.perf_counter() - t0, "n_vocab": llm.n_vocab(), "metadata": meta})
+            elif msg["cmd"] == "generate":
+                llm, n = models[msg["name"]], msg["n"]
+                llm.reset()
+                ctx = llm._ctx.ctx
+                llama_cpp.llama_perf_context_reset(ctx)
+                tokens, times, cpus = [], [], []
+                t0, c0 = time.perf_counter(), time.process_time()
+                for tok in llm.generate(
+                    msg["ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+                ):
+                    times.append(time.perf_counter())
+                    cpus.append(time.process_time())
+                    tokens.append(int(tok))
+                    if len(tokens) == n:
+                        break
+                perf = llama_cpp.llama_perf_context(ctx)
+                reply(
+                    {
+                        "tokens": tokens,
+                        "t0": t0,
+                        "c0": c0,
+                        "times": times,
+                        "cpus": cpus,
+                        "perf": {
+                            "prompt_eval_ms": perf.t_p_eval_ms,
+                            "prompt_tokens": perf.n_p_eval,
+                            "eval_ms": perf.t_eval_ms,
+                            "eval_tokens": perf.n_eval,
+                        },
+                    }
+                )
+            else:
+                reply({"error": f"unknown command {msg['cmd']!r}"})
+        except Exception as exc:  # noqa: BLE001 - reported to the main process
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+class LlamaWorker:
+    """The main process's end of the worker: one process for every GGUF model."""
+
+    def __init__(self, python: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker exited (status {self.proc.wait()})")
+        r = json.loads(line)
+        if "error" in r:
+            raise RuntimeError(f"llama.cpp worker: {r['error']}")
+        return r
+
+    def ask(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+# ------------------------------------------------------------------------------ timing
+def summarize(t0: float, c0: float, times: list[float], cpus: list[float], tokens: list[int]) -> dict:
+    """TTFT, TPOT and CPU seconds from per-token wall and process-CPU timestamps."""
+    n = len(times)
+    return {
+        "tokens": tokens,
+        "ttft_s": times[0] - t0,
+        "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
+        "total_s": times[-1] - t0,
+        "cpu_prefill_s": cpus[0] - c0,
+        "cpu_per_token_s": (cpus[-1] - cpus[0]) / (n - 1) if n > 1 else 0.0,
+    }
+
+
+class Stamps:
+    """A generate() streamer that stamps wall and process-CPU time at each new token."""
+
+    def __init__(self) -> None:
+        self.times, self.cpus, self._prompt_seen = [], [], False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+            self.cpus.append(time.process_time())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def torch_generate(generate, ids, pad: int, n: int) -> dict:
+    """Greedy ``generate`` (transformers or ``OffloadedModel``) timed by ``generation.timed_generate``
+    (the project's TTFT/TPOT), with process CPU time stamped per token beside it."""
+    import torch
+
+    from expertcache.engine.generation import timed_generate
+
+    stamps = Stamps()
+    with torch.inference_mode():
+        t0, c0 = time.perf_counter(), time.process_time()
+        r = timed_generate(
+            generate,
+            ids,
+            stamps,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    out = summarize(t0, c0, stamps.times, stamps.cpus, r["tokens"])
+    out.update(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"], total_s=r["total_s"])
+    return out
+
+
+# ------------------------------------------------------------------------------ engines
+class Engine:
+    name: str
+    ready_s: float = 0.0
+    info: dict
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaEngine(Engine):
+    def __init__(self, worker: LlamaWorker, label: str, gguf: Path, threads: int, n_ctx: int) -> None:
+        self.name, self.worker = f"llama.cpp {label}", worker
+        r = worker.ask(cmd="load", name=self.name, path=str(gguf), threads=threads, n_ctx=n_ctx)
+        self.ready_s = r["ready_s"]
+        meta = r["metadata"]
+        self.info = {
+            "gguf": str(gguf),
+            "gguf_bytes": gguf.stat().st_size,
+            "n_vocab": r["n_vocab"],
+            "file_type": meta.get("general.file_type"),
+            "architecture": meta.get("general.architecture"),
+        }
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        r = self.worker.ask(cmd="generate", name=self.name, ids=ids, n=n)
+        out = summarize(r["t0"], r["c0"], r["times"], r["cpus"], r["tokens"])
+        p = r["perf"]
+        out["llama_perf"] = {
+            **p,
+            "prefill_ms": p["prompt_eval_ms"],
+            "decode_ms_per_token": p["eval_ms"] / p["eval_tokens"] if p["eval_tokens"] else None,
+        }
+        return out
+
+
+class SharedTransformers:
+    """One transformers model, loaded once (``load_reference``), for every experts implementation."""
+
+    def __init__(self, path: Path) -> None:
+        from expertcache.engine.loader import load_reference
+
+        t0 = time.perf_counter()
+        self.model = load_reference(path)
+        self.ready_s = time.perf_counter() - t0
+        self.default = self.model.get_correct_experts_implementation(None)
+
+
+class TransformersEngine(Engine):
+    def __init__(self, impl: str, path: Path, pad: int, shared: SharedTransformers | None) -> None:
+        self.name, self.pad, self.shared = f"transformers {impl}", pad, shared
+        if shared is not None:
+            self.model, self.ready_s = shared.model, shared.ready_s
+            self.impl = shared.default if impl == "default" else impl
+            self.info = {"load": "shared (load_reference, switched per generation)"}
+        else:
+            from transformers import AutoModelForCausalLM
+
+            kw = {} if impl == "default" else {"experts_implementation": impl}
+            t0 = time.perf_counter()
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
+            self.ready_s = time.perf_counter() - t0
+            self.impl = self.model.config._experts_implementation
+            self.info = {"load": f"from_pretrained({', '.join(f'{k}={v!r}' for k, v in kw.items())})"}
+        self.info["experts_implementation"] = self.impl
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        import torch
+
+        if self.model.config._experts_implementation != self.impl:
+            self.model.set_experts_implementation(self.impl)
+        return torch_generate(self.model.generate, torch.tensor([ids]), self.pad, n)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class ExpertcacheEngine(Engine):
+    def __init__(self, spec: str, path: Path, pad: int, extra: dict) -> None:
+        import expertcache
+
+        memory, _, tier = spec.partition(":")
+        tier = tier or "disk"
+        self.name, self.pad = f"expertcache {memory} {tier}", pad
+        t0 = time.perf_counter()
+        self.m = expertcache.load(
+            path, expert_memory=memory, slow_tier=tier, device="cpu", progress=False, **extra
+        )
+        self.ready_s = time.perf_counter() - t0
+        self.info = {
+            "expert_memory": memory,
+            "slow_tier": tier,
+            "load_args": extra,
+            "expert_memory_bytes": self.m.stats["expert_memory_bytes"],
+            "warmup_s": self.m.stats.get("warmup_s"),
+        }
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        import torch
+
+        before = self.m.stats
+        out = torch_generate(self.m.generate, torch.tensor([ids]), self.pad, n)
+        after = self.m.stats
+        out["cache"] = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_transferred", "stall_s")}
+        return out
+
+    def close(self) -> None:
+        self.m.close()
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def build_checkpoint(config_dir: Path, out: Path, layers: int | None, tokenizer: Path | None) -> Path:
+    """A random-weight bf16 checkpoint with ``config_dir``'s shapes (``make_checkpoint``), built once."""
+    from expertcache.engine.random_checkpoint import make_checkpoint
+
+    if (out / ".complete").is_file():
+        log(f"{out}: already built")
+        return out
+    cfg = json.loads((config_dir / "config.json").read_text())
+    tok = tokenizer or config_dir
+    if not (tok / "tokenizer.json").is_file():
+        raise SystemExit(f"{config_dir}: no tokenizer.json; give --tokenizer DIR")
+    spec = dict(
+        hidden=cfg["hidden_size"],
+        layers=layers or cfg["num_hidden_layers"],
+        experts=cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+    )
+    log(f"building {out} ({cfg['model_type']}, {spec}, tokenizer {tok})")
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    make_checkpoint(tmp, cfg["model_type"], dtype="bfloat16", tokenizer=tok, max_shard_size="1GB", **spec)
+    (tmp / ".complete").write_text(
+        json.dumps({"from": str(config_dir), "tokenizer": str(tok), **spec}) + "\n"
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"built {out} in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def parse_extra(pairs: list[str]) -> dict:
+    extra = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--expertcache-args: {pair!r} is not key=value")
+        try:
+            extra[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            extra[key] = value
+    return extra
+
+
+def prompt_ids(path: Path, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(path))(PROMPT).input_ids
+    if len(ids) < n:
+        raise SystemExit(f"the prompt text is {len(ids)} tokens under this tokenizer, fewer than {n}")
+    return ids[:n]
+
+
+def gguf_files(model: Path, given: list[Path] | None) -> dict[str, Path]:
+    files = given if given is not None else sorted(model.parent.glob(f"{model.name}-*.gguf"))
+    prefix = f"{model.name}-"
+    return {(f.stem[len(prefix) :] if f.stem.startswith(prefix) else f.stem): f for f in files}
+
+
+# ------------------------------------------------------------------------------ report
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def table(results: dict) -> str:
+    rows = [
+        "| engine | TPOT ms median [range] | TTFT ms median [range] | TPOT / eager [95% CI] "
+        "| decode CPU s/token | prefill CPU s | ready s | cold TTFT s | tokens = eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["engines"].items():
+        vs = r.get("tpot_vs_eager")
+        ratio = "" if vs is None else f"{vs['median']:.2f} [{vs['ci95'][0]:.2f}-{vs['ci95'][1]:.2f}]"
+        rows.append(
+            f"| {name} | {r['tpot_ms']:.1f} [{r['tpot_ms_range'][0]:.1f}-{r['tpot_ms_range'][1]:.1f}] "
+            f"| {r['ttft_ms']:.0f} [{r['ttft_ms_range'][0]:.0f}-{r['ttft_ms_range'][1]:.0f}] "
+            f"| {ratio} "
+            f"| {r['cpu_s_per_token']:.3f} | {r['cpu_prefill_s']:.2f} | {r['ready_s']:.1f} "
+            f"| {r['cold_ttft_s']:.2f} | {r['tokens_equal_eager']} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="the HF checkpoint (random weights: see --build)")
+    p.add_argument(
+        "--build", type=Path, metavar="CONFIG_DIR", help="build --model from this config.json, then exit"
+    )
+    p.add_argument("--layers", type=int, help="--build: keep the first N layers")
+    p.add_argument("--tokenizer", type=Path, help="--build: tokenizer folder (default: CONFIG_DIR)")
+    p.add_argument("--gguf", type=Path, nargs="*", help="GGUF files for llama.cpp (default: <model>-*.gguf)")
+    p.add_argument("--llama-python", help="a Python with llama_cpp (default: skip llama.cpp)")
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default 2)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--expertcache", nargs="*", default=["100%:disk", "25%:disk"], metavar="MEMORY[:TIER]")
+    p.add_argument(
+        "--expertcache-args", nargs="*", default=[], metavar="KEY=VALUE", help="extra load() arguments"
+    )
+    p.add_argument(
+        "--tf-separate", action="store_true", help="one from_pretrained per experts implementation"
+    )
+    p.add_argument("--only", nargs="*", metavar="SUBSTR", help="engines whose name contains one of these")
+    p.add_argument("--out", type=Path, help="JSON results (default: /tmp/engines_cpu.json)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker()
+    if args.model is None:
+        p.error("--model is required")
+    if args.build:
+        build_checkpoint(args.build, args.model, args.layers, args.tokenizer)
+        return 0
+    if args.rounds < 1 or args.new_tokens < 2 or args.prompt_tokens < 1 or args.threads < 1:
+        p.error("--rounds, --prompt-tokens and --threads must be at least 1, --new-tokens at least 2")
+    out = args.out or Path("/tmp/engines_cpu.json")
+    extra = parse_extra(args.expertcache_args)
+
+    import torch
+    from plenty_cpu import ci95
+    from provenance import provenance, write_json
+
+    torch.set_num_threads(args.threads)
+    want = (lambda name: any(s in name for s in args.only)) if args.only else (lambda name: True)
+    ids = prompt_ids(args.model, args.prompt_tokens)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(args.model))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    notes: list[str] = []
+    engines: list[Engine] = []
+    worker_proc, llama_info = None, None
+
+    ggufs = {k: v for k, v in gguf_files(args.model, args.gguf).items() if want(f"llama.cpp {k}")}
+    if not args.llama_python:
+        notes.append("llama.cpp skipped: no --llama-python given")
+    elif not ggufs:
+        notes.append(f"llama.cpp skipped: no GGUF files ({args.model}-*.gguf or --gguf)")
+    else:
+        try:
+            worker_proc = LlamaWorker(args.llama_python)
+            llama_info = {
+                "python": args.llama_python,
+                "llama_cpp": worker_proc.hello["llama_cpp"],
+                "system_info": worker_proc.hello["system_info"],
+            }
+        except (OSError, RuntimeError, json.JSONDecodeError) as exc:
+            notes.append(f"llama.cpp skipped: the worker under {args.llama_python} did not start ({exc})")
+            worker_proc = None
+    try:
+        if worker_proc is not None:
+            for label, path in ggufs.items():
+                log(f"loading llama.cpp {label} ({path})")
+                engines.append(
+                    LlamaEngine(worker_proc, label, path, args.threads, 2 * (len(ids) + args.new_tokens))
+                )
+        impls = [i for i in IMPLEMENTATIONS if want(f"transformers {i}") or i == "eager"]
+        shared = None
+        if not args.tf_separate:
+            log("loading transformers (load_reference)")
+            shared = SharedTransformers(args.model)
+        for impl in impls:
+            log(
+                f"loading transformers {impl}"
+                if args.tf_separate
+                else f"transformers {impl}: the shared model"
+            )
+            engines.append(TransformersEngine(impl, args.model, pad, shared))
+        for spec in args.expertcache:
+            name = f"expertcache {spec.partition(':')[0]} {spec.partition(':')[2] or 'disk'}"
+            if want(name):
+                log(f"loading {name}")
+                engines.append(ExpertcacheEngine(spec, args.model, pad, extra))
+        cold = {}
+        for e in engines:
+            log(f"warm-up {e.name} (ready in {e.ready_s:.1f} s)")
+            cold[e.name] = e.generate(ids, args.warmup_tokens)["ttft_s"]
+        runs: dict[str, list[dict]] = {e.name: [] for e in engines}
+        for r in range(args.rounds):
+            k = r % len(engines)
+            for e in engines[k:] + engines[:k]:
+                runs[e.name].append(e.generate(ids, args.new_tokens))
+            log(
+                f"round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{e.name} {runs[e.name][-1]['tpot_s'] * 1e3:.1f}" for e in engines)
+            )
+    finally:
+        for e in engines:
+            e.close()
+        if worker_proc is not None:
+            worker_proc.close()
+
+    ref = runs[EAGER]
+    results = {
+        "provenance": provenance(),
+        "settings": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "out": str(out),
+        },
+        "method": (
+            "one process (llama.cpp in a worker process driven by it); every engine loaded, warmed by one "
+            f"{args.warmup_tokens}-token generation, then {args.rounds} rounds of one greedy generation "
+            "each, the order rotating; TTFT = start to first new token, TPOT = mean gap between later tokens "
+            "(llama.cpp: tokens stamped as Llama.generate yields them; its perf counters under llama_perf), "
+            "CPU = process_time of the engine's process from first to last new token / (tokens - 1)"
+        ),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "llama": llama_info,
+        "prompt_ids": ids,
+        "eager_tokens": ref[0]["tokens"],
+        "eager_distinct_tokens": len(set(ref[0]["tokens"])),
+        "notes": notes + ["the machine is shared: other work runs at the same time, so timings are noisy"],
+        "engines": {},
+    }
+    for e in engines:
+        rs = runs[e.name]
+        tpot, ttft = [x["tpot_s"] for x in rs], [x["ttft_s"] for x in rs]
+        row = {
+            "ready_s": round(e.ready_s, 3),
+            "cold_ttft_s": round(cold[e.name], 3),
+            "tpot_ms": round(statistics.median(tpot) * 1e3, 2),
+            "tpot_ms_range": [round(min(tpot) * 1e3, 2), round(max(tpot) * 1e3, 2)],
+            "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
+            "ttft_ms_range": [round(min(ttft) * 1e3, 2), round(max(ttft) * 1e3, 2)],
+            "cpu_s_per_token": round(statistics.median(x["cpu_per_token_s"] for x in rs), 4),
+            "cpu_prefill_s": round(statistics.median(x["cpu_prefill_s"] for x in rs), 3),
+            "tokens_per_s": round(args.new_tokens / statistics.median(x["total_s"] for x in rs), 2),
+            "tokens_equal_eager": all(x["tokens"] == ref[0]["tokens"] for x in rs),
+            "tokens_same_every_round": all(x["tokens"] == rs[0]["tokens"] for x in rs),
+            "tpot_runs_ms": [round(t * 1e3, 2) for t in tpot],
+            "ttft_runs_ms": [round(t * 1e3, 2) for t in ttft],
+            "info": e.info,
+        }
+        if e.name != EAGER:
+            for what in ("tpot", "ttft"):
+                ratios = [a[f"{what}_s"] / b[f"{what}_s"] for a, b in zip(rs, ref, strict=True)]
+                lo, hi = ci95(ratios)
+                row[f"{what}_vs_eager"] = {
+                    "median": round(statistics.median(ratios), 3),
+                    "ci95": [round(lo, 3), round(hi, 3)],
+                }
+        if "llama_perf" in rs[0]:
+            row["llama_perf"] = {
+                "prefill_ms": round(statistics.median(x["llama_perf"]["prefill_ms"] for x in rs), 2),
+                "decode_ms_per_token": round(
+                    statistics.median(x["llama_perf"]["decode_ms_per_token"] for x in rs), 3
+                ),
+                "runs": [x["llama_perf"] for x in rs],
+            }
+        if "cache" in rs[0]:
+            row["cache_per_generation"] = rs[-1]["cache"]
+        results["engines"][e.name] = row
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, results)
+    print(table(results))
+    perf = [
+        f"{n}: prefill {lp['prefill_ms']:.0f} ms, decode {lp['decode_ms_per_token']:.1f} ms/token"
+        for n, r in results["engines"].items()
+        if (lp := r.get("llama_perf"))
+    ]
+    if perf:
+        print("\nllama.cpp's own perf counters (medians): " + "; ".join(perf))
+    print(
+        f"\nTransformers eager's greedy tokens: {results['eager_distinct_tokens']} distinct of "
+        f"{len(results['eager_tokens'])} (random weights: a low count makes 'tokens = eager' a weak check)"
+    )
+    for note in results["notes"]:
+        print(f"\nNote: {note}")
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
