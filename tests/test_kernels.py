@@ -126,6 +126,26 @@ def test_a_group_on_a_cpu_computes_what_linear_does(tokens, out, inp, dtype, see
     assert torch.equal(F.grouped_mm(x, w.transpose(-2, -1), offs=offs), F.linear(x, w[1]))
 
 
+@needs_grouped
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_loop_over_used_groups_equals_grouped_mm_over_every_slot(counts, dtype, seed):
+    """On a CPU the kernel runs ``mm`` on the groups that hold rows only (``_mm_groups``): the same as
+    ``grouped_mm`` over the whole pool, empty groups and all."""
+    from expertcache.engine.kernels import _mm_groups
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(len(counts), 24, 16, generator=g).to(dtype).transpose(-2, -1)  # a pool's strided view
+    x = torch.randn(sum(counts), 16, generator=g).to(dtype)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    groups = [(s, n) for s, n in enumerate(counts) if n]
+    assert torch.equal(_mm_groups(x, w, groups), F.grouped_mm(x, w, offs=offs))
+
+
 def _experts_module(family: str, ckpt):
     """A real experts module of ``family`` (its first MoE layer), from the tiny checkpoint."""
     from expertcache.engine.loader import load_reference

@@ -127,26 +127,42 @@ def grouped_rows(
     ids_g, perm = torch.sort(ids)
     x = hidden[perm // K]
     w = top_k_weights.reshape(-1)[perm]
-    counts = torch.histc(
-        ids_g.float() if ids_g.device.type == "cpu" else ids_g.int(), bins=S, min=0, max=S - 1
-    )
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     transposed = module.is_transposed
     gate_up, down = t["gate_up_proj"], t["down_proj"]
     weight = gate_up if transposed else gate_up.transpose(-2, -1)
-    h = F.grouped_mm(x.to(weight.dtype), weight, offs=offs)
+    if ids_g.device.type == "cpu":  # the groups that hold rows, as grouped_mm's CPU kernel runs each
+        slots, counts = torch.unique_consecutive(ids_g, return_counts=True)
+        groups = [(s, n) for s, n in zip(slots.tolist(), counts.tolist(), strict=True) if s < S]
+        mm = lambda a, b: _mm_groups(a, b, groups)  # noqa: E731
+    else:
+        counts = torch.histc(ids_g.int(), bins=S, min=0, max=S - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        mm = lambda a, b: F.grouped_mm(a, b, offs=offs)  # noqa: E731
+    h = mm(x.to(weight.dtype), weight)
     at = ids_g.clamp(max=S - 1) if module.has_bias else None
     if at is not None:
         h.add_(t["gate_up_proj_bias"][at])
     h = module._apply_gate(h)
-    weight = down if transposed else down.transpose(-2, -1)
-    out = F.grouped_mm(h, weight, offs=offs)
+    out = mm(h, down if transposed else down.transpose(-2, -1))
     if at is not None:
         out.add_(t["down_proj_bias"][at])
     out = out * w.unsqueeze(-1)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return out[inv]
+
+
+def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """``grouped_mm(x, weight, offs)`` on a CPU, over the groups that hold rows: torch's CPU kernel runs
+    ``mm`` on each group's rows and its weight, one group after another, empty ones included (about 1 us
+    each: over a pool of 768 slots, 0.8 ms a call); this makes the same ``mm`` calls, on the same slices,
+    for the few groups a layer uses. Rows past the last group (pairs routed elsewhere) are left undefined."""
+    out = x.new_empty(x.shape[0], weight.shape[-1])
+    start = 0
+    for slot, n in groups:
+        torch.mm(x[start : start + n], weight[slot], out=out[start : start + n])
+        start += n
+    return out
 
 
 def combine(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
