@@ -25,6 +25,7 @@ from expertcache.engine.kernels import (
     KERNELS,
     StackedPool,
     combine,
+    decode_rows,
     default_kernel,
     grouped_rows,
     resolve_kernel,
@@ -188,6 +189,11 @@ def test_grouped_rows_over_a_shuffled_pool_equal_transformers_grouped_mm(family,
         part = grouped_rows(module, StackedPool(pool), hidden, ids, weights)
         flat = keep.reshape(-1)
         assert torch.equal(part[flat], rows[flat])
+        if tokens == 1:  # a decode step on a CPU: one group of one row per expert, no sort
+            for x in (hidden, torch.randn(2 * hidden.numel() + 1, generator=g)[1 : 1 + hidden.numel()]):
+                x = x.view_as(hidden).copy_(hidden)  # the second: the same values, misaligned
+                got = decode_rows(module, StackedPool(pool), x, slot_of[index[0]].tolist(), weights)
+                assert torch.equal(got, rows)
 
 
 def test_stacked_pool_views_are_the_slots_tensors():

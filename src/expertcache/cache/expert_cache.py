@@ -190,7 +190,7 @@ class ExpertCache:
         if len(keys) > policy.room(layer):
             return None
         resident = primary.resident
-        missed = sum(key not in resident for key in keys)
+        missed = 0 if resident.issuperset(keys) else sum(key not in resident for key in keys)
         if missed and not (self._fetches and hit == FETCH):
             return None
         stats, phase = self.stats, self.phase
@@ -199,8 +199,7 @@ class ExpertCache:
             stats.low_precision[phase, layer] += len(keys)
         self._scores = {}
         if not missed:
-            for key in keys:
-                policy.on_hit(key)
+            policy.on_hits(keys)
         else:
             stats.misses[phase, layer] += missed
             part, transport = self.primary, self.transport

@@ -152,6 +152,41 @@ def grouped_rows(
     return out[inv]
 
 
+def decode_rows(
+    module: torch.nn.Module,
+    pool: StackedPool,
+    hidden: torch.Tensor,
+    slots: list[int],
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``grouped_rows`` for one token on a CPU (a decode step of one sequence), from the slots of its K
+    experts in routing order: each expert is a group of one row, so no sort, gather or unsort is needed,
+    and each ``mm`` is the one ``grouped_mm``'s CPU kernel makes on that row. The token's row is
+    ``hidden`` itself when it has the alignment a freshly allocated gathered copy would have (64 bytes),
+    else a copy: the same bytes, shape and alignment, so the same result."""
+    t = pool.tensors
+    x = hidden if hidden.is_contiguous() and hidden.data_ptr() % 64 == 0 else hidden.clone()
+    transposed = module.is_transposed
+    gate_up, down = t["gate_up_proj"], t["down_proj"]
+    weight = gate_up if transposed else gate_up.transpose(-2, -1)
+    K = len(slots)
+    x = x.to(weight.dtype)
+    h = x.new_empty(K, weight.shape[-1])
+    for k, slot in enumerate(slots):
+        torch.mm(x, weight[slot], out=h[k : k + 1])
+    at = torch.tensor(slots) if module.has_bias else None
+    if at is not None:
+        h.add_(t["gate_up_proj_bias"][at])
+    h = module._apply_gate(h)
+    weight = down if transposed else down.transpose(-2, -1)
+    out = h.new_empty(K, weight.shape[-1])
+    for k, slot in enumerate(slots):
+        torch.mm(h[k : k + 1], weight[slot], out=out[k : k + 1])
+    if at is not None:
+        out.add_(t["down_proj_bias"][at])
+    return out * top_k_weights.reshape(-1).unsqueeze(-1)
+
+
 def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
     """``grouped_mm(x, weight, offs)`` on a CPU, over the groups that hold rows: torch's CPU kernel runs
     ``mm`` on each group's rows and its weight, one group after another, empty ones included (about 1 us

@@ -22,7 +22,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertcache.cache.step import StepDriver
 from expertcache.engine.host import HostExperts
-from expertcache.engine.kernels import KERNELS, Kernel, StackedPool, combine, grouped_rows
+from expertcache.engine.kernels import KERNELS, Kernel, StackedPool, combine, decode_rows, grouped_rows
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.errors import ExpertcacheError
@@ -124,6 +124,7 @@ class Engine:
         self.kernel = kernel
         self.grouped = kernel.name == "grouped"
         self.stacked, self.table = stacked, table  # the whole-expert pool stacked (None without one)
+        self._on_cpu = stacked is not None and stacked.tensors["down_proj"].device.type == "cpu"
         self._only_full = set(parts) == {FULL}  # every device unit is a whole expert in the stacked pool
         self.num_layers = len(experts)
         self._experts = list(experts)
@@ -222,9 +223,14 @@ class Engine:
         if stacked is not None:
             table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, the sentinel if none
             if not work.host and not work.skipped and len(work.chunks) == 1 and self._only_full:
-                batches = list(batches)  # every expert of the layer a whole expert on the device
+                # every expert of the layer a whole expert on the device: with nothing moving, all resident
+                batches = list(batches) if self.driver.cache.inflight else [work.chunks[0]]
                 if len(batches) == 1:  # all at once (every decode step of a model that fits)
-                    rows = grouped_rows(module, stacked, hidden, table[top_k_index], top_k_weights)
+                    if T == 1 and self._on_cpu:
+                        slots = self.table.host[layer, index[0]].tolist()
+                        rows = decode_rows(module, stacked, hidden, slots, top_k_weights)
+                    else:
+                        rows = grouped_rows(module, stacked, hidden, table[top_k_index], top_k_weights)
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
         flat_index = index.reshape(-1)

@@ -101,6 +101,13 @@ class Policy(ABC):
     def on_hit(self, key: Key) -> None:
         """A resident key was requested."""
 
+    def on_hits(self, keys: Sequence[Key]) -> None:
+        """Resident keys of one layer requested together (a layer whose experts are all resident), in this
+        order: the same as ``on_hit`` for each, one call a layer (a policy may do it in one pass)."""
+        on_hit = self.on_hit
+        for key in keys:
+            on_hit(key)
+
     @abstractmethod
     def on_insert(self, key: Key) -> None:
         """A key became resident (after a miss, or a prefetch)."""

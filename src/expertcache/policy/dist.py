@@ -83,6 +83,10 @@ class Dist(Policy):
     def on_hit(self, key: Key) -> None:
         self.layers[key[0]].on_hit(key)
 
+    def on_hits(self, keys) -> None:
+        if keys:  # one layer's keys: its own policy's
+            self.layers[keys[0][0]].on_hits(keys)
+
     def on_insert(self, key: Key) -> None:
         self.layers[key[0]].on_insert(key)
 

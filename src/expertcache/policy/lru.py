@@ -31,6 +31,13 @@ class LRU(Policy):
             del order[key]
             order[key] = None
 
+    def on_hits(self, keys) -> None:
+        if self.move_on_hit:
+            order = self._order
+            for key in keys:
+                del order[key]
+                order[key] = None
+
     def on_insert(self, key: Key) -> None:
         self._order[key] = None
 
