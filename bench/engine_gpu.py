@@ -36,7 +36,16 @@ Results are written after every configuration; ``--resume`` keeps the configurat
 
 ``--shape mixtral-8x7b`` uses Mixtral-8x7B dimensions (truncated to ``--layers``, default 8: all 32
 layers are ~93 GB, more than a 64 GB disk) with a synthetic sticky-Zipf trace, as no real Mixtral
-trace is shared.
+trace is shared; ``--shape qwen3-30b-a3b`` Qwen3-30B-A3B's (128 experts top-8, expert FFN 768; default
+24 of its 48 layers, ~30 GB) with the same kind of trace.
+
+``--kernel`` is the engine's experts kernel (``grouped``, ``eager``, default ``auto``: grouped where torch
+has ``grouped_mm``); the all-resident references are transformers with each of ``--references`` (default
+``grouped_mm`` and ``eager``: each kernel is exact against one, so their tokens are compared with the
+matching one). Also measured: device memory bandwidth (a 1 GiB device-to-device copy), from which the
+weight-read floor of a decode token (the bytes it reads: the dense weights but the embedding, and top-k
+experts a layer, over that bandwidth), and at each budget the engine's overhead per decode miss beyond
+its transfer (TPOT over the engine's 100 %, per decode miss, less one expert's measured copy time).
 """
 
 from __future__ import annotations
@@ -75,6 +84,12 @@ SHAPES: dict[str, dict[str, object]] = {
         norm_topk_prob=False, max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151643,
     ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_theta=1e6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
     "mixtral-8x7b": dict(
         model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
@@ -88,11 +103,16 @@ TINY: dict[str, dict[str, object]] = {  # same L, E, K (the trace must fit), sma
         num_key_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=128,
         bos_token_id=0, eos_token_id=0,
     ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, moe_intermediate_size=32, bos_token_id=0, eos_token_id=0,
+    ),
     "mixtral-8x7b": dict(
         vocab_size=4096, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         bos_token_id=0, eos_token_id=0,
     ),
 }  # fmt: skip
+DEFAULT_LAYERS = {"mixtral-8x7b": 8, "qwen3-30b-a3b": 24}  # the whole models exceed a 64 GB disk
 SHARD_BYTES = 4 * 2**30
 # the measured generation's share of the engine's cumulative counters
 DELTAS = (
@@ -112,8 +132,8 @@ def shape_spec(args) -> dict[str, object]:
         spec.update(TINY[args.shape])
     if args.layers:
         spec["num_hidden_layers"] = args.layers
-    elif args.shape == "mixtral-8x7b":
-        spec["num_hidden_layers"] = 8
+    elif args.shape in DEFAULT_LAYERS:
+        spec["num_hidden_layers"] = DEFAULT_LAYERS[args.shape]
     return spec
 
 
@@ -222,7 +242,7 @@ def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path,
 def find_trace(args, L: int, E: int, K: int) -> tuple[Trace, str]:
     if args.trace is not None:
         return load_trace(args.trace), str(args.trace)
-    if args.shape == "mixtral-8x7b":
+    if args.shape != "qwen15-moe-a2.7b":  # no shared trace of these models
         tr = synthesize(
             "sticky", tokens=6 * 190, layers=L, experts=E, top_k=K, a=1.0, stickiness=0.3, seed=0,
             sequences=6, prompt_len=60,
@@ -307,7 +327,10 @@ def bandwidth(device: torch.device, expert_bytes: int, big: int) -> dict[str, ob
     pageable = torch.empty(big, dtype=torch.uint8)
     pageable.fill_(1)
     t_page = timed(lambda: dst.copy_(pageable), 3)
+    other = torch.empty_like(dst)
+    t_dev = timed(lambda: other.copy_(dst), 10)  # reads big bytes and writes as many
     return {
+        "device_bytes_per_s": 2 * big / t_dev,
         "copy_bytes": big,
         "pinned_bytes_per_s": big / t_big,
         "expert_copy_s": t_exp,
@@ -356,9 +379,11 @@ class Workload:
         return r
 
 
-def run_reference(path: Path, work: Workload, device: torch.device, pad: int) -> dict[str, object]:
+def run_reference(
+    path: Path, work: Workload, device: torch.device, pad: int, experts: str = "grouped_mm"
+) -> dict[str, object]:
     t0 = time.perf_counter()
-    model = load_reference(path, device=str(device))
+    model = load_reference(path, device=str(device), experts=experts)
     load_s = time.perf_counter() - t0
     with replay_routing(model, work.trace) as rep:
         r = work.run(model, rep, pad)
@@ -366,7 +391,17 @@ def run_reference(path: Path, work: Workload, device: torch.device, pad: int) ->
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"kind": "reference", "budget": "100%", "policy": None, "load_s": load_s, **r}
+    return {"kind": "reference", "budget": "100%", "policy": None, "miss": experts, "experts": experts,
+            "load_s": load_s, **r}  # fmt: skip
+
+
+def dense_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode token reads outside the experts: every parameter the engine's model
+    holds (the experts live in the slot pool), less the input embedding (one row of it is read)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed is getattr(model.get_output_embeddings(), "weight", None)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - (0 if tied else embed.numel() * embed.element_size())
 
 
 def sim_misses(m, recorded: Trace, policy: str, miss: str) -> tuple[int, dict[str, object]]:
@@ -382,12 +417,19 @@ def sim_misses(m, recorded: Trace, policy: str, miss: str) -> tuple[int, dict[st
 
 
 def run_engine(
-    path: Path, work: Workload, device: torch.device, pad: int, budget: str, policy: str, miss: str = "fetch"
+    path: Path,
+    work: Workload,
+    device: torch.device,
+    pad: int,
+    budget: str,
+    policy: str,
+    miss: str = "fetch",
+    kernel: str = "auto",
 ) -> dict:
     t0 = time.perf_counter()
     m = load(
         path, expert_memory=budget, policy=policy, device=str(device), miss=miss, slow_tier="host",
-        progress=False,
+        progress=False, kernel=kernel,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     try:
@@ -409,6 +451,11 @@ def run_engine(
             "miss": miss,
             "miss_path": m.miss.describe(),
             "slow_tier": m.tier.name,
+            "kernel": m.kernel.name,
+            "kernel_reference": m.kernel.reference,
+            "dense_read_bytes": dense_read_bytes(m.model),
+            "top_k": m.top_k,
+            "num_layers": m.num_layers,
             "capacity_experts": m.capacity,
             "whole_expert_capacity": m.budget // m.layout.slot_bytes,
             "parts": {name: p["slots"] for name, p in after["parts"].items()},
@@ -433,17 +480,29 @@ def run_engine(
     return out
 
 
-def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> list[dict]:
+def limits(work: Workload, runs: list[dict], bw: dict, expert_bytes: int) -> list[dict]:
     """Per budget: OPT decode misses of the measured request and the TPOT they allow (whole experts: the
-    expert memory of every miss path's row counted in whole experts, as fetch would use it)."""
+    expert memory of every miss path's row counted in whole experts, as fetch would use it); the weight-read
+    floor of a decode token (its bytes over the device's bandwidth); each engine row's overhead per decode
+    miss beyond its transfer."""
     engine = [r for r in runs if r["kind"] == "engine"]
-    resident = [r["tpot_s"] for r in engine if r["budget"] == "100%" and r.get("miss", "fetch") == "fetch"]
-    resident += [r["tpot_s"] for r in runs if r["kind"] == "reference"]
+    full = [r for r in engine if r["budget"] == "100%" and r.get("miss", "fetch") == "fetch"]
+    resident = [r["tpot_s"] for r in full] + [r["tpot_s"] for r in runs if r["kind"] == "reference"]
     if not resident:
         return []
     t_res = min(resident)
+    floor = None
+    if full and bw.get("device_bytes_per_s") and full[0].get("dense_read_bytes") is not None:
+        r = full[0]
+        floor = (r["dense_read_bytes"] + r["num_layers"] * r["top_k"] * expert_bytes) / bw[
+            "device_bytes_per_s"
+        ]
     sched = build_schedule(work.slice, "layer")
     steps = work.new_tokens - 1
+    for r in engine:  # what each miss costs beyond moving the expert
+        if full and r.get("decode_misses") and steps > 0:
+            per_miss = (r["tpot_s"] - full[0]["tpot_s"]) * steps / r["decode_misses"]
+            r["overhead_per_miss_s"] = per_miss - bw["expert_copy_s"]
     out, seen = [], set()
     for r in engine:
         cap = r.get("whole_expert_capacity", r["capacity_experts"])  # rows of older runs: fetch only
@@ -452,7 +511,7 @@ def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> li
         seen.add(cap)
         res = replay(sched, "opt", cap).to_dict()
         opt_dec = res["phases"]["decode"]["misses"]
-        transfer = opt_dec / max(steps, 1) * expert_bytes / bw
+        transfer = opt_dec / max(steps, 1) * expert_bytes / bw["pinned_bytes_per_s"]
         out.append(
             {
                 "budget": r["budget"],
@@ -462,6 +521,7 @@ def limits(work: Workload, runs: list[dict], bw: float, expert_bytes: int) -> li
                 "decode_steps": steps,
                 "transfer_s_per_token": transfer,
                 "resident_tpot_s": t_res,
+                "weight_read_floor_s": floor,
                 "limit_tpot_s": max(t_res, transfer),
                 "serial_tpot_s": t_res + transfer,
             }
@@ -513,7 +573,10 @@ def main() -> None:
         help="miss paths each budget x policy runs under (fetch, host, host:fill=1, hybrid, "
         "placement:first=N, split:theta=0.5, ...; see `expertcache misses`)",
     )
-    ap.add_argument("--no-reference", action="store_true", help="skip the transformers all-resident run")
+    ap.add_argument("--no-reference", action="store_true", help="skip the transformers all-resident runs")
+    ap.add_argument("--kernel", default="auto", choices=["auto", "grouped", "eager"], help="the engine's")
+    ap.add_argument("--references", nargs="+", default=["grouped_mm", "eager"],
+                    help="transformers experts implementations measured all-resident")  # fmt: skip
     ap.add_argument("--bandwidth-bytes", type=int, default=2**30)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in --out")
@@ -568,6 +631,7 @@ def main() -> None:
         "prompt_tokens": work.prompt,
         "new_tokens": work.new_tokens,
         "warmup_tokens": work.warm_tokens,
+        "kernel": args.kernel,
     }
     runs: list[dict] = []
     if args.resume and out_path.is_file():
@@ -586,12 +650,14 @@ def main() -> None:
         ref = next((r for r in runs if r["kind"] == "reference"), None)
         engine = [r for r in runs if r["kind"] == "engine"]
         expert_bytes = engine[0]["expert_bytes"] if engine else None
-        lim = limits(work, runs, bw["pinned_bytes_per_s"], expert_bytes) if bw and engine else []
-        match = None if ref is None else all(r["tokens"] == ref["tokens"] for r in engine)
+        lim = limits(work, runs, bw, expert_bytes) if bw and engine else []
+        refs = {r.get("experts", "eager"): r for r in runs if r["kind"] == "reference"}
+        ref_of = lambda r: refs.get(r.get("kernel_reference", "eager"))  # noqa: E731 (its own reference)
+        match = None if ref is None else all(ref_of(r) and r["tokens"] == ref_of(r)["tokens"] for r in engine)
         by_miss = {}  # host compute rounds as the CPU does: on a GPU its tokens may differ
         for r in engine if ref is not None else []:
             m = r.get("miss", "fetch")
-            by_miss[m] = by_miss.get(m, True) and r["tokens"] == ref["tokens"]
+            by_miss[m] = by_miss.get(m, True) and bool(ref_of(r)) and r["tokens"] == ref_of(r)["tokens"]
         body = {
             **provenance(),
             **header,
@@ -629,17 +695,18 @@ def main() -> None:
             f"{bw['pageable_bytes_per_s'] / 1e9:.1f} GB/s"
         )
         save(False)
-    plan = [("reference", "100%", None, None)] if not args.no_reference else []
+    plan = [("reference", "100%", None, impl) for impl in args.references] if not args.no_reference else []
     plan += [("engine", "100%", "lru", "fetch")]
     plan += [("engine", f"{b:g}%", p, m) for b in args.budgets for p in args.policies for m in args.miss]
     for kind, budget, policy, miss in plan:
         if (kind, budget, policy, miss) in done:
             continue
         if kind == "reference":
-            r = run_reference(path, work, device, pad)
+            r = run_reference(path, work, device, pad, miss)
         else:
-            r = run_engine(path, work, device, pad, budget, policy, miss)
-        ref = next((x for x in runs if x["kind"] == "reference"), None)
+            r = run_engine(path, work, device, pad, budget, policy, miss, args.kernel)
+        want = r.get("kernel_reference", r.get("experts"))
+        ref = next((x for x in runs if x["kind"] == "reference" and x.get("experts") == want), None)
         r["tokens_match_reference"] = None if ref is None else r["tokens"] == ref["tokens"]
         runs.append(r)
         log(
@@ -654,7 +721,8 @@ def main() -> None:
         log(
             f"limit at {x['budget']:>5s} ({x['capacity_experts']} experts): OPT decode misses "
             f"{x['opt_decode_misses']}, limit TPOT {x['limit_tpot_s'] * 1e3:.2f} ms "
-            f"(resident {x['resident_tpot_s'] * 1e3:.2f}, transfer {x['transfer_s_per_token'] * 1e3:.2f})"
+            f"(resident {x['resident_tpot_s'] * 1e3:.2f}, transfer {x['transfer_s_per_token'] * 1e3:.2f}, "
+            f"weight-read floor {(x['weight_read_floor_s'] or 0) * 1e3:.2f})"
         )
     log(f"wrote {out_path}: tokens match reference: {body['tokens_match_reference']}")
 
