@@ -35,6 +35,9 @@ def test_profile_measures_a_model_and_plan_reads_it(ckpt, tmp_path, capsys):
         cost.expert_bytes == data["model"]["expert_bytes"] and cost.expert_s > 0 and cost.link_bandwidth > 0
     )
     assert cost.host_parallel is False  # a CPU alone: host work runs inline
+    # the disk tier (a CPU's default): a host-computed expert is read first, at every use, as a transfer
+    assert data["how"]["slow_tier"] == "disk" and "host_read_s" not in data["measured"]
+    assert cost.host_read_s == cost.transfer_time() > 0
     # a trace of the model's shape plans with it; another shape is refused
     same = tmp_path / "same.npz"
     synthesize("sticky", tokens=200, layers=L, experts=E, top_k=TOP_K, seed=1).save(same)

@@ -111,8 +111,10 @@ def profile(
     cost = CostModel.from_dict(base, measured)
     if declared:  # a declared device (its compute) is another processor than this host
         cost = CostModel.from_dict({**declared, "host_parallel": "expert_s" in declared}, cost)
-    # step_s is 0: the rest of a step is measured (or declared) as dense_s
-    fields = [f for f in cost.to_dict() if f not in ("chunk_bytes", "wake_s", "submit_s", "step_s")]
+    # step_s is 0: the rest of a step is measured (or declared) as dense_s; host_read_s is not measured
+    # (reading the profile gives it the disk tier's transfer: costs.host_reads_of)
+    skip = ("chunk_bytes", "wake_s", "submit_s", "step_s", "host_read_s")
+    fields = [f for f in cost.to_dict() if f not in skip]
     return {
         "format": PROFILE_FORMAT,
         "version": 1,
