@@ -30,16 +30,21 @@ Engines (``--only SUBSTR ...`` keeps those whose name contains one of the string
   and its implementation is switched with ``set_experts_implementation`` before each generation (the
   kernel is looked up at every forward), so the four share one load time and one copy of the
   weights; ``--tf-separate`` loads each with its own ``from_pretrained`` instead (4x the memory).
-- ``expertcache <memory> <tier>``: ``expertcache.load(path, expert_memory=..., slow_tier=...,
-  device="cpu")`` for each ``--expertcache MEMORY[:TIER]`` (default ``100%:disk 25%:disk``), with
-  ``--expertcache-args key=value ...`` added to every ``load()`` (e.g. a future experts-kernel option;
-  values are Python literals, else strings). Their tokens are compared with transformers eager's.
+- ``expertcache <memory> <tier> ...``: ``expertcache.load(path, expert_memory=..., slow_tier=...,
+  device="cpu")`` for each ``--expertcache MEMORY[:TIER[:key=value,...]]`` (default ``100%:disk
+  25%:disk``; e.g. ``100%:disk:kernel=eager``), with ``--expertcache-args key=value ...`` added to
+  every ``load()`` (values are Python literals, else strings). The name says the experts kernel the
+  engine resolved (``grouped`` by default where torch has ``grouped_mm``, else ``eager``). Tokens are
+  compared with transformers eager's and with those of the implementation the kernel equals bit for
+  bit (README, ``--kernel``: ``grouped`` = ``grouped_mm``, ``eager`` = ``eager``): ``kernel_twin``.
 
 Per engine: TTFT (start to first new token) and TPOT (mean gap between later tokens), medians and
 ranges over rounds; CPU seconds per decoded token (``time.process_time`` of the whole process, all its
 threads, from the first to the last new token, over tokens - 1) and for the prefill; time to ready
 (the load call: ``Llama()``, ``load_reference``/``from_pretrained``, ``expertcache.load`` which
-includes its own 2-token warm-up); whether the greedy tokens equal transformers eager's in every round.
+includes its own 2-token warm-up); whether the greedy tokens equal transformers eager's in every round,
+and which transformers implementations give the same tokens in every round (``same_tokens_as``; with
+random weights logits are close together, so kernels that round differently can pick other tokens).
 Results: JSON at ``--out`` (with ``provenance.provenance()``); a markdown table on stdout, progress on
 stderr.
 
@@ -357,25 +362,42 @@ class TransformersEngine(Engine):
         self.model = None
 
 
+def expertcache_spec(spec: str, extra: dict) -> tuple[str, str, dict, str]:
+    """``MEMORY[:TIER[:key=value,...]]`` -> (memory, tier, load() arguments, engine name)."""
+    memory, _, rest = spec.partition(":")
+    tier, _, own = rest.partition(":")
+    tier = tier or "disk"
+    own_args = parse_extra([kv for kv in own.split(",") if kv])
+    name = f"expertcache {memory} {tier}" + "".join(f" {k}={v}" for k, v in own_args.items())
+    return memory, tier, {**extra, **own_args}, name
+
+
 class ExpertcacheEngine(Engine):
     def __init__(self, spec: str, path: Path, pad: int, extra: dict) -> None:
         import expertcache
 
-        memory, _, tier = spec.partition(":")
-        tier = tier or "disk"
-        self.name, self.pad = f"expertcache {memory} {tier}", pad
+        memory, tier, kwargs, self.name = expertcache_spec(spec, extra)
+        self.pad = pad
         t0 = time.perf_counter()
         self.m = expertcache.load(
-            path, expert_memory=memory, slow_tier=tier, device="cpu", progress=False, **extra
+            path, expert_memory=memory, slow_tier=tier, device="cpu", progress=False, **kwargs
         )
         self.ready_s = time.perf_counter() - t0
+        stats = self.m.stats
+        self.kernel = stats.get("kernel")
+        if self.kernel and "kernel" not in kwargs:
+            self.name += f" ({self.kernel} kernel)"
         self.info = {
             "expert_memory": memory,
             "slow_tier": tier,
-            "load_args": extra,
-            "expert_memory_bytes": self.m.stats["expert_memory_bytes"],
-            "warmup_s": self.m.stats.get("warmup_s"),
+            "load_args": kwargs,
+            "kernel": self.kernel,
+            "expert_memory_bytes": stats["expert_memory_bytes"],
+            "warmup_s": stats.get("warmup_s"),
         }
+        # the transformers implementation the engine's kernel equals bit for bit (README, --kernel)
+        twin = {"grouped": "grouped_mm", "eager": "eager"}.get(self.kernel)
+        self.twin = f"transformers {twin}" if twin else None
 
     def generate(self, ids: list[int], n: int) -> dict:
         import torch
@@ -461,8 +483,8 @@ def ms(x: float) -> str:
 def table(results: dict) -> str:
     rows = [
         "| engine | TPOT ms median [range] | TTFT ms median [range] | TPOT / eager [95% CI] "
-        "| decode CPU s/token | prefill CPU s | ready s | cold TTFT s | tokens = eager |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| decode CPU s/token | prefill CPU s | ready s | cold TTFT s | tokens = eager | same tokens as |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["engines"].items():
         vs = r.get("tpot_vs_eager")
@@ -472,7 +494,8 @@ def table(results: dict) -> str:
             f"| {r['ttft_ms']:.0f} [{r['ttft_ms_range'][0]:.0f}-{r['ttft_ms_range'][1]:.0f}] "
             f"| {ratio} "
             f"| {r['cpu_s_per_token']:.3f} | {r['cpu_prefill_s']:.2f} | {r['ready_s']:.1f} "
-            f"| {r['cold_ttft_s']:.2f} | {r['tokens_equal_eager']} |"
+            f"| {r['cold_ttft_s']:.2f} | {r['tokens_equal_eager']} "
+            f"| {', '.join(n.removeprefix('transformers ') for n in r['same_tokens_as']) or '-'} |"
         )
     return "\n".join(rows)
 
@@ -520,6 +543,7 @@ def main() -> int:
     from provenance import provenance, write_json
 
     torch.set_num_threads(args.threads)
+    started = provenance()  # the code that runs is the code at the start (others may commit meanwhile)
     want = (lambda name: any(s in name for s in args.only)) if args.only else (lambda name: True)
     ids = prompt_ids(args.model, args.prompt_tokens)
     from transformers import AutoTokenizer
@@ -566,7 +590,7 @@ def main() -> int:
             )
             engines.append(TransformersEngine(impl, args.model, pad, shared))
         for spec in args.expertcache:
-            name = f"expertcache {spec.partition(':')[0]} {spec.partition(':')[2] or 'disk'}"
+            name = expertcache_spec(spec, extra)[3]
             if want(name):
                 log(f"loading {name}")
                 engines.append(ExpertcacheEngine(spec, args.model, pad, extra))
@@ -591,7 +615,8 @@ def main() -> int:
 
     ref = runs[EAGER]
     results = {
-        "provenance": provenance(),
+        "provenance": started,
+        "git_at_end": provenance()["git"],
         "settings": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "out": str(out),
@@ -627,10 +652,22 @@ def main() -> int:
             "tokens_per_s": round(args.new_tokens / statistics.median(x["total_s"] for x in rs), 2),
             "tokens_equal_eager": all(x["tokens"] == ref[0]["tokens"] for x in rs),
             "tokens_same_every_round": all(x["tokens"] == rs[0]["tokens"] for x in rs),
+            "same_tokens_as": [
+                t.name
+                for t in engines
+                if t.name.startswith("transformers ")
+                and t.name != e.name
+                and all(a["tokens"] == b["tokens"] for a, b in zip(rs, runs[t.name], strict=True))
+            ],
+            "tokens": rs[0]["tokens"],
             "tpot_runs_ms": [round(t * 1e3, 2) for t in tpot],
             "ttft_runs_ms": [round(t * 1e3, 2) for t in ttft],
             "info": e.info,
         }
+        twin = getattr(e, "twin", None)
+        if twin is not None:
+            row["kernel_twin"] = twin
+            row["tokens_equal_kernel_twin"] = twin in row["same_tokens_as"] if twin in runs else None
         if e.name != EAGER:
             for what in ("tpot", "ttft"):
                 ratios = [a[f"{what}_s"] / b[f"{what}_s"] for a, b in zip(rs, ref, strict=True)]
