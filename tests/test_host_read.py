@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import engine_fixtures
 import pytest
 
 from expertcache.cli import main
@@ -95,3 +96,16 @@ def test_the_plan_prefers_host_compute_only_where_the_host_reads_nothing(tmp_pat
         assert plan["source"]["cost"]["host_read_s"] == pytest.approx(READ_S)
     else:
         assert tpot["host"] < tpot["fetch"]
+
+
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+
+def test_costs_measured_at_load_price_the_hosts_read_on_the_disk_tier_only(make_ckpt):
+    engine_load = engine_fixtures.engine_load
+    path = make_ckpt("mixtral")
+    with engine_load(path, expert_memory="50%", miss="host", slow_tier="disk") as disk:
+        assert disk.costs.host_read_s > 0
+    with engine_load(path, expert_memory="50%", miss="host", slow_tier="host") as host:
+        assert host.costs.host_read_s == 0

@@ -7,7 +7,9 @@ and expert 0 (any expert has the same shapes), it times
 - the transfer of one whole expert from the slow tier into a device buffer outside the cache, chunk by
   chunk as the transfer worker moves it, the emulated link's time included when one is set;
 - the expert's computation on the device, ``a + b * n``, from token counts 1 and 16 (after a warm-up);
-- the same on the host, from the slow tier's weights (``a + b * n``).
+- the same on the host, from the slow tier's weights (``a + b * n``);
+- the host's read of an expert it computes (``host_read_s``): on the ``disk`` and ``mapped`` tiers the
+  expert is read from the checkpoint at every use (on a CPU, the transfer's read).
 
 Medians of a few repetitions. On a CPU-only machine the device and the host are the same processor: the
 device's measurement serves for both (computing in place then always beats copying first, by the copy),
@@ -23,7 +25,7 @@ import time
 import torch
 
 from expertcache.cache.transfers import SPECULATIVE
-from expertcache.costs import AUTO_CHUNKS, CostModel, fit_linear
+from expertcache.costs import AUTO_CHUNKS, READ_TIERS, CostModel, fit_linear
 from expertcache.engine.memory import SlotPool
 from expertcache.engine.parts import expert_output
 
@@ -102,7 +104,7 @@ def calibrate(model, module) -> CostModel:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    transfer = _median(move, device, 3)
+    transfer = copied = _median(move, device, 3)
     if link is not None:  # the emulated link's time for the same chunks, beyond the copy itself
         transfer = max(transfer, sum(link.duration(sum(p[3] for p in chunk)) for chunk in plan))
     with torch.inference_mode():
@@ -115,6 +117,13 @@ def calibrate(model, module) -> CostModel:
                 run = lambda xh=xh: expert_output(module, tier.host_views(key), xh)  # noqa: E731
                 host.append((n, _median(run, torch.device("cpu"))))
     a, b = fit_linear(dev)
+    # the host computes from the slow tier: on the disk and mapped tiers it reads the expert at every use
+    # (``DiskTier.host_views``; a host-computed expert never enters the cache), on a CPU the same read a
+    # transfer makes, beside a GPU a read into host memory
+    read = 0.0
+    if tier.name in READ_TIERS:
+        cpu = torch.device("cpu")
+        read = copied if device.type == "cpu" else _median(lambda: tier.host_views(key), cpu, 3)
     # on a CPU the host is the device: one measurement serves both, so that two noisy timings of the same
     # work do not decide (at random) between computing in place and copying first
     ha, hb = fit_linear(host) if host else (a, b)
@@ -123,6 +132,7 @@ def calibrate(model, module) -> CostModel:
         expert_token_s=b,
         host_expert_s=ha,
         host_expert_token_s=hb,
+        host_read_s=read,
         link_bandwidth=layout.nbytes / max(transfer, 1e-9),
         link_latency=0.0,
         expert_bytes=layout.nbytes,
