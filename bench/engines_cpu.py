@@ -45,6 +45,8 @@ threads, from the first to the last new token, over tokens - 1) and for the pref
 includes its own 2-token warm-up); whether the greedy tokens equal transformers eager's in every round,
 and which transformers implementations give the same tokens in every round (``same_tokens_as``; with
 random weights logits are close together, so kernels that round differently can pick other tokens).
+Each run keeps the machine's 1-minute load average beside it (a shared machine's other work shows
+there; torch's OpenMP threads slow down far more than llama.cpp's when the cores are oversubscribed).
 Results: JSON at ``--out`` (with ``provenance.provenance()``); a markdown table on stdout, progress on
 stderr.
 
@@ -60,6 +62,17 @@ and to GGUF with llama.cpp's converter (``convert_hf_to_gguf.py`` of the llama-c
 
     /work/llama-venv/bin/python CONVERT --outtype bf16 --outfile <model>-bf16.gguf <model>
     /work/llama-venv/bin/python CONVERT --outtype q8_0 --outfile <model>-q8_0.gguf <model>
+
+llama-cpp-python, built from source (cmake; about 15 minutes on 2 cores) in its own virtualenv, with
+what the converter needs (torch before transformers; the converter pins transformers 4.57.6):
+
+    python3 -m venv /work/llama-venv
+    CMAKE_BUILD_PARALLEL_LEVEL=2 /work/llama-venv/bin/pip install llama-cpp-python==0.3.36
+    /work/llama-venv/bin/pip install torch==2.13.0
+    /work/llama-venv/bin/pip install gguf numpy safetensors sentencepiece transformers==4.57.6 "protobuf<5"
+    /work/llama-venv/bin/pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /work/llama-src
+    tar xzf /work/llama-src/llama_cpp_python-0.3.36.tar.gz -C /work/llama-src
+    CONVERT=/work/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
 """
 
 from __future__ import annotations
@@ -602,9 +615,11 @@ def main() -> int:
         for r in range(args.rounds):
             k = r % len(engines)
             for e in engines[k:] + engines[:k]:
-                runs[e.name].append(e.generate(ids, args.new_tokens))
+                run = e.generate(ids, args.new_tokens)
+                run["load_avg_1m"] = os.getloadavg()[0]  # the machine may be shared: how busy it was
+                runs[e.name].append(run)
             log(
-                f"round {r + 1}/{args.rounds}: "
+                f"round {r + 1}/{args.rounds} (load average {os.getloadavg()[0]:.1f}): "
                 + ", ".join(f"{e.name} {runs[e.name][-1]['tpot_s'] * 1e3:.1f}" for e in engines)
             )
     finally:
@@ -662,6 +677,7 @@ def main() -> int:
             "tokens": rs[0]["tokens"],
             "tpot_runs_ms": [round(t * 1e3, 2) for t in tpot],
             "ttft_runs_ms": [round(t * 1e3, 2) for t in ttft],
+            "load_avg_1m_runs": [round(x["load_avg_1m"], 2) for x in rs],
             "info": e.info,
         }
         twin = getattr(e, "twin", None)
