@@ -294,6 +294,19 @@ class _Mapping:
         ]
 
 
+class _Sized:
+    """An iterable and its length (a progress bar's total)."""
+
+    def __init__(self, items: Iterable, n: int) -> None:
+        self.items, self.n = items, n
+
+    def __iter__(self) -> Iterator:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
     """``views`` less their first ``nbytes`` bytes (what a short ``preadv`` left to read)."""
     for i, v in enumerate(views):
@@ -633,7 +646,7 @@ class ExpertStore:
                 runs.append([p])
             end = p[1] + p[2]
         left = Counter(p[3] for p in pieces)
-        done = iter(self._fill_runs(runs, left))
+        done = _Sized(self._fill_runs(runs, left), len(left))
         for _ in progress(done) if progress else done:
             pass
 
