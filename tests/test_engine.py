@@ -660,6 +660,21 @@ def test_link_options_are_validated_even_without_a_bandwidth(kwargs, message, ck
         load(ckpt("mixtral"), device="cpu", progress=False, **kwargs).close()
 
 
+def test_the_link_may_be_given_as_a_config_but_not_twice(ckpt):
+    """``load(link=LinkConfig(...))`` is the link the keywords would give; with them as well, one line."""
+    from expertcache.config import LinkConfig
+
+    link = LinkConfig("200MB/s", "0.5ms")
+    with engine_load(ckpt("mixtral"), TOP_K, link=link) as model:
+        assert model.link_config is link and model.stats["link"] == "0.2 GB/s, 500 us"
+    for twice in ({"link_bandwidth": "1GB/s"}, {"link_latency": "20us"}):
+        with pytest.raises(ExpertcacheError, match="link is given twice") as info:
+            load(ckpt("mixtral"), device="cpu", progress=False, link=link, **twice)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ExpertcacheError, match="link must be a LinkConfig, not str"):
+        load(ckpt("mixtral"), device="cpu", progress=False, link="200MB/s")
+
+
 def test_loading_shows_progress_bars_when_asked(ckpt, capfd):
     """Long loads report progress on stderr: dense weights, then the experts filling host memory."""
     from expertcache.engine import load

@@ -179,20 +179,20 @@ def test_the_cli_takes_each_tier_and_prints_the_memory_line(capsys):
 def test_a_budget_the_machine_cannot_hold_is_refused_before_loading(ckpt, monkeypatch):
     """Not killed for memory at load (the 100 % row of bench/memory_cpu.py under a 3 GiB cgroup was):
     one line naming both sizes."""
-    from expertcache.engine import offloaded
+    from expertcache.engine import builder
     from expertcache.errors import ExpertcacheError
 
     path = ckpt("mixtral")
     engine_fixtures._slot_bytes(path)  # measured by a load at 100 %, which the patched room would refuse
     monkeypatch.setattr(
-        offloaded, "available_memory", lambda: (1000, "its memory cgroup's room (2.0 KiB limit)")
+        builder, "available_memory", lambda: (1000, "its memory cgroup's room (2.0 KiB limit)")
     )
     with pytest.raises(ExpertcacheError, match=r"the expert slots need .* more than this process may use "
                        r"\(1000 B: its memory cgroup's room"):  # fmt: skip
         engine_load(path)
     with pytest.raises(ExpertcacheError, match="host tier's copy of every expert.*or --slow-tier disk"):
         engine_load(path, 4, slow_tier="host")
-    monkeypatch.setattr(offloaded, "available_memory", lambda: None)  # not Linux: no check
+    monkeypatch.setattr(builder, "available_memory", lambda: None)  # not Linux: no check
     with engine_load(path, 4) as model:
         assert model.capacity == 4
 

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from expertcache.cache.build import assemble, build_parts, part_capacities
-from expertcache.cache.recorder import Recorder
-from expertcache.cache.schedule import build_schedule
-from expertcache.cache.stats import CacheStats
-from expertcache.cache.step import InlinePredictor, StepDriver
-from expertcache.cache.transfers import DEMAND
 from expertcache.config import (
     AUTO,
     CacheConfig,
@@ -26,62 +18,36 @@ from expertcache.config import (
     SamplingConfig,
     as_config,
 )
-from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
+from expertcache.costs import CostModel
 from expertcache.engine import generation as gen
+from expertcache.engine.builder import Builder, resolve_device  # noqa: F401  (tools.selftest's import)
 from expertcache.engine.generation import Generation, timed_generate
-from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
-from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
-from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
-from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, resident_memory
-from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
-from expertcache.engine.routing import router_fns
-from expertcache.engine.runtime import Engine, PredictorThread
-from expertcache.engine.slots import SlotTable, SlotTransport
-from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, Target, TransferWorker
+from expertcache.engine.memory import SlotLayout, resident_memory
 from expertcache.errors import ExpertcacheError, first_line
-from expertcache.miss.base import FULL, MissContext, PartSpec
-from expertcache.miss.registry import miss_class
 from expertcache.plan import Plan, as_plan
-from expertcache.policy.base import Clock, PolicyContext
-from expertcache.policy.registry import policy_class
-from expertcache.predict.base import PredictContext
-from expertcache.predict.registry import make_predictor, predictor_class
-from expertcache.trace.default import default_trace
-from expertcache.trace.trace import Trace, load_trace
-from expertcache.units import format_bytes, parse_size
+from expertcache.trace.trace import Trace
 
-WARMUP_TOKENS = 32  # the prompt of the warm-up generation at load (every expert resident)
+# the builder's names of the parts this model keeps private
+_PRIVATE = {
+    "whole": "_whole",
+    "policy_ctx": "_policy_ctx",
+    "measured_costs": "_measured_costs",
+    "weight_files": "_weight_files",
+}
 
 
 def default_model_path() -> Path:
     return DEFAULT_MODEL
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` as a torch device (None: CUDA when torch sees a GPU); one clear line when unusable."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ExpertcacheError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ExpertcacheError(f"device {device!r} is not supported (cpu or cuda)")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise ExpertcacheError(
-            f"device {device} was asked for, but torch {torch.__version__} sees no GPU ({why})"
-        )
-    return dev
-
-
 class OffloadedModel:
     """A causal LM whose experts stream through a bounded cache; use like a transformers model.
 
     Built from one config object per domain (``cache``, ``prefetch``, ``link``, ``miss``), each
-    validated on creation; ``expertcache.load`` builds them from keyword arguments."""
+    validated on creation; ``expertcache.load`` builds them from keyword arguments. What the load decides
+    is ``engine.builder``'s; this class keeps its parts (``Built``'s fields, as attributes) and runs them."""
 
     def __init__(
         self,
@@ -103,369 +69,14 @@ class OffloadedModel:
         warmup: bool = True,
         kernel: str | None = None,
     ) -> None:
-        self.path = resolve_model(path, download)
-        self.plan = plan
-        self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
-        self.cache_config = cache = cache or CacheConfig()
-        self.prefetch_config_ = prefetch = prefetch or PrefetchConfig(AUTO)
-        self.link_config = link = link or LinkConfig()
-        self.miss_config = miss = miss or MissConfig()
-        self.device = resolve_device(device)
-        self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
-        self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
-        show = sys.stderr.isatty() if progress is None else progress
-        sk = build_skeleton(self.path, dtype, progress=show)
-        self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
-        self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
-        self.layout = SlotLayout.of(sk.shapes, sk.dtype)  # one whole expert
-        if plan is not None:  # its budget is in experts: the timing model's unit
-            plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
-            expert_memory = plan.capacity * self.layout.slot_bytes
-        self.miss = miss_class(miss.name)(
-            MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
-        )
-        self.parts = self._engine_parts(sk)
-        slot_bytes = {name: p.slot_bytes() for name, p in self.parts.items()}
-        self.budget = self._budget(expert_memory, cache)
-        self.capacities = part_capacities(self.miss, self.budget, slot_bytes, self.top_k)
-        primary = self.capacities[self.miss.parts()[0].name]
-        self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
-        if self.capacity == 0 and self.budget > 0:
-            self.notes.append(
-                f"miss path {self.miss.describe()} computes every expert on the host: the expert memory "
-                f"({format_bytes(self.budget)}) holds none and is not used"
-            )
-        self._check_fits(slow_tier)
-        self.tier = self._tier(sk, slow_tier, show)
-        self._weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
-        # nothing to offload (the plain fetch path, every expert fits): every slot is filled at load
-        self._whole = miss.name == "fetch" and self.capacity >= self.num_layers * self.num_experts
-        self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
-        self.pool = next(iter(self.targets.values())).pool
-        # prefetching only while it pays has nothing to do when every expert is resident from the start
-        idle = prefetch.governed and self._whole
-        chunked = prefetch.chunked(background=miss.name != "fetch") and not idle
-        self.worker = TransferWorker(link=self.link, parts=self.targets)
-        self.chunking = self._chunking(prefetch) if chunked else None
-        self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
-        self.kernel, stacked, table = self._kernel(kernel, sk.experts[0])
-        tables = {} if table is None else {(FULL, None): table}
-        settle = prefetch.deterministic
-        self.transport = SlotTransport(self.targets, self.worker, settle=settle, tables=tables)
-        self._policy_ctx = self._policy_context(cache)
-        residencies = build_parts(self.miss, self.capacities, cache.policy, self._policy_ctx)
-        self.model = sk.model.to(self.device)
-        self.host = HostExperts(self.tier, self.device)
-        if self.miss.needs_costs and costs is None:
-            from expertcache.engine.calibrate import calibrate
-
-            measured = calibrate(self, sk.experts[0])
-            self.miss.ctx = dataclasses.replace(self.miss.ctx, costs=measured)
-            if prefetch.deterministic:
-                self.notes.append(
-                    f"miss path {self.miss.name} decides by costs measured at load, which differ from run to "
-                    "run: give them (load(costs=CostModel.load(PROFILE.json))) for a run that repeats"
-                )
-        self._measured_costs = self.miss.needs_costs and costs is None
-        self.costs = self.miss.ctx.costs
-        self.prefetch = self._auto_predictor(prefetch) if prefetch.predictor == AUTO else prefetch.predictor
-        idle_prefetch = prefetch.governed and self._whole
-        self.predictor = self._make_predictor(prefetch) if prefetch.enabled and not idle_prefetch else None
-        if self.predictor is not None and self.predictor.note:
-            self.notes.append(self.predictor.note)
-        runner = None
-        if self.predictor is not None:
-            runner = PredictorThread(self.predictor) if prefetch.thread else InlinePredictor(self.predictor)
-        self.driver = assemble(
-            residencies, self.transport, self.miss, self._policy_ctx, limit=prefetch.limit,
-            preemption=prefetch.preemption, reorder=prefetch.reorder, predictor=runner,
-            governor_clock=time.perf_counter if prefetch.governed else None,
-            recorder=Recorder(self.num_layers, self.num_experts, self.top_k) if record else None,
-        )  # fmt: skip
-        self.cache, self.governor = self.driver.cache, self.driver.governor
-        self.prefetch_limit = self.cache.limit
-        self.engine = Engine(
-            self.model, sk.experts, self.driver, self.transport, self.parts, self.host,
-            kernel=self.kernel, stacked=stacked, table=table,
-        )  # fmt: skip
+        built = Builder(
+            path, expert_memory, cache=cache, prefetch=prefetch, link=link, miss=miss, device=device,
+            dtype=dtype, slow_tier=slow_tier, costs=costs, progress=progress, record=record,
+            download=download, plan=plan, warmup=warmup, kernel=kernel,
+        ).built()  # fmt: skip
+        for field in dataclasses.fields(built):  # the parts as this model's attributes
+            setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
         self._tokenizer = None
-        self.preloaded = self._preload(show)
-        self.warmup_s = self._warm_up() if warmup and self._whole else None
-
-    # -- construction ------------------------------------------------------------------------------
-    def _preload(self, show: bool) -> int:
-        """With the plain fetch path and a budget that holds every expert, there is nothing to offload:
-        every expert is read into its slot now (a progress bar), as a model loads its weights, through the
-        policy's inserts and the transfer worker a miss takes; the first request then finds them all
-        resident (no first-use misses, no stall). The cache's work counts from the first step: these are
-        in ``preloaded_experts``, not in misses, bytes moved or stall. Returns how many."""
-        if not self._whole:
-            return 0
-        import contextlib
-
-        keys = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
-        residency, part = self.cache.residency, self.cache.primary
-        bar = _progress("experts to expert memory", show)
-        # the checkpoint's tiers note each expert's copy and read them all at once after, in long runs of
-        # the files on several threads (``ExpertStore.fill``); the host tier copies each from memory
-        store = getattr(self.tier, "store", None)
-        with store.collecting() if store is not None else contextlib.nullcontext() as jobs:
-            for key in bar(keys) if bar and store is None else keys:
-                victim = residency.insert(key, ())
-                self.worker.wait(self.transport.submit(key, victim, DEMAND, part))
-        if jobs:
-            store.fill(jobs, bar)
-        self.worker.bytes_moved = 0
-        return len(keys)
-
-    def _warm_up(self) -> float:
-        """With every expert resident, one generation of 2 tokens after a ``WARMUP_TOKENS``-token prompt
-        now, on a driver of its own (no predictor, recorder or governor; the cache's counters reset
-        after it): the first request would otherwise pay torch's and transformers' first-call costs
-        (on the development VM a Granite-shaped model's first TTFT was 0.39-0.44 s, 0.23-0.26 s after
-        this). Nothing is moved or evicted: every expert is already in its slot. Returns its seconds."""
-        start = time.perf_counter()
-        driver, seq, engine = self.engine.driver, self.engine._seq, self.engine
-        engine.driver = StepDriver(self.cache, self.num_layers)
-        vocab = int(getattr(self.model.config, "vocab_size", 0) or WARMUP_TOKENS + 1)
-        ids = (torch.arange(1, WARMUP_TOKENS + 1) % vocab)[None].to(self.device)
-        try:
-            self.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, pad_token_id=0)
-        finally:
-            engine.driver, engine._seq = driver, seq
-            self.cache.stats = CacheStats(self.num_layers)
-        return time.perf_counter() - start
-
-    def _check_cheap(
-        self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory, kernel=None
-    ) -> None:
-        """Option errors that need no loading, before any loading."""
-        if cache.offline:
-            raise ExpertcacheError(
-                f"policy {cache.name} needs the future (simulator only); use it with 'expertcache sim'"
-            )
-        named = prefetch.enabled and prefetch.predictor_object is None and prefetch.predictor != AUTO
-        if named and predictor_class(prefetch.predictor).sim_only:
-            raise ExpertcacheError(
-                f"predictor {prefetch.predictor} needs the future (simulator only); "
-                "use it with 'expertcache timing'"
-            )
-        bundled = named and prefetch.data is None and predictor_class(prefetch.predictor).trained
-        if bundled and self.path.resolve() != DEFAULT_MODEL:
-            raise ExpertcacheError(
-                f"the bundled {prefetch.predictor} predictor is for the embedded model; for {self.path} "
-                f"train one (expertcache train-predictor --model {self.path} --out DIR), then pass "
-                "--predictor DIR"
-            )
-        if kernel not in (None, AUTO_KERNEL, *KERNELS):
-            raise ExpertcacheError(
-                f"experts kernel {kernel!r} is not one of: {AUTO_KERNEL}, {', '.join(KERNELS)}"
-            )
-        if slow_tier not in (None, *SLOW_TIERS):
-            raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: {', '.join(SLOW_TIERS)}")
-        if policy_class(cache.name).needs_profile and cache.profile is None:
-            raise ExpertcacheError(
-                f"policy {cache.name} ranks experts by a usage profile: pass --profile TRACE.npz (a "
-                "trace of an earlier run, from --record-trace; in Python: profile=TRACE.npz)"
-            )
-        text = str(expert_memory).strip()
-        if not text.endswith("%"):
-            parse_size(expert_memory, "expert memory")
-
-    def _kernel(self, name: str | None, module) -> tuple[Kernel, StackedPool | None, SlotTable | None]:
-        """The experts kernel (``engine.kernels``), and for the grouped one the whole-expert pool as stacked
-        tensors with its slot table."""
-        kernel, note = resolve_kernel(name, self.device, module, self.layout)
-        if note:
-            self.notes.append(note)
-        target = self.targets.get((FULL, None))
-        if kernel.name != "grouped" or target is None or target.layouts is not None or not len(target.pool):
-            return kernel, None, None
-        pool = target.pool
-        return kernel, StackedPool(pool), SlotTable(self.num_layers, self.num_experts, len(pool))
-
-    def _engine_parts(self, sk) -> dict[str, EnginePart]:
-        parts = {}
-        for spec in self.miss.parts():
-            parts[spec.name] = self._engine_part(spec, sk)
-        return parts
-
-    def _engine_part(self, spec: PartSpec, sk) -> EnginePart:
-        if spec.kind == "full":
-            return full_part(spec, self.layout)
-        if spec.kind == "segment":
-            transposed = bool(sk.experts[0].is_transposed)
-            return segment_part(spec, self.layout, transposed, self.num_layers)
-        if spec.kind == "quantized":
-            return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")
-        raise ExpertcacheError(f"part kind {spec.kind!r} is not supported by the engine")
-
-    def _check_fits(self, slow_tier: str | None) -> None:
-        """Refuse, before anything is read, host memory the machine (or the process's memory cgroup)
-        does not have: the slots on a CPU, and every expert for the host tier. Left to run, the process
-        would be killed for memory at load, or swap."""
-        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
-        need = self.budget if self.device.type == "cpu" else 0
-        if tier == "host":
-            need += self.num_layers * self.num_experts * self.layout.slot_bytes
-        room = available_memory()
-        if room is not None and need > room[0]:
-            what = "the expert slots" + (
-                " and the host tier's copy of every expert" if tier == "host" else ""
-            )
-            raise ExpertcacheError(
-                f"{what} need {format_bytes(need)} of host memory, more than this process may use "
-                f"({format_bytes(room[0])}: {room[1]}); give a smaller expert memory (--expert-memory)"
-                + (" or --slow-tier disk" if tier == "host" else "")
-            )
-
-    def _targets(self, show: bool) -> dict[tuple[str, int | None], Target]:
-        """The slot pools of every part: one for the part, one per layer for a part whose slots differ
-        by layer, or one shared by layers of different layouts (slots of the largest). Host pools are
-        prefaulted (``SlotPool``): the budget is memory the engine uses, so it is backed at load (unless
-        every slot is about to be filled: ``_preload``)."""
-        targets = {}
-        bar, fault = _progress("expert memory", show), not self._whole
-        for name, part in self.parts.items():
-            part.bind(self.tier)
-            caps = self.capacities[name]
-            if part.per_layer and part.spec.shared:
-                pool = SlotPool(part.largest(), caps, self.device, prefault=fault, progress=bar)
-                targets[(name, None)] = Target(part.source, pool, part.layouts)
-                continue
-            for group, layout in part.layouts.items():
-                n = caps if group is None else caps[group]
-                pool = SlotPool(layout, n, self.device, prefault=fault, progress=bar)
-                targets[(name, group)] = Target(part.source, pool)
-        return targets
-
-    def _budget(self, expert_memory: str | int | float, cache: CacheConfig) -> int:
-        """Bytes of expert memory: as given, or a share of all experts at full precision."""
-        text = str(expert_memory).strip()
-        total = self.num_layers * self.num_experts * self.layout.slot_bytes
-        if text.endswith("%"):
-            try:
-                share = float(text[:-1])
-            except ValueError:
-                raise ExpertcacheError(f"expert memory {expert_memory!r} is not a percentage") from None
-            if not 0 < share <= 100:
-                raise ExpertcacheError(f"expert memory {expert_memory!r} must be a share in (0%, 100%]")
-            budget = round(total * share / 100)
-        else:
-            budget = int(parse_size(expert_memory, "expert memory"))
-        if budget > total:
-            self.notes.append(
-                f"expert memory {expert_memory} is more than all experts take; capped at "
-                f"{format_bytes(total)} (100%: no offloading)"
-            )
-        budget = min(budget, total)
-        slot = self.parts[FULL].slot_bytes() if FULL in self.parts else None
-        if slot is not None and self.miss.parts()[0].name == FULL:  # the whole-expert cache's own message
-            from expertcache.policy.registry import fixed_capacity, min_capacity
-
-            need = min_capacity(cache.name, self.num_layers, cache.params, min_room=self.top_k)
-            cap = budget // slot
-            why = f"a layer's top-{self.top_k} experts must be resident together"
-            if fixed_capacity(cache.name, cache.params) is not None:
-                why = f"its budgets sum to {need}"
-            if cap < need and len(self.miss.host_layers()) < self.num_layers:
-                raise ExpertcacheError(
-                    f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
-                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): {why}"
-                )
-        return budget
-
-    def _tier(self, sk, slow_tier: str | None, show: bool):
-        tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
-        if tier == "host":
-            bar = _progress("experts to host memory", show)
-            pin = self.device.type == "cuda"
-            return HostTier(sk.store, self.layout, self.num_layers, self.num_experts, pin=pin, progress=bar)
-        return DiskTier(sk.store, self.layout, self.device, drop=tier == "disk")
-
-    def _policy_context(self, cache: CacheConfig) -> PolicyContext:
-        prof = None
-        if policy_class(cache.name).needs_profile:
-            tr = cache.profile if isinstance(cache.profile, Trace) else load_trace(cache.profile)
-            if (tr.num_layers, tr.num_experts) != (self.num_layers, self.num_experts):
-                raise ExpertcacheError(
-                    f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
-                    f"{self.num_layers} x {self.num_experts}"
-                )
-            prof = build_schedule(tr, "layer").profile
-        return PolicyContext(
-            capacity=max(1, self.capacity), num_layers=self.num_layers, num_experts=self.num_experts,
-            top_k=self.top_k, clock=Clock(), seed=cache.seed, profile=prof,
-        )  # fmt: skip
-
-    def _chunking(self, prefetch: PrefetchConfig) -> dict[str, object]:
-        """How speculative transfers move: in chunks of ``--chunk-size``, or by default in thirds of an
-        expert where chunks pay (``costs.chunks_pay``: the data of an expert's transfer takes more than 5
-        latencies of a chunk), else whole. The latency is the emulated link's, or measured at load
-        (``calibrate.chunk_costs``: one expert whole against the same in chunks)."""
-        third = -(-self.layout.nbytes // AUTO_CHUNKS)  # an expert's three matrices
-        full = (FULL, None)
-        if prefetch.chunk_bytes is not None:
-            return {"chunk_bytes": prefetch.chunk_bytes, "why": "given (--chunk-size)"}
-        if self.link is not None:
-            data, latency, source = self.layout.nbytes / self.link.bandwidth, self.link.latency, "link"
-        elif full in self.targets and self.targets[full].layouts is None and len(self.targets[full].pool):
-            from expertcache.engine.calibrate import chunk_costs
-
-            keys = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)][:8]
-            (data, latency), source = chunk_costs(self.worker, full, keys), "measured"
-        else:  # no whole-expert slot to measure in (split experts, low-precision copies, placement): thirds
-            return {"chunk_bytes": third, "why": "thirds of an expert (nothing to measure them by)"}
-        pays = chunks_pay(data, latency)
-        why = (f"{source}: an expert's data takes {data * 1e6:.0f} us, a chunk's latency "
-               f"{latency * 1e6:.0f} us: " + ("thirds" if pays else "whole (chunks do not pay)"))  # fmt: skip
-        return {
-            "chunk_bytes": third if pays else None,
-            "data_s": data,
-            "chunk_latency_s": latency,
-            "why": why,
-        }
-
-    def _auto_predictor(self, prefetch: PrefetchConfig) -> str:
-        """``auto``'s predictor for this model: ``learned`` where a trained one is given (or bundled: the
-        embedded model's), ``eam`` learning from a recorded trace given as its data, else ``next-gate``
-        (every family's routers, nothing to train)."""
-        data = prefetch.data
-        if data is not None and not (isinstance(data, str | Path) and Path(data).is_dir()):
-            return "eam"  # a recorded trace (a file, or a Trace object)
-        if data is not None or self.path.resolve() == DEFAULT_MODEL:
-            return "learned"
-        return "next-gate"
-
-    def _make_predictor(self, prefetch: PrefetchConfig):
-        if prefetch.predictor_object is not None:
-            return prefetch.predictor_object
-        source = prefetch.data
-        trace = source if isinstance(source, Trace) else None
-        path = None
-        if source is not None and trace is None:
-            src = Path(source)
-            if src.is_file() and src.suffix == ".npz":
-                trace = load_trace(src)
-            elif src.is_dir():
-                path = str(src)
-            else:
-                raise ExpertcacheError(
-                    f"{src}: predictor data must be a trained predictor directory or a .npz trace"
-                )
-        if trace is None and source is None and self.path == DEFAULT_MODEL:
-            trace = default_trace()  # token's table and eam's warm start on the embedded model
-        if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
-            raise ExpertcacheError(
-                f"predictor trace has {trace.num_layers} layers x {trace.num_experts} experts, the model "
-                f"{self.num_layers} x {self.num_experts}"
-            )
-        ctx = PredictContext(
-            num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
-            window=None if prefetch.window is None else int(prefetch.window), routers=router_fns(self.model),
-            trace=trace, path=path, seed=self.cache_config.seed,
-        )  # fmt: skip
-        return make_predictor(self.prefetch, ctx)
 
     # ----------------------------------------------------------------- transformers-style use
     @property
@@ -743,14 +354,6 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     }
 
 
-def _progress(desc: str, show: bool):
-    if not show:
-        return None
-    from tqdm.auto import tqdm
-
-    return lambda items: tqdm(items, desc=desc, unit="expert", leave=False)
-
-
 def load(
     path: str | Path | None = None,
     expert_memory: str | int | float = "100%",
@@ -761,6 +364,7 @@ def load(
     prefetch: str | PrefetchConfig | None = AUTO,
     link_bandwidth: str | float | None = None,
     link_latency: str | float = 0.0,
+    link: LinkConfig | None = None,
     seed: int = 0,
     profile: str | Path | Trace | None = None,
     window: int | None = None,
@@ -784,8 +388,9 @@ def load(
     ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
     ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``);
     ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
-    see ``expertcache misses``). Link emulation: ``link_bandwidth``, ``link_latency``. ``seed`` and
-    ``profile`` (a trace, for ``static``) go to the policy. Proactive caching: ``prefetch`` (a predictor
+    see ``expertcache misses``). Link emulation: ``link_bandwidth`` and ``link_latency``, or ``link``, a
+    ``LinkConfig`` (giving both ways is an error). ``seed`` and ``profile`` (a trace, for ``static``) go
+    to the policy. Proactive caching: ``prefetch`` (a predictor
     name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"``; by default
     ``"auto"``: the model's predictor, used only while it measurably pays), ``prefetch_when``
     (``"always"`` or ``"pays"``; default ``"pays"`` for ``"auto"``, ``"always"`` for a named predictor),
@@ -842,9 +447,22 @@ def load(
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
     return OffloadedModel(
-        path, expert_memory, cache=cache, prefetch=pf, link=LinkConfig(link_bandwidth, link_latency),
+        path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),
         miss=as_config(miss, MissConfig), device=device, plan=plan, **options,
     )  # fmt: skip
+
+
+def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str | float) -> LinkConfig:
+    """The link as a config: ``link`` itself, or one made of ``link_bandwidth`` and ``link_latency``."""
+    if link is None:
+        return LinkConfig(bandwidth, latency)
+    if not isinstance(link, LinkConfig):
+        raise ExpertcacheError(f"link must be a LinkConfig, not {type(link).__name__}")
+    if bandwidth is not None or latency != 0.0:
+        raise ExpertcacheError(
+            "the link is given twice: pass link=LinkConfig(...) or link_bandwidth/link_latency, not both"
+        )
+    return link
 
 
 def _is_plans(value: object, plan: Plan) -> bool:
