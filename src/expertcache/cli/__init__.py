@@ -389,12 +389,17 @@ def _build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_cmd_quantize)
 
     ql = sub.add_parser(
-        "quality", help="perplexity and top-1 agreement of a lossy miss path against the model"
+        "quality", help="perplexity and top-1 agreement of a lossy miss path or kernel against the model"
     )
     ql.add_argument("--model", metavar="PATH", help="checkpoint dir (default: the embedded model)")
     ql.add_argument(
-        "--miss", required=True, metavar="NAME[:k=v,...]", help="the miss path measured, e.g. hobbit"
-    )
+        "--miss", default="fetch", metavar="NAME[:k=v,...]",
+        help="the miss path measured, e.g. hobbit (default fetch: exact)",
+    )  # fmt: skip
+    ql.add_argument(
+        "--kernel", choices=cli_generate.KERNEL_CHOICES, default="auto",
+        help="the experts kernel measured, e.g. compiled (default auto: grouped, exact)",
+    )  # fmt: skip
     ql.add_argument("--expert-memory", default="25%", metavar="X", help="bytes or a share (default 25%%)")
     ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="eviction policy (default lru)")
     ql.add_argument(
@@ -1155,7 +1160,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
             raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
     r = measure(
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
-        progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when,
+        progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

@@ -19,7 +19,8 @@ from expertcache.units import format_bytes
 PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start-up (a test keeps them equal)
 
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
-KERNEL_CHOICES = ["auto", "grouped", "eager"]  # engine.kernels: AUTO_KERNEL and KERNELS (a test checks)
+# engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
+KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled"]
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
     "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
@@ -102,8 +103,9 @@ def add_model_args(p) -> None:
     p.add_argument(
         "--kernel", choices=KERNEL_CHOICES, default="auto",
         help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
-        "against transformers' grouped_mm), eager (one at a time, exact against its eager loop); "
-        "default auto: grouped where torch has it",
+        "against transformers' grouped_mm), eager (one at a time, exact against its eager loop), "
+        "compiled (CPU: grouped, with decode steps' experts in compiled loops at the memory's speed; "
+        "not bit-equal to transformers); default auto: grouped where torch has it",
     )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(

@@ -328,7 +328,7 @@ class Builder:
         if note:
             self.notes.append(note)
         target = self.targets.get((FULL, None))
-        if kernel.name != "grouped" or target is None or target.layouts is not None or not len(target.pool):
+        if not kernel.stacked or target is None or target.layouts is not None or not len(target.pool):
             return kernel, None, None
         pool = target.pool
         return kernel, StackedPool(pool), SlotTable(self.num_layers, self.num_experts, len(pool))

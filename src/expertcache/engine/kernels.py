@@ -14,6 +14,13 @@ at a time. Each kernel is exact, bit for bit, against one of transformers' own e
   host, with ``parts.expert_output``) rounds as it would in the group.
 - ``eager``: one expert after another, added in ascending expert order into the output (transformers'
   eager loop; ``runtime.Engine``), exact against ``experts_implementation="eager"``.
+- ``compiled`` (CPU, opt-in): the grouped kernel, except that a step of one token (a decode step) takes
+  its experts' projections from compiled loops (``_gemv_jit``, numba) that read the slot pool at the
+  memory's speed, 1.6-2.4x torch's bfloat16 ``mm`` on the development VM. Each value is a float32 dot
+  product like ``mm``'s, summed in another order, so about one value in a few thousand rounds to the
+  neighbouring bfloat16: not bit-equal to any transformers implementation (``reference`` None); its
+  accuracy cost is measured (``docs/BENCHMARKS.md``) and its greedy tokens equal the grouped kernel's on
+  the tests. Multi-token steps (prefill) are the grouped kernel's, exact.
 
 Shape letters: T tokens, K experts per token, S slots, H hidden size, F the expert's intermediate size.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -33,15 +41,22 @@ class Kernel:
     """One way of computing a layer's experts, and the transformers implementation it is exact against."""
 
     name: str
-    reference: str  # transformers' ``experts_implementation`` whose outputs it equals bit for bit
+    reference: str | None  # transformers' ``experts_implementation`` it equals bit for bit (None: none)
     summary: str
+    stacked: bool = True  # computes over the slot pool as stacked tensors, with the slot table
 
 
 KERNELS: dict[str, Kernel] = {
     "grouped": Kernel(
         "grouped", "grouped_mm", "one grouped matrix product per projection over the slot pool (default)"
     ),
-    "eager": Kernel("eager", "eager", "one expert at a time, as transformers' eager loop"),
+    "eager": Kernel("eager", "eager", "one expert at a time, as transformers' eager loop", stacked=False),
+    "compiled": Kernel(
+        "compiled",
+        None,
+        "grouped, with each decode step's experts in compiled loops at the memory's speed "
+        "(CPU; opt-in: its sums in another order, not bit-equal to transformers)",
+    ),
 }
 AUTO_KERNEL = "auto"
 
@@ -90,9 +105,32 @@ def resolve_kernel(
         return KERNELS["eager"], f"experts computed one at a time (eager kernel): {why}"
     if name not in KERNELS:
         raise ExpertcacheError(f"experts kernel {name!r} is not one of: {AUTO_KERNEL}, {', '.join(KERNELS)}")
-    if name == "grouped" and why is not None:
-        raise ExpertcacheError(f"experts kernel grouped cannot run here: {why}")
+    if name == "compiled" and why is None:
+        why = _compiled_unavailable(device, module, layout)
+    if name in ("grouped", "compiled") and why is not None:
+        raise ExpertcacheError(f"experts kernel {name} cannot run here: {why}")
     return KERNELS[name], None
+
+
+def _compiled_unavailable(device: torch.device, module: torch.nn.Module, layout) -> str | None:
+    """Why the compiled kernel cannot run (None when it can): it reads ``[out, in]`` matrices of bfloat16
+    or float32, in pairs of bfloat16 values (even sizes and offsets), from a CPU pool."""
+    if device.type != "cpu":
+        return "it runs on a CPU only"
+    if getattr(module, "is_transposed", False):
+        return f"{type(module).__name__} stores its matrices transposed ([in, out])"
+    if layout is not None:
+        if layout.dtype not in (torch.bfloat16, torch.float32):
+            return f"it reads bfloat16 or float32 experts, not {layout.dtype}"
+        if layout.dtype == torch.bfloat16:
+            odd = [n for n, sh in zip(layout.names, layout.shapes, strict=True) if sh[-1] % 2]
+            if odd:  # (offsets are aligned to 64 bytes, so even)
+                return f"it reads bfloat16 values in pairs: {odd[0]} has rows of odd length"
+    try:
+        from expertcache.engine import _gemv_jit  # noqa: F401
+    except ImportError as e:  # numba is a dependency; a broken install is one line
+        return f"it needs numba, which does not import here ({e})"
+    return None
 
 
 class StackedPool:
@@ -101,6 +139,7 @@ class StackedPool:
 
     def __init__(self, pool) -> None:
         layout, buffer = pool.layout, pool.buffer  # [S, slot elements]
+        self.layout, self.buffer = layout, buffer
         self.num_slots = buffer.shape[0]
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shape, off in zip(layout.names, layout.shapes, layout.offsets, strict=True):
@@ -108,6 +147,21 @@ class StackedPool:
             for d in shape:
                 n *= d
             self.tensors[name] = buffer[:, off : off + n].view(self.num_slots, *shape)
+        self._words = None  # the compiled kernel's view of the buffer (``words``)
+
+    def words(self):
+        """The buffer as the compiled kernel reads it (the same memory, numpy): 32-bit words, two bfloat16
+        values each (float32: one), and each tensor's offset in words. Threads: torch's."""
+        if self._words is None:
+            import numba
+
+            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+            pairs = self.layout.dtype == torch.bfloat16
+            words = self.buffer.view(torch.int32).numpy().view(np.uint32) if pairs else self.buffer.numpy()
+            per = 2 if pairs else 1
+            offsets = {n: o // per for n, o in zip(self.layout.names, self.layout.offsets, strict=True)}
+            self._words = (words, offsets, pairs)
+        return self._words
 
 
 def grouped_rows(
@@ -182,6 +236,45 @@ def decode_rows(
     out = h.new_empty(K, weight.shape[-1])
     for k, slot in enumerate(slots):
         torch.mm(h[k : k + 1], weight[slot], out=out[k : k + 1])
+    if at is not None:
+        out.add_(t["down_proj_bias"][at])
+    return out * top_k_weights.reshape(-1).unsqueeze(-1)
+
+
+def compiled_rows(
+    module: torch.nn.Module,
+    pool: StackedPool,
+    hidden: torch.Tensor,
+    slots,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``decode_rows`` with the compiled kernel: one token's weighted output from each of the experts in
+    ``slots`` ``[K]``, ``[K, H]``. Each projection is a float32 dot product per output value rounded to
+    the experts' dtype, as ``mm``'s is (in another order); bias and gate as the grouped kernel's."""
+    from expertcache.engine import _gemv_jit
+
+    words, offsets, pairs = pool.words()
+    ids = np.asarray(slots, dtype=np.int64)
+    dtype = pool.layout.dtype
+
+    def project(name: str, x: torch.Tensor) -> torch.Tensor:  # x [1 or K, in] -> [K, out]
+        rows, cols = pool.tensors[name].shape[-2:]
+        out = np.empty((len(ids), rows), dtype=np.float32)
+        xf = x.detach().to(torch.float32).numpy()
+        if pairs:
+            even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
+            _gemv_jit.rows_bf16(words, offsets[name], rows, cols, ids, even, odd, out)
+        else:
+            _gemv_jit.rows_f32(words, offsets[name], rows, cols, ids, np.ascontiguousarray(xf), out)
+        return torch.from_numpy(out).to(dtype)
+
+    t = pool.tensors
+    at = torch.from_numpy(ids) if module.has_bias else None
+    h = project("gate_up_proj", hidden.reshape(1, -1))
+    if at is not None:
+        h.add_(t["gate_up_proj_bias"][at])
+    h = module._apply_gate(h)
+    out = project("down_proj", h)
     if at is not None:
         out.add_(t["down_proj_bias"][at])
     return out * top_k_weights.reshape(-1).unsqueeze(-1)

@@ -22,7 +22,15 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertcache.cache.step import StepDriver
 from expertcache.engine.host import HostExperts
-from expertcache.engine.kernels import KERNELS, Kernel, StackedPool, combine, decode_rows, grouped_rows
+from expertcache.engine.kernels import (
+    KERNELS,
+    Kernel,
+    StackedPool,
+    combine,
+    compiled_rows,
+    decode_rows,
+    grouped_rows,
+)
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.errors import ExpertcacheError
@@ -122,7 +130,8 @@ class Engine:
         self.model, self.driver, self.transport, self.parts, self.host = model, driver, transport, parts, host
         self._one_part = next(iter(parts.values())) if len(parts) == 1 else None
         self.kernel = kernel
-        self.grouped = kernel.name == "grouped"
+        self.grouped = kernel.stacked  # grouped or compiled: over the stacked slot pool
+        self.compiled = kernel.name == "compiled"  # a one-token step's experts in the compiled loops
         self.stacked, self.table = stacked, table  # the whole-expert pool stacked (None without one)
         self._on_cpu = stacked is not None and stacked.tensors["down_proj"].device.type == "cpu"
         self._only_full = set(parts) == {FULL}  # every device unit is a whole expert in the stacked pool
@@ -228,7 +237,8 @@ class Engine:
                 if len(batches) == 1:  # all at once (every decode step of a model that fits)
                     if T == 1 and self._on_cpu:
                         slots = self.table.host[layer, index[0]].tolist()
-                        rows = decode_rows(module, stacked, hidden, slots, top_k_weights)
+                        one = compiled_rows if self.compiled else decode_rows
+                        rows = one(module, stacked, hidden, slots, top_k_weights)
                     else:
                         rows = grouped_rows(module, stacked, hidden, table[top_k_index], top_k_weights)
                     self.driver.end_layer(layer)
@@ -258,11 +268,16 @@ class Engine:
             whole = [key[1] for key, part in batch if part == FULL] if stacked is not None else []
             if whole:
                 mine = np.isin(flat_index, whole)
-                ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device), table[top_k_index],
-                                  self.table.sentinel)  # fmt: skip
-                out = grouped_rows(module, stacked, hidden, ids, top_k_weights)
                 flat = np.flatnonzero(mine)
-                put(flat, out[torch.from_numpy(flat).to(device)])
+                if self.compiled and T == 1:  # one token: its ready experts in the compiled loops
+                    slots = self.table.host[layer, flat_index[flat]]
+                    weights = top_k_weights.reshape(-1)[torch.from_numpy(flat)]
+                    put(flat, compiled_rows(module, stacked, hidden, slots, weights))
+                else:
+                    ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device), table[top_k_index],
+                                      self.table.sentinel)  # fmt: skip
+                    out = grouped_rows(module, stacked, hidden, ids, top_k_weights)
+                    put(flat, out[torch.from_numpy(flat).to(device)])
             for key, part in batch:  # an expert's parts may come in different batches
                 if part != FULL or stacked is None:
                     out = self.parts[part].compute(module, self.transport.views(key, part), tokens(key[1]))

@@ -1,13 +1,15 @@
-"""``expertcache quality``: what a lossy miss path costs in accuracy, measured as generation sees it.
+"""``expertcache quality``: what a lossy miss path, or a kernel not bit-equal to transformers (``compiled``),
+costs in accuracy, measured as generation sees it.
 
 Held-out texts are fed token by token (teacher forcing, one forward step per token with the KV cache, so
 every token is a decode step as in generation, and each text its own request) through transformers'
-eager reference (every expert resident, full precision) and through the offloaded model under the miss
+reference (every expert resident, full precision) and through the offloaded model under the miss
 path being measured. Reported: perplexity of both on the same tokens and its relative change, top-1
-agreement (the share of positions where both predict the same next token), and the share of expert uses
-served at low precision or skipped. By default the texts are the embedded model's held-out files (the
-standard-library files of its validation split that its default trace's prompts come from); ``texts``
-takes any list of strings.
+agreement (the share of positions where both predict the same next token), the share of expert uses
+served at low precision or skipped, and how far the logits are from the reference's (the share of
+positions whose logits are bit-identical, the largest difference). By default the texts are the embedded
+model's held-out files (the standard-library files of its validation split that its default trace's
+prompts come from); ``texts`` takes any list of strings.
 
 Shape letters: N tokens of a text, V vocabulary.
 """
@@ -91,9 +93,11 @@ def measure(
     progress: bool = False,
     prefetch: str = "auto",
     prefetch_when: str = "always",
+    kernel: str | None = None,
 ) -> dict[str, object]:
-    """Perplexity, its change and top-1 agreement of ``miss`` against the full-precision reference
-    (``reference``: one to reuse across calls on the same model and texts).
+    """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
+    against the full-precision reference: transformers with the implementation the default kernel is exact
+    against (``reference``: one to reuse across calls on the same model and texts).
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -108,7 +112,7 @@ def measure(
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
         model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, prefetch=pf,
-        progress=False,
+        progress=False, kernel=kernel,
     )  # fmt: skip
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
@@ -124,7 +128,8 @@ def measure(
             raise ExpertcacheError("the texts give no two tokens to measure")
         ref = reference if reference is not None else Reference(model.path, device)
         nll = {"reference": 0.0, "measured": 0.0}
-        count = agree = 0
+        count = agree = identical = positions = 0
+        largest = 0.0
         before = model.stats
         for i, ids in enumerate(seqs):
             want, got = ref.logits(ids), _stream(model.model, ids)
@@ -132,6 +137,9 @@ def measure(
                 nll[name] += _nll(logits, ids)[0]
             count += ids.shape[0] - 1
             agree += int((want[:-1].argmax(-1) == got[:-1].argmax(-1)).sum())
+            identical += int((want == got).all(-1).sum())
+            positions += ids.shape[0]
+            largest = max(largest, float((want - got).abs().max()))
             if progress:
                 print(f"text {i + 1}/{len(seqs)}: {count} tokens", file=sys.stderr, flush=True)
         if count < tokens:
@@ -144,6 +152,7 @@ def measure(
         ppl_ref, ppl = math.exp(nll["reference"] / count), math.exp(nll["measured"] / count)
         return {
             "miss": model.miss.describe(),
+            "kernel": model.kernel.name,
             "policy": policy,
             "expert_memory": expert_memory,
             "tokens": count,
@@ -152,6 +161,8 @@ def measure(
             "perplexity": ppl,
             "perplexity_change": ppl / ppl_ref - 1.0,
             "top1_agreement": agree / count,
+            "logits_identical": identical / positions,  # positions whose logits are bit-identical
+            "logits_max_difference": largest,
             "expert_uses": uses,
             "low_precision_share": low / uses if uses else 0.0,
             "skipped_share": skipped / uses if uses else 0.0,
@@ -168,7 +179,9 @@ def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}): perplexity {r['perplexity']:.3f} against "
         f"{r['perplexity_reference']:.3f} ({r['perplexity_change']:+.2%}) | top-1 agreement "
-        f"{r['top1_agreement']:.2%} over {r['tokens']} tokens | low precision "
+        f"{r['top1_agreement']:.2%} over {r['tokens']} tokens | logits bit-identical at "
+        f"{r['logits_identical']:.2%} of positions, largest difference {r['logits_max_difference']:.3g} | "
+        f"kernel {r['kernel']} | low precision "
         f"{r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of {r['expert_uses']} expert uses"
         + (f" | varies from run to run: follows {', '.join(r['varies_by'])}" if r.get("varies_by") else "")
     )
