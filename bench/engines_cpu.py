@@ -337,17 +337,19 @@ class LlamaEngine(Engine):
 class SharedTransformers:
     """One transformers model, loaded once (``load_reference``), for every experts implementation."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: str | None = None) -> None:
         from expertcache.engine.loader import load_reference
 
         t0 = time.perf_counter()
-        self.model = load_reference(path)
+        self.model = load_reference(path, dtype=dtype)
         self.ready_s = time.perf_counter() - t0
         self.default = self.model.get_correct_experts_implementation(None)
 
 
 class TransformersEngine(Engine):
-    def __init__(self, impl: str, path: Path, pad: int, shared: SharedTransformers | None) -> None:
+    def __init__(
+        self, impl: str, path: Path, pad: int, shared: SharedTransformers | None, dtype: str | None = None
+    ) -> None:
         self.name, self.pad, self.shared = f"transformers {impl}", pad, shared
         if shared is not None:
             self.model, self.ready_s = shared.model, shared.ready_s
@@ -357,6 +359,8 @@ class TransformersEngine(Engine):
             from transformers import AutoModelForCausalLM
 
             kw = {} if impl == "default" else {"experts_implementation": impl}
+            if dtype:
+                kw["dtype"] = dtype
             t0 = time.perf_counter()
             self.model = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
             self.ready_s = time.perf_counter() - t0
@@ -536,6 +540,11 @@ def main() -> int:
         "--tf-separate", action="store_true", help="one from_pretrained per experts implementation"
     )
     p.add_argument("--only", nargs="*", metavar="SUBSTR", help="engines whose name contains one of these")
+    p.add_argument(
+        "--dtype",
+        help="compute dtype of transformers and expertcache, e.g. float32 (default: the checkpoint's; "
+        "llama.cpp runs its GGUF files as they are)",
+    )
     p.add_argument("--out", type=Path, help="JSON results (default: /tmp/engines_cpu.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -550,6 +559,8 @@ def main() -> int:
         p.error("--rounds, --prompt-tokens and --threads must be at least 1, --new-tokens at least 2")
     out = args.out or Path("/tmp/engines_cpu.json")
     extra = parse_extra(args.expertcache_args)
+    if args.dtype:
+        extra.setdefault("dtype", args.dtype)
 
     import torch
     from plenty_cpu import ci95
@@ -594,14 +605,14 @@ def main() -> int:
         shared = None
         if not args.tf_separate:
             log("loading transformers (load_reference)")
-            shared = SharedTransformers(args.model)
+            shared = SharedTransformers(args.model, args.dtype)
         for impl in impls:
             log(
                 f"loading transformers {impl}"
                 if args.tf_separate
                 else f"transformers {impl}: the shared model"
             )
-            engines.append(TransformersEngine(impl, args.model, pad, shared))
+            engines.append(TransformersEngine(impl, args.model, pad, shared, args.dtype))
         for spec in args.expertcache:
             name = expertcache_spec(spec, extra)[3]
             if want(name):
