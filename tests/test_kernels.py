@@ -350,3 +350,24 @@ def _compiled_check(layout):
     why = _compiled_unavailable(torch.device("cpu"), _gated_module(), layout)
     if why:
         raise ExpertcacheError(why)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.integers(1, 6),
+    top_k=st.integers(1, 8),
+    experts=st.sampled_from([8, 64, 256, 4096]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_routing_reaches_the_host_in_one_copy_unchanged(tokens, top_k, experts, dtype, seed):
+    """Off a CPU the layer's ids and weights come to the host in one packed copy: the same values as two."""
+    from expertcache.engine.runtime import routing_on_host
+
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(dtype)
+    want_index, want_weights = routing_on_host(index, weights, packed=False)
+    got_index, got_weights = routing_on_host(index, weights, packed=True)
+    assert got_index.dtype == want_index.dtype == np.int64 and (got_index == want_index).all()
+    assert got_weights.dtype == want_weights.dtype == np.float32 and (got_weights == want_weights).all()

@@ -107,6 +107,22 @@ class PredictorThread:
         self._pending.append((self.step, self._pool.submit(_inference, fn, args)))
 
 
+def routing_on_host(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's routing on the host: expert ids ``[T, K]`` (int64) and weights (float32). From a GPU
+    (``packed``, by default off a CPU) in one device-to-host copy, ids beside weights as float32 (ids are
+    exact there below 2**24), so a layer waits for one copy, not two; on a CPU the tensors' own memory."""
+    if packed is None:
+        packed = top_k_index.device.type != "cpu"
+    if not packed:
+        return top_k_index.detach().cpu().numpy(), top_k_weights.detach().to("cpu", torch.float32).numpy()
+    K = top_k_index.shape[-1]
+    both = torch.cat((top_k_index.detach().to(torch.float32), top_k_weights.detach().to(torch.float32)), -1)
+    both = both.cpu().numpy()
+    return both[:, :K].astype(np.int64), np.ascontiguousarray(both[:, K:])
+
+
 def _inference(fn, args):
     with torch.inference_mode():  # inference mode is per thread
         return fn(*args)
@@ -159,9 +175,7 @@ class Engine:
         return None
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        # one host copy each: grouping, routes, recording, predicting
-        index = top_k_index.detach().cpu().numpy()
-        weights = top_k_weights.detach().to("cpu", torch.float32).numpy()
+        index, weights = routing_on_host(top_k_index, top_k_weights)  # grouping, routes, recording
         work = self.driver.layer(layer, index, weights, hidden)
         if self.grouped:
             return self._grouped(module, layer, hidden, top_k_index, top_k_weights, index, work)
