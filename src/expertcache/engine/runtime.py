@@ -163,7 +163,9 @@ class Engine:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise ExpertcacheError("the engine needs input_ids (inputs_embeds alone is not supported)")
-        past = kwargs.get("past_key_values")
+        past = kwargs.get("cache")  # transformers >= 5.24 names the KV cache ``cache``
+        if past is None:
+            past = kwargs.get("past_key_values")
         prefill = past is None or past.get_seq_length() == 0
         rows, cols = ids.shape if ids.dim() == 2 else (1, ids.numel())
         if prefill:

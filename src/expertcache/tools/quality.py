@@ -16,6 +16,7 @@ Shape letters: N tokens of a text, V vocabulary.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Sequence
@@ -49,10 +50,12 @@ def _stream(model, ids: torch.Tensor) -> torch.Tensor:
     """Next-token logits at every position of ids [N], one decode step per token. -> [N, V] (float32)"""
     past, out = None, []
     device = next(p for p in model.parameters() if not p.is_meta).device
+    # the KV cache's argument and output field: ``cache`` from transformers 5.24, ``past_key_values`` before
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         for t in range(ids.shape[0]):
-            res = model(input_ids=ids[t : t + 1].view(1, 1).to(device), past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=ids[t : t + 1].view(1, 1).to(device), use_cache=True, **{name: past})
+            past = res[name]
             out.append(res.logits[0, -1].float().cpu())
     return torch.stack(out)
 
