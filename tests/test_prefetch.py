@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from engine_fixtures import (
-    FAMILIES,
     TOP_K,
     assert_exact,
     engine_load,
@@ -172,18 +171,7 @@ def test_accuracy_fetchrate_goodpred_counts():
 
 
 # ------------------------------------------------------------------------- engine exactness
-@pytest.mark.parametrize("family", FAMILIES)
-def test_next_gate_prefetch_is_exact_for_every_family_at_the_minimum_budget(family, ckpt, reference):
-    path = ckpt(family)
-    want = reference(path, IDS)
-    low = moe_layers(family) * TOP_K
-    with engine_load(path, low, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
-        got = greedy(model, IDS)
-        stats = model.stats
-    assert_exact(got, want)
-    assert stats["prefetch_issued"] > 0
-
-
+# (every family with next-gate at the minimum budget: tests/test_families.py)
 _TRACES: dict = {}
 
 

@@ -64,6 +64,21 @@ class _Parser(argparse.ArgumentParser):
                 out.append(arg)
         return super().parse_known_args(out, namespace)
 
+    def format_help(self) -> str:
+        """An option's ``lazy_help`` (a registry that needs torch) is read only when help is shown, so
+        that no command pays for that import at its start (the simulator's commands run without torch)."""
+        for action in self._actions:
+            lazy = getattr(action, "lazy_help", None)
+            if lazy is not None:
+                action.help = lazy()
+        return super().format_help()
+
+
+def _family_help() -> str:
+    from expertcache.engine.families import FAMILIES
+
+    return f"the family (config.json's model_type): {', '.join(FAMILIES)}"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
@@ -320,7 +335,8 @@ def _build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--json", action="store_true", help="print one JSON object")
     mi.set_defaults(func=_cmd_model_info)
     ms = msub.add_parser("synth", help="save a random-weight checkpoint of a supported family")
-    ms.add_argument("--family", required=True, help="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, ...")
+    family = ms.add_argument("--family", required=True, help="a supported family (config.json's model_type)")
+    family.lazy_help = _family_help
     ms.add_argument(
         "-o", "--out", required=True, metavar="DIR",
         help="a new or empty folder, or a checkpoint to replace (its weights and index are removed)",

@@ -1,15 +1,19 @@
-"""Where each supported model family keeps its experts, in the checkpoint and in the model.
+"""A model family is one record: everything the engine, the predictors and the test models need to know.
 
 transformers 5.x holds a layer's experts in one ``...Experts`` module with fused tensors
 (``gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``; GPT-OSS transposed, with biases). Checkpoints
 keep either one tensor per expert (``experts.{e}.gate_proj.weight``, Mixtral's ``w1/w2/w3``) or the
 fused tensors (GPT-OSS, Granite-MoE's ``input_linear/output_linear``). A ``Family`` says, for each
-slot tensor of one expert, which checkpoint tensors fill it (rows concatenated in order), and how
-non-expert checkpoint keys are renamed to the model's parameter names.
+slot tensor of one expert, which checkpoint tensors fill it (rows concatenated in order), how
+non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
+router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
+the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; every field
+but ``renames`` and ``dense_first`` is required, so a forgotten one fails at import.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from expertcache.errors import ExpertcacheError
@@ -24,11 +28,42 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Shape:
+    """The sizes of a random checkpoint (``engine.random_checkpoint.make_checkpoint``)."""
+
+    experts: int  # per MoE layer
+    top_k: int
+    intermediate: int  # an expert's
+    hidden: int
+    heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """The family's tiny test model (``tools.tiny``): a few dozen kilobytes, built in well under a second."""
+
+    layers: int  # decoder layers, dense ones included
+    experts: int
+    hidden: int = 32
+    intermediate: int = 32
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
+    """One model family: its checkpoint layout, its router, its random config and its tiny test model."""
+
     name: str  # model_type in config.json
     block: str  # the MoE block's name in the checkpoint under model.layers.{l}
     sources: dict[str, tuple[Source, ...]]  # slot tensor name (the Experts parameter) -> its sources
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> model substring (non-expert keys)
+    router: str  # the MoE block's attribute (transformers 5.x module) that holds its router
+    config: Callable[[Shape], dict[str, object]]  # a random checkpoint's config arguments of this family
+    dense_first: int = 0  # dense layers before the MoE ones in a random checkpoint (what ``config`` sets)
+    tiny: Tiny
 
     def expert_keys(self, prefix: str, expert: int) -> dict[str, list[tuple[str, bool]]]:
         """Checkpoint keys of one expert, per slot tensor; ``prefix`` is ``model.layers.{l}``."""
@@ -44,45 +79,98 @@ class Family:
         return key
 
 
-def _per_expert(block: str, gate: str, up: str, down: str, renames=()) -> dict[str, object]:
+def _per_expert(gate: str, up: str, down: str) -> dict[str, tuple[Source, ...]]:
     k = "{block}.experts.{e}.%s.weight"
+    return {"gate_up_proj": (Source(k % gate), Source(k % up)), "down_proj": (Source(k % down),)}
+
+
+# Config arguments that differ between families: what the expert count and widths are called, MLA dims.
+def _local_experts(s: Shape) -> dict[str, object]:
+    return dict(num_local_experts=s.experts, num_experts_per_tok=s.top_k, intermediate_size=s.intermediate)
+
+
+def _gpt_oss(s: Shape) -> dict[str, object]:
+    return {**_local_experts(s), "head_dim": s.head_dim, "layer_types": None}
+
+
+def _num_experts(s: Shape) -> dict[str, object]:
+    return dict(num_experts=s.experts, num_experts_per_tok=s.top_k, intermediate_size=s.intermediate)
+
+
+def _qwen2_moe(s: Shape) -> dict[str, object]:
+    moe = s.intermediate
+    return {**_num_experts(s), "moe_intermediate_size": moe, "shared_expert_intermediate_size": 2 * moe}
+
+
+def _qwen3_moe(s: Shape) -> dict[str, object]:
+    return {**_num_experts(s), "moe_intermediate_size": s.intermediate, "head_dim": s.head_dim}
+
+
+_DEEPSEEK_DENSE_FIRST = 1
+
+
+def _deepseek_v2(s: Shape) -> dict[str, object]:
+    """A dense first layer, one shared expert, MLA attention."""
     return dict(
-        block=block,
-        sources={
-            "gate_up_proj": (Source(k % gate), Source(k % up)),
-            "down_proj": (Source(k % down),),
-        },
-        renames=renames,
+        n_routed_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.intermediate,
+        intermediate_size=2 * s.intermediate,
+        n_shared_experts=1,
+        first_k_dense_replace=_DEEPSEEK_DENSE_FIRST,
+        kv_lora_rank=max(8, s.hidden // 4),
+        q_lora_rank=None,
+        qk_rope_head_dim=max(4, s.head_dim // 2),
+        qk_nope_head_dim=max(4, s.head_dim // 2),
+        v_head_dim=s.head_dim,
     )
 
 
-_QWEN_STYLE = _per_expert("mlp", "gate_proj", "up_proj", "down_proj")
+def _deepseek_v3(s: Shape) -> dict[str, object]:
+    return {**_deepseek_v2(s), "n_group": 1, "topk_group": 1}
 
-FAMILIES: dict[str, Family] = {
+
+_QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
+# deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
+_DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
+
+FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "mixtral": Family(
-        "mixtral", **_per_expert("block_sparse_moe", "w1", "w3", "w2", ((".block_sparse_moe.", ".mlp."),))
+        name="mixtral",
+        block="block_sparse_moe",
+        sources=_per_expert("w1", "w3", "w2"),
+        renames=((".block_sparse_moe.", ".mlp."),),
+        router="gate",
+        config=_local_experts,
+        tiny=Tiny(layers=2, experts=8),
     ),
-    "qwen2_moe": Family("qwen2_moe", **_QWEN_STYLE),
-    "qwen3_moe": Family("qwen3_moe", **_QWEN_STYLE),
-    "olmoe": Family("olmoe", **_QWEN_STYLE),
-    "deepseek_v2": Family("deepseek_v2", **_QWEN_STYLE),
-    "deepseek_v3": Family("deepseek_v3", **_QWEN_STYLE),
+    "qwen2_moe": Family(name="qwen2_moe", **_QWEN_STYLE, config=_qwen2_moe, tiny=Tiny(layers=2, experts=6)),
+    "qwen3_moe": Family(name="qwen3_moe", **_QWEN_STYLE, config=_qwen3_moe, tiny=Tiny(layers=2, experts=6)),
+    "olmoe": Family(name="olmoe", **_QWEN_STYLE, config=_num_experts, tiny=Tiny(layers=2, experts=6)),
+    "deepseek_v2": Family(name="deepseek_v2", **_DEEPSEEK, config=_deepseek_v2),
+    "deepseek_v3": Family(name="deepseek_v3", **_DEEPSEEK, config=_deepseek_v3),
     "gpt_oss": Family(
-        "gpt_oss",
+        name="gpt_oss",
         block="mlp",
         sources={
             name: (Source("{block}.experts." + name, fused=True),)
             for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         },
+        router="router",
+        config=_gpt_oss,
+        tiny=Tiny(layers=2, experts=8),
     ),
     "granitemoe": Family(
-        "granitemoe",
+        name="granitemoe",
         block="block_sparse_moe",
         sources={
             "gate_up_proj": (Source("{block}.input_linear.weight", fused=True),),
             "down_proj": (Source("{block}.output_linear.weight", fused=True),),
         },
         renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
+        router="router",
+        config=_local_experts,
+        tiny=Tiny(layers=2, experts=6),
     ),
 }
 

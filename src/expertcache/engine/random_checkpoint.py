@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.engine.families import FAMILIES
+from expertcache.engine.families import FAMILIES, Shape
 from expertcache.errors import ExpertcacheError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -20,42 +20,6 @@ _CHECKPOINT_FILES = (
     "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
     "pytorch_model*.bin", "pytorch_model*.bin.index.json",
 )  # fmt: skip
-
-
-def _family_kwargs(family: str, experts: int, top_k: int, inter: int, hidden: int, heads: int) -> dict:
-    """Config arguments that differ between families (expert count, MoE widths, MLA dims)."""
-    head_dim = hidden // heads
-    if family in ("mixtral", "granitemoe", "gpt_oss"):
-        kw = dict(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=inter)
-        if family == "gpt_oss":
-            kw.update(head_dim=head_dim, layer_types=None)
-        return kw
-    if family in ("qwen2_moe", "qwen3_moe", "olmoe"):
-        kw = dict(num_experts=experts, num_experts_per_tok=top_k, intermediate_size=inter)
-        if family != "olmoe":
-            kw.update(moe_intermediate_size=inter)
-        if family == "qwen2_moe":
-            kw.update(shared_expert_intermediate_size=2 * inter)
-        if family == "qwen3_moe":
-            kw.update(head_dim=head_dim)
-        return kw
-    # deepseek_v2 / deepseek_v3: a dense first layer, one shared expert, MLA attention
-    kw = dict(
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        intermediate_size=2 * inter,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=max(8, hidden // 4),
-        q_lora_rank=None,
-        qk_rope_head_dim=max(4, head_dim // 2),
-        qk_nope_head_dim=max(4, head_dim // 2),
-        v_head_dim=head_dim,
-    )
-    if family == "deepseek_v3":
-        kw.update(n_group=1, topk_group=1)
-    return kw
 
 
 def _prepare_out(out: Path, tok_dir: Path) -> None:
@@ -129,7 +93,7 @@ def make_checkpoint(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **_family_kwargs(family, experts, top_k, intermediate, hidden, heads),
+        **FAMILIES[family].config(Shape(experts, top_k, intermediate, hidden, heads)),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

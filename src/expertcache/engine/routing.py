@@ -26,32 +26,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.engine.families import FAMILIES
 from expertcache.errors import ExpertcacheError
 from expertcache.trace.trace import Trace, load_trace
-
-# model_type -> attribute of the MoE block holding its router (transformers 5.x module names)
-ROUTERS: dict[str, str] = {
-    "mixtral": "gate",
-    "qwen2_moe": "gate",
-    "qwen3_moe": "gate",
-    "olmoe": "gate",
-    "deepseek_v2": "gate",
-    "deepseek_v3": "gate",
-    "gpt_oss": "router",
-    "granitemoe": "router",
-}
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The router module of every MoE layer of a transformers model, in layer order."""
     model = _unwrap(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    attr = ROUTERS.get(str(model_type))
-    if attr is None:
+    family = FAMILIES.get(str(model_type))
+    if family is None:
         raise ExpertcacheError(
             f"routing replay does not support architecture {model_type!r}; "
-            f"supported: {', '.join(sorted(ROUTERS))}"
+            f"supported: {', '.join(sorted(FAMILIES))}"
         )
+    attr = family.router
     routers = []
     for module in model.modules():
         router = getattr(module, attr, None)

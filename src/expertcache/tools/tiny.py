@@ -7,23 +7,17 @@ random-weight checkpoints of a few dozen kilobytes are saved with ``engine.rando
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
+
+from expertcache.engine.families import FAMILIES
 
 TOP_K = 2
 PROMPT = [5, 17, 42, 99, 120, 7, 250, 33]  # 8 token ids below the tiny vocabulary's 300
 PROMPT_B = [61, 3, 200, 148, 9]  # a shorter second prompt (left-padded in a batch)
 
-# Small shapes; deepseek's first layer is dense, so 3 layers give 2 MoE layers there too.
-SPECS: dict[str, dict[str, int]] = {
-    "mixtral": dict(hidden=32, layers=2, experts=8, intermediate=32),
-    "qwen2_moe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "qwen3_moe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "olmoe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-    "deepseek_v2": dict(hidden=32, layers=3, experts=6, intermediate=32),
-    "deepseek_v3": dict(hidden=32, layers=3, experts=6, intermediate=32),
-    "gpt_oss": dict(hidden=32, layers=2, experts=8, intermediate=32),
-    "granitemoe": dict(hidden=32, layers=2, experts=6, intermediate=32),
-}
+# Each family's tiny shape, from its record (``engine.families.Tiny``): make_checkpoint's arguments
+SPECS: dict[str, dict[str, int]] = {name: asdict(f.tiny) for name, f in FAMILIES.items()}
 
 _LINES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -34,11 +28,8 @@ _LINES = [
 ]
 
 
-DENSE_FIRST = {"deepseek_v2": 1, "deepseek_v3": 1}  # dense layers before the MoE ones (random_checkpoint)
-
-
 def moe_layers(family: str) -> int:
-    return SPECS[family]["layers"] - DENSE_FIRST.get(family, 0)
+    return SPECS[family]["layers"] - FAMILIES[family].dense_first
 
 
 def total_experts(family: str) -> int:
