@@ -323,16 +323,23 @@ def test_quality_reports_what_the_compiled_kernel_costs(ckpt):
     assert exact["logits_identical"] == 1.0 and exact["logits_max_difference"] == 0.0
     r = measure(ckpt("mixtral"), "fetch", "100%", texts=texts, tokens=40, kernel="compiled")
     assert r["kernel"] == "compiled" and r["tokens"] == exact["tokens"]
+    assert r["reference"] == "transformers grouped_mm"  # exact against none: the default kernel's reference
     assert r["top1_agreement"] == 1.0 and 0 < r["logits_max_difference"] < 1e-3
-    assert "kernel compiled" in format_quality(r)
+    assert "kernel compiled, against transformers grouped_mm" in format_quality(r)
+    # each exact kernel is compared with its own reference, or with the one asked for
+    eager = measure(ckpt("mixtral"), "fetch", "100%", texts=texts, tokens=40, kernel="eager")
+    assert eager["reference"] == "transformers eager" and eager["logits_identical"] == 1.0
+    other = measure(ckpt("mixtral"), "fetch", "100%", texts=texts, tokens=40, kernel="eager",
+                    reference_implementation="grouped_mm")  # fmt: skip
+    assert other["reference"] == "transformers grouped_mm" and other["tokens"] == eager["tokens"]
 
 
 def test_the_compiled_kernel_is_refused_where_it_cannot_run(ckpt):
     module = _gated_module()
     module.is_transposed = True
-    with pytest.raises(ExpertcacheError, match="compiled cannot run here: .*transposed"):
+    with pytest.raises(ExpertcacheError, match="compiled cannot run here.*: .*transposed.*--kernel eager"):
         resolve_kernel("compiled", torch.device("cpu"), module)
-    with pytest.raises(ExpertcacheError, match="compiled cannot run here: it runs on a CPU only"):
+    with pytest.raises(ExpertcacheError, match="compiled cannot run here.*: it runs on a CPU only"):
         resolve_kernel("compiled", torch.device("meta"), _gated_module())
     odd = SlotLayout.of({"gate_up_proj": (16, 9), "down_proj": (9, 8)}, torch.bfloat16)
     with pytest.raises(ExpertcacheError, match="odd length"):
@@ -340,7 +347,7 @@ def test_the_compiled_kernel_is_refused_where_it_cannot_run(ckpt):
     half = SlotLayout.of({"gate_up_proj": (16, 8), "down_proj": (8, 8)}, torch.float16)
     with pytest.raises(ExpertcacheError, match="bfloat16 or float32"):
         _compiled_check(half)
-    with pytest.raises(ExpertcacheError, match="compiled cannot run here: .*transposed"):
+    with pytest.raises(ExpertcacheError, match="compiled cannot run here.*: .*transposed.*--kernel eager"):
         engine_load(ckpt("gpt_oss"), kernel="compiled")
 
 

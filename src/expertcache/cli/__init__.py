@@ -416,6 +416,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--kernel", choices=cli_generate.KERNEL_CHOICES, default="auto",
         help="the experts kernel measured, e.g. compiled (default auto: grouped, exact)",
     )  # fmt: skip
+    ql.add_argument(
+        "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
+        help="transformers' experts implementation compared against (default auto: the one the kernel is "
+        "exact against; grouped_mm for compiled)",
+    )  # fmt: skip
     ql.add_argument("--expert-memory", default="25%", metavar="X", help="bytes or a share (default 25%%)")
     ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="eviction policy (default lru)")
     ql.add_argument(
@@ -1177,6 +1182,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     r = measure(
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
+        reference_implementation=None if args.reference == "auto" else args.reference,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

@@ -423,6 +423,10 @@ def summary(out: dict) -> str:
     did = miss_work(out)
     if did:
         lines.append(f"miss path {out['miss']}: {did}")
+    if out.get("kernel") == "compiled":  # engine.kernels: the one kernel not bit-equal to transformers
+        lines.append("kernel compiled: decode steps' experts in compiled loops, not bit-equal to "
+                     "transformers (expertcache quality --kernel compiled says how far; --kernel grouped "
+                     "is exact)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
         lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")

@@ -2,10 +2,11 @@
 several experts' matrices in the slot pool, each output a float32 dot product over a whole row.
 
 Why: on a CPU a decode step multiplies one row by each expert's matrices, a matrix-vector product whose
-speed is the memory's. torch's bfloat16 ``mm`` (oneDNN) runs it at about 14 GB/s on 2 cores of the
-development VM, these loops at 22-26 GB/s (``docs/BENCHMARKS.md``); llama.cpp's own are as fast. Their sums
-run in another order than oneDNN's, so about one value in a few thousand rounds to the neighbouring
-bfloat16: the kernel is opt-in, and says so.
+speed is the memory's. torch's bfloat16 ``mm`` (oneDNN) runs it at 12-15 GB/s on an expert's matrices on
+2 cores of the development VM, these loops at 24-29 GB/s, about what reading memory reaches there
+(``bench/gemv_cpu.py``, ``docs/BENCHMARKS.md``); llama.cpp's own are as fast. Their sums
+run in another order than oneDNN's, so a value sometimes rounds to the neighbouring bfloat16: the
+kernel is opt-in, and says so.
 
 Layout: ``pool`` is the slot pool's buffer seen as 32-bit words ``[S, W]`` (bfloat16: two values a word,
 the even-indexed one in the low half; float32: one value); the matrix of slot ``s`` is ``rows x cols``

@@ -15,10 +15,10 @@ at a time. Each kernel is exact, bit for bit, against one of transformers' own e
 - ``eager``: one expert after another, added in ascending expert order into the output (transformers'
   eager loop; ``runtime.Engine``), exact against ``experts_implementation="eager"``.
 - ``compiled`` (CPU, opt-in): the grouped kernel, except that a step of one token (a decode step) takes
-  its experts' projections from compiled loops (``_gemv_jit``, numba) that read the slot pool at the
-  memory's speed, 1.6-2.4x torch's bfloat16 ``mm`` on the development VM. Each value is a float32 dot
-  product like ``mm``'s, summed in another order, so about one value in a few thousand rounds to the
-  neighbouring bfloat16: not bit-equal to any transformers implementation (``reference`` None); its
+  its experts' projections from compiled loops (``_gemv_jit``, numba) that read the slot pool near the
+  memory's speed: 1.6-2.4x torch's bfloat16 ``mm`` on the experts' matrices on the development VM. Each
+  value is a float32 dot product like ``mm``'s, summed in another order, so a value sometimes rounds to
+  the neighbouring bfloat16: not bit-equal to any transformers implementation (``reference`` None); its
   accuracy cost is measured (``docs/BENCHMARKS.md``) and its greedy tokens equal the grouped kernel's on
   the tests. Multi-token steps (prefill) are the grouped kernel's, exact.
 
@@ -108,7 +108,10 @@ def resolve_kernel(
     if name == "compiled" and why is None:
         why = _compiled_unavailable(device, module, layout)
     if name in ("grouped", "compiled") and why is not None:
-        raise ExpertcacheError(f"experts kernel {name} cannot run here: {why}")
+        also = " (its prefill is the grouped kernel's)" if name == "compiled" else ""
+        raise ExpertcacheError(
+            f"experts kernel {name} cannot run here{also}: {why}; --kernel eager runs anywhere"
+        )
     return KERNELS[name], None
 
 
@@ -121,7 +124,7 @@ def _compiled_unavailable(device: torch.device, module: torch.nn.Module, layout)
         return f"{type(module).__name__} stores its matrices transposed ([in, out])"
     if layout is not None:
         if layout.dtype not in (torch.bfloat16, torch.float32):
-            return f"it reads bfloat16 or float32 experts, not {layout.dtype}"
+            return f"it reads bfloat16 or float32 experts, not {str(layout.dtype).removeprefix('torch.')}"
         if layout.dtype == torch.bfloat16:
             odd = [n for n, sh in zip(layout.names, layout.shapes, strict=True) if sh[-1] % 2]
             if odd:  # (offsets are aligned to 64 bytes, so even)

@@ -389,8 +389,8 @@ def load(
     ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``);
     ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
     see ``expertcache misses``). Link emulation: ``link_bandwidth`` and ``link_latency``, or ``link``, a
-    ``LinkConfig`` (giving both ways is an error). ``seed`` and ``profile`` (a trace, for ``static``) go
-    to the policy. Proactive caching: ``prefetch`` (a predictor
+    ``expertcache.config.LinkConfig`` (giving both ways is an error). ``seed`` and ``profile`` (a trace,
+    for ``static``) go to the policy. Proactive caching: ``prefetch`` (a predictor
     name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"``; by default
     ``"auto"``: the model's predictor, used only while it measurably pays), ``prefetch_when``
     (``"always"`` or ``"pays"``; default ``"pays"`` for ``"auto"``, ``"always"`` for a named predictor),
@@ -402,7 +402,9 @@ def load(
     objects (``CacheConfig``, ``PrefetchConfig``, ``MissConfig``) may be passed for ``policy``,
     ``prefetch`` and ``miss`` instead. Further options: ``dtype``, ``kernel`` (how a layer's experts are
     computed: ``"grouped"``, one grouped matrix product over the slot pool, exact against transformers'
-    ``grouped_mm``; ``"eager"``, one at a time, exact against its eager loop; default ``"auto"``:
+    ``grouped_mm``; ``"eager"``, one at a time, exact against its eager loop; ``"compiled"`` (CPU,
+    opt-in), grouped with decode steps' experts in compiled loops, faster and not bit-equal to
+    transformers (``expertcache quality --kernel compiled`` measures how far); default ``"auto"``:
     grouped where torch has it; ``engine.kernels``), ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured
@@ -457,7 +459,7 @@ def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str |
     if link is None:
         return LinkConfig(bandwidth, latency)
     if not isinstance(link, LinkConfig):
-        raise ExpertcacheError(f"link must be a LinkConfig, not {type(link).__name__}")
+        raise ExpertcacheError(f"link must be a LinkConfig (expertcache.config), not {type(link).__name__}")
     if bandwidth is not None or latency != 0.0:
         raise ExpertcacheError(
             "the link is given twice: pass link=LinkConfig(...) or link_bandwidth/link_latency, not both"

@@ -70,11 +70,15 @@ class Reference:
     """The full-precision reference's logits for token sequences, computed once and kept (a benchmark
     measures many miss paths on the same tokens)."""
 
-    def __init__(self, model_path: str | Path | None, device: str = "cpu") -> None:
+    def __init__(
+        self, model_path: str | Path | None, device: str = "cpu", experts: str | None = None
+    ) -> None:
         from expertcache.engine.hub import resolve_model
+        from expertcache.engine.kernels import default_kernel
         from expertcache.engine.loader import load_reference
 
-        self.model = load_reference(resolve_model(model_path), device=device)
+        self.experts = experts or default_kernel(device).reference  # transformers' experts implementation
+        self.model = load_reference(resolve_model(model_path), device=device, experts=self.experts)
         self._done: dict[tuple[int, ...], torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -97,10 +101,13 @@ def measure(
     prefetch: str = "auto",
     prefetch_when: str = "always",
     kernel: str | None = None,
+    reference_implementation: str | None = None,
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
-    against the full-precision reference: transformers with the implementation the default kernel is exact
-    against (``reference``: one to reuse across calls on the same model and texts).
+    against the full-precision reference: transformers with ``reference_implementation`` (its
+    ``experts_implementation``; by default the one the kernel is exact against, and for the compiled
+    kernel, which is exact against none, the default kernel's: ``grouped_mm``); ``reference``: one to
+    reuse across calls on the same model and texts.
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -129,7 +136,12 @@ def measure(
         seqs = [s for s in seqs if s.shape[0] >= 2]
         if not seqs:
             raise ExpertcacheError("the texts give no two tokens to measure")
-        ref = reference if reference is not None else Reference(model.path, device)
+        from expertcache.engine.kernels import default_kernel
+
+        impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
+        if reference is not None and reference.experts != impl:
+            raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
+        ref = reference if reference is not None else Reference(model.path, device, impl)
         nll = {"reference": 0.0, "measured": 0.0}
         count = agree = identical = positions = 0
         largest = 0.0
@@ -156,6 +168,7 @@ def measure(
         return {
             "miss": model.miss.describe(),
             "kernel": model.kernel.name,
+            "reference": f"transformers {impl}",
             "policy": policy,
             "expert_memory": expert_memory,
             "tokens": count,
@@ -180,11 +193,11 @@ def measure(
 
 def format_quality(r: dict[str, object]) -> str:
     return (
-        f"{r['miss']} ({r['policy']}, {r['expert_memory']}): perplexity {r['perplexity']:.3f} against "
-        f"{r['perplexity_reference']:.3f} ({r['perplexity_change']:+.2%}) | top-1 agreement "
-        f"{r['top1_agreement']:.2%} over {r['tokens']} tokens | logits bit-identical at "
-        f"{r['logits_identical']:.2%} of positions, largest difference {r['logits_max_difference']:.3g} | "
-        f"kernel {r['kernel']} | low precision "
+        f"{r['miss']} ({r['policy']}, {r['expert_memory']}), kernel {r['kernel']}, against {r['reference']}: "
+        f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
+        f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
+        f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "
+        f"largest difference {r['logits_max_difference']:.3g} | low precision "
         f"{r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of {r['expert_uses']} expert uses"
         + (f" | varies from run to run: follows {', '.join(r['varies_by'])}" if r.get("varies_by") else "")
     )
