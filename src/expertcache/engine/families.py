@@ -130,6 +130,65 @@ def _deepseek_v3(s: Shape) -> dict[str, object]:
     return {**_deepseek_v2(s), "n_group": 1, "topk_group": 1}
 
 
+def _ernie4_5_moe(s: Shape) -> dict[str, object]:
+    """Every layer MoE (transformers' default makes the first dense), one shared expert."""
+    return dict(
+        moe_num_experts=s.experts,
+        moe_k=s.top_k,
+        moe_intermediate_size=s.intermediate,
+        intermediate_size=2 * s.intermediate,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=0,
+    )
+
+
+def _glm4_moe(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3's routing (grouped, a score-correction bias), a dense first layer, one shared expert."""
+    return dict(
+        n_routed_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.intermediate,
+        intermediate_size=2 * s.intermediate,
+        n_shared_experts=1,
+        first_k_dense_replace=_DEEPSEEK_DENSE_FIRST,
+        n_group=1,
+        topk_group=1,
+        head_dim=s.head_dim,
+    )
+
+
+def _hunyuan_v1_moe(s: Shape) -> dict[str, object]:
+    return dict(
+        num_experts=s.experts, moe_topk=s.top_k, intermediate_size=s.intermediate, head_dim=s.head_dim
+    )
+
+
+def _exaone_moe(s: Shape) -> dict[str, object]:
+    return {**_glm4_moe(s), "num_experts": s.experts, "num_shared_experts": 1, "mlp_layer_types": None}
+
+
+def _dots1(s: Shape) -> dict[str, object]:
+    return {k: v for k, v in _glm4_moe(s).items() if k != "head_dim"}
+
+
+def _solar_open(s: Shape) -> dict[str, object]:
+    return dict(
+        n_routed_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.intermediate,
+        n_shared_experts=1,
+        head_dim=s.head_dim,
+    )
+
+
+def _cohere2_moe(s: Shape) -> dict[str, object]:
+    return {**_num_experts(s), "head_dim": s.head_dim, "layer_types": None, "mlp_layer_types": None}
+
+
+def _granitemoeshared(s: Shape) -> dict[str, object]:
+    return {**_local_experts(s), "shared_intermediate_size": 2 * s.intermediate}
+
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -170,6 +229,61 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
         router="router",
         config=_local_experts,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "ernie4_5_moe": Family(
+        name="ernie4_5_moe",
+        **_QWEN_STYLE,
+        renames=((".mlp.moe_statics.", ".mlp.gate.moe_statics."),),
+        config=_ernie4_5_moe,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "glm4_moe": Family(name="glm4_moe", **_DEEPSEEK, config=_glm4_moe),
+    "hunyuan_v1_moe": Family(
+        name="hunyuan_v1_moe", **_QWEN_STYLE, config=_hunyuan_v1_moe, tiny=Tiny(layers=2, experts=6)
+    ),
+    "dots1": Family(name="dots1", **_DEEPSEEK, config=_dots1),
+    "phimoe": Family(
+        name="phimoe",
+        block="block_sparse_moe",
+        sources=_per_expert("w1", "w3", "w2"),
+        renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
+        router="router",
+        config=_local_experts,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "minimax": Family(
+        name="minimax",
+        block="block_sparse_moe",
+        sources=_per_expert("w1", "w3", "w2"),
+        renames=((".block_sparse_moe.", ".mlp."),),
+        router="gate",
+        config=_gpt_oss,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "flex_olmo": Family(name="flex_olmo", **_QWEN_STYLE, config=_num_experts, tiny=Tiny(layers=2, experts=6)),
+    "exaone_moe": Family(
+        name="exaone_moe",
+        **_DEEPSEEK,
+        renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+        config=_exaone_moe,
+    ),
+    "cohere2_moe": Family(
+        name="cohere2_moe", **_QWEN_STYLE, config=_cohere2_moe, tiny=Tiny(layers=2, experts=6)
+    ),
+    "solar_open": Family(
+        name="solar_open", **_QWEN_STYLE, config=_solar_open, tiny=Tiny(layers=2, experts=6)
+    ),
+    "granitemoeshared": Family(
+        name="granitemoeshared",
+        block="block_sparse_moe",
+        sources={
+            "gate_up_proj": (Source("{block}.input_linear.weight", fused=True),),
+            "down_proj": (Source("{block}.output_linear.weight", fused=True),),
+        },
+        renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
+        router="router",
+        config=_granitemoeshared,
         tiny=Tiny(layers=2, experts=6),
     ),
 }
