@@ -8,7 +8,7 @@ slot tensor of one expert, which checkpoint tensors fill it (rows concatenated i
 non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
 router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
 the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; every field
-but ``renames`` and ``dense_first`` is required, so a forgotten one fails at import.
+but ``renames``, ``router_inputs`` and ``dense_first`` is required, so a forgotten one fails at import.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class Family:
     sources: dict[str, tuple[Source, ...]]  # slot tensor name (the Experts parameter) -> its sources
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> model substring (non-expert keys)
     router: str  # the MoE block's attribute (transformers 5.x module) that holds its router
+    # block attributes the router takes after the hidden states; such a router is called as its block
+    # calls it, with hidden states [1, T, H] (AFMoE's takes the block's expert_bias)
+    router_inputs: tuple[str, ...] = ()
     config: Callable[[Shape], dict[str, object]]  # a random checkpoint's config arguments of this family
     dense_first: int = 0  # dense layers before the MoE ones in a random checkpoint (what ``config`` sets)
     tiny: Tiny
@@ -189,6 +192,73 @@ def _granitemoeshared(s: Shape) -> dict[str, object]:
     return {**_local_experts(s), "shared_intermediate_size": 2 * s.intermediate}
 
 
+def _deepseek_v32(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3 with the sparse-attention indexer (small: it keeps every key of a short prompt)."""
+    return {
+        **_deepseek_v3(s),
+        "q_lora_rank": max(8, s.hidden // 4),  # an int here (V2/V3 take None)
+        "index_n_heads": 2,
+        "index_head_dim": max(8, s.head_dim),
+        "index_topk": 64,
+        "layer_types": None,
+        "mlp_layer_types": None,
+    }
+
+
+def _glm4_moe_lite(s: Shape) -> dict[str, object]:
+    return {**_deepseek_v3(s), "mlp_layer_types": None}
+
+
+def _afmoe(s: Shape) -> dict[str, object]:
+    return dict(
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.intermediate,
+        intermediate_size=2 * s.intermediate,
+        num_dense_layers=_DEEPSEEK_DENSE_FIRST,
+        num_shared_experts=1,
+        head_dim=s.head_dim,
+        layer_types=None,
+    )
+
+
+def _laguna(s: Shape) -> dict[str, object]:
+    """transformers' default: the first layer dense, the others MoE with a shared expert."""
+    return {
+        **_qwen2_moe(s),
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "layer_types": None,
+        "num_attention_heads_per_layer": None,
+        "mlp_layer_types": None,
+    }
+
+
+def _jamba(s: Shape) -> dict[str, object]:
+    """Every layer MoE; Mamba and attention layers alternate (Mamba first); no CUDA Mamba kernels."""
+    return {
+        **_num_experts(s),
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "use_mamba_kernels": False,
+    }
+
+
+def _qwen3_next(s: Shape) -> dict[str, object]:
+    """Gated-DeltaNet linear attention in three layers of four (transformers' default), small heads."""
+    return {
+        **_qwen2_moe(s),
+        "head_dim": s.head_dim,
+        "linear_key_head_dim": s.head_dim,
+        "linear_value_head_dim": s.head_dim,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "layer_types": None,
+    }
+
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -285,6 +355,29 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         router="router",
         config=_granitemoeshared,
         tiny=Tiny(layers=2, experts=6),
+    ),
+    "deepseek_v32": Family(name="deepseek_v32", **_DEEPSEEK, config=_deepseek_v32),
+    "glm4_moe_lite": Family(name="glm4_moe_lite", **_DEEPSEEK, config=_glm4_moe_lite),
+    "afmoe": Family(
+        name="afmoe", **dict(_DEEPSEEK, router="router"), router_inputs=("expert_bias",), config=_afmoe
+    ),
+    "laguna": Family(
+        name="laguna",
+        **_DEEPSEEK,
+        renames=(
+            (".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+            (".mlp.shared_expert.", ".mlp.shared_experts."),
+        ),
+        config=_laguna,
+    ),
+    "jamba": Family(
+        name="jamba",
+        **dict(_QWEN_STYLE, block="feed_forward", router="router"),
+        config=_jamba,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "qwen3_next": Family(
+        name="qwen3_next", **_QWEN_STYLE, config=_qwen3_next, tiny=Tiny(layers=4, experts=6)
     ),
 }
 

@@ -21,6 +21,7 @@ unknown (-1) entry keeps the model's own routing for that (token, layer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,13 @@ from expertcache.trace.trace import Trace, load_trace
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The router module of every MoE layer of a transformers model, in layer order."""
+    return [router for router, _ in _routers_and_inputs(model)]
+
+
+def _routers_and_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable[[], tuple]]]:
+    """Each MoE layer's router and a function giving the block's tensors it takes after the hidden
+    states (the family's ``router_inputs``: AFMoE's router is passed the block's ``expert_bias``; read
+    at each call, so they follow the model to its device), in layer order."""
     model = _unwrap(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = FAMILIES.get(str(model_type))
@@ -48,26 +56,32 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(router, torch.nn.Module) and isinstance(
             getattr(module, "experts", None), torch.nn.Module
         ):
-            routers.append(router)
+            routers.append((router, _inputs_of(module, family.router_inputs)))
     if not routers:
         raise ExpertcacheError(f"{model_type}: found no MoE block with a '{attr}' router and experts")
     return routers
+
+
+def _inputs_of(block: torch.nn.Module, names: tuple[str, ...]) -> Callable[[], tuple]:
+    return lambda: tuple(getattr(block, name) for name in names)
 
 
 def router_fns(model: torch.nn.Module) -> list:
     """Each MoE layer's router as ``gate input [T, H] -> top-k index [T, K]``, called without its hooks
     (a routing replay is not disturbed): what the gate-based predictors feed."""
 
-    def call(router: torch.nn.Module):
+    def call(router: torch.nn.Module, inputs: Callable[[], tuple]):
         p = next(router.parameters())
 
         def route(x: torch.Tensor) -> torch.Tensor:
-            out = router.forward(x.to(p.device, p.dtype))
+            x = x.to(p.device, p.dtype)
+            extra = inputs()
+            out = router.forward(x[None] if extra else x, *extra)  # [1, T, H] as its block passes
             return out[router_parts(out, router)[2]]
 
         return route
 
-    return [call(r) for r in moe_routers(model)]
+    return [call(r, inputs) for r, inputs in _routers_and_inputs(model)]
 
 
 class RoutingReplay:
