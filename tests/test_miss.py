@@ -242,6 +242,10 @@ def test_split_gives_the_reference_tokens_at_the_minimum_budget(family, prefetch
 def test_split_gives_the_reference_tokens_above_the_minimum(family, miss, ckpt, reference):
     path = ckpt(family)
     cap = (TOP_K + total_experts(family)) // 2
+    n = moe_layers(family)  # a per-layer spec (written for 2 MoE layers) takes one value per layer
+    miss = miss.replace("0.3/0.7", "/".join((["0.3", "0.7"] * n)[:n])).replace(
+        "=2/3", "=" + "/".join((["2", "3"] * n)[:n])
+    )
     with engine_load(path, cap, "lcp", miss=miss, prefetch="next-gate") as model:
         assert_close_tokens(greedy(model, IDS), reference(path, IDS))
         parts = model.stats["parts"]

@@ -166,7 +166,10 @@ class Engine:
         past = kwargs.get("cache")  # transformers >= 5.24 names the KV cache ``cache``
         if past is None:
             past = kwargs.get("past_key_values")
-        prefill = past is None or past.get_seq_length() == 0
+        # a paged cache (continuous batching: requests in prefill and decode share a step) has no length:
+        # each such step counts as its own, as it did before transformers 5.24 passed it by this name
+        length = getattr(past, "get_seq_length", None)
+        prefill = past is None or length is None or length() == 0
         rows, cols = ids.shape if ids.dim() == 2 else (1, ids.numel())
         if prefill:
             self._seq += rows
