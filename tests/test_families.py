@@ -42,7 +42,9 @@ def test_every_record_is_complete(family):
         k.startswith(f"model.layers.1.{rec.block}.") and "{" not in k for ks in keys.values() for k, _ in ks
     )
     assert all(old and new and old != new for old, new in rec.renames)
-    config = rec.config(Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4))
+    config = rec.config(
+        Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=rec.tiny.layers)
+    )
     assert config and 6 in config.values() and TOP_K in config.values()
     assert isinstance(rec.tiny, Tiny) and rec.tiny.layers > rec.dense_first >= 0 and rec.tiny.experts > TOP_K
 

@@ -36,6 +36,7 @@ class Shape:
     intermediate: int  # an expert's
     hidden: int
     heads: int
+    layers: int  # decoder layers, dense ones included (per-layer config lists: ``layer_types``)
 
     @property
     def head_dim(self) -> int:
@@ -259,6 +260,14 @@ def _qwen3_next(s: Shape) -> dict[str, object]:
     }
 
 
+def _minimax_m2(s: Shape) -> dict[str, object]:
+    return {**_local_experts(s), "head_dim": s.head_dim}
+
+
+def _mellum(s: Shape) -> dict[str, object]:
+    return {**_qwen3_moe(s), "layer_types": None, "mlp_layer_types": None}
+
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -379,6 +388,27 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "qwen3_next": Family(
         name="qwen3_next", **_QWEN_STYLE, config=_qwen3_next, tiny=Tiny(layers=4, experts=6)
     ),
+    "granitemoe_swa": Family(
+        name="granitemoe_swa",
+        block="block_sparse_moe",
+        sources={
+            name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
+        },
+        router="router",
+        config=_local_experts,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "minimax_m2": Family(
+        name="minimax_m2",
+        block="block_sparse_moe",
+        sources=_per_expert("w1", "w3", "w2"),
+        renames=((".block_sparse_moe.", ".mlp."),),
+        router="gate",
+        router_inputs=("e_score_correction_bias",),
+        config=_minimax_m2,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }
 
 

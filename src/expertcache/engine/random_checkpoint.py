@@ -93,7 +93,7 @@ def make_checkpoint(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **FAMILIES[family].config(Shape(experts, top_k, intermediate, hidden, heads)),
+        **FAMILIES[family].config(Shape(experts, top_k, intermediate, hidden, heads, layers)),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
