@@ -268,6 +268,48 @@ def _mellum(s: Shape) -> dict[str, object]:
     return {**_qwen3_moe(s), "layer_types": None, "mlp_layer_types": None}
 
 
+def _mimo_v2_flash(s: Shape) -> dict[str, object]:
+    """transformers' default: the first layer dense. Full attention only: its sliding layers double the
+    key-value heads (a random checkpoint has as many as query heads, which leaves no query head per key
+    head). The query and key heads are 1.5 times the value heads, as in the checkpoint (192 and 128), so
+    that rotary's third of them (``partial_rotary_factor`` 0.334) is a whole even number of dimensions."""
+    return {
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.intermediate,
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": 3 * s.head_dim // 2,
+        "v_head_dim": s.head_dim,
+        "layer_types": ["full_attention"] * s.layers,
+        "mlp_layer_types": None,
+    }
+
+
+def _flint(s: Shape) -> dict[str, object]:
+    """Every layer MoE (transformers' default makes the first two dense), one shared expert."""
+    return {
+        **_qwen2_moe(s),
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "mlp_only_layers": [],
+        "layer_types": None,
+    }
+
+
+def _kolibri1(s: Shape) -> dict[str, object]:
+    return {**_qwen2_moe(s), "head_dim": s.head_dim, "layer_types": None}
+
+
+def _hy_v3(s: Shape) -> dict[str, object]:
+    """transformers' default: the first layer dense; one shared expert."""
+    return {
+        **_qwen3_moe(s),
+        "intermediate_size": 2 * s.intermediate,
+        "num_shared_experts": 1,
+        "mlp_layer_types": None,
+    }
+
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -407,6 +449,41 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         router_inputs=("e_score_correction_bias",),
         config=_minimax_m2,
         tiny=Tiny(layers=2, experts=6),
+    ),
+    "mimo_v2_flash": Family(
+        name="mimo_v2_flash",
+        **_DEEPSEEK,
+        renames=(("self_attn.attention_sink_bias", "self_attn.sinks"),),
+        config=_mimo_v2_flash,
+    ),
+    "flint": Family(
+        name="flint",
+        **_QWEN_STYLE,
+        renames=(("self_attn.softmax_offset", "self_attn.sinks"),),
+        config=_flint,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "kolibri1": Family(
+        name="kolibri1",
+        **_QWEN_STYLE,
+        renames=(
+            ("moe.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+            ("post_attn_norm", "post_self_attn_layernorm"),
+            ("post_ffn_norm", "post_mlp_layernorm"),
+        ),
+        config=_kolibri1,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "hy_v3": Family(
+        name="hy_v3",
+        **_DEEPSEEK,
+        renames=(
+            ("mlp.router.gate.weight", "mlp.gate.weight"),
+            ("mlp.expert_bias", "mlp.e_score_correction_bias"),
+            ("mlp.shared_mlp.", "mlp.shared_experts."),
+        ),
+        router_inputs=("e_score_correction_bias",),
+        config=_hy_v3,
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }
