@@ -310,6 +310,20 @@ def _hy_v3(s: Shape) -> dict[str, object]:
     }
 
 
+def _glm_moe_dsa(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3.2's shape (MLA, the sparse-attention indexer keeping every key of a short prompt)."""
+    return {
+        **_deepseek_v32(s),
+        "mlp_layer_types": None,
+        "indexer_types": None,
+    }
+
+
+def _axk1(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3's shape; a norm after the MoE block's output."""
+    return {**_deepseek_v3(s), "q_lora_rank": max(8, s.hidden // 4), "mlp_layer_types": None}
+
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -484,6 +498,13 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         ),
         router_inputs=("e_score_correction_bias",),
         config=_hy_v3,
+    ),
+    "glm_moe_dsa": Family(name="glm_moe_dsa", **_DEEPSEEK, config=_glm_moe_dsa),
+    "axk1": Family(
+        name="axk1",
+        **_DEEPSEEK,
+        renames=((".post_mlp_layernorm.", ".mlp.post_mlp_layernorm."),),
+        config=_axk1,
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }
