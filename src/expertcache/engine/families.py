@@ -8,7 +8,8 @@ slot tensor of one expert, which checkpoint tensors fill it (rows concatenated i
 non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
 router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
 the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; every field
-but ``renames``, ``router_inputs`` and ``dense_first`` is required, so a forgotten one fails at import.
+but ``renames``, ``router_inputs``, ``router_batched`` and ``dense_first`` is required, so a forgotten
+one fails at import.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Family:
     # block attributes the router takes after the hidden states; such a router is called as its block
     # calls it, with hidden states [1, T, H] (AFMoE's takes the block's expert_bias)
     router_inputs: tuple[str, ...] = ()
+    # the router takes hidden states [1, T, H] when it has router_inputs; False: [T, H] (LFM2-MoE's)
+    router_batched: bool = True
     config: Callable[[Shape], dict[str, object]]  # a random checkpoint's config arguments of this family
     dense_first: int = 0  # dense layers before the MoE ones in a random checkpoint (what ``config`` sets)
     tiny: Tiny
@@ -221,6 +224,19 @@ def _afmoe(s: Shape) -> dict[str, object]:
         head_dim=s.head_dim,
         layer_types=None,
     )
+
+
+def _lfm2_moe(s: Shape) -> dict[str, object]:
+    """Every layer MoE; short-convolution and attention layers alternate (convolution first); the
+    expert bias on, as in transformers."""
+    return {
+        **_num_experts(s),
+        "moe_intermediate_size": s.intermediate,
+        "intermediate_size": 2 * s.intermediate,
+        "num_dense_layers": 0,
+        "use_expert_bias": True,
+        "layer_types": ["conv" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
+    }
 
 
 def _laguna(s: Shape) -> dict[str, object]:
@@ -425,6 +441,16 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "glm4_moe_lite": Family(name="glm4_moe_lite", **_DEEPSEEK, config=_glm4_moe_lite),
     "afmoe": Family(
         name="afmoe", **dict(_DEEPSEEK, router="router"), router_inputs=("expert_bias",), config=_afmoe
+    ),
+    "lfm2_moe": Family(
+        name="lfm2_moe",
+        block="feed_forward",
+        sources=_per_expert("w1", "w3", "w2"),
+        router="gate",
+        router_inputs=("expert_bias",),
+        router_batched=False,
+        config=_lfm2_moe,
+        tiny=Tiny(layers=2, experts=6),
     ),
     "laguna": Family(
         name="laguna",

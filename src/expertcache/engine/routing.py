@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from expertcache.engine.families import FAMILIES
+from expertcache.engine.families import FAMILIES, Family
 from expertcache.errors import ExpertcacheError
 from expertcache.trace.trace import Trace, load_trace
 
@@ -42,14 +42,8 @@ def _routers_and_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, C
     states (the family's ``router_inputs``: AFMoE's router is passed the block's ``expert_bias``; read
     at each call, so they follow the model to its device), in layer order."""
     model = _unwrap(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = FAMILIES.get(str(model_type))
-    if family is None:
-        raise ExpertcacheError(
-            f"routing replay does not support architecture {model_type!r}; "
-            f"supported: {', '.join(sorted(FAMILIES))}"
-        )
-    attr = family.router
+    family = _family(model)
+    model_type, attr = family.name, family.router
     routers = []
     for module in model.modules():
         router = getattr(module, attr, None)
@@ -62,6 +56,18 @@ def _routers_and_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, C
     return routers
 
 
+def _family(model: torch.nn.Module) -> Family:
+    model = _unwrap(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = FAMILIES.get(str(model_type))
+    if family is None:
+        raise ExpertcacheError(
+            f"routing replay does not support architecture {model_type!r}; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return family
+
+
 def _inputs_of(block: torch.nn.Module, names: tuple[str, ...]) -> Callable[[], tuple]:
     return lambda: tuple(getattr(block, name) for name in names)
 
@@ -70,13 +76,16 @@ def router_fns(model: torch.nn.Module) -> list:
     """Each MoE layer's router as ``gate input [T, H] -> top-k index [T, K]``, called without its hooks
     (a routing replay is not disturbed): what the gate-based predictors feed."""
 
+    batched = _family(model).router_batched
+
     def call(router: torch.nn.Module, inputs: Callable[[], tuple]):
         p = next(router.parameters())
 
         def route(x: torch.Tensor) -> torch.Tensor:
             x = x.to(p.device, p.dtype)
             extra = inputs()
-            out = router.forward(x[None] if extra else x, *extra)  # [1, T, H] as its block passes
+            # [1, T, H] as its block passes (AFMoE's); LFM2-MoE's takes [T, H] with its expert_bias
+            out = router.forward(x[None] if extra and batched else x, *extra)
             return out[router_parts(out, router)[2]]
 
         return route
