@@ -343,6 +343,16 @@ def _axk1(s: Shape) -> dict[str, object]:
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
+# Granite-MoE's fused ``input_linear`` / ``output_linear`` experts, its router under ``router.layer``
+_GRANITE = dict(
+    block="block_sparse_moe",
+    sources={
+        "gate_up_proj": (Source("{block}.input_linear.weight", fused=True),),
+        "down_proj": (Source("{block}.output_linear.weight", fused=True),),
+    },
+    renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
+    router="router",
+)
 
 FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "mixtral": Family(
@@ -372,13 +382,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "granitemoe": Family(
         name="granitemoe",
-        block="block_sparse_moe",
-        sources={
-            "gate_up_proj": (Source("{block}.input_linear.weight", fused=True),),
-            "down_proj": (Source("{block}.output_linear.weight", fused=True),),
-        },
-        renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
-        router="router",
+        **_GRANITE,
         config=_local_experts,
         tiny=Tiny(layers=2, experts=6),
     ),
@@ -427,13 +431,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "granitemoeshared": Family(
         name="granitemoeshared",
-        block="block_sparse_moe",
-        sources={
-            "gate_up_proj": (Source("{block}.input_linear.weight", fused=True),),
-            "down_proj": (Source("{block}.output_linear.weight", fused=True),),
-        },
-        renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
-        router="router",
+        **_GRANITE,
         config=_granitemoeshared,
         tiny=Tiny(layers=2, experts=6),
     ),
