@@ -34,6 +34,7 @@ from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory
+from expertcache.engine.packed import Packed, PackedPool, describe_format
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
@@ -91,7 +92,8 @@ class Built:
     num_layers: int
     num_experts: int
     top_k: int
-    layout: SlotLayout  # one whole expert
+    layout: SlotLayout  # one whole expert, as stored (packed bytes for a packed checkpoint)
+    packed: Packed | None  # a packed checkpoint's experts (``engine.packed``)
     miss: MissPath
     parts: dict[str, EnginePart]
     budget: int  # bytes of expert memory
@@ -161,13 +163,15 @@ class Builder:
         sk = build_skeleton(self.path, dtype, progress=show)
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
-        self.layout = SlotLayout.of(sk.shapes, sk.dtype)  # one whole expert
+        self.packed = sk.packed
+        self.layout = sk.layout  # one whole expert, as stored
         if plan is not None:  # its budget is in experts: the timing model's unit
             plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
             expert_memory = plan.capacity * self.layout.slot_bytes
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
         )
+        self._check_packed(kernel)
         self.parts = self._engine_parts(sk)
         slot_bytes = {name: p.slot_bytes() for name, p in self.parts.items()}
         self.budget = self._budget(expert_memory, cache)
@@ -323,15 +327,42 @@ class Builder:
 
     def _kernel(self, name: str | None, module) -> tuple[Kernel, StackedPool | None, SlotTable | None]:
         """The experts kernel (``engine.kernels``), and for the grouped one the whole-expert pool as stacked
-        tensors with its slot table."""
-        kernel, note = resolve_kernel(name, self.device, module, self.layout)
-        if note:
-            self.notes.append(note)
+        tensors with its slot table (a packed checkpoint: the packed kernels over its pool)."""
+        if self.packed is not None:
+            kernel = KERNELS["packed"]
+        else:
+            kernel, note = resolve_kernel(name, self.device, module, self.layout)
+            if note:
+                self.notes.append(note)
         target = self.targets.get((FULL, None))
         if not kernel.stacked or target is None or target.layouts is not None or not len(target.pool):
             return kernel, None, None
         pool = target.pool
-        return kernel, StackedPool(pool), SlotTable(self.num_layers, self.num_experts, len(pool))
+        stacked = (
+            PackedPool(pool, module._expertcache_packed) if self.packed is not None else StackedPool(pool)
+        )
+        return kernel, stacked, SlotTable(self.num_layers, self.num_experts, len(pool))
+
+    def _check_packed(self, kernel: str | None) -> None:
+        """A packed checkpoint runs on the packed kernels, with miss paths that move or compute whole
+        experts; a full-precision one never on the packed kernels."""
+        if self.packed is None:
+            if kernel == "packed":
+                raise ExpertcacheError(
+                    f"experts kernel packed reads packed experts; {model_label(self.path)}'s are "
+                    f"{str(self.dtype).removeprefix('torch.')} (write a packed checkpoint with "
+                    "'expertcache quantize MODEL --bits 8 --checkpoint DIR')"
+                )
+            return
+        what = f"{model_label(self.path)} stores its experts packed ({describe_format(self.packed)})"
+        if kernel not in (None, AUTO_KERNEL, "packed"):
+            raise ExpertcacheError(f"{what}: they run on the packed kernel only, not --kernel {kernel}")
+        kinds = {spec.kind for spec in self.miss.parts()}
+        if kinds - {"full"}:
+            raise ExpertcacheError(
+                f"{what}: miss path {self.miss.name} needs full-precision experts; packed ones run with "
+                "fetch, host, hybrid or placement"
+            )
 
     def _engine_parts(self, sk) -> dict[str, EnginePart]:
         parts = {}

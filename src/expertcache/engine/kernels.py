@@ -57,6 +57,12 @@ KERNELS: dict[str, Kernel] = {
         "grouped, with each decode step's experts in compiled loops at the memory's speed "
         "(CPU; opt-in: its sums in another order, not bit-equal to transformers)",
     ),
+    "packed": Kernel(
+        "packed",
+        None,
+        "the experts of a packed checkpoint (int8, int4), read in their packed bytes (engine.packed; "
+        "taken for such a checkpoint, and only for one)",
+    ),
 }
 AUTO_KERNEL = "auto"
 
@@ -144,6 +150,7 @@ class StackedPool:
         layout, buffer = pool.layout, pool.buffer  # [S, slot elements]
         self.layout, self.buffer = layout, buffer
         self.num_slots = buffer.shape[0]
+        self.device = buffer.device
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shape, off in zip(layout.names, layout.shapes, layout.offsets, strict=True):
             n = 1

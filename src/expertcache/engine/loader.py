@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from expertcache.engine.families import Family, family_of
+from expertcache.engine.memory import SlotLayout
+from expertcache.engine.packed import STORED, Packed, PackedKernels, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -41,8 +43,14 @@ class Skeleton:
     store: ExpertStore
     num_experts: int
     top_k: int
-    shapes: dict[str, tuple[int, ...]]  # one expert's tensors (slot tensor name -> shape)
+    shapes: dict[str, tuple[int, ...]]  # one expert's tensors at full precision (slot tensor name -> shape)
     dtype: torch.dtype
+    packed: Packed | None = None  # a packed checkpoint's experts (``engine.packed``); None: as ``shapes``
+
+    @property
+    def layout(self) -> SlotLayout:
+        """One whole expert's slot, as the checkpoint stores it."""
+        return self.packed.layout() if self.packed is not None else SlotLayout.of(self.shapes, self.dtype)
 
 
 def read_config(path: str | Path):
@@ -121,11 +129,18 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     if not experts:
         raise ExpertcacheError(f"{path}: the model has no routed experts")
     shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
-    store = ExpertStore(ckpt, family, prefixes, shapes, num_experts)
+    packed = from_config(config, shapes, dtype, bool(experts[0].is_transposed))
+    if packed is None:
+        store = ExpertStore(ckpt, family, prefixes, shapes, num_experts)
+    else:
+        store = ExpertStore(ckpt, family, prefixes, packed.tensors(), num_experts, stored=STORED)
+        kernels = PackedKernels(packed)
+        for module in experts:
+            module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
     model.eval()
-    return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype)
+    return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
 
 
 def _is_experts(module: torch.nn.Module) -> bool:

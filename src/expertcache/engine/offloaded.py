@@ -24,7 +24,8 @@ from expertcache.engine.builder import Builder, resolve_device  # noqa: F401  (t
 from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.loader import build_skeleton
-from expertcache.engine.memory import SlotLayout, resident_memory
+from expertcache.engine.memory import resident_memory
+from expertcache.engine.packed import describe_format
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.plan import Plan, as_plan
 from expertcache.trace.trace import Trace
@@ -209,6 +210,7 @@ class OffloadedModel:
             "capacity_experts": self.capacity,
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,
+            "expert_format": describe_format(self.packed, self.dtype),
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
             "lossy": self.miss.lossy,
@@ -337,7 +339,7 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     """What a checkpoint holds, without reading any expert: family, MoE layers, experts, bytes."""
     path = resolve_model(path)
     sk = build_skeleton(path)
-    layout = SlotLayout.of(sk.shapes, sk.dtype)
+    layout = sk.layout  # as stored: packed bytes for a packed checkpoint
     total = len(sk.experts) * sk.num_experts
     dense = stored_bytes(sk.model)
     return {
@@ -347,6 +349,7 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "moe_layers": len(sk.experts),
         "experts_per_layer": sk.num_experts,
         "top_k": sk.top_k,
+        "expert_format": describe_format(sk.packed, sk.dtype),
         "expert_bytes": layout.nbytes,
         "all_experts_bytes": total * layout.nbytes,
         "dense_bytes": dense,

@@ -22,7 +22,11 @@ from expertcache.miss.base import PartSpec
 
 
 def expert_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """One expert on its tokens x [T, H] -> [T, H], with the operations of transformers' eager loop."""
+    """One expert on its tokens x [T, H] -> [T, H], with the operations of transformers' eager loop (packed
+    experts: from their packed bytes, ``engine.packed``)."""
+    packed = getattr(module, "_expertcache_packed", None)
+    if packed is not None:
+        return packed.expert(module, views, x)
     if module.is_transposed:  # GPT-OSS: x @ W + b
         h = x @ views["gate_up_proj"] + views["gate_up_proj_bias"]
         h = module._apply_gate(h)

@@ -31,6 +31,7 @@ from expertcache.engine.kernels import (
     decode_rows,
     grouped_rows,
 )
+from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.errors import ExpertcacheError
@@ -149,7 +150,12 @@ class Engine:
         self.grouped = kernel.stacked  # grouped or compiled: over the stacked slot pool
         self.compiled = kernel.name == "compiled"  # a one-token step's experts in the compiled loops
         self.stacked, self.table = stacked, table  # the whole-expert pool stacked (None without one)
-        self._on_cpu = stacked is not None and stacked.tensors["down_proj"].device.type == "cpu"
+        self._on_cpu = stacked is not None and stacked.device.type == "cpu"
+        packed = getattr(stacked, "packed", False)  # a packed checkpoint's pool (``engine.packed``)
+        # a one-token step on a CPU with every expert resident, and any other batch of whole experts
+        self._one_token = packed_decode_rows if packed else compiled_rows if self.compiled else decode_rows
+        self._rows = packed_grouped_rows if packed else grouped_rows
+        self._loops = self.compiled or packed  # a one-token batch of ready experts in compiled loops
         self._only_full = set(parts) == {FULL}  # every device unit is a whole expert in the stacked pool
         self.num_layers = len(experts)
         self._experts = list(experts)
@@ -256,10 +262,9 @@ class Engine:
                 if len(batches) == 1:  # all at once (every decode step of a model that fits)
                     if T == 1 and self._on_cpu:
                         slots = self.table.host[layer, index[0]].tolist()
-                        one = compiled_rows if self.compiled else decode_rows
-                        rows = one(module, stacked, hidden, slots, top_k_weights)
+                        rows = self._one_token(module, stacked, hidden, slots, top_k_weights)
                     else:
-                        rows = grouped_rows(module, stacked, hidden, table[top_k_index], top_k_weights)
+                        rows = self._rows(module, stacked, hidden, table[top_k_index], top_k_weights)
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
         flat_index = index.reshape(-1)
@@ -288,14 +293,14 @@ class Engine:
             if whole:
                 mine = np.isin(flat_index, whole)
                 flat = np.flatnonzero(mine)
-                if self.compiled and T == 1:  # one token: its ready experts in the compiled loops
+                if self._loops and T == 1 and self._on_cpu:  # one token: its ready experts in compiled loops
                     slots = self.table.host[layer, flat_index[flat]]
                     weights = top_k_weights.reshape(-1)[torch.from_numpy(flat)]
-                    put(flat, compiled_rows(module, stacked, hidden, slots, weights))
+                    put(flat, self._one_token(module, stacked, hidden, slots, weights))
                 else:
                     ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device), table[top_k_index],
                                       self.table.sentinel)  # fmt: skip
-                    out = grouped_rows(module, stacked, hidden, ids, top_k_weights)
+                    out = self._rows(module, stacked, hidden, ids, top_k_weights)
                     put(flat, out[torch.from_numpy(flat).to(device)])
             for key, part in batch:  # an expert's parts may come in different batches
                 if part != FULL or stacked is None:

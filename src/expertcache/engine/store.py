@@ -518,8 +518,11 @@ class ExpertStore:
         prefixes: list[str],
         shapes: dict[str, tuple],
         num_experts: int,
+        stored: str | None = None,
     ) -> None:
         self.ckpt, self.family, self.prefixes = ckpt, family, prefixes
+        # packed experts (``engine.packed``): each slot tensor is ``{prefix}.{stored}.{name}`` [experts, bytes]
+        self.stored = stored
         self.shapes, self.num_experts = shapes, num_experts
         # read an expert's bytes exactly and let their pages go (the disk tier: memory bounded by the
         # budget), rather than copy from the map and leave them to the page cache (the mapped tier)
@@ -530,6 +533,8 @@ class ExpertStore:
 
     def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
         layer, expert = key
+        if self.stored is not None:
+            return {name: [(f"{self.prefixes[layer]}.{self.stored}.{name}", True)] for name in self.shapes}
         return self.family.expert_keys(self.prefixes[layer], expert)
 
     def expert_keys(self) -> set[str]:

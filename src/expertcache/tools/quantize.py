@@ -155,3 +155,110 @@ def quantize_model(
                 f"-> {target} ({record['seconds']} s)")  # fmt: skip
         records.append(record)
     return records
+
+
+# -- packed checkpoints (``engine.packed``) ------------------------------------------------------------
+SHARD_BYTES = 2 << 30  # a packed checkpoint's files hold up to about this many bytes each
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def write_checkpoint(
+    model: str | Path | None,
+    bits: int,
+    out: str | Path,
+    group: int | None = None,
+    progress: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, object]:
+    """Write ``model`` as a packed checkpoint in ``out``: its config (with ``expertcache_experts``), its
+    tokenizer and other small files, its dense weights as they are, and its experts packed in ``int{bits}``
+    (``engine.packed``), in safetensors files of up to ``SHARD_BYTES`` with an index. ``out`` must be new
+    or empty; it is checked before any work. Returns what was written (bytes, seconds)."""
+    from safetensors.torch import save_file
+
+    from expertcache.engine.hub import resolve_model
+    from expertcache.engine.packed import CONFIG_KEY, FORMATS, STORED, Packed, check_format, describe_format
+    from expertcache.engine.store import INDEX
+
+    fmt = f"int{bits}"
+    if fmt not in FORMATS:
+        raise ExpertcacheError(
+            f"--bits {bits}: a packed checkpoint is one of {', '.join(str(b) for b in FORMATS.values())}"
+        )
+    group = check_format(fmt, group)
+    start = time.perf_counter()
+    path = resolve_model(model)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ExpertcacheError(f"{target}: exists and is not an empty directory (give a new one)")
+    sk = build_skeleton(path)
+    if sk.packed is not None:
+        raise ExpertcacheError(f"{path}: its experts are packed already ({describe_format(sk.packed)})")
+    packed = Packed(fmt, group, sk.shapes, sk.dtype, bool(sk.experts[0].is_transposed))
+    packed.check_shapes()
+    target = writable_dir(target, "the packed checkpoint")
+    for f in sorted(path.iterdir()):  # tokenizer, generation config, licence: everything but weights
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHTS):
+            (target / f.name).write_bytes(f.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    config[CONFIG_KEY] = packed.entry()
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+
+    def put(name: str, t: torch.Tensor) -> None:
+        if sizes[-1] and sizes[-1] + t.nbytes > SHARD_BYTES:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t
+        sizes[-1] += t.nbytes
+
+    ckpt, skip = sk.store.ckpt, sk.store.expert_keys()
+    for key in ckpt:  # the dense weights, as stored
+        if key not in skip:
+            put(key, ckpt.tensor(key).contiguous())
+    full = SlotLayout.of(sk.shapes, sk.dtype)
+    scratch = SlotPool(full, 1, torch.device("cpu")).views[0]
+    stored = packed.tensors()
+    keys = [(layer, e) for layer in range(len(sk.experts)) for e in range(sk.num_experts)]
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(keys), desc=f"{fmt} experts", unit="expert", leave=False)
+    for layer, prefix in enumerate(sk.store.prefixes):
+        tensors = {name: torch.empty(sk.num_experts, n, dtype=torch.uint8) for name, (n,) in stored.items()}
+        for e in range(sk.num_experts):
+            sk.store.read((layer, e), scratch)
+            for name, t in packed.pack(scratch).items():
+                tensors[name][e] = t
+            if bar is not None:
+                bar.update()
+        for name, t in tensors.items():
+            put(f"{prefix}.{STORED}.{name}", t)
+    if bar is not None:
+        bar.close()
+    meta = {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())}
+    if len(shards) == 1:
+        save_file(shards[0], str(target / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(target / name), metadata=meta)
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    layout = packed.layout()
+    record = {
+        "path": str(target), "format": describe_format(packed), "bits": bits, "group": group,
+        "experts": len(keys), "bytes_per_expert": layout.nbytes, "full_bytes_per_expert": full.nbytes,
+        "file_bytes": sum(f.stat().st_size for f in target.glob("*.safetensors")),
+        "seconds": round(time.perf_counter() - start, 2),
+    }  # fmt: skip
+    if log is not None:
+        log(f"{record['format']}: {len(keys)} experts, {layout.nbytes} bytes each "
+            f"({layout.nbytes / full.nbytes:.1%} of {full.nbytes}) -> {target} ({record['seconds']} s)")  # fmt: skip
+    return record
