@@ -15,10 +15,11 @@ Layout: ``pool`` is the slot pool's buffer ``[S, slot bytes]`` (uint8); a matrix
   ``soff``; a weight is ``q * scale``.
 - int4: ``q`` ``rows * cols / 2`` bytes at ``qoff``, two columns a byte (the even one in the low
   nibble), and per group of ``group`` columns of a row (the last one shorter where ``group`` does not
-  divide ``cols``) a bfloat16 scale (at ``soff``) and minimum (at ``moff``); a weight is ``q * scale + minimum``. A group's sum ``scale * sum(q * x) + minimum *
-  sum(x)`` takes ``xsum`` (``[R, cols / group]``, the input's sum over each group).
+  divide ``cols``) a bfloat16 scale (at ``soff``) and minimum (at ``moff``); a weight is
+  ``q * scale + minimum``. A group's sum ``scale * sum(q * x) + minimum * sum(x)`` takes ``xsum``
+  (``[R, groups]``, the input's sum over each group).
 
-``x`` ``[R, cols]`` float32 (int4: ``x_even``/``x_odd`` ``[R, cols / 2]``, ``xsum`` ``[R, groups]``), one row for every expert or one
+``x`` ``[R, cols]`` float32 (int4: ``x_even``/``x_odd`` ``[R, cols / 2]``), one row for every expert or one
 each; ``out`` ``[K, rows]`` float32. Every output value is computed by one thread from start to end, so a
 result does not depend on the number of threads.
 

@@ -3,7 +3,7 @@
 A packed checkpoint (written by ``expertcache quantize --checkpoint DIR``, ``tools.quantize``) is a
 checkpoint folder like any other (config, tokenizer, dense weights under their own names) whose experts
 are stored per layer as packed bytes, ``{layer prefix}.packed_experts.{tensor}`` ``[experts, bytes]``
-(uint8), and whose ``config.json`` says how (``expertcache_experts``: format, group, the compute dtype).
+(uint8), and whose ``config.json`` says how (``expertcache_experts``: the format and group).
 The engine reads it as it reads any checkpoint (``ExpertStore``, every slow tier): a slot holds one
 expert's packed bytes, the expert memory counts them, a miss moves them, and the kernels read them as
 they are (``_packed_jit``, numba, on a CPU); nothing is expanded to bfloat16 for a decode step.
@@ -13,14 +13,15 @@ Formats (weight-only: activations stay in float32 inside the kernels):
 - ``int8``: symmetric, one float32 scale per output row (``absmax / 127``); a weight is ``q * scale``.
   8.03 bits a weight at Granite's shapes. torch's ``_weight_int8pack_mm`` takes the same layout.
 - ``int4``: asymmetric min-max, per group of ``group`` input columns of a row (default 64; a row's last
-  group is shorter where ``group`` does not divide it) a bfloat16 scale and minimum; two weights a byte (the even column in the low nibble); a weight is ``q * scale + minimum``.
-  4.5 bits a weight at group 64.
+  group is shorter where ``group`` does not divide it) a bfloat16 scale and minimum; two weights a byte
+  (the even column in the low nibble); a weight is ``q * scale + minimum``. 4.5 bits a weight at group 64.
 
 Steps of more tokens than ``DECODE_ROWS`` (a prefill) expand each expert's matrices to the compute dtype
 once per step and multiply as the full-precision experts do (compute-bound: an expansion per step is
 small beside it); so does a GPU, where no fused kernel is written yet (``docs/ENGINE.md``).
 
-The dense weights stay as they are. GPT-OSS's matrices (stored ``[in, out]``) are packed as their transposes; its biases are stored in float32.
+The dense weights stay as they are. GPT-OSS's matrices (stored ``[in, out]``) are packed as their
+transposes; its biases are stored in float32.
 """
 
 from __future__ import annotations

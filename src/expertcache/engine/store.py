@@ -521,7 +521,7 @@ class ExpertStore:
         stored: str | None = None,
     ) -> None:
         self.ckpt, self.family, self.prefixes = ckpt, family, prefixes
-        # packed experts (``engine.packed``): each slot tensor is ``{prefix}.{stored}.{name}`` [experts, bytes]
+        # packed experts (``engine.packed``): slot tensor ``name`` is ``{prefix}.{stored}.{name}`` [E, bytes]
         self.stored = stored
         self.shapes, self.num_experts = shapes, num_experts
         # read an expert's bytes exactly and let their pages go (the disk tier: memory bounded by the

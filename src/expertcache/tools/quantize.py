@@ -259,6 +259,7 @@ def write_checkpoint(
         "seconds": round(time.perf_counter() - start, 2),
     }  # fmt: skip
     if log is not None:
-        log(f"{record['format']}: {len(keys)} experts, {layout.nbytes} bytes each "
-            f"({layout.nbytes / full.nbytes:.1%} of {full.nbytes}) -> {target} ({record['seconds']} s)")  # fmt: skip
+        share = layout.nbytes / full.nbytes
+        log(f"{record['format']}: {len(keys)} experts, {layout.nbytes} bytes each ({share:.1%} of "
+            f"{full.nbytes}) -> {target} ({record['seconds']} s)")  # fmt: skip
     return record
