@@ -388,14 +388,25 @@ def _build_parser() -> argparse.ArgumentParser:
     tpol.add_argument("--test", nargs="+", metavar="TRACE", help="held-out traces to score (default: none)")
     tpol.set_defaults(func=_cmd_train_policy)
 
-    q = sub.add_parser("quantize", help="write low-precision copies of a model's experts (for --miss hobbit)")
+    q = sub.add_parser(
+        "quantize",
+        help="write a packed checkpoint (--checkpoint DIR: int8 or int4 experts), or low-precision copies "
+        "of a model's experts (for --miss hobbit)",
+    )
     q.add_argument("model", nargs="?", help="checkpoint dir (default: the embedded model)")
     q.add_argument(
-        "--bits", type=int, nargs="+", default=[8, 4], metavar="B", help="8, 4 and/or 2 (default 8 4)"
-    )
+        "--bits", type=int, nargs="+", default=None, metavar="B",
+        help="copies: 8, 4 and/or 2 (default 8 4); --checkpoint: 8 or 4 (default 8)",
+    )  # fmt: skip
     q.add_argument(
-        "--group", type=int, default=64, metavar="N", help="weights per scale and zero (default 64)"
-    )
+        "--group", type=int, default=None, metavar="N",
+        help="weights per scale and zero (default 64; int8 checkpoints: one scale per row)",
+    )  # fmt: skip
+    q.add_argument(
+        "--checkpoint", metavar="DIR",
+        help="write a packed checkpoint here (a new or empty folder): the model with its experts packed, "
+        "which generate --model DIR runs",
+    )  # fmt: skip
     q.add_argument(
         "--out", metavar="DIR", help="where (default: beside the checkpoint, else the user's cache)"
     )
@@ -420,6 +431,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
         help="transformers' experts implementation compared against (default auto: the one the kernel is "
         "exact against; grouped_mm for compiled)",
+    )  # fmt: skip
+    ql.add_argument(
+        "--reference-model", metavar="DIR",
+        help="the checkpoint the reference runs (default: --model's own; a packed checkpoint: the "
+        "full-precision one it was made from, as its config names it)",
     )  # fmt: skip
     ql.add_argument("--expert-memory", default="25%", metavar="X", help="bytes or a share (default 25%%)")
     ql.add_argument("--policy", default="lru", metavar="NAME[:k=v,...]", help="eviction policy (default lru)")
@@ -1152,8 +1168,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from expertcache.tools.quantize import quantize_model
 
     quiet_transformers()
+    if args.checkpoint is not None:
+        return _write_packed(args)
     records = quantize_model(
-        args.model, args.bits, args.group, args.out, optimize=not args.fast,
+        args.model, args.bits or [8, 4], 64 if args.group is None else args.group, args.out,
+        optimize=not args.fast,
         log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
     if args.json:
@@ -1163,6 +1182,30 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             share = r["bytes_per_expert"] / r["full_bytes_per_expert"]
             print(f"int{r['bits']} (group {r['group']}): {r['path']} ({r['bytes_per_expert']} bytes per "
                   f"expert, {share:.1%} of the full one)")  # fmt: skip
+    return 0
+
+
+def _write_packed(args: argparse.Namespace) -> int:
+    from expertcache.tools.quantize import write_checkpoint
+
+    for flag, given in (("--out", args.out), ("--fast", args.fast)):
+        if given:
+            raise ExpertcacheError(
+                f"{flag} is for the hobbit copies; --checkpoint DIR is where a packed one goes"
+            )
+    bits = args.bits or [8]
+    if len(bits) != 1:
+        raise ExpertcacheError(f"--checkpoint writes one format: give one --bits (8 or 4), got {bits}")
+    record = write_checkpoint(
+        args.model, bits[0], args.checkpoint, args.group,
+        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(record))
+    else:
+        share = record["bytes_per_expert"] / record["full_bytes_per_expert"]
+        print(f"{record['format']} checkpoint: {record['path']} ({record['bytes_per_expert']} bytes per "
+              f"expert, {share:.1%} of the full one; run it with generate --model DIR)")  # fmt: skip
     return 0
 
 
@@ -1183,6 +1226,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
         reference_implementation=None if args.reference == "auto" else args.reference,
+        reference_model=args.reference_model,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

@@ -78,7 +78,8 @@ class Reference:
         from expertcache.engine.loader import load_reference
 
         self.experts = experts or default_kernel(device).reference  # transformers' experts implementation
-        self.model = load_reference(resolve_model(model_path), device=device, experts=self.experts)
+        self.path = resolve_model(model_path)
+        self.model = load_reference(self.path, device=device, experts=self.experts)
         self._done: dict[tuple[int, ...], torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -102,12 +103,15 @@ def measure(
     prefetch_when: str = "always",
     kernel: str | None = None,
     reference_implementation: str | None = None,
+    reference_model: str | Path | None = None,
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
     against the full-precision reference: transformers with ``reference_implementation`` (its
     ``experts_implementation``; by default the one the kernel is exact against, and for the compiled
     kernel, which is exact against none, the default kernel's: ``grouped_mm``); ``reference``: one to
-    reuse across calls on the same model and texts.
+    reuse across calls on the same model and texts. A packed checkpoint (``engine.packed``) is measured
+    against the full-precision checkpoint it was made from: ``reference_model``, by default the one its
+    config names (``expertcache quantize --checkpoint`` writes it there).
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -141,7 +145,9 @@ def measure(
         impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
-        ref = reference if reference is not None else Reference(model.path, device, impl)
+        ref = reference
+        if ref is None:
+            ref = Reference(_reference_path(model, reference_model), device, impl)
         nll = {"reference": 0.0, "measured": 0.0}
         count = agree = identical = positions = 0
         largest = 0.0
@@ -168,6 +174,8 @@ def measure(
         return {
             "miss": model.miss.describe(),
             "kernel": model.kernel.name,
+            "expert_format": model.stats["expert_format"],
+            "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
             "policy": policy,
             "expert_memory": expert_memory,
@@ -191,9 +199,28 @@ def measure(
         model.close()
 
 
+def _reference_path(model, given: str | Path | None) -> Path:
+    """The checkpoint the reference runs: ``given``, else the model's own, else (a packed checkpoint, which
+    transformers cannot run) the full-precision one its config names."""
+    if given is not None:
+        return Path(given)
+    if model.packed is None:
+        return model.path
+    from expertcache.engine.packed import CONFIG_KEY
+
+    source = (getattr(model.config, CONFIG_KEY, None) or {}).get("source")
+    if source is None or not (Path(source) / "config.json").is_file():
+        raise ExpertcacheError(
+            f"{model.path} stores its experts packed and names no full-precision checkpoint that exists "
+            f"({source or 'none'}): give the one it was made from (--reference-model DIR)"
+        )
+    return Path(source)
+
+
 def format_quality(r: dict[str, object]) -> str:
     return (
-        f"{r['miss']} ({r['policy']}, {r['expert_memory']}), kernel {r['kernel']}, against {r['reference']}: "
+        f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
+        f"kernel {r['kernel']}, against {r['reference']}: "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "

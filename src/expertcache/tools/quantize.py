@@ -201,7 +201,7 @@ def write_checkpoint(
         if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHTS):
             (target / f.name).write_bytes(f.read_bytes())
     config = json.loads((path / "config.json").read_text())
-    config[CONFIG_KEY] = packed.entry()
+    config[CONFIG_KEY] = {**packed.entry(), "source": str(path.resolve())}  # quality's reference
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
