@@ -96,7 +96,9 @@ def calibrate(model, module) -> CostModel:
     scratch = pool.views[0]
     flat = pool.buffer[0].view(torch.uint8).numpy() if device.type == "cpu" else None  # as the worker
     plan = layout.chunks(model.chunk_bytes)
-    hidden = layout.shapes[layout.names.index("gate_up_proj")][-1 if not module.is_transposed else 0]
+    packed = getattr(model, "packed", None)  # a packed checkpoint: its slots are bytes; the shapes its own
+    shapes = packed.shapes if packed is not None else dict(zip(layout.names, layout.shapes, strict=True))
+    hidden = shapes["gate_up_proj"][-1 if not module.is_transposed else 0]
 
     def move() -> None:
         for chunk in plan:

@@ -1,0 +1,228 @@
+"""Packed experts (``engine.packed``): int8 and int4 checkpoints stored, moved and computed packed.
+
+- Packing: a weight comes back within half a quantisation step (the stored scale's), for shapes whose
+  rows a group does not divide too.
+- The packed kernels (numba) equal a float32 product with the expanded matrix, for a shared input row and
+  for one row per expert.
+- A packed checkpoint (``write_checkpoint``) runs through the engine with the same tokens and bit-identical
+  logits whatever the budget, slow tier or miss path (the packed computation does not depend on where
+  an expert was computed), and close to transformers running the same checkpoint with its experts
+  expanded (the dequantised model): the accuracy reference.
+- GPT-OSS (transposed matrices, biases) and a Qwen-style family run packed as well.
+- Errors are one line: a kernel or miss path a packed checkpoint cannot run, the packed kernel on a
+  full-precision checkpoint, an unknown format in a config, a bad --bits or a non-empty folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import engine_fixtures
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import engine_load, greedy
+
+from expertcache.engine.packed import MATRICES, Packed, PackedKernels, pack_int4, pack_int8
+from expertcache.errors import ExpertcacheError
+from expertcache.tools.quantize import write_checkpoint
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+
+@pytest.mark.parametrize("cols", [160, 256])
+def test_int4_weights_come_back_within_half_a_step(cols):
+    torch.manual_seed(0)
+    w = torch.randn(6, cols)
+    p = Packed("int4", 64, {"gate_up_proj": (6, cols), "down_proj": (cols, 3)}, torch.float32, False)
+    stored = {f"gate_up_proj.{k}": v for k, v in pack_int4(w, 64).items()}
+    back = p.expand(stored, "gate_up_proj")
+    groups = -(-cols // 64)
+    step = stored["gate_up_proj.scale"].view(torch.bfloat16).float().view(6, groups)
+    bound = step.repeat_interleave(64, dim=1)[:, :cols] / 2 + 1e-6
+    assert back.shape == w.shape
+    assert ((back - w).abs() <= bound * 1.01).all()
+    assert (back - w).abs().max() > 0  # it is a quantisation
+
+
+def test_int8_weights_come_back_within_half_a_step():
+    torch.manual_seed(1)
+    w = torch.randn(8, 96) * torch.linspace(0.1, 4, 8)[:, None]
+    p = Packed("int8", 0, {"gate_up_proj": (8, 96), "down_proj": (96, 4)}, torch.float32, False)
+    stored = {f"gate_up_proj.{k}": v for k, v in pack_int8(w).items()}
+    back = p.expand(stored, "gate_up_proj")
+    scale = stored["gate_up_proj.scale"].view(torch.float32)
+    assert torch.allclose(scale, w.abs().amax(1) / 127)
+    assert ((back - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("int8", 0), ("int4", 64), ("int4", 32)])
+def test_the_packed_kernels_equal_the_product_with_the_expanded_matrices(fmt, group):
+    from expertcache.engine.memory import SlotPool
+
+    torch.manual_seed(2)
+    H, F = 160, 48
+    p = Packed(fmt, group, {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}, torch.float32, False)
+    k = PackedKernels(p)
+    pool = SlotPool(k.layout, 3, torch.device("cpu"))
+    for s in range(3):
+        full = {"gate_up_proj": torch.randn(2 * F, H), "down_proj": torch.randn(H, F)}
+        for name, t in p.pack(full).items():
+            pool.views[s][name].copy_(t)
+    arr = pool.buffer.numpy()
+    slots = np.array([2, 0], dtype=np.int64)
+    for x in (torch.randn(1, H), torch.randn(2, H)):  # one row for both, one each
+        got = k.project("gate_up_proj", arr, slots, x)
+        for i, s in enumerate(slots):
+            w = p.expand(pool.views[int(s)], "gate_up_proj")
+            want = x[0 if x.shape[0] == 1 else i] @ w.T
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def packed_ckpts(tmp_path_factory):
+    """The embedded model packed in int8 and int4 (a second or two each)."""
+    out = {}
+    for bits in (8, 4):
+        out[bits] = tmp_path_factory.mktemp("packed") / f"int{bits}"
+        write_checkpoint(None, bits, out[bits], progress=False)
+    return out
+
+
+def _dequantised_reference(packed_dir, tmp_path):
+    """transformers' model of the source checkpoint, its experts replaced by the packed ones expanded."""
+    from expertcache.engine.hub import DEFAULT_MODEL
+    from expertcache.engine.loader import build_skeleton, load_reference
+    from expertcache.engine.memory import SlotPool
+
+    ref = load_reference(DEFAULT_MODEL, experts="eager")
+    sk = build_skeleton(packed_dir)
+    scratch = SlotPool(sk.layout, 1, torch.device("cpu")).views[0]
+    mods = [
+        m
+        for m in ref.modules()
+        if hasattr(m, "has_gate") and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+    ]
+    assert len(mods) == len(sk.experts)
+    with torch.no_grad():
+        for layer, mod in enumerate(mods):
+            for e in range(sk.num_experts):
+                sk.store.read((layer, e), scratch)
+                for name in MATRICES:
+                    getattr(mod, name)[e] = sk.packed.expand(scratch, name).to(getattr(mod, name).dtype)
+    return ref
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_packed_checkpoint_runs_the_same_at_any_budget_tier_and_miss_path(bits, packed_ckpts, tmp_path):
+    from expertcache.engine.offloaded import model_info
+
+    path = packed_ckpts[bits]
+    info = model_info(path)
+    assert info["expert_format"] == ("int8" if bits == 8 else "int4-g64")
+    with engine_load(path) as model:
+        want = greedy(model, IDS)
+        stats = model.stats
+        full = model.layout.nbytes
+    assert stats["kernel"] == "packed" and stats["expert_bytes"] == info["expert_bytes"] == full
+    runs = [
+        dict(expert_memory="30%", slow_tier="disk"),
+        dict(expert_memory="30%", slow_tier="host", prefetch="next-gate"),
+        dict(expert_memory="30%", miss="host"),
+        dict(expert_memory=f"{2 * 6 * full}B", miss="fetch"),  # the minimum: top-2 of 6 layers
+    ]
+    for kwargs in runs:
+        with engine_load(path, **kwargs) as model:
+            got = greedy(model, IDS)
+            moved = model.stats["bytes_transferred"]
+        assert got[0].tolist() == want[0].tolist(), kwargs
+        assert torch.equal(got[1], want[1]), kwargs
+        assert moved % full == 0  # whole packed experts move
+    # against transformers running the dequantised model: close, the same tokens
+    ref = greedy(_dequantised_reference(path, tmp_path), IDS)
+    assert ref[0].tolist() == want[0].tolist()
+    torch.testing.assert_close(want[1], ref[1], rtol=0, atol=2e-3 * float(ref[1].abs().max()))
+
+
+def test_a_packed_checkpoint_costs_little_accuracy(packed_ckpts):
+    """The packed model's greedy tokens against the full-precision model's (the reference of quality)."""
+    from expertcache.engine.hub import DEFAULT_MODEL
+
+    with engine_load(DEFAULT_MODEL) as model:
+        full = greedy(model, IDS)
+    with engine_load(packed_ckpts[8]) as model:
+        int8 = greedy(model, IDS)
+    top = float(full[1].abs().max())
+    assert (int8[1] - full[1]).abs().max() < 0.05 * top
+    assert (int8[1].argmax(-1) == full[1].argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])
+def test_families_run_packed(family, ckpt, tmp_path):
+    path = ckpt(family)
+    out = tmp_path / "int8"
+    write_checkpoint(path, 8, out, progress=False)
+    with engine_load(out) as model:
+        want = greedy(model, IDS)
+        assert model.stats["expert_format"] == "int8"
+    with engine_load(out, expert_memory="30%") as model:
+        got = greedy(model, IDS)
+    assert got[0].tolist() == want[0].tolist() and torch.equal(got[1], want[1])
+    with engine_load(path) as model:  # full precision: close
+        full = greedy(model, IDS)
+    assert (want[1] - full[1]).abs().max() < 0.05 * float(full[1].abs().max()) + 1e-3
+
+
+def test_packed_errors_are_one_line(packed_ckpts, tmp_path):
+    from expertcache.engine import load
+    from expertcache.engine.hub import DEFAULT_MODEL
+
+    path = packed_ckpts[8]
+    with pytest.raises(ExpertcacheError, match="run on the packed kernel only, not --kernel grouped"):
+        load(path, kernel="grouped", progress=False)
+    with pytest.raises(ExpertcacheError, match="miss path hobbit needs full-precision experts"):
+        load(path, miss="hobbit", progress=False)
+    with pytest.raises(ExpertcacheError, match="experts kernel packed reads packed experts"):
+        load(DEFAULT_MODEL, kernel="packed", progress=False)
+    with pytest.raises(ExpertcacheError, match="not an empty directory"):
+        write_checkpoint(None, 8, path)
+    with pytest.raises(ExpertcacheError, match="--bits 2: a packed checkpoint is one of 8, 4"):
+        write_checkpoint(None, 2, tmp_path / "two")
+    with pytest.raises(ExpertcacheError, match="packed already"):
+        write_checkpoint(path, 4, tmp_path / "again")
+    with pytest.raises(ExpertcacheError, match="--group applies to int4 only"):
+        write_checkpoint(None, 8, tmp_path / "g", group=32)
+    # a format this version does not run: named, with what it runs
+    odd = tmp_path / "mx"
+    odd.mkdir()
+    for f in path.iterdir():
+        (odd / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["expertcache_experts"]["format"] = "mxfp4"
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ExpertcacheError, match=r"packed experts in format 'mxfp4': this expertcache runs int8, int4"
+    ):
+        load(odd, progress=False)
+
+
+def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):
+    from expertcache.cli import main
+
+    out = tmp_path / "int4"
+    assert main(["quantize", "--bits", "4", "--checkpoint", str(out), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["format"] == "int4-g64" and record["bytes_per_expert"] < record["full_bytes_per_expert"] / 4
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["expertcache_experts"]["format"] == "int4" and (out / "tokenizer.json").is_file()
+    code = main(["generate", "--model", str(out), "--prompt", "def f(x):", "--max-new-tokens", "4",
+                 "--expert-memory", "40%", "--json"])  # fmt: skip
+    assert code == 0
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert run["expert_format"] == "int4-g64" and run["kernel"] == "packed"
+    assert main(["quantize", "--bits", "8", "4", "--checkpoint", str(tmp_path / "two")]) == 2
+    assert "give one --bits" in capsys.readouterr().err
