@@ -33,7 +33,8 @@ Engines (``--only SUBSTR ...`` keeps those whose name contains one of the string
 - ``expertcache <memory> <tier> ...``: ``expertcache.load(path, expert_memory=..., slow_tier=...,
   device="cpu")`` for each ``--expertcache MEMORY[:TIER[:key=value,...]]`` (default ``100%:disk
   25%:disk``; e.g. ``100%:disk:kernel=eager``), with ``--expertcache-args key=value ...`` added to
-  every ``load()`` (values are Python literals, else strings). The name says the experts kernel the
+  every ``load()`` (values are Python literals, else strings); ``model=DIR`` runs another checkpoint
+  of the same model (a packed one: ``expertcache quantize --checkpoint``). The name says the experts kernel the
   engine resolved (``grouped`` by default where torch has ``grouped_mm``, else ``eager``). Tokens are
   compared with transformers eager's and with those of the implementation the kernel equals bit for
   bit (README, ``--kernel``: ``grouped`` = ``grouped_mm``, ``eager`` = ``eager``): ``kernel_twin``.
@@ -385,7 +386,8 @@ def expertcache_spec(spec: str, extra: dict) -> tuple[str, str, dict, str]:
     tier, _, own = rest.partition(":")
     tier = tier or "disk"
     own_args = parse_extra([kv for kv in own.split(",") if kv])
-    name = f"expertcache {memory} {tier}" + "".join(f" {k}={v}" for k, v in own_args.items())
+    shown = {k: Path(str(v)).name if k == "model" else v for k, v in own_args.items()}
+    name = f"expertcache {memory} {tier}" + "".join(f" {k}={v}" for k, v in shown.items())
     return memory, tier, {**extra, **own_args}, name
 
 
@@ -394,6 +396,7 @@ class ExpertcacheEngine(Engine):
         import expertcache
 
         memory, tier, kwargs, self.name = expertcache_spec(spec, extra)
+        path = Path(kwargs.pop("model", path))  # another checkpoint of the same model (a packed one)
         self.pad = pad
         t0 = time.perf_counter()
         self.m = expertcache.load(
