@@ -34,10 +34,10 @@ Engines (``--only SUBSTR ...`` keeps those whose name contains one of the string
   device="cpu")`` for each ``--expertcache MEMORY[:TIER[:key=value,...]]`` (default ``100%:disk
   25%:disk``; e.g. ``100%:disk:kernel=eager``), with ``--expertcache-args key=value ...`` added to
   every ``load()`` (values are Python literals, else strings); ``model=DIR`` runs another checkpoint
-  of the same model (a packed one: ``expertcache quantize --checkpoint``). The name says the experts kernel the
-  engine resolved (``grouped`` by default where torch has ``grouped_mm``, else ``eager``). Tokens are
-  compared with transformers eager's and with those of the implementation the kernel equals bit for
-  bit (README, ``--kernel``: ``grouped`` = ``grouped_mm``, ``eager`` = ``eager``): ``kernel_twin``.
+  of the same model (a packed one: ``expertcache quantize --checkpoint``). The name says the experts
+  kernel the engine resolved (``grouped`` by default where torch has ``grouped_mm``, else ``eager``).
+  Tokens are compared with transformers eager's and with those of the implementation the kernel equals
+  bit for bit (README, ``--kernel``: ``grouped`` = ``grouped_mm``, ``eager`` = ``eager``): ``kernel_twin``.
 
 Per engine: TTFT (start to first new token) and TPOT (mean gap between later tokens), medians and
 ranges over rounds; CPU seconds per decoded token (``time.process_time`` of the whole process, all its
