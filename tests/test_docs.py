@@ -143,6 +143,8 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
         assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--record-trace", "run.npz"]) == 0
     if "profile.json" in argv and argv[0] != "profile":  # a profile an earlier example wrote
         assert main(["profile", "--device", "cpu", "--steps", "2", "-o", "profile.json"]) == 0
+    if "int8-model" in argv and argv[0] != "quantize" and not Path("int8-model").exists():
+        assert main(["quantize", "--bits", "8", "--checkpoint", "int8-model"]) == 0  # an earlier example's
     if "plan.json" in argv and argv[0] != "plan":  # a plan an earlier example wrote
         assert main(["plan", "--expert-memory", "25%", "--method", "uniform", "-o", "plan.json"]) == 0
     if argv[0] == "serve":  # runs until stopped: parsed here, run by tests/test_serve.py

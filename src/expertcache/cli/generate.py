@@ -20,7 +20,7 @@ PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start
 
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
 # engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
-KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled"]
+KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled", "packed"]
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
     "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
@@ -105,7 +105,8 @@ def add_model_args(p) -> None:
         help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
         "against transformers' grouped_mm), eager (one at a time, exact against its eager loop), "
         "compiled (CPU: grouped, with decode steps' experts in compiled loops at the memory's speed; "
-        "not bit-equal to transformers); default auto: grouped where torch has it",
+        "not bit-equal to transformers), packed (a packed checkpoint's, taken for one); default auto: "
+        "grouped where torch has it, packed for a packed checkpoint",
     )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
