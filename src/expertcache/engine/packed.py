@@ -16,9 +16,10 @@ Formats (weight-only: activations stay in float32 inside the kernels):
   group is shorter where ``group`` does not divide it) a bfloat16 scale and minimum; two weights a byte
   (the even column in the low nibble); a weight is ``q * scale + minimum``. 4.5 bits a weight at group 64.
 
-Steps of more tokens than ``DECODE_ROWS`` (a prefill) expand each expert's matrices to the compute dtype
-once per step and multiply as the full-precision experts do (compute-bound: an expansion per step is
-small beside it); so does a GPU, where no fused kernel is written yet (``docs/ENGINE.md``).
+On a GPU the kernels are Triton's (``_packed_triton``): the same per-row products, each weight block
+unpacked in registers. Steps of more tokens than ``DECODE_ROWS`` an expert (a prefill) expand each
+expert's matrices to the compute dtype once per step and multiply as the full-precision experts do
+(compute-bound: an expansion per step is small beside it); so does a GPU without Triton.
 
 The dense weights stay as they are. GPT-OSS's matrices (stored ``[in, out]``) are packed as their
 transposes; its biases are stored in float32.
@@ -212,13 +213,40 @@ class PackedKernels:
         self.layout = packed.layout()
         self.offsets = dict(zip(self.layout.names, self.layout.offsets, strict=True))
 
-    def project(self, name: str, pool: np.ndarray, slots: np.ndarray, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[1 or K, in]`` times the matrix ``name`` of each slot in ``slots`` ``[K]`` -> float32
-        ``[K, out]`` (the packed kernels; CPU)."""
-        from expertcache.engine import _packed_jit
+    def offsets_of(self, name: str) -> tuple[int, ...]:
+        """Where in a slot the matrix ``name``'s packed tensors start: q, scale (and int4's minimum)."""
+        off = self.offsets
+        return (off[f"{name}.q"], off[f"{name}.scale"]) + (
+            (off[f"{name}.min"],) if self.packed.format == "int4" else ()
+        )
 
+    def warm(self, pool: torch.Tensor) -> None:
+        """Compile the GPU kernels for this model's matrices (on ``pool``, a GPU's pool) once, at load."""
+        from expertcache.engine import _packed_triton
+
+        p = self.packed
+        _packed_triton.warm(
+            p.format,
+            p.group,
+            pool,
+            {n: self.offsets_of(n) for n in MATRICES},
+            {n: p.matrix(n) for n in MATRICES},
+        )
+
+    def project(self, name: str, pool, slots, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[1 or K, in]`` times the matrix ``name`` of each slot in ``slots`` ``[K]`` -> float32
+        ``[K, out]``: numba's loops over a CPU pool (``np.ndarray``), Triton's over a GPU's (a tensor; a
+        slot past the pool gives zeros)."""
         p, off = self.packed, self.offsets
         rows, cols = p.matrix(name)
+        if isinstance(pool, torch.Tensor):
+            from expertcache.engine import _packed_triton
+
+            return _packed_triton.project(
+                p.format, p.group, pool, self.offsets_of(name), rows, cols, slots, x
+            )
+        from expertcache.engine import _packed_jit
+
         xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
         out = np.empty((len(slots), rows), dtype=np.float32)
         if p.format == "int8":
@@ -235,12 +263,12 @@ class PackedKernels:
             )  # fmt: skip
         return torch.from_numpy(out)
 
-    def rows(self, module, pool: np.ndarray, slots, x: torch.Tensor, views=None) -> torch.Tensor:
+    def rows(self, module, pool, slots, x: torch.Tensor) -> torch.Tensor:
         """Each expert's output on its own row of ``x`` (``[K, H]``, or ``[1, H]`` shared by all), for the
-        slots ``slots`` ``[K]`` of ``pool``: ``[K, H]`` in the compute dtype. On a CPU in the packed
-        kernels; elsewhere ``views`` (one slot's, K = 1 rows of it) are expanded."""
+        slots ``slots`` ``[K]`` of ``pool`` (a CPU's ``np.ndarray`` ``[S, slot bytes]`` with slot ids, or a
+        GPU's uint8 tensor with a tensor of them on it): ``[K, H]`` in the compute dtype."""
         p = self.packed
-        ids = np.asarray(slots, dtype=np.int64)
+        ids = slots if isinstance(pool, torch.Tensor) else np.asarray(slots, dtype=np.int64)
         h = self.project("gate_up_proj", pool, ids, x).to(p.dtype)
         if module.is_transposed:
             h = module._apply_gate(h + _bias_rows(p, pool, self.offsets, ids, "gate_up_proj_bias"))
@@ -253,11 +281,15 @@ class PackedKernels:
         return out
 
     def expert(self, module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens ``x`` ``[T, H]`` -> ``[T, H]``, from one slot's views: a few tokens on
-        a CPU in the packed kernels (the slot for each token), else from the matrices expanded."""
-        if x.device.type == "cpu" and x.shape[0] <= DECODE_ROWS:
-            pool = slot_bytes(views, self.layout).numpy()
-            return self.rows(module, pool, np.zeros(x.shape[0], dtype=np.int64), x)
+        """One expert on its tokens ``x`` ``[T, H]`` -> ``[T, H]``, from one slot's views: a few tokens in
+        the packed kernels (each token a row of the slot's own one-slot pool), else from the matrices
+        expanded."""
+        if x.shape[0] <= DECODE_ROWS:
+            one = slot_bytes(views, self.layout)
+            if x.device.type == "cpu":
+                return self.rows(module, one.numpy(), np.zeros(x.shape[0], dtype=np.int64), x)
+            if gpu_kernels(x.device):
+                return self.rows(module, one, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), x)
         p = self.packed
         w1, w2 = (self.packed.expand(views, n).to(p.dtype) for n in MATRICES)
         if module.is_transposed:
@@ -267,11 +299,24 @@ class PackedKernels:
         return F.linear(module.act_fn(gate) * up, w2)
 
 
-def _bias_rows(
-    p: Packed, pool: np.ndarray, offsets: dict[str, int], ids: np.ndarray, name: str
-) -> torch.Tensor:
+def gpu_kernels(device: torch.device) -> bool:
+    """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _bias_rows(p: Packed, pool, offsets: dict[str, int], ids, name: str) -> torch.Tensor:
     n = p.shapes[name][0] * 4
-    raw = torch.from_numpy(np.ascontiguousarray(pool[ids, offsets[name] : offsets[name] + n]))
+    start = offsets[name]
+    if isinstance(pool, torch.Tensor):  # a GPU's pool: ids past it (computed elsewhere) read slot 0
+        raw = pool[torch.where(ids < pool.shape[0], ids, 0), start : start + n].contiguous()
+    else:
+        raw = torch.from_numpy(np.ascontiguousarray(pool[ids, start : start + n]))
     return raw.view(torch.float32).to(p.dtype)
 
 
@@ -286,6 +331,9 @@ class PackedPool:
         self.num_slots = len(pool)
         self.device = pool.buffer.device
         self.array = pool.buffer.numpy() if self.device.type == "cpu" else None  # [S, slot bytes]
+        self.gpu = gpu_kernels(self.device)  # the whole step's pairs in one call of the Triton kernels
+        if self.gpu:
+            kernels.warm(pool.buffer)
 
 
 def packed_decode_rows(module, pool: PackedPool, hidden: torch.Tensor, slots, top_k_weights) -> torch.Tensor:
@@ -301,10 +349,13 @@ def packed_grouped_rows(
     """Each (token, expert) pair's weighted output ``[T*K, H]`` in routing order, from the packed experts in
     slots ``slot_ids`` ``[T, K]`` (``pool.num_slots``: computed elsewhere, its row left zero):
     ``kernels.grouped_rows`` for packed experts, one expert after another."""
-    K = slot_ids.shape[-1]
+    T, K = slot_ids.shape
     ids = slot_ids.reshape(-1)
-    host = ids.to("cpu").numpy()
     weights = top_k_weights.reshape(-1)
+    if pool.gpu and T <= DECODE_ROWS:  # every pair a row: each expert has at most T tokens (``expert``)
+        out = pool.kernels.rows(module, pool.pool.buffer, ids, hidden.repeat_interleave(K, dim=0))
+        return (out * weights[:, None]).to(hidden.dtype)
+    host = ids.to("cpu").numpy()
     out = torch.zeros(ids.numel(), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
     for slot in np.unique(host):
         if slot >= pool.num_slots:
