@@ -13,7 +13,7 @@ from engine_fixtures import TOP_K, assert_exact, engine_load, greedy
 
 from expertcache.cli import main
 from expertcache.costs import CostModel, quantized_bytes
-from expertcache.engine.quantized import find_copy, read_meta
+from expertcache.engine.quantized import find_copy, packed_of, read_meta
 from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.miss import FETCH, SKIPPED, MissContext, MissPathError, Need, make_miss
 from expertcache.policy import PolicyContext, make_policy
@@ -71,8 +71,38 @@ def test_quantize_writes_one_file_per_precision_beside_the_checkpoint(family, qu
         per_expert = sum(t["bytes"] for t in meta["tensors"].values())
         with engine_load(path) as model:
             full = model.layout.nbytes
-        plain = sum(t["bytes"] for n, t in meta["tensors"].items() if "." not in n)  # biases kept as they are
-        assert per_expert - plain == quantized_bytes(full - plain, bits, 32, 32)  # fp32 weights, groups of 32
+        packed = packed_of(meta, torch.float32)
+        if bits == 2:  # HQQ's: packed weights, a 16-bit scale and zero per group
+            assert packed is None and meta.get("layout") is None
+            plain = sum(t["bytes"] for n, t in meta["tensors"].items() if "." not in n)  # biases as they are
+            assert per_expert - plain == quantized_bytes(full - plain, bits, 32, 32)  # fp32, groups of 32
+            continue
+        # int8 and int4: the packed checkpoints' formats, computed by the packed kernels
+        assert packed is not None and packed.format == f"int{bits}"
+        assert packed.group == (32 if bits == 4 else 0)
+        stored = {n: b for n, (b,) in packed.tensors().items()}
+        assert {n: t["bytes"] for n, t in meta["tensors"].items()} == stored
+        matrices = [packed.matrix(n) for n in ("gate_up_proj", "down_proj")]
+        weights = sum(r * c for r, c in matrices)
+        # int8: a float32 scale per row; int4: a bfloat16 scale and minimum per group of 32 columns
+        scales = sum(4 * r * (1 if bits == 8 else -(-c // 32)) for r, c in matrices)
+        plain = sum(b for n, b in stored.items() if "." not in n)  # biases, float32
+        assert per_expert == weights * bits // 8 + scales + plain
+
+
+def test_int8_and_int4_copies_need_no_hqq(make_ckpt, monkeypatch):
+    """The packed copies are written and computed without hqq; int2 says in one line that it needs it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "hqq", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)
+    path = make_ckpt("mixtral", seed=7)
+    quantize_model(path, bits=(4,), group=32, progress=False)
+    with engine_load(path, TOP_K + 2, miss="hobbit:bits=4,t1=-1,group=32") as model:
+        greedy(model, IDS)
+        assert model.stats["low_precision"] > 0
+    with pytest.raises(ExpertcacheError, match="int2 copies of the experts need the optional hqq"):
+        quantize_model(path, bits=(2,), group=32, progress=False)
 
 
 def test_quantize_refuses_bad_requests_before_working(ckpt, tmp_path):

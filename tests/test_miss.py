@@ -383,7 +383,8 @@ def test_a_budget_too_small_for_a_partial_placement_is_refused(ckpt):
 
 
 def test_quantised_experts_without_hqq_say_how_to_install_it(monkeypatch, capsys):
-    """hqq is optional (``expertcache[quant]``): without it the low-precision paths say so, exit 2."""
+    """hqq is optional (``expertcache[quant]``): without it the int2 copies say so, exit 2 (int8 and int4
+    copies are the packed formats, which need no hqq: ``test_hobbit``)."""
     import sys
 
     from expertcache.lazy import hqq_quantizer
@@ -391,10 +392,10 @@ def test_quantised_experts_without_hqq_say_how_to_install_it(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # an import of it now fails
     with pytest.raises(ExpertcacheError, match=r"pip install 'expertcache\[quant\]'"):
         hqq_quantizer()
-    assert main(["quantize", "default", "--bits", "4"]) == 2
+    assert main(["quantize", "default", "--bits", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expertcache[quant]" in err
     # the miss path says it before looking for copies (which it would tell the user to build with quantize)
-    assert main(["generate", "--prompt", "x", "--miss", "hobbit", "--device", "cpu"]) == 2
+    assert main(["generate", "--prompt", "x", "--miss", "hobbit:bits=2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expertcache[quant]" in err and "quantize --bits" not in err

@@ -124,6 +124,7 @@ def test_profile_measures_each_low_precision_copy_that_exists(ckpt, tmp_path, ca
     assert main(["profile", "--model", str(path), "--device", "cpu", "--steps", "2", "-o", str(out)]) == 0
     assert "precisions int4:" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    int4 = data["precisions"]["int4"]
-    assert 0 < int4["bytes"] < data["model"]["expert_bytes"] / 3 and int4["dequant_s"] > 0
+    int4 = data["precisions"]["int4"]  # packed: computed from its bytes, its time beyond a full expert's
+    assert 0 < int4["bytes"] < data["model"]["expert_bytes"] / 3 and int4["compute_s"] > 0
+    assert int4["dequant_s"] >= 0
     assert data["cost"]["dequant_s"] == int4["dequant_s"] and "dequant_s" in data["measured"]

@@ -50,7 +50,7 @@ def hqq_quantizer():
         from expertcache.errors import ExpertcacheError
 
         raise ExpertcacheError(
-            "quantised experts need the optional hqq package: pip install 'expertcache[quant]'"
+            "int2 copies of the experts need the optional hqq package: pip install 'expertcache[quant]'"
         ) from None
     return Quantizer
 

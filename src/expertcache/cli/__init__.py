@@ -411,7 +411,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="where (default: beside the checkpoint, else the user's cache)"
     )
     output_option(q, "out", "quantised copies", folder=True)
-    q.add_argument("--fast", action="store_true", help="plain min-max rounding, without HQQ's optimisation")
+    q.add_argument(
+        "--fast", action="store_true", help="int2: plain min-max rounding, without HQQ's optimisation"
+    )
     q.add_argument("--json", action="store_true", help="print one JSON array of the files written")
     q.set_defaults(func=_cmd_quantize)
 

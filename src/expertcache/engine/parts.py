@@ -190,20 +190,41 @@ def segment_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> t
 
 # -- low-precision copies (HOBBIT) ------------------------------------------------------------------
 def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = False) -> EnginePart:
-    """The ``spec.bits``-bit copies that ``expertcache quantize`` wrote for ``model``: read from their
-    file (into host memory first, with the host tier), expanded to ``dtype`` to compute."""
-    from expertcache.engine.quantized import Dequantizer, QuantSource, find_copy, quant_layout, read_meta
-    from expertcache.lazy import hqq_quantizer
+    """The ``spec.bits``-bit copies that ``expertcache quantize`` wrote for ``model``, read from their file
+    (into host memory first, with the host tier): int8 and int4 computed by the packed kernels from the
+    slot's bytes (``engine.packed``), int2 (HQQ's) expanded to ``dtype`` for each use."""
+    from expertcache.engine.quantized import (
+        Dequantizer,
+        QuantSource,
+        find_copy,
+        packed_of,
+        quant_layout,
+        read_meta,
+    )
 
-    hqq_quantizer()  # optional: said first, before the copies it would build are looked for
+    if int(spec.bits) not in (8, 4):
+        from expertcache.lazy import hqq_quantizer
+
+        hqq_quantizer()  # optional: said first, before the copies it would build are looked for
     path = find_copy(model, int(spec.bits), int(spec.group or 64))
     meta = read_meta(path)
-    layout = quant_layout(meta)
-    expand = Dequantizer(meta, dtype)
+    packed = packed_of(meta, dtype)
+    if packed is not None:
+        from expertcache.engine.packed import PackedKernels
+
+        layout = packed.layout()
+        compute = PackedKernels(packed).expert
+    else:
+        from expertcache.lazy import hqq_quantizer
+
+        hqq_quantizer()  # int2, or int8/int4 copies of earlier versions: HQQ's
+        layout = quant_layout(meta)
+        expand = Dequantizer(meta, dtype)
+
+        def compute(module, views, x):
+            return expert_output(module, expand(views), x)
 
     def source(tier) -> QuantSource:
         return QuantSource(path, layout, pin=pin, in_memory=getattr(tier, "name", "") == "host")
 
-    return EnginePart(
-        spec, {None: layout}, source, lambda module, views, x: expert_output(module, expand(views), x)
-    )
+    return EnginePart(spec, {None: layout}, source, compute)

@@ -1,16 +1,19 @@
 """Low-precision copies of the experts (HOBBIT's, Fate's): where they are, what a slot of one holds.
 
 ``expertcache quantize MODEL --bits 8 4`` writes, once, one safetensors file per precision
-(``int{bits}-g{group}.safetensors``) with every expert's weight matrices quantised group-wise by HQQ
-(``hqq``: half-quadratic quantisation, asymmetric, a 16-bit scale and zero per group of ``group``
-weights, bits packed into bytes), and the biases (GPT-OSS) as they are. The files go beside the
+(``int{bits}-g{group}.safetensors``) with every expert's weight matrices quantised. int8 and int4 are the
+packed checkpoints' formats (``engine.packed``: int8 a float32 scale per row, int4 a bfloat16 scale and
+minimum per group of ``group`` columns), computed by the packed kernels straight from the slot's bytes;
+int2 is HQQ's (``hqq``: half-quadratic quantisation, asymmetric, a 16-bit scale and zero per group of
+``group`` weights, bits packed into bytes), expanded to the compute dtype for each use, as are int8 and
+int4 copies written by earlier versions (HQQ's too: their meta has no ``layout``). The biases (GPT-OSS)
+are kept as they are (packed copies: float32). The files go beside the
 checkpoint (``MODEL/expertcache-quant/``) or, where that folder cannot be written, into the user's cache
 (``$XDG_CACHE_HOME/expertcache/quant/<fingerprint>/``); ``find_copy`` looks in both, and refuses a file
 made for another checkpoint (its fingerprint: config and weight files' names and sizes).
 
-A slot of a quantised part holds, per matrix, the packed weights and the scale and zero as bytes; the
-bytes moved on a miss are these. Computing expands each matrix back to the compute dtype (HQQ's
-``dequantize``) and runs the expert's usual operations (``parts.expert_output``).
+A slot of a quantised part holds, per matrix, the packed weights and the scales (and zeros or minima) as
+bytes; the bytes moved on a miss are these.
 
 Shape letters: O a matrix's output rows, I its input columns (transformers' [O, I] orientation; the
 GPT-OSS matrices are stored transposed and quantised as their transposes).
@@ -30,6 +33,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissPathError
 
 FORMAT = "expertcache-quantized-experts"
+PACKED = "packed"  # meta "layout" of copies in the packed checkpoints' formats (else HQQ's)
 FOLDER = "expertcache-quant"
 BITS = (8, 4, 2)
 MATRICES = ("gate_up_proj", "down_proj")  # quantised; anything else (biases) is kept as it is
@@ -158,3 +162,20 @@ class Dequantizer:
         for name, info in self.plain.items():
             out[name] = views[name].view(getattr(torch, info["dtype"])).reshape(info["shape"]).to(self.dtype)
         return out
+
+
+def packed_of(meta: dict, dtype: torch.dtype):
+    """The packing of copies in the packed checkpoints' formats (``engine.packed.Packed``), else None
+    (HQQ's copies, expanded for each use)."""
+    if meta.get("layout") != PACKED:
+        return None
+    from expertcache.engine.packed import Packed
+
+    shapes = {name: tuple(shape) for name, shape in json.loads(meta["shapes"]).items()}
+    bits = int(meta["bits"])
+    group = 0 if bits == 8 else int(meta["group"])
+    packed = Packed(f"int{bits}", group, shapes, dtype, meta["transposed"] == "1")
+    got = {name: int(t["bytes"]) for name, t in meta["tensors"].items()}
+    if got != {name: n for name, (n,) in packed.tensors().items()}:
+        raise ExpertcacheError(f"{meta.get('path', 'quantised copies')}: tensors do not match their layout")
+    return packed

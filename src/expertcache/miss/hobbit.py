@@ -1,4 +1,4 @@
-"""HOBBIT: on a miss of a less critical expert, use a low-precision copy instead of the full one (needs hqq).
+"""HOBBIT: on a miss of a less critical expert, use a low-precision copy instead of the full one.
 
 Token-level dynamic loading (Tang et al., "HOBBIT: A Mixed Precision Expert Offloading System for Fast
 MoE Inference"): the experts a token chose, sorted by their renormalised gate weights ``w``, get the
@@ -11,6 +11,9 @@ sends every miss to the low-precision copy. The two caches share the expert memo
 holds low-precision copies (default 0.25). A full-precision copy present is always used. The copies are
 built once by ``expertcache quantize`` (``group`` must match). Lossy: every run reports how many experts
 ran at low precision and how many were skipped; ``expertcache quality`` measures what that costs.
+The int8 and int4 copies are
+in the packed checkpoints' formats and computed by the packed kernels from their bytes (numba on a CPU,
+Triton on a GPU, ``engine.packed``); int2 copies are HQQ's (needs the optional hqq), expanded per use.
 HOBBIT's multi-dimensional cache score is the ``hobbit`` policy; its layer-adaptive prefetch the
 ``adaptive`` predictor.
 """

@@ -10,7 +10,9 @@ For the model's own expert shape and dtype, with the engine's own code paths (``
 - the rest of a decode step (attention, norms, router, embeddings, LM head), from an all-resident decode
   step minus its experts' compute, spread over the MoE layers;
 - per precision, for each low-precision copy ``expertcache quantize`` has made of the model (int8, int4,
-  int2): its bytes, its transfer from its file to the device, and its expansion on the device
+  int2): its bytes, its transfer from its file to the device, and the device time it takes beyond a
+  full expert's: int2's expansion (HQQ), or for int8 and int4, which the packed kernels compute from their
+  bytes, what they take more than the full expert for one token (none when they are faster)
   (``dequant_s`` in the cost model is int4's, HOBBIT's default, or the only one measured).
 
 What the machine does not have is declared: ``--device-bandwidth 25GB/s`` (and ``--device-latency``,
@@ -103,7 +105,7 @@ def profile(
         }  # fmt: skip
         dev = str(m.device)
         tier = m.tier.name
-        precisions = _precisions(m)
+        precisions = _precisions(m, module, measured.expert(1))
     base = {"dense_s": dense, "step_s": 0.0}
     if precisions:
         low = precisions.get("int4") or next(iter(precisions.values()))
@@ -159,16 +161,25 @@ def _check_shape(path, shape: dict) -> None:
         )
 
 
-def _precisions(m) -> dict[str, dict[str, float]]:
+def _precisions(m, module, full_s: float) -> dict[str, dict[str, float]]:
     """Each low-precision copy of the model that exists (``expertcache quantize``): its bytes per expert,
-    its transfer to the device (from its file, in the engine's chunks) and its expansion there."""
+    its transfer to the device (from its file, in the engine's chunks) and the device time it takes beyond
+    a full expert's ``full_s`` for one token: HQQ's expansion, or what the packed kernels take more (none
+    when they are faster)."""
     import statistics
     import time
 
     import torch
 
     from expertcache.engine.memory import SlotPool
-    from expertcache.engine.quantized import Dequantizer, QuantSource, find_copy, quant_layout, read_meta
+    from expertcache.engine.quantized import (
+        Dequantizer,
+        QuantSource,
+        find_copy,
+        packed_of,
+        quant_layout,
+        read_meta,
+    )
     from expertcache.errors import ExpertcacheError
 
     def timed(fn) -> float:
@@ -191,18 +202,30 @@ def _precisions(m) -> dict[str, dict[str, float]]:
         except ExpertcacheError:
             continue
         meta = read_meta(path)
-        layout = quant_layout(meta)
+        packed = packed_of(meta, m.dtype)
+        layout = packed.layout() if packed is not None else quant_layout(meta)
         source = QuantSource(path, layout, pin=m.device.type == "cuda")
         views = SlotPool(layout, 1, m.device).views[0]
         chunks = layout.chunks(m.chunk_bytes)
-        expand = Dequantizer(meta, m.dtype)
         out[f"int{bits}"] = {
             "bytes": layout.nbytes,
             "transfer_s": timed(
                 lambda s=source, v=views, cs=chunks: [s.copy_chunk((0, 0), v, c) for c in cs]
             ),
-            "dequant_s": timed(lambda e=expand, v=views: e(v)),
         }
+        if packed is not None:  # computed from its packed bytes: nothing is expanded
+            from expertcache.engine.packed import PackedKernels
+
+            kernels = PackedKernels(packed)
+            x = torch.randn(1, packed.shapes["down_proj"][0 if not packed.transposed else 1], device=m.device)
+            x = x.to(m.dtype)
+            [source.copy_chunk((0, 0), views, c) for c in chunks]
+            compute = timed(lambda k=kernels, v=views, x=x: k.expert(module, v, x))
+            out[f"int{bits}"]["compute_s"] = compute
+            out[f"int{bits}"]["dequant_s"] = max(0.0, compute - full_s)
+        else:
+            expand = Dequantizer(meta, m.dtype)
+            out[f"int{bits}"]["dequant_s"] = timed(lambda e=expand, v=views: e(v))
     return out
 
 
@@ -230,8 +253,13 @@ def format_profile(data: dict[str, object]) -> str:
         "precisions "
         + (
             "; ".join(
-                f"{name}: {p['bytes'] / 2**20:.3f} MiB, transfer {p['transfer_s'] * 1e3:.3f} ms, expand "
-                f"{p['dequant_s'] * 1e3:.3f} ms"
+                f"{name}: {p['bytes'] / 2**20:.3f} MiB, transfer {p['transfer_s'] * 1e3:.3f} ms, "
+                + (
+                    f"packed compute {p['compute_s'] * 1e3:.3f} ms (beyond a full expert's "
+                    f"{p['dequant_s'] * 1e3:.3f} ms)"
+                    if "compute_s" in p
+                    else f"expand {p['dequant_s'] * 1e3:.3f} ms"
+                )
                 for name, p in data["precisions"].items()
             )
             or "full only (no low-precision copies: expertcache quantize makes them)"

@@ -1,9 +1,11 @@
-"""``expertcache quantize``: write a checkpoint's low-precision expert copies once (HQQ, group-wise).
+"""``expertcache quantize``: write a checkpoint's low-precision expert copies once, or a packed checkpoint.
 
-For each precision asked (int8, int4, int2), every expert's weight matrices are quantised by HQQ
-(``hqq.core.quantize.Quantizer``: asymmetric min-max refined by half-quadratic optimisation, a scale and
-a zero per ``group`` weights, packed into bytes) and written, with the biases as they are, into one
-safetensors file (format in ``engine/quantized.py``). Why HQQ: it runs on the CPU and on CUDA in plain
+For each precision asked (int8, int4, int2), every expert's weight matrices are quantised and written,
+with the biases, into one safetensors file (format in ``engine/quantized.py``). int8 and int4 are the
+packed checkpoints' formats (``engine.packed``), which the packed kernels compute without expanding them;
+int2 is HQQ's (``hqq.core.quantize.Quantizer``: asymmetric min-max refined by half-quadratic
+optimisation, a scale and a zero per ``group`` weights, packed into bytes), expanded for each use. Why
+HQQ for int2: it runs on the CPU and on CUDA in plain
 PyTorch (no kernels to build), packs 8, 4, 3, 2 and 1 bits, needs no calibration data, and its
 optimisation keeps 4- and 2-bit errors well below plain min-max rounding; torchao's primitives would
 also do, but importing it took 4 s and printed warnings on every start here, and optimum-quanto is in
@@ -23,10 +25,13 @@ import torch
 
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.quantized import BITS, FORMAT, MATRICES, cache_root, file_name, fingerprint
+from expertcache.engine.packed import Packed, describe_format
+from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
 from expertcache.paths import writable_dir
+
+PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
 
 def destination(model: Path, out: str | Path | None) -> Path:
@@ -83,12 +88,14 @@ def describe(name: str, t: torch.Tensor, views: dict[str, torch.Tensor], transpo
     return info
 
 
-def _write(target: Path, tensors, info, bits: int, group: int, model: Path, dtype: torch.dtype) -> None:
+def _write(
+    target: Path, tensors, info, bits: int, group: int, model: Path, dtype: torch.dtype, extra: dict
+) -> None:
     from safetensors.torch import save_file
 
     meta = {
         "format": FORMAT, "bits": str(bits), "group": str(group), "fingerprint": fingerprint(model),
-        "model": str(model), "dtype": str(dtype).removeprefix("torch."), "tensors": json.dumps(info),
+        "model": str(model), "dtype": str(dtype).removeprefix("torch."), "tensors": json.dumps(info), **extra,
     }  # fmt: skip
     save_file(tensors, str(target), metadata=meta)
 
@@ -112,9 +119,15 @@ def quantize_model(
         raise ExpertcacheError(f"--bits must be among {', '.join(map(str, BITS))}, got {list(bits)}")
     if group < 8 or group & (group - 1):
         raise ExpertcacheError(f"--group must be a power of two of at least 8, got {group}")
-    hqq_quantizer()  # optional: refused before any work when it is not installed
+    if any(b not in PACKED_BITS for b in bits):
+        hqq_quantizer()  # optional: refused before any work when it is not installed
     path = resolve_model(model)
     sk = build_skeleton(path)
+    if sk.packed is not None:
+        raise ExpertcacheError(
+            f"{path}: its experts are packed ({describe_format(sk.packed)}); hobbit's copies are made from a "
+            "full-precision checkpoint"
+        )
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     transposed = bool(sk.experts[0].is_transposed)
     for name in MATRICES:
@@ -136,13 +149,26 @@ def quantize_model(
             from tqdm.auto import tqdm
 
             items = tqdm(keys, desc=f"int{b} copies", unit="expert", leave=False)
+        packed = None
+        if b in PACKED_BITS:
+            packed = Packed(f"int{b}", 0 if b == 8 else group, sk.shapes, sk.dtype, transposed)
+            packed.check_shapes()
         for key in items:
             sk.store.read(key, scratch)
-            for name, t in quantize_expert(scratch, b, group, transposed, optimize, device).items():
+            if packed is not None:
+                stored = packed.pack({n: v.to(device) for n, v in scratch.items()})
+                stored = {n: t.cpu() for n, t in stored.items()}
+            else:
+                stored = quantize_expert(scratch, b, group, transposed, optimize, device)
+            for name, t in stored.items():
                 tensors[f"{key[0]}.{key[1]}.{name}"] = t
                 info[name] = describe(name, t, scratch, transposed)
         target = folder / file_name(b, group)
-        _write(target, tensors, info, b, group, path, sk.dtype)
+        extra = {}
+        if packed is not None:
+            extra = {"layout": PACKED, "transposed": str(int(transposed)),
+                     "shapes": json.dumps({n: list(v) for n, v in sk.shapes.items()})}  # fmt: skip
+        _write(target, tensors, info, b, group, path, sk.dtype, extra)
         per_expert = sum(t["bytes"] for t in info.values())
         record = {
             "bits": b, "group": group, "path": str(target), "file_bytes": target.stat().st_size,
@@ -169,11 +195,13 @@ def write_checkpoint(
     group: int | None = None,
     progress: bool | None = None,
     log: Callable[[str], None] | None = None,
+    device: str | None = None,
 ) -> dict[str, object]:
     """Write ``model`` as a packed checkpoint in ``out``: its config (with ``expertcache_experts``), its
     tokenizer and other small files, its dense weights as they are, and its experts packed in ``int{bits}``
     (``engine.packed``), in safetensors files of up to ``SHARD_BYTES`` with an index. ``out`` must be new
-    or empty; it is checked before any work. Returns what was written (bytes, seconds)."""
+    or empty; it is checked before any work. The packing runs on ``device`` (default: a GPU if torch sees
+    one). Returns what was written (bytes, seconds)."""
     from safetensors.torch import save_file
 
     from expertcache.engine.hub import resolve_model
@@ -222,6 +250,7 @@ def write_checkpoint(
     scratch = SlotPool(full, 1, torch.device("cpu")).views[0]
     stored = packed.tensors()
     keys = [(layer, e) for layer in range(len(sk.experts)) for e in range(sk.num_experts)]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -232,8 +261,8 @@ def write_checkpoint(
         tensors = {name: torch.empty(sk.num_experts, n, dtype=torch.uint8) for name, (n,) in stored.items()}
         for e in range(sk.num_experts):
             sk.store.read((layer, e), scratch)
-            for name, t in packed.pack(scratch).items():
-                tensors[name][e] = t
+            for name, t in packed.pack({n: v.to(device) for n, v in scratch.items()}).items():
+                tensors[name][e] = t.cpu()
             if bar is not None:
                 bar.update()
         for name, t in tensors.items():
