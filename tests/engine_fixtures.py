@@ -38,6 +38,9 @@ NEEDS_PROFILE = ("static", "static-dist")
 
 # EXPERTCACHE_TEST_DEVICE=cuda runs the engine tests (engine and reference alike) on a GPU
 DEVICE = os.environ.get("EXPERTCACHE_TEST_DEVICE", "cpu")
+# e.g. eager: the engine tests on one experts kernel, against the reference that kernel is exact against
+KERNEL = os.environ.get("EXPERTCACHE_TEST_KERNEL")
+REFERENCE = {"eager": "eager", "grouped": "grouped_mm"}.get(KERNEL or "")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -104,6 +107,8 @@ def engine_load(path: Path, capacity: int | None = None, policy: str = "lru", **
     if policy in NEEDS_PROFILE and "profile" not in kwargs:
         kwargs["profile"] = profile_for(path)
     kwargs.setdefault("device", DEVICE)
+    if KERNEL is not None:
+        kwargs.setdefault("kernel", KERNEL)
     return load(path, expert_memory=budget, policy=policy, progress=False, **kwargs)
 
 
@@ -155,7 +160,7 @@ def reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         )
         if key not in runs:
             if path not in models:
-                models[path] = load_reference(path, device=DEVICE)
+                models[path] = load_reference(path, device=DEVICE, experts=REFERENCE)
             runs[key] = greedy(models[path], ids, mask)
         return runs[key]
 

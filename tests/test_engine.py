@@ -708,7 +708,7 @@ def test_gate_input_routing_and_replay_with_a_router_in_the_older_order(ckpt):
         model.generate_text("hello", 2)
         trace = model.trace()
         router = moe_routers(model.model)[0]
-        x = torch.randn(trace.num_tokens, model.config.hidden_size)
+        x = torch.randn(trace.num_tokens, model.config.hidden_size, device=router.weight.device)
         logits, weights, index = router.forward(x)
         want = router_fns(model.model)[0](x)
         forward = router.forward
