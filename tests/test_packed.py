@@ -83,6 +83,46 @@ def test_the_packed_kernels_equal_the_product_with_the_expanded_matrices(fmt, gr
             torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
+@pytest.mark.parametrize(("fmt", "group"), [("int8", 0), ("int4", 64), ("int4", 32)])
+@pytest.mark.parametrize("cols", [160, 200])  # 200: int4's last group is shorter
+def test_the_gpu_kernels_equal_the_product_and_do_not_depend_on_their_batch(fmt, group, cols):
+    """Triton's kernels: within float32 rounding of the expanded product, a slot past the pool gives zeros,
+    and a pair's output is the same bits alone (a miss's ``expert``) as in a batch (resident experts)."""
+    pytest.importorskip("triton")
+    from expertcache.engine.memory import SlotPool
+
+    dev = torch.device("cuda")
+    torch.manual_seed(3)
+    H, F = cols, 48
+    p = Packed(fmt, group, {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}, torch.bfloat16, False)
+    k = PackedKernels(p)
+    pool = SlotPool(k.layout, 3, dev)
+    for s in range(3):
+        full = {"gate_up_proj": torch.randn(2 * F, H), "down_proj": torch.randn(H, F)}
+        for name, t in p.pack(full).items():
+            pool.views[s][name].copy_(t)
+    slots = torch.tensor([2, 0, 3, 1], device=dev)  # 3: past the pool
+    x = torch.randn(4, H, device=dev)
+    got = k.project("gate_up_proj", pool.buffer, slots, x)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 3:
+            assert not got[i].any()
+            continue
+        want = p.expand(pool.views[s], "gate_up_proj") @ x[i]
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-3)
+
+    class Module:
+        is_transposed = False
+        act_fn = staticmethod(torch.nn.functional.silu)
+
+    xb = x.to(torch.bfloat16)
+    batch = k.rows(Module, pool.buffer, slots[[0, 1, 3]], xb[[0, 1, 3]])
+    for row, (s, i) in enumerate(((2, 0), (0, 1), (1, 3))):
+        alone = k.expert(Module, pool.views[s], xb[i : i + 1])
+        assert torch.equal(alone[0], batch[row])
+
+
 @pytest.fixture(scope="module")
 def packed_ckpts(tmp_path_factory):
     """The embedded model packed in int8 and int4 (a second or two each)."""
