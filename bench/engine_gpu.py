@@ -238,6 +238,39 @@ def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path,
     return path, time.perf_counter() - t0
 
 
+def packed_checkpoint(path: Path, fmt: str) -> Path:
+    """``path`` written as a packed checkpoint (``expertcache quantize --checkpoint``), once."""
+    from expertcache.tools.quantize import write_checkpoint
+
+    out = path.with_name(f"{path.name}-{fmt}")
+    if (out / ".complete").is_file():
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    log(f"writing packed checkpoint {out}")
+    record = write_checkpoint(path, int(fmt.removeprefix("int")), out, progress=False)
+    (out / ".complete").write_text(json.dumps(record))
+    return out
+
+
+def hobbit_copies(path: Path, misses: list[str]) -> None:
+    """The low-precision copies each ``hobbit`` miss path needs (``expertcache quantize``), once."""
+    from expertcache.engine.quantized import find_copy
+    from expertcache.miss.base import MissPathError
+    from expertcache.tools.quantize import quantize_model
+
+    for miss in misses:
+        if not miss.startswith("hobbit"):
+            continue
+        opts = dict(kv.split("=") for kv in miss.partition(":")[2].split(",") if kv)
+        bits, group = int(opts.get("bits", 4)), int(opts.get("group", 64))
+        try:
+            find_copy(path, bits, group)
+        except MissPathError:
+            log(f"writing int{bits} copies of {path}")
+            quantize_model(path, bits=[bits], group=group, progress=False, log=log)
+
+
 # ------------------------------------------------------------------------------------ the trace
 def find_trace(args, L: int, E: int, K: int) -> tuple[Trace, str]:
     if args.trace is not None:
@@ -578,6 +611,12 @@ def main() -> None:
     ap.add_argument("--references", nargs="+", default=["grouped_mm", "eager"],
                     help="transformers experts implementations measured all-resident")  # fmt: skip
     ap.add_argument("--bandwidth-bytes", type=int, default=2**30)
+    ap.add_argument(
+        "--packed",
+        choices=["int8", "int4"],
+        default=None,
+        help="run a packed checkpoint of the model (written once beside it; no eager reference)",
+    )
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--resume", action="store_true", help="keep configurations already in --out")
     ap.add_argument(
@@ -601,6 +640,11 @@ def main() -> None:
     spec = shape_spec(args)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     path, build_s = checkpoint(args, spec, dtype)
+    if args.packed:
+        path = packed_checkpoint(path, args.packed)
+        args.no_reference = True  # transformers cannot run the packed experts
+    if not args.packed:
+        hobbit_copies(path, args.miss)
     ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     log(
         f"checkpoint {path}: {ckpt_bytes / 1e9:.2f} GB"
@@ -632,6 +676,7 @@ def main() -> None:
         "new_tokens": work.new_tokens,
         "warmup_tokens": work.warm_tokens,
         "kernel": args.kernel,
+        "packed": args.packed,
     }
     runs: list[dict] = []
     if args.resume and out_path.is_file():
