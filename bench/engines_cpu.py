@@ -51,6 +51,14 @@ there; torch's OpenMP threads slow down far more than llama.cpp's when the cores
 Results: JSON at ``--out`` (with ``provenance.provenance()``); a markdown table on stdout, progress on
 stderr.
 
+Models larger than memory: ``--limit 2.05GiB`` moves this process (and so its llama.cpp worker) into a
+fresh memory cgroup of that size without swap before anything is loaded (``memory_cpu.Cgroup``; root),
+and records the group's peak; ``--no-reference`` leaves transformers out (its model would not fit) and
+with it the token checks and ratios. One engine per run (``--only``), each in a group of its own:
+
+    .venv/bin/python bench/engines_cpu.py --model MODEL --llama-python PY --threads 1 --rounds 2 \
+        --no-reference --limit 2.05GiB --only q8_0 --out /tmp/q8_0.json
+
 Checkpoints (random weights, built with ``engine.random_checkpoint.make_checkpoint``; ``--build``
 reads a config.json for the shapes; the tokenizer comes from the config's folder or ``--tokenizer``):
 
@@ -548,6 +556,17 @@ def main() -> int:
         help="compute dtype of transformers and expertcache, e.g. float32 (default: the checkpoint's; "
         "llama.cpp runs its GGUF files as they are)",
     )
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="no transformers at all (no eager reference: token checks and ratios are left out)",
+    )
+    p.add_argument(
+        "--limit",
+        metavar="SIZE",
+        help="run inside a fresh memory cgroup of this size (e.g. 2.05GiB; no swap; root), the llama.cpp "
+        "worker too: models larger than memory",
+    )
     p.add_argument("--out", type=Path, help="JSON results (default: /tmp/engines_cpu.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -561,6 +580,16 @@ def main() -> int:
     if args.rounds < 1 or args.new_tokens < 2 or args.prompt_tokens < 1 or args.threads < 1:
         p.error("--rounds, --prompt-tokens and --threads must be at least 1, --new-tokens at least 2")
     out = args.out or Path("/tmp/engines_cpu.json")
+    cgroup = None
+    if args.limit:  # before anything is loaded: this process and its llama.cpp worker in the group
+        from memory_cpu import Cgroup
+
+        from expertcache.units import parse_size
+
+        limit = int(parse_size(args.limit, "--limit"))
+        cgroup = Cgroup(limit)
+        (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
+        log(f"in memory cgroup {cgroup.path} ({limit} bytes, no swap)")
     extra = parse_extra(args.expertcache_args)
     if args.dtype:
         extra.setdefault("dtype", args.dtype)
@@ -605,8 +634,9 @@ def main() -> int:
                     LlamaEngine(worker_proc, label, path, args.threads, 2 * (len(ids) + args.new_tokens))
                 )
         impls = [i for i in IMPLEMENTATIONS if want(f"transformers {i}") or i == "eager"]
+        impls = [] if args.no_reference else impls
         shared = None
-        if not args.tf_separate:
+        if not args.tf_separate and impls:
             log("loading transformers (load_reference)")
             shared = SharedTransformers(args.model, args.dtype)
         for impl in impls:
@@ -642,7 +672,7 @@ def main() -> int:
         if worker_proc is not None:
             worker_proc.close()
 
-    ref = runs[EAGER]
+    ref = runs.get(EAGER)  # None: --no-reference
     results = {
         "provenance": started,
         "git_at_end": provenance()["git"],
@@ -661,8 +691,9 @@ def main() -> int:
         "torch_threads": torch.get_num_threads(),
         "llama": llama_info,
         "prompt_ids": ids,
-        "eager_tokens": ref[0]["tokens"],
-        "eager_distinct_tokens": len(set(ref[0]["tokens"])),
+        "eager_tokens": ref[0]["tokens"] if ref else None,
+        "eager_distinct_tokens": len(set(ref[0]["tokens"])) if ref else None,
+        "memory_limit_bytes": None if cgroup is None else limit,
         "notes": notes + ["the machine is shared: other work runs at the same time, so timings are noisy"],
         "engines": {},
     }
@@ -679,7 +710,7 @@ def main() -> int:
             "cpu_s_per_token": round(statistics.median(x["cpu_per_token_s"] for x in rs), 4),
             "cpu_prefill_s": round(statistics.median(x["cpu_prefill_s"] for x in rs), 3),
             "tokens_per_s": round(args.new_tokens / statistics.median(x["total_s"] for x in rs), 2),
-            "tokens_equal_eager": all(x["tokens"] == ref[0]["tokens"] for x in rs),
+            "tokens_equal_eager": all(x["tokens"] == ref[0]["tokens"] for x in rs) if ref else None,
             "tokens_same_every_round": all(x["tokens"] == rs[0]["tokens"] for x in rs),
             "same_tokens_as": [
                 t.name
@@ -698,7 +729,9 @@ def main() -> int:
         if twin is not None:
             row["kernel_twin"] = twin
             row["tokens_equal_kernel_twin"] = twin in row["same_tokens_as"] if twin in runs else None
-        if e.name != EAGER:
+        if cgroup is not None:
+            row["cgroup_peak_bytes"] = cgroup.peak()  # the whole process's, every engine of this run
+        if e.name != EAGER and ref:
             for what in ("tpot", "ttft"):
                 ratios = [a[f"{what}_s"] / b[f"{what}_s"] for a, b in zip(rs, ref, strict=True)]
                 lo, hi = ci95(ratios)
@@ -719,6 +752,9 @@ def main() -> int:
         results["engines"][e.name] = row
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, results)
+    if cgroup is not None:  # back to the root group (the worker has exited), then the group goes
+        (cgroup.path.parent / "cgroup.procs").write_text(str(os.getpid()))
+        cgroup.remove()
     print(table(results))
     perf = [
         f"{n}: prefill {lp['prefill_ms']:.0f} ms, decode {lp['decode_ms_per_token']:.1f} ms/token"
@@ -727,10 +763,12 @@ def main() -> int:
     ]
     if perf:
         print("\nllama.cpp's own perf counters (medians): " + "; ".join(perf))
-    print(
-        f"\nTransformers eager's greedy tokens: {results['eager_distinct_tokens']} distinct of "
-        f"{len(results['eager_tokens'])} (random weights: a low count makes 'tokens = eager' a weak check)"
-    )
+    if ref:
+        print(
+            f"\nTransformers eager's greedy tokens: {results['eager_distinct_tokens']} distinct of "
+            f"{len(results['eager_tokens'])} (random weights: a low count makes 'tokens = eager' a weak "
+            "check)"
+        )
     for note in results["notes"]:
         print(f"\nNote: {note}")
     log(f"wrote {out}")

@@ -5,8 +5,9 @@ token (every token a decode step, as in generation) through the engine under eac
 at the expert memory given (default 25%: a quarter of the experts resident, so most uses are misses)
 and LRU, and through transformers' eager reference once; ``expertcache.tools.quality.measure`` compares
 them (see its docstring). The low-precision copies are built first if missing (``expertcache quantize``,
-HQQ, groups of 64). Targets (the miss-path issue): int8 copies on misses raise perplexity by at most
-0.5% with at least 99% top-1 agreement; HOBBIT's default thresholds with int4 by at most 3%.
+groups of 64: int8 and int4 in the packed formats, int2 HQQ's). Targets (the miss-path issue): int8
+copies on misses raise perplexity by at most 0.5% with at least 99% top-1 agreement; HOBBIT's default
+thresholds with int4 by at most 3%.
 
     .venv/bin/python bench/miss_quality.py [--tokens 2048] [--quick]
 """
