@@ -400,7 +400,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     q.add_argument(
         "--group", type=int, default=None, metavar="N",
-        help="weights per scale and zero (default 64; int8 checkpoints: one scale per row)",
+        help="int4 and int2: weights per scale and minimum (or zero), default 64; int8 has one scale a row",
     )  # fmt: skip
     q.add_argument(
         "--checkpoint", metavar="DIR",
