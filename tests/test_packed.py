@@ -2,8 +2,8 @@
 
 - Packing: a weight comes back within half a quantisation step (the stored scale's), for shapes whose
   rows a group does not divide too.
-- The packed kernels (numba) equal a float32 product with the expanded matrix, for a shared input row and
-  for one row per expert.
+- The packed kernels (numba) equal a float32 product with the expanded matrix, for a shared input row,
+  for one row per expert, and for several tokens through one expert (a prefill's); on a GPU, Triton's.
 - A packed checkpoint (``write_checkpoint``) runs through the engine with the same tokens and bit-identical
   logits whatever the budget, slow tier or miss path (the packed computation does not depend on where
   an expert was computed), and close to transformers running the same checkpoint with its experts
@@ -65,7 +65,7 @@ def test_the_packed_kernels_equal_the_product_with_the_expanded_matrices(fmt, gr
     from expertcache.engine.memory import SlotPool
 
     torch.manual_seed(2)
-    H, F = 160, 48
+    H, F = 160, 48  # 160: int4's last group of a gate_up row is shorter (at group 64)
     p = Packed(fmt, group, {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}, torch.float32, False)
     k = PackedKernels(p)
     pool = SlotPool(k.layout, 3, torch.device("cpu"))
@@ -81,6 +81,12 @@ def test_the_packed_kernels_equal_the_product_with_the_expanded_matrices(fmt, gr
             w = p.expand(pool.views[int(s)], "gate_up_proj")
             want = x[0 if x.shape[0] == 1 else i] @ w.T
             torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+    # several tokens through one expert (a prefill's share): each row unpacked once for all of them
+    x = torch.randn(13, H)
+    for name, inputs in (("gate_up_proj", x), ("down_proj", torch.randn(13, F))):
+        got = k.project_tokens(name, arr, 1, inputs)
+        want = inputs @ p.expand(pool.views[1], name).T
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")

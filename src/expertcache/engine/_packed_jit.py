@@ -91,3 +91,55 @@ def rows_int4(pool, qoff, soff, moff, rows, cols, group, slots, x_even, x_odd, x
                 g = n * per_row + j
                 acc += _bf16(scale[g]) * a + _bf16(low[g]) * xs[j]
             out[k, n] = acc
+
+
+# -- several tokens through one expert (a prefill's share of it) ------------------------------------------
+# Each row of the matrix is unpacked once into float32 and multiplied by every token's input: the weights
+# are read once for all the tokens (the one-token loops above would read them once a token).
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def tokens_int8(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cover (compiled)
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    src = pool[slot]
+    q = src[qoff : qoff + rows * cols].view(np.int8)
+    scale = src[soff : soff + 4 * rows].view(np.float32)
+    for b in numba.prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            row = q[n * cols : (n + 1) * cols]
+            for c in range(cols):
+                w[c] = np.float32(row[c])
+            for m in range(x.shape[0]):
+                xm = x[m]
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += w[c] * xm[c]
+                out[m, n] = acc * scale[n]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def tokens_int4(pool, qoff, soff, moff, rows, cols, group, slot, x, out):  # pragma: no cover (compiled)
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    per_row = (cols + group - 1) // group
+    row_bytes = cols // 2
+    src = pool[slot]
+    q = src[qoff : qoff + rows * cols // 2]
+    scale = src[soff : soff + 2 * rows * per_row].view(np.uint16)
+    low = src[moff : moff + 2 * rows * per_row].view(np.uint16)
+    for b in numba.prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            row = q[n * row_bytes : (n + 1) * row_bytes]
+            for c in range(row_bytes):
+                j = (2 * c) // group
+                s = _bf16(scale[n * per_row + j])
+                lo = _bf16(low[n * per_row + j])
+                w[2 * c] = np.float32(row[c] & np.uint8(15)) * s + lo
+                w[2 * c + 1] = np.float32(row[c] >> np.uint8(4)) * s + lo
+            for m in range(x.shape[0]):
+                xm = x[m]
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += w[c] * xm[c]
+                out[m, n] = acc
