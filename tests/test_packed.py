@@ -257,10 +257,21 @@ def test_packed_errors_are_one_line(packed_ckpts, tmp_path):
 
 
 def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):
+    import os
+    import stat
+
     from expertcache.cli import main
 
     out = tmp_path / "int4"
-    assert main(["quantize", "--bits", "4", "--checkpoint", str(out), "--json"]) == 0
+    old = os.umask(0o022)
+    try:
+        assert main(["quantize", "--bits", "4", "--checkpoint", str(out), "--json"]) == 0
+    finally:
+        os.umask(old)
+    # every file as the umask allows (safetensors alone writes 0600: unreadable to a server's other user)
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in out.iterdir()), sorted(
+        (f.name, oct(f.stat().st_mode)) for f in out.iterdir()
+    )
     record = json.loads(capsys.readouterr().out)
     assert record["format"] == "int4-g64" and record["bytes_per_expert"] < record["full_bytes_per_expert"] / 4
     cfg = json.loads((out / "config.json").read_text())

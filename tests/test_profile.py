@@ -128,3 +128,20 @@ def test_profile_measures_each_low_precision_copy_that_exists(ckpt, tmp_path, ca
     assert 0 < int4["bytes"] < data["model"]["expert_bytes"] / 3 and int4["compute_s"] > 0
     assert int4["dequant_s"] >= 0
     assert data["cost"]["dequant_s"] == int4["dequant_s"] and "dequant_s" in data["measured"]
+
+
+def test_profile_leaves_out_a_copy_it_cannot_read(ckpt, tmp_path, capsys, monkeypatch):
+    """int2 copies are HQQ's: without hqq the profile says so for them and times the others."""
+    import sys
+
+    from expertcache.tools.quantize import quantize_model
+
+    path = ckpt("mixtral")
+    quantize_model(path, bits=(4, 2), progress=False)
+    monkeypatch.setitem(sys.modules, "hqq.core.quantize", None)  # as if hqq were not installed
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", str(path), "--device", "cpu", "--steps", "2", "-o", str(out)]) == 0
+    assert "int2 copies of the experts need the optional hqq" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert "skipped" in data["precisions"]["int2"] and data["precisions"]["int4"]["compute_s"] > 0
+    assert data["cost"]["dequant_s"] == data["precisions"]["int4"]["dequant_s"]

@@ -21,3 +21,14 @@ def writable_dir(folder: str | Path, what: str) -> Path:
     except OSError as exc:
         raise ExpertcacheError(f"{folder}: cannot write {what} there ({exc.strerror or exc})") from None
     return folder
+
+
+def as_umask_allows(path: str | Path) -> None:
+    """Give a file the permissions the process's umask allows (``0666 & ~umask``), as ``open`` would:
+    safetensors writes its files readable by their owner alone (0600), so a checkpoint or copy written
+    for a server running as another user could not be read."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -1182,7 +1182,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     else:
         for r in records:
             share = r["bytes_per_expert"] / r["full_bytes_per_expert"]
-            print(f"int{r['bits']} (group {r['group']}): {r['path']} ({r['bytes_per_expert']} bytes per "
+            grouping = "one scale a row" if r["bits"] == 8 else f"group {r['group']}"
+            print(f"int{r['bits']} ({grouping}): {r['path']} ({r['bytes_per_expert']} bytes per "
                   f"expert, {share:.1%} of the full one)")  # fmt: skip
     return 0
 
@@ -1207,7 +1208,8 @@ def _write_packed(args: argparse.Namespace) -> int:
     else:
         share = record["bytes_per_expert"] / record["full_bytes_per_expert"]
         print(f"{record['format']} checkpoint: {record['path']} ({record['bytes_per_expert']} bytes per "
-              f"expert, {share:.1%} of the full one; run it with generate --model DIR)")  # fmt: skip
+              f"expert, {share:.1%} of the full one; run it with: expertcache generate --model "
+              f"{record['path']})")  # fmt: skip
     return 0
 
 

@@ -430,8 +430,8 @@ def summary(out: dict) -> str:
                      "is exact)")  # fmt: skip
     if out.get("kernel") == "packed":  # engine.packed: a packed checkpoint, lossy against its source
         lines.append(f"experts packed ({out.get('expert_format')}): quantised, not the full-precision "
-                     "model's "
-                     "outputs (expertcache quality --model DIR says how far)")  # fmt: skip
+                     f"model's outputs (expertcache quality --model {out.get('model', 'DIR')} says how "
+                     "far)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
         lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")

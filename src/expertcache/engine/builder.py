@@ -349,8 +349,8 @@ class Builder:
         if self.packed is None:
             if kernel == "packed":
                 raise ExpertcacheError(
-                    f"experts kernel packed reads packed experts; {model_label(self.path)}'s are "
-                    f"{str(self.dtype).removeprefix('torch.')} (write a packed checkpoint with "
+                    f"experts kernel packed reads packed experts; the experts of {model_label(self.path)} "
+                    f"are {str(self.dtype).removeprefix('torch.')} (write a packed checkpoint with "
                     "'expertcache quantize MODEL --bits 8 --checkpoint DIR')"
                 )
             return

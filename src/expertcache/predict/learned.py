@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from expertcache.paths import as_umask_allows
 from expertcache.predict.base import PredictContext, Predictor, PredictorError, rank_union
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def save_predictor(
     if probe is not None:
         tensors["probe"] = torch.as_tensor(np.asarray(probe), dtype=torch.int64)
     save_file(tensors, str(out / WEIGHTS))
+    as_umask_allows(out / WEIGHTS)
     meta = {"format": FORMAT, **meta, "targets": sorted(mlps), "dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
     return out

@@ -107,8 +107,9 @@ def profile(
         tier = m.tier.name
         precisions = _precisions(m, module, measured.expert(1))
     base = {"dense_s": dense, "step_s": 0.0}
-    if precisions:
-        low = precisions.get("int4") or next(iter(precisions.values()))
+    timed_ones = {name: p for name, p in precisions.items() if "dequant_s" in p}
+    if timed_ones:
+        low = timed_ones.get("int4") or next(iter(timed_ones.values()))
         base["dequant_s"] = low["dequant_s"]
     cost = CostModel.from_dict(base, measured)
     if declared:  # a declared device (its compute) is another processor than this host
@@ -125,7 +126,7 @@ def profile(
         "measured": [
             f
             for f in fields
-            if f not in declared and f != "host_parallel" and (f != "dequant_s" or precisions)
+            if f not in declared and f != "host_parallel" and (f != "dequant_s" or timed_ones)
         ],
         "precisions": precisions,
         "declared": sorted(k for k in declared if k != "step_s"),
@@ -224,7 +225,11 @@ def _precisions(m, module, full_s: float) -> dict[str, dict[str, float]]:
             out[f"int{bits}"]["compute_s"] = compute
             out[f"int{bits}"]["dequant_s"] = max(0.0, compute - full_s)
         else:
-            expand = Dequantizer(meta, m.dtype)
+            try:
+                expand = Dequantizer(meta, m.dtype)  # HQQ's copies need hqq
+            except ExpertcacheError as exc:
+                out[f"int{bits}"]["skipped"] = str(exc)
+                continue
             out[f"int{bits}"]["dequant_s"] = timed(lambda e=expand, v=views: e(v))
     return out
 
@@ -255,8 +260,10 @@ def format_profile(data: dict[str, object]) -> str:
             "; ".join(
                 f"{name}: {p['bytes'] / 2**20:.3f} MiB, transfer {p['transfer_s'] * 1e3:.3f} ms, "
                 + (
-                    f"packed compute {p['compute_s'] * 1e3:.3f} ms (beyond a full expert's "
-                    f"{p['dequant_s'] * 1e3:.3f} ms)"
+                    f"not timed ({p['skipped']})"
+                    if "skipped" in p
+                    else f"packed compute {p['compute_s'] * 1e3:.3f} ms ({p['dequant_s'] * 1e3:.3f} ms more "
+                    "than a full expert)"
                     if "compute_s" in p
                     else f"expand {p['dequant_s'] * 1e3:.3f} ms"
                 )

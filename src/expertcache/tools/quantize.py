@@ -29,7 +29,7 @@ from expertcache.engine.packed import Packed, describe_format
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
-from expertcache.paths import writable_dir
+from expertcache.paths import as_umask_allows, writable_dir
 
 PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
@@ -98,6 +98,7 @@ def _write(
         "model": str(model), "dtype": str(dtype).removeprefix("torch."), "tensors": json.dumps(info), **extra,
     }  # fmt: skip
     save_file(tensors, str(target), metadata=meta)
+    as_umask_allows(target)
 
 
 def quantize_model(
@@ -272,11 +273,13 @@ def write_checkpoint(
     meta = {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())}
     if len(shards) == 1:
         save_file(shards[0], str(target / "model.safetensors"), metadata=meta)
+        as_umask_allows(target / "model.safetensors")
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(target / name), metadata=meta)
+            as_umask_allows(target / name)
             weight_map.update(dict.fromkeys(shard, name))
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
