@@ -280,6 +280,6 @@ def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):
                  "--expert-memory", "40%", "--json"])  # fmt: skip
     assert code == 0
     run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert run["expert_format"] == "int4-g64" and run["kernel"] == "packed"
+    assert run["expert_format"] == "int4-g64" and run["kernel"] == "packed" and run["lossy"]
     assert main(["quantize", "--bits", "8", "4", "--checkpoint", str(tmp_path / "two")]) == 2
     assert "give one --bits" in capsys.readouterr().err

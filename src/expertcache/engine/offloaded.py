@@ -213,7 +213,8 @@ class OffloadedModel:
             "expert_format": describe_format(self.packed, self.dtype),
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
-            "lossy": self.miss.lossy,
+            # the outputs may differ from the full-precision model's: a lossy miss path, or packed experts
+            "lossy": self.miss.lossy or self.packed is not None,
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),
