@@ -319,9 +319,11 @@ class PackedKernels:
         return out
 
     def expert(self, module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens ``x`` ``[T, H]`` -> ``[T, H]``, from one slot's views: a few tokens in
-        the packed kernels (each token a row of the slot's own one-slot pool), else from the matrices
-        expanded."""
+        """One expert on its tokens ``x`` ``[T, H]`` -> ``[T, H]``, from one slot's views: up to
+        ``DECODE_ROWS`` tokens in the one-token kernels (each token a row of the slot's own one-slot pool;
+        on a GPU, Triton's), on a CPU up to ``PREFILL_ROWS`` in the several-token loops, else from the
+        matrices expanded. Which one depends on ``T`` alone, so an expert's output is the same whichever
+        path (resident, missed, batched) computes it."""
         if x.device.type == "cpu" and x.shape[0] <= PREFILL_ROWS:
             one = slot_bytes(views, self.layout).numpy()
             if x.shape[0] <= DECODE_ROWS:
