@@ -77,8 +77,9 @@ def grouped_available(device: torch.device) -> str | None:
 
 
 # On an H100 (torch 2.11, transformers 5.24; 2026-11-24) the grouped kernel's logits differed from
-# transformers' grouped_mm at the first step in every exactness test (37 of 37; grouped_mm's CUDA kernels
-# round by the grouping, which the slot pool's differs from the reference's), while the eager kernel
+# transformers' grouped_mm at the first step in every exactness test (37 of 37; the likely cause, not yet
+# verified: grouped_mm's CUDA kernels round by the grouping, and the slot pool's groups are not the
+# reference's), while the eager kernel
 # matched eager in all of them: ``auto`` takes the eager kernel on a GPU, ``--kernel grouped`` opts in.
 GROUPED_NOT_EXACT_ON = ("cuda",)
 
