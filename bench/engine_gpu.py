@@ -39,6 +39,10 @@ layers are ~93 GB, more than a 64 GB disk) with a synthetic sticky-Zipf trace, a
 trace is shared; ``--shape qwen3-30b-a3b`` Qwen3-30B-A3B's (128 experts top-8, expert FFN 768; default
 24 of its 48 layers, ~30 GB) with the same kind of trace.
 
+``--packed int4`` (or ``int8``) writes the checkpoint once more with its experts packed
+(``expertcache quantize --checkpoint``, beside it) and runs that (no transformers reference: it cannot run
+packed experts); ``--miss hobbit...`` builds the low-precision copies it needs first.
+
 ``--kernel`` is the engine's experts kernel (``grouped``, ``eager``, default ``auto``: grouped where torch
 has ``grouped_mm``); the all-resident references are transformers with each of ``--references`` (default
 ``grouped_mm`` and ``eager``: each kernel is exact against one, so their tokens are compared with the
@@ -648,7 +652,7 @@ def main() -> None:
     if args.packed:
         path = packed_checkpoint(path, args.packed)
         args.no_reference = True  # transformers cannot run the packed experts
-    if not args.packed:
+    else:
         hobbit_copies(path, args.miss)
     ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     log(
