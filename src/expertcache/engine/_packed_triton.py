@@ -122,9 +122,13 @@ def project(
     return out
 
 
-def warm(fmt: str, group: int, pool: torch.Tensor, offsets: dict[str, tuple[int, ...]], shapes) -> None:
-    """Compile the kernels for each matrix (``shapes``: name -> (rows, cols)) before the first step."""
+def warm(
+    fmt: str, group: int, pool: torch.Tensor, offsets: dict[str, tuple[int, ...]], shapes, dtype: torch.dtype
+) -> None:
+    """Compile the kernels for each matrix (``shapes``: name -> (rows, cols)) before the first step, for
+    inputs of ``dtype`` (the compute dtype: Triton compiles a kernel per argument type) and int64 slot ids
+    (the slot table's)."""
     slots = torch.zeros(1, dtype=torch.int64, device=pool.device)
     for name, (rows, cols) in shapes.items():
-        x = torch.zeros(1, cols, dtype=torch.float32, device=pool.device)
+        x = torch.zeros(1, cols, dtype=dtype, device=pool.device)
         project(fmt, group, pool, offsets[name], rows, cols, slots, x)

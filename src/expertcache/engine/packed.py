@@ -234,6 +234,7 @@ class PackedKernels:
             pool,
             {n: self.offsets_of(n) for n in MATRICES},
             {n: p.matrix(n) for n in MATRICES},
+            p.dtype,
         )
 
     def project(self, name: str, pool, slots, x: torch.Tensor) -> torch.Tensor:
