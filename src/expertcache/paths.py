@@ -23,12 +23,15 @@ def writable_dir(folder: str | Path, what: str) -> Path:
     return folder
 
 
-def as_umask_allows(path: str | Path) -> None:
-    """Give a file the permissions the process's umask allows (``0666 & ~umask``), as ``open`` would:
-    safetensors writes its files readable by their owner alone (0600), so a checkpoint or copy written
-    for a server running as another user could not be read."""
+def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, the file then given the permissions the process's umask allows
+    (``0666 & ~umask``), as ``open`` would: safetensors writes its files readable by their owner alone
+    (0600), so a checkpoint or copy written for a server running as another user could not be read."""
     import os
 
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)

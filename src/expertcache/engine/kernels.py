@@ -84,11 +84,17 @@ def grouped_available(device: torch.device) -> str | None:
 GROUPED_NOT_EXACT_ON = ("cuda",)
 
 
+def _auto_refuses_grouped(device: torch.device) -> str | None:
+    """Why ``auto`` does not take the grouped kernel on ``device`` (None: it does)."""
+    why = grouped_available(device)
+    if why is None and device.type in GROUPED_NOT_EXACT_ON:
+        why = "the grouped kernel is not bit-exact on a GPU yet (--kernel grouped takes it)"
+    return why
+
+
 def default_kernel(device: str | torch.device = "cpu") -> Kernel:
     """The kernel ``auto`` takes on ``device`` (for a model whose experts have a gate projection)."""
-    device = torch.device(device)
-    grouped = grouped_available(device) is None and device.type not in GROUPED_NOT_EXACT_ON
-    return KERNELS["grouped" if grouped else "eager"]
+    return KERNELS["eager" if _auto_refuses_grouped(torch.device(device)) else "grouped"]
 
 
 def _unaligned(layout) -> str | None:
@@ -116,8 +122,7 @@ def resolve_kernel(
     if why is None and getattr(module, "has_post_expert_norm", False):
         why = f"{type(module).__name__} normalises each expert's output"
     if name in (None, AUTO_KERNEL):
-        if why is None and device.type in GROUPED_NOT_EXACT_ON:
-            why = "the grouped kernel is not bit-exact on a GPU yet (--kernel grouped takes it)"
+        why = why or _auto_refuses_grouped(device)
         if why is None:
             return KERNELS["grouped"], None
         return KERNELS["eager"], f"experts computed one at a time (eager kernel): {why}"

@@ -29,6 +29,7 @@ transposes; its biases are stored in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -345,8 +346,11 @@ class PackedKernels:
 
 def gpu_kernels(device: torch.device) -> bool:
     """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed)."""
-    if device.type != "cuda":
-        return False
+    return device.type == "cuda" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:  # asked for every expert a GPU computes: looked up once
     try:
         import triton  # noqa: F401
     except ImportError:

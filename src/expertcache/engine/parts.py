@@ -208,17 +208,16 @@ def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = 
         hqq_quantizer()  # optional: said first, before the copies it would build are looked for
     path = find_copy(model, int(spec.bits), int(spec.group or 64))
     meta = read_meta(path)
+    layout = quant_layout(meta)
     packed = packed_of(meta, dtype)
     if packed is not None:
         from expertcache.engine.packed import PackedKernels
 
-        layout = packed.layout()
         compute = PackedKernels(packed).expert
     else:
         from expertcache.lazy import hqq_quantizer
 
         hqq_quantizer()  # int2, or int8/int4 copies of earlier versions: HQQ's
-        layout = quant_layout(meta)
         expand = Dequantizer(meta, dtype)
 
         def compute(module, views, x):

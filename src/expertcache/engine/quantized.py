@@ -166,7 +166,8 @@ class Dequantizer:
 
 def packed_of(meta: dict, dtype: torch.dtype):
     """The packing of copies in the packed checkpoints' formats (``engine.packed.Packed``), else None
-    (HQQ's copies, expanded for each use)."""
+    (HQQ's copies, expanded for each use). Its stored tensors are the file's, in the file's order, so its
+    slot layout is ``quant_layout(meta)``."""
     if meta.get("layout") != PACKED:
         return None
     from expertcache.engine.packed import Packed
@@ -175,7 +176,7 @@ def packed_of(meta: dict, dtype: torch.dtype):
     bits = int(meta["bits"])
     group = 0 if bits == 8 else int(meta["group"])
     packed = Packed(f"int{bits}", group, shapes, dtype, meta["transposed"] == "1")
-    got = {name: int(t["bytes"]) for name, t in meta["tensors"].items()}
-    if got != {name: n for name, (n,) in packed.tensors().items()}:
+    got = [(name, int(t["bytes"])) for name, t in meta["tensors"].items()]  # in order: ``quant_layout``'s
+    if got != [(name, n) for name, (n,) in packed.tensors().items()]:
         raise ExpertcacheError(f"{meta.get('path', 'quantised copies')}: tensors do not match their layout")
     return packed

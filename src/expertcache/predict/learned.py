@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from expertcache.paths import as_umask_allows
+from expertcache.paths import save_tensors
 from expertcache.predict.base import PredictContext, Predictor, PredictorError, rank_union
 
 if TYPE_CHECKING:
@@ -83,7 +83,6 @@ def save_predictor(
     ``probe``: the model's ``probe_routing`` [L, R, K], checked against the model the predictor runs on.
     """
     import torch
-    from safetensors.torch import save_file
 
     dtype = torch.float16 if dtype is None else dtype
     out = Path(out_dir)
@@ -95,8 +94,7 @@ def save_predictor(
     }
     if probe is not None:
         tensors["probe"] = torch.as_tensor(np.asarray(probe), dtype=torch.int64)
-    save_file(tensors, str(out / WEIGHTS))
-    as_umask_allows(out / WEIGHTS)
+    save_tensors(tensors, out / WEIGHTS)
     meta = {"format": FORMAT, **meta, "targets": sorted(mlps), "dtype": str(dtype).removeprefix("torch.")}
     (out / CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
     return out

@@ -203,8 +203,8 @@ def _precisions(m, module, full_s: float) -> dict[str, dict[str, float]]:
         except ExpertcacheError:
             continue
         meta = read_meta(path)
+        layout = quant_layout(meta)
         packed = packed_of(meta, m.dtype)
-        layout = packed.layout() if packed is not None else quant_layout(meta)
         source = QuantSource(path, layout, pin=m.device.type == "cuda")
         views = SlotPool(layout, 1, m.device).views[0]
         chunks = layout.chunks(m.chunk_bytes)

@@ -29,7 +29,7 @@ from expertcache.engine.packed import Packed, describe_format
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
-from expertcache.paths import as_umask_allows, writable_dir
+from expertcache.paths import save_tensors, writable_dir
 
 PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
@@ -91,14 +91,11 @@ def describe(name: str, t: torch.Tensor, views: dict[str, torch.Tensor], transpo
 def _write(
     target: Path, tensors, info, bits: int, group: int, model: Path, dtype: torch.dtype, extra: dict
 ) -> None:
-    from safetensors.torch import save_file
-
     meta = {
         "format": FORMAT, "bits": str(bits), "group": str(group), "fingerprint": fingerprint(model),
         "model": str(model), "dtype": str(dtype).removeprefix("torch."), "tensors": json.dumps(info), **extra,
     }  # fmt: skip
-    save_file(tensors, str(target), metadata=meta)
-    as_umask_allows(target)
+    save_tensors(tensors, target, meta)
 
 
 def quantize_model(
@@ -203,7 +200,6 @@ def write_checkpoint(
     (``engine.packed``), in safetensors files of up to ``SHARD_BYTES`` with an index. ``out`` must be new
     or empty; it is checked before any work. The packing runs on ``device`` (default: a GPU if torch sees
     one). Returns what was written (bytes, seconds)."""
-    from safetensors.torch import save_file
 
     from expertcache.engine.hub import resolve_model
     from expertcache.engine.packed import CONFIG_KEY, FORMATS, STORED, Packed, check_format, describe_format
@@ -272,14 +268,12 @@ def write_checkpoint(
         bar.close()
     meta = {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())}
     if len(shards) == 1:
-        save_file(shards[0], str(target / "model.safetensors"), metadata=meta)
-        as_umask_allows(target / "model.safetensors")
+        save_tensors(shards[0], target / "model.safetensors", meta)
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(target / name), metadata=meta)
-            as_umask_allows(target / name)
+            save_tensors(shard, target / name, meta)
             weight_map.update(dict.fromkeys(shard, name))
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
