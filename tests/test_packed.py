@@ -254,6 +254,18 @@ def test_packed_errors_are_one_line(packed_ckpts, tmp_path):
         ExpertcacheError, match=r"packed experts in format 'mxfp4': this expertcache runs int8, int4"
     ):
         load(odd, progress=False)
+    # another tool's quantisation (GPT-OSS's MXFP4, FP8, ...) is named and refused before any weight is read
+    for method in ("mxfp4", "fp8"):
+        other = tmp_path / method
+        other.mkdir()
+        for f in DEFAULT_MODEL.iterdir():
+            if f.is_file():
+                (other / f.name).write_bytes(f.read_bytes())
+        cfg = json.loads((other / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": method}
+        (other / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ExpertcacheError, match=rf"weights are quantised \({method}, .*int8, int4"):
+            load(other, progress=False)
 
 
 def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 
 from expertcache.engine.families import Family, family_of
 from expertcache.engine.memory import SlotLayout
-from expertcache.engine.packed import STORED, Packed, PackedKernels, from_config
+from expertcache.engine.packed import STORED, Packed, PackedKernels, from_config, refuse_other_quantisation
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -97,6 +97,9 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
 
     config = read_config(path)
     family = family_of(config.model_type)
+    from expertcache.engine.hub import model_label
+
+    refuse_other_quantisation(config, model_label(Path(path)))
     dtype = resolve_dtype(dtype, config)
     ckpt = Checkpoint(path)
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s

@@ -149,6 +149,22 @@ class Packed:
         return {"format": self.format, "group": self.group}
 
 
+def refuse_other_quantisation(config, label: str) -> None:
+    """One line for a checkpoint quantised by another tool (its config's ``quantization_config``: GPT-OSS's
+    MXFP4, FP8 block-quantised, GPTQ, AWQ, ...): its weights are not the tensors the engine reads, so it
+    is refused rather than run through a kernel for other weights."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method) or "an unnamed method"
+    raise ExpertcacheError(
+        f"{label}: its weights are quantised ({method}, the config's quantization_config), which this "
+        f"expertcache does not read; it runs full-precision checkpoints and its own packed ones (int8, int4: "
+        f"'expertcache quantize MODEL --bits 8 --checkpoint DIR' from the full-precision model)"
+    )
+
+
 def from_config(
     config, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, transposed: bool
 ) -> Packed | None:
