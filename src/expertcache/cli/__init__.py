@@ -408,6 +408,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "which generate --model DIR runs",
     )  # fmt: skip
     q.add_argument(
+        "--format", choices=("mxfp4", "fp8"), default=None,
+        help="with --checkpoint: write another tool's published layout instead of expertcache's int8/int4 "
+        "(mxfp4: GPT-OSS's; fp8: DeepSeek-V3's and Qwen3-FP8's, 128x128 block scales), which transformers "
+        "reads too",
+    )  # fmt: skip
+    q.add_argument(
         "--out", metavar="DIR", help="where (default: beside the checkpoint, else the user's cache)"
     )
     output_option(q, "out", "quantised copies", folder=True)
@@ -1172,6 +1178,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     quiet_transformers()
     if args.checkpoint is not None:
         return _write_packed(args)
+    if args.format is not None:
+        raise ExpertcacheError(f"--format {args.format} writes a checkpoint: give --checkpoint DIR")
     records = quantize_model(
         args.model, args.bits or [8, 4], 64 if args.group is None else args.group, args.out,
         optimize=not args.fast,
@@ -1189,20 +1197,23 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _write_packed(args: argparse.Namespace) -> int:
-    from expertcache.tools.quantize import write_checkpoint
-
     for flag, given in (("--out", args.out), ("--fast", args.fast)):
         if given:
             raise ExpertcacheError(
                 f"{flag} is for the hobbit copies; --checkpoint DIR is where a packed one goes"
             )
-    bits = args.bits or [8]
-    if len(bits) != 1:
-        raise ExpertcacheError(f"--checkpoint writes one format: give one --bits (8 or 4), got {bits}")
-    record = write_checkpoint(
-        args.model, bits[0], args.checkpoint, args.group,
-        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
-    )  # fmt: skip
+    if args.format is not None:
+        from expertcache.tools.published import write_published
+
+        for flag, given in (("--bits", args.bits), ("--group", args.group)):
+            if given is not None:
+                raise ExpertcacheError(f"--format {args.format} has its own blocks and scales: drop {flag}")
+        record = write_published(
+            args.model, args.format, args.checkpoint,
+            log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+        )  # fmt: skip
+    else:
+        record = _write_own(args)
     if args.json:
         print(json.dumps(record))
     else:
@@ -1211,6 +1222,18 @@ def _write_packed(args: argparse.Namespace) -> int:
               f"expert, {share:.1%} of the full one; run it with: expertcache generate --model "
               f"{record['path']})")  # fmt: skip
     return 0
+
+
+def _write_own(args: argparse.Namespace) -> dict:
+    from expertcache.tools.quantize import write_checkpoint
+
+    bits = args.bits or [8]
+    if len(bits) != 1:
+        raise ExpertcacheError(f"--checkpoint writes one format: give one --bits (8 or 4), got {bits}")
+    return write_checkpoint(
+        args.model, bits[0], args.checkpoint, args.group,
+        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+    )  # fmt: skip
 
 
 def _cmd_quality(args: argparse.Namespace) -> int:

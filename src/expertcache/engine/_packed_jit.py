@@ -143,3 +143,135 @@ def tokens_int4(pool, qoff, soff, moff, rows, cols, group, slot, x, out):  # pra
                 for c in range(cols):
                     acc += w[c] * xm[c]
                 out[m, n] = acc
+
+
+# -- other tools' formats: GPT-OSS's MXFP4 and block-scaled FP8 (``engine.packed``) -------------------------
+# e8m0's powers of two by byte (255: NaN) and fp8 e4m3's values by byte, as float32 tables: constants of
+# the compiled loops
+E8M0 = np.array([np.ldexp(1.0, s - 127) for s in range(255)] + [np.nan], np.float32)
+MX = 32  # columns per MXFP4 scale
+
+
+def _e4m3() -> np.ndarray:
+    import torch  # the tables are made once, at import
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+
+
+E4M3 = _e4m3()
+
+
+@numba.njit(inline="always")
+def _fp4(n):  # pragma: no cover (compiled)
+    """e2m1 code ``n``'s value, without a table (a table's lookups kept the loops scalar: 1.5x slower at
+    GPT-OSS's shapes): float32 bits ``(m << 22) + (126 << 23)`` of its magnitude bits ``m`` are the value
+    for ``m >= 2``, and ``2 f - 1`` is for the subnormal ``m < 2``; the high bit is the sign."""
+    n32 = np.uint32(n)
+    f = np.uint32(((n32 & np.uint32(7)) << np.uint32(22)) + np.uint32(126 << 23)).view(np.float32)
+    f = f if (n32 & np.uint32(6)) != 0 else np.float32(2.0) * f - np.float32(1.0)
+    return -f if (n32 & np.uint32(8)) != 0 else f
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def rows_mxfp4(pool, qoff, soff, rows, cols, slots, x_even, x_odd, out):  # pragma: no cover (compiled)
+    """``q`` ``[rows, cols / 32, 16]`` bytes at ``qoff`` (two e2m1 a byte, even column low), ``scale``
+    ``[rows, cols / 32]`` e8m0 bytes at ``soff``: per block of 32 columns, ``2 ** (scale - 127) *
+    sum(fp4 * x)``; ``x_even``/``x_odd`` the input's even and odd columns."""
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    shared = x_even.shape[0] == 1
+    per_row = cols // MX
+    half = MX // 2
+    for task in numba.prange(len(slots) * blocks):
+        k = task // blocks
+        first = (task % blocks) * BLOCK_ROWS
+        last = min(rows, first + BLOCK_ROWS)
+        slot = pool[slots[k]]
+        xr = 0 if shared else k
+        xe, xo = x_even[xr], x_odd[xr]
+        q = slot[qoff : qoff + rows * cols // 2]
+        scale = slot[soff : soff + rows * per_row]
+        for n in range(first, last):
+            acc = np.float32(0.0)
+            for j in range(per_row):
+                base = (n * per_row + j) * half
+                a = np.float32(0.0)
+                for c in range(half):
+                    b = q[base + c]
+                    a += _fp4(b & np.uint8(15)) * xe[j * half + c] + _fp4(b >> np.uint8(4)) * xo[j * half + c]
+                acc += a * E8M0[scale[n * per_row + j]]
+            out[k, n] = acc
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def tokens_mxfp4(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cover (compiled)
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    per_row = cols // MX
+    src = pool[slot]
+    q = src[qoff : qoff + rows * cols // 2]
+    scale = src[soff : soff + rows * per_row]
+    for b in numba.prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            for j in range(per_row):
+                s = E8M0[scale[n * per_row + j]]
+                base = (n * per_row + j) * (MX // 2)
+                for c in range(MX // 2):
+                    byte = q[base + c]
+                    w[j * MX + 2 * c] = _fp4(byte & np.uint8(15)) * s
+                    w[j * MX + 2 * c + 1] = _fp4(byte >> np.uint8(4)) * s
+            for m in range(x.shape[0]):
+                xm = x[m]
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += w[c] * xm[c]
+                out[m, n] = acc
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def rows_fp8(pool, qoff, soff, rows, cols, bcols, srow, slots, x, out):  # pragma: no cover (compiled)
+    """``q`` ``[rows, cols]`` e4m3 bytes at ``qoff``, ``scale`` float32 ``[scale rows, ceil(cols / bcols)]``
+    at ``soff``, row ``n`` taking scale row ``srow[n]``: per block of ``bcols`` columns, ``scale *
+    sum(fp8 * x)``."""
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    shared = x.shape[0] == 1
+    per_row = (cols + bcols - 1) // bcols
+    nscale = (srow[rows - 1] + 1) * per_row
+    for task in numba.prange(len(slots) * blocks):
+        k = task // blocks
+        first = (task % blocks) * BLOCK_ROWS
+        last = min(rows, first + BLOCK_ROWS)
+        slot = pool[slots[k]]
+        xk = x[0 if shared else k]
+        q = slot[qoff : qoff + rows * cols]
+        scale = slot[soff : soff + 4 * nscale].view(np.float32)
+        for n in range(first, last):
+            acc = np.float32(0.0)
+            row = q[n * cols : (n + 1) * cols]
+            for j in range(per_row):
+                a = np.float32(0.0)
+                for c in range(j * bcols, min(cols, (j + 1) * bcols)):
+                    a += E4M3[row[c]] * xk[c]
+                acc += a * scale[srow[n] * per_row + j]
+            out[k, n] = acc
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def tokens_fp8(pool, qoff, soff, rows, cols, bcols, srow, slot, x, out):  # pragma: no cover (compiled)
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    per_row = (cols + bcols - 1) // bcols
+    nscale = (srow[rows - 1] + 1) * per_row
+    src = pool[slot]
+    q = src[qoff : qoff + rows * cols]
+    scale = src[soff : soff + 4 * nscale].view(np.float32)
+    for b in numba.prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            row = q[n * cols : (n + 1) * cols]
+            for c in range(cols):
+                w[c] = E4M3[row[c]] * scale[srow[n] * per_row + c // bcols]
+            for m in range(x.shape[0]):
+                xm = x[m]
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += w[c] * xm[c]
+                out[m, n] = acc

@@ -20,7 +20,7 @@ import torch
 
 from expertcache.engine.families import Family, family_of
 from expertcache.engine.memory import SlotLayout
-from expertcache.engine.packed import STORED, Packed, PackedKernels, from_config, refuse_other_quantisation
+from expertcache.engine.packed import Packed, PackedKernels, dequantize_fp8, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -97,9 +97,6 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
 
     config = read_config(path)
     family = family_of(config.model_type)
-    from expertcache.engine.hub import model_label
-
-    refuse_other_quantisation(config, model_label(Path(path)))
     dtype = resolve_dtype(dtype, config)
     ckpt = Checkpoint(path)
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s
@@ -132,15 +129,29 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     if not experts:
         raise ExpertcacheError(f"{path}: the model has no routed experts")
     shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
-    packed = from_config(config, shapes, dtype, bool(experts[0].is_transposed))
+    first = family.expert_keys(prefixes[0], 0)
+
+    def stored_dtype(name: str):
+        key = first[name][0][0]
+        if key not in ckpt:
+            raise ExpertcacheError(f"{path}: checkpoint lacks expert tensor {key}")
+        return ckpt.dtype(key)
+
+    try:
+        packed = from_config(config, family, shapes, dtype, bool(experts[0].is_transposed), stored_dtype)
+    except ExpertcacheError as exc:
+        from expertcache.engine.hub import model_label
+
+        raise ExpertcacheError(f"{model_label(Path(path))}: {exc}") from None
     if packed is None:
         store = ExpertStore(ckpt, family, prefixes, shapes, num_experts)
     else:
-        store = ExpertStore(ckpt, family, prefixes, packed.tensors(), num_experts, stored=STORED)
+        store = ExpertStore(ckpt, family, prefixes, packed.tensors(), num_experts, packed=packed)
         kernels = PackedKernels(packed)
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
-    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress)
+    block = packed.block if packed is not None and packed.format == "fp8" else None
+    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, block)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
@@ -152,11 +163,20 @@ def _is_experts(module: torch.nn.Module) -> bool:
 
 
 def _load_dense(
-    model: torch.nn.Module, ckpt: Checkpoint, family: Family, skip: set[str], dtype, progress: bool = False
+    model: torch.nn.Module,
+    ckpt: Checkpoint,
+    family: Family,
+    skip: set[str],
+    dtype,
+    progress: bool = False,
+    fp8_block: tuple[int, int] | None = None,
 ) -> None:
     """Every non-expert tensor from the checkpoint, read into fresh aligned memory (``Checkpoint.copy``,
-    on ``DENSE_THREADS`` threads), in ``dtype``."""
-    expected = set(model.state_dict())
+    on ``DENSE_THREADS`` threads), in ``dtype``; an fp8 checkpoint's fp8 weights dequantised with their
+    ``weight_scale_inv`` (one scale per ``fp8_block``)."""
+    # each tensor's dtype in the model: ``dtype``, but float32 for what the class keeps so (DeepSeek-V3's
+    # router: ``_keep_in_fp32_modules_strict``), as transformers loads it
+    expected = {name: t.dtype for name, t in model.state_dict().items()}
     names = {}  # checkpoint key -> parameter name; the rest (rotary tables of old checkpoints) is dropped
     for key in ckpt:
         if key not in skip and family.rename(key) in expected:
@@ -172,7 +192,13 @@ def _load_dense(
 
             copies = tqdm(copies, total=len(keys), desc="dense weights", unit="tensor", leave=False)
         for key, t in zip(keys, copies, strict=True):
-            state[names[key]] = t.to(dtype=dtype) if t.is_floating_point() else t
+            want = expected[names[key]] if expected[names[key]].is_floating_point else dtype
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                scale = f"{key}_scale_inv"
+                if fp8_block is None or scale not in ckpt:
+                    raise ExpertcacheError(f"{ckpt.path}: {key} is stored in {t.dtype} without {scale}")
+                t = dequantize_fp8(t, ckpt.tensor(scale), fp8_block, want)
+            state[names[key]] = t.to(dtype=want) if t.is_floating_point() else t
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:

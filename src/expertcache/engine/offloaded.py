@@ -213,8 +213,9 @@ class OffloadedModel:
             "expert_format": describe_format(self.packed, self.dtype),
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
-            # the outputs may differ from the full-precision model's: a lossy miss path, or packed experts
-            "lossy": self.miss.lossy or self.packed is not None,
+            # the outputs may differ from the checkpoint's model: a lossy miss path, or experts packed by
+            # expertcache (another tool's quantised checkpoint is that model: its weights are read exactly)
+            "lossy": self.miss.lossy or (self.packed is not None and not self.packed.exact),
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),

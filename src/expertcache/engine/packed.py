@@ -25,6 +25,20 @@ experts are (compute-bound: the expansion is small beside it); so does a GPU wit
 
 The dense weights stay as they are. GPT-OSS's matrices (stored ``[in, out]``) are packed as their
 transposes; its biases are stored in float32.
+
+Checkpoints quantised by other tools are read in their own format, under their own tensor names, with the
+same machinery (a slot holds the expert's bytes as the checkpoint stores them; ``Packed.sources``):
+
+- ``mxfp4``: GPT-OSS's published checkpoints (transformers' ``Mxfp4Config``): per matrix ``{name}_blocks``
+  ``[E, out, in / 32, 16]`` (two e2m1 values a byte, the even column in the low nibble) and
+  ``{name}_scales`` ``[E, out, in / 32]`` (an e8m0 exponent per 32 columns of a row, biased by 127);
+  a weight is ``fp4 * 2 ** (scale - 127)``, exactly the value transformers' dequantisation gives. The
+  biases stay in the checkpoint's dtype.
+- ``fp8``: block-quantised FP8 (DeepSeek-V3, Qwen3-FP8; transformers' ``FineGrainedFP8Config``): per
+  expert projection ``weight`` ``[out, in]`` in float8 e4m3 and ``weight_scale_inv`` float32
+  ``[ceil(out / 128), ceil(in / 128)]``, one scale per 128 x 128 block (the config's
+  ``weight_block_size``); a weight is ``fp8 * scale``. The checkpoint's other FP8 linear layers (attention,
+  shared experts, dense MLPs) are dequantised at load, as transformers does on a CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +56,9 @@ from expertcache.errors import ExpertcacheError
 
 CONFIG_KEY = "expertcache_experts"  # config.json's entry of a packed checkpoint
 STORED = "packed_experts"  # the checkpoint's tensors: {layer prefix}.packed_experts.{tensor}
-FORMATS = {"int8": 8, "int4": 4}  # format -> bits
+FORMATS = {"int8": 8, "int4": 4, "mxfp4": 4, "fp8": 8}  # format -> bits of a weight
+OWN = ("int8", "int4")  # expertcache's own formats (``expertcache quantize --checkpoint``); others: read only
+MX_BLOCK = 32  # MXFP4: columns per e8m0 scale
 DEFAULT_GROUP = 64  # int4's columns per scale and minimum
 MATRICES = ("gate_up_proj", "down_proj")
 DECODE_ROWS = 8  # at most this many tokens an expert: each token a row of the one-token kernels
@@ -51,8 +67,8 @@ PREFILL_ROWS = 64  # more, up to this (CPU): each weight row unpacked once for a
 
 def check_format(fmt: str, group: int | None = None) -> int:
     """The group ``fmt`` uses (int8: 0, one scale per row); one line for a format or group it cannot take."""
-    if fmt not in FORMATS:
-        raise ExpertcacheError(f"packed format {fmt!r} is not one of: {', '.join(FORMATS)}")
+    if fmt not in OWN:
+        raise ExpertcacheError(f"packed format {fmt!r} is not one of: {', '.join(OWN)}")
     if fmt == "int8":
         if group not in (None, 0):
             raise ExpertcacheError("int8 experts have one scale per row: --group applies to int4 only")
@@ -67,52 +83,106 @@ def check_format(fmt: str, group: int | None = None) -> int:
 class Packed:
     """How one model's experts are packed: the format, and the full-precision tensors it stands for."""
 
-    format: str  # int8 | int4
-    group: int  # int4: input columns per scale and minimum; int8: 0 (one scale per row)
+    format: str  # int8 | int4 (expertcache's) | mxfp4 | fp8 (other tools')
+    group: int  # int4: input columns per scale and minimum; mxfp4: 32; int8, fp8: 0
     shapes: dict[str, tuple[int, ...]]  # one expert's full-precision tensors (family order)
-    dtype: torch.dtype  # the compute dtype (biases are stored in float32)
-    transposed: bool  # GPT-OSS: matrices stored [in, out] (packed as their transposes)
+    dtype: torch.dtype  # the compute dtype
+    transposed: bool  # GPT-OSS: matrices stored [in, out] (expertcache's formats pack their transposes)
+    bias_dtype: torch.dtype = torch.float32  # biases as stored (another tool's checkpoint: its own dtype)
+    block: tuple[int, int] = (0, 0)  # fp8: rows and columns per scale
+    # fp8: rows of each checkpoint tensor a matrix gathers (gate, up), each with its own blocks of scales
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    method: str | None = None  # the quantisation tool's method (mxfp4, fp8); None: expertcache's own
 
     @property
     def bits(self) -> int:
         return FORMATS[self.format]
+
+    @property
+    def exact(self) -> bool:
+        """Whether the kernels compute with the weights transformers' dequantised model has: another tool's
+        MXFP4 (each value is a bfloat16 too), or FP8 in a float32 model; transformers rounds FP8's
+        ``fp8 * scale`` to a bfloat16 model's dtype, the kernels do not (nor do expertcache's own formats
+        stand for their full-precision source)."""
+        return self.method == "mxfp4" or (self.method == "fp8" and self.dtype == torch.float32)
 
     def matrix(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of ``name`` as packed: transformers' ``[out, in]``."""
         shape = self.shapes[name]
         return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
 
-    def tensors(self) -> dict[str, tuple[int]]:
-        """Each stored tensor of one expert and its bytes, in slot order."""
-        out: dict[str, tuple[int]] = {}
+    def scale_rows(self, name: str) -> np.ndarray:
+        """fp8: the row of ``name``'s scales each of its rows takes (int32 ``[rows]``): each checkpoint
+        tensor it gathers has its own blocks of ``block[0]`` rows, the last one maybe shorter."""
+        out, first = [], 0
+        for rows in dict(self.parts)[name]:
+            out.append(first + np.arange(rows) // self.block[0])
+            first += -(-rows // self.block[0])
+        return np.concatenate(out).astype(np.int32)
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Each stored tensor of one expert and its shape in bytes, in slot order (another tool's: its
+        checkpoint tensor's shape, an element of several bytes a last dimension of them)."""
+        out: dict[str, tuple[int, ...]] = {}
         for name, shape in self.shapes.items():
-            if name not in MATRICES:  # a bias, in float32
-                out[name] = (math.prod(shape) * 4,)
+            if name not in MATRICES:  # a bias
+                size = self.bias_dtype.itemsize
+                out[name] = (math.prod(shape) * size,) if self.method is None else (*shape, size)
                 continue
             rows, cols = self.matrix(name)
             if self.format == "int8":
                 out.update({f"{name}.q": (rows * cols,), f"{name}.scale": (4 * rows,)})
-            else:
+            elif self.format == "int4":
                 groups = rows * -(-cols // self.group)
                 out.update({f"{name}.q": (rows * cols // 2,), f"{name}.scale": (2 * groups,),
                             f"{name}.min": (2 * groups,)})  # fmt: skip
+            elif self.format == "mxfp4":
+                blocks = cols // MX_BLOCK
+                out.update({f"{name}.q": (rows, blocks, MX_BLOCK // 2), f"{name}.scale": (rows, blocks)})
+            else:  # fp8
+                scale_rows = sum(-(-r // self.block[0]) for r in dict(self.parts)[name])
+                out.update(
+                    {f"{name}.q": (rows, cols), f"{name}.scale": (scale_rows, -(-cols // self.block[1]), 4)}
+                )
         return out
 
     def layout(self) -> SlotLayout:
         return SlotLayout.of(self.tensors(), torch.uint8)
 
+    def sources(self, prefix: str, family_keys: dict[str, list[tuple[str, bool]]]) -> dict:
+        """Where each stored tensor of one expert lies in the checkpoint: ``{slot tensor: [(key, fused)]}``
+        (``ExpertStore``), from its layer's ``prefix`` (``model.layers.{l}``) and the family's keys of the
+        expert at full precision (``Family.expert_keys``)."""
+        if self.method is None:
+            return {name: [(f"{prefix}.{STORED}.{name}", True)] for name in self.tensors()}
+        out = {}
+        for name, srcs in family_keys.items():
+            if name not in MATRICES:
+                out[name] = srcs
+            elif self.format == "mxfp4":  # {name}_blocks, {name}_scales
+                out[f"{name}.q"] = [(k + "_blocks", fused) for k, fused in srcs]
+                out[f"{name}.scale"] = [(k + "_scales", fused) for k, fused in srcs]
+            else:  # fp8: {proj}.weight with {proj}.weight_scale_inv (a fused {name} with {name}_scale_inv)
+                out[f"{name}.q"] = srcs
+                out[f"{name}.scale"] = [(k + "_scale_inv", fused) for k, fused in srcs]
+        return out
+
     def check_shapes(self) -> None:
         """One line where an expert's matrices cannot be packed in this format (int4: two columns a byte)."""
-        if self.format != "int4":
-            return
         for name in MATRICES:
             rows, cols = self.matrix(name)
-            if cols % 2:
+            if self.format == "int4" and cols % 2:
                 raise ExpertcacheError(f"int4 packs two columns a byte; {name} has {cols} input columns")
+            if self.format == "mxfp4" and cols % MX_BLOCK:
+                raise ExpertcacheError(
+                    f"mxfp4 scales {MX_BLOCK} columns each; {name} has {cols} input columns"
+                )
 
     # -- packing -----------------------------------------------------------------------------------
     def pack(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One expert's full-precision tensors -> its stored tensors (uint8, ``tensors()``' sizes)."""
+        if self.format not in OWN:
+            raise ExpertcacheError(f"expertcache writes {', '.join(OWN)} experts, not {self.format}")
         out = {}
         for name, t in views.items():
             if name not in MATRICES:
@@ -134,6 +204,17 @@ class Packed:
         if self.format == "int8":
             scale = views[f"{name}.scale"].view(torch.float32)
             return q.view(torch.int8).view(rows, cols).to(torch.float32) * scale[:, None]
+        if self.format == "mxfp4":
+            lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=q.device)
+            q = q.reshape(rows, cols // 2).to(torch.int64)
+            w = torch.stack((lut[q & 15], lut[q >> 4]), dim=-1).view(rows, cols // MX_BLOCK, MX_BLOCK)
+            exp = views[f"{name}.scale"].reshape(rows, -1, 1).to(torch.int32) - 127
+            return torch.ldexp(w, exp).view(rows, cols)
+        if self.format == "fp8":
+            w = q.reshape(rows, cols).view(torch.float8_e4m3fn).to(torch.float32)
+            scale = views[f"{name}.scale"].reshape(-1).view(torch.float32).view(-1, -(-cols // self.block[1]))
+            per_row = scale[torch.from_numpy(self.scale_rows(name)).to(q.device, torch.int64)]
+            return w * per_row.repeat_interleave(self.block[1], dim=1)[:, :cols]
         groups = -(-cols // self.group)
         scale = views[f"{name}.scale"].view(torch.bfloat16).to(torch.float32).view(rows, groups, 1)
         low = views[f"{name}.min"].view(torch.bfloat16).to(torch.float32).view(rows, groups, 1)
@@ -142,47 +223,108 @@ class Packed:
         return (nib * scale + low).view(rows, -1)[:, :cols]
 
     def bias(self, views: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        return views[name].view(torch.float32).to(self.dtype)
+        return views[name].reshape(-1).view(self.bias_dtype).to(self.dtype)
 
     def entry(self) -> dict[str, object]:
         """``config.json``'s ``expertcache_experts``."""
         return {"format": self.format, "group": self.group}
 
 
-def refuse_other_quantisation(config, label: str) -> None:
-    """One line for a checkpoint quantised by another tool (its config's ``quantization_config``: GPT-OSS's
-    MXFP4, FP8 block-quantised, GPTQ, AWQ, ...): its weights are not the tensors the engine reads, so it
-    is refused rather than run through a kernel for other weights."""
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method) or "an unnamed method"
-    raise ExpertcacheError(
-        f"{label}: its weights are quantised ({method}, the config's quantization_config), which this "
-        f"expertcache does not read; it runs full-precision checkpoints and its own packed ones (int8, int4: "
-        f"'expertcache quantize MODEL --bits 8 --checkpoint DIR' from the full-precision model)"
-    )
+# e2m1's sixteen values by code (sign in the high bit), as transformers' ``FP4_VALUES``
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+READ = "int8, int4 (expertcache's), mxfp4 (GPT-OSS's), fp8 with block scales (DeepSeek-V3's, Qwen3-FP8's)"
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the e4m3 of fp8 checkpoints (e5m2 and others: refused)
 
 
 def from_config(
-    config, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, transposed: bool
+    config, family, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, transposed: bool, stored_dtype
 ) -> Packed | None:
-    """The packing a checkpoint's config declares (None: full-precision experts); one line if unusable."""
+    """The packing a checkpoint's config declares (None: full-precision experts); one line if unusable.
+    ``stored_dtype(name)``: the checkpoint's dtype of the first expert's tensor ``name`` (``Family``'s
+    slot names, at full precision: a bias, or a matrix of an fp8 checkpoint)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        return _other_tool(qc, family, shapes, dtype, transposed, stored_dtype)
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
         return None
     if not isinstance(entry, dict) or "format" not in entry:
         raise ExpertcacheError(f"config's {CONFIG_KEY} is not a packing record: {entry!r}")
     fmt = str(entry["format"])
-    if fmt not in FORMATS:
+    if fmt not in OWN:
         raise ExpertcacheError(
-            f"packed experts in format {fmt!r}: this expertcache runs {', '.join(FORMATS)} (upgrade it?)"
+            f"packed experts in format {fmt!r}: this expertcache runs {', '.join(OWN)} (upgrade it?)"
         )
     group = check_format(fmt, int(entry.get("group") or 0) or None)
     packed = Packed(fmt, group, dict(shapes), dtype, transposed)
     packed.check_shapes()
     return packed
+
+
+def _other_tool(qc, family, shapes, dtype, transposed, stored_dtype) -> Packed:
+    """A checkpoint quantised by another tool (its config's ``quantization_config``): the experts as that
+    tool stores them, for the formats this engine reads; any other (GPTQ, AWQ, bitsandbytes, ...) is refused
+    in one line rather than run through a kernel for other weights."""
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = qc.get("quant_method")
+    method = str(getattr(method, "value", method) or "an unnamed method")
+    what = f"its weights are quantised ({method}, the config's quantization_config)"
+    if method == "mxfp4" and family.name == "gpt_oss":
+        bias = {stored_dtype(n) for n in shapes if n not in MATRICES}
+        packed = Packed(
+            "mxfp4", MX_BLOCK, dict(shapes), dtype, transposed, bias_dtype=bias.pop(), method=method
+        )
+    elif method == "fp8" and not transposed:
+        if any(src.fused for name in MATRICES for src in family.sources[name]):
+            raise ExpertcacheError(
+                f"{what}: {family.name} stores its experts fused, and fp8 checkpoints store them one "
+                "by one (transformers 5.24 drops the scales of fused ones too); this expertcache reads "
+                "fp8 experts of the families that store them one by one (Qwen, DeepSeek, Mixtral, OLMoE)"
+            )
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
+            raise ExpertcacheError(
+                f"{what} without block scales (weight_block_size {block!r}): this expertcache reads fp8 "
+                "with a scale per block of rows and columns"
+            )
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ExpertcacheError(
+                f"{what} with static activation scales: this expertcache reads dynamic ones"
+            )
+        for name in MATRICES:
+            got = stored_dtype(name)
+            if got not in FP8_DTYPES:
+                raise ExpertcacheError(
+                    f"{what}, but its experts' {name} is stored in {got}, not float8_e4m3fn"
+                )
+        parts = tuple(
+            (name, (shapes[name][0] // len(family.sources[name]),) * len(family.sources[name]))
+            for name in MATRICES
+        )
+        packed = Packed("fp8", 0, dict(shapes), dtype, transposed, block=(int(block[0]), int(block[1])),
+                        parts=parts, method=method)  # fmt: skip
+    else:
+        raise ExpertcacheError(
+            f"{what}, which this expertcache does not read for {family.name}; it reads {READ} "
+            f"(or write expertcache's own from the full-precision model: 'expertcache quantize MODEL "
+            f"--bits 8 --checkpoint DIR')"
+        )
+    packed.check_shapes()
+    return packed
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """A dense fp8 weight ``[out, in]`` with its ``weight_scale_inv`` (one float32 per ``block`` of rows and
+    columns, the last ones maybe shorter) -> ``dtype``, as transformers dequantises one on a CPU (float32
+    products, rounded once)."""
+    rows, cols = q.shape
+    s = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return (q.to(torch.float32) * s).to(dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -232,6 +374,8 @@ class PackedKernels:
         self.packed = packed
         self.layout = packed.layout()
         self.offsets = dict(zip(self.layout.names, self.layout.offsets, strict=True))
+        # fp8: the scale row of each matrix row (``Packed.scale_rows``)
+        self.srows = {n: packed.scale_rows(n) for n in MATRICES} if packed.format == "fp8" else {}
 
     def offsets_of(self, name: str) -> tuple[int, ...]:
         """Where in a slot the matrix ``name``'s packed tensors start: q, scale (and int4's minimum)."""
@@ -270,8 +414,14 @@ class PackedKernels:
 
         xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
         out = np.empty((len(slots), rows), dtype=np.float32)
+        qoff, soff = off[f"{name}.q"], off[f"{name}.scale"]
         if p.format == "int8":
-            _packed_jit.rows_int8(pool, off[f"{name}.q"], off[f"{name}.scale"], rows, cols, slots, xf, out)
+            _packed_jit.rows_int8(pool, qoff, soff, rows, cols, slots, xf, out)
+        elif p.format == "mxfp4":
+            even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
+            _packed_jit.rows_mxfp4(pool, qoff, soff, rows, cols, slots, even, odd, out)
+        elif p.format == "fp8":
+            _packed_jit.rows_fp8(pool, qoff, soff, rows, cols, p.block[1], self.srows[name], slots, xf, out)
         else:
             even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
             groups = -(-cols // p.group)
@@ -293,8 +443,13 @@ class PackedKernels:
         rows, cols = p.matrix(name)
         xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
         out = np.empty((xf.shape[0], rows), dtype=np.float32)
+        qoff, soff = off[f"{name}.q"], off[f"{name}.scale"]
         if p.format == "int8":
-            _packed_jit.tokens_int8(pool, off[f"{name}.q"], off[f"{name}.scale"], rows, cols, slot, xf, out)
+            _packed_jit.tokens_int8(pool, qoff, soff, rows, cols, slot, xf, out)
+        elif p.format == "mxfp4":
+            _packed_jit.tokens_mxfp4(pool, qoff, soff, rows, cols, slot, xf, out)
+        elif p.format == "fp8":
+            _packed_jit.tokens_fp8(pool, qoff, soff, rows, cols, p.block[1], self.srows[name], slot, xf, out)
         else:
             _packed_jit.tokens_int4(
                 pool, off[f"{name}.q"], off[f"{name}.scale"], off[f"{name}.min"], rows, cols, p.group, slot,
@@ -349,7 +504,7 @@ class PackedKernels:
             return self.tokens(module, one, x)
         if x.shape[0] <= DECODE_ROWS:
             one = slot_bytes(views, self.layout)
-            if gpu_kernels(x.device):
+            if gpu_kernels(x.device, self.packed):
                 return self.rows(module, one, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), x)
         p = self.packed
         w1, w2 = (self.packed.expand(views, n).to(p.dtype) for n in MATRICES)
@@ -360,9 +515,11 @@ class PackedKernels:
         return F.linear(module.act_fn(gate) * up, w2)
 
 
-def gpu_kernels(device: torch.device) -> bool:
-    """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed)."""
-    return device.type == "cuda" and _has_triton()
+def gpu_kernels(device: torch.device, packed: Packed) -> bool:
+    """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed) for
+    ``packed``'s format: expertcache's own (int8, int4); another tool's (mxfp4, fp8) is expanded there
+    for each use."""
+    return device.type == "cuda" and packed.format in OWN and _has_triton()
 
 
 @functools.cache
@@ -375,13 +532,13 @@ def _has_triton() -> bool:  # asked for every expert a GPU computes: looked up o
 
 
 def _bias_rows(p: Packed, pool, offsets: dict[str, int], ids, name: str) -> torch.Tensor:
-    n = p.shapes[name][0] * 4
+    n = p.shapes[name][0] * p.bias_dtype.itemsize
     start = offsets[name]
     if isinstance(pool, torch.Tensor):  # a GPU's pool: ids past it (computed elsewhere) read slot 0
         raw = pool[torch.where(ids < pool.shape[0], ids, 0), start : start + n].contiguous()
     else:
         raw = torch.from_numpy(np.ascontiguousarray(pool[ids, start : start + n]))
-    return raw.view(torch.float32).to(p.dtype)
+    return raw.view(p.bias_dtype).to(p.dtype)
 
 
 class PackedPool:
@@ -395,7 +552,7 @@ class PackedPool:
         self.num_slots = len(pool)
         self.device = pool.buffer.device
         self.array = pool.buffer.numpy() if self.device.type == "cpu" else None  # [S, slot bytes]
-        self.gpu = gpu_kernels(self.device)  # the whole step's pairs in one call of the Triton kernels
+        self.gpu = gpu_kernels(self.device, kernels.packed)  # the step's pairs in one call of Triton's
         if self.gpu:
             kernels.warm(pool.buffer)
 
@@ -431,7 +588,12 @@ def packed_grouped_rows(
 
 
 def describe_format(packed: Packed | None, dtype: torch.dtype | None = None) -> str:
-    """The experts' storage format in a word: ``int8``, ``int4-g64``, or the full-precision dtype."""
+    """The experts' storage format in a word: ``int8``, ``int4-g64``, ``mxfp4``, ``fp8-b128x128``, or the
+    full-precision dtype."""
     if packed is None:
         return str(dtype).removeprefix("torch.")
-    return packed.format if packed.format == "int8" else f"{packed.format}-g{packed.group}"
+    if packed.format == "int4":
+        return f"int4-g{packed.group}"
+    if packed.format == "fp8":
+        return f"fp8-b{packed.block[0]}x{packed.block[1]}"
+    return packed.format

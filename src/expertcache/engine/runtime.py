@@ -273,9 +273,11 @@ class Engine:
 
         def put(flat: np.ndarray, values: torch.Tensor) -> None:
             nonlocal rows
-            if rows is None:  # pairs left out (skipped experts) add nothing
-                rows = torch.zeros(T * K, values.shape[-1], dtype=values.dtype, device=values.device)
-            rows[torch.from_numpy(flat).to(device)] = values
+            if rows is None:  # pairs left out (skipped experts) add nothing; weighted rows are in the
+                # weights' precision where it is higher (DeepSeek-V3's float32 router), as transformers' are
+                kind = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+                rows = torch.zeros(T * K, values.shape[-1], dtype=kind, device=values.device)
+            rows[torch.from_numpy(flat).to(device)] = values.to(rows.dtype)
 
         def alone(expert: int, out: torch.Tensor) -> None:
             """An expert computed alone: its output on each of its pairs, weighted, into their rows."""

@@ -104,8 +104,21 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
+
+
+_ITEMSIZE = {str(t): t.itemsize for t in _DTYPES.values()}
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a uint8 view: the same shape for one-byte elements, else one more dimension of each
+    element's bytes (a packed slot holds another tool's tensors as they are stored)."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t.unsqueeze(-1).view(torch.uint8)
 
 
 class Read(NamedTuple):
@@ -420,6 +433,11 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._open(self.files[key]).get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype | str:
+        """The tensor's dtype (safetensors' name of it where torch has none here)."""
+        name = self._open(self.files[key]).get_slice(key).get_dtype()
+        return _DTYPES.get(name, name)
+
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor, a zero-copy view of the memory-mapped file where it can be (see ``_mapped``)."""
         mapped = self._mapped(self.files[key]).get(key)
@@ -518,11 +536,12 @@ class ExpertStore:
         prefixes: list[str],
         shapes: dict[str, tuple],
         num_experts: int,
-        stored: str | None = None,
+        packed=None,
     ) -> None:
         self.ckpt, self.family, self.prefixes = ckpt, family, prefixes
-        # packed experts (``engine.packed``): slot tensor ``name`` is ``{prefix}.{stored}.{name}`` [E, bytes]
-        self.stored = stored
+        # packed experts (``engine.packed.Packed``): the slot tensors are bytes, each read as stored from the
+        # checkpoint tensors ``packed.sources`` names (``as_bytes``)
+        self.packed = packed
         self.shapes, self.num_experts = shapes, num_experts
         # read an expert's bytes exactly and let their pages go (the disk tier: memory bounded by the
         # budget), rather than copy from the map and leave them to the page cache (the mapped tier)
@@ -533,9 +552,13 @@ class ExpertStore:
 
     def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
         layer, expert = key
-        if self.stored is not None:
-            return {name: [(f"{self.prefixes[layer]}.{self.stored}.{name}", True)] for name in self.shapes}
-        return self.family.expert_keys(self.prefixes[layer], expert)
+        keys = self.family.expert_keys(self.prefixes[layer], expert)
+        return keys if self.packed is None else self.packed.sources(self.prefixes[layer], keys)
+
+    def _source(self, ckey: str, fused: bool, expert: int) -> torch.Tensor:
+        """Checkpoint tensor ``ckey``'s part of ``expert`` (its row of a fused tensor); packed: its bytes."""
+        src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+        return src if self.packed is None else as_bytes(src)
 
     def expert_keys(self) -> set[str]:
         """Every checkpoint key that holds expert weights (the loader skips them)."""
@@ -572,7 +595,7 @@ class ExpertStore:
             row_bytes, base = math.prod(shape[1:]) * size, layout.offsets[i] * size
             row = 0
             for ckey, fused in sources[name]:
-                src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+                src = self._source(ckey, fused, expert)
                 n = src.shape[0]
                 lo, hi = max(start, row), min(stop, row + n)
                 if lo < hi:
@@ -693,7 +716,7 @@ class ExpertStore:
         _, expert = key
         row = 0
         for ckey, fused in self.sources(key)[name]:
-            src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+            src = self._source(ckey, fused, expert)
             n = src.shape[0]
             lo, hi = max(start, row), min(stop, row + n)
             if lo < hi:
@@ -715,6 +738,13 @@ class ExpertStore:
             if ckey not in self.ckpt:
                 raise ExpertcacheError(f"{self.ckpt.path}: checkpoint lacks expert tensor {ckey}")
             shape = self.ckpt.shape(ckey)
+            if self.packed is not None:  # read as bytes (``as_bytes``)
+                size = _ITEMSIZE.get(str(self.ckpt.dtype(ckey)), 0)
+                if size > 1:
+                    shape = (*shape, size)
+                elif not size:
+                    raise ExpertcacheError(f"{self.ckpt.path}: {ckey} has dtype {self.ckpt.dtype(ckey)}, "
+                                           "which this expertcache does not read")  # fmt: skip
             if fused:
                 if shape[0] != self.num_experts:
                     raise ExpertcacheError(

@@ -186,6 +186,43 @@ SHARD_BYTES = 2 << 30  # a packed checkpoint's files hold up to about this many 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
+class Shards:
+    """A checkpoint's tensors gathered into safetensors files of up to ``SHARD_BYTES`` each (``put``), then
+    written (``save``): one ``model.safetensors``, or numbered files with an index."""
+
+    def __init__(self) -> None:
+        self.shards: list[dict[str, torch.Tensor]] = [{}]
+        self.sizes = [0]
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        if self.sizes[-1] and self.sizes[-1] + t.nbytes > SHARD_BYTES:
+            self.shards.append({})
+            self.sizes.append(0)
+        self.shards[-1][name] = t
+        self.sizes[-1] += t.nbytes
+
+    def save(self, target: Path, meta: dict[str, str]) -> None:
+        from expertcache.engine.store import INDEX
+
+        if len(self.shards) == 1:
+            save_tensors(self.shards[0], target / "model.safetensors", meta)
+            return
+        weight_map = {}
+        for i, shard in enumerate(self.shards, 1):
+            name = f"model-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            save_tensors(shard, target / name, meta)
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {"metadata": {"total_size": sum(self.sizes)}, "weight_map": weight_map}
+        (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_small_files(source: Path, target: Path) -> None:
+    """The tokenizer, generation config, licence ...: every file of ``source`` but its config and weights."""
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHTS):
+            (target / f.name).write_bytes(f.read_bytes())
+
+
 def write_checkpoint(
     model: str | Path | None,
     bits: int,
@@ -202,13 +239,12 @@ def write_checkpoint(
     one). Returns what was written (bytes, seconds)."""
 
     from expertcache.engine.hub import resolve_model
-    from expertcache.engine.packed import CONFIG_KEY, FORMATS, STORED, Packed, check_format, describe_format
-    from expertcache.engine.store import INDEX
+    from expertcache.engine.packed import CONFIG_KEY, OWN, STORED, Packed, check_format, describe_format
 
     fmt = f"int{bits}"
-    if fmt not in FORMATS:
+    if fmt not in OWN:
         raise ExpertcacheError(
-            f"--bits {bits}: a packed checkpoint is one of {', '.join(str(b) for b in FORMATS.values())}"
+            f"--bits {bits}: a packed checkpoint is one of {', '.join(f[3:] for f in OWN)}"
         )
     group = check_format(fmt, group)
     start = time.perf_counter()
@@ -222,23 +258,13 @@ def write_checkpoint(
     packed = Packed(fmt, group, sk.shapes, sk.dtype, bool(sk.experts[0].is_transposed))
     packed.check_shapes()
     target = writable_dir(target, "the packed checkpoint")
-    for f in sorted(path.iterdir()):  # tokenizer, generation config, licence: everything but weights
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHTS):
-            (target / f.name).write_bytes(f.read_bytes())
+    copy_small_files(path, target)
     config = json.loads((path / "config.json").read_text())
     config[CONFIG_KEY] = {**packed.entry(), "source": str(path.resolve())}  # quality's reference
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-
-    def put(name: str, t: torch.Tensor) -> None:
-        if sizes[-1] and sizes[-1] + t.nbytes > SHARD_BYTES:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = t
-        sizes[-1] += t.nbytes
-
+    shards = Shards()
+    put = shards.put
     ckpt, skip = sk.store.ckpt, sk.store.expert_keys()
     for key in ckpt:  # the dense weights, as stored
         if key not in skip:
@@ -266,17 +292,7 @@ def write_checkpoint(
             put(f"{prefix}.{STORED}.{name}", t)
     if bar is not None:
         bar.close()
-    meta = {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())}
-    if len(shards) == 1:
-        save_tensors(shards[0], target / "model.safetensors", meta)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_tensors(shard, target / name, meta)
-            weight_map.update(dict.fromkeys(shard, name))
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    shards.save(target, {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())})
     layout = packed.layout()
     record = {
         "path": str(target), "format": describe_format(packed), "bits": bits, "group": group,
