@@ -78,21 +78,14 @@ def write_published(
 ) -> dict[str, object]:
     """Write ``model`` (a full-precision checkpoint; default the embedded one) to ``out`` (new or empty,
     checked first) in ``fmt``'s published layout (module docstring). Returns what was written."""
-    from expertcache.engine.hub import resolve_model
     from expertcache.engine.loader import build_skeleton
     from expertcache.engine.packed import describe_format
-    from expertcache.tools.quantize import Shards, copy_small_files
+    from expertcache.tools.quantize import Shards, copy_small_files, full_precision_source
 
     if fmt not in FORMATS:
         raise ExpertcacheError(f"--format {fmt}: one of {', '.join(FORMATS)}")
     start = time.perf_counter()
-    path = resolve_model(model)
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ExpertcacheError(f"{target}: exists and is not an empty directory (give a new one)")
-    sk = build_skeleton(path)
-    if sk.packed is not None:
-        raise ExpertcacheError(f"{path}: its experts are quantised already ({describe_format(sk.packed)})")
+    path, target, sk = full_precision_source(model, out, "quantised")
     if fmt == "mxfp4" and sk.family.name != "gpt_oss":
         raise ExpertcacheError(
             f"mxfp4 is GPT-OSS's layout (transformers reads it for gpt_oss only), not {sk.family.name}'s: "

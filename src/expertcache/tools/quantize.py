@@ -223,6 +223,23 @@ def copy_small_files(source: Path, target: Path) -> None:
             (target / f.name).write_bytes(f.read_bytes())
 
 
+def full_precision_source(model: str | Path | None, out: str | Path, already: str):
+    """What writing a checkpoint of ``model`` into ``out`` starts from: the model's folder, ``out`` (checked
+    new or empty before any work) and the model's skeleton, whose experts must be full precision (else one
+    line: they are ``already`` so)."""
+    from expertcache.engine.hub import resolve_model
+    from expertcache.engine.packed import describe_format
+
+    path = resolve_model(model)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ExpertcacheError(f"{target}: exists and is not an empty directory (give a new one)")
+    sk = build_skeleton(path)
+    if sk.packed is not None:
+        raise ExpertcacheError(f"{path}: its experts are {already} already ({describe_format(sk.packed)})")
+    return path, target, sk
+
+
 def write_checkpoint(
     model: str | Path | None,
     bits: int,
@@ -238,7 +255,6 @@ def write_checkpoint(
     or empty; it is checked before any work. The packing runs on ``device`` (default: a GPU if torch sees
     one). Returns what was written (bytes, seconds)."""
 
-    from expertcache.engine.hub import resolve_model
     from expertcache.engine.packed import CONFIG_KEY, OWN, STORED, Packed, check_format, describe_format
 
     fmt = f"int{bits}"
@@ -248,13 +264,7 @@ def write_checkpoint(
         )
     group = check_format(fmt, group)
     start = time.perf_counter()
-    path = resolve_model(model)
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ExpertcacheError(f"{target}: exists and is not an empty directory (give a new one)")
-    sk = build_skeleton(path)
-    if sk.packed is not None:
-        raise ExpertcacheError(f"{path}: its experts are packed already ({describe_format(sk.packed)})")
+    path, target, sk = full_precision_source(model, out, "packed")
     packed = Packed(fmt, group, sk.shapes, sk.dtype, bool(sk.experts[0].is_transposed))
     packed.check_shapes()
     target = writable_dir(target, "the packed checkpoint")
