@@ -573,11 +573,14 @@ def packed_grouped_rows(
     T, K = slot_ids.shape
     ids = slot_ids.reshape(-1)
     weights = top_k_weights.reshape(-1)
+    # weighted rows in the weights' precision where it is higher (DeepSeek-V3's float32 router), as every
+    # other path gives them (an expert computed alone, on the host): the runtime's rows take that dtype
+    kind = torch.promote_types(hidden.dtype, weights.dtype)
     if pool.gpu and T <= DECODE_ROWS:  # every pair a row: each expert has at most T tokens (``expert``)
         out = pool.kernels.rows(module, pool.pool.buffer, ids, hidden.repeat_interleave(K, dim=0))
-        return (out * weights[:, None]).to(hidden.dtype)
+        return (out * weights[:, None]).to(kind)
     host = ids.to("cpu").numpy()
-    out = torch.zeros(ids.numel(), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    out = torch.zeros(ids.numel(), hidden.shape[-1], dtype=kind, device=hidden.device)
     for slot in np.unique(host):
         if slot >= pool.num_slots:
             continue
