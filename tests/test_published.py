@@ -4,7 +4,9 @@
   even code) under a power-of-two scale per 32 columns, FP8 e4m3 under ``absmax / 448`` per block.
 - The packed kernels for both (numba) equal a float32 product with the expanded matrices, one token and
   several, with row blocks split between two checkpoint tensors (gate, up) and columns a block does not
-  divide.
+  divide. So do Triton's (on a GPU; and in Triton's interpreter on a CPU wherever Triton is installed),
+  fp8 in a bfloat16 model with each weight rounded to bfloat16 first; a slot past the pool gives zeros and
+  a pair's output is the same bits alone as in a batch.
 - Against transformers, which reads the same checkpoints on a CPU by dequantising them (the reference):
   every expert the engine expands and every dense weight it dequantises is bit-identical to transformers'
   parameter; the greedy tokens are the same and the logits within float32 rounding (the kernels sum in
@@ -15,7 +17,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import engine_fixtures
 import numpy as np
@@ -82,18 +89,39 @@ def _fill(p: Packed, pool, slot: int, full: dict[str, torch.Tensor]) -> None:
             pool.views[slot][f"{name}.scale"].copy_(torch.cat(ss).unsqueeze(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt):
+def test_the_kernels_decode_as_torch_does():
+    """The kernels' table-free decodes: every e4m3fn code (NaN included) and e2m1 code is torch's value,
+    and the rounding to bfloat16 is torch's (ties to even)."""
+    from expertcache.engine import _packed_jit as jit
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    got = torch.tensor([jit._e4m3(np.uint8(c)) for c in range(256)])
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().sum() == 2
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert [jit._fp4(np.uint8(c)) for c in range(16)] == e2m1 + [-v for v in e2m1]
+    values = torch.randn(4096) * 1000
+    values[:3] = torch.tensor([1.00390625, 1.01171875, -3.0078125])  # ties: to even, both ways
+    got = torch.tensor([jit._round_bf16(np.float32(v)) for v in values.tolist()])
+    assert torch.equal(got, values.to(torch.bfloat16).to(torch.float32))
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("mxfp4", torch.float32), ("fp8", torch.float32),
+                                            ("fp8", torch.bfloat16)])  # fmt: skip
+def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt, dtype):
+    """Each weight the kernels multiply is the expanded matrix's in the model's dtype: fp8 in a bfloat16
+    model rounds each ``fp8 * scale`` to bfloat16 first, as transformers' dequantised weights are."""
     from expertcache.engine.memory import SlotPool
 
     torch.manual_seed(2)
     H, F = 160, 96  # fp8 at blocks of 64 x 128: gate and up of 96 rows each take two row blocks, the
     shapes = {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}  # second one shorter; 160 columns: 2 blocks
     if fmt == "mxfp4":
-        p = Packed("mxfp4", 32, shapes, torch.float32, False, method="mxfp4")
+        p = Packed("mxfp4", 32, shapes, dtype, False, method="mxfp4")
     else:
         parts = (("gate_up_proj", (F, F)), ("down_proj", (H,)))
-        p = Packed("fp8", 0, shapes, torch.float32, False, block=(64, 128), parts=parts, method="fp8")
+        p = Packed("fp8", 0, shapes, dtype, False, block=(64, 128), parts=parts, method="fp8")
     k = PackedKernels(p)
     pool = SlotPool(k.layout, 3, torch.device("cpu"))
     fulls = []
@@ -110,14 +138,186 @@ def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt):
     assert 0 < close < 0.35 * fulls[0]["down_proj"].abs().max()  # a quantisation of it, not another matrix
     arr = pool.buffer.numpy()
     slots = np.array([2, 0], dtype=np.int64)
+
+    def weights(slot: int, name: str) -> torch.Tensor:  # the model's weights, in float32
+        return p.expand(pool.views[slot], name).to(dtype).to(torch.float32)
+
     for x in (torch.randn(1, H), torch.randn(2, H)):  # one row for both, one each
         got = k.project("gate_up_proj", arr, slots, x)
         for i, s in enumerate(slots):
-            want = x[0 if x.shape[0] == 1 else i] @ p.expand(pool.views[int(s)], "gate_up_proj").T
-            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+            want = x[0 if x.shape[0] == 1 else i] @ weights(int(s), "gate_up_proj").T
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+            if dtype == torch.bfloat16:  # the rounding is the kernel's, not within the tolerance
+                unrounded = x[0 if x.shape[0] == 1 else i] @ p.expand(pool.views[int(s)], "gate_up_proj").T
+                assert (got[i] - unrounded).abs().max() > 100 * (got[i] - want).abs().max()
     for name, inputs in (("gate_up_proj", torch.randn(13, H)), ("down_proj", torch.randn(13, F))):
         got = k.project_tokens(name, arr, 1, inputs)
-        torch.testing.assert_close(got, inputs @ p.expand(pool.views[1], name).T, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, inputs @ weights(1, name).T, rtol=1e-5, atol=1e-4)
+
+
+# Triton's kernels: (gate_up rows, hidden, intermediate[, fp8 block]); the second of each an odd row count
+# (mxfp4), or rows and columns no block divides with gate and up of different sizes (fp8)
+TRITON_SHAPES = {"mxfp4": [(128, 160, 64, None), (47, 96, 32, None)],
+                 "fp8": [(192, 200, 96, (64, 128)), (301, 200, 150, (128, 128))]}  # fmt: skip
+
+
+def _triton_pool(fmt: str, dtype: torch.dtype, device, G: int, H: int, F: int, block):
+    from expertcache.engine.memory import SlotPool
+
+    torch.manual_seed(4)
+    shapes = {"gate_up_proj": (G, H), "down_proj": (H, F)}
+    if fmt == "mxfp4":
+        p = Packed("mxfp4", 32, shapes, dtype, False, method="mxfp4")
+    else:
+        parts = (("gate_up_proj", (G // 2, G - G // 2)), ("down_proj", (H,)))
+        p = Packed("fp8", 0, shapes, dtype, False, block=block, parts=parts, method="fp8")
+    k = PackedKernels(p)
+    pool = SlotPool(k.layout, 3, device)
+    for s in range(3):
+        _fill(p, pool, s, {"gate_up_proj": torch.randn(G, H), "down_proj": torch.randn(H, F)})
+    return p, k, pool
+
+
+def _check_triton_pairs(p: Packed, k: PackedKernels, pool) -> None:
+    """``k.project`` over a torch pool (Triton's kernels): each pair within float32 rounding of the expanded
+    product (fp8 in bfloat16: of the weights rounded to bfloat16, as transformers has them), a slot past the
+    pool zeros, a pair alone (a one-slot pool) the same bits as in the batch, and a row shared by all."""
+    from expertcache.engine.packed import slot_bytes
+
+    dev = pool.buffer.device
+    slots = torch.tensor([2, 0, 3, 1], device=dev)  # 3: past the pool
+    for name in MATRICES:
+        rows, cols = p.matrix(name)
+        x = torch.randn(4, cols, device=dev).to(p.dtype)
+        got = k.project(name, pool.buffer, slots, x)
+        shared = k.project(name, pool.buffer, slots, x[:1])
+        assert got.shape == (4, rows) and got.dtype == torch.float32
+        for i, s in enumerate(slots.tolist()):
+            if s >= 3:
+                assert not got[i].any() and not shared[i].any()
+                continue
+            w = p.expand(pool.views[s], name)
+            if p.format == "fp8" and p.dtype == torch.bfloat16:
+                rounded = w.to(torch.bfloat16).to(torch.float32)
+                assert not torch.equal(rounded, w)  # the rounding is seen
+                w = rounded
+            torch.testing.assert_close(got[i], w @ x[i].float(), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(shared[i], w @ x[0].float(), rtol=1e-4, atol=1e-3)
+            one = slot_bytes(pool.views[s], k.layout)
+            alone = k.project(name, one, torch.zeros(1, dtype=torch.int64, device=dev), x[i : i + 1])
+            assert torch.equal(alone[0], got[i]), (name, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_kernels_equal_the_product_and_do_not_depend_on_their_batch(fmt, dtype):
+    """Triton's mxfp4 and fp8 kernels (``_check_triton_pairs``), and an expert computed alone (a miss's
+    ``expert``) gives the same bits as in a batch of resident ones (``rows``)."""
+    pytest.importorskip("triton")
+    from expertcache.engine.packed import gpu_kernels
+
+    dev = torch.device("cuda")
+    for G, H, F, block in TRITON_SHAPES[fmt]:
+        p, k, pool = _triton_pool(fmt, dtype, dev, G, H, F, block)
+        assert gpu_kernels(dev, p)
+        _check_triton_pairs(p, k, pool)
+    G, H, F, block = TRITON_SHAPES[fmt][0]
+    p, k, pool = _triton_pool(fmt, dtype, dev, G, H, F, block)
+    k.warm(pool.buffer)
+
+    class Module:
+        is_transposed = False
+        act_fn = staticmethod(torch.nn.functional.silu)
+
+    slots = torch.tensor([2, 0, 3, 1], device=dev)
+    x = torch.randn(4, H, device=dev).to(dtype)
+    batch = k.rows(Module, pool.buffer, slots[[0, 1, 3]], x[[0, 1, 3]])
+    for row, (s, i) in enumerate(((2, 0), (0, 1), (1, 3))):
+        alone = k.expert(Module, pool.views[s], x[i : i + 1])
+        assert torch.equal(alone[0], batch[row])
+
+
+# Triton's interpreter runs the kernels on a CPU, with CPU tensors, where Triton is installed; it must be on
+# (TRITON_INTERPRET=1) before triton is imported, so its tests run in a process of their own, which
+# test_the_triton_kernels_in_triton_s_interpreter starts
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+if INTERPRETED:  # kernels of the decoders alone (a kernel reads its module's names)
+    import triton
+    import triton.language as tl
+
+    from expertcache.engine import _packed_triton
+
+    @triton.jit
+    def _decode_codes(src, out):
+        i = tl.arange(0, 256)
+        code = tl.load(src + i).to(tl.int32)
+        tl.store(out + i, _packed_triton._e4m3(code))
+        tl.store(out + 256 + i, _packed_triton._e8m0(code))
+        tl.store(out + 512 + i, _packed_triton._e2m1(code & 15))
+
+    @triton.jit
+    def _to_bf16(src, out, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out + i, _packed_triton._round_bf16(tl.load(src + i)))
+
+
+def test_the_triton_kernels_in_triton_s_interpreter():
+    """The ``interpreted_`` tests below, in a process with Triton's interpreter on (where Triton is
+    installed; no GPU needed)."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter's: the tests run here")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-k", "interpreted_", "-o", "addopts=", "-p", "no:xdist",
+         "-q", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and "5 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+
+
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="run by test_the_triton_kernels_in_triton_s_interpreter"
+)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_triton_kernels_equal_the_product(fmt, dtype):
+    """Triton's mxfp4 and fp8 kernels in Triton's interpreter: ``_check_triton_pairs``, and within float32
+    rounding of numba's loops (the reference)."""
+    cpu = torch.device("cpu")
+    for G, H, F, block in TRITON_SHAPES[fmt]:
+        p, k, pool = _triton_pool(fmt, dtype, cpu, G, H, F, block)
+        _check_triton_pairs(p, k, pool)
+        for name in MATRICES:
+            x = torch.randn(2, p.matrix(name)[1]).to(dtype)
+            slots = torch.tensor([2, 0])
+            got = k.project(name, pool.buffer, slots, x)
+            want = k.project(name, pool.buffer.numpy(), slots.numpy(), x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@interpreted
+def test_interpreted_triton_decoders_give_every_code_its_value():
+    """Every e4m3fn and e8m0 byte and every e2m1 code decoded by the kernels' bit arithmetic (NaNs
+    included) as torch and the formats define it, and float32 rounded to bfloat16 as torch rounds it."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(768)
+    _decode_codes[(1,)](codes, out)
+    e4m3 = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    e8m0 = torch.tensor([2.0 ** (s - 127) for s in range(255)] + [float("nan")])
+    torch.testing.assert_close(out[:256], e4m3, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[256:512], e8m0, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out[512:].view(16, 16), torch.cat([E2M1, -E2M1]).repeat(16, 1))
+    assert torch.equal(out[512:].signbit().view(16, 16), (torch.arange(16) >= 8).repeat(16, 1))
+    w = torch.randn(4096) * torch.logspace(-30, 30, 4096)
+    w[:6] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-9, 3.4e38, -0.0])  # ties to even
+    got = torch.empty_like(w)
+    _to_bf16[(1,)](w, got, N=4096)
+    assert torch.equal(got, w.to(torch.bfloat16).to(torch.float32))
 
 
 CASES = [("gpt_oss", "mxfp4", "float32"), ("gpt_oss", "mxfp4", "bfloat16"), ("qwen3_moe", "fp8", "float32"),
@@ -175,6 +375,7 @@ def test_the_engine_reads_what_transformers_reads(family, fmt, dtype, published,
         full = greedy(model, IDS)
         stats = model.stats
     assert stats["kernel"] == "packed" and stats["expert_format"] == info["expert_format"]
+    assert stats["lossy"] is False  # the weights are transformers' (fp8 in bfloat16: rounded as it does)
     share = (4.25 if fmt == "mxfp4" else 8.01) / (32 if dtype == "float32" else 16)  # bits a weight
     assert (
         stats["expert_bytes"]

@@ -37,8 +37,9 @@ same machinery (a slot holds the expert's bytes as the checkpoint stores them; `
 - ``fp8``: block-quantised FP8 (DeepSeek-V3, Qwen3-FP8; transformers' ``FineGrainedFP8Config``): per
   expert projection ``weight`` ``[out, in]`` in float8 e4m3 and ``weight_scale_inv`` float32
   ``[ceil(out / 128), ceil(in / 128)]``, one scale per 128 x 128 block (the config's
-  ``weight_block_size``); a weight is ``fp8 * scale``. The checkpoint's other FP8 linear layers (attention,
-  shared experts, dense MLPs) are dequantised at load, as transformers does on a CPU.
+  ``weight_block_size``); a weight is ``fp8 * scale``, rounded to bfloat16 in a bfloat16 model (as
+  transformers' dequantised weight is) before its product. The checkpoint's other FP8 linear layers
+  (attention, shared experts, dense MLPs) are dequantised at load, as transformers does on a CPU.
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ class Packed:
     @property
     def exact(self) -> bool:
         """Whether the kernels compute with the weights transformers' dequantised model has: another tool's
-        MXFP4 (each value is a bfloat16 too), or FP8 in a float32 model; transformers rounds FP8's
-        ``fp8 * scale`` to a bfloat16 model's dtype, the kernels do not (nor do expertcache's own formats
-        stand for their full-precision source)."""
-        return self.method == "mxfp4" or (self.method == "fp8" and self.dtype == torch.float32)
+        MXFP4 (each value is a bfloat16 too), or FP8 in a float32 or bfloat16 model (the kernels round each
+        ``fp8 * scale`` to bfloat16 as transformers does; not to float16). expertcache's own formats do not
+        stand for their full-precision source."""
+        return self.method == "mxfp4" or (
+            self.method == "fp8" and self.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def matrix(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of ``name`` as packed: transformers' ``[out, in]``."""
@@ -376,6 +379,10 @@ class PackedKernels:
         self.offsets = dict(zip(self.layout.names, self.layout.offsets, strict=True))
         # fp8: the scale row of each matrix row (``Packed.scale_rows``)
         self.srows = {n: packed.scale_rows(n) for n in MATRICES} if packed.format == "fp8" else {}
+        # fp8 in a bfloat16 model: each weight rounded to bfloat16 before its product, as transformers'
+        # dequantised weights are
+        self.round_bf16 = packed.format == "fp8" and packed.dtype == torch.bfloat16
+        self.srows_on: dict[torch.device, dict[str, torch.Tensor]] = {}  # fp8: ``srows`` on a GPU, by device
 
     def offsets_of(self, name: str) -> tuple[int, ...]:
         """Where in a slot the matrix ``name``'s packed tensors start: q, scale (and int4's minimum)."""
@@ -396,7 +403,18 @@ class PackedKernels:
             {n: self.offsets_of(n) for n in MATRICES},
             {n: p.matrix(n) for n in MATRICES},
             p.dtype,
+            {n: self._gpu_extras(n, pool.device) for n in MATRICES},
         )
+
+    def _gpu_extras(self, name: str, device: torch.device) -> dict:
+        """Triton's ``project``'s keyword arguments for the matrix ``name`` beyond the layout: fp8's block
+        columns, scale rows (an int32 copy of ``srows[name]`` on ``device``, made once) and rounding."""
+        if self.packed.format != "fp8":
+            return {}
+        on = self.srows_on.get(device)
+        if on is None:
+            on = self.srows_on[device] = {n: torch.from_numpy(r).to(device) for n, r in self.srows.items()}
+        return {"bcols": self.packed.block[1], "srow": on[name], "round_bf16": self.round_bf16}
 
     def project(self, name: str, pool, slots, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[1 or K, in]`` times the matrix ``name`` of each slot in ``slots`` ``[K]`` -> float32
@@ -408,8 +426,9 @@ class PackedKernels:
             from expertcache.engine import _packed_triton
 
             return _packed_triton.project(
-                p.format, p.group, pool, self.offsets_of(name), rows, cols, slots, x
-            )
+                p.format, p.group, pool, self.offsets_of(name), rows, cols, slots, x,
+                **self._gpu_extras(name, pool.device),
+            )  # fmt: skip
         from expertcache.engine import _packed_jit
 
         xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
@@ -421,7 +440,9 @@ class PackedKernels:
             even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
             _packed_jit.rows_mxfp4(pool, qoff, soff, rows, cols, slots, even, odd, out)
         elif p.format == "fp8":
-            _packed_jit.rows_fp8(pool, qoff, soff, rows, cols, p.block[1], self.srows[name], slots, xf, out)
+            _packed_jit.rows_fp8(
+                pool, qoff, soff, rows, cols, p.block[1], self.srows[name], self.round_bf16, slots, xf, out
+            )  # fmt: skip
         else:
             even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
             groups = -(-cols // p.group)
@@ -449,7 +470,9 @@ class PackedKernels:
         elif p.format == "mxfp4":
             _packed_jit.tokens_mxfp4(pool, qoff, soff, rows, cols, slot, xf, out)
         elif p.format == "fp8":
-            _packed_jit.tokens_fp8(pool, qoff, soff, rows, cols, p.block[1], self.srows[name], slot, xf, out)
+            _packed_jit.tokens_fp8(
+                pool, qoff, soff, rows, cols, p.block[1], self.srows[name], self.round_bf16, slot, xf, out
+            )  # fmt: skip
         else:
             _packed_jit.tokens_int4(
                 pool, off[f"{name}.q"], off[f"{name}.scale"], off[f"{name}.min"], rows, cols, p.group, slot,
@@ -517,9 +540,8 @@ class PackedKernels:
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:
     """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed) for
-    ``packed``'s format: expertcache's own (int8, int4); another tool's (mxfp4, fp8) is expanded there
-    for each use."""
-    return device.type == "cuda" and packed.format in OWN and _has_triton()
+    ``packed``'s format: every format (int8, int4, mxfp4, fp8) has Triton's kernels."""
+    return device.type == "cuda" and packed.format in FORMATS and _has_triton()
 
 
 @functools.cache
