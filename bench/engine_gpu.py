@@ -39,9 +39,10 @@ layers are ~93 GB, more than a 64 GB disk) with a synthetic sticky-Zipf trace, a
 trace is shared; ``--shape qwen3-30b-a3b`` Qwen3-30B-A3B's (128 experts top-8, expert FFN 768; default
 24 of its 48 layers, ~30 GB) with the same kind of trace.
 
-``--packed int4`` (or ``int8``) writes the checkpoint once more with its experts packed
-(``expertcache quantize --checkpoint``, beside it) and runs that (no transformers reference: it cannot run
-packed experts); ``--miss hobbit...`` builds the low-precision copies it needs first.
+``--packed int4`` (or ``int8``; ``fp8``: block-scaled FP8 as DeepSeek-V3's checkpoints store it, a family
+storing experts one by one) writes the checkpoint once more with its experts packed (``expertcache
+quantize --checkpoint``, beside it) and runs that (no transformers reference); ``--miss hobbit...`` builds
+the low-precision copies it needs first.
 
 ``--kernel`` is the engine's experts kernel (``grouped``, ``eager``, default ``auto``: grouped where torch
 has ``grouped_mm``); the all-resident references are transformers with each of ``--references`` (default
@@ -243,7 +244,9 @@ def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path,
 
 
 def packed_checkpoint(path: Path, fmt: str) -> Path:
-    """``path`` written as a packed checkpoint (``expertcache quantize --checkpoint``), once."""
+    """``path`` written as a packed checkpoint (``expertcache quantize --checkpoint``: ``--bits`` for int8
+    and int4, ``--format`` for another tool's layout, fp8), once."""
+    from expertcache.tools.published import write_published
     from expertcache.tools.quantize import write_checkpoint
 
     out = path.with_name(f"{path.name}-{fmt}")
@@ -252,7 +255,10 @@ def packed_checkpoint(path: Path, fmt: str) -> Path:
     if out.exists():
         shutil.rmtree(out)
     log(f"writing packed checkpoint {out}")
-    record = write_checkpoint(path, int(fmt.removeprefix("int")), out, progress=False)
+    if fmt.startswith("int"):
+        record = write_checkpoint(path, int(fmt.removeprefix("int")), out, progress=False)
+    else:
+        record = write_published(path, fmt, out)
     (out / ".complete").write_text(json.dumps(record))
     return out
 
@@ -622,7 +628,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-bytes", type=int, default=2**30)
     ap.add_argument(
         "--packed",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "fp8"],
         default=None,
         help="run a packed checkpoint of the model (written once beside it; no eager reference)",
     )

@@ -1,7 +1,9 @@
 """Packed experts on a GPU: the Triton kernels against bfloat16, and what one miss costs in each format.
 
-At one expert's shapes (default Mixtral-8x7B: hidden 4096, expert FFN 14336, bf16), for bf16, int8 and
-int4 (group 64), each expert held in pinned host memory as a slot of the engine's layout:
+At one expert's shapes (default Mixtral-8x7B: hidden 4096, expert FFN 14336, bf16), for bf16 and each of
+``--formats`` (default int8 and int4 at group 64, expertcache's own; also GPT-OSS's ``mxfp4`` and
+block-scaled ``fp8``, 128 x 128, as the checkpoints of other tools store them), each expert held in pinned
+host memory as a slot of the engine's layout:
 
 - ``kernel``: one token through one resident expert (gate_up, the activation, down): bf16 with
   ``F.linear`` (the engine's full-precision path), packed with ``PackedKernels.rows`` (``_packed_triton``);
@@ -31,8 +33,11 @@ from torch.nn import functional as F
 from expertcache.engine import _packed_triton
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.packed import MATRICES, Packed, PackedKernels
+from expertcache.tools.published import quantize_fp8, quantize_mxfp4
 
-SHAPES = {"mixtral-8x7b": (4096, 14336), "qwen15-moe-a2.7b": (2048, 1408), "qwen3-30b-a3b": (2048, 768)}
+SHAPES = {"mixtral-8x7b": (4096, 14336), "qwen15-moe-a2.7b": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
+          "gpt-oss-20b": (2880, 2880), "deepseek-v3": (7168, 2048)}  # fmt: skip
+FORMATS = ("int8", "int4", "mxfp4", "fp8")
 
 
 class _Module:  # the two things PackedKernels.rows asks of an experts module (a non-transposed family)
@@ -64,6 +69,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=["int8", "int4"])
     args = ap.parse_args()
     dev = torch.device("cuda")
     H, Fd = SHAPES[args.shape]
@@ -96,10 +102,10 @@ def main() -> None:
     bf16["miss_s"] = timed(lambda: (copy(slot.buffer, host.buffer)(), bf16_expert()), args.reps)
     rows.append(bf16)
     checks = {}
-    for fmt, group in (("int8", 0), ("int4", 64)):
-        p = Packed(fmt, group, shapes, torch.bfloat16, False)
+    for fmt in args.formats:
+        p, stored = packed(fmt, shapes, full)
+        group = p.group
         k = PackedKernels(p)
-        stored = p.pack({n: w.float() for n, w in full.items()})
         hostp = SlotPool(k.layout, 1, torch.device("cpu"), pin=True)
         pool = SlotPool(k.layout, 1, dev)
         for n, t in stored.items():
@@ -111,7 +117,8 @@ def main() -> None:
             r, c = p.matrix(name)
             xi = torch.randn(1, c, device=dev)
             got = k.project(name, pool.buffer, ids, xi)[0]
-            want = p.expand(pool.views[0], name) @ xi[0]
+            w = p.expand(pool.views[0], name)  # another tool's: the model's weights, in its dtype
+            want = (w.to(p.dtype).float() if p.method else w) @ xi[0]
             err = float((got - want).abs().max() / want.abs().max())
             checks[f"{fmt}.{name}"] = err
             assert err < 1e-3, (fmt, name, err)
@@ -163,8 +170,31 @@ def main() -> None:
         write_json(args.out, body)
 
 
+def packed(fmt: str, shapes: dict, full: dict) -> tuple[Packed, dict[str, torch.Tensor]]:
+    """The format's description and one expert's stored tensors (slot names -> CPU tensors)."""
+    cpu = {n: w.float().cpu() for n, w in full.items()}
+    if fmt in ("int8", "int4"):
+        p = Packed(fmt, 64 if fmt == "int4" else 0, shapes, torch.bfloat16, False)
+        return p, p.pack(cpu)
+    if fmt == "mxfp4":
+        p = Packed("mxfp4", 32, shapes, torch.bfloat16, False, method="mxfp4")
+        stored = {}
+        for n in MATRICES:
+            stored[f"{n}.q"], stored[f"{n}.scale"] = quantize_mxfp4(cpu[n])
+        return p, stored
+    (rows, hidden), block = shapes["gate_up_proj"], (128, 128)
+    parts = (("gate_up_proj", (rows // 2, rows // 2)), ("down_proj", (hidden,)))
+    p = Packed("fp8", 0, shapes, torch.bfloat16, False, block=block, parts=parts, method="fp8")
+    stored = {}
+    for n in MATRICES:
+        qs, ss = zip(*(quantize_fp8(part, block) for part in cpu[n].split(dict(parts)[n])), strict=True)
+        stored[f"{n}.q"] = torch.cat(qs).view(torch.uint8)
+        stored[f"{n}.scale"] = torch.cat(ss).unsqueeze(-1).view(torch.uint8)
+    return p, stored
+
+
 def describe(fmt: str, group: int) -> str:
-    return fmt if fmt == "int8" else f"{fmt}-g{group}"
+    return f"{fmt}-g{group}" if fmt == "int4" else fmt
 
 
 def sweep(p: Packed, k: PackedKernels, pool: SlotPool, ids: torch.Tensor, reps: int) -> list[dict]:
@@ -174,17 +204,19 @@ def sweep(p: Packed, k: PackedKernels, pool: SlotPool, ids: torch.Tensor, reps: 
     for name in MATRICES:
         r, c = p.matrix(name)
         xi = torch.randn(1, c, device=pool.buffer.device, dtype=torch.bfloat16)
-        at = (k.offsets[f"{name}.q"], k.offsets[f"{name}.scale"])
-        at += (k.offsets[f"{name}.min"],) if p.format == "int4" else ()
-        steps = (128, 256, 512) if p.format == "int8" else (1, 2, 4, 8)
+        at = k.offsets_of(name)
+        extras = k._gpu_extras(name, pool.buffer.device)  # fp8's scale rows, block columns, rounding
+        steps = {"int8": (128, 256, 512), "fp8": (32, 64, 128), "mxfp4": (2, 4, 8, 16, 32)}.get(
+            p.format, (1, 2, 4, 8)
+        )
         options = [(n, b) for n in (8, 16, 32, 64) for b in steps]
-        want = fixed(p.format, r, c, p.group)
+        want = fixed(p.format, r, c, p.block[1] if p.format == "fp8" else p.group)
         for block_n, block in options:
             _packed_triton.blocks = lambda *a, bn=block_n, bb=block: (bn, bb)  # noqa: E731
             try:
                 s = timed(
-                    lambda at=at, r=r, c=c, xi=xi: _packed_triton.project(
-                        p.format, p.group, pool.buffer, at, r, c, ids, xi
+                    lambda at=at, r=r, c=c, xi=xi, extras=extras: _packed_triton.project(
+                        p.format, p.group, pool.buffer, at, r, c, ids, xi, **extras
                     ),
                     reps,
                 )
