@@ -30,7 +30,6 @@ import torch
 from provenance import provenance, write_json
 from torch.nn import functional as F
 
-from expertcache.engine import _packed_triton
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.packed import MATRICES, Packed, PackedKernels
 from expertcache.tools.published import quantize_fp8, quantize_mxfp4
@@ -199,6 +198,8 @@ def describe(fmt: str, group: int) -> str:
 
 def sweep(p: Packed, k: PackedKernels, pool: SlotPool, ids: torch.Tensor, reps: int) -> list[dict]:
     """Each matrix's projection under several block sizes (the fixed ones marked)."""
+    from expertcache.engine import _packed_triton  # Triton: imported where a GPU runs
+
     out = []
     fixed = _packed_triton.blocks
     for name in MATRICES:

@@ -123,20 +123,23 @@ def tokens_int4(pool, qoff, soff, moff, rows, cols, group, slot, x, out):  # pra
     blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
     per_row = (cols + group - 1) // group
     row_bytes = cols // 2
+    half = group // 2
     src = pool[slot]
-    q = src[qoff : qoff + rows * cols // 2]
+    q = src[qoff : qoff + rows * cols // 2].view(np.uint8)  # .view: typed contiguous, so vectorised
     scale = src[soff : soff + 2 * rows * per_row].view(np.uint16)
     low = src[moff : moff + 2 * rows * per_row].view(np.uint16)
     for b in numba.prange(blocks):
         w = np.empty(cols, dtype=np.float32)
         for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
-            row = q[n * row_bytes : (n + 1) * row_bytes]
-            for c in range(row_bytes):
-                j = (2 * c) // group
+            for j in range(per_row):  # a group at a time: its scale and minimum loaded once
                 s = _bf16(scale[n * per_row + j])
                 lo = _bf16(low[n * per_row + j])
-                w[2 * c] = np.float32(row[c] & np.uint8(15)) * s + lo
-                w[2 * c + 1] = np.float32(row[c] >> np.uint8(4)) * s + lo
+                first = n * row_bytes + j * half
+                part = q[first : first + min(half, row_bytes - j * half)]
+                wj = w[j * group : j * group + 2 * len(part)]
+                for c in range(len(part)):
+                    wj[2 * c] = np.float32(part[c] & np.uint8(15)) * s + lo
+                    wj[2 * c + 1] = np.float32(part[c] >> np.uint8(4)) * s + lo
             for m in range(x.shape[0]):
                 xm = x[m]
                 acc = np.float32(0.0)
@@ -207,19 +210,22 @@ def rows_mxfp4(pool, qoff, soff, rows, cols, slots, x_even, x_odd, out):  # prag
 def tokens_mxfp4(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cover (compiled)
     blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
     per_row = cols // MX
+    row_bytes = cols // 2
     src = pool[slot]
-    q = src[qoff : qoff + rows * cols // 2]
+    q = src[qoff : qoff + rows * cols // 2].view(np.uint8)  # .view: typed contiguous, so vectorised
     scale = src[soff : soff + rows * per_row]
     for b in numba.prange(blocks):
         w = np.empty(cols, dtype=np.float32)
         for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            row = q[n * row_bytes : (n + 1) * row_bytes]
+            for c in range(row_bytes):  # the codes of the whole row, then each block's scale
+                w[2 * c] = _fp4(row[c] & np.uint8(15))
+                w[2 * c + 1] = _fp4(row[c] >> np.uint8(4))
             for j in range(per_row):
                 s = E8M0[scale[n * per_row + j]]
-                base = (n * per_row + j) * (MX // 2)
-                for c in range(MX // 2):
-                    byte = q[base + c]
-                    w[j * MX + 2 * c] = _fp4(byte & np.uint8(15)) * s
-                    w[j * MX + 2 * c + 1] = _fp4(byte >> np.uint8(4)) * s
+                wj = w[j * MX : (j + 1) * MX]
+                for c in range(MX):
+                    wj[c] *= s
             for m in range(x.shape[0]):
                 xm = x[m]
                 acc = np.float32(0.0)
@@ -299,12 +305,17 @@ def tokens_fp8(pool, qoff, soff, rows, cols, bcols, srow, rnd, slot, x, out):  #
     for b in numba.prange(blocks):
         w = np.empty(cols, dtype=np.float32)
         for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
-            row = q[n * cols : (n + 1) * cols]
-            for c in range(cols):
-                w[c] = _e4m3(row[c]) * scale[srow[n] * per_row + c // bcols]
-            if rnd:
-                for c in range(cols):
-                    w[c] = _round_bf16(w[c])
+            for j in range(per_row):  # a block of scales at a time
+                s = scale[srow[n] * per_row + j]
+                end = min(cols, (j + 1) * bcols)
+                part = q[n * cols + j * bcols : n * cols + end]
+                wj = w[j * bcols : end]
+                if rnd:
+                    for c in range(len(part)):
+                        wj[c] = _round_bf16(_e4m3(part[c]) * s)
+                else:
+                    for c in range(len(part)):
+                        wj[c] = _e4m3(part[c]) * s
             for m in range(x.shape[0]):
                 xm = x[m]
                 acc = np.float32(0.0)

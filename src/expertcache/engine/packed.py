@@ -17,11 +17,12 @@ Formats (weight-only: activations stay in float32 inside the kernels):
   (the even column in the low nibble); a weight is ``q * scale + minimum``. 4.5 bits a weight at group 64.
 
 On a GPU the kernels are Triton's (``_packed_triton``): the same per-row products, each weight block
-unpacked in registers. An expert with more tokens than ``DECODE_ROWS`` in a step (a prefill's share) takes,
-on a CPU and up to ``PREFILL_ROWS`` tokens, loops that unpack each weight row once for all its tokens
-(a 64-token Granite prefill: 732 ms against 1221 ms expanding, int8); beyond that, and on a GPU, the
-expert's matrices are expanded to the compute dtype once per step and multiplied as the full-precision
-experts are (compute-bound: the expansion is small beside it); so does a GPU without Triton.
+unpacked in registers. An expert with several tokens in a step (a prefill's share, a batch) takes, on a CPU
+and up to ``PREFILL_ROWS`` tokens, loops that unpack each weight row once for all its tokens (from
+``CPU_ROWS`` + 1 tokens; a 64-token Granite prefill: 732 ms against 1221 ms expanding, int8); beyond that,
+and on a GPU beyond ``DECODE_ROWS``, the expert's matrices are expanded to the compute dtype once per step
+and multiplied as the full-precision experts are (compute-bound: the expansion is small beside it); so
+does a GPU without Triton.
 
 The dense weights stay as they are. GPT-OSS's matrices (stored ``[in, out]``) are packed as their
 transposes; its biases are stored in float32.
@@ -62,8 +63,14 @@ OWN = ("int8", "int4")  # expertcache's own formats (``expertcache quantize --ch
 MX_BLOCK = 32  # MXFP4: columns per e8m0 scale
 DEFAULT_GROUP = 64  # int4's columns per scale and minimum
 MATRICES = ("gate_up_proj", "down_proj")
-DECODE_ROWS = 8  # at most this many tokens an expert: each token a row of the one-token kernels
-PREFILL_ROWS = 64  # more, up to this (CPU): each weight row unpacked once for all; beyond: expanded
+DECODE_ROWS = 8  # GPU: at most this many tokens an expert: each token a row of the one-token kernels
+# CPU: at most this many tokens an expert in the one-token loops, which read and decode the matrix again for
+# each token; more, up to PREFILL_ROWS, in the several-token loops, which decode each row once for all of
+# them: those win from 2 tokens where decoding is the cost (int4, mxfp4, fp8: 1.6-3.7x at 4 tokens), while
+# int8's one-token loops, memory-bound, stay ahead up to 8 at Granite's and OLMoE's shapes
+# (``bench/packed_rows_cpu.py``); beyond PREFILL_ROWS: expanded
+CPU_ROWS = {"int8": 8, "int4": 1, "mxfp4": 1, "fp8": 1}
+PREFILL_ROWS = 64
 
 
 def check_format(fmt: str, group: int | None = None) -> int:
@@ -516,13 +523,13 @@ class PackedKernels:
 
     def expert(self, module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens ``x`` ``[T, H]`` -> ``[T, H]``, from one slot's views: up to
-        ``DECODE_ROWS`` tokens in the one-token kernels (each token a row of the slot's own one-slot pool;
-        on a GPU, Triton's), on a CPU up to ``PREFILL_ROWS`` in the several-token loops, else from the
-        matrices expanded. Which one depends on ``T`` alone, so an expert's output is the same whichever
-        path (resident, missed, batched) computes it."""
+        ``CPU_ROWS`` (CPU) or ``DECODE_ROWS`` (GPU, Triton's) tokens in the one-token kernels (each token a
+        row of the slot's own one-slot pool), on a CPU up to ``PREFILL_ROWS`` in the several-token loops,
+        else from the matrices expanded. Which one depends on ``T`` alone (and the format), so an expert's
+        output is the same whichever path (resident, missed, batched) computes it."""
         if x.device.type == "cpu" and x.shape[0] <= PREFILL_ROWS:
             one = slot_bytes(views, self.layout).numpy()
-            if x.shape[0] <= DECODE_ROWS:
+            if x.shape[0] <= CPU_ROWS[self.packed.format]:
                 return self.rows(module, one, np.zeros(x.shape[0], dtype=np.int64), x)
             return self.tokens(module, one, x)
         if x.shape[0] <= DECODE_ROWS:
