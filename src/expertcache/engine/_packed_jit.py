@@ -322,3 +322,98 @@ def tokens_fp8(pool, qoff, soff, rows, cols, bcols, srow, rnd, slot, x, out):  #
                 for c in range(cols):
                     acc += w[c] * xm[c]
                 out[m, n] = acc
+
+
+# -- compressed-tensors' symmetric pack-quantized int4 and int8 (``engine.packed``: pack-int4, pack-int8) --
+# ``q`` ``[rows, cols * bits / 8]`` bytes at ``qoff`` (the int32 words' little-endian bytes: int4 two columns
+# a byte, the even one in the low nibble; int8 one), unsigned ``u = q + 2 ** (bits - 1)``; a scale per group
+# of ``group`` columns of a row (``[rows, cols / group]``, in the model's dtype: bfloat16 ``wide`` False, or
+# float32) at ``soff``; a weight is ``(u - 2 ** (bits - 1)) * scale``, rounded to bfloat16 first with ``rnd``
+# (as compressed-tensors computes it in the scale's dtype), else the scale factored out of each group.
+
+
+@numba.njit(inline="always")
+def _scale(s16, s32, wide, g):  # pragma: no cover (compiled)
+    return s32[g] if wide else _bf16(s16[g])
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def rows_ct(pool, qoff, soff, rows, cols, group, bits, wide, rnd, slots, x, out):  # pragma: no cover
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    shared = x.shape[0] == 1
+    per_row = cols // group
+    row_bytes = cols * bits // 8
+    gbytes = group * bits // 8
+    off = np.float32(8.0 if bits == 4 else 128.0)
+    for task in numba.prange(len(slots) * blocks):
+        k = task // blocks
+        first = (task % blocks) * BLOCK_ROWS
+        last = min(rows, first + BLOCK_ROWS)
+        slot = pool[slots[k]]
+        xk = x[0 if shared else k]
+        q = slot[qoff : qoff + rows * row_bytes].view(np.uint8)  # .view: typed contiguous, so vectorised
+        s16 = slot[soff : soff + (0 if wide else 2 * rows * per_row)].view(np.uint16)
+        s32 = slot[soff : soff + (4 * rows * per_row if wide else 0)].view(np.float32)
+        for n in range(first, last):
+            acc = np.float32(0.0)
+            for j in range(per_row):
+                s = _scale(s16, s32, wide, n * per_row + j)
+                part = q[n * row_bytes + j * gbytes : n * row_bytes + (j + 1) * gbytes]
+                px = xk[j * group : (j + 1) * group]
+                a = np.float32(0.0)
+                if bits == 8:
+                    if rnd:
+                        for c in range(group):
+                            a += _round_bf16((np.float32(part[c]) - off) * s) * px[c]
+                    else:
+                        for c in range(group):
+                            a += (np.float32(part[c]) - off) * px[c]
+                else:
+                    if rnd:
+                        for c in range(gbytes):
+                            lo = _round_bf16((np.float32(part[c] & np.uint8(15)) - off) * s)
+                            hi = _round_bf16((np.float32(part[c] >> np.uint8(4)) - off) * s)
+                            a += lo * px[2 * c] + hi * px[2 * c + 1]
+                    else:
+                        for c in range(gbytes):
+                            lo = np.float32(part[c] & np.uint8(15)) - off
+                            hi = np.float32(part[c] >> np.uint8(4)) - off
+                            a += lo * px[2 * c] + hi * px[2 * c + 1]
+                acc += a if rnd else a * s
+            out[k, n] = acc
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def tokens_ct(pool, qoff, soff, rows, cols, group, bits, wide, rnd, slot, x, out):  # pragma: no cover
+    blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+    per_row = cols // group
+    row_bytes = cols * bits // 8
+    gbytes = group * bits // 8
+    off = np.float32(8.0 if bits == 4 else 128.0)
+    src = pool[slot]
+    q = src[qoff : qoff + rows * row_bytes].view(np.uint8)
+    s16 = src[soff : soff + (0 if wide else 2 * rows * per_row)].view(np.uint16)
+    s32 = src[soff : soff + (4 * rows * per_row if wide else 0)].view(np.float32)
+    for b in numba.prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(b * BLOCK_ROWS, min(rows, (b + 1) * BLOCK_ROWS)):
+            for j in range(per_row):  # a group at a time: its scale loaded once
+                s = _scale(s16, s32, wide, n * per_row + j)
+                part = q[n * row_bytes + j * gbytes : n * row_bytes + (j + 1) * gbytes]
+                wj = w[j * group : (j + 1) * group]
+                if bits == 8:
+                    for c in range(group):
+                        wj[c] = (np.float32(part[c]) - off) * s
+                else:
+                    for c in range(gbytes):
+                        wj[2 * c] = (np.float32(part[c] & np.uint8(15)) - off) * s
+                        wj[2 * c + 1] = (np.float32(part[c] >> np.uint8(4)) - off) * s
+                if rnd:
+                    for c in range(group):
+                        wj[c] = _round_bf16(wj[c])
+            for m in range(x.shape[0]):
+                xm = x[m]
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += w[c] * xm[c]
+                out[m, n] = acc

@@ -20,7 +20,7 @@ import torch
 
 from expertcache.engine.families import Family, family_of
 from expertcache.engine.memory import SlotLayout
-from expertcache.engine.packed import Packed, PackedKernels, dequantize_fp8, from_config
+from expertcache.engine.packed import Packed, PackedKernels, dequantize_fp8, dequantize_pack, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -131,8 +131,8 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
     first = family.expert_keys(prefixes[0], 0)
 
-    def stored_dtype(name: str):
-        key = first[name][0][0]
+    def stored_dtype(name: str, suffix: str = ""):
+        key = first[name][0][0] + suffix
         if key not in ckpt:
             raise ExpertcacheError(f"{path}: checkpoint lacks expert tensor {key}")
         return ckpt.dtype(key)
@@ -150,8 +150,7 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
         kernels = PackedKernels(packed)
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
-    block = packed.block if packed is not None and packed.format == "fp8" else None
-    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, block)
+    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
@@ -169,17 +168,25 @@ def _load_dense(
     skip: set[str],
     dtype,
     progress: bool = False,
-    fp8_block: tuple[int, int] | None = None,
+    packed: Packed | None = None,
 ) -> None:
     """Every non-expert tensor from the checkpoint, read into fresh aligned memory (``Checkpoint.copy``,
-    on ``DENSE_THREADS`` threads), in ``dtype``; an fp8 checkpoint's fp8 weights dequantised with their
-    ``weight_scale_inv`` (one scale per ``fp8_block``)."""
+    on ``DENSE_THREADS`` threads), in ``dtype``; another tool's quantised weights dequantised as transformers
+    does on a CPU: an fp8 checkpoint's with their ``weight_scale_inv`` (one scale per block), a
+    compressed-tensors checkpoint's ``weight_packed`` with their ``weight_scale``."""
+    fp8_block = packed.block if packed is not None and packed.format == "fp8" else None
+    pack_bits = packed.bits if packed is not None and packed.method == "compressed-tensors" else 0
     # each tensor's dtype in the model: ``dtype``, but float32 for what the class keeps so (DeepSeek-V3's
     # router: ``_keep_in_fp32_modules_strict``), as transformers loads it
     expected = {name: t.dtype for name, t in model.state_dict().items()}
     names = {}  # checkpoint key -> parameter name; the rest (rotary tables of old checkpoints) is dropped
     for key in ckpt:
-        if key not in skip and family.rename(key) in expected:
+        if key in skip:
+            continue
+        if pack_bits and key.endswith(".weight_packed"):  # compressed-tensors: the weight it stands for
+            if family.rename(key.removesuffix("_packed")) in expected:
+                names[key] = family.rename(key.removesuffix("_packed"))
+        elif family.rename(key) in expected:
             names[key] = family.rename(key)
     keys = list(names)
     for key in keys:
@@ -198,6 +205,9 @@ def _load_dense(
                 if fp8_block is None or scale not in ckpt:
                     raise ExpertcacheError(f"{ckpt.path}: {key} is stored in {t.dtype} without {scale}")
                 t = dequantize_fp8(t, ckpt.tensor(scale), fp8_block, want)
+            elif key.endswith(".weight_packed") and pack_bits:
+                scale = ckpt.tensor(key.removesuffix("_packed") + "_scale")
+                t = dequantize_pack(t, scale, pack_bits, scale.dtype).to(scale.dtype)
             state[names[key]] = t.to(dtype=want) if t.is_floating_point() else t
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

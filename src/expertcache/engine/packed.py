@@ -41,6 +41,12 @@ same machinery (a slot holds the expert's bytes as the checkpoint stores them; `
   ``weight_block_size``); a weight is ``fp8 * scale``, rounded to bfloat16 in a bfloat16 model (as
   transformers' dequantised weight is) before its product. The checkpoint's other FP8 linear layers
   (attention, shared experts, dense MLPs) are dequantised at load, as transformers does on a CPU.
+- ``pack-int4``, ``pack-int8``: compressed-tensors' symmetric ``pack-quantized`` weights (llm-compressor's
+  W4A16, W8A16): per expert projection ``weight_packed`` int32 ``[out, in * bits / 32]`` (unsigned values
+  ``q + 2 ** (bits - 1)``, little-endian within a word: int4's bytes are expertcache's int4 order) and
+  ``weight_scale`` ``[out, in / group]`` (one per row for the ``channel`` strategy) in the model's dtype;
+  a weight is ``q * scale``, rounded to bfloat16 in a bfloat16 model. Its other quantised linear layers
+  are decompressed at load. On a GPU these are expanded per use (no Triton kernel for them yet).
 """
 
 from __future__ import annotations
@@ -58,8 +64,10 @@ from expertcache.errors import ExpertcacheError
 
 CONFIG_KEY = "expertcache_experts"  # config.json's entry of a packed checkpoint
 STORED = "packed_experts"  # the checkpoint's tensors: {layer prefix}.packed_experts.{tensor}
-FORMATS = {"int8": 8, "int4": 4, "mxfp4": 4, "fp8": 8}  # format -> bits of a weight
+FORMATS = {"int8": 8, "int4": 4, "mxfp4": 4, "fp8": 8, "pack-int4": 4, "pack-int8": 8}  # -> bits a weight
 OWN = ("int8", "int4")  # expertcache's own formats (``expertcache quantize --checkpoint``); others: read only
+PACK_QUANTIZED = ("pack-int4", "pack-int8")  # compressed-tensors' symmetric pack-quantized int formats
+TRITON = ("int8", "int4", "mxfp4", "fp8")  # the formats with GPU kernels; others expanded per use there
 MX_BLOCK = 32  # MXFP4: columns per e8m0 scale
 DEFAULT_GROUP = 64  # int4's columns per scale and minimum
 MATRICES = ("gate_up_proj", "down_proj")
@@ -69,7 +77,7 @@ DECODE_ROWS = 8  # GPU: at most this many tokens an expert: each token a row of 
 # them: those win from 2 tokens where decoding is the cost (int4, mxfp4, fp8: 1.6-3.7x at 4 tokens), while
 # int8's one-token loops, memory-bound, stay ahead up to 8 at Granite's and OLMoE's shapes
 # (``bench/packed_rows_cpu.py``); beyond PREFILL_ROWS: expanded
-CPU_ROWS = {"int8": 8, "int4": 1, "mxfp4": 1, "fp8": 1}
+CPU_ROWS = {"int8": 8, "int4": 1, "mxfp4": 1, "fp8": 1, "pack-int4": 1, "pack-int8": 1}
 PREFILL_ROWS = 64
 
 
@@ -92,7 +100,7 @@ class Packed:
     """How one model's experts are packed: the format, and the full-precision tensors it stands for."""
 
     format: str  # int8 | int4 (expertcache's) | mxfp4 | fp8 (other tools')
-    group: int  # int4: input columns per scale and minimum; mxfp4: 32; int8, fp8: 0
+    group: int  # int4, pack-*: input columns per scale (pack-*: 0, one scale a row); mxfp4: 32; int8, fp8: 0
     shapes: dict[str, tuple[int, ...]]  # one expert's full-precision tensors (family order)
     dtype: torch.dtype  # the compute dtype
     transposed: bool  # GPT-OSS: matrices stored [in, out] (expertcache's formats pack their transposes)
@@ -100,7 +108,7 @@ class Packed:
     block: tuple[int, int] = (0, 0)  # fp8: rows and columns per scale
     # fp8: rows of each checkpoint tensor a matrix gathers (gate, up), each with its own blocks of scales
     parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    method: str | None = None  # the quantisation tool's method (mxfp4, fp8); None: expertcache's own
+    method: str | None = None  # the quantisation tool's method (mxfp4, fp8, compressed-tensors); None: own
 
     @property
     def bits(self) -> int:
@@ -111,10 +119,15 @@ class Packed:
         """Whether the kernels compute with the weights transformers' dequantised model has: another tool's
         MXFP4 (each value is a bfloat16 too), or FP8 in a float32 or bfloat16 model (the kernels round each
         ``fp8 * scale`` to bfloat16 as transformers does; not to float16). expertcache's own formats do not
-        stand for their full-precision source."""
+        stand for their full-precision source. compressed-tensors' int formats: as FP8 (its weights are
+        ``q * scale`` in the scale's dtype, the model's)."""
         return self.method == "mxfp4" or (
-            self.method == "fp8" and self.dtype in (torch.float32, torch.bfloat16)
+            self.method in ("fp8", "compressed-tensors") and self.dtype in (torch.float32, torch.bfloat16)
         )
+
+    def group_of(self, name: str) -> int:
+        """pack-*: the columns a scale of the matrix ``name`` covers (a row's, where one scale a row)."""
+        return self.group or self.matrix(name)[1]
 
     def matrix(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of ``name`` as packed: transformers' ``[out, in]``."""
@@ -149,6 +162,12 @@ class Packed:
             elif self.format == "mxfp4":
                 blocks = cols // MX_BLOCK
                 out.update({f"{name}.q": (rows, blocks, MX_BLOCK // 2), f"{name}.scale": (rows, blocks)})
+            elif self.format in PACK_QUANTIZED:  # int32 words of packed values; a scale per group
+                words = cols * self.bits // 32
+                groups = cols // self.group_of(name)
+                out.update(
+                    {f"{name}.q": (rows, words, 4), f"{name}.scale": (rows, groups, self.dtype.itemsize)}
+                )
             else:  # fp8
                 scale_rows = sum(-(-r // self.block[0]) for r in dict(self.parts)[name])
                 out.update(
@@ -172,6 +191,9 @@ class Packed:
             elif self.format == "mxfp4":  # {name}_blocks, {name}_scales
                 out[f"{name}.q"] = [(k + "_blocks", fused) for k, fused in srcs]
                 out[f"{name}.scale"] = [(k + "_scales", fused) for k, fused in srcs]
+            elif self.format in PACK_QUANTIZED:  # {proj}.weight_packed, {proj}.weight_scale
+                out[f"{name}.q"] = [(k + "_packed", fused) for k, fused in srcs]
+                out[f"{name}.scale"] = [(k + "_scale", fused) for k, fused in srcs]
             else:  # fp8: {proj}.weight with {proj}.weight_scale_inv (a fused {name} with {name}_scale_inv)
                 out[f"{name}.q"] = srcs
                 out[f"{name}.scale"] = [(k + "_scale_inv", fused) for k, fused in srcs]
@@ -186,6 +208,11 @@ class Packed:
             if self.format == "mxfp4" and cols % MX_BLOCK:
                 raise ExpertcacheError(
                     f"mxfp4 scales {MX_BLOCK} columns each; {name} has {cols} input columns"
+                )
+            if self.format in PACK_QUANTIZED and (cols * self.bits % 32 or cols % self.group_of(name)):
+                raise ExpertcacheError(
+                    f"{self.format}: {name}'s {cols} input columns are not whole int32 words and groups of "
+                    f"{self.group_of(name)} (this expertcache reads those)"
                 )
 
     # -- packing -----------------------------------------------------------------------------------
@@ -220,6 +247,8 @@ class Packed:
             w = torch.stack((lut[q & 15], lut[q >> 4]), dim=-1).view(rows, cols // MX_BLOCK, MX_BLOCK)
             exp = views[f"{name}.scale"].reshape(rows, -1, 1).to(torch.int32) - 127
             return torch.ldexp(w, exp).view(rows, cols)
+        if self.format in PACK_QUANTIZED:
+            return dequantize_pack(q.reshape(rows, -1), views[f"{name}.scale"], self.bits, self.dtype)
         if self.format == "fp8":
             w = q.reshape(rows, cols).view(torch.float8_e4m3fn).to(torch.float32)
             scale = views[f"{name}.scale"].reshape(-1).view(torch.float32).view(-1, -(-cols // self.block[1]))
@@ -244,7 +273,10 @@ class Packed:
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-READ = "int8, int4 (expertcache's), mxfp4 (GPT-OSS's), fp8 with block scales (DeepSeek-V3's, Qwen3-FP8's)"
+READ = (
+    "int8, int4 (expertcache's), mxfp4 (GPT-OSS's), fp8 with block scales (DeepSeek-V3's, Qwen3-FP8's), "
+    "compressed-tensors' symmetric pack-quantized int4 and int8 (W4A16, W8A16)"
+)
 FP8_DTYPES = (torch.float8_e4m3fn,)  # the e4m3 of fp8 checkpoints (e5m2 and others: refused)
 
 
@@ -252,8 +284,9 @@ def from_config(
     config, family, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, transposed: bool, stored_dtype
 ) -> Packed | None:
     """The packing a checkpoint's config declares (None: full-precision experts); one line if unusable.
-    ``stored_dtype(name)``: the checkpoint's dtype of the first expert's tensor ``name`` (``Family``'s
-    slot names, at full precision: a bias, or a matrix of an fp8 checkpoint)."""
+    ``stored_dtype(name, suffix="")``: the checkpoint's dtype of the first expert's tensor ``name``
+    (``Family``'s slot names, at full precision: a bias, or a matrix of an fp8 checkpoint; with ``suffix``
+    a tensor beside it, e.g. compressed-tensors' ``weight_packed``)."""
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         return _other_tool(qc, family, shapes, dtype, transposed, stored_dtype)
@@ -287,13 +320,11 @@ def _other_tool(qc, family, shapes, dtype, transposed, stored_dtype) -> Packed:
         packed = Packed(
             "mxfp4", MX_BLOCK, dict(shapes), dtype, transposed, bias_dtype=bias.pop(), method=method
         )
+    elif method == "compressed-tensors" and not transposed:
+        _one_by_one(family, what, method)
+        packed = _compressed_tensors(qc, what, dict(shapes), dtype, transposed, stored_dtype)
     elif method == "fp8" and not transposed:
-        if any(src.fused for name in MATRICES for src in family.sources[name]):
-            raise ExpertcacheError(
-                f"{what}: {family.name} stores its experts fused, and fp8 checkpoints store them one "
-                "by one (transformers 5.24 drops the scales of fused ones too); this expertcache reads "
-                "fp8 experts of the families that store them one by one (Qwen, DeepSeek, Mixtral, OLMoE)"
-            )
+        _one_by_one(family, what, "fp8")
         block = qc.get("weight_block_size")
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
             raise ExpertcacheError(
@@ -326,6 +357,59 @@ def _other_tool(qc, family, shapes, dtype, transposed, stored_dtype) -> Packed:
     return packed
 
 
+def _one_by_one(family, what: str, method: str) -> None:
+    if any(src.fused for name in MATRICES for src in family.sources[name]):
+        raise ExpertcacheError(
+            f"{what}: {family.name} stores its experts fused, and {method} checkpoints store them one by one "
+            "(transformers 5.24 drops the scales of fused ones too); this expertcache reads them for the "
+            "families that store experts one by one (Qwen, DeepSeek, Mixtral, OLMoE)"
+        )
+
+
+def _compressed_tensors(qc: dict, what: str, shapes, dtype, transposed, stored_dtype) -> Packed:
+    """compressed-tensors' weight-only symmetric pack-quantized int4 or int8 (llm-compressor's W4A16,
+    W8A16): every config group's weights alike, no activation or KV-cache quantisation."""
+    status = qc.get("quantization_status")
+    if status != "compressed":
+        raise ExpertcacheError(f"{what} with status {status!r}: this expertcache reads compressed ones")
+    if qc.get("kv_cache_scheme"):
+        raise ExpertcacheError(f"{what} with a quantised KV cache: this expertcache reads weight-only ones")
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if not groups or any(w != weights[0] for w in weights):
+        raise ExpertcacheError(f"{what} with {len(groups)} config groups of different weights: this "
+                               "expertcache reads one kind of weights")  # fmt: skip
+    w, g = weights[0], groups[0]
+    fmt = g.get("format") or qc.get("format")
+    kind = f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')} {fmt}"
+    wanted = (
+        fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") in (4, 8)
+        and w.get("symmetric") and w.get("strategy") in ("group", "channel") and not w.get("dynamic")
+        and w.get("actorder") in (None, "static", "weight")  # "group": a column order stored per weight
+        and not any(x.get("input_activations") or x.get("output_activations") for x in groups)
+    )  # fmt: skip
+    if not wanted:
+        raise ExpertcacheError(
+            f"{what}: {kind}{'' if w.get('symmetric') else ' asymmetric'} weights"
+            f"{' with quantised activations' if g.get('input_activations') else ''}; this expertcache reads "
+            "weight-only symmetric pack-quantized int4 and int8, a scale per group or channel"
+        )
+    for name in MATRICES:
+        if stored_dtype(name, "_packed") != torch.int32:
+            raise ExpertcacheError(f"{what}, but its experts' {name} is not stored as int32 words")
+        scale = stored_dtype(name, "_scale")
+        if scale != dtype or dtype not in (torch.bfloat16, torch.float32):
+            raise ExpertcacheError(
+                f"{what} with scales in {scale} for a {dtype} model: this expertcache reads bfloat16 and "
+                "float32 models with scales in their dtype"
+            )
+    bits = int(w["num_bits"])
+    group = int(w.get("group_size") or 0) if w["strategy"] == "group" else 0
+    if w["strategy"] == "group" and group <= 0:
+        raise ExpertcacheError(f"{what}: group strategy without a group_size")
+    return Packed(f"pack-int{bits}", group, shapes, dtype, transposed, method="compressed-tensors")
+
+
 def dequantize_fp8(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -335,6 +419,24 @@ def dequantize_fp8(
     rows, cols = q.shape
     s = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
     return (q.to(torch.float32) * s).to(dtype)
+
+
+def dequantize_pack(q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """A compressed-tensors pack-quantized weight (``q``: its int32 words, or their bytes, ``[out, words]``;
+    ``scale`` ``[out, groups]``, or its bytes with one more dimension) -> float32 ``[out, in]``: ``(u - 2 **
+    (bits - 1)) * scale``, each value exact in float32 (the model's dtype rounds it as compressed-tensors'
+    product in the scale's dtype does)."""
+    rows = q.shape[0]
+    u = q.contiguous().view(torch.uint8).reshape(rows, -1)
+    if bits == 4:
+        u = torch.stack((u & 15, u >> 4), dim=-1).reshape(rows, -1)
+    v = u.to(torch.float32) - 2 ** (bits - 1)
+    s = (
+        scale.contiguous().view(dtype).reshape(rows, -1).to(torch.float32)
+        if scale.dtype == torch.uint8
+        else (scale.reshape(rows, -1).to(torch.float32))
+    )
+    return (v.view(rows, s.shape[1], -1) * s[:, :, None]).view(rows, -1)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -388,7 +490,7 @@ class PackedKernels:
         self.srows = {n: packed.scale_rows(n) for n in MATRICES} if packed.format == "fp8" else {}
         # fp8 in a bfloat16 model: each weight rounded to bfloat16 before its product, as transformers'
         # dequantised weights are
-        self.round_bf16 = packed.format == "fp8" and packed.dtype == torch.bfloat16
+        self.round_bf16 = packed.format in ("fp8", *PACK_QUANTIZED) and packed.dtype == torch.bfloat16
         self.srows_on: dict[torch.device, dict[str, torch.Tensor]] = {}  # fp8: ``srows`` on a GPU, by device
 
     def offsets_of(self, name: str) -> tuple[int, ...]:
@@ -446,6 +548,11 @@ class PackedKernels:
         elif p.format == "mxfp4":
             even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
             _packed_jit.rows_mxfp4(pool, qoff, soff, rows, cols, slots, even, odd, out)
+        elif p.format in PACK_QUANTIZED:
+            _packed_jit.rows_ct(
+                pool, qoff, soff, rows, cols, p.group_of(name), p.bits, p.dtype == torch.float32,
+                self.round_bf16, slots, xf, out,
+            )  # fmt: skip
         elif p.format == "fp8":
             _packed_jit.rows_fp8(
                 pool, qoff, soff, rows, cols, p.block[1], self.srows[name], self.round_bf16, slots, xf, out
@@ -476,6 +583,11 @@ class PackedKernels:
             _packed_jit.tokens_int8(pool, qoff, soff, rows, cols, slot, xf, out)
         elif p.format == "mxfp4":
             _packed_jit.tokens_mxfp4(pool, qoff, soff, rows, cols, slot, xf, out)
+        elif p.format in PACK_QUANTIZED:
+            _packed_jit.tokens_ct(
+                pool, qoff, soff, rows, cols, p.group_of(name), p.bits, p.dtype == torch.float32,
+                self.round_bf16, slot, xf, out,
+            )  # fmt: skip
         elif p.format == "fp8":
             _packed_jit.tokens_fp8(
                 pool, qoff, soff, rows, cols, p.block[1], self.srows[name], self.round_bf16, slot, xf, out
@@ -547,8 +659,9 @@ class PackedKernels:
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:
     """Whether the packed kernels run on ``device`` (a CUDA or ROCm GPU with Triton installed) for
-    ``packed``'s format: every format (int8, int4, mxfp4, fp8) has Triton's kernels."""
-    return device.type == "cuda" and packed.format in FORMATS and _has_triton()
+    ``packed``'s format: int8, int4, mxfp4 and fp8 have Triton's kernels; compressed-tensors' pack-*
+    formats are expanded there for each use."""
+    return device.type == "cuda" and packed.format in TRITON and _has_triton()
 
 
 @functools.cache
@@ -620,12 +733,14 @@ def packed_grouped_rows(
 
 
 def describe_format(packed: Packed | None, dtype: torch.dtype | None = None) -> str:
-    """The experts' storage format in a word: ``int8``, ``int4-g64``, ``mxfp4``, ``fp8-b128x128``, or the
-    full-precision dtype."""
+    """The experts' storage format in a word: ``int8``, ``int4-g64``, ``mxfp4``, ``fp8-b128x128``,
+    ``pack-int4-g128``, ``pack-int8-channel``, or the full-precision dtype."""
     if packed is None:
         return str(dtype).removeprefix("torch.")
     if packed.format == "int4":
         return f"int4-g{packed.group}"
     if packed.format == "fp8":
         return f"fp8-b{packed.block[0]}x{packed.block[1]}"
+    if packed.format in PACK_QUANTIZED:
+        return f"{packed.format}-" + (f"g{packed.group}" if packed.group else "channel")
     return packed.format
