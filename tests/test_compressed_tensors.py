@@ -82,7 +82,8 @@ def test_the_kernels_equal_the_product_with_the_model_s_weights(bits, group, dty
 
 
 CASES = [("qwen3_moe", 4, "group", "bfloat16"), ("qwen3_moe", 8, "channel", "float32"),
-         ("mixtral", 4, "group", "bfloat16"), ("olmoe", 8, "group", "bfloat16")]  # fmt: skip
+         ("mixtral", 4, "group", "bfloat16"), ("olmoe", 8, "group", "bfloat16"),
+         ("deepseek_v3", 4, "group", "bfloat16"), ("qwen2_moe", 4, "channel", "bfloat16")]  # fmt: skip
 GROUP = 16
 
 
