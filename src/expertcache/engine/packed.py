@@ -99,7 +99,7 @@ def check_format(fmt: str, group: int | None = None) -> int:
 class Packed:
     """How one model's experts are packed: the format, and the full-precision tensors it stands for."""
 
-    format: str  # int8 | int4 (expertcache's) | mxfp4 | fp8 (other tools')
+    format: str  # int8 | int4 (expertcache's) | mxfp4 | fp8 | pack-int4 | pack-int8 (other tools')
     group: int  # int4, pack-*: input columns per scale (pack-*: 0, one scale a row); mxfp4: 32; int8, fp8: 0
     shapes: dict[str, tuple[int, ...]]  # one expert's full-precision tensors (family order)
     dtype: torch.dtype  # the compute dtype
@@ -431,11 +431,9 @@ def dequantize_pack(q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torc
     if bits == 4:
         u = torch.stack((u & 15, u >> 4), dim=-1).reshape(rows, -1)
     v = u.to(torch.float32) - 2 ** (bits - 1)
-    s = (
-        scale.contiguous().view(dtype).reshape(rows, -1).to(torch.float32)
-        if scale.dtype == torch.uint8
-        else (scale.reshape(rows, -1).to(torch.float32))
-    )
+    if scale.dtype == torch.uint8:  # a slot's bytes
+        scale = scale.contiguous().view(dtype)
+    s = scale.reshape(rows, -1).to(torch.float32)
     return (v.view(rows, s.shape[1], -1) * s[:, :, None]).view(rows, -1)
 
 
@@ -488,8 +486,8 @@ class PackedKernels:
         self.offsets = dict(zip(self.layout.names, self.layout.offsets, strict=True))
         # fp8: the scale row of each matrix row (``Packed.scale_rows``)
         self.srows = {n: packed.scale_rows(n) for n in MATRICES} if packed.format == "fp8" else {}
-        # fp8 in a bfloat16 model: each weight rounded to bfloat16 before its product, as transformers'
-        # dequantised weights are
+        # fp8 and compressed-tensors' ints in a bfloat16 model: each weight rounded to bfloat16 before its
+        # product, as transformers' dequantised weights are
         self.round_bf16 = packed.format in ("fp8", *PACK_QUANTIZED) and packed.dtype == torch.bfloat16
         self.srows_on: dict[torch.device, dict[str, torch.Tensor]] = {}  # fp8: ``srows`` on a GPU, by device
 
