@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from expertcache.engine.memory import SlotPool
-from expertcache.engine.packed import CPU_ROWS, FORMATS, PackedKernels, slot_bytes
+from expertcache.engine.packed import CPU_ROWS, PackedKernels, slot_bytes
 
 
 class _Module:  # what PackedKernels asks of an experts module (a non-transposed family)
@@ -33,7 +33,7 @@ class _Module:  # what PackedKernels asks of an experts module (a non-transposed
 
 
 def main() -> None:
-    from packed_gpu import packed  # one expert's stored tensors in each format (GPU-free)
+    from packed_gpu import FORMATS, packed  # one expert's stored tensors in each format (GPU-free)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)

@@ -96,6 +96,32 @@ def capacities(family: str, policy: str) -> list[int]:
     return sorted({low, (low + high) // 2, high})
 
 
+def with_config(src: Path, dst: Path, **entries: object) -> Path:
+    """A copy of the checkpoint ``src`` at ``dst`` whose config.json has ``entries`` set."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(entries)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# a smaller budget from disk, experts computed on the host, a host tier with prefetching
+EVERYWHERE = (dict(expert_memory="30%", slow_tier="disk"), dict(expert_memory="30%", miss="host"),
+              dict(expert_memory="40%", slow_tier="host", prefetch="next-gate"))  # fmt: skip
+
+
+def assert_same_everywhere(path: Path, ids: torch.Tensor, full) -> None:
+    """The checkpoint at ``path`` gives ``full`` (``greedy``'s tokens and logits, every expert resident)
+    bit for bit under each of ``EVERYWHERE``."""
+    for kwargs in EVERYWHERE:
+        with engine_load(path, **kwargs) as model:
+            got = greedy(model, ids)
+        assert got[0].tolist() == full[0].tolist() and torch.equal(got[1], full[1]), kwargs
+
+
 def engine_load(path: Path, capacity: int | None = None, policy: str = "lru", **kwargs):
     """``expertcache.engine.load`` on the test device; ``capacity`` experts as bytes (default: all).
     Without prefetching unless asked (the engine's default, ``auto``, prefetches in the steps where its

@@ -19,7 +19,7 @@ import engine_fixtures
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import engine_load, greedy
+from engine_fixtures import assert_same_everywhere, engine_load, greedy, with_config
 
 from expertcache.engine.packed import MATRICES, Packed, PackedKernels
 from expertcache.errors import ExpertcacheError
@@ -141,21 +141,7 @@ def test_the_engine_reads_what_transformers_reads(family, bits, strategy, dtype,
     assert full[0].tolist() == want[0].tolist()
     tol = (1e-5 if dtype == "float32" else 2e-2) * float(want[1].abs().max())
     torch.testing.assert_close(full[1], want[1], rtol=0, atol=tol)
-    for kwargs in (dict(expert_memory="30%", slow_tier="disk"), dict(expert_memory="30%", miss="host"),
-                   dict(expert_memory="40%", slow_tier="host", prefetch="next-gate")):  # fmt: skip
-        with engine_load(path, **kwargs) as model:
-            got = greedy(model, IDS)
-        assert got[0].tolist() == full[0].tolist() and torch.equal(got[1], full[1]), kwargs
-
-
-def _with_config(src, dst, **changes):
-    import shutil
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"].update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    assert_same_everywhere(path, IDS, full)
 
 
 def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
@@ -168,8 +154,18 @@ def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
     acts = {**group, "input_activations": token}
     cases = [
         (compressed("qwen3_moe", 4, "group", "bfloat16", symmetric=False), "asymmetric"),
-        (_with_config(good, tmp_path / "acts", config_groups={"group_0": acts}), "quantised activations"),
-        (_with_config(good, tmp_path / "frozen", quantization_status="frozen"), "status 'frozen'"),
+        (
+            with_config(
+                good, tmp_path / "acts", quantization_config={**qc, "config_groups": {"group_0": acts}}
+            ),
+            "quantised activations",
+        ),
+        (
+            with_config(
+                good, tmp_path / "frozen", quantization_config={**qc, "quantization_status": "frozen"}
+            ),
+            "status 'frozen'",
+        ),
     ]
     for path, words in cases:
         with pytest.raises(ExpertcacheError) as err:
@@ -177,13 +173,6 @@ def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
         msg = str(err.value)
         assert "\n" not in msg and words in msg and "compressed-tensors" in msg, msg
     # a family storing its experts fused (Granite): refused before any weight is read
-    gran = make_ckpt("granitemoe")
-    fused = tmp_path / "fused"
-    import shutil
-
-    shutil.copytree(gran, fused)
-    cfg = json.loads((fused / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (fused / "config.json").write_text(json.dumps(cfg))
+    fused = with_config(make_ckpt("granitemoe"), tmp_path / "fused", quantization_config=qc)
     with pytest.raises(ExpertcacheError, match="stores its experts fused"):
         load(fused)

@@ -28,7 +28,7 @@ import engine_fixtures
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import engine_load, greedy
+from engine_fixtures import assert_same_everywhere, engine_load, greedy, with_config
 
 from expertcache.engine.packed import MATRICES, Packed, PackedKernels, dequantize_fp8
 from expertcache.errors import ExpertcacheError
@@ -386,11 +386,7 @@ def test_the_engine_reads_what_transformers_reads(family, fmt, dtype, published,
     tol = (1e-5 if dtype == "float32" else 2e-2) * float(want[1].abs().max())
     torch.testing.assert_close(full[1], want[1], rtol=0, atol=tol)
     # any budget, tier and miss path: the same bits
-    for kwargs in (dict(expert_memory="30%", slow_tier="disk"), dict(expert_memory="30%", miss="host"),
-                   dict(expert_memory="40%", slow_tier="host", prefetch="next-gate")):  # fmt: skip
-        with engine_load(path, **kwargs) as model:
-            got = greedy(model, IDS)
-        assert got[0].tolist() == full[0].tolist() and torch.equal(got[1], full[1]), kwargs
+    assert_same_everywhere(path, IDS, full)
 
 
 def test_quantize_format_from_the_cli_and_errors(make_ckpt, tmp_path, capsys):
@@ -422,16 +418,6 @@ def test_quantize_format_from_the_cli_and_errors(make_ckpt, tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def _with_config(src, dst, **entries):
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(entries)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_quantisations_it_cannot_read_are_one_line(published, make_ckpt, tmp_path):
     from expertcache.engine import load
 
@@ -439,15 +425,15 @@ def test_quantisations_it_cannot_read_are_one_line(published, make_ckpt, tmp_pat
     cfg = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     qwen = make_ckpt("qwen3_moe")
     cases = [
-        (_with_config(fp8, tmp_path / "noblock", quantization_config={**cfg, "weight_block_size": None}),
+        (with_config(fp8, tmp_path / "noblock", quantization_config={**cfg, "weight_block_size": None}),
          "without block scales"),
-        (_with_config(fp8, tmp_path / "static", quantization_config={**cfg, "activation_scheme": "static"}),
+        (with_config(fp8, tmp_path / "static", quantization_config={**cfg, "activation_scheme": "static"}),
          "static activation scales"),
-        (_with_config(qwen, tmp_path / "gptq", quantization_config={"quant_method": "gptq"}),
+        (with_config(qwen, tmp_path / "gptq", quantization_config={"quant_method": "gptq"}),
          r"quantised \(gptq, .* it reads int8, int4"),
-        (_with_config(qwen, tmp_path / "mxq", quantization_config={"quant_method": "mxfp4"}),
+        (with_config(qwen, tmp_path / "mxq", quantization_config={"quant_method": "mxfp4"}),
          "does not read for qwen3_moe"),
-        (_with_config(qwen, tmp_path / "bf", quantization_config=cfg),
+        (with_config(qwen, tmp_path / "bf", quantization_config=cfg),
          "stored in torch.float32, not float8_e4m3fn"),
     ]  # fmt: skip
     for path, message in cases:

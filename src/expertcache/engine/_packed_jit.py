@@ -98,6 +98,18 @@ def rows_int4(pool, qoff, soff, moff, rows, cols, group, slots, x_even, x_odd, x
 # are read once for all the tokens (the one-token loops above would read them once a token).
 
 
+@numba.njit(inline="always")
+def _times_tokens(w, x, out, n, scale):  # pragma: no cover (compiled)
+    """Output row ``n`` of every token: the decoded weight row ``w`` (float32) times each row of ``x``,
+    times ``scale``."""
+    for m in range(x.shape[0]):
+        xm = x[m]
+        acc = np.float32(0.0)
+        for c in range(len(w)):
+            acc += w[c] * xm[c]
+        out[m, n] = acc * scale
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def tokens_int8(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cover (compiled)
     blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
@@ -110,12 +122,7 @@ def tokens_int8(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cover
             row = q[n * cols : (n + 1) * cols]
             for c in range(cols):
                 w[c] = np.float32(row[c])
-            for m in range(x.shape[0]):
-                xm = x[m]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += w[c] * xm[c]
-                out[m, n] = acc * scale[n]
+            _times_tokens(w, x, out, n, scale[n])
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -140,12 +147,7 @@ def tokens_int4(pool, qoff, soff, moff, rows, cols, group, slot, x, out):  # pra
                 for c in range(len(part)):
                     wj[2 * c] = np.float32(part[c] & np.uint8(15)) * s + lo
                     wj[2 * c + 1] = np.float32(part[c] >> np.uint8(4)) * s + lo
-            for m in range(x.shape[0]):
-                xm = x[m]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += w[c] * xm[c]
-                out[m, n] = acc
+            _times_tokens(w, x, out, n, np.float32(1.0))
 
 
 # -- other tools' formats: GPT-OSS's MXFP4 and block-scaled FP8 (``engine.packed``) -------------------------
@@ -226,12 +228,7 @@ def tokens_mxfp4(pool, qoff, soff, rows, cols, slot, x, out):  # pragma: no cove
                 wj = w[j * MX : (j + 1) * MX]
                 for c in range(MX):
                     wj[c] *= s
-            for m in range(x.shape[0]):
-                xm = x[m]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += w[c] * xm[c]
-                out[m, n] = acc
+            _times_tokens(w, x, out, n, np.float32(1.0))
 
 
 @numba.njit(inline="always")
@@ -317,12 +314,7 @@ def tokens_fp8(pool, qoff, soff, rows, cols, bcols, srow, rnd, slot, x, out):  #
                 else:
                     for c in range(len(part)):
                         wj[c] = _e4m3(part[c]) * s
-            for m in range(x.shape[0]):
-                xm = x[m]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += w[c] * xm[c]
-                out[m, n] = acc
+            _times_tokens(w, x, out, n, np.float32(1.0))
 
 
 # -- compressed-tensors' symmetric pack-quantized int4 and int8 (``engine.packed``: pack-int4, pack-int8) --
@@ -412,9 +404,4 @@ def tokens_ct(pool, qoff, soff, rows, cols, group, bits, wide, rnd, slot, x, out
                 if rnd:
                     for c in range(group):
                         wj[c] = _round_bf16(wj[c])
-            for m in range(x.shape[0]):
-                xm = x[m]
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += w[c] * xm[c]
-                out[m, n] = acc
+            _times_tokens(w, x, out, n, np.float32(1.0))

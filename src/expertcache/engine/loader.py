@@ -20,7 +20,7 @@ import torch
 
 from expertcache.engine.families import Family, family_of
 from expertcache.engine.memory import SlotLayout
-from expertcache.engine.packed import Packed, PackedKernels, dequantize_fp8, dequantize_pack, from_config
+from expertcache.engine.packed import Packed, PackedKernels, dense_name, dense_weight, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -172,22 +172,15 @@ def _load_dense(
 ) -> None:
     """Every non-expert tensor from the checkpoint, read into fresh aligned memory (``Checkpoint.copy``,
     on ``DENSE_THREADS`` threads), in ``dtype``; another tool's quantised weights dequantised as transformers
-    does on a CPU: an fp8 checkpoint's with their ``weight_scale_inv`` (one scale per block), a
-    compressed-tensors checkpoint's ``weight_packed`` with their ``weight_scale``."""
-    fp8_block = packed.block if packed is not None and packed.format == "fp8" else None
-    pack_bits = packed.bits if packed is not None and packed.method == "compressed-tensors" else 0
+    does on a CPU (``packed.dense_weight``)."""
     # each tensor's dtype in the model: ``dtype``, but float32 for what the class keeps so (DeepSeek-V3's
     # router: ``_keep_in_fp32_modules_strict``), as transformers loads it
     expected = {name: t.dtype for name, t in model.state_dict().items()}
     names = {}  # checkpoint key -> parameter name; the rest (rotary tables of old checkpoints) is dropped
     for key in ckpt:
-        if key in skip:
-            continue
-        if pack_bits and key.endswith(".weight_packed"):  # compressed-tensors: the weight it stands for
-            if family.rename(key.removesuffix("_packed")) in expected:
-                names[key] = family.rename(key.removesuffix("_packed"))
-        elif family.rename(key) in expected:
-            names[key] = family.rename(key)
+        name = family.rename(dense_name(packed, key))  # compressed-tensors' X.weight_packed: X.weight
+        if key not in skip and name in expected:
+            names[key] = name
     keys = list(names)
     for key in keys:
         ckpt.tensor(key)  # every file mapped once, here: the copies run on several threads
@@ -200,14 +193,7 @@ def _load_dense(
             copies = tqdm(copies, total=len(keys), desc="dense weights", unit="tensor", leave=False)
         for key, t in zip(keys, copies, strict=True):
             want = expected[names[key]] if expected[names[key]].is_floating_point else dtype
-            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                scale = f"{key}_scale_inv"
-                if fp8_block is None or scale not in ckpt:
-                    raise ExpertcacheError(f"{ckpt.path}: {key} is stored in {t.dtype} without {scale}")
-                t = dequantize_fp8(t, ckpt.tensor(scale), fp8_block, want)
-            elif key.endswith(".weight_packed") and pack_bits:
-                scale = ckpt.tensor(key.removesuffix("_packed") + "_scale")
-                t = dequantize_pack(t, scale, pack_bits, scale.dtype).to(scale.dtype)
+            t = dense_weight(packed, ckpt, key, t, want)
             state[names[key]] = t.to(dtype=want) if t.is_floating_point() else t
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

@@ -76,7 +76,8 @@ DECODE_ROWS = 8  # GPU: at most this many tokens an expert: each token a row of 
 # each token; more, up to PREFILL_ROWS, in the several-token loops, which decode each row once for all of
 # them: those win from 2 tokens where decoding is the cost (int4, mxfp4, fp8: 1.6-3.7x at 4 tokens), while
 # int8's one-token loops, memory-bound, stay ahead up to 8 at Granite's and OLMoE's shapes
-# (``bench/packed_rows_cpu.py``); beyond PREFILL_ROWS: expanded
+# (``bench/packed_rows_cpu.py``; compressed-tensors' pack-*, which decode and round each weight as fp8's
+# do, follow them unmeasured); beyond PREFILL_ROWS: expanded
 CPU_ROWS = {"int8": 8, "int4": 1, "mxfp4": 1, "fp8": 1, "pack-int4": 1, "pack-int8": 1}
 PREFILL_ROWS = 64
 
@@ -435,6 +436,29 @@ def dequantize_pack(q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torc
         scale = scale.contiguous().view(dtype)
     s = scale.reshape(rows, -1).to(torch.float32)
     return (v.view(rows, s.shape[1], -1) * s[:, :, None]).view(rows, -1)
+
+
+def dense_name(packed: Packed | None, key: str) -> str:
+    """The checkpoint key of the weight that the dense tensor ``key`` stands for: compressed-tensors'
+    ``X.weight_packed`` is ``X.weight``; any other key itself."""
+    if packed is not None and packed.method == "compressed-tensors" and key.endswith(".weight_packed"):
+        return key.removesuffix("_packed")
+    return key
+
+
+def dense_weight(packed: Packed | None, ckpt, key: str, t: torch.Tensor, want: torch.dtype) -> torch.Tensor:
+    """The dense tensor ``key`` (``t``, read from the checkpoint ``ckpt``) as transformers loads it on a CPU:
+    another tool's quantised weight dequantised (an fp8 one with its ``weight_scale_inv``, one scale per
+    block; compressed-tensors' ``weight_packed`` with its ``weight_scale``), any other as stored."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = f"{key}_scale_inv"
+        if packed is None or packed.format != "fp8" or scale not in ckpt:
+            raise ExpertcacheError(f"{ckpt.path}: {key} is stored in {t.dtype} without {scale}")
+        return dequantize_fp8(t, ckpt.tensor(scale), packed.block, want)
+    if dense_name(packed, key) != key:
+        scale = ckpt.tensor(dense_name(packed, key) + "_scale")
+        return dequantize_pack(t, scale, packed.bits, scale.dtype).to(scale.dtype)
+    return t
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
