@@ -30,7 +30,7 @@ import pytest
 import torch
 from engine_fixtures import assert_same_everywhere, engine_load, greedy, with_config
 
-from expertcache.engine.packed import MATRICES, Packed, PackedKernels, dequantize_fp8
+from expertcache.engine.packed import MATRICES, Packed, PackedKernels, dequantize_fp8, pack_int4, pack_int8
 from expertcache.errors import ExpertcacheError
 from expertcache.tools.published import quantize_fp8, quantize_mxfp4, write_published
 
@@ -82,6 +82,9 @@ def _fill(p: Packed, pool, slot: int, full: dict[str, torch.Tensor]) -> None:
             q, s = quantize_mxfp4(w)
             pool.views[slot][f"{name}.q"].copy_(q)
             pool.views[slot][f"{name}.scale"].copy_(s)
+        elif p.format in ("int8", "int4"):  # expertcache's own (the interpreter runs their kernels too)
+            for key, t in (pack_int8(w) if p.format == "int8" else pack_int4(w, p.group)).items():
+                pool.views[slot][f"{name}.{key}"].copy_(t)
         else:
             parts = dict(p.parts)[name]
             qs, ss = zip(*(quantize_fp8(part, p.block) for part in w.split(parts)), strict=True)
@@ -119,6 +122,8 @@ def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt, dtype):
     shapes = {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}  # second one shorter; 160 columns: 2 blocks
     if fmt == "mxfp4":
         p = Packed("mxfp4", 32, shapes, dtype, False, method="mxfp4")
+    elif fmt in ("int8", "int4"):
+        p = Packed(fmt, 64 if fmt == "int4" else 0, shapes, dtype, False)
     else:
         parts = (("gate_up_proj", (F, F)), ("down_proj", (H,)))
         p = Packed("fp8", 0, shapes, dtype, False, block=(64, 128), parts=parts, method="fp8")
@@ -158,7 +163,9 @@ def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt, dtype):
 # Triton's kernels: (gate_up rows, hidden, intermediate[, fp8 block]); the second of each an odd row count
 # (mxfp4), or rows and columns no block divides with gate and up of different sizes (fp8)
 TRITON_SHAPES = {"mxfp4": [(128, 160, 64, None), (47, 96, 32, None)],
-                 "fp8": [(192, 200, 96, (64, 128)), (301, 200, 150, (128, 128))]}  # fmt: skip
+                 "fp8": [(192, 200, 96, (64, 128)), (301, 200, 150, (128, 128))],
+                 "int8": [(128, 160, 64, None), (47, 96, 30, None)],
+                 "int4": [(128, 160, 64, None), (48, 96, 32, None)]}  # fmt: skip
 
 
 def _triton_pool(fmt: str, dtype: torch.dtype, device, G: int, H: int, F: int, block):
@@ -168,6 +175,8 @@ def _triton_pool(fmt: str, dtype: torch.dtype, device, G: int, H: int, F: int, b
     shapes = {"gate_up_proj": (G, H), "down_proj": (H, F)}
     if fmt == "mxfp4":
         p = Packed("mxfp4", 32, shapes, dtype, False, method="mxfp4")
+    elif fmt in ("int8", "int4"):
+        p = Packed(fmt, 64 if fmt == "int4" else 0, shapes, dtype, False)
     else:
         parts = (("gate_up_proj", (G // 2, G - G // 2)), ("down_proj", (H,)))
         p = Packed("fp8", 0, shapes, dtype, False, block=block, parts=parts, method="fp8")
@@ -274,7 +283,7 @@ def test_the_triton_kernels_in_triton_s_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
-    assert run.returncode == 0 and "5 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "9 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
 
 
 interpreted = pytest.mark.skipif(
@@ -283,11 +292,11 @@ interpreted = pytest.mark.skipif(
 
 
 @interpreted
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interpreted_triton_kernels_equal_the_product(fmt, dtype):
-    """Triton's mxfp4 and fp8 kernels in Triton's interpreter: ``_check_triton_pairs``, and within float32
-    rounding of numba's loops (the reference)."""
+    """Triton's mxfp4, fp8, int8 and int4 kernels in Triton's interpreter: ``_check_triton_pairs``, and
+    within float32 rounding of numba's loops (the reference)."""
     cpu = torch.device("cpu")
     for G, H, F, block in TRITON_SHAPES[fmt]:
         p, k, pool = _triton_pool(fmt, dtype, cpu, G, H, F, block)

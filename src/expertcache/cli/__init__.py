@@ -436,6 +436,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the experts kernel measured, e.g. compiled (default auto: grouped, exact)",
     )  # fmt: skip
     ql.add_argument(
+        "--quantize-dense", choices=cli_generate.DENSE_FORMATS, metavar="FORMAT",
+        help="the dense layers quantised at load, measured: int8 (default: as stored)",
+    )  # fmt: skip
+    ql.add_argument(
         "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
         help="transformers' experts implementation compared against (default auto: the one the kernel is "
         "exact against; grouped_mm for compiled)",
@@ -1253,7 +1257,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
         reference_implementation=None if args.reference == "auto" else args.reference,
-        reference_model=args.reference_model,
+        reference_model=args.reference_model, quantize_dense=args.quantize_dense,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

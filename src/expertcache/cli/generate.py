@@ -21,6 +21,7 @@ PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
 # engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
 KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled", "packed"]
+DENSE_FORMATS = ["int8"]  # engine.dense.DENSE_FORMATS (not imported: no torch before checks; a test checks)
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
     "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
@@ -107,6 +108,12 @@ def add_model_args(p) -> None:
         "compiled (CPU: grouped, with decode steps' experts in compiled loops at the memory's speed; "
         "not bit-equal to transformers), packed (a packed checkpoint's, taken for one); default auto: "
         "grouped where torch has it, packed for a packed checkpoint",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantize-dense", choices=DENSE_FORMATS, metavar="FORMAT",
+        help="quantise the dense layers (attention, shared experts, output head; not the routers) at load "
+        "and compute them packed: int8 (one scale a row; lossy, opt-in: expertcache quality "
+        "--quantize-dense int8 says how far; default: as stored)",
     )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
@@ -224,7 +231,7 @@ def load_model(args, record: bool = True):
             miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
-            kernel=args.kernel,
+            kernel=args.kernel, quantize_dense=args.quantize_dense,
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)
@@ -428,7 +435,7 @@ def summary(out: dict) -> str:
         lines.append("kernel compiled: decode steps' experts in compiled loops, not bit-equal to "
                      "transformers (expertcache quality --kernel compiled says how far; --kernel grouped "
                      "is exact)")  # fmt: skip
-    if out.get("kernel") == "packed" and not out.get("lossy"):  # another tool's quantised checkpoint
+    if out.get("kernel") == "packed" and not out.get("experts_lossy"):  # another tool's quantised checkpoint
         lines.append(f"experts read as the checkpoint stores them ({out.get('expert_format')}): its "
                      "weights exactly, summed in float32 (transformers' dequantised forward within "
                      "rounding)")  # fmt: skip
@@ -436,6 +443,12 @@ def summary(out: dict) -> str:
         lines.append(f"experts packed ({out.get('expert_format')}): quantised, not the full-precision "
                      f"model's outputs (expertcache quality --model {out.get('model', 'DIR')} says how "
                      "far)")  # fmt: skip
+    dense = out.get("dense")
+    if dense:  # engine.dense: opt-in, lossy
+        lines.append(f"dense layers {dense['format']}, quantised at load ({dense['layers']} linear layers, "
+                     f"{format_bytes(dense['bytes_before'])} -> {format_bytes(dense['bytes_after'])}): not "
+                     f"the model's outputs (expertcache quality --quantize-dense {dense['format']} says "
+                     "how far)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
         lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")

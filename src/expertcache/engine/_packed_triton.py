@@ -39,12 +39,13 @@ def _rows_int8(
     slot = tl.load(slots + pair).to(tl.int64)
     valid = slot < num_slots
     base = pool + tl.where(valid, slot, 0) * slot_bytes
-    n_ok = (n < rows) & valid
+    n_ok = n < tl.where(valid, rows, 0)  # an out-of-pool slot reads no row (``_rows_mxfp4``)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c0 in range(0, cols, BLOCK_K):
         c = c0 + tl.arange(0, BLOCK_K)
         c_ok = c < cols
-        xv = tl.load(x + pair * x_stride + c, mask=c_ok & valid, other=0.0).to(tl.float32)
+        # a pair past the pool reads its input row (in bounds) and zero weights and scales: zeros out
+        xv = tl.load(x + pair * x_stride + c, mask=c_ok, other=0.0).to(tl.float32)
         q = tl.load(base + off_q + n[:, None].to(tl.int64) * cols + c[None, :],
                     mask=n_ok[:, None] & c_ok[None, :], other=0)  # fmt: skip
         acc += tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * xv[None, :], axis=1)
@@ -62,7 +63,7 @@ def _rows_int4(
     slot = tl.load(slots + pair).to(tl.int64)
     valid = slot < num_slots
     base = pool + tl.where(valid, slot, 0) * slot_bytes
-    n_ok = (n < rows) & valid
+    n_ok = n < tl.where(valid, rows, 0)  # an out-of-pool slot reads no row (``_rows_mxfp4``)
     half_cols = cols // 2  # bytes a row
     scale_at = (base + off_scale).to(tl.pointer_type(tl.bfloat16))
     min_at = (base + off_min).to(tl.pointer_type(tl.bfloat16))
@@ -72,8 +73,8 @@ def _rows_int4(
         b = b0 + tl.arange(0, BLOCK_B)
         b_ok = b < half_cols
         xrow = x + pair * x_stride + 2 * b
-        even = tl.load(xrow, mask=b_ok & valid, other=0.0).to(tl.float32)
-        odd = tl.load(xrow + 1, mask=b_ok & valid, other=0.0).to(tl.float32)
+        even = tl.load(xrow, mask=b_ok, other=0.0).to(tl.float32)  # a pair past the pool: zero weights
+        odd = tl.load(xrow + 1, mask=b_ok, other=0.0).to(tl.float32)
         q = tl.load(base + off_q + n[:, None].to(tl.int64) * half_cols + b[None, :],
                     mask=n_ok[:, None] & b_ok[None, :], other=0)  # fmt: skip
         prod = (q & 15).to(tl.float32) * even[None, :] + (q >> 4).to(tl.float32) * odd[None, :]

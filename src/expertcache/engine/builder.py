@@ -27,6 +27,8 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, LinkConfig, MissConfig, PrefetchConfig
 from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
+from expertcache.engine.dense import DenseReport, check_dense_format
+from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
 from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
@@ -94,6 +96,7 @@ class Built:
     top_k: int
     layout: SlotLayout  # one whole expert, as stored (packed bytes for a packed checkpoint)
     packed: Packed | None  # a packed checkpoint's experts (``engine.packed``)
+    dense: DenseReport | None  # the dense weights quantised at load (``engine.dense``); None: as stored
     miss: MissPath
     parts: dict[str, EnginePart]
     budget: int  # bytes of expert memory
@@ -148,6 +151,7 @@ class Builder:
         plan: Plan | None = None,
         warmup: bool = True,
         kernel: str | None = None,
+        quantize_dense: str | None = None,
     ) -> None:
         self.path = resolve_model(path, download)
         self.plan = plan
@@ -158,6 +162,7 @@ class Builder:
         self.miss_config = miss = miss or MissConfig()
         self.device = resolve_device(device)
         self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
+        check_dense_format(quantize_dense)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress
         sk = build_skeleton(self.path, dtype, progress=show)
@@ -165,6 +170,9 @@ class Builder:
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         self.packed = sk.packed
         self.layout = sk.layout  # one whole expert, as stored
+        self.dense = None  # the dense weights as stored, or quantised here (opt-in: engine.dense)
+        if quantize_dense is not None:
+            self.dense = quantize_dense_weights(sk.model, quantize_dense)
         if plan is not None:  # its budget is in experts: the timing model's unit
             plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
             expert_memory = plan.capacity * self.layout.slot_bytes

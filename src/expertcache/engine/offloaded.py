@@ -69,11 +69,12 @@ class OffloadedModel:
         plan: Plan | None = None,
         warmup: bool = True,
         kernel: str | None = None,
+        quantize_dense: str | None = None,
     ) -> None:
         built = Builder(
             path, expert_memory, cache=cache, prefetch=prefetch, link=link, miss=miss, device=device,
             dtype=dtype, slow_tier=slow_tier, costs=costs, progress=progress, record=record,
-            download=download, plan=plan, warmup=warmup, kernel=kernel,
+            download=download, plan=plan, warmup=warmup, kernel=kernel, quantize_dense=quantize_dense,
         ).built()  # fmt: skip
         for field in dataclasses.fields(built):  # the parts as this model's attributes
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
@@ -204,6 +205,10 @@ class OffloadedModel:
         return results
 
     # ------------------------------------------------------------------------------- reports
+    @property
+    def _experts_lossy(self) -> bool:
+        return self.packed is not None and not self.packed.exact
+
     def _describe(self) -> dict[str, object]:
         """What this model is: its cache's size and parts, policy, miss path, device."""
         return {
@@ -213,9 +218,12 @@ class OffloadedModel:
             "expert_format": describe_format(self.packed, self.dtype),
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
-            # the outputs may differ from the checkpoint's model: a lossy miss path, or experts packed by
-            # expertcache (another tool's quantised checkpoint is that model: its weights are read exactly)
-            "lossy": self.miss.lossy or (self.packed is not None and not self.packed.exact),
+            # the outputs may differ from the checkpoint's model: a lossy miss path, experts packed by
+            # expertcache (another tool's quantised checkpoint is that model: its weights are read exactly),
+            # or dense weights quantised at load
+            "lossy": self.miss.lossy or self._experts_lossy or self.dense is not None,
+            "experts_lossy": self._experts_lossy,
+            "dense": None if self.dense is None else self.dense.to_dict(),
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),
@@ -410,7 +418,9 @@ def load(
     ``grouped_mm``; ``"eager"``, one at a time, exact against its eager loop; ``"compiled"`` (CPU,
     opt-in), grouped with decode steps' experts in compiled loops, faster and not bit-equal to
     transformers (``expertcache quality --kernel compiled`` measures how far); default ``"auto"``:
-    grouped where torch has it; ``engine.kernels``), ``slow_tier``
+    grouped where torch has it; ``engine.kernels``), ``quantize_dense`` (``"int8"``: the dense layers
+    quantised at load and computed packed, lossy and opt-in: ``engine.dense``; default None: as stored),
+    ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``,

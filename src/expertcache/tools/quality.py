@@ -104,6 +104,7 @@ def measure(
     kernel: str | None = None,
     reference_implementation: str | None = None,
     reference_model: str | Path | None = None,
+    quantize_dense: str | None = None,
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
     against the full-precision reference: transformers with ``reference_implementation`` (its
@@ -111,7 +112,8 @@ def measure(
     kernel, which is exact against none, the default kernel's: ``grouped_mm``); ``reference``: one to
     reuse across calls on the same model and texts. A packed checkpoint (``engine.packed``) is measured
     against the full-precision checkpoint it was made from: ``reference_model``, by default the one its
-    config names (``expertcache quantize --checkpoint`` writes it there).
+    config names (``expertcache quantize --checkpoint`` writes it there). ``quantize_dense``: the dense
+    layers quantised at load (``engine.dense``), measured against the model's own.
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -126,7 +128,7 @@ def measure(
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
         model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, prefetch=pf,
-        progress=False, kernel=kernel,
+        progress=False, kernel=kernel, quantize_dense=quantize_dense,
     )  # fmt: skip
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
@@ -175,6 +177,7 @@ def measure(
             "miss": model.miss.describe(),
             "kernel": model.kernel.name,
             "expert_format": model.stats["expert_format"],
+            "dense_format": quantize_dense or "as stored",
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
             "policy": policy,
@@ -220,7 +223,8 @@ def _reference_path(model, given: str | Path | None) -> Path:
 def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
-        f"kernel {r['kernel']}, against {r['reference']}: "
+        + (f"dense layers {r['dense_format']}, " if r.get("dense_format", "as stored") != "as stored" else "")
+        + f"kernel {r['kernel']}, against {r['reference']}: "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "

@@ -1,0 +1,178 @@
+"""The dense weights quantised at load (``load(quantize_dense="int8")``, ``--quantize-dense int8``): lossy.
+
+A decode step on a CPU reads every dense weight once (attention projections, shared experts, dense MLP
+layers, the output head) besides its experts' weights. The experts of a packed checkpoint
+(``engine.packed``) are read at int8's byte a weight by numba's loops; the dense weights stay in the
+checkpoint's dtype and go through torch's ``linear``, whose bfloat16 matrix-vector product (oneDNN) runs at
+12-15 GB/s on 2 cores of the development VM against 19-26 GB/s for the packed loops. On the
+Granite-3.1-1B-A400M configuration the dense products took about 20 ms of a 60 ms int8 decode token.
+
+With ``quantize_dense="int8"`` every ``nn.Linear`` outside the experts and the routers is replaced at load by
+a ``QuantizedLinear``: its weight packed as the ``int8`` experts are (``packed.pack_int8``: symmetric, one
+float32 scale per output row), computed by the same kernels (numba's on a CPU, Triton's on a GPU) from a
+one-slot pool. Half the bytes of bfloat16, read by faster loops. The routers stay in full precision (a
+router's error changes which experts run; it is a few KiB), so do the embeddings and the norms.
+
+The checkpoint is not rewritten: the dense weights are read in their dtype and quantised at each load
+(about a second for Granite's 337 MiB). The cost in accuracy is measured by
+``expertcache quality --quantize-dense int8`` against the full-precision model.
+
+How a product runs depends on the number of rows ``T`` alone (the input's tokens): on a CPU up to
+``packed.CPU_ROWS["int8"]`` in the one-token loops, up to ``packed.PREFILL_ROWS`` in the several-token loops
+(each weight row unpacked once), on a GPU with Triton up to ``packed.DECODE_ROWS`` in Triton's kernel; else
+the weight is expanded to the compute dtype for that call and multiplied by torch (a long prefill is
+compute-bound: the expansion is small beside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, PREFILL_ROWS, _has_triton, pack_int8
+from expertcache.engine.routing import moe_routers
+from expertcache.errors import ExpertcacheError
+
+DENSE_FORMATS = ("int8",)
+_ALIGN = 64  # the scales start on a 64-byte boundary of the pool
+
+
+def check_dense_format(fmt: str | None) -> str | None:
+    """``fmt`` if it is a dense format this engine quantises to (or None: as stored); else one clear line."""
+    if fmt is None or fmt in DENSE_FORMATS:
+        return fmt
+    raise ExpertcacheError(
+        f"--quantize-dense {fmt!r} is not a format the dense weights can be quantised to: "
+        f"{', '.join(DENSE_FORMATS)}"
+    )
+
+
+class QuantizedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is int8, one float32 scale a row, held as one slot of bytes (``pool``
+    ``[1, bytes]``: the int8 weights row-major, then the scales from byte ``soff``); its bias as it was."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        parts = pack_int8(linear.weight.detach().to(torch.float32))
+        q, scale = parts["q"], parts["scale"]
+        self.soff = -(-q.numel() // _ALIGN) * _ALIGN
+        pool = torch.zeros(1, self.soff + scale.numel(), dtype=torch.uint8, device=q.device)
+        pool[0, : q.numel()] = q
+        pool[0, self.soff :] = scale
+        self.register_buffer("pool", pool, persistent=False)
+        self.bias = linear.bias  # a Parameter or None
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, bias={bias}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as the model sees it: expanded at each read (some families read a linear layer's
+        weight themselves: its dtype for a cast, or its values, as Jamba's ``dt_proj``); never stored."""
+        return self.weight_expanded()
+
+    def weight_expanded(self) -> torch.Tensor:
+        """The weight the int8 values and scales stand for, in the compute dtype ``[out, in]``."""
+        rows, cols = self.out_features, self.in_features
+        q = self.pool[0, : rows * cols].view(torch.int8).view(rows, cols)
+        scale = self.pool[0, self.soff :].view(torch.float32)
+        return (q.to(torch.float32) * scale[:, None]).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        t = x2.shape[0]
+        y = self._product(x2, t)
+        if y is None:  # beyond the kernels' rows: the weight expanded for this call
+            return F.linear(x2, self.weight_expanded(), self.bias).view(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def _product(self, x2: torch.Tensor, t: int) -> torch.Tensor | None:
+        """``x2`` ``[T, in]`` times the weight in float32 ``[T, out]``, or None where the kernels do not take
+        ``T`` rows on this device."""
+        rows, cols = self.out_features, self.in_features
+        if x2.device.type == "cpu" and t <= PREFILL_ROWS:
+            from expertcache.engine import _packed_jit
+
+            pool = self.pool.numpy()
+            xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
+            out = np.empty((t, rows), dtype=np.float32)
+            if t <= CPU_ROWS["int8"]:
+                _packed_jit.rows_int8(pool, 0, self.soff, rows, cols, np.zeros(t, dtype=np.int64), xf, out)
+            else:
+                _packed_jit.tokens_int8(pool, 0, self.soff, rows, cols, 0, xf, out)
+            return torch.from_numpy(out)
+        if x2.device.type == "cuda" and t <= DECODE_ROWS and _has_triton():
+            return self.triton_product(x2)
+        return None
+
+    def triton_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2`` ``[T, in]`` (on the pool's device) times the weight in Triton's int8 kernel -> float32."""
+        from expertcache.engine import _packed_triton
+
+        slots = torch.zeros(x2.shape[0], dtype=torch.int64, device=x2.device)
+        return _packed_triton.project(
+            "int8", 0, self.pool, (0, self.soff), self.out_features, self.in_features, slots, x2
+        )
+
+
+@dataclass(frozen=True)
+class DenseReport:
+    """What ``quantize_dense`` did: the format, how many linear layers and their bytes before and after."""
+
+    format: str
+    layers: int
+    bytes_before: int
+    bytes_after: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "format": self.format,
+            "layers": self.layers,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+        }
+
+
+def quantize_dense(model: torch.nn.Module, fmt: str) -> DenseReport:
+    """Replace every ``nn.Linear`` of ``model`` (a transformers MoE model) outside its experts and routers
+    with its ``QuantizedLinear`` in ``fmt`` (``DENSE_FORMATS``). A weight shared with another module (an
+    output head tied to the embeddings) stays where else it is used; the head gets its own int8 copy."""
+    check_dense_format(fmt)
+    skip = {id(m) for k in _experts_and_routers(model) for m in k.modules()}
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and id(m) not in skip and not m.weight.is_meta
+    ]
+    before = after = 0
+    for name, linear in linears:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        q = QuantizedLinear(linear)
+        setattr(parent, attr, q)
+        before += linear.weight.numel() * linear.weight.element_size()
+        before += 0 if linear.bias is None else linear.bias.numel() * linear.bias.element_size()
+        after += q.nbytes
+    return DenseReport(fmt, len(linears), before, after)
+
+
+def _experts_and_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every MoE block's ``experts`` module and router (the router a child of the block)."""
+    routers = moe_routers(model)
+    ids = {id(r) for r in routers}
+    blocks = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
+    experts = [b.experts for b in blocks if isinstance(getattr(b, "experts", None), torch.nn.Module)]
+    return [*experts, *routers]

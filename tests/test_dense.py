@@ -1,0 +1,198 @@
+"""Dense layers quantised at load (``engine.dense``, ``--quantize-dense int8``): opt-in, lossy, said so.
+
+- A ``QuantizedLinear`` keeps each weight within half its row's step, and its product equals a float32
+  product with the weight its int8 values stand for, at every number of rows (the one-token loops, the
+  several-token loops, the expanded weight beyond them), with and without a bias, in float32 and bfloat16;
+  a row's output is the same bits alone as in a batch of the one-token loops. So does Triton's kernel (in
+  Triton's interpreter on a CPU wherever Triton is installed).
+- Every family runs through the engine with its dense layers quantised, at a small budget from disk: tokens
+  and logits bit-identical to transformers running the same checkpoint with the same layers quantised by
+  ``quantize_dense`` (the experts and routers stay as stored), and the same bits at every budget, tier and
+  miss path. Everything but the routers, the experts, the embeddings and the norms is quantised.
+- The stats, ``generate`` and ``quality`` say the model is lossy and how; a format the engine does not
+  quantise to is one line (exit 2 from the CLI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import FAMILIES, assert_exact, engine_load, greedy, moe_layers
+from torch.nn import functional as F
+
+from expertcache.engine.dense import DENSE_FORMATS, QuantizedLinear, quantize_dense
+from expertcache.engine.packed import CPU_ROWS, PREFILL_ROWS
+from expertcache.errors import ExpertcacheError
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+ROWS = sorted({1, 3, CPU_ROWS["int8"], CPU_ROWS["int8"] + 1, 40, PREFILL_ROWS, PREFILL_ROWS + 1, 150})
+
+
+def _linear(cols: int, rows: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(cols, rows, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(torch.linspace(0.2, 3, rows)[:, None])  # rows of different scales
+    return lin.to(dtype)
+
+
+def test_a_weight_comes_back_within_half_its_row_s_step():
+    lin = _linear(96, 70, False, torch.float32)
+    q = QuantizedLinear(lin)
+    scale = q.pool[0, q.soff :].view(torch.float32)
+    back = q.weight_expanded()
+    assert back.shape == lin.weight.shape and back.dtype == lin.weight.dtype
+    assert torch.allclose(scale, lin.weight.detach().abs().amax(1) / 127)
+    assert ((back - lin.weight).abs() <= scale[:, None] / 2 + 1e-6).all()
+    assert (back - lin.weight).abs().max() > 0  # it is a quantisation
+    assert q.nbytes < lin.weight.numel() * 4 / 3  # a byte a weight, and the scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_equals_the_expanded_weight_s_at_every_number_of_rows(dtype, bias):
+    lin = _linear(96, 70, bias, dtype)  # 70 rows: a block of 64 and a shorter one
+    q = QuantizedLinear(lin)
+    w = q.weight_expanded().to(torch.float32)
+    b = None if lin.bias is None else lin.bias.detach().to(torch.float32)
+    for t in ROWS:
+        x = torch.randn(t, 96).to(dtype)
+        got = q(x)
+        want = F.linear(x.to(torch.float32), w, b)
+        assert got.shape == (t, 70) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # one rounding to bfloat16 of a float32 sum (beyond the kernels: torch's bfloat16 linear)
+            torch.testing.assert_close(got.to(torch.float32), want, rtol=2**-7, atol=2e-2)
+    x = torch.randn(2, 3, 96).to(dtype)  # any leading shape
+    assert q(x).shape == (2, 3, 70) and torch.equal(q(x)[1, 2], q(x[1, 2][None])[0])
+
+
+def test_a_row_is_the_same_bits_alone_as_in_a_batch():
+    q = QuantizedLinear(_linear(128, 200, True, torch.bfloat16, seed=3))
+    x = torch.randn(CPU_ROWS["int8"], 128).to(torch.bfloat16)
+    batch = q(x)
+    for row in range(x.shape[0]):
+        assert torch.equal(q(x[row : row + 1])[0], batch[row])
+
+
+@pytest.mark.parametrize(
+    "family", ["afmoe", "hunyuan_v1_moe", "phimoe"]
+)  # routers that are, or hold, Linears
+def test_the_routers_experts_embeddings_and_norms_stay_as_stored(family, ckpt):
+    from expertcache.engine.loader import load_reference
+    from expertcache.engine.routing import moe_routers
+
+    model = load_reference(ckpt(family), device="cpu")
+    in_routers = {id(m) for r in moe_routers(model) for m in r.modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert in_routers
+    report = quantize_dense(model, "int8")
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert "lm_head" in quantized and any(n.endswith("self_attn.q_proj") for n in quantized)
+    kept = {id(m) for n, m in model.named_modules() if n in linears - quantized}
+    assert report.layers == len(quantized) and kept == in_routers
+    assert not any(isinstance(m, QuantizedLinear) for n, m in model.named_modules() if ".experts" in n)
+    assert isinstance(model.get_input_embeddings(), torch.nn.Embedding)
+    assert report.bytes_after < report.bytes_before / 3  # float32 -> a byte a weight
+    assert report.to_dict()["format"] == "int8"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_equals_transformers_with_the_same_layers_quantized(family, ckpt):
+    from expertcache.engine.loader import load_reference
+
+    path = ckpt(family)
+    ref = load_reference(path, device=engine_fixtures.DEVICE, experts=engine_fixtures.REFERENCE)
+    report = quantize_dense(ref, "int8")
+    want = greedy(ref, IDS)
+    with engine_load(path, moe_layers(family) * engine_fixtures.TOP_K, slow_tier="disk",
+                     quantize_dense="int8") as model:  # fmt: skip
+        got = greedy(model, IDS)
+        stats = model.stats
+    assert_exact(got, want)
+    assert stats["dense"] == report.to_dict() and stats["lossy"] and not stats["experts_lossy"]
+    assert report.layers > 0
+
+
+def test_the_same_bits_at_every_budget_tier_and_miss_path(ckpt):
+    path = ckpt("mixtral")
+    with engine_load(path, quantize_dense="int8") as model:
+        full = greedy(model, IDS)
+    for kwargs in engine_fixtures.EVERYWHERE:
+        with engine_load(path, quantize_dense="int8", **kwargs) as model:
+            got = greedy(model, IDS)
+        assert got[0].tolist() == full[0].tolist() and torch.equal(got[1], full[1]), kwargs
+
+
+def test_an_unknown_format_is_one_line(ckpt, capsys):
+    from expertcache.cli import main
+    from expertcache.cli.generate import DENSE_FORMATS as CLI_FORMATS
+    from expertcache.engine import load
+
+    assert list(DENSE_FORMATS) == CLI_FORMATS  # the CLI's copy (no torch before its checks)
+    with pytest.raises(ExpertcacheError, match="--quantize-dense 'int4' is not a format .*: int8"):
+        load(ckpt("mixtral"), quantize_dense="int4", progress=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(ckpt("mixtral")), "--prompt", "a", "--quantize-dense", "int4"])
+    assert exit_.value.code == 2 and "--quantize-dense" in capsys.readouterr().err
+
+
+def test_generate_and_quality_say_what_it_costs(ckpt, capsys, tmp_path):
+    from expertcache.cli import main
+    from expertcache.tools.quality import format_quality, measure
+
+    path = ckpt("qwen3_moe")
+    code = main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-new-tokens", "3",
+                 "--quantize-dense", "int8", "--device", "cpu", "--json"])  # fmt: skip
+    assert code == 0
+    captured = capsys.readouterr()
+    run = json.loads(captured.out.strip().splitlines()[-1])
+    assert run["lossy"] and run["dense"]["format"] == "int8" and run["dense"]["layers"] > 0
+    code = main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-new-tokens", "2",
+                 "--quantize-dense", "int8", "--device", "cpu"])  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "dense layers int8, quantised at load" in err and "quality --quantize-dense int8" in err
+    r = measure(path, "fetch", "100%", texts=["def f(x):\n    return x + 1\n" * 4], tokens=24,
+                quantize_dense="int8")  # fmt: skip
+    assert r["dense_format"] == "int8" and 0 <= r["top1_agreement"] <= 1 and r["logits_identical"] < 1
+    assert "dense layers int8" in format_quality(r)
+
+
+# Triton's interpreter runs the kernel on a CPU where Triton is installed (no GPU needed); it must be on
+# before triton is imported, so the test runs in a process of its own
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+def test_triton_s_product_in_its_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter's: the test runs here")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-k", "interpreted_", "-o", "addopts=", "-p", "no:xdist",
+         "-q", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_triton_s_product_in_its_interpreter")
+def test_interpreted_triton_product_equals_the_numba_loops():
+    q = QuantizedLinear(_linear(96, 70, False, torch.float32, seed=5))
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(q.triton_product(x), q(x), rtol=1e-5, atol=1e-5)
