@@ -2,7 +2,7 @@
 
 - A ``QuantizedLinear`` keeps each weight within half its row's step, and its product equals a float32
   product with the weight its int8 values stand for, at every number of rows (the one-token loops, the
-  several-token loops, the expanded weight beyond them), with and without a bias, in float32 and bfloat16;
+  expanded weight beyond them), with and without a bias, in float32 and bfloat16;
   a row's output is the same bits alone as in a batch of the one-token loops. So does Triton's kernel (in
   Triton's interpreter on a CPU wherever Triton is installed).
 - Every family runs through the engine with its dense layers quantised, at a small budget from disk: tokens
@@ -59,6 +59,13 @@ def test_a_weight_comes_back_within_half_its_row_s_step():
     assert ((back - lin.weight).abs() <= scale[:, None] / 2 + 1e-6).all()
     assert (back - lin.weight).abs().max() > 0  # it is a quantisation
     assert q.nbytes < lin.weight.numel() * 4 / 3  # a byte a weight, and the scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_expansion_gives_torch_s_bits(dtype):
+    q = QuantizedLinear(_linear(200, 70, False, dtype, seed=2))
+    got, want = q.weight_expanded(), q.weight_expanded_torch()
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -405,3 +405,23 @@ def tokens_ct(pool, qoff, soff, rows, cols, group, bits, wide, rnd, slot, x, out
                     for c in range(group):
                         wj[c] = _round_bf16(wj[c])
             _times_tokens(w, x, out, n, np.float32(1.0))
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def expand_int8(pool, qoff, soff, rows, cols, bf16, out):  # pragma: no cover (compiled)
+    """The int8 matrix at ``qoff`` (scales at ``soff``) of the one-slot ``pool`` expanded into ``out``
+    ``[rows, cols]``: float32 ``q * scale``, or with ``bf16`` its bfloat16 bits (``out`` uint16, rounded to
+    nearest even: ``(q * scale).to(torch.bfloat16)``'s). One pass, for a product beyond the loops' rows."""
+    src = pool[0]
+    q = src[qoff : qoff + rows * cols].view(np.int8)
+    scale = src[soff : soff + 4 * rows].view(np.float32)
+    for n in numba.prange(rows):
+        row = q[n * cols : (n + 1) * cols]
+        s = scale[n]
+        o = out[n]
+        for c in range(cols):
+            v = np.float32(row[c]) * s
+            if bf16:
+                o[c] = np.uint16(np.float32(_round_bf16(v)).view(np.uint32) >> np.uint32(16))
+            else:
+                o[c] = v
