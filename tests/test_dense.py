@@ -118,6 +118,18 @@ def test_the_routers_experts_embeddings_and_norms_stay_as_stored(family, ckpt):
     assert report.to_dict()["format"] == "int8"
 
 
+def test_a_head_tied_to_the_embeddings_keeps_their_weight_and_says_so(ckpt):
+    from expertcache.engine.loader import load_reference
+
+    model = load_reference(ckpt("mixtral"), device="cpu")
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied, as the embedded model's
+    tied = model.lm_head.weight
+    report = quantize_dense(model, "int8")
+    assert isinstance(model.lm_head, QuantizedLinear) and model.get_input_embeddings().weight is tied
+    assert report.bytes_shared == tied.numel() * tied.element_size()
+    assert "stay, shared with the embeddings" in report.describe()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_equals_transformers_with_the_same_layers_quantized(family, ckpt):
     from expertcache.engine.loader import load_reference
@@ -151,7 +163,7 @@ def test_an_unknown_format_is_one_line(ckpt, capsys):
     from expertcache.engine import load
 
     assert list(DENSE_FORMATS) == CLI_FORMATS  # the CLI's copy (no torch before its checks)
-    with pytest.raises(ExpertcacheError, match="--quantize-dense 'int4' is not a format .*: int8"):
+    with pytest.raises(ExpertcacheError, match="dense format 'int4' .* is not one .*: int8"):
         load(ckpt("mixtral"), quantize_dense="int4", progress=False)
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model", str(ckpt("mixtral")), "--prompt", "a", "--quantize-dense", "int4"])
@@ -172,11 +184,13 @@ def test_generate_and_quality_say_what_it_costs(ckpt, capsys, tmp_path):
     code = main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-new-tokens", "2",
                  "--quantize-dense", "int8", "--device", "cpu"])  # fmt: skip
     assert code == 0
-    err = capsys.readouterr().err
-    assert "dense layers int8, quantised at load" in err and "quality --quantize-dense int8" in err
+    err = capsys.readouterr().err  # a note at load, as chat and serve print it too
+    assert "note: dense layers int8, quantised at load" in err and "lossy" in err
+    assert f"expertcache quality --model {path} --quantize-dense int8 says how far" in err
     r = measure(path, "fetch", "100%", texts=["def f(x):\n    return x + 1\n" * 4], tokens=24,
                 quantize_dense="int8")  # fmt: skip
     assert r["dense_format"] == "int8" and 0 <= r["top1_agreement"] <= 1 and r["logits_identical"] < 1
+    assert r["lossy"] and r["dense"]["format"] == "int8"
     assert "dense layers int8" in format_quality(r)
 
 

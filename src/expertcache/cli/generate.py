@@ -111,9 +111,10 @@ def add_model_args(p) -> None:
     )  # fmt: skip
     p.add_argument(
         "--quantize-dense", choices=DENSE_FORMATS, metavar="FORMAT",
-        help="quantise the dense layers (attention, shared experts, output head; not the routers) at load "
-        "and compute them packed: int8 (one scale a row; lossy, opt-in: expertcache quality "
-        "--quantize-dense int8 says how far; default: as stored)",
+        help="quantise the dense layers at load (every linear layer but the experts and the routers: "
+        "attention, shared experts, dense MLP layers, the output head ...) and compute them packed: int8 "
+        "(one scale a row; lossy, opt-in: expertcache quality --quantize-dense int8 says how far; default: "
+        "as stored)",
     )  # fmt: skip
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
@@ -441,14 +442,8 @@ def summary(out: dict) -> str:
                      "rounding)")  # fmt: skip
     elif out.get("kernel") == "packed":  # engine.packed: a packed checkpoint, lossy against its source
         lines.append(f"experts packed ({out.get('expert_format')}): quantised, not the full-precision "
-                     f"model's outputs (expertcache quality --model {out.get('model', 'DIR')} says how "
+                     f"model's outputs (expertcache quality --model {out.get('model') or 'DIR'} says how "
                      "far)")  # fmt: skip
-    dense = out.get("dense")
-    if dense:  # engine.dense: opt-in, lossy
-        lines.append(f"dense layers {dense['format']}, quantised at load ({dense['layers']} linear layers, "
-                     f"{format_bytes(dense['bytes_before'])} -> {format_bytes(dense['bytes_after'])}): not "
-                     f"the model's outputs (expertcache quality --quantize-dense {dense['format']} says "
-                     "how far)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
         lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")

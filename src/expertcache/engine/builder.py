@@ -173,6 +173,12 @@ class Builder:
         self.dense = None  # the dense weights as stored, or quantised here (opt-in: engine.dense)
         if quantize_dense is not None:
             self.dense = quantize_dense_weights(sk.model, quantize_dense)
+            label = model_label(self.path)
+            which = "" if label == "embedded" else f" --model {label}"
+            self.notes.append(
+                f"{self.dense.describe()}: lossy, not the model's outputs (expertcache quality{which} "
+                f"--quantize-dense {quantize_dense} says how far)"
+            )
         if plan is not None:  # its budget is in experts: the timing model's unit
             plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
             expert_memory = plan.capacity * self.layout.slot_bytes

@@ -50,8 +50,8 @@ def check_dense_format(fmt: str | None) -> str | None:
     if fmt is None or fmt in DENSE_FORMATS:
         return fmt
     raise ExpertcacheError(
-        f"--quantize-dense {fmt!r} is not a format the dense weights can be quantised to: "
-        f"{', '.join(DENSE_FORMATS)}"
+        f"dense format {fmt!r} (quantize_dense, --quantize-dense) is not one the dense layers can be "
+        f"quantised to: {', '.join(DENSE_FORMATS)}"
     )
 
 
@@ -159,8 +159,9 @@ class DenseReport:
 
     format: str
     layers: int
-    bytes_before: int
-    bytes_after: int
+    bytes_before: int  # the replaced layers' weights and biases as they were
+    bytes_after: int  # their packed weights and biases
+    bytes_shared: int  # of ``bytes_before``, weights another module still holds (a tied output head)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -168,7 +169,22 @@ class DenseReport:
             "layers": self.layers,
             "bytes_before": self.bytes_before,
             "bytes_after": self.bytes_after,
+            "bytes_shared": self.bytes_shared,
         }
+
+    def describe(self) -> str:
+        """One phrase for the user: the format, the layers and what their bytes became."""
+        from expertcache.units import format_bytes
+
+        shared = (
+            f"; {format_bytes(self.bytes_shared)} of their weights stay, shared with the embeddings"
+            if self.bytes_shared
+            else ""
+        )
+        return (
+            f"dense layers {self.format}, quantised at load ({self.layers} linear layers, "
+            f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)}{shared})"
+        )
 
 
 def quantize_dense(model: torch.nn.Module, fmt: str) -> DenseReport:
@@ -191,7 +207,11 @@ def quantize_dense(model: torch.nn.Module, fmt: str) -> DenseReport:
         before += linear.weight.numel() * linear.weight.element_size()
         before += 0 if linear.bias is None else linear.bias.numel() * linear.bias.element_size()
         after += q.nbytes
-    return DenseReport(fmt, len(linears), before, after)
+    held = {p.data_ptr() for p in model.parameters()}  # what the model still holds, the replaced layers gone
+    shared = sum(
+        lin.weight.numel() * lin.weight.element_size() for _, lin in linears if lin.weight.data_ptr() in held
+    )
+    return DenseReport(fmt, len(linears), before, after, shared)
 
 
 def _experts_and_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

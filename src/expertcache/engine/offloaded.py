@@ -212,6 +212,7 @@ class OffloadedModel:
     def _describe(self) -> dict[str, object]:
         """What this model is: its cache's size and parts, policy, miss path, device."""
         return {
+            "model": model_label(self.path),
             "capacity_experts": self.capacity,
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,

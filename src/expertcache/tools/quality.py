@@ -178,6 +178,8 @@ def measure(
             "kernel": model.kernel.name,
             "expert_format": model.stats["expert_format"],
             "dense_format": quantize_dense or "as stored",
+            "dense": model.stats["dense"],
+            "lossy": model.stats["lossy"],
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
             "policy": policy,
