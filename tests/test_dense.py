@@ -88,6 +88,27 @@ def test_the_product_equals_the_expanded_weight_s_at_every_number_of_rows(dtype,
     assert q(x).shape == (2, 3, 70) and torch.equal(q(x)[1, 2], q(x[1, 2][None])[0])
 
 
+def test_the_int8_loops_give_the_same_bits_in_either_task_order():
+    """``rows_int8``'s ``by_block`` (a block for every pair first: pairs sharing a slot read it once) only
+    reorders the tasks: every value the same bits, for a shared slot and for distinct ones."""
+    import numpy as np
+
+    from expertcache.engine import _packed_jit
+
+    rng = np.random.default_rng(0)
+    rows, cols = 200, 96
+    pool = rng.integers(0, 256, (3, rows * cols + 4 * rows), dtype=np.uint8)
+    pool[:, rows * cols :] = np.full((3, rows), 0.01, np.float32).view(np.uint8)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    for slots in (np.zeros(5, np.int64), np.array([2, 0, 1, 0, 2])):
+        outs = []
+        for by_block in (False, True):
+            out = np.empty((5, rows), np.float32)
+            _packed_jit.rows_int8(pool, 0, rows * cols, rows, cols, slots, x, out, by_block)
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1])
+
+
 def test_a_row_is_the_same_bits_alone_as_in_a_batch():
     q = QuantizedLinear(_linear(128, 200, True, torch.bfloat16, seed=3))
     x = torch.randn(CPU_ROWS["int8"], 128).to(torch.bfloat16)

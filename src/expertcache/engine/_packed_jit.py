@@ -35,12 +35,18 @@ BLOCK_ROWS = 64  # output rows a parallel task takes
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def rows_int8(pool, qoff, soff, rows, cols, slots, x, out):  # pragma: no cover (compiled)
+def rows_int8(pool, qoff, soff, rows, cols, slots, x, out, by_block=False):  # pragma: no cover (compiled)
+    """``by_block``: the tasks run a block of rows for every pair before the next block (for pairs that share
+    a slot: a dense layer's tokens, an expert's few tokens, so each block is read from memory once, not
+    once a token: 8 tokens through a 100 MB matrix in 39 against 78 ms); else every block of a pair before
+    the next pair (distinct experts: each matrix read in one stream). Each value is computed the same way
+    either way."""
     blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
     shared = x.shape[0] == 1
-    for task in numba.prange(len(slots) * blocks):
-        k = task // blocks
-        first = (task % blocks) * BLOCK_ROWS
+    pairs = len(slots)
+    for task in numba.prange(pairs * blocks):
+        k = task % pairs if by_block else task // blocks
+        first = (task // pairs if by_block else task % blocks) * BLOCK_ROWS
         last = min(rows, first + BLOCK_ROWS)
         slot = pool[slots[k]]
         xk = x[0 if shared else k]

@@ -130,7 +130,7 @@ class QuantizedLinear(torch.nn.Module):
 
             out = np.empty((t, rows), dtype=np.float32)
             xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
-            _packed_jit.rows_int8(self.pool.numpy(), 0, self.soff, rows, cols, _zeros(t), xf, out)
+            _packed_jit.rows_int8(self.pool.numpy(), 0, self.soff, rows, cols, _zeros(t), xf, out, True)
             return torch.from_numpy(out)
         if x2.device.type == "cuda" and t <= DECODE_ROWS and _has_triton():
             return self.triton_product(x2)

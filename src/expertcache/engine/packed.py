@@ -565,8 +565,9 @@ class PackedKernels:
         xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
         out = np.empty((len(slots), rows), dtype=np.float32)
         qoff, soff = off[f"{name}.q"], off[f"{name}.scale"]
-        if p.format == "int8":
-            _packed_jit.rows_int8(pool, qoff, soff, rows, cols, slots, xf, out)
+        if p.format == "int8":  # a one-slot pool's rows (an expert's tokens) by block: each read once
+            one = len(pool) == 1 and len(slots) > 1
+            _packed_jit.rows_int8(pool, qoff, soff, rows, cols, slots, xf, out, one)
         elif p.format == "mxfp4":
             even, odd = np.ascontiguousarray(xf[:, 0::2]), np.ascontiguousarray(xf[:, 1::2])
             _packed_jit.rows_mxfp4(pool, qoff, soff, rows, cols, slots, even, odd, out)
