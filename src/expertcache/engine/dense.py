@@ -14,7 +14,8 @@ one-slot pool. Half the bytes of bfloat16, read by faster loops. The routers sta
 router's error changes which experts run; it is a few KiB), so do the embeddings and the norms.
 
 The checkpoint is not rewritten: the dense weights are read in their dtype and quantised at each load
-(about a second for Granite's 337 MiB). The cost in accuracy is measured by
+(under a second for Granite's 97 linear layers, 244 MB: its load took 2.6 s with them quantised, 2.9 s
+without, in the benchmark of docs/BENCHMARKS.md). The cost in accuracy is measured by
 ``expertcache quality --quantize-dense int8`` against the full-precision model.
 
 How a product runs depends on the number of rows ``T`` alone (the input's tokens): up to
