@@ -122,8 +122,6 @@ def test_the_kernels_equal_the_product_with_the_expanded_matrices(fmt, dtype):
     shapes = {"gate_up_proj": (2 * F, H), "down_proj": (H, F)}  # second one shorter; 160 columns: 2 blocks
     if fmt == "mxfp4":
         p = Packed("mxfp4", 32, shapes, dtype, False, method="mxfp4")
-    elif fmt in ("int8", "int4"):
-        p = Packed(fmt, 64 if fmt == "int4" else 0, shapes, dtype, False)
     else:
         parts = (("gate_up_proj", (F, F)), ("down_proj", (H,)))
         p = Packed("fp8", 0, shapes, dtype, False, block=(64, 128), parts=parts, method="fp8")
