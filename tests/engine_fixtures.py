@@ -284,3 +284,40 @@ def bad_ckpt(
         return path
 
     return make
+
+
+def run_interpreted(test_file: str, passed: int) -> None:
+    """The ``interpreted_`` tests of ``test_file`` in a process with Triton's interpreter on (it must be on
+    before triton is imported; no GPU needed), where Triton is installed: all ``passed`` of them pass."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process is the interpreter's: the tests run here")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-k", "interpreted_", "-o", "addopts=", "-p", "no:xdist",
+         "-q", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and f"{passed} passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+
+
+def assert_experts_are(sk, mods: list[torch.nn.Module]) -> None:
+    """Every expert of the skeleton ``sk``'s checkpoint, read from its store and expanded (a transposed
+    family's biases too), is the parameter of transformers' experts module ``mods[layer]``, bit for bit."""
+    from expertcache.engine.memory import SlotPool
+    from expertcache.engine.packed import MATRICES
+
+    scratch = SlotPool(sk.layout, 1, torch.device("cpu")).views[0]
+    for layer, mod in enumerate(mods):
+        for e in range(sk.num_experts):
+            sk.store.read((layer, e), scratch)
+            for name in MATRICES:
+                want = getattr(mod, name)[e]
+                got = sk.packed.expand(scratch, name).to(want.dtype)
+                assert torch.equal(got.T if sk.packed.transposed else got, want), (layer, e, name)
+            if sk.packed.transposed:
+                for name in ("gate_up_proj_bias", "down_proj_bias"):
+                    assert torch.equal(sk.packed.bias(scratch, name), getattr(mod, name)[e]), (layer, e, name)

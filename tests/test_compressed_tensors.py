@@ -19,9 +19,9 @@ import engine_fixtures
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import assert_same_everywhere, engine_load, greedy, with_config
+from engine_fixtures import assert_experts_are, assert_same_everywhere, engine_load, greedy, with_config
 
-from expertcache.engine.packed import MATRICES, Packed, PackedKernels
+from expertcache.engine.packed import Packed, PackedKernels
 from expertcache.errors import ExpertcacheError
 
 IDS = torch.tensor([engine_fixtures.PROMPT])
@@ -109,7 +109,6 @@ def compressed(make_ckpt, tmp_path_factory):
 @pytest.mark.parametrize(("family", "bits", "strategy", "dtype"), CASES)
 def test_the_engine_reads_what_transformers_reads(family, bits, strategy, dtype, compressed, make_ckpt):
     from expertcache.engine.loader import build_skeleton, load_reference
-    from expertcache.engine.memory import SlotPool
     from expertcache.engine.offloaded import model_info
 
     path = compressed(family, bits, strategy, dtype)
@@ -117,13 +116,7 @@ def test_the_engine_reads_what_transformers_reads(family, bits, strategy, dtype,
     sk = build_skeleton(path)
     assert sk.packed.format == f"pack-int{bits}" and sk.dtype == getattr(torch, dtype)
     mods = [m for m in ref.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
-    scratch = SlotPool(sk.layout, 1, torch.device("cpu")).views[0]
-    for layer, mod in enumerate(mods):
-        for e in range(sk.num_experts):
-            sk.store.read((layer, e), scratch)
-            for name in MATRICES:
-                want = getattr(mod, name)[e]
-                assert torch.equal(sk.packed.expand(scratch, name).to(want.dtype), want), (layer, e, name)
+    assert_experts_are(sk, mods)
     want = greedy(ref, IDS)  # transformers decompresses the dense layers at their first forward
     theirs = ref.state_dict()
     for name, t in sk.model.state_dict().items():

@@ -18,9 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import engine_fixtures
 import pytest
@@ -221,16 +218,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_
 
 
 def test_triton_s_product_in_its_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter's: the test runs here")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-k", "interpreted_", "-o", "addopts=", "-p", "no:xdist",
-         "-q", "-p", "no:cacheprovider"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    engine_fixtures.run_interpreted(__file__, 1)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_triton_s_product_in_its_interpreter")

@@ -20,15 +20,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import engine_fixtures
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import assert_same_everywhere, engine_load, greedy, with_config
+from engine_fixtures import (
+    assert_experts_are,
+    assert_same_everywhere,
+    engine_load,
+    greedy,
+    run_interpreted,
+    with_config,
+)
 
 from expertcache.engine.packed import MATRICES, Packed, PackedKernels, dequantize_fp8, pack_int4, pack_int8
 from expertcache.errors import ExpertcacheError
@@ -272,16 +276,7 @@ if INTERPRETED:  # kernels of the decoders alone (a kernel reads its module's na
 def test_the_triton_kernels_in_triton_s_interpreter():
     """The ``interpreted_`` tests below, in a process with Triton's interpreter on (where Triton is
     installed; no GPU needed)."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter's: the tests run here")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-k", "interpreted_", "-o", "addopts=", "-p", "no:xdist",
-         "-q", "-p", "no:cacheprovider"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0 and "9 passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    run_interpreted(__file__, 9)
 
 
 interpreted = pytest.mark.skipif(
@@ -348,7 +343,6 @@ def published(make_ckpt, tmp_path_factory):
 @pytest.mark.parametrize(("family", "fmt", "dtype"), CASES)
 def test_the_engine_reads_what_transformers_reads(family, fmt, dtype, published, make_ckpt):
     from expertcache.engine.loader import build_skeleton, load_reference
-    from expertcache.engine.memory import SlotPool
     from expertcache.engine.offloaded import model_info
 
     path = published(family, fmt, dtype)
@@ -361,17 +355,7 @@ def test_the_engine_reads_what_transformers_reads(family, fmt, dtype, published,
         for m in ref.modules()
         if hasattr(m, "has_gate") and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
     ]
-    scratch = SlotPool(sk.layout, 1, torch.device("cpu")).views[0]
-    for layer, mod in enumerate(mods):
-        for e in range(sk.num_experts):
-            sk.store.read((layer, e), scratch)
-            for name in MATRICES:
-                want = getattr(mod, name)[e]
-                got = sk.packed.expand(scratch, name).to(want.dtype)
-                assert torch.equal(got.T if sk.packed.transposed else got, want), (layer, e, name)
-            if sk.packed.transposed:
-                for name in ("gate_up_proj_bias", "down_proj_bias"):
-                    assert torch.equal(sk.packed.bias(scratch, name), getattr(mod, name)[e])
+    assert_experts_are(sk, mods)
     theirs = ref.state_dict()
     for name, t in sk.model.state_dict().items():
         assert torch.equal(t, theirs[name]), name

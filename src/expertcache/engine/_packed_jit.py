@@ -34,20 +34,24 @@ import numpy as np
 BLOCK_ROWS = 64  # output rows a parallel task takes
 
 
+@numba.njit(inline="always")
+def _task(task, pairs, blocks, rows, by_block):  # pragma: no cover (compiled)
+    """A parallel task of the one-token loops -> (pair, first row, end row) of its block of output rows:
+    every block of a pair before the next pair, or with ``by_block`` a block for every pair before the next
+    block (pairs that share a slot read each block once). Each value is computed the same way either way."""
+    k = task % pairs if by_block else task // blocks
+    first = (task // pairs if by_block else task % blocks) * BLOCK_ROWS
+    return k, first, min(rows, first + BLOCK_ROWS)
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def rows_int8(pool, qoff, soff, rows, cols, slots, x, out, by_block=False):  # pragma: no cover (compiled)
-    """``by_block``: the tasks run a block of rows for every pair before the next block (for pairs that share
-    a slot: a dense layer's tokens, an expert's few tokens, so each block is read from memory once, not
-    once a token: 8 tokens through a 100 MB matrix in 39 against 78 ms); else every block of a pair before
-    the next pair (distinct experts: each matrix read in one stream). Each value is computed the same way
-    either way."""
+    """``by_block`` (``_task``) for pairs that share a slot (a dense layer's tokens, an expert's few tokens):
+    8 tokens through a 100 MB matrix in 39 against 78 ms; distinct experts read each matrix in one stream."""
     blocks = (rows + BLOCK_ROWS - 1) // BLOCK_ROWS
     shared = x.shape[0] == 1
-    pairs = len(slots)
-    for task in numba.prange(pairs * blocks):
-        k = task % pairs if by_block else task // blocks
-        first = (task // pairs if by_block else task % blocks) * BLOCK_ROWS
-        last = min(rows, first + BLOCK_ROWS)
+    for task in numba.prange(len(slots) * blocks):
+        k, first, last = _task(task, len(slots), blocks, rows, by_block)
         slot = pool[slots[k]]
         xk = x[0 if shared else k]
         q = slot[qoff : qoff + rows * cols].view(np.int8)
@@ -73,9 +77,7 @@ def rows_int4(pool, qoff, soff, moff, rows, cols, group, slots, x_even, x_odd, x
     half = group // 2  # bytes of a whole group
     row_bytes = cols // 2
     for task in numba.prange(len(slots) * blocks):
-        k = task // blocks
-        first = (task % blocks) * BLOCK_ROWS
-        last = min(rows, first + BLOCK_ROWS)
+        k, first, last = _task(task, len(slots), blocks, rows, False)
         slot = pool[slots[k]]
         xr = 0 if shared else k
         xe, xo, xs = x_even[xr], x_odd[xr], xsum[xr]
@@ -192,9 +194,7 @@ def rows_mxfp4(pool, qoff, soff, rows, cols, slots, x_even, x_odd, out):  # prag
     per_row = cols // MX
     half = MX // 2
     for task in numba.prange(len(slots) * blocks):
-        k = task // blocks
-        first = (task % blocks) * BLOCK_ROWS
-        last = min(rows, first + BLOCK_ROWS)
+        k, first, last = _task(task, len(slots), blocks, rows, False)
         slot = pool[slots[k]]
         xr = 0 if shared else k
         xe, xo = x_even[xr], x_odd[xr]
@@ -272,9 +272,7 @@ def rows_fp8(pool, qoff, soff, rows, cols, bcols, srow, rnd, slots, x, out):  # 
     per_row = (cols + bcols - 1) // bcols
     nscale = (srow[rows - 1] + 1) * per_row
     for task in numba.prange(len(slots) * blocks):
-        k = task // blocks
-        first = (task % blocks) * BLOCK_ROWS
-        last = min(rows, first + BLOCK_ROWS)
+        k, first, last = _task(task, len(slots), blocks, rows, False)
         slot = pool[slots[k]]
         xk = x[0 if shared else k]
         q = slot[qoff : qoff + rows * cols].view(np.uint8)  # .view: typed contiguous, so vectorised
@@ -345,9 +343,7 @@ def rows_ct(pool, qoff, soff, rows, cols, group, bits, wide, rnd, slots, x, out)
     gbytes = group * bits // 8
     off = np.float32(8.0 if bits == 4 else 128.0)
     for task in numba.prange(len(slots) * blocks):
-        k = task // blocks
-        first = (task % blocks) * BLOCK_ROWS
-        last = min(rows, first + BLOCK_ROWS)
+        k, first, last = _task(task, len(slots), blocks, rows, False)
         slot = pool[slots[k]]
         xk = x[0 if shared else k]
         q = slot[qoff : qoff + rows * row_bytes].view(np.uint8)  # .view: typed contiguous, so vectorised

@@ -30,6 +30,7 @@ tokens they are even (199 and 192 us).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -165,13 +166,7 @@ class DenseReport:
     bytes_shared: int  # of ``bytes_before``, weights another module still holds (a tied output head)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "format": self.format,
-            "layers": self.layers,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "bytes_shared": self.bytes_shared,
-        }
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         """One phrase for the user: the format, the layers and what their bytes became."""
