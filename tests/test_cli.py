@@ -408,6 +408,8 @@ OUTPUT_ARGV = {
     ("profile", "out"): ["profile", "-o", "{bad}.json"],
     ("trace synth", "out"): ["trace", "synth", "--kind", "zipf", "-o", "{bad}.npz"],
     ("trace import", "out"): ["trace", "import", "log.jsonl", "-o", "{bad}.npz"],
+    ("trace batch", "out"): ["trace", "batch", "-c", "4", "-o", "{bad}.npz"],
+    ("serve", "record_trace"): ["serve", "--port", "1", "--record-trace", "{bad}.npz"],
     ("model synth", "out"): ["model", "synth", "--family", "mixtral", "-o", "{bad}"],
     ("train-predictor", "out"): ["train-predictor", "--out", "{bad}"],
     ("train-policy", "out"): ["train-policy", "default", "-o", "{bad}.json"],

@@ -141,6 +141,8 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
             argv[i] = "def f(x):"
     if "run.npz" in argv and "--record-trace" not in argv:  # a trace an earlier example wrote
         assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--record-trace", "run.npz"]) == 0
+    if "users16.npz" in argv and argv[:2] != ["trace", "batch"]:  # a batched trace an earlier one wrote
+        assert main(["trace", "batch", "--concurrency", "16", "-o", "users16.npz"]) == 0
     if "profile.json" in argv and argv[0] != "profile":  # a profile an earlier example wrote
         assert main(["profile", "--device", "cpu", "--steps", "2", "-o", "profile.json"]) == 0
     if "int8-model" in argv and argv[0] != "quantize" and not Path("int8-model").exists():

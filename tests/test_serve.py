@@ -11,6 +11,7 @@ import threading
 import time
 
 import engine_fixtures
+import numpy as np
 import openai
 import pytest
 from engine_fixtures import engine_load
@@ -106,6 +107,60 @@ def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served)
         assert float(_metric(metrics, "expertcache_memory_checkpoint_cached_bytes")) >= 0
     steps, tokens = (float(_metric(metrics, f"expertcache_{n}_total")) for n in ("steps", "step_tokens"))
     assert tokens > steps > 0  # some steps computed several requests' tokens
+
+
+def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_counts(make_ckpt):
+    """Under continuous batching the engine learns from the batcher whose each token is: the recorded
+    trace holds every request's prompt and generated tokens in order, each step the tokens it ran
+    (at most ``batch_tokens``), and the simulator's replay of it gives the engine's requests and misses
+    per phase and layer. /metrics and the stats say the same per-phase counts."""
+    from expertcache.cache.schedule import build_schedule
+    from expertcache.sim.replay import replay
+
+    model = engine_load(make_ckpt("mixtral"), 8, record=True)
+    config = ServeConfig(max_queue=8, batch_tokens=12)
+    with TestClient(create_app(model, "tiny", config), base_url=BASE) as http:
+        client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
+        usage: list[tuple[int, int]] = []
+
+        def ask(p: str) -> None:
+            u = client.completions.create(model="tiny", prompt=p, max_tokens=6).usage
+            usage.append((u.prompt_tokens, u.completion_tokens))
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        trace, stats, metrics = model.trace(), model.stats, http.get("/metrics").text
+    model.close()
+    assert len(usage) == 8 and len(set(trace.seq_id.tolist())) == 8
+    prompts = {tuple(model.tokenizer(p)["input_ids"]) for p in PROMPTS}
+    seen = []
+    for seq in set(trace.seq_id.tolist()):
+        rows = trace.seq_id == seq
+        phase = trace.is_prefill[rows]
+        prompt = int(phase.sum())
+        assert (phase[:prompt] == 1).all() and (phase[prompt:] == 0).all()
+        assert tuple(trace.token_id[rows][:prompt].tolist()) in prompts
+        seen.append((prompt, int(rows.sum()) - prompt + 1))  # the last token sampled is never fed back
+    assert sorted(seen) == sorted(usage)
+    sizes = np.bincount(trace.step_id)
+    assert (
+        sizes.max() <= 12
+        and len(sizes) == stats["phases"]["decode"]["steps"] + stats["phases"]["prefill"]["steps"]
+    )
+    sim = replay(build_schedule(trace, "layer"), "lru", model.capacity)
+    assert model.cache.stats.requests.tolist() == sim.layer_requests.tolist()
+    assert model.cache.stats.misses.tolist() == sim.layer_misses.tolist()
+    prompt_tokens = int((trace.is_prefill == 1).sum())
+    assert stats["phases"]["prefill"]["tokens"] == prompt_tokens == sum(p for p, _ in usage)
+    assert stats["phases"]["decode"]["tokens"] == trace.num_tokens - prompt_tokens
+    for phase, counts in stats["phases"].items():
+        for name, key in (("cache_misses_by_phase", "misses"), ("cache_hits_by_phase", "hits"),
+                          ("steps_by_phase", "steps"), ("step_tokens_by_phase", "tokens")):  # fmt: skip
+            assert float(_metric(metrics, f'expertcache_{name}_total{{phase="{phase}"}}')) == counts[key]
+    assert sum(c["misses"] for c in stats["phases"].values()) == stats["misses"]
 
 
 def test_stop_strings_and_sampling(served):

@@ -22,6 +22,8 @@ import engine_fixtures
 import openai
 import pytest
 
+from expertcache.trace import load_trace
+
 ckpt = engine_fixtures.ckpt
 make_ckpt = engine_fixtures.make_ckpt
 tokenizer_dir = engine_fixtures.tokenizer_dir
@@ -50,7 +52,7 @@ def server(ckpt, tmp_path_factory):
            "--device", "cpu", "--port", str(port), "--expert-memory", "50%", "--api-key", KEY,
            "--kv-cache-tokens", "300", "--max-body", "64KiB", "--header-timeout", "1s",
            "--body-timeout", "1s", "--idle-timeout", "1s", "--max-connections", str(CAP),
-           "--max-queue", "8"]  # fmt: skip
+           "--max-queue", "8", "--record-trace", str(log.parent / "served.npz")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
@@ -270,3 +272,6 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
     assert proc.wait(timeout=30) == 0
     text = log.read_text()
     assert time.time() - start < 10 and "Traceback" not in text and "did not exit" not in text, text
+    trace = load_trace(log.parent / "served.npz")  # --record-trace: written as the server stopped
+    assert f"trace of {trace.num_tokens} tokens written to" in text
+    assert trace.step_id is not None and (trace.is_prefill == 1).any() and (trace.is_prefill == 0).any()

@@ -231,9 +231,10 @@ class ServeConfig:
     keep one client from hurting the others (``docs/SERVE.md``, "Limits").
 
     ``max_queue`` requests running or waiting; a KV cache of ``kv_tokens`` (None: ``max_queue`` x
-    min(context, 2048); rounded up to whole pages of ``KV_PAGE``); a request body of ``max_body`` at
-    most (413); request headers complete within ``header_timeout`` of the connection (or of the last
-    response on it), the body within ``body_timeout`` of its headers (408); an idle keep-alive
+    min(context, 2048); rounded up to whole pages of ``KV_PAGE``); ``batch_tokens`` tokens a step
+    computes at most (decode tokens and prompt chunks of every running request); a request body of
+    ``max_body`` at most (413); request headers complete within ``header_timeout`` of the connection
+    (or of the last response on it), the body within ``body_timeout`` of its headers (408); an idle keep-alive
     connection closed after ``idle_timeout``; ``max_connections`` open at once (None: 4096, or less
     below the open-file limit), the longest-idle dropped first beyond that. ``allowed_hosts`` adds
     Host names to the loopback ones (``*``: any, behind a proxy that checks them). With an ``api_key``
@@ -245,6 +246,7 @@ class ServeConfig:
     api_key: str | None = None
     max_queue: int = 64
     kv_tokens: int | None = None
+    batch_tokens: int = 512
     max_body: str | int = "4MiB"
     max_connections: int | None = None
     header_timeout: str | float = "10s"
@@ -266,6 +268,8 @@ class ServeConfig:
             raise ExpertcacheError(f"--max-queue must be at least 1, got {self.max_queue}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {self.kv_tokens}")
+        if self.batch_tokens < 1:
+            raise ExpertcacheError(f"--max-batch-tokens must be at least 1, got {self.batch_tokens}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ExpertcacheError(f"--max-connections must be at least 1, got {self.max_connections}")
         body = parse_size(self.max_body, "--max-body")

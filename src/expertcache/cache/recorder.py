@@ -16,10 +16,16 @@ class Recorder:
         self.steps: list[dict[str, object]] = []
         self.predicted = False  # some step recorded predictions
 
-    def begin(self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray) -> None:
-        """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id."""
+    def begin(
+        self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray, prompt: np.ndarray | None = None
+    ) -> None:
+        """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id, ``prompt``
+        which tokens are prompt tokens (None: all of them if ``prefill``, else none)."""
+        phase = np.full(len(token_ids), 1 if prefill else 0, dtype=np.int8)
+        if prompt is not None:
+            phase = np.asarray(prompt, dtype=np.int8)
         self.steps.append(
-            {"token_id": token_ids, "prefill": prefill, "seq": seq, "experts": {}, "weights": {}, "pred": {}}
+            {"token_id": token_ids, "phase": phase, "seq": seq, "experts": {}, "weights": {}, "pred": {}}
         )
 
     def predict(self, predictions: dict[int, list[int]]) -> None:
@@ -59,7 +65,7 @@ class Recorder:
             ex.append(e)
             wt.append(w)
             tok.append(s["token_id"])
-            pf.append(np.full(t, 1 if s["prefill"] else 0, dtype=np.int8))
+            pf.append(s["phase"])
             seq.append(s["seq"])
             step.append(np.full(t, i, dtype=np.int32))
         if not ex:

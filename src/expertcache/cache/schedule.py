@@ -4,10 +4,12 @@ A schedule is a list of request groups, ``per_layer`` groups for each (round, la
 that group g belongs to round g // (L * per_layer) and layer (g // per_layer) % L. Groups may be
 empty (unknown entries).
 
-- ``layer`` (what the engine does): one forward step per round: all prompt tokens of a request in
-  one prefill step (from ``seq_id`` / ``is_prefill``), then one token per decode step; each layer of
-  a step is one group, its distinct experts in first-use order (``cache.group_experts``, the rule the
-  engine applies to its router's choices), served pinned together.
+- ``layer`` (what the engine does): one forward step per round: the recorded ``step_id`` (a served
+  batch: the tokens of every request that step ran), else all prompt tokens of a request in one prefill
+  step (from ``seq_id`` / ``is_prefill``), then one token per decode step; each layer of a step is one
+  group, its distinct experts in first-use order (``cache.group_experts``, the rule the engine applies
+  to its router's choices), served pinned together. A step holding any prompt token is a prefill step
+  (its counts go to the prefill phase), as the engine counts it.
 - ``flat``: plain paging over token, layer, experts in stored order: one request per group.
 - ``rounds``: the LLRU paper's conversion of top-k routing into K rounds per token: round t*K + k requests
   the k-th expert of every layer.
@@ -299,7 +301,7 @@ def _layer_order(trace: Trace) -> Schedule:
     req_group = np.repeat(np.arange(len(flat_gid), dtype=np.int64), row_len[flat_gid])
     members = padded[flat_gid].reshape(-1)  # [G * width]
     req_key = members if width == 1 and (row_len == 1).all() else np.compress(members >= 0, members)
-    prefill = _token_prefill(trace)[starts]
+    prefill = np.logical_or.reduceat(_token_prefill(trace), starts)  # any prompt token: a prefill step
     # requests per phase and layer, from how often each distinct group is used (not per request)
     row_layer = np.asarray([r[0] for r in rows], dtype=np.int64)
     counts = np.zeros((2, L), dtype=np.int64)

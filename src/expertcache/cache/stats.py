@@ -55,6 +55,7 @@ class CacheStats:
             "misses_by_layer": self.misses.sum(axis=0).tolist(),
             "prefill_misses": int(self.misses[1].sum()),
             "decode_misses": int(self.misses[0].sum()),
+            "phases": _phases(self),
             "host_computed": int(self.host.sum()),
             "low_precision": int(self.low_precision.sum()),
             "skipped": int(self.skipped.sum()),
@@ -74,6 +75,20 @@ class CacheStats:
             "fetchrate_by_layer": _per_layer(self.in_time, self.correct),
             "goodpred_by_layer": _per_layer(self.in_time, self.actual),
         }
+
+
+def _phases(stats: CacheStats) -> dict[str, dict[str, int]]:
+    """The counts per phase: ``decode`` (steps of generated tokens only) and ``prefill`` (steps holding a
+    prompt token: a prompt alone, or, under continuous batching, prompt chunks beside other requests'
+    generated tokens)."""
+    out = {}
+    for row, phase in ((0, "decode"), (1, "prefill")):
+        req, miss = int(stats.requests[row].sum()), int(stats.misses[row].sum())
+        out[phase] = {
+            "requests": req, "hits": req - miss, "misses": miss, "host_computed": int(stats.host[row].sum()),
+            "low_precision": int(stats.low_precision[row].sum()), "skipped": int(stats.skipped[row].sum()),
+        }  # fmt: skip
+    return out
 
 
 def _per_layer(num: np.ndarray, den: np.ndarray) -> list[float | None]:

@@ -20,6 +20,7 @@ Shape letters: T tokens of the step, K experts per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,10 @@ from expertcache.cache.recorder import Recorder
 from expertcache.policy.base import Clock
 
 Predictions = dict[int, list[int]]
+# Who the tokens of the step about to run are, where the engine cannot tell from the model's inputs
+# (continuous batching: several requests, some in their prompt, share a step): each token's request id
+# and whether it is a prompt token, int32 [T] and bool [T]; None: not known for this step.
+StepSource = Callable[[], "tuple[np.ndarray, np.ndarray] | None"]
 
 
 class PredictorRunner(Protocol):
@@ -87,25 +92,39 @@ class StepDriver:
         self.clock: Clock = cache.policy.clock
         self.steps = 0  # forward steps begun
         self.tokens = 0  # tokens of those steps
+        self.steps_by_phase = [0, 0]  # [decode, prefill]: a step holding any prompt token is prefill
+        self.tokens_by_phase = [0, 0]  # [generated, prompt] tokens of those steps
         self._seq: int | None = None
 
     def begin_step(
-        self, token_ids: np.ndarray, prefill: bool, seq: int, future=None, seq_ids: np.ndarray | None = None
+        self,
+        token_ids: np.ndarray,
+        prefill: bool,
+        seq: int,
+        future=None,
+        seq_ids: np.ndarray | None = None,
+        prompt: np.ndarray | None = None,
     ) -> None:
         """A forward step of ``token_ids`` (all rows, flattened) starts; ``seq`` is its first row's
-        request (``seq_ids`` each token's, for the recorder); ``future`` (simulator only) the step's true
-        experts per layer, for the oracle."""
+        request (``seq_ids`` each token's, and ``prompt`` which of them are prompt tokens, for the
+        recorder: a step of continuous batching mixes requests and phases; ``prefill`` is then whether
+        any token is a prompt token); ``future`` (simulator only) the step's true experts per layer, for
+        the oracle."""
         clock = self.clock
         clock.round, clock.token, clock.seq, clock.layer = self.steps, self.tokens, seq, 0
         new_request = prefill or self._seq is None or seq != self._seq
         self._seq = seq
         self.steps += 1
         self.tokens += len(token_ids)
+        self.steps_by_phase[int(prefill)] += 1
+        prompt_tokens = int(np.count_nonzero(prompt)) if prompt is not None else len(token_ids) * prefill
+        self.tokens_by_phase[1] += prompt_tokens
+        self.tokens_by_phase[0] += len(token_ids) - prompt_tokens
         self.cache.begin_step(prefill)
         if self.recorder is not None:
             if seq_ids is None:
                 seq_ids = np.full(len(token_ids), seq, dtype=np.int32)
-            self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids)
+            self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids, prompt)
         if self.predictor is not None and self.governor is not None:
             t, stats = self.cache.transport, self.cache.stats
             link = LinkCounts(t.busy_s, t.active_s, t.transfers, stats.shadow_guesses, stats.shadow_hits)

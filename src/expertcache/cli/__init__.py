@@ -36,7 +36,7 @@ from expertcache.sim.report import check_plot_path, format_layers, format_table,
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
 from expertcache.tools.sweep_grid import capacity_items
 from expertcache.trace.default import default_trace
-from expertcache.trace.stats import summary
+from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
 
@@ -306,6 +306,31 @@ def _build_parser() -> argparse.ArgumentParser:
     for flag, typ, what in _SYNTH_FLAGS:
         syn.add_argument(flag, type=typ, metavar="N" if typ is int else "X", help=what)
     syn.set_defaults(func=_cmd_trace_synth)
+    bat = tsub.add_parser(
+        "batch",
+        help="a trace's requests served N at a time, as a server batches them (for sim, timing, plan)",
+    )
+    bat.add_argument("file", nargs="?", default="default", help="trace .npz (default: the embedded trace)")
+    bat.add_argument(
+        "-c", "--concurrency", type=int, required=True, metavar="N", help="requests running at once"
+    )
+    bat.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
+    output_option(bat, "out", "trace")
+    bat.add_argument(
+        "--requests",
+        type=int,
+        metavar="N",
+        help="requests in all, the trace's replayed in turn (default: the trace's, or 2N if more)",
+    )
+    bat.add_argument(
+        "--batch-tokens",
+        type=int,
+        metavar="N",
+        help="tokens a step computes at most; prompts join in chunks (default: no cap)",
+    )
+    bat.add_argument("--stagger", type=int, default=1, metavar="STEPS",
+                     help="steps between the clients' first requests (default 1)")  # fmt: skip
+    bat.set_defaults(func=_cmd_trace_batch)
     imp = tsub.add_parser("import", help="a routing log (JSON lines, CSV, torch tensors) as a trace")
     imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (tensors: [T, L, K] ids, or per layer)")
     imp.add_argument("-o", "--out", required=True, metavar="FILE.npz", help="where the trace is written")
@@ -1015,6 +1040,11 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
           f"K={info['top_k']}")  # fmt: skip
     print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {info['prefill_tokens'] or 0})")
     print(f"unknown     {info['unknown_entries']} entries")
+    if info["step_shape"] is not None:
+        st = info["step_shape"]
+        print(f"steps       {st['steps']} forward steps of {st['mean_step_tokens']:.1f} tokens on average "
+              f"(at most {st['max_step_tokens']}); a layer needs {st['mean_step_experts']:.1f} distinct "
+              "experts a step")  # fmt: skip
     print(f"entropy     mean {info['mean_entropy_bits']:.3f} bits of {info['max_entropy_bits']:.3f}")
     print(f"reuse       mean {info['mean_reuse']:.3f} of a token's experts were used by the previous token")
     print("layer  entropy  reuse")
@@ -1031,6 +1061,21 @@ def _cmd_trace_synth(args: argparse.Namespace) -> int:
     trace.save(args.out)
     print(f"wrote {args.out}: {args.kind} trace, T={trace.num_tokens} L={trace.num_layers} "
           f"E={trace.num_experts} K={trace.top_k}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _cmd_trace_batch(args: argparse.Namespace) -> int:
+    from expertcache.trace.batch import batch_requests
+
+    trace = batch_requests(
+        _trace(args.file), args.concurrency, args.requests, args.batch_tokens, args.stagger
+    )
+    trace.save(args.out)
+    shape = step_shape(trace)
+    print(f"wrote {args.out}: {trace.meta['batched_requests']} requests, {args.concurrency} at a time: "
+          f"{shape['steps']} steps of {shape['mean_step_tokens']:.1f} tokens on average, "
+          f"{shape['mean_step_experts']:.1f} of {trace.num_experts} experts a layer a step",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 

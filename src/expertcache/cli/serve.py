@@ -7,6 +7,7 @@ import os
 import sys
 
 from expertcache.cli.generate import add_model_args, load_model
+from expertcache.cli.util import output_option
 from expertcache.errors import ExpertcacheError
 
 
@@ -39,6 +40,11 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--kv-cache-tokens", type=int, metavar="N",
         help="tokens the KV cache holds for all requests (default: max-queue x min(context, 2048))",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-batch-tokens", type=int, default=512, metavar="N",
+        help="tokens one step computes at most: every running request's next token, then prompts in "
+        "chunks (default 512)",
     )  # fmt: skip
     s.add_argument(
         "--max-body",
@@ -85,6 +91,13 @@ def add_parser(sub) -> None:
         "--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)"
     )
     s.add_argument("--quiet", action="store_true", help="no access log or progress on stderr")
+    s.add_argument(
+        "--record-trace", metavar="FILE.npz",
+        help="keep the routing of every step served (each token's request and phase) and write it as a "
+        "trace when the server stops, for sim, timing, plan and doctor (memory grows with the tokens "
+        "served: about 8 bytes x layers x top-k a token)",
+    )  # fmt: skip
+    output_option(s, "record_trace", "trace")
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -94,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("EXPERTCACHE_API_KEY"),
-        max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, max_body=args.max_body,
+        max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, batch_tokens=args.max_batch_tokens,
+        max_body=args.max_body,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         allowed_hosts=tuple(args.allowed_host or ()), metrics_open=args.metrics_open, docs=args.docs,
@@ -122,12 +136,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "Host header; add the names they use with --allowed-host NAME",
                 file=sys.stderr,
             )
-    model = load_model(args, record=False)
+    model = load_model(args, record=bool(args.record_trace))
     name = args.served_model_name or (args.model if args.model else model_label(model.path))
     stopped = True  # run() raising means no loop was left running
     try:
         stopped = run(model, name, config)
     finally:
+        if args.record_trace:
+            _save_trace(model, args.record_trace, stopped)
         if stopped:
             model.close()
         else:  # closing the engine under a loop still computing would fail inside it
@@ -136,6 +152,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _save_trace(model, path: str, stopped: bool) -> None:
+    """The served steps' routing, written as the server stops (a step still running is left out)."""
+    if not stopped:
+        print(f"note: the generation loop was still running; {path} not written", file=sys.stderr)
+        return
+    try:
+        trace = model.trace()
+    except ExpertcacheError as exc:  # nothing was served
+        print(f"note: {exc}; {path} not written", file=sys.stderr)
+        return
+    trace.save(path)
+    print(f"trace of {trace.num_tokens} tokens written to {path}", file=sys.stderr)
 
 
 def _check_port(host: str, port: int) -> None:

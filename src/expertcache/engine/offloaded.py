@@ -240,9 +240,16 @@ class OffloadedModel:
         return self._stats(memory=True)
 
     def _stats(self, memory: bool) -> dict[str, object]:
-        t = self.transport
+        t, driver = self.transport, self.driver
+        counts = self.cache.stats.to_dict()
+        for row, phase in enumerate(("decode", "prefill")):  # the engine's share of the per-phase counts
+            counts["phases"][phase].update(
+                steps=driver.steps_by_phase[row],
+                tokens=driver.tokens_by_phase[row],
+                stall_s=t.stall_by_phase[row],
+            )
         return {
-            **self.cache.stats.to_dict(),
+            **counts,
             **self._describe(),
             "bytes_transferred": t.bytes_moved,
             "stall_s": t.stall_s,

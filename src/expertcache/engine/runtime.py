@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from expertcache.cache.step import StepDriver
+from expertcache.cache.step import StepDriver, StepSource
 from expertcache.engine.host import HostExperts
 from expertcache.engine.kernels import (
     KERNELS,
@@ -163,6 +163,9 @@ class Engine:
             module._expertcache_engine = self
             module._expertcache_layer = layer
         self._seq = 0  # sequences started so far (one per row of each prefill)
+        # who each token of a step is (continuous batching, where the KV cache cannot tell): a callable
+        # returning (request id [T], prompt token [T]) for the step about to run, or None (``StepSource``)
+        self.step_source: StepSource | None = None
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
 
     def _begin_step(self, module, args, kwargs):
@@ -173,16 +176,25 @@ class Engine:
         if past is None:
             past = kwargs.get("past_key_values")
         # a paged cache (continuous batching: requests in prefill and decode share a step) has no length:
-        # each such step counts as its own, as it did before transformers 5.24 passed it by this name
-        length = getattr(past, "get_seq_length", None)
-        prefill = past is None or length is None or length() == 0
-        rows, cols = ids.shape if ids.dim() == 2 else (1, ids.numel())
-        if prefill:
-            self._seq += rows
-        seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
+        # the step source (the server's batcher) says whose each token is; without one each such step
+        # counts as a prefill step of its own
         flat = ids.detach().reshape(-1).to("cpu").numpy().astype(np.int32)
+        length = getattr(past, "get_seq_length", None)
+        paged = past is not None and length is None  # continuous batching's cache
+        told = self.step_source() if paged and self.step_source is not None else None
+        if told is not None and len(told[0]) == len(flat):
+            seq, prompt = told
+            prefill = bool(prompt.any())  # a step holding any prompt token is a prefill step
+            first = int(seq[0])
+        else:
+            prefill = past is None or length is None or length() == 0
+            rows, cols = ids.shape if ids.dim() == 2 else (1, ids.numel())
+            if prefill:
+                self._seq += rows
+            seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
+            prompt, first = None, self._seq - rows
         self.transport.phase = int(prefill)
-        self.driver.begin_step(flat, prefill, self._seq - rows, seq_ids=seq)
+        self.driver.begin_step(flat, prefill, first, seq_ids=seq, prompt=prompt)
         return None
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:

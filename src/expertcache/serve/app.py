@@ -63,7 +63,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher = Batcher(model, config.max_queue, metrics, config.kv_tokens)
+        batcher = Batcher(model, config.max_queue, metrics, config.kv_tokens, config.batch_tokens)
         state["batcher"] = app.state.batcher = batcher
         yield
         state.pop("batcher")

@@ -41,6 +41,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError
@@ -98,6 +100,14 @@ class Job:
     slot: int | None = None  # the request's generator in the SeededSampler
 
 
+def _request_number(request_id: str) -> int:
+    """The request's number in this server (``{run}-{n}``: n), what a recorded trace names it by."""
+    try:
+        return int(str(request_id).rsplit("-", 1)[-1])
+    except ValueError:
+        return 0
+
+
 class Batcher:
     """Continuous batching over an ``OffloadedModel``; ``submit`` a request, iterate over its pieces."""
 
@@ -149,6 +159,7 @@ class Batcher:
         self._running = True
         self.state, self.reason = "running", None  # running, restarting, stopping or failed; why
         self.restarts: list[float] = []  # when the generation loop was started again
+        model.engine.step_source = self._step_tokens  # who each token of a step is (per-phase counts)
         self._start_loop()
         self._thread = threading.Thread(target=self._dispatch, name="expertcache-dispatch", daemon=True)
         self._thread.start()
@@ -162,6 +173,21 @@ class Batcher:
         )
         self.sampler = SeededSampler.install(self.manager)
         self.manager.start()
+
+    def _step_tokens(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The engine's ``StepSource``: called as the step transformers just scheduled begins (on the
+        generation thread), each token's request (the number in its id) and whether it is a prompt
+        token, from the batch in the order its tokens were laid out; None if it cannot be read."""
+        batch = getattr(getattr(getattr(self.manager, "batch_processor", None), "inputs_and_outputs", None),
+                        "requests_in_batch", None)  # fmt: skip
+        if not batch:
+            return None
+        seq, prompt = [], []
+        for future in batch:
+            n, state = future.query_length, future.state
+            seq += [_request_number(state.request_id)] * n
+            prompt += [not state.generated_tokens] * n  # nothing generated yet: its prompt (a chunk)
+        return np.asarray(seq, dtype=np.int32), np.asarray(prompt, dtype=bool)
 
     def health(self) -> tuple[bool, str]:
         """(serving, why not): False while stopping or after the loop failed for good."""

@@ -83,6 +83,19 @@ class _CacheCollector:
         driver = self.model.driver  # tokens / steps = the mean batch a step computed, in tokens
         yield CounterMetricFamily("expertcache_steps", "forward steps run", value=float(driver.steps))
         yield CounterMetricFamily("expertcache_step_tokens", "their tokens", value=float(driver.tokens))
+        phased = (  # prefill: steps holding a prompt token (under continuous batching, beside decode tokens)
+            (p + "hits_by_phase", "hits", "expert requests served from the cache, per phase"),
+            (p + "misses_by_phase", "misses", "expert requests that missed the cache, per phase"),
+            (p + "host_computed_by_phase", "host_computed", "missed experts computed on the host, per phase"),
+            (p + "stall_seconds_by_phase", "stall_s", "compute time spent waiting for experts, per phase"),
+            ("expertcache_steps_by_phase", "steps", "forward steps run: prefill steps hold a prompt token"),
+            ("expertcache_step_tokens_by_phase", "tokens", "tokens computed: prompt, generated (decode)"),
+        )  # fmt: skip
+        for name, key, what in phased:
+            family = CounterMetricFamily(name, what, labels=["phase"])
+            for phase, counts in s["phases"].items():
+                family.add_metric([phase], float(counts[key]))
+            yield family
         layers = CounterMetricFamily(p + "layer_misses", "misses per MoE layer", labels=["layer"])
         for layer, misses in enumerate(s["misses_by_layer"]):
             layers.add_metric([str(layer)], float(misses))

@@ -24,15 +24,41 @@ def layer_entropy(trace: Trace) -> np.ndarray:
 def reuse_between_tokens(trace: Trace) -> np.ndarray:
     """Per layer: fraction of a token's experts the previous token of its sequence also used. -> [L]"""
     ex = trace.experts.astype(np.int32)
+    same_seq = np.ones(len(ex) - 1, dtype=bool)
+    if trace.seq_id is not None:  # each request's tokens in order (a batched trace interleaves them)
+        order = np.argsort(trace.seq_id, kind="stable")
+        ex, seq = ex[order], trace.seq_id[order]
+        same_seq = seq[1:] == seq[:-1]
     prev, cur = ex[:-1], ex[1:]  # [T-1, L, K]
-    same_seq = np.ones(len(cur), dtype=bool)
-    if trace.seq_id is not None:
-        same_seq = trace.seq_id[1:] == trace.seq_id[:-1]
     prev, cur = prev[same_seq], cur[same_seq]
     known = cur >= 0
     hit = (cur[:, :, :, None] == prev[:, :, None, :]).any(axis=3) & known  # [T', L, K]
     denom = known.sum(axis=(0, 2))
     return np.divide(hit.sum(axis=(0, 2)), denom, out=np.zeros(trace.num_layers), where=denom > 0)
+
+
+def step_shape(trace: Trace) -> dict[str, float | int] | None:
+    """A batched trace's forward steps (``step_id``): how many, their tokens (mean, most), and the distinct
+    experts a layer needs in a step (mean over steps and layers: what one step asks of a layer's
+    cache); None for a trace without ``step_id``."""
+    if trace.step_id is None:
+        return None
+    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
+    sizes = np.diff(np.r_[starts, trace.num_tokens])
+    L, E = trace.num_layers, trace.num_experts
+    seen = np.zeros((L, E + 1), dtype=bool)  # column E: unknown entries (-1)
+    layers = np.arange(L)[None, :, None]
+    distinct = 0
+    for s, n in zip(starts.tolist(), sizes.tolist(), strict=True):
+        seen[:] = False
+        seen[np.broadcast_to(layers, (n, L, trace.top_k)), trace.experts[s : s + n]] = True
+        distinct += int(seen[:, :E].sum())
+    return {
+        "steps": len(starts),
+        "mean_step_tokens": float(sizes.mean()),
+        "max_step_tokens": int(sizes.max()),
+        "mean_step_experts": distinct / (len(starts) * L),
+    }
 
 
 def summary(trace: Trace) -> dict[str, object]:
@@ -49,6 +75,7 @@ def summary(trace: Trace) -> dict[str, object]:
         "sequences": int(np.unique(trace.seq_id).size) if trace.seq_id is not None else None,
         "prefill_tokens": prefill,
         "unknown_entries": int((trace.experts < 0).sum()),
+        "step_shape": step_shape(trace),
         "max_entropy_bits": float(np.log2(trace.num_experts)),
         "entropy_bits": ent.round(4).tolist(),
         "mean_entropy_bits": float(ent.mean()),

@@ -1,0 +1,130 @@
+"""Many users from one stream: a trace's requests served together, as a server batches them.
+
+``batch_requests`` turns a trace of requests recorded one at a time (each a prompt, then its generated
+tokens; ``seq_id`` and ``is_prefill``) into the trace a server running ``concurrency`` of them at once
+would record (``serve --record-trace``): forward steps (``step_id``) that each compute the next token of
+every running request and the prompts of those joining, each token with its request (``seq_id``) and
+phase (``is_prefill``). It is a closed loop, as ``bench/serve_load.py`` runs one: ``concurrency``
+clients, client c sending its first request at step ``c * stagger`` and its next one as soon as the last
+ends. Request r replays the trace's request ``r % S`` (S requests in the trace); a copy is a new request
+(its own ``seq_id``), and with staggered starts no two copies of a request run in step with each other.
+
+A step is laid out as transformers' continuous batching lays it out: the running requests' decode
+tokens first (in the order they joined), then the prompts of the requests joining, in chunks when
+``batch_tokens`` caps the step (a chunked prompt goes on in the next steps, before anything new joins).
+The routing of each token is the one recorded for it: experts and gate weights do not depend on what
+else ran in the step (true of the model, which computes each token alone, up to floating-point order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expertcache.errors import TraceError
+from expertcache.trace.trace import Trace
+
+
+def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
+    """The trace's requests in order of first appearance: (their token rows, how many are prompt tokens).
+    A request's rows must be its prompt tokens, then its generated tokens."""
+    if trace.seq_id is None or trace.is_prefill is None:
+        raise TraceError(
+            f"{trace.source}: batching needs each token's request and phase ('seq_id' and 'is_prefill')"
+        )
+    if (trace.is_prefill == -1).any():
+        raise TraceError(f"{trace.source}: batching needs every token's phase; 'is_prefill' has -1 entries")
+    out = []
+    seqs, first = np.unique(trace.seq_id, return_index=True)
+    for seq in seqs[np.argsort(first, kind="stable")].tolist():
+        rows = np.flatnonzero(trace.seq_id == seq)
+        phase = trace.is_prefill[rows]
+        prompt = int(phase.sum())
+        if prompt == 0 or not (phase[:prompt] == 1).all() or (phase[prompt:] == 1).any():
+            raise TraceError(
+                f"{trace.source}: request {seq} is not a prompt followed by generated tokens (batching "
+                "replays each request as one)"
+            )
+        out.append((rows, prompt))
+    return out
+
+
+def batch_requests(
+    trace: Trace,
+    concurrency: int,
+    requests: int | None = None,
+    batch_tokens: int | None = None,
+    stagger: int = 1,
+) -> Trace:
+    """``trace``'s requests as a server runs ``concurrency`` of them at once (see the module docstring):
+    ``requests`` in all (default: the trace's, or twice ``concurrency`` if more), ``batch_tokens`` a step
+    at most (default: no cap; a prompt then joins whole), clients starting ``stagger`` steps apart."""
+    if concurrency < 1:
+        raise TraceError(f"concurrency must be at least 1, got {concurrency}")
+    if stagger < 0:
+        raise TraceError(f"stagger must be at least 0 steps, got {stagger}")
+    if batch_tokens is not None and batch_tokens < concurrency:
+        raise TraceError(
+            f"batch_tokens {batch_tokens} is below the concurrency {concurrency}: a step must hold the "
+            "next token of every running request"
+        )
+    pool = requests_of(trace)
+    total = requests if requests is not None else max(len(pool), 2 * concurrency)
+    if total < 1:
+        raise TraceError(f"requests must be at least 1, got {total}")
+    rows_out: list[np.ndarray] = []
+    seq_out: list[np.ndarray] = []
+    step_out: list[np.ndarray] = []
+    running: list[list[int]] = []  # [request, next row offset, prompt length, rows' index into pool]
+    ready = [c * stagger for c in range(concurrency)]  # the step each client sends its next request at
+    client_of: dict[int, int] = {}
+    sent, step = 0, 0
+    while sent < total or running:
+        for c in range(concurrency):  # clients whose time has come send (one request each at a time)
+            if sent < total and ready[c] is not None and ready[c] <= step:
+                running.append([sent, 0, pool[sent % len(pool)][1], sent % len(pool)])
+                client_of[sent] = c
+                ready[c] = None
+                sent += 1
+        if not running:  # nobody has sent yet: the clients' starts are staggered
+            step += 1
+            continue
+        budget = batch_tokens if batch_tokens is not None else np.iinfo(np.int64).max
+        rows, seqs = [], []
+        decoding = [r for r in running if r[1] >= r[2]]
+        prompting = [r for r in running if r[1] < r[2]]
+        for r in decoding + prompting:  # decode tokens first, then prompts (chunks) in the order they came
+            req, offset, prompt, which = r
+            take = 1 if offset >= prompt else min(prompt - offset, budget)
+            if take <= 0:
+                continue
+            src = pool[which][0]
+            rows.append(src[offset : offset + take])
+            seqs.append(np.full(take, req, dtype=np.int32))
+            r[1] += take
+            budget -= take
+        rows_out.extend(rows)
+        seq_out.extend(seqs)
+        step_out.append(np.full(sum(len(x) for x in rows), len(step_out), dtype=np.int32))
+        for r in [r for r in running if r[1] >= len(pool[r[3]][0])]:  # its last token computed: it ends
+            running.remove(r)
+            ready[client_of.pop(r[0])] = step + 1
+        step += 1
+    index = np.concatenate(rows_out)
+    meta = {  # per-token metadata (a token's position, say) follows its token
+        k: v[index] if isinstance(v, np.ndarray) and v.ndim and len(v) == trace.num_tokens else v
+        for k, v in trace.meta.items()
+    }
+    meta.update(batched_from=trace.source, concurrency=concurrency, batched_requests=total, stagger=stagger)
+    if batch_tokens is not None:
+        meta["batch_tokens"] = batch_tokens
+    return Trace(
+        experts=trace.experts[index],
+        num_experts=trace.num_experts,
+        weights=None if trace.weights is None else trace.weights[index],
+        seq_id=np.concatenate(seq_out),
+        is_prefill=trace.is_prefill[index],
+        token_id=None if trace.token_id is None else trace.token_id[index],
+        step_id=np.concatenate(step_out),
+        meta=meta,
+        source=f"{trace.source} x{concurrency}",
+    )

@@ -1,0 +1,183 @@
+"""Batched traces: many requests served together (``trace batch``, a server's ``--record-trace``), their
+steps as the simulator and the timing model replay them, and what ``trace info`` says of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.cli import main
+from expertcache.errors import TraceError
+from expertcache.sim.replay import replay
+from expertcache.sim.timing import simulate_timing
+from expertcache.trace import Trace, load_trace
+from expertcache.trace.batch import batch_requests, requests_of
+from expertcache.trace.default import default_trace
+from expertcache.trace.stats import step_shape
+from expertcache.trace.synth import synthesize
+
+
+def _requests(
+    lengths: list[tuple[int, int]], layers: int = 2, experts: int = 6, top_k: int = 2, seed: int = 0
+):
+    """A single-stream trace of requests of (prompt, generated) tokens, random distinct top-k routing."""
+    rng = np.random.default_rng(seed)
+    rows = sum(p + g for p, g in lengths)
+    ex = np.argsort(rng.random((rows, layers, experts)), axis=2)[:, :, :top_k].astype(np.int16)
+    seq = np.concatenate([np.full(p + g, i) for i, (p, g) in enumerate(lengths)]).astype(np.int32)
+    phase = np.concatenate([np.r_[np.ones(p), np.zeros(g)] for p, g in lengths]).astype(np.int8)
+    return Trace(ex, experts, seq_id=seq, is_prefill=phase, token_id=np.arange(rows, dtype=np.int32))
+
+
+def _check_batched(src: Trace, out: Trace, concurrency: int, batch_tokens: int | None) -> None:
+    """What any batching of ``src`` must satisfy: each request's tokens once and in order, its prompt
+    before its generated tokens, one generated token of a request a step, at most ``concurrency``
+    requests in a step, and a step within ``batch_tokens``."""
+    pool = requests_of(src)
+    steps = out.step_id
+    assert (np.diff(steps) >= 0).all() and steps[0] == 0 and (np.diff(np.unique(steps)) == 1).all()
+    for r in np.unique(out.seq_id).tolist():
+        rows = np.flatnonzero(out.seq_id == r)
+        want, prompt = pool[r % len(pool)]
+        assert out.token_id[rows].tolist() == src.token_id[want].tolist()  # every token once, in order
+        assert out.is_prefill[rows].tolist() == src.is_prefill[want].tolist()
+        gen_steps = steps[rows[prompt:]]
+        assert (np.diff(gen_steps) == 1).all()  # one generated token a step, from the step after its prompt
+        if len(gen_steps):
+            assert gen_steps[0] == steps[rows[prompt - 1]] + 1
+    for s in np.unique(steps).tolist():
+        in_step = steps == s
+        assert len(np.unique(out.seq_id[in_step])) <= concurrency
+        assert batch_tokens is None or in_step.sum() <= batch_tokens
+        phase = out.is_prefill[in_step]  # generated tokens first, then prompts (transformers' layout)
+        assert (np.diff(phase) >= 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=6),
+    concurrency=st.integers(1, 5),
+    cap=st.one_of(st.none(), st.integers(0, 6)),
+    stagger=st.integers(0, 3),
+    extra=st.integers(0, 4),
+)
+def test_any_batching_keeps_every_request_whole_and_in_order(lengths, concurrency, cap, stagger, extra):
+    src = _requests(lengths)
+    batch_tokens = None if cap is None else concurrency + cap
+    total = len(lengths) + extra
+    out = batch_requests(src, concurrency, total, batch_tokens, stagger)
+    assert len(np.unique(out.seq_id)) == total
+    assert out.num_tokens == sum(sum(lengths[r % len(lengths)]) for r in range(total))
+    _check_batched(src, out, concurrency, batch_tokens)
+    assert (out.meta["concurrency"], out.meta["batched_requests"]) == (concurrency, total)
+
+
+def test_one_at_a_time_is_the_trace_itself():
+    """Concurrency 1: each request's prompt in one step, then a step a token: the schedule the simulator
+    builds from the trace alone, group for group."""
+    src = default_trace()
+    out = batch_requests(src, 1)
+    assert np.array_equal(out.experts, src.experts) and np.array_equal(out.weights, src.weights)
+    a, b = build_schedule(src, "layer"), build_schedule(out, "layer")
+    assert a.groups == b.groups and a.round_prefill.tolist() == b.round_prefill.tolist()
+    assert replay(a, "lru", 24).layer_misses.tolist() == replay(b, "lru", 24).layer_misses.tolist()
+
+
+def test_a_step_of_several_requests_is_one_group_per_layer_and_prompts_make_it_a_prefill_step():
+    """4 requests of 3 prompt + 4 generated tokens, 2 at a time, at most 3 tokens a step: a step is
+    the union of its tokens' experts per layer; a step holding any prompt token counts as prefill."""
+    src = _requests([(3, 4)] * 4)
+    out = batch_requests(src, 2, batch_tokens=3, stagger=0)
+    _check_batched(src, out, 2, 3)
+    schedule = build_schedule(out, "layer")
+    starts = np.flatnonzero(np.r_[True, np.diff(out.step_id) != 0])
+    ends = np.r_[starts[1:], out.num_tokens]
+    assert schedule.num_rounds == len(starts)
+    for r, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        for layer in range(out.num_layers):
+            group = schedule.groups[r * out.num_layers + layer]
+            assert {k[1] for k in group} == set(out.experts[s:e, layer].reshape(-1).tolist())
+        assert bool(schedule.round_prefill[r]) == bool((out.is_prefill[s:e] == 1).any())
+    mixed = [bool(len(set(out.is_prefill[s:e].tolist())) == 2) for s, e in zip(starts, ends, strict=True)]
+    assert any(mixed)  # a request's prompt chunk beside another's generated token
+    res = replay(schedule, "lru", 6)
+    assert res.layer_requests.sum() == sum(len(g) for g in schedule.groups)
+
+
+def test_the_timing_model_counts_a_batched_trace_as_the_replay_does():
+    """The timing model drives the engine's step logic over the batched steps: its hits and misses, per
+    phase and layer, equal the replay's (the rule the engine's counts follow, tested under serve)."""
+    out = batch_requests(_requests([(4, 6), (2, 8), (5, 3)] * 3, layers=3, experts=8), 3, batch_tokens=5)
+    res = simulate_timing(out, capacity=9)
+    ref = replay(build_schedule(out, "layer"), "lru", 9)
+    assert res.cache["phases"]["decode"]["misses"] == int(ref.layer_misses[0].sum())
+    assert res.cache["phases"]["prefill"]["misses"] == int(ref.layer_misses[1].sum())
+    assert res.misses == ref.misses and res.requests == ref.requests
+
+
+def test_more_users_need_more_distinct_experts_a_step_and_lru_loses_its_hits():
+    """The issue this answers, on the embedded trace: a step of many users needs most of a layer's experts,
+    and LRU at a quarter of them keeps almost nothing from one step to the next."""
+    src = default_trace()
+    shapes, hits = [], []
+    for n in (1, 4, 16):
+        out = batch_requests(src, n)
+        shapes.append(step_shape(out)["mean_step_experts"])
+        hits.append(replay(build_schedule(out, "layer"), "lru", src.num_keys // 4).hits)
+    assert shapes[0] < shapes[1] < shapes[2] <= src.num_experts
+    assert hits[0] > hits[1] > hits[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"concurrency": 0}, "concurrency must be at least 1"),
+        ({"concurrency": 4, "batch_tokens": 3}, "batch_tokens 3 is below the concurrency 4"),
+        ({"concurrency": 2, "stagger": -1}, "stagger must be at least 0"),
+        ({"concurrency": 2, "requests": 0}, "requests must be at least 1"),
+    ],
+)
+def test_bad_batching_parameters_are_one_line(kwargs, message):
+    with pytest.raises(TraceError, match=message):
+        batch_requests(_requests([(2, 2)]), **kwargs)
+
+
+def test_a_trace_without_requests_and_phases_cannot_be_batched():
+    with pytest.raises(TraceError, match="needs each token's request and phase"):
+        batch_requests(Trace(synthesize("zipf", tokens=20, layers=2, experts=4, top_k=2).experts, 4), 2)
+    src = _requests([(2, 2)])
+    bad = Trace(src.experts, src.num_experts, seq_id=src.seq_id, is_prefill=np.array([1, 0, 1, 0], np.int8))
+    with pytest.raises(TraceError, match="request 0 is not a prompt followed by generated tokens"):
+        batch_requests(bad, 2)
+
+
+def test_the_cli_writes_a_batched_trace_and_info_describes_its_steps(tmp_path: Path, capsys):
+    out = tmp_path / "batched.npz"
+    assert main(["trace", "batch", "-c", "4", "--batch-tokens", "64", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "wrote" in err and "requests, 4 at a time" in err and "experts a layer a step" in err
+    trace = load_trace(out)
+    assert trace.meta["concurrency"] == 4 and trace.step_id is not None
+    _check_batched(default_trace(), trace, 4, 64)
+    assert main(["trace", "info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step_shape"] == step_shape(trace) and info["step_shape"]["max_step_tokens"] <= 64
+    assert main(["trace", "info", str(out)]) == 0
+    assert "forward steps of" in capsys.readouterr().out
+    assert main(["trace", "batch", "-c", "4", "--batch-tokens", "2", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_requests_reuse_does_not_depend_on_what_ran_beside_it():
+    """``trace info``'s reuse follows each request's own tokens, however a batch interleaves them."""
+    from expertcache.trace.stats import reuse_between_tokens
+
+    src = default_trace()
+    out = batch_requests(src, 4, requests=len(requests_of(src)))
+    assert np.allclose(reuse_between_tokens(out), reuse_between_tokens(src))
