@@ -181,3 +181,35 @@ def test_a_requests_reuse_does_not_depend_on_what_ran_beside_it():
     src = default_trace()
     out = batch_requests(src, 4, requests=len(requests_of(src)))
     assert np.allclose(reuse_between_tokens(out), reuse_between_tokens(src))
+
+
+def test_the_two_per_step_references_by_hand():
+    """Two steps (a prompt of 2 tokens, then 1 token) through 1 layer of 4 experts, top-2: streaming moves
+    each needed expert once a step; the static split keeps the most used experts (by tokens) and computes
+    the others on the host at their token counts."""
+    from expertcache.costs import CostModel
+    from expertcache.sim.bounds import step_bounds
+
+    ex = np.array([[[0, 1]], [[0, 2]], [[0, 3]]], dtype=np.int16)  # expert 0: 3 tokens; 1, 2, 3: one each
+    trace = Trace(ex, 4, seq_id=np.zeros(3, np.int32), is_prefill=np.array([1, 1, 0], np.int8))
+    cost = CostModel(expert_bytes=1000, link_bandwidth=1e6, link_latency=0.0, chunk_bytes=None,
+                     host_expert_s=0.01, host_expert_token_s=0.001)  # fmt: skip
+    b = step_bounds(trace, 1, cost)  # room 1: expert 0 resident
+    assert np.allclose(b.stream_s, [3 * 1e-3, 2 * 1e-3])  # {0, 1, 2}, then {0, 3}
+    assert np.allclose(b.static_s, [2 * 0.011, 0.011])  # 1 and 2 (a token each), then 3
+    assert np.allclose(b.best_s, [3e-3, 2e-3]) and b.prefill.tolist() == [True, False]
+    assert step_bounds(trace, 4, cost).static_s.sum() == 0  # every expert resident
+    assert np.allclose(step_bounds(trace, 0, cost).static_s, [0.012 + 0.011 + 0.011, 0.011 + 0.011])
+    assert b.to_dict()["stream_better_steps"] == 2
+
+
+def test_the_timing_model_counts_the_hosts_work_on_misses():
+    """``host_busy_s``: each expert computed on the host at its step's token count, waited for or not."""
+    from expertcache.costs import CostModel
+
+    src = _requests([(1, 6)] * 3, layers=2, experts=8)  # one token a step: one token an expert
+    cost = CostModel()
+    res = simulate_timing(src, capacity=4, miss="host", cost=cost)
+    assert res.cache["host_computed"] > 0
+    assert res.host_busy_s == pytest.approx(res.cache["host_computed"] * cost.host_expert(1))
+    assert simulate_timing(src, capacity=4, cost=cost).host_busy_s == 0

@@ -63,6 +63,7 @@ class TimingResult:
     capacities: dict[str, int] = field(default_factory=dict)  # keys each cache part holds
     governor: dict[str, object] | None = None  # with prefetch_when "pays": what the governor decided
     notes: list[str] = field(default_factory=list)  # for the user: what was adjusted (a clipped window)
+    host_busy_s: float = 0.0  # the host's time computing missed experts (busy, whether or not waited for)
 
     @property
     def total_s(self) -> float:
@@ -117,6 +118,7 @@ class TimingResult:
             "transfers": self.transfers,
             "blocked_waits": self.blocked_waits,
             "host_wait_s": self.host_wait_s,
+            "host_busy_s": self.host_busy_s,
             "decode_host_wait_s": self.host_wait_by_phase[0],
             "prefill_host_wait_s": self.host_wait_by_phase[1],
             **self.cache,
@@ -220,6 +222,7 @@ def simulate_timing(
         capacities=caps,
         governor=None if governor is None else governor.summary(),
         notes=[pred.note] if pred is not None and pred.note else [],
+        host_busy_s=link.host_busy_s,
     )
 
 
@@ -276,6 +279,7 @@ class _Run:
             link.advance(cost.dense(layer))
             work = driver.layer(layer, block[:, layer, :], None if weights is None else weights[:, layer, :])
             host_s = sum(cost.host_expert(need.tokens) for need in work.host)  # one after another
+            link.host_busy_s += host_s
             host_end = link.now + host_s  # beside the device, from when the router has chosen
             tokens = {n.key: n.tokens for n in work.needs}
             for key, part in work.units():  # lazily: wait, compute, ...

@@ -64,6 +64,7 @@ class VirtualLink:
         self.current: VTransfer | None = None  # the transfer whose chunk ends at free_at
         self.stall_s = 0.0  # compute time spent in wait()
         self.host_wait_s = 0.0  # compute time spent in join(): waiting for the host's experts
+        self.host_busy_s = 0.0  # the host's time computing experts (the timing model adds it)
         self.busy_s = 0.0  # link time of every started chunk
         self.bytes_moved = 0
         self.transfers = 0  # submitted
