@@ -304,7 +304,10 @@ class Batcher:
         self.fail_all()
         self._running = False
         self._thread.join(timeout)
-        return self._stop_loop(timeout)
+        stopped = self._stop_loop(timeout)
+        if stopped and self.model.engine.step_source == self._step_tokens:  # the model may serve again
+            self.model.engine.step_source = None
+        return stopped
 
     def _stop_loop(self, timeout: float) -> bool:
         manager = self.manager
