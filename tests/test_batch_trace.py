@@ -213,3 +213,11 @@ def test_the_timing_model_counts_the_hosts_work_on_misses():
     assert res.cache["host_computed"] > 0
     assert res.host_busy_s == pytest.approx(res.cache["host_computed"] * cost.host_expert(1))
     assert simulate_timing(src, capacity=4, cost=cost).host_busy_s == 0
+
+
+def test_the_python_api_names_them():
+    import expertcache
+    from expertcache.sim.bounds import step_bounds
+
+    assert expertcache.batch_requests is batch_requests and expertcache.step_bounds is step_bounds
+    assert "batch_requests" in expertcache.__all__ and "step_bounds" in expertcache.__all__

@@ -14,10 +14,11 @@ from expertcache.sim import (  # noqa: E402
     run_policy,
     simulate,
     simulate_timing,
+    step_bounds,
 )
 from expertcache.sim.doctor import diagnose  # noqa: E402
 from expertcache.sim.planner import make_plan  # noqa: E402
-from expertcache.trace import Trace, load_trace, synthesize  # noqa: E402
+from expertcache.trace import Trace, batch_requests, load_trace, synthesize  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -54,6 +55,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "__version__",
+    "batch_requests",
     "build_schedule",
     "default_trace",
     "diagnose",
@@ -68,6 +70,7 @@ __all__ = [
     "selftest",
     "simulate",
     "simulate_timing",
+    "step_bounds",
     "sweep",
     "synthesize",
 ]

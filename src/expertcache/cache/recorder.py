@@ -21,8 +21,9 @@ class Recorder:
     ) -> None:
         """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id, ``prompt``
         which tokens are prompt tokens (None: all of them if ``prefill``, else none)."""
-        phase = np.full(len(token_ids), 1 if prefill else 0, dtype=np.int8)
-        if prompt is not None:
+        if prompt is None:
+            phase = np.full(len(token_ids), 1 if prefill else 0, dtype=np.int8)
+        else:
             phase = np.asarray(prompt, dtype=np.int8)
         self.steps.append(
             {"token_id": token_ids, "phase": phase, "seq": seq, "experts": {}, "weights": {}, "pred": {}}

@@ -1,6 +1,7 @@
 """Trace-driven simulation: replay routing through any policy at any capacity, OPT as the bound."""
 
 from expertcache.cache.schedule import ORDERS, Schedule, build_schedule
+from expertcache.sim.bounds import StepBounds, step_bounds
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.simulate import simulate
@@ -13,6 +14,7 @@ __all__ = [
     "TimingResult",
     "Schedule",
     "SimResult",
+    "StepBounds",
     "all_capacities",
     "build_schedule",
     "default_trace",
@@ -20,5 +22,6 @@ __all__ = [
     "run_policy",
     "simulate",
     "simulate_timing",
+    "step_bounds",
     "with_opt",
 ]

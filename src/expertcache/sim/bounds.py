@@ -67,7 +67,8 @@ def step_bounds(trace: Trace, capacity: int, cost: CostModel) -> StepBounds:
     starts = step_starts(trace)
     ends = np.r_[starts[1:], trace.num_tokens]
     stream, static = np.zeros(len(starts)), np.zeros(len(starts))
-    prefill = np.zeros(len(starts), dtype=bool)
+    prompt = trace.is_prefill == 1 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
+    prefill = np.logical_or.reduceat(prompt, starts)  # a step holding a prompt token, as the schedule
     counts = np.zeros((L, E), dtype=np.int64)
     for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         counts[:] = 0
@@ -76,6 +77,4 @@ def step_bounds(trace: Trace, capacity: int, cost: CostModel) -> StepBounds:
         needed = counts > 0
         stream[i] = needed.sum() * transfer
         static[i] = sum(cost.host_expert(int(n)) for n in counts[needed & ~resident].tolist())
-        if trace.is_prefill is not None:
-            prefill[i] = bool((trace.is_prefill[s:e] == 1).any())
     return StepBounds(stream, static, prefill)
