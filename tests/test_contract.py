@@ -97,8 +97,14 @@ def drive(sched: Schedule, name: str, capacity: int, seed: int = 0) -> list[tupl
         clock.round, rest = divmod(g, per_visit)
         clock.token, clock.seq = int(sched.round_token[clock.round]), int(sched.round_seq[clock.round])
         clock.layer, clock.group = rest // sched.per_layer, g
+        clock.prefill = bool(sched.round_prefill[clock.round])
         if not keys:
             continue
+        if policy.weighs:  # as replay tells it (tlfu): every key of the group with its tokens
+            policy.on_use(keys, sched.group_tokens[g])
+        missing = [k for k in keys if k not in res]
+        admitted = policy.admits(missing, keys)
+        assert len(admitted) == len(missing) and all(isinstance(a, bool) for a in admitted)
         scores = sched.group_scores[g] if policy.observes else None  # as replay gives them (mrs)
         for chunk in res.chunks(clock.layer, keys):
             log += res.admit(chunk, scores=scores)

@@ -105,12 +105,14 @@ def drive(s: Schedule, policy: Policy) -> Iterator[Served]:
     g, tokens, seqs = 0, s.round_token.tolist(), s.round_seq.tolist()
     scores = s.group_scores if policy.observes else None  # routing scores, as replay gives them (mrs)
     for r, prefill in enumerate(s.round_prefill.tolist()):
-        clock.round, clock.token, clock.seq = r, tokens[r], seqs[r]
+        clock.round, clock.token, clock.seq, clock.prefill = r, tokens[r], seqs[r], prefill
         for layer in range(s.num_layers):
             for _ in range(s.per_layer):
                 keys = s.groups[g]
                 clock.layer, clock.group = layer, g
                 before = frozenset(residency.resident)
+                if keys and policy.weighs:  # tokens per key, as replay gives them (tlfu)
+                    policy.on_use(keys, s.group_tokens[g])
                 misses = residency.serve(layer, keys, scores and scores[g]) if keys else 0
                 yield Served(g, int(prefill), layer, keys, before, misses, residency)
                 g += 1
@@ -348,6 +350,7 @@ def test_residency_invariants(order: str, trace: Trace, name: str, seed: int, da
     total, g, tokens, seqs = 0, 0, s.round_token.tolist(), s.round_seq.tolist()
     for r in range(s.num_rounds):
         clock.round, clock.token, clock.seq = r, tokens[r], seqs[r]
+        clock.prefill = bool(s.round_prefill[r])
         for layer in range(s.num_layers):
             for _ in range(s.per_layer):
                 keys = s.groups[g]
@@ -355,6 +358,8 @@ def test_residency_invariants(order: str, trace: Trace, name: str, seed: int, da
                 g += 1
                 if not keys:
                     continue
+                if policy.weighs:  # as replay tells it (tlfu)
+                    policy.on_use(keys, s.group_tokens[g - 1])
                 chunks = [keys] if len(keys) <= rooms[layer] else res.chunks(layer, keys)
                 assert sorted(k for ch in chunks for k in ch) == sorted(keys)
                 assert all(len(ch) <= rooms[layer] for ch in chunks)

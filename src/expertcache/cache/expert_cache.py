@@ -76,6 +76,7 @@ class ExpertCache:
         self.phase = 0  # 1 while a prefill step is served
         self._fetches = type(miss).decide is MissPath.decide  # every miss fetched whole (``_plain_layer``)
         self._scores: dict[Key, float] = {}  # the layer being served: each expert's routing score
+        self._current: Sequence[Key] = ()  # the layer being served: its experts (pinned while it is)
 
     @property
     def residency(self) -> Residency:
@@ -89,6 +90,10 @@ class ExpertCache:
     # -- what a miss path may ask (CacheView) ----------------------------------------------------
     def present(self, part: str, key: Key) -> bool:
         return key in self.parts[part]
+
+    def admits(self, part: str, keys: Sequence[Key]) -> list[bool]:
+        residency = self.parts[part]
+        return residency.policy.admits(keys, _Pins(part, self._current, self.inflight, self.spec))
 
     def resident(self, part: str, key: Key) -> bool:
         if key not in self.parts[part]:
@@ -149,6 +154,9 @@ class ExpertCache:
         """The router has chosen ``needs`` (distinct experts, first-use order): preempt, route, and queue
         the first chunk's demand transfers. The returned work yields the device units to compute."""
         keys = needs.keys_in_order if isinstance(needs, LayerNeeds) else [n.key for n in needs]
+        policy = self.parts[self.primary].policy
+        if policy.weighs:  # every expert the layer needs, with its tokens, whatever will serve it
+            policy.on_use(keys, [n.tokens for n in needs])
         spec = self.spec.pop(layer, _NOTHING) if self.spec else _NOTHING
         predicted = self.predicted.pop(layer, None) if self.predicted else None
         guesses = self.shadowed.pop(layer, None) if self.shadowed else None
@@ -164,6 +172,7 @@ class ExpertCache:
             work = self._plain_layer(layer, needs, keys)
             if work is not None:
                 return work
+        self._current = keys
         routes = self._routes(layer, needs)
         self._account(layer, keys, routes, spec, predicted)
         work = LayerWork(self, layer, needs, routes)
@@ -185,7 +194,7 @@ class ExpertCache:
         hit = self.miss.hit(layer)
         primary = self.parts[self.primary]
         policy = primary.policy
-        if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes:
+        if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes or policy.weighs:
             return None
         if len(keys) > policy.room(layer):
             return None

@@ -142,6 +142,26 @@ class Schedule:
         return out
 
     @cached_property
+    def group_tokens(self) -> list[list[int]]:
+        """Each group's tokens routed to each of its keys, in the group's order (what token-weighted
+        policies, ``tlfu``, observe): one each in flat and rounds order, and for a schedule built without
+        its trace."""
+        tr = self.trace
+        if tr is None or self.order != "layer":
+            return [[1] * len(g) for g in self.groups]
+        E, L = self.num_experts, self.num_layers
+        out: list[list[int]] = []
+        starts = self.round_token.tolist()
+        ends = [*starts[1:], tr.num_tokens]
+        for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            block = tr.experts[s:e]  # [n, L, K]
+            for layer in range(L):
+                col = block[:, layer].reshape(-1)
+                counts = np.bincount(col[col >= 0], minlength=E)
+                out.append(counts[[ex for _, ex in self.groups[r * L + layer]]].tolist())
+        return out
+
+    @cached_property
     def req_score(self) -> np.ndarray:
         """Each request's routing score in its group (``group_scores``; 1 for a schedule built without its
         trace, what a policy that observes scores assumes then), as one array for compiled replays. [R]"""

@@ -112,6 +112,7 @@ class StepDriver:
         the oracle."""
         clock = self.clock
         clock.round, clock.token, clock.seq, clock.layer = self.steps, self.tokens, seq, 0
+        clock.prefill = bool(prefill)
         new_request = prefill or self._seq is None or seq != self._seq
         self._seq = seq
         self.steps += 1

@@ -100,6 +100,10 @@ class CacheView(Protocol):
     def present(self, part: str, key: Key) -> bool:
         """Resident in the part, or moving in (queued or in flight)."""
 
+    def admits(self, part: str, keys: Sequence[Key]) -> list[bool]:
+        """For each of ``keys`` (missing from the part), whether the part's policy would cache it: its
+        value exceeds the value of what it would evict (``Policy.admits``)."""
+
 
 @dataclass(frozen=True)
 class MissContext:

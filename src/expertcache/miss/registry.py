@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 from expertcache.miss.base import MissContext, MissPath, MissPathError
+from expertcache.miss.batch import Batch
 from expertcache.miss.hobbit import Hobbit
 from expertcache.miss.host import Host
 from expertcache.miss.hybrid import Hybrid
@@ -19,6 +20,7 @@ MISS_PATHS: dict[str, type[MissPath]] = {
     "placement": Placement,
     "split": Split,
     "hobbit": Hobbit,
+    "batch": Batch,
 }
 
 

@@ -29,7 +29,7 @@ Key = tuple[int, int]  # (layer, expert)
 class Clock:
     """Mutable time cursor written by the driver (simulator or engine) and read by policies."""
 
-    __slots__ = ("round", "layer", "group", "token", "seq")
+    __slots__ = ("round", "layer", "group", "token", "seq", "prefill")
 
     def __init__(self) -> None:
         self.round = 0
@@ -37,6 +37,7 @@ class Clock:
         self.group = 0
         self.token = 0
         self.seq = 0  # the request (sequence) the current step serves: its first row's id
+        self.prefill = False  # the current step holds prompt tokens
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Policy(ABC):
     needs_profile: ClassVar[bool] = False  # needs ctx.profile (usage counts)
     seeded: ClassVar[bool] = False  # draws from ctx.seed (two seeds, two different runs)
     observes: ClassVar[bool] = False  # wants on_request for every requested group
+    weighs: ClassVar[bool] = False  # wants on_use for every layer's experts, with their tokens
     text_params: ClassVar[frozenset[str]] = frozenset()  # parameters that are text (file names), not numbers
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -96,6 +98,17 @@ class Policy(ABC):
         """A layer's group (or one chunk of it) was requested, before it is admitted; ``scores`` are the
         keys' routing scores (their gate weight summed over the step's tokens) when the driver knows
         them. Called only for policies with ``observes`` set (``eam``, ``mrs``, ``hobbit``)."""
+
+    def on_use(self, keys: Sequence[Key], tokens: Sequence[int]) -> None:  # noqa: B027
+        """A layer's step needs ``keys``, ``tokens`` of its tokens routed to each, whatever serves them (the
+        cache, the host, a stream buffer); called once per layer and step, before any of them is routed
+        or admitted. Called only for policies with ``weighs`` set (``tlfu``)."""
+
+    def admits(self, incoming: Sequence[Key], pinned: Container[Key]) -> list[bool]:
+        """For each missing key of ``incoming``, whether caching it is worth the evictions it causes (a
+        miss path asks before routing; one that is not admitted is computed elsewhere, bypassing the
+        cache). Every key by default: a classic cache admits whatever it is asked for."""
+        return [True] * len(incoming)
 
     @abstractmethod
     def on_hit(self, key: Key) -> None:

@@ -41,6 +41,7 @@ class Dist(Policy):
         self.name = f"{inner.name}-dist"
         self.offline = inner.offline
         self.observes = inner.observes
+        self.weighs = inner.weighs
         L = ctx.num_layers
         budgets = list(budgets) if budgets is not None else uniform_budgets(ctx.capacity, L)
         if len(budgets) != L:
@@ -73,12 +74,20 @@ class Dist(Policy):
         return 0 <= key[0] < len(self.layers) and key in self.layers[key[0]]
 
     def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
-        by_layer: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_layer.setdefault(key[0], []).append(i)
-        for layer, idx in by_layer.items():
+        for layer, idx in _by_layer(keys).items():
             own = [keys[i] for i in idx]
             self.layers[layer].on_request(own, None if scores is None else [scores[i] for i in idx])
+
+    def on_use(self, keys: Sequence[Key], tokens: Sequence[int]) -> None:
+        for layer, idx in _by_layer(keys).items():
+            self.layers[layer].on_use([keys[i] for i in idx], [tokens[i] for i in idx])
+
+    def admits(self, incoming: Sequence[Key], pinned: Container[Key]) -> list[bool]:
+        out = [True] * len(incoming)
+        for layer, idx in _by_layer(incoming).items():
+            for i, ok in zip(idx, self.layers[layer].admits([incoming[i] for i in idx], pinned), strict=True):
+                out[i] = ok
+        return out
 
     def on_hit(self, key: Key) -> None:
         self.layers[key[0]].on_hit(key)
@@ -95,3 +104,11 @@ class Dist(Policy):
 
     def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
         return self.layers[incoming[0]].victim(incoming, pinned)
+
+
+def _by_layer(keys: Sequence[Key]) -> dict[int, list[int]]:
+    """The positions of ``keys`` by layer."""
+    out: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        out.setdefault(key[0], []).append(i)
+    return out

@@ -22,6 +22,7 @@ from expertcache.policy.opt import OPT
 from expertcache.policy.rand import Random
 from expertcache.policy.reuse import Reuse
 from expertcache.policy.static import Static
+from expertcache.policy.tlfu import TLFU
 from expertcache.spec import parse_spec
 
 PolicyFactory = Callable[..., Policy]
@@ -36,6 +37,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "lcp": LCP,
     "eam": EAM,
     "mrs": MRS,
+    "tlfu": TLFU,
     "hobbit": Hobbit,
     "reuse": Reuse,
     "static": Static,
@@ -48,6 +50,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "llru-dist": partial(Dist, inner=LLRU),
     "lcp-dist": partial(Dist, inner=LCP),
     "mrs-dist": partial(Dist, inner=MRS),
+    "tlfu-dist": partial(Dist, inner=TLFU),
     "hobbit-dist": partial(Dist, inner=Hobbit),
     "static-dist": partial(Dist, inner=Static),
     "opt-dist": partial(Dist, inner=OPT),

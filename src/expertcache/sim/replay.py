@@ -113,15 +113,19 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
     groups, g = iter(schedule.groups), 0
     tokens, seqs = schedule.round_token.tolist(), schedule.round_seq.tolist()
     scores = schedule.group_scores if policy.observes else None  # routing scores, for mrs
+    weights = schedule.group_tokens if policy.weighs else None  # tokens per expert, for tlfu
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         clock.round = r
         clock.token = tokens[r]
         clock.seq = seqs[r]
+        clock.prefill = bool(prefill)
         row = misses[prefill]
         for (layer, _), keys in zip(slots, groups, strict=False):  # per_layer groups per (round, layer) visit
             clock.layer = layer
             clock.group = g
             g += 1
+            if keys and weights is not None:
+                policy.on_use(keys, weights[g - 1])
             if keys and scores is not None:
                 row[layer] += serve(layer, keys, scores[g - 1])
             elif keys:  # a group that fits is admitted at once (serve's own fast path, without the call)

@@ -53,7 +53,10 @@ from expertcache.tools.tiny import (
 
 BUDGETS = ("min", "half", "all")
 # every exact miss path, by where it computes a missed expert (which sets the tolerance); hobbit is lossy
-COMPUTES = {"fetch": "device", "host": "host", "hybrid": "host", "placement": "host", "split": "split"}
+COMPUTES = {
+    "fetch": "device", "host": "host", "hybrid": "host", "placement": "host", "split": "split",
+    "batch": "host",
+}  # fmt: skip
 # each exact path's variants, with the budgets they rotate through
 MISSES: dict[str, tuple[str, ...]] = {
     "fetch": BUDGETS,
@@ -63,6 +66,7 @@ MISSES: dict[str, tuple[str, ...]] = {
     "placement:first=1": BUDGETS,  # layer 0 on the host, the others cached
     "split:theta=0.5,buffer=1": BUDGETS,  # fits the minimum: half an expert's bottom, the tops of top-k
     "split:theta=0.3/0.7": ("half", "all"),  # a theta per layer: each layer's tops need room of their own
+    "batch": ("half", "all"),  # cached, on the host or streamed (top-k + 1 slots at least)
 }
 # every predictor the engine runs ("learned" with an untrained predictor, token and eam from a trace
 # the model recorded); oracle is simulator-only
@@ -299,6 +303,7 @@ def _further(device: torch.device) -> list[Case]:
             options=(("link_latency", "30us"), ("chunking", False)),
         ),
         Case("granitemoe", "mrs", "min", "hybrid", options=(("costs", "measured"),)),
+        Case("qwen2_moe", "tlfu", "half", "batch", "next-gate", batch=True),  # admission, bypass, streams
     ]
     if device.type == "cuda":  # bf16: tokens equal
         cases += [Case(f, "lru", "min", prefetch="next-gate", dtype="bfloat16") for f in FAMILIES]

@@ -1,0 +1,243 @@
+"""Batch-aware caching (issue "many users, one expert cache", part 2): the ``tlfu`` policy (token-weighted
+frequency with aging, TinyLFU's admission test) and the ``batch`` miss path (by token count: host, cache,
+or a stream buffer that bypasses the cache), alone against hand-worked figures and a brute-force model,
+and together in the simulator on batched traces against the per-step references of ``sim.bounds``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertcache.cache.schedule import build_schedule
+from expertcache.cli import main
+from expertcache.costs import CostModel
+from expertcache.errors import PolicyError
+from expertcache.miss import FETCH, FULL, ON_HOST, MissContext, MissPathError, Need, make_miss
+from expertcache.miss.base import ON_HOST_FILL
+from expertcache.miss.batch import STREAM, STREAMED
+from expertcache.policy import Clock, PolicyContext, make_policy
+from expertcache.sim.bounds import step_bounds
+from expertcache.sim.replay import replay
+from expertcache.sim.timing import simulate_timing
+from expertcache.trace.batch import batch_requests
+from expertcache.trace.default import default_trace
+
+
+def tlfu(capacity: int, **params):
+    ctx = PolicyContext(capacity=capacity, num_layers=2, num_experts=8, top_k=2, clock=Clock())
+    return make_policy("tlfu", ctx, **params)
+
+
+def use(policy, token: int, counts: dict, prefill: bool = False) -> None:
+    policy.clock.token, policy.clock.prefill = token, prefill
+    policy.on_use(list(counts), list(counts.values()))
+
+
+# ------------------------------------------------------------------------------------------------
+# tlfu alone
+# ------------------------------------------------------------------------------------------------
+class TestTLFU:
+    def test_the_victim_has_the_fewest_tokens_aged(self):
+        p = tlfu(2, half_life=100)
+        use(p, 0, {(0, 0): 8, (0, 1): 3})
+        p.on_insert((0, 0))
+        p.on_insert((0, 1))
+        assert p.victim((0, 2), ()) == (0, 1)  # 3 tokens < 8
+        use(p, 200, {(0, 1): 2})  # two half-lives on: (0, 0) holds 8/4 = 2 tokens, (0, 1) 3/4 + 2
+        p.on_hit((0, 1))
+        assert p.victim((0, 2), ()) == (0, 0)
+        assert p.victim((0, 2), {(0, 0)}) == (0, 1)  # never a pinned key
+
+    def test_prompt_tokens_weigh_less(self):
+        p = tlfu(2, half_life=1e9, prompt=0.25)
+        use(p, 0, {(0, 0): 10}, prefill=True)  # 2.5
+        use(p, 0, {(0, 1): 3})
+        p.on_insert((0, 0))
+        p.on_insert((0, 1))
+        assert p.victim((0, 2), ()) == (0, 0)
+
+    def test_admission_matches_the_best_candidates_against_the_victims_in_order(self):
+        p = tlfu(3, half_life=1e9, margin=0.0)
+        use(p, 0, {(0, 0): 1, (0, 1): 5, (0, 2): 9})
+        for e in range(3):
+            p.on_insert((0, e))
+        use(p, 0, {(1, 0): 6, (1, 1): 2, (1, 2): 20})
+        # best first: (1, 2) against (0, 0) yes, (1, 0) against (0, 1) yes, (1, 1) against (0, 2) no
+        assert p.admits([(1, 0), (1, 1), (1, 2)], ()) == [True, False, True]
+        # (0, 0) pinned: (1, 2) against (0, 1) yes, (1, 0) against (0, 2) no
+        assert p.admits([(1, 0), (1, 1), (1, 2)], {(0, 0)}) == [False, False, True]
+
+    def test_the_margin_keeps_what_is_nearly_as_good(self):
+        p = tlfu(1, half_life=1e9, margin=1.0)  # admit above twice the victim's tokens
+        use(p, 0, {(0, 0): 4})
+        p.on_insert((0, 0))
+        use(p, 0, {(1, 0): 7, (1, 1): 9})
+        assert p.admits([(1, 0)], ()) == [False]
+        assert p.admits([(1, 1)], ()) == [True]
+
+    def test_room_left_admits_without_comparing(self):
+        p = tlfu(4)
+        assert p.admits([(0, 0), (0, 1)], ()) == [True, True]
+
+    @pytest.mark.parametrize(
+        "params, words",
+        [({"half_life": 0}, "half_life"), ({"prompt": 2}, "prompt"), ({"margin": -1}, "margin")],
+    )
+    def test_bad_parameters(self, params, words):
+        with pytest.raises(PolicyError, match=words):
+            tlfu(2, **params)
+
+    def test_bad_parameters_on_the_command_line_are_one_line_and_exit_2(self, capsys):
+        code = main(["sim", "--policy", "tlfu:half_life=-3", "--capacity", "24"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "half_life" in err and len(err.splitlines()) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    uses=st.lists(
+        st.tuples(st.integers(0, 7), st.integers(1, 40), st.integers(0, 50), st.booleans()),
+        min_size=1,
+        max_size=40,
+    ),
+    half_life=st.sampled_from([10.0, 64.0, 1e6]),
+)
+def test_victim_is_the_least_aged_token_frequency(uses, half_life):
+    """Against a brute-force model: each key's F = sum of w * tokens * 2^-(now - t)/h; every resident key is
+    touched at its uses, and the victim is always a key of the least F (within rounding)."""
+    p = tlfu(3, half_life=half_life, prompt=0.5, margin=0.0)
+    history: dict = {}
+    now = 0
+    for expert, tokens, dt, prefill in uses:
+        now += dt
+        key = (0, expert)
+        use(p, now, {key: tokens}, prefill)
+        history.setdefault(key, []).append((now, tokens * (0.5 if prefill else 1.0)))
+        if key in p:
+            p.on_hit(key)
+        else:
+            victim = p.victim(key, ())
+            if victim is not None:
+                f = {k: sum(w * 2 ** (-(now - t) / half_life) for t, w in history[k]) for k in list(p._entry)}
+                assert f[victim] <= min(f.values()) * (1 + 1e-9)
+                p.on_evict(victim)
+            p.on_insert(key)
+
+
+# ------------------------------------------------------------------------------------------------
+# batch alone
+# ------------------------------------------------------------------------------------------------
+COSTS = CostModel(
+    expert_s=1e-3,
+    expert_token_s=1e-4,
+    host_expert_s=2e-3,
+    host_expert_token_s=1e-3,
+    link_bandwidth=1e6,
+    link_latency=0.0,
+    expert_bytes=3000,
+    chunk_bytes=None,
+    dense_s=0.0,
+    step_s=0.0,
+)  # fmt: skip: a transfer of 3 ms; on the host 2 + n ms, on the device 1 + 0.1 n ms after the transfer
+
+
+class _View:
+    def __init__(self, admitted=(), streaming=()):
+        self.admitted, self.streaming = set(admitted), set(streaming)
+        self.asked: list = []
+
+    def present(self, part, key):
+        return part == STREAM and key in self.streaming
+
+    resident = present
+
+    def admits(self, part, keys):
+        assert part == FULL
+        self.asked.append(list(keys))
+        return [k in self.admitted for k in keys]
+
+
+def need(expert: int, tokens: int) -> Need:
+    return Need((0, expert), tokens, 1.0, 0.0, 0, 1.0)
+
+
+class TestBatchPath:
+    path = make_miss("batch", MissContext(2, 8, 2, costs=COSTS))
+
+    def test_routes_by_token_count_and_admission(self):
+        # 1 token: host 3 ms < 3 + 1.1 ms; 10 tokens: host 12 ms > 3 + 2 ms
+        needs = [need(0, 1), need(1, 1), need(2, 10), need(3, 10), need(4, 10)]
+        view = _View(admitted={(0, 0), (0, 2)}, streaming={(0, 4)})
+        routes = self.path.decide(0, needs, view)
+        assert routes == [ON_HOST_FILL, ON_HOST, FETCH, STREAMED, STREAMED]
+        assert view.asked == [[(0, 0), (0, 1), (0, 2), (0, 3)]]  # one question, not for what is streaming
+
+    def test_without_fill_admitted_host_experts_stay_on_the_host(self):
+        path = make_miss("batch:fill=0", MissContext(2, 8, 2, costs=COSTS))
+        assert path.decide(0, [need(0, 1)], _View(admitted={(0, 0)})) == [ON_HOST]
+
+    def test_the_buffer_comes_out_of_the_budget(self):
+        caps = self.path.capacities(100 * 3000, {FULL: 3000, STREAM: 3000})
+        assert caps == {STREAM: 4, FULL: 96}  # 2 * top-k
+        assert self.path.capacities(3 * 3000, {FULL: 3000, STREAM: 3000}) == {STREAM: 1, FULL: 2}
+        assert self.path.capacities(8 * 3000, {FULL: 3000, STREAM: 3000}) == {STREAM: 2, FULL: 6}  # a quarter
+
+    @pytest.mark.parametrize("spec, words", [("batch:buffer=0", "buffer"), ("batch:fill=2", "fill")])
+    def test_bad_parameters(self, spec, words):
+        with pytest.raises(MissPathError, match=words):
+            make_miss(spec, MissContext(2, 8, 2, costs=COSTS))
+
+    def test_no_costs_is_one_clear_error(self):
+        path = make_miss("batch", MissContext(2, 8, 2))
+        with pytest.raises(MissPathError, match="costs"):
+            path.decide(0, [need(0, 1)], _View())
+
+
+# ------------------------------------------------------------------------------------------------
+# Together, in the simulator, on batched traces
+# ------------------------------------------------------------------------------------------------
+def embedded_costs(host_factor: float = 1.0) -> CostModel:
+    """The timing model's defaults scaled to the embedded model's 184 kB experts (bench/batched_sim.py)."""
+    base = CostModel()
+    f = 184_320 / base.expert_bytes
+    return replace(
+        base, expert_bytes=184_320, expert_s=base.expert_s * f, expert_token_s=base.expert_token_s * f,
+        host_expert_s=base.host_expert_s * f * host_factor,
+        host_expert_token_s=base.host_expert_token_s * f * host_factor,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def users16():
+    return batch_requests(default_trace(), 16)
+
+
+def test_tlfu_keeps_hits_where_lru_collapses(users16):
+    s = build_schedule(users16, "layer")
+    cap = users16.num_keys // 4
+    hits = {p: replay(s, p, cap).hits / s.num_requests for p in ("lru", "tlfu", "opt")}
+    assert hits["lru"] < 0.01  # a step of 16 requests needs most experts: recency keeps nothing
+    assert hits["tlfu"] > 0.5 * hits["opt"]
+
+
+@pytest.mark.parametrize("host_factor", [1.0, 16.0])
+def test_batch_tlfu_moves_and_computes_within_the_target_of_the_better_reference(users16, host_factor):
+    """Miss work (the link's busy time and the host's) within 1.2x the better per-step reference summed:
+    with a fast host (the static split is better) and a slow one (streaming is)."""
+    cost = embedded_costs(host_factor)
+    cap = users16.num_keys // 4
+    best = step_bounds(users16, cap, cost).best_s.sum()
+    res = simulate_timing(users16, cap, cache="tlfu", miss="batch", cost=cost)
+    assert res.link_busy_s + res.host_busy_s <= 1.2 * best
+    lru = simulate_timing(users16, cap, cache="lru", miss="batch", cost=cost)
+    assert res.link_busy_s + res.host_busy_s < lru.link_busy_s + lru.host_busy_s
+    if host_factor > 1:  # a slow host: misses stream through the buffer, bypassing the cache
+        assert res.cache["part_misses"][STREAM] > 0 and res.cache["host_computed"] == 0
+    else:  # a fast host: the cold experts are computed there, the popular ones cached
+        assert res.cache["host_computed"] > 0 and res.cache["filled"] > 0
+    assert math.isclose(res.requests, res.hits + res.misses)
