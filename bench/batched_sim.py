@@ -1,9 +1,11 @@
 """Many users, one expert cache, in the simulator: batched traces at 1, 4, 16 and 64 concurrent requests.
 
 For each trace (the shared Qwen1.5-MoE trace, the embedded model's) and concurrency, at a budget of 25 %
-of the experts: the hit ratio of LRU, LFU and OPT (replays), and in the timing model the miss time (the
-link's busy time plus the host's time computing missed experts; also what compute waited: stall + host
-wait) of ``fetch`` (LRU), ``host`` (LRU) and ``hybrid`` (HybriMoE, mrs) against the two per-step
+of the experts: the hit ratio of LRU, LFU, TLFU and OPT (replays), and in the timing model the miss time
+(the link's busy time plus the host's time computing missed experts; also what compute waited: stall +
+host wait) of ``fetch`` (LRU), ``host`` (LRU), ``hybrid`` (HybriMoE, mrs) and ``batch`` (tlfu: token
+counts, admission, bypass and streaming; each expert where it costs least, and ``split=makespan``:
+HybriMoE's schedule) against the two per-step
 references of ``sim.bounds`` (every needed expert moved once; the best static split between cache and
 host), summed over the steps, and the better of them in each step summed.
 
@@ -39,7 +41,13 @@ from expertcache.trace.stats import step_shape  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
 EXPERT_BYTES = {"qwen15": 3 * 2048 * 1408 * 2, "embedded": 184_320}
-PATHS = (("fetch", "lru"), ("host", "lru"), ("hybrid", "mrs"))
+PATHS = (
+    ("fetch", "lru"),
+    ("host", "lru"),
+    ("hybrid", "mrs"),
+    ("batch", "tlfu"),
+    ("batch:split=makespan", "tlfu"),
+)
 
 
 def scaled(expert_bytes: int) -> CostModel:
@@ -75,26 +83,30 @@ def main() -> int:
             trace = batch_requests(src, n)
             schedule = build_schedule(trace, "layer")
             row = {"trace": name, "concurrency": n, "capacity": capacity, **step_shape(trace)}
-            for policy in ("lru", "lfu", "opt"):
+            for policy in ("lru", "lfu", "tlfu", "opt"):
                 row[f"{policy}_hit_ratio"] = replay(schedule, policy, capacity).hits / schedule.num_requests
             bounds = step_bounds(trace, capacity, cost)
             row.update({f"bound_{k}": v for k, v in bounds.to_dict().items()})
-            for miss, policy in PATHS:
-                res = simulate_timing(trace, capacity, cache=policy, miss=miss, cost=cost)
+            for spec, policy in PATHS:
+                res = simulate_timing(trace, capacity, cache=policy, miss=spec, cost=cost)
+                miss = spec.replace("batch:split=makespan", "batch_makespan")
                 work = res.link_busy_s + res.host_busy_s  # the link's and the host's time on misses
                 row[f"{miss}_miss_s"] = work
                 row[f"{miss}_wait_s"] = res.stall_s + res.host_wait_s  # what compute waited for
                 row[f"{miss}_total_s"] = res.total_s
                 row[f"{miss}_vs_best"] = work / row["bound_best_s"] if row["bound_best_s"] else None
+                row[f"{miss}_hit_ratio"] = res.hits / res.requests if res.requests else None
             rows.append(row)
             print(
                 f"{name:9s} x{n:<3d} {row['mean_step_experts']:5.1f}/{src.num_experts} experts a layer-step "
                 f"| hits lru {row['lru_hit_ratio']:.3f} lfu {row['lfu_hit_ratio']:.3f} "
-                f"opt {row['opt_hit_ratio']:.3f} | "
+                f"tlfu {row['tlfu_hit_ratio']:.3f} opt {row['opt_hit_ratio']:.3f} | "
                 f"miss s: stream {row['bound_stream_s']:.2f} static {row['bound_static_s']:.2f} best "
                 f"{row['bound_best_s']:.2f} | fetch {row['fetch_miss_s']:.2f} host {row['host_miss_s']:.2f} "
-                f"hybrid {row['hybrid_miss_s']:.2f} (waits: fetch {row['fetch_wait_s']:.2f} hybrid "
-                f"{row['hybrid_wait_s']:.2f}; {time.perf_counter() - t0:.0f} s)",
+                f"hybrid {row['hybrid_miss_s']:.2f} batch {row['batch_miss_s']:.2f} makespan "
+                f"{row['batch_makespan_miss_s']:.2f} (x best: {row['batch_vs_best']:.2f}; waits: hybrid "
+                f"{row['hybrid_wait_s']:.2f} batch {row['batch_wait_s']:.2f} makespan "
+                f"{row['batch_makespan_wait_s']:.2f}; {time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )  # fmt: skip

@@ -132,18 +132,11 @@ def test_victim_is_the_least_aged_token_frequency(uses, half_life):
 # ------------------------------------------------------------------------------------------------
 # batch alone
 # ------------------------------------------------------------------------------------------------
+# a transfer of 3 ms; on the host 2 + n ms, on the device 1 + 0.1 n ms after the transfer
 COSTS = CostModel(
-    expert_s=1e-3,
-    expert_token_s=1e-4,
-    host_expert_s=2e-3,
-    host_expert_token_s=1e-3,
-    link_bandwidth=1e6,
-    link_latency=0.0,
-    expert_bytes=3000,
-    chunk_bytes=None,
-    dense_s=0.0,
-    step_s=0.0,
-)  # fmt: skip: a transfer of 3 ms; on the host 2 + n ms, on the device 1 + 0.1 n ms after the transfer
+    expert_s=1e-3, expert_token_s=1e-4, host_expert_s=2e-3, host_expert_token_s=1e-3,
+    link_bandwidth=1e6, link_latency=0.0, expert_bytes=3000, chunk_bytes=None, dense_s=0.0, step_s=0.0,
+)  # fmt: skip
 
 
 class _View:
@@ -187,7 +180,9 @@ class TestBatchPath:
         assert self.path.capacities(3 * 3000, {FULL: 3000, STREAM: 3000}) == {STREAM: 1, FULL: 2}
         assert self.path.capacities(8 * 3000, {FULL: 3000, STREAM: 3000}) == {STREAM: 2, FULL: 6}  # a quarter
 
-    @pytest.mark.parametrize("spec, words", [("batch:buffer=0", "buffer"), ("batch:fill=2", "fill")])
+    @pytest.mark.parametrize(
+        "spec, words", [("batch:buffer=0", "buffer"), ("batch:fill=2", "fill"), ("batch:split=fast", "split")]
+    )
     def test_bad_parameters(self, spec, words):
         with pytest.raises(MissPathError, match=words):
             make_miss(spec, MissContext(2, 8, 2, costs=COSTS))
@@ -196,6 +191,32 @@ class TestBatchPath:
         path = make_miss("batch", MissContext(2, 8, 2))
         with pytest.raises(MissPathError, match="costs"):
             path.decide(0, [need(0, 1)], _View())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    cached=st.lists(st.integers(1, 60), max_size=6),
+    parallel=st.booleans(),
+)
+def test_makespan_split_is_hybrimoes_where_everything_is_admitted(tokens, cached, parallel):
+    """``split=makespan``: the host or the device by HybriMoE's schedule (the ``hybrid`` path's very
+    routes when the policy admits every miss and nothing streams)."""
+    c = replace(COSTS, host_parallel=parallel)
+    ctx = MissContext(2, 64, 2, costs=c)
+    needs = [need(e, n) for e, n in enumerate(tokens)]
+    hits = [need(32 + e, n) for e, n in enumerate(cached)]
+    view = _View(admitted={n.key for n in needs})
+    got = make_miss("batch:split=makespan,fill=0", ctx).decide(0, needs, view, hits)
+    assert got == make_miss("hybrid", ctx).decide(0, needs, view, hits)
+
+
+def test_makespan_split_sends_what_is_already_streaming_to_the_device():
+    """An expert in the stream buffer needs no transfer: the schedule counts none for it."""
+    ctx = MissContext(2, 8, 2, costs=COSTS)
+    path = make_miss("batch:split=makespan", ctx)
+    assert path.decide(0, [need(0, 1)], _View()) == [ON_HOST]  # 3 ms on the host beats 3 + 1.1 ms
+    assert path.decide(0, [need(0, 1)], _View(streaming={(0, 0)})) == [STREAMED]  # 1.1 ms: no transfer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,3 +262,27 @@ def test_batch_tlfu_moves_and_computes_within_the_target_of_the_better_reference
     else:  # a fast host: the cold experts are computed there, the popular ones cached
         assert res.cache["host_computed"] > 0 and res.cache["filled"] > 0
     assert math.isclose(res.requests, res.hits + res.misses)
+
+
+def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
+    """``--concurrency N``: the trace's requests served N at a time first; the doctor then says what a
+    step asks of the cache and what ``batch`` with ``tlfu`` does for it."""
+    assert main(["doctor", "--concurrency", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    import json
+
+    batch = json.loads(out)["batch"]
+    assert "16 at a time" in err
+    assert batch["mean_step_experts"] > 10 and batch["tlfu_miss_ratio"] < batch["lru_miss_ratio"]
+    assert batch["batch_vs_best"] <= 1.2
+    assert main(["doctor"]) == 0
+    assert "a step serves" not in capsys.readouterr().out  # one request a step: no batch to speak of
+    assert main(["plan", "--concurrency", "4", "--policy", "tlfu", "--miss", "batch", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["miss"].startswith("batch")
+
+
+@pytest.mark.parametrize("command", ["doctor", "plan"])
+def test_bad_concurrency_is_one_line_and_exit_2(command, capsys):
+    assert main([command, "--concurrency", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--concurrency" in err and len(err.splitlines()) == 1

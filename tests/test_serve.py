@@ -109,15 +109,26 @@ def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served)
     assert tokens > steps > 0  # some steps computed several requests' tokens
 
 
-def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_counts(make_ckpt):
+# batch: a margin that admits few experts, so that many-token misses stream (fills off: they, like
+# prefetches, depend on the machine's timing)
+@pytest.mark.parametrize("policy, miss", [("lru", "fetch"), ("tlfu:margin=8", "batch:fill=0")])
+def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_counts(make_ckpt, policy, miss):
     """Under continuous batching the engine learns from the batcher whose each token is: the recorded
     trace holds every request's prompt and generated tokens in order, each step the tokens it ran
     (at most ``batch_tokens``), and the simulator's replay of it gives the engine's requests and misses
-    per phase and layer. /metrics and the stats say the same per-phase counts."""
+    per phase and layer (under batch-aware caching too: tlfu's token counts, admissions and bypasses).
+    /metrics and the stats say the same per-phase counts."""
     from expertcache.cache.schedule import build_schedule
+    from expertcache.costs import CostModel
     from expertcache.sim.replay import replay
+    from expertcache.sim.timing import simulate_timing
 
-    model = engine_load(make_ckpt("mixtral"), 8, record=True)
+    # one-token misses on the host, many-token ones over the link
+    costs = CostModel(
+        expert_s=1e-3, expert_token_s=1e-4, host_expert_s=2e-3, host_expert_token_s=1e-3,
+        link_bandwidth=1e6, link_latency=0.0, expert_bytes=3000, chunk_bytes=None,
+    )  # fmt: skip
+    model = engine_load(make_ckpt("mixtral"), 8, policy, record=True, miss=miss, costs=costs)
     config = ServeConfig(max_queue=8, batch_tokens=12)
     with TestClient(create_app(model, "tiny", config), base_url=BASE) as http:
         client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
@@ -150,9 +161,15 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
         sizes.max() <= 12
         and len(sizes) == stats["phases"]["decode"]["steps"] + stats["phases"]["prefill"]["steps"]
     )
-    sim = replay(build_schedule(trace, "layer"), "lru", model.capacity)
-    assert model.cache.stats.requests.tolist() == sim.layer_requests.tolist()
-    assert model.cache.stats.misses.tolist() == sim.layer_misses.tolist()
+    if miss == "fetch":
+        sim = replay(build_schedule(trace, "layer"), policy, model.capacity)
+        assert model.cache.stats.requests.tolist() == sim.layer_requests.tolist()
+        assert model.cache.stats.misses.tolist() == sim.layer_misses.tolist()
+    else:
+        timed = simulate_timing(trace, 8, cache=policy, miss=miss, cost=costs)  # the budget, all parts
+        for key in ("requests", "hits", "misses", "host_computed", "misses_by_layer", "part_misses"):
+            assert stats[key] == timed.cache[key], key
+        assert stats["host_computed"] > 0 and stats["part_misses"].get("stream", 0) > 0
     prompt_tokens = int((trace.is_prefill == 1).sum())
     assert stats["phases"]["prefill"]["tokens"] == prompt_tokens == sum(p for p, _ in usage)
     assert stats["phases"]["decode"]["tokens"] == trace.num_tokens - prompt_tokens

@@ -239,6 +239,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam to learn from"
     )
     pl.add_argument("--objective", choices=OBJECTIVES, default="tpot", help="what to minimise (default tpot)")
+    _add_concurrency(pl)
     _add_costs(pl)
     pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -269,6 +270,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "default fetch)"
     )  # fmt: skip
     _add_costs(dr)
+    _add_concurrency(dr)
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
@@ -833,12 +835,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ExpertcacheError("--model and --prompts go together: the trace is recorded from them")
     if args.window_tokens < 1:
         raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
+    _check_concurrency(args)
     if args.model:
         if args.trace != "default":
             raise ExpertcacheError("give --trace or --model with --prompts, not both")
         trace = _record_trace(args.model, args.prompts, args.max_new_tokens)
     else:
         trace = _trace(args.trace)
+    trace = _served(trace, args)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
@@ -892,7 +896,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from expertcache.sim.planner import format_plan, make_plan
 
     _check_cost_flags(args)
-    trace = _trace(args.trace)
+    _check_concurrency(args)
+    trace = _served(_trace(args.trace), args)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
@@ -927,6 +932,33 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
                 parsers.get(meta, parse_duration)(piece, flag)
+
+
+def _add_concurrency(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--concurrency", type=int, metavar="N", help="serve the trace's requests N at a time first, as "
+        "'trace batch' does (what a server with N users asks of the cache; default: as recorded)"
+    )  # fmt: skip
+
+
+def _check_concurrency(args: argparse.Namespace) -> None:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ExpertcacheError(f"--concurrency must be at least 1 request at a time, got {args.concurrency}")
+
+
+def _served(trace: Trace, args: argparse.Namespace) -> Trace:
+    """The trace, or its requests served ``--concurrency`` at a time (``trace.batch.batch_requests``)."""
+    if args.concurrency is None:
+        return trace
+    from expertcache.trace.batch import batch_requests
+
+    served = batch_requests(trace, args.concurrency)
+    print(
+        f"served {trace.source}'s requests {args.concurrency} at a time: {served.num_tokens} tokens in "
+        f"{len(set(served.step_id.tolist()))} steps",
+        file=sys.stderr,
+    )
+    return served
 
 
 def _add_budget(p: argparse.ArgumentParser, default: str) -> None:

@@ -39,16 +39,20 @@ from expertcache.miss.base import (
     PartSpec,
     Route,
 )
+from expertcache.miss.hybrid import makespan_split
 
 STREAM = "stream"
 STREAMED = Route(DEVICE, (STREAM,))
+SPLITS = ("each", "makespan")
 
 
 class Batch(MissPath):
     name = "batch"
     needs_costs = True
 
-    def __init__(self, ctx: MissContext, *, buffer: int | None = None, fill: int = 1) -> None:
+    def __init__(
+        self, ctx: MissContext, *, buffer: int | None = None, fill: int = 1, split: str = "each"
+    ) -> None:
         super().__init__(ctx)
         if buffer is None:
             buffer = 2 * ctx.top_k  # a token's experts of one layer streaming, and the next's
@@ -56,7 +60,9 @@ class Batch(MissPath):
             raise MissPathError(f"batch: buffer must be a whole number of experts >= 1, got {buffer!r}")
         if fill not in (0, 1):
             raise MissPathError(f"batch: fill is 0 or 1, got {fill!r}")
-        self.buffer, self.fill = buffer, fill
+        if split not in SPLITS:
+            raise MissPathError(f"batch: split is {' or '.join(SPLITS)}, got {split!r}")
+        self.buffer, self.fill, self.split = buffer, fill, split
 
     def parts(self) -> list[PartSpec]:
         return [FULL_PART, PartSpec(STREAM, policy="lru", min_room=1, shared=True)]
@@ -78,16 +84,22 @@ class Batch(MissPath):
         streaming = [view.present(STREAM, n.key) for n in needs]  # already in the buffer: no transfer
         asked = [n.key for n, s in zip(needs, streaming, strict=True) if not s]
         admitted = dict(zip(asked, view.admits(FULL, asked), strict=True))
+        if self.split == "makespan":
+            hosted = makespan_split(c, needs, hits, streaming)
+        else:
+            hosted = [c.host_expert(n.tokens) < transfer + c.expert(n.tokens) for n in needs]
         on_host = ON_HOST_FILL if self.fill else ON_HOST
         routes: list[Route] = []
-        for n, streamed in zip(needs, streaming, strict=True):
-            if streamed:
+        for n, streamed, host in zip(needs, streaming, hosted, strict=True):
+            if host:
+                routes.append(on_host if not streamed and admitted[n.key] else ON_HOST)
+            elif streamed:
                 routes.append(STREAMED)
-            elif c.host_expert(n.tokens) < transfer + c.expert(n.tokens):
-                routes.append(on_host if admitted[n.key] else ON_HOST)
             else:
                 routes.append(FETCH if admitted[n.key] else STREAMED)
         return routes
 
     def describe(self) -> str:
-        return f"batch:buffer={self.buffer}" + ("" if self.fill else ",fill=0")
+        fill = "" if self.fill else ",fill=0"
+        split = "" if self.split == "each" else f",split={self.split}"
+        return f"batch:buffer={self.buffer}{fill}{split}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from expertcache.costs import CostModel
 from expertcache.miss.base import FETCH, ON_HOST, CacheView, MissPath, MissPathError, Need, Route
 
 
@@ -28,24 +29,33 @@ class Hybrid(MissPath):
         c = self.ctx.costs
         if c is None:
             raise MissPathError("miss path 'hybrid' decides by the machine's costs, and none were given")
-        transfer = c.transfer_time()
-        device = sum(c.expert(n.tokens) for n in hits)  # busy with the cached experts first
-        host = link = 0.0
-        order = sorted(range(len(needs)), key=lambda i: needs[i].tokens)  # lightest first
-        lo, hi = 0, len(order) - 1
-        routes: list[Route] = [FETCH] * len(needs)
-        # the time to finish: both timelines in parallel, or one after the other on one processor
-        end = max if c.host_parallel else lambda a, b: a + b
-        while lo <= hi:
-            light, heavy = needs[order[lo]], needs[order[hi]]
-            on_host = end(host + c.host_expert(light.tokens), device)
-            arrive = link + transfer
-            fetched = end(host, max(device, arrive) + c.expert(heavy.tokens))
-            if on_host <= fetched:
-                routes[order[lo]] = ON_HOST
-                host += c.host_expert(light.tokens)
-                lo += 1
-            else:
-                link, device = arrive, max(device, arrive) + c.expert(heavy.tokens)
-                hi -= 1
-        return routes
+        return [ON_HOST if h else FETCH for h in makespan_split(c, needs, hits)]
+
+
+def makespan_split(
+    c: CostModel, needs: Sequence[Need], hits: Sequence[Need] = (), moved: Sequence[bool] | None = None
+) -> list[bool]:
+    """HybriMoE's greedy schedule of a layer's missing ``needs`` beside its cached ``hits``: for each need,
+    whether it runs on the host (else on the device, over the link unless ``moved`` says it needs no
+    transfer: already in a buffer)."""
+    transfer = c.transfer_time()
+    device = sum(c.expert(n.tokens) for n in hits)  # busy with the cached experts first
+    host = link = 0.0
+    order = sorted(range(len(needs)), key=lambda i: needs[i].tokens)  # lightest first
+    lo, hi = 0, len(order) - 1
+    on_host = [False] * len(needs)
+    # the time to finish: both timelines in parallel, or one after the other on one processor
+    end = max if c.host_parallel else lambda a, b: a + b
+    while lo <= hi:
+        light, heavy = needs[order[lo]], needs[order[hi]]
+        to_host = end(host + c.host_expert(light.tokens), device)
+        arrive = link + (transfer if moved is None or not moved[order[hi]] else 0.0)
+        fetched = end(host, max(device, arrive) + c.expert(heavy.tokens))
+        if to_host <= fetched:
+            on_host[order[lo]] = True
+            host += c.host_expert(light.tokens)
+            lo += 1
+        else:
+            link, device = arrive, max(device, arrive) + c.expert(heavy.tokens)
+            hi -= 1
+    return on_host

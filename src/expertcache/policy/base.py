@@ -11,7 +11,8 @@ Time comes from a ``Clock`` owned by the driver: ``round`` counts passes over th
 decode token or prefill step in layer order, one per token in flat order, one per seed-000 round
 in rounds order), ``layer`` is the layer being served, ``group`` indexes the request group, the unit in
 which an offline policy's future is given, ``token`` counts tokens (the first token of a prefill
-step; the K rounds of a token in rounds order share it), and ``seq`` is the request being served.
+step; the K rounds of a token in rounds order share it), ``seq`` is the request being served, and
+``prefill`` whether the step holds prompt tokens.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ From a routing trace, before any tuning:
   (MoE-Infinity's EAM, and the engine's recorded predictions when the trace holds them);
 - OPT's and LRU's miss ratios at the budget;
 - the planner's predicted TPOT against every expert resident and on-demand LRU;
+- for a batched trace (many users in one step: ``serve --record-trace``, ``trace batch``): the steps'
+  shape, the token-weighted policy's miss ratio (``tlfu``) beside LRU's, and the ``batch`` miss path's
+  miss work against the better of the two per-step references (``sim.bounds``);
 
 and a verdict in words. Torch-free.
 """
@@ -25,9 +28,11 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
+from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
 from expertcache.sim.timing import simulate_timing
+from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace
 
 LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
@@ -160,9 +165,40 @@ def diagnose(
         },
         "plan": plan.describe(),
         "transfer_saved_by_lru": saved,
+        "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
     }
     report["verdict"] = verdict(report)
     return report
+
+
+def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float) -> dict[str, object] | None:
+    """A batched trace's steps, and what token weighting does for them (None for one request a step)."""
+    shape = step_shape(trace)
+    if shape is None or shape["mean_step_tokens"] <= 1 or _one_request_a_step(trace):
+        return None
+    tlfu = run_policy(schedule, "tlfu", [capacity])[0].miss_ratio
+    best = float(step_bounds(trace, capacity, cost).best_s.sum())
+    res = simulate_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
+    work = res.link_busy_s + res.host_busy_s
+    return {
+        **shape,
+        "lru_miss_ratio": lru,
+        "tlfu_miss_ratio": tlfu,
+        "batch_miss_work_s": work,
+        "best_reference_s": best,
+        "batch_vs_best": work / best if best else None,
+        "batch_tpot_s": res.tpot_s,
+        "batch_ttft_s": res.ttft_s,
+    }
+
+
+def _one_request_a_step(trace: Trace) -> bool:
+    """Every step serves one request (a prompt step's tokens are one request's): not a batch."""
+    if trace.seq_id is None:
+        return True
+    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
+    seq = trace.seq_id.astype(np.int64)
+    return bool((np.maximum.reduceat(seq, starts) == np.minimum.reduceat(seq, starts)).all())
 
 
 def verdict(r: dict[str, object]) -> list[str]:
@@ -202,6 +238,15 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"the hit-rate curve bends at about {r['knee_in_active']:.1f}x the active experts per layer "
             f"({r['knee_experts_per_layer']:.0f} of {r['shape']['experts']}); this budget gives "
             f"{r['capacity_per_layer_in_active']:.1f}x"
+        )
+    b = r.get("batch")
+    if b is not None:
+        out.append(
+            f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
+            f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
+            f"{100 * b['lru_miss_ratio']:.0f} % of them, token-weighted frequency (tlfu) "
+            f"{100 * b['tlfu_miss_ratio']:.0f} %; --miss batch --policy tlfu moves and computes misses in "
+            f"{b['batch_vs_best']:.2f}x the better per-step reference (TPOT {1e3 * b['batch_tpot_s']:.3f} ms)"
         )
     t = r["tpot_s"]
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
