@@ -155,5 +155,13 @@ class MissPath:
         """The parts to prefetch for a predicted expert (those already present are skipped)."""
         return self.hit(key[0]).parts
 
+    def costs(self) -> CostModel:
+        """The machine's costs, for a path that decides by them (``needs_costs``); one clear error without."""
+        if self.ctx.costs is None:
+            raise MissPathError(
+                f"miss path {self.name!r} decides by the machine's costs, and none were given"
+            )
+        return self.ctx.costs
+
     def describe(self) -> str:
         return self.name

@@ -77,9 +77,7 @@ class Batch(MissPath):
     def decide(
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:
-        c = self.ctx.costs
-        if c is None:
-            raise MissPathError("miss path 'batch' decides by the machine's costs, and none were given")
+        c = self.costs()
         transfer = c.transfer_time()
         streaming = [view.present(STREAM, n.key) for n in needs]  # already in the buffer: no transfer
         asked = [n.key for n, s in zip(needs, streaming, strict=True) if not s]

@@ -42,9 +42,7 @@ class Host(MissPath):
     def decide(
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:
-        c = self.ctx.costs
-        if c is None:
-            raise MissPathError("miss path 'host' decides by the machine's costs, and none were given")
+        c = self.costs()
         transfer = c.transfer_time()
         return [
             self.on_host if c.host_expert(n.tokens) < transfer + c.expert(n.tokens) else FETCH for n in needs

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from expertcache.costs import CostModel
-from expertcache.miss.base import FETCH, ON_HOST, CacheView, MissPath, MissPathError, Need, Route
+from expertcache.miss.base import FETCH, ON_HOST, CacheView, MissPath, Need, Route
 
 
 class Hybrid(MissPath):
@@ -26,9 +26,7 @@ class Hybrid(MissPath):
     def decide(
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:
-        c = self.ctx.costs
-        if c is None:
-            raise MissPathError("miss path 'hybrid' decides by the machine's costs, and none were given")
+        c = self.costs()
         return [ON_HOST if h else FETCH for h in makespan_split(c, needs, hits)]
 
 

@@ -21,6 +21,7 @@ for the cache. Exact counts (the keys are few: layers x experts), not TinyLFU's 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Container, Sequence
 
@@ -64,7 +65,9 @@ class TLFU(ScoredPolicy):
         free = self.capacity - len(self._entry)
         ranks = self._rank
         order = sorted(range(len(incoming)), key=lambda i: -ranks.get(incoming[i], -math.inf))
-        victims = iter(sorted(e for e in self._entry.values() if e[2] not in pinned))
+        # the victims in eviction order, as many as there are candidates at most
+        live = (e for e in self._entry.values() if e[2] not in pinned)
+        victims = iter(heapq.nsmallest(len(incoming), live))
         out = [False] * len(incoming)
         for i in order:
             if free > 0:
