@@ -1,7 +1,8 @@
-"""Batch-aware caching (issue "many users, one expert cache", part 2): the ``tlfu`` policy (token-weighted
-frequency with aging, TinyLFU's admission test) and the ``batch`` miss path (by token count: host, cache,
-or a stream buffer that bypasses the cache), alone against hand-worked figures and a brute-force model,
-and together in the simulator on batched traces against the per-step references of ``sim.bounds``.
+"""Batch-aware caching (issue "many users, one expert cache", parts 2 and 3): the ``tlfu`` policy
+(token-weighted frequency with aging, TinyLFU's admission test) and the ``batch`` miss path (by token count:
+host, cache, or a stream buffer that bypasses the cache), alone against hand-worked figures and a
+brute-force model, and together in the simulator on batched traces against the per-step references of
+``sim.bounds``; a layer's experts computed in groups as they land (streaming prefill), on a virtual link.
 """
 
 from __future__ import annotations
@@ -286,3 +287,73 @@ def test_bad_concurrency_is_one_line_and_exit_2(command, capsys):
     assert main([command, "--concurrency", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--concurrency" in err and len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Streaming prefill (part 3): a layer computed as its experts land; the decode set kept from a prompt
+# ------------------------------------------------------------------------------------------------
+def _streaming_driver(capacity: int = 8):
+    """A one-layer fetch cache over a virtual link moving an expert a second."""
+    from expertcache.cache.build import build_parts, part_capacities
+    from expertcache.cache.expert_cache import ExpertCache
+    from expertcache.cache.step import StepDriver
+    from expertcache.miss.registry import miss_class
+    from expertcache.sim.vlink import VirtualLink
+
+    L, E, K = 1, 8, 4
+    path = miss_class("fetch")(MissContext(L, E, K))
+    ctx = PolicyContext(capacity=capacity, num_layers=L, num_experts=E, top_k=K, clock=Clock())
+    parts = build_parts(path, part_capacities(path, capacity, {FULL: 1}, K), "lru", ctx)
+    link = VirtualLink([1.0])
+    return StepDriver(ExpertCache(parts, link, path, L, K), L), link
+
+
+@pytest.mark.parametrize(
+    "compute_s, groups, end_s",
+    [
+        (2.5, [[0], [1, 2], [3]], 8.5),  # landing at 1, 2, 3, 4 s: a group takes what landed meanwhile
+        (0.5, [[0], [1], [2], [3]], 4.5),  # compute faster than the link: each as it lands
+        (10.0, [[0], [1, 2, 3]], 21.0),  # slower: the rest has landed by the time the first is computed
+    ],
+)
+def test_a_layers_misses_are_computed_in_groups_as_they_land(compute_s, groups, end_s):
+    import numpy as np
+
+    driver, link = _streaming_driver()
+    driver.begin_step(np.array([1]), True, 0)
+    work = driver.layer(0, np.array([[0, 1, 2, 3]]), None)
+    got = []
+    for group in work.batches():
+        got.append([key[1] for key, _ in group])
+        link.advance(compute_s)
+    driver.end_layer(0)
+    assert got == groups and link.now == end_s
+    driver.begin_step(np.array([2]), False, 1)  # every one resident now: one group
+    work = driver.layer(0, np.array([[3, 2, 1, 0]]), None)
+    assert [[key[1] for key, _ in group] for group in work.batches()] == [[3, 2, 1, 0]]
+    driver.end_layer(0)
+
+
+def test_a_prompts_one_time_experts_do_not_push_out_the_decode_working_set():
+    """One sequence decodes on experts 0 and 1; a 16-token prompt of another, over experts 2-7, comes in
+    between. Under ``batch`` TLFU (a prompt token weighs a quarter, admission by count) computes the
+    prompt's experts without caching them: the decoding sequence misses only its two cold experts. LRU
+    admits the prompt's and misses 0 and 1 again after it."""
+    import numpy as np
+
+    from expertcache.trace.trace import Trace
+
+    rng = np.random.default_rng(0)
+    prompt = [[sorted(rng.choice(np.arange(2, 8), 2, replace=False).tolist())] for _ in range(16)]
+    rows = [[[0, 1]]] * 20 + prompt + [[[0, 1]]] * 20
+    steps = list(range(20)) + [20] * 16 + list(range(21, 41))
+    trace = Trace(
+        experts=np.array(rows, dtype=np.int16), num_experts=8,
+        seq_id=np.array([0] * 20 + [1] * 16 + [0] * 20, dtype=np.int32),
+        is_prefill=np.array([0] * 20 + [1] * 16 + [0] * 20, dtype=np.int8),
+        step_id=np.array(steps, dtype=np.int32),
+    )  # fmt: skip
+    tlfu_run = simulate_timing(trace, 8, cache="tlfu", miss="batch").to_dict()
+    lru_run = simulate_timing(trace, 8, cache="lru", miss="batch").to_dict()
+    assert tlfu_run["decode_misses"] == 2 and lru_run["decode_misses"] == 4
+    assert tlfu_run["prefill_misses"] == lru_run["prefill_misses"] == 6

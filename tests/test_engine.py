@@ -623,6 +623,28 @@ def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
     assert stats["stall_s"] <= busy + 1.0
 
 
+def test_a_prompts_layer_is_computed_as_its_experts_land_and_stays_exact(ckpt, reference):
+    """Streaming prefill with the grouped kernel: over a slow link (20 ms an expert, against well under
+    a millisecond to compute a group of the tiny model) a layer's misses are computed in groups as they
+    land, not after the last, and the output is the reference's bit for bit."""
+    path = ckpt("mixtral")
+    with engine_load(path, 12, kernel="grouped", link_bandwidth="1GB/s", link_latency="20ms") as model:
+        engine, calls = model.engine, []
+        rows = engine._rows
+
+        def counted(module, stacked, hidden, *args):
+            calls.append(hidden.shape[0] > 1)  # the prompt's step
+            return rows(module, stacked, hidden, *args)
+
+        engine._rows = counted
+        got = greedy(model, IDS)
+        misses = model.stats["prefill_misses"]
+    assert_exact(got, reference(path, IDS))
+    # the cold prompt misses every expert it needs, all in one chunk: waiting for the last would compute
+    # each layer in one group; landing 20 ms apart they come in more (in one each, unless compute is slow)
+    assert misses > moe_layers("mixtral") and sum(calls) > moe_layers("mixtral")
+
+
 # ------------------------------------------------------------------------------------------------
 # Regressions: bugs found while writing these tests
 # ------------------------------------------------------------------------------------------------

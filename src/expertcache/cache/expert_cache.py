@@ -455,9 +455,12 @@ class LayerWork:
                 yield key, part
 
     def batches(self) -> Iterator[list[Unit]]:
-        """The units as groups computed together (the engine's grouped kernel): each chunk's units
-        ready now, then once they have landed the rest; the same admissions and waits, in the same order,
-        as ``units()``."""
+        """The units as groups computed together (the engine's grouped kernel), streamed: each chunk's
+        units ready now, then, until none is left, the next unit once it has landed with every later one
+        that has landed meanwhile. A layer whose experts are moving (a long prompt's, a batch's misses)
+        computes each group as it arrives rather than after the last, as the timing model's layer does;
+        with nothing moving it is one group. The same admissions and waits, in the same order, as
+        ``units()``; only where the groups break depends on timing, and a unit's output does not."""
         cache = self.cache
         for i, chunk in enumerate(self.chunks):
             if i:
@@ -466,21 +469,19 @@ class LayerWork:
             if not cache.inflight:  # nothing moving: every unit ready
                 yield order
                 continue
-            ready = 0  # the units ready now lead (``order`` puts them first)
-            for key, part in order:
-                handle = cache.inflight.get((part, key))
-                if handle is not None and cache.transport.poll(handle) != READY:
-                    break
-                ready += 1
-            head, rest = order[:ready], order[ready:]
-            for key, part in head:
-                cache.wait(key, part)
-            if head:
-                yield head
-            for key, part in rest:
-                cache.wait(key, part)
-            if rest:
-                yield rest
+            start = 0
+            while start < len(order):  # the next unit once landed, and every later one landed meanwhile
+                cache.wait(*order[start])
+                end = start + 1
+                while end < len(order) and self._landed(order[end]):
+                    cache.wait(*order[end])
+                    end += 1
+                yield order[start:end]
+                start = end
+
+    def _landed(self, unit: Unit) -> bool:
+        handle = self.cache.inflight.get((unit[1], unit[0]))
+        return handle is None or self.cache.transport.poll(handle) == READY
 
 
 class _Pins:

@@ -13,6 +13,7 @@ experts became resident or were computed: the full-precision device path is the 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -270,8 +271,8 @@ class Engine:
             table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, the sentinel if none
             if not work.host and not work.skipped and len(work.chunks) == 1 and self._only_full:
                 # every expert of the layer a whole expert on the device: with nothing moving, all resident
-                batches = list(batches) if self.driver.cache.inflight else [work.chunks[0]]
-                if len(batches) == 1:  # all at once (every decode step of a model that fits)
+                first = next(batches) if self.driver.cache.inflight else work.chunks[0]
+                if len(first) == len(work.chunks[0]):  # all at once (every decode step of a model that fits)
                     if T == 1 and self._on_cpu:
                         slots = self.table.host[layer, index[0]].tolist()
                         rows = self._one_token(module, stacked, hidden, slots, top_k_weights)
@@ -279,6 +280,7 @@ class Engine:
                         rows = self._rows(module, stacked, hidden, table[top_k_index], top_k_weights)
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
+                batches = itertools.chain([first], batches)  # the rest as it lands
         flat_index = index.reshape(-1)
         rows: torch.Tensor | None = None
         device = hidden.device
