@@ -14,6 +14,7 @@ import engine_fixtures
 import numpy as np
 import openai
 import pytest
+import torch
 from engine_fixtures import engine_load
 from fastapi.testclient import TestClient
 from hypothesis import given
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from expertcache.cli import main
 from expertcache.config import SamplingConfig, ServeConfig
+from expertcache.errors import ExpertcacheError
 from expertcache.serve import batcher as batcher_module
 from expertcache.serve.app import create_app
 
@@ -575,6 +577,47 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0]
+
+
+class _Shapes:
+    """A model as ``kv_size`` sees it: Granite-3.1-1B's attention (24 layers, 8 KV heads of 64) in float32,
+    98 304 bytes of keys and values a token."""
+
+    def __init__(self) -> None:
+        from transformers import GraniteMoeConfig
+
+        self.config = GraniteMoeConfig(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
+                                       num_key_value_heads=8, max_position_embeddings=131072)  # fmt: skip
+        self.dtype = torch.float32
+
+
+def test_the_kv_cache_default_shrinks_to_what_fits_and_a_size_that_cannot_fit_is_an_error(monkeypatch):
+    batcher = batcher_module
+    model, per_token = _Shapes(), 24 * 2 * 8 * 64 * 4
+    assert batcher.kv_bytes_per_token(model.config, model.dtype) == per_token
+    monkeypatch.setattr(batcher, "batching_memory", lambda: 64 * 2048 * per_token * 4)  # room to spare
+    assert batcher.kv_size(model, 64) == (64 * 2048, None)
+    monkeypatch.setattr(batcher, "batching_memory", lambda: 5 * 2**30)  # 5 GiB: 2.5 GiB for the cache
+    tokens, note = batcher.kv_size(model, 64)
+    assert tokens == 2.5 * 2**30 // per_token // 256 * 256 == 27136
+    assert note.startswith("note: the KV cache holds 27136 tokens") and "--kv-cache-tokens" in note
+    assert batcher.kv_size(model, 64, kv_tokens=40000) == (40192, None)  # asked for: all of the room
+    with pytest.raises(ExpertcacheError, match=r"--kv-cache-tokens 60000 needs 5.5 GiB .* more than the 5"):
+        batcher.kv_size(model, 64, kv_tokens=60000)
+    monkeypatch.setattr(batcher, "batching_memory", lambda: 20 * 2**20)
+    with pytest.raises(ExpertcacheError, match="no room for a KV cache"):
+        batcher.kv_size(model, 64)
+    monkeypatch.setattr(batcher, "batching_memory", lambda: None)  # transformers cannot say: as asked
+    assert batcher.kv_size(model, 4) == (4 * 2048, None)
+
+
+def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line_before_serving(capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["serve", "--port", str(port), "--kv-cache-tokens", str(2**40), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--kv-cache-tokens {2**40} needs" in err[0] and "lower it" in err[0]
 
 
 def test_serve_bad_options_are_one_line(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
     )
     s.add_argument(
         "--kv-cache-tokens", type=int, metavar="N",
-        help="tokens the KV cache holds for all requests (default: max-queue x min(context, 2048))",
+        help="tokens the KV cache holds for all requests (default: max-queue x min(context, 2048), cut "
+        "to what fits in memory)",
     )  # fmt: skip
     s.add_argument(
         "--max-batch-tokens", type=int, default=512, metavar="N",
@@ -137,6 +139,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     model = load_model(args, record=bool(args.record_trace))
+    from expertcache.serve.batcher import kv_size
+
+    kv_tokens, note = kv_size(model, config.max_queue, config.kv_tokens)  # a size that fits, before serving
+    if note:
+        print(note, file=sys.stderr)
+    config = dataclasses.replace(config, kv_tokens=kv_tokens)
     name = args.served_model_name or (args.model if args.model else model_label(model.path))
     stopped = True  # run() raising means no loop was left running
     try:

@@ -46,6 +46,7 @@ import numpy as np
 from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError
+from expertcache.units import format_bytes
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
 FAILED = 4  # RequestStatus.FAILED
@@ -115,9 +116,10 @@ class Batcher:
         self, model, max_queue: int = 64, metrics=None, kv_tokens: int | None = None, batch_tokens: int = 512
     ) -> None:
         """``kv_tokens``: the KV cache's size in tokens (default: ``max_queue`` requests of up to 2048
-        tokens, or the context if shorter); ``batch_tokens``: tokens one step computes at most (prefill
-        chunks included). transformers' own defaults size the cache to most of the free memory, 14 GB
-        for the 22 MB embedded model on a CPU: the server sizes it to what it serves."""
+        tokens, or the context if shorter, cut to what fits: ``kv_size``); ``batch_tokens``: tokens one
+        step computes at most (prefill chunks included). transformers' own defaults size the cache to most
+        of the free memory, 14 GB for the 22 MB embedded model on a CPU: the server sizes it to what it
+        serves."""
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -137,9 +139,10 @@ class Batcher:
             pad_token_id=pad,
             max_new_tokens=1,
         )
-        context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         page = KV_PAGE
-        self.kv_tokens = -(-(kv_tokens or max_queue * min(context, 2048)) // page) * page  # whole pages
+        self.kv_tokens, note = kv_size(model, max_queue, kv_tokens)
+        if note:
+            log.warning("%s", note.removeprefix("note: "))
         try:
             self._cb = ContinuousBatchingConfig(
                 per_request_processors=True, page_size=page, num_blocks=self.kv_tokens // page,
@@ -440,6 +443,76 @@ class Batcher:
         if self.metrics:
             self.metrics.finished(piece, len(self.jobs))
         job.loop.call_soon_threadsafe(job.queue.put_nowait, piece)
+
+
+KV_SHARE = 0.5  # of the memory transformers' continuous batching may use: the KV cache's default at most
+
+
+def kv_size(model, max_queue: int, kv_tokens: int | None = None) -> tuple[int, str | None]:
+    """The KV cache's size in tokens (whole pages) and a note when the default had to shrink.
+
+    The default is ``max_queue`` requests of up to 2048 tokens (or the context if shorter), cut to what
+    fits in ``KV_SHARE`` of the memory transformers' continuous batching allows itself (its own rule: on a
+    CPU 60 % of the machine's memory, or its NUMA nodes', less what the process holds; on a GPU 80 % of
+    the free memory), leaving the rest to the step's activations and masks: a 64-request default for
+    Granite-3.1-1B in float32 would be 12.9 GB, and transformers' loop would fail at its first step. A
+    size asked for (``kv_tokens``) that does not fit at all is an error, before anything starts."""
+    page = KV_PAGE
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = int(getattr(config, "max_position_embeddings", None) or 2048)
+    wanted = -(-(kv_tokens or max_queue * min(context, 2048)) // page) * page  # whole pages
+    per_token = kv_bytes_per_token(config, model.dtype)
+    allowed = batching_memory()
+    if not per_token or allowed is None:
+        return wanted, None
+    if kv_tokens is not None:
+        if wanted * per_token > allowed:
+            raise ExpertcacheError(
+                f"--kv-cache-tokens {kv_tokens} needs {format_bytes(wanted * per_token)} of KV cache, more "
+                f"than the {format_bytes(allowed)} continuous batching may use on this machine: lower it"
+            )
+        return wanted, None
+    room = int(allowed * KV_SHARE) // per_token // page * page
+    if wanted <= room:
+        return wanted, None
+    if room < page:
+        raise ExpertcacheError(
+            f"no room for a KV cache: continuous batching may use {format_bytes(allowed)} on this machine, "
+            f"and one page of {page} tokens takes {format_bytes(page * per_token)}"
+        )
+    note = (
+        f"note: the KV cache holds {room} tokens ({format_bytes(room * per_token)}), what fits in the memory "
+        f"left (--max-queue {max_queue} x {min(context, 2048)} tokens would take "
+        f"{format_bytes(wanted * per_token)}); requests wait for room. Set --kv-cache-tokens to choose"
+    )
+    return room, note
+
+
+def kv_bytes_per_token(config, dtype) -> int:
+    """A token's keys and values over every layer (0 when the config does not say)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not (layers and kv_heads and head_dim):
+        return 0
+    import torch
+
+    return int(layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size())
+
+
+def batching_memory() -> int | None:
+    """The bytes transformers' continuous batching allows itself for its cache here (its own
+    breakdown and share: 60 % on a CPU, 80 % on a GPU with per-request processors), or None."""
+    try:
+        from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
+    except ImportError:
+        return None
+    device, total, reserved, allocated = get_device_and_memory_breakdown()
+    if not total:
+        return None
+    share = 0.6 if device.type in ("cpu", "mps") else 0.8
+    return int((total - max(allocated, reserved)) * share)
 
 
 def failed(incident: str) -> str:
