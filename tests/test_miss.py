@@ -197,6 +197,27 @@ def test_exact_paths_equal_the_reference_above_the_minimum_without_prefetch(fami
         assert_reference(greedy(model, IDS), reference(path, IDS), miss)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the grouped kernel is bit-exact on a CPU (opt-in on a GPU)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(family, ckpt, reference):
+    """``batch`` under a policy that admits nothing new (``tlfu:margin=1000``) and a host that never pays:
+    misses stream through the buffer, whose pool the grouped kernel computes from as it does the cache's
+    (one call per pool and group, no expert alone), and the output is the reference's bit for bit."""
+    path = ckpt(family)
+    slow_host = CostModel(**{**COSTS.__dict__, "host_expert_s": 1.0})
+    with engine_load(path, TOP_K + 2, policy="tlfu:margin=1000", miss="batch:fill=0", costs=slow_host,
+                     kernel="grouped") as model:  # fmt: skip
+        engine, alone = model.engine, []
+        stream = engine.parts["stream"]
+        compute = stream.compute
+        stream.compute = lambda *args: alone.append(args) or compute(*args)
+        got = greedy(model, IDS)
+        stats = model.stats
+    assert set(engine.pools) == {FULL, "stream"}
+    assert_exact(got, reference(path, IDS))
+    assert stats["part_misses"].get("stream", 0) > 0 and stats["host_computed"] == 0 and not alone
+
+
 def test_costs_are_measured_at_load_when_not_given(ckpt, reference):
     path = ckpt("mixtral")
     with engine_load(path, TOP_K, miss="hybrid") as model:

@@ -210,8 +210,8 @@ class Builder:
         self.worker = TransferWorker(link=self.link, parts=self.targets)
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
-        self.kernel, stacked, table = self._kernel(kernel, sk.experts[0])
-        tables = {} if table is None else {(FULL, None): table}
+        self.kernel, pools = self._kernel(kernel, sk.experts[0])
+        tables = {(part, None): table for part, (_, table) in pools.items()}
         settle = prefetch.deterministic
         self.transport = SlotTransport(self.targets, self.worker, settle=settle, tables=tables)
         self.policy_ctx = self._policy_context(cache)
@@ -248,7 +248,7 @@ class Builder:
         self.prefetch_limit = self.cache.limit
         self.engine = Engine(
             self.model, sk.experts, self.driver, self.transport, self.parts, self.host,
-            kernel=self.kernel, stacked=stacked, table=table,
+            kernel=self.kernel, pools=pools,
         )  # fmt: skip
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
@@ -339,9 +339,11 @@ class Builder:
         if not text.endswith("%"):
             parse_size(expert_memory, "expert memory")
 
-    def _kernel(self, name: str | None, module) -> tuple[Kernel, StackedPool | None, SlotTable | None]:
-        """The experts kernel (``engine.kernels``), and for the grouped one the whole-expert pool as stacked
-        tensors with its slot table (a packed checkpoint: the packed kernels over its pool)."""
+    def _kernel(self, name: str | None, module) -> tuple[Kernel, dict[str, tuple[StackedPool, SlotTable]]]:
+        """The experts kernel (``engine.kernels``), and for the grouped one each pool of whole experts as
+        stacked tensors with its slot table, by part: the cache's (``full``), and any other part's pool of
+        the same layout (``batch``'s stream buffer), so that experts streamed past the cache are computed
+        in the same grouped calls as cached ones (a packed checkpoint: the packed kernels over its pool)."""
         if self.packed is not None:
             kernel = KERNELS["packed"]
         else:
@@ -350,12 +352,18 @@ class Builder:
                 self.notes.append(note)
         target = self.targets.get((FULL, None))
         if not kernel.stacked or target is None or target.layouts is not None or not len(target.pool):
-            return kernel, None, None
+            return kernel, {}
         pool = target.pool
-        stacked = (
-            PackedPool(pool, module._expertcache_packed) if self.packed is not None else StackedPool(pool)
-        )
-        return kernel, stacked, SlotTable(self.num_layers, self.num_experts, len(pool))
+        if self.packed is not None:
+            stacked = PackedPool(pool, module._expertcache_packed)
+            return kernel, {FULL: (stacked, SlotTable(self.num_layers, self.num_experts, len(pool)))}
+        pools = {}
+        for (part, group), other in self.targets.items():
+            same = other.layouts is None and other.pool.layout == pool.layout
+            if group is None and same and len(other.pool):
+                table = SlotTable(self.num_layers, self.num_experts, len(other.pool))
+                pools[part] = (StackedPool(other.pool), table)
+        return kernel, pools
 
     def _check_packed(self, kernel: str | None) -> None:
         """A packed checkpoint runs on the packed kernels, with miss paths that move or compute whole

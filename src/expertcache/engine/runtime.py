@@ -142,15 +142,18 @@ class Engine:
         parts: dict[str, EnginePart],
         host: HostExperts,
         kernel: Kernel = KERNELS["eager"],
-        stacked: StackedPool | None = None,
-        table: SlotTable | None = None,
+        pools: dict[str, tuple[StackedPool, SlotTable]] | None = None,
     ):
         self.model, self.driver, self.transport, self.parts, self.host = model, driver, transport, parts, host
         self._one_part = next(iter(parts.values())) if len(parts) == 1 else None
         self.kernel = kernel
         self.grouped = kernel.stacked  # grouped or compiled: over the stacked slot pool
         self.compiled = kernel.name == "compiled"  # a one-token step's experts in the compiled loops
-        self.stacked, self.table = stacked, table  # the whole-expert pool stacked (None without one)
+        # the pools of whole experts stacked, with their slot tables, by part (the cache's, ``full``, and
+        # any other of its layout: a stream buffer); ``stacked``, ``table``: the cache's (None without one)
+        self.pools = dict(pools or {})
+        self.stacked, self.table = self.pools.get(FULL, (None, None))
+        stacked = self.stacked
         self._on_cpu = stacked is not None and stacked.device.type == "cpu"
         packed = getattr(stacked, "packed", False)  # a packed checkpoint's pool (``engine.packed``)
         # a one-token step on a CPU with every expert resident, and any other batch of whole experts
@@ -262,14 +265,16 @@ class Engine:
 
     def _grouped(self, module, layer, hidden, top_k_index, top_k_weights, index, work) -> torch.Tensor:
         """The layer with the grouped kernel: each batch of ready whole experts in one grouped computation
-        over the slot pool, every other unit (host, low precision, a split expert's segments) alone;
+        per pool (the cache's slots; a stream buffer's), every other unit (host, low precision, a split
+        expert's segments) alone;
         each (token, expert) pair's weighted output in its row, the rows summed per token."""
         T, K = index.shape
         batches = work.batches()
         stacked = self.stacked
         if stacked is not None:
             table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, the sentinel if none
-            if not work.host and not work.skipped and len(work.chunks) == 1 and self._only_full:
+            one = not work.host and not work.skipped and len(work.chunks) == 1
+            if one and (self._only_full or all(parts == (FULL,) for _, parts in work.chunks[0])):
                 # every expert of the layer a whole expert on the device: with nothing moving, all resident
                 first = next(batches) if self.driver.cache.inflight else work.chunks[0]
                 if len(first) == len(work.chunks[0]):  # all at once (every decode step of a model that fits)
@@ -304,22 +309,25 @@ class Engine:
 
         on_host = {need.key[1]: self.host.submit(module, need.key, tokens(need.key[1])) for need in work.host}
         partial: dict[int, dict[str, torch.Tensor]] = {}  # expert -> part -> output (units computed alone)
+        pools = self.pools
         for batch in batches:
-            whole = [key[1] for key, part in batch if part == FULL] if stacked is not None else []
-            if whole:
+            for name, (pool, slots_of) in pools.items():  # each pool's ready whole experts in one call
+                whole = [key[1] for key, part in batch if part == name]
+                if not whole:
+                    continue
                 mine = np.isin(flat_index, whole)
                 flat = np.flatnonzero(mine)
-                if self._loops and T == 1 and self._on_cpu:  # one token: its ready experts in compiled loops
-                    slots = self.table.host[layer, flat_index[flat]]
+                if T == 1 and self._on_cpu:  # one token: its ready experts as decode steps compute them
+                    slots = slots_of.host[layer, flat_index[flat]]
                     weights = top_k_weights.reshape(-1)[torch.from_numpy(flat)]
-                    put(flat, self._one_token(module, stacked, hidden, slots, weights))
+                    put(flat, self._one_token(module, pool, hidden, slots, weights))
                 else:
-                    ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device), table[top_k_index],
-                                      self.table.sentinel)  # fmt: skip
-                    out = self._rows(module, stacked, hidden, ids, top_k_weights)
+                    ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device),
+                                      slots_of.on(device)[layer][top_k_index], slots_of.sentinel)  # fmt: skip
+                    out = self._rows(module, pool, hidden, ids, top_k_weights)
                     put(flat, out[torch.from_numpy(flat).to(device)])
             for key, part in batch:  # an expert's parts may come in different batches
-                if part != FULL or stacked is None:
+                if part not in pools:
                     out = self.parts[part].compute(module, self.transport.views(key, part), tokens(key[1]))
                     partial.setdefault(key[1], {})[part] = out
         self.driver.end_layer(layer)
