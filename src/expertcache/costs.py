@@ -106,6 +106,15 @@ class CostModel:
         (``host_read_s``, from a slow tier that is not host memory) and its computation."""
         return self.host_read_s + self.host_expert_s + self.host_expert_token_s * tokens
 
+    def host_pays(self, tokens: int, transfer: float | None = None) -> bool:
+        """Fiddler's rule: computing the expert's ``tokens`` on the host takes less than moving it
+        (``transfer``, default a whole expert) and computing it on the device. A tie goes to the device:
+        on a CPU-only machine the two are the same measurement plus the same read, and which side of a
+        rounding error a sum falls on must not decide (it flipped per run and per token count)."""
+        device = (self.transfer_time() if transfer is None else transfer) + self.expert(tokens)
+        host = self.host_expert(tokens)
+        return host < device and not math.isclose(host, device, rel_tol=1e-9)
+
     def chunk_sizes(self, nbytes: int | None = None) -> list[int]:
         """Bytes of each chunk of a transfer of ``nbytes`` (default: one whole expert). Chunks are at most
         ``chunk_bytes`` (auto: a third of a whole expert, its three matrices, where ``chunks_pay`` says so

@@ -85,7 +85,7 @@ class Batch(MissPath):
         if self.split == "makespan":
             hosted = makespan_split(c, needs, hits, streaming)
         else:
-            hosted = [c.host_expert(n.tokens) < transfer + c.expert(n.tokens) for n in needs]
+            hosted = [c.host_pays(n.tokens, transfer) for n in needs]
         on_host = ON_HOST_FILL if self.fill else ON_HOST
         routes: list[Route] = []
         for n, streamed, host in zip(needs, streaming, hosted, strict=True):

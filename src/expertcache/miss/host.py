@@ -44,9 +44,7 @@ class Host(MissPath):
     ) -> list[Route]:
         c = self.costs()
         transfer = c.transfer_time()
-        return [
-            self.on_host if c.host_expert(n.tokens) < transfer + c.expert(n.tokens) else FETCH for n in needs
-        ]
+        return [self.on_host if c.host_pays(n.tokens, transfer) else FETCH for n in needs]
 
     def describe(self) -> str:
         return "host:fill=1" if self.on_host is ON_HOST_FILL else "host"
