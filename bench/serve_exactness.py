@@ -19,6 +19,10 @@ your GPU:
 
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_exactness.py --device cuda \
         [--model DIR] [--dtype bfloat16] [--expert-memory 25%] [--prompts 32] [--tokens 64] [--out FILE.json]
+
+``--policy`` and ``--miss`` set the cache's (batch-aware: ``--policy tlfu --miss batch``);
+``--against-full`` also runs each prompt alone with every expert resident and compares (the budget, the
+policy and the miss path must not change a token).
 """
 
 from __future__ import annotations
@@ -87,9 +91,17 @@ def compare(alone: list[list[int]], served: list[list[int]]) -> dict[str, object
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     ap.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     ap.add_argument("--expert-memory", default="25%")
+    ap.add_argument("--policy", default="lru", help="the cache's eviction policy (default lru)")
+    ap.add_argument("--miss", default="fetch", help="the miss path (default fetch)")
+    ap.add_argument(
+        "--against-full",
+        action="store_true",
+        help="also each prompt alone with every expert resident (100%%, lru, fetch): does the budget, the "
+        "policy or the miss path change a token",
+    )
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument(
@@ -98,6 +110,14 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON file (default: in bench/results/)")
     args = ap.parse_args()
     kw = {"dtype": args.dtype} if args.dtype else {}
+    full = None
+    if args.against_full:
+        with load(args.model, "100%", device=args.device, progress=False, **kw) as model:
+            sampling = [SamplingConfig(temperature=args.seeded, seed=i) if args.seeded else None
+                        for i in range(args.prompts)]  # fmt: skip
+            full = [model.generate_text(t, args.tokens, sampling=sampling[i]).tokens
+                    for i, t in enumerate(prompts(args.prompts))]  # fmt: skip
+    kw |= {"policy": args.policy, "miss": args.miss}
     with load(args.model, args.expert_memory, device=args.device, progress=False, **kw) as model:
         device = str(model.device)
         texts = prompts(args.prompts)
@@ -110,9 +130,10 @@ def main() -> int:
 
         alone = [reference(i, t) for i, t in enumerate(texts)]
         alone_s = time.perf_counter() - start
+        results = {} if full is None else {"alone_against_full_memory": compare(full, alone)}
         batcher = Batcher(model, max_queue=args.prompts)
         try:
-            results, runs = {}, {}
+            runs = {}
             for name, gap in PATTERNS:
                 start = time.perf_counter()
                 runs[name] = asyncio.run(batched(batcher, ids, args.tokens, gap, args.seeded))
@@ -133,6 +154,8 @@ def main() -> int:
         "gpu": gpu,
         "dtype": str(model.dtype),
         "expert_memory": args.expert_memory,
+        "policy": args.policy,
+        "miss": args.miss,
         "prompts": args.prompts,
         "tokens": args.tokens,
         "sampling": f"temperature {args.seeded}, request i seeded i" if args.seeded else "greedy",

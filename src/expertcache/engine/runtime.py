@@ -321,11 +321,11 @@ class Engine:
                     slots = slots_of.host[layer, flat_index[flat]]
                     weights = top_k_weights.reshape(-1)[torch.from_numpy(flat)]
                     put(flat, self._one_token(module, pool, hidden, slots, weights))
-                else:
-                    ids = torch.where(torch.from_numpy(mine.reshape(T, K)).to(device),
-                                      slots_of.on(device)[layer][top_k_index], slots_of.sentinel)  # fmt: skip
-                    out = self._rows(module, pool, hidden, ids, top_k_weights)
-                    put(flat, out[torch.from_numpy(flat).to(device)])
+                else:  # the group's pairs alone, each a row of its own: not the step's every pair
+                    at = torch.from_numpy(flat).to(device)
+                    ids = slots_of.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
+                    pairs = top_k_weights.reshape(-1)[at].unsqueeze(1)
+                    put(flat, self._rows(module, pool, hidden[at // K], ids, pairs))
             for key, part in batch:  # an expert's parts may come in different batches
                 if part not in pools:
                     out = self.parts[part].compute(module, self.transport.views(key, part), tokens(key[1]))
