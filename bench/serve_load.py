@@ -17,7 +17,17 @@ good clients, count in the latency figures, and every one of their requests must
 N`` then holds N connections that trickle header bytes (reconnecting when the server closes them) while
 one client sends short requests, whose latencies are reported; the server's health is checked at the end.
 
+``--compare CONFIG,...`` (issue "many users, one expert cache") starts one server per config in turn
+(an expert memory, or ``MEMORY:POLICY[:MISS]``; ``--model``, ``--dtype``, ``--policy``, ``--miss`` for
+all), the order reversed every other round of ``--rounds``; each server gets ``--warm`` seconds of
+uncounted load, then each ``--clients`` count (a comma list) for ``--duration`` seconds, then one client
+for ``--single`` seconds. The summary gives medians and ranges over rounds, each config's throughput and
+TTFT p99 against the last config's in the same round, and each load's TTFT p99 against one client's on
+the same server.
+
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py [--clients 64] [--duration 600]
+    OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py --compare 25%:tlfu:batch,100% \
+        --clients 16,64 --duration 60 --single 30 [--model DIR --dtype float32] --out FILE.json
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/serve_load.py --faults --slowloris 2000 \
         --single 0 --out bench/results/serve_faults.json
 """
@@ -293,13 +303,138 @@ async def run(args, base: str, pid: int) -> dict[str, object]:
     }  # fmt: skip
 
 
+def server_command(args, port: int, config: str) -> list[str]:
+    """The server at ``config``: an expert memory, or ``MEMORY:POLICY[:MISS]`` (else ``--policy``,
+    ``--miss``)."""
+    memory, policy, miss = (config.split(":") + [None, None])[:3]
+    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--expert-memory", memory, "--max-queue", str(max(64, *args.clients)), "--slow-tier", "mapped",
+           "--served-model-name", "embedded", "--quiet"]  # fmt: skip
+    if args.model:
+        cmd += ["--model", args.model]
+    for flag, value in (
+        ("dtype", args.dtype),
+        ("policy", policy or args.policy),
+        ("miss", miss or args.miss),
+    ):
+        if value:
+            cmd += [f"--{flag}", value]
+    return cmd
+
+
+def start_server(cmd: list[str], port: int) -> subprocess.Popen:
+    server = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    )
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health").json().get("status") == "ok":
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with code {server.returncode}: {' '.join(cmd)}")
+    server.terminate()
+    raise SystemExit(f"the server did not come up in 5 minutes: {' '.join(cmd)}")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(30)
+
+
+KEYS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "hit_ratio")
+
+
+def spread(values: list[float | None]) -> dict[str, float | None]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got)}
+
+
+async def compare_round(args, base: str, pid: int, prompts: list[str]) -> dict[str, object]:
+    """One server's turn: a warm-up, each client count's load, then one client alone."""
+    memory: list = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_memory(pid, memory, stop))
+    if args.warm > 0:  # the cache and the allocator settle; not counted
+        await phase(base, max(args.clients), args.warm, prompts, args.tokens)
+    loaded = {}
+    for n in args.clients:
+        loaded[str(n)] = await phase(base, n, args.duration, prompts, args.tokens)
+        print(
+            f"  {n} clients: {json.dumps({k: loaded[str(n)][k] for k in KEYS})}", file=sys.stderr, flush=True
+        )
+    single = await phase(base, 1, args.single, prompts, args.tokens)
+    print(f"  1 client: {json.dumps({k: single[k] for k in KEYS})}", file=sys.stderr, flush=True)
+    stop.set()
+    await sampler
+    return {"loaded": loaded, "single": single, "server_rss_peak_bytes": max(m for _, m in memory)}
+
+
+def compare(args) -> dict[str, object]:
+    """Servers at each ``--compare`` config in turn, the order reversed every other round (the machine
+    drifts), every round the same load; medians and ranges over rounds, and each config against the
+    last (throughput and TTFT p99 ratios per round, paired) and each load's TTFT p99 against one
+    client's on the same server."""
+    prompts = [t[:60] for t in heldout_texts(32)]
+    runs: dict[str, list[dict]] = {c: [] for c in args.compare}
+    commands = {}
+    for r in range(args.rounds):
+        for config in args.compare if r % 2 == 0 else args.compare[::-1]:
+            port = free_port()
+            cmd = server_command(args, port, config)
+            commands[config] = " ".join(cmd[3:]).replace(f"--port {port} ", "")
+            print(f"round {r + 1}/{args.rounds}: {config}", file=sys.stderr, flush=True)
+            server = start_server(cmd, port)
+            try:
+                runs[config].append(
+                    asyncio.run(compare_round(args, f"http://127.0.0.1:{port}", server.pid, prompts))
+                )
+            finally:
+                stop_server(server)
+    full = args.compare[-1]
+    summary = {}
+    for config, rounds in runs.items():
+        row: dict[str, object] = {"server_command": commands[config]}
+        row["single"] = {k: spread([x["single"][k] for x in rounds]) for k in KEYS}
+        for n in map(str, args.clients):
+            got = {k: spread([x["loaded"][n][k] for x in rounds]) for k in KEYS}
+            got["errors"] = sum(x["loaded"][n]["errors"] for x in rounds)
+            got["ttft_p99_over_single_ttft_p99"] = spread(
+                [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p99_s"] for x in rounds])  # fmt: skip
+            got["ttft_p99_over_single_ttft_p50"] = spread(
+                [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p50_s"] for x in rounds])  # fmt: skip
+            got["tokens_per_s_over_" + full] = spread(
+                [a["loaded"][n]["tokens_per_s"] / b["loaded"][n]["tokens_per_s"]
+                 for a, b in zip(rounds, runs[full], strict=True)])  # fmt: skip
+            got["ttft_p99_over_" + full] = spread(
+                [a["loaded"][n]["ttft_p99_s"] / b["loaded"][n]["ttft_p99_s"]
+                 for a, b in zip(rounds, runs[full], strict=True)])  # fmt: skip
+            row[f"{n}_clients"] = got
+        row["server_rss_peak_bytes"] = max(x["server_rss_peak_bytes"] for x in rounds)
+        summary[config] = row
+    return {"summary": summary, "rounds": runs}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--clients", default="64", help="concurrent clients; a comma list runs each (default 64)")
     p.add_argument("--duration", type=float, default=600, help="seconds of concurrent load (default 600)")
     p.add_argument("--single", type=float, default=60, help="seconds of one client alone (default 60)")
     p.add_argument("--tokens", type=int, default=32, help="max_tokens per request (default 32)")
     p.add_argument("--expert-memory", default="30%")
+    p.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
+    p.add_argument("--dtype", help="the server's --dtype (default: the checkpoint's)")
+    p.add_argument("--policy", help="the server's --policy (default: its own)")
+    p.add_argument("--miss", help="the server's --miss (default: its own)")
+    p.add_argument("--compare", metavar="CONFIG,...", help="servers at each config (MEM or "
+                   "MEM:POLICY[:MISS]) in turn, alternating over --rounds, each against the last "
+                   "(e.g. 25%%:lru,25%%:tlfu:batch,100%%); replaces --expert-memory")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="rounds of --compare (default 2)")
+    p.add_argument("--warm", type=float, default=10, help="--compare: seconds of uncounted load first")
     p.add_argument("--faults", action="store_true", help="mix in bad and disconnecting clients")
     p.add_argument("--bad-share", type=float, default=0.1, help="share of clients sending bad requests")
     p.add_argument("--leave-share", type=float, default=0.3, help="share of clients that hang up")
@@ -307,32 +442,25 @@ def main() -> int:
     p.add_argument("--slowloris-duration", type=float, default=60.0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load.json"))
     args = p.parse_args()
+    args.clients = [int(n) for n in args.clients.split(",")]
+    head = {"provenance": provenance(), "max_tokens": args.tokens}
+    if args.compare:
+        args.compare = args.compare.split(",")
+        result = {**head, **compare(args)}
+        write_json(args.out, result)
+        print(json.dumps(result["summary"], indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
+    args.clients = args.clients[0]
     port = free_port()
-    queue = str(max(64, args.clients))
-    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--expert-memory", args.expert_memory, "--max-queue", queue, "--slow-tier", "mapped",
-           "--quiet"]  # fmt: skip
-    server = subprocess.Popen(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    )
-    base = f"http://127.0.0.1:{port}"
+    cmd = server_command(argparse.Namespace(**{**vars(args), "clients": [args.clients]}), port,
+                         args.expert_memory)  # fmt: skip
+    server = start_server(cmd, port)
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{base}/health").json().get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        result = asyncio.run(run(args, base, server.pid))
+        result = asyncio.run(run(args, f"http://127.0.0.1:{port}", server.pid))
     finally:
-        server.terminate()
-        server.wait(30)
-    result = {
-        "provenance": provenance(),
-        "server_command": " ".join(cmd[1:]),
-        "max_tokens": args.tokens,
-        **result,
-    }
+        stop_server(server)
+    result = {**head, "server_command": " ".join(cmd[1:]), **result}
     write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
