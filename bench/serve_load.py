@@ -332,7 +332,8 @@ def start_server(cmd: list[str], port: int) -> subprocess.Popen:
             if httpx.get(f"{base}/health").json().get("status") == "ok":
                 return server
         except httpx.HTTPError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)  # not up yet, or up and still starting its loop (503)
         if server.poll() is not None:
             raise SystemExit(f"the server exited with code {server.returncode}: {' '.join(cmd)}")
     server.terminate()
