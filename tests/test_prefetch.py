@@ -332,9 +332,11 @@ class _SlowTier:
     def __init__(self):
         self.log: list = []
         self.gate = threading.Event()
+        self.entered = threading.Event()  # set when the worker is inside a chunk: waited on, not slept for
 
     def copy_chunk(self, key, views, chunk, flat=None):
-        self.gate.wait(5)
+        self.entered.set()
+        self.gate.wait(30)
         for name, start, stop, _ in chunk:
             views[name][start:stop].fill_(key[0] * 100 + key[1])
         self.log.append((key, chunk[0][1]))
@@ -347,7 +349,7 @@ def test_a_demand_transfer_overtakes_a_speculative_one_between_chunks():
     worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4, steal=False)  # 3 chunks of 2 rows
     try:
         spec = worker.submit((0, 1), 0, SPECULATIVE)
-        time.sleep(0.05)  # the worker is inside spec's first chunk
+        assert tier.entered.wait(30)  # the worker is inside spec's first chunk
         demand = worker.submit((0, 2), 1, DEMAND)
         tier.gate.set()
         worker.wait(demand)
@@ -366,7 +368,7 @@ def test_a_partly_moved_speculative_transfer_can_be_cancelled_and_one_can_be_pro
     worker = TransferWorker(tier, pool, chunk_bytes=2 * 4 * 4, steal=False)
     try:
         a = worker.submit((0, 1), 0, SPECULATIVE)
-        time.sleep(0.05)
+        assert tier.entered.wait(30)  # the worker is inside a's first chunk
         b = worker.submit((0, 2), 1, SPECULATIVE)
         c = worker.submit((0, 3), 2, SPECULATIVE)
         worker.promote(c)
@@ -523,14 +525,14 @@ def test_predictor_thread_never_waits_keeps_order_drops_stale_and_surfaces_error
         pt.after_router(0)
         assert pt.ready() == []  # nothing finished yet: no waiting
         slow.gate.set()
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         got = []
         while len(got) < 2 and time.time() < deadline:
             got += pt.ready()
         assert got == [{0: [1]}, {1: [0]}] and slow.seen == ["begin", 0]
         pt.after_router(3)
         pt.begin_step()  # a new step: layer 3's prediction belongs to the old one
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         while pt._pending and time.time() < deadline:
             got = pt.ready()
         assert pt.stale == 1 and got == [{0: [1]}]
