@@ -517,7 +517,7 @@ def test_transfer_worker_runs_by_priority_then_fifo():
     worker = TransferWorker(tier, pool, steal=False)  # the worker's own order
     try:
         first = worker.submit((0, 0), 0, SPECULATIVE)
-        assert tier.started.wait(5)  # the worker is inside the first copy
+        assert tier.started.wait(30)  # the worker is inside the first copy
         queued = [
             worker.submit((0, 1), 1, SPECULATIVE),
             worker.submit((0, 2), 2, DEMAND),
@@ -542,7 +542,7 @@ def test_transfer_worker_cancel_drops_a_queued_transfer():
     worker = TransferWorker(tier, pool, steal=False)
     try:
         running = worker.submit((0, 0), 0, DEMAND)
-        assert tier.started.wait(5)
+        assert tier.started.wait(30)
         dropped = worker.submit((0, 1), 1, SPECULATIVE)
         kept = worker.submit((0, 2), 2, SPECULATIVE)
         head = worker.submit((0, 3), 3, DEMAND)  # ahead of the cancelled one in the queue
@@ -809,7 +809,7 @@ def test_a_waiting_thread_copies_a_transfer_the_worker_has_not_taken():
     assert worker.steal  # host slots, no link: the default
     try:
         slow = worker.submit((0, 0), 0, DEMAND)
-        assert tier.started.wait(5)
+        assert tier.started.wait(30)
         mine = worker.submit((0, 1), 1, SPECULATIVE)
         later = worker.submit((0, 2), 2, DEMAND)
         worker.wait(mine)  # returns while the worker still waits for the gate
@@ -818,7 +818,7 @@ def test_a_waiting_thread_copies_a_transfer_the_worker_has_not_taken():
         assert worker.cancel(mine) is False and worker.stolen == 1
         tier.gate.set()
         worker.wait(slow)
-        later.done.wait(5)
+        later.done.wait(30)
         worker.wait(later)
         assert [k for k, _ in tier.order] == [(0, 1), (0, 0), (0, 2)]
         for t in (slow, mine, later):
@@ -836,7 +836,7 @@ def test_a_source_for_one_thread_is_never_copied_by_a_waiting_thread():
     worker = TransferWorker(tier, pool)
     try:
         first = worker.submit((0, 0), 0, DEMAND)
-        assert tier.started.wait(5)
+        assert tier.started.wait(30)
         queued = worker.submit((0, 1), 1, DEMAND)
         threading.Timer(0.2, tier.gate.set).start()
         worker.wait(queued)
@@ -876,7 +876,7 @@ def test_a_demand_copy_from_memory_is_made_by_the_thread_that_submits_it():
         worker.wait(mine)
         assert (pool.buffer[1] == 1).all() and worker.bytes_moved == pool.layout.nbytes
         ahead = worker.submit((0, 2), 2, SPECULATIVE)
-        assert ahead.done.wait(5)  # nobody waited: the worker took it
+        assert ahead.done.wait(30)  # nobody waited: the worker took it
         assert tier.order[-1] == ((0, 2), "expertcache-transfer")
     finally:
         worker.close()
@@ -884,7 +884,7 @@ def test_a_demand_copy_from_memory_is_made_by_the_thread_that_submits_it():
     worker = TransferWorker(tier, pool)
     try:
         started = worker.submit((0, 3), 3, DEMAND)
-        assert started.done.wait(5)
+        assert started.done.wait(30)
         assert tier.order == [((0, 3), "expertcache-transfer")] and worker.stolen == 0
     finally:
         worker.close()
@@ -933,7 +933,7 @@ def test_a_large_demand_copy_goes_to_the_worker_only_when_a_processor_is_spare(m
         worker = TransferWorker(tier, pool)
         try:
             t = worker.submit((0, 1), 1, DEMAND)
-            assert t.done.wait(5)  # by the worker, unless the submit copied it
+            assert t.done.wait(30)  # by the worker, unless the submit copied it
             worker.wait(t)
             assert (pool.buffer[1] == 1).all()
             assert worker.stolen == (0 if by_worker else 1)
@@ -970,7 +970,7 @@ def test_the_worker_survives_a_transfer_whose_plan_raises():
         with pytest.raises(ExpertcacheError, match="failed"):
             worker.wait(bad)
         good = worker.submit((0, 2), 2, DEMAND)
-        assert good.done.wait(5)
+        assert good.done.wait(30)
         worker.wait(good)
     finally:
         worker.close()

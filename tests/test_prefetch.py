@@ -376,7 +376,7 @@ def test_a_partly_moved_speculative_transfer_can_be_cancelled_and_one_can_be_pro
         tier.gate.set()
         worker.wait(c)
         worker.wait(a)
-        b.done.wait(5)
+        b.done.wait(30)
     finally:
         worker.close()
     keys = [k for k, _ in tier.log]
@@ -504,7 +504,7 @@ class _Slow:
         self.gate = threading.Event()
 
     def begin_step(self, *args):
-        self.gate.wait(5)
+        self.gate.wait(30)
         self.seen.append("begin")
         return {0: [1]}
 
