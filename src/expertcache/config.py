@@ -165,6 +165,59 @@ class LinkConfig:
 
 
 @dataclass(frozen=True)
+class HostConfig:
+    """The host level of a tier stack (``cache.tiers``): device slots <- a host cache of ``memory``
+    (bytes, ``8GiB``, or a share of all experts, ``30%``; None: no host level) <- the checkpoint on disk.
+    Its eviction policy (any online policy that decides by hits and insertions alone), and whether it
+    is ``exclusive`` of the device's cache (the simulator's; the engine's host level is inclusive)."""
+
+    memory: str | int | None = None
+    policy: str = "lru"
+    exclusive: bool = False
+    name: str = field(init=False, repr=False)
+    params: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name, params = parse_policy(self.policy)
+        cls = policy_class(name)
+        if cls.offline or cls.needs_profile or cls.observes or cls.weighs:
+            why = (
+                "needs the future" if cls.offline else "needs a usage profile" if cls.needs_profile
+                else "decides by the router's requests, which the host level does not see"
+            )  # fmt: skip
+            raise ExpertcacheError(
+                f"host policy {name} {why}; the host level sees only the device's transfers: give one "
+                "that decides by hits and insertions (lru, lfu, fifo, lcp, llru, ...)"
+            )
+        if self.memory is not None:
+            text = str(self.memory).strip()
+            if text.endswith("%"):
+                try:
+                    share = float(text[:-1])
+                except ValueError:
+                    raise ExpertcacheError(f"host memory {self.memory!r} is not a percentage") from None
+                if not 0 < share <= 100:
+                    raise ExpertcacheError(f"host memory {self.memory!r} must be a share in (0%, 100%]")
+            else:
+                parse_size(self.memory, "host memory")
+        _set(self, name=name, params=params)
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory is not None
+
+    def bytes_of(self, total: int) -> int:
+        """The host level's bytes, for experts that take ``total`` bytes in all (capped at it)."""
+        text = str(self.memory).strip()
+        got = (
+            round(total * float(text[:-1]) / 100)
+            if text.endswith("%")
+            else int(parse_size(text, "host memory"))
+        )
+        return min(got, total)
+
+
+@dataclass(frozen=True)
 class MissConfig:
     """What to do on a miss (``--miss NAME[:k=v,...]``): ``fetch`` (default, exact) or another miss path
     of ``expertcache misses``; its name and parameters are checked here, its values when it is built."""

@@ -20,6 +20,7 @@ from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.residency import Residency
 from expertcache.cache.step import PredictorRunner, StepDriver
+from expertcache.cache.tiers import HostLevel, TieredTransport
 from expertcache.cache.transfers import Transport
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissPath
@@ -93,6 +94,25 @@ def build_parts(
     return parts
 
 
+def build_host_level(config, capacity: int, ctx: PolicyContext) -> HostLevel:
+    """The host level (``cache.tiers``) of ``capacity`` experts under ``config`` (a ``HostConfig``):
+    one clear error where it cannot hold a layer's experts."""
+    name, params = config.name, config.params
+    low = max(min_capacity(name, ctx.num_layers, params, min_room=ctx.top_k), ctx.top_k)
+    if capacity < low:
+        raise ExpertcacheError(
+            f"host memory {config.memory} holds {capacity} expert(s); the host level under policy {name} "
+            f"needs at least {low} ({capacity_reason(name, params, ctx.top_k)})"
+        )
+    fixed = fixed_capacity(name, params)
+    if fixed is not None and capacity != fixed:
+        raise ExpertcacheError(
+            f"host policy {name}'s budgets sum to {fixed}; the host memory holds {capacity} expert(s)"
+        )
+    policy = make_policy(name, replace(ctx, capacity=capacity), **params)
+    return HostLevel(policy, ctx.num_layers, exclusive=config.exclusive)
+
+
 def assemble(
     parts: dict[str, Residency],
     transport: Transport,
@@ -105,12 +125,18 @@ def assemble(
     predictor: PredictorRunner | None = None,
     governor_clock=None,
     recorder: Recorder | None = None,
+    host_level: HostLevel | None = None,
 ) -> StepDriver:
     """The expert cache over ``transport`` and the step driver that serves it: ``limit`` experts
     prefetched per predicted layer (default: top-k, as ProMoE), a prefetch governor on ``governor_clock``
-    (the engine's wall clock, the simulator's virtual one) when one is given and there is a predictor."""
+    (the engine's wall clock, the simulator's virtual one) when one is given and there is a predictor.
+    ``host_level``: a host cache between ``transport`` and the disk (``cache.tiers``)."""
     L, limit = ctx.num_layers, ctx.top_k if limit is None else int(limit)
+    if host_level is not None:
+        transport = TieredTransport(transport, host_level)
     cache = ExpertCache(parts, transport, miss, L, limit, preemption, reorder)
+    if host_level is not None:
+        transport.bind(cache)
     governed = predictor is not None and governor_clock is not None
     return StepDriver(cache, L, predictor, recorder, PrefetchGovernor(governor_clock) if governed else None)
 

@@ -212,6 +212,7 @@ class ExpertCache:
         else:
             stats.misses[phase, layer] += missed
             part, transport = self.primary, self.transport
+            self._current = keys  # pinned in a host level below (``cache.tiers``) while they move
             for key, victim in primary.admit(keys):  # the layer's keys pinned, as ``admit`` pins a chunk
                 handle = transport.submit(key, victim, DEMAND, part)
                 stats.part_misses[part] = stats.part_misses.get(part, 0) + 1

@@ -197,6 +197,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
+    _add_host_level(tm)
     _add_costs(tm)
     tm.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     tm.add_argument("--json", action="store_true", help="print one JSON object")
@@ -703,6 +704,11 @@ _TIMING_COST_FLAGS = (
     ("--expert-bytes", "SIZE", "bytes of one expert (default 336MiB)"),
     ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
     ("--issue-time", "TIME", "compute time spent issuing one transfer (default 0)"),
+    (
+        "--disk-time",
+        "TIME",
+        "with --host-memory: reading one expert from the disk, a host-level miss (default 0)",
+    ),
 )
 
 
@@ -751,9 +757,11 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
     capacity = plan.capacity if plan is not None else _capacity(args, cost, trace)
     predictor_trace = load_trace(args.predictor) if args.predictor else None
+    host = _host_level(args)
     result = simulate_timing(
-        trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost, predictor_trace=predictor_trace
-    )
+        trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
+        predictor_trace=predictor_trace, host=host, host_capacity=_host_capacity(args, host, trace, cost),
+    )  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if args.json:
@@ -792,6 +800,7 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
         "wake_s": args.wake_time,
         "submit_s": args.issue_time,
         "dequant_s": args.dequant_time,
+        "disk_read_s": getattr(args, "disk_time", None),
     }
     base = CostModel.load(args.cost) if args.cost else base
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
@@ -959,6 +968,55 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
         file=sys.stderr,
     )
     return served
+
+
+def _add_host_level(p: argparse.ArgumentParser) -> None:
+    """``--host-memory``, ``--host-policy``, ``--host-exclusive``: a host level below the cache."""
+    p.add_argument(
+        "--host-memory", metavar="X", help="three tiers: a host cache of this many bytes (8GiB) or this "
+        "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",
+    )  # fmt: skip
+    p.add_argument("--host-capacity", type=int, metavar="N", help="the host cache in experts, not bytes")
+    p.add_argument("--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)")
+    p.add_argument(
+        "--host-exclusive", action="store_true",
+        help="the host cache holds what the device's does not: a hit moves up, a device victim comes down",
+    )  # fmt: skip
+
+
+def _host_level(args: argparse.Namespace):
+    """The ``HostConfig`` of ``--host-memory`` / ``--host-capacity`` and their options, or None."""
+    from expertcache.config import HostConfig
+
+    given = args.host_memory is not None or args.host_capacity is not None
+    if not given:
+        for flag in ("host_policy", "host_exclusive"):
+            if getattr(args, flag):
+                raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
+        return None
+    if args.host_memory is not None and args.host_capacity is not None:
+        raise ExpertcacheError("give --host-memory or --host-capacity, not both")
+    return HostConfig(args.host_memory, args.host_policy or "lru", exclusive=args.host_exclusive)
+
+
+def _host_capacity(args: argparse.Namespace, host, trace: Trace, cost) -> int | None:
+    """The host level's experts: ``--host-capacity``, or ``--host-memory`` in the cost model's experts."""
+    if host is None:
+        return None
+    if args.host_capacity is not None:
+        if args.host_capacity < 1:
+            raise ExpertcacheError(f"--host-capacity must be at least 1 expert, got {args.host_capacity}")
+        return args.host_capacity
+    from expertcache.units import format_bytes
+
+    total = trace.num_layers * trace.num_experts
+    got = host.bytes_of(total * cost.expert_bytes) // cost.expert_bytes
+    if got < 1:
+        raise ExpertcacheError(
+            f"--host-memory {args.host_memory} holds no expert of {format_bytes(cost.expert_bytes)} (the "
+            "cost model's --expert-bytes)"
+        )
+    return got
 
 
 def _add_budget(p: argparse.ArgumentParser, default: str) -> None:

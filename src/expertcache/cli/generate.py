@@ -102,6 +102,15 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     p.add_argument("--slow-tier", choices=SLOW_TIERS, help=SLOW_TIER_HELP)
     p.add_argument(
+        "--host-memory", metavar="X",
+        help="three tiers: a host cache of experts of this size (bytes, or a share of all experts: 30%%) "
+        "between the expert memory and the checkpoint on disk, pinned on a GPU (default: none; on a GPU "
+        "every expert waits in host memory, on a CPU the disk is below the expert memory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-policy", metavar="NAME[:k=v,...]", help="the host cache's eviction policy (default lru)"
+    )
+    p.add_argument(
         "--kernel", choices=KERNEL_CHOICES, default="auto",
         help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
         "against transformers' grouped_mm), eager (one at a time, exact against its eager loop), "
@@ -196,7 +205,7 @@ def _sampling(args):
 def load_model(args, record: bool = True):
     """The offloaded model the options describe; the options are checked before torch is imported.
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
-    from expertcache.config import AUTO, CacheConfig, LinkConfig, MissConfig, PrefetchConfig
+    from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
     from expertcache.plan import Plan
 
     for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model"):
@@ -223,6 +232,9 @@ def load_model(args, record: bool = True):
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
+    if args.host_policy is not None and args.host_memory is None:
+        raise ExpertcacheError("--host-policy needs --host-memory (the host cache it rules)")
+    host = HostConfig(args.host_memory, args.host_policy or "lru")
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
 
@@ -232,7 +244,7 @@ def load_model(args, record: bool = True):
             miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
-            kernel=args.kernel, quantize_dense=args.quantize_dense,
+            kernel=args.kernel, quantize_dense=args.quantize_dense, host=host if host.enabled else None,
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)

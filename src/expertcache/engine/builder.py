@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.cache.build import assemble, build_parts, part_capacities
+from expertcache.cache.build import assemble, build_host_level, build_parts, part_capacities
 from expertcache.cache.expert_cache import ExpertCache
 from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.recorder import Recorder
@@ -25,7 +25,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.transfers import DEMAND
-from expertcache.config import AUTO, CacheConfig, LinkConfig, MissConfig, PrefetchConfig
+from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
 from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
 from expertcache.engine.dense import DenseReport, check_dense_format
 from expertcache.engine.dense import quantize_dense as quantize_dense_weights
@@ -41,7 +41,7 @@ from expertcache.engine.parts import EnginePart, full_part, quantized_part, segm
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
 from expertcache.engine.slots import SlotTable, SlotTransport
-from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, Target, TransferWorker
+from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, StackTier, Target, TransferWorker
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
@@ -102,7 +102,9 @@ class Built:
     budget: int  # bytes of expert memory
     capacities: dict[str, int | list[int]]  # slots of each part (per layer where they differ)
     capacity: int  # keys of the primary part
-    tier: HostTier | DiskTier
+    tier: HostTier | DiskTier | StackTier
+    host_capacity: int  # experts the host level holds (0: no host level)
+    host_config: HostConfig | None
     weight_files: list[Path]  # the checkpoint's files, for the memory in stats
     whole: bool  # nothing to offload: every expert is read into its slot at load
     targets: dict[tuple[str, int | None], Target]
@@ -152,6 +154,7 @@ class Builder:
         warmup: bool = True,
         kernel: str | None = None,
         quantize_dense: str | None = None,
+        host: HostConfig | None = None,
     ) -> None:
         self.path = resolve_model(path, download)
         self.plan = plan
@@ -197,6 +200,7 @@ class Builder:
                 f"miss path {self.miss.describe()} computes every expert on the host: the expert memory "
                 f"({format_bytes(self.budget)}) holds none and is not used"
             )
+        self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
         self.weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
@@ -243,6 +247,7 @@ class Builder:
             preemption=prefetch.preemption, reorder=prefetch.reorder, predictor=runner,
             governor_clock=time.perf_counter if prefetch.governed else None,
             recorder=Recorder(self.num_layers, self.num_experts, self.top_k) if record else None,
+            host_level=None if host is None else build_host_level(host, self.host_capacity, self.policy_ctx),
         )  # fmt: skip
         self.cache, self.governor = self.driver.cache, self.driver.governor
         self.prefetch_limit = self.cache.limit
@@ -408,7 +413,8 @@ class Builder:
         would be killed for memory at load, or swap."""
         tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         need = self.budget if self.device.type == "cpu" else 0
-        if tier == "host":
+        need += self.host_capacity * self.layout.slot_bytes
+        if tier == "host" and not self.host_capacity:
             need += self.num_layers * self.num_experts * self.layout.slot_bytes
         room = available_memory()
         if room is not None and need > room[0]:
@@ -477,7 +483,34 @@ class Builder:
                 )
         return budget
 
+    def _host_capacity(self, host: HostConfig | None, slow_tier: str | None) -> int:
+        """Experts the host level holds (0: none): ``host.memory`` over whole experts, at most all."""
+        if host is None:
+            return 0
+        if slow_tier == "host":
+            raise ExpertcacheError(
+                "--host-memory bounds a host cache over the checkpoint on disk; --slow-tier host holds every "
+                "expert in host memory: give --slow-tier disk (the default with --host-memory) or mapped"
+            )
+        if self.miss.name != "fetch":
+            raise ExpertcacheError(
+                f"a host level (--host-memory) serves the fetch miss path; miss path {self.miss.name} "
+                "reads experts its own way"
+            )
+        if host.exclusive:
+            raise ExpertcacheError(
+                "the engine's host level is inclusive; an exclusive one is the simulator's "
+                "(expertcache timing --host-exclusive)"
+            )
+        total = self.num_layers * self.num_experts
+        return max(1, min(total, host.bytes_of(total * self.layout.slot_bytes) // self.layout.slot_bytes))
+
     def _tier(self, sk, slow_tier: str | None, show: bool):
+        if self.host_capacity:
+            pin = self.device.type == "cuda"
+            disk = DiskTier(sk.store, self.layout, self.device, drop=slow_tier != "mapped")
+            bar = _progress("host memory", show)
+            return StackTier(disk, self.layout, self.host_capacity, pin=pin, progress=bar)
         tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         if tier == "host":
             bar = _progress("experts to host memory", show)

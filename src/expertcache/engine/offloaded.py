@@ -12,6 +12,7 @@ import torch
 from expertcache.config import (
     AUTO,
     CacheConfig,
+    HostConfig,
     LinkConfig,
     MissConfig,
     PrefetchConfig,
@@ -70,11 +71,13 @@ class OffloadedModel:
         warmup: bool = True,
         kernel: str | None = None,
         quantize_dense: str | None = None,
+        host: HostConfig | None = None,
     ) -> None:
         built = Builder(
             path, expert_memory, cache=cache, prefetch=prefetch, link=link, miss=miss, device=device,
             dtype=dtype, slow_tier=slow_tier, costs=costs, progress=progress, record=record,
             download=download, plan=plan, warmup=warmup, kernel=kernel, quantize_dense=quantize_dense,
+            host=host,
         ).built()  # fmt: skip
         for field in dataclasses.fields(built):  # the parts as this model's attributes
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
@@ -261,11 +264,27 @@ class OffloadedModel:
             "expert_memory_bytes": self._memory_bytes(),
             "memory": resident_memory(self._weight_files) if memory else None,
             "slow_tier": self.tier.name,
+            **self._host_level(),
             "link": self.link.describe() if self.link else None,
             "costs": None if self.costs is None else self.costs.to_dict(),
             **self.prefetch_config,
             "retried_chunks": self.worker.retried,
             "plan": None if self.plan is None else self.plan.describe(),
+        }
+
+    def _host_level(self) -> dict[str, object]:
+        """The host level's counts and the disk reads below it (``cache.tiers``), where there is one."""
+        level = getattr(self.cache.transport, "level", None)
+        if level is None:
+            return {}
+        tier = self.tier
+        return {
+            **level.stats.to_dict(),
+            "host_memory_bytes": len(tier.pool) * tier.pool.layout.slot_bytes,
+            "host_capacity": len(tier.pool),
+            "host_policy": level.policy.name,
+            "disk_reads": tier.disk_reads,
+            "disk_read_s": tier.disk_read_s,
         }
 
     def _memory_bytes(self) -> int:
@@ -331,6 +350,9 @@ class OffloadedModel:
         }  # fmt: skip
         if self.predictor is not None:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
+        level = getattr(self.cache.transport, "level", None)
+        if level is not None:  # the host level (``cache.tiers``): replayed at its own capacity
+            meta.update(host_capacity=len(self.tier.pool), host_policy=self.host_config.policy)
         return self.driver.recorder.trace(meta=meta)
 
     def save_trace(self, path: str | Path) -> None:
@@ -399,6 +421,8 @@ def load(
     prefetch_when: str | None = None,
     deterministic: bool = False,
     plan: str | Path | Plan | None = None,
+    host_memory: str | int | None = None,
+    host_policy: str = "lru",
     **options,
 ) -> OffloadedModel:
     """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
@@ -436,6 +460,9 @@ def load(
     request's one-time costs; ``stats["warmup_s"]`` its time).
     ``plan`` (a ``Plan`` or a ``plan.json`` from ``expertcache plan``) sets the expert memory, the policy
     and its per-layer budgets, the miss path and the predictor; giving one of those as well is an error.
+    Three tiers (``cache.tiers``): ``host_memory`` (bytes or a share of all experts, like
+    ``expert_memory``) puts a host cache of experts under ``host_policy`` between the expert memory and
+    the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses.
     """
     plan = as_plan(plan)
     if plan is not None:
@@ -471,9 +498,11 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
+    host = options.pop("host", None) or HostConfig(host_memory, host_policy)
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),
-        miss=as_config(miss, MissConfig), device=device, plan=plan, **options,
+        miss=as_config(miss, MissConfig), device=device, plan=plan, host=host if host.enabled else None,
+        **options,
     )  # fmt: skip
 
 

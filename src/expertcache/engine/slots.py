@@ -132,6 +132,10 @@ class SlotTransport:
             self.stall_s += waited
             self.stall_by_phase[self.phase] += waited
 
+    def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
+        """A change of the host level (``cache.tiers``): the whole experts' source's (``StackTier``)."""
+        self.targets[(FULL, None)].source.host_moved(entered, left, read)
+
     def release(self, key: Key, part: str = FULL) -> None:
         pid = self.pool_id(part, key)
         self.free[pid].append(self.slot_of.pop((part, key)))

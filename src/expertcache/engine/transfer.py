@@ -185,6 +185,113 @@ class HostTier:
                 dst.copy_(src[name][start:stop], non_blocking=True)
 
 
+class StackTier:
+    """Slow tier = a host level (``cache.tiers``) over the checkpoint on disk: ``capacity`` experts in
+    (pinned) host memory, each read from the disk the first time a transfer needs it after it entered.
+
+    The host level's decisions are the cache's (``TieredTransport``); this tier is told each change
+    (``host_moved``) before the transfer it concerns is submitted, and gives the entering key its victim's
+    host slot (or a free one). A transfer of a key the host level holds reads it from the disk into its
+    host slot first if it has not been read since it entered (one whole read, on the thread that copies
+    the transfer's first chunk), then copies the chunk from the host slot; a key the host level does not
+    hold (bypassed: every host key pinned) is read from the disk straight into the device slot. A key's
+    host slot is never given away while a transfer of it is in flight (the cache pins it), so the reads
+    and copies of different keys on different threads never touch one slot."""
+
+    name = "stack"
+    concurrent = True
+    reads_device = True
+
+    def __init__(self, disk: DiskTier, layout: SlotLayout, capacity: int, pin: bool, progress=None) -> None:
+        self.disk, self.layout = disk, layout
+        self.pool = SlotPool(layout, capacity, torch.device("cpu"), pin=pin, progress=progress)
+        self._bytes = self.pool.buffer.view(torch.uint8).numpy()  # [slots, slot bytes]
+        self.slot_of: dict[Key, int] = {}
+        self.free = list(range(capacity))[::-1]
+        self.unread: set[Key] = set()
+        self.whole = layout.chunks(None)[0]
+        self.disk_reads = 0
+        self.disk_read_s = 0.0
+        self._spans: dict[tuple, tuple[tuple[int, int], ...]] = {}
+
+    _ranges = HostTier._ranges
+
+    def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
+        if not read:
+            raise ExpertcacheError("the engine's host level is inclusive: nothing comes down from the device")
+        slot = None
+        if left is not None:
+            slot = self.slot_of.pop(left)
+            self.unread.discard(left)
+        if entered is not None:
+            self.slot_of[entered] = self.free.pop() if slot is None else slot
+            self.unread.add(entered)
+        elif slot is not None:
+            self.free.append(slot)
+
+    def _read(self, key: Key, slot: int) -> None:
+        started = time.perf_counter()
+        self.disk.copy_chunk(key, self.pool.views[slot], self.whole, self._bytes[slot])
+        self.disk_read_s += time.perf_counter() - started
+        self.disk_reads += 1
+        self.unread.discard(key)
+
+    def copy_chunk(
+        self, key: Key, views: dict[str, torch.Tensor], chunk, flat: np.ndarray | None = None
+    ) -> float:
+        """Copy one chunk of ``key`` into ``views`` (``flat``: the slot's bytes, a host slot); returns
+        the seconds spent reading from the disk first (for an emulated link, which starts after it)."""
+        slot = self.slot_of.get(key)
+        if slot is None:  # bypassed: the disk tier's own copy
+            started = time.perf_counter()
+            self.disk.copy_chunk(key, views, chunk, flat)
+            self.disk_reads += 1
+            took = time.perf_counter() - started
+            self.disk_read_s += took
+            return took
+        read = 0.0
+        if key in self.unread:
+            started = time.perf_counter()
+            self._read(key, slot)
+            read = time.perf_counter() - started
+        if flat is not None:
+            src = self._bytes[slot]
+            for lo, hi in self._ranges(chunk):
+                copy_bytes(flat[lo:hi], src[lo:hi])
+            return read
+        src_views = self.pool.views[slot]
+        for name, start, stop, _ in chunk:
+            dst = views[name][start:stop]
+            if dst.device.type == "cpu":
+                copy_tensor(dst, src_views[name][start:stop])
+            else:
+                dst.copy_(src_views[name][start:stop], non_blocking=True)
+        return read
+
+    def host_views(self, key: Key) -> dict[str, torch.Tensor]:
+        """The expert's tensors in host memory, for computing it there: its host slot where the host
+        level holds it (reading it first if need be; its transfer or layer pins it), else the disk
+        tier's scratch read."""
+        slot = self.slot_of.get(key)
+        if slot is None:
+            return self.disk.host_views(key)
+        if key in self.unread:
+            self._read(key, slot)
+        return self.pool.views[slot]
+
+    def reader(self):
+        disk = self.disk.reader()
+
+        def read(key: Key) -> dict[str, torch.Tensor]:
+            return (
+                disk(key)
+                if key not in self.slot_of or key in self.unread
+                else self.pool.views[self.slot_of[key]]
+            )
+
+        return read
+
+
 # a demand copy from memory of a slot this size or less is made by the thread that submits it
 # (``TransferWorker``): at memory speed it takes about as long as waking the worker would
 LEAVE_BYTES = 1 << 20
@@ -498,10 +605,13 @@ class TransferWorker:
             plan = self.parts[t.part].plan(t.key, self.chunk_bytes if t.chunked else None)
             chunk = plan[t.next_chunk]
             nbytes = sum(piece[3] for piece in chunk)
-            self._copy(t, chunk)
+            read = self._copy(t, chunk)
             if self.link is not None:  # back to back from the last chunk, or from submission
                 begin = max(self._link_free, t.submitted)
-                self._link_free = self.link.finish(started, nbytes, begin)
+                link_start = started + read  # read from the disk first (``StackTier``): the link after
+                self._link_free = self.link.finish(
+                    link_start, nbytes, max(begin, link_start) if read else begin
+                )
         except BaseException as exc:  # reported to the waiter, never lost in the thread
             t.error = exc
         # an emulated chunk occupies the link for its duration even when it started late
@@ -550,7 +660,8 @@ class TransferWorker:
             self.busy_s += max(ended - started, least)
             self.bytes_moved += nbytes
 
-    def _copy(self, t: Transfer, chunk) -> None:
+    def _copy(self, t: Transfer, chunk) -> float:
+        """Copy one chunk of ``t``; the seconds its source spent reading from the disk first, if it says."""
         target = self.parts[t.part]
         source, views = target.source, target.views(t.key, t.slot)
         for attempt in range(self.retries + 1):
@@ -561,13 +672,13 @@ class TransferWorker:
                     with torch.cuda.stream(self.stream):
                         if t.next_chunk == 0:
                             self.stream.wait_event(t.ready)
-                        source.copy_chunk(t.key, views, chunk)
+                        read = source.copy_chunk(t.key, views, chunk)
                         t.event = torch.cuda.Event()
                         t.event.record(self.stream)
                     t.event.synchronize()  # the staging buffer (disk tier) is reused by the next chunk
                 else:
-                    source.copy_chunk(t.key, views, chunk, target.flat(t.slot))
-                return
+                    read = source.copy_chunk(t.key, views, chunk, target.flat(t.slot))
+                return read or 0.0
             except Exception:
                 if attempt == self.retries:
                     raise

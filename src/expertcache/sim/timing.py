@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from expertcache.cache.build import assemble, build_parts, part_capacities
+from expertcache.cache.build import assemble, build_host_level, build_parts, part_capacities
 from expertcache.cache.governor import describe
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.config import AUTO as AUTO_PREFETCH
-from expertcache.config import CacheConfig, MissConfig, PrefetchConfig, as_config
+from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL, MissContext, PartSpec
@@ -137,6 +137,8 @@ def simulate_timing(
     cost: CostModel | None = None,
     predictor_trace: Trace | None = None,
     capacities: dict[str, object] | None = None,
+    host: HostConfig | str | None = None,
+    host_capacity: int | None = None,
 ) -> TimingResult:
     """Replay ``trace`` step by step in layer order through a cache of ``capacity`` experts' worth of
     memory (shared among the miss path's parts), under ``cache`` (a policy spec or a ``CacheConfig``),
@@ -144,7 +146,10 @@ def simulate_timing(
     ``miss`` (a miss path spec or a ``MissConfig``), timed by ``cost``. Trace-based predictors learn from
     ``predictor_trace`` (``token`` requires one; it must be another run than the simulated one).
     ``capacities`` (keys per cache part) replaces the share of ``capacity`` the miss path would give
-    each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly."""
+    each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly.
+    ``host`` (a ``HostConfig``, or its memory as a spec) puts a host level between the link and the disk
+    (``cache.tiers``), of ``host_capacity`` experts where given (an engine's own: ``trace.meta``), else
+    of its memory in the cost model's experts; a host-level miss reads ``cost.disk_read_s`` first."""
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     if pf.predictor == AUTO_PREFETCH:
         raise ExpertcacheError(
@@ -169,6 +174,12 @@ def simulate_timing(
         profile=schedule.profile if _needs_profile(cache_cfg) else None,
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
+    host_cfg = as_config(host, HostConfig) if host is not None or host_capacity else None
+    level = None
+    if host_cfg is not None and (host_cfg.enabled or host_capacity):
+        if host_capacity is None:
+            host_capacity = host_cfg.bytes_of(L * E * cost.expert_bytes) // cost.expert_bytes
+        level = build_host_level(host_cfg, int(host_capacity), ctx)
     one = CostModel.from_dict({"chunk_bytes": None}, cost)  # demand transfers move whole (the engine's rule)
     plans, whole = {}, {FULL: (one.chunk_times(), one.chunk_sizes())}  # the parts' own replace FULL's
     for part, nbytes in part_bytes.items():
@@ -177,14 +188,14 @@ def simulate_timing(
             whole[part if where is None else (part, where)] = (one.chunk_times(n), one.chunk_sizes(n))
     link = VirtualLink(
         cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s, parts=plans,
-        whole=whole,
+        whole=whole, read_s=cost.disk_read_s if level is not None else None,
     )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
     driver = assemble(
         parts, link, path, ctx, limit=pf.limit, preemption=pf.preemption, reorder=pf.reorder,
         predictor=InlinePredictor(pred) if pred is not None else None,
-        governor_clock=(lambda: link.now) if pf.governed else None,
+        governor_clock=(lambda: link.now) if pf.governed else None, host_level=level,
     )  # fmt: skip
     xcache, governor = driver.cache, driver.governor
     run = _Run(trace, schedule, cost, driver, link, {s.name: s for s in path.parts()}, pred)
@@ -217,13 +228,27 @@ def simulate_timing(
         host_wait_by_phase=host,
         requests=int(st.requests.sum()),
         misses=int(st.misses.sum()),
-        cache=st.to_dict(),
+        cache={**st.to_dict(), **_level_counts(level, link)},
         params=cache_cfg.params,
         capacities=caps,
         governor=None if governor is None else governor.summary(),
         notes=[pred.note] if pred is not None and pred.note else [],
         host_busy_s=link.host_busy_s,
     )
+
+
+def _level_counts(level, link: VirtualLink) -> dict[str, object]:
+    """The host level's counts and the disk's reads (``cache.tiers``), where there is one."""
+    if level is None:
+        return {}
+    return {
+        **level.stats.to_dict(),
+        "host_capacity": level.policy.capacity,
+        "host_policy": level.policy.name,
+        "host_exclusive": level.exclusive,
+        "disk_reads": link.disk_reads,
+        "disk_read_s": link.disk_busy_s,
+    }
 
 
 def _needs_profile(cfg: CacheConfig) -> bool:
@@ -315,6 +340,14 @@ def format_timing(result: TimingResult) -> str:
         f"cache      {r.requests} requests | {r.hits} hits | {r.misses} misses "
         f"({r.misses / r.requests if r.requests else 0:.1%})",
     ]
+    if "host_requests" in pf:
+        req = pf["host_requests"]
+        lines.append(
+            f"host level {pf['host_policy']}, {pf['host_capacity']} experts"
+            f"{', exclusive' if pf['host_exclusive'] else ''} | {req} requests | {pf['host_hits']} hits | "
+            f"{pf['host_misses']} misses ({pf['host_miss_ratio']:.1%}) | disk reads {pf['disk_reads']}, "
+            f"{pf['disk_read_s']:.3f} s"
+        )
     if r.miss != "fetch":
         parts = ", ".join(f"{p} {n}" for p, n in r.capacities.items())
         lines.append(

@@ -29,10 +29,10 @@ from expertcache.policy.base import Key
 class VTransfer:
     """One expert on the virtual link: how many of its chunks have started, when it completes."""
 
-    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled", "chunks")
+    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled", "chunks", "part")
 
-    def __init__(self, key: Key, priority: int, seq: int, submitted: float, chunks) -> None:
-        self.key, self.priority, self.seq, self.submitted = key, priority, seq, submitted
+    def __init__(self, key: Key, priority: int, seq: int, submitted: float, chunks, part=FULL) -> None:
+        self.key, self.priority, self.seq, self.submitted, self.part = key, priority, seq, submitted, part
         self.chunks = chunks  # (seconds, bytes) of each chunk
         self.moved = 0  # chunks started (each runs to its end)
         self.done_at: float | None = None  # end of its last chunk, once that chunk has started
@@ -50,10 +50,15 @@ class VirtualLink:
         submit_s: float = 0.0,
         parts: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
         whole: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
+        read_s: float | None = None,
     ) -> None:
         """``chunk_s`` / ``chunk_bytes``: each chunk of a whole expert; ``parts``: the same for other
         parts, keyed by part name, or by (part, layer) for parts whose size differs by layer. ``whole``:
-        the plans of demand transfers by the same keys (None: the same plans as speculative ones)."""
+        the plans of demand transfers by the same keys (None: the same plans as speculative ones).
+        ``read_s``: with a host level (``cache.tiers``), the seconds of reading one whole expert from
+        the disk into host memory: the first chunk of a whole expert's transfer takes them first,
+        where the host level does not hold the expert or holds it unread (the engine's worker reads,
+        then copies, on one thread)."""
         self.plans = self._plans({FULL: (chunk_s, chunk_bytes), **(parts or {})})
         self.whole = self._plans(whole) if whole is not None else self.plans
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
@@ -68,6 +73,12 @@ class VirtualLink:
         self.busy_s = 0.0  # link time of every started chunk
         self.bytes_moved = 0
         self.transfers = 0  # submitted
+        self.read_s = read_s
+        self.host_keys: set[Key] = set()  # in the host level
+        self.unread: set[Key] = set()  # in the host level, not read from the disk yet
+        self.leaving: set[Key] = set()  # left an exclusive host level for the device: read from host memory
+        self.disk_reads = 0
+        self.disk_busy_s = 0.0
         self._heap: list[tuple[int, int, VTransfer]] = []  # (priority, seq, transfer), lazily cleaned
         self._seq = itertools.count()
 
@@ -100,7 +111,7 @@ class VirtualLink:
             self.advance(self.submit_s)
         plans = self.whole if priority == DEMAND else self.plans
         plan = plans.get(part) or plans[(part, key[0])]
-        t = VTransfer(key, priority, next(self._seq), self.now, plan)
+        t = VTransfer(key, priority, next(self._seq), self.now, plan, part)
         heapq.heappush(self._heap, (priority, t.seq, t))
         self.transfers += 1
         self._run(self.now)
@@ -156,6 +167,19 @@ class VirtualLink:
     def release(self, key: Key, part: str = FULL) -> None:
         """Nothing to free: the virtual link holds no buffers."""
 
+    def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
+        """The host level took ``entered`` in (to be read from the disk when ``read``) and let ``left``
+        go (``cache.tiers``)."""
+        if left is not None:
+            self.host_keys.discard(left)
+            if entered is None and not read and left not in self.unread:  # an exclusive hit moving up
+                self.leaving.add(left)
+            self.unread.discard(left)
+        if entered is not None:
+            self.host_keys.add(entered)
+            if read:
+                self.unread.add(entered)
+
     # -- the link's work ------------------------------------------------------------------------
     def _next(self) -> VTransfer | None:
         """The transfer the link serves next (stale, cancelled and finished entries dropped)."""
@@ -177,6 +201,15 @@ class VirtualLink:
         """Start the next chunk of ``t`` on the link."""
         start = max(self.free_at, t.submitted)
         seconds, nbytes = t.chunks[t.moved]
+        if self.read_s is not None and t.moved == 0 and t.part == FULL:
+            key = t.key
+            if key in self.leaving:  # from host memory, which lets it go
+                self.leaving.discard(key)
+            elif key in self.unread or key not in self.host_keys:  # read from the disk first
+                self.unread.discard(key)
+                self.disk_reads += 1
+                self.disk_busy_s += self.read_s
+                seconds += self.read_s
         self.free_at = start + seconds
         self.busy_s += seconds
         self.bytes_moved += nbytes

@@ -1,0 +1,176 @@
+"""The host level of a tier stack: device slots <- a host cache <- the checkpoint on disk.
+
+Without it the expert cache (``cache.expert_cache``) has one slow tier below it: every expert in host
+memory, or the checkpoint on disk. With it the slow tier is itself a bounded cache of experts in host
+memory (pinned on a GPU) over the checkpoint on disk, MoE-Infinity's three tiers: a model larger than
+host memory runs on a GPU, and a CPU keeps a second, larger cache of experts in RAM below its slots.
+
+- **Requests.** Every transfer of a whole expert into the device's cache (part ``full``: a demand miss,
+  a prefetch, a host-computed expert filled in the background) is one request of the host level, made
+  when the transfer is submitted, in submission order: the engine and the simulator submit the same
+  transfers in the same order, so the host level sees the same requests in both.
+- **Decisions** are a library policy's, on (layer, expert) keys, as the device's: ``HostLevel`` is a
+  ``Residency`` of its own with its own capacity. A victim is never pinned: pinned are the keys of the
+  layer being served and those with a device transfer in flight (their host slots may be being read).
+  When every key is pinned the expert bypasses the host level (read from the disk straight through).
+- **Inclusive** (default): a host hit stays in the host level; a host miss enters it, in its victim's
+  place, and its transfer first reads it from the disk into that slot, then moves it over the link.
+  **Exclusive**: a hit leaves the host level (it lives on the device now), a miss does not enter it,
+  and the device's victim comes down into the host level instead (``demoted``). Exclusive holds more
+  distinct experts in the two memories; inclusive never moves an expert back down.
+- **What moves** is the transport's: ``TieredTransport`` tells it each change of the host level
+  (``host_moved(entered, left, read)``) before it submits the device transfer; the transport reads from the
+  disk a key that entered and has not been read yet (the engine's ``StackTier``, the simulator's
+  ``VirtualLink`` with a read time). A key whose transfer was dropped before it read anything stays in
+  the host level unread, and its next transfer reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+import numpy as np
+
+from expertcache.cache.residency import Residency
+from expertcache.errors import PolicyError
+from expertcache.miss.base import FULL
+from expertcache.policy.base import Key, Policy
+
+
+class LevelStats:
+    """The host level's counts, per phase and layer ([2, L], row 1 = prefill): ``requests`` (device
+    transfers of whole experts), ``misses`` (not in the host level: read from the disk); and in total
+    ``evicted``, ``bypassed`` (no evictable key: read straight through), ``demoted`` (exclusive: device
+    victims taken in)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.requests = np.zeros((2, num_layers), dtype=np.int64)
+        self.misses = np.zeros((2, num_layers), dtype=np.int64)
+        self.evicted = self.bypassed = self.demoted = 0
+
+    def to_dict(self) -> dict[str, object]:
+        req, miss = int(self.requests.sum()), int(self.misses.sum())
+        return {
+            "host_requests": req,
+            "host_hits": req - miss,
+            "host_misses": miss,
+            "host_miss_ratio": miss / req if req else 0.0,
+            "host_misses_by_layer": self.misses.sum(axis=0).tolist(),
+            "host_decode_misses": int(self.misses[0].sum()),
+            "host_prefill_misses": int(self.misses[1].sum()),
+            "host_evicted": self.evicted,
+            "host_bypassed": self.bypassed,
+            "host_demoted": self.demoted,
+        }
+
+
+class HostLevel:
+    """The host cache's keys under a policy: ``request`` for each device transfer, ``demote`` for each
+    device victim (exclusive only). Counts in ``stats``."""
+
+    def __init__(self, policy: Policy, num_layers: int, exclusive: bool = False) -> None:
+        self.residency = Residency(policy)
+        self.policy, self.exclusive = policy, bool(exclusive)
+        self.stats = LevelStats(num_layers)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.residency
+
+    def __len__(self) -> int:
+        return len(self.residency)
+
+    def request(self, key: Key, pinned: Collection[Key], phase: int) -> tuple[bool, list[tuple]]:
+        """A device transfer of ``key``: (host hit, the host level's changes as ``(entered, left,
+        read)``: ``entered`` (or None) is to be read from the disk when ``read``, else it came down from
+        the device; ``left`` (or None) left the host level)."""
+        stats, res = self.stats, self.residency
+        stats.requests[phase, key[0]] += 1
+        if key in res:
+            self.policy.on_hit(key)
+            if self.exclusive:
+                res.remove(key)
+                return True, [(None, key, False)]
+            return True, []
+        stats.misses[phase, key[0]] += 1
+        if self.exclusive:
+            return False, []
+        return False, [self._insert(key, pinned, True)]
+
+    def demote(self, key: Key, pinned: Collection[Key]) -> list[tuple]:
+        """Exclusive: the device evicted ``key``; it comes down into the host level."""
+        if not self.exclusive or key in self.residency:
+            return []
+        change = self._insert(key, pinned, False)
+        if change[0] is not None:
+            self.stats.demoted += 1
+        return [change]
+
+    def _insert(self, key: Key, pinned: Collection[Key], read: bool) -> tuple:
+        try:
+            victim = self.residency.insert(key, pinned)
+        except PolicyError:
+            self.stats.bypassed += 1
+            return (None, None, read)
+        if victim is not None:
+            self.stats.evicted += 1
+        return (key, victim, read)
+
+
+class _LevelPins:
+    """Keys of the host level that may not be evicted: the layer being served and those with a device
+    transfer in flight (their host slots may be being read)."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.cache._current or (FULL, key) in self.cache.inflight
+
+
+class TieredTransport:
+    """A ``Transport`` with a host level between it and the disk: each whole-expert transfer is first a
+    request of the host level, whose changes the inner transport hears (``host_moved``) before the
+    transfer is submitted to it. Everything else is the inner transport's."""
+
+    def __init__(self, inner, level: HostLevel, phase: Callable[[], int] = lambda: 0) -> None:
+        self.inner, self.level, self.phase = inner, level, phase
+        self.pins: Collection[Key] = ()  # set by ``bind``: the cache's pins
+
+    def bind(self, cache) -> None:
+        """The expert cache whose layer and transfers in flight pin keys, and whose phase counts."""
+        self.pins = _LevelPins(cache)
+        self.phase = lambda: cache.phase
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> object:
+        if part == FULL:
+            level, moved = self.level, self.inner.host_moved
+            _, changes = level.request(key, self.pins, self.phase())
+            if victim is not None and level.exclusive:
+                changes += level.demote(victim, self.pins)
+            for entered, left, read in changes:
+                if entered is not None or left is not None:
+                    moved(entered, left, read)
+        return self.inner.submit(key, victim, priority, part)
+
+    def cancel(self, handle: object) -> bool:
+        return self.inner.cancel(handle)
+
+    def promote(self, handle: object) -> None:
+        self.inner.promote(handle)
+
+    def poll(self, handle: object) -> int:
+        return self.inner.poll(handle)
+
+    def started(self, handle: object) -> bool:
+        return self.inner.started(handle)
+
+    def wait(self, handle: object) -> None:
+        self.inner.wait(handle)
+
+    def release(self, key: Key, part: str = FULL) -> None:
+        self.inner.release(key, part)
