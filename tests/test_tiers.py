@@ -1,0 +1,199 @@
+"""Three tiers (``cache.tiers``): device slots <- a host level <- the checkpoint on disk.
+
+The host level's decisions on hand-worked requests (inclusive and exclusive, pins, bypass), the virtual
+link's disk reads, the engine bit-exact against transformers with a host level on every family, the
+engine's per-level counts replayed exactly by the timing model, and the options' errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
+
+from expertcache.cache.tiers import HostLevel
+from expertcache.config import HostConfig
+from expertcache.errors import ExpertcacheError
+from expertcache.policy.base import Clock, PolicyContext
+from expertcache.policy.registry import make_policy
+from expertcache.sim.timing import simulate_timing
+from expertcache.sim.vlink import VirtualLink
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+reference = engine_fixtures.reference
+
+
+def _level(capacity: int, exclusive: bool = False, policy: str = "lru") -> HostLevel:
+    ctx = PolicyContext(capacity=capacity, num_layers=2, num_experts=8, top_k=1, clock=Clock())
+    return HostLevel(make_policy(policy, ctx), num_layers=2, exclusive=exclusive)
+
+
+# ------------------------------------------------------------------------------- the host level
+def test_an_inclusive_level_keeps_hits_and_takes_misses_in_their_victims_place():
+    level = _level(2)
+    assert level.request((0, 1), (), 0) == (False, [((0, 1), None, True)])  # read from the disk
+    assert level.request((0, 2), (), 0) == (False, [((0, 2), None, True)])
+    assert level.request((0, 1), (), 0) == (True, [])  # a hit stays; LRU: (0, 2) is now the oldest
+    assert level.request((1, 3), (), 1) == (False, [((1, 3), (0, 2), True)])
+    assert (0, 1) in level and (0, 2) not in level and len(level) == 2
+    s = level.stats.to_dict()
+    assert (s["host_requests"], s["host_hits"], s["host_misses"], s["host_evicted"]) == (4, 1, 3, 1)
+    assert s["host_decode_misses"] == 2 and s["host_prefill_misses"] == 1
+    assert s["host_misses_by_layer"] == [2, 1]
+
+
+def test_pinned_keys_stay_and_a_level_with_every_key_pinned_is_bypassed():
+    level = _level(2)
+    level.request((0, 1), (), 0)
+    level.request((0, 2), (), 0)
+    # (0, 1) is the LRU victim, but a transfer of it is in flight: (0, 2) goes instead
+    assert level.request((0, 3), {(0, 1)}, 0) == (False, [((0, 3), (0, 2), True)])
+    hit, changes = level.request((0, 4), {(0, 1), (0, 3)}, 0)  # nothing may go: read straight through
+    assert not hit and changes == [(None, None, True)] and (0, 4) not in level
+    assert level.stats.bypassed == 1 and level.stats.misses.sum() == 4
+
+
+def test_an_exclusive_level_gives_hits_up_and_takes_the_device_s_victims():
+    level = _level(2, exclusive=True)
+    assert level.request((0, 1), (), 0) == (False, [])  # a miss goes to the device only
+    assert (0, 1) not in level
+    assert level.demote((0, 1), ()) == [((0, 1), None, False)]  # the device let it go: it comes down
+    assert level.request((0, 1), (), 0) == (True, [(None, (0, 1), False)])  # and goes up again
+    assert (0, 1) not in level and level.stats.demoted == 1
+    assert _level(2).demote((0, 1), ()) == []  # an inclusive level takes nothing from the device
+
+
+def test_host_config_refuses_what_the_host_level_cannot_serve():
+    assert HostConfig("1GiB").bytes_of(10 << 30) == 1 << 30 and HostConfig("25%").bytes_of(400) == 100
+    assert HostConfig("8GiB").bytes_of(1 << 30) == 1 << 30  # capped at all experts
+    assert not HostConfig().enabled and HostConfig("1GiB", "lfu").name == "lfu"
+    for bad, match in [
+        (dict(memory="1GiB", policy="tlfu"), "router's requests"),
+        (dict(memory="1GiB", policy="opt"), "needs the future"),
+        (dict(memory="150%"), r"share in \(0%, 100%\]"),
+        (dict(memory="lots"), "host memory"),
+        (dict(memory="1GiB", policy="nope"), "nope"),
+    ]:
+        with pytest.raises(ExpertcacheError, match=match):
+            HostConfig(**bad)
+
+
+# ------------------------------------------------------------------------------- the timing model
+def test_the_virtual_link_reads_from_the_disk_what_the_host_level_does_not_hold_read():
+    link = VirtualLink([1.0], read_s=10.0)
+    link.host_moved((0, 1), None)  # entered, unread
+    first = link.submit((0, 1), None, 0)
+    link.wait(first)
+    assert link.now == 11.0 and link.disk_reads == 1  # the read, then the link
+    again = link.submit((0, 1), None, 0)  # held and read: the link only
+    link.wait(again)
+    assert link.now == 12.0 and link.disk_reads == 1
+    bypassed = link.submit((0, 2), None, 0)  # not in the host level: read straight through
+    link.wait(bypassed)
+    assert link.now == 23.0 and link.disk_reads == 2
+    link.host_moved((0, 3), None)
+    link.submit((0, 4), None, 0)  # on the link now ...
+    dropped = link.submit((0, 3), None, 1)
+    assert link.cancel(dropped)  # ... and the prefetch behind it is dropped before it read anything
+    link.advance(100.0)
+    assert link.unread == {(0, 3)}  # its next transfer reads it
+    link.host_moved(None, (0, 3))
+    assert not link.unread and (0, 3) not in link.host_keys
+
+
+def test_timing_counts_levels_and_exclusive_holds_more_distinct_experts():
+    from expertcache.trace.default import default_trace
+
+    tr = default_trace()
+    inclusive = simulate_timing(tr, 24, host=HostConfig(None), host_capacity=60)
+    exclusive = simulate_timing(tr, 24, host=HostConfig(None, exclusive=True), host_capacity=60)
+    for r in (inclusive, exclusive):
+        c = r.cache
+        assert c["host_requests"] == r.misses and c["host_hits"] + c["host_misses"] == c["host_requests"]
+        assert c["disk_reads"] == c["host_misses"] and c["host_capacity"] == 60
+    assert exclusive.cache["host_misses"] < inclusive.cache["host_misses"]
+    assert exclusive.cache["host_demoted"] > 0 and inclusive.cache["host_demoted"] == 0
+    none = simulate_timing(tr, 24)
+    assert "host_requests" not in none.cache and none.misses == inclusive.misses  # the device's unchanged
+
+
+# ------------------------------------------------------------------------------- the engine
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_with_a_host_level_is_exact_and_replays_to_the_same_counts(family, ckpt, reference):
+    path = ckpt(family)
+    want = reference(path, IDS)
+    total = total_experts(family)
+    device, host = TOP_K + 1, max(TOP_K + 2, total // 2)
+    with engine_load(path, device, host_memory=f"{100 * host / total}%", deterministic=True) as model:
+        assert_exact(greedy(model, IDS), want)
+        stats, trace = model.stats, model.trace()
+    assert stats["slow_tier"] == "stack" and stats["host_capacity"] == host
+    assert stats["host_requests"] == stats["misses"] > 0
+    assert 0 < stats["host_misses"] < stats["host_requests"]  # the host level served some
+    assert stats["disk_reads"] == stats["host_misses"]  # nothing bypassed, nothing dropped
+    assert stats["host_memory_bytes"] == host * (stats["expert_memory_bytes"] // device)
+    replay = simulate_timing(
+        trace, trace.meta["capacity"], cache=trace.meta["policy"],
+        capacities=json.loads(trace.meta["capacities"]), host=HostConfig(None, trace.meta["host_policy"]),
+        host_capacity=trace.meta["host_capacity"],
+    )  # fmt: skip
+    for key in ("misses", "host_requests", "host_misses", "host_evicted", "host_misses_by_layer"):
+        assert replay.cache[key] == stats[key], key
+
+
+def test_a_host_level_under_another_policy_with_prefetching_is_exact(ckpt, reference):
+    path = ckpt("mixtral")
+    total = total_experts("mixtral")
+    with engine_load(path, TOP_K + 1, host_memory="50%", host_policy="lfu", prefetch="next-gate") as model:
+        assert_exact(greedy(model, IDS), reference(path, IDS))
+        stats = model.stats
+    assert stats["host_policy"] == "lfu" and stats["host_capacity"] == total // 2
+    assert stats["host_requests"] >= stats["misses"]  # prefetches are requests too
+
+
+def test_host_level_options_that_cannot_work_are_refused(ckpt):
+    path = ckpt("mixtral")
+    for kwargs, match in [
+        (dict(slow_tier="host"), "--slow-tier host holds every expert"),
+        (dict(miss="host"), "serves the fetch miss path"),
+        (dict(host_policy="lru:nope=1"), "nope"),
+    ]:
+        with pytest.raises(ExpertcacheError, match=match):
+            engine_load(path, TOP_K, host_memory="50%", **kwargs)
+    with pytest.raises(ExpertcacheError, match="the engine's host level is inclusive"):
+        engine_load(path, TOP_K, host=HostConfig("50%", exclusive=True))
+    with pytest.raises(ExpertcacheError, match="needs at least"):
+        engine_load(path, TOP_K, host_memory="1B")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--prompt", "hi", "--host-policy", "lfu"], "--host-policy needs --host-memory"),
+        (["generate", "--prompt", "hi", "--host-memory", "lots"], "host memory"),
+        (["timing", "--host-exclusive"], "--host-exclusive needs --host-memory or --host-capacity"),
+        (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
+        (["timing", "--host-capacity", "0"], "at least 1 expert"),
+        (["timing", "--host-memory", "1KiB"], "holds no expert"),
+    ],
+)
+def test_cli_refuses_bad_host_level_options_in_one_line(argv, message):
+    done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_timing_prints_the_host_level():
+    argv = ["timing", "--capacity", "24", "--host-capacity", "60", "--disk-time", "1ms"]
+    done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("host level"))
+    assert "lru, 60 experts" in line and "disk reads" in line
