@@ -188,6 +188,11 @@ class OffloadedModel:
         }
         delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],
                      memory=resident_memory(self._weight_files))  # fmt: skip
+        if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
+            level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
+                     "disk_reads", "disk_read_s")  # fmt: skip
+            delta.update({k: after[k] - before[k] for k in level})
+            delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy")})
         eos = gen.eos_ids(self.model, tok)
         out, width = run["output"], ids.shape[1]
         rows = [
