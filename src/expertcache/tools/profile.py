@@ -117,6 +117,8 @@ def profile(
     # step_s is 0: the rest of a step is measured (or declared) as dense_s; host_read_s is not measured
     # (reading the profile gives it the disk tier's transfer: costs.host_reads_of)
     skip = ("chunk_bytes", "wake_s", "submit_s", "step_s", "host_read_s")
+    if not cost.disk_read_s:  # measured on the disk tier (and with a host level) only
+        skip += ("disk_read_s",)
     fields = [f for f in cost.to_dict() if f not in skip]
     return {
         "format": PROFILE_FORMAT,
