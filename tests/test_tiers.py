@@ -197,3 +197,77 @@ def test_cli_timing_prints_the_host_level():
     assert done.returncode == 0, done.stderr
     line = next(x for x in done.stdout.splitlines() if x.startswith("host level"))
     assert "lru, 60 experts" in line and "disk reads" in line
+
+
+# ------------------------------------------------------------------------------- planner and doctor
+def test_the_planner_chooses_the_host_policy_and_the_engine_runs_its_plan(ckpt, tmp_path):
+    from expertcache.costs import CostModel
+    from expertcache.plan import Plan
+    from expertcache.sim.planner import make_plan
+
+    path = ckpt("mixtral")
+    with engine_load(path, TOP_K + 1) as model:
+        greedy(model, IDS)
+        trace = model.trace()
+    total = total_experts("mixtral")
+    cost = CostModel(disk_read_s=5e-3)
+    plan = make_plan(trace, TOP_K + 1, cost, host_capacity=total // 2, host_policies=("lru", "fifo"))
+    assert plan.host_capacity == total // 2 and plan.host_policy in ("lru", "fifo")
+    assert {c["host_policy"] for c in plan.candidates} == {"lru", "fifo"}
+    assert all(c["host_misses"] > 0 and c["disk_read_s"] > 0 for c in plan.candidates)
+    assert "host level" in plan.describe()
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert (again.host_capacity, again.host_policy) == (plan.host_capacity, plan.host_policy)
+    from expertcache.engine import load
+
+    with load(path, plan=again, device=engine_fixtures.DEVICE, progress=False) as model:
+        greedy(model, IDS)
+        stats = model.stats
+    assert stats["host_capacity"] == plan.host_capacity and stats["host_policy"] == plan.host_policy
+    with pytest.raises(ExpertcacheError, match="the plan sets a host level"):
+        load(path, plan=again, device=engine_fixtures.DEVICE, progress=False, host_memory="50%")
+    with pytest.raises(ExpertcacheError, match="serves the fetch miss path"):
+        make_plan(trace, TOP_K + 1, cost, misses=("host",), host_capacity=total // 2)
+    with pytest.raises(ExpertcacheError, match="go together"):
+        Plan(layers=2, experts=8, top_k=2, capacity=4, host_capacity=4)
+
+
+def test_doctor_says_which_level_bounds_the_step():
+    from expertcache.costs import CostModel
+    from expertcache.sim.doctor import diagnose
+    from expertcache.trace.default import default_trace
+
+    tr = default_trace()
+    slow_disk = CostModel(disk_read_s=1.0, link_bandwidth=1e12)
+    slow_link = CostModel(disk_read_s=1e-6, link_bandwidth=1e8)
+    for cost, bound in ((slow_disk, "disk"), (slow_link, "link")):
+        r = diagnose(tr, 24, cost, host=HostConfig(None), host_capacity=60)
+        lv = r["levels"]
+        assert lv["inclusive"]["bound"] == bound and lv["host_capacity"] == 60
+        assert lv["exclusive"]["host_misses"] < lv["inclusive"]["host_misses"]
+        assert any(f"bound by the {bound}" in line for line in r["verdict"])
+    assert diagnose(tr, 24)["levels"] is None
+
+
+def test_cli_plan_and_doctor_take_a_host_level():
+    argv = [
+        "plan",
+        "--capacity",
+        "24",
+        "--host-capacity",
+        "60",
+        "--host-policy",
+        "lru",
+        "lfu",
+        "--disk-time",
+        "2ms",
+    ]
+    done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "host level" in done.stdout.splitlines()[-1] and "host lfu" in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "expertcache", "doctor", "--capacity", "24", "--host-memory", "60%"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0 and "with a host level of 57 experts (lru)" in done.stdout, done.stderr

@@ -212,7 +212,7 @@ class HostConfig:
         got = (
             round(total * float(text[:-1]) / 100)
             if text.endswith("%")
-            else int(parse_size(text, "host memory"))
+            else int(parse_size(self.memory, "host memory"))
         )
         return min(got, total)
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import miss_class
 
@@ -41,6 +41,8 @@ class Plan:
     candidates: tuple[dict, ...] = ()  # every layout compared, with its figures
     lower_bound: dict = field(default_factory=dict)  # OPT's, shared cache, same miss path
     source: dict = field(default_factory=dict)  # the trace and cost model it was planned on
+    host_capacity: int | None = None  # a host level of this many experts (``cache.tiers``), or none
+    host_policy: str | None = None  # its policy
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -66,6 +68,21 @@ class Plan:
                 raise ExpertcacheError(
                     f"plan: with budgets, policy is the per-layer policy's name, not {self.policy!r}"
                 )
+        if (self.host_capacity is None) != (self.host_policy is None):
+            raise ExpertcacheError(
+                "plan: host_capacity and host_policy go together (a host level), or neither"
+            )
+        if self.host_capacity is not None:
+            if not isinstance(self.host_capacity, int) or isinstance(self.host_capacity, bool):
+                raise ExpertcacheError(
+                    f"plan: host_capacity must be a positive integer, got {self.host_capacity!r}"
+                )
+            if not 1 <= self.host_capacity <= self.layers * self.experts:
+                raise ExpertcacheError(
+                    f"plan: host_capacity must be 1 .. {self.layers * self.experts} experts, got "
+                    f"{self.host_capacity}"
+                )
+            self.host_config(1)
         self.cache_config()  # a bad policy, miss path or predictor is refused here, by its own check
         self.miss_config()
         self.prefetch_config()
@@ -80,6 +97,12 @@ class Plan:
 
     def cache_config(self, seed: int = 0) -> CacheConfig:
         return CacheConfig(self.policy_spec, seed=seed)
+
+    def host_config(self, slot_bytes: int) -> HostConfig | None:
+        """The host level for slots of ``slot_bytes`` (its memory is its experts' slots), or None."""
+        if self.host_capacity is None:
+            return None
+        return HostConfig(self.host_capacity * int(slot_bytes), self.host_policy)
 
     def miss_config(self) -> MissConfig:
         return MissConfig(self.miss)
@@ -106,7 +129,12 @@ class Plan:
         if self.budgets is None and "/" in self.miss:  # a miss path laid out per layer (moepic's split)
             layout = "per-layer split"
         pf = "" if self.prefetch == "none" else f", prefetch {self.prefetch}"
-        return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}"
+        host = (
+            ""
+            if self.host_capacity is None
+            else f", host level {self.host_policy} ({self.host_capacity} experts)"
+        )
+        return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}{host}"
 
     # ------------------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, object]:

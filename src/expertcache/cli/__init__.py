@@ -244,6 +244,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_costs(pl)
     pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_host_level(pl, plan=True)
     pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
 
     dr = sub.add_parser(
@@ -275,6 +276,7 @@ def _build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_host_level(dr)
     dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
 
     pr = sub.add_parser("profile", help="measure this machine's cost triple for a model (for plan --cost)")
@@ -855,9 +857,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     _check_profile(args, trace)
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
+    if args.host_exclusive:
+        raise ExpertcacheError(
+            "doctor reports an inclusive and an exclusive host level both: leave out --host-exclusive"
+        )
+    host = _host_level(args)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
-        misses=tuple(dict.fromkeys(args.miss or ["fetch"])),
+        misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
+        host_capacity=_host_capacity(args, host, trace, cost),
     )  # fmt: skip
     if args.plot:
         plot_diagnosis(report, args.plot)
@@ -917,11 +925,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for w in ([None] if p == "none" else windows)
     ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
+    host = _host_level(args)
+    hosts = {} if host is None else {"host_capacity": _host_capacity(args, host, trace, cost)}
+    if args.host_policy:
+        hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
     plan = make_plan(
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
-        objective=args.objective,
-        seed=args.seed, predictor_trace=predictor_trace,
+        objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, **hosts,
     )  # fmt: skip
     if args.out:
         plan.save(args.out)
@@ -970,13 +981,21 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
     return served
 
 
-def _add_host_level(p: argparse.ArgumentParser) -> None:
-    """``--host-memory``, ``--host-policy``, ``--host-exclusive``: a host level below the cache."""
+def _add_host_level(p: argparse.ArgumentParser, plan: bool = False) -> None:
+    """``--host-memory``, ``--host-policy``, ``--host-exclusive``: a host level below the cache. For
+    ``plan``: policies to choose among, and no exclusive level (the engine's is inclusive)."""
     p.add_argument(
         "--host-memory", metavar="X", help="three tiers: a host cache of this many bytes (8GiB) or this "
         "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",
     )  # fmt: skip
     p.add_argument("--host-capacity", type=int, metavar="N", help="the host cache in experts, not bytes")
+    if plan:
+        p.add_argument(
+            "--host-policy", nargs="+", metavar="NAME",
+            help="the host cache's policies to choose among (default: lru lfu fifo lcp)",
+        )  # fmt: skip
+        p.set_defaults(host_exclusive=False)
+        return
     p.add_argument("--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)")
     p.add_argument(
         "--host-exclusive", action="store_true",
@@ -996,7 +1015,10 @@ def _host_level(args: argparse.Namespace):
         return None
     if args.host_memory is not None and args.host_capacity is not None:
         raise ExpertcacheError("give --host-memory or --host-capacity, not both")
-    return HostConfig(args.host_memory, args.host_policy or "lru", exclusive=args.host_exclusive)
+    policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy or "lru"]
+    for policy in policies:  # each checked here, in one line
+        HostConfig(args.host_memory, policy, exclusive=args.host_exclusive)
+    return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive)
 
 
 def _host_capacity(args: argparse.Namespace, host, trace: Trace, cost) -> int | None:

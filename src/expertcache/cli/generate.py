@@ -422,6 +422,14 @@ def summary(out: dict) -> str:
         f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"
         + (f" | {out['preloaded_experts']} read at load" if out.get("preloaded_experts") else ""),
     ]
+    if "host_requests" in out:  # three tiers (``cache.tiers``)
+        req, missed = out["host_requests"], out["host_misses"]
+        share = f" ({missed / req:.0%})" if req else ""
+        lines.append(
+            f"host level {out['host_capacity']} experts ({out['host_policy']}, "
+            f"{format_bytes(out['host_memory_bytes'])}) | hits {out['host_hits']} | misses {missed}{share} | "
+            f"disk reads {out['disk_reads']} in {out['disk_read_s'] * 1e3:.1f} ms"
+        )
     mem = out.get("memory") or {}
     if mem.get("rss") is not None:
         b, cached, shmem = format_bytes, mem.get("page_cache"), mem.get("rss_shmem") or 0

@@ -200,6 +200,13 @@ class Builder:
                 f"miss path {self.miss.describe()} computes every expert on the host: the expert memory "
                 f"({format_bytes(self.budget)}) holds none and is not used"
             )
+        if plan is not None and plan.host_capacity is not None:  # its host level, in this model's slots
+            if host is not None:
+                raise ExpertcacheError(
+                    f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave "
+                    "out --host-memory (host_memory=)"
+                )
+            host = plan.host_config(self.layout.slot_bytes)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)

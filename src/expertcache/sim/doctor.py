@@ -22,10 +22,12 @@ and a verdict in words. Torch-free.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
+from expertcache.config import HostConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
 from expertcache.sim.bounds import step_bounds
@@ -118,8 +120,11 @@ def diagnose(
     window_tokens: int = 16,
     policy: str = "lru",
     misses: tuple[str, ...] = ("fetch",),
+    host: HostConfig | None = None,
+    host_capacity: int | None = None,
 ) -> dict[str, object]:
-    """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module)."""
+    """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module). ``host`` and
+    ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step."""
     cost = cost or CostModel()
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     counts = window_counts(trace, window_tokens)
@@ -166,6 +171,7 @@ def diagnose(
         "plan": plan.describe(),
         "transfer_saved_by_lru": saved,
         "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
+        "levels": None if host is None else _levels(trace, capacity, cost, policy, host, host_capacity),
     }
     report["verdict"] = verdict(report)
     return report
@@ -190,6 +196,27 @@ def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float)
         "batch_tpot_s": res.tpot_s,
         "batch_ttft_s": res.ttft_s,
     }
+
+
+def _levels(trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int) -> dict:
+    """Three tiers: each level's misses and the time it keeps busy, on demand under ``policy``, for the
+    host level as given and as its exclusive twin; the level that bounds the step is the busiest of the
+    computation (the step less its stall), the link (its transfers, reads aside) and the disk (its
+    reads), over the whole run."""
+    out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
+    for name, cfg in (
+        ("inclusive", replace(host, exclusive=False)),
+        ("exclusive", replace(host, exclusive=True)),
+    ):
+        r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=host_capacity)
+        disk = float(r.cache["disk_read_s"])
+        busy = {"compute": r.total_s - r.stall_s, "link": r.link_busy_s - disk, "disk": disk}
+        out[name] = {
+            "tpot_s": r.tpot_s, "device_misses": r.misses, "host_misses": r.cache["host_misses"],
+            "host_miss_ratio": r.cache["host_miss_ratio"], "busy_s": busy, "total_s": r.total_s,
+            "bound": max(busy, key=busy.get),
+        }  # fmt: skip
+    return out
 
 
 def _one_request_a_step(trace: Trace) -> bool:
@@ -247,6 +274,17 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{100 * b['lru_miss_ratio']:.0f} % of them, token-weighted frequency (tlfu) "
             f"{100 * b['tlfu_miss_ratio']:.0f} %; --miss batch --policy tlfu moves and computes misses in "
             f"{b['batch_vs_best']:.2f}x the better per-step reference (TPOT {1e3 * b['batch_tpot_s']:.3f} ms)"
+        )
+    lv = r.get("levels")
+    if lv is not None:
+        inc, exc = lv["inclusive"], lv["exclusive"]
+        busy = ", ".join(f"{k} {v:.3f} s" for k, v in inc["busy_s"].items())
+        out.append(
+            f"with a host level of {lv['host_capacity']} experts ({lv['host_policy']}): the disk serves "
+            f"{100 * inc['host_miss_ratio']:.0f} % of the cache's misses; the run keeps busy {busy} of "
+            f"{inc['total_s']:.3f} s: bound by the {inc['bound']}; an exclusive host level (the "
+            f"simulator's) would read {exc['host_misses']} experts from the disk instead of "
+            f"{inc['host_misses']}"
         )
     t = r["tpot_s"]
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:

@@ -28,13 +28,14 @@ fetching. Every layout is scored by the timing model, whatever the method's own 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
-from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
+from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import parse_miss
@@ -48,6 +49,8 @@ from expertcache.trace.trace import Trace
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
 OBJECTIVES = ("tpot", "ttft")
+# the host level's policies the planner tries by default: those that decide by hits and insertions alone
+HOST_POLICIES = ("lru", "lfu", "fifo", "lcp")
 FATE_FULL_LAYERS = 4  # Fate caches its first four layers whole
 
 
@@ -276,12 +279,31 @@ def make_plan(
     objective: str = "tpot",
     seed: int = 0,
     predictor_trace: Trace | None = None,
+    host_capacity: int | None = None,
+    host_policies: Sequence[str] = HOST_POLICIES,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
     the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
     None: every layout of a -dist policy, and MoEpic's when a ``split`` miss path is among ``misses``
-    (its layout is that path's: it replaces the split spec given)."""
+    (its layout is that path's: it replaces the split spec given). ``host_capacity``: a host level of
+    that many experts between the cache and the disk (``cache.tiers``; its misses read
+    ``cost.disk_read_s``), under each of ``host_policies`` in turn; the plan then says which. The
+    engine's host level is inclusive and serves the ``fetch`` miss path, so other miss paths are left
+    out."""
     cost = cost or CostModel()
+    host_cfgs: list[HostConfig | None] = [None]
+    if host_capacity is not None:
+        if host_capacity < 1:
+            raise ExpertcacheError(f"a host level of {host_capacity} experts: it needs at least 1")
+        host_cfgs = [HostConfig(None, hp) for hp in dict.fromkeys(host_policies)]
+        if not host_cfgs:
+            raise ExpertcacheError("a host level needs at least one policy to plan with")
+        others = [m for m in misses if parse_miss(m)[0] != "fetch"]
+        if others and len(others) == len(misses):
+            raise ExpertcacheError(
+                f"the engine's host level serves the fetch miss path, not {others[0]}: plan with --miss fetch"
+            )
+        misses = [m for m in misses if parse_miss(m)[0] == "fetch"]
     misses = expand_misses(misses, trace.num_layers)
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
     if methods is None:
@@ -333,27 +355,28 @@ def make_plan(
     candidates, seen = [], {}
     for method, budgets, cell_misses in cells:
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
-        for miss in cell_misses:
-            for pf in prefetch_cfgs:
-                cell = (spec, miss, pf.predictor, pf.window)
-                if cell in seen:  # another method laid the budget out the same way
-                    figures = {**seen[cell], "same_as": seen[cell]["method"]}
-                else:
-                    try:
-                        r = simulate_timing(
-                            trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
-                            miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace,
-                        )  # fmt: skip
-                    except ExpertcacheError as exc:
-                        if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
-                            raise
-                        skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
-                        continue
-                    figures = seen[cell] = {"method": method, **_figures(r)}
-                candidates.append(
-                    {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
-                     "window": pf.window}
-                )  # fmt: skip
+        for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
+            hp = None if host is None else host.policy
+            cell = (spec, miss, pf.predictor, pf.window, hp)
+            if cell in seen:  # another method laid the budget out the same way
+                figures = {**seen[cell], "same_as": seen[cell]["method"]}
+            else:
+                try:
+                    r = simulate_timing(
+                        trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
+                        miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
+                        host_capacity=host_capacity,
+                    )  # fmt: skip
+                except ExpertcacheError as exc:
+                    if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
+                        raise
+                    skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
+                    continue
+                figures = seen[cell] = {"method": method, **_figures(r)}
+            candidates.append(
+                {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
+                 "window": pf.window, "host_policy": hp}
+            )  # fmt: skip
     if not candidates:
         raise ExpertcacheError(
             f"no method could lay out {capacity} experts over {L} layers (a per-layer layout needs "
@@ -363,13 +386,17 @@ def make_plan(
         )  # fmt: skip
     key = f"{objective}_s"
     best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))  # the first of equals
-    bound = simulate_timing(trace, capacity, cache="opt", miss="fetch", cost=cost)
+    best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"])
+    bound = simulate_timing(
+        trace, capacity, cache="opt", miss="fetch", cost=cost, host=best_host, host_capacity=host_capacity
+    )
     return Plan(
         layers=L, experts=E, top_k=K, capacity=capacity, policy=name,
         budgets=None if best["budgets"] is None else tuple(best["budgets"]), miss=best["miss"],
         prefetch=best["prefetch"], window=best["window"], method=best["method"], objective=objective,
-        predicted={k: best[k] for k in _FIGURES}, candidates=tuple(candidates),
+        predicted={k: best[k] for k in _FIGURES if k in best}, candidates=tuple(candidates),
         lower_bound={"method": "opt (shared, on demand)", **_figures(bound)},
+        host_capacity=host_capacity, host_policy=best["host_policy"],
         source={
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
         },
@@ -400,17 +427,20 @@ def _parts(miss: str, layers: int, experts: int, top_k: int, cost: CostModel) ->
     return len(make_miss(miss, MissContext(layers, experts, top_k, costs=cost)).parts())
 
 
-_FIGURES = ("tpot_s", "ttft_s", "stall_s", "misses", "requests")
+_FIGURES = ("tpot_s", "ttft_s", "stall_s", "misses", "requests", "host_misses", "disk_read_s")
 
 
 def _figures(r) -> dict[str, object]:
-    return {
+    out = {
         "tpot_s": r.tpot_s,
         "ttft_s": r.ttft_s,
         "stall_s": r.stall_s,
         "misses": r.misses,
         "requests": r.requests,
     }
+    if "host_misses" in r.cache:  # with a host level: its misses, and the disk's time reading them
+        out.update(host_misses=r.cache["host_misses"], disk_read_s=r.cache["disk_read_s"])
+    return out
 
 
 def _value(x: float | None) -> float:
@@ -432,7 +462,7 @@ def format_plan(plan: Plan) -> str:
     for c in plan.candidates:
         chosen = (
             c["method"] == plan.method and c["miss"] == plan.miss and c["prefetch"] == plan.prefetch
-            and (c["budgets"] is None) == (plan.budgets is None)
+            and (c["budgets"] is None) == (plan.budgets is None) and c.get("host_policy") == plan.host_policy
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
         miss = c["miss"]
@@ -441,6 +471,10 @@ def format_plan(plan: Plan) -> str:
             miss, budgets = f"{miss.split(':')[0]} [{len(notes)}]", "per layer, see [" + f"{len(notes)}]"
         if "same_as" in c:
             budgets += f" (as {c['same_as']})"
+        if c.get("host_policy") is not None:
+            budgets += (
+                f"; host {c['host_policy']}: {c['host_misses']} misses, {c['disk_read_s']:.3f} s of reads"
+            )
         rows.append(
             f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
             f"{ms(c['ttft_s']):>10}{c['misses']:>9}  {budgets}"
