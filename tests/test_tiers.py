@@ -174,6 +174,19 @@ def test_host_level_options_that_cannot_work_are_refused(ckpt):
         engine_load(path, TOP_K, host_memory="1B")
 
 
+def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, monkeypatch):
+    from expertcache.engine import builder
+
+    path = ckpt("mixtral")
+    engine_fixtures._slot_bytes(path)  # measured by a load at 100 %, which the patched room would refuse
+    slots = TOP_K * engine_fixtures._slot_bytes(path)
+    monkeypatch.setattr(builder, "available_memory", lambda: (slots + 1, "its memory cgroup's room"))
+    with engine_load(path, TOP_K) as model:  # the slots alone fit
+        assert model.capacity == TOP_K
+    with pytest.raises(ExpertcacheError, match=r"the expert slots and the host cache \(--host-memory\) need"):
+        engine_load(path, TOP_K, host_memory="50%")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -426,8 +426,9 @@ class Builder:
         room = available_memory()
         if room is not None and need > room[0]:
             what = "the expert slots" + (
-                " and the host tier's copy of every expert" if tier == "host" else ""
-            )
+                " and the host tier's copy of every expert" if tier == "host" and not self.host_capacity
+                else " and the host cache (--host-memory)" if self.host_capacity else ""
+            )  # fmt: skip
             raise ExpertcacheError(
                 f"{what} need {format_bytes(need)} of host memory, more than this process may use "
                 f"({format_bytes(room[0])}: {room[1]}); give a smaller expert memory (--expert-memory)"
