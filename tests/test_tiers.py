@@ -195,6 +195,8 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-exclusive"], "--host-exclusive needs --host-memory or --host-capacity"),
         (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
         (["timing", "--host-capacity", "0"], "at least 1 expert"),
+        (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
+        (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),
         (["timing", "--host-memory", "1KiB"], "holds no expert"),
     ],
 )
@@ -284,3 +286,54 @@ def test_cli_plan_and_doctor_take_a_host_level():
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0 and "with a host level of 57 experts (lru)" in done.stdout, done.stderr
+
+
+# ------------------------------------------------------------------------------- staging
+def test_staging_reads_run_on_the_disk_beside_the_link_and_a_transfer_too_early_reads_again():
+    link = VirtualLink([1.0], read_s=10.0)
+    link.host_moved((0, 1), None)
+    link.host_moved((0, 2), None)
+    a = link.stage((0, 1))  # the disk reads (0, 1) from 0 to 10 ...
+    busy = link.submit((0, 3), None, 0)  # ... while the link reads and moves (0, 3): 0 to 11
+    assert link.poll(a) == 0 and link.disk_free_at == 10.0 and link.free_at == 11.0
+    link.advance(12.0)
+    assert link.poll(a) == 1 and link.poll(busy) == 1 and (0, 1) not in link.unread
+    moved = link.submit((0, 1), None, 0)  # read by then: the link only
+    link.wait(moved)
+    assert link.now == 13.0 and link.disk_reads == 2  # (0, 3)'s and the staging read
+    b = link.stage((0, 2))  # 13 to 23 on the disk
+    early = link.submit((0, 2), None, 0)  # starts at 13, before the read ends: reads it again
+    link.wait(early)
+    assert link.now == 24.0 and link.disk_reads == 4 and link.poll(b) == 1
+    link.host_moved((0, 4), None)
+    link.submit((0, 4), None, 0)  # the disk is free, the key unread: the device transfer reads it ...
+    late = link.stage((0, 4))
+    link.advance(100.0)
+    assert late.done_at == late.submitted and link.disk_reads == 5  # ... and the staging read does nothing
+
+
+def test_the_timing_model_stages_predicted_experts_and_a_perfect_predictor_gains():
+    from expertcache.config import PrefetchConfig
+    from expertcache.costs import CostModel
+    from expertcache.trace.default import default_trace
+
+    tr, cost = default_trace(), CostModel(disk_read_s=30e-3)
+    pf = PrefetchConfig("oracle", limit=1)
+    plain = simulate_timing(tr, 24, prefetch=pf, cost=cost, host=HostConfig(None), host_capacity=48)
+    staged = simulate_timing(tr, 24, prefetch=pf, cost=cost, host=HostConfig(None, stage=1), host_capacity=48)
+    assert plain.cache["host_staged"] == 0 < staged.cache["host_staged"]
+    assert staged.cache["host_misses"] < plain.cache["host_misses"] and staged.tpot_s < plain.tpot_s
+    assert staged.misses == plain.misses  # the device's decisions are the same
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_engine_stages_on_a_worker_of_its_own_and_stays_exact(family, ckpt, reference):
+    path = ckpt(family)
+    total = total_experts(family)
+    with engine_load(path, TOP_K + 1, host_memory="60%", host_stage=2, prefetch="next-gate") as model:
+        assert_exact(greedy(model, IDS), reference(path, IDS))
+        stats = model.stats
+        assert model.transport.stage_worker is not None
+    assert stats["host_staged"] > 0 and stats["host_capacity"] == int(0.6 * total)
+    with engine_load(path, TOP_K + 1, host_memory="60%", prefetch="next-gate") as model:
+        assert model.transport.stage_worker is None  # no staging, no thread for it

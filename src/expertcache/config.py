@@ -168,12 +168,14 @@ class LinkConfig:
 class HostConfig:
     """The host level of a tier stack (``cache.tiers``): device slots <- a host cache of ``memory``
     (bytes, ``8GiB``, or a share of all experts, ``30%``; None: no host level) <- the checkpoint on disk.
-    Its eviction policy (any online policy that decides by hits and insertions alone), and whether it
-    is ``exclusive`` of the device's cache (the simulator's; the engine's host level is inclusive)."""
+    Its eviction policy (any online policy that decides by hits and insertions alone), whether it is
+    ``exclusive`` of the device's cache (the simulator's; the engine's host level is inclusive), and
+    ``stage``: predicted experts per layer read into it early, beyond what the device's prefetch takes."""
 
     memory: str | int | None = None
     policy: str = "lru"
     exclusive: bool = False
+    stage: int = 0
     name: str = field(init=False, repr=False)
     params: dict = field(init=False, repr=False, compare=False)
 
@@ -189,6 +191,8 @@ class HostConfig:
                 f"host policy {name} {why}; the host level sees only the device's transfers: give one "
                 "that decides by hits and insertions (lru, lfu, fifo, lcp, llru, ...)"
             )
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage < 0:
+            raise ExpertcacheError(f"host stage: a number of experts, 0 or more, got {self.stage!r}")
         if self.memory is not None:
             text = str(self.memory).strip()
             if text.endswith("%"):

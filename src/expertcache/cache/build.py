@@ -110,7 +110,7 @@ def build_host_level(config, capacity: int, ctx: PolicyContext) -> HostLevel:
             f"host policy {name}'s budgets sum to {fixed}; the host memory holds {capacity} expert(s)"
         )
     policy = make_policy(name, replace(ctx, capacity=capacity), **params)
-    return HostLevel(policy, ctx.num_layers, exclusive=config.exclusive)
+    return HostLevel(policy, ctx.num_layers, exclusive=config.exclusive, stage=config.stage)
 
 
 def assemble(

@@ -113,10 +113,12 @@ class ExpertCache:
         queued = 0
         stats, parts = self.stats, self.parts
         self._reap()  # finished transfers are no longer pinned (what this call queues is still moving)
+        staging = getattr(self.transport, "stage_limit", 0)  # a host level below stages what is left
         for target, ranked in predictions.items():
             chosen = ranked[: self.limit]
             self.predicted.setdefault(target, set()).update(chosen)
             waiting = self.spec.setdefault(target, {})
+            left = []  # predicted, not moved to the device now: for the host level to stage
             for expert in chosen:
                 key = (target, expert)
                 for part in self.miss.prefetch(key, self):
@@ -126,11 +128,15 @@ class ExpertCache:
                         victim = parts[part].insert(key, _Pins(part, current, self.inflight, self.spec))
                     except PolicyError:
                         stats.skipped_prefetches[target] += 1
+                        left.append(key)
                         continue
                     self.inflight[(part, key)] = self.transport.submit(key, victim, SPECULATIVE, part)
                     waiting[(part, key)] = None
                     stats.issued[target] += 1
                     queued += 1
+            if staging:
+                more = [(target, e) for e in ranked[self.limit : self.limit + staging]]
+                self.transport.stage([k for k in dict.fromkeys(left + more) if k not in parts[self.primary]])
         return queued
 
     def shadow(self, predictions: dict[int, list[int]]) -> int:

@@ -23,6 +23,11 @@ host memory runs on a GPU, and a CPU keeps a second, larger cache of experts in 
   disk a key that entered and has not been read yet (the engine's ``StackTier``, the simulator's
   ``VirtualLink`` with a read time). A key whose transfer was dropped before it read anything stays in
   the host level unread, and its next transfer reads it.
+- **Staging** (``stage`` experts per predicted layer, default 0): predicted experts beyond what the
+  device's prefetch takes (its limit), and those it had no room for, enter the host level early and are
+  read from the disk in the background (``TieredTransport.stage``), so that if the router then chooses
+  them their device transfer only crosses the link. A staged key's read pins it in the host level until
+  it is done.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from expertcache.cache.residency import Residency
+from expertcache.cache.transfers import PENDING
 from expertcache.errors import PolicyError
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key, Policy
@@ -41,12 +47,12 @@ class LevelStats:
     """The host level's counts, per phase and layer ([2, L], row 1 = prefill): ``requests`` (device
     transfers of whole experts), ``misses`` (not in the host level: read from the disk); and in total
     ``evicted``, ``bypassed`` (no evictable key: read straight through), ``demoted`` (exclusive: device
-    victims taken in)."""
+    victims taken in), ``staged`` (predicted experts taken in early, to be read in the background)."""
 
     def __init__(self, num_layers: int) -> None:
         self.requests = np.zeros((2, num_layers), dtype=np.int64)
         self.misses = np.zeros((2, num_layers), dtype=np.int64)
-        self.evicted = self.bypassed = self.demoted = 0
+        self.evicted = self.bypassed = self.demoted = self.staged = 0
 
     def to_dict(self) -> dict[str, object]:
         req, miss = int(self.requests.sum()), int(self.misses.sum())
@@ -61,6 +67,7 @@ class LevelStats:
             "host_evicted": self.evicted,
             "host_bypassed": self.bypassed,
             "host_demoted": self.demoted,
+            "host_staged": self.staged,
         }
 
 
@@ -68,9 +75,9 @@ class HostLevel:
     """The host cache's keys under a policy: ``request`` for each device transfer, ``demote`` for each
     device victim (exclusive only). Counts in ``stats``."""
 
-    def __init__(self, policy: Policy, num_layers: int, exclusive: bool = False) -> None:
+    def __init__(self, policy: Policy, num_layers: int, exclusive: bool = False, stage: int = 0) -> None:
         self.residency = Residency(policy)
-        self.policy, self.exclusive = policy, bool(exclusive)
+        self.policy, self.exclusive, self.stage_limit = policy, bool(exclusive), int(stage)
         self.stats = LevelStats(num_layers)
 
     def __contains__(self, key: object) -> bool:
@@ -105,11 +112,23 @@ class HostLevel:
             self.stats.demoted += 1
         return [change]
 
-    def _insert(self, key: Key, pinned: Collection[Key], read: bool) -> tuple:
+    def stage(self, key: Key, pinned: Collection[Key]) -> tuple | None:
+        """A predicted expert enters early, to be read in the background: its change, or None (held
+        already, or nothing evictable)."""
+        if key in self.residency:
+            return None
+        change = self._insert(key, pinned, True, staged=True)
+        if change[0] is None:
+            return None
+        self.stats.staged += 1
+        return change
+
+    def _insert(self, key: Key, pinned: Collection[Key], read: bool, staged: bool = False) -> tuple:
         try:
             victim = self.residency.insert(key, pinned)
         except PolicyError:
-            self.stats.bypassed += 1
+            if not staged:
+                self.stats.bypassed += 1
             return (None, None, read)
         if victim is not None:
             self.stats.evicted += 1
@@ -117,16 +136,24 @@ class HostLevel:
 
 
 class _LevelPins:
-    """Keys of the host level that may not be evicted: the layer being served and those with a device
-    transfer in flight (their host slots may be being read)."""
+    """Keys of the host level that may not be evicted: the layer being served, those with a device
+    transfer in flight (their host slots may be being read) and those being staged (being written)."""
 
-    __slots__ = ("cache",)
+    __slots__ = ("cache", "transport")
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
+    def __init__(self, cache, transport: TieredTransport) -> None:
+        self.cache, self.transport = cache, transport
 
     def __contains__(self, key: object) -> bool:
-        return key in self.cache._current or (FULL, key) in self.cache.inflight
+        if key in self.cache._current or (FULL, key) in self.cache.inflight:
+            return True
+        staging = self.transport.staging
+        if not staging or key not in staging:
+            return False
+        if self.transport.inner.poll(staging[key]) == PENDING:
+            return True
+        del staging[key]  # read: no longer pinned
+        return False
 
 
 class TieredTransport:
@@ -137,11 +164,26 @@ class TieredTransport:
     def __init__(self, inner, level: HostLevel, phase: Callable[[], int] = lambda: 0) -> None:
         self.inner, self.level, self.phase = inner, level, phase
         self.pins: Collection[Key] = ()  # set by ``bind``: the cache's pins
+        self.stage_limit = level.stage_limit  # predicted experts a layer staged beyond the device's limit
+        self.staging: dict[Key, object] = {}  # staged keys -> their reads' handles (pinned while pending)
 
     def bind(self, cache) -> None:
         """The expert cache whose layer and transfers in flight pin keys, and whose phase counts."""
-        self.pins = _LevelPins(cache)
+        self.pins = _LevelPins(cache, self)
         self.phase = lambda: cache.phase
+
+    def stage(self, keys: Collection[Key]) -> int:
+        """Predicted experts the device does not take now: into the host level, read in the background
+        (``inner.stage``). Returns how many were staged."""
+        level, inner, staged = self.level, self.inner, 0
+        for key in keys:
+            change = level.stage(key, self.pins)
+            if change is None:
+                continue
+            inner.host_moved(*change)
+            self.staging[key] = inner.stage(key)
+            staged += 1
+        return staged
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

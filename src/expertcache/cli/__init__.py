@@ -994,9 +994,14 @@ def _add_host_level(p: argparse.ArgumentParser, plan: bool = False) -> None:
             "--host-policy", nargs="+", metavar="NAME",
             help="the host cache's policies to choose among (default: lru lfu fifo lcp)",
         )  # fmt: skip
-        p.set_defaults(host_exclusive=False)
+        p.set_defaults(host_exclusive=False, host_stage=0)
         return
     p.add_argument("--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)")
+    p.add_argument(
+        "--host-stage", type=int, default=0, metavar="N",
+        help="with a predictor: read up to N more predicted experts a layer into the host cache early "
+        "(default 0)",
+    )  # fmt: skip
     p.add_argument(
         "--host-exclusive", action="store_true",
         help="the host cache holds what the device's does not: a hit moves up, a device victim comes down",
@@ -1009,7 +1014,7 @@ def _host_level(args: argparse.Namespace):
 
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
-        for flag in ("host_policy", "host_exclusive"):
+        for flag in ("host_policy", "host_exclusive", "host_stage"):
             if getattr(args, flag):
                 raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
         return None
@@ -1017,8 +1022,8 @@ def _host_level(args: argparse.Namespace):
         raise ExpertcacheError("give --host-memory or --host-capacity, not both")
     policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy or "lru"]
     for policy in policies:  # each checked here, in one line
-        HostConfig(args.host_memory, policy, exclusive=args.host_exclusive)
-    return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive)
+        HostConfig(args.host_memory, policy, exclusive=args.host_exclusive, stage=args.host_stage)
+    return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive, stage=args.host_stage)
 
 
 def _host_capacity(args: argparse.Namespace, host, trace: Trace, cost) -> int | None:

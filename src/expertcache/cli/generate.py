@@ -111,6 +111,11 @@ def add_model_args(p) -> None:
         "--host-policy", metavar="NAME[:k=v,...]", help="the host cache's eviction policy (default lru)"
     )
     p.add_argument(
+        "--host-stage", type=int, default=0, metavar="N",
+        help="with --host-memory and a predictor: read up to N more predicted experts a layer into the host "
+        "cache early, beyond what the prefetch moves to the expert memory (default 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--kernel", choices=KERNEL_CHOICES, default="auto",
         help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
         "against transformers' grouped_mm), eager (one at a time, exact against its eager loop), "
@@ -232,9 +237,12 @@ def load_model(args, record: bool = True):
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
-    if args.host_policy is not None and args.host_memory is None:
-        raise ExpertcacheError("--host-policy needs --host-memory (the host cache it rules)")
-    host = HostConfig(args.host_memory, args.host_policy or "lru")
+    for flag in ("host_policy", "host_stage"):
+        if getattr(args, flag) and args.host_memory is None:
+            raise ExpertcacheError(
+                f"--{flag.replace('_', '-')} needs --host-memory (the host cache it rules)"
+            )
+    host = HostConfig(args.host_memory, args.host_policy or "lru", stage=args.host_stage)
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
 

@@ -41,7 +41,15 @@ from expertcache.engine.parts import EnginePart, full_part, quantized_part, segm
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
 from expertcache.engine.slots import SlotTable, SlotTransport
-from expertcache.engine.transfer import SLOW_TIERS, DiskTier, HostTier, StackTier, Target, TransferWorker
+from expertcache.engine.transfer import (
+    SLOW_TIERS,
+    STAGE_PART,
+    DiskTier,
+    HostTier,
+    StackTier,
+    Target,
+    TransferWorker,
+)
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
@@ -219,12 +227,17 @@ class Builder:
         idle = prefetch.governed and self.whole
         chunked = prefetch.chunked(background=miss.name != "fetch") and not idle
         self.worker = TransferWorker(link=self.link, parts=self.targets)
+        stager = None  # a host level's staging reads: a worker of their own, beside the link's
+        if self.host_capacity and host.stage:
+            stager = TransferWorker(parts={STAGE_PART: Target(self.tier.stager, self.tier.pool)}, steal=False)
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
         self.kernel, pools = self._kernel(kernel, sk.experts[0])
         tables = {(part, None): table for part, (_, table) in pools.items()}
         settle = prefetch.deterministic
-        self.transport = SlotTransport(self.targets, self.worker, settle=settle, tables=tables)
+        self.transport = SlotTransport(
+            self.targets, self.worker, settle=settle, tables=tables, stage_worker=stager
+        )
         self.policy_ctx = self._policy_context(cache)
         residencies = build_parts(self.miss, self.capacities, cache.policy, self.policy_ctx)
         self.model = sk.model.to(self.device)

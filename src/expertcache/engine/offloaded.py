@@ -190,7 +190,7 @@ class OffloadedModel:
                      memory=resident_memory(self._weight_files))  # fmt: skip
         if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
             level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
-                     "disk_reads", "disk_read_s")  # fmt: skip
+                     "host_staged", "disk_reads", "disk_read_s")  # fmt: skip
             delta.update({k: after[k] - before[k] for k in level})
             delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy")})
         eos = gen.eos_ids(self.model, tok)
@@ -428,6 +428,7 @@ def load(
     plan: str | Path | Plan | None = None,
     host_memory: str | int | None = None,
     host_policy: str = "lru",
+    host_stage: int = 0,
     **options,
 ) -> OffloadedModel:
     """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
@@ -467,7 +468,8 @@ def load(
     and its per-layer budgets, the miss path and the predictor; giving one of those as well is an error.
     Three tiers (``cache.tiers``): ``host_memory`` (bytes or a share of all experts, like
     ``expert_memory``) puts a host cache of experts under ``host_policy`` between the expert memory and
-    the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses.
+    the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses;
+    ``host_stage`` reads up to that many more predicted experts a layer into it early.
     """
     plan = as_plan(plan)
     if plan is not None:
@@ -503,7 +505,7 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
-    host = options.pop("host", None) or HostConfig(host_memory, host_policy)
+    host = options.pop("host", None) or HostConfig(host_memory, host_policy, stage=host_stage)
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),
         miss=as_config(miss, MissConfig), device=device, plan=plan, host=host if host.enabled else None,

@@ -352,6 +352,8 @@ class Engine:
         self.driver.close()
         self.host.close()
         self.transport.worker.close()
+        if self.transport.stage_worker is not None:
+            self.transport.stage_worker.close()
         for module in self._experts:
             module._expertcache_engine = None
         self._experts = []

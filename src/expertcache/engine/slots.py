@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from expertcache.cache.transfers import FAILED, PENDING, READY
-from expertcache.engine.transfer import Target, Transfer, TransferWorker
+from expertcache.cache.transfers import FAILED, PENDING, READY, SPECULATIVE
+from expertcache.engine.transfer import STAGE_PART, Target, Transfer, TransferWorker
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
 
@@ -59,8 +59,10 @@ class SlotTransport:
         worker: TransferWorker,
         settle: bool = False,
         tables: dict[PoolId, SlotTable] | None = None,
+        stage_worker: TransferWorker | None = None,
     ) -> None:
         self.targets, self.worker = targets, worker
+        self.stage_worker = stage_worker  # reads staged experts into the host level (``StackTier``)
         self.tables = tables or {}  # pools the grouped kernel computes from: their slot tables
         self._by_layer = any(layer is not None for _, layer in targets)  # some part's pools differ by layer
         self.slot_of: dict[tuple[str, Key], int] = {}
@@ -131,6 +133,12 @@ class SlotTransport:
             waited = time.perf_counter() - start
             self.stall_s += waited
             self.stall_by_phase[self.phase] += waited
+
+    def stage(self, key: Key) -> Transfer:
+        """Read a staged key from the disk into its host slot in the background (``cache.tiers``), on a
+        thread of its own: the disk reads while the link moves other experts (MoE-Infinity's pipeline)."""
+        slot = self.targets[(FULL, None)].source.slot_of[key]
+        return self.stage_worker.submit(key, slot, SPECULATIVE, STAGE_PART)
 
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
         """A change of the host level (``cache.tiers``): the whole experts' source's (``StackTier``)."""

@@ -29,6 +29,8 @@ from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
 
+STAGE_PART = ("stage", None)  # the worker's target of staging reads: the host level's slots (``StackTier``)
+
 # where experts wait: every expert in host memory; the checkpoint read from disk, each expert's pages let
 # go once copied; the checkpoint's memory map, its pages left to the page cache
 SLOW_TIERS = ("host", "disk", "mapped")
@@ -212,6 +214,7 @@ class StackTier:
         self.whole = layout.chunks(None)[0]
         self.disk_reads = 0
         self.disk_read_s = 0.0
+        self._counting = threading.Lock()  # the counters: the workers and the model's thread all read
         self._spans: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
     _ranges = HostTier._ranges
@@ -230,10 +233,14 @@ class StackTier:
             self.free.append(slot)
 
     def _read(self, key: Key, slot: int) -> None:
+        """Read ``key`` whole from the disk into host slot ``slot``; it is read once this returns (two
+        threads may read one key at once, a staging read and a device transfer's: the same bytes)."""
         started = time.perf_counter()
         self.disk.copy_chunk(key, self.pool.views[slot], self.whole, self._bytes[slot])
-        self.disk_read_s += time.perf_counter() - started
-        self.disk_reads += 1
+        took = time.perf_counter() - started
+        with self._counting:
+            self.disk_read_s += took
+            self.disk_reads += 1
         self.unread.discard(key)
 
     def copy_chunk(
@@ -245,9 +252,10 @@ class StackTier:
         if slot is None:  # bypassed: the disk tier's own copy
             started = time.perf_counter()
             self.disk.copy_chunk(key, views, chunk, flat)
-            self.disk_reads += 1
             took = time.perf_counter() - started
-            self.disk_read_s += took
+            with self._counting:
+                self.disk_reads += 1
+                self.disk_read_s += took
             return took
         read = 0.0
         if key in self.unread:
@@ -267,6 +275,11 @@ class StackTier:
             else:
                 dst.copy_(src_views[name][start:stop], non_blocking=True)
         return read
+
+    @property
+    def stager(self) -> _Stager:
+        """The source of staging transfers: reads a staged expert into its host slot, nothing more."""
+        return _Stager(self)
 
     def host_views(self, key: Key) -> dict[str, torch.Tensor]:
         """The expert's tensors in host memory, for computing it there: its host slot where the host
@@ -290,6 +303,28 @@ class StackTier:
             )
 
         return read
+
+
+class _Stager:
+    """A ``StackTier``'s staging source (``cache.tiers``): a transfer into a host slot that reads the
+    expert from the disk if it is still unread (a device transfer may have read it first), on its first
+    chunk, on a worker of its own with no link."""
+
+    name = "stage"
+    concurrent = True
+    reads_device = True
+
+    def __init__(self, stack: StackTier) -> None:
+        self.stack = stack
+
+    def copy_chunk(self, key: Key, views, chunk, flat=None) -> float:
+        stack = self.stack
+        slot = stack.slot_of.get(key)
+        if slot is None or key not in stack.unread:
+            return 0.0
+        started = time.perf_counter()
+        stack._read(key, slot)
+        return time.perf_counter() - started
 
 
 # a demand copy from memory of a slot this size or less is made by the thread that submits it

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
 
-from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY
+from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY, SPECULATIVE
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
+
+STAGE = "stage"  # a transfer that reads an expert from the disk into the host level only
 
 
 class VTransfer:
@@ -79,6 +82,9 @@ class VirtualLink:
         self.leaving: set[Key] = set()  # left an exclusive host level for the device: read from host memory
         self.disk_reads = 0
         self.disk_busy_s = 0.0
+        self.disk_free_at = 0.0  # end of the last staging read started (the disk's own timeline)
+        self._disk_queue: deque[VTransfer] = deque()  # staging reads not started, in submission order
+        self.reading: dict[Key, float] = {}  # key -> when its staging read ends
         self._heap: list[tuple[int, int, VTransfer]] = []  # (priority, seq, transfer), lazily cleaned
         self._seq = itertools.count()
 
@@ -149,7 +155,9 @@ class VirtualLink:
             raise ExpertcacheError(f"transfer of expert {handle.key} was cancelled")
         self._run(self.now)
         while handle.done_at is None:
-            self._move(self._next())  # type: ignore[arg-type]  # the handle itself is still queued
+            t = self._next()  # the handle itself is still queued
+            self._reads_before(max(self.free_at, t.submitted))  # type: ignore[union-attr]
+            self._move(t)  # type: ignore[arg-type]
         if handle.done_at > self.now:
             self.blocked += 1
             resume = handle.done_at + self.wake_s
@@ -167,11 +175,23 @@ class VirtualLink:
     def release(self, key: Key, part: str = FULL) -> None:
         """Nothing to free: the virtual link holds no buffers."""
 
+    def stage(self, key: Key) -> VTransfer:
+        """Read ``key`` from the disk into the host level in the background (``cache.tiers``): a read of
+        ``read_s`` on the disk's own timeline, beside the link's (the engine's staging worker), one after
+        another in submission order; none where a device transfer has begun to read it first. A device
+        transfer that starts before the read has ended reads it again (the engine's does: the expert
+        is unread until the read is done)."""
+        t = VTransfer(key, SPECULATIVE, next(self._seq), self.now, [(0.0, 0)], STAGE)
+        self._disk_queue.append(t)
+        self._run(self.now)
+        return t
+
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
         """The host level took ``entered`` in (to be read from the disk when ``read``) and let ``left``
         go (``cache.tiers``)."""
         if left is not None:
             self.host_keys.discard(left)
+            self.reading.pop(left, None)
             if entered is None and not read and left not in self.unread:  # an exclusive hit moving up
                 self.leaving.add(left)
             self.unread.discard(left)
@@ -193,9 +213,33 @@ class VirtualLink:
         return None
 
     def _run(self, limit: float) -> None:
-        """Start every chunk whose start time is at most ``limit``."""
-        while (t := self._next()) is not None and max(self.free_at, t.submitted) <= limit:
+        """Start every chunk, and every staging read, whose start time is at most ``limit``, in the order
+        of their start times (the link's first at a tie)."""
+        while (t := self._next()) is not None and (at := max(self.free_at, t.submitted)) <= limit:
+            self._reads_before(at)
             self._move(t)
+        self._reads_before(limit, inclusive=True)
+
+    def _reads_before(self, limit: float, inclusive: bool = False) -> None:
+        """Start the staging reads that start before ``limit`` (at it too, ``inclusive``)."""
+        queue = self._disk_queue
+        while queue:
+            at = max(self.disk_free_at, queue[0].submitted)
+            if at > limit or (at == limit and not inclusive):
+                return
+            self._read(queue.popleft(), at)
+
+    def _read(self, t: VTransfer, start: float) -> None:
+        """Start staging read ``t`` on the disk at ``start``."""
+        seconds, key = 0.0, t.key
+        if key in self.unread:  # else read already, or being read, by a device transfer
+            self.unread.discard(key)
+            seconds = self.read_s
+            self.disk_reads += 1
+            self.disk_busy_s += seconds
+            self.reading[key] = start + seconds
+        self.disk_free_at = start + seconds
+        t.moved, t.done_at = 1, start + seconds
 
     def _move(self, t: VTransfer) -> None:
         """Start the next chunk of ``t`` on the link."""
@@ -203,9 +247,10 @@ class VirtualLink:
         seconds, nbytes = t.chunks[t.moved]
         if self.read_s is not None and t.moved == 0 and t.part == FULL:
             key = t.key
+            ready = self.reading.pop(key, None)  # a staging read of it, ending then
             if key in self.leaving:  # from host memory, which lets it go
                 self.leaving.discard(key)
-            elif key in self.unread or key not in self.host_keys:  # read from the disk first
+            elif key in self.unread or key not in self.host_keys or (ready is not None and ready > start):
                 self.unread.discard(key)
                 self.disk_reads += 1
                 self.disk_busy_s += self.read_s
