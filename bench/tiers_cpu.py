@@ -85,8 +85,8 @@ def child(spec: dict) -> dict:
     }  # fmt: skip
 
 
-def run_child(spec: dict, group: Cgroup | None) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+def run_child(spec: dict, group: Cgroup | None, python: str = sys.executable) -> dict:
+    cmd = [python, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     if group is not None:
         group.reset()
         cmd = group.prefix() + cmd
@@ -98,6 +98,12 @@ def run_child(spec: dict, group: Cgroup | None) -> dict:
     if group is not None:
         out["cgroup_peak_bytes"] = group.peak()
     return out
+
+
+def _has(python: str, module: str) -> bool:
+    """Whether ``python`` can import ``module``."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
 def measured_costs(path: Path, work: Path) -> dict:
@@ -140,6 +146,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "expertcache-bench")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tiers_cpu.json")
+    ap.add_argument(
+        "--python", default=sys.executable,
+        help="the interpreter of the engine's runs (default this one): e.g. one of an environment that "
+        "the README's first command made, without the development extras (with hqq installed, "
+        "transformers imports it with every model: 113 MiB more)",
+    )  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -186,7 +198,7 @@ def main() -> int:
             for name, spec in configs.items():
                 evict(files)
                 out_trace = str(work / f"{name.replace(' ', '-')}-{i}.npz")
-                r = run_child({**base, **spec, "kind": "engine", "out_trace": out_trace}, group)
+                r = run_child({**base, **spec, "kind": "engine", "out_trace": out_trace}, group, args.python)
                 if "failed" not in r:
                     r["predicted"] = predict(out_trace, cost if name == "stack" else two)
                     r["measured_over_predicted"] = r["tpot_s"] / r["predicted"]["tpot_s"]
@@ -248,6 +260,7 @@ def main() -> int:
         "trace": trace_info, "limit": args.limit, "device_memory": args.device_memory,
         "host_memory": args.host_memory, "link": f"{args.link} + {args.latency}", "cost": cost.to_dict(),
         "profile_how": profile.get("how"), "transformers": ref, "summary": summary, "runs": runs,
+        "engine_python": args.python, "engine_python_has_hqq": _has(args.python, "hqq"),
     })  # fmt: skip
     log(f"wrote {args.out}")
     return 0 if all(s.get("exact") for s in summary.values()) else 1
