@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from expertcache.config import HostConfig  # noqa: E402
 from expertcache.errors import ExpertcacheError, PolicyError, TraceError  # noqa: E402
 from expertcache.plan import Plan  # noqa: E402
 from expertcache.policy import POLICIES, PolicyContext, make_policy  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "Plan",
     "PredictContext",
     "ExpertcacheError",
+    "HostConfig",
     "PolicyContext",
     "PolicyError",
     "Trace",
