@@ -170,8 +170,12 @@ def test_host_level_options_that_cannot_work_are_refused(ckpt):
             engine_load(path, TOP_K, host_memory="50%", **kwargs)
     with pytest.raises(ExpertcacheError, match="the engine's host level is inclusive"):
         engine_load(path, TOP_K, host=HostConfig("50%", exclusive=True))
-    with pytest.raises(ExpertcacheError, match="needs at least"):
+    with pytest.raises(ExpertcacheError, match="holds no expert of"):
         engine_load(path, TOP_K, host_memory="1B")
+    with pytest.raises(
+        ExpertcacheError, match=r"holds 1 expert\(s\); a host level under policy lru needs at least 2"
+    ):
+        engine_load(path, TOP_K, host_memory=engine_fixtures._slot_bytes(path) + 1)
 
 
 def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, monkeypatch):
@@ -194,8 +198,21 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["generate", "--prompt", "hi", "--host-memory", "lots"], "host memory"),
         (["timing", "--host-exclusive"], "--host-exclusive needs --host-memory or --host-capacity"),
         (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
-        (["timing", "--host-capacity", "0"], "at least 1 expert"),
+        (["timing", "--host-capacity", "0"], "a whole number of experts, 1 or more"),
         (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
+        (["generate", "--prompt", "hi", "--host-memory", "0"], "host memory 0 holds no expert of"),
+        (
+            ["generate", "--prompt", "hi", "--host-memory", "50%", "--host-stage", "1", "--prefetch", "none"],
+            "give a predictor",
+        ),
+        (["timing", "--capacity", "24", "--host-capacity", "60", "--host-stage", "1"], "give a predictor"),
+        (
+            ["timing", "--capacity", "24", "--host-capacity", "60", "--miss", "host"],
+            "serves the fetch miss path",
+        ),
+        (["timing", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
+        (["plan", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
+        (["doctor", "--capacity", "24", "--host-exclusive"], "unrecognized arguments: --host-exclusive"),
         (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),
         (["timing", "--host-memory", "1KiB"], "holds no expert"),
     ],
@@ -204,6 +221,55 @@ def test_cli_refuses_bad_host_level_options_in_one_line(argv, message):
     done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_api_host_level_sizes_are_checked_in_one_place():
+    from expertcache.costs import CostModel
+    from expertcache.sim.doctor import diagnose
+    from expertcache.trace.default import default_trace
+
+    tr = default_trace()
+    for kwargs, match in [
+        (dict(host=HostConfig("30%"), host_capacity=60), "not both"),
+        (dict(host_capacity=0), "1 or more"),
+        (dict(host_capacity=10.5), "a whole number"),
+        (dict(host=HostConfig(None)), "needs its memory"),
+        (dict(host=HostConfig("1KiB")), "holds no expert"),
+    ]:
+        with pytest.raises(ExpertcacheError, match=match):
+            simulate_timing(tr, 24, **kwargs)
+    capped = simulate_timing(tr, 24, host_capacity=500)
+    assert capped.cache["host_capacity"] == 96 and any("capped at 96" in n for n in capped.notes)
+    assert any("disk_read_s is 0" in n for n in capped.notes)  # a host level whose misses cost nothing
+    cost = CostModel(disk_read_s=2e-3)
+    with pytest.raises(ExpertcacheError, match="needs its memory"):
+        diagnose(tr, 24, cost, host=HostConfig(None))
+    r = diagnose(tr, 24, cost, host=HostConfig("60%"))  # its size from its memory: 57 experts
+    assert r["levels"]["host_capacity"] == 57 and "host level of 57 experts" in " ".join(r["verdict"])
+    with_level = simulate_timing(tr, 24, cost=cost, host=HostConfig("60%"))
+    assert r["tpot_s"]["on_demand_lru"] == with_level.tpot_s  # the doctor's figures count the host level
+    assert "host level lru (57 experts)" in r["plan"]
+
+
+def test_api_load_refuses_host_options_without_a_host_level(ckpt):
+    path = ckpt("mixtral")
+    for kwargs in (dict(host_policy="lfu"), dict(host_stage=2)):
+        with pytest.raises(ExpertcacheError, match="need host_memory"):
+            engine_load(path, TOP_K, **kwargs)
+    with engine_load(path, TOP_K, host_memory="50%") as model:
+        assert model.stats["disk_reads"] == 0  # the measurements at load are not the host level's work
+        assert model.stats["host_over"] == "disk"
+
+
+def test_metrics_carry_the_host_level(ckpt):
+    from expertcache.serve.metrics import _CacheCollector
+
+    with engine_load(ckpt("mixtral"), TOP_K + 1, host_memory="50%") as model:
+        greedy(model, IDS)
+        names = {m.name: m for m in _CacheCollector(model).collect()}
+        stats = model.stats
+    assert names["expertcache_host_level_misses"].samples[0].value == stats["host_misses"] > 0
+    assert names["expertcache_host_level_capacity_experts"].samples[0].value == stats["host_capacity"]
 
 
 def test_cli_timing_prints_the_host_level():

@@ -100,9 +100,10 @@ def build_host_level(config, capacity: int, ctx: PolicyContext) -> HostLevel:
     name, params = config.name, config.params
     low = max(min_capacity(name, ctx.num_layers, params, min_room=ctx.top_k), ctx.top_k)
     if capacity < low:
+        what = "the host level" if config.memory is None else f"host memory {config.memory}"
         raise ExpertcacheError(
-            f"host memory {config.memory} holds {capacity} expert(s); the host level under policy {name} "
-            f"needs at least {low} ({capacity_reason(name, params, ctx.top_k)})"
+            f"{what} holds {capacity} expert(s); a host level under policy {name} needs at least {low} "
+            f"({capacity_reason(name, params, ctx.top_k)})"
         )
     fixed = fixed_capacity(name, params)
     if fixed is not None and capacity != fixed:

@@ -244,7 +244,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_costs(pl)
     pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _add_host_level(pl, plan=True)
+    _add_host_level(pl, "plan")
     pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
 
     dr = sub.add_parser(
@@ -276,7 +276,7 @@ def _build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_host_level(dr)
+    _add_host_level(dr, "doctor")
     dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
 
     pr = sub.add_parser("profile", help="measure this machine's cost triple for a model (for plan --cost)")
@@ -762,7 +762,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     host = _host_level(args)
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
-        predictor_trace=predictor_trace, host=host, host_capacity=_host_capacity(args, host, trace, cost),
+        predictor_trace=predictor_trace, host=host, host_capacity=args.host_capacity,
     )  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -857,15 +857,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     _check_profile(args, trace)
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
-    if args.host_exclusive:
-        raise ExpertcacheError(
-            "doctor reports an inclusive and an exclusive host level both: leave out --host-exclusive"
-        )
     host = _host_level(args)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
-        host_capacity=_host_capacity(args, host, trace, cost),
+        host_capacity=args.host_capacity,
     )  # fmt: skip
     if args.plot:
         plot_diagnosis(report, args.plot)
@@ -926,7 +922,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     host = _host_level(args)
-    hosts = {} if host is None else {"host_capacity": _host_capacity(args, host, trace, cost)}
+    hosts = {} if host is None else {"host": host, "host_capacity": args.host_capacity}
     if args.host_policy:
         hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
     plan = make_plan(
@@ -981,22 +977,27 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
     return served
 
 
-def _add_host_level(p: argparse.ArgumentParser, plan: bool = False) -> None:
-    """``--host-memory``, ``--host-policy``, ``--host-exclusive``: a host level below the cache. For
-    ``plan``: policies to choose among, and no exclusive level (the engine's is inclusive)."""
+def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
+    """``--host-memory``, ``--host-policy``, ``--host-exclusive``, ``--host-stage``: a host level below the
+    cache. ``plan``: policies to choose among, no exclusive level (the engine's is inclusive) and no
+    staging; ``doctor``: one policy, on demand (it reports inclusive and exclusive both)."""
     p.add_argument(
         "--host-memory", metavar="X", help="three tiers: a host cache of this many bytes (8GiB) or this "
         "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",
     )  # fmt: skip
     p.add_argument("--host-capacity", type=int, metavar="N", help="the host cache in experts, not bytes")
-    if plan:
+    if mode == "plan":
         p.add_argument(
             "--host-policy", nargs="+", metavar="NAME",
             help="the host cache's policies to choose among (default: lru lfu fifo lcp)",
         )  # fmt: skip
+    else:
+        p.add_argument(
+            "--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)"
+        )
+    if mode != "timing":
         p.set_defaults(host_exclusive=False, host_stage=0)
         return
-    p.add_argument("--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)")
     p.add_argument(
         "--host-stage", type=int, default=0, metavar="N",
         help="with a predictor: read up to N more predicted experts a layer into the host cache early "
@@ -1014,7 +1015,7 @@ def _host_level(args: argparse.Namespace):
 
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
-        for flag in ("host_policy", "host_exclusive", "host_stage"):
+        for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time"):
             if getattr(args, flag):
                 raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
         return None
@@ -1024,26 +1025,6 @@ def _host_level(args: argparse.Namespace):
     for policy in policies:  # each checked here, in one line
         HostConfig(args.host_memory, policy, exclusive=args.host_exclusive, stage=args.host_stage)
     return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive, stage=args.host_stage)
-
-
-def _host_capacity(args: argparse.Namespace, host, trace: Trace, cost) -> int | None:
-    """The host level's experts: ``--host-capacity``, or ``--host-memory`` in the cost model's experts."""
-    if host is None:
-        return None
-    if args.host_capacity is not None:
-        if args.host_capacity < 1:
-            raise ExpertcacheError(f"--host-capacity must be at least 1 expert, got {args.host_capacity}")
-        return args.host_capacity
-    from expertcache.units import format_bytes
-
-    total = trace.num_layers * trace.num_experts
-    got = host.bytes_of(total * cost.expert_bytes) // cost.expert_bytes
-    if got < 1:
-        raise ExpertcacheError(
-            f"--host-memory {args.host_memory} holds no expert of {format_bytes(cost.expert_bytes)} (the "
-            "cost model's --expert-bytes)"
-        )
-    return got
 
 
 def _add_budget(p: argparse.ArgumentParser, default: str) -> None:

@@ -232,6 +232,12 @@ def load_model(args, record: bool = True):
             )
         plan = Plan.load(args.plan)
         cache, miss, prefetch = plan.cache_config(), plan.miss_config(), plan.prefetch_config(**options)
+        hosts = [f for f in ("host_memory", "host_policy", "host_stage") if getattr(args, f)]
+        if plan.host_capacity is not None and hosts:
+            raise ExpertcacheError(
+                f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave out "
+                f"--{hosts[0].replace('_', '-')}"
+            )
     else:
         cache = CacheConfig(args.policy or "lru", profile=args.profile)
         miss = MissConfig(args.miss or "fetch")
@@ -433,10 +439,16 @@ def summary(out: dict) -> str:
     if "host_requests" in out:  # three tiers (``cache.tiers``)
         req, missed = out["host_requests"], out["host_misses"]
         share = f" ({missed / req:.0%})" if req else ""
+        more = "".join(
+            f" | {word} {out[key]}"
+            for word, key in (("bypassed", "host_bypassed"), ("staged", "host_staged"))
+            if out.get(key)
+        )  # fmt: skip
         lines.append(
             f"host level {out['host_capacity']} experts ({out['host_policy']}, "
-            f"{format_bytes(out['host_memory_bytes'])}) | hits {out['host_hits']} | misses {missed}{share} | "
-            f"disk reads {out['disk_reads']} in {out['disk_read_s'] * 1e3:.1f} ms"
+            f"{format_bytes(out['host_memory_bytes'])}, over the {out['host_over']}) | hits "
+            f"{out['host_hits']} | misses {missed}{share}{more} | disk reads {out['disk_reads']} in "
+            f"{out['disk_read_s'] * 1e3:.1f} ms"
         )
     mem = out.get("memory") or {}
     if mem.get("rss") is not None:

@@ -212,7 +212,7 @@ class Builder:
             if host is not None:
                 raise ExpertcacheError(
                     f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave "
-                    "out --host-memory (host_memory=)"
+                    "out --host-memory (in Python, host_memory)"
                 )
             host = plan.host_config(self.layout.slot_bytes)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
@@ -267,7 +267,7 @@ class Builder:
             preemption=prefetch.preemption, reorder=prefetch.reorder, predictor=runner,
             governor_clock=time.perf_counter if prefetch.governed else None,
             recorder=Recorder(self.num_layers, self.num_experts, self.top_k) if record else None,
-            host_level=None if host is None else build_host_level(host, self.host_capacity, self.policy_ctx),
+            host_level=self._host_level(host),
         )  # fmt: skip
         self.cache, self.governor = self.driver.cache, self.driver.governor
         self.prefetch_limit = self.cache.limit
@@ -275,6 +275,8 @@ class Builder:
             self.model, sk.experts, self.driver, self.transport, self.parts, self.host,
             kernel=self.kernel, pools=pools,
         )  # fmt: skip
+        if self.host_capacity:  # what the measurements at load read is not the host level's work
+            self.tier.disk_reads, self.tier.disk_read_s = 0, 0.0
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
 
@@ -504,14 +506,19 @@ class Builder:
                 )
         return budget
 
+    def _host_level(self, host: HostConfig | None):
+        """The host level's decisions (``cache.tiers``), where there is one."""
+        return build_host_level(host, self.host_capacity, self.policy_ctx) if self.host_capacity else None
+
     def _host_capacity(self, host: HostConfig | None, slow_tier: str | None) -> int:
         """Experts the host level holds (0: none): ``host.memory`` over whole experts, at most all."""
         if host is None:
             return 0
         if slow_tier == "host":
             raise ExpertcacheError(
-                "--host-memory bounds a host cache over the checkpoint on disk; --slow-tier host holds every "
-                "expert in host memory: give --slow-tier disk (the default with --host-memory) or mapped"
+                "a host level (--host-memory, or a plan's) is a host cache over the checkpoint on disk; "
+                "--slow-tier host holds every expert in host memory: give --slow-tier disk (the default "
+                "with a host level) or mapped"
             )
         if self.miss.name != "fetch":
             raise ExpertcacheError(
@@ -523,8 +530,25 @@ class Builder:
                 "the engine's host level is inclusive; an exclusive one is the simulator's "
                 "(expertcache timing --host-exclusive)"
             )
-        total = self.num_layers * self.num_experts
-        return max(1, min(total, host.bytes_of(total * self.layout.slot_bytes) // self.layout.slot_bytes))
+        if host.stage and not self.prefetch_config_.enabled:
+            raise ExpertcacheError(
+                f"host stage {host.stage} reads predicted experts early: give a predictor (--prefetch NAME)"
+            )
+        total, slot = self.num_layers * self.num_experts, self.layout.slot_bytes
+        experts = host.bytes_of(total * slot) // slot
+        if experts < 1:
+            raise ExpertcacheError(
+                f"host memory {host.memory} holds no expert of {format_bytes(slot)}; give at least that"
+            )
+        if self.capacity >= total:
+            self.notes.append("every expert fits the expert memory: the host level is not used")
+            return 0
+        if experts <= self.capacity:
+            self.notes.append(
+                f"the host level ({experts} experts) holds no more than the expert memory ({self.capacity}): "
+                "inclusive, it hits only experts the expert memory let go recently; give it more memory"
+            )
+        return experts
 
     def _tier(self, sk, slow_tier: str | None, show: bool):
         if self.host_capacity:

@@ -192,7 +192,9 @@ class OffloadedModel:
             level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
                      "host_staged", "disk_reads", "disk_read_s")  # fmt: skip
             delta.update({k: after[k] - before[k] for k in level})
-            delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy")})
+            delta.update(
+                {k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy", "host_over")}
+            )
         eos = gen.eos_ids(self.model, tok)
         out, width = run["output"], ids.shape[1]
         rows = [
@@ -288,6 +290,8 @@ class OffloadedModel:
             "host_memory_bytes": len(tier.pool) * tier.pool.layout.slot_bytes,
             "host_capacity": len(tier.pool),
             "host_policy": level.policy.name,
+            "host_over": "mapped checkpoint" if tier.disk.name == "mapped" else "disk",
+            "host_stage": level.stage_limit,
             "disk_reads": tier.disk_reads,
             "disk_read_s": tier.disk_read_s,
         }
@@ -505,6 +509,8 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
+    if host_memory is None and (host_policy != "lru" or host_stage):
+        raise ExpertcacheError("host_policy and host_stage need host_memory (the host cache they rule)")
     host = options.pop("host", None) or HostConfig(host_memory, host_policy, stage=host_stage)
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),

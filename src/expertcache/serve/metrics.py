@@ -103,6 +103,20 @@ class _CacheCollector:
         yield GaugeMetricFamily(
             p + "capacity_experts", "experts the cache holds", value=s["capacity_experts"]
         )
+        if "host_requests" in s:  # three tiers: the host level below the cache (``cache.tiers``)
+            h = "expertcache_host_level_"
+            for name, key, what in (
+                ("hits", "host_hits", "the cache's transfers served from the host level's memory"),
+                ("misses", "host_misses", "the cache's transfers the host level read from the disk first"),
+                ("bypassed", "host_bypassed", "transfers read straight through (every host key pinned)"),
+                ("staged", "host_staged", "predicted experts read into the host level early"),
+                ("disk_reads", "disk_reads", "experts read from the disk"),
+                ("disk_read_seconds", "disk_read_s", "time spent reading experts from the disk"),
+            ):
+                yield CounterMetricFamily(h + name, what, value=float(s[key]))
+            yield GaugeMetricFamily(
+                h + "capacity_experts", "experts the host level holds", value=s["host_capacity"]
+            )
         yield GaugeMetricFamily(p + "prefetch_accuracy", "share of prefetches used", value=s["accuracy"])
         mem = s.get("memory") or {}
         for name, key, what in (

@@ -22,7 +22,6 @@ and a verdict in words. Torch-free.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
-from expertcache.sim.timing import simulate_timing
+from expertcache.sim.timing import host_level_of, simulate_timing
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace
 
@@ -127,6 +126,16 @@ def diagnose(
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step."""
     cost = cost or CostModel()
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    level = host_level_of(host, host_capacity, L * E, cost.expert_bytes)
+    tiers = {}  # the host level, for the plan and the on-demand run too
+    if level is not None:
+        host, host_capacity, _ = level
+        if host.exclusive or host.stage:
+            raise ExpertcacheError(
+                "doctor runs on demand and reports an inclusive and an exclusive host level both: give one "
+                "without exclusive or stage"
+            )
+        tiers = {"host": HostConfig(None, host.policy), "host_capacity": host_capacity}
     counts = window_counts(trace, window_tokens)
     consistency = srp(counts, window_tokens)
     sizes = list(range(1, E + 1))
@@ -142,10 +151,11 @@ def diagnose(
     for name in ("eam", "recorded") if trace.predicted is not None else ("eam",):
         r = simulate_timing(trace, capacity, prefetch=name, cost=cost)
         predict[name] = {"accuracy": r.cache.get("accuracy"), "goodpred": r.cache.get("goodpred")}
-    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses)
+    hosts = {} if not tiers else {**tiers, "host_policies": (tiers["host"].policy,)}
+    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, **hosts)
     free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
     resident = simulate_timing(trace, L * E, cost=free)
-    on_demand = simulate_timing(trace, capacity, cache=policy, cost=cost)
+    on_demand = simulate_timing(trace, capacity, cache=policy, cost=cost, **tiers)
     saved = 1 - at["lru"].miss_ratio  # without a cache every request is a transfer
     report = {
         "trace": trace.source,
@@ -171,7 +181,7 @@ def diagnose(
         "plan": plan.describe(),
         "transfer_saved_by_lru": saved,
         "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
-        "levels": None if host is None else _levels(trace, capacity, cost, policy, host, host_capacity),
+        "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity),
     }
     report["verdict"] = verdict(report)
     return report
@@ -205,8 +215,8 @@ def _levels(trace: Trace, capacity: int, cost: CostModel, policy: str, host, hos
     reads), over the whole run."""
     out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
     for name, cfg in (
-        ("inclusive", replace(host, exclusive=False)),
-        ("exclusive", replace(host, exclusive=True)),
+        ("inclusive", HostConfig(None, host.policy)),
+        ("exclusive", HostConfig(None, host.policy, True)),
     ):
         r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=host_capacity)
         disk = float(r.cache["disk_read_s"])
@@ -290,7 +300,8 @@ def verdict(r: dict[str, object]) -> list[str]:
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
         out.append(
             f"predicted TPOT: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
-            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU, {1e3 * t['all_resident']:.3f} ms all resident"
+            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU{' over the host level' if lv else ''}, "
+            f"{1e3 * t['all_resident']:.3f} ms all resident"
         )
     return out
 

@@ -43,7 +43,7 @@ from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, parse_policy
 from expertcache.sim.curves import run_policy
-from expertcache.sim.timing import simulate_timing
+from expertcache.sim.timing import host_level_of, simulate_timing
 from expertcache.trace.trace import Trace
 
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
@@ -279,23 +279,26 @@ def make_plan(
     objective: str = "tpot",
     seed: int = 0,
     predictor_trace: Trace | None = None,
+    host: HostConfig | str | None = None,
     host_capacity: int | None = None,
     host_policies: Sequence[str] = HOST_POLICIES,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
     the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
     None: every layout of a -dist policy, and MoEpic's when a ``split`` miss path is among ``misses``
-    (its layout is that path's: it replaces the split spec given). ``host_capacity``: a host level of
-    that many experts between the cache and the disk (``cache.tiers``; its misses read
-    ``cost.disk_read_s``), under each of ``host_policies`` in turn; the plan then says which. The
-    engine's host level is inclusive and serves the ``fetch`` miss path, so other miss paths are left
-    out."""
+    (its layout is that path's: it replaces the split spec given). ``host`` (a ``HostConfig``, or its
+    memory) or ``host_capacity`` (experts): a host level between the cache and the disk (``cache.tiers``;
+    its misses read ``cost.disk_read_s``), under each of ``host_policies`` in turn; the plan then says
+    which. The engine's host level is inclusive and serves the ``fetch`` miss path, so other miss paths
+    are left out."""
     cost = cost or CostModel()
     host_cfgs: list[HostConfig | None] = [None]
-    if host_capacity is not None:
-        if host_capacity < 1:
-            raise ExpertcacheError(f"a host level of {host_capacity} experts: it needs at least 1")
-        host_cfgs = [HostConfig(None, hp) for hp in dict.fromkeys(host_policies)]
+    host_level = host_level_of(host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes)
+    if host_level is not None:
+        cfg, host_capacity, _ = host_level
+        if cfg.exclusive:
+            raise ExpertcacheError("the engine's host level is inclusive: plan without an exclusive one")
+        host_cfgs = [HostConfig(None, hp, stage=cfg.stage) for hp in dict.fromkeys(host_policies)]
         if not host_cfgs:
             raise ExpertcacheError("a host level needs at least one policy to plan with")
         others = [m for m in misses if parse_miss(m)[0] != "fetch"]

@@ -33,6 +33,7 @@ from expertcache.policy.base import Clock, PolicyContext
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace
+from expertcache.units import format_bytes
 
 
 @dataclass
@@ -174,12 +175,21 @@ def simulate_timing(
         profile=schedule.profile if _needs_profile(cache_cfg) else None,
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
-    host_cfg = as_config(host, HostConfig) if host is not None or host_capacity else None
-    level = None
-    if host_cfg is not None and (host_cfg.enabled or host_capacity):
-        if host_capacity is None:
-            host_capacity = host_cfg.bytes_of(L * E * cost.expert_bytes) // cost.expert_bytes
-        level = build_host_level(host_cfg, int(host_capacity), ctx)
+    level, notes = None, []
+    host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes)
+    if host_level is not None:
+        host_cfg, host_capacity, notes = host_level
+        if miss_cfg.name != "fetch":
+            raise ExpertcacheError(
+                f"a host level serves the fetch miss path, as the engine's does; miss path {miss_cfg.name} "
+                "reads experts its own way"
+            )
+        if not cost.disk_read_s:
+            notes.append(
+                "the cost model's disk_read_s is 0 (give --disk-time, or a profile of the disk tier): the "
+                "host level's misses cost no time"
+            )
+        level = build_host_level(host_cfg, host_capacity, ctx)
     one = CostModel.from_dict({"chunk_bytes": None}, cost)  # demand transfers move whole (the engine's rule)
     plans, whole = {}, {FULL: (one.chunk_times(), one.chunk_sizes())}  # the parts' own replace FULL's
     for part, nbytes in part_bytes.items():
@@ -192,6 +202,11 @@ def simulate_timing(
     )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
+    if level is not None and level.stage_limit and pred is None:
+        raise ExpertcacheError(
+            f"host stage {level.stage_limit} reads predicted experts early: give a predictor "
+            "(--prefetch NAME)"
+        )
     driver = assemble(
         parts, link, path, ctx, limit=pf.limit, preemption=pf.preemption, reorder=pf.reorder,
         predictor=InlinePredictor(pred) if pred is not None else None,
@@ -232,9 +247,46 @@ def simulate_timing(
         params=cache_cfg.params,
         capacities=caps,
         governor=None if governor is None else governor.summary(),
-        notes=[pred.note] if pred is not None and pred.note else [],
+        notes=([pred.note] if pred is not None and pred.note else []) + notes,
         host_busy_s=link.host_busy_s,
     )
+
+
+def host_level_of(
+    host: HostConfig | str | None, host_capacity: int | None, total: int, expert_bytes: int
+) -> tuple[HostConfig, int, list[str]] | None:
+    """The host level asked for, as (its config, its experts, notes), or None: ``host`` (a ``HostConfig``
+    or its memory) sized by its memory in experts of ``expert_bytes``, or ``host_capacity`` experts (one
+    or the other; ``host_capacity`` alone: an LRU host level). One clear error for a size that cannot be
+    a host level; more than all ``total`` experts is capped, with a note."""
+    if host is None and host_capacity is None:
+        return None
+    cfg = as_config(host, HostConfig)
+    notes: list[str] = []
+    if host_capacity is not None:
+        if cfg.enabled:
+            raise ExpertcacheError(
+                f"give the host level's memory ({cfg.memory}) or its capacity in experts ({host_capacity}), "
+                "not both"
+            )
+        if not isinstance(host_capacity, int) or isinstance(host_capacity, bool) or host_capacity < 1:
+            raise ExpertcacheError(
+                f"host capacity: a whole number of experts, 1 or more, got {host_capacity!r}"
+            )
+        experts = host_capacity
+    elif not cfg.enabled:
+        raise ExpertcacheError("a host level needs its memory (HostConfig(memory=...)) or host_capacity")
+    else:
+        experts = cfg.bytes_of(total * expert_bytes) // expert_bytes
+        if experts < 1:
+            raise ExpertcacheError(
+                f"host memory {cfg.memory} holds no expert of {format_bytes(expert_bytes)} (the cost "
+                "model's expert_bytes)"
+            )
+    if experts > total:
+        notes.append(f"a host level of {experts} experts is more than all {total}; capped at {total}")
+        experts = total
+    return cfg, experts, notes
 
 
 def _level_counts(level, link: VirtualLink) -> dict[str, object]:
@@ -246,6 +298,7 @@ def _level_counts(level, link: VirtualLink) -> dict[str, object]:
         "host_capacity": level.policy.capacity,
         "host_policy": level.policy.name,
         "host_exclusive": level.exclusive,
+        "host_stage": level.stage_limit,
         "disk_reads": link.disk_reads,
         "disk_read_s": link.disk_busy_s,
     }
@@ -336,17 +389,24 @@ def format_timing(result: TimingResult) -> str:
         f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)",
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "
-        f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s:.3f} s, {r.transfers} transfers",
+        f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s - pf.get('disk_read_s', 0.0):.3f} s, "
+        f"{r.transfers} transfers",
         f"cache      {r.requests} requests | {r.hits} hits | {r.misses} misses "
         f"({r.misses / r.requests if r.requests else 0:.1%})",
     ]
     if "host_requests" in pf:
         req = pf["host_requests"]
+        more = "".join(
+            f" | {word} {pf[key]}"
+            for word, key in (("evicted", "host_evicted"), ("bypassed", "host_bypassed"),
+                              ("demoted", "host_demoted"), ("staged", "host_staged"))
+            if pf[key]
+        )  # fmt: skip
         lines.append(
             f"host level {pf['host_policy']}, {pf['host_capacity']} experts"
             f"{', exclusive' if pf['host_exclusive'] else ''} | {req} requests | {pf['host_hits']} hits | "
-            f"{pf['host_misses']} misses ({pf['host_miss_ratio']:.1%}) | disk reads {pf['disk_reads']}, "
-            f"{pf['disk_read_s']:.3f} s"
+            f"{pf['host_misses']} misses ({pf['host_miss_ratio']:.1%}){more} | disk reads "
+            f"{pf['disk_reads']}, {pf['disk_read_s']:.3f} s"
         )
     if r.miss != "fetch":
         parts = ", ".join(f"{p} {n}" for p, n in r.capacities.items())
