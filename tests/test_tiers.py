@@ -6,16 +6,18 @@ engine's per-level counts replayed exactly by the timing model, and the options'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import threading
 
 import engine_fixtures
 import pytest
 import torch
 from engine_fixtures import FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
 
-from expertcache.cache.tiers import HostLevel
+from expertcache.cache.tiers import HostLevel, exclusive_reserve
 from expertcache.config import HostConfig
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, PolicyContext
@@ -149,6 +151,109 @@ def test_the_engine_with_a_host_level_is_exact_and_replays_to_the_same_counts(fa
         assert replay.cache[key] == stats[key], key
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_exclusive_host_level_is_exact_and_replays_to_the_same_counts(family, ckpt, reference):
+    path = ckpt(family)
+    want = reference(path, IDS)
+    total = total_experts(family)
+    device, memory = TOP_K + 1, max(TOP_K + 3, total // 2)  # experts the host memory holds
+    reserve = exclusive_reserve(TOP_K)
+    with engine_load(
+        path, device, host_memory=f"{100 * memory / total}%", host_exclusive=True, deterministic=True
+    ) as model:
+        assert_exact(greedy(model, IDS), want)
+        stats, trace = model.stats, model.trace()
+    assert stats["host_exclusive"] and stats["host_capacity"] == memory - reserve
+    assert stats["host_reserve"] == reserve  # the memory holds the level and the hits in flight
+    assert stats["host_memory_bytes"] == memory * (stats["expert_memory_bytes"] // device)
+    assert stats["host_requests"] == stats["misses"] > 0
+    assert 0 < stats["host_misses"] < stats["host_requests"]  # hits: experts the device let go came back
+    assert stats["host_demoted"] > 0  # every victim came down (none bypassed: nothing pinned for long)
+    assert stats["disk_reads"] == stats["host_misses"]  # a miss is read straight through, a hit not at all
+    assert stats["host_slot_waits"] == 0  # deterministic: each transfer lands before the next decision
+    assert trace.meta["host_exclusive"] and trace.meta["host_capacity"] == memory - reserve
+    replay = simulate_timing(
+        trace, trace.meta["capacity"], cache=trace.meta["policy"],
+        capacities=json.loads(trace.meta["capacities"]),
+        host=HostConfig(None, trace.meta["host_policy"], exclusive=True),
+        host_capacity=trace.meta["host_capacity"],
+    )  # fmt: skip
+    for key in ("misses", "host_requests", "host_misses", "host_evicted", "host_demoted",
+                "host_misses_by_layer", "disk_reads"):  # fmt: skip
+        assert replay.cache[key] == stats[key], key
+
+
+def test_an_exclusive_level_holds_more_than_an_inclusive_one_in_the_same_memory(ckpt):
+    path = ckpt("mixtral")
+    total = total_experts("mixtral")
+    got = {}
+    for exclusive in (False, True):
+        with engine_load(
+            path, TOP_K + 2, host_memory=f"{100 * (total // 2) / total}%", host_exclusive=exclusive,
+            deterministic=True,
+        ) as model:  # fmt: skip
+            greedy(model, IDS)
+            got[exclusive] = model.stats
+    assert got[True]["misses"] == got[False]["misses"]  # the device decides alone
+    assert got[True]["host_misses"] < got[False]["host_misses"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_an_exclusive_level_with_prefetches_in_flight_over_a_slow_link_is_exact(family, make_ckpt, reference):
+    # transfers in flight while later decisions take host slots: an exclusive hit's slot is read until
+    # its transfer lands (decisions wait for one when the reserve is taken), a device victim's copy down
+    # comes before the transfer into its slot, and a dropped prefetch of a hit comes back
+    path = make_ckpt(family, experts=16, layers=4)
+    with engine_load(
+        path, 12, host_memory="50%", host_exclusive=True, prefetch="next-gate", link_bandwidth="5MB/s",
+        link_latency="200us",
+    ) as model:  # fmt: skip
+        assert_exact(greedy(model, IDS), reference(path, IDS))
+        stats = model.stats
+    assert stats["host_exclusive"] and stats["host_requests"] >= stats["misses"] > 0
+    assert stats["host_hits"] > 0 and stats["host_demoted"] > 0
+    assert stats["host_slot_waits"] >= 0 and stats["host_slot_wait_s"] >= 0.0
+    assert stats["disk_reads"] <= stats["host_misses"]  # one read a miss (less those dropped unread)
+
+
+def test_an_exclusive_hit_s_slot_is_given_again_only_after_its_transfer_ended():
+    from expertcache.engine.memory import SlotLayout
+    from expertcache.engine.transfer import StackTier
+
+    layout = SlotLayout.of({"w": (4,)}, torch.float32)
+    tier = StackTier(_NoDisk(), layout, capacity=2, pin=False, reserve=1)
+    device = {k: (layout.views(torch.full((layout.slot_numel,), float(k[1])))) for k in ((0, 5), (0, 6))}
+    for key in ((0, 1), (0, 2)):  # the level holds two experts, read from the disk
+        tier.host_moved(key, None, True)
+    one = tier.slot_of[(0, 1)]
+    tier.host_moved(None, (0, 1), False)  # an exclusive hit: it leaves, its slot still read
+    tier.host_moved((0, 5), None, False, (device[(0, 5)], None))  # the device's victim takes the spare
+    assert tier.pool.views[tier.slot_of[(0, 5)]]["w"].tolist() == [5.0] * 4  # copied down
+    assert tier._slot((0, 1)) == one and one not in tier.slot_of.values()
+    two = tier.slot_of[(0, 2)]
+    tier.host_moved(None, (0, 2), False)  # another hit leaves: no free slot is left now
+    ender = threading.Thread(target=tier.ended, args=((0, 1),))  # (0, 1)'s transfer lands meanwhile
+    ender.start()
+    tier.host_moved((0, 6), None, False, (device[(0, 6)], None))  # waits for it if need be
+    ender.join()
+    assert tier.slot_of[(0, 6)] == one and tier._slot((0, 2)) == two  # never the slot still being read
+    assert tier.pool.views[one]["w"].tolist() == [6.0] * 4
+    assert tier._slot((0, 1)) is None  # gone from both levels: its next transfer reads the disk
+    tier.ended((0, 2))  # dropped before it landed: it comes back, in its slot, (0, 5) making room
+    five = tier.slot_of[(0, 5)]
+    tier.host_back((0, 2), (0, 5))
+    assert tier.slot_of == {(0, 6): one, (0, 2): two} and tier.free == [five] and not tier._released
+
+
+class _NoDisk:
+    """A disk tier that is never read (the test moves experts down, not up)."""
+
+    name = "disk"
+
+    def copy_chunk(self, *args):
+        raise AssertionError("read from the disk")
+
+
 def test_a_host_level_under_another_policy_with_prefetching_is_exact(ckpt, reference):
     path = ckpt("mixtral")
     total = total_experts("mixtral")
@@ -168,8 +273,11 @@ def test_host_level_options_that_cannot_work_are_refused(ckpt):
     ]:
         with pytest.raises(ExpertcacheError, match=match):
             engine_load(path, TOP_K, host_memory="50%", **kwargs)
-    with pytest.raises(ExpertcacheError, match="the engine's host level is inclusive"):
-        engine_load(path, TOP_K, host=HostConfig("50%", exclusive=True))
+    with pytest.raises(ExpertcacheError, match="takes experts only from the device"):
+        engine_load(path, TOP_K, host_memory="50%", host_exclusive=True, host_stage=1, prefetch="next-gate")
+    slot = engine_fixtures._slot_bytes(path)
+    with pytest.raises(ExpertcacheError, match=rf"keeps {TOP_K} more for its hits in flight beyond what it"):
+        engine_load(path, TOP_K, host_memory=TOP_K * slot, host_exclusive=True)  # all of it the reserve
     with pytest.raises(ExpertcacheError, match="holds no expert of"):
         engine_load(path, TOP_K, host_memory="1B")
     with pytest.raises(
@@ -215,6 +323,8 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["doctor", "--capacity", "24", "--host-exclusive"], "unrecognized arguments: --host-exclusive"),
         (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),
         (["timing", "--host-memory", "1KiB"], "holds no expert"),
+        (["generate", "--prompt", "hi", "--host-exclusive"], "--host-exclusive needs --host-memory"),
+        (["plan", "--capacity", "24", "--host-capacity", "60", "--host-exclusive"], "unrecognized arguments"),
     ],
 )
 def test_cli_refuses_bad_host_level_options_in_one_line(argv, message):
@@ -248,12 +358,12 @@ def test_api_host_level_sizes_are_checked_in_one_place():
     assert r["levels"]["host_capacity"] == 57 and "host level of 57 experts" in " ".join(r["verdict"])
     with_level = simulate_timing(tr, 24, cost=cost, host=HostConfig("60%"))
     assert r["tpot_s"]["on_demand_lru"] == with_level.tpot_s  # the doctor's figures count the host level
-    assert "host level lru (57 experts)" in r["plan"]
+    assert "host level lru (55 experts, exclusive)" in r["plan"]  # 57 less its reserve of 2: it wins
 
 
 def test_api_load_refuses_host_options_without_a_host_level(ckpt):
     path = ckpt("mixtral")
-    for kwargs in (dict(host_policy="lfu"), dict(host_stage=2)):
+    for kwargs in (dict(host_policy="lfu"), dict(host_stage=2), dict(host_exclusive=True)):
         with pytest.raises(ExpertcacheError, match="need host_memory"):
             engine_load(path, TOP_K, **kwargs)
     with engine_load(path, TOP_K, host_memory="50%") as model:
@@ -293,19 +403,33 @@ def test_the_planner_chooses_the_host_policy_and_the_engine_runs_its_plan(ckpt, 
     total = total_experts("mixtral")
     cost = CostModel(disk_read_s=5e-3)
     plan = make_plan(trace, TOP_K + 1, cost, host_capacity=total // 2, host_policies=("lru", "fifo"))
-    assert plan.host_capacity == total // 2 and plan.host_policy in ("lru", "fifo")
-    assert {c["host_policy"] for c in plan.candidates} == {"lru", "fifo"}
+    # the same memory, inclusive or exclusive (less its reserve for hits in flight), each policy
+    assert plan.host_capacity == total // 2 - (exclusive_reserve(TOP_K) if plan.host_exclusive else 0)
+    assert plan.host_policy in ("lru", "fifo")
+    kinds = {(c["host_policy"], c["host_exclusive"]) for c in plan.candidates}
+    assert kinds == {("lru", False), ("lru", True), ("fifo", False), ("fifo", True)}
     assert all(c["host_misses"] > 0 and c["disk_read_s"] > 0 for c in plan.candidates)
     assert "host level" in plan.describe()
     plan.save(tmp_path / "plan.json")
     again = Plan.load(tmp_path / "plan.json")
-    assert (again.host_capacity, again.host_policy) == (plan.host_capacity, plan.host_policy)
+    assert (again.host_capacity, again.host_policy, again.host_exclusive) == (
+        plan.host_capacity, plan.host_policy, plan.host_exclusive
+    )  # fmt: skip
     from expertcache.engine import load
 
     with load(path, plan=again, device=engine_fixtures.DEVICE, progress=False) as model:
         greedy(model, IDS)
         stats = model.stats
     assert stats["host_capacity"] == plan.host_capacity and stats["host_policy"] == plan.host_policy
+    assert stats["host_exclusive"] == plan.host_exclusive
+    for exclusive in (False, True):  # a plan's level runs in the engine at its capacity, either kind
+        forced = dataclasses.replace(plan, host_exclusive=exclusive, host_capacity=3)
+        with load(path, plan=forced, device=engine_fixtures.DEVICE, progress=False) as model:
+            assert (model.stats["host_capacity"], model.stats["host_exclusive"]) == (3, exclusive)
+    with pytest.raises(ExpertcacheError, match="host_exclusive without a host level"):
+        Plan(layers=2, experts=8, top_k=2, capacity=4, host_exclusive=True)
+    with pytest.raises(ExpertcacheError, match="does not plan staging"):
+        make_plan(trace, TOP_K + 1, cost, host=HostConfig("50%", stage=1), host_policies=("lru",))
     with pytest.raises(ExpertcacheError, match="the plan sets a host level"):
         load(path, plan=again, device=engine_fixtures.DEVICE, progress=False, host_memory="50%")
     with pytest.raises(ExpertcacheError, match="serves the fetch miss path"):

@@ -169,7 +169,7 @@ class HostConfig:
     """The host level of a tier stack (``cache.tiers``): device slots <- a host cache of ``memory``
     (bytes, ``8GiB``, or a share of all experts, ``30%``; None: no host level) <- the checkpoint on disk.
     Its eviction policy (any online policy that decides by hits and insertions alone), whether it is
-    ``exclusive`` of the device's cache (the simulator's; the engine's host level is inclusive), and
+    ``exclusive`` of the device's cache (a hit moves up, the device's victim comes down), and
     ``stage``: predicted experts per layer read into it early, beyond what the device's prefetch takes."""
 
     memory: str | int | None = None
@@ -193,6 +193,11 @@ class HostConfig:
             )
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage < 0:
             raise ExpertcacheError(f"host stage: a number of experts, 0 or more, got {self.stage!r}")
+        if self.exclusive and self.stage:
+            raise ExpertcacheError(
+                f"host stage {self.stage} reads predicted experts into an inclusive host level; an exclusive "
+                "one takes experts only from the device (leave out the stage or exclusive)"
+            )
         if self.memory is not None:
             text = str(self.memory).strip()
             if text.endswith("%"):

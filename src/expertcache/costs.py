@@ -63,6 +63,9 @@ class CostModel:
     # d: with a host level (``cache.tiers``), reading one whole expert from the disk into host memory, a
     # host-level miss, before its transfer's first chunk crosses the link (a profile on the disk tier)
     disk_read_s: float = 0.0
+    # x: with an exclusive host level, the compute thread's time to copy the device's victim down into it
+    # (on a CPU a copy of one expert in memory; 0 on a GPU, whose copy down runs on a stream of its own)
+    demote_s: float = 0.0
     dequant_s: float = 0.0  # device time to expand a low-precision copy before computing with it
     host_parallel: bool = True  # the host computes beside the device (False: the same processor, inline)
     weight_bits: int = 16  # bits per weight of a whole expert (its low-precision copies are sized from it)
@@ -240,7 +243,7 @@ class CostModel:
 
 _TIMES = (
     "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s",
-    "host_expert_s", "host_expert_token_s", "host_read_s", "disk_read_s", "dequant_s",
+    "host_expert_s", "host_expert_token_s", "host_read_s", "disk_read_s", "demote_s", "dequant_s",
 )  # fmt: skip
 
 # slow tiers whose experts the host reads into memory before computing them (``DiskTier.host_views``):

@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from expertcache.cache.tiers import exclusive_reserve
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import miss_class
@@ -43,6 +44,7 @@ class Plan:
     source: dict = field(default_factory=dict)  # the trace and cost model it was planned on
     host_capacity: int | None = None  # a host level of this many experts (``cache.tiers``), or none
     host_policy: str | None = None  # its policy
+    host_exclusive: bool = False  # exclusive of the expert memory (its memory then holds a reserve too)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -82,7 +84,13 @@ class Plan:
                     f"plan: host_capacity must be 1 .. {self.layers * self.experts} experts, got "
                     f"{self.host_capacity}"
                 )
+            if not isinstance(self.host_exclusive, bool):
+                raise ExpertcacheError(
+                    f"plan: host_exclusive must be true or false, got {self.host_exclusive!r}"
+                )
             self.host_config(1)
+        elif self.host_exclusive:
+            raise ExpertcacheError("plan: host_exclusive without a host level (host_capacity)")
         self.cache_config()  # a bad policy, miss path or predictor is refused here, by its own check
         self.miss_config()
         self.prefetch_config()
@@ -99,10 +107,12 @@ class Plan:
         return CacheConfig(self.policy_spec, seed=seed)
 
     def host_config(self, slot_bytes: int) -> HostConfig | None:
-        """The host level for slots of ``slot_bytes`` (its memory is its experts' slots), or None."""
+        """The host level for slots of ``slot_bytes`` (its memory is its experts' slots, and an exclusive
+        level's reserve: ``cache.tiers.exclusive_reserve``), or None."""
         if self.host_capacity is None:
             return None
-        return HostConfig(self.host_capacity * int(slot_bytes), self.host_policy)
+        slots = self.host_capacity + (exclusive_reserve(self.top_k) if self.host_exclusive else 0)
+        return HostConfig(slots * int(slot_bytes), self.host_policy, exclusive=self.host_exclusive)
 
     def miss_config(self) -> MissConfig:
         return MissConfig(self.miss)
@@ -132,7 +142,8 @@ class Plan:
         host = (
             ""
             if self.host_capacity is None
-            else f", host level {self.host_policy} ({self.host_capacity} experts)"
+            else f", host level {self.host_policy} ({self.host_capacity} experts"
+            + (", exclusive)" if self.host_exclusive else ")")
         )
         return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}{host}"
 

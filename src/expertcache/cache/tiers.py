@@ -16,8 +16,13 @@ host memory runs on a GPU, and a CPU keeps a second, larger cache of experts in 
 - **Inclusive** (default): a host hit stays in the host level; a host miss enters it, in its victim's
   place, and its transfer first reads it from the disk into that slot, then moves it over the link.
   **Exclusive**: a hit leaves the host level (it lives on the device now), a miss does not enter it,
-  and the device's victim comes down into the host level instead (``demoted``). Exclusive holds more
-  distinct experts in the two memories; inclusive never moves an expert back down.
+  and the device's victim comes down into the host level instead (``demoted``; one the level has no
+  evictable room for is gone from both memories, ``dropped``). Exclusive holds more distinct experts in
+  the two memories; inclusive never moves an expert back down. An exclusive hit's host slot is still
+  read by its device transfer after the key has left: the engine keeps ``exclusive_reserve`` slots
+  beyond the level's capacity for them (the budget holds both). A hit whose transfer is dropped before
+  it lands (a prefetch the router did not choose) comes back into the level, in the slot it never left
+  (``host_back``; ``returned``), rather than be lost to both memories.
 - **What moves** is the transport's: ``TieredTransport`` tells it each change of the host level
   (``host_moved(entered, left, read)``) before it submits the device transfer; the transport reads from the
   disk a key that entered and has not been read yet (the engine's ``StackTier``, the simulator's
@@ -43,16 +48,32 @@ from expertcache.miss.base import FULL
 from expertcache.policy.base import Key, Policy
 
 
+def exclusive_reserve(top_k: int) -> int:
+    """Host slots an exclusive level keeps beyond its capacity, out of the same memory: an exclusive hit
+    leaves the level at once, but its host slot is read until its device transfer lands, while the
+    device's victim comes down into a slot of its own (a layer's top-k hits in flight at once, and no
+    fewer than one). The engine waits for a landing when more are in flight (``host_slot_waits``)."""
+    return max(1, int(top_k))
+
+
+def level_experts(memory_experts: int, exclusive: bool, top_k: int) -> int:
+    """The capacity of a host level in ``memory_experts`` experts' memory: all of them, less the
+    reserve of an exclusive one (``exclusive_reserve``)."""
+    return memory_experts - exclusive_reserve(top_k) if exclusive else memory_experts
+
+
 class LevelStats:
     """The host level's counts, per phase and layer ([2, L], row 1 = prefill): ``requests`` (device
     transfers of whole experts), ``misses`` (not in the host level: read from the disk); and in total
     ``evicted``, ``bypassed`` (no evictable key: read straight through), ``demoted`` (exclusive: device
-    victims taken in), ``staged`` (predicted experts taken in early, to be read in the background)."""
+    victims taken in), ``dropped`` (exclusive: device victims with no evictable key to make room: in
+    neither memory now), ``returned`` (exclusive: hits whose transfer was dropped, back in the level),
+    ``staged`` (predicted experts taken in early, to be read in the background)."""
 
     def __init__(self, num_layers: int) -> None:
         self.requests = np.zeros((2, num_layers), dtype=np.int64)
         self.misses = np.zeros((2, num_layers), dtype=np.int64)
-        self.evicted = self.bypassed = self.demoted = self.staged = 0
+        self.evicted = self.bypassed = self.demoted = self.dropped = self.returned = self.staged = 0
 
     def to_dict(self) -> dict[str, object]:
         req, miss = int(self.requests.sum()), int(self.misses.sum())
@@ -67,6 +88,8 @@ class LevelStats:
             "host_evicted": self.evicted,
             "host_bypassed": self.bypassed,
             "host_demoted": self.demoted,
+            "host_dropped": self.dropped,
+            "host_returned": self.returned,
             "host_staged": self.staged,
         }
 
@@ -107,27 +130,43 @@ class HostLevel:
         """Exclusive: the device evicted ``key``; it comes down into the host level."""
         if not self.exclusive or key in self.residency:
             return []
-        change = self._insert(key, pinned, False)
-        if change[0] is not None:
-            self.stats.demoted += 1
+        change = self._insert(key, pinned, False, counted=False)
+        if change[0] is None:
+            self.stats.dropped += 1
+            return []
+        self.stats.demoted += 1
         return [change]
+
+    def back(self, key: Key, pinned: Collection[Key]) -> tuple | None:
+        """Exclusive: the transfer of hit ``key`` was dropped before it landed; it comes back, its bytes
+        still in host memory: ``(key, left)``, or None where nothing may make room (then it is lost)."""
+        if not self.exclusive or key in self.residency:
+            return None
+        change = self._insert(key, pinned, False, counted=False)
+        if change[0] is None:
+            self.stats.dropped += 1
+            return None
+        self.stats.returned += 1
+        return change[:2]
 
     def stage(self, key: Key, pinned: Collection[Key]) -> tuple | None:
         """A predicted expert enters early, to be read in the background: its change, or None (held
         already, or nothing evictable)."""
         if key in self.residency:
             return None
-        change = self._insert(key, pinned, True, staged=True)
+        change = self._insert(key, pinned, True, counted=False)
         if change[0] is None:
             return None
         self.stats.staged += 1
         return change
 
-    def _insert(self, key: Key, pinned: Collection[Key], read: bool, staged: bool = False) -> tuple:
+    def _insert(self, key: Key, pinned: Collection[Key], read: bool, counted: bool = True) -> tuple:
+        """``key`` in, its victim out: ``(key, victim, read)``; ``(None, None, read)`` where every key is
+        pinned (``counted``: a request's miss, read straight through: ``bypassed``)."""
         try:
             victim = self.residency.insert(key, pinned)
         except PolicyError:
-            if not staged:
+            if counted:
                 self.stats.bypassed += 1
             return (None, None, read)
         if victim is not None:
@@ -166,6 +205,7 @@ class TieredTransport:
         self.pins: Collection[Key] = ()  # set by ``bind``: the cache's pins
         self.stage_limit = level.stage_limit  # predicted experts a layer staged beyond the device's limit
         self.staging: dict[Key, object] = {}  # staged keys -> their reads' handles (pinned while pending)
+        self._up: dict[int, Key] = {}  # exclusive: id of a hit's transfer in flight -> its key
 
     def bind(self, cache) -> None:
         """The expert cache whose layer and transfers in flight pin keys, and whose phase counts."""
@@ -189,30 +229,49 @@ class TieredTransport:
         return getattr(self.inner, name)
 
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> object:
-        if part == FULL:
-            level, moved = self.level, self.inner.host_moved
-            _, changes = level.request(key, self.pins, self.phase())
-            if victim is not None and level.exclusive:
-                changes += level.demote(victim, self.pins)
-            for entered, left, read in changes:
-                if entered is not None or left is not None:
-                    moved(entered, left, read)
-        return self.inner.submit(key, victim, priority, part)
+        if part != FULL:
+            return self.inner.submit(key, victim, priority, part)
+        level, moved = self.level, self.inner.host_moved
+        hit, changes = level.request(key, self.pins, self.phase())
+        if victim is not None and level.exclusive:
+            changes += level.demote(victim, self.pins)
+        for entered, left, read in changes:
+            if entered is not None or left is not None:
+                moved(entered, left, read)
+        handle = self.inner.submit(key, victim, priority, part)
+        if hit and level.exclusive:
+            self._up[id(handle)] = key
+        return handle
 
     def cancel(self, handle: object) -> bool:
-        return self.inner.cancel(handle)
+        """Drop a transfer; an exclusive hit's comes back into the host level (``HostLevel.back``)."""
+        if not self.inner.cancel(handle):
+            return False
+        key = self._up.pop(id(handle), None)
+        if key is not None:
+            change = self.level.back(key, self.pins)
+            if change is not None:
+                self.inner.host_back(*change)
+        return True
 
     def promote(self, handle: object) -> None:
         self.inner.promote(handle)
 
     def poll(self, handle: object) -> int:
-        return self.inner.poll(handle)
+        state = self.inner.poll(handle)
+        if state != PENDING and self._up:
+            self._up.pop(id(handle), None)
+        return state
 
     def started(self, handle: object) -> bool:
         return self.inner.started(handle)
 
     def wait(self, handle: object) -> None:
-        self.inner.wait(handle)
+        try:
+            self.inner.wait(handle)
+        finally:
+            if self._up:
+                self._up.pop(id(handle), None)
 
     def release(self, key: Key, part: str = FULL) -> None:
         self.inner.release(key, part)

@@ -979,8 +979,9 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
 
 def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
     """``--host-memory``, ``--host-policy``, ``--host-exclusive``, ``--host-stage``: a host level below the
-    cache. ``plan``: policies to choose among, no exclusive level (the engine's is inclusive) and no
-    staging; ``doctor``: one policy, on demand (it reports inclusive and exclusive both)."""
+    cache. ``plan``: policies to choose among, and no exclusive flag (it compares inclusive and exclusive
+    levels itself) nor staging; ``doctor``: one policy, on demand (it reports inclusive and exclusive
+    both)."""
     p.add_argument(
         "--host-memory", metavar="X", help="three tiers: a host cache of this many bytes (8GiB) or this "
         "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",

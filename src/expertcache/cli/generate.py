@@ -116,6 +116,12 @@ def add_model_args(p) -> None:
         "cache early, beyond what the prefetch moves to the expert memory (default 0)",
     )  # fmt: skip
     p.add_argument(
+        "--host-exclusive", action="store_true",
+        help="with --host-memory: the host cache holds what the expert memory does not (a hit moves up, "
+        "the expert memory's victim comes down): more distinct experts in the two memories (default: "
+        "inclusive)",
+    )  # fmt: skip
+    p.add_argument(
         "--kernel", choices=KERNEL_CHOICES, default="auto",
         help="how a layer's experts are computed: grouped (one grouped_mm over the slot pool, exact "
         "against transformers' grouped_mm), eager (one at a time, exact against its eager loop), "
@@ -232,7 +238,9 @@ def load_model(args, record: bool = True):
             )
         plan = Plan.load(args.plan)
         cache, miss, prefetch = plan.cache_config(), plan.miss_config(), plan.prefetch_config(**options)
-        hosts = [f for f in ("host_memory", "host_policy", "host_stage") if getattr(args, f)]
+        hosts = [
+            f for f in ("host_memory", "host_policy", "host_stage", "host_exclusive") if getattr(args, f)
+        ]
         if plan.host_capacity is not None and hosts:
             raise ExpertcacheError(
                 f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave out "
@@ -243,12 +251,14 @@ def load_model(args, record: bool = True):
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
-    for flag in ("host_policy", "host_stage"):
+    for flag in ("host_policy", "host_stage", "host_exclusive"):
         if getattr(args, flag) and args.host_memory is None:
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} needs --host-memory (the host cache it rules)"
             )
-    host = HostConfig(args.host_memory, args.host_policy or "lru", stage=args.host_stage)
+    host = HostConfig(
+        args.host_memory, args.host_policy or "lru", exclusive=args.host_exclusive, stage=args.host_stage
+    )
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
 
@@ -441,11 +451,13 @@ def summary(out: dict) -> str:
         share = f" ({missed / req:.0%})" if req else ""
         more = "".join(
             f" | {word} {out[key]}"
-            for word, key in (("bypassed", "host_bypassed"), ("staged", "host_staged"))
+            for word, key in (("bypassed", "host_bypassed"), ("staged", "host_staged"),
+                              ("came down", "host_demoted"), ("waits for a slot", "host_slot_waits"))
             if out.get(key)
         )  # fmt: skip
         lines.append(
-            f"host level {out['host_capacity']} experts ({out['host_policy']}, "
+            f"host level {out['host_capacity']} experts ({out['host_policy']}"
+            f"{', exclusive' if out.get('host_exclusive') else ''}, "
             f"{format_bytes(out['host_memory_bytes'])}, over the {out['host_over']}) | hits "
             f"{out['host_hits']} | misses {missed}{share}{more} | disk reads {out['disk_reads']} in "
             f"{out['disk_read_s'] * 1e3:.1f} ms"

@@ -24,6 +24,7 @@ from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.step import InlinePredictor, StepDriver
+from expertcache.cache.tiers import level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
 from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
@@ -215,6 +216,7 @@ class Builder:
                     "out --host-memory (in Python, host_memory)"
                 )
             host = plan.host_config(self.layout.slot_bytes)
+        self.host_reserve = 0  # an exclusive host level's slots beyond its capacity (``cache.tiers``)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
@@ -435,7 +437,7 @@ class Builder:
         would be killed for memory at load, or swap."""
         tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         need = self.budget if self.device.type == "cpu" else 0
-        need += self.host_capacity * self.layout.slot_bytes
+        need += (self.host_capacity + self.host_reserve) * self.layout.slot_bytes if self.host_capacity else 0
         if tier == "host" and not self.host_capacity:
             need += self.num_layers * self.num_experts * self.layout.slot_bytes
         room = available_memory()
@@ -525,25 +527,28 @@ class Builder:
                 f"a host level (--host-memory) serves the fetch miss path; miss path {self.miss.name} "
                 "reads experts its own way"
             )
-        if host.exclusive:
-            raise ExpertcacheError(
-                "the engine's host level is inclusive; an exclusive one is the simulator's "
-                "(expertcache timing --host-exclusive)"
-            )
         if host.stage and not self.prefetch_config_.enabled:
             raise ExpertcacheError(
                 f"host stage {host.stage} reads predicted experts early: give a predictor (--prefetch NAME)"
             )
         total, slot = self.num_layers * self.num_experts, self.layout.slot_bytes
-        experts = host.bytes_of(total * slot) // slot
-        if experts < 1:
+        memory = host.bytes_of(total * slot) // slot  # experts the memory holds
+        if memory < 1:
             raise ExpertcacheError(
                 f"host memory {host.memory} holds no expert of {format_bytes(slot)}; give at least that"
             )
         if self.capacity >= total:
             self.notes.append("every expert fits the expert memory: the host level is not used")
             return 0
-        if experts <= self.capacity:
+        experts = level_experts(memory, host.exclusive, self.top_k)
+        self.host_reserve = memory - experts
+        if experts < 1:
+            raise ExpertcacheError(
+                f"host memory {host.memory} holds {memory} expert(s) of {format_bytes(slot)}; an exclusive "
+                f"host level keeps {self.host_reserve} more for its hits in flight beyond what it holds: "
+                f"give it more"
+            )
+        if experts <= self.capacity and not host.exclusive:
             self.notes.append(
                 f"the host level ({experts} experts) holds no more than the expert memory ({self.capacity}): "
                 "inclusive, it hits only experts the expert memory let go recently; give it more memory"
@@ -555,7 +560,9 @@ class Builder:
             pin = self.device.type == "cuda"
             disk = DiskTier(sk.store, self.layout, self.device, drop=slow_tier != "mapped")
             bar = _progress("host memory", show)
-            return StackTier(disk, self.layout, self.host_capacity, pin=pin, progress=bar)
+            return StackTier(
+                disk, self.layout, self.host_capacity, pin=pin, progress=bar, reserve=self.host_reserve
+            )
         tier = slow_tier or ("host" if self.device.type == "cuda" else "disk")
         if tier == "host":
             bar = _progress("experts to host memory", show)

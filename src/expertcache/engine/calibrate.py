@@ -29,6 +29,7 @@ from expertcache.cache.transfers import SPECULATIVE
 from expertcache.costs import AUTO_CHUNKS, READ_TIERS, CostModel, fit_linear
 from expertcache.engine.memory import SlotPool
 from expertcache.engine.parts import expert_output
+from expertcache.engine.store import copy_bytes
 
 TOKENS = (1, 16)
 REPEATS = 5
@@ -134,10 +135,13 @@ def calibrate(model, module) -> CostModel:
     if tier.name in READ_TIERS:
         read = copied if device.type == "cpu" else _median(lambda: tier.host_views(next(keys)), cpu, 3)
     # with a host level (``StackTier``), a miss of it reads the expert from the disk first
-    disk_read = 0.0
+    disk_read = demote = 0.0
     if tier.name == "stack":
         disk_read = _median(lambda: tier.disk.host_views(next(keys)), cpu, 3)
         read = 0.0  # the host computes from the host level, or from a read the transfer makes anyway
+        if device.type == "cpu":  # an exclusive level's copy down: one expert's bytes in memory
+            down = SlotPool(layout, 1, cpu).buffer[0].view(torch.uint8).numpy()
+            demote = _median(lambda: copy_bytes(down, flat), cpu, 3)
     # on a CPU the host is the device: one measurement serves both, so that two noisy timings of the same
     # work do not decide (at random) between computing in place and copying first
     ha, hb = fit_linear(host) if host else (a, b)
@@ -148,6 +152,7 @@ def calibrate(model, module) -> CostModel:
         host_expert_token_s=hb,
         host_read_s=read,
         disk_read_s=disk_read if tier.name == "stack" else read if tier.name == "disk" else 0.0,
+        demote_s=demote,
         link_bandwidth=layout.nbytes / max(transfer, 1e-9),
         link_latency=0.0,
         expert_bytes=layout.nbytes,

@@ -190,11 +190,11 @@ class OffloadedModel:
                      memory=resident_memory(self._weight_files))  # fmt: skip
         if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
             level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
-                     "host_staged", "disk_reads", "disk_read_s")  # fmt: skip
+                     "host_staged", "host_demoted", "host_slot_waits", "host_slot_wait_s", "disk_reads",
+                     "disk_read_s")  # fmt: skip
             delta.update({k: after[k] - before[k] for k in level})
-            delta.update(
-                {k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy", "host_over")}
-            )
+            delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy",
+                                                "host_exclusive", "host_over")})  # fmt: skip
         eos = gen.eos_ids(self.model, tok)
         out, width = run["output"], ids.shape[1]
         rows = [
@@ -287,9 +287,13 @@ class OffloadedModel:
         tier = self.tier
         return {
             **level.stats.to_dict(),
-            "host_memory_bytes": len(tier.pool) * tier.pool.layout.slot_bytes,
-            "host_capacity": len(tier.pool),
+            "host_memory_bytes": len(tier.pool) * tier.pool.layout.slot_bytes,  # the reserve's slots too
+            "host_capacity": level.policy.capacity,
             "host_policy": level.policy.name,
+            "host_exclusive": level.exclusive,
+            "host_reserve": len(tier.pool) - level.policy.capacity,  # exclusive: hits' slots still read
+            "host_slot_waits": tier.slot_waits,
+            "host_slot_wait_s": tier.slot_wait_s,
             "host_over": "mapped checkpoint" if tier.disk.name == "mapped" else "disk",
             "host_stage": level.stage_limit,
             "disk_reads": tier.disk_reads,
@@ -361,7 +365,8 @@ class OffloadedModel:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
         level = getattr(self.cache.transport, "level", None)
         if level is not None:  # the host level (``cache.tiers``): replayed at its own capacity
-            meta.update(host_capacity=len(self.tier.pool), host_policy=self.host_config.policy)
+            meta.update(host_capacity=level.policy.capacity, host_policy=self.host_config.policy,
+                        host_exclusive=level.exclusive)  # fmt: skip
         return self.driver.recorder.trace(meta=meta)
 
     def save_trace(self, path: str | Path) -> None:
@@ -433,6 +438,7 @@ def load(
     host_memory: str | int | None = None,
     host_policy: str = "lru",
     host_stage: int = 0,
+    host_exclusive: bool = False,
     **options,
 ) -> OffloadedModel:
     """Load a Hugging Face MoE checkpoint (default: the embedded demo model) with experts offloaded.
@@ -473,7 +479,9 @@ def load(
     Three tiers (``cache.tiers``): ``host_memory`` (bytes or a share of all experts, like
     ``expert_memory``) puts a host cache of experts under ``host_policy`` between the expert memory and
     the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses;
-    ``host_stage`` reads up to that many more predicted experts a layer into it early.
+    ``host_stage`` reads up to that many more predicted experts a layer into it early;
+    ``host_exclusive`` makes it hold what the expert memory does not (a hit moves up, the expert memory's
+    victim comes down; ``cache.tiers``).
     """
     plan = as_plan(plan)
     if plan is not None:
@@ -509,9 +517,13 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
-    if host_memory is None and (host_policy != "lru" or host_stage):
-        raise ExpertcacheError("host_policy and host_stage need host_memory (the host cache they rule)")
-    host = options.pop("host", None) or HostConfig(host_memory, host_policy, stage=host_stage)
+    if host_memory is None and (host_policy != "lru" or host_stage or host_exclusive):
+        raise ExpertcacheError(
+            "host_policy, host_stage and host_exclusive need host_memory (the host cache they rule)"
+        )
+    host = options.pop("host", None) or HostConfig(
+        host_memory, host_policy, exclusive=bool(host_exclusive), stage=host_stage
+    )
     return OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),
         miss=as_config(miss, MissConfig), device=device, plan=plan, host=host if host.enabled else None,

@@ -72,6 +72,8 @@ class SlotTransport:
         self.phase = 0  # set by the engine at each step
         self.transfers = 0  # submitted
         self.settle = settle  # deterministic runs: a transfer lands before submit returns (see below)
+        self._after: dict[Key, object] = {}  # a device victim copied down (CUDA): the event its slot's
+        # next transfer waits for
 
     def pool_id(self, part: str, key: Key) -> PoolId:
         return (part, key[0]) if self._by_layer and (part, key[0]) in self.targets else (part, None)
@@ -103,7 +105,8 @@ class SlotTransport:
                 table.clear(victim)
             table.set(key, slot)
         self.transfers += 1
-        handle = self.worker.submit(key, slot, priority, pid)
+        after = self._after.pop(victim, None) if self._after and victim is not None else None
+        handle = self.worker.submit(key, slot, priority, pid, after=after)
         if self.settle:  # nothing in flight at the cache's next decision: no victim or cancel depends on time
             try:
                 self.wait(handle)
@@ -141,8 +144,21 @@ class SlotTransport:
         return self.stage_worker.submit(key, slot, SPECULATIVE, STAGE_PART)
 
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
-        """A change of the host level (``cache.tiers``): the whole experts' source's (``StackTier``)."""
-        self.targets[(FULL, None)].source.host_moved(entered, left, read)
+        """A change of the host level (``cache.tiers``): the whole experts' source's (``StackTier``). A
+        device victim coming down (exclusive: ``entered`` not ``read``) is copied from its slot, which it
+        still holds: the transfer that takes the slot is submitted after this."""
+        target = self.targets[(FULL, None)]
+        device = None
+        if entered is not None and not read:
+            slot = self.slot_of[(FULL, entered)]
+            device = (target.views(entered, slot), target.flat(slot))
+        after = target.source.host_moved(entered, left, read, device)
+        if after is not None:
+            self._after[entered] = after
+
+    def host_back(self, key: Key, left: Key | None) -> None:
+        """An exclusive hit whose transfer was dropped is the host level's again (``cache.tiers``)."""
+        self.targets[(FULL, None)].source.host_back(key, left)
 
     def release(self, key: Key, part: str = FULL) -> None:
         pid = self.pool_id(part, key)

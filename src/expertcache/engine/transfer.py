@@ -198,43 +198,150 @@ class StackTier:
     the transfer's first chunk), then copies the chunk from the host slot; a key the host level does not
     hold (bypassed: every host key pinned) is read from the disk straight into the device slot. A key's
     host slot is never given away while a transfer of it is in flight (the cache pins it), so the reads
-    and copies of different keys on different threads never touch one slot."""
+    and copies of different keys on different threads never touch one slot.
+
+    Exclusive (``reserve`` slots beyond the capacity, ``cache.tiers.exclusive_reserve``): a hit leaves
+    the level, but its slot stays its transfer's (``leaving``) until that transfer has landed, failed or
+    was dropped (the worker calls ``ended``); the device's victim comes down into a slot of the
+    level, copied there from its device slot as the decision is made (``host_moved(..., read=False)``),
+    before the transfer that takes its device slot is submitted: on a CPU a copy on the calling thread,
+    on a GPU an asynchronous copy on a stream of its own (the link is full duplex), whose event the
+    transfer into the device slot and every later use of the host slot wait for. When every spare slot
+    is still being read, the caller waits for the oldest of those transfers to land
+    (``slot_waits``, ``slot_wait_s``)."""
 
     name = "stack"
     concurrent = True
     reads_device = True
 
-    def __init__(self, disk: DiskTier, layout: SlotLayout, capacity: int, pin: bool, progress=None) -> None:
+    def __init__(
+        self, disk: DiskTier, layout: SlotLayout, capacity: int, pin: bool, progress=None, reserve: int = 0
+    ) -> None:
         self.disk, self.layout = disk, layout
-        self.pool = SlotPool(layout, capacity, torch.device("cpu"), pin=pin, progress=progress)
+        self.pool = SlotPool(layout, capacity + reserve, torch.device("cpu"), pin=pin, progress=progress)
         self._bytes = self.pool.buffer.view(torch.uint8).numpy()  # [slots, slot bytes]
         self.slot_of: dict[Key, int] = {}
-        self.free = list(range(capacity))[::-1]
+        self.free = list(range(capacity + reserve))[::-1]
         self.unread: set[Key] = set()
         self.whole = layout.chunks(None)[0]
         self.disk_reads = 0
         self.disk_read_s = 0.0
         self._counting = threading.Lock()  # the counters: the workers and the model's thread all read
         self._spans: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        # exclusive: keys that left for the device -> their slots, read by their transfers in flight (one
+        # transfer of a key at a time); the slots of those that ended, free again
+        self.leaving: dict[Key, int] = {}
+        self._ended = threading.Condition(threading.Lock())
+        self._released: list[tuple[Key, int]] = []  # (key, its slot), the newest last
+        self.demote_copies = 0  # device victims copied down
+        self.slot_waits, self.slot_wait_s = 0, 0.0
+        self._down = None  # CUDA: the stream of the copies down
+        self._pending: dict[int, object] = {}  # host slot -> the CUDA event of its copy down
 
     _ranges = HostTier._ranges
 
-    def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
-        if not read:
-            raise ExpertcacheError("the engine's host level is inclusive: nothing comes down from the device")
+    def host_moved(
+        self, entered: Key | None, left: Key | None, read: bool = True, device=None
+    ) -> object | None:
+        """A change of the host level: ``entered`` (None: none) takes ``left``'s slot or a free one, to be
+        read from the disk when ``read``, else copied down from its device slot (``device``: its tensors
+        and, on a CPU, its bytes); ``left`` leaves, its slot kept while an exclusive hit's transfer reads
+        it. Returns the CUDA event of a copy down (the transfer into the device slot waits for it)."""
         slot = None
         if left is not None:
             slot = self.slot_of.pop(left)
+            if entered is None and not read:  # an exclusive hit: its transfer reads the slot
+                self.leaving[left] = slot  # (if still unread, the transfer reads it first)
+                return None
             self.unread.discard(left)
-        if entered is not None:
-            self.slot_of[entered] = self.free.pop() if slot is None else slot
+        if entered is None:
+            if slot is not None:
+                self.free.append(slot)
+            return None
+        if slot is None:
+            slot = self._free_slot()
+        self.slot_of[entered] = slot
+        if read:
             self.unread.add(entered)
-        elif slot is not None:
-            self.free.append(slot)
+            return None
+        self.unread.discard(entered)
+        views, flat = device
+        return self._copy_down(slot, views, flat)
+
+    def ended(self, key: Key) -> None:
+        """A transfer of ``key`` landed, failed or was dropped (the worker's call, on any thread): the
+        slot it read as an exclusive hit is free again."""
+        slot = self.leaving.pop(key, None)
+        if slot is not None:
+            with self._ended:
+                self._released.append((key, slot))
+                self._ended.notify()
+
+    def host_back(self, key: Key, left: Key | None) -> None:
+        """Exclusive: ``key``'s transfer was dropped (``ended`` has its slot, which still holds it): it is
+        the level's again, in that slot; ``left`` leaves to make room."""
+        with self._ended:
+            at = max(i for i, (k, _) in enumerate(self._released) if k == key)
+            _, slot = self._released.pop(at)
+        self.slot_of[key] = slot
+        if left is not None:
+            self.free.append(self.slot_of.pop(left))
+            self.unread.discard(left)
+
+    def _free_slot(self) -> int:
+        """A free host slot: a free one, else one an exclusive hit's transfer has finished reading
+        (waiting for the next to end when none has: those in flight end on the worker)."""
+        if self.free:
+            return self.free.pop()
+        with self._ended:
+            if not self._released:
+                started = time.perf_counter()
+                while not self._released:
+                    if not self.leaving:  # the reserve is at least one slot: cannot happen
+                        raise ExpertcacheError("the host level has no free slot and no transfer to wait for")
+                    self._ended.wait(timeout=1.0)
+                self.slot_waits += 1
+                self.slot_wait_s += time.perf_counter() - started
+            return self._released.pop(0)[1]
+
+    def _copy_down(self, slot: int, views: dict[str, torch.Tensor], flat: np.ndarray | None) -> object | None:
+        """Copy a device victim's tensors into host slot ``slot`` (exclusive: it comes down)."""
+        self.demote_copies += 1
+        dst = self.pool.views[slot]
+        first = next(iter(views.values()))
+        if first.device.type != "cuda":
+            self._settle(slot)
+            if flat is not None and flat.nbytes == self._bytes[slot].nbytes:
+                copy_bytes(self._bytes[slot], flat)
+            else:
+                for name, src in views.items():
+                    copy_tensor(dst[name], src)
+            return None
+        if self._down is None:
+            self._down = torch.cuda.Stream(first.device)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._down):  # after this slot's earlier copy down (the same stream)
+            for name, src in views.items():
+                dst[name].copy_(src, non_blocking=True)
+            done.record(self._down)
+        self._pending[slot] = done
+        return done
+
+    def _settle(self, slot: int) -> None:
+        """Before the host writes or reads host slot ``slot``: its copy down (CUDA) has landed."""
+        done = self._pending.pop(slot, None)
+        if done is not None:
+            done.synchronize()
+
+    def _slot(self, key: Key) -> int | None:
+        """``key``'s host slot: held by the level, or left for the device and still being read."""
+        slot = self.slot_of.get(key)
+        return self.leaving.get(key) if slot is None else slot
 
     def _read(self, key: Key, slot: int) -> None:
         """Read ``key`` whole from the disk into host slot ``slot``; it is read once this returns (two
         threads may read one key at once, a staging read and a device transfer's: the same bytes)."""
+        self._settle(slot)
         started = time.perf_counter()
         self.disk.copy_chunk(key, self.pool.views[slot], self.whole, self._bytes[slot])
         took = time.perf_counter() - started
@@ -248,13 +355,14 @@ class StackTier:
     ) -> float:
         """Copy one chunk of ``key`` into ``views`` (``flat``: the slot's bytes, a host slot); returns
         the seconds spent reading from the disk first (for an emulated link, which starts after it)."""
-        slot = self.slot_of.get(key)
-        if slot is None:  # bypassed: the disk tier's own copy
+        slot = self._slot(key)
+        if slot is None:  # not held (bypassed, or an exclusive level's miss): the disk tier's own copy
             started = time.perf_counter()
             self.disk.copy_chunk(key, views, chunk, flat)
             took = time.perf_counter() - started
+            first = chunk[0][1] == 0 and chunk[0][0] == next(iter(views))  # one read a transfer
             with self._counting:
-                self.disk_reads += 1
+                self.disk_reads += first
                 self.disk_read_s += took
             return took
         read = 0.0
@@ -263,16 +371,22 @@ class StackTier:
             self._read(key, slot)
             read = time.perf_counter() - started
         if flat is not None:
+            self._settle(slot)
             src = self._bytes[slot]
             for lo, hi in self._ranges(chunk):
                 copy_bytes(flat[lo:hi], src[lo:hi])
             return read
         src_views = self.pool.views[slot]
+        down = self._pending.get(slot)
         for name, start, stop, _ in chunk:
             dst = views[name][start:stop]
             if dst.device.type == "cpu":
+                self._settle(slot)
                 copy_tensor(dst, src_views[name][start:stop])
             else:
+                if down is not None:  # on the worker's stream: after the copy down into the slot
+                    torch.cuda.current_stream(dst.device).wait_event(down)
+                    down = None
                 dst.copy_(src_views[name][start:stop], non_blocking=True)
         return read
 
@@ -285,22 +399,23 @@ class StackTier:
         """The expert's tensors in host memory, for computing it there: its host slot where the host
         level holds it (reading it first if need be; its transfer or layer pins it), else the disk
         tier's scratch read."""
-        slot = self.slot_of.get(key)
+        slot = self._slot(key)
         if slot is None:
             return self.disk.host_views(key)
         if key in self.unread:
             self._read(key, slot)
+        self._settle(slot)
         return self.pool.views[slot]
 
     def reader(self):
         disk = self.disk.reader()
 
         def read(key: Key) -> dict[str, torch.Tensor]:
-            return (
-                disk(key)
-                if key not in self.slot_of or key in self.unread
-                else self.pool.views[self.slot_of[key]]
-            )
+            slot = self._slot(key)
+            if slot is None or key in self.unread:
+                return disk(key)
+            self._settle(slot)
+            return self.pool.views[slot]
 
         return read
 
@@ -341,6 +456,7 @@ class Target:
 
     def __init__(self, source, pool: SlotPool, layouts: dict[int, SlotLayout] | None = None) -> None:
         self.source, self.pool, self.layouts = source, pool, layouts
+        self.ended = getattr(source, "ended", None)  # told each transfer's end (``StackTier``)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._plans: dict[tuple[int | None, int | None], tuple] = {}  # (layer, chunk bytes) -> chunks
         # a host pool of one layout: each slot's bytes, for sources that copy by byte ranges
@@ -424,6 +540,7 @@ class Transfer:
         "moved",
         "submitted",
         "chunked",
+        "after",
     )
 
     def __init__(
@@ -441,6 +558,7 @@ class Transfer:
         self.cancelled = False
         self.event = None  # CUDA: recorded on the transfer stream after the last chunk is issued
         self.ready = None  # CUDA: recorded on the compute stream at submit (the slot's last reader)
+        self.after = None  # CUDA: the copy down of the slot's last expert (an exclusive host level)
         self.next_chunk = 0  # chunks already copied
         self.moved = 0  # bytes already copied
         self.submitted = time.perf_counter()
@@ -527,11 +645,15 @@ class TransferWorker:
         self._thread = threading.Thread(target=self._run, name="expertcache-transfer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: Key, slot: int, priority: int = DEMAND, part: str = FULL) -> Transfer:
+    def submit(
+        self, key: Key, slot: int, priority: int = DEMAND, part: str = FULL, after: object | None = None
+    ) -> Transfer:
+        """Queue ``key``'s move into ``slot``; ``after`` (CUDA): an event its first chunk waits for."""
         t = Transfer(key, slot, priority, next(self._seq), part, self._finished)
         if self.cuda:  # kernels already queued may still read the slot's previous expert
             t.ready = torch.cuda.Event()
             t.ready.record(torch.cuda.current_stream(self.device))
+            t.after = after
         if self._closed:
             raise ExpertcacheError("the transfer worker is closed")
         if priority == DEMAND and self._caller_copies(part):
@@ -565,7 +687,8 @@ class TransferWorker:
             if t.done.is_set() or t not in self._heap:
                 return False
             t.cancelled = True
-            return True
+        self._ended(t)
+        return True
 
     def promote(self, t: Transfer, priority: int = DEMAND) -> None:
         """Raise a queued transfer's priority (a speculative one the router has now chosen)."""
@@ -653,14 +776,22 @@ class TransferWorker:
         least = self.link.duration(nbytes) if self.link is not None else 0.0
         self._moved(started, least, 0 if t.error is not None else nbytes)
         if t.error is not None:
+            self._ended(t)
             t.done.set()
             return False
         t.next_chunk += 1
         t.moved += nbytes
         if t.next_chunk < len(plan):
             return True
+        self._ended(t)
         t.done.set()
         return False
+
+    def _ended(self, t: Transfer) -> None:
+        """``t`` landed, failed or was dropped: its source hears of it (a slot it read is free)."""
+        target = self.parts.get(t.part)
+        if target is not None and target.ended is not None:
+            target.ended(t.key)
 
     def _copy_here(self, t: Transfer) -> None:
         """All of demand transfer ``t``, whole, on the calling thread, before any other thread has seen
@@ -674,6 +805,7 @@ class TransferWorker:
         except BaseException as exc:  # reported at the wait, as the worker's
             t.error = exc
         self._moved(started, 0.0, t.moved)
+        self._ended(t)
         t.done.set_unseen()
 
     def _moving_from(self) -> float:
@@ -707,6 +839,8 @@ class TransferWorker:
                     with torch.cuda.stream(self.stream):
                         if t.next_chunk == 0:
                             self.stream.wait_event(t.ready)
+                            if t.after is not None:  # the slot's expert copied down first
+                                self.stream.wait_event(t.after)
                         read = source.copy_chunk(t.key, views, chunk)
                         t.event = torch.cuda.Event()
                         t.event.record(self.stream)

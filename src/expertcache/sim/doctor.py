@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
+from expertcache.cache.tiers import level_experts
 from expertcache.config import HostConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
@@ -126,7 +127,7 @@ def diagnose(
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step."""
     cost = cost or CostModel()
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    level = host_level_of(host, host_capacity, L * E, cost.expert_bytes)
+    level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
     tiers = {}  # the host level, for the plan and the on-demand run too
     if level is not None:
         host, host_capacity, _ = level
@@ -181,7 +182,7 @@ def diagnose(
         "plan": plan.describe(),
         "transfer_saved_by_lru": saved,
         "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
-        "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity),
+        "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity, K),
     }
     report["verdict"] = verdict(report)
     return report
@@ -208,20 +209,28 @@ def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float)
     }
 
 
-def _levels(trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int) -> dict:
+def _levels(
+    trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int, top_k: int
+) -> dict:
     """Three tiers: each level's misses and the time it keeps busy, on demand under ``policy``, for the
-    host level as given and as its exclusive twin; the level that bounds the step is the busiest of the
-    computation (the step less its stall), the link (its transfers, reads aside) and the disk (its
-    reads), over the whole run."""
+    host level as given and as its exclusive twin in the same memory (less its reserve for hits in
+    flight, as the engine's: ``cache.tiers.exclusive_reserve``); the level that bounds the step is the
+    busiest of the computation (the step less its stall), the link (its transfers, reads aside) and the
+    disk (its reads), over the whole run."""
     out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
-    for name, cfg in (
-        ("inclusive", HostConfig(None, host.policy)),
-        ("exclusive", HostConfig(None, host.policy, True)),
+    for name, cfg, experts in (
+        ("inclusive", HostConfig(None, host.policy), host_capacity),
+        ("exclusive", HostConfig(None, host.policy, True), level_experts(host_capacity, True, top_k)),
     ):
-        r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=host_capacity)
+        try:
+            r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=experts)
+        except ExpertcacheError as exc:  # too small for an exclusive level under this policy
+            out[name] = {"host_capacity": experts, "error": str(exc)}
+            continue
         disk = float(r.cache["disk_read_s"])
         busy = {"compute": r.total_s - r.stall_s, "link": r.link_busy_s - disk, "disk": disk}
         out[name] = {
+            "host_capacity": experts,
             "tpot_s": r.tpot_s, "device_misses": r.misses, "host_misses": r.cache["host_misses"],
             "host_miss_ratio": r.cache["host_miss_ratio"], "busy_s": busy, "total_s": r.total_s,
             "bound": max(busy, key=busy.get),
@@ -292,9 +301,14 @@ def verdict(r: dict[str, object]) -> list[str]:
         out.append(
             f"with a host level of {lv['host_capacity']} experts ({lv['host_policy']}): the disk serves "
             f"{100 * inc['host_miss_ratio']:.0f} % of the cache's misses; the run keeps busy {busy} of "
-            f"{inc['total_s']:.3f} s: bound by the {inc['bound']}; an exclusive host level (the "
-            f"simulator's) would read {exc['host_misses']} experts from the disk instead of "
-            f"{inc['host_misses']}"
+            f"{inc['total_s']:.3f} s: bound by the {inc['bound']}; "
+            + (
+                f"an exclusive host level in the same memory ({exc['host_capacity']} experts, "
+                f"--host-exclusive) would read {exc['host_misses']} experts from the disk instead of "
+                f"{inc['host_misses']} (TPOT {1e3 * exc['tpot_s']:.3f} against {1e3 * inc['tpot_s']:.3f} ms)"
+                if "error" not in exc
+                else f"an exclusive host level does not fit that memory ({exc['error']})"
+            )
         )
     t = r["tpot_s"]
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:

@@ -35,6 +35,7 @@ from dataclasses import replace
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
+from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
@@ -289,16 +290,29 @@ def make_plan(
     (its layout is that path's: it replaces the split spec given). ``host`` (a ``HostConfig``, or its
     memory) or ``host_capacity`` (experts): a host level between the cache and the disk (``cache.tiers``;
     its misses read ``cost.disk_read_s``), under each of ``host_policies`` in turn; the plan then says
-    which. The engine's host level is inclusive and serves the ``fetch`` miss path, so other miss paths
-    are left out."""
+    which, and whether it is inclusive or exclusive of the expert memory (an exclusive one holds its
+    memory less ``cache.tiers.exclusive_reserve`` experts). Staging is not planned. The engine's host
+    level serves the ``fetch`` miss path, so other miss paths are left out."""
     cost = cost or CostModel()
     host_cfgs: list[HostConfig | None] = [None]
+    host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
+    skipped: list[str] = []
     host_level = host_level_of(host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes)
     if host_level is not None:
-        cfg, host_capacity, _ = host_level
+        cfg, memory, _ = host_level
         if cfg.exclusive:
-            raise ExpertcacheError("the engine's host level is inclusive: plan without an exclusive one")
-        host_cfgs = [HostConfig(None, hp, stage=cfg.stage) for hp in dict.fromkeys(host_policies)]
+            raise ExpertcacheError(
+                "the planner compares an inclusive and an exclusive host level itself: give the host level "
+                "without exclusive"
+            )
+        if cfg.stage:  # a plan does not keep it, and the engine would run the plan without it
+            raise ExpertcacheError(
+                "the planner does not plan staging (a host stage): give the host level without it"
+            )
+        host_caps = {False: memory, True: level_experts(memory, True, trace.top_k)}
+        host_cfgs = [
+            HostConfig(None, hp, exclusive=x) for hp in dict.fromkeys(host_policies) for x in (False, True)
+        ]
         if not host_cfgs:
             raise ExpertcacheError("a host level needs at least one policy to plan with")
         others = [m for m in misses if parse_miss(m)[0] != "fetch"]
@@ -340,7 +354,7 @@ def make_plan(
     need = ("knapsack" in methods and fits) or ("moepic" in methods and L > 1 and capacity > K)
     curves = layer_curves(trace, name) if need else None  # one replay of each layer, shared
     laid = layouts(trace, capacity, name, methods, objective, curves)
-    skipped = [
+    skipped += [
         f"{m}: a per-layer layout needs {L * K} experts (top-{K} in each of {L} layers), not {capacity}"
         for m in methods if m in LAYOUT_METHODS and m not in laid
     ]  # fmt: skip
@@ -360,7 +374,8 @@ def make_plan(
         spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
         for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
             hp = None if host is None else host.policy
-            cell = (spec, miss, pf.predictor, pf.window, hp)
+            hx = host is not None and host.exclusive
+            cell = (spec, miss, pf.predictor, pf.window, hp, hx)
             if cell in seen:  # another method laid the budget out the same way
                 figures = {**seen[cell], "same_as": seen[cell]["method"]}
             else:
@@ -368,9 +383,12 @@ def make_plan(
                     r = simulate_timing(
                         trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
                         miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
-                        host_capacity=host_capacity,
+                        host_capacity=host_caps.get(hx),
                     )  # fmt: skip
                 except ExpertcacheError as exc:
+                    if hx:  # an exclusive level the memory cannot hold for this policy: the other kind
+                        skipped.append(f"an exclusive host level under {hp}: {exc}")
+                        continue
                     if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
                         raise
                     skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
@@ -378,7 +396,7 @@ def make_plan(
                 figures = seen[cell] = {"method": method, **_figures(r)}
             candidates.append(
                 {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
-                 "window": pf.window, "host_policy": hp}
+                 "window": pf.window, "host_policy": hp, "host_exclusive": hx}
             )  # fmt: skip
     if not candidates:
         raise ExpertcacheError(
@@ -389,7 +407,9 @@ def make_plan(
         )  # fmt: skip
     key = f"{objective}_s"
     best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))  # the first of equals
-    best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"])
+    hx = bool(best["host_exclusive"])
+    best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"], exclusive=hx)
+    host_capacity = host_caps.get(hx)
     bound = simulate_timing(
         trace, capacity, cache="opt", miss="fetch", cost=cost, host=best_host, host_capacity=host_capacity
     )
@@ -399,7 +419,7 @@ def make_plan(
         prefetch=best["prefetch"], window=best["window"], method=best["method"], objective=objective,
         predicted={k: best[k] for k in _FIGURES if k in best}, candidates=tuple(candidates),
         lower_bound={"method": "opt (shared, on demand)", **_figures(bound)},
-        host_capacity=host_capacity, host_policy=best["host_policy"],
+        host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
         },

@@ -23,6 +23,7 @@ from expertcache.cache.build import assemble, build_host_level, build_parts, par
 from expertcache.cache.governor import describe
 from expertcache.cache.schedule import build_schedule, check_capacity
 from expertcache.cache.step import InlinePredictor, StepDriver
+from expertcache.cache.tiers import level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
@@ -176,7 +177,7 @@ def simulate_timing(
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
     level, notes = None, []
-    host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes)
+    host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
     if host_level is not None:
         host_cfg, host_capacity, notes = host_level
         if miss_cfg.name != "fetch":
@@ -198,7 +199,7 @@ def simulate_timing(
             whole[part if where is None else (part, where)] = (one.chunk_times(n), one.chunk_sizes(n))
     link = VirtualLink(
         cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s, parts=plans,
-        whole=whole, read_s=cost.disk_read_s if level is not None else None,
+        whole=whole, read_s=cost.disk_read_s if level is not None else None, demote_s=cost.demote_s,
     )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
@@ -253,12 +254,14 @@ def simulate_timing(
 
 
 def host_level_of(
-    host: HostConfig | str | None, host_capacity: int | None, total: int, expert_bytes: int
+    host: HostConfig | str | None, host_capacity: int | None, total: int, expert_bytes: int, top_k: int = 1
 ) -> tuple[HostConfig, int, list[str]] | None:
     """The host level asked for, as (its config, its experts, notes), or None: ``host`` (a ``HostConfig``
-    or its memory) sized by its memory in experts of ``expert_bytes``, or ``host_capacity`` experts (one
-    or the other; ``host_capacity`` alone: an LRU host level). One clear error for a size that cannot be
-    a host level; more than all ``total`` experts is capped, with a note."""
+    or its memory) sized by its memory in experts of ``expert_bytes`` (less an exclusive level's reserve
+    for its hits in flight, as the engine sizes it: ``cache.tiers.exclusive_reserve``), or
+    ``host_capacity`` experts (one or the other; ``host_capacity`` alone: an LRU host level). One clear
+    error for a size that cannot be a host level; more than all ``total`` experts is capped, with a
+    note."""
     if host is None and host_capacity is None:
         return None
     cfg = as_config(host, HostConfig)
@@ -277,11 +280,18 @@ def host_level_of(
     elif not cfg.enabled:
         raise ExpertcacheError("a host level needs its memory (HostConfig(memory=...)) or host_capacity")
     else:
-        experts = cfg.bytes_of(total * expert_bytes) // expert_bytes
-        if experts < 1:
+        memory = cfg.bytes_of(total * expert_bytes) // expert_bytes
+        if memory < 1:
             raise ExpertcacheError(
                 f"host memory {cfg.memory} holds no expert of {format_bytes(expert_bytes)} (the cost "
                 "model's expert_bytes)"
+            )
+        experts = level_experts(memory, cfg.exclusive, top_k)
+        if experts < 1:
+            raise ExpertcacheError(
+                f"host memory {cfg.memory} holds {memory} expert(s) of {format_bytes(expert_bytes)}; an "
+                f"exclusive host level keeps {memory - experts} more for its hits in flight beyond what it "
+                "holds: give it more"
             )
     if experts > total:
         notes.append(f"a host level of {experts} experts is more than all {total}; capped at {total}")

@@ -54,6 +54,7 @@ class VirtualLink:
         parts: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
         whole: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
         read_s: float | None = None,
+        demote_s: float = 0.0,
     ) -> None:
         """``chunk_s`` / ``chunk_bytes``: each chunk of a whole expert; ``parts``: the same for other
         parts, keyed by part name, or by (part, layer) for parts whose size differs by layer. ``whole``:
@@ -61,7 +62,9 @@ class VirtualLink:
         ``read_s``: with a host level (``cache.tiers``), the seconds of reading one whole expert from
         the disk into host memory: the first chunk of a whole expert's transfer takes them first,
         where the host level does not hold the expert or holds it unread (the engine's worker reads,
-        then copies, on one thread)."""
+        then copies, on one thread). ``demote_s``: compute time spent copying a device victim down into an
+        exclusive host level (the engine's copy on a CPU; its link time is free: a GPU's link is full
+        duplex, and its copy down runs on a stream of its own)."""
         self.plans = self._plans({FULL: (chunk_s, chunk_bytes), **(parts or {})})
         self.whole = self._plans(whole) if whole is not None else self.plans
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
@@ -77,6 +80,7 @@ class VirtualLink:
         self.bytes_moved = 0
         self.transfers = 0  # submitted
         self.read_s = read_s
+        self.demote_s = float(demote_s)
         self.host_keys: set[Key] = set()  # in the host level
         self.unread: set[Key] = set()  # in the host level, not read from the disk yet
         self.leaving: set[Key] = set()  # left an exclusive host level for the device: read from host memory
@@ -130,6 +134,8 @@ class VirtualLink:
         if handle.done_at is not None or (handle is self.current and self.free_at > self.now):
             return False  # complete, or one of its chunks is on the link right now
         handle.cancelled = True
+        if handle.moved == 0:  # an exclusive hit that never left host memory: it is in neither level now
+            self.leaving.discard(handle.key)
         return True
 
     def promote(self, handle: VTransfer) -> None:
@@ -199,6 +205,19 @@ class VirtualLink:
             self.host_keys.add(entered)
             if read:
                 self.unread.add(entered)
+            else:  # a device victim copied down (exclusive): its copy is the compute thread's
+                self.unread.discard(entered)
+                self.leaving.discard(entered)
+                if self.demote_s:
+                    self.advance(self.demote_s)
+
+    def host_back(self, key: Key, left: Key | None) -> None:
+        """An exclusive hit whose transfer was dropped is back in the host level, read (``cache.tiers``);
+        ``left`` left it to make room."""
+        self.leaving.discard(key)
+        self.host_keys.add(key)
+        if left is not None:
+            self.host_moved(None, left)
 
     # -- the link's work ------------------------------------------------------------------------
     def _next(self) -> VTransfer | None:
