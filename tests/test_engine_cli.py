@@ -41,19 +41,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def generate(capsys, model: Path, *extra: str, prompt: str = PROMPT, new: int = 5) -> tuple[int, str, str]:
+    device = () if "--device" in extra else ("--device", "cpu")  # an option is given once
     return run(
-        capsys,
-        "generate",
-        "--model",
-        str(model),
-        "--prompt",
-        prompt,
-        "--max-new-tokens",
-        str(new),
-        "--device",
-        "cpu",
+        capsys, "generate", "--model", str(model), "--prompt", prompt, "--max-new-tokens", str(new), *device,
         *extra,
-    )
+    )  # fmt: skip
 
 
 def one_line_error(code: int, out: str, err: str) -> str:

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import engine_fixtures
 import pytest
@@ -325,6 +326,21 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-memory", "1KiB"], "holds no expert"),
         (["generate", "--prompt", "hi", "--host-exclusive"], "--host-exclusive needs --host-memory"),
         (["plan", "--capacity", "24", "--host-capacity", "60", "--host-exclusive"], "unrecognized arguments"),
+        (["plan", "--capacity", "24", "--policy", "tlfu", "--policy", "lru"], "--policy: given twice"),
+        (
+            [
+                "plan",
+                "--capacity",
+                "24",
+                "--host-capacity",
+                "60",
+                "--host-policy",
+                "lru",
+                "--host-policy",
+                "lfu",
+            ],
+            "--host-policy: given twice",
+        ),  # fmt: skip
     ],
 )
 def test_cli_refuses_bad_host_level_options_in_one_line(argv, message):
@@ -476,6 +492,32 @@ def test_cli_plan_and_doctor_take_a_host_level():
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0 and "with a host level of 57 experts (lru)" in done.stdout, done.stderr
+    assert "an exclusive host level in the same memory (55 experts" in done.stdout
+    assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
+
+
+def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(tmp_path):
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
+
+    plan = tmp_path / "plan.json"
+    done = cli("plan", "--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms", "--miss", "fetch",
+               "--miss", "host", "-o", str(plan))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "left out: host: the engine's host level serves the fetch miss path" in done.stdout
+    chosen = json.loads(plan.read_text())
+    again = cli("timing", "--plan", str(plan), "--json")
+    assert again.returncode == 0, again.stderr
+    got = json.loads(again.stdout)
+    assert got["tpot_s"] == pytest.approx(
+        chosen["predicted"]["tpot_s"]
+    )  # the plan's prediction, host level too
+    assert (got["host_capacity"], got["host_policy"], got["host_exclusive"]) == (
+        chosen["host_capacity"], chosen["host_policy"], chosen["host_exclusive"]
+    )  # fmt: skip
+    refused = cli("timing", "--plan", str(plan), "--host-capacity", "60")
+    assert refused.returncode == 2 and "the plan sets a host level" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------- staging
@@ -514,6 +556,8 @@ def test_the_timing_model_stages_predicted_experts_and_a_perfect_predictor_gains
     assert plain.cache["host_staged"] == 0 < staged.cache["host_staged"]
     assert staged.cache["host_misses"] < plain.cache["host_misses"] and staged.tpot_s < plain.tpot_s
     assert staged.misses == plain.misses  # the device's decisions are the same
+    moving = [r.link_busy_s - r.cache["link_read_s"] for r in (plain, staged)]  # the link, reads aside
+    assert moving[0] == pytest.approx(moving[1]) and staged.cache["link_read_s"] < staged.cache["disk_read_s"]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -527,3 +571,66 @@ def test_the_engine_stages_on_a_worker_of_its_own_and_stays_exact(family, ckpt, 
     assert stats["host_staged"] > 0 and stats["host_capacity"] == int(0.6 * total)
     with engine_load(path, TOP_K + 1, host_memory="60%", prefetch="next-gate") as model:
         assert model.transport.stage_worker is None  # no staging, no thread for it
+
+
+def test_the_disk_tier_reads_through_a_staging_buffer_of_each_thread(ckpt, monkeypatch):
+    # on CUDA a read that converts dtypes goes through a pinned staging buffer; the transfer worker and a
+    # host level's staging worker read at once, and one buffer shared by both gave one expert's rows to
+    # another (the CPU runs the same branch here, with unpinned buffers)
+    from expertcache.engine import transfer
+    from expertcache.engine.memory import SlotPool
+
+    path = ckpt("mixtral")
+    with engine_load(path, TOP_K, host_memory="50%", dtype=torch.bfloat16) as model:
+        monkeypatch.setattr(transfer, "SlotPool", lambda layout, n, device, pin: SlotPool(layout, n, device))
+        tier = model.tier
+        tier.disk.staging = threading.local()  # what the disk tier has on a GPU
+        keys = [(layer, e) for layer in range(2) for e in range(4)]
+        want = SlotPool(tier.layout, len(keys), torch.device("cpu"))
+        for i, key in enumerate(keys):
+            tier.disk.store.read(key, want.views[i])
+
+        def read(part: list[int]) -> None:
+            for _ in range(3):
+                for i in part:
+                    tier._read(keys[i], i)
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # the threads take turns as often as they can
+        try:
+            for _ in range(20):
+                threads = [
+                    threading.Thread(target=read, args=(part,)) for part in ([0, 1, 2, 3], [4, 5, 6, 7])
+                ]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                for i in range(len(keys)):
+                    for name in tier.layout.names:
+                        assert torch.equal(tier.pool.views[i][name], want.views[i][name]), (keys[i], name)
+        finally:
+            sys.setswitchinterval(old)
+
+
+def test_a_deterministic_run_with_staging_counts_the_same_whatever_the_reads_take(ckpt):
+    # staged reads pin their keys while they run: a deterministic run waits for each before the next
+    # decision, so how long a read takes changes no count
+    import random
+
+    path = ckpt("mixtral")
+    counts = []
+    for seed in (1, 2, 3):
+        delays = random.Random(seed)
+        with engine_load(
+            path, TOP_K + 1, host_memory="60%", host_stage=2, prefetch="next-gate", deterministic=True
+        ) as model:
+            model.transport.stage_worker.fault = lambda t, chunk, attempt, d=delays: time.sleep(
+                d.choice([0, 0.01])
+            )
+            greedy(model, IDS)
+            stats = model.stats
+        assert stats["host_staged"] > 0 and not stats["varies_by"]
+        keys = ("misses", "host_misses", "host_evicted", "host_staged", "disk_reads")
+        counts.append({k: stats[k] for k in keys})
+    assert counts[0] == counts[1] == counts[2]

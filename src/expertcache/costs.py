@@ -238,6 +238,8 @@ class CostModel:
             + (f" + read {self.host_read_s * 1e3:g} ms" if self.host_read_s else "")
             + ("" if self.host_parallel else " (inline)")
             + (f" | dequant {self.dequant_s * 1e6:g} us" if self.dequant_s else "")
+            + (f" | disk read {self.disk_read_s * 1e3:g} ms" if self.disk_read_s else "")
+            + (f" | copy down {self.demote_s * 1e6:g} us" if self.demote_s else "")
         )
 
 

@@ -44,8 +44,31 @@ DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
 _SIGNED = re.compile(r"^-[0-9.]")  # a negative value with a unit: -5%, -1ms
 
 
+class _StoreOnce(argparse._StoreAction):
+    """An option that takes a value, given once: argparse would keep the last of two silently (``--policy
+    tlfu --policy lru`` ran lru), where other options of the same command repeat (``--miss``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            both = (
+                option_string
+                if given[self.dest] == option_string
+                else f"{given[self.dest]} and {option_string}"
+            )
+            parser.error(f"argument {both}: given twice: give it once")
+        given[self.dest] = option_string
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage problem as one line and exit code 2."""
+    """argparse that reports a usage problem as one line and exit code 2, and refuses an option that takes
+    one value given twice."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -736,6 +759,14 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             )
         plan = Plan.load(args.plan)
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
+        hosts = [
+            f for f in ("host_memory", "host_capacity", "host_policy", "host_exclusive") if getattr(args, f)
+        ]
+        if plan.host_capacity is not None and hosts:
+            raise ExpertcacheError(
+                f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave out "
+                f"--{hosts[0].replace('_', '-')}"
+            )
     options = {
         "data": args.predictor,
         "limit": args.prefetch_limit,
@@ -759,10 +790,16 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
     capacity = plan.capacity if plan is not None else _capacity(args, cost, trace)
     predictor_trace = load_trace(args.predictor) if args.predictor else None
-    host = _host_level(args)
+    if plan is not None and plan.host_capacity is not None:  # the plan's host level, at its capacity
+        from expertcache.config import HostConfig
+
+        host_capacity = plan.host_capacity
+        host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive, stage=args.host_stage)
+    else:
+        host, host_capacity = _host_level(args), args.host_capacity
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
-        predictor_trace=predictor_trace, host=host, host_capacity=args.host_capacity,
+        predictor_trace=predictor_trace, host=host, host_capacity=host_capacity,
     )  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -858,6 +895,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
     host = _host_level(args)
+    _note_free_reads(host, cost)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
@@ -922,6 +960,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     host = _host_level(args)
+    _note_free_reads(host, cost)
     hosts = {} if host is None else {"host": host, "host_capacity": args.host_capacity}
     if args.host_policy:
         hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
@@ -935,6 +974,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
+
+
+def _note_free_reads(host, cost) -> None:
+    """``plan`` and ``doctor``, as ``timing`` does: a host level whose misses cost no time."""
+    if host is not None and not cost.disk_read_s:
+        print(
+            "note: the cost model's disk_read_s is 0 (give --disk-time, or a profile of the disk tier): the "
+            "host level's misses cost no time",
+            file=sys.stderr,
+        )
 
 
 def _check_cost_flags(args: argparse.Namespace) -> None:

@@ -202,6 +202,7 @@ class Builder:
         slot_bytes = {name: p.slot_bytes() for name, p in self.parts.items()}
         self.budget = self._budget(expert_memory, cache)
         self.capacities = part_capacities(self.miss, self.budget, slot_bytes, self.top_k)
+        self.notes += self.miss.capacity_notes(self.capacities)
         primary = self.capacities[self.miss.parts()[0].name]
         self.capacity = sum(primary) if isinstance(primary, list) else primary  # keys of the primary part
         if self.capacity == 0 and self.budget > 0:
@@ -448,8 +449,10 @@ class Builder:
             )  # fmt: skip
             raise ExpertcacheError(
                 f"{what} need {format_bytes(need)} of host memory, more than this process may use "
-                f"({format_bytes(room[0])}: {room[1]}); give a smaller expert memory (--expert-memory)"
-                + (" or --slow-tier disk" if tier == "host" else "")
+                f"({format_bytes(room[0])}: {room[1]}); give a smaller "
+                + ("host cache (--host-memory) or " if self.host_capacity else "")
+                + "expert memory (--expert-memory)"
+                + (" or --slow-tier disk" if tier == "host" and not self.host_capacity else "")
             )
 
     def _targets(self, show: bool) -> dict[tuple[str, int | None], Target]:
@@ -532,7 +535,11 @@ class Builder:
                 f"host stage {host.stage} reads predicted experts early: give a predictor (--prefetch NAME)"
             )
         total, slot = self.num_layers * self.num_experts, self.layout.slot_bytes
-        memory = host.bytes_of(total * slot) // slot  # experts the memory holds
+        memory = host.bytes_of(total * slot) // slot  # experts the memory holds, all of them at most
+        if host.bytes_of(2 * total * slot) > total * slot:  # more than every expert: said, as timing says
+            self.notes.append(
+                f"a host level of {host.memory} is more than all {total} experts; capped at {total}"
+            )
         if memory < 1:
             raise ExpertcacheError(
                 f"host memory {host.memory} holds no expert of {format_bytes(slot)}; give at least that"

@@ -139,9 +139,9 @@ def calibrate(model, module) -> CostModel:
     if tier.name == "stack":
         disk_read = _median(lambda: tier.disk.host_views(next(keys)), cpu, 3)
         read = 0.0  # the host computes from the host level, or from a read the transfer makes anyway
-        if device.type == "cpu":  # an exclusive level's copy down: one expert's bytes in memory
-            down = SlotPool(layout, 1, cpu).buffer[0].view(torch.uint8).numpy()
-            demote = _median(lambda: copy_bytes(down, flat), cpu, 3)
+    if device.type == "cpu":  # an exclusive host level's copy down: one expert's bytes in memory
+        down = SlotPool(layout, 1, cpu).buffer[0].view(torch.uint8).numpy()
+        demote = _median(lambda: copy_bytes(down, flat), cpu, 3)
     # on a CPU the host is the device: one measurement serves both, so that two noisy timings of the same
     # work do not decide (at random) between computing in place and copying first
     ha, hb = fit_linear(host) if host else (a, b)

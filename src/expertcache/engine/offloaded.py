@@ -366,7 +366,7 @@ class OffloadedModel:
         level = getattr(self.cache.transport, "level", None)
         if level is not None:  # the host level (``cache.tiers``): replayed at its own capacity
             meta.update(host_capacity=level.policy.capacity, host_policy=self.host_config.policy,
-                        host_exclusive=level.exclusive)  # fmt: skip
+                        host_exclusive=level.exclusive, host_stage=level.stage_limit)  # fmt: skip
         return self.driver.recorder.trace(meta=meta)
 
     def save_trace(self, path: str | Path) -> None:

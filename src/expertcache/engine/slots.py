@@ -141,7 +141,13 @@ class SlotTransport:
         """Read a staged key from the disk into its host slot in the background (``cache.tiers``), on a
         thread of its own: the disk reads while the link moves other experts (MoE-Infinity's pipeline)."""
         slot = self.targets[(FULL, None)].source.slot_of[key]
-        return self.stage_worker.submit(key, slot, SPECULATIVE, STAGE_PART)
+        handle = self.stage_worker.submit(key, slot, SPECULATIVE, STAGE_PART)
+        if self.settle:  # deterministic: read before the next decision, whose pins it would change
+            try:
+                self.stage_worker.wait(handle)
+            except Exception:  # noqa: BLE001 (kept in the handle: its read failed, the next transfer reads)
+                pass
+        return handle
 
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
         """A change of the host level (``cache.tiers``): the whole experts' source's (``StackTier``). A

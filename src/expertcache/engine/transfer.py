@@ -62,9 +62,9 @@ class DiskTier:
         if drop:
             store.ckpt.forget_all()  # the dense weights are copied; the rest is read on demand
         self.store, self.layout = store, layout
-        self.staging = None
-        if device.type == "cuda":
-            self.staging = SlotPool(layout, 1, torch.device("cpu"), pin=True)
+        # CUDA: a pinned staging buffer per thread that copies (the transfer worker, a host level's staging
+        # worker): one shared by two threads gave one expert's rows to another
+        self.staging = threading.local() if device.type == "cuda" else None
         self._scratch: SlotPool | None = None
         self._lock = threading.Lock()
 
@@ -106,9 +106,13 @@ class DiskTier:
                 for name, start, stop, _ in chunk:
                     self.store.read_rows(key, name, start, stop, views[name])
             return
-        staged = self.staging.views[0]  # the worker waits for each copy before reusing the staging buffer
+        staged = getattr(self.staging, "views", None)  # this thread's: it waits for each copy out of it
+        if staged is None:  # before it reads into it again (``TransferWorker._copy``)
+            staged = self.staging.views = SlotPool(self.layout, 1, torch.device("cpu"), pin=True).views[0]
+        with self._lock:
+            for name, start, stop, _ in chunk:
+                self.store.read_rows(key, name, start, stop, staged[name])
         for name, start, stop, _ in chunk:
-            self.store.read_rows(key, name, start, stop, staged[name])
             views[name][start:stop].copy_(staged[name][start:stop], non_blocking=True)
 
 

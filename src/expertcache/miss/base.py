@@ -139,6 +139,11 @@ class MissPath:
         """Layers whose experts never enter the cache (always computed on the host)."""
         return frozenset()
 
+    def capacity_notes(self, capacities: dict[str, object]) -> list[str]:
+        """What the split of the memory (``capacities``'s result) changed of the options given: one line
+        each, for the user (a part smaller than asked for)."""
+        return []
+
     # -- the decisions ----------------------------------------------------------------------------
     def hit(self, layer: int) -> Route:
         """The route of an expert whose primary parts are all present (resident or moving in)."""

@@ -54,6 +54,7 @@ class Batch(MissPath):
         self, ctx: MissContext, *, buffer: int | None = None, fill: int = 1, split: str = "each"
     ) -> None:
         super().__init__(ctx)
+        self.buffer_given = buffer is not None
         if buffer is None:
             buffer = 2 * ctx.top_k  # a token's experts of one layer streaming, and the next's
         if not isinstance(buffer, int) or buffer < 1:
@@ -73,6 +74,15 @@ class Batch(MissPath):
         slots, k = budget // slot_bytes[FULL], self.ctx.top_k
         buffer = max(1, min(self.buffer, slots - k, slots // 4))
         return {STREAM: buffer, FULL: max(0, slots - buffer)}
+
+    def capacity_notes(self, capacities: dict[str, object]) -> list[str]:
+        got = capacities[STREAM]
+        if got >= self.buffer or not self.buffer_given:
+            return []
+        return [
+            f"batch: a stream buffer of {got} experts, not the {self.buffer} asked for (buffer=): at most a "
+            "quarter of the memory, and what the cache leaves over a layer's top-k"
+        ]
 
     def decide(
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()

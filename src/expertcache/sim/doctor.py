@@ -228,7 +228,11 @@ def _levels(
             out[name] = {"host_capacity": experts, "error": str(exc)}
             continue
         disk = float(r.cache["disk_read_s"])
-        busy = {"compute": r.total_s - r.stall_s, "link": r.link_busy_s - disk, "disk": disk}
+        busy = {
+            "compute": r.total_s - r.stall_s,
+            "link": r.link_busy_s - r.cache["link_read_s"],
+            "disk": disk,
+        }
         out[name] = {
             "host_capacity": experts,
             "tpot_s": r.tpot_s, "device_misses": r.misses, "host_misses": r.cache["host_misses"],

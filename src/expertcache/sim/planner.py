@@ -320,6 +320,7 @@ def make_plan(
             raise ExpertcacheError(
                 f"the engine's host level serves the fetch miss path, not {others[0]}: plan with --miss fetch"
             )
+        skipped += [f"{m}: the engine's host level serves the fetch miss path" for m in others]
         misses = [m for m in misses if parse_miss(m)[0] == "fetch"]
     misses = expand_misses(misses, trace.num_layers)
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
@@ -406,7 +407,9 @@ def make_plan(
             f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
         )  # fmt: skip
     key = f"{objective}_s"
-    best = min(candidates, key=lambda c: (_value(c[key]), c["misses"]))  # the first of equals
+    # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
+    # disk read time)
+    best = min(candidates, key=lambda c: (_value(c[key]), c["misses"], c.get("host_misses") or 0))
     hx = bool(best["host_exclusive"])
     best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"], exclusive=hx)
     host_capacity = host_caps.get(hx)
@@ -495,18 +498,23 @@ def format_plan(plan: Plan) -> str:
         if "same_as" in c:
             budgets += f" (as {c['same_as']})"
         if c.get("host_policy") is not None:
-            budgets += (
-                f"; host {c['host_policy']}: {c['host_misses']} misses, {c['disk_read_s']:.3f} s of reads"
-            )
+            kind = " exclusive" if c.get("host_exclusive") else ""
+            reads = f"{c['host_misses']} misses, {c['disk_read_s']:.3f} s of reads"
+            budgets += f"; host {c['host_policy']}{kind}: {reads}"
         rows.append(
             f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
             f"{ms(c['ttft_s']):>10}{c['misses']:>9}  {budgets}"
         )
     b = plan.lower_bound
-    rows.append(
-        f"  {'opt':10}{'fetch':20}{'none':12}{ms(b['tpot_s']):>10}{ms(b['ttft_s']):>10}{b['misses']:>9}  "
+    fetched = [c["misses"] for c in plan.candidates if c["miss"] == "fetch"]
+    what = (
         "shared: OPT's misses, a bound on fetching's (not on other paths' times)"
+        if not fetched or b["misses"] <= min(fetched)
+        else "shared: Belady's choice, serving a step's experts together: not a bound here (a batched "
+        "trace's steps need more than the layer's share at once)"
     )
+    times = f"{ms(b['tpot_s']):>10}{ms(b['ttft_s']):>10}"
+    rows.append(f"  {'opt':10}{'fetch':20}{'none':12}{times}{b['misses']:>9}  {what}")
     rows += notes
     rows += [f"left out: {line}" for line in plan.source.get("skipped", [])]
     rows.append(

@@ -176,10 +176,16 @@ def simulate_timing(
         profile=schedule.profile if _needs_profile(cache_cfg) else None,
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
-    level, notes = None, []
+    level, notes = None, [] if capacities else path.capacity_notes(caps)
     host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
     if host_level is not None:
-        host_cfg, host_capacity, notes = host_level
+        host_cfg, host_capacity, level_notes = host_level
+        notes += level_notes
+        if not host_cfg.exclusive and host_capacity <= capacity:
+            notes.append(
+                f"the host level ({host_capacity} experts) holds no more than the cache ({capacity}): "
+                "inclusive, it hits only experts the cache let go recently; give it more memory"
+            )
         if miss_cfg.name != "fetch":
             raise ExpertcacheError(
                 f"a host level serves the fetch miss path, as the engine's does; miss path {miss_cfg.name} "
@@ -311,6 +317,7 @@ def _level_counts(level, link: VirtualLink) -> dict[str, object]:
         "host_stage": level.stage_limit,
         "disk_reads": link.disk_reads,
         "disk_read_s": link.disk_busy_s,
+        "link_read_s": link.link_read_s,  # of those, the reads inside transfers (the link waits for them)
     }
 
 
@@ -399,7 +406,7 @@ def format_timing(result: TimingResult) -> str:
         f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)",
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "
-        f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s - pf.get('disk_read_s', 0.0):.3f} s, "
+        f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s - pf.get('link_read_s', 0.0):.3f} s, "
         f"{r.transfers} transfers",
         f"cache      {r.requests} requests | {r.hits} hits | {r.misses} misses "
         f"({r.misses / r.requests if r.requests else 0:.1%})",
@@ -409,7 +416,8 @@ def format_timing(result: TimingResult) -> str:
         more = "".join(
             f" | {word} {pf[key]}"
             for word, key in (("evicted", "host_evicted"), ("bypassed", "host_bypassed"),
-                              ("demoted", "host_demoted"), ("staged", "host_staged"))
+                              ("demoted", "host_demoted"), ("dropped", "host_dropped"),
+                              ("returned", "host_returned"), ("staged", "host_staged"))
             if pf[key]
         )  # fmt: skip
         lines.append(

@@ -86,6 +86,7 @@ class VirtualLink:
         self.leaving: set[Key] = set()  # left an exclusive host level for the device: read from host memory
         self.disk_reads = 0
         self.disk_busy_s = 0.0
+        self.link_read_s = 0.0  # the reads inside transfers' first chunks (in ``busy_s`` too)
         self.disk_free_at = 0.0  # end of the last staging read started (the disk's own timeline)
         self._disk_queue: deque[VTransfer] = deque()  # staging reads not started, in submission order
         self.reading: dict[Key, float] = {}  # key -> when its staging read ends
@@ -273,6 +274,7 @@ class VirtualLink:
                 self.unread.discard(key)
                 self.disk_reads += 1
                 self.disk_busy_s += self.read_s
+                self.link_read_s += self.read_s
                 seconds += self.read_s
         self.free_at = start + seconds
         self.busy_s += seconds

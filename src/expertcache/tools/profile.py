@@ -119,7 +119,7 @@ def profile(
     skip = ("chunk_bytes", "wake_s", "submit_s", "step_s", "host_read_s")
     if not cost.disk_read_s:  # measured on the disk tier (and with a host level) only
         skip += ("disk_read_s",)
-    if not cost.demote_s:  # measured with a host level on a CPU only
+    if not cost.demote_s:  # measured on a CPU only (a GPU copies down on a stream of its own)
         skip += ("demote_s",)
     fields = [f for f in cost.to_dict() if f not in skip]
     return {
