@@ -1,7 +1,7 @@
 """Three tiers on a CPU (issue 32): expert slots <- a host cache <- the checkpoint on disk, in a cgroup.
 
     PYTHONPATH=bench .venv/bin/python bench/tiers_cpu.py [--experts 43] [--limit 1.5GiB]
-        [--device-memory 0.25GiB] [--host-memory 0.75GiB] [--link 2GB/s] [--repeats 3]
+        [--device-memory 0.25GiB] [--host-memory 0.75GiB] [--link 2GB/s] [--repeats 3] [--exclusive]
 
 The generated Granite-shaped checkpoint of ``bench/memory_cpu.py`` (granitemoe: hidden 1024, 24 layers,
 top-8, intermediate 512, bf16, 3 MiB experts; ``--experts 43``: 3.0 GiB of experts), its routing replayed
@@ -11,6 +11,8 @@ from a seeded sticky-Zipf trace. Each run is a process of its own in a fresh mem
 - ``stack``: ``--device-memory`` of expert slots behind an emulated link (``--link``, standing for the
   device's), over ``--host-memory`` of host cache (LRU), over real reads of the checkpoint on disk;
 - ``two tiers``: the same slots and link over the disk alone (today's CPU engine, no host level);
+- ``stack, exclusive`` (``--exclusive``): the stack with the host level exclusive of the slots (a hit moves
+  up, the slots' victim is copied down; the same memory, less a reserve of top-k slots for hits in flight);
 
 alternating, ``--repeats`` times. Tokens are compared with plain transformers' (run once, outside the
 cgroup). The prediction: the timing model replays each run's recorded trace at its capacities, with a
@@ -68,7 +70,7 @@ def child(spec: dict) -> dict:
     m = expertcache.load(
         path, expert_memory=spec["device_memory"], device="cpu", prefetch="none", deterministic=True,
         link_bandwidth=spec["link"], link_latency=spec["latency"], host_memory=spec.get("host_memory"),
-        progress=False,
+        host_exclusive=spec.get("host_exclusive", False), progress=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     replay = replay_routing(m, trace)
@@ -77,7 +79,8 @@ def child(spec: dict) -> dict:
     m.save_trace(spec["out_trace"])
     keys = ("misses", "requests", "stall_s", "bytes_transferred", "capacity_experts", "host_requests",
             "host_hits", "host_misses", "host_capacity", "disk_reads", "disk_read_s", "host_memory_bytes",
-            "expert_memory_bytes", "memory")  # fmt: skip
+            "expert_memory_bytes", "memory", "host_exclusive", "host_demoted", "host_dropped",
+            "host_returned", "host_slot_waits", "host_slot_wait_s")  # fmt: skip
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return {
         "load_s": load_s, "ttft_s": g.ttft_s, "tpot_s": g.tpot_s, "tokens": g.tokens,
@@ -116,7 +119,8 @@ def measured_costs(path: Path, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def predict(trace_path: str, cost, host_exclusive: bool = False) -> dict:
+def predict(trace_path: str, cost, host_exclusive: bool | None = None) -> dict:
+    """The timing model's replay of a run's trace at its capacities; ``host_exclusive`` None: the run's."""
     from expertcache.config import HostConfig
     from expertcache.sim.timing import simulate_timing
     from expertcache.trace import load_trace
@@ -124,12 +128,21 @@ def predict(trace_path: str, cost, host_exclusive: bool = False) -> dict:
     tr = load_trace(trace_path)
     host = None
     if "host_capacity" in tr.meta:
-        host = HostConfig(None, tr.meta["host_policy"], exclusive=host_exclusive)
+        exclusive = bool(tr.meta.get("host_exclusive", False)) if host_exclusive is None else host_exclusive
+        host = HostConfig(None, tr.meta["host_policy"], exclusive=exclusive)
     r = simulate_timing(
         tr, tr.meta["capacity"], cache=tr.meta["policy"], capacities=json.loads(tr.meta["capacities"]),
         cost=cost, host=host, host_capacity=tr.meta.get("host_capacity"),
     )  # fmt: skip
-    keys = ("misses", "host_misses", "host_hits", "disk_reads", "disk_read_s", "host_demoted")
+    keys = (
+        "misses",
+        "host_misses",
+        "host_hits",
+        "disk_reads",
+        "disk_read_s",
+        "host_demoted",
+        "host_returned",
+    )
     return {"tpot_s": r.tpot_s, "ttft_s": r.ttft_s, "stall_s": r.stall_s, **{k: r.cache.get(k) for k in keys}}
 
 
@@ -152,6 +165,11 @@ def main() -> int:
         "the README's first command made, without the development extras (with hqq installed, "
         "transformers imports it with every model: 113 MiB more)",
     )  # fmt: skip
+    ap.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="a third configuration: the stack with an exclusive host level",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -188,6 +206,13 @@ def main() -> int:
             "threads": args.threads, "device_memory": args.device_memory, "link": args.link,
             "latency": args.latency}  # fmt: skip
     configs = {"stack": {"host_memory": args.host_memory}, "two tiers": {}}
+    if args.exclusive:  # the same host memory, exclusive of the slots (a reserve for its hits in flight)
+        configs["stack, exclusive"] = {"host_memory": args.host_memory, "host_exclusive": True}
+    # a page of a library is charged to the cgroup that first reads it, and stays charged after the run:
+    # the engine's interpreter imports what a run imports once outside the groups, as a machine running
+    # the engine has those pages cached already (else each run's peak is the limit, filled with them)
+    warm = "import torch, expertcache.engine.offloaded; from transformers import GraniteMoeForCausalLM"
+    subprocess.run([args.python, "-c", warm], check=True, capture_output=True)
     log("transformers' tokens (outside the cgroup) ...")
     evict(files)
     ref = run_child({**base, "kind": "transformers"}, None)
@@ -200,9 +225,10 @@ def main() -> int:
                 out_trace = str(work / f"{name.replace(' ', '-')}-{i}.npz")
                 r = run_child({**base, **spec, "kind": "engine", "out_trace": out_trace}, group, args.python)
                 if "failed" not in r:
-                    r["predicted"] = predict(out_trace, cost if name == "stack" else two)
+                    stack = name.startswith("stack")
+                    r["predicted"] = predict(out_trace, cost if stack else two)
                     r["measured_over_predicted"] = r["tpot_s"] / r["predicted"]["tpot_s"]
-                    if name == "stack":
+                    if stack:
                         r["predicted_exclusive"] = predict(out_trace, cost, host_exclusive=True)
                         # the disk's speed drifts (this VM's: 1.4 or 2.8 ms a read, from run to run): the
                         # model again with the mean read this run measured
@@ -246,9 +272,11 @@ def main() -> int:
                     ),
                     "disk_read_s_each": med(lambda r: r["disk_read_s"] / r["disk_reads"]),
                 }
-                if name == "stack"
+                if name.startswith("stack")
                 else {}
             ),
+            "host_misses": med(lambda r: r.get("host_misses") or 0),
+            "host_slot_waits": med(lambda r: r.get("host_slot_waits") or 0),
             "cgroup_peak_bytes": med(lambda r: r.get("cgroup_peak_bytes") or 0),
             "exact": all(r["tokens_match_transformers"] for r in ok),
             "runs": len(ok),

@@ -275,9 +275,11 @@ class StackTier:
     def ended(self, key: Key) -> None:
         """A transfer of ``key`` landed, failed or was dropped (the worker's call, on any thread): the
         slot it read as an exclusive hit is free again."""
-        slot = self.leaving.pop(key, None)
-        if slot is not None:
-            with self._ended:
+        if key not in self.leaving:
+            return
+        with self._ended:  # taken from ``leaving`` and given to ``_released`` at once, for ``_free_slot``
+            slot = self.leaving.pop(key, None)
+            if slot is not None:
                 self._released.append((key, slot))
                 self._ended.notify()
 
@@ -285,8 +287,10 @@ class StackTier:
         """Exclusive: ``key``'s transfer was dropped (``ended`` has its slot, which still holds it): it is
         the level's again, in that slot; ``left`` leaves to make room."""
         with self._ended:
-            at = max(i for i, (k, _) in enumerate(self._released) if k == key)
-            _, slot = self._released.pop(at)
+            at = [i for i, (k, _) in enumerate(self._released) if k == key]
+            if not at:  # its transfer had not ended: cannot be (a dropped transfer ends as it is dropped)
+                raise ExpertcacheError(f"expert {key} came back to the host level without its slot")
+            _, slot = self._released.pop(at[-1])
         self.slot_of[key] = slot
         if left is not None:
             self.free.append(self.slot_of.pop(left))

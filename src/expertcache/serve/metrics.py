@@ -110,6 +110,14 @@ class _CacheCollector:
                 ("misses", "host_misses", "the cache's transfers the host level read from the disk first"),
                 ("bypassed", "host_bypassed", "transfers read straight through (every host key pinned)"),
                 ("staged", "host_staged", "predicted experts read into the host level early"),
+                ("demoted", "host_demoted", "exclusive: the cache's victims copied down into the host level"),
+                (
+                    "returned",
+                    "host_returned",
+                    "exclusive: hits whose transfer was dropped, back in the level",
+                ),
+                ("dropped", "host_dropped", "exclusive: the cache's victims the host level had no room for"),
+                ("slot_waits", "host_slot_waits", "exclusive: decisions that waited for a hit's slot"),
                 ("disk_reads", "disk_reads", "experts read from the disk"),
                 ("disk_read_seconds", "disk_read_s", "time spent reading experts from the disk"),
             ):

@@ -18,8 +18,8 @@ The matrix is not a cross product: every family runs every exact miss path once,
 predictors and budgets rotate over those runs, so each family, online policy, predictor that needs no
 training run, budget (the policy's minimum, about half, all experts) and miss path appears at least
 once; a few further checks cover the other slow tier, a padded batch, the predictor thread, an emulated
-link, costs measured at load, a host level with staging (three tiers) and, on CUDA, bfloat16. ``quick``
-runs one path per family.
+link, costs measured at load, a host level with staging and an exclusive one (three tiers) and, on CUDA,
+bfloat16. ``quick`` runs one path per family.
 """
 
 from __future__ import annotations
@@ -310,6 +310,15 @@ def _further(device: torch.device) -> list[Case]:
             "mixtral", "lru", "min", prefetch="next-gate", options=(("host_memory", "50%"), ("host_stage", 2))
         ),
         Case("qwen3_moe", "llru", "half", options=(("host_memory", "40%"), ("host_policy", "lfu"))),
+        # an exclusive host level: hits' slots read while victims are copied down (a stream of its own on
+        # CUDA, whose event the transfer into the slot waits for), over a slow link with prefetching
+        Case(
+            "mixtral",
+            "lru",
+            "min",
+            prefetch="next-gate",
+            options=(("host_memory", "50%"), ("host_exclusive", True), ("link_bandwidth", "50MB/s")),
+        ),  # fmt: skip
     ]
     if device.type == "cuda":  # bf16: tokens equal
         cases += [Case(f, "lru", "min", prefetch="next-gate", dtype="bfloat16") for f in FAMILIES]
