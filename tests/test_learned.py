@@ -337,7 +337,8 @@ class TestCli:
         monkeypatch.setattr(tp, "capture", no_capture)
         (tmp_path / "file").write_text("")
         extra = [a.format(file=tmp_path / "file") for a in extra]
-        argv = ["train-predictor", "--model", str(tiny), "--out", str(tmp_path / "o"), *extra]
+        given = {"--model": str(tiny), "--out": str(tmp_path / "o")}  # an option is given once: extra's wins
+        argv = ["train-predictor", *[a for k, v in given.items() if k not in extra for a in (k, v)], *extra]
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's own errors

@@ -176,8 +176,9 @@ def test_default_plan_covers_every_family_policy_predictor_budget_and_exact_path
         assert {c.miss for c in cases if c.family == family} == set(st.MISSES)
     # linear in the families (each: the plain path and every miss path), not the cross product of
     # families, policies, predictors and budgets
-    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 12
+    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 13
     assert any(dict(c.options).get("host_stage") for c in cases)  # three tiers, staging included
+    assert any(dict(c.options).get("host_exclusive") for c in cases)  # and an exclusive host level
     bf16 = [c for c in cases if c.dtype == "bfloat16"]
     assert ({c.family for c in bf16} == set(FAMILIES)) is (device.type == "cuda")
 

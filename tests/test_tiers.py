@@ -124,6 +124,15 @@ def test_timing_counts_levels_and_exclusive_holds_more_distinct_experts():
         assert c["disk_reads"] == c["host_misses"] and c["host_capacity"] == 60
     assert exclusive.cache["host_misses"] < inclusive.cache["host_misses"]
     assert exclusive.cache["host_demoted"] > 0 and inclusive.cache["host_demoted"] == 0
+    from expertcache.costs import CostModel
+
+    copying = simulate_timing(
+        tr, 24, cost=CostModel(demote_s=1e-3), host=HostConfig(None, exclusive=True), host_capacity=60
+    )  # each copy down is the compute thread's (a CPU's): a millisecond each, on the clock (while
+    # transfers submitted before it move: a layer's first misses are on the link as its later ones come down)
+    demoted = exclusive.cache["host_demoted"]
+    assert exclusive.total_s + 0.5e-3 * demoted < copying.total_s <= exclusive.total_s + 1e-3 * demoted + 1e-9
+    assert copying.cache["host_misses"] == exclusive.cache["host_misses"]
     none = simulate_timing(tr, 24)
     assert "host_requests" not in none.cache and none.misses == inclusive.misses  # the device's unchanged
 
@@ -327,6 +336,11 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["generate", "--prompt", "hi", "--host-exclusive"], "--host-exclusive needs --host-memory"),
         (["plan", "--capacity", "24", "--host-capacity", "60", "--host-exclusive"], "unrecognized arguments"),
         (["plan", "--capacity", "24", "--policy", "tlfu", "--policy", "lru"], "--policy: given twice"),
+        (["timing", "--demote-time", "1ms"], "--demote-time needs --host-memory or --host-capacity"),
+        (
+            ["timing", "--capacity", "24", "--host-capacity", "60", "--demote-time", "1ms"],
+            "give --host-exclusive",
+        ),
         (
             [
                 "plan",

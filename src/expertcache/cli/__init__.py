@@ -732,7 +732,14 @@ _TIMING_COST_FLAGS = (
     (
         "--disk-time",
         "TIME",
-        "with --host-memory: reading one expert from the disk, a host-level miss (default 0)",
+        "with --host-memory or --host-capacity: reading one expert from the disk, a host-level miss "
+        "(default 0)",
+    ),
+    (
+        "--demote-time",
+        "TIME",
+        "with an exclusive host level: the compute thread's copy of the cache's victim down into it (a "
+        "CPU's; default 0)",
     ),
 )
 
@@ -797,6 +804,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive, stage=args.host_stage)
     else:
         host, host_capacity = _host_level(args), args.host_capacity
+    if args.demote_time and not (host is not None and host.exclusive):
+        raise ExpertcacheError("--demote-time is an exclusive host level's cost: give --host-exclusive")
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
         predictor_trace=predictor_trace, host=host, host_capacity=host_capacity,
@@ -840,6 +849,7 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
         "submit_s": args.issue_time,
         "dequant_s": args.dequant_time,
         "disk_read_s": getattr(args, "disk_time", None),
+        "demote_s": getattr(args, "demote_time", None),
     }
     base = CostModel.load(args.cost) if args.cost else base
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
@@ -1065,7 +1075,7 @@ def _host_level(args: argparse.Namespace):
 
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
-        for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time"):
+        for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time", "demote_time"):
             if getattr(args, flag):
                 raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
         return None
