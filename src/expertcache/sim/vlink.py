@@ -135,8 +135,8 @@ class VirtualLink:
         if handle.done_at is not None or (handle is self.current and self.free_at > self.now):
             return False  # complete, or one of its chunks is on the link right now
         handle.cancelled = True
-        if handle.moved == 0:  # an exclusive hit that never left host memory: it is in neither level now
-            self.leaving.discard(handle.key)
+        if handle.moved == 0:  # an exclusive hit whose move up never started: it comes back into the host
+            self.leaving.discard(handle.key)  # level (``host_back``) or is lost, and is read as such
         return True
 
     def promote(self, handle: VTransfer) -> None:
