@@ -114,6 +114,15 @@ class Plan:
         slots = self.host_capacity + (exclusive_reserve(self.top_k) if self.host_exclusive else 0)
         return HostConfig(slots * int(slot_bytes), self.host_policy, exclusive=self.host_exclusive)
 
+    def refuse_host(self, given: list[str]) -> None:
+        """One clear error where a host level's options (``given``, as the user named them) come beside a
+        plan that sets its own host level."""
+        if self.host_capacity is not None and given:
+            raise ExpertcacheError(
+                f"the plan sets a host level ({self.host_policy}, {self.host_capacity} experts); leave out "
+                f"{given[0]}"
+            )
+
     def miss_config(self) -> MissConfig:
         return MissConfig(self.miss)
 

@@ -766,14 +766,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             )
         plan = Plan.load(args.plan)
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
-        hosts = [
-            f for f in ("host_memory", "host_capacity", "host_policy", "host_exclusive") if getattr(args, f)
-        ]
-        if plan.host_capacity is not None and hosts:
-            raise ExpertcacheError(
-                f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave out "
-                f"--{hosts[0].replace('_', '-')}"
-            )
+        plan.refuse_host(_given(args, "host_memory", "host_capacity", "host_policy", "host_exclusive"))
     options = {
         "data": args.predictor,
         "limit": args.prefetch_limit,
@@ -984,6 +977,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
+
+
+def _given(args: argparse.Namespace, *dests: str) -> list[str]:
+    """The options of ``dests`` the command line gave, as flags (``--host-memory``)."""
+    return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d)]
 
 
 def _note_free_reads(host, cost) -> None:

@@ -18,6 +18,7 @@ from expertcache.units import format_bytes
 
 PREFETCH_WHEN = ("always", "pays")  # config.WHEN, without importing it at start-up (a test keeps them equal)
 
+HOST_FLAGS = ("host_memory", "host_policy", "host_stage", "host_exclusive")  # a host level's options
 SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not imported: no torch before checks)
 # engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
 KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled", "packed"]
@@ -238,20 +239,13 @@ def load_model(args, record: bool = True):
             )
         plan = Plan.load(args.plan)
         cache, miss, prefetch = plan.cache_config(), plan.miss_config(), plan.prefetch_config(**options)
-        hosts = [
-            f for f in ("host_memory", "host_policy", "host_stage", "host_exclusive") if getattr(args, f)
-        ]
-        if plan.host_capacity is not None and hosts:
-            raise ExpertcacheError(
-                f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave out "
-                f"--{hosts[0].replace('_', '-')}"
-            )
+        plan.refuse_host([f"--{f.replace('_', '-')}" for f in HOST_FLAGS if getattr(args, f)])
     else:
         cache = CacheConfig(args.policy or "lru", profile=args.profile)
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
-    for flag in ("host_policy", "host_stage", "host_exclusive"):
+    for flag in HOST_FLAGS[1:]:
         if getattr(args, flag) and args.host_memory is None:
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} needs --host-memory (the host cache it rules)"

@@ -211,11 +211,7 @@ class Builder:
                 f"({format_bytes(self.budget)}) holds none and is not used"
             )
         if plan is not None and plan.host_capacity is not None:  # its host level, in this model's slots
-            if host is not None:
-                raise ExpertcacheError(
-                    f"the plan sets a host level ({plan.host_policy}, {plan.host_capacity} experts); leave "
-                    "out --host-memory (in Python, host_memory)"
-                )
+            plan.refuse_host(["--host-memory (in Python, host_memory)"] if host is not None else [])
             host = plan.host_config(self.layout.slot_bytes)
         self.host_reserve = 0  # an exclusive host level's slots beyond its capacity (``cache.tiers``)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
