@@ -34,13 +34,13 @@ def test_every_record_is_complete(family):
     rec = RECORDS[family]
     assert rec.name == family  # the key is config.json's model_type
     assert rec.block and rec.router
-    assert {"gate_up_proj", "down_proj"} <= set(rec.sources)
+    first = {"gate_up_proj", "up_proj"} & set(rec.sources)  # up alone: experts without a gate (Nemotron-H)
+    assert "down_proj" in rec.sources and len(first) == 1
     for sources in rec.sources.values():
         assert sources and all("{block}" in s.key and (s.fused or "{e}" in s.key) for s in sources)
     keys = rec.expert_keys("model.layers.1", 3)
-    assert all(
-        k.startswith(f"model.layers.1.{rec.block}.") and "{" not in k for ks in keys.values() for k, _ in ks
-    )
+    block = f"{rec.root}layers.1.{rec.block}."  # the checkpoint's names (Nemotron-H's: backbone.)
+    assert all(k.startswith(block) and "{" not in k for ks in keys.values() for k, _ in ks)
     assert all(old and new and old != new for old, new in rec.renames)
     config = rec.config(
         Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=rec.tiny.layers)
@@ -77,3 +77,83 @@ def test_every_family_runs_from_its_record_with_next_gate_at_the_minimum_budget(
         stats = model.stats
     assert_exact(got, want)
     assert stats["prefetch_issued"] > 0
+
+
+# -- what some families need beyond a record's names -------------------------------------------------------
+def _every_kernel(path, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine on a CPU in each kernel at ``capacity`` experts: eager and grouped bit-exact against
+    transformers' eager and grouped_mm, the compiled kernel (not bit-equal to any) with the grouped
+    kernel's tokens; returns the grouped_mm reference run."""
+    from expertcache.engine.loader import load_reference
+
+    runs = {}
+    for kernel, experts in (("eager", "eager"), ("grouped", "grouped_mm")):
+        runs[kernel] = greedy(load_reference(path, experts=experts), IDS)
+        with engine_load(path, capacity, "lru", kernel=kernel, device="cpu") as model:
+            assert_exact(greedy(model, IDS), runs[kernel])
+    with engine_load(path, capacity, "lru", kernel="compiled", device="cpu") as model:
+        assert greedy(model, IDS)[0].tolist() == runs["grouped"][0].tolist()
+    return runs["grouped"]
+
+
+def test_a_familys_own_gate_is_applied_by_every_kernel(make_ckpt, tmp_path):
+    """Hunyuan-V4 clamps its experts' gate and up products (``swiglu_limit``, its ``_apply_gate``): with a
+    limit small enough to bite, every kernel gives transformers' output, which differs from the unclamped
+    model's."""
+    from expertcache.engine.loader import load_reference
+
+    src = make_ckpt("hy_v4")
+    tight = engine_fixtures.with_config(src, tmp_path / "tight", swiglu_limit=0.02)
+    want = _every_kernel(tight, moe_layers("hy_v4") * TOP_K)
+    assert not torch.equal(want[1], greedy(load_reference(src, experts="grouped_mm"), IDS)[1])
+
+
+def test_experts_without_a_gate_run_in_every_kernel_and_are_refused_packed_in_one_line(ckpt, tmp_path, capsys):
+    """Nemotron-H's experts are ``down(relu2(up x))``, no gate: exact in each kernel; packing them (the
+    packed and low-precision formats hold a gate projection) is refused before any work."""
+    from expertcache.cli import main
+
+    path = ckpt("nemotron_h")
+    _every_kernel(path, moe_layers("nemotron_h") * TOP_K)
+    capsys.readouterr()  # transformers' progress bars
+    for extra in (["--checkpoint", str(tmp_path / "q")], ["--out", str(tmp_path / "copies")]):
+        assert main(["quantize", str(path), "--bits", "8", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "need a gate projection" in err and "up_proj" in err and "\n" not in err
+    assert not (tmp_path / "q").exists() and not (tmp_path / "copies").exists()
+
+
+def _rewrite(src, dst, change):
+    """A copy of checkpoint ``src`` at ``dst`` whose tensors ``change(dict)`` edits in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        change(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_dense_tensors_kept_in_pieces_are_checked_in_one_line(make_ckpt, tmp_path):
+    """Bailing's linear attention stores three convolutions that transformers joins (a missing one: the
+    joined tensor is named as lacking); Lara's stores one projection that transformers cuts in four (rows
+    that do not add up: named with both counts)."""
+    from expertcache.engine import load
+    from expertcache.errors import ExpertcacheError
+
+    def drop_k(t):
+        del t["model.layers.0.attention.k_conv1d.weight"]
+
+    def shorten(t):
+        key = "model.layers.0.linear_attn.in_proj.weight"
+        t[key] = t[key][:-1].clone()
+
+    bailing = _rewrite(make_ckpt("bailing_hybrid"), tmp_path / "bailing", drop_k)
+    with pytest.raises(ExpertcacheError, match=r"lacks tensor model\.layers\.0\.self_attn\.conv1d\.weight"):
+        load(bailing, progress=False)
+    lara = _rewrite(make_ckpt("lara_mini"), tmp_path / "lara", shorten)
+    with pytest.raises(ExpertcacheError, match=r"in_proj\.weight has \d+ rows, not the \d+ of .*in_proj_qkv"):
+        load(lara, progress=False)

@@ -27,6 +27,7 @@ import torch
 
 from expertcache.cache.transfers import SPECULATIVE
 from expertcache.costs import AUTO_CHUNKS, READ_TIERS, CostModel, fit_linear
+from expertcache.engine.kernels import first_matrix
 from expertcache.engine.memory import SlotPool
 from expertcache.engine.parts import expert_output
 from expertcache.engine.store import copy_bytes
@@ -100,7 +101,7 @@ def calibrate(model, module) -> CostModel:
     plan = layout.chunks(model.chunk_bytes)
     packed = getattr(model, "packed", None)  # a packed checkpoint: its slots are bytes; the shapes its own
     shapes = packed.shapes if packed is not None else dict(zip(layout.names, layout.shapes, strict=True))
-    hidden = shapes["gate_up_proj"][-1 if not module.is_transposed else 0]
+    hidden = shapes[first_matrix(module)][-1 if not module.is_transposed else 0]
 
     # a different expert each time, as misses are: one 3 MiB expert of a Granite-shaped model read from
     # the disk again and again took 4.8, 3.1-3.4, then 2.5-2.6 ms here, distinct ones 2.4-2.6 ms

@@ -8,8 +8,8 @@ slot tensor of one expert, which checkpoint tensors fill it (rows concatenated i
 non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
 router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
 the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; every field
-but ``renames``, ``router_inputs``, ``router_batched`` and ``dense_first`` is required, so a forgotten
-one fails at import.
+but ``renames``, ``pieces``, ``root``, ``router_inputs``, ``router_batched`` and ``dense_first`` is
+required, so a forgotten one fails at import.
 """
 
 from __future__ import annotations
@@ -26,6 +26,22 @@ class Source:
 
     key: str
     fused: bool = False  # the tensor holds every expert along dim 0: read row e only
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A dense tensor kept whole on one side and in pieces along dim 0 on the other, named by key suffixes
+    (after ``renames``): ``stored="pieces"``, the checkpoint holds ``pieces`` and the model ``whole``
+    (Bailing's ``q/k/v_conv1d`` joined into ``conv1d``); ``stored="whole"``, the checkpoint holds ``whole``
+    and the model ``pieces``, cut to the model's sizes (Lara's fused ``in_proj``)."""
+
+    whole: str
+    pieces: tuple[str, ...]
+    stored: str = "pieces"
+
+    def __post_init__(self) -> None:
+        if self.stored not in ("pieces", "whole"):
+            raise ValueError(f"Pieces.stored must be 'pieces' or 'whole', not {self.stored!r}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,8 @@ class Family:
     block: str  # the MoE block's name in the checkpoint under model.layers.{l}
     sources: dict[str, tuple[Source, ...]]  # slot tensor name (the Experts parameter) -> its sources
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> model substring (non-expert keys)
+    pieces: tuple[Pieces, ...] = ()  # dense tensors stored in pieces, or whole where the model has pieces
+    root: str = "model."  # the checkpoint's name for the model's ``model.`` (Nemotron-H's ``backbone.``)
     router: str  # the MoE block's attribute (transformers 5.x module) that holds its router
     # block attributes the router takes after the hidden states; such a router is called as its block
     # calls it, with hidden states [1, T, H] (AFMoE's takes the block's expert_bias)
@@ -74,6 +92,8 @@ class Family:
 
     def expert_keys(self, prefix: str, expert: int) -> dict[str, list[tuple[str, bool]]]:
         """Checkpoint keys of one expert, per slot tensor; ``prefix`` is ``model.layers.{l}``."""
+        if prefix.startswith("model."):
+            prefix = self.root + prefix.removeprefix("model.")
         block = f"{prefix}.{self.block}"
         return {
             name: [(s.key.format(block=block, e=expert), s.fused) for s in srcs]
@@ -81,6 +101,8 @@ class Family:
         }
 
     def rename(self, key: str) -> str:
+        if key.startswith(self.root):
+            key = "model." + key.removeprefix(self.root)
         for old, new in self.renames:
             key = key.replace(old, new)
         return key
@@ -340,6 +362,116 @@ def _axk1(s: Shape) -> dict[str, object]:
     return {**_deepseek_v3(s), "q_lora_rank": max(8, s.hidden // 4), "mlp_layer_types": None}
 
 
+def _granitemoehybrid(s: Shape) -> dict[str, object]:
+    """Mamba-2 and attention layers alternate (Mamba first), each with MoE experts and a shared MLP."""
+    return {
+        **_granitemoeshared(s),
+        "layer_types": ["mamba" if i % 2 == 0 else "attention" for i in range(s.layers)],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 2 * s.hidden // 8,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+    }
+
+
+def _bailing_hybrid(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3's MoE (MLA in the full-attention layers); with a dense first layer, linear-attention
+    and full-attention layers alternate (``layer_group_size`` 2), small heads."""
+    args = {k: v for k, v in _deepseek_v3(s).items() if k != "n_routed_experts"}
+    return {**args, "num_local_experts": s.experts, "head_dim": s.head_dim, "layer_group_size": 2,
+            "layer_types": None, "mlp_layer_types": None}  # fmt: skip
+
+
+def _kimi_linear(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3's MoE (MLA in the full-attention layers), Kimi Delta Attention in the others; a dense
+    first layer; small linear-attention heads."""
+    args = {k: v for k, v in _deepseek_v3(s).items() if k != "n_routed_experts"}
+    dense = _DEEPSEEK_DENSE_FIRST
+    return {
+        **args,
+        "num_local_experts": s.experts,
+        "linear_head_dim": s.head_dim,
+        "linear_num_heads": s.heads,
+        "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
+        "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(s.layers)],
+    }
+
+
+def _lara_mini(s: Shape) -> dict[str, object]:
+    """Qwen3-Next's shape: Gated-DeltaNet linear attention beside (sliding) attention layers."""
+    return {**_qwen3_next(s), "layer_types": None}
+
+
+def _dense_then(s: Shape, dense: str, moe: str) -> list[str]:
+    """``mlp_layer_types`` of a dense first layer (``_DEEPSEEK_DENSE_FIRST``), then MoE ones."""
+    return [dense] * _DEEPSEEK_DENSE_FIRST + [moe] * (s.layers - _DEEPSEEK_DENSE_FIRST)
+
+
+def _axk2(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3.2's shape (MLA, the sparse-attention indexer keeping every key of a short prompt); a
+    dense first layer."""
+    return {
+        **_deepseek_v32(s),
+        "head_dim": s.head_dim,
+        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+    }
+
+
+def _beam(s: Shape) -> dict[str, object]:
+    """A dense first layer (transformers' default: three), grouped routing in one group; its experts'
+    own gate (``_apply_gate``: the SiLU product in float32)."""
+    return {
+        **_qwen3_moe(s),
+        "intermediate_size": 2 * s.intermediate,
+        "n_group": 1,
+        "topk_group": 1,
+        "layer_types": None,
+        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+    }
+
+
+def _hy_v4(s: Shape) -> dict[str, object]:
+    """DeepSeek-V3.2's attention and routing with hyper-connections; a dense first layer (transformers'
+    default), one shared expert; its experts clamp the gate and up products (``swiglu_limit``)."""
+    return {
+        **_deepseek_v32(s),
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "indexer_types": None,
+    }
+
+
+_NEMOTRON_FIRST = ("mamba", "attention")  # the tiny model's layers before its MoE ones
+
+
+def _nemotron_h(s: Shape) -> dict[str, object]:
+    """A Mamba-2 layer and an attention layer, then MoE ones (each of transformers' blocks holds one mixer:
+    Mamba, attention, an MLP or the MoE); its experts have no gate (``relu2(up x)``), one shared expert."""
+    return {
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.intermediate,
+        "moe_shared_expert_intermediate_size": s.intermediate,
+        "intermediate_size": 2 * s.intermediate,
+        "n_group": 1,
+        "topk_group": 1,
+        "head_dim": s.head_dim,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 2 * s.hidden // 8,
+        "ssm_state_size": 16,
+        "chunk_size": 16,
+        "n_groups": 1,
+        "layers_block_type": [*_NEMOTRON_FIRST, *["moe"] * (s.layers - len(_NEMOTRON_FIRST))],
+    }
+
+
+# the fused experts transformers 5 saves as they are: ``experts.gate_up_proj [E, 2F, H]``, ``down_proj``
+_FUSED_EXPERTS = {
+    name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
+}
+# linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear)
+_CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
+
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
@@ -471,9 +603,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "granitemoe_swa": Family(
         name="granitemoe_swa",
         block="block_sparse_moe",
-        sources={
-            name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
-        },
+        sources=_FUSED_EXPERTS,
         router="router",
         config=_local_experts,
         tiny=Tiny(layers=2, experts=6),
@@ -529,6 +659,94 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         **_DEEPSEEK,
         renames=((".post_mlp_layernorm.", ".mlp.post_mlp_layernorm."),),
         config=_axk1,
+    ),
+    "granitemoehybrid": Family(
+        name="granitemoehybrid",
+        **_GRANITE,
+        config=_granitemoehybrid,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "bailing_hybrid": Family(
+        name="bailing_hybrid",
+        **_DEEPSEEK,
+        renames=(
+            ("model.word_embeddings.", "model.embed_tokens."),
+            (".attention.", ".self_attn."),
+            ("self_attn.f_proj.", "self_attn.forget_gate.f_proj."),
+            ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
+            ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+            (".self_attn.dense.", ".self_attn.o_proj."),
+            (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
+        ),
+        pieces=(_CONV_QKV,),
+        config=_bailing_hybrid,
+    ),
+    "kimi_linear": Family(
+        name="kimi_linear",
+        **dict(_DEEPSEEK, block="block_sparse_moe", sources=_per_expert("w1", "w3", "w2")),
+        renames=(
+            ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
+            ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
+            ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
+            ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+            (".block_sparse_moe.", ".mlp."),
+        ),
+        pieces=(_CONV_QKV,),
+        config=_kimi_linear,
+    ),
+    "lara_mini": Family(
+        name="lara_mini",
+        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        renames=(("linear_attn.out_norm.", "linear_attn.norm."),),
+        pieces=(
+            Pieces(
+                "linear_attn.in_proj.weight",
+                tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                stored="whole",
+            ),
+        ),
+        config=_lara_mini,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "axk2": Family(
+        name="axk2",
+        **_DEEPSEEK,
+        renames=(
+            ("W_down", "mlp.fc1"),
+            ("W_up", "mlp.fc2"),
+            ("self_attn.q_b_proj.", "self_attn.q_gate_proj."),
+        ),
+        config=_axk2,
+    ),
+    "beam": Family(name="beam", **_DEEPSEEK, config=_beam),
+    "hy_v4": Family(
+        name="hy_v4",
+        **dict(_DEEPSEEK, sources=_FUSED_EXPERTS),
+        renames=(
+            (".hc_pre.hc_", ".hc_"),
+            (".learnable_sink_param", ".sinks"),
+            (".linear_gate", ".gate_proj"),
+            *(
+                (f".hc_{a}_layer.hc_{p}", f".{b}_hc.{p}")
+                for a, b in (("attn", "attn"), ("mlp", "ffn"))
+                for p in ("fn", "base", "scale")
+            ),
+            *((f".hc_head_{p}", f".hc_{p}") for p in ("fn", "base", "scale")),
+        ),  # fmt: skip
+        config=_hy_v4,
+    ),
+    "nemotron_h": Family(
+        name="nemotron_h",
+        block="mixer",
+        sources={
+            "up_proj": (Source("{block}.experts.{e}.up_proj.weight"),),
+            "down_proj": (Source("{block}.experts.{e}.down_proj.weight"),),
+        },
+        root="backbone.",
+        router="gate",
+        config=_nemotron_h,
+        dense_first=len(_NEMOTRON_FIRST),
+        tiny=Tiny(layers=4, experts=6),
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }

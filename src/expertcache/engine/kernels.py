@@ -93,7 +93,7 @@ def _auto_refuses_grouped(device: torch.device) -> str | None:
 
 
 def default_kernel(device: str | torch.device = "cpu") -> Kernel:
-    """The kernel ``auto`` takes on ``device`` (for a model whose experts have a gate projection)."""
+    """The kernel ``auto`` takes on ``device``."""
     return KERNELS["eager" if _auto_refuses_grouped(torch.device(device)) else "grouped"]
 
 
@@ -108,6 +108,17 @@ def _unaligned(layout) -> str | None:
     return None
 
 
+def first_matrix(module: torch.nn.Module) -> str:
+    """An expert's first projection: ``gate_up_proj``, or ``up_proj`` where it has no gate (Nemotron-H)."""
+    return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+
+
+def gate(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The first projection's output through the gate, as transformers' experts functions apply it: the
+    family's ``_apply_gate`` (``act(gate) * up`` by default), or the activation alone without a gate."""
+    return module._apply_gate(h) if getattr(module, "has_gate", True) else module.act_fn(h)
+
+
 def resolve_kernel(
     name: str | None, device: torch.device, module: torch.nn.Module, layout=None
 ) -> tuple[Kernel, str | None]:
@@ -117,8 +128,6 @@ def resolve_kernel(
     why = grouped_available(device)
     if why is None and layout is not None:
         why = _unaligned(layout)
-    if why is None and not getattr(module, "has_gate", True):
-        why = f"{type(module).__name__} has no gate projection"
     if why is None and getattr(module, "has_post_expert_norm", False):
         why = f"{type(module).__name__} normalises each expert's output"
     if name in (None, AUTO_KERNEL):
@@ -209,7 +218,7 @@ def grouped_rows(
     x = hidden[perm // K]
     w = top_k_weights.reshape(-1)[perm]
     transposed = module.is_transposed
-    gate_up, down = t["gate_up_proj"], t["down_proj"]
+    gate_up, down = t[first_matrix(module)], t["down_proj"]
     weight = gate_up if transposed else gate_up.transpose(-2, -1)
     if ids_g.device.type == "cpu":  # the groups that hold rows, as grouped_mm's CPU kernel runs each
         slots, counts = torch.unique_consecutive(ids_g, return_counts=True)
@@ -223,7 +232,7 @@ def grouped_rows(
     at = ids_g.clamp(max=S - 1) if module.has_bias else None
     if at is not None:
         h.add_(t["gate_up_proj_bias"][at])
-    h = module._apply_gate(h)
+    h = gate(module, h)
     out = mm(h, down if transposed else down.transpose(-2, -1))
     if at is not None:
         out.add_(t["down_proj_bias"][at])
@@ -248,7 +257,7 @@ def decode_rows(
     t = pool.tensors
     x = hidden if hidden.is_contiguous() and hidden.data_ptr() % 64 == 0 else hidden.clone()
     transposed = module.is_transposed
-    gate_up, down = t["gate_up_proj"], t["down_proj"]
+    gate_up, down = t[first_matrix(module)], t["down_proj"]
     weight = gate_up if transposed else gate_up.transpose(-2, -1)
     K = len(slots)
     x = x.to(weight.dtype)
@@ -258,7 +267,7 @@ def decode_rows(
     at = torch.tensor(slots) if module.has_bias else None
     if at is not None:
         h.add_(t["gate_up_proj_bias"][at])
-    h = module._apply_gate(h)
+    h = gate(module, h)
     weight = down if transposed else down.transpose(-2, -1)
     out = h.new_empty(K, weight.shape[-1])
     for k, slot in enumerate(slots):
@@ -297,10 +306,10 @@ def compiled_rows(
 
     t = pool.tensors
     at = torch.from_numpy(ids) if module.has_bias else None
-    h = project("gate_up_proj", hidden.reshape(1, -1))
+    h = project(first_matrix(module), hidden.reshape(1, -1))
     if at is not None:
         h.add_(t["gate_up_proj_bias"][at])
-    h = module._apply_gate(h)
+    h = gate(module, h)
     out = project("down_proj", h)
     if at is not None:
         out.add_(t["down_proj_bias"][at])

@@ -156,9 +156,19 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
 
 
+def _swap_suffix(name: str, old: str, new: str) -> str | None:
+    """``name`` with its dotted suffix ``old`` replaced by ``new``; None if it does not end so."""
+    if name == old:
+        return new
+    if name.endswith("." + old):
+        return name[: -len(old)] + new
+    return None
+
+
 def _is_experts(module: torch.nn.Module) -> bool:
     """A transformers ``...Experts`` module (decorated with ``use_experts_implementation``)."""
-    return hasattr(module, "has_gate") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"  # Nemotron-H's: up only
+    return hasattr(module, "has_gate") and isinstance(getattr(module, first, None), torch.Tensor)
 
 
 def _load_dense(
@@ -176,12 +186,32 @@ def _load_dense(
     # each tensor's dtype in the model: ``dtype``, but float32 for what the class keeps so (DeepSeek-V3's
     # router: ``_keep_in_fp32_modules_strict``), as transformers loads it
     expected = {name: t.dtype for name, t in model.state_dict().items()}
+    expected_shape = {name: t.shape for name, t in model.state_dict().items()}
     names = {}  # checkpoint key -> parameter name; the rest (rotary tables of old checkpoints) is dropped
+    joins: dict[str, list[str | None]] = {}  # parameter stored in pieces -> its pieces' checkpoint keys
+    splits: dict[str, list[str]] = {}  # checkpoint key stored whole -> the parameters it is cut into
     for key in ckpt:
+        if key in skip:
+            continue
         name = family.rename(dense_name(packed, key))  # compressed-tensors' X.weight_packed: X.weight
-        if key not in skip and name in expected:
+        if name in expected:
             names[key] = name
-    keys = list(names)
+            continue
+        for pc in family.pieces:
+            if pc.stored == "pieces":
+                for i, piece in enumerate(pc.pieces):
+                    whole = _swap_suffix(name, piece, pc.whole)
+                    if whole in expected:
+                        joins.setdefault(whole, [None] * len(pc.pieces))[i] = key
+            elif (parts := [_swap_suffix(name, pc.whole, piece) for piece in pc.pieces]) and all(
+                part in expected for part in parts
+            ):
+                splits[key] = parts
+    joins = {whole: keys for whole, keys in joins.items() if None not in keys}  # else: reported lacking
+    # each key read, and a parameter of it (whose dtype it is read in)
+    owner = {**names, **{k: w for w, ks in joins.items() for k in ks}}
+    owner.update({k: parts[0] for k, parts in splits.items()})
+    keys = list(owner)
     for key in keys:
         ckpt.tensor(key)  # every file mapped once, here: the copies run on several threads
     state = {}
@@ -191,10 +221,24 @@ def _load_dense(
             from tqdm.auto import tqdm
 
             copies = tqdm(copies, total=len(keys), desc="dense weights", unit="tensor", leave=False)
+        read = {}
         for key, t in zip(keys, copies, strict=True):
-            want = expected[names[key]] if expected[names[key]].is_floating_point else dtype
+            want = expected[owner[key]] if expected[owner[key]].is_floating_point else dtype
             t = dense_weight(packed, ckpt, key, t, want)
-            state[names[key]] = t.to(dtype=want) if t.is_floating_point() else t
+            read[key] = t.to(dtype=want) if t.is_floating_point() else t
+    for key, name in names.items():
+        state[name] = read[key]
+    for whole, pieces in joins.items():
+        state[whole] = torch.cat([read[k] for k in pieces])
+    for key, parts in splits.items():
+        sizes = [expected_shape[p][0] for p in parts]
+        if sum(sizes) != read[key].shape[0]:
+            rows = read[key].shape[0]
+            raise ExpertcacheError(
+                f"{ckpt.path}: {key} has {rows} rows, not the {sum(sizes)} of {', '.join(parts)}"
+            )
+        for part, t in zip(parts, torch.split(read[key], sizes), strict=True):
+            state[part] = t.clone()
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:

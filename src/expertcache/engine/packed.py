@@ -71,6 +71,7 @@ TRITON = ("int8", "int4", "mxfp4", "fp8")  # the formats with GPU kernels; other
 MX_BLOCK = 32  # MXFP4: columns per e8m0 scale
 DEFAULT_GROUP = 64  # int4's columns per scale and minimum
 MATRICES = ("gate_up_proj", "down_proj")
+
 DECODE_ROWS = 8  # GPU: at most this many tokens an expert: each token a row of the one-token kernels
 # CPU: at most this many tokens an expert in the one-token loops, which read and decode the matrix again for
 # each token; more, up to PREFILL_ROWS, in the several-token loops, which decode each row once for all of
@@ -80,6 +81,16 @@ DECODE_ROWS = 8  # GPU: at most this many tokens an expert: each token a row of 
 # do, follow them unmeasured); beyond PREFILL_ROWS: expanded
 CPU_ROWS = {"int8": 8, "int4": 1, "mxfp4": 1, "fp8": 1, "pack-int4": 1, "pack-int8": 1}
 PREFILL_ROWS = 64
+
+
+def require_gate(shapes) -> None:
+    """One line where an expert has no gate projection (Nemotron-H's ``up_proj``): low-precision copies
+    and packed checkpoints hold ``gate_up_proj`` and ``down_proj``."""
+    if "gate_up_proj" not in shapes:
+        raise ExpertcacheError(
+            f"low-precision and packed experts need a gate projection (gate_up_proj); these experts have "
+            f"{' and '.join(shapes)}: run them at full precision"
+        )
 
 
 def check_format(fmt: str, group: int | None = None) -> int:
@@ -202,6 +213,7 @@ class Packed:
 
     def check_shapes(self) -> None:
         """One line where an expert's matrices cannot be packed in this format (int4: two columns a byte)."""
+        require_gate(self.shapes)
         for name in MATRICES:
             rows, cols = self.matrix(name)
             if self.format == "int4" and cols % 2:
@@ -632,8 +644,7 @@ class PackedKernels:
                 h + _bias_rows(p, pool, self.offsets, np.zeros(1, np.int64), "gate_up_proj_bias")
             )
         else:
-            gate, up = h.chunk(2, dim=-1)
-            h = module.act_fn(gate) * up
+            h = module._apply_gate(h)
         out = self.project_tokens("down_proj", pool, 0, h).to(p.dtype)
         if module.is_transposed:
             out = out + _bias_rows(p, pool, self.offsets, np.zeros(1, np.int64), "down_proj_bias")
@@ -649,8 +660,7 @@ class PackedKernels:
         if module.is_transposed:
             h = module._apply_gate(h + _bias_rows(p, pool, self.offsets, ids, "gate_up_proj_bias"))
         else:
-            gate, up = h.chunk(2, dim=-1)
-            h = module.act_fn(gate) * up
+            h = module._apply_gate(h)
         out = self.project("down_proj", pool, ids, h).to(p.dtype)
         if module.is_transposed:
             out = out + _bias_rows(p, pool, self.offsets, ids, "down_proj_bias")
@@ -676,8 +686,7 @@ class PackedKernels:
         if module.is_transposed:
             h = module._apply_gate(F.linear(x, w1) + p.bias(views, "gate_up_proj_bias"))
             return F.linear(h, w2) + p.bias(views, "down_proj_bias")
-        gate, up = F.linear(x, w1).chunk(2, dim=-1)
-        return F.linear(module.act_fn(gate) * up, w2)
+        return F.linear(module._apply_gate(F.linear(x, w1)), w2)
 
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:

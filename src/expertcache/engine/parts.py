@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from expertcache.engine.kernels import first_matrix, gate
 from expertcache.engine.memory import SlotLayout
 from expertcache.miss.base import PartSpec
 
@@ -31,8 +32,7 @@ def expert_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> to
         h = x @ views["gate_up_proj"] + views["gate_up_proj_bias"]
         h = module._apply_gate(h)
         return h @ views["down_proj"] + views["down_proj_bias"]
-    gate, up = F.linear(x, views["gate_up_proj"]).chunk(2, dim=-1)  # [T, F] each
-    h = module.act_fn(gate) * up
+    h = gate(module, F.linear(x, views[first_matrix(module)]))  # act(gate) * up, the family's own, act(up)
     return F.linear(h, views["down_proj"])
 
 
@@ -88,6 +88,8 @@ def segment_part(spec: PartSpec, full: SlotLayout, transposed: bool, num_layers:
 # -- split experts (MoEpic): a segment of the intermediate neurons ---------------------------------
 def intermediate_size(full: SlotLayout, transposed: bool) -> int:
     """F, the expert's intermediate size, from the whole expert's layout."""
+    if "up_proj" in full.names:  # no gate (Nemotron-H): up [F, H]
+        return full.shapes[full.names.index("up_proj")][0]
     shape = full.shapes[full.names.index("gate_up_proj")]  # [2F, H], or [H, 2F] transposed
     return (shape[1] if transposed else shape[0]) // 2
 
@@ -104,6 +106,9 @@ def segment_layout(full: SlotLayout, transposed: bool, a: int, b: int) -> SlotLa
     [H, 2s] with its bias [2s], down [s, H]; the down bias, added once, goes with the top segment)."""
     s = b - a
     shapes = dict(zip(full.names, full.shapes, strict=True))
+    if "up_proj" in shapes:  # no gate: up [s, H], down [H, s]
+        h = shapes["up_proj"][1]
+        return SlotLayout.of({"up_proj": (s, h), "down_proj": (h, s)}, full.dtype)
     if not transposed:
         h = shapes["gate_up_proj"][1]
         return SlotLayout.of({"gate_up_proj": (2 * s, h), "down_proj": (h, s)}, full.dtype)
@@ -162,6 +167,8 @@ class SegmentSource:
         if not self.transposed:
             if name == "down_proj":  # [H, F]: the columns of the neurons
                 return [(slice(start, stop), t[start:stop, a:b])]
+            if name == "up_proj":  # [F, H] without a gate: the rows of the neurons
+                return [(slice(start, stop), t[a + start : a + stop])]
             out = []  # gate_up [2F, H]: gate rows [a, b), then up rows F + [a, b)
             if start < s:
                 out.append((slice(start, min(stop, s)), t[a + start : a + min(stop, s)]))
@@ -184,8 +191,9 @@ def segment_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> t
         h = module._apply_gate(x @ views["gate_up_proj"] + views["gate_up_proj_bias"])
         out = h @ views["down_proj"]
         return out + views["down_proj_bias"] if "down_proj_bias" in views else out
-    gate, up = F.linear(x, views["gate_up_proj"]).chunk(2, dim=-1)  # [T, s] each
-    return F.linear(module.act_fn(gate) * up, views["down_proj"])
+    # [T, 2s]: the segment's gate rows, then its up rows (or [T, s] of up rows without a gate); every
+    # family's gate is elementwise
+    return F.linear(gate(module, F.linear(x, views[first_matrix(module)])), views["down_proj"])
 
 
 # -- low-precision copies (HOBBIT) ------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.packed import Packed, describe_format
+from expertcache.engine.packed import Packed, describe_format, require_gate
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
@@ -126,6 +126,7 @@ def quantize_model(
             f"{path}: its experts are packed ({describe_format(sk.packed)}); hobbit's copies are made from a "
             "full-precision checkpoint"
         )
+    require_gate(sk.shapes)
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     transposed = bool(sk.experts[0].is_transposed)
     for name in MATRICES:
