@@ -33,13 +33,14 @@ REQUIRED = [f.name for f in dataclasses.fields(Family) if f.default is dataclass
 def test_every_record_is_complete(family):
     rec = RECORDS[family]
     assert rec.name == family  # the key is config.json's model_type
-    assert rec.block and rec.router
+    assert rec.router and (rec.block or family == "gemma4_text")  # Gemma 4's experts: the decoder layer's
     first = {"gate_up_proj", "up_proj"} & set(rec.sources)  # up alone: experts without a gate (Nemotron-H)
     assert "down_proj" in rec.sources and len(first) == 1
     for sources in rec.sources.values():
         assert sources and all("{block}" in s.key and (s.fused or "{e}" in s.key) for s in sources)
     keys = rec.expert_keys("model.layers.1", 3)
-    block = f"{rec.root}layers.1.{rec.block}."  # the checkpoint's names (Nemotron-H's: backbone.)
+    # the checkpoint's names (Nemotron-H's under backbone.; Gemma 4's experts directly in the layer)
+    block = f"{rec.root}layers.1." + (f"{rec.block}." if rec.block else "")
     assert all(k.startswith(block) and "{" not in k for ks in keys.values() for k, _ in ks)
     assert all(old and new and old != new for old, new in rec.renames)
     config = rec.config(
@@ -108,7 +109,9 @@ def test_a_familys_own_gate_is_applied_by_every_kernel(make_ckpt, tmp_path):
     assert not torch.equal(want[1], greedy(load_reference(src, experts="grouped_mm"), IDS)[1])
 
 
-def test_experts_without_a_gate_run_in_every_kernel_and_are_refused_packed_in_one_line(ckpt, tmp_path, capsys):
+def test_experts_without_a_gate_run_in_every_kernel_and_are_refused_packed_in_one_line(
+    ckpt, tmp_path, capsys
+):
     """Nemotron-H's experts are ``down(relu2(up x))``, no gate: exact in each kernel; packing them (the
     packed and low-precision formats hold a gate projection) is refused before any work."""
     from expertcache.cli import main
@@ -157,3 +160,53 @@ def test_dense_tensors_kept_in_pieces_are_checked_in_one_line(make_ckpt, tmp_pat
     lara = _rewrite(make_ckpt("lara_mini"), tmp_path / "lara", shorten)
     with pytest.raises(ExpertcacheError, match=r"in_proj\.weight has \d+ rows, not the \d+ of .*in_proj_qkv"):
         load(lara, progress=False)
+
+
+def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, tmp_path):
+    """Qwen3.5-MoE is published as an image-text model (``model_type`` qwen3_5_moe, a vision tower beside
+    the language model under ``model.language_model.``): the engine runs its text model, exact against
+    transformers' causal-LM class of the same checkpoint; an image-text model whose text model is not a
+    supported family is refused in one line naming both."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from expertcache.engine import load
+    from expertcache.engine.offloaded import model_info
+    from expertcache.errors import ExpertcacheError
+
+    text_family = RECORDS["qwen3_5_moe_text"]
+    shape = Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=2)
+    text = {
+        **dict(
+            vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4
+        ),
+        **dict(pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        **text_family.config(shape),
+    }
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision)
+    path = tmp_path / "vl"
+    AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+
+    info = model_info(path)
+    assert info["family"] == "qwen3_5_moe_text" and info["moe_layers"] == 2 and info["top_k"] == TOP_K
+    with engine_load(path, 2 * TOP_K, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
+        got = greedy(model, IDS)
+        assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
+    assert_exact(got, reference(path, IDS))
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "llama"
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ExpertcacheError, match=r"^'qwen3_5_moe''s text model: unsupported architecture 'llama'"
+    ):
+        load(bad, progress=False)

@@ -94,7 +94,7 @@ class Family:
         """Checkpoint keys of one expert, per slot tensor; ``prefix`` is ``model.layers.{l}``."""
         if prefix.startswith("model."):
             prefix = self.root + prefix.removeprefix("model.")
-        block = f"{prefix}.{self.block}"
+        block = f"{prefix}.{self.block}" if self.block else prefix  # Gemma 4's: the decoder layer
         return {
             name: [(s.key.format(block=block, e=expert), s.fused) for s in srcs]
             for name, srcs in self.sources.items()
@@ -465,6 +465,72 @@ def _nemotron_h(s: Shape) -> dict[str, object]:
     }
 
 
+def _linear_then_full(s: Shape) -> list[str]:
+    """Linear-attention layers, then one full-attention layer last (transformers' caches need one)."""
+    return ["linear_attention"] * (s.layers - 1) + ["full_attention"]
+
+
+def _qwen3_5_moe_text(s: Shape) -> dict[str, object]:
+    """Qwen3.5-MoE's text model (the language model of its image-text checkpoints): Qwen3-Next's shape."""
+    return {**_qwen3_next(s), "layer_types": _linear_then_full(s)}
+
+
+def _gemma4_text(s: Shape) -> dict[str, object]:
+    """Gemma 4's text model with its MoE block on (beside the dense MLP of every layer), small per-layer
+    inputs and heads."""
+    return {
+        "enable_moe_block": True,
+        "num_experts": s.experts,
+        "top_k_experts": s.top_k,
+        "moe_intermediate_size": s.intermediate,
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "global_head_dim": s.head_dim,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 300,
+        "layer_types": None,
+    }
+
+
+def _minimax_m3_vl_text(s: Shape) -> dict[str, object]:
+    return {
+        **_local_experts(s),
+        "shared_intermediate_size": s.intermediate,
+        "dense_intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "index_n_heads": 2,
+        "index_head_dim": max(8, s.head_dim),
+        "layer_types": None,
+        "mlp_layer_types": None,
+    }
+
+
+def _dots3_note_text(s: Shape) -> dict[str, object]:
+    return {
+        **_deepseek_v3(s),
+        "q_lora_rank": max(8, s.hidden // 4),
+        "shared_experts_intermediate_size": s.intermediate,
+        "head_dim": s.head_dim,
+        "index_n_heads": 2,
+        "index_head_dim": max(8, s.head_dim),
+        "layer_types": None,
+        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+    }
+
+
+def _qwen4_exp_text(s: Shape) -> dict[str, object]:
+    """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
+    return {
+        **_qwen3_next(s),
+        "layer_types": _linear_then_full(s),
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": max(8, s.head_dim),
+        "indexer_budget": 256,
+        "indexer_compress_ratio": 4,
+    }
+
+
 # the fused experts transformers 5 saves as they are: ``experts.gate_up_proj [E, 2F, H]``, ``down_proj``
 _FUSED_EXPERTS = {
     name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
@@ -747,6 +813,27 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         config=_nemotron_h,
         dense_first=len(_NEMOTRON_FIRST),
         tiny=Tiny(layers=4, experts=6),
+    ),
+    "qwen3_5_moe_text": Family(
+        name="qwen3_5_moe_text", **_QWEN_STYLE, config=_qwen3_5_moe_text, tiny=Tiny(layers=2, experts=6)
+    ),
+    "gemma4_text": Family(
+        name="gemma4_text",
+        block="",
+        sources=_FUSED_EXPERTS,
+        router="router",
+        config=_gemma4_text,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "minimax_m3_vl_text": Family(
+        name="minimax_m3_vl_text",
+        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        config=_minimax_m3_vl_text,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "dots3_note_text": Family(name="dots3_note_text", **_DEEPSEEK, config=_dots3_note_text),
+    "qwen4_exp_text": Family(
+        name="qwen4_exp_text", **_QWEN_STYLE, config=_qwen4_exp_text, tiny=Tiny(layers=2, experts=6)
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }

@@ -9,6 +9,7 @@ is read from the checkpoint into freshly allocated, aligned memory. No expert is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.engine.families import Family, family_of
+from expertcache.engine.families import FAMILIES, Family, family_of
 from expertcache.engine.memory import SlotLayout
 from expertcache.engine.packed import Packed, PackedKernels, dense_name, dense_weight, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
@@ -63,15 +64,52 @@ def read_config(path: str | Path):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ExpertcacheError(f"{path}: no config.json (not a Hugging Face checkpoint)")
+    composite = _composite(cfg_file)
     try:
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
-    except (OSError, ValueError) as exc:
-        raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
-    family_of(str(model_type))
-    try:
-        return AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise ExpertcacheError(f"{cfg_file}: cannot build the config ({first_line(exc)})") from None
+    if not composite:
+        return config
+    text = config.get_text_config()  # the text model of an image-text checkpoint: what the engine runs
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    return text
+
+
+# where an image-text checkpoint (Qwen3.5-MoE's) keeps its text model: the checkpoint's name for ``model.``
+COMPOSITE_ROOT = "model.language_model."
+
+
+def _composite(cfg_file: Path) -> bool:
+    """Whether ``config.json`` is an image-text model's whose text model is a supported family (one line
+    when neither it nor its text model is)."""
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
+    model_type = str(raw.get("model_type"))
+    text = raw.get("text_config")
+    text_type = str(text.get("model_type")) if isinstance(text, dict) else None
+    if model_type in FAMILIES:
+        return False
+    if text_type in FAMILIES:
+        return True
+    if text_type is not None:
+        try:
+            family_of(text_type)
+        except ExpertcacheError as exc:
+            raise ExpertcacheError(f"{model_type!r}'s text model: {exc}") from None
+    family_of(model_type)  # one line listing the supported families
+    return False
+
+
+def checkpoint_family(path: str | Path, config) -> Family:
+    """The family of ``config`` (``read_config``'s), with the checkpoint's root for an image-text one."""
+    family = family_of(config.model_type)
+    if _composite(Path(path) / "config.json"):
+        family = dataclasses.replace(family, root=COMPOSITE_ROOT)
+    return family
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -96,7 +134,7 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     import expertcache.engine.runtime  # noqa: F401  (registers the experts implementation)
 
     config = read_config(path)
-    family = family_of(config.model_type)
+    family = checkpoint_family(path, config)
     dtype = resolve_dtype(dtype, config)
     ckpt = Checkpoint(path)
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s
@@ -151,7 +189,16 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed)
-    top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
+    top_k = int(  # what families call it (Gemma 4: top_k_experts)
+        next(
+            (
+                getattr(config, a)
+                for a in ("num_experts_per_tok", "top_k", "top_k_experts")
+                if getattr(config, a, 0)
+            ),
+            0,
+        )
+    )
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
 
