@@ -24,7 +24,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.policy.registry import make_policy
 from expertcache.sim.timing import simulate_timing
-from expertcache.sim.vlink import VirtualLink
+from expertcache.sim.vlink import FULL, VirtualLink
 
 IDS = torch.tensor([engine_fixtures.PROMPT])
 _one_torch_thread = engine_fixtures._one_torch_thread
@@ -110,6 +110,33 @@ def test_the_virtual_link_reads_from_the_disk_what_the_host_level_does_not_hold_
     assert link.unread == {(0, 3)}  # its next transfer reads it
     link.host_moved(None, (0, 3))
     assert not link.unread and (0, 3) not in link.host_keys
+
+
+def test_the_virtual_link_reads_a_chunked_prefetch_chunk_by_chunk_and_a_demand_goes_between():
+    """As the engine's worker: each chunk of a prefetch reads its share of the expert (by bytes) before
+    crossing the link, so a demand transfer waits for one chunk's read and copy, not the whole read; a
+    prefetch dropped after one chunk leaves its expert unread, one disk read counted for the key."""
+    from expertcache.cache.transfers import DEMAND, SPECULATIVE
+
+    link = VirtualLink([1.0] * 4, [100] * 4, read_s=8.0, whole={FULL: ([4.0], [400])})
+    for key in ((0, 1), (0, 2), (0, 3)):
+        link.host_moved(key, None)
+    prefetch = link.submit((0, 1), None, SPECULATIVE)
+    link.advance(1.0)  # the prefetch's first chunk (2 s of reading, 1 s of link) is under way
+    demand = link.submit((0, 2), None, DEMAND)
+    link.wait(demand)
+    assert link.now == 3.0 + 12.0  # after that one chunk: the demand's whole read (8 s) and copy (4 s)
+    link.wait(prefetch)
+    assert link.now == 15.0 + 3 * 3.0 and link.disk_reads == 2 and link.unread == {(0, 3)}
+    dropped = link.submit((0, 3), None, SPECULATIVE)
+    link.advance(1.0)  # its first chunk is under way; a demand (read already: the link only) goes next
+    link.submit((0, 1), None, DEMAND)
+    link.advance(3.0)  # the demand is on the link: the prefetch's three other chunks are dropped
+    assert dropped.moved == 1 and link.cancel(dropped)
+    link.advance(10.0)
+    assert (0, 3) in link.unread and link.disk_reads == 3  # begun, not read: one read counted
+    link.wait(link.submit((0, 3), None, DEMAND))
+    assert link.disk_reads == 3 and not link.unread  # read again, whole, as the same read
 
 
 def test_timing_counts_levels_and_exclusive_holds_more_distinct_experts():
@@ -253,6 +280,76 @@ def test_an_exclusive_hit_s_slot_is_given_again_only_after_its_transfer_ended():
     five = tier.slot_of[(0, 5)]
     tier.host_back((0, 2), (0, 5))
     assert tier.slot_of == {(0, 6): one, (0, 2): two} and tier.free == [five] and not tier._released
+
+
+class _GatedDisk:
+    """A disk tier that records each read (key, rows of each tensor) and fills the rows with the expert's
+    number; the first read waits for ``gate`` (set ``started`` first)."""
+
+    name, concurrent, reads_device = "disk", True, True
+
+    def __init__(self) -> None:
+        self.reads: list[tuple] = []
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def copy_chunk(self, key, views, chunk, flat=None):
+        self.reads.append((key, tuple((name, a, b) for name, a, b, _ in chunk)))
+        if len(self.reads) == 1:
+            self.started.set()
+            assert self.gate.wait(30)
+        for name, a, b, _ in chunk:
+            views[name][a:b] = float(key[1])
+
+
+def test_a_demand_transfer_preempts_a_prefetch_between_two_of_its_disk_reads():
+    """A prefetch from the disk through the host level reads one chunk at a time, each before its copy: a
+    demand transfer submitted during its first chunk's read goes next, and the prefetch's other chunks
+    are read after it; a prefetch that fails after one chunk leaves its expert unread, and the next
+    transfer of it reads only the rows still missing. Every slot holds its expert's bytes."""
+    from expertcache.engine.memory import SlotLayout, SlotPool
+    from expertcache.engine.transfer import DEMAND, SPECULATIVE, StackTier, TransferWorker
+
+    layout = SlotLayout.of({"w": (64, 16)}, torch.float32)  # 4 KiB: four chunks of 1 KiB
+    disk = _GatedDisk()
+    tier = StackTier(disk, layout, capacity=3, pin=False)
+    for key in ((0, 1), (0, 2), (0, 3)):
+        tier.host_moved(key, None, True)
+    pool = SlotPool(layout, 3, torch.device("cpu"))
+    worker = TransferWorker(tier, pool, chunk_bytes=1024, steal=False)
+    try:
+        prefetch = worker.submit((0, 1), 0, SPECULATIVE)
+        assert disk.started.wait(30)  # the worker is reading the prefetch's first chunk
+        demand = worker.submit((0, 2), 1, DEMAND)
+        disk.gate.set()
+        worker.wait(demand)
+        worker.wait(prefetch)
+        assert disk.reads == [
+            ((0, 1), (("w", 0, 16),)),
+            ((0, 2), (("w", 0, 64),)),  # whole: a demand transfer is not chunked
+            ((0, 1), (("w", 16, 32),)),
+            ((0, 1), (("w", 32, 48),)),
+            ((0, 1), (("w", 48, 64),)),
+        ]
+        assert pool.views[0]["w"].eq(1.0).all() and pool.views[1]["w"].eq(2.0).all()
+        assert tier.disk_reads == 2 and tier.unread == {(0, 3)}
+
+        disk.reads.clear()
+
+        def fail_second_chunk(t, chunk, attempt):
+            if chunk == 1:
+                raise OSError("the link failed")
+
+        worker.fault, worker.retries = fail_second_chunk, 0
+        failed = worker.submit((0, 3), 2, SPECULATIVE)  # fails before its second chunk
+        with pytest.raises(ExpertcacheError, match=r"transfer of expert \(0, 3\) failed: the link failed"):
+            worker.wait(failed)
+        worker.fault = None
+        assert (0, 3) in tier.unread and disk.reads == [((0, 3), (("w", 0, 16),))]
+        worker.wait(worker.submit((0, 3), 2, SPECULATIVE))  # its rows 0..16 are not read again
+        assert disk.reads[1:] == [((0, 3), (("w", a, a + 16),)) for a in (16, 32, 48)]
+        assert pool.views[2]["w"].eq(3.0).all() and tier.unread == set() and tier.disk_reads == 3
+    finally:
+        worker.close()
 
 
 class _NoDisk:
@@ -607,6 +704,8 @@ def test_the_disk_tier_reads_through_a_staging_buffer_of_each_thread(ckpt, monke
         def read(part: list[int]) -> None:
             for _ in range(3):
                 for i in part:
+                    tier._forget(keys[i])  # unread again: read it from the disk once more
+                    tier.unread.add(keys[i])
                     tier._read(keys[i], i)
 
         old = sys.getswitchinterval()

@@ -61,7 +61,8 @@ class CostModel:
     # from the disk tier, its read from the disk (a profile of the disk or mapped tier: ``load_profile``)
     host_read_s: float = 0.0
     # d: with a host level (``cache.tiers``), reading one whole expert from the disk into host memory, a
-    # host-level miss, before its transfer's first chunk crosses the link (a profile on the disk tier)
+    # host-level miss: each chunk of its transfer reads its share before crossing the link (a profile on
+    # the disk tier)
     disk_read_s: float = 0.0
     # x: with an exclusive host level, the compute thread's time to copy the device's victim down into it
     # (on a CPU a copy of one expert in memory; 0 on a GPU, whose copy down runs on a stream of its own)

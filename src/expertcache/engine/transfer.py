@@ -197,10 +197,11 @@ class StackTier:
 
     The host level's decisions are the cache's (``TieredTransport``); this tier is told each change
     (``host_moved``) before the transfer it concerns is submitted, and gives the entering key its victim's
-    host slot (or a free one). A transfer of a key the host level holds reads it from the disk into its
-    host slot first if it has not been read since it entered (one whole read, on the thread that copies
-    the transfer's first chunk), then copies the chunk from the host slot; a key the host level does not
-    hold (bypassed: every host key pinned) is read from the disk straight into the device slot. A key's
+    host slot (or a free one). A transfer of a key the host level holds reads each chunk from the disk into
+    its host slot, if those rows have not been read since the key entered, just before copying that chunk
+    from the host slot (so the worker can preempt a prefetch between two chunks' reads, as between two
+    chunks' copies); a key the host level does not hold (bypassed: every host key pinned) is read from
+    the disk straight into the device slot, chunk by chunk. A key's
     host slot is never given away while a transfer of it is in flight (the cache pins it), so the reads
     and copies of different keys on different threads never touch one slot.
 
@@ -227,6 +228,7 @@ class StackTier:
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(capacity + reserve))[::-1]
         self.unread: set[Key] = set()
+        self._rows: dict[Key, _RowsRead] = {}  # unread keys whose reading has begun: the rows read
         self.whole = layout.chunks(None)[0]
         self.disk_reads = 0
         self.disk_read_s = 0.0
@@ -257,7 +259,7 @@ class StackTier:
             if entered is None and not read:  # an exclusive hit: its transfer reads the slot
                 self.leaving[left] = slot  # (if still unread, the transfer reads it first)
                 return None
-            self.unread.discard(left)
+            self._forget(left)
         if entered is None:
             if slot is not None:
                 self.free.append(slot)
@@ -265,10 +267,10 @@ class StackTier:
         if slot is None:
             slot = self._free_slot()
         self.slot_of[entered] = slot
+        self._forget(entered)
         if read:
             self.unread.add(entered)
             return None
-        self.unread.discard(entered)
         views, flat = device
         return self._copy_down(slot, views, flat)
 
@@ -294,7 +296,7 @@ class StackTier:
         self.slot_of[key] = slot
         if left is not None:
             self.free.append(self.slot_of.pop(left))
-            self.unread.discard(left)
+            self._forget(left)
 
     def _free_slot(self) -> int:
         """A free host slot: a free one, else one an exclusive hit's transfer has finished reading
@@ -346,17 +348,37 @@ class StackTier:
         slot = self.slot_of.get(key)
         return self.leaving.get(key) if slot is None else slot
 
-    def _read(self, key: Key, slot: int) -> None:
-        """Read ``key`` whole from the disk into host slot ``slot``; it is read once this returns (two
-        threads may read one key at once, a staging read and a device transfer's: the same bytes)."""
+    def _forget(self, key: Key) -> None:
+        """``key`` is no longer the level's unread expert (it left, or entered anew)."""
+        with self._counting:
+            self.unread.discard(key)
+            self._rows.pop(key, None)
+
+    def _read(self, key: Key, slot: int, chunk=None) -> float:
+        """Read ``chunk`` of ``key`` (None: the whole expert) from the disk into host slot ``slot`` unless
+        its rows were read since the key entered; the key is read once every row is. The first read of
+        a key counts as its disk read. Two threads may read one key at once (a staging read and a device
+        transfer's): the same bytes. Returns the seconds the read took."""
+        chunk = self.whole if chunk is None else chunk
+        with self._counting:
+            rows = self._rows.get(key)
+            if key not in self.unread or (rows is not None and rows.covers(chunk)):
+                return 0.0
+            first = rows is None
+            if first:
+                rows = self._rows[key] = _RowsRead()
         self._settle(slot)
         started = time.perf_counter()
-        self.disk.copy_chunk(key, self.pool.views[slot], self.whole, self._bytes[slot])
+        self.disk.copy_chunk(key, self.pool.views[slot], chunk, self._bytes[slot])
         took = time.perf_counter() - started
         with self._counting:
             self.disk_read_s += took
-            self.disk_reads += 1
-        self.unread.discard(key)
+            self.disk_reads += first
+            rows.add(chunk)
+            if rows.covers(self.whole):
+                self.unread.discard(key)
+                self._rows.pop(key, None)
+        return took
 
     def copy_chunk(
         self, key: Key, views: dict[str, torch.Tensor], chunk, flat: np.ndarray | None = None
@@ -373,11 +395,7 @@ class StackTier:
                 self.disk_reads += first
                 self.disk_read_s += took
             return took
-        read = 0.0
-        if key in self.unread:
-            started = time.perf_counter()
-            self._read(key, slot)
-            read = time.perf_counter() - started
+        read = self._read(key, slot, chunk) if key in self.unread else 0.0
         if flat is not None:
             self._settle(slot)
             src = self._bytes[slot]
@@ -428,6 +446,30 @@ class StackTier:
         return read
 
 
+class _RowsRead:
+    """The rows of each tensor of one expert read from the disk so far, as joined ``[first, end)`` runs:
+    chunks of different plans (a prefetch's, a demand transfer's, a staging read's whole expert) cover
+    what they cover, whatever their boundaries."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[tuple[int, int]]] = {}
+
+    def covers(self, chunk) -> bool:
+        runs = self.runs
+        return all(any(a <= lo and hi <= b for a, b in runs.get(name, ())) for name, lo, hi, _ in chunk)
+
+    def add(self, chunk) -> None:
+        for name, start, stop, _ in chunk:
+            runs = sorted([*self.runs.get(name, ()), (start, stop)])
+            joined = [runs[0]]
+            for a, b in runs[1:]:
+                if a <= joined[-1][1]:
+                    joined[-1] = (joined[-1][0], max(joined[-1][1], b))
+                else:
+                    joined.append((a, b))
+            self.runs[name] = joined
+
+
 class _Stager:
     """A ``StackTier``'s staging source (``cache.tiers``): a transfer into a host slot that reads the
     expert from the disk if it is still unread (a device transfer may have read it first), on its first
@@ -445,9 +487,7 @@ class _Stager:
         slot = stack.slot_of.get(key)
         if slot is None or key not in stack.unread:
             return 0.0
-        started = time.perf_counter()
-        stack._read(key, slot)
-        return time.perf_counter() - started
+        return stack._read(key, slot)
 
 
 # a demand copy from memory of a slot this size or less is made by the thread that submits it

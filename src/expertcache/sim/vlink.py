@@ -32,7 +32,9 @@ STAGE = "stage"  # a transfer that reads an expert from the disk into the host l
 class VTransfer:
     """One expert on the virtual link: how many of its chunks have started, when it completes."""
 
-    __slots__ = ("key", "priority", "seq", "submitted", "moved", "done_at", "cancelled", "chunks", "part")
+    __slots__ = (
+        "key", "priority", "seq", "submitted", "moved", "done_at", "cancelled", "chunks", "part", "reads"
+    )  # fmt: skip
 
     def __init__(self, key: Key, priority: int, seq: int, submitted: float, chunks, part=FULL) -> None:
         self.key, self.priority, self.seq, self.submitted, self.part = key, priority, seq, submitted, part
@@ -40,6 +42,7 @@ class VTransfer:
         self.moved = 0  # chunks started (each runs to its end)
         self.done_at: float | None = None  # end of its last chunk, once that chunk has started
         self.cancelled = False
+        self.reads = False  # each chunk reads its share of the expert from the disk first (a host level)
 
 
 class VirtualLink:
@@ -60,11 +63,12 @@ class VirtualLink:
         parts, keyed by part name, or by (part, layer) for parts whose size differs by layer. ``whole``:
         the plans of demand transfers by the same keys (None: the same plans as speculative ones).
         ``read_s``: with a host level (``cache.tiers``), the seconds of reading one whole expert from
-        the disk into host memory: the first chunk of a whole expert's transfer takes them first,
-        where the host level does not hold the expert or holds it unread (the engine's worker reads,
-        then copies, on one thread). ``demote_s``: compute time spent copying a device victim down into an
-        exclusive host level (the engine's copy on a CPU; its link time is free: a GPU's link is full
-        duplex, and its copy down runs on a stream of its own)."""
+        the disk into host memory: each chunk of a whole expert's transfer takes its share of them (by
+        bytes) first, where the host level does not hold the expert or holds it unread (the engine's
+        worker reads each chunk, then copies it, on one thread: a demand transfer goes between two).
+        ``demote_s``: compute time spent copying a device victim down into an exclusive host level (the
+        engine's copy on a CPU; its link time is free: a GPU's link is full duplex, and its copy down runs
+        on a stream of its own)."""
         self.plans = self._plans({FULL: (chunk_s, chunk_bytes), **(parts or {})})
         self.whole = self._plans(whole) if whole is not None else self.plans
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
@@ -83,10 +87,11 @@ class VirtualLink:
         self.demote_s = float(demote_s)
         self.host_keys: set[Key] = set()  # in the host level
         self.unread: set[Key] = set()  # in the host level, not read from the disk yet
+        self.began: set[Key] = set()  # of those, the ones a transfer has begun to read (one disk read)
         self.leaving: set[Key] = set()  # left an exclusive host level for the device: read from host memory
         self.disk_reads = 0
         self.disk_busy_s = 0.0
-        self.link_read_s = 0.0  # the reads inside transfers' first chunks (in ``busy_s`` too)
+        self.link_read_s = 0.0  # the reads inside transfers' chunks (in ``busy_s`` too)
         self.disk_free_at = 0.0  # end of the last staging read started (the disk's own timeline)
         self._disk_queue: deque[VTransfer] = deque()  # staging reads not started, in submission order
         self.reading: dict[Key, float] = {}  # key -> when its staging read ends
@@ -202,8 +207,10 @@ class VirtualLink:
             if entered is None and not read and left not in self.unread:  # an exclusive hit moving up
                 self.leaving.add(left)
             self.unread.discard(left)
+            self.began.discard(left)
         if entered is not None:
             self.host_keys.add(entered)
+            self.began.discard(entered)
             if read:
                 self.unread.add(entered)
             else:  # a device victim copied down (exclusive): its copy is the compute thread's
@@ -240,6 +247,12 @@ class VirtualLink:
             self._move(t)
         self._reads_before(limit, inclusive=True)
 
+    @staticmethod
+    def _share(chunks, i: int) -> float:
+        """Chunk ``i``'s share of a whole expert: its bytes' (equal shares where bytes are not given)."""
+        total = sum(b for _, b in chunks)
+        return chunks[i][1] / total if total else 1.0 / len(chunks)
+
     def _reads_before(self, limit: float, inclusive: bool = False) -> None:
         """Start the staging reads that start before ``limit`` (at it too, ``inclusive``)."""
         queue = self._disk_queue
@@ -252,10 +265,11 @@ class VirtualLink:
     def _read(self, t: VTransfer, start: float) -> None:
         """Start staging read ``t`` on the disk at ``start``."""
         seconds, key = 0.0, t.key
-        if key in self.unread:  # else read already, or being read, by a device transfer
+        if key in self.unread:  # else read already by a device transfer (one begun reads it again, whole)
             self.unread.discard(key)
             seconds = self.read_s
-            self.disk_reads += 1
+            self.disk_reads += key not in self.began  # the key's first read counts
+            self.began.discard(key)
             self.disk_busy_s += seconds
             self.reading[key] = start + seconds
         self.disk_free_at = start + seconds
@@ -265,17 +279,25 @@ class VirtualLink:
         """Start the next chunk of ``t`` on the link."""
         start = max(self.free_at, t.submitted)
         seconds, nbytes = t.chunks[t.moved]
-        if self.read_s is not None and t.moved == 0 and t.part == FULL:
+        if self.read_s is not None and t.part == FULL:
             key = t.key
-            ready = self.reading.pop(key, None)  # a staging read of it, ending then
-            if key in self.leaving:  # from host memory, which lets it go
-                self.leaving.discard(key)
-            elif key in self.unread or key not in self.host_keys or (ready is not None and ready > start):
-                self.unread.discard(key)
-                self.disk_reads += 1
-                self.disk_busy_s += self.read_s
-                self.link_read_s += self.read_s
-                seconds += self.read_s
+            if t.moved == 0:
+                ready = self.reading.pop(key, None)  # a staging read of it, ending then
+                if key in self.leaving:  # from host memory, which lets it go
+                    self.leaving.discard(key)
+                elif key in self.unread or key not in self.host_keys or (ready is not None and ready > start):
+                    t.reads = True
+                    self.disk_reads += key not in self.began  # one read a key, over the transfers reading it
+                    if key in self.unread:
+                        self.began.add(key)
+            if t.reads:
+                read = self.read_s * self._share(t.chunks, t.moved)
+                self.disk_busy_s += read
+                self.link_read_s += read
+                seconds += read
+                if t.moved + 1 == len(t.chunks):  # its last chunk read: the host level holds it read
+                    self.unread.discard(key)
+                    self.began.discard(key)
         self.free_at = start + seconds
         self.busy_s += seconds
         self.bytes_moved += nbytes
