@@ -291,8 +291,12 @@ class _GatedDisk:
     def __init__(self) -> None:
         self.reads: list[tuple] = []
         self.gate, self.started = threading.Event(), threading.Event()
+        self.fail: set = set()  # keys whose next read raises
 
     def copy_chunk(self, key, views, chunk, flat=None):
+        if key in self.fail:
+            self.fail.discard(key)
+            raise OSError("the disk failed")
         self.reads.append((key, tuple((name, a, b) for name, a, b, _ in chunk)))
         if len(self.reads) == 1:
             self.started.set()
@@ -305,7 +309,8 @@ def test_a_demand_transfer_preempts_a_prefetch_between_two_of_its_disk_reads():
     """A prefetch from the disk through the host level reads one chunk at a time, each before its copy: a
     demand transfer submitted during its first chunk's read goes next, and the prefetch's other chunks
     are read after it; a prefetch that fails after one chunk leaves its expert unread, and the next
-    transfer of it reads only the rows still missing. Every slot holds its expert's bytes."""
+    transfer of it reads only the rows still missing; a failed read is counted, and leaves its expert
+    unread. Every slot holds its expert's bytes."""
     from expertcache.engine.memory import SlotLayout, SlotPool
     from expertcache.engine.transfer import DEMAND, SPECULATIVE, StackTier, TransferWorker
 
@@ -348,6 +353,14 @@ def test_a_demand_transfer_preempts_a_prefetch_between_two_of_its_disk_reads():
         worker.wait(worker.submit((0, 3), 2, SPECULATIVE))  # its rows 0..16 are not read again
         assert disk.reads[1:] == [((0, 3), (("w", a, a + 16),)) for a in (16, 32, 48)]
         assert pool.views[2]["w"].eq(3.0).all() and tier.unread == set() and tier.disk_reads == 3
+
+        tier.host_moved((0, 4), (0, 1), True)  # a staging read that fails leaves its expert unread
+        disk.fail.add((0, 4))
+        with pytest.raises(OSError, match="the disk failed"):
+            tier.stager.copy_chunk((0, 4), None, tier.whole)
+        assert tier.disk_read_errors == 1 and (0, 4) in tier.unread and tier.disk_reads == 3
+        worker.wait(worker.submit((0, 4), 0, DEMAND))  # its transfer reads it: the first read counted
+        assert pool.views[0]["w"].eq(4.0).all() and tier.disk_reads == 4 and not tier.unread
     finally:
         worker.close()
 
@@ -506,6 +519,7 @@ def test_metrics_carry_the_host_level(ckpt):
         names = {m.name: m for m in _CacheCollector(model).collect()}
         stats = model.stats
     assert names["expertcache_host_level_misses"].samples[0].value == stats["host_misses"] > 0
+    assert names["expertcache_host_level_disk_read_errors"].samples[0].value == stats["disk_read_errors"] == 0
     assert names["expertcache_host_level_capacity_experts"].samples[0].value == stats["host_capacity"]
 
 

@@ -191,7 +191,7 @@ class OffloadedModel:
         if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
             level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
                      "host_staged", "host_demoted", "host_slot_waits", "host_slot_wait_s", "disk_reads",
-                     "disk_read_s")  # fmt: skip
+                     "disk_read_s", "disk_read_errors")  # fmt: skip
             delta.update({k: after[k] - before[k] for k in level})
             delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy",
                                                 "host_exclusive", "host_over")})  # fmt: skip
@@ -298,6 +298,7 @@ class OffloadedModel:
             "host_stage": level.stage_limit,
             "disk_reads": tier.disk_reads,
             "disk_read_s": tier.disk_read_s,
+            "disk_read_errors": tier.disk_read_errors,
         }
 
     def _memory_bytes(self) -> int:

@@ -232,6 +232,7 @@ class StackTier:
         self.whole = layout.chunks(None)[0]
         self.disk_reads = 0
         self.disk_read_s = 0.0
+        self.disk_read_errors = 0  # reads that raised (a transfer retries; a staging read leaves it unread)
         self._counting = threading.Lock()  # the counters: the workers and the model's thread all read
         self._spans: dict[tuple, tuple[tuple[int, int], ...]] = {}
         # exclusive: keys that left for the device -> their slots, read by their transfers in flight (one
@@ -369,7 +370,14 @@ class StackTier:
                 rows = self._rows[key] = _RowsRead()
         self._settle(slot)
         started = time.perf_counter()
-        self.disk.copy_chunk(key, self.pool.views[slot], chunk, self._bytes[slot])
+        try:
+            self.disk.copy_chunk(key, self.pool.views[slot], chunk, self._bytes[slot])
+        except BaseException:
+            with self._counting:
+                self.disk_read_errors += 1
+                if first:  # nothing read: its next read is the first
+                    self._rows.pop(key, None)
+            raise
         took = time.perf_counter() - started
         with self._counting:
             self.disk_read_s += took

@@ -124,6 +124,7 @@ class _CacheCollector:
                 ("slot_waits", "host_slot_waits", "exclusive: decisions that waited for a hit's slot"),
                 ("disk_reads", "disk_reads", "experts read from the disk"),
                 ("disk_read_seconds", "disk_read_s", "time spent reading experts from the disk"),
+                ("disk_read_errors", "disk_read_errors", "reads from the disk that failed (retried or left)"),
             ):
                 yield CounterMetricFamily(h + name, what, value=float(s[key]))
             yield GaugeMetricFamily(
