@@ -119,11 +119,15 @@ def test_experts_without_a_gate_run_in_every_kernel_and_are_refused_packed_in_on
     path = ckpt("nemotron_h")
     _every_kernel(path, moe_layers("nemotron_h") * TOP_K)
     capsys.readouterr()  # transformers' progress bars
-    for extra in (["--checkpoint", str(tmp_path / "q")], ["--out", str(tmp_path / "copies")]):
-        assert main(["quantize", str(path), "--bits", "8", *extra]) == 2
+    for extra in (
+        ["--bits", "8", "--checkpoint", str(tmp_path / "q")],
+        ["--format", "fp8", "--checkpoint", str(tmp_path / "f8")],
+        ["--bits", "8", "--out", str(tmp_path / "copies")],
+    ):
+        assert main(["quantize", str(path), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert "need a gate projection" in err and "up_proj" in err and "\n" not in err
-    assert not (tmp_path / "q").exists() and not (tmp_path / "copies").exists()
+    assert not any((tmp_path / d).exists() for d in ("q", "f8", "copies"))  # refused before writing
 
 
 def _rewrite(src, dst, change):
@@ -201,6 +205,35 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
         assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
     assert_exact(got, reference(path, IDS))
 
+    # the published checkpoints' layout: each layer's experts fused (transformers saves them one by one)
+    fused = tmp_path / "fused"
+    shutil.copytree(path, fused)
+
+    def fuse(t):
+        for layer in range(2):
+            pre = f"model.language_model.layers.{layer}.mlp.experts"
+            per = [{p: t.pop(f"{pre}.{e}.{p}_proj.weight") for p in ("gate", "up", "down")} for e in range(6)]
+            t[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in per])
+            t[f"{pre}.down_proj"] = torch.stack([x["down"] for x in per])
+
+    from safetensors.torch import load_file, save_file
+
+    for f in fused.glob("*.safetensors"):
+        tensors = load_file(f)
+        fuse(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    with engine_load(fused, 2 * TOP_K, "lru") as model:
+        assert_exact(greedy(model, IDS), reference(fused, IDS))
+
+    # its packed checkpoint keeps the packing at the top of the config: the text model reads it
+    from expertcache.cli import main
+
+    assert main(["quantize", str(path), "--bits", "8", "--checkpoint", str(tmp_path / "int8")]) == 0
+    with engine_load(tmp_path / "int8", 2 * TOP_K, "lru") as model:
+        assert (
+            model.stats["expert_format"].startswith("int8") and greedy(model, IDS)[0].shape[1] > IDS.shape[1]
+        )
+
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["model_type"] = "llama"
     bad = tmp_path / "bad"
@@ -210,3 +243,30 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
         ExpertcacheError, match=r"^'qwen3_5_moe''s text model: unsupported architecture 'llama'"
     ):
         load(bad, progress=False)
+
+
+def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_fits_its_tokenizer(tmp_path):
+    """``model synth``'s checkpoints run: a family's layers before its first MoE one and a hybrid's
+    attention layer need layers (one line when too few, before anything is written); Gemma 4's per-layer
+    inputs are sized to the tokenizer's vocabulary (the embedded model's 4096 tokens here)."""
+    from expertcache.engine import load
+    from expertcache.engine.random_checkpoint import make_checkpoint
+    from expertcache.errors import ExpertcacheError
+
+    for family, layers, least in (
+        ("nemotron_h", 2, 3),
+        ("lara_mini", 1, 2),
+        ("qwen3_next", 3, 4),
+        ("deepseek_v3", 1, 2),
+    ):
+        with pytest.raises(
+            ExpertcacheError, match=rf"^{family} needs at least {least} layers here .* got {layers}$"
+        ):
+            make_checkpoint(tmp_path / family, family, layers=layers, hidden=32, experts=4, intermediate=32)
+        assert not (tmp_path / family).exists()
+    path = make_checkpoint(
+        tmp_path / "gemma4", "gemma4_text", layers=2, hidden=32, experts=4, intermediate=32
+    )
+    with load(path, expert_memory="50%", progress=False) as model:
+        out = model.generate(torch.tensor([[4000, 17, 3999, 1024]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)

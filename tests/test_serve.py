@@ -620,6 +620,26 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line_before_serving(cap
     assert len(err) == 1 and f"--kv-cache-tokens {2**40} needs" in err[0] and "lower it" in err[0]
 
 
+def test_serve_refuses_a_model_continuous_batching_cannot_cache_in_one_line_before_loading(ckpt, capsys):
+    """transformers' continuous batching pages attention layers' keys and values only: a hybrid with
+    linear-attention (or Mamba) layers is refused before it loads, and through the API before serving."""
+    from expertcache.serve import run
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for family, kinds in (("nemotron_h", "linear_attention and moe"), ("lara_mini", "linear_attention")):
+        assert main(["serve", "--model", str(ckpt(family)), "--port", str(port), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{family}'s layers include {kinds} ones" in err[0], err
+        assert "'expertcache generate' runs it" in err[0]
+    with (
+        engine_load(ckpt("lara_mini")) as model,
+        pytest.raises(ExpertcacheError, match="attention layers only"),
+    ):
+        run(model, "lara", ServeConfig(port=port))
+
+
 def test_serve_bad_options_are_one_line(capsys):
     for argv, words in (
         [["serve", "--port", "0"], "--port"],

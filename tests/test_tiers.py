@@ -659,14 +659,15 @@ def test_staging_reads_run_on_the_disk_beside_the_link_and_a_transfer_too_early_
     link.wait(moved)
     assert link.now == 13.0 and link.disk_reads == 2  # (0, 3)'s and the staging read
     b = link.stage((0, 2))  # 13 to 23 on the disk
-    early = link.submit((0, 2), None, 0)  # starts at 13, before the read ends: reads it again
+    early = link.submit((0, 2), None, 0)  # starts at 13, before the read ends: reads it again ...
     link.wait(early)
-    assert link.now == 24.0 and link.disk_reads == 4 and link.poll(b) == 1
+    assert link.now == 24.0 and link.disk_reads == 3 and link.poll(b) == 1  # ... as the same read
+    assert link.disk_busy_s == 10.0 + 10.0 + 10.0 + 10.0  # (0, 3), (0, 1) staged, (0, 2) twice
     link.host_moved((0, 4), None)
     link.submit((0, 4), None, 0)  # the disk is free, the key unread: the device transfer reads it ...
     late = link.stage((0, 4))
     link.advance(100.0)
-    assert late.done_at == late.submitted and link.disk_reads == 5  # ... and the staging read does nothing
+    assert late.done_at == late.submitted and link.disk_reads == 4  # ... and the staging read does nothing
 
 
 def test_the_timing_model_stages_predicted_experts_and_a_perfect_predictor_gains():

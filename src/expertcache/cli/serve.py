@@ -138,8 +138,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "Host header; add the names they use with --allowed-host NAME",
                 file=sys.stderr,
             )
+    from expertcache.engine.hub import resolve_model
+    from expertcache.engine.loader import read_config
+    from expertcache.serve.batcher import check_batchable, kv_size
+
+    try:
+        local = resolve_model(args.model)
+    except ExpertcacheError:  # not here yet (a download): checked once loaded
+        local = None
+    if local is not None:
+        check_batchable(read_config(local))  # before the model loads
     model = load_model(args, record=bool(args.record_trace))
-    from expertcache.serve.batcher import kv_size
 
     kv_tokens, note = kv_size(model, config.max_queue, config.kv_tokens)  # a size that fits, before serving
     if note:

@@ -37,7 +37,7 @@ from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory
-from expertcache.engine.packed import Packed, PackedPool, describe_format
+from expertcache.engine.packed import Packed, PackedPool, describe_format, require_gate
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
 from expertcache.engine.runtime import Engine, PredictorThread
@@ -425,6 +425,7 @@ class Builder:
             transposed = bool(sk.experts[0].is_transposed)
             return segment_part(spec, self.layout, transposed, self.num_layers)
         if spec.kind == "quantized":
+            require_gate(sk.shapes)  # the copies hold a gate projection: one line, not how to make them
             return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")
         raise ExpertcacheError(f"part kind {spec.kind!r} is not supported by the engine")
 

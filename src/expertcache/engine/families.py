@@ -7,15 +7,16 @@ fused tensors (GPT-OSS, Granite-MoE's ``input_linear/output_linear``). A ``Famil
 slot tensor of one expert, which checkpoint tensors fill it (rows concatenated in order), how
 non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
 router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
-the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; every field
-but ``renames``, ``pieces``, ``root``, ``router_inputs``, ``router_batched`` and ``dense_first`` is
-required, so a forgotten one fails at import.
+the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; the fields
+with a default (``renames``, ``pieces``, ``root``, ``outer``, ``layouts``, ``router_inputs``,
+``router_batched``, ``dense_first``) may be left out, every other is required, so a forgotten one fails
+at import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from expertcache.errors import ExpertcacheError
 
@@ -42,6 +43,17 @@ class Pieces:
     def __post_init__(self) -> None:
         if self.stored not in ("pieces", "whole"):
             raise ValueError(f"Pieces.stored must be 'pieces' or 'whole', not {self.stored!r}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Another way a family's checkpoints store their experts (``block`` and ``sources`` as in ``Family``):
+    a published checkpoint's, beside what transformers' ``save_pretrained`` writes (Qwen3.5-MoE's
+    published experts are fused, transformers saves them one by one). The loader takes the record's own
+    layout or the first of these whose first expert the checkpoint holds."""
+
+    block: str
+    sources: dict[str, tuple[Source, ...]]
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> model substring (non-expert keys)
     pieces: tuple[Pieces, ...] = ()  # dense tensors stored in pieces, or whole where the model has pieces
     root: str = "model."  # the checkpoint's name for the model's ``model.`` (Nemotron-H's ``backbone.``)
+    outer: str = ""  # an image-text checkpoint's prefix of its text model's other keys (``language_model.``)
+    layouts: tuple[Layout, ...] = ()  # other layouts of the experts in this family's checkpoints
     router: str  # the MoE block's attribute (transformers 5.x module) that holds its router
     # block attributes the router takes after the hidden states; such a router is called as its block
     # calls it, with hidden states [1, T, H] (AFMoE's takes the block's expert_bias)
@@ -88,6 +102,9 @@ class Family:
     router_batched: bool = True
     config: Callable[[Shape], dict[str, object]]  # a random checkpoint's config arguments of this family
     dense_first: int = 0  # dense layers before the MoE ones in a random checkpoint (what ``config`` sets)
+    # a random checkpoint needs the tiny model's layers at least (hybrids: an attention layer among the
+    # linear-attention or Mamba ones, which transformers' cache needs)
+    min_tiny: bool = False
     tiny: Tiny
 
     def expert_keys(self, prefix: str, expert: int) -> dict[str, list[tuple[str, bool]]]:
@@ -100,9 +117,15 @@ class Family:
             for name, srcs in self.sources.items()
         }
 
+    def variants(self) -> list[Family]:
+        """The record as it is, then with each of its other ``layouts``."""
+        return [self, *(replace(self, block=lay.block, sources=lay.sources) for lay in self.layouts)]
+
     def rename(self, key: str) -> str:
         if key.startswith(self.root):
             key = "model." + key.removeprefix(self.root)
+        elif self.outer and key.startswith(self.outer):  # an image-text checkpoint's text model's lm_head
+            key = key.removeprefix(self.outer)
         for old, new in self.renames:
             key = key.replace(old, new)
         return key
@@ -535,6 +558,7 @@ def _qwen4_exp_text(s: Shape) -> dict[str, object]:
 _FUSED_EXPERTS = {
     name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
 }
+_FUSED_MLP = Layout("mlp", _FUSED_EXPERTS)  # fused experts under mlp., as published
 # linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear)
 _CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
 
@@ -646,6 +670,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         router_inputs=("expert_bias",),
         router_batched=False,
         config=_lfm2_moe,
+        min_tiny=True,
         tiny=Tiny(layers=2, experts=6),
     ),
     "laguna": Family(
@@ -661,10 +686,11 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         name="jamba",
         **dict(_QWEN_STYLE, block="feed_forward", router="router"),
         config=_jamba,
+        min_tiny=True,
         tiny=Tiny(layers=2, experts=6),
     ),
     "qwen3_next": Family(
-        name="qwen3_next", **_QWEN_STYLE, config=_qwen3_next, tiny=Tiny(layers=4, experts=6)
+        name="qwen3_next", **_QWEN_STYLE, config=_qwen3_next, min_tiny=True, tiny=Tiny(layers=4, experts=6)
     ),
     "granitemoe_swa": Family(
         name="granitemoe_swa",
@@ -730,6 +756,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         name="granitemoehybrid",
         **_GRANITE,
         config=_granitemoehybrid,
+        min_tiny=True,
         tiny=Tiny(layers=2, experts=6),
     ),
     "bailing_hybrid": Family(
@@ -772,6 +799,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
             ),
         ),
         config=_lara_mini,
+        min_tiny=True,
         tiny=Tiny(layers=2, experts=6),
     ),
     "axk2": Family(
@@ -815,7 +843,11 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         tiny=Tiny(layers=4, experts=6),
     ),
     "qwen3_5_moe_text": Family(
-        name="qwen3_5_moe_text", **_QWEN_STYLE, config=_qwen3_5_moe_text, tiny=Tiny(layers=2, experts=6)
+        name="qwen3_5_moe_text",
+        **_QWEN_STYLE,
+        layouts=(_FUSED_MLP,),  # the published Qwen3.5-MoE checkpoints'
+        config=_qwen3_5_moe_text,
+        tiny=Tiny(layers=2, experts=6),
     ),
     "gemma4_text": Family(
         name="gemma4_text",
@@ -831,9 +863,15 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         config=_minimax_m3_vl_text,
         tiny=Tiny(layers=2, experts=6),
     ),
-    "dots3_note_text": Family(name="dots3_note_text", **_DEEPSEEK, config=_dots3_note_text),
+    "dots3_note_text": Family(
+        name="dots3_note_text", **_DEEPSEEK, layouts=(_FUSED_MLP,), config=_dots3_note_text
+    ),
     "qwen4_exp_text": Family(
-        name="qwen4_exp_text", **_QWEN_STYLE, config=_qwen4_exp_text, tiny=Tiny(layers=2, experts=6)
+        name="qwen4_exp_text",
+        **_QWEN_STYLE,
+        layouts=(_FUSED_MLP,),
+        config=_qwen4_exp_text,
+        tiny=Tiny(layers=2, experts=6),
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),
 }

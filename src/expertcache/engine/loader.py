@@ -21,7 +21,7 @@ import torch
 
 from expertcache.engine.families import FAMILIES, Family, family_of
 from expertcache.engine.memory import SlotLayout
-from expertcache.engine.packed import Packed, PackedKernels, dense_name, dense_weight, from_config
+from expertcache.engine.packed import CONFIG_KEY, Packed, PackedKernels, dense_name, dense_weight, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -74,11 +74,17 @@ def read_config(path: str | Path):
     text = config.get_text_config()  # the text model of an image-text checkpoint: what the engine runs
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(config, "dtype", None)
+    for name in ("quantization_config", CONFIG_KEY):  # the checkpoint's packing, kept at the top level
+        if getattr(config, name, None) is not None and getattr(text, name, None) is None:
+            setattr(text, name, getattr(config, name))
     return text
 
 
-# where an image-text checkpoint (Qwen3.5-MoE's) keeps its text model: the checkpoint's name for ``model.``
-COMPOSITE_ROOT = "model.language_model."
+# where image-text checkpoints keep their text model: the checkpoint's name for ``model.`` -> the prefix
+# of the text model's other keys (its lm_head): transformers 5's layout (Qwen3.5-MoE's, Gemma 4's). A
+# layout is added here with a checkpoint that uses it (MiniMax-M3-VL's ``language_model.model.`` is not:
+# transformers 5.24's image-text class of it saves no shared experts, which its text class has)
+COMPOSITE_ROOTS = {"model.language_model.": ""}
 
 
 def _composite(cfg_file: Path) -> bool:
@@ -105,10 +111,29 @@ def _composite(cfg_file: Path) -> bool:
 
 
 def checkpoint_family(path: str | Path, config) -> Family:
-    """The family of ``config`` (``read_config``'s), with the checkpoint's root for an image-text one."""
+    """The family of ``config`` (``read_config``'s), with transformers' root for an image-text one (the
+    checkpoint's own is found by ``fit_layout``)."""
     family = family_of(config.model_type)
     if _composite(Path(path) / "config.json"):
-        family = dataclasses.replace(family, root=COMPOSITE_ROOT)
+        root = next(iter(COMPOSITE_ROOTS))
+        family = dataclasses.replace(family, root=root, outer=COMPOSITE_ROOTS[root])
+    return family
+
+
+def fit_layout(family: Family, ckpt: Checkpoint, prefix: str) -> Family:
+    """The record as the checkpoint stores it: its own layout of the experts or one of its ``layouts``,
+    under its root or (an image-text checkpoint) another known one; the first whose first expert of the
+    layer at ``prefix`` the checkpoint holds. None fits: the record as it is (its missing tensors are then
+    named by the expert store's check)."""
+    roots = [(family.root, family.outer)]
+    if family.root in COMPOSITE_ROOTS:
+        roots += [(r, o) for r, o in COMPOSITE_ROOTS.items() if r != family.root]
+    for root, outer in roots:
+        for variant in family.variants():
+            fit = dataclasses.replace(variant, root=root, outer=outer)
+            keys = fit.expert_keys(prefix, 0)
+            if all(k in ckpt for ks in keys.values() for k, _ in ks):
+                return fit
     return family
 
 
@@ -167,6 +192,7 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     if not experts:
         raise ExpertcacheError(f"{path}: the model has no routed experts")
     shapes = {n: shapes[n] for n in family.sources}  # family order: gate_up first
+    family = fit_layout(family, ckpt, prefixes[0])
     first = family.expert_keys(prefixes[0], 0)
 
     def stored_dtype(name: str, suffix: str = ""):

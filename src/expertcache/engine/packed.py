@@ -301,11 +301,12 @@ def from_config(
     (``Family``'s slot names, at full precision: a bias, or a matrix of an fp8 checkpoint; with ``suffix``
     a tensor beside it, e.g. compressed-tensors' ``weight_packed``)."""
     qc = getattr(config, "quantization_config", None)
+    entry = getattr(config, CONFIG_KEY, None)
+    if qc is None and entry is None:
+        return None
+    require_gate(shapes)  # before any format's own checks, which read the gate's projection
     if qc is not None:
         return _other_tool(qc, family, shapes, dtype, transposed, stored_dtype)
-    entry = getattr(config, CONFIG_KEY, None)
-    if entry is None:
-        return None
     if not isinstance(entry, dict) or "format" not in entry:
         raise ExpertcacheError(f"config's {CONFIG_KEY} is not a packing record: {entry!r}")
     fmt = str(entry["format"])

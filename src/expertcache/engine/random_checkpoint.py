@@ -82,6 +82,16 @@ def make_checkpoint(
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
     except Exception as exc:
         raise ExpertcacheError(f"{tok_dir}: cannot load the tokenizer ({exc})") from None
+    rec = FAMILIES[family]
+    if layers <= rec.dense_first or layers < rec.tiny.layers and rec.min_tiny:
+        least = max(rec.dense_first + 1, rec.tiny.layers if rec.min_tiny else 1)
+        raise ExpertcacheError(
+            f"{family} needs at least {least} layers here (its layers before the first MoE one, and an "
+            f"attention layer among its others), got {layers}"
+        )
+    args = rec.config(Shape(experts, top_k, intermediate, hidden, heads, layers))
+    if "vocab_size_per_layer_input" in args:  # Gemma 4's per-layer inputs: one row a token
+        args["vocab_size_per_layer_input"] = len(tok)
     config = AutoConfig.for_model(
         family,
         vocab_size=len(tok),
@@ -93,7 +103,7 @@ def make_checkpoint(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **FAMILIES[family].config(Shape(experts, top_k, intermediate, hidden, heads, layers)),
+        **args,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

@@ -58,8 +58,11 @@ def _routers_and_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, C
 
 def _family(model: torch.nn.Module) -> Family:
     model = _unwrap(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(str(model_type))
+    if family is None and hasattr(config, "get_text_config"):  # an image-text model: its text model's
+        family = FAMILIES.get(str(getattr(config.get_text_config(), "model_type", None)))
     if family is None:
         raise ExpertcacheError(
             f"routing replay does not support architecture {model_type!r}; "

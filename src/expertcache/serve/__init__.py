@@ -15,6 +15,7 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
     import uvicorn
 
     from expertcache.serve.app import create_app
+    from expertcache.serve.batcher import check_batchable
     from expertcache.serve.connections import (
         connection_cap,
         guarded_protocol,
@@ -23,6 +24,7 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
     )
 
     config = config or ServeConfig()
+    check_batchable(model.model.config)  # before the server starts: its loop is made at startup
     app = create_app(model, name, config)
     cap = connection_cap(config.max_connections, raise_file_limit())
 

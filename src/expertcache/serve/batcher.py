@@ -45,7 +45,7 @@ import numpy as np
 
 from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 from expertcache.units import format_bytes
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
@@ -446,6 +446,28 @@ class Batcher:
 
 
 KV_SHARE = 0.5  # of the memory transformers' continuous batching may use: the KV cache's default at most
+
+
+def check_batchable(config) -> None:
+    """One line where transformers' continuous batching cannot run a model of ``config`` (its
+    transformers config): its paged KV cache holds full and sliding attention layers only (no
+    linear-attention, Mamba or convolution layers)."""
+    from transformers.generation.continuous_batching.cache import (
+        ATTN_TYPE_TO_ALLOCATOR,
+        group_layers_by_attn_type,
+    )
+
+    try:
+        group_layers_by_attn_type(config)
+    except ValueError as exc:
+        kinds = sorted(
+            {str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTN_TYPE_TO_ALLOCATOR)
+        )
+        raise ExpertcacheError(
+            f"serve batches requests with transformers' continuous batching, whose paged KV cache holds "
+            f"attention layers only; {config.model_type}'s layers include "
+            f"{' and '.join(kinds) + ' ones' if kinds else first_line(exc)}: 'expertcache generate' runs it"
+        ) from None
 
 
 def kv_size(model, max_queue: int, kv_tokens: int | None = None) -> tuple[int, str | None]:

@@ -190,9 +190,9 @@ class VirtualLink:
     def stage(self, key: Key) -> VTransfer:
         """Read ``key`` from the disk into the host level in the background (``cache.tiers``): a read of
         ``read_s`` on the disk's own timeline, beside the link's (the engine's staging worker), one after
-        another in submission order; none where a device transfer has begun to read it first. A device
-        transfer that starts before the read has ended reads it again (the engine's does: the expert
-        is unread until the read is done)."""
+        another in submission order; none where a device transfer has read it first. A device transfer
+        that starts before the read has ended reads it again (the engine's does: the expert is unread
+        until the read is done), one disk read counted for the two."""
         t = VTransfer(key, SPECULATIVE, next(self._seq), self.now, [(0.0, 0)], STAGE)
         self._disk_queue.append(t)
         self._run(self.now)
@@ -204,10 +204,12 @@ class VirtualLink:
         if left is not None:
             self.host_keys.discard(left)
             self.reading.pop(left, None)
-            if entered is None and not read and left not in self.unread:  # an exclusive hit moving up
+            up = entered is None and not read  # an exclusive hit moving up: its transfer reads on
+            if up and left not in self.unread:
                 self.leaving.add(left)
             self.unread.discard(left)
-            self.began.discard(left)
+            if not up:
+                self.began.discard(left)
         if entered is not None:
             self.host_keys.add(entered)
             self.began.discard(entered)
@@ -268,8 +270,8 @@ class VirtualLink:
         if key in self.unread:  # else read already by a device transfer (one begun reads it again, whole)
             self.unread.discard(key)
             seconds = self.read_s
-            self.disk_reads += key not in self.began  # the key's first read counts
-            self.began.discard(key)
+            self.disk_reads += key not in self.began  # the key's first read counts; a device transfer
+            self.began.add(key)  # reading it again before this read ends reads the same read
             self.disk_busy_s += seconds
             self.reading[key] = start + seconds
         self.disk_free_at = start + seconds

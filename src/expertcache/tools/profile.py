@@ -102,6 +102,7 @@ def profile(
         shape = {
             "name": model_label(m.path), "layers": m.num_layers, "experts": m.num_experts, "top_k": m.top_k,
             "expert_bytes": m.layout.nbytes, "dtype": str(m.dtype).removeprefix("torch."),
+            "gated": "gate_up_proj" in m.layout.names,
         }  # fmt: skip
         dev = str(m.device)
         tier = m.tier.name
@@ -273,7 +274,11 @@ def format_profile(data: dict[str, object]) -> str:
                 )
                 for name, p in data["precisions"].items()
             )
-            or "full only (no low-precision copies: expertcache quantize makes them)"
+            or (
+                "full only (no low-precision copies: expertcache quantize makes them)"
+                if shape.get("gated", True)
+                else "full only (experts without a gate projection have no low-precision copies)"
+            )
         ),
         f"how        link: {data['how']['link']}; device: {data['how']['device']}; host experts "
         f"{'beside the device' if cost.host_parallel else 'inline (the device is this CPU)'}; "

@@ -238,6 +238,7 @@ def full_precision_source(model: str | Path | None, out: str | Path, already: st
     sk = build_skeleton(path)
     if sk.packed is not None:
         raise ExpertcacheError(f"{path}: its experts are {already} already ({describe_format(sk.packed)})")
+    require_gate(sk.shapes)  # every packed format holds a gate projection: before anything is written
     return path, target, sk
 
 
