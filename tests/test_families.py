@@ -225,6 +225,14 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
     with engine_load(fused, 2 * TOP_K, "lru") as model:
         assert_exact(greedy(model, IDS), reference(fused, IDS))
 
+    # its text model alone (the text config), its tensors still under the image-text names
+    alone = tmp_path / "alone"
+    shutil.copytree(path, alone)
+    full = json.loads((path / "config.json").read_text())
+    (alone / "config.json").write_text(json.dumps({**full["text_config"], "dtype": full.get("dtype")}))
+    with engine_load(alone, 2 * TOP_K, "lru") as model:
+        assert_exact(greedy(model, IDS), reference(path, IDS))
+
     # its packed checkpoint keeps the packing at the top of the config: the text model reads it
     from expertcache.cli import main
 

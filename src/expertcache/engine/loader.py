@@ -122,12 +122,11 @@ def checkpoint_family(path: str | Path, config) -> Family:
 
 def fit_layout(family: Family, ckpt: Checkpoint, prefix: str) -> Family:
     """The record as the checkpoint stores it: its own layout of the experts or one of its ``layouts``,
-    under its root or (an image-text checkpoint) another known one; the first whose first expert of the
+    under its root or an image-text checkpoint's (``COMPOSITE_ROOTS``); the first whose first expert of the
     layer at ``prefix`` the checkpoint holds. None fits: the record as it is (its missing tensors are then
     named by the expert store's check)."""
-    roots = [(family.root, family.outer)]
-    if family.root in COMPOSITE_ROOTS:
-        roots += [(r, o) for r, o in COMPOSITE_ROOTS.items() if r != family.root]
+    # (a text model saved from an image-text one keeps its image-text names: transformers reads those too)
+    roots = [(family.root, family.outer)] + [(r, o) for r, o in COMPOSITE_ROOTS.items() if r != family.root]
     for root, outer in roots:
         for variant in family.variants():
             fit = dataclasses.replace(variant, root=root, outer=outer)

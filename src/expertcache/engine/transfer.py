@@ -375,7 +375,7 @@ class StackTier:
         except BaseException:
             with self._counting:
                 self.disk_read_errors += 1
-                if first:  # nothing read: its next read is the first
+                if first and not rows.runs:  # nothing read (by another thread either): the next is the first
                     self._rows.pop(key, None)
             raise
         took = time.perf_counter() - started
