@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from expertcache.engine.families import FAMILIES, Family, family_of
+from expertcache.engine.kernels import first_matrix
 from expertcache.engine.memory import SlotLayout
 from expertcache.engine.packed import CONFIG_KEY, Packed, PackedKernels, dense_name, dense_weight, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
@@ -214,16 +215,8 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed)
-    top_k = int(  # what families call it (Gemma 4: top_k_experts)
-        next(
-            (
-                getattr(config, a)
-                for a in ("num_experts_per_tok", "top_k", "top_k_experts")
-                if getattr(config, a, 0)
-            ),
-            0,
-        )
-    )
+    names = ("num_experts_per_tok", "top_k", "top_k_experts")  # what families call it (Gemma 4: the last)
+    top_k = next((int(v) for a in names if (v := getattr(config, a, 0))), 0)
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
 
@@ -239,8 +232,9 @@ def _swap_suffix(name: str, old: str, new: str) -> str | None:
 
 def _is_experts(module: torch.nn.Module) -> bool:
     """A transformers ``...Experts`` module (decorated with ``use_experts_implementation``)."""
-    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"  # Nemotron-H's: up only
-    return hasattr(module, "has_gate") and isinstance(getattr(module, first, None), torch.Tensor)
+    return hasattr(module, "has_gate") and isinstance(
+        getattr(module, first_matrix(module), None), torch.Tensor
+    )
 
 
 def _load_dense(
