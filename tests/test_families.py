@@ -81,10 +81,10 @@ def test_every_family_runs_from_its_record_with_next_gate_at_the_minimum_budget(
 
 
 # -- what some families need beyond a record's names -------------------------------------------------------
-def _every_kernel(path, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _every_kernel(path, capacity: int, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine on a CPU in each kernel at ``capacity`` experts: eager and grouped bit-exact against
-    transformers' eager and grouped_mm, the compiled kernel (not bit-equal to any) with the grouped
-    kernel's tokens; returns the grouped_mm reference run."""
+    transformers' eager and grouped_mm, the compiled kernel (not bit-equal to any; ``compiled``: where it
+    runs) with the grouped kernel's tokens; returns the grouped_mm reference run."""
     from expertcache.engine.loader import load_reference
 
     runs = {}
@@ -92,8 +92,9 @@ def _every_kernel(path, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         runs[kernel] = greedy(load_reference(path, experts=experts), IDS)
         with engine_load(path, capacity, "lru", kernel=kernel, device="cpu") as model:
             assert_exact(greedy(model, IDS), runs[kernel])
-    with engine_load(path, capacity, "lru", kernel="compiled", device="cpu") as model:
-        assert greedy(model, IDS)[0].tolist() == runs["grouped"][0].tolist()
+    if compiled:
+        with engine_load(path, capacity, "lru", kernel="compiled", device="cpu") as model:
+            assert greedy(model, IDS)[0].tolist() == runs["grouped"][0].tolist()
     return runs["grouped"]
 
 
@@ -128,6 +129,23 @@ def test_experts_without_a_gate_run_in_every_kernel_and_are_refused_packed_in_on
         err = capsys.readouterr().err.strip()
         assert "need a gate projection" in err and "up_proj" in err and "\n" not in err
     assert not any((tmp_path / d).exists() for d in ("q", "f8", "copies"))  # refused before writing
+
+
+def test_transposed_experts_without_biases_run_in_every_path(ckpt, reference, tmp_path):
+    """Aria's experts are transposed like GPT-OSS's ([E, H, 2F]) but with gate and up concatenated and no
+    biases: exact in the eager and grouped kernels (split experts: ``tests/test_miss.py``, every family),
+    and its int8 checkpoint within int8's rounding of the full model (the packed kernels' transposed path
+    without biases)."""
+    from expertcache.cli import main
+
+    path = ckpt("aria_text")
+    low = moe_layers("aria_text") * TOP_K
+    want = _every_kernel(path, low, compiled=False)  # (the compiled kernel reads [out, in] matrices only)
+    assert main(["quantize", str(path), "--bits", "8", "--checkpoint", str(tmp_path / "int8")]) == 0
+    with engine_load(tmp_path / "int8", low, "lru") as model:
+        got = greedy(model, IDS)
+    assert got[0].tolist() == want[0].tolist()
+    assert torch.allclose(got[1], want[1], atol=0.05), (got[1] - want[1]).abs().max()
 
 
 def _rewrite(src, dst, change):

@@ -423,7 +423,8 @@ class Builder:
             return full_part(spec, self.layout)
         if spec.kind == "segment":
             transposed = bool(sk.experts[0].is_transposed)
-            return segment_part(spec, self.layout, transposed, self.num_layers)
+            interleaved = not getattr(sk.experts[0], "is_concatenated", True)  # GPT-OSS's gate and up
+            return segment_part(spec, self.layout, transposed, self.num_layers, interleaved)
         if spec.kind == "quantized":
             require_gate(sk.shapes)  # the copies hold a gate projection: one line, not how to make them
             return quantized_part(spec, self.path, self.dtype, pin=self.device.type == "cuda")

@@ -541,6 +541,16 @@ def _dots3_note_text(s: Shape) -> dict[str, object]:
     }
 
 
+def _aria_text(s: Shape) -> dict[str, object]:
+    return {
+        "moe_num_experts": s.experts,
+        "moe_topk": s.top_k,
+        "intermediate_size": s.intermediate,
+        "moe_num_shared_experts": 1,
+        "head_dim": s.head_dim,
+    }
+
+
 def _qwen4_exp_text(s: Shape) -> dict[str, object]:
     """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
     return {
@@ -871,6 +881,17 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         **_QWEN_STYLE,
         layouts=(_FUSED_MLP,),
         config=_qwen4_exp_text,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "aria_text": Family(
+        name="aria_text",
+        block="mlp",
+        sources={  # transposed ([E, H, 2F], [E, F, H]), gate and up concatenated, no biases
+            "gate_up_proj": (Source("{block}.experts.fc1.weight", fused=True),),
+            "down_proj": (Source("{block}.experts.fc2.weight", fused=True),),
+        },
+        router="router",
+        config=_aria_text,
         tiny=Tiny(layers=2, experts=6),
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),

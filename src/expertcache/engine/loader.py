@@ -215,7 +215,7 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed)
-    names = ("num_experts_per_tok", "top_k", "top_k_experts")  # what families call it (Gemma 4: the last)
+    names = ("num_experts_per_tok", "top_k", "top_k_experts", "moe_topk")  # what families call it
     top_k = next((int(v) for a in names if (v := getattr(config, a, 0))), 0)
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)

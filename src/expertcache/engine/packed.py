@@ -640,14 +640,14 @@ class PackedKernels:
         compute dtype (``project_tokens``)."""
         p = self.packed
         h = self.project_tokens("gate_up_proj", pool, 0, x).to(p.dtype)
-        if module.is_transposed:
+        if module.is_transposed and module.has_bias:
             h = module._apply_gate(
                 h + _bias_rows(p, pool, self.offsets, np.zeros(1, np.int64), "gate_up_proj_bias")
             )
         else:
             h = module._apply_gate(h)
         out = self.project_tokens("down_proj", pool, 0, h).to(p.dtype)
-        if module.is_transposed:
+        if module.is_transposed and module.has_bias:
             out = out + _bias_rows(p, pool, self.offsets, np.zeros(1, np.int64), "down_proj_bias")
         return out
 
@@ -658,12 +658,12 @@ class PackedKernels:
         p = self.packed
         ids = slots if isinstance(pool, torch.Tensor) else np.asarray(slots, dtype=np.int64)
         h = self.project("gate_up_proj", pool, ids, x).to(p.dtype)
-        if module.is_transposed:
+        if module.is_transposed and module.has_bias:
             h = module._apply_gate(h + _bias_rows(p, pool, self.offsets, ids, "gate_up_proj_bias"))
         else:
             h = module._apply_gate(h)
         out = self.project("down_proj", pool, ids, h).to(p.dtype)
-        if module.is_transposed:
+        if module.is_transposed and module.has_bias:
             out = out + _bias_rows(p, pool, self.offsets, ids, "down_proj_bias")
         return out
 
@@ -684,7 +684,7 @@ class PackedKernels:
                 return self.rows(module, one, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), x)
         p = self.packed
         w1, w2 = (self.packed.expand(views, n).to(p.dtype) for n in MATRICES)
-        if module.is_transposed:
+        if module.is_transposed and module.has_bias:
             h = module._apply_gate(F.linear(x, w1) + p.bias(views, "gate_up_proj_bias"))
             return F.linear(h, w2) + p.bias(views, "down_proj_bias")
         return F.linear(module._apply_gate(F.linear(x, w1)), w2)

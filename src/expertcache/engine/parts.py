@@ -28,10 +28,12 @@ def expert_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> to
     packed = getattr(module, "_expertcache_packed", None)
     if packed is not None:
         return packed.expert(module, views, x)
-    if module.is_transposed:  # GPT-OSS: x @ W + b
-        h = x @ views["gate_up_proj"] + views["gate_up_proj_bias"]
-        h = module._apply_gate(h)
-        return h @ views["down_proj"] + views["down_proj_bias"]
+    if module.is_transposed:  # GPT-OSS: x @ W + b; Aria: x @ W
+        h = x @ views["gate_up_proj"]
+        if module.has_bias:
+            h = h + views["gate_up_proj_bias"]
+        h = module._apply_gate(h) @ views["down_proj"]
+        return h + views["down_proj_bias"] if module.has_bias else h
     h = gate(module, F.linear(x, views[first_matrix(module)]))  # act(gate) * up, the family's own, act(up)
     return F.linear(h, views["down_proj"])
 
@@ -75,13 +77,17 @@ def full_part(spec: PartSpec, layout: SlotLayout) -> EnginePart:
     return EnginePart(spec, {None: layout}, lambda tier: tier, expert_output)
 
 
-def segment_part(spec: PartSpec, full: SlotLayout, transposed: bool, num_layers: int) -> EnginePart:
-    """A segment of every expert's neurons (``spec.bounds(layer)``), copied from the whole expert."""
+def segment_part(
+    spec: PartSpec, full: SlotLayout, transposed: bool, num_layers: int, interleaved: bool = True
+) -> EnginePart:
+    """A segment of every expert's neurons (``spec.bounds(layer)``), copied from the whole expert;
+    ``interleaved``: transposed experts' gate and up columns alternate (GPT-OSS's), else they are
+    concatenated (Aria's)."""
     bounds = {layer: neuron_bounds(full, transposed, *spec.bounds(layer)) for layer in range(num_layers)}
     layouts = {layer: segment_layout(full, transposed, a, b) for layer, (a, b) in bounds.items()}
     if len(set(bounds.values())) == 1:  # one layout for every layer: one pool
         layouts = {None: layouts[0]}
-    source = lambda tier: SegmentSource(tier, full, transposed, bounds)  # noqa: E731
+    source = lambda tier: SegmentSource(tier, full, transposed, bounds, interleaved)  # noqa: E731
     return EnginePart(spec, layouts, source, segment_output)
 
 
@@ -116,6 +122,7 @@ def segment_layout(full: SlotLayout, transposed: bool, a: int, b: int) -> SlotLa
     out = {"gate_up_proj": (h, 2 * s), "gate_up_proj_bias": (2 * s,), "down_proj": (s, h)}
     if a == 0:
         out["down_proj_bias"] = (h,)
+    out = {name: shape for name, shape in out.items() if name in shapes}  # Aria's have no biases
     return SlotLayout.of(out, full.dtype)
 
 
@@ -128,8 +135,16 @@ class SegmentSource:
     before the next chunk reuses the buffer). Measured on an H100 before this: a strided copy from pinned
     memory made a split expert's decode step 6x slower than moving the whole expert."""
 
-    def __init__(self, tier, full: SlotLayout, transposed: bool, bounds: dict[int, tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        tier,
+        full: SlotLayout,
+        transposed: bool,
+        bounds: dict[int, tuple[int, int]],
+        interleaved: bool = True,
+    ) -> None:
         self.tier, self.transposed, self.bounds = tier, transposed, bounds  # layer -> (a, b)
+        self.interleaved = interleaved  # transposed gate and up columns alternate (else: concatenated)
         self.f = intermediate_size(full, transposed)
         self._reader = tier.reader()  # host views of whole experts, for the transfer worker's thread
         self._staging: torch.Tensor | None = None  # pinned bytes, grown on demand
@@ -176,8 +191,11 @@ class SegmentSource:
                 lo = max(start, s)
                 out.append((slice(lo, stop), t[f + a + lo - s : f + a + stop - s]))
             return out
-        if name == "gate_up_proj":  # [H, 2F] interleaved gate/up: columns [2a, 2b)
+        if name == "gate_up_proj" and self.interleaved:  # [H, 2F] interleaved gate/up: columns [2a, 2b)
             return [(slice(start, stop), t[start:stop, 2 * a : 2 * b])]
+        if name == "gate_up_proj":  # [H, 2F] gate columns, then up columns: [a, b) and F + [a, b)
+            rows = slice(start, stop)
+            return [((rows, slice(0, s)), t[rows, a:b]), ((rows, slice(s, 2 * s)), t[rows, f + a : f + b])]
         if name == "gate_up_proj_bias":
             return [(slice(start, stop), t[2 * a + start : 2 * a + stop])]
         if name == "down_proj":  # [F, H]: rows of the neurons
@@ -188,7 +206,8 @@ class SegmentSource:
 def segment_output(module, views: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """One segment's share of the expert's output on x [T, H] -> [T, H] (the segments sum to it)."""
     if module.is_transposed:
-        h = module._apply_gate(x @ views["gate_up_proj"] + views["gate_up_proj_bias"])
+        h = x @ views["gate_up_proj"]
+        h = module._apply_gate(h + views["gate_up_proj_bias"] if "gate_up_proj_bias" in views else h)
         out = h @ views["down_proj"]
         return out + views["down_proj_bias"] if "down_proj_bias" in views else out
     # [T, 2s]: the segment's gate rows, then its up rows (or [T, s] of up rows without a gate); every
