@@ -551,6 +551,23 @@ def _aria_text(s: Shape) -> dict[str, object]:
     }
 
 
+def _inkling_text(s: Shape) -> dict[str, object]:
+    """Every layer MoE with one shared expert, whose weight the router gives with the routed ones."""
+    return {
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.intermediate,
+        "intermediate_size": 2 * s.intermediate,
+        "n_shared_experts": 1,
+        "head_dim": s.head_dim,
+        "swa_num_attention_heads": s.heads,
+        "swa_num_key_value_heads": s.heads,
+        "swa_head_dim": s.head_dim,
+        "layer_types": None,
+        "mlp_layer_types": None,
+    }
+
+
 def _qwen4_exp_text(s: Shape) -> dict[str, object]:
     """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
     return {
@@ -892,6 +909,12 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         },
         router="router",
         config=_aria_text,
+        tiny=Tiny(layers=2, experts=6),
+    ),
+    "inkling_text": Family(
+        name="inkling_text",
+        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        config=_inkling_text,
         tiny=Tiny(layers=2, experts=6),
     ),
     "mellum": Family(name="mellum", **_QWEN_STYLE, config=_mellum, tiny=Tiny(layers=2, experts=6)),

@@ -193,10 +193,12 @@ class RoutingReplay:
 def router_parts(output: object, module: torch.nn.Module, layer: int | None = None) -> tuple[int, int, int]:
     """Where a router's output tuple holds (router_logits, top_k_weights, top_k_index): the order differs
     between transformers versions (5.17's Granite-MoE returns the index first), so they are told apart by
-    type and shape: the index is the integer tensor, the weights the float tensor of the index's shape."""
+    type and shape: the index is the integer tensor, the weights the float tensor of the index's shape,
+    the logits the first other float tensor. Outputs after the first three (Inkling's shared experts'
+    weights) are the router's own and pass through."""
     where = f"router of MoE layer {layer} ({type(module).__name__})" if layer is not None else "router"
-    ok = isinstance(output, tuple) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)
-    ints = [i for i, t in enumerate(output) if not t.is_floating_point()] if ok else []
+    ok = isinstance(output, tuple) and len(output) >= 3 and all(isinstance(t, torch.Tensor) for t in output)
+    ints = [i for i, t in enumerate(output[:3]) if not t.is_floating_point()] if ok else []
     if len(ints) != 1:
         raise ExpertcacheError(f"{where} did not return (router_logits, top_k_weights, top_k_index)")
     index = ints[0]
