@@ -231,3 +231,18 @@ def test_compare_finds_the_first_differing_token_and_the_largest_logit_differenc
     assert c == Comparison(False, (1, 2), 0.25)
     assert compare((seq, logits), (seq, logits)) == Comparison(True, None, 0.0)
     assert not compare((seq, logits), (seq[:, :-1], logits[:-1])).tokens_equal
+
+
+def test_per_layer_miss_paths_get_a_value_for_each_of_a_family_s_moe_layers():
+    """The self-test's ``split:theta=0.3/0.7`` is written for two MoE layers; Qwen3-Next's tiny model has
+    four, and a theta per layer must name each (it ran and failed before)."""
+    from expertcache.tools.selftest import per_layer, plan
+    from expertcache.tools.tiny import moe_layers
+
+    assert per_layer("split:theta=0.3/0.7", 4) == "split:theta=0.3/0.7/0.3/0.7"
+    assert per_layer("split:theta=0.3/0.7,weights=2/3", 3) == "split:theta=0.3/0.7/0.3,weights=2/3/2"
+    assert per_layer("split:theta=0.5,buffer=1", 4) == "split:theta=0.5,buffer=1"
+    for case in plan(torch.device("cpu")):
+        miss = per_layer(case.miss, moe_layers(case.family))
+        for values in (v for v in miss.replace(",", ":").split(":") if "/" in v):
+            assert len(values.split("=")[1].split("/")) == moe_layers(case.family), (case.family, miss)

@@ -14,5 +14,9 @@ class PolicyError(ExpertcacheError):
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type name if it has none), for one-line errors."""
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
+    """The first line of an exception's message (its type name if it has none), for one-line errors; a
+    first line that only announces the next (ending in a colon: a validator's) with that next line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]

@@ -396,11 +396,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     output_option(ms, "out", "checkpoint", folder=True)
     for flag, default, what in (
-        ("--hidden", 64, "hidden size"), ("--layers", 2, "decoder layers"),
+        ("--hidden", 64, "hidden size"),
         ("--experts", 8, "experts per MoE layer"), ("--top-k", 2, "experts a token uses per layer"),
         ("--intermediate", 64, "an expert's intermediate size"), ("--heads", 4, "attention heads"),
     ):  # fmt: skip
         ms.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    ms.add_argument(
+        "--layers", type=int, metavar="N",
+        help="decoder layers (default 2, or the family's fewest that run: nemotron_h 3, qwen3_next 4)",
+    )  # fmt: skip
     ms.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="weight dtype (default float32)",
@@ -1316,6 +1320,10 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
     shard = None if args.max_shard_size is None else int(parse_size(args.max_shard_size, "--max-shard-size"))
 
     quiet_transformers()
+    if args.layers is None:
+        from expertcache.engine.families import FAMILIES
+
+        args.layers = max(2, FAMILIES[args.family].min_layers) if args.family in FAMILIES else 2
     for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
         if getattr(args, name) < 1:
             raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least 1")

@@ -117,6 +117,12 @@ class Family:
             for name, srcs in self.sources.items()
         }
 
+    @property
+    def min_layers(self) -> int:
+        """The fewest decoder layers a random checkpoint of the family runs with: its layers before the
+        first MoE one and one MoE layer, or (``min_tiny``) the tiny model's."""
+        return max(self.dense_first + 1, self.tiny.layers if self.min_tiny else 1)
+
     def variants(self) -> list[Family]:
         """The record as it is, then with each of its other ``layouts``."""
         return [self, *(replace(self, block=lay.block, sources=lay.sources) for lay in self.layouts)]

@@ -56,7 +56,9 @@ class Skeleton:
 
 
 def read_config(path: str | Path):
-    """The checkpoint's transformers config, with one-line errors for a missing or broken one."""
+    """The checkpoint's transformers config, with one-line errors for a missing or broken one; for an
+    image-text checkpoint whose text model is a supported family, the text model's config (with the
+    checkpoint's dtype and packing, kept at its top level)."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -65,14 +67,30 @@ def read_config(path: str | Path):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ExpertcacheError(f"{path}: no config.json (not a Hugging Face checkpoint)")
-    composite = _composite(cfg_file)
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
+    model_type = str(raw.get("model_type") if isinstance(raw, dict) else None)
+    if model_type not in FAMILIES and not (
+        isinstance(raw, dict) and isinstance(raw.get("text_config"), dict)
+    ):
+        family_of(model_type)  # one line listing the supported families
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise ExpertcacheError(f"{cfg_file}: cannot build the config ({first_line(exc)})") from None
-    if not composite:
+    if model_type in FAMILIES:
         return config
-    text = config.get_text_config()  # the text model of an image-text checkpoint: what the engine runs
+    text = config.get_text_config()  # an image-text checkpoint: its text model is what the engine runs
+    # the class's own type: a config.json's text_config can name another one, which the class keeps
+    text_type = str(getattr(type(text), "model_type", None) or getattr(text, "model_type", None))
+    if text is config or text_type not in FAMILIES:
+        try:
+            family_of(text_type)
+        except ExpertcacheError as exc:
+            raise ExpertcacheError(f"{model_type}: its text model: {exc}") from None
+    text.model_type = text_type  # what it is built as, whatever config.json's text_config names
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(config, "dtype", None)
     for name in ("quantization_config", CONFIG_KEY):  # the checkpoint's packing, kept at the top level
@@ -88,34 +106,15 @@ def read_config(path: str | Path):
 COMPOSITE_ROOTS = {"model.language_model.": ""}
 
 
-def _composite(cfg_file: Path) -> bool:
-    """Whether ``config.json`` is an image-text model's whose text model is a supported family (one line
-    when neither it nor its text model is)."""
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
-    model_type = str(raw.get("model_type"))
-    text = raw.get("text_config")
-    text_type = str(text.get("model_type")) if isinstance(text, dict) else None
-    if model_type in FAMILIES:
-        return False
-    if text_type in FAMILIES:
-        return True
-    if text_type is not None:
-        try:
-            family_of(text_type)
-        except ExpertcacheError as exc:
-            raise ExpertcacheError(f"{model_type!r}'s text model: {exc}") from None
-    family_of(model_type)  # one line listing the supported families
-    return False
-
-
 def checkpoint_family(path: str | Path, config) -> Family:
-    """The family of ``config`` (``read_config``'s), with transformers' root for an image-text one (the
-    checkpoint's own is found by ``fit_layout``)."""
+    """The family of ``config`` (``read_config``'s), with transformers' root for an image-text checkpoint
+    (``config`` is its text model's; the checkpoint's own root is found by ``fit_layout``)."""
     family = family_of(config.model_type)
-    if _composite(Path(path) / "config.json"):
+    try:
+        outer = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        outer = config.model_type
+    if outer != config.model_type:
         root = next(iter(COMPOSITE_ROOTS))
         family = dataclasses.replace(family, root=root, outer=COMPOSITE_ROOTS[root])
     return family

@@ -83,12 +83,13 @@ def make_checkpoint(
     except Exception as exc:
         raise ExpertcacheError(f"{tok_dir}: cannot load the tokenizer ({exc})") from None
     rec = FAMILIES[family]
-    if layers <= rec.dense_first or layers < rec.tiny.layers and rec.min_tiny:
-        least = max(rec.dense_first + 1, rec.tiny.layers if rec.min_tiny else 1)
-        raise ExpertcacheError(
-            f"{family} needs at least {least} layers here (its layers before the first MoE one, and an "
-            f"attention layer among its others), got {layers}"
+    if layers < rec.min_layers:
+        why = (
+            "an attention layer among its linear-attention, Mamba or convolution ones"
+            if rec.min_tiny and rec.min_layers > rec.dense_first + 1
+            else f"{rec.dense_first} without experts before its first MoE one"
         )
+        raise ExpertcacheError(f"{family} needs at least {rec.min_layers} layers ({why}), got {layers}")
     args = rec.config(Shape(experts, top_k, intermediate, hidden, heads, layers))
     if "vocab_size_per_layer_input" in args:  # Gemma 4's per-layer inputs: one row a token
         args["vocab_size_per_layer_input"] = len(tok)

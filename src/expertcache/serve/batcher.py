@@ -460,9 +460,10 @@ def check_batchable(config) -> None:
     try:
         group_layers_by_attn_type(config)
     except ValueError as exc:
+        given = {str(t) for t in getattr(config, "layer_types", None) or ()}
         kinds = sorted(
-            {str(t) for t in getattr(config, "layer_types", None) or ()} - set(ATTN_TYPE_TO_ALLOCATOR)
-        )
+            given - set(ATTN_TYPE_TO_ALLOCATOR) - {"moe", "mlp"}
+        )  # (Nemotron-H's blocks list those)
         raise ExpertcacheError(
             f"serve batches requests with transformers' continuous batching, whose paged KV cache holds "
             f"attention layers only; {config.model_type}'s layers include "

@@ -25,6 +25,7 @@ bfloat16. ``quick`` runs one path per family.
 from __future__ import annotations
 
 import gc
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -376,11 +377,20 @@ def run_engine(models: Models, case: Case, capacity: int) -> Run:
         kwargs["predictor"] = models.learned(case.family, case.dtype)
     budget = capacity * models.slot_bytes(case.family, case.dtype)
     path = models.path(case.family, case.dtype)
+    miss = per_layer(case.miss, moe_layers(case.family))
     with load(
-        path, budget, case.policy, models.device, miss=case.miss, prefetch=case.prefetch, dtype=case.dtype,
+        path, budget, case.policy, models.device, miss=miss, prefetch=case.prefetch, dtype=case.dtype,
         progress=False, **kwargs,
     ) as model:  # fmt: skip
         return greedy(model, *prompts(case.batch))
+
+
+def per_layer(miss: str, layers: int) -> str:
+    """A miss path written with one value per layer for two MoE layers (``split:theta=0.3/0.7``), its
+    values repeated to a tiny model of ``layers`` MoE layers (Qwen3-Next's has four)."""
+    return re.sub(
+        r"=([\d.]+(?:/[\d.]+)+)", lambda m: "=" + "/".join((m.group(1).split("/") * layers)[:layers]), miss
+    )
 
 
 def prompts(batch: bool) -> tuple[torch.Tensor, torch.Tensor]:
