@@ -592,6 +592,8 @@ _FUSED_EXPERTS = {
     name: (Source("{block}.experts." + name, fused=True),) for name in ("gate_up_proj", "down_proj")
 }
 _FUSED_MLP = Layout("mlp", _FUSED_EXPERTS)  # fused experts under mlp., as published
+# linear attention's forget-gate tensors, kept by transformers in a module of their own (Bailing, Kimi)
+_FORGET_GATE = tuple((f"self_attn.{t}", f"self_attn.forget_gate.{t}") for t in ("dt_bias", "A_log"))
 # linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear)
 _CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
 
@@ -799,8 +801,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
             ("model.word_embeddings.", "model.embed_tokens."),
             (".attention.", ".self_attn."),
             ("self_attn.f_proj.", "self_attn.forget_gate.f_proj."),
-            ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
-            ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+            *_FORGET_GATE,
             (".self_attn.dense.", ".self_attn.o_proj."),
             (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
         ),
@@ -813,8 +814,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         renames=(
             ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
             ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
-            ("self_attn.dt_bias", "self_attn.forget_gate.dt_bias"),
-            ("self_attn.A_log", "self_attn.forget_gate.A_log"),
+            *_FORGET_GATE,
             (".block_sparse_moe.", ".mlp."),
         ),
         pieces=(_CONV_QKV,),
