@@ -431,9 +431,9 @@ def _lara_mini(s: Shape) -> dict[str, object]:
     return {**_qwen3_next(s), "layer_types": None}
 
 
-def _dense_then(s: Shape, dense: str, moe: str) -> list[str]:
-    """``mlp_layer_types`` of a dense first layer (``_DEEPSEEK_DENSE_FIRST``), then MoE ones."""
-    return [dense] * _DEEPSEEK_DENSE_FIRST + [moe] * (s.layers - _DEEPSEEK_DENSE_FIRST)
+def _dense_then(s: Shape) -> list[str]:
+    """``mlp_layer_types`` of a dense first layer (``_DEEPSEEK_DENSE_FIRST``), then sparse (MoE) ones."""
+    return ["dense"] * _DEEPSEEK_DENSE_FIRST + ["sparse"] * (s.layers - _DEEPSEEK_DENSE_FIRST)
 
 
 def _axk2(s: Shape) -> dict[str, object]:
@@ -442,7 +442,7 @@ def _axk2(s: Shape) -> dict[str, object]:
     return {
         **_deepseek_v32(s),
         "head_dim": s.head_dim,
-        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+        "mlp_layer_types": _dense_then(s),
     }
 
 
@@ -455,7 +455,7 @@ def _beam(s: Shape) -> dict[str, object]:
         "n_group": 1,
         "topk_group": 1,
         "layer_types": None,
-        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+        "mlp_layer_types": _dense_then(s),
     }
 
 
@@ -543,7 +543,7 @@ def _dots3_note_text(s: Shape) -> dict[str, object]:
         "index_n_heads": 2,
         "index_head_dim": max(8, s.head_dim),
         "layer_types": None,
-        "mlp_layer_types": _dense_then(s, "dense", "sparse"),
+        "mlp_layer_types": _dense_then(s),
     }
 
 
