@@ -75,7 +75,7 @@ def main() -> int:
     args = p.parse_args()
     if args.threads < 1:
         p.error("--threads must be at least 1")
-    import numba
+    from expertcache.jit import numba
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))

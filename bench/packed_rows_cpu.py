@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=sorted(FORMATS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    import numba
+    from expertcache.jit import numba
 
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     H, Fd = args.hidden, args.ffn

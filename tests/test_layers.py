@@ -24,6 +24,7 @@ LAYERS = {
     "units": 0,
     "paths": 0,
     "lazy": 0,
+    "jit": 0,
     "workers": 0,
     "spec": 0,
     "costs": 0,

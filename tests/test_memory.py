@@ -104,6 +104,37 @@ def test_host_pools_are_backed_when_allocated():
     assert resident_share(True) > 0.99  # every page of the pool is backed at allocation
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not LINUX, reason="transparent huge pages are Linux's")
+def test_host_pools_ask_for_huge_pages_and_keep_their_bytes():
+    from expertcache.engine.memory import advise_huge_pages
+
+    layout = SlotLayout.of({"w": (1024, 1024)}, torch.float32)  # 4 MiB a slot: whole 2 MiB pages inside
+    pool = SlotPool(layout, 4, torch.device("cpu"), prefault=True)
+    if not Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file():
+        pytest.skip("this kernel has no transparent huge pages")
+    assert "hg" in _vm_flags(pool.buffer.data_ptr() + (4 << 20))  # MADV_HUGEPAGE on the pool's pages
+    small = torch.arange(1000, dtype=torch.float32)  # no whole 2 MiB page inside: nothing asked
+    assert not advise_huge_pages(small)
+    assert torch.equal(small, torch.arange(1000, dtype=torch.float32))
+    assert not advise_huge_pages(torch.empty(0))
+    big = torch.arange(3 << 20, dtype=torch.int32)  # advised after it was written: the values stay
+    assert advise_huge_pages(big)
+    assert torch.equal(big, torch.arange(3 << 20, dtype=torch.int32))
+
+
 def test_a_budget_that_holds_every_expert_reads_them_at_load(ckpt, reference):
     path = ckpt("mixtral")
     want = reference(path, IDS)

@@ -20,8 +20,9 @@ Compiled once per machine and cached on disk (``cache=True``); imported only whe
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from expertcache.jit import numba
 
 BLOCK_ROWS = 64  # output rows a parallel task takes (a few KiB of weights: even work on any core count)
 

@@ -28,8 +28,9 @@ Compiled once per machine and cached on disk (``cache=True``); imported only whe
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from expertcache.jit import numba
 
 BLOCK_ROWS = 64  # output rows a parallel task takes
 

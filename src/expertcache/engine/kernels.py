@@ -189,7 +189,7 @@ class StackedPool:
         """The buffer as the compiled kernel reads it (the same memory, numpy): 32-bit words, two bfloat16
         values each (float32: one), and each tensor's offset in words. Threads: torch's."""
         if self._words is None:
-            import numba
+            from expertcache.jit import numba
 
             numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
             pairs = self.layout.dtype == torch.bfloat16

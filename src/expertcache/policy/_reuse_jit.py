@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
+
+from expertcache.jit import numba
 
 NEVER_AGE = 1 << 20  # the age of an expert never requested
 D0, D1, D2 = 0.5, 0.875, 0.96875  # count decays per round: 1 - 1/2, 1 - 1/8, 1 - 1/32

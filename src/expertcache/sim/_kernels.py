@@ -7,8 +7,9 @@ supported policy, so a run loads one compiled object.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from expertcache.jit import numba
 
 # policy kinds of ``replay`` (fast.py maps registry names to them)
 LRU, FIFO, LFU, LCP, OPT, LLRU = 0, 1, 2, 3, 4, 5

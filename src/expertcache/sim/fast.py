@@ -39,7 +39,7 @@ _PARAMS = {"lcp": {"rho", "omega"}}  # parameters the compiled path takes (-dist
 
 def available() -> bool:
     try:
-        import numba  # noqa: F401
+        from expertcache.jit import numba  # noqa: F401
     except ImportError:
         return False
     return True

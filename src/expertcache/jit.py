@@ -1,0 +1,54 @@
+"""numba, as the package's compiled loops take it: ``from expertcache.jit import numba``.
+
+Why: LLVM tunes code for recent Intel cores (Skylake-SP to Sapphire Rapids) to prefer 256-bit vectors
+(``prefer-256-bit``) even where the core has AVX-512, because early AVX-512 parts lowered their clock
+under 512-bit code. The packed experts' matrix-vector loops (``engine._packed_jit``) are then
+compute-bound below the memory's speed: on the 2-core development VM (a Sapphire Rapids core) a decode
+step's 8 int8 experts at Granite's shapes took 1287 us with 256-bit vectors and 1136 us with 512-bit ones
+(1036 us with the slot pool on huge pages too, as the engine allocates it; ``bench/packed_width_cpu.py``,
+docs/BENCHMARKS.md). On a core with AVX-512 the package asks LLVM for full-width vectors by compiling
+for the host's features plus ``-prefer-256-bit``.
+
+How: numba reads its target features once per process, from ``NUMBA_CPU_FEATURES``, when it compiles or
+loads its first function; so the variable is set before numba is imported, here, unless the user set
+``NUMBA_CPU_FEATURES`` or ``NUMBA_CPU_NAME`` (theirs wins). Where numba had already compiled something in
+this process before expertcache was imported, its first features stay (``wide_vectors`` says which).
+The features are part of numba's on-disk cache key, so a cached kernel is never reused across them.
+Sums run in another order at another width, so the packed kernels' float32 results differ in their last
+bits from a build with 256-bit vectors; within a process every path runs the same code.
+"""
+
+from __future__ import annotations
+
+import os
+
+WIDE = "-prefer-256-bit"
+
+
+def _configure() -> None:
+    if "NUMBA_CPU_FEATURES" in os.environ or "NUMBA_CPU_NAME" in os.environ:
+        return
+    try:
+        import llvmlite.binding as ll
+    except ImportError:  # numba is missing too: its importers say so
+        return
+    features = ll.get_host_cpu_features().flatten()
+    if "+avx512f" in features.split(","):
+        os.environ["NUMBA_CPU_FEATURES"] = f"{features},{WIDE}"
+
+
+_configure()
+
+import numba  # noqa: E402
+
+if os.environ.get("NUMBA_CPU_FEATURES") != numba.config.CPU_FEATURES:  # numba was imported before this
+    numba.core.config.reload_config()  # its code generator reads the features when first made
+
+
+def wide_vectors() -> bool:
+    """Whether this process's compiled loops use the core's full vector width (AVX-512 asked for): the
+    features numba's code generator was made with (made here if it was not yet)."""
+    from numba.core.registry import cpu_target
+
+    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
+    return WIDE in features.split(",")
