@@ -277,6 +277,74 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
         assert_exact(greedy(model, IDS), reference(path, IDS))
 
 
+def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_text_model(
+    tokenizer_dir, reference, tmp_path
+):
+    """Qwen3-VL-MoE's text model has no causal-LM class in transformers: the engine runs it with an output
+    head of its own (``engine.causal``), exact against transformers' image-text class on the same text
+    (tokens and logits), its output head untied as the image-text config says (the text config alone
+    would tie it); a packed checkpoint of it runs too."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from expertcache.cli import main
+    from expertcache.engine.causal import reference_class
+    from expertcache.engine.offloaded import model_info
+
+    shape = Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=2)
+    text = {
+        **dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+        **dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        **RECORDS["qwen3_vl_moe_text"].config(shape),
+    }
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    vision |= dict(deepstack_visual_indexes=[], patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision)
+    assert config.get_text_config().tie_word_embeddings and not config.tie_word_embeddings
+    path = tmp_path / "vl"
+    AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
+    assert reference_class(config) is AutoModelForImageTextToText  # the oracle: transformers' own class
+
+    info = model_info(path)
+    assert info["family"] == "qwen3_vl_moe_text" and info["moe_layers"] == 2
+    with engine_load(path, 2 * TOP_K, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
+        assert type(model.model).__name__ == "Qwen3VLMoeTextForCausalLM"
+        head, embed = model.model.lm_head.weight, model.model.model.embed_tokens.weight
+        assert head.data_ptr() != embed.data_ptr() and not torch.equal(head, embed)  # untied
+        got = greedy(model, IDS)
+        assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
+    assert_exact(got, reference(path, IDS))
+
+    assert main(["quantize", str(path), "--bits", "8", "--checkpoint", str(tmp_path / "int8")]) == 0
+    with engine_load(tmp_path / "int8", 2 * TOP_K, "lru") as model:
+        assert model.stats["expert_format"].startswith("int8")
+        assert greedy(model, IDS)[0].shape[1] > IDS.shape[1]
+
+    # the published checkpoints' experts, written for transformers 4, are transposed: refused in one line
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.engine import load
+    from expertcache.errors import ExpertcacheError
+
+    old = tmp_path / "transposed"
+    shutil.copytree(path, old)
+    for f in old.glob("*.safetensors"):
+        tensors = load_file(f)
+        tensors = {
+            k: t.transpose(1, 2).contiguous() if ".mlp.experts." in k else t for k, t in tensors.items()
+        }
+        save_file(tensors, f, metadata={"format": "pt"})
+    transposed = r"gate_up_proj stores each expert transposed \(\(32, 64\); the model takes \(64, 32\)\)"
+    with pytest.raises(ExpertcacheError, match=transposed + ", as checkpoints written for transformers 4 do"):
+        load(old, progress=False)
+
+
 def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_fits_its_tokenizer(tmp_path):
     """``model synth``'s checkpoints run: a family's layers before its first MoE one and a hybrid's
     attention layer need layers (one line when too few, before anything is written); Gemma 4's per-layer

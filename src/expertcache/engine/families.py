@@ -574,6 +574,20 @@ def _inkling_text(s: Shape) -> dict[str, object]:
     }
 
 
+def _qwen3_vl_moe_text(s: Shape) -> dict[str, object]:
+    """Qwen3-VL-MoE's text model (the language model of its image-text checkpoints): Qwen3-MoE's shape, with
+    its multimodal rotary sections (temporal, height, width) fitted to the head (they share its half)."""
+    half = s.head_dim // 2
+    section = [half - 2 * (half // 4), half // 4, half // 4]
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": section,
+        "mrope_interleaved": True,
+    }
+    return {**_qwen3_moe(s), "rope_parameters": rope}
+
+
 def _qwen4_exp_text(s: Shape) -> dict[str, object]:
     """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
     return {
@@ -898,6 +912,12 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "dots3_note_text": Family(
         name="dots3_note_text", **_DEEPSEEK, layouts=(_FUSED_MLP,), config=_dots3_note_text
+    ),
+    "qwen3_vl_moe_text": Family(  # no causal-LM class in transformers: ``engine.causal`` makes one
+        name="qwen3_vl_moe_text",
+        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        config=_qwen3_vl_moe_text,
+        tiny=Tiny(layers=2, experts=6),
     ),
     "qwen4_exp_text": Family(
         name="qwen4_exp_text",

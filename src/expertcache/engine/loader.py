@@ -96,6 +96,10 @@ def read_config(path: str | Path):
     for name in ("quantization_config", CONFIG_KEY):  # the checkpoint's packing, kept at the top level
         if getattr(config, name, None) is not None and getattr(text, name, None) is None:
             setattr(text, name, getattr(config, name))
+    # the image-text class ties its output head to the embeddings as its own config says (Qwen3-VL-MoE's
+    # text config defaults to tied, the image-text config to untied)
+    if getattr(config, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = config.tie_word_embeddings
     return text
 
 
@@ -152,10 +156,10 @@ def resolve_dtype(dtype, config) -> torch.dtype:
 def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skeleton:
     """The model with non-expert weights loaded (on CPU) and an expert store for the rest."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     import expertcache.engine.runtime  # noqa: F401  (registers the experts implementation)
+    from expertcache.engine.causal import causal_lm_class
 
     config = read_config(path)
     family = checkpoint_family(path, config)
@@ -164,7 +168,9 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s
     # of a Granite-shaped model's load): every one is read from the checkpoint; buffers are computed
     with init_empty_weights(include_buffers=False), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION, dtype=dtype)
+        model = causal_lm_class(config).from_config(
+            config, experts_implementation=IMPLEMENTATION, dtype=dtype
+        )
     experts, prefixes, shapes = [], [], None
     for name, module in model.named_modules():
         if not _is_experts(module):
@@ -322,7 +328,9 @@ def load_reference(
     Every tensor is cloned into fresh memory, as the engine's slots and dense weights are, so that
     both see the same alignment (weights read in place from a memory map can round differently).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from expertcache.engine.causal import reference_class
 
     config = read_config(path)
     dtype = resolve_dtype(dtype, config)
@@ -330,7 +338,8 @@ def load_reference(
         from expertcache.engine.kernels import default_kernel
 
         experts = default_kernel(device).reference
-    model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
+    cls = reference_class(AutoConfig.from_pretrained(str(path)))
+    model = cls.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()

@@ -64,7 +64,9 @@ def make_checkpoint(
     tokenizer: str | Path | None = None,
 ) -> Path:
     """Build a random model of ``family`` and ``save_pretrained`` it (sharded if ``max_shard_size``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from expertcache.engine.causal import causal_lm_class
 
     if family not in FAMILIES:
         raise ExpertcacheError(f"unsupported family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
@@ -107,7 +109,7 @@ def make_checkpoint(
         **args,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = causal_lm_class(config).from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)
     _clear_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)

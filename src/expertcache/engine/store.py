@@ -751,6 +751,13 @@ class ExpertStore:
                         f"{self.ckpt.path}: {ckey} holds {shape[0]} experts, not {self.num_experts}"
                     )
                 shape = shape[1:]
+                if len(srcs) == 1 and len(shape) == 2 and tuple(shape) == tuple(want)[::-1] != tuple(want):
+                    raise ExpertcacheError(
+                        f"{self.ckpt.path}: {ckey} stores each expert transposed ({tuple(shape)}; the model "
+                        f"takes {tuple(want)}), as checkpoints written for transformers 4 do; expertcache "
+                        "reads experts as transformers 5 saves them: load the checkpoint once with "
+                        "transformers 5 and save_pretrained it"
+                    )
             if tuple(shape[1:]) != tuple(want[1:]):
                 raise ExpertcacheError(
                     f"{self.ckpt.path}: {ckey} has shape {shape}, model expects rows of {want[1:]}"

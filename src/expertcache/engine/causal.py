@@ -1,0 +1,105 @@
+"""The causal language model of a config: transformers' own class, or a text model with an output head.
+
+The engine runs a checkpoint as transformers' causal-LM class for its config (``AutoModelForCausalLM``).
+Several image-text families have a text model (``Qwen3VLMoeTextModel``) and no causal-LM class for it:
+transformers computes their text only inside the image-text class, which adds a vision tower. For those
+``causal_lm_class`` makes one: the text model under ``model.``, an output head ``lm_head`` (tied to the
+embeddings where the config ties them), and logits for the last ``logits_to_keep`` positions; the
+decoder layers, routers and experts are transformers' own modules. On text alone it computes what the
+image-text class computes (its text-only positions are the text model's defaults): the tests check
+tokens and logits against ``AutoModelForImageTextToText``'s run of the same checkpoint.
+
+``reference_class`` is the class transformers itself loads a checkpoint with (the exactness oracle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+
+def causal_lm_class(config) -> type:
+    """A class with ``from_config`` and ``from_pretrained`` for ``config`` (a text model's):
+    ``AutoModelForCausalLM`` where transformers has a causal-LM class for it, else ``text_lm_class``'s; a
+    one-line error where neither exists."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.errors import ExpertcacheError
+
+    kind = type(config)
+    if kind in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    try:
+        return text_lm_class(kind)
+    except KeyError:
+        raise ExpertcacheError(
+            f"{config.model_type}: transformers has neither a causal-LM class nor a text model for it"
+        ) from None
+
+
+@functools.cache
+def text_lm_class(kind: type) -> type:
+    """The causal-LM class made for the text model transformers maps the config class ``kind`` to
+    (``AutoModel``); KeyError where it maps none. Made once per config class: its models share a class."""
+    from transformers import AutoModel, GenerationMixin, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}  # the cache, hidden states ...
+
+    text_model = AutoModel._model_mapping[kind]
+    pretrained = next(
+        c for c in text_model.__mro__[1:] if issubclass(c, PreTrainedModel) and c is not PreTrainedModel
+    )
+
+    class TextForCausalLM(pretrained, GenerationMixin):
+        config_class = kind
+        base_model_prefix = "model"
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+        # transformers decides whether a class's experts implementation can be set by looking for the
+        # decorator in the class's module source; this module has none, the text model's experts have it
+        _can_set_experts_implementation_cached_value = True
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.model = text_model(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        @classmethod
+        def from_config(cls, config, **kwargs):  # as ``AutoModelForCausalLM.from_config`` is called
+            return cls._from_config(config, **kwargs)
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+        def set_input_embeddings(self, value) -> None:
+            self.model.set_input_embeddings(value)
+
+        def forward(self, input_ids=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+            """The text model on everything it is given (mask, positions, the cache, ...), then the head
+            on the last ``logits_to_keep`` positions (0: all), as transformers' causal-LM classes do."""
+            out = self.model(input_ids=input_ids, **kwargs)
+            hidden = out.last_hidden_state
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            rest = {k: v for k, v in out.items() if k in fields and k != "logits"}
+            return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]), **rest)
+
+    name = text_model.__name__.removesuffix("Model") + "ForCausalLM"
+    TextForCausalLM.__name__ = TextForCausalLM.__qualname__ = name
+    return TextForCausalLM
+
+
+def reference_class(config) -> type:
+    """The class transformers loads a checkpoint of ``config`` (its own, outer config) with: its causal-LM
+    class, else its image-text class (text in, text out), else ``causal_lm_class`` of its text model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kind = type(config)
+    if kind in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    if kind in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return causal_lm_class(config.get_text_config())
