@@ -277,60 +277,89 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
         assert_exact(greedy(model, IDS), reference(path, IDS))
 
 
-def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_text_model(
-    tokenizer_dir, reference, tmp_path
-):
-    """Qwen3-VL-MoE's text model has no causal-LM class in transformers: the engine runs it with an output
-    head of its own (``engine.causal``), exact against transformers' image-text class on the same text
-    (tokens and logits), its output head untied as the image-text config says (the text config alone
-    would tie it); a packed checkpoint of it runs too."""
-    import json
+# image-text models whose text model transformers gives no causal-LM class (``engine.causal`` makes one):
+# the outer model_type -> its text record and a tiny vision tower
+_NO_CAUSAL_LM = {
+    "qwen3_vl_moe": ("qwen3_vl_moe_text", dict(deepstack_visual_indexes=[], temporal_patch_size=1)),
+    "glm4v_moe": ("glm4v_moe_text", dict(temporal_patch_size=1, image_size=16)),
+}
+
+
+def _image_text_checkpoint(outer: str, tokenizer_dir, out):
+    """A tiny image-text checkpoint of ``outer`` (``_NO_CAUSAL_LM``) as transformers saves it."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from expertcache.cli import main
+    record, vision = _NO_CAUSAL_LM[outer]
+    shape = Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=3)
+    text = {
+        **dict(vocab_size=300, hidden_size=32, num_hidden_layers=3, num_attention_heads=4),
+        **dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        **RECORDS[record].config(shape),
+    }
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32) | vision
+    vision |= dict(patch_size=4, spatial_merge_size=1)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(outer, text_config=text, vision_config=vision)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(str(out))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return config
+
+
+@pytest.mark.parametrize("outer", sorted(_NO_CAUSAL_LM))
+def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_text_model(
+    outer, tokenizer_dir, reference, tmp_path
+):
+    """Qwen3-VL-MoE's and GLM-4.5V's text models have no causal-LM class in transformers: the engine runs
+    each with an output head of its own (``engine.causal``), exact against transformers' image-text class
+    on the same text (tokens and logits), its output head tied as the image-text config says."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
     from expertcache.engine.causal import reference_class
     from expertcache.engine.offloaded import model_info
 
-    shape = Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=2)
-    text = {
-        **dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
-        **dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
-        **RECORDS["qwen3_vl_moe_text"].config(shape),
-    }
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
-    vision |= dict(deepstack_visual_indexes=[], patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision)
-    assert config.get_text_config().tie_word_embeddings and not config.tie_word_embeddings
-    path = tmp_path / "vl"
-    AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
+    path = tmp_path / outer
+    config = _image_text_checkpoint(outer, tokenizer_dir, path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == outer
     assert reference_class(config) is AutoModelForImageTextToText  # the oracle: transformers' own class
-
     info = model_info(path)
-    assert info["family"] == "qwen3_vl_moe_text" and info["moe_layers"] == 2
-    with engine_load(path, 2 * TOP_K, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
-        assert type(model.model).__name__ == "Qwen3VLMoeTextForCausalLM"
+    assert info["family"] == _NO_CAUSAL_LM[outer][0] and info["moe_layers"] >= 2
+    least = TOP_K * info["moe_layers"]  # ``lru-dist``'s: each layer's top-k resident together
+    with engine_load(path, least, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
+        assert type(model.model).__name__.endswith("TextForCausalLM")
         head, embed = model.model.lm_head.weight, model.model.model.embed_tokens.weight
-        assert head.data_ptr() != embed.data_ptr() and not torch.equal(head, embed)  # untied
+        assert (head.data_ptr() == embed.data_ptr()) == bool(config.tie_word_embeddings)
         got = greedy(model, IDS)
         assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
     assert_exact(got, reference(path, IDS))
 
+
+def test_qwen3_vl_moe_s_head_is_untied_its_packed_checkpoint_runs_and_transposed_experts_are_refused(
+    tokenizer_dir, tmp_path
+):
+    """Qwen3-VL-MoE's text config alone would tie the output head, its image-text config does not (the
+    engine follows the image-text one: the exactness test above fails otherwise); an int8 packed
+    checkpoint of it runs; the published checkpoints' experts, written for transformers 4, are stored
+    transposed and refused in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.cli import main
+    from expertcache.engine import load
+    from expertcache.errors import ExpertcacheError
+
+    path = tmp_path / "vl"
+    config = _image_text_checkpoint("qwen3_vl_moe", tokenizer_dir, path)
+    assert config.get_text_config().tie_word_embeddings and not config.tie_word_embeddings
     assert main(["quantize", str(path), "--bits", "8", "--checkpoint", str(tmp_path / "int8")]) == 0
     with engine_load(tmp_path / "int8", 2 * TOP_K, "lru") as model:
         assert model.stats["expert_format"].startswith("int8")
         assert greedy(model, IDS)[0].shape[1] > IDS.shape[1]
-
-    # the published checkpoints' experts, written for transformers 4, are transposed: refused in one line
-    from safetensors.torch import load_file, save_file
-
-    from expertcache.engine import load
-    from expertcache.errors import ExpertcacheError
 
     old = tmp_path / "transposed"
     shutil.copytree(path, old)

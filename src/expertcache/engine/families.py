@@ -588,6 +588,20 @@ def _qwen3_vl_moe_text(s: Shape) -> dict[str, object]:
     return {**_qwen3_moe(s), "rope_parameters": rope}
 
 
+def _glm4v_moe_text(s: Shape) -> dict[str, object]:
+    """GLM-4.5V's text model: GLM-4-MoE's shape, rotary on half of each head, that half's multimodal
+    sections fitted to it."""
+    quarter = s.head_dim // 4
+    section = [quarter - 2 * (quarter // 3), quarter // 3, quarter // 3]
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": section,
+    }
+    return {**_glm4_moe(s), "rope_parameters": rope}
+
+
 def _qwen4_exp_text(s: Shape) -> dict[str, object]:
     """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
     return {
@@ -918,6 +932,12 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
         config=_qwen3_vl_moe_text,
         tiny=Tiny(layers=2, experts=6),
+    ),
+    "glm4v_moe_text": Family(  # no causal-LM class in transformers, as qwen3_vl_moe_text
+        name="glm4v_moe_text",
+        **_DEEPSEEK,
+        layouts=(_FUSED_MLP,),  # its own class saves them fused (the image-text class one by one)
+        config=_glm4v_moe_text,
     ),
     "qwen4_exp_text": Family(
         name="qwen4_exp_text",
