@@ -263,11 +263,11 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
     cfg = json.loads((path / "config.json").read_text())
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
-    cfg["model_type"] = "glm4v_moe"  # an image-text model whose text model is not supported, built as its own
+    cfg["model_type"] = "mistral_large4"  # its text model not supported, built as its own
     cfg["text_config"]["model_type"] = "qwen3_5_moe_text"
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ExpertcacheError, match=r"^glm4v_moe: its text model: unsupported architecture 'glm4v_moe"
+        ExpertcacheError, match=r"^mistral_large4: its text model: unsupported architecture 'mistral_large4"
     ):
         load(bad, progress=False)
     cfg["model_type"] = "qwen3_5_moe"  # a text config without its model_type: the image-text model's own

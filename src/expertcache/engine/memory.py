@@ -210,7 +210,6 @@ def _libc():
     """The C library with ``mincore`` (and ``madvise``, where it has it) typed (Linux and most Unixes), or
     None."""
     if not _LIBC:
-        import ctypes
         import ctypes.util
 
         lib = None
