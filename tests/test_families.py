@@ -50,6 +50,20 @@ def test_every_record_is_complete(family):
     assert isinstance(rec.tiny, Tiny) and rec.tiny.layers > rec.dense_first >= 0 and rec.tiny.experts > TOP_K
 
 
+def test_a_twin_repeats_its_twins_experts_layout_and_router():
+    """Families left out of the miss-path cross products (``engine_fixtures.TWINS``) store their experts
+    as their twin does (the same slot tensors, each from fused or per-expert sources) and route alike."""
+    from engine_fixtures import TWINS
+
+    for family, twin in TWINS.items():
+        a, b = RECORDS[family], RECORDS[twin]
+
+        def kinds(rec):
+            return {name: tuple(src.fused for src in srcs) for name, srcs in rec.sources.items()}
+
+        assert kinds(a) == kinds(b) and a.router == b.router and a.router_inputs == b.router_inputs, family
+
+
 @pytest.mark.parametrize("field", REQUIRED)
 def test_a_record_without_a_required_field_cannot_be_made(field):
     rec = RECORDS["mixtral"]

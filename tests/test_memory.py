@@ -315,7 +315,7 @@ def test_the_cli_offers_the_engines_tiers():
 
 
 # ------------------------------------------------------------------------ the copy path of a miss
-@pytest.mark.parametrize("family", engine_fixtures.FAMILIES)
+@pytest.mark.parametrize("family", engine_fixtures.PATH_FAMILIES)
 @pytest.mark.parametrize("tier", ["disk", "mapped", "host"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["numpy", "torch-threads"])
 def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(

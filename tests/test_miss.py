@@ -14,7 +14,7 @@ import engine_fixtures
 import pytest
 import torch
 from engine_fixtures import (
-    FAMILIES,
+    PATH_FAMILIES,
     TOP_K,
     assert_exact,
     engine_load,
@@ -175,7 +175,7 @@ def test_misses_command_lists_every_path(capsys):
 # ------------------------------------------------------------------------------------------------
 # Exactness in the engine
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 @pytest.mark.parametrize("miss", EXACT)
 def test_exact_paths_equal_the_reference_at_the_minimum_budget_with_prefetch(family, miss, ckpt, reference):
     path = ckpt(family)
@@ -188,7 +188,7 @@ def test_exact_paths_equal_the_reference_at_the_minimum_budget_with_prefetch(fam
     assert stats["requests"] == stats["hits"] + stats["misses"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 @pytest.mark.parametrize("miss", EXACT)
 def test_exact_paths_equal_the_reference_above_the_minimum_without_prefetch(family, miss, ckpt, reference):
     path = ckpt(family)
@@ -198,7 +198,7 @@ def test_exact_paths_equal_the_reference_above_the_minimum_without_prefetch(fami
 
 
 @pytest.mark.skipif(ON_GPU, reason="the grouped kernel is bit-exact on a CPU (opt-in on a GPU)")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(family, ckpt, reference):
     """``batch`` under a policy that admits nothing new (``tlfu:margin=1000``) and a host that never pays:
     misses stream through the buffer, whose pool the grouped kernel computes from as it does the cache's
@@ -248,7 +248,7 @@ def assert_close_tokens(got, want) -> float:
     return diff
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 @pytest.mark.parametrize("prefetch", ["none", "next-gate"])
 def test_split_gives_the_reference_tokens_at_the_minimum_budget(family, prefetch, ckpt, reference):
     path = ckpt(family)
@@ -259,7 +259,7 @@ def test_split_gives_the_reference_tokens_at_the_minimum_budget(family, prefetch
     assert stats["part_misses"]["bottom"] >= stats["part_misses"]["top"] > 0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 @pytest.mark.parametrize("miss", SPLITS[1:])
 def test_split_gives_the_reference_tokens_above_the_minimum(family, miss, ckpt, reference):
     path = ckpt(family)

@@ -16,7 +16,7 @@ import time
 import engine_fixtures
 import pytest
 import torch
-from engine_fixtures import FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
+from engine_fixtures import PATH_FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
 
 from expertcache.cache.tiers import HostLevel, exclusive_reserve
 from expertcache.config import HostConfig
@@ -165,7 +165,7 @@ def test_timing_counts_levels_and_exclusive_holds_more_distinct_experts():
 
 
 # ------------------------------------------------------------------------------- the engine
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 def test_the_engine_with_a_host_level_is_exact_and_replays_to_the_same_counts(family, ckpt, reference):
     path = ckpt(family)
     want = reference(path, IDS)
@@ -188,7 +188,7 @@ def test_the_engine_with_a_host_level_is_exact_and_replays_to_the_same_counts(fa
         assert replay.cache[key] == stats[key], key
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PATH_FAMILIES)
 def test_an_exclusive_host_level_is_exact_and_replays_to_the_same_counts(family, ckpt, reference):
     path = ckpt(family)
     want = reference(path, IDS)
