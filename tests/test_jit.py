@@ -1,5 +1,6 @@
 """The package's compiled loops get the core's full vector width (``expertcache.jit``), unless the user
-chose numba's target themselves; and it holds whether or not numba was imported first."""
+chose numba's target or turned AVX off; it holds whether or not numba was imported first, touches no other
+numba setting, and leaves the environment (child processes) alone."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def test_the_users_own_target_wins():
     assert _ask(ASK, NUMBA_CPU_FEATURES=features) == "False"
     assert _ask("import os; from expertcache import jit; print(os.environ['NUMBA_CPU_FEATURES'])",
                 NUMBA_CPU_FEATURES=features) == features  # fmt: skip
+
+
+def test_avx_turned_off_other_settings_and_the_environment_are_left_alone():
+    assert _ask(ASK, NUMBA_ENABLE_AVX="0") == "False"
+    code = (
+        "import os, numba; numba.config.THREADING_LAYER = 'workqueue'; from expertcache import jit; "
+        "print(numba.config.THREADING_LAYER, 'NUMBA_CPU_FEATURES' in os.environ)"
+    )
+    assert _ask(code) == "workqueue False"
 
 
 @pytest.mark.skipif(AVX512, reason="a core without AVX-512")

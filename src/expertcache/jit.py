@@ -9,40 +9,37 @@ step's 8 int8 experts at Granite's shapes took 1287 us with 256-bit vectors and 
 docs/BENCHMARKS.md). On a core with AVX-512 the package asks LLVM for full-width vectors by compiling
 for the host's features plus ``-prefer-256-bit``.
 
-How: numba reads its target features once per process, from ``NUMBA_CPU_FEATURES``, when it compiles or
-loads its first function; so the variable is set before numba is imported, here, unless the user set
-``NUMBA_CPU_FEATURES`` or ``NUMBA_CPU_NAME`` (theirs wins). Where numba had already compiled something in
-this process before expertcache was imported, its first features stay (``wide_vectors`` says which).
-The features are part of numba's on-disk cache key, so a cached kernel is never reused across them.
-Sums run in another order at another width, so the packed kernels' float32 results differ in their last
-bits from a build with 256-bit vectors; within a process every path runs the same code.
+How: numba takes its target features from ``numba.config.CPU_FEATURES`` (``NUMBA_CPU_FEATURES``) when it
+makes its code generator, at its first compile or cached load; this module sets that value in this
+process only (the environment, and so child processes, are left alone) to numba's own host features
+(``NUMBA_ENABLE_AVX=0`` still takes the AVX features away) plus ``-prefer-256-bit``, unless the user chose
+a target (``NUMBA_CPU_FEATURES``, ``NUMBA_CPU_NAME``) or turned AVX off. No other numba setting is
+touched. Where numba had already compiled something in this process before expertcache was imported, its
+first features stay (``wide_vectors`` says which). The features are part of numba's on-disk cache key, so
+a cached kernel is never reused across them. Sums run in another order at another width, so the packed
+kernels' float32 results differ in their last bits from a build with 256-bit vectors; within a process
+every path runs the same code.
 """
 
 from __future__ import annotations
 
-import os
+import numba
 
 WIDE = "-prefer-256-bit"
 
 
 def _configure() -> None:
-    if "NUMBA_CPU_FEATURES" in os.environ or "NUMBA_CPU_NAME" in os.environ:
-        return
-    try:
-        import llvmlite.binding as ll
-    except ImportError:  # numba is missing too: its importers say so
-        return
-    features = ll.get_host_cpu_features().flatten()
+    config = numba.core.config
+    if config.CPU_FEATURES is not None or config.CPU_NAME is not None or not config.ENABLE_AVX:
+        return  # the user's target (NUMBA_CPU_FEATURES / NUMBA_CPU_NAME), or AVX turned off
+    from numba.core.codegen import get_host_cpu_features  # numba's: '' where LLVM cannot tell
+
+    features = get_host_cpu_features()
     if "+avx512f" in features.split(","):
-        os.environ["NUMBA_CPU_FEATURES"] = f"{features},{WIDE}"
+        config.CPU_FEATURES = f"{features},{WIDE}"
 
 
 _configure()
-
-import numba  # noqa: E402
-
-if os.environ.get("NUMBA_CPU_FEATURES") != numba.config.CPU_FEATURES:  # numba was imported before this
-    numba.core.config.reload_config()  # its code generator reads the features when first made
 
 
 def wide_vectors() -> bool:

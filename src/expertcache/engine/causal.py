@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 
@@ -49,6 +50,8 @@ def text_lm_class(kind: type) -> type:
     fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}  # the cache, hidden states ...
 
     text_model = AutoModel._model_mapping[kind]
+    # the cache's name in the text model's forward: ``cache`` (transformers 5.24 on), ``past_key_values``
+    cache_name = "cache" if "cache" in inspect.signature(text_model.forward).parameters else "past_key_values"
     pretrained = next(
         c for c in text_model.__mro__[1:] if issubclass(c, PreTrainedModel) and c is not PreTrainedModel
     )
@@ -78,14 +81,21 @@ def text_lm_class(kind: type) -> type:
         def set_input_embeddings(self, value) -> None:
             self.model.set_input_embeddings(value)
 
-        def forward(self, input_ids=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
-            """The text model on everything it is given (mask, positions, the cache, ...), then the head
-            on the last ``logits_to_keep`` positions (0: all), as transformers' causal-LM classes do."""
+        def forward(
+            self, input_ids=None, cache=None, labels=None, logits_to_keep=0, **kwargs
+        ) -> CausalLMOutputWithPast:
+            """The text model on everything it is given (mask, positions, the cache under the name its
+            forward takes, ...), then the head on the last ``logits_to_keep`` positions (0: all), and with
+            ``labels`` the causal-LM loss, as transformers' causal-LM classes do."""
+            if cache is not None:
+                kwargs[cache_name] = cache
             out = self.model(input_ids=input_ids, **kwargs)
             hidden = out.last_hidden_state
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            rest = {k: v for k, v in out.items() if k in fields and k != "logits"}
-            return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]), **rest)
+            logits = self.lm_head(hidden[:, keep, :])
+            loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            rest = {k: v for k, v in out.items() if k in fields and k not in ("logits", "loss")}
+            return CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
 
     name = text_model.__name__.removesuffix("Model") + "ForCausalLM"
     TextForCausalLM.__name__ = TextForCausalLM.__qualname__ = name

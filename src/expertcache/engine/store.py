@@ -756,7 +756,8 @@ class ExpertStore:
                         f"{self.ckpt.path}: {ckey} stores each expert transposed ({tuple(shape)}; the model "
                         f"takes {tuple(want)}), as checkpoints written for transformers 4 do; expertcache "
                         "reads experts as transformers 5 saves them: load the checkpoint once with "
-                        "transformers 5 and save_pretrained it"
+                        "transformers 5 and save_pretrained it (where the expert's other matrix is square, "
+                        "neither can tell whether it is transposed: check that one against the model card)"
                     )
             if tuple(shape[1:]) != tuple(want[1:]):
                 raise ExpertcacheError(
