@@ -55,12 +55,11 @@ def test_a_twin_repeats_its_twins_experts_layout_and_router():
     as their twin does (the same slot tensors, each from fused or per-expert sources) and route alike."""
     from engine_fixtures import TWINS
 
+    def kinds(rec):
+        return {name: tuple(src.fused for src in srcs) for name, srcs in rec.sources.items()}
+
     for family, twin in TWINS.items():
         a, b = RECORDS[family], RECORDS[twin]
-
-        def kinds(rec):
-            return {name: tuple(src.fused for src in srcs) for name, srcs in rec.sources.items()}
-
         assert kinds(a) == kinds(b) and a.router == b.router and a.router_inputs == b.router_inputs, family
 
 

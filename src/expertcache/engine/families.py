@@ -626,6 +626,7 @@ _FORGET_GATE = tuple((f"self_attn.{t}", f"self_attn.forget_gate.{t}") for t in (
 _CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
 
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
+_QWEN_FUSED = dict(_QWEN_STYLE, sources=_FUSED_EXPERTS)  # the same with the experts fused, as saved
 # deepseek's first layer is dense, so its tiny model's 3 layers give 2 MoE layers, as the others have
 _DEEPSEEK = dict(_QWEN_STYLE, dense_first=_DEEPSEEK_DENSE_FIRST, tiny=Tiny(layers=3, experts=6))
 # Granite-MoE's fused ``input_linear`` / ``output_linear`` experts, its router under ``router.layer``
@@ -850,7 +851,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "lara_mini": Family(
         name="lara_mini",
-        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        **_QWEN_FUSED,
         renames=(("linear_attn.out_norm.", "linear_attn.norm."),),
         pieces=(
             Pieces(
@@ -920,7 +921,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "minimax_m3_vl_text": Family(
         name="minimax_m3_vl_text",
-        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        **_QWEN_FUSED,
         config=_minimax_m3_vl_text,
         tiny=Tiny(layers=2, experts=6),
     ),
@@ -929,7 +930,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "qwen3_vl_moe_text": Family(  # no causal-LM class in transformers: ``engine.causal`` makes one
         name="qwen3_vl_moe_text",
-        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        **_QWEN_FUSED,
         config=_qwen3_vl_moe_text,
         tiny=Tiny(layers=2, experts=6),
     ),
@@ -959,7 +960,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     ),
     "inkling_text": Family(
         name="inkling_text",
-        **dict(_QWEN_STYLE, sources=_FUSED_EXPERTS),
+        **_QWEN_FUSED,
         config=_inkling_text,
         tiny=Tiny(layers=2, experts=6),
     ),
