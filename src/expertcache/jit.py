@@ -24,6 +24,12 @@ every path runs the same code.
 from __future__ import annotations
 
 import numba
+import numpy.ma  # noqa: F401  (see below)
+
+# numba's argument typing reads ``np.ma``, which numpy 2 imports on first access (a module
+# ``__getattr__``); the simulator's first compiled calls run on two threads at once (OPT's bound beside the
+# policy), and in a fresh clone's test run that first access once recursed until RecursionError. Imported
+# here, before any thread, ``np.ma`` is a plain attribute.
 
 WIDE = "-prefer-256-bit"
 
