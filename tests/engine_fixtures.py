@@ -37,8 +37,17 @@ FAMILIES = tuple(ENGINE_FAMILIES)  # every family the engine supports
 # products that their twin runs (they keep every test of their own: the record, the engine's exactness
 # from the minimum budget to all experts, the kernels, the dense layers quantised, the self-test); the
 # test command stays within its 10 minutes as families are added
-TWINS = {"qwen3_vl_moe_text": "minimax_m3_vl_text", "glm4v_moe_text": "dots3_note_text"}
+TWINS = {
+    "qwen3_vl_moe_text": "minimax_m3_vl_text",
+    "glm4v_moe_text": "dots3_note_text",
+    "hy_v4_vl_text": "hy_v4",
+    "glm5_next_text": "glm_moe_dsa",
+}
 PATH_FAMILIES = tuple(f for f in FAMILIES if f not in TWINS)
+# families whose experts normalise each one's output before its routing weight (Muse Spark's
+# ``has_post_expert_norm``): the engine computes them one at a time (the eager kernel), the grouped and
+# compiled kernels refuse them in one line
+NORMALISED = ("muse_spark_text",)
 ONLINE = [name for name in POLICIES if not is_offline(name)]
 OFFLINE = [name for name in POLICIES if is_offline(name)]
 NEEDS_PROFILE = ("static", "static-dist")

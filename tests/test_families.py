@@ -295,6 +295,20 @@ def test_an_image_text_checkpoint_runs_its_text_model(tokenizer_dir, reference, 
 _NO_CAUSAL_LM = {
     "qwen3_vl_moe": ("qwen3_vl_moe_text", dict(deepstack_visual_indexes=[], temporal_patch_size=1)),
     "glm4v_moe": ("glm4v_moe_text", dict(temporal_patch_size=1, image_size=16)),
+    "hy_v4_vl": ("hy_v4_vl_text", dict(num_hidden_layers=1, num_attention_heads=2, max_image_size=16)),
+    "glm5_next": (
+        "glm5_next_text",
+        dict(temporal_patch_size=1, image_size=16, projection_intermediate_size=32),
+    ),
+    "muse_spark": ("muse_spark_text", dict(num_hidden_layers=1, num_attention_heads=2)),
+}
+# the image-text config's own sizes, beside its text and vision configs (Muse Spark's audio tower)
+_OUTER = {
+    "muse_spark": dict(
+        audio_config=dict(hidden_sizes=[8] * 4, depths=[1] * 4, out_hidden_size=32),
+        out_hidden_size=32,
+        projector_hidden_size=32,
+    )
 }
 
 
@@ -314,7 +328,7 @@ def _image_text_checkpoint(outer: str, tokenizer_dir, out):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32) | vision
     vision |= dict(patch_size=4, spatial_merge_size=1)
     torch.manual_seed(0)
-    config = AutoConfig.for_model(outer, text_config=text, vision_config=vision)
+    config = AutoConfig.for_model(outer, text_config=text, vision_config=vision, **_OUTER.get(outer, {}))
     AutoModelForImageTextToText.from_config(config).save_pretrained(str(out))
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
@@ -345,7 +359,9 @@ def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_te
     with engine_load(path, least, "lru-dist", prefetch="next-gate", link_latency="50us") as model:
         assert type(model.model).__name__.endswith("TextForCausalLM")
         head, embed = model.model.lm_head.weight, model.model.model.embed_tokens.weight
-        assert (head.data_ptr() == embed.data_ptr()) == bool(config.tie_word_embeddings)
+        tied = getattr(config, "tie_word_embeddings", None)  # Muse Spark's says it in its text config only
+        tied = config.get_text_config().tie_word_embeddings if tied is None else tied
+        assert (head.data_ptr() == embed.data_ptr()) == bool(tied)
         got = greedy(model, IDS)
         assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
     assert_exact(got, reference(path, IDS))

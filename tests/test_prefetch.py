@@ -101,6 +101,29 @@ def _proactive(capacity=4, layers=3, experts=4, limit=2, **kw):
     return ExpertCache({FULL: res}, tr, miss, layers, limit=limit, **kw), tr, res
 
 
+def test_a_split_expert_whose_bottom_was_prefetched_is_served_before_one_whose_bottom_is_missing():
+    """Split experts (a top and a bottom part) where the bottoms have room for one a layer: the expert whose
+    bottom is already resident (prefetched, now the layer's demand) goes first, so that its bottom is
+    computed, and becomes evictable, before the other's bottom needs the room (the other way round, the
+    first chunk found every bottom pinned: a PolicyError that the self-test met with Aria and ``eam``)."""
+    ctx = PolicyContext(capacity=8, num_layers=2, num_experts=4, top_k=2)
+    top = Residency(make_policy("lru", ctx))
+    bottom = Residency(
+        make_policy("lru-dist", PolicyContext(capacity=2, num_layers=2, num_experts=4, top_k=1))
+    )
+    tr = _Script()
+    cache = ExpertCache({"top": top, "bottom": bottom}, tr, MissPath(MissContext(2, 4, 2)), 2, limit=2)
+    top.admit([(0, 0)])  # expert 0's top cached
+    bottom.admit([(0, 3)])  # expert 3's bottom prefetched
+    items = [((0, 0), ("top", "bottom")), ((0, 3), ("top", "bottom"))]
+    assert cache.chunks(0, items) == [[items[1]], [items[0]]]
+    for chunk in cache.chunks(0, items):  # each admitted once the one before is served
+        cache.admit(0, chunk)
+        for key, part in cache.order(chunk):
+            cache.wait(key, part)
+    assert (0, 0) in bottom and (0, 3) not in bottom and {(0, 0), (0, 3)} <= top.resident
+
+
 def test_prefetch_admits_through_the_policy_as_speculative_transfers():
     pro, tr, res = _proactive()
     assert pro.prefetch({1: [2, 3, 0]}) == 2  # limit 2 per layer

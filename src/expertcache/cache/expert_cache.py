@@ -318,13 +318,18 @@ class ExpertCache:
         short = [p for p, room in rooms.items() if room < 1]
         if short:
             raise PolicyError(f"part {short[0]}: layer {layer} has no room for any expert")
-        # present first: whole, then by the primary part (a part's present keys must be served, and so
-        # become evictable, before its missing ones need their room)
+        # present first: whole, then those missing the fewest parts that are short of room for the layer,
+        # then by the primary part: a part's present keys must be served, and so become evictable, before
+        # its missing ones need their room (a split expert whose bottom was prefetched goes before one
+        # whose top is cached, where the bottoms have room for one)
         parts, primary = self.parts, self.parts[self.primary]
+        tight = [p for p, room in rooms.items() if counts[p] > room]
 
-        def rank(item) -> int:
+        def rank(item) -> tuple[int, int]:
             key, ps = item
-            return 0 if all(key in parts[p] for p in ps) else 1 if key in primary else 2
+            if all(key in parts[p] for p in ps):
+                return 0, 0
+            return 1 + sum(p in ps and key not in parts[p] for p in tight), 0 if key in primary else 1
 
         ordered = sorted(items, key=rank)  # stable: first-use order within each rank
         out, current, used = [], [], Counter()

@@ -372,6 +372,8 @@ class Builder:
         in the same grouped calls as cached ones (a packed checkpoint: the packed kernels over its pool)."""
         if self.packed is not None:
             kernel = KERNELS["packed"]
+            if getattr(module, "has_post_expert_norm", False):  # one packed expert at a time, normalised
+                kernel = dataclasses.replace(kernel, stacked=False)
         else:
             kernel, note = resolve_kernel(name, self.device, module, self.layout)
             if note:

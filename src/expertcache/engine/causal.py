@@ -92,7 +92,7 @@ def text_lm_class(kind: type) -> type:
             out = self.model(input_ids=input_ids, **kwargs)
             hidden = out.last_hidden_state
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(hidden[:, keep, :])
+            logits = _head_scaling(self.lm_head(hidden[:, keep, :]), self.config)
             loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
             rest = {k: v for k, v in out.items() if k in fields and k not in ("logits", "loss")}
             return CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
@@ -113,3 +113,15 @@ def reference_class(config) -> type:
     if kind in AutoModelForImageTextToText._model_mapping:
         return AutoModelForImageTextToText
     return causal_lm_class(config.get_text_config())
+
+
+def _head_scaling(logits: torch.Tensor, config) -> torch.Tensor:
+    """The logits as the image-text class finishes them: Muse Spark's scale them by its text config's
+    ``output_multiplier``, then caps them softly at ``final_logit_softcapping`` (``cap * tanh(x / cap)``)."""
+    scale = getattr(config, "output_multiplier", None)
+    if scale is not None:
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -602,6 +602,51 @@ def _glm4v_moe_text(s: Shape) -> dict[str, object]:
     return {**_glm4_moe(s), "rope_parameters": rope}
 
 
+def _hy_v4_vl_text(s: Shape) -> dict[str, object]:
+    """Hy-V4-VL's text model: Hy-V4's shape, its multimodal rotary sections fitted to the rotary slice."""
+    half = _hy_v4(s)["qk_rope_head_dim"] // 2
+    section = [half - 2 * (half // 4), half // 4, half // 4]
+    return {
+        **_hy_v4(s),
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+    }
+
+
+def _glm5_next_text(s: Shape) -> dict[str, object]:
+    """GLM-5-Next's text model: KDA linear attention in every layer but the last, which is MLA without
+    rotary and with the sparse-attention indexer (keeping every key of a short prompt); hyper-connections,
+    a dense first layer, one shared expert; its experts clamp the gate and up products."""
+    return {
+        **_deepseek_v32(s),
+        "num_key_value_heads": s.heads,  # MLA: one key and value per query head
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": s.head_dim,
+        "v_head_dim": s.head_dim,
+        "linear_head_dim": s.head_dim,
+        "linear_num_heads": s.heads,
+        "index_kpool": 16,
+        "layer_types": _linear_then_full(s),
+        "mlp_layer_types": _dense_then(s),
+    }
+
+
+def _muse_spark_text(s: Shape) -> dict[str, object]:
+    """Muse Spark's text model: each MoE block narrows the hidden states (to half here) for its experts and
+    widens them back, and its experts normalise each one's output (``has_post_expert_norm``); sliding
+    attention layers with a full one last."""
+    return {
+        "num_local_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.intermediate,
+        "moe_hidden_size": s.hidden // 2,
+        "intermediate_size": 2 * s.intermediate,
+        "head_dim": s.head_dim,
+        "layer_types": None,
+        "mlp_layer_types": None,
+        "layer_rope_theta": None,
+    }
+
+
 def _qwen4_exp_text(s: Shape) -> dict[str, object]:
     """Qwen3-Next's shape with its attention indexer small (it keeps every key of a short prompt)."""
     return {
@@ -623,6 +668,12 @@ _FUSED_MLP = Layout("mlp", _FUSED_EXPERTS)  # fused experts under mlp., as publi
 # linear attention's forget-gate tensors, kept by transformers in a module of their own (Bailing, Kimi)
 _FORGET_GATE = tuple((f"self_attn.{t}", f"self_attn.forget_gate.{t}") for t in ("dt_bias", "A_log"))
 # linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear)
+# Kimi Delta Attention's forget gate (Kimi Linear, GLM-5-Next): two projections beside those tensors
+_KDA_FORGET_GATE = (
+    ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
+    ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
+    *_FORGET_GATE,
+)
 _CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
 
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
@@ -638,6 +689,23 @@ _GRANITE = dict(
     },
     renames=(("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"),),
     router="router",
+)
+
+# Hy-V4's fused experts and the names its checkpoints give its hyper-connections and attention sinks
+_HY_V4 = dict(
+    _DEEPSEEK,
+    sources=_FUSED_EXPERTS,
+    renames=(
+        (".hc_pre.hc_", ".hc_"),
+        (".learnable_sink_param", ".sinks"),
+        (".linear_gate", ".gate_proj"),
+        *(
+            (f".hc_{a}_layer.hc_{p}", f".{b}_hc.{p}")
+            for a, b in (("attn", "attn"), ("mlp", "ffn"))
+            for p in ("fn", "base", "scale")
+        ),
+        *((f".hc_head_{p}", f".hc_{p}") for p in ("fn", "base", "scale")),
+    ),
 )
 
 FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
@@ -840,12 +908,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "kimi_linear": Family(
         name="kimi_linear",
         **dict(_DEEPSEEK, block="block_sparse_moe", sources=_per_expert("w1", "w3", "w2")),
-        renames=(
-            ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
-            ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
-            *_FORGET_GATE,
-            (".block_sparse_moe.", ".mlp."),
-        ),
+        renames=(*_KDA_FORGET_GATE, (".block_sparse_moe.", ".mlp.")),
         pieces=(_CONV_QKV,),
         config=_kimi_linear,
     ),
@@ -875,22 +938,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         config=_axk2,
     ),
     "beam": Family(name="beam", **_DEEPSEEK, config=_beam),
-    "hy_v4": Family(
-        name="hy_v4",
-        **dict(_DEEPSEEK, sources=_FUSED_EXPERTS),
-        renames=(
-            (".hc_pre.hc_", ".hc_"),
-            (".learnable_sink_param", ".sinks"),
-            (".linear_gate", ".gate_proj"),
-            *(
-                (f".hc_{a}_layer.hc_{p}", f".{b}_hc.{p}")
-                for a, b in (("attn", "attn"), ("mlp", "ffn"))
-                for p in ("fn", "base", "scale")
-            ),
-            *((f".hc_head_{p}", f".hc_{p}") for p in ("fn", "base", "scale")),
-        ),  # fmt: skip
-        config=_hy_v4,
-    ),
+    "hy_v4": Family(name="hy_v4", **_HY_V4, config=_hy_v4),
     "nemotron_h": Family(
         name="nemotron_h",
         block="mixer",
@@ -939,6 +987,20 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         **_DEEPSEEK,
         layouts=(_FUSED_MLP,),  # its own class saves them fused (the image-text class one by one)
         config=_glm4v_moe_text,
+    ),
+    "hy_v4_vl_text": Family(  # no causal-LM class in transformers, as qwen3_vl_moe_text
+        name="hy_v4_vl_text", **_HY_V4, config=_hy_v4_vl_text
+    ),
+    "glm5_next_text": Family(  # no causal-LM class in transformers, as qwen3_vl_moe_text
+        name="glm5_next_text",
+        **_DEEPSEEK,
+        renames=(*_KDA_FORGET_GATE, (".hc_attn_", ".attn_hc."), (".hc_ffn_", ".ffn_hc.")),
+        pieces=(_CONV_QKV,),
+        config=_glm5_next_text,
+        min_tiny=True,
+    ),
+    "muse_spark_text": Family(  # no causal-LM class in transformers, as qwen3_vl_moe_text
+        name="muse_spark_text", **_QWEN_FUSED, config=_muse_spark_text, tiny=Tiny(layers=2, experts=6)
     ),
     "qwen4_exp_text": Family(
         name="qwen4_exp_text",

@@ -107,7 +107,7 @@ def read_config(path: str | Path):
 # of the text model's other keys (its lm_head): transformers 5's layout (Qwen3.5-MoE's, Gemma 4's). A
 # layout is added here with a checkpoint that uses it (MiniMax-M3-VL's ``language_model.model.`` is not:
 # transformers 5.24's image-text class of it saves no shared experts, which its text class has)
-COMPOSITE_ROOTS = {"model.language_model.": ""}
+COMPOSITE_ROOTS = {"model.language_model.": "", "model.": ""}  # the second: Hy-V4-VL's (vision under vit.)
 
 
 def checkpoint_family(path: str | Path, config) -> Family:
@@ -334,12 +334,15 @@ def load_reference(
 
     config = read_config(path)
     dtype = resolve_dtype(dtype, config)
+    chosen = experts
     if experts is None:
         from expertcache.engine.kernels import default_kernel
 
         experts = default_kernel(device).reference
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
     model = cls.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
+    if chosen is None and any(getattr(m, "has_post_expert_norm", False) for m in model.modules()):
+        model.set_experts_implementation("eager")  # the engine's kernel for these (``resolve_kernel``)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()

@@ -95,8 +95,10 @@ def make_checkpoint(
     args = rec.config(Shape(experts, top_k, intermediate, hidden, heads, layers))
     if "vocab_size_per_layer_input" in args:  # Gemma 4's per-layer inputs: one row a token
         args["vocab_size_per_layer_input"] = len(tok)
-    config = AutoConfig.for_model(
-        family,
+    fixed = args.get("num_key_value_heads")  # a family whose attention fixes it (GLM-5-Next's MLA)
+    if kv_heads is not None and fixed is not None and kv_heads != fixed:
+        raise ExpertcacheError(f"{family} takes {fixed} key-value heads (one a query head), not {kv_heads}")
+    base = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -106,8 +108,8 @@ def make_checkpoint(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **args,
     )
+    config = AutoConfig.for_model(family, **(base | args))
     torch.manual_seed(seed)
     model = causal_lm_class(config).from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)

@@ -34,6 +34,7 @@ from expertcache.engine.kernels import (
 )
 from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
 from expertcache.engine.parts import EnginePart
+from expertcache.engine.routing import moe_routers
 from expertcache.engine.slots import SlotTable, SlotTransport
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL
@@ -109,6 +110,13 @@ class PredictorThread:
         self._pending.append((self.step, self._pool.submit(_inference, fn, args)))
 
 
+def _narrowed(experts: torch.nn.Module, router: torch.nn.Module) -> bool:
+    """Whether the experts take hidden states of another width than their router (Muse Spark's)."""
+    width = getattr(experts, "hidden_dim", None)
+    weight = getattr(router, "weight", None)
+    return width is not None and isinstance(weight, torch.Tensor) and weight.shape[-1] != width
+
+
 def routing_on_host(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: bool | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -166,11 +174,34 @@ class Engine:
         for layer, module in enumerate(experts):
             module._expertcache_engine = self
             module._expertcache_layer = layer
+        # each expert's output normalised before its routing weight (Muse Spark's ``post_expert_norm``),
+        # once the expert's parts are summed, whatever path computed it (only the eager loop runs these)
+        self._post_norm = [
+            module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
+            for module in experts
+        ]
+        if self.grouped and any(n is not None for n in self._post_norm):
+            raise ExpertcacheError(f"experts kernel {kernel.name} cannot normalise each expert's output")
+        # a router that does not take its experts' input (Muse Spark narrows the hidden states for its
+        # experts): a pre-hook keeps the router's own input for the gate-based predictors
+        self._gate_inputs: dict[int, torch.Tensor] = {}
+        self._router_hooks = [
+            router.register_forward_pre_hook(self._keeper(layer))
+            for layer, (module, router) in enumerate(zip(experts, moe_routers(model), strict=True))
+            if _narrowed(module, router)
+        ]
         self._seq = 0  # sequences started so far (one per row of each prefill)
         # who each token of a step is (continuous batching, where the KV cache cannot tell): a callable
         # returning (request id [T], prompt token [T]) for the step about to run, or None (``StepSource``)
         self.step_source: StepSource | None = None
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+
+    def _keeper(self, layer: int):
+        def keep(router, args):
+            x = args[0]
+            self._gate_inputs[layer] = x.reshape(-1, x.shape[-1])
+
+        return keep
 
     def _begin_step(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -203,7 +234,7 @@ class Engine:
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         index, weights = routing_on_host(top_k_index, top_k_weights)  # grouping, routes, recording
-        work = self.driver.layer(layer, index, weights, hidden)
+        work = self.driver.layer(layer, index, weights, self._gate_inputs.pop(layer, hidden))
         if self.grouped:
             return self._grouped(module, layer, hidden, top_k_index, top_k_weights, index, work)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (token_idx, top_k_pos)
@@ -257,9 +288,11 @@ class Engine:
             for expert, handle in on_host.items():
                 outputs[expert] = self.host.result(handle)
         final = torch.zeros_like(hidden)
+        norm = self._post_norm[layer]
         for expert in sorted(outputs):  # eager's order of accumulation
             token_idx, top_k_pos = tokens_of(expert)
-            out = outputs[expert] * top_k_weights[token_idx, top_k_pos, None]
+            out = outputs[expert] if norm is None else norm(outputs[expert])
+            out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out if out.dtype == final.dtype else out.to(final.dtype))
         return final
 
@@ -349,6 +382,8 @@ class Engine:
         slots) is freed when the last reference to it goes, not at some later garbage collection: a
         sweep loading one model after another in one process held every closed one until then."""
         self._hook.remove()
+        for hook in self._router_hooks:
+            hook.remove()
         self.driver.close()
         self.host.close()
         self.transport.worker.close()
