@@ -312,14 +312,14 @@ _OUTER = {
 }
 
 
-def _image_text_checkpoint(outer: str, tokenizer_dir, out):
+def _image_text_checkpoint(outer: str, tokenizer_dir, out, intermediate: int = 32):
     """A tiny image-text checkpoint of ``outer`` (``_NO_CAUSAL_LM``) as transformers saves it."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     record, vision = _NO_CAUSAL_LM[outer]
-    shape = Shape(experts=6, top_k=TOP_K, intermediate=32, hidden=32, heads=4, layers=3)
+    shape = Shape(experts=6, top_k=TOP_K, intermediate=intermediate, hidden=32, heads=4, layers=3)
     text = {
         **dict(vocab_size=300, hidden_size=32, num_hidden_layers=3, num_attention_heads=4),
         **dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
@@ -367,40 +367,63 @@ def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_te
     assert_exact(got, reference(path, IDS))
 
 
-def test_qwen3_vl_moe_s_head_is_untied_its_packed_checkpoint_runs_and_transposed_experts_are_refused(
-    tokenizer_dir, tmp_path
-):
-    """Qwen3-VL-MoE's text config alone would tie the output head, its image-text config does not (the
-    engine follows the image-text one: the exactness test above fails otherwise); an int8 packed
-    checkpoint of it runs; the published checkpoints' experts, written for transformers 4, are stored
-    transposed and refused in one line."""
+def _transposed_copy(path, out):
+    """``path`` with every fused expert tensor stored transposed (``[E, H, 2F]``, ``[E, F, H]``), as
+    checkpoints written for transformers 4 store them."""
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        tensors = {
+            k: t.transpose(1, 2).contiguous() if ".mlp.experts." in k and t.dim() == 3 else t
+            for k, t in tensors.items()
+        }
+        save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+def test_qwen3_vl_moe_s_head_is_untied_its_packed_checkpoint_runs_and_its_transposed_experts_are_read(
+    tokenizer_dir, reference, make_ckpt, tmp_path
+):
+    """Qwen3-VL-MoE's text config alone would tie the output head, its image-text config does not (the
+    engine follows the image-text one: the exactness test above fails otherwise); an int8 packed
+    checkpoint of it runs. The published checkpoints' experts, written for transformers 4, are stored
+    transposed: read transposed as transformers reads them (exact, from the disk tier's exact reads and
+    from host memory), packed into the same int8 checkpoint; another family's transposed experts are
+    refused in one line."""
+    from safetensors.torch import load_file
 
     from expertcache.cli import main
     from expertcache.engine import load
     from expertcache.errors import ExpertcacheError
 
-    path = tmp_path / "vl"
-    config = _image_text_checkpoint("qwen3_vl_moe", tokenizer_dir, path)
+    path = tmp_path / "vl"  # no expert matrix square (a square one cannot be told transposed)
+    config = _image_text_checkpoint("qwen3_vl_moe", tokenizer_dir, path, intermediate=24)
     assert config.get_text_config().tie_word_embeddings and not config.tie_word_embeddings
     assert main(["quantize", str(path), "--bits", "8", "--checkpoint", str(tmp_path / "int8")]) == 0
     with engine_load(tmp_path / "int8", 2 * TOP_K, "lru") as model:
         assert model.stats["expert_format"].startswith("int8")
         assert greedy(model, IDS)[0].shape[1] > IDS.shape[1]
 
-    old = tmp_path / "transposed"
-    shutil.copytree(path, old)
-    for f in old.glob("*.safetensors"):
-        tensors = load_file(f)
-        tensors = {
-            k: t.transpose(1, 2).contiguous() if ".mlp.experts." in k else t for k, t in tensors.items()
-        }
-        save_file(tensors, f, metadata={"format": "pt"})
+    old = _transposed_copy(path, tmp_path / "transposed")
+    want = reference(path, IDS)
+    assert_exact(reference(old, IDS), want)  # transformers transposes them back at load
+    for tier in ("disk", "host"):
+        with engine_load(old, 2 * TOP_K, "lru", slow_tier=tier) as model:
+            got = greedy(model, IDS)
+            assert model.stats["misses"] > 0
+        assert_exact(got, want)
+    assert main(["quantize", str(old), "--bits", "8", "--checkpoint", str(tmp_path / "int8t")]) == 0
+    packed, packed_t = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("int8", "int8t"))
+    assert packed.keys() == packed_t.keys() and all(torch.equal(packed[k], packed_t[k]) for k in packed)
+
+    other = _transposed_copy(make_ckpt("minimax_m3_vl_text"), tmp_path / "other")
     transposed = r"gate_up_proj stores each expert transposed \(\(32, 64\); the model takes \(64, 32\)\)"
     with pytest.raises(ExpertcacheError, match=transposed + ", as checkpoints written for transformers 4 do"):
-        load(old, progress=False)
+        load(other, progress=False)
 
 
 def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_fits_its_tokenizer(tmp_path):

@@ -8,9 +8,9 @@ slot tensor of one expert, which checkpoint tensors fill it (rows concatenated i
 non-expert checkpoint keys are renamed to the model's parameter names, where the MoE block keeps its
 router (the gate-based predictors call it), how a random checkpoint of the family is configured, and
 the shape of its tiny test model. Adding a family is adding one record to ``FAMILIES``; the fields
-with a default (``renames``, ``pieces``, ``root``, ``outer``, ``layouts``, ``router_inputs``,
-``router_batched``, ``dense_first``) may be left out, every other is required, so a forgotten one fails
-at import.
+with a default (``renames``, ``pieces``, ``root``, ``outer``, ``layouts``, ``transposed_ok``,
+``router_inputs``, ``router_batched``, ``dense_first``, ``min_tiny``) may be left out, every other is
+required, so a forgotten one fails at import.
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ class Family:
     root: str = "model."  # the checkpoint's name for the model's ``model.`` (Nemotron-H's ``backbone.``)
     outer: str = ""  # an image-text checkpoint's prefix of its text model's other keys (``language_model.``)
     layouts: tuple[Layout, ...] = ()  # other layouts of the experts in this family's checkpoints
+    # a fused expert tensor may be stored transposed (transformers 4's layout, Qwen3-VL-MoE's published
+    # checkpoints): read transposed where its shape is the model's reversed, as transformers' own
+    # ``Transpose(check_dims=True)`` for the family does (a square one is taken as it is, by both)
+    transposed_ok: bool = False
     router: str  # the MoE block's attribute (transformers 5.x module) that holds its router
     # block attributes the router takes after the hidden states; such a router is called as its block
     # calls it, with hidden states [1, T, H] (AFMoE's takes the block's expert_bias)
@@ -979,6 +983,7 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
     "qwen3_vl_moe_text": Family(  # no causal-LM class in transformers: ``engine.causal`` makes one
         name="qwen3_vl_moe_text",
         **_QWEN_FUSED,
+        transposed_ok=True,  # the published checkpoints' experts, [E, H, 2F] and [E, F, H]
         config=_qwen3_vl_moe_text,
         tiny=Tiny(layers=2, experts=6),
     ),

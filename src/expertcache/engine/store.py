@@ -548,6 +548,7 @@ class ExpertStore:
         self.drop_pages = False
         self._plans: dict[tuple, tuple[Read, ...] | None] = {}  # (key, chunk) -> its copy plan
         self._collected: list | None = None  # ``collecting``: the plans noted instead of run
+        self._transposed: set[str] = set()  # fused tensors stored transposed (``Family.transposed_ok``)
         self._check()
 
     def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
@@ -558,6 +559,8 @@ class ExpertStore:
     def _source(self, ckey: str, fused: bool, expert: int) -> torch.Tensor:
         """Checkpoint tensor ``ckey``'s part of ``expert`` (its row of a fused tensor); packed: its bytes."""
         src = self.ckpt.row(ckey, expert) if fused else self.ckpt.tensor(ckey)
+        if ckey in self._transposed:  # a view: ``copy_plan`` leaves it to ``read_rows``
+            return src.T
         return src if self.packed is None else as_bytes(src)
 
     def expert_keys(self) -> set[str]:
@@ -720,6 +723,15 @@ class ExpertStore:
             n = src.shape[0]
             lo, hi = max(start, row), min(stop, row + n)
             if lo < hi:
+                if ckey in self._transposed:  # the stored expert read whole (exactly on the disk tier)
+                    stored = src.T
+                    if self.drop_pages:
+                        whole = torch.empty(stored.shape, dtype=stored.dtype)
+                        if self.ckpt.read_into(ckey, stored, whole):
+                            stored = whole
+                    copy_tensor(dst[lo:hi], stored.T[lo - row : hi - row])
+                    row += n
+                    continue
                 piece = src[lo - row : hi - row]
                 if not (self.drop_pages and self.ckpt.read_into(ckey, piece, dst[lo:hi])):
                     copy_tensor(dst[lo:hi], piece)
@@ -752,13 +764,18 @@ class ExpertStore:
                     )
                 shape = shape[1:]
                 if len(srcs) == 1 and len(shape) == 2 and tuple(shape) == tuple(want)[::-1] != tuple(want):
-                    raise ExpertcacheError(
-                        f"{self.ckpt.path}: {ckey} stores each expert transposed ({tuple(shape)}; the model "
-                        f"takes {tuple(want)}), as checkpoints written for transformers 4 do; expertcache "
-                        "reads experts as transformers 5 saves them: load the checkpoint once with "
-                        "transformers 5 and save_pretrained it (where the expert's other matrix is square, "
-                        "neither can tell whether it is transposed: check that one against the model card)"
-                    )
+                    if self.family.transposed_ok:
+                        self._transposed.add(ckey)
+                        shape = tuple(want)
+                    else:
+                        raise ExpertcacheError(
+                            f"{self.ckpt.path}: {ckey} stores each expert transposed ({tuple(shape)}; the "
+                            f"model takes {tuple(want)}), as checkpoints written for transformers 4 do; "
+                            "expertcache reads experts as transformers 5 saves them: load the checkpoint "
+                            "once with transformers 5 and save_pretrained it (where the expert's other "
+                            "matrix is square, neither can tell whether it is transposed: check that one "
+                            "against the model card)"
+                        )
             if tuple(shape[1:]) != tuple(want[1:]):
                 raise ExpertcacheError(
                     f"{self.ckpt.path}: {ckey} has shape {shape}, model expects rows of {want[1:]}"
