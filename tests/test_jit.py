@@ -51,3 +51,20 @@ def test_avx_turned_off_other_settings_and_the_environment_are_left_alone():
 @pytest.mark.skipif(AVX512, reason="a core without AVX-512")
 def test_other_cores_keep_numbas_defaults():
     assert _ask(ASK) == "False"
+
+
+def test_the_users_torch_thread_count_survives_the_first_parallel_loop():
+    """numba's OpenMP threads, started at the first parallel loop, once set torch's thread count to
+    numba's (torch's OpenMP runtime is the one numba gets where torch was loaded first): a process that
+    had asked torch for one thread ran it on every core after its first packed-experts call. The count
+    stays, and numba's loops keep their own threads."""
+    code = (
+        "import torch; torch.set_num_threads(1); torch.get_num_threads(); import numpy as np; "
+        "from expertcache.engine import _packed_jit; "
+        "pool = np.zeros((2, 4096), np.uint8); x = np.ones((1, 32), np.float32); "
+        "out = np.zeros((1, 32), np.float32); "
+        "_packed_jit.rows_int8(pool, 0, 2048, 32, 32, np.zeros(1, np.int64), x, out, False); "
+        "import numba; print(torch.get_num_threads(), numba.get_num_threads())"
+    )
+    torch_threads, numba_threads = _ask(code, NUMBA_NUM_THREADS="2").split()
+    assert torch_threads == "1" and numba_threads == "2"

@@ -23,6 +23,8 @@ every path runs the same code.
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy.ma  # noqa: F401  (see below)
 
@@ -46,6 +48,28 @@ def _configure() -> None:
 
 
 _configure()
+
+
+def _launch_threads() -> None:
+    """Start numba's thread pool now, keeping torch's thread count. numba's OpenMP layer starts its
+    threads by setting the calling thread's OpenMP thread count, and where torch was loaded first its
+    OpenMP runtime is the one the dynamic linker gives numba: torch then reports and uses that count as
+    its own (on the development VM a process that had called ``torch.set_num_threads(1)`` ran torch on
+    both cores after its first packed-experts call). torch is not imported here: where it already is, its
+    count is put back; where it is imported later, it keeps an OpenMP runtime of its own."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    try:
+        from numba.np.ufunc.parallel import _launch_threads as launch
+
+        launch()
+    except Exception:  # no threading layer here: the first parallel loop reports it, as numba does
+        return
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+_launch_threads()
 
 
 def wide_vectors() -> bool:
