@@ -12,6 +12,13 @@ rows of input): the experts' two projections (8 pairs a call in a decode step), 
 the output head's (one row). Prints per shape the milliseconds per decode token and the weight bytes
 read per second, and TPOT, medians over rounds; results to stdout, progress to stderr.
 
+``--modules`` also times, per decode token, the parts of the model around the loops, each wrapped where
+it is called (so a part's time includes what it calls): the engine's experts step (``Engine.run_experts``,
+its loops included), the dense int8 layers (``QuantizedLinear``, the output head's included), the
+decoder layers' attention modules (their projections, rotary, cache update and attention), transformers'
+attention function alone (``sdpa``), the key-value cache's update, the routers and the RMSNorms (the
+classes of the first decoder layer's modules). Each wrapper adds about a microsecond a call.
+
 ``--no-huge-pages`` leaves the slot pool on 4 KiB pages (``memory.advise_huge_pages`` switched off), and
 ``NUMBA_CPU_FEATURES`` set to the host's own features gives numba's default vector width
 (``expertcache/jit.py``): together, the engine before full-width vectors and huge pages.
@@ -34,6 +41,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-huge-pages", action="store_true")
+    ap.add_argument("--modules", action="store_true", help="time the parts of the model around the loops")
     args = ap.parse_args()
     import torch
 
@@ -59,19 +67,25 @@ def main() -> None:
         calls[key] += 1
 
     _packed_jit.rows_int8 = timed
+    parts: collections.Counter = collections.Counter()
+    if args.modules:
+        _wrap_parts(model, parts)
     model.generate(ids, max_new_tokens=4)
     n = args.new_tokens
     tpots, per_shape, rates = [], collections.defaultdict(list), collections.defaultdict(list)
+    by_part = collections.defaultdict(list)
     for r in range(args.rounds):
-        spent.clear(), calls.clear()
+        spent.clear(), calls.clear(), parts.clear()
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=1)
         first = time.perf_counter() - t
-        prefill = dict(spent)
-        spent.clear(), calls.clear()
+        prefill, prefill_parts = dict(spent), dict(parts)
+        spent.clear(), calls.clear(), parts.clear()
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=n + 1)
         tpots.append((time.perf_counter() - t - first) / n)
+        for name, s in parts.items():
+            by_part[name].append((s - prefill_parts.get(name, 0.0)) / n)
         for key, s in spent.items():
             per_shape[key].append((s - prefill.get(key, 0.0)) / n)
             rates[key].append(key[0] * key[1] * key[2] * calls[key] / s / 1e9)  # the whole run's calls
@@ -90,6 +104,50 @@ def main() -> None:
     tpot, low, high = (1e3 * f(tpots) for f in (statistics.median, min, max))
     print(f"int8 loops {total * 1e3:.1f} ms of a {tpot:.1f} ms decode token (TPOT median of {args.rounds}, "
           f"range {low:.1f}-{high:.1f} ms)")  # fmt: skip
+    if by_part:
+        print()
+        print("| part of the model (with what it calls) | ms a decode token |")
+        print("|---|---|")
+        for name in sorted(by_part, key=lambda k: -statistics.median(by_part[k])):
+            print(f"| {name} | {statistics.median(by_part[name]) * 1e3:.2f} |")
+
+
+def _wrap_parts(model, parts) -> None:
+    """Time the model's parts around the loops (``--modules``), by class: each call adds to ``parts``."""
+    from transformers import cache_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from expertcache.engine import dense, runtime
+    from expertcache.engine.routing import moe_routers
+
+    def timing(inner, name: str):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                parts[name] += time.perf_counter() - t
+
+        return timed
+
+    def wrap(owner, attr: str, name: str) -> None:
+        setattr(owner, attr, timing(getattr(owner, attr), name))
+
+    layer = model.model.model.layers[0]
+    wrap(runtime.Engine, "run_experts", "experts step (engine, loops included)")
+    wrap(dense.QuantizedLinear, "forward", "dense int8 layers (output head included)")
+    attention = getattr(layer, "self_attn", None)
+    if attention is not None:
+        wrap(type(attention), "forward", f"attention module ({type(attention).__name__})")
+    impl = model.model.config._attn_implementation
+    if impl in ALL_ATTENTION_FUNCTIONS:  # looked up at every call: the registered function, timed
+        functions = ALL_ATTENTION_FUNCTIONS._global_mapping
+        functions[impl] = timing(functions[impl], f"attention function ({impl})")
+    wrap(cache_utils.DynamicLayer, "update", "key-value cache update")
+    wrap(type(moe_routers(model.model)[0]), "forward", "routers")
+    norm = getattr(layer, "input_layernorm", None)
+    if norm is not None:
+        wrap(type(norm), "forward", f"norms ({type(norm).__name__})")
 
 
 if __name__ == "__main__":
