@@ -671,13 +671,13 @@ _FUSED_EXPERTS = {
 _FUSED_MLP = Layout("mlp", _FUSED_EXPERTS)  # fused experts under mlp., as published
 # linear attention's forget-gate tensors, kept by transformers in a module of their own (Bailing, Kimi)
 _FORGET_GATE = tuple((f"self_attn.{t}", f"self_attn.forget_gate.{t}") for t in ("dt_bias", "A_log"))
-# linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear)
 # Kimi Delta Attention's forget gate (Kimi Linear, GLM-5-Next): two projections beside those tensors
 _KDA_FORGET_GATE = (
     ("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
     ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."),
     *_FORGET_GATE,
 )
+# linear attention's three short convolutions, one tensor in transformers (Bailing, Kimi Linear, GLM-5-Next)
 _CONV_QKV = Pieces("self_attn.conv1d.weight", tuple(f"self_attn.{p}_conv1d.weight" for p in "qkv"))
 
 _QWEN_STYLE = dict(block="mlp", sources=_per_expert("gate_proj", "up_proj", "down_proj"), router="gate")
