@@ -361,9 +361,29 @@ def test_an_image_text_model_whose_text_model_has_no_causal_lm_class_runs_its_te
         head, embed = model.model.lm_head.weight, model.model.model.embed_tokens.weight
         tied = getattr(config, "tie_word_embeddings", None)  # Muse Spark's says it in its text config only
         tied = config.get_text_config().tie_word_embeddings if tied is None else tied
-        assert (head.data_ptr() == embed.data_ptr()) == bool(tied)
+        ties = bool(
+            getattr(AutoModelForImageTextToText._model_mapping[type(config)], "_tied_weights_keys", None)
+        )
+        assert (head.data_ptr() == embed.data_ptr()) == (bool(tied) and ties)
         got = greedy(model, IDS)
         assert model.stats["misses"] > 0 and model.stats["prefetch_issued"] > 0
+    assert_exact(got, reference(path, IDS))
+
+
+def test_muse_spark_s_head_stays_untied_whatever_its_configs_say(tokenizer_dir, reference, tmp_path):
+    """Muse Spark's image-text class ties no weights (no ``_tied_weights_keys``): a checkpoint whose text
+    config asks for a tied head still has its own, and the engine keeps it (it tied it, and its tokens
+    differed from transformers')."""
+    import json
+
+    path = tmp_path / "muse"
+    _image_text_checkpoint("muse_spark", tokenizer_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    with engine_load(path) as model:
+        assert model.model.lm_head.weight.data_ptr() != model.model.model.embed_tokens.weight.data_ptr()
+        got = greedy(model, IDS)
     assert_exact(got, reference(path, IDS))
 
 
@@ -445,6 +465,8 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
         ):
             make_checkpoint(tmp_path / family, family, layers=layers, hidden=32, experts=4, intermediate=32)
         assert not (tmp_path / family).exists()
+    with pytest.raises(ExpertcacheError, match=r"^qwen3_moe: transformers refuses these sizes \(.*head_dim"):
+        make_checkpoint(tmp_path / "odd", "qwen3_moe", hidden=36, heads=4, experts=4, intermediate=32)
     path = make_checkpoint(
         tmp_path / "gemma4", "gemma4_text", layers=2, hidden=32, experts=4, intermediate=32
     )

@@ -84,6 +84,28 @@ def test_each_kernel_is_exact_against_its_transformers_implementation(family, me
 
 
 @needs_grouped
+@pytest.mark.parametrize("family", ["glm5_next_text", "hy_v4"])
+def test_a_gate_that_rounds_by_its_place_is_computed_one_expert_at_a_time(family, make_ckpt):
+    """Hy-V4's and GLM-5-Next's clamped gate writes a fresh tensor, whose values round by their place in it
+    where a row holds a number of values the vector loops do not divide (24 here): the grouped kernel, whose
+    rows sit elsewhere than ``grouped_mm``'s, differed from it by 6e-8 in a logit. Such experts run one at
+    a time (auto takes the eager kernel, with a note; ``--kernel grouped`` is refused in one line), exact
+    against the reference ``load_reference`` takes for them, with misses and without."""
+    path = make_ckpt(family, intermediate=24)
+    want = reference_of(path, "eager")
+    for memory in ("100%", "50%"):
+        with engine_load(path, expert_memory=memory) as model:
+            assert model.kernel.name == "eager"
+            assert any("own gate rounds a value by its place" in note for note in model.notes)
+            assert_exact(greedy(model, IDS), want)
+    from expertcache.engine.loader import load_reference
+
+    assert_exact(greedy(load_reference(path), IDS), want)  # the default reference for it: eager's
+    with pytest.raises(ExpertcacheError, match=r"^experts kernel grouped cannot run here: .*rows of 24"):
+        engine_load(path, kernel="grouped")
+
+
+@needs_grouped
 @pytest.mark.parametrize("memory", ["100%", "40%"])
 def test_the_grouped_kernel_is_exact_in_bfloat16(memory, make_ckpt):
     path = make_ckpt("granitemoe", dtype="bfloat16")

@@ -1002,7 +1002,6 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
         renames=(*_KDA_FORGET_GATE, (".hc_attn_", ".attn_hc."), (".hc_ffn_", ".ffn_hc.")),
         pieces=(_CONV_QKV,),
         config=_glm5_next_text,
-        min_tiny=True,
     ),
     "muse_spark_text": Family(  # no causal-LM class in transformers, as qwen3_vl_moe_text
         name="muse_spark_text", **_QWEN_FUSED, config=_muse_spark_text, tiny=Tiny(layers=2, experts=6)

@@ -119,6 +119,38 @@ def gate(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return module._apply_gate(h) if getattr(module, "has_gate", True) else module.act_fn(h)
 
 
+# values a row of the gate's output holds for its rounding not to depend on the row's place: torch's
+# vectorised CPU loops take 16 float32 (32 bfloat16) values a step, and finish a tensor's last values apart
+GATE_ROW_ALIGN = 32
+
+
+def _placed_gate(module: torch.nn.Module) -> str | None:
+    """Why the grouped kernel is not exact for ``module`` (None when it is): a family's own gate that
+    writes a fresh tensor (Hy-V4's and GLM-5-Next's clamp) rounds a value by its place in that tensor where
+    a row's length is not a multiple of the vector loops' step; the grouped kernel places rows where
+    ``grouped_mm`` does not (a decode step's rows in routing order, not sorted by expert; a missed
+    expert's rows computed apart, as they land), so a value can round to its neighbour (6e-8 in a logit of
+    GLM-5-Next at 24 values a row). Real checkpoints' rows (768 values and up) are multiples."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    own = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+    width = getattr(module, "intermediate_dim", None)
+    if own and getattr(module, "has_gate", True) and isinstance(width, int) and width % GATE_ROW_ALIGN:
+        return (
+            f"{type(module).__name__}'s own gate rounds a value by its place in its rows of {width} values "
+            f"(not a multiple of {GATE_ROW_ALIGN}), which the grouped kernel's groups do not keep"
+        )
+    return None
+
+
+def not_grouped(module: torch.nn.Module) -> str | None:
+    """Why the family of experts ``module`` is computed one expert at a time, whatever the machine (None:
+    the grouped kernel is exact for it): experts that normalise each output, or a gate placed by rows."""
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{type(module).__name__} normalises each expert's output"
+    return _placed_gate(module)
+
+
 def resolve_kernel(
     name: str | None, device: torch.device, module: torch.nn.Module, layout=None
 ) -> tuple[Kernel, str | None]:
@@ -128,8 +160,8 @@ def resolve_kernel(
     why = grouped_available(device)
     if why is None and layout is not None:
         why = _unaligned(layout)
-    if why is None and getattr(module, "has_post_expert_norm", False):
-        why = f"{type(module).__name__} normalises each expert's output"
+    if why is None:
+        why = not_grouped(module)
     if name in (None, AUTO_KERNEL):
         why = why or _auto_refuses_grouped(device)
         if why is None:

@@ -100,6 +100,11 @@ def read_config(path: str | Path):
     # text config defaults to tied, the image-text config to untied)
     if getattr(config, "tie_word_embeddings", None) is not None:
         text.tie_word_embeddings = config.tie_word_embeddings
+    from transformers import AutoModelForImageTextToText
+
+    mapping = AutoModelForImageTextToText._model_mapping
+    if type(config) in mapping and not getattr(mapping[type(config)], "_tied_weights_keys", None):
+        text.tie_word_embeddings = False  # a class that ties nothing (Muse Spark's), whatever the configs say
     return text
 
 
@@ -341,8 +346,11 @@ def load_reference(
         experts = default_kernel(device).reference
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
     model = cls.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
-    if chosen is None and any(getattr(m, "has_post_expert_norm", False) for m in model.modules()):
-        model.set_experts_implementation("eager")  # the engine's kernel for these (``resolve_kernel``)
+    if chosen is None:
+        from expertcache.engine.kernels import not_grouped
+
+        if any(hasattr(m, "_apply_gate") and not_grouped(m) for m in model.modules()):
+            model.set_experts_implementation("eager")  # the engine's kernel for these (``resolve_kernel``)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from expertcache.engine.families import FAMILIES, Shape
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _CHECKPOINT_FILES = (
@@ -109,7 +109,10 @@ def make_checkpoint(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    config = AutoConfig.for_model(family, **(base | args))
+    try:
+        config = AutoConfig.for_model(family, **(base | args))
+    except Exception as exc:  # transformers' own check of the sizes (a head of 9 values where 2 divide it)
+        raise ExpertcacheError(f"{family}: transformers refuses these sizes ({first_line(exc)})") from None
     torch.manual_seed(seed)
     model = causal_lm_class(config).from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)
