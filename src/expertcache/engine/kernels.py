@@ -131,8 +131,10 @@ def _placed_gate(module: torch.nn.Module) -> str | None:
     ``grouped_mm`` does not (a decode step's rows in routing order, not sorted by expert; a missed
     expert's rows computed apart, as they land), so a value can round to its neighbour (6e-8 in a logit of
     GLM-5-Next at 24 values a row). Real checkpoints' rows (768 values and up) are multiples."""
-    from transformers.integrations.moe import _default_apply_gate
-
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a transformers without it: no family's own gate to tell apart
+        return None
     own = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
     width = getattr(module, "intermediate_dim", None)
     if own and getattr(module, "has_gate", True) and isinstance(width, int) and width % GATE_ROW_ALIGN:
