@@ -148,10 +148,15 @@ def test_bad_device_name_is_a_usage_error(capsys):
     assert exc.value.code == 2
 
 
-def test_python_api_is_lazy_and_returns_the_report(monkeypatch):
+def test_python_api_is_lazy_and_returns_the_report(monkeypatch, capfd):
+    from transformers.utils import logging as hf_logging
+
     monkeypatch.setattr(st, "plan", lambda device, quick=False: [st.Case("qwen3_moe", "lfu", "min", "host")])
     seen: list[str] = []
+    hf_logging.enable_progress_bar()
     report = expertcache.selftest("cpu", log=seen.append)
+    assert "Writing model shards" not in capfd.readouterr().err  # no bar per tiny model saved
+    assert hf_logging.is_progress_bar_enabled()  # the caller's setting, back
     assert expertcache.selftest is st.selftest
     assert report.ok and [c.line() for c in report.checks] == seen
     assert seen == ["PASS qwen3_moe lfu 17% host prefetch=none (tokens equal, max |dlogit| 0)"]

@@ -222,8 +222,12 @@ def selftest(
     dev = resolve_device(device)
     report = Report(_describe(dev), quick)
     start = time.perf_counter()
+    from transformers.utils import logging as hf_logging
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and a loaded machine stays usable
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per tiny model saved and loaded: the checks' lines only
     try:
         with tempfile.TemporaryDirectory(prefix="expertcache-selftest-") as tmp:
             models = Models(Path(tmp), dev)
@@ -239,6 +243,8 @@ def selftest(
                     log(check.line())
     finally:
         torch.set_num_threads(threads)
+        if bars:
+            hf_logging.enable_progress_bar()
     report.seconds = time.perf_counter() - start
     return report
 
