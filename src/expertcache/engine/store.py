@@ -549,6 +549,7 @@ class ExpertStore:
         self._plans: dict[tuple, tuple[Read, ...] | None] = {}  # (key, chunk) -> its copy plan
         self._collected: list | None = None  # ``collecting``: the plans noted instead of run
         self._transposed: set[str] = set()  # fused tensors stored transposed (``Family.transposed_ok``)
+        self._last_block: tuple[tuple[str, int], torch.Tensor] | None = None  # ``_stored_block``'s
         self._check()
 
     def sources(self, key: Key) -> dict[str, list[tuple[str, bool]]]:
@@ -723,19 +724,30 @@ class ExpertStore:
             n = src.shape[0]
             lo, hi = max(start, row), min(stop, row + n)
             if lo < hi:
-                if ckey in self._transposed:  # the stored expert read whole (exactly on the disk tier)
-                    stored = src.T
-                    if self.drop_pages:
-                        whole = torch.empty(stored.shape, dtype=stored.dtype)
-                        if self.ckpt.read_into(ckey, stored, whole):
-                            stored = whole
-                    copy_tensor(dst[lo:hi], stored.T[lo - row : hi - row])
+                if ckey in self._transposed:
+                    piece = self._stored_block(ckey, expert, src.T).T[lo - row : hi - row]
+                    copy_tensor(dst[lo:hi], piece)
                     row += n
                     continue
                 piece = src[lo - row : hi - row]
                 if not (self.drop_pages and self.ckpt.read_into(ckey, piece, dst[lo:hi])):
                     copy_tensor(dst[lo:hi], piece)
             row += n
+
+    def _stored_block(self, ckey: str, expert: int, stored: torch.Tensor) -> torch.Tensor:
+        """A transposed tensor's stored block of one expert (``stored``, a view of the file's map), read
+        whole and exactly on the disk tier: a chunk's rows are columns spread over all of it. The last one
+        read is kept, so that a transfer's chunks read it once, not once a chunk."""
+        if not self.drop_pages:
+            return stored
+        last = self._last_block
+        if last is not None and last[0] == (ckey, expert):
+            return last[1]
+        whole = torch.empty(stored.shape, dtype=stored.dtype)
+        if not self.ckpt.read_into(ckey, stored, whole):
+            return stored
+        self._last_block = ((ckey, expert), whole)
+        return whole
 
     def _check(self) -> None:
         """Every tensor of every expert exists and has the shape the model expects (headers only)."""
