@@ -53,7 +53,9 @@ stderr.
 
 Models larger than memory: ``--limit 2.05GiB`` moves this process (and so its llama.cpp worker) into a
 fresh memory cgroup of that size without swap before anything is loaded (``memory_cpu.Cgroup``; root),
-and records the group's peak; ``--no-reference`` leaves transformers out (its model would not fit) and
+drops the files the run reads from the page cache first (a cached page stays charged to the group that
+read it first, so a file cached by another process would be held outside the limit), and records the
+group's peak; ``--no-reference`` leaves transformers out (its model would not fit) and
 with it the token checks and ratios. One engine per run (``--only``), each in a group of its own:
 
     .venv/bin/python bench/engines_cpu.py --model MODEL --llama-python PY --threads 1 --rounds 2 \
@@ -399,6 +401,23 @@ def expertcache_spec(spec: str, extra: dict) -> tuple[str, str, dict, str]:
     return memory, tier, {**extra, **own_args}, name
 
 
+def evict_inputs(args: argparse.Namespace, extra: dict) -> list[Path]:
+    """Drop the files this run reads (the checkpoint, its GGUFs, each spec's ``model=``) from the page
+    cache: a page already cached stays charged to the cgroup that first read it, so a run in a fresh
+    group would otherwise find a file it cannot hold in memory there for free (``memory_cpu.evict``)."""
+    from memory_cpu import evict
+
+    dirs = {Path(args.model)} | {
+        Path(str(expertcache_spec(s, extra)[2]["model"]))
+        for s in args.expertcache
+        if "model" in expertcache_spec(s, extra)[2]
+    }
+    files = [f for d in dirs if d.is_dir() for f in sorted(d.iterdir()) if f.is_file()]
+    files += [Path(g) for g in gguf_files(args.model, args.gguf).values()]
+    evict(files)
+    return files
+
+
 class ExpertcacheEngine(Engine):
     def __init__(self, spec: str, path: Path, pad: int, extra: dict) -> None:
         import expertcache
@@ -591,6 +610,9 @@ def main() -> int:
         (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
         log(f"in memory cgroup {cgroup.path} ({limit} bytes, no swap)")
     extra = parse_extra(args.expertcache_args)
+    if cgroup is not None:  # the files' pages charged to this group as it reads them, not to whoever did
+        evicted = evict_inputs(args, extra)
+        log(f"evicted {len(evicted)} files of the runs from the page cache")
     if args.dtype:
         extra.setdefault("dtype", args.dtype)
 
