@@ -114,6 +114,100 @@ def test_a_row_is_the_same_bits_alone_as_in_a_batch():
         assert torch.equal(q(x[row : row + 1])[0], batch[row])
 
 
+class _Attention(torch.nn.Module):
+    """Three sibling projections of one input and an output projection, quantised: as an attention's."""
+
+    def __init__(self, cols: int, widths: tuple[int, int, int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        for i, (name, rows) in enumerate(zip(("q_proj", "k_proj", "v_proj"), widths, strict=True)):
+            setattr(self, name, _linear(cols, rows, bias, dtype, seed=10 + i))
+        self.o_proj = _linear(widths[0], cols, bias, dtype, seed=13)
+
+
+def _quantized(module: torch.nn.Module, siblings: bool) -> int:
+    """``quantize_dense``'s replacement on a module without a model's config -> sibling groups made."""
+    from expertcache.engine.dense import fuse_siblings
+
+    for name, child in list(module.named_children()):
+        setattr(module, name, QuantizedLinear(child))
+    return fuse_siblings(module) if siblings else 0
+
+
+def _pair(cols=70, widths=(64, 32, 40), bias=False, dtype=torch.bfloat16):
+    """The same quantised layers twice: alone, and with the siblings grouped (``fuse_siblings``)."""
+    alone, grouped = (_Attention(cols, widths, bias, dtype) for _ in range(2))
+    _quantized(alone, False)
+    assert _quantized(grouped, True) == 1
+    return alone, grouped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cols", [70, 128])
+def test_sibling_projections_in_one_pass_give_each_layer_s_own_bits(dtype, bias, cols):
+    """q, k and v computed in one loop over a shared pool: every output the bits of the layer alone, at
+    every number of rows and in any order the members are called; fewer loop calls."""
+    from unittest import mock
+
+    from expertcache.engine import _packed_jit
+    from expertcache.engine.dense import SiblingGroup
+
+    alone, grouped = _pair(cols, bias=bias, dtype=dtype)
+    assert isinstance(grouped.q_proj.group, SiblingGroup)
+    assert grouped.q_proj.pool is grouped.v_proj.pool and grouped.o_proj.group is None
+    names = ("q_proj", "k_proj", "v_proj")
+    for a, b in ((getattr(alone, n), getattr(grouped, n)) for n in names):  # the same weights, regrouped
+        assert torch.equal(a.weight_expanded(), b.weight_expanded()) and a.nbytes <= b.nbytes + 64
+    inner = _packed_jit.rows_int8
+    for t in ROWS:
+        x = torch.randn(2, t, cols).to(dtype) if t <= 40 else torch.randn(t, cols).to(dtype)
+        want = [getattr(alone, n)(x) for n in names]
+        for order in (names, names[::-1], ("k_proj", "q_proj", "v_proj")):
+            with mock.patch.object(_packed_jit, "rows_int8", side_effect=inner) as loops:
+                got = {n: getattr(grouped, n)(x) for n in order}
+            for n, w in zip(names, want, strict=True):
+                assert got[n].shape == w.shape and got[n].dtype == w.dtype and torch.equal(got[n], w), (t, n)
+            assert loops.call_count == (1 if 2 * t <= CPU_ROWS["int8"] else 0), t
+        assert grouped.q_proj.last.group is None  # all three taken: nothing held
+
+
+def test_a_sibling_product_is_taken_only_right_after_it_is_made():
+    """Any other quantised layer run in between, or another input, and a member computes its own."""
+    alone, grouped = _pair()
+    x, y = (torch.randn(1, 70).to(torch.bfloat16) for _ in range(2))
+    want_k, want_v = alone.k_proj(x), alone.v_proj(y)
+    grouped.q_proj(x)
+    grouped.o_proj(torch.randn(1, 64).to(torch.bfloat16))  # another layer ran: the product is gone
+    assert grouped.q_proj.last.x is None
+    assert torch.equal(grouped.k_proj(x), want_k)
+    assert torch.equal(grouped.v_proj(y), want_v)  # another input: its own rows
+
+
+def test_siblings_that_read_other_inputs_are_computed_alone():
+    alone, grouped = _pair()
+    group = grouped.q_proj.group
+    for _ in range(3):  # k and v on another input every time: two products left untaken, then alone
+        x, y = (torch.randn(1, 70).to(torch.bfloat16) for _ in range(2))
+        assert torch.equal(grouped.q_proj(x), alone.q_proj(x))
+        assert torch.equal(grouped.k_proj(y), alone.k_proj(y))
+        assert torch.equal(grouped.v_proj(y), alone.v_proj(y))
+    assert not group.on
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_s_siblings_in_one_pass_give_the_same_tokens_and_logits(family, ckpt):
+    """The model with its sibling projections grouped equals the same model with every layer alone."""
+    from expertcache.engine.loader import load_reference
+
+    path = ckpt(family)
+    alone = load_reference(path, device="cpu", experts=engine_fixtures.REFERENCE)
+    quantize_dense(alone, "int8", siblings=False)
+    grouped = load_reference(path, device="cpu", experts=engine_fixtures.REFERENCE)
+    report = quantize_dense(grouped, "int8")
+    assert report.sibling_groups > 0, family  # every family has an attention of q, k and v or an MLP
+    assert_exact(greedy(grouped, IDS), greedy(alone, IDS))
+
+
 @pytest.mark.parametrize(
     "family", ["afmoe", "hunyuan_v1_moe", "phimoe"]
 )  # routers that are, or hold, Linears

@@ -75,7 +75,10 @@ class QuantizedLinear(torch.nn.Module):
             pool[0, first * cols : last * cols] = parts["q"]
             pool[0, self.soff + 4 * first : self.soff + 4 * last] = parts["scale"]
         self.register_buffer("pool", pool, persistent=False)
+        self.qoff = 0  # where the int8 weights start in the pool (a sibling group's pool: further on)
         self.bias = linear.bias  # a Parameter or None
+        self.group: SiblingGroup | None = None  # computed with its siblings (``fuse_siblings``)
+        self.last: _Last | None = None  # the model's sibling product waiting for its other members
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
@@ -83,7 +86,10 @@ class QuantizedLinear(torch.nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.group is not None:  # its share of the group's pool
+            return self.out_features * (self.in_features + 4) + bias
+        return self.pool.numel() + bias
 
     @property
     def weight(self) -> torch.Tensor:
@@ -101,18 +107,24 @@ class QuantizedLinear(torch.nn.Module):
 
             bf16 = self.dtype == torch.bfloat16
             out = np.empty((rows, cols), dtype=np.uint16 if bf16 else np.float32)
-            _packed_jit.expand_int8(self.pool.numpy(), 0, self.soff, rows, cols, bf16, out)
+            _packed_jit.expand_int8(self.pool.numpy(), self.qoff, self.soff, rows, cols, bf16, out)
             return torch.from_numpy(out).view(torch.bfloat16) if bf16 else torch.from_numpy(out)
         return self.weight_expanded_torch()
 
     def weight_expanded_torch(self) -> torch.Tensor:
         """``weight_expanded`` in torch's operations (any device and dtype)."""
         rows, cols = self.out_features, self.in_features
-        q = self.pool[0, : rows * cols].view(torch.int8).view(rows, cols)
-        scale = self.pool[0, self.soff :].view(torch.float32)
+        q = self.pool[0, self.qoff : self.qoff + rows * cols].view(torch.int8).view(rows, cols)
+        scale = self.pool[0, self.soff : self.soff + 4 * rows].view(torch.float32)
         return (q.to(torch.float32) * scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            y = self.group.output(self, x)
+            if y is not None:
+                return y
+        elif self.last is not None:
+            self.last.clear()  # a sibling product is taken right after it is made, or not at all
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         t = x2.shape[0]
@@ -132,7 +144,8 @@ class QuantizedLinear(torch.nn.Module):
 
             out = np.empty((t, rows), dtype=np.float32)
             xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
-            _packed_jit.rows_int8(self.pool.numpy(), 0, self.soff, rows, cols, _zeros(t), xf, out, True)
+            pool = self.pool.numpy()
+            _packed_jit.rows_int8(pool, self.qoff, self.soff, rows, cols, _zeros(t), xf, out, True)
             return torch.from_numpy(out)
         if x2.device.type == "cuda" and t <= DECODE_ROWS and _has_triton():
             return self.triton_product(x2)
@@ -144,7 +157,7 @@ class QuantizedLinear(torch.nn.Module):
 
         slots = torch.zeros(x2.shape[0], dtype=torch.int64, device=x2.device)
         return _packed_triton.project(
-            "int8", 0, self.pool, (0, self.soff), self.out_features, self.in_features, slots, x2
+            "int8", 0, self.pool, (self.qoff, self.soff), self.out_features, self.in_features, slots, x2
         )
 
 
@@ -153,6 +166,128 @@ def _zeros(t: int) -> np.ndarray:  # the slot of each row: the one slot (read on
     z = np.zeros(t, dtype=np.int64)
     z.setflags(write=False)
     return z
+
+
+# Sibling projections of one input, computed in one pass of the one-token loops: a decode token's attention
+# reads its query, key and value projections from the same hidden states, a dense MLP its gate and up
+# projections. Each output row is computed by the loop from its own weight row and scale alone, the same way
+# in a group as alone (``_packed_jit``: one thread a value, the reduction over the columns only), so the
+# group's rows are its members' bits; what the group saves is a call per member beyond the first (the input's
+# conversion, numba's dispatch, the output's): about 10 us each on the development VM.
+SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA's two down-projections of the hidden states
+)
+
+
+class _Last:
+    """The model's one sibling product made and not yet taken by all its members: valid only until any
+    other ``QuantizedLinear`` of the model runs (a group's members run one after another, on one input),
+    so a member never takes a product of an input that may have changed since."""
+
+    __slots__ = ("group", "x", "y", "taken")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.group: SiblingGroup | None = None
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.taken: set[int] = set()
+
+
+class SiblingGroup:
+    """Sibling ``QuantizedLinear`` layers of one parent that take the same input, over one pool: their int8
+    rows one after another, then their scales; each member's ``pool`` is that pool, its ``qoff`` and
+    ``soff`` where its rows and scales lie. The first member called on an input computes every member's
+    rows on it in one loop; the others take theirs while nothing else has run. Members called on other
+    inputs (a family whose key projection reads something else) are computed alone: after two products
+    left untaken the group stops computing for its siblings."""
+
+    def __init__(self, members: list[QuantizedLinear], last: _Last) -> None:
+        self.members, self.last = members, last
+        cols = members[0].in_features
+        self.cols, self.rows = cols, sum(m.out_features for m in members)
+        self.dtype = members[0].dtype
+        self.soff = -(-self.rows * cols // _ALIGN) * _ALIGN
+        pool = torch.zeros(1, self.soff + 4 * self.rows, dtype=torch.uint8)
+        self.bounds: list[tuple[int, int]] = []
+        first = 0
+        for m in members:
+            r = m.out_features
+            pool[0, first * cols : (first + r) * cols] = m.pool[0, m.qoff : m.qoff + r * cols]
+            pool[0, self.soff + 4 * first : self.soff + 4 * (first + r)] = m.pool[0, m.soff : m.soff + 4 * r]
+            m.pool, m.qoff, m.soff, m.group = pool, first * cols, self.soff + 4 * first, self
+            self.bounds.append((first, first + r))
+            first += r
+        self.pool = pool
+        self.array = pool.numpy()
+        has_bias = members[0].bias is not None  # all or none (``_groups``)
+        self.bias = torch.cat([m.bias.detach().to(torch.float32) for m in members]) if has_bias else None
+        self.on, self.untaken = True, 0
+
+    def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member``'s output on ``x`` from the group's product, or None: computed alone."""
+        last = self.last
+        index = self.members.index(member)
+        if last.group is self and last.x is x and index not in last.taken:
+            y = last.y
+        else:
+            if last.group is self and len(last.taken) < len(self.members):
+                self.untaken += 1  # a product some members never took: they read other inputs
+                self.on = self.untaken < 2
+            last.clear()
+            if not self.on or x.device.type != "cpu" or x.shape[-1] != self.cols:
+                return None
+            x2 = x.reshape(-1, self.cols)
+            t = x2.shape[0]
+            if t > CPU_ROWS["int8"]:
+                return None
+            from expertcache.engine import _packed_jit
+
+            out = np.empty((t, self.rows), dtype=np.float32)
+            xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
+            _packed_jit.rows_int8(self.array, 0, self.soff, self.rows, self.cols, _zeros(t), xf, out, True)
+            y = torch.from_numpy(out)
+            if self.bias is not None:
+                y = y + self.bias
+            y = y.to(x.dtype)
+            last.group, last.x, last.y = self, x, y
+        last.taken.add(index)
+        if len(last.taken) == len(self.members):
+            last.clear()
+        a, b = self.bounds[index]
+        part = y[:, a:b]
+        return (part if part.shape[0] == 1 else part.contiguous()).view(*x.shape[:-1], b - a)
+
+
+def fuse_siblings(model: torch.nn.Module) -> int:
+    """Group ``model``'s sibling ``QuantizedLinear`` layers on a CPU (``SIBLINGS``) -> how many groups."""
+    last = _Last()
+    groups = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, QuantizedLinear) and m.group is None for m in members):
+                continue
+            first = members[0]
+            if any(
+                m.in_features != first.in_features
+                or m.dtype != first.dtype
+                or m.pool.device.type != "cpu"
+                or (m.bias is None) != (first.bias is None)
+                for m in members
+            ):
+                continue
+            SiblingGroup(members, last)
+            groups += 1
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.last = last
+    return groups
 
 
 @dataclass(frozen=True)
@@ -164,6 +299,7 @@ class DenseReport:
     bytes_before: int  # the replaced layers' weights and biases as they were
     bytes_after: int  # their packed weights and biases
     bytes_shared: int  # of ``bytes_before``, weights another module still holds (a tied output head)
+    sibling_groups: int = 0  # groups of sibling layers computed in one pass on a CPU (``SIBLINGS``)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -183,10 +319,11 @@ class DenseReport:
         )
 
 
-def quantize_dense(model: torch.nn.Module, fmt: str) -> DenseReport:
+def quantize_dense(model: torch.nn.Module, fmt: str, *, siblings: bool = True) -> DenseReport:
     """Replace every ``nn.Linear`` of ``model`` (a transformers MoE model) outside its experts and routers
     with its ``QuantizedLinear`` in ``fmt`` (``DENSE_FORMATS``). A weight shared with another module (an
-    output head tied to the embeddings) stays where else it is used; the head gets its own int8 copy."""
+    output head tied to the embeddings) stays where else it is used; the head gets its own int8 copy.
+    ``siblings``: group sibling layers of one input (``fuse_siblings``; the same bits, fewer calls)."""
     check_dense_format(fmt)
     skip = {id(m) for k in _experts_and_routers(model) for m in k.modules()}
     linears = [
@@ -207,7 +344,8 @@ def quantize_dense(model: torch.nn.Module, fmt: str) -> DenseReport:
     shared = sum(
         lin.weight.numel() * lin.weight.element_size() for _, lin in linears if lin.weight.data_ptr() in held
     )
-    return DenseReport(fmt, len(linears), before, after, shared)
+    groups = fuse_siblings(model) if siblings else 0
+    return DenseReport(fmt, len(linears), before, after, shared, groups)
 
 
 def _experts_and_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
