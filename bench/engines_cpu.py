@@ -4,11 +4,12 @@ expertcache (100 %, 25 % from disk), greedy decode at a fixed thread count, in a
     .venv/bin/python bench/engines_cpu.py --model /work/bench-models/granite-3.1-1b-a400m-random \\
         --llama-python /work/llama-venv/bin/python --threads 2 --rounds 5 --out /tmp/engines.json
 
-Every engine gets the same prompt: the first ``--prompt-tokens`` (64) token ids of a fixed code text under
-the checkpoint's tokenizer, then ``--new-tokens`` (64) greedy tokens. Engines are loaded once, each warmed
-by one short generation (whose TTFT is reported as the cold ``first_ttft``), then each round runs one
-generation on every engine, the order rotating from round to round, so that a shared machine's drift
-falls on all of them alike. Figures are medians over rounds, with their range and a bootstrap 95 %
+Every engine gets the same prompt: the first ``--prompt-tokens`` (64) token ids of a fixed code text
+(repeated for a longer prompt) under the checkpoint's tokenizer, then ``--new-tokens`` (64) greedy tokens.
+Engines are loaded once, each warmed by one short generation (whose TTFT is reported as the cold
+``first_ttft``), then each round runs one generation on every engine, the order rotating from round to
+round, so that a shared machine's drift falls on all of them alike. Figures are medians over rounds, with
+their range and a bootstrap 95 %
 interval (``plenty_cpu.ci95``) of the per-round ratio to transformers eager.
 
 Engines (``--only SUBSTR ...`` keeps those whose name contains one of the strings):
@@ -510,9 +511,10 @@ def parse_extra(pairs: list[str]) -> dict:
 def prompt_ids(path: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(path))(PROMPT).input_ids
-    if len(ids) < n:
-        raise SystemExit(f"the prompt text is {len(ids)} tokens under this tokenizer, fewer than {n}")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ids = tok(PROMPT).input_ids
+    if len(ids) < n:  # a long context: the text repeated, as a file that holds it several times
+        ids = tok(PROMPT * -(-n // len(ids))).input_ids
     return ids[:n]
 
 

@@ -496,6 +496,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--quantize-dense", choices=cli_generate.DENSE_FORMATS, metavar="FORMAT",
         help="the dense layers quantised at load, measured: int8 (default: as stored)",
     )  # fmt: skip
+    ql.add_argument("--attention", choices=cli_generate.ATTENTION, help=cli_generate.ATTENTION_HELP)
     ql.add_argument(
         "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
         help="transformers' experts implementation compared against (default auto: the one the kernel is "
@@ -1466,7 +1467,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
         reference_implementation=None if args.reference == "auto" else args.reference,
-        reference_model=args.reference_model, quantize_dense=args.quantize_dense,
+        reference_model=args.reference_model, quantize_dense=args.quantize_dense, attention=args.attention,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

@@ -23,6 +23,11 @@ SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not impor
 # engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
 KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled", "packed"]
 DENSE_FORMATS = ["int8"]  # engine.dense.DENSE_FORMATS (not imported: no torch before checks; a test checks)
+ATTENTION = ["sdpa", "eager"]  # engine.loader.ATTENTION (the same; a test checks)
+ATTENTION_HELP = (
+    "transformers' attention implementation: sdpa or eager, each exact against transformers loaded with "
+    "it (default: transformers' default, sdpa; on a CPU in bfloat16 eager decodes faster at long contexts)"
+)
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "
     "cache: memory bounded by the budget; default on cpu) or the checkpoint's memory map (mapped: its "
@@ -137,6 +142,7 @@ def add_model_args(p) -> None:
         "(one scale a row; lossy, opt-in: expertcache quality --quantize-dense int8 says how far; default: "
         "as stored)",
     )  # fmt: skip
+    p.add_argument("--attention", choices=ATTENTION, help=ATTENTION_HELP)
     p.add_argument("--link-bandwidth", metavar="RATE", help="emulate a slow-tier link, e.g. 16GB/s")
     p.add_argument(
         "--link-latency", default="0", metavar="TIME", help="per-transfer latency, e.g. 20us (default 0)"
@@ -263,6 +269,7 @@ def load_model(args, record: bool = True):
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
             kernel=args.kernel, quantize_dense=args.quantize_dense, host=host if host.enabled else None,
+            attention=args.attention,
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)

@@ -35,7 +35,7 @@ from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
 from expertcache.engine.link import EmulatedLink
-from expertcache.engine.loader import build_skeleton
+from expertcache.engine.loader import build_skeleton, check_attention
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory
 from expertcache.engine.packed import Packed, PackedPool, describe_format, require_gate
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
@@ -164,6 +164,7 @@ class Builder:
         kernel: str | None = None,
         quantize_dense: str | None = None,
         host: HostConfig | None = None,
+        attention: str | None = None,
     ) -> None:
         self.path = resolve_model(path, download)
         self.plan = plan
@@ -175,9 +176,10 @@ class Builder:
         self.device = resolve_device(device)
         self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
         check_dense_format(quantize_dense)
+        check_attention(attention)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress
-        sk = build_skeleton(self.path, dtype, progress=show)
+        sk = build_skeleton(self.path, dtype, progress=show, attention=attention)
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         self.packed = sk.packed

@@ -158,8 +158,23 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
-def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skeleton:
-    """The model with non-expert weights loaded (on CPU) and an expert store for the rest."""
+ATTENTION = ("sdpa", "eager")  # transformers' attention implementations the engine runs
+
+
+def check_attention(attention: str | None) -> str | None:
+    """``attention`` if it is one of ``ATTENTION`` (or None: transformers' default); else one clear line."""
+    if attention is None or attention in ATTENTION:
+        return attention
+    raise ExpertcacheError(
+        f"attention {attention!r} (attention, --attention) is not one the engine runs: {', '.join(ATTENTION)}"
+    )
+
+
+def build_skeleton(
+    path: str | Path, dtype=None, progress: bool = False, attention: str | None = None
+) -> Skeleton:
+    """The model with non-expert weights loaded (on CPU) and an expert store for the rest; its attention in
+    transformers' implementation ``attention`` (``ATTENTION``; None: transformers' default)."""
     from accelerate import init_empty_weights
     from transformers.initialization import no_init_weights
 
@@ -174,7 +189,7 @@ def build_skeleton(path: str | Path, dtype=None, progress: bool = False) -> Skel
     # of a Granite-shaped model's load): every one is read from the checkpoint; buffers are computed
     with init_empty_weights(include_buffers=False), no_init_weights():
         model = causal_lm_class(config).from_config(
-            config, experts_implementation=IMPLEMENTATION, dtype=dtype
+            config, experts_implementation=IMPLEMENTATION, dtype=dtype, **_attention_kwargs(attention)
         )
     experts, prefixes, shapes = [], [], None
     for name, module in model.named_modules():
@@ -322,13 +337,22 @@ def _load_dense(
             raise ExpertcacheError(f"{ckpt.path}: checkpoint lacks tensor {name}")
 
 
+def _attention_kwargs(attention: str | None) -> dict[str, str]:
+    return {} if check_attention(attention) is None else {"attn_implementation": attention}
+
+
 def load_reference(
-    path: str | Path, dtype=None, device: str = "cpu", experts: str | None = None
+    path: str | Path,
+    dtype=None,
+    device: str = "cpu",
+    experts: str | None = None,
+    attention: str | None = None,
 ) -> torch.nn.Module:
     """The same model run by transformers with every weight resident, its experts computed by transformers'
     ``experts`` implementation (``"eager"``, ``"grouped_mm"``, ``"batched_mm"``); by default the one the
     engine's default kernel on ``device`` is exact against (``engine.kernels``: ``grouped_mm`` where
-    torch has it).
+    torch has it). ``attention``: transformers' attention implementation (``ATTENTION``; None: its
+    default), as the engine's ``load(attention=...)``.
 
     Every tensor is cloned into fresh memory, as the engine's slots and dense weights are, so that
     both see the same alignment (weights read in place from a memory map can round differently).
@@ -345,7 +369,9 @@ def load_reference(
 
         experts = default_kernel(device).reference
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
-    model = cls.from_pretrained(str(path), experts_implementation=experts, dtype=dtype)
+    model = cls.from_pretrained(
+        str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention)
+    )
     if chosen is None:
         from expertcache.engine.kernels import not_grouped
 

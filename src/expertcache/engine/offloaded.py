@@ -72,12 +72,13 @@ class OffloadedModel:
         kernel: str | None = None,
         quantize_dense: str | None = None,
         host: HostConfig | None = None,
+        attention: str | None = None,
     ) -> None:
         built = Builder(
             path, expert_memory, cache=cache, prefetch=prefetch, link=link, miss=miss, device=device,
             dtype=dtype, slow_tier=slow_tier, costs=costs, progress=progress, record=record,
             download=download, plan=plan, warmup=warmup, kernel=kernel, quantize_dense=quantize_dense,
-            host=host,
+            host=host, attention=attention,
         ).built()  # fmt: skip
         for field in dataclasses.fields(built):  # the parts as this model's attributes
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
@@ -239,6 +240,7 @@ class OffloadedModel:
                       for name, p in self.parts.items()},
             "device": str(self.device),
             "kernel": self.kernel.name,
+            "attention": getattr(self.model.config, "_attn_implementation", None),
             "preloaded_experts": self.preloaded,
             "warmup_s": self.warmup_s,
         }  # fmt: skip
@@ -469,6 +471,9 @@ def load(
     transformers (``expertcache quality --kernel compiled`` measures how far); default ``"auto"``:
     grouped where torch has it; ``engine.kernels``), ``quantize_dense`` (``"int8"``: the dense layers
     quantised at load and computed packed, lossy and opt-in: ``engine.dense``; default None: as stored),
+    ``attention`` (transformers' attention implementation: ``"sdpa"`` or ``"eager"``, exact against
+    transformers loaded with the same; default None: transformers' default, ``sdpa``; on a CPU in
+    bfloat16 ``eager`` decodes faster at long contexts: ``engine.loader.ATTENTION``),
     ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured

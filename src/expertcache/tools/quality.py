@@ -71,7 +71,11 @@ class Reference:
     measures many miss paths on the same tokens)."""
 
     def __init__(
-        self, model_path: str | Path | None, device: str = "cpu", experts: str | None = None
+        self,
+        model_path: str | Path | None,
+        device: str = "cpu",
+        experts: str | None = None,
+        attention: str | None = None,
     ) -> None:
         from expertcache.engine.hub import resolve_model
         from expertcache.engine.kernels import default_kernel
@@ -79,7 +83,8 @@ class Reference:
 
         self.experts = experts or default_kernel(device).reference  # transformers' experts implementation
         self.path = resolve_model(model_path)
-        self.model = load_reference(self.path, device=device, experts=self.experts)
+        self.attention = attention  # transformers' attention implementation (None: its default)
+        self.model = load_reference(self.path, device=device, experts=self.experts, attention=attention)
         self._done: dict[tuple[int, ...], torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -105,6 +110,7 @@ def measure(
     reference_implementation: str | None = None,
     reference_model: str | Path | None = None,
     quantize_dense: str | None = None,
+    attention: str | None = None,
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
     against the full-precision reference: transformers with ``reference_implementation`` (its
@@ -113,7 +119,8 @@ def measure(
     reuse across calls on the same model and texts. A packed checkpoint (``engine.packed``) is measured
     against the full-precision checkpoint it was made from: ``reference_model``, by default the one its
     config names (``expertcache quantize --checkpoint`` writes it there). ``quantize_dense``: the dense
-    layers quantised at load (``engine.dense``), measured against the model's own.
+    layers quantised at load (``engine.dense``), measured against the model's own. ``attention``:
+    transformers' attention implementation, for the engine and the reference alike (``engine.loader``).
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -128,7 +135,7 @@ def measure(
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
         model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, prefetch=pf,
-        progress=False, kernel=kernel, quantize_dense=quantize_dense,
+        progress=False, kernel=kernel, quantize_dense=quantize_dense, attention=attention,
     )  # fmt: skip
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
@@ -147,9 +154,13 @@ def measure(
         impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
+        if reference is not None and reference.attention != attention:
+            raise ExpertcacheError(
+                f"the reference given runs attention {reference.attention or 'default'}, not {attention}"
+            )
         ref = reference
         if ref is None:
-            ref = Reference(_reference_path(model, reference_model), device, impl)
+            ref = Reference(_reference_path(model, reference_model), device, impl, attention)
         nll = {"reference": 0.0, "measured": 0.0}
         count = agree = identical = positions = 0
         largest = 0.0
@@ -179,6 +190,7 @@ def measure(
             "expert_format": model.stats["expert_format"],
             "dense_format": quantize_dense or "as stored",
             "dense": model.stats["dense"],
+            "attention": model.stats["attention"],
             "lossy": model.stats["lossy"],
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",

@@ -1,0 +1,77 @@
+"""transformers' attention implementation, chosen at load (``load(attention=...)``, ``--attention``).
+
+- Every family runs through the engine with ``eager`` attention, at a small budget from disk: tokens and
+  logits bit-identical to transformers loaded with the same attention; the stats say which one ran, and
+  the default is transformers' own (``sdpa``).
+- ``quality --attention eager`` compares against a reference with the same attention: exact on ``fetch``.
+- A name the engine does not run is one line (exit 2 from the CLI); the CLI's list is the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import engine_fixtures
+import pytest
+import torch
+from engine_fixtures import FAMILIES, assert_exact, engine_load, greedy, moe_layers
+
+from expertcache.engine.loader import ATTENTION, load_reference
+from expertcache.errors import ExpertcacheError
+
+IDS = torch.tensor([engine_fixtures.PROMPT])
+_one_torch_thread = engine_fixtures._one_torch_thread
+ckpt = engine_fixtures.ckpt
+make_ckpt = engine_fixtures.make_ckpt
+tokenizer_dir = engine_fixtures.tokenizer_dir
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_with_eager_attention_equals_transformers_with_it(family, ckpt):
+    path = ckpt(family)
+    ref = load_reference(
+        path, device=engine_fixtures.DEVICE, experts=engine_fixtures.REFERENCE, attention="eager"
+    )
+    assert ref.config._attn_implementation == "eager"
+    want = greedy(ref, IDS)
+    with engine_load(
+        path, moe_layers(family) * engine_fixtures.TOP_K, slow_tier="disk", attention="eager"
+    ) as m:
+        got = greedy(m, IDS)
+        assert m.stats["attention"] == "eager"
+    assert_exact(got, want)
+
+
+def test_the_default_is_transformers_own(ckpt):
+    path = ckpt("granitemoe")
+    ref = load_reference(path, device="cpu")
+    with engine_load(path) as m:
+        assert m.stats["attention"] == ref.config._attn_implementation == "sdpa"
+
+
+def test_quality_compares_against_the_same_attention(ckpt, capsys):
+    from expertcache.cli import main
+
+    path = ckpt("qwen3_moe")
+    code = main(["quality", "--model", str(path), "--expert-memory", "50%", "--tokens", "16", "--attention",
+                 "eager", "--device", "cpu", "--json"])  # fmt: skip
+    assert code == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["attention"] == "eager" and r["logits_identical"] == 1.0 and r["top1_agreement"] == 1.0
+
+
+def test_an_attention_the_engine_does_not_run_is_one_line(ckpt, capsys):
+    from expertcache.cli import main
+    from expertcache.cli.generate import ATTENTION as CLI_ATTENTION
+    from expertcache.engine import load
+
+    assert list(ATTENTION) == CLI_ATTENTION  # the CLI's copy (no torch before its checks)
+    with pytest.raises(
+        ExpertcacheError, match="attention 'flash' .* is not one the engine runs: sdpa, eager"
+    ):
+        load(ckpt("mixtral"), attention="flash", progress=False)
+    with pytest.raises(ExpertcacheError, match="attention 'flash'"):
+        load_reference(ckpt("mixtral"), attention="flash")
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(ckpt("mixtral")), "--prompt", "a", "--attention", "flash"])
+    assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
