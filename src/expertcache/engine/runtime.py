@@ -23,6 +23,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertcache.cache.step import StepDriver, StepSource
 from expertcache.engine.host import HostExperts
+from expertcache.engine.kv import grow
 from expertcache.engine.kernels import (
     KERNELS,
     Kernel,
@@ -210,6 +211,8 @@ class Engine:
         past = kwargs.get("cache")  # transformers >= 5.24 names the KV cache ``cache``
         if past is None:
             past = kwargs.get("past_key_values")
+        if past is not None and ids.device.type == "cpu":
+            grow(past)  # the cache's keys and values written in place, not concatenated (``engine.kv``)
         # a paged cache (continuous batching: requests in prefill and decode share a step) has no length:
         # the step source (the server's batcher) says whose each token is; without one each such step
         # counts as a prefill step of its own
