@@ -75,3 +75,31 @@ def test_an_attention_the_engine_does_not_run_is_one_line(ckpt, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model", str(ckpt("mixtral")), "--prompt", "a", "--attention", "flash"])
     assert exit_.value.code == 2 and "--attention" in capsys.readouterr().err
+
+
+def test_a_family_without_the_attention_asked_is_one_line(ckpt, capsys):
+    """transformers runs GPT-OSS without ``sdpa``: its default there is eager, and asking sdpa is refused."""
+    from expertcache.cli import main
+    from expertcache.engine import load
+
+    path = ckpt("gpt_oss")
+    with pytest.raises(ExpertcacheError, match="gpt_oss: transformers runs no sdpa attention for"):
+        load(path, attention="sdpa", progress=False)
+    with pytest.raises(ExpertcacheError, match="gpt_oss: transformers runs no sdpa attention"):
+        load_reference(path, attention="sdpa")
+    code = main(["generate", "--model", str(path), "--prompt", "a", "--attention", "sdpa", "--quiet"])
+    assert code == 2 and capsys.readouterr().err.count("\n") == 1
+    with engine_load(path) as m:
+        assert m.stats["attention"] == "eager"
+
+
+def test_a_reference_given_to_quality_is_compared_by_the_attention_it_runs(ckpt):
+    from expertcache.tools.quality import Reference, measure
+
+    path = ckpt("qwen3_moe")
+    ref = Reference(path)  # transformers' default: sdpa
+    r = measure(path, "fetch", "100%", texts=["def f(x):\n    return x\n" * 4], tokens=16, reference=ref,
+                attention="sdpa")  # fmt: skip
+    assert r["attention"] == "sdpa" and r["logits_identical"] == 1.0
+    with pytest.raises(ExpertcacheError, match="the reference given runs attention sdpa, not eager"):
+        measure(path, "fetch", "100%", texts=["def f(x):\n"], tokens=4, reference=ref, attention="eager")

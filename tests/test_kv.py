@@ -49,6 +49,21 @@ def test_a_growing_layer_holds_and_returns_what_a_dynamic_layer_does():
             for w, g in zip(want, got, strict=True):
                 assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), step
         assert growing.get_seq_length() == plain.get_seq_length(), step
+        if step == "reset":
+            assert growing._key_room is None and growing._value_room is None  # the memory freed
+
+
+def test_after_a_crop_the_next_rows_are_written_in_place():
+    """The one difference seen from outside (docs/ENGINE.md): keys kept from before a crop change."""
+    layer = GrowingLayer()
+    layer.update(*_states(4, 0))
+    kept, _ = layer.update(*_states(1, 1))
+    before = kept.clone()
+    layer.crop(-2)
+    new, _ = _states(2, 2)
+    keys, _ = layer.update(new, _states(2, 2)[1])
+    assert torch.equal(keys[..., 3:, :], new) and torch.equal(kept[..., :3, :], before[..., :3, :])
+    assert torch.equal(kept[..., 3:, :], new)  # written over in place
 
 
 def test_a_step_writes_its_rows_in_place_until_the_room_fills():

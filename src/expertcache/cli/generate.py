@@ -26,7 +26,8 @@ DENSE_FORMATS = ["int8"]  # engine.dense.DENSE_FORMATS (not imported: no torch b
 ATTENTION = ["sdpa", "eager"]  # engine.loader.ATTENTION (the same; a test checks)
 ATTENTION_HELP = (
     "transformers' attention implementation: sdpa or eager, each exact against transformers loaded with "
-    "it (default: transformers' default, sdpa; on a CPU in bfloat16 eager decodes faster at long contexts)"
+    "it (default: transformers' default: sdpa, eager where it has none; on a CPU in bfloat16 eager decodes "
+    "faster at long contexts)"
 )
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "

@@ -225,7 +225,7 @@ class SiblingGroup:
             first += r
         self.pool = pool
         self.array = pool.numpy()
-        has_bias = members[0].bias is not None  # all or none (``_groups``)
+        has_bias = members[0].bias is not None  # all or none (``fuse_siblings``)
         self.bias = torch.cat([m.bias.detach().to(torch.float32) for m in members]) if has_bias else None
         self.on, self.untaken = True, 0
 

@@ -12,9 +12,11 @@ them as it reads those: tokens and logits are bit-identical, which every family'
 
 The engine converts the plain layers (``type(layer) is DynamicLayer``: not the sliding-window or
 linear-attention ones) of the cache each step is given, on a CPU (``grow``); the class changes, the
-state stays, so a cache made by transformers or by the caller works as it did. A layer cropped (assisted
-generation), reordered or reset is read again from what it holds: a buffer is reused only for a prefix
-view of itself.
+state stays, so a cache made by transformers or by the caller works as it did. A layer reordered or
+reset is read again from what it holds (a reset frees the buffer). One difference is seen from outside:
+after a crop (assisted generation) the next steps write their rows in place over the cropped ones, so
+keys or values a caller kept from before the crop change with them (``DynamicLayer``'s do not);
+transformers' own generation keeps none.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class GrowingLayer(DynamicLayer):
         self.keys = _append(self, "_key_room", self.keys, key_states)
         self.values = _append(self, "_value_room", self.values, value_states)
         return self.keys, self.values
+
+    def reset(self) -> None:
+        self._key_room = self._value_room = None  # the memory goes with what the layer held
+        super().reset()
 
 
 def _append(layer: GrowingLayer, attr: str, held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ is read from the checkpoint into freshly allocated, aligned memory. No expert is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -187,7 +188,7 @@ def build_skeleton(
     ckpt = Checkpoint(path)
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s
     # of a Granite-shaped model's load): every one is read from the checkpoint; buffers are computed
-    with init_empty_weights(include_buffers=False), no_init_weights():
+    with init_empty_weights(include_buffers=False), no_init_weights(), _attention_refused(config, attention):
         model = causal_lm_class(config).from_config(
             config, experts_implementation=IMPLEMENTATION, dtype=dtype, **_attention_kwargs(attention)
         )
@@ -337,6 +338,21 @@ def _load_dense(
             raise ExpertcacheError(f"{ckpt.path}: checkpoint lacks tensor {name}")
 
 
+@contextlib.contextmanager
+def _attention_refused(config, attention: str | None):
+    """transformers' refusal of an attention implementation its class lacks (GPT-OSS has no ``sdpa``), as
+    one line."""
+    try:
+        yield
+    except ValueError as exc:
+        if attention is None or "attention" not in str(exc).lower():
+            raise
+        raise ExpertcacheError(
+            f"{config.model_type}: transformers runs no {attention} attention for this family (--attention "
+            "eager, or leave it out for transformers' default)"
+        ) from None
+
+
 def _attention_kwargs(attention: str | None) -> dict[str, str]:
     return {} if check_attention(attention) is None else {"attn_implementation": attention}
 
@@ -369,9 +385,10 @@ def load_reference(
 
         experts = default_kernel(device).reference
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
-    model = cls.from_pretrained(
-        str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention)
-    )
+    with _attention_refused(config, attention):
+        model = cls.from_pretrained(
+            str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention)
+        )
     if chosen is None:
         from expertcache.engine.kernels import not_grouped
 

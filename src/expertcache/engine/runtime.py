@@ -23,7 +23,6 @@ from transformers.integrations.moe import ExpertsInterface
 
 from expertcache.cache.step import StepDriver, StepSource
 from expertcache.engine.host import HostExperts
-from expertcache.engine.kv import grow
 from expertcache.engine.kernels import (
     KERNELS,
     Kernel,
@@ -33,6 +32,7 @@ from expertcache.engine.kernels import (
     decode_rows,
     grouped_rows,
 )
+from expertcache.engine.kv import grow
 from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.routing import moe_routers

@@ -154,9 +154,10 @@ def measure(
         impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
-        if reference is not None and reference.attention != attention:
+        ran = model.stats["attention"]  # transformers' default resolved: sdpa, or eager where it has no sdpa
+        if reference is not None and reference.model.config._attn_implementation != ran:
             raise ExpertcacheError(
-                f"the reference given runs attention {reference.attention or 'default'}, not {attention}"
+                f"the reference given runs attention {reference.model.config._attn_implementation}, not {ran}"
             )
         ref = reference
         if ref is None:
@@ -238,7 +239,7 @@ def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
         + (f"dense layers {r['dense_format']}, " if r.get("dense_format", "as stored") != "as stored" else "")
-        + f"kernel {r['kernel']}, against {r['reference']}: "
+        + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}: "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "
