@@ -354,7 +354,7 @@ def test_quality_reports_what_the_compiled_kernel_costs(ckpt):
     assert r["kernel"] == "compiled" and r["tokens"] == exact["tokens"]
     assert r["reference"] == "transformers grouped_mm"  # exact against none: the default kernel's reference
     assert r["top1_agreement"] == 1.0 and 0 < r["logits_max_difference"] < 1e-3
-    assert "kernel compiled, against transformers grouped_mm" in format_quality(r)
+    assert "kernel compiled, attention sdpa, against transformers grouped_mm" in format_quality(r)
     # each exact kernel is compared with its own reference, or with the one asked for
     eager = measure(ckpt("mixtral"), "fetch", "100%", texts=texts, tokens=40, kernel="eager")
     assert eager["reference"] == "transformers eager" and eager["logits_identical"] == 1.0
