@@ -211,7 +211,6 @@ class SiblingGroup:
         self.members, self.last = members, last
         cols = members[0].in_features
         self.cols, self.rows = cols, sum(m.out_features for m in members)
-        self.dtype = members[0].dtype
         self.soff = -(-self.rows * cols // _ALIGN) * _ALIGN
         pool = torch.zeros(1, self.soff + 4 * self.rows, dtype=torch.uint8)
         self.bounds: list[tuple[int, int]] = []
@@ -225,6 +224,7 @@ class SiblingGroup:
             first += r
         self.pool = pool
         self.array = pool.numpy()
+        self.index = {id(m): i for i, m in enumerate(members)}  # a member's place, looked up at each call
         has_bias = members[0].bias is not None  # all or none (``fuse_siblings``)
         self.bias = torch.cat([m.bias.detach().to(torch.float32) for m in members]) if has_bias else None
         self.on, self.untaken = True, 0
@@ -232,7 +232,7 @@ class SiblingGroup:
     def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output on ``x`` from the group's product, or None: computed alone."""
         last = self.last
-        index = self.members.index(member)
+        index = self.index[id(member)]
         if last.group is self and last.x is x and index not in last.taken:
             y = last.y
         else:
