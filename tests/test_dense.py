@@ -259,6 +259,31 @@ def test_every_family_equals_transformers_with_the_same_layers_quantized(family,
     assert report.layers > 0
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "qwen2_moe"])
+def test_a_bfloat16_checkpoint_in_float32_quantises_its_dense_weights_as_stored(family, make_ckpt):
+    """Run in float32, a bfloat16 checkpoint's dense weights are read as stored and quantised from there:
+    the same int8 values and scales as from their float32 copies (so the same bits as transformers loading
+    it in float32 and quantising), the layers computing in float32, and their bytes before counted so."""
+    from expertcache.engine.loader import build_skeleton, load_reference
+
+    path = make_ckpt(family, dtype="bfloat16")
+    sk = build_skeleton(path, "float32", quantized_dense=True)
+    kept = {n for n, p in sk.model.named_parameters() if p.dtype == torch.bfloat16}
+    assert kept and all(n.endswith(".weight") for n in kept)  # the dense linears' weights alone, as stored
+    assert not any("embed" in n or "norm" in n or ".gate." in n or "router" in n for n in kept)
+    ref = load_reference(path, dtype="float32", device="cpu", experts=engine_fixtures.REFERENCE)
+    report = quantize_dense(ref, "int8")
+    want = greedy(ref, IDS)
+    with engine_load(path, dtype="float32", quantize_dense="int8", slow_tier="disk") as model:
+        got = greedy(model, IDS)
+        stats = model.stats
+        layers = [m for m in model.model.modules() if isinstance(m, QuantizedLinear)]
+    assert_exact(got, want)
+    assert stats["dense"] == report.to_dict()  # bytes before in float32, as the reference had them
+    assert layers and all(m.dtype == torch.float32 for m in layers)
+    assert all(p.dtype == torch.float32 for p in model.model.parameters())
+
+
 def test_the_same_bits_at_every_budget_tier_and_miss_path(ckpt):
     path = ckpt("mixtral")
     with engine_load(path, quantize_dense="int8") as model:

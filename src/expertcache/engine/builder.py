@@ -36,7 +36,7 @@ from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton, check_attention
-from expertcache.engine.memory import SlotLayout, SlotPool, available_memory
+from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, release_freed
 from expertcache.engine.packed import Packed, PackedPool, describe_format, require_gate
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
 from expertcache.engine.routing import router_fns
@@ -179,14 +179,16 @@ class Builder:
         check_attention(attention)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress
-        sk = build_skeleton(self.path, dtype, progress=show, attention=attention)
+        sk = build_skeleton(
+            self.path, dtype, progress=show, attention=attention, quantized_dense=quantize_dense is not None
+        )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         self.packed = sk.packed
         self.layout = sk.layout  # one whole expert, as stored
         self.dense = None  # the dense weights as stored, or quantised here (opt-in: engine.dense)
         if quantize_dense is not None:
-            self.dense = quantize_dense_weights(sk.model, quantize_dense)
+            self.dense = quantize_dense_weights(sk.model, quantize_dense, dtype=sk.dtype)
             label = model_label(self.path)
             which = "" if label == "embedded" else f" --model {label}"
             self.notes.append(
@@ -280,6 +282,7 @@ class Builder:
             self.tier.disk_reads, self.tier.disk_read_s = 0, 0.0
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
+        release_freed()  # what the load freed, given back: not resident, not charged to a cgroup
 
     def built(self) -> Built:
         return Built(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Built)})

@@ -61,10 +61,10 @@ class QuantizedLinear(torch.nn.Module):
     """An ``nn.Linear`` whose weight is int8, one float32 scale a row, held as one slot of bytes (``pool``
     ``[1, bytes]``: the int8 weights row-major, then the scales from byte ``soff``); its bias as it was."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
+        self.dtype = compute_dtype(linear.weight, dtype)
         rows, cols = linear.weight.shape
         self.soff = -(-rows * cols // _ALIGN) * _ALIGN
         pool = torch.zeros(1, self.soff + 4 * rows, dtype=torch.uint8, device=linear.weight.device)
@@ -319,25 +319,24 @@ class DenseReport:
         )
 
 
-def quantize_dense(model: torch.nn.Module, fmt: str, *, siblings: bool = True) -> DenseReport:
+def quantize_dense(
+    model: torch.nn.Module, fmt: str, *, siblings: bool = True, dtype: torch.dtype | None = None
+) -> DenseReport:
     """Replace every ``nn.Linear`` of ``model`` (a transformers MoE model) outside its experts and routers
     with its ``QuantizedLinear`` in ``fmt`` (``DENSE_FORMATS``). A weight shared with another module (an
     output head tied to the embeddings) stays where else it is used; the head gets its own int8 copy.
-    ``siblings``: group sibling layers of one input (``fuse_siblings``; the same bits, fewer calls)."""
+    ``siblings``: group sibling layers of one input (``fuse_siblings``; the same bits, fewer calls).
+    ``dtype``: the model's compute dtype, where the loader kept these weights narrower, as stored
+    (``compute_dtype``); bytes before are counted in it."""
     check_dense_format(fmt)
-    skip = {id(m) for k in _experts_and_routers(model) for m in k.modules()}
-    linears = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and id(m) not in skip and not m.weight.is_meta
-    ]
+    linears = [(name, m) for name, m in dense_linears(model) if not m.weight.is_meta]
     before = after = 0
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        q = QuantizedLinear(linear)
+        q = QuantizedLinear(linear, dtype)
         setattr(parent, attr, q)
-        before += linear.weight.numel() * linear.weight.element_size()
+        before += linear.weight.numel() * q.dtype.itemsize
         before += 0 if linear.bias is None else linear.bias.numel() * linear.bias.element_size()
         after += q.nbytes
     held = {p.data_ptr() for p in model.parameters()}  # what the model still holds, the replaced layers gone
@@ -346,6 +345,26 @@ def quantize_dense(model: torch.nn.Module, fmt: str, *, siblings: bool = True) -
     )
     groups = fuse_siblings(model) if siblings else 0
     return DenseReport(fmt, len(linears), before, after, shared, groups)
+
+
+def dense_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The ``nn.Linear`` layers ``quantize_dense`` replaces, by name: every one outside the experts and the
+    routers (found on a model whose parameters are still on the meta device as well)."""
+    skip = {id(m) for k in _experts_and_routers(model) for m in k.modules()}
+    return [
+        (name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in skip
+    ]
+
+
+def compute_dtype(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a quantised layer computes in: ``dtype`` where its weight is a narrower float (kept as
+    stored at load: a bfloat16 checkpoint run in float32 holds its dense weights in bfloat16 until they are
+    quantised, which gives the same int8 values and scales, ``pack_int8`` working in float32), else the
+    weight's own (a layer the model keeps in float32 whatever its dtype)."""
+    own = weight.dtype
+    if dtype is None or not own.is_floating_point or own.itemsize >= dtype.itemsize:
+        return own
+    return dtype
 
 
 def _experts_and_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

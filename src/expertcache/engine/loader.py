@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from expertcache.engine.dense import dense_linears
 from expertcache.engine.families import FAMILIES, Family, family_of
 from expertcache.engine.kernels import first_matrix
 from expertcache.engine.memory import SlotLayout
@@ -159,6 +160,7 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+_NARROW = (torch.bfloat16, torch.float16)  # dense weights kept as stored until quantised (``build_skeleton``)
 ATTENTION = ("sdpa", "eager")  # transformers' attention implementations the engine runs
 
 
@@ -172,10 +174,17 @@ def check_attention(attention: str | None) -> str | None:
 
 
 def build_skeleton(
-    path: str | Path, dtype=None, progress: bool = False, attention: str | None = None
+    path: str | Path,
+    dtype=None,
+    progress: bool = False,
+    attention: str | None = None,
+    quantized_dense: bool = False,
 ) -> Skeleton:
     """The model with non-expert weights loaded (on CPU) and an expert store for the rest; its attention in
-    transformers' implementation ``attention`` (``ATTENTION``; None: transformers' default)."""
+    transformers' implementation ``attention`` (``ATTENTION``; None: transformers' default).
+    ``quantized_dense``: the dense layers will be quantised next (``engine.dense``), so their weights are
+    read as stored where that is narrower than ``dtype`` (a bfloat16 checkpoint run in float32 does not
+    hold every dense weight in float32 at once for the moment before it is quantised)."""
     from accelerate import init_empty_weights
     from transformers.initialization import no_init_weights
 
@@ -240,7 +249,8 @@ def build_skeleton(
         kernels = PackedKernels(packed)
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
-    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed)
+    stored = {f"{name}.weight" for name, _ in dense_linears(model)} if quantized_dense else set()
+    _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed, stored)
     names = ("num_experts_per_tok", "top_k", "top_k_experts", "moe_topk")  # what families call it
     top_k = next((int(v) for a in names if (v := getattr(config, a, 0))), 0)
     model.eval()
@@ -271,10 +281,12 @@ def _load_dense(
     dtype,
     progress: bool = False,
     packed: Packed | None = None,
+    stored: set[str] = frozenset(),
 ) -> None:
     """Every non-expert tensor from the checkpoint, read into fresh aligned memory (``Checkpoint.copy``,
     on ``DENSE_THREADS`` threads), in ``dtype``; another tool's quantised weights dequantised as transformers
-    does on a CPU (``packed.dense_weight``)."""
+    does on a CPU (``packed.dense_weight``). The parameters named in ``stored`` stay in a narrower float
+    dtype they are stored in (16-bit), to be quantised next."""
     # each tensor's dtype in the model: ``dtype``, but float32 for what the class keeps so (DeepSeek-V3's
     # router: ``_keep_in_fp32_modules_strict``), as transformers loads it
     expected = {name: t.dtype for name, t in model.state_dict().items()}
@@ -316,7 +328,10 @@ def _load_dense(
         read = {}
         for key, t in zip(keys, copies, strict=True):
             want = expected[owner[key]] if expected[owner[key]].is_floating_point else dtype
+            raw = t.dtype
             t = dense_weight(packed, ckpt, key, t, want)
+            if owner[key] in stored and t.dtype == raw and raw in _NARROW and raw.itemsize < want.itemsize:
+                want = raw  # as stored: quantised next, to the same values (``dense.compute_dtype``)
             read[key] = t.to(dtype=want) if t.is_floating_point() else t
     for key, name in names.items():
         state[name] = read[key]

@@ -149,6 +149,23 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
 
 
+def release_freed() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``). A load frees much on the way
+    (each dense weight read, quantised and dropped; the skeleton's temporaries; the warm-up's activations),
+    and glibc keeps what lay below its mapping threshold in its heaps: resident and charged to the process's
+    cgroup although unused. On the Granite-3.1-1B-A400M configuration with int8 experts and dense layers,
+    trimming after load gave back 161 MiB (bfloat16) and 172 MiB (float32) of anonymous memory
+    (``/proc/self/status``, one load each). Returns whether it ran (False without glibc: macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
+
+
 def resident_memory(files: Iterable[Path] = ()) -> dict[str, int | None]:
     """What this process holds in memory now, in bytes (Linux; None elsewhere): ``rss`` (VmRSS), its
     ``rss_anon`` (slots, dense weights, activations), ``rss_file`` (file pages mapped here: libraries, and
