@@ -106,7 +106,11 @@ def add_model_args(p) -> None:
     )  # fmt: skip
     p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
-    p.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        help="compute dtype (default: the checkpoint's); on a CPU with int8 experts and --quantize-dense "
+        "int8, float32 decodes faster than bfloat16 (docs/ENGINE.md)",
+    )
     p.add_argument("--slow-tier", choices=SLOW_TIERS, help=SLOW_TIER_HELP)
     p.add_argument(
         "--host-memory", metavar="X",
