@@ -280,6 +280,7 @@ def test_a_bfloat16_checkpoint_in_float32_quantises_its_dense_weights_as_stored(
         layers = [m for m in model.model.modules() if isinstance(m, QuantizedLinear)]
     assert_exact(got, want)
     assert stats["dense"] == report.to_dict()  # bytes before in float32, as the reference had them
+    assert stats["dtype"] == "float32"
     assert layers and all(m.dtype == torch.float32 for m in layers)
     assert all(p.dtype == torch.float32 for p in model.model.parameters())
 

@@ -239,6 +239,7 @@ class OffloadedModel:
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
                       for name, p in self.parts.items()},
             "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),  # the modules' compute dtype (``--dtype``)
             "kernel": self.kernel.name,
             "attention": getattr(self.model.config, "_attn_implementation", None),
             "preloaded_experts": self.preloaded,
