@@ -259,18 +259,30 @@ def test_every_family_equals_transformers_with_the_same_layers_quantized(family,
     assert report.layers > 0
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "qwen2_moe"])
-def test_a_bfloat16_checkpoint_in_float32_quantises_its_dense_weights_as_stored(family, make_ckpt):
+@pytest.mark.parametrize("family,tied", [("granitemoe", False), ("qwen2_moe", False), ("qwen2_moe", True)])
+def test_a_bfloat16_checkpoint_in_float32_quantises_its_dense_weights_as_stored(
+    family, tied, make_ckpt, tmp_path
+):
     """Run in float32, a bfloat16 checkpoint's dense weights are read as stored and quantised from there:
     the same int8 values and scales as from their float32 copies (so the same bits as transformers loading
-    it in float32 and quantising), the layers computing in float32, and their bytes before counted so."""
+    it in float32 and quantising), the layers computing in float32, and their bytes before counted so. An
+    output head tied to the embeddings is the embeddings' float32 weight, as transformers ties it."""
     from expertcache.engine.loader import build_skeleton, load_reference
 
     path = make_ckpt(family, dtype="bfloat16")
+    if tied:  # as save_pretrained writes a tied model: the head's weight not stored
+        from safetensors.torch import load_file, save_file
+
+        path = engine_fixtures.with_config(path, tmp_path / "tied", tie_word_embeddings=True)
+        for f in path.glob("*.safetensors"):
+            tensors = load_file(f)
+            if tensors.pop("lm_head.weight", None) is not None:
+                save_file(tensors, f, metadata={"format": "pt"})
     sk = build_skeleton(path, "float32", quantized_dense=True)
     kept = {n for n, p in sk.model.named_parameters() if p.dtype == torch.bfloat16}
     assert kept and all(n.endswith(".weight") for n in kept)  # the dense linears' weights alone, as stored
     assert not any("embed" in n or "norm" in n or ".gate." in n or "router" in n for n in kept)
+    assert ("lm_head.weight" in kept) != tied
     ref = load_reference(path, dtype="float32", device="cpu", experts=engine_fixtures.REFERENCE)
     report = quantize_dense(ref, "int8")
     want = greedy(ref, IDS)
@@ -330,6 +342,30 @@ def test_generate_and_quality_say_what_it_costs(ckpt, capsys, tmp_path):
     assert r["dense_format"] == "int8" and 0 <= r["top1_agreement"] <= 1 and r["logits_identical"] < 1
     assert r["lossy"] and r["dense"]["format"] == "int8"
     assert "dense layers int8" in format_quality(r)
+
+
+def test_quality_measures_in_the_dtype_the_model_runs(make_ckpt, capsys):
+    """A bfloat16 checkpoint run in float32: the note at load names the quality command with its dtype, and
+    quality loads the model and the reference in it (exact where nothing lossy runs)."""
+    from expertcache.cli import main
+    from expertcache.tools.quality import format_quality, measure
+
+    path = make_ckpt("qwen3_moe", dtype="bfloat16")
+    code = main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-new-tokens", "2",
+                 "--quantize-dense", "int8", "--dtype", "float32", "--device", "cpu"])  # fmt: skip
+    assert code == 0
+    named = f"expertcache quality --model {path} --dtype float32 --quantize-dense int8"
+    assert named in capsys.readouterr().err
+    text = ["def f(x):\n    return x + 1\n" * 4]
+    exact = measure(path, "fetch", "100%", texts=text, tokens=24, dtype="float32")
+    assert exact["dtype"] == exact["reference_dtype"] == "float32" and exact["logits_identical"] == 1
+    r = measure(path, "fetch", "100%", texts=text, tokens=24, quantize_dense="int8", dtype="float32")
+    assert r["dtype"] == r["reference_dtype"] == "float32" and r["logits_identical"] < 1
+    assert "in float32, " in format_quality(r)
+    code = main(["quality", "--model", str(path), "--expert-memory", "100%", "--tokens", "8",
+                 "--dtype", "float8_e4m3fn"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "not a compute dtype" in err and "Traceback" not in err
 
 
 # Triton's interpreter runs the kernel on a CPU where Triton is installed (no GPU needed); it must be on

@@ -380,7 +380,8 @@ def test_bad_checkpoints_raise_one_clear_error(kind, message, bad_ckpt):
         ({"link_bandwidth": "1GB/s", "link_latency": "soon"}, "link latency"),
         ({"slow_tier": "tape"}, "slow tier"),
         ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device"),
-        ({"dtype": "int8"}, "floating-point"),
+        ({"dtype": "int8"}, "not a compute dtype"),
+        ({"dtype": "float8_e4m3fn"}, "float32, bfloat16, float16, float64"),  # a storage format
     ],
 )
 def test_bad_options_raise_one_clear_error(kwargs, message, ckpt):

@@ -498,6 +498,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ql.add_argument("--attention", choices=cli_generate.ATTENTION, help=cli_generate.ATTENTION_HELP)
     ql.add_argument(
+        "--dtype", help="compute dtype of the model and the reference alike (default: each checkpoint's)"
+    )
+    ql.add_argument(
         "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
         help="transformers' experts implementation compared against (default auto: the one the kernel is "
         "exact against; grouped_mm for compiled)",
@@ -1468,6 +1471,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
         reference_implementation=None if args.reference == "auto" else args.reference,
         reference_model=args.reference_model, quantize_dense=args.quantize_dense, attention=args.attention,
+        dtype=args.dtype,
     )  # fmt: skip
     print(json.dumps(r) if args.json else format_quality(r))
     return 0

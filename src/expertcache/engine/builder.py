@@ -35,7 +35,7 @@ from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
 from expertcache.engine.link import EmulatedLink
-from expertcache.engine.loader import build_skeleton, check_attention
+from expertcache.engine.loader import build_skeleton, check_attention, read_config, resolve_dtype
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, release_freed
 from expertcache.engine.packed import Packed, PackedPool, describe_format, require_gate
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
@@ -191,6 +191,8 @@ class Builder:
             self.dense = quantize_dense_weights(sk.model, quantize_dense, dtype=sk.dtype)
             label = model_label(self.path)
             which = "" if label == "embedded" else f" --model {label}"
+            if sk.dtype != resolve_dtype(None, read_config(self.path)):  # another dtype than the checkpoint's
+                which += " --dtype " + str(sk.dtype).removeprefix("torch.")
             self.notes.append(
                 f"{self.dense.describe()}: lossy, not the model's outputs (expertcache quality{which} "
                 f"--quantize-dense {quantize_dense} says how far)"

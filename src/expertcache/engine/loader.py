@@ -153,11 +153,14 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ExpertcacheError(
-            f"dtype {given!r} is not a floating-point torch dtype (float32, bfloat16, float16)"
-        )
+    if dtype not in COMPUTE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in COMPUTE_DTYPES)
+        raise ExpertcacheError(f"dtype {given!r} is not a compute dtype the engine runs in ({names})")
     return dtype
+
+
+# what transformers' modules compute in (float8 and the like are storage formats: packed experts)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 _NARROW = (torch.bfloat16, torch.float16)  # dense weights kept as stored until quantised (``build_skeleton``)
@@ -249,7 +252,10 @@ def build_skeleton(
         kernels = PackedKernels(packed)
         for module in experts:
             module._expertcache_packed = kernels  # ``parts.expert_output`` computes it from packed bytes
-    stored = {f"{name}.weight" for name, _ in dense_linears(model)} if quantized_dense else set()
+    stored = set()  # read as stored: the layers about to be quantised, not a head tied to the embeddings
+    if quantized_dense:
+        tied = model.get_output_embeddings() if getattr(config, "tie_word_embeddings", False) else None
+        stored = {f"{name}.weight" for name, m in dense_linears(model) if m is not tied}
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed, stored)
     names = ("num_experts_per_tok", "top_k", "top_k_experts", "moe_topk")  # what families call it
     top_k = next((int(v) for a in names if (v := getattr(config, a, 0))), 0)

@@ -76,6 +76,7 @@ class Reference:
         device: str = "cpu",
         experts: str | None = None,
         attention: str | None = None,
+        dtype=None,
     ) -> None:
         from expertcache.engine.hub import resolve_model
         from expertcache.engine.kernels import default_kernel
@@ -84,7 +85,9 @@ class Reference:
         self.experts = experts or default_kernel(device).reference  # transformers' experts implementation
         self.path = resolve_model(model_path)
         self.attention = attention  # transformers' attention implementation (None: its default)
-        self.model = load_reference(self.path, device=device, experts=self.experts, attention=attention)
+        self.model = load_reference(
+            self.path, dtype=dtype, device=device, experts=self.experts, attention=attention
+        )  # in ``dtype`` (None: the checkpoint's)
         self._done: dict[tuple[int, ...], torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,7 @@ def measure(
     reference_model: str | Path | None = None,
     quantize_dense: str | None = None,
     attention: str | None = None,
+    dtype=None,
 ) -> dict[str, object]:
     """Perplexity, its change and top-1 agreement of ``miss`` (computed by ``kernel``: ``engine.kernels``)
     against the full-precision reference: transformers with ``reference_implementation`` (its
@@ -120,7 +124,8 @@ def measure(
     against the full-precision checkpoint it was made from: ``reference_model``, by default the one its
     config names (``expertcache quantize --checkpoint`` writes it there). ``quantize_dense``: the dense
     layers quantised at load (``engine.dense``), measured against the model's own. ``attention``:
-    transformers' attention implementation, for the engine and the reference alike (``engine.loader``).
+    transformers' attention implementation, for the engine and the reference alike (``engine.loader``);
+    ``dtype``: the compute dtype, likewise for both (None: each checkpoint's own).
 
     Which experts miss, and so which a lossy path serves at low precision or skips, depends on the
     prefetcher: by default it predicts in every step and the run is deterministic (the same numbers on
@@ -135,7 +140,7 @@ def measure(
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
         model_path, expert_memory=expert_memory, policy=policy, device=device, miss=miss, prefetch=pf,
-        progress=False, kernel=kernel, quantize_dense=quantize_dense, attention=attention,
+        progress=False, kernel=kernel, quantize_dense=quantize_dense, attention=attention, dtype=dtype,
     )  # fmt: skip
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
@@ -159,9 +164,11 @@ def measure(
             raise ExpertcacheError(
                 f"the reference given runs attention {reference.model.config._attn_implementation}, not {ran}"
             )
+        if reference is not None and dtype is not None and reference.model.dtype != model.dtype:
+            raise ExpertcacheError(f"the reference given runs in {reference.model.dtype}, not {model.dtype}")
         ref = reference
         if ref is None:
-            ref = Reference(_reference_path(model, reference_model), device, impl, attention)
+            ref = Reference(_reference_path(model, reference_model), device, impl, attention, dtype)
         nll = {"reference": 0.0, "measured": 0.0}
         count = agree = identical = positions = 0
         largest = 0.0
@@ -192,6 +199,8 @@ def measure(
             "dense_format": quantize_dense or "as stored",
             "dense": model.stats["dense"],
             "attention": model.stats["attention"],
+            "dtype": model.stats["dtype"],
+            "reference_dtype": str(ref.model.dtype).removeprefix("torch."),
             "lossy": model.stats["lossy"],
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
@@ -239,6 +248,7 @@ def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
         + (f"dense layers {r['dense_format']}, " if r.get("dense_format", "as stored") != "as stored" else "")
+        + (f"in {r['dtype']}, " if r.get("dtype") else "")
         + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}: "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
