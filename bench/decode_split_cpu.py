@@ -1,8 +1,8 @@
 """Where a packed checkpoint's decode token goes on a CPU: the compiled int8 loops, timed in place, and
 the rest (transformers' modules, torch's small operations, the engine's Python).
 
-    .venv/bin/python bench/decode_split_cpu.py PACKED_DIR [--quantize-dense int8] [--threads 2] \\
-        [--new-tokens 64] [--rounds 3] [--no-huge-pages]
+    .venv/bin/python bench/decode_split_cpu.py PACKED_DIR [--quantize-dense int8] [--dtype float32] \\
+        [--threads 2] [--new-tokens 64] [--rounds 3] [--no-huge-pages]
 
 Loads ``PACKED_DIR`` (an int8 checkpoint of ``expertcache quantize --checkpoint``) at 100 % on the CPU,
 warms it up, then per round generates greedily from a fixed 64-token prompt (token ids 100-163), once
@@ -37,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--quantize-dense", default=None)
+    ap.add_argument("--dtype", default=None, help="compute dtype, e.g. float32 (default: the checkpoint's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -53,6 +54,8 @@ def main() -> None:
     if args.no_huge_pages:
         memory.advise_huge_pages = lambda tensor: False
     kw = {"quantize_dense": args.quantize_dense} if args.quantize_dense else {}
+    if args.dtype:
+        kw["dtype"] = args.dtype
     model = expertcache.load(args.model, expert_memory="100%", slow_tier="disk", device="cpu", **kw)
     ids = torch.arange(100, 164)[None]
     spent: collections.Counter = collections.Counter()
