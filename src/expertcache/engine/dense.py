@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, _has_triton, pack_int8
+from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, _has_triton, cast, host_f32, pack_int8
 from expertcache.engine.routing import moe_routers
 from expertcache.errors import ExpertcacheError
 
@@ -79,10 +79,18 @@ class QuantizedLinear(torch.nn.Module):
         self.bias = linear.bias  # a Parameter or None
         self.group: SiblingGroup | None = None  # computed with its siblings (``fuse_siblings``)
         self.last: _Last | None = None  # the model's sibling product waiting for its other members
+        self._array: tuple[torch.Tensor, np.ndarray] | None = None  # ``array``: (pool, its array)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, bias={bias}"
+
+    def array(self) -> np.ndarray:
+        """The pool as numpy's array for the loops (CPU), made once for each pool tensor the layer holds."""
+        made = self._array
+        if made is None or made[0] is not self.pool:
+            made = self._array = (self.pool, self.pool.numpy())
+        return made[1]
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +141,7 @@ class QuantizedLinear(torch.nn.Module):
             return F.linear(x2, self.weight_expanded(), self.bias).view(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
-        return y.to(x.dtype).view(*lead, self.out_features)
+        return cast(y, x.dtype).view(*lead, self.out_features)
 
     def _product(self, x2: torch.Tensor, t: int) -> torch.Tensor | None:
         """``x2`` ``[T, in]`` times the weight in float32 ``[T, out]``, or None where the kernels do not take
@@ -143,9 +151,8 @@ class QuantizedLinear(torch.nn.Module):
             from expertcache.engine import _packed_jit
 
             out = np.empty((t, rows), dtype=np.float32)
-            xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
-            pool = self.pool.numpy()
-            _packed_jit.rows_int8(pool, self.qoff, self.soff, rows, cols, _zeros(t), xf, out, True)
+            xf = host_f32(x2)
+            _packed_jit.rows_int8(self.array(), self.qoff, self.soff, rows, cols, _zeros(t), xf, out, True)
             return torch.from_numpy(out)
         if x2.device.type == "cuda" and t <= DECODE_ROWS and _has_triton():
             return self.triton_product(x2)
@@ -249,12 +256,12 @@ class SiblingGroup:
             from expertcache.engine import _packed_jit
 
             out = np.empty((t, self.rows), dtype=np.float32)
-            xf = np.ascontiguousarray(x2.detach().to(torch.float32).numpy())
+            xf = host_f32(x2)
             _packed_jit.rows_int8(self.array, 0, self.soff, self.rows, self.cols, _zeros(t), xf, out, True)
             y = torch.from_numpy(out)
             if self.bias is not None:
                 y = y + self.bias
-            y = y.to(x.dtype)
+            y = cast(y, x.dtype)
             last.group, last.x, last.y = self, x, y
         last.taken.add(index)
         if len(last.taken) == len(self.members):

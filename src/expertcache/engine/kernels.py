@@ -366,4 +366,5 @@ def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, in
 def combine(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """The layer's output ``[T, H]`` from its weighted rows ``[T*K, H]``: each token's top-k summed, as
     transformers' grouped and batched implementations do (in the rows' precision), then cast."""
-    return rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1).to(dtype)
+    out = rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
+    return out if out.dtype == dtype else out.to(dtype)

@@ -575,7 +575,7 @@ class PackedKernels:
             )  # fmt: skip
         from expertcache.engine import _packed_jit
 
-        xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+        xf = host_f32(x)
         out = np.empty((len(slots), rows), dtype=np.float32)
         qoff, soff = off[f"{name}.q"], off[f"{name}.scale"]
         if p.format == "int8":  # a one-slot pool's rows (an expert's tokens) by block: each read once
@@ -612,7 +612,7 @@ class PackedKernels:
 
         p, off = self.packed, self.offsets
         rows, cols = p.matrix(name)
-        xf = np.ascontiguousarray(x.detach().to(torch.float32).numpy())
+        xf = host_f32(x)
         out = np.empty((xf.shape[0], rows), dtype=np.float32)
         qoff, soff = off[f"{name}.q"], off[f"{name}.scale"]
         if p.format == "int8":
@@ -657,12 +657,12 @@ class PackedKernels:
         GPU's uint8 tensor with a tensor of them on it): ``[K, H]`` in the compute dtype."""
         p = self.packed
         ids = slots if isinstance(pool, torch.Tensor) else np.asarray(slots, dtype=np.int64)
-        h = self.project("gate_up_proj", pool, ids, x).to(p.dtype)
+        h = cast(self.project("gate_up_proj", pool, ids, x), p.dtype)
         if module.is_transposed and module.has_bias:
             h = module._apply_gate(h + _bias_rows(p, pool, self.offsets, ids, "gate_up_proj_bias"))
         else:
             h = module._apply_gate(h)
-        out = self.project("down_proj", pool, ids, h).to(p.dtype)
+        out = cast(self.project("down_proj", pool, ids, h), p.dtype)
         if module.is_transposed and module.has_bias:
             out = out + _bias_rows(p, pool, self.offsets, ids, "down_proj_bias")
         return out
@@ -688,6 +688,21 @@ class PackedKernels:
             h = module._apply_gate(F.linear(x, w1) + p.bias(views, "gate_up_proj_bias"))
             return F.linear(h, w2) + p.bias(views, "down_proj_bias")
         return F.linear(module._apply_gate(F.linear(x, w1)), w2)
+
+
+def host_f32(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a C-contiguous float32 array for the loops: its own memory where it is one already.
+    A decode step makes a few hundred of these; on a float32 model each is two of torch's dispatches fewer
+    than ``np.ascontiguousarray(x.detach().to(torch.float32).numpy())``."""
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    a = x.detach().numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call where it is that dtype already (the same tensor either way)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:
@@ -736,7 +751,7 @@ def packed_decode_rows(module, pool: PackedPool, hidden: torch.Tensor, slots, to
     """One token's weighted output from each of the packed experts in ``slots`` ``[K]`` (CPU), ``[K, H]``:
     ``kernels.decode_rows`` for packed experts."""
     out = pool.kernels.rows(module, pool.array, slots, hidden.reshape(1, -1))
-    return out * top_k_weights.reshape(-1).unsqueeze(-1)
+    return out * top_k_weights.reshape(-1, 1)
 
 
 def packed_grouped_rows(

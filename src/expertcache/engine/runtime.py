@@ -33,7 +33,7 @@ from expertcache.engine.kernels import (
     grouped_rows,
 )
 from expertcache.engine.kv import grow
-from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
+from expertcache.engine.packed import cast, packed_decode_rows, packed_grouped_rows
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.routing import moe_routers
 from expertcache.engine.slots import SlotTable, SlotTransport
@@ -127,7 +127,10 @@ def routing_on_host(
     if packed is None:
         packed = top_k_index.device.type != "cpu"
     if not packed:
-        return top_k_index.detach().cpu().numpy(), top_k_weights.detach().to("cpu", torch.float32).numpy()
+        index, weights = top_k_index.detach(), top_k_weights.detach()
+        if index.device.type != "cpu":
+            index, weights = index.cpu(), weights.cpu()
+        return index.numpy(), cast(weights, torch.float32).numpy()
     K = top_k_index.shape[-1]
     both = torch.cat((top_k_index.detach().to(torch.float32), top_k_weights.detach().to(torch.float32)), -1)
     both = both.cpu().numpy()
