@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, _has_triton, cast, host_f32, pack_int8
+from expertcache.engine.kernels import cast, host_f32
+from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, _has_triton, pack_int8
 from expertcache.engine.routing import moe_routers
 from expertcache.errors import ExpertcacheError
 

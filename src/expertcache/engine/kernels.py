@@ -108,6 +108,21 @@ def _unaligned(layout) -> str | None:
     return None
 
 
+def host_f32(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a C-contiguous float32 array for the loops: its own memory where it is one already.
+    A decode step makes a few hundred of these; on a float32 model each is two of torch's dispatches fewer
+    than ``np.ascontiguousarray(x.detach().to(torch.float32).numpy())``."""
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    a = x.detach().numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call where it is that dtype already (the same tensor either way)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def first_matrix(module: torch.nn.Module) -> str:
     """An expert's first projection: ``gate_up_proj``, or ``up_proj`` where it has no gate (Nemotron-H)."""
     return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
@@ -366,5 +381,4 @@ def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, in
 def combine(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """The layer's output ``[T, H]`` from its weighted rows ``[T*K, H]``: each token's top-k summed, as
     transformers' grouped and batched implementations do (in the rows' precision), then cast."""
-    out = rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
-    return out if out.dtype == dtype else out.to(dtype)
+    return cast(rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1), dtype)

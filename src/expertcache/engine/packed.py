@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from expertcache.engine.kernels import cast, host_f32
 from expertcache.engine.memory import SlotLayout
 from expertcache.errors import ExpertcacheError
 
@@ -688,21 +689,6 @@ class PackedKernels:
             h = module._apply_gate(F.linear(x, w1) + p.bias(views, "gate_up_proj_bias"))
             return F.linear(h, w2) + p.bias(views, "down_proj_bias")
         return F.linear(module._apply_gate(F.linear(x, w1)), w2)
-
-
-def host_f32(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a C-contiguous float32 array for the loops: its own memory where it is one already.
-    A decode step makes a few hundred of these; on a float32 model each is two of torch's dispatches fewer
-    than ``np.ascontiguousarray(x.detach().to(torch.float32).numpy())``."""
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    a = x.detach().numpy()
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
-
-
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without the call where it is that dtype already (the same tensor either way)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:

@@ -27,13 +27,14 @@ from expertcache.engine.kernels import (
     KERNELS,
     Kernel,
     StackedPool,
+    cast,
     combine,
     compiled_rows,
     decode_rows,
     grouped_rows,
 )
 from expertcache.engine.kv import grow
-from expertcache.engine.packed import cast, packed_decode_rows, packed_grouped_rows
+from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
 from expertcache.engine.parts import EnginePart
 from expertcache.engine.routing import moe_routers
 from expertcache.engine.slots import SlotTable, SlotTransport
@@ -299,7 +300,7 @@ class Engine:
             token_idx, top_k_pos = tokens_of(expert)
             out = outputs[expert] if norm is None else norm(outputs[expert])
             out = out * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out if out.dtype == final.dtype else out.to(final.dtype))
+            final.index_add_(0, token_idx, cast(out, final.dtype))
         return final
 
     def _grouped(self, module, layer, hidden, top_k_index, top_k_weights, index, work) -> torch.Tensor:
