@@ -31,7 +31,7 @@ from provenance import provenance, write_json
 from torch.nn import functional as F
 
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.packed import MATRICES, Packed, PackedKernels
+from expertcache.engine.packed import MATRICES, Packed, PackedKernels, SiluExperts
 from expertcache.tools.published import quantize_fp8, quantize_mxfp4
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "qwen15-moe-a2.7b": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -39,12 +39,7 @@ SHAPES = {"mixtral-8x7b": (4096, 14336), "qwen15-moe-a2.7b": (2048, 1408), "qwen
 FORMATS = ("int8", "int4", "mxfp4", "fp8")
 
 
-class _Module:  # the two things PackedKernels.rows asks of an experts module (a non-transposed family)
-    is_transposed = False
-
-    @staticmethod
-    def act_fn(x):
-        return F.silu(x)
+_Module = SiluExperts  # what the kernels read of an experts module
 
 
 def timed(fn, reps: int) -> float:
@@ -76,7 +71,7 @@ def main() -> None:
     torch.manual_seed(0)
     full = {n: (torch.randn(*s, device=dev) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
     x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
-    mod = _Module()
+    mod = _Module
     rows = []
 
     # bf16: the engine's full-precision expert

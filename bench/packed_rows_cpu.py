@@ -18,18 +18,11 @@ import time
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from expertcache.engine.memory import SlotPool
-from expertcache.engine.packed import CPU_ROWS, PackedKernels, slot_bytes
+from expertcache.engine.packed import CPU_ROWS, PackedKernels, SiluExperts, slot_bytes
 
-
-class _Module:  # what PackedKernels asks of an experts module (a non-transposed family)
-    is_transposed = False
-
-    @staticmethod
-    def act_fn(x):
-        return F.silu(x)
+_Module = SiluExperts  # what the kernels read of an experts module
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from engine_fixtures import engine_load, greedy
 
-from expertcache.engine.packed import MATRICES, Packed, PackedKernels, pack_int4, pack_int8
+from expertcache.engine.packed import MATRICES, Packed, PackedKernels, SiluExperts, pack_int4, pack_int8
 from expertcache.errors import ExpertcacheError
 from expertcache.tools.quantize import write_checkpoint
 
@@ -118,9 +118,7 @@ def test_the_gpu_kernels_equal_the_product_and_do_not_depend_on_their_batch(fmt,
         want = p.expand(pool.views[s], "gate_up_proj") @ x[i]
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-3)
 
-    class Module:
-        is_transposed = False
-        act_fn = staticmethod(torch.nn.functional.silu)
+    Module = SiluExperts  # what the kernels read of an experts module
 
     xb = x.to(torch.bfloat16)
     batch = k.rows(Module, pool.buffer, slots[[0, 1, 3]], xb[[0, 1, 3]])

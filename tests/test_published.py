@@ -34,7 +34,15 @@ from engine_fixtures import (
     with_config,
 )
 
-from expertcache.engine.packed import MATRICES, Packed, PackedKernels, dequantize_fp8, pack_int4, pack_int8
+from expertcache.engine.packed import (
+    MATRICES,
+    Packed,
+    PackedKernels,
+    SiluExperts,
+    dequantize_fp8,
+    pack_int4,
+    pack_int8,
+)
 from expertcache.errors import ExpertcacheError
 from expertcache.tools.published import quantize_fp8, quantize_mxfp4, write_published
 
@@ -237,9 +245,7 @@ def test_the_gpu_kernels_equal_the_product_and_do_not_depend_on_their_batch(fmt,
     p, k, pool = _triton_pool(fmt, dtype, dev, G, H, F, block)
     k.warm(pool.buffer)
 
-    class Module:
-        is_transposed = False
-        act_fn = staticmethod(torch.nn.functional.silu)
+    Module = SiluExperts  # what the kernels read of an experts module
 
     slots = torch.tensor([2, 0, 3, 1], device=dev)
     x = torch.randn(4, H, device=dev).to(dtype)

@@ -479,9 +479,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8).clone()
 
 
+def exact_div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` rounded once, the same bits on every device: on a GPU torch multiplies by the reciprocal of
+    a Python number (``1 / 127`` is not exact: a quotient one bit off now and then), so a checkpoint or a
+    reference quantised there would differ from the CPU's; a tensor divisor is divided by."""
+    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+
+
 def pack_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """``w`` float32 ``[rows, cols]`` -> ``q`` (int8 as bytes) and one float32 scale per row."""
-    scale = w.abs().amax(dim=1) / 127
+    scale = exact_div(w.abs().amax(dim=1), 127)
     q = torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).clamp_(-127, 127).to(torch.int8)
     return {"q": _bytes(q), "scale": _bytes(scale.to(torch.float32))}
 
@@ -494,7 +501,7 @@ def pack_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     groups = -(-cols // group)
     g = F.pad(w, (0, groups * group - cols), mode="replicate").view(rows, groups, group)  # the last group's
     low = g.amin(dim=-1, keepdim=True).to(torch.bfloat16).to(torch.float32)
-    scale = ((g.amax(dim=-1, keepdim=True) - low) / 15).to(torch.bfloat16).to(torch.float32)
+    scale = exact_div(g.amax(dim=-1, keepdim=True) - low, 15).to(torch.bfloat16).to(torch.float32)
     q = torch.round((g - low) / torch.where(scale > 0, scale, 1)).clamp_(0, 15).to(torch.uint8)
     q = q.view(rows, -1)[:, :cols]
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
@@ -689,6 +696,22 @@ class PackedKernels:
             h = module._apply_gate(F.linear(x, w1) + p.bias(views, "gate_up_proj_bias"))
             return F.linear(h, w2) + p.bias(views, "down_proj_bias")
         return F.linear(module._apply_gate(F.linear(x, w1)), w2)
+
+
+class SiluExperts:
+    """What ``PackedKernels`` reads of a transformers experts module, for a family that is not transposed,
+    has no biases and gates with SiLU (Mixtral's and most others'): for running the kernels outside a
+    model (benches, tests). ``_apply_gate`` is transformers' default gate."""
+
+    is_transposed = False
+    has_bias = False
+    has_gate = True
+    act_fn = staticmethod(F.silu)
+
+    @staticmethod
+    def _apply_gate(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def gpu_kernels(device: torch.device, packed: Packed) -> bool:
