@@ -378,6 +378,25 @@ def _attention_kwargs(attention: str | None) -> dict[str, str]:
     return {} if check_attention(attention) is None else {"attn_implementation": attention}
 
 
+# packings transformers computes with its own kernels where a GPU is present and dequantises where not: the
+# reference dequantises them everywhere (what the engine is exact against), on a GPU machine too
+DEQUANTIZED = ("fp8", "mxfp4")
+
+
+def _dequantized(config) -> dict[str, object]:
+    """``from_pretrained``'s ``quantization_config`` for a checkpoint packed in ``DEQUANTIZED``: its own,
+    dequantising at load; none for others."""
+    packing = getattr(config, "quantization_config", None)
+    packing = packing.to_dict() if hasattr(packing, "to_dict") else packing
+    if not isinstance(packing, dict) or packing.get("quant_method") not in DEQUANTIZED:
+        return {}
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    own = AutoQuantizationConfig.from_dict(dict(packing))
+    own.dequantize = True
+    return {"quantization_config": own}
+
+
 def load_reference(
     path: str | Path,
     dtype=None,
@@ -408,8 +427,9 @@ def load_reference(
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
     with _attention_refused(config, attention):
         model = cls.from_pretrained(
-            str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention)
-        )
+            str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention),
+            **_dequantized(config),
+        )  # fmt: skip
     if chosen is None:
         from expertcache.engine.kernels import not_grouped
 
