@@ -125,15 +125,20 @@ def with_config(src: Path, dst: Path, **entries: object) -> Path:
 
 
 # a smaller budget from disk, experts computed on the host, a host tier with prefetching
-EVERYWHERE = (dict(expert_memory="30%", slow_tier="disk"), dict(expert_memory="30%", miss="host"),
-              dict(expert_memory="40%", slow_tier="host", prefetch="next-gate"))  # fmt: skip
+# (on a GPU without the host miss path: experts computed on the host round as its CPU does, within rounding
+# of the GPU's bits, as test_miss checks there)
+EVERYWHERE = tuple(
+    kw for kw in (dict(expert_memory="30%", slow_tier="disk"), dict(expert_memory="30%", miss="host"),
+                  dict(expert_memory="40%", slow_tier="host", prefetch="next-gate"))
+    if DEVICE == "cpu" or kw.get("miss") != "host"
+)  # fmt: skip
 
 
-def assert_same_everywhere(path: Path, ids: torch.Tensor, full) -> None:
+def assert_same_everywhere(path: Path, ids: torch.Tensor, full, **options) -> None:
     """The checkpoint at ``path`` gives ``full`` (``greedy``'s tokens and logits, every expert resident)
-    bit for bit under each of ``EVERYWHERE``."""
+    bit for bit under each of ``EVERYWHERE`` (with ``options`` for the engine)."""
     for kwargs in EVERYWHERE:
-        with engine_load(path, **kwargs) as model:
+        with engine_load(path, **kwargs, **options) as model:
             got = greedy(model, ids)
         assert got[0].tolist() == full[0].tolist() and torch.equal(got[1], full[1]), kwargs
 
@@ -317,6 +322,15 @@ def run_interpreted(test_file: str, passed: int) -> None:
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1], capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
+    if run.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in run.stdout:
+        import numpy
+        import triton
+
+        # seen with Triton 3.6 and NumPy 2.5 on a GPU machine: the interpreter's failure, not the kernels'
+        pytest.skip(
+            f"Triton {triton.__version__}'s interpreter cannot run under NumPy {numpy.__version__}: it takes "
+            "int() of one-element arrays, which NumPy 2.5 refuses"
+        )
     assert run.returncode == 0 and f"{passed} passed" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
 
 

@@ -283,7 +283,8 @@ def test_a_bfloat16_checkpoint_in_float32_quantises_its_dense_weights_as_stored(
     assert kept and all(n.endswith(".weight") for n in kept)  # the dense linears' weights alone, as stored
     assert not any("embed" in n or "norm" in n or ".gate." in n or "router" in n for n in kept)
     assert ("lm_head.weight" in kept) != tied
-    ref = load_reference(path, dtype="float32", device="cpu", experts=engine_fixtures.REFERENCE)
+    device, experts = engine_fixtures.DEVICE, engine_fixtures.REFERENCE
+    ref = load_reference(path, dtype="float32", device=device, experts=experts)
     report = quantize_dense(ref, "int8")
     want = greedy(ref, IDS)
     with engine_load(path, dtype="float32", quantize_dense="int8", slow_tier="disk") as model:

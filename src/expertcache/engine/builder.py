@@ -188,7 +188,9 @@ class Builder:
         self.layout = sk.layout  # one whole expert, as stored
         self.dense = None  # the dense weights as stored, or quantised here (opt-in: engine.dense)
         if quantize_dense is not None:
-            self.dense = quantize_dense_weights(sk.model, quantize_dense, dtype=sk.dtype)
+            # sibling groups serve the CPU's loops; on a GPU each member would carry the group's pool there
+            siblings = self.device.type == "cpu"
+            self.dense = quantize_dense_weights(sk.model, quantize_dense, dtype=sk.dtype, siblings=siblings)
             label = model_label(self.path)
             which = "" if label == "embedded" else f" --model {label}"
             if sk.dtype != resolve_dtype(None, read_config(self.path)):  # another dtype than the checkpoint's
@@ -450,13 +452,14 @@ class Builder:
             need += self.num_layers * self.num_experts * self.layout.slot_bytes
         room = available_memory()
         if room is not None and need > room[0]:
-            what = "the expert slots" + (
-                " and the host tier's copy of every expert" if tier == "host" and not self.host_capacity
-                else " and the host cache (--host-memory)" if self.host_capacity else ""
-            )  # fmt: skip
+            parts = ["the expert slots"] if self.device.type == "cpu" else []  # a GPU's are on the GPU
+            if self.host_capacity:
+                parts.append("the host cache (--host-memory)")
+            elif tier == "host":
+                parts.append("the host tier's copy of every expert")
             raise ExpertcacheError(
-                f"{what} need {format_bytes(need)} of host memory, more than this process may use "
-                f"({format_bytes(room[0])}: {room[1]}); give a smaller "
+                f"{' and '.join(parts)} need {format_bytes(need)} of host memory, more than this process may "
+                f"use ({format_bytes(room[0])}: {room[1]}); give a smaller "
                 + ("host cache (--host-memory) or " if self.host_capacity else "")
                 + "expert memory (--expert-memory)"
                 + (" or --slow-tier disk" if tier == "host" and not self.host_capacity else "")
