@@ -44,6 +44,20 @@ storing experts one by one) writes the checkpoint once more with its experts pac
 quantize --checkpoint``, beside it) and runs that (no transformers reference); ``--miss hobbit...`` builds
 the low-precision copies it needs first.
 
+Three tiers: ``--host-memory 16GiB`` runs each budget with a host level of that memory (pinned) over
+exact reads of the checkpoint on disk (``--slow-tier disk``), ``--host-levels inclusive exclusive`` both
+kinds, ``--host-policy`` its policy (``none`` among the sizes: every expert in pinned host memory). Each
+such row records the host level's hits, misses and disk reads over the measured request, the timing
+model's replay of the engine's recorded routing at both levels (its host-level misses since load equal
+the engine's where nothing was prefetched), ``torch.cuda.max_memory_allocated`` beside the budget and
+the dense weights, and the three-level limit: the all-resident TPOT or, if larger, OPT's decode misses
+at the device's capacity times one expert's copy plus the disk reads OPT needs with what both memories
+hold (the host level's experts; exclusive: both levels') times the run's mean read, per token.
+
+The first engine configuration of a process has measured 36-53 ms at 100 % where later ones took 6-13 ms
+(the cause is not established): with ``--no-reference`` the 100 % row runs first, so give ``--budgets
+100 ...`` to run it again, or compare with a run that had its reference.
+
 ``--kernel`` is the engine's experts kernel (``grouped``, ``eager``, default ``auto``: grouped where torch
 has ``grouped_mm``); the all-resident references are transformers with each of ``--references`` (default
 ``grouped_mm`` and ``eager``: each kernel is exact against one, so their tokens are compared with the
@@ -124,6 +138,7 @@ DELTAS = (
     "misses", "decode_misses", "prefill_misses", "stall_s", "decode_stall_s", "bytes_transferred",
     "host_computed", "host_wait_s", "host_busy_s", "prefetch_issued", "prefetch_used",
 )  # fmt: skip
+HOST_DELTAS = ("host_requests", "host_hits", "host_misses", "disk_reads", "disk_read_s", "host_demoted")
 
 
 def log(msg: str) -> None:
@@ -462,6 +477,21 @@ def sim_misses(m, recorded: Trace, policy: str, miss: str) -> tuple[int, dict[st
     return res.misses, res.capacities
 
 
+def sim_host(recorded: Trace) -> dict[str, object]:
+    """The timing model's replay of the engine's recorded routing with its host level (capacities and
+    policies from the trace's meta, cold start as the engine's since load): its misses at both levels,
+    the engine's where nothing was prefetched."""
+    from expertcache.config import HostConfig
+
+    meta = recorded.meta
+    host = HostConfig(None, meta["host_policy"], exclusive=bool(meta.get("host_exclusive", False)))
+    r = simulate_timing(
+        recorded, meta["capacity"], cache=meta["policy"], capacities=json.loads(meta["capacities"]),
+        host=host, host_capacity=meta["host_capacity"],
+    )  # fmt: skip
+    return {k: r.cache.get(k) for k in ("misses", "host_hits", "host_misses", "disk_reads")}
+
+
 def run_engine(
     path: Path,
     work: Workload,
@@ -471,11 +501,28 @@ def run_engine(
     policy: str,
     miss: str = "fetch",
     kernel: str = "auto",
+    host: str | None = None,
 ) -> dict:
+    """One configuration; ``host`` (``SIZE``, ``SIZE:exclusive``, either with ``:POLICY``) puts a host
+    level of that memory between the expert memory and the checkpoint on disk (three tiers), inclusive
+    or exclusive, under that policy (default LRU), else every expert is in (pinned) host memory."""
+    tiers = {"slow_tier": "host"}
+    if host is not None:
+        memory, *rest = host.split(":")
+        exclusive = "exclusive" in rest
+        policy = next((x for x in rest if x != "exclusive"), "lru")
+        tiers = {
+            "slow_tier": "disk",
+            "host_memory": memory,
+            "host_exclusive": exclusive,
+            "host_policy": policy,
+        }
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     m = load(
-        path, expert_memory=budget, policy=policy, device=str(device), miss=miss, slow_tier="host",
-        progress=False, kernel=kernel,
+        path, expert_memory=budget, policy=policy, device=str(device), miss=miss, progress=False,
+        kernel=kernel, **tiers,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
     try:
@@ -490,11 +537,21 @@ def run_engine(
                 raise RuntimeError(f"replay consumed rows up to {rep.position}, not {work.start + work.rows}")
         sim, sim_caps = sim_misses(m, m.trace(), policy, miss)
         delta = {k: after[k] - before[k] for k in DELTAS}
+        level = {}
+        if host is not None:  # the host level's counts over the measured request, and its model's
+            level = {k: after[k] - before[k] for k in HOST_DELTAS}
+            level.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_exclusive")})
+            level["sim_host"] = sim_host(m.trace())
+            level["host_misses_since_load"] = after["host_misses"]
+        if device.type == "cuda":  # the device's peak beside what the budget and the dense weights allow
+            level["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+            level["dense_bytes"] = sum(p.numel() * p.element_size() for p in m.model.parameters())
         out = {
             "kind": "engine",
             "budget": budget,
             "policy": policy,
             "miss": miss,
+            "host": host,
             "miss_path": m.miss.describe(),
             "slow_tier": m.tier.name,
             "kernel": m.kernel.name,
@@ -518,6 +575,7 @@ def run_engine(
             # the replay has no predictor: it is the engine's count only where nothing was prefetched
             "sim_matches_engine": sim == after["misses"] if after["prefetch_issued"] == 0 else None,
             "prefetch": after.get("prefetch"),
+            **level,
         }
     finally:
         m.close()
@@ -574,31 +632,66 @@ def limits(work: Workload, runs: list[dict], bw: dict, expert_bytes: int) -> lis
                 "serial_tpot_s": t_res + transfer,
             }
         )
+    for r in engine:  # three tiers: the misses OPT cannot avoid at each level, each at its measured time
+        if r.get("host") is None or not r.get("host_capacity"):
+            continue
+        cap = r.get("whole_expert_capacity", r["capacity_experts"])
+        # disk reads at least OPT's misses of a cache of what both memories can hold at once: the host
+        # level's experts (inclusive: the expert memory's are among them) or both levels' (exclusive)
+        held = r["host_capacity"] + (cap if r["host_exclusive"] else 0)
+        dev = replay(sched, "opt", cap).to_dict()["phases"]["decode"]["misses"]
+        disk = replay(sched, "opt", held).to_dict()["phases"]["decode"]["misses"]
+        reads = r["disk_reads"] or 1
+        read_s = r["disk_read_s"] / reads if r["disk_reads"] else None
+        link = dev / max(steps, 1) * expert_bytes / bw["pinned_bytes_per_s"]
+        disk_t = disk / max(steps, 1) * read_s if read_s is not None else 0.0
+        r["three_levels"] = {
+            "opt_device_decode_misses": dev,
+            "opt_disk_decode_reads": disk,
+            "held_experts": held,
+            "disk_read_s_each": read_s,
+            "link_s_per_token": link,
+            "disk_s_per_token": disk_t,
+            "resident_tpot_s": t_res,
+            "limit_tpot_s": max(t_res, link + disk_t),  # the issue's: each level's misses at its time
+            "overlapped_limit_tpot_s": max(t_res, link, disk_t),  # both links busy at once
+            "tpot_over_limit": r["tpot_s"] / max(t_res, link + disk_t),
+        }
     out.sort(key=lambda x: x["capacity_experts"])
     return out
 
 
 def summary_table(runs: list[dict]) -> str:
-    """Every engine row as a markdown table; vs fetch: fetch's TPOT at the same budget and policy."""
+    """Every engine row as a markdown table; vs fetch: fetch's TPOT at the same budget and policy with
+    every expert in host memory (two tiers)."""
     engine = [r for r in runs if r["kind"] == "engine"]
-    fetch = {(r["budget"], r["policy"]): r["tpot_s"] for r in engine if r.get("miss", "fetch") == "fetch"}
+    fetch = {(r["budget"], r["policy"]): r["tpot_s"] for r in engine
+             if r.get("miss", "fetch") == "fetch" and r.get("host") is None}  # fmt: skip
     out = [
-        "| budget | policy | miss path | TPOT ms | vs fetch | TTFT ms | decode misses | host computed | "
-        "stall s | tokens = reference |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| budget | host level | policy | miss path | TPOT ms | vs fetch | TTFT ms | decode misses | "
+        "host computed | stall s | tokens = reference |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in engine:
         base = fetch.get((r["budget"], r["policy"]))
         vs = f"{base / r['tpot_s']:.2f}x" if base else "-"
         out.append(
-            f"| {r['budget']} | {r['policy']} | {r.get('miss', 'fetch')} | {r['tpot_s'] * 1e3:.2f} | {vs} | "
-            f"{r['ttft_s'] * 1e3:.1f} | {r['decode_misses']} | {r.get('host_computed', 0)} | "
-            f"{r['stall_s']:.3f} | {r['tokens_match_reference']} |"
+            f"| {r['budget']} | {r.get('host') or '-'} | {r['policy']} | {r.get('miss', 'fetch')} | "
+            f"{r['tpot_s'] * 1e3:.2f} | {vs} | {r['ttft_s'] * 1e3:.1f} | {r['decode_misses']} | "
+            f"{r.get('host_computed', 0)} | {r['stall_s']:.3f} | {r['tokens_match_reference']} |"
         )
     return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------- main
+def budget_spec(value: str) -> str:
+    """``25`` -> ``25%``; a size (``8GiB``) or a share (``25%``) as given."""
+    try:
+        return f"{float(value):g}%"
+    except ValueError:
+        return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -612,7 +705,24 @@ def main() -> None:
     ap.add_argument("--warm-seq", type=int, default=0, help="the trace request of the warm-up")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=4)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[10, 20, 30, 50, 75])
+    ap.add_argument("--budgets", nargs="+", default=["10", "20", "30", "50", "75"],
+                    help="expert memory: percent of all experts (25) or bytes (8GiB)")  # fmt: skip
+    ap.add_argument(
+        "--host-memory",
+        nargs="+",
+        default=["none"],
+        help="three tiers: each budget also runs with a host level of this memory over the checkpoint on "
+        "disk (16GiB; none: every expert in pinned host memory, two tiers)",
+    )
+    ap.add_argument(
+        "--host-levels",
+        nargs="+",
+        choices=["inclusive", "exclusive"],
+        default=["inclusive"],
+        help="the host level's kinds measured (with --host-memory)",
+    )
+    ap.add_argument("--host-policy", default="lru",
+                    help="the host level's policy (with --host-memory)")  # fmt: skip
     ap.add_argument("--policies", nargs="+", default=["lru", "lfu", "llru"])
     ap.add_argument(
         "--miss",
@@ -701,8 +811,8 @@ def main() -> None:
             log(f"resuming: {len(runs)} configuration(s) from {out_path}")
         else:
             log(f"{out_path} is for another model or trace: starting over")
-    done = {(r["kind"], r["budget"], r["policy"], r.get("miss", "fetch" if r["kind"] == "engine" else None))
-            for r in runs}  # fmt: skip
+    done = {(r["kind"], r["budget"], r["policy"], r.get("miss", "fetch" if r["kind"] == "engine" else None),
+             r.get("host")) for r in runs}  # fmt: skip
     bw = next((r for r in runs if r["kind"] == "bandwidth"), None)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -743,6 +853,13 @@ def main() -> None:
             if r["miss"] != "fetch":
                 s += f"  host {r['host_computed']:5d} ({r['host_busy_s']:.2f} s)"
             s += f"  sim==engine {r['sim_matches_engine']}"
+            if r.get("host"):
+                s += (f"  host {r['host']}: {r['host_hits']} hits {r['host_misses']} misses, "
+                      f"{r['disk_reads']} reads ({r['disk_read_s']:.2f} s); since load "
+                      f"{r['host_misses_since_load']} host misses, timing model "
+                      f"{r['sim_host']['host_misses']}")  # fmt: skip
+            if "max_memory_allocated" in r:
+                s += f"  peak {r['max_memory_allocated'] / 2**30:.2f} GiB"
         return s
 
     if bw is None:
@@ -757,22 +874,30 @@ def main() -> None:
             f"{bw['pageable_bytes_per_s'] / 1e9:.1f} GB/s"
         )
         save(False)
-    plan = [("reference", "100%", None, impl) for impl in args.references] if not args.no_reference else []
-    plan += [("engine", "100%", "lru", "fetch")]
-    plan += [("engine", f"{b:g}%", p, m) for b in args.budgets for p in args.policies for m in args.miss]
-    for kind, budget, policy, miss in plan:
-        if (kind, budget, policy, miss) in done:
+    refs = [] if args.no_reference else args.references
+    plan = [("reference", "100%", None, impl, None) for impl in refs]
+    plan += [("engine", "100%", "lru", "fetch", None)]
+    pol = "" if args.host_policy == "lru" else f":{args.host_policy}"
+    hosts = [None if h == "none" else h + ("" if kind == "inclusive" else ":exclusive") + pol
+             for h in args.host_memory
+             for kind in (["inclusive"] if h == "none" else args.host_levels)]  # fmt: skip
+    plan += [
+        ("engine", budget_spec(b), p, m, h)
+        for b in args.budgets for p in args.policies for m in args.miss for h in hosts
+    ]  # fmt: skip
+    for kind, budget, policy, miss, host in plan:
+        if (kind, budget, policy, miss, host) in done:
             continue
         if kind == "reference":
             r = run_reference(path, work, device, pad, miss)
         else:
-            r = run_engine(path, work, device, pad, budget, policy, miss, args.kernel)
+            r = run_engine(path, work, device, pad, budget, policy, miss, args.kernel, host)
         want = r.get("kernel_reference", r.get("experts"))
         ref = next((x for x in runs if x["kind"] == "reference" and x.get("experts") == want), None)
         r["tokens_match_reference"] = None if ref is None else r["tokens"] == ref["tokens"]
         runs.append(r)
         log(
-            f"{kind:9s} {budget:>5s} {policy or '':5s} {miss or '':18s} {show(r)}  "
+            f"{kind:9s} {budget:>5s} {policy or '':5s} {miss or '':18s} {host or '':14s} {show(r)}  "
             f"match={r['tokens_match_reference']}"
         )
         save(False)
@@ -786,6 +911,15 @@ def main() -> None:
             f"(resident {x['resident_tpot_s'] * 1e3:.2f}, transfer {x['transfer_s_per_token'] * 1e3:.2f}, "
             f"weight-read floor {(x['weight_read_floor_s'] or 0) * 1e3:.2f})"
         )
+    for r in body["runs"]:
+        x = r.get("three_levels")
+        if x:
+            log(
+                f"three levels at {r['budget']}, host {r['host']}: TPOT {r['tpot_s'] * 1e3:.1f} ms, limit "
+                f"{x['limit_tpot_s'] * 1e3:.1f} ms ({x['tpot_over_limit']:.2f}x; OPT "
+                f"{x['opt_device_decode_misses']} device misses, {x['opt_disk_decode_reads']} disk reads of "
+                f"{(x['disk_read_s_each'] or 0) * 1e3:.1f} ms)"
+            )
     log(f"wrote {out_path}: tokens match reference: {body['tokens_match_reference']}")
 
 
