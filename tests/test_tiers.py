@@ -251,6 +251,8 @@ def test_an_exclusive_level_with_prefetches_in_flight_over_a_slow_link_is_exact(
     assert stats["host_hits"] > 0 and stats["host_demoted"] > 0
     assert stats["host_slot_waits"] >= 0 and stats["host_slot_wait_s"] >= 0.0
     assert stats["disk_reads"] <= stats["host_misses"]  # one read a miss (less those dropped unread)
+    # on a GPU one slot beyond the expert memory: a transfer need not wait for its victim's copy down
+    assert stats["device_spare_slots"] == (1 if engine_fixtures.DEVICE == "cuda" else 0)
 
 
 def test_an_exclusive_hit_s_slot_is_given_again_only_after_its_transfer_ended():
@@ -280,6 +282,72 @@ def test_an_exclusive_hit_s_slot_is_given_again_only_after_its_transfer_ended():
     five = tier.slot_of[(0, 5)]
     tier.host_back((0, 2), (0, 5))
     assert tier.slot_of == {(0, 6): one, (0, 2): two} and tier.free == [five] and not tier._released
+
+
+class _Submits:
+    """A transfer worker that records each submit (key, slot, the event it waits for)."""
+
+    def __init__(self) -> None:
+        self.submits: list[tuple] = []
+
+    def submit(self, key, slot, priority, part, after=None):
+        self.submits.append((key, slot, after))
+        return object()
+
+
+def test_a_transfer_takes_the_spare_slot_while_its_victim_is_copied_down():
+    """Under an exclusive host level on a GPU the whole experts' pool has a slot beyond its capacity: a
+    transfer whose victim is being copied down takes the spare (free, or copied down longest ago) and
+    waits for nothing newer; the victim's slot becomes the spare once its copy is done. Without a spare,
+    the transfer takes its victim's slot after the copy, as before."""
+    from types import SimpleNamespace
+
+    from expertcache.engine.slots import SlotTable, SlotTransport
+
+    for spare in (1, 0):
+        capacity = 2
+        target = SimpleNamespace(pool=[None] * (capacity + spare))
+        worker, table = _Submits(), SlotTable(1, 8, capacity + spare)
+        link = SlotTransport({(FULL, None): target}, worker, tables={(FULL, None): table})
+        link.submit((0, 1), None, 0)
+        link.submit((0, 2), None, 0)  # full: the spare, if any, is free
+        one, two = link.slot_of[(FULL, (0, 1))], link.slot_of[(FULL, (0, 2))]
+        link._after[(0, 1)] = "copy of (0, 1)"  # (0, 1) is the victim, coming down (``host_moved``)
+        link.submit((0, 3), (0, 1), 0)
+        if spare:
+            three = link.slot_of[(FULL, (0, 3))]
+            assert three not in (one, two) and worker.submits[-1] == ((0, 3), three, None)
+            link._after[(0, 2)] = "copy of (0, 2)"
+            link.submit((0, 4), (0, 2), 0)  # the spare now is (0, 1)'s old slot, its copy begun first
+            assert worker.submits[-1] == ((0, 4), one, "copy of (0, 1)")
+            assert link._spare[(FULL, None)] == [(two, "copy of (0, 2)")]
+            link.submit((0, 5), (0, 3), 0)  # a victim not copied down: its own slot, nothing to wait for
+            assert worker.submits[-1] == ((0, 5), three, None)
+            assert table.host[0, 5] == three and table.host[0, 3] == table.sentinel
+        else:
+            assert worker.submits[-1] == ((0, 3), one, "copy of (0, 1)")
+            assert not link._spare
+
+
+def test_the_spare_slot_is_a_gpu_s_exclusive_level_s_alone():
+    from types import SimpleNamespace
+
+    from expertcache.engine.builder import Builder
+    from expertcache.engine.memory import SlotLayout
+
+    def spare(device: str, exclusive: bool, host_capacity: int = 8) -> tuple[int, list[str]]:
+        b = SimpleNamespace(
+            host_capacity=host_capacity, device=torch.device(device), parts={FULL: None},
+            capacities={FULL: 4}, capacity=4, notes=[], layout=SlotLayout.of({"w": (256,)}, torch.float32),
+        )  # fmt: skip
+        return Builder._spare_slots(b, HostConfig("50%", "lru", exclusive=exclusive)), b.notes
+
+    assert spare("cuda", True)[0] == 1 and "spare" in spare("cuda", True)[1][0]
+    assert (
+        spare("cuda", False) == (0, [])
+        and spare("cpu", True) == (0, [])
+        and spare("cuda", True, 0) == (0, [])
+    )
 
 
 class _GatedDisk:

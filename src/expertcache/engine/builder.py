@@ -114,6 +114,7 @@ class Built:
     tier: HostTier | DiskTier | StackTier
     host_capacity: int  # experts the host level holds (0: no host level)
     host_config: HostConfig | None
+    spare_slots: int  # whole-expert slots beyond the capacity (an exclusive host level on a GPU)
     weight_files: list[Path]  # the checkpoint's files, for the memory in stats
     whole: bool  # nothing to offload: every expert is read into its slot at load
     targets: dict[tuple[str, int | None], Target]
@@ -223,6 +224,7 @@ class Builder:
             host = plan.host_config(self.layout.slot_bytes)
         self.host_reserve = 0  # an exclusive host level's slots beyond its capacity (``cache.tiers``)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
+        self.spare_slots = self._spare_slots(host)
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
         self.weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
@@ -481,6 +483,7 @@ class Builder:
                 continue
             for group, layout in part.layouts.items():
                 n = caps if group is None else caps[group]
+                n += self.spare_slots if (name, group) == (FULL, None) else 0
                 pool = SlotPool(layout, n, self.device, prefault=fault, progress=bar)
                 targets[(name, group)] = Target(part.source, pool)
         return targets
@@ -571,6 +574,22 @@ class Builder:
                 "inclusive, it hits only experts the expert memory let go recently; give it more memory"
             )
         return experts
+
+    def _spare_slots(self, host: HostConfig | None) -> int:
+        """Slots of the whole experts' pool beyond its capacity: one under an exclusive host level on a GPU,
+        where each device victim is copied down before its slot may take the next expert. The transfer
+        takes the spare instead, and the victim's slot becomes the spare (``SlotTransport.submit``), so
+        the copy down and the transfer cross the link at once, one each way. The decisions (the capacity)
+        are the simulator's as without it; the slot is memory beyond the budget, said in a note."""
+        if not (self.host_capacity and host.exclusive and self.device.type == "cuda"):
+            return 0
+        if FULL not in self.parts or not isinstance(self.capacities.get(FULL), int) or not self.capacity:
+            return 0
+        self.notes.append(
+            f"one expert slot ({format_bytes(self.layout.slot_bytes)}) beyond the expert memory, spare: an "
+            "exclusive host level's copy down of a device victim overlaps the transfer that replaces it"
+        )
+        return 1
 
     def _tier(self, sk, slow_tier: str | None, show: bool):
         if self.host_capacity:

@@ -295,6 +295,7 @@ class OffloadedModel:
             "host_policy": level.policy.name,
             "host_exclusive": level.exclusive,
             "host_reserve": len(tier.pool) - level.policy.capacity,  # exclusive: hits' slots still read
+            "device_spare_slots": self.spare_slots,  # beyond the expert memory: copies down overlap
             "host_slot_waits": tier.slot_waits,
             "host_slot_wait_s": tier.slot_wait_s,
             "host_over": "mapped checkpoint" if tier.disk.name == "mapped" else "disk",

@@ -74,6 +74,10 @@ class SlotTransport:
         self.settle = settle  # deterministic runs: a transfer lands before submit returns (see below)
         self._after: dict[Key, object] = {}  # a device victim copied down (CUDA): the event its slot's
         # next transfer waits for
+        # slots whose last expert is being copied down (CUDA), with that copy's event, the oldest first: a
+        # pool with a slot beyond its capacity (``Builder``: an exclusive host level on a GPU) lets a
+        # transfer take one of these or a free one rather than wait for its victim's copy down
+        self._spare: dict[PoolId, list[tuple[int, object]]] = {}
 
     def pool_id(self, part: str, key: Key) -> PoolId:
         return (part, key[0]) if self._by_layer and (part, key[0]) in self.targets else (part, None)
@@ -97,7 +101,17 @@ class SlotTransport:
     # -- Transport -------------------------------------------------------------------------------
     def submit(self, key: Key, victim: Key | None, priority: int, part: str = FULL) -> Transfer:
         pid = self.pool_id(part, key)  # a victim of a per-layer part is of the same layer: the same pool
-        slot = self.slot_of.pop((part, victim)) if victim is not None else self.free[pid].pop()
+        after = self._after.pop(victim, None) if self._after and victim is not None else None
+        if victim is None:
+            slot, after = self._take(pid)
+        else:
+            slot = self.slot_of.pop((part, victim))
+            if after is not None and (self.free[pid] or self._spare.get(pid)):
+                # the victim's slot is being copied down: the transfer takes a spare slot (a free one, or
+                # the one copied down longest ago) and the victim's becomes a spare, so the copy down and
+                # the transfer cross the link at once, one each way, rather than one after the other
+                self._spare.setdefault(pid, []).append((slot, after))
+                slot, after = self._take(pid)
         self.slot_of[(part, key)] = slot
         table = self.tables.get(pid) if self.tables else None
         if table is not None:
@@ -105,7 +119,6 @@ class SlotTransport:
                 table.clear(victim)
             table.set(key, slot)
         self.transfers += 1
-        after = self._after.pop(victim, None) if self._after and victim is not None else None
         handle = self.worker.submit(key, slot, priority, pid, after=after)
         if self.settle:  # nothing in flight at the cache's next decision: no victim or cancel depends on time
             try:
@@ -113,6 +126,13 @@ class SlotTransport:
             except Exception:  # noqa: BLE001 (kept in the handle: poll says FAILED, wait raises it again)
                 pass
         return handle
+
+    def _take(self, pid: PoolId) -> tuple[int, object | None]:
+        """A slot of pool ``pid`` for a transfer, with the event it waits for: a free one (none), else the
+        spare whose copy down began first (its event)."""
+        if self.free[pid]:
+            return self.free[pid].pop(), None
+        return self._spare[pid].pop(0)
 
     def cancel(self, handle: Transfer) -> bool:
         return False if self.settle else self.worker.cancel(handle)
