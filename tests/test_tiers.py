@@ -202,7 +202,8 @@ def test_an_exclusive_host_level_is_exact_and_replays_to_the_same_counts(family,
         stats, trace = model.stats, model.trace()
     assert stats["host_exclusive"] and stats["host_capacity"] == memory - reserve
     assert stats["host_reserve"] == reserve  # the memory holds the level and the hits in flight
-    assert stats["host_memory_bytes"] == memory * (stats["expert_memory_bytes"] // device)
+    slots = device + stats["device_spare_slots"]  # on a GPU one beyond the expert memory
+    assert stats["host_memory_bytes"] == memory * (stats["expert_memory_bytes"] // slots)
     assert stats["host_requests"] == stats["misses"] > 0
     assert 0 < stats["host_misses"] < stats["host_requests"]  # hits: experts the device let go came back
     assert stats["host_demoted"] > 0  # every victim came down (none bypassed: nothing pinned for long)
@@ -297,9 +298,9 @@ class _Submits:
 
 def test_a_transfer_takes_the_spare_slot_while_its_victim_is_copied_down():
     """Under an exclusive host level on a GPU the whole experts' pool has a slot beyond its capacity: a
-    transfer whose victim is being copied down takes the spare (free, or copied down longest ago) and
-    waits for nothing newer; the victim's slot becomes the spare once its copy is done. Without a spare,
-    the transfer takes its victim's slot after the copy, as before."""
+    transfer whose victim is being copied down takes the spare (free, or the one whose copy down began
+    first) and waits for nothing newer; the victim's slot becomes the spare at once, the next transfer
+    into it waiting for its copy. Without a spare, the transfer takes its victim's slot after the copy."""
     from types import SimpleNamespace
 
     from expertcache.engine.slots import SlotTable, SlotTransport
@@ -327,6 +328,33 @@ def test_a_transfer_takes_the_spare_slot_while_its_victim_is_copied_down():
         else:
             assert worker.submits[-1] == ((0, 3), one, "copy of (0, 1)")
             assert not link._spare
+
+
+def test_a_transfer_that_ends_unbegun_still_orders_its_slot_after_the_copy_down():
+    """A transfer dropped or failed before its first chunk never waited for its slot's copy down; the slot
+    is free for the next transfer then, so the copies wait for it as the transfer ends (on a GPU)."""
+    from expertcache.engine.memory import SlotLayout, SlotPool
+    from expertcache.engine.transfer import Transfer, TransferWorker
+
+    class Stream:
+        waited: list = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    pool = SlotPool(SlotLayout.of({"w": (4,)}, torch.float32), 2, torch.device("cpu"))
+    worker = TransferWorker(_NoDisk(), pool)
+    try:
+        worker.cuda, worker.stream = True, Stream()  # as on a GPU: only the stream's waits are looked at
+        t = Transfer((0, 1), 0, 0, 0)
+        t.after = "copy down of slot 0"
+        worker._ended(t)
+        assert worker.stream.waited == ["copy down of slot 0"]
+        worker._ended(Transfer((0, 2), 1, 0, 1))  # nothing copied down from its slot: nothing to wait for
+        assert worker.stream.waited == ["copy down of slot 0"]
+    finally:
+        worker.cuda = False
+        worker.close()
 
 
 def test_the_spare_slot_is_a_gpu_s_exclusive_level_s_alone():

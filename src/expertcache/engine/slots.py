@@ -108,8 +108,9 @@ class SlotTransport:
             slot = self.slot_of.pop((part, victim))
             if after is not None and (self.free[pid] or self._spare.get(pid)):
                 # the victim's slot is being copied down: the transfer takes a spare slot (a free one, or
-                # the one copied down longest ago) and the victim's becomes a spare, so the copy down and
-                # the transfer cross the link at once, one each way, rather than one after the other
+                # the one whose copy down began first) and the victim's becomes a spare at once, the next
+                # transfer into it waiting for its copy; the copy down and this transfer cross the link at
+                # once, one each way, rather than one after the other
                 self._spare.setdefault(pid, []).append((slot, after))
                 slot, after = self._take(pid)
         self.slot_of[(part, key)] = slot

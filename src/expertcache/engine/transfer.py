@@ -844,7 +844,12 @@ class TransferWorker:
         return False
 
     def _ended(self, t: Transfer) -> None:
-        """``t`` landed, failed or was dropped: its source hears of it (a slot it read is free)."""
+        """``t`` landed, failed or was dropped: its source hears of it (a slot it read is free). On a GPU
+        the copies wait for its slot's copy down (``after``) even if it never began: a transfer dropped
+        or failed before its first chunk leaves the slot free for the next, which must not overwrite the
+        slot while the copy down still reads it (waiting again on an event waited for is free)."""
+        if t.after is not None and self.cuda:
+            self.stream.wait_event(t.after)
         target = self.parts.get(t.part)
         if target is not None and target.ended is not None:
             target.ended(t.key)
