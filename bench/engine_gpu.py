@@ -260,6 +260,24 @@ def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path,
     return path, time.perf_counter() - t0
 
 
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template")
+
+
+def add_tokenizer(path: Path, source: Path, vocab: int) -> None:
+    """Copy ``source``'s tokenizer into the random checkpoint ``path`` (for ``bench/serve_load.py``, whose
+    clients send text), once; one whose tokens do not all fit the model's vocabulary is refused."""
+    from transformers import AutoTokenizer
+
+    files = [f for f in sorted(source.iterdir()) if f.is_file() and f.name.startswith(TOKENIZER_FILES)]
+    if not files:
+        raise SystemExit(f"--tokenizer {source}: no tokenizer files there")
+    if len(AutoTokenizer.from_pretrained(str(source))) > vocab:
+        raise SystemExit(f"--tokenizer {source}: more tokens than the model's vocabulary of {vocab}")
+    for f in files:
+        if not (path / f.name).exists():
+            (path / f.name).write_bytes(f.read_bytes())
+
+
 def packed_checkpoint(path: Path, fmt: str) -> Path:
     """``path`` written as a packed checkpoint (``expertcache quantize --checkpoint``: ``--bits`` for int8
     and int4, ``--format`` for another tool's layout, fp8), once."""
@@ -755,6 +773,8 @@ def main() -> None:
         help="run a packed checkpoint of the model (written once beside it; no eager reference)",
     )
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a checkpoint whose tokenizer the random one gets (to serve it)")  # fmt: skip
     ap.add_argument("--resume", action="store_true", help="keep configurations already in --out")
     ap.add_argument(
         "--out", type=Path, default=None, help="default bench/results/engine_gpu.json (tiny: /tmp)"
@@ -777,6 +797,8 @@ def main() -> None:
     spec = shape_spec(args)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     path, build_s = checkpoint(args, spec, dtype)
+    if args.tokenizer is not None:
+        add_tokenizer(path, args.tokenizer, int(spec["vocab_size"]))
     if args.packed:
         path = packed_checkpoint(path, args.packed)
         args.no_reference = True  # transformers cannot run the packed experts

@@ -1,6 +1,7 @@
 """Load test of ``expertcache serve`` on loopback: many concurrent streaming clients against one at a time.
 
-Starts a server (the embedded model, ``--expert-memory``, CPU) in a subprocess; then an async httpx
+Starts a server (the embedded model, ``--expert-memory``, CPU; ``--device cuda``: a GPU, its slow tier
+pinned host memory) in a subprocess; then an async httpx
 driver runs ``--clients`` streaming clients that each send completions back to back for ``--duration``
 seconds (prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32,
 greedy), and afterwards one client alone for ``--single`` seconds. Per request: TTFT (send to first text
@@ -325,8 +326,9 @@ def server_command(args, port: int, config: str) -> list[str]:
     """The server at ``config``: an expert memory, or ``MEMORY:POLICY[:MISS]`` (else ``--policy``,
     ``--miss``)."""
     memory, policy, miss = (config.split(":") + [None, None])[:3]
-    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--expert-memory", memory, "--max-queue", str(max(64, *args.clients)), "--slow-tier", "mapped",
+    tier = args.slow_tier or ("mapped" if args.device == "cpu" else "host")  # a GPU's: pinned host memory
+    cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", args.device,
+           "--expert-memory", memory, "--max-queue", str(max(64, *args.clients)), "--slow-tier", tier,
            "--served-model-name", "embedded", "--quiet"]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
@@ -450,6 +452,8 @@ def main() -> int:
     p.add_argument("--expert-memory", default="30%")
     p.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
     p.add_argument("--dtype", help="the server's --dtype (default: the checkpoint's)")
+    p.add_argument("--device", default="cpu", help="the server's --device (default cpu; cuda: a GPU)")
+    p.add_argument("--slow-tier", help="the server's --slow-tier (default: mapped on a CPU, host on a GPU)")
     p.add_argument("--policy", help="the server's --policy (default: its own)")
     p.add_argument("--miss", help="the server's --miss (default: its own)")
     p.add_argument("--compare", metavar="CONFIG,...", help="servers at each config (MEM or "

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU checks the issues ask for, in parts, each under its own time limit, for a machine lent for a few
+# minutes (an H100 or H200 with a 64 GB disk): `bench/gpu_checks.sh OUT PART...`, parts in the order given:
+#
+#   tests   the tests of the paths with GPU code (EXPERTCACHE_TEST_DEVICE=cuda), 5 minutes at most
+#   tiers   issue 32: Mixtral-8x7B's experts (8 layers, 22.5 GiB) over a 16 GiB host level and 8 GiB of
+#           slots, exclusive and two tiers, against transformers; 7 minutes at most, the checkpoint too
+#   serve   issue 31: `serve` on Qwen1.5-MoE's shapes (random weights, the embedded model's tokenizer) at
+#           25 % (LRU/fetch, TLFU/batch) and 100 %, 16 and 64 clients; 14 minutes at most, the checkpoint too
+#   kernels issue 30: one expert's kernel, transfer and miss per packed format on Mixtral's shapes, 2 minutes
+#
+# Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
+# install of this repository, or PYTHONPATH=src:bench). The checkpoints are written to $TMPDIR (or /tmp)
+# and the Mixtral one is removed before the Qwen one is written (both do not fit a 64 GB disk at once).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bench/gpu_checks.sh OUT PART...}
+shift
+mkdir -p "$OUT"
+CACHE=${TMPDIR:-/tmp}/expertcache-gpu
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/bench
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+for part in "$@"; do
+  case "$part" in
+    tests)
+      stamp "tests"
+      EXPERTCACHE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -rs -n 8 -p no:cacheprovider \
+        tests/test_tiers.py tests/test_dense.py tests/test_packed.py tests/test_published.py \
+        >"$OUT/tests.log" 2>&1
+      stamp "tests rc $?"
+      grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -20
+      ;;
+    tiers)
+      stamp "tiers"
+      timeout 420 python3 bench/engine_gpu.py --shape mixtral-8x7b --layers 8 --cache-dir "$CACHE" \
+        --new-tokens 32 --budgets 8GiB --policies lru --host-memory 16GiB none --host-levels exclusive \
+        --references eager --out "$OUT/engine_gpu_mixtral8_tiers.json" 2>&1 | grep -v "Loading weights" \
+        | tee "$OUT/tiers.log" | tail -12
+      stamp "tiers rc $?"
+      ;;
+    serve)
+      stamp "serve"
+      rm -rf "$CACHE"/mixtral-8x7b-*
+      timeout 240 python3 bench/engine_gpu.py --build-only --cache-dir "$CACHE" --tokenizer src/expertcache/data/default \
+        >"$OUT/serve_build.log" 2>&1 || { stamp "serve: the checkpoint failed"; tail -5 "$OUT/serve_build.log"; continue; }
+      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l24-bfloat16)
+      timeout 600 python3 bench/serve_load.py --device cuda --model "$model" \
+        --compare 25%:lru:fetch,25%:tlfu:batch,100% --clients 16,64 --duration 30 --single 15 --rounds 1 \
+        --warm 5 --out "$OUT/serve_load_gpu_qwen.json" >"$OUT/serve.log" 2>&1
+      stamp "serve rc $?"
+      tail -5 "$OUT/serve.log"
+      ;;
+    kernels)
+      stamp "kernels"
+      timeout 120 python3 bench/packed_gpu.py --shape mixtral-8x7b --formats int8 int4 mxfp4 fp8 --no-sweep \
+        --reps 20 --out "$OUT/packed_gpu_mixtral.json" 2>&1 | tail -8
+      stamp "kernels rc $?"
+      ;;
+    *)
+      echo "bench/gpu_checks.sh: unknown part $part (tests, tiers, serve, kernels)" >&2
+      exit 2
+      ;;
+  esac
+done
