@@ -84,7 +84,17 @@ def test_json_is_one_object_with_every_check(monkeypatch, capsys):
     assert report["failed"] == 1 and report["passed"] == len(report["checks"]) - 1
     assert {c["family"] for c in report["checks"]} == set(FAMILIES)
     keys = {"passed", "label", "family", "policy", "budget", "capacity", "total_experts", "miss", "prefetch"}
-    keys |= {"dtype", "options", "batch", "expect", "atol", "tokens_equal", "first_diff", "max_dlogit"}
+    keys |= {
+        "dtype",
+        "options",
+        "batch",
+        "packing",
+        "expect",
+        "atol",
+        "tokens_equal",
+        "first_diff",
+        "max_dlogit",
+    }
     keys |= {"error", "seconds"}
     assert report["device_lost"] is None
     for check in report["checks"]:
@@ -181,9 +191,11 @@ def test_default_plan_covers_every_family_policy_predictor_budget_and_exact_path
         assert {c.miss for c in cases if c.family == family} == set(st.MISSES)
     # linear in the families (each: the plain path and every miss path), not the cross product of
     # families, policies, predictors and budgets
-    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 13
+    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 16
     assert any(dict(c.options).get("host_stage") for c in cases)  # three tiers, staging included
     assert any(dict(c.options).get("host_exclusive") for c in cases)  # and an exclusive host level
+    assert any(c.dense == "int8" for c in cases)  # dense layers quantised at load
+    assert {c.packing for c in cases} == {None, "fp8", "mxfp4"}  # other tools' layouts
     bf16 = [c for c in cases if c.dtype == "bfloat16"]
     assert ({c.family for c in bf16} == set(FAMILIES)) is (device.type == "cuda")
 
@@ -206,10 +218,24 @@ def test_quick_plan_covers_every_family_and_exact_path():
         (st.Case("mixtral", miss="placement:first=1"), CUDA, st.CLOSE_ATOL),
         (st.Case("mixtral", miss="split:theta=0.3/0.7"), CPU, st.CLOSE_ATOL),  # two products and a sum
         (st.Case("mixtral", dtype="bfloat16"), CUDA, None),  # tokens only
+        (st.Case("qwen3_moe", packing="fp8"), CPU, st.CLOSE_ATOL),  # the packed kernels' own sums
+        (st.Case("mixtral", options=(("quantize_dense", "int8"),)), CUDA, 0.0),  # as the reference's
     ],
 )
 def test_tolerance(case, device, atol):
     assert st.tolerance(case, device)[0] == atol
+
+
+def test_quantised_dense_layers_and_other_tools_checkpoints_pass_on_the_cpu(tmp_path):
+    """The full plan's checks of ``--quantize-dense`` (against transformers with the same layers
+    quantised, bit for bit) and of FP8 and MXFP4 checkpoints (against transformers dequantising them)."""
+    models = st.Models(tmp_path, CPU)
+    cases = [c for c in st.plan(CPU) if c.dense or c.packing]
+    assert len(cases) == 3
+    for case in cases:
+        check = st.run_check(models, case)
+        assert check.passed, check.line()
+        assert ("checkpoint=" in check.line()) is (case.packing is not None)
 
 
 def test_a_logit_difference_alone_fails_a_bit_exact_check():

@@ -18,8 +18,10 @@ The matrix is not a cross product: every family runs every exact miss path once,
 predictors and budgets rotate over those runs, so each family, online policy, predictor that needs no
 training run, budget (the policy's minimum, about half, all experts) and miss path appears at least
 once; a few further checks cover the other slow tier, a padded batch, the predictor thread, an emulated
-link, costs measured at load, a host level with staging and an exclusive one (three tiers) and, on CUDA,
-bfloat16. ``quick`` runs one path per family.
+link, costs measured at load, a host level with staging and an exclusive one (three tiers), the dense
+layers quantised at load (against transformers with the same layers quantised), checkpoints in FP8's and
+MXFP4's layouts (against transformers dequantising them; tokens equal, |dlogit| <= 1e-5: the packed
+kernels sum in their own order) and, on CUDA, bfloat16. ``quick`` runs one path per family.
 """
 
 from __future__ import annotations
@@ -97,11 +99,18 @@ class Case:
     dtype: str = "float32"
     options: tuple[tuple[str, object], ...] = ()  # further ``load`` keywords (slow_tier, window, ...)
     batch: bool = False  # a left-padded batch of two prompts instead of one prompt
+    packing: str | None = None  # the checkpoint written in another tool's layout ("fp8", "mxfp4") first
+
+    @property
+    def dense(self) -> str | None:
+        """The dense layers' quantisation (``quantize_dense``), which the reference gets too."""
+        return dict(self.options).get("quantize_dense")
 
     def label(self, capacity: int) -> str:
         share = 100 * capacity / total_experts(self.family)
         words = [self.family, self.policy, f"{share:.0f}%", self.miss, f"prefetch={self.prefetch}"]
         words += [] if self.dtype == "float32" else [_SHORT.get(self.dtype, self.dtype)]
+        words += [] if self.packing is None else [f"checkpoint={self.packing}"]
         words += [f"{k}={v}" for k, v in self.options] + (["batch=2"] if self.batch else [])
         return " ".join(words)
 
@@ -156,6 +165,7 @@ class Check:
             "dtype": self.case.dtype,
             "options": dict(self.case.options),
             "batch": self.case.batch,
+            "packing": self.case.packing,
             "expect": self.expect,
             "atol": self.atol,
             "tokens_equal": None if c is None else c.tokens_equal,
@@ -317,6 +327,12 @@ def _further(device: torch.device) -> list[Case]:
             "mixtral", "lru", "min", prefetch="next-gate", options=(("host_memory", "50%"), ("host_stage", 2))
         ),
         Case("qwen3_moe", "llru", "half", options=(("host_memory", "40%"), ("host_policy", "lfu"))),
+        # the dense layers quantised at load (int8, exact against transformers with the same layers
+        # quantised: on a GPU too, where the quantisers once rounded apart from the host's), and checkpoints
+        # in other tools' layouts, computed by the packed kernels (Triton's on a GPU)
+        Case("mixtral", "lru", "half", options=(("quantize_dense", "int8"),)),
+        Case("qwen3_moe", "lru", "half", packing="fp8"),
+        Case("gpt_oss", "lru", "half", packing="mxfp4"),
         # an exclusive host level: hits' slots read while victims are copied down (a stream of its own on
         # CUDA, whose event the transfer into the slot waits for), over a slow link with prefetching
         Case(
@@ -339,7 +355,8 @@ def tolerance(case: Case, device: torch.device) -> tuple[float | None, str]:
     if case.dtype != "float32":
         return None, "tokens equal"
     computes = COMPUTES[parse_miss(case.miss)[0]]
-    if computes == "split" or (computes == "host" and device.type != "cpu"):
+    # the packed kernels sum an expert's products in their own order, not transformers' dequantised one's
+    if computes == "split" or (computes == "host" and device.type != "cpu") or case.packing is not None:
         return CLOSE_ATOL, f"tokens equal, |dlogit| <= {CLOSE_ATOL:g}"
     return 0.0, "tokens equal, logits bit-equal"
 
@@ -359,7 +376,7 @@ def run_check(models: Models, case: Case) -> Check:
     check = Check(case, capacity, expect, atol)
     start = time.perf_counter()
     try:
-        want = models.reference(case.family, case.dtype, case.batch)
+        want = models.reference(case.family, case.dtype, case.batch, case.packing, case.dense)
         check.comparison = compare(run_engine(models, case, capacity), want)
     except Exception as exc:  # a crash on this machine is a result to report, not bad input
         check.error, check.cause = f"{type(exc).__name__}: {first_line(exc)}", exc
@@ -381,8 +398,8 @@ def run_engine(models: Models, case: Case, capacity: int) -> Run:
         kwargs["predictor"] = models.trace(case.family)
     elif case.prefetch == "learned":
         kwargs["predictor"] = models.learned(case.family, case.dtype)
-    budget = capacity * models.slot_bytes(case.family, case.dtype)
-    path = models.path(case.family, case.dtype)
+    budget = capacity * models.slot_bytes(case.family, case.dtype, case.packing)
+    path = models.path(case.family, case.dtype, case.packing)
     miss = per_layer(case.miss, moe_layers(case.family))
     with load(
         path, budget, case.policy, models.device, miss=miss, prefetch=case.prefetch, dtype=case.dtype,
@@ -418,29 +435,50 @@ class Models:
     def tokenizer(self) -> Path:
         return self._once(("tokenizer",), lambda: make_tokenizer(self.root / "tokenizer"))
 
-    def path(self, family: str, dtype: str = "float32") -> Path:
+    def path(self, family: str, dtype: str = "float32", packing: str | None = None) -> Path:
+        """The family's tiny checkpoint, or (``packing``) the same written in another tool's layout."""
+        if packing is not None:
+            from expertcache.tools.published import write_published
+
+            out = self.root / f"{family}-{dtype}-{packing}"
+
+            def write() -> Path:
+                write_published(self.path(family, dtype), packing, out)
+                return out
+
+            return self._once(("path", out), write)
         shapes = _shapes(family, dtype)
         out = self.root / (f"{family}-{dtype}" if shapes else family)
         return self._once(("path", out), lambda: make_tiny(out, family, self.tokenizer(), **shapes))
 
-    def reference(self, family: str, dtype: str, batch: bool) -> Run:
+    def reference(
+        self, family: str, dtype: str, batch: bool, packing: str | None = None, dense: str | None = None
+    ) -> Run:
         """transformers' run of the checkpoint on the device, with the experts implementation of the
-        default kernel (``engine.loader.load_reference``)."""
+        default kernel (``engine.loader.load_reference``; another tool's layout dequantised), its dense
+        layers quantised as the engine's where ``dense`` (``engine.dense.quantize_dense``)."""
         from expertcache.engine.loader import load_reference
 
-        model = self._once(
-            ("eager", family, dtype), lambda: load_reference(self.path(family, dtype), dtype, self.device)
-        )
-        return self._once(("run", family, dtype, batch), lambda: greedy(model, *prompts(batch)))
+        def build():
+            model = load_reference(self.path(family, dtype, packing), dtype, self.device)
+            if dense is not None:
+                from expertcache.engine.dense import quantize_dense
 
-    def slot_bytes(self, family: str, dtype: str) -> int:
+                quantize_dense(model, dense)
+            return model
+
+        model = self._once(("eager", family, dtype, packing, dense), build)
+        key = ("run", family, dtype, batch, packing, dense)
+        return self._once(key, lambda: greedy(model, *prompts(batch)))
+
+    def slot_bytes(self, family: str, dtype: str, packing: str | None = None) -> int:
         """Bytes of one expert's slot, so that a budget is a whole number of experts."""
 
         def measure() -> int:
-            with self._loaded(family, dtype) as model:
+            with self._loaded(family, dtype, packing) as model:
                 return model.layout.slot_bytes
 
-        return self._once(("slot", family, dtype), measure)
+        return self._once(("slot", family, dtype, packing), measure)
 
     def trace(self, family: str):
         """The model's routing of the second prompt (static's profile; token's and eam's table)."""
@@ -468,10 +506,10 @@ class Models:
 
         return self._once(("learned", family, dtype), build)
 
-    def _loaded(self, family: str, dtype: str):
+    def _loaded(self, family: str, dtype: str, packing: str | None = None):
         from expertcache.engine import load
 
-        return load(self.path(family, dtype), "100%", device="cpu", dtype=dtype, progress=False)
+        return load(self.path(family, dtype, packing), "100%", device="cpu", dtype=dtype, progress=False)
 
 
 def _shapes(family: str, dtype: str) -> dict[str, int]:
