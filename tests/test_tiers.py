@@ -629,6 +629,26 @@ def test_cli_timing_prints_the_host_level():
 
 
 # ------------------------------------------------------------------------------- planner and doctor
+def test_the_planner_compares_frequency_host_policies_where_they_fit():
+    """By default the planner also tries -dist host policies (a frequency policy often reads fewer experts
+    below the device's cache: ``bench/host_policies_sim.py``), each only where the level holds a slot a
+    layer; the rest are said in the plan's skipped list, and none fitting is one line."""
+    from expertcache.costs import CostModel
+    from expertcache.sim.planner import HOST_POLICIES, make_plan
+    from expertcache.trace import synthesize
+
+    assert {"lfu-dist", "lru-dist"} <= set(HOST_POLICIES)
+    trace = synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
+    cost = CostModel(disk_read_s=5e-3)
+    plan = make_plan(trace, 6, cost, host_capacity=12)
+    assert {c["host_policy"] for c in plan.candidates} == set(HOST_POLICIES)
+    small = make_plan(trace, 6, cost, host_capacity=4)  # exclusive: 4 less its reserve of 2, under 4 layers
+    assert {c["host_policy"] for c in small.candidates} == {"lru", "lfu", "fifo", "lcp"}
+    assert any("host policy lfu-dist: needs 4 host experts" in s for s in small.source["skipped"])
+    with pytest.raises(ExpertcacheError, match="too small for every host policy given"):
+        make_plan(trace, 6, cost, host_capacity=4, host_policies=("lfu-dist",))
+
+
 def test_the_planner_chooses_the_host_policy_and_the_engine_runs_its_plan(ckpt, tmp_path):
     from expertcache.costs import CostModel
     from expertcache.plan import Plan

@@ -1055,7 +1055,8 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
     if mode == "plan":
         p.add_argument(
             "--host-policy", nargs="+", metavar="NAME",
-            help="the host cache's policies to choose among (default: lru lfu fifo lcp)",
+            help="the host cache's policies to choose among (default: lru lfu fifo lcp lfu-dist lru-dist; "
+            "a -dist one only where the host cache holds an expert a layer)",
         )  # fmt: skip
     else:
         p.add_argument(

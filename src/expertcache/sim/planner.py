@@ -42,7 +42,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
-from expertcache.policy.registry import POLICIES, is_offline, parse_policy
+from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, simulate_timing
 from expertcache.trace.trace import Trace
@@ -51,7 +51,9 @@ METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
 OBJECTIVES = ("tpot", "ttft")
 # the host level's policies the planner tries by default: those that decide by hits and insertions alone
-HOST_POLICIES = ("lru", "lfu", "fifo", "lcp")
+# a host level sees only the device's misses: frequency often beats recency there, and which one wins
+# depends on the trace (``bench/host_policies_sim.py``); -dist forms only where the level has a slot a layer
+HOST_POLICIES = ("lru", "lfu", "fifo", "lcp", "lfu-dist", "lru-dist")
 FATE_FULL_LAYERS = 4  # Fate caches its first four layers whole
 
 
@@ -268,6 +270,12 @@ def moepic_miss(
     return f"split:theta={theta}" + ("" if even else f",weights={weights}")
 
 
+def _host_room(policy: str, num_layers: int) -> int:
+    """The fewest experts a host level under ``policy`` can hold (a -dist policy: one a layer)."""
+    name, params = parse_policy(policy)
+    return min_capacity(name, num_layers, params)
+
+
 def make_plan(
     trace: Trace,
     capacity: int,
@@ -310,9 +318,16 @@ def make_plan(
                 "the planner does not plan staging (a host stage): give the host level without it"
             )
         host_caps = {False: memory, True: level_experts(memory, True, trace.top_k)}
-        host_cfgs = [
-            HostConfig(None, hp, exclusive=x) for hp in dict.fromkeys(host_policies) for x in (False, True)
+        room = {hp: _host_room(hp, trace.num_layers) for hp in dict.fromkeys(host_policies)}
+        fits = [hp for hp, need in room.items() if need <= host_caps[True]]
+        skipped += [
+            f"host policy {hp}: needs {need} host experts, the level holds {host_caps[True]}"
+            for hp, need in room.items()
+            if hp not in fits
         ]
+        if room and not fits:
+            raise ExpertcacheError(f"the host level is too small for every host policy given ({skipped[-1]})")
+        host_cfgs = [HostConfig(None, hp, exclusive=x) for hp in fits for x in (False, True)]
         if not host_cfgs:
             raise ExpertcacheError("a host level needs at least one policy to plan with")
         others = [m for m in misses if parse_miss(m)[0] != "fetch"]
