@@ -785,6 +785,16 @@ def main() -> None:
             MissConfig(miss)
         except ExpertcacheError as exc:
             raise SystemExit(f"--miss {miss}: {exc}") from None
+    from expertcache.config import HostConfig
+
+    for memory in args.host_memory:  # the host level's options too
+        try:
+            if memory != "none":
+                HostConfig(memory, args.host_policy).bytes_of(1)
+        except ExpertcacheError as exc:
+            raise SystemExit(f"--host-memory {memory} --host-policy {args.host_policy}: {exc}") from None
+    if args.host_memory == ["none"] and (args.host_levels != ["inclusive"] or args.host_policy != "lru"):
+        raise SystemExit("--host-levels and --host-policy need --host-memory (the host level they rule)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu --tiny for the smoke test)")

@@ -13,10 +13,18 @@
 # install of this repository, or PYTHONPATH=src:bench). The checkpoints are written to $TMPDIR (or /tmp)
 # and the Mixtral one is removed before the Qwen one is written (both do not fit a 64 GB disk at once).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?usage: bench/gpu_checks.sh OUT PART...}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PARTS="tests tiers serve kernels"
+if [ "$#" -lt 2 ]; then
+  echo "usage: bench/gpu_checks.sh OUT PART... (parts: $PARTS)" >&2
+  exit 2
+fi
+OUT=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "bench/gpu_checks.sh: cannot write to $1" >&2; exit 2; }
 shift
-mkdir -p "$OUT"
+for part in "$@"; do  # every part known before any runs
+  case " $PARTS " in *" $part "*) ;; *) echo "bench/gpu_checks.sh: unknown part $part ($PARTS)" >&2; exit 2;; esac
+done
+cd "$HERE" || exit 2
 CACHE=${TMPDIR:-/tmp}/expertcache-gpu
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/bench
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -25,7 +33,7 @@ for part in "$@"; do
   case "$part" in
     tests)
       stamp "tests"
-      EXPERTCACHE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -rs -n 8 -p no:cacheprovider \
+      EXPERTCACHE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -rs -n 8 -p no:cacheprovider \
         tests/test_tiers.py tests/test_dense.py tests/test_packed.py tests/test_published.py \
         >"$OUT/tests.log" 2>&1
       stamp "tests rc $?"
@@ -56,10 +64,6 @@ for part in "$@"; do
       timeout 120 python3 bench/packed_gpu.py --shape mixtral-8x7b --formats int8 int4 mxfp4 fp8 --no-sweep \
         --reps 20 --out "$OUT/packed_gpu_mixtral.json" 2>&1 | tail -8
       stamp "kernels rc $?"
-      ;;
-    *)
-      echo "bench/gpu_checks.sh: unknown part $part (tests, tiers, serve, kernels)" >&2
-      exit 2
       ;;
   esac
 done

@@ -35,6 +35,9 @@ def traces() -> dict[str, object]:
     shared = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
     if shared.is_file():
         out["qwen1.5-moe (shared, real)"] = load_trace(shared)
+    else:
+        print(f"note: no shared trace at {shared} (the shared/ directory beside the repository): its rows "
+              "are left out", file=sys.stderr)  # fmt: skip
     out["embedded (bundled, real)"] = load_trace(ROOT / "src/expertcache/data/default_trace.npz")
     out["mixtral 8 layers (sticky Zipf)"] = synthesize(
         "sticky", tokens=6 * 190, layers=8, experts=8, top_k=2, a=1.0, stickiness=0.3, seed=0, sequences=6,

@@ -77,6 +77,8 @@ def test_an_exclusive_level_gives_hits_up_and_takes_the_device_s_victims():
 def test_host_config_refuses_what_the_host_level_cannot_serve():
     assert HostConfig("1GiB").bytes_of(10 << 30) == 1 << 30 and HostConfig("25%").bytes_of(400) == 100
     assert HostConfig("8GiB").bytes_of(1 << 30) == 1 << 30  # capped at all experts
+    assert HostConfig("8GiB").exceeds(1 << 30) and not HostConfig("1GiB").exceeds(1 << 30)
+    assert not HostConfig("60%").exceeds(1 << 30) and not HostConfig("100%").exceeds(1 << 30)  # a share never
     assert not HostConfig().enabled and HostConfig("1GiB", "lfu").name == "lfu"
     for bad, match in [
         (dict(memory="1GiB", policy="tlfu"), "router's requests"),
@@ -629,10 +631,19 @@ def test_cli_timing_prints_the_host_level():
 
 
 # ------------------------------------------------------------------------------- planner and doctor
+def test_a_share_of_the_experts_is_never_said_to_be_more_than_all_of_them(ckpt):
+    # a share over half was said to be "more than all experts; capped" (a new user found it)
+    path = ckpt("mixtral")
+    with engine_load(path, TOP_K, host_memory="60%") as model:
+        assert not any("more than all" in n for n in model.notes)
+    with engine_load(path, TOP_K, host_memory="1TiB") as model:
+        assert any("more than all" in n for n in model.notes)
+
+
 def test_the_planner_compares_frequency_host_policies_where_they_fit():
     """By default the planner also tries -dist host policies (a frequency policy often reads fewer experts
-    below the device's cache: ``bench/host_policies_sim.py``), each only where the level holds a slot a
-    layer; the rest are said in the plan's skipped list, and none fitting is one line."""
+    below the device's cache: ``bench/host_policies_sim.py``), each only where the level holds a layer's
+    top-k in every layer; the rest are said in the plan's skipped list, and none fitting is one line."""
     from expertcache.costs import CostModel
     from expertcache.sim.planner import HOST_POLICIES, make_plan
     from expertcache.trace import synthesize
@@ -640,13 +651,24 @@ def test_the_planner_compares_frequency_host_policies_where_they_fit():
     assert {"lfu-dist", "lru-dist"} <= set(HOST_POLICIES)
     trace = synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
     cost = CostModel(disk_read_s=5e-3)
-    plan = make_plan(trace, 6, cost, host_capacity=12)
+    plan = make_plan(trace, 8, cost, host_capacity=12)  # exclusive: 12 less its reserve of 2, still 8
     assert {c["host_policy"] for c in plan.candidates} == set(HOST_POLICIES)
-    small = make_plan(trace, 6, cost, host_capacity=4)  # exclusive: 4 less its reserve of 2, under 4 layers
-    assert {c["host_policy"] for c in small.candidates} == {"lru", "lfu", "fifo", "lcp"}
-    assert any("host policy lfu-dist: needs 4 host experts" in s for s in small.source["skipped"])
-    with pytest.raises(ExpertcacheError, match="too small for every host policy given"):
-        make_plan(trace, 6, cost, host_capacity=4, host_policies=("lfu-dist",))
+    # a -dist level needs a layer's top-2 in each of the 4 layers, 8: inclusive only at 9 (exclusive: 7)
+    mid = make_plan(trace, 8, cost, host_capacity=9)
+    kinds = {(c["host_policy"], c["host_exclusive"]) for c in mid.candidates}
+    assert ("lfu-dist", False) in kinds and ("lfu-dist", True) not in kinds and ("lru", True) in kinds
+    assert any(
+        "host policy lfu-dist, exclusive (its memory less the reserve for hits in flight): needs 8 host "
+        "experts, the level holds 7" in s
+        for s in mid.source["skipped"]
+    )
+    assert len(mid.source["skipped"]) == len(set(mid.source["skipped"]))  # each said once
+    with pytest.raises(
+        ExpertcacheError, match="too small for every host policy given .lfu-dist.: the least needs 8"
+    ):
+        make_plan(trace, 8, cost, host_capacity=4, host_policies=("lfu-dist",))
+    with pytest.raises(ExpertcacheError, match="needs at least one policy"):
+        make_plan(trace, 8, cost, host_capacity=12, host_policies=())
 
 
 def test_the_planner_chooses_the_host_policy_and_the_engine_runs_its_plan(ckpt, tmp_path):

@@ -225,6 +225,10 @@ class HostConfig:
         )
         return min(got, total)
 
+    def exceeds(self, total: int) -> bool:
+        """Whether the memory given is more than ``total`` bytes (a share, at most 100 %, never is)."""
+        return not str(self.memory).strip().endswith("%") and self.bytes_of(2 * total) > total
+
 
 @dataclass(frozen=True)
 class MissConfig:

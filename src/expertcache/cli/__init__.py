@@ -1056,7 +1056,7 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
         p.add_argument(
             "--host-policy", nargs="+", metavar="NAME",
             help="the host cache's policies to choose among (default: lru lfu fifo lcp lfu-dist lru-dist; "
-            "a -dist one only where the host cache holds an expert a layer)",
+            "a -dist one only where the host cache holds a layer's top-k in every layer)",
         )  # fmt: skip
     else:
         p.add_argument(

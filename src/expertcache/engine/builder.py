@@ -549,7 +549,7 @@ class Builder:
             )
         total, slot = self.num_layers * self.num_experts, self.layout.slot_bytes
         memory = host.bytes_of(total * slot) // slot  # experts the memory holds, all of them at most
-        if host.bytes_of(2 * total * slot) > total * slot:  # more than every expert: said, as timing says
+        if host.exceeds(total * slot):  # more than every expert: said, as timing says
             self.notes.append(
                 f"a host level of {host.memory} is more than all {total} experts; capped at {total}"
             )

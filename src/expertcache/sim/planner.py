@@ -52,7 +52,7 @@ LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moe
 OBJECTIVES = ("tpot", "ttft")
 # the host level's policies the planner tries by default: those that decide by hits and insertions alone
 # a host level sees only the device's misses: frequency often beats recency there, and which one wins
-# depends on the trace (``bench/host_policies_sim.py``); -dist forms only where the level has a slot a layer
+# depends on the trace (``bench/host_policies_sim.py``); -dist forms where the level holds top-k a layer
 HOST_POLICIES = ("lru", "lfu", "fifo", "lcp", "lfu-dist", "lru-dist")
 FATE_FULL_LAYERS = 4  # Fate caches its first four layers whole
 
@@ -270,10 +270,11 @@ def moepic_miss(
     return f"split:theta={theta}" + ("" if even else f",weights={weights}")
 
 
-def _host_room(policy: str, num_layers: int) -> int:
-    """The fewest experts a host level under ``policy`` can hold (a -dist policy: one a layer)."""
+def _host_room(policy: str, num_layers: int, top_k: int) -> int:
+    """The fewest experts a host level under ``policy`` can hold: a layer's top-k (a -dist policy: a
+    layer's top-k in every layer), as the engine and the timing model build it."""
     name, params = parse_policy(policy)
-    return min_capacity(name, num_layers, params)
+    return min_capacity(name, num_layers, params, min_room=top_k)
 
 
 def make_plan(
@@ -318,18 +319,26 @@ def make_plan(
                 "the planner does not plan staging (a host stage): give the host level without it"
             )
         host_caps = {False: memory, True: level_experts(memory, True, trace.top_k)}
-        room = {hp: _host_room(hp, trace.num_layers) for hp in dict.fromkeys(host_policies)}
-        fits = [hp for hp, need in room.items() if need <= host_caps[True]]
-        skipped += [
-            f"host policy {hp}: needs {need} host experts, the level holds {host_caps[True]}"
-            for hp, need in room.items()
-            if hp not in fits
+        room = {hp: _host_room(hp, trace.num_layers, trace.top_k) for hp in dict.fromkeys(host_policies)}
+        fit = {(hp, x) for hp in room for x in (False, True) if room[hp] <= host_caps[x]}
+        host_cfgs = [
+            HostConfig(None, hp, exclusive=x) for hp in room for x in (False, True) if (hp, x) in fit
         ]
-        if room and not fits:
-            raise ExpertcacheError(f"the host level is too small for every host policy given ({skipped[-1]})")
-        host_cfgs = [HostConfig(None, hp, exclusive=x) for hp in fits for x in (False, True)]
-        if not host_cfgs:
+        kind = {False: "inclusive", True: "exclusive (its memory less the reserve for hits in flight)"}
+        skipped += [
+            f"host policy {hp}, {kind[x]}: needs {room[hp]} host experts, the level holds {host_caps[x]}"
+            for hp in room
+            for x in (False, True)
+            if (hp, x) not in fit
+        ]
+        if not room:
             raise ExpertcacheError("a host level needs at least one policy to plan with")
+        if not host_cfgs:
+            raise ExpertcacheError(
+                f"a host level of {host_caps[False]} experts is too small for every host policy given "
+                f"({', '.join(room)}): the least needs {min(room.values())} (a layer's top-{trace.top_k}, "
+                "in every layer for a -dist policy)"
+            )
         others = [m for m in misses if parse_miss(m)[0] != "fetch"]
         if others and len(others) == len(misses):
             raise ExpertcacheError(
@@ -419,7 +428,7 @@ def make_plan(
             f"no method could lay out {capacity} experts over {L} layers (a per-layer layout needs "
             f"{L * K}: top-{K} in every layer); add 'shared'"
             if all(m in LAYOUT_METHODS for m in methods) else
-            f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
+            f"nothing to compare: {'; '.join(dict.fromkeys(skipped)) or 'no method and miss path left'}"
         )  # fmt: skip
     key = f"{objective}_s"
     # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
@@ -439,7 +448,8 @@ def make_plan(
         lower_bound={"method": "opt (shared, on demand)", **_figures(bound)},
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
-            "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(), "skipped": skipped
+            "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(),
+            "skipped": list(dict.fromkeys(skipped)),  # once each: some are found once a method
         },
     )  # fmt: skip
 
