@@ -5,8 +5,9 @@ pinned host memory) in a subprocess; then an async httpx
 driver runs ``--clients`` streaming clients that each send completions back to back for ``--duration``
 seconds (prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32,
 greedy), and afterwards one client alone for ``--single`` seconds. Per request: TTFT (send to first text
-chunk), TPOT (mean gap between chunks after the first) and completion tokens from ``usage``; errors and
-unfinished streams are counted. The server's resident memory is sampled every second, and its expert
+chunk; its p99 also without each client's first request, the phase's opening wave), TPOT (mean gap
+between chunks after the first) and completion tokens from ``usage``; errors and unfinished streams are
+counted. The server's resident memory is sampled every second, and its expert
 cache's hits and misses are read from ``/metrics`` before and after each phase.
 
 ``--faults`` mixes in hostile clients (issue 27): a ``--bad-share`` of the clients (default 10 %) send,
@@ -185,7 +186,9 @@ async def phase(
             elif i < n_bad + n_leave:
                 left.append(await leaving_request(client, base, prompt, tokens))
             else:
-                results.append(await one_request(client, base, prompt, tokens))
+                result = await one_request(client, base, prompt, tokens)
+                result["first"] = k == i  # this client's first request: all of them arrive at once
+                results.append(result)
             k += clients
 
     # Every client's connection pool is made before the clock starts: making one takes about 17 ms of this
@@ -202,8 +205,8 @@ async def phase(
     ok = [r for r in results if "error" not in r]
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
 
-    def pct(key: str, q: float) -> float | None:
-        vals = sorted(r[key] for r in ok if r.get(key) is not None)
+    def pct(key: str, q: float, among: list[dict] = ok) -> float | None:
+        vals = sorted(r[key] for r in among if r.get(key) is not None)
         return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
 
     faults = {}
@@ -221,6 +224,9 @@ async def phase(
         "error_kinds": sorted({r["error"] for r in results if "error" in r}),
         "tokens": sum(r["tokens"] for r in ok), "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
         "ttft_p50_s": pct("ttft_s", 0.5), "ttft_p99_s": pct("ttft_s", 0.99),
+        # without each client's first request (the phase's opening wave: every client at once, on a
+        # new connection), what a server sees once the load runs
+        "ttft_p99_later_s": pct("ttft_s", 0.99, [r for r in ok if not r.get("first")]),
         "tpot_p50_s": pct("tpot_s", 0.5), "tpot_p99_s": pct("tpot_s", 0.99),
         **server_ttft(before, after),
         "cache_hits": hits, "cache_misses": misses,
@@ -371,8 +377,8 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 KEYS = (
-    "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "server_ttft_p50_le_s", "server_ttft_p99_le_s",
-    "tpot_p50_s", "tpot_p99_s", "hit_ratio",
+    "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "ttft_p99_later_s", "server_ttft_p50_le_s",
+    "server_ttft_p99_le_s", "tpot_p50_s", "tpot_p99_s", "hit_ratio",
 )  # fmt: skip
 
 
@@ -434,6 +440,8 @@ def compare(args) -> dict[str, object]:
             got["errors"] = sum(x["loaded"][n]["errors"] for x in rounds)
             got["ttft_p99_over_single_ttft_p99"] = spread(
                 [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p99_s"] for x in rounds])  # fmt: skip
+            got["ttft_p99_later_over_single_ttft_p99"] = spread(
+                [x["loaded"][n]["ttft_p99_later_s"] / x["single"]["ttft_p99_s"] for x in rounds])  # fmt: skip
             got["ttft_p99_over_single_ttft_p50"] = spread(
                 [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p50_s"] for x in rounds])  # fmt: skip
             got["tokens_per_s_over_" + full] = spread(
