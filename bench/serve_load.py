@@ -382,6 +382,11 @@ KEYS = (
 )  # fmt: skip
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing (a phase that completed no request) or b is 0."""
+    return None if a is None or not b else a / b
+
+
 def spread(values: list[float | None]) -> dict[str, float | None]:
     got = [v for v in values if v is not None]
     if not got:
@@ -439,16 +444,17 @@ def compare(args) -> dict[str, object]:
             got = {k: spread([x["loaded"][n][k] for x in rounds]) for k in KEYS}
             got["errors"] = sum(x["loaded"][n]["errors"] for x in rounds)
             got["ttft_p99_over_single_ttft_p99"] = spread(
-                [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p99_s"] for x in rounds])  # fmt: skip
+                [ratio(x["loaded"][n]["ttft_p99_s"], x["single"]["ttft_p99_s"]) for x in rounds])  # fmt: skip
             got["ttft_p99_later_over_single_ttft_p99"] = spread(
-                [x["loaded"][n]["ttft_p99_later_s"] / x["single"]["ttft_p99_s"] for x in rounds])  # fmt: skip
+                [ratio(x["loaded"][n]["ttft_p99_later_s"], x["single"]["ttft_p99_s"])
+                 for x in rounds])  # fmt: skip
             got["ttft_p99_over_single_ttft_p50"] = spread(
-                [x["loaded"][n]["ttft_p99_s"] / x["single"]["ttft_p50_s"] for x in rounds])  # fmt: skip
+                [ratio(x["loaded"][n]["ttft_p99_s"], x["single"]["ttft_p50_s"]) for x in rounds])  # fmt: skip
             got["tokens_per_s_over_" + full] = spread(
-                [a["loaded"][n]["tokens_per_s"] / b["loaded"][n]["tokens_per_s"]
+                [ratio(a["loaded"][n]["tokens_per_s"], b["loaded"][n]["tokens_per_s"])
                  for a, b in zip(rounds, runs[full], strict=True)])  # fmt: skip
             got["ttft_p99_over_" + full] = spread(
-                [a["loaded"][n]["ttft_p99_s"] / b["loaded"][n]["ttft_p99_s"]
+                [ratio(a["loaded"][n]["ttft_p99_s"], b["loaded"][n]["ttft_p99_s"])
                  for a, b in zip(rounds, runs[full], strict=True)])  # fmt: skip
             row[f"{n}_clients"] = got
         row["server_rss_peak_bytes"] = max(x["server_rss_peak_bytes"] for x in rounds)
