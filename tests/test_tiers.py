@@ -751,6 +751,8 @@ def test_cli_plan_and_doctor_take_a_host_level():
     done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "host level" in done.stdout.splitlines()[-1] and "host lfu" in done.stdout
+    marked = [line for line in done.stdout.splitlines() if line.startswith("* ")]
+    assert len(marked) == 1, marked  # the chosen row alone, not its policy's other kind beside it
     done = subprocess.run(
         [sys.executable, "-m", "expertcache", "doctor", "--capacity", "24", "--host-memory", "60%"],
         capture_output=True, text=True,

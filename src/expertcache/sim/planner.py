@@ -514,6 +514,7 @@ def format_plan(plan: Plan) -> str:
         chosen = (
             c["method"] == plan.method and c["miss"] == plan.miss and c["prefetch"] == plan.prefetch
             and (c["budgets"] is None) == (plan.budgets is None) and c.get("host_policy") == plan.host_policy
+            and bool(c.get("host_exclusive")) == bool(plan.host_exclusive)
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
         miss = c["miss"]
