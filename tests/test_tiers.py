@@ -526,6 +526,7 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-exclusive"], "--host-exclusive needs --host-memory or --host-capacity"),
         (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
         (["timing", "--host-capacity", "0"], "a whole number of experts, 1 or more"),
+        (["timing", "--host-capacity", "2", "--host-exclusive"], "holds no expert: an exclusive level keeps"),
         (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
         (["generate", "--prompt", "hi", "--host-memory", "0"], "host memory 0 holds no expert of"),
         (
@@ -759,6 +760,18 @@ def test_cli_plan_and_doctor_take_a_host_level():
     )  # fmt: skip
     assert done.returncode == 0 and "with a host level of 57 experts (lru)" in done.stdout, done.stderr
     assert "an exclusive host level in the same memory (55 experts" in done.stdout
+    # --host-capacity is the host memory in experts in every command: timing's exclusive level is the
+    # doctor's twin (its memory less the reserve), not a level of that many experts
+    said = {}
+    for command in ("doctor", "timing"):
+        argv = [command, "--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms"]
+        if command == "timing":
+            argv += ["--host-exclusive", "--json"]
+        run = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        said[command] = run.stdout
+    assert json.loads(said["timing"])["host_capacity"] == 58
+    assert "in the same memory (58 experts" in said["doctor"]
     assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
 
 

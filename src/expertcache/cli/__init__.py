@@ -805,6 +805,17 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive, stage=args.host_stage)
     else:
         host, host_capacity = _host_level(args), args.host_capacity
+        if host_capacity is not None and host.exclusive:  # its memory in experts, as plan and doctor read it
+            from expertcache.cache.tiers import exclusive_reserve, level_experts
+
+            held = level_experts(host_capacity, True, trace.top_k)
+            if held < 1:
+                raise ExpertcacheError(
+                    f"--host-capacity {host_capacity} with --host-exclusive holds no expert: an exclusive "
+                    f"level keeps {exclusive_reserve(trace.top_k)} of its memory for its hits in flight "
+                    f"(a layer's top-k); give at least {host_capacity - held + 1}"
+                )
+            host_capacity = held
     if args.demote_time and not (host is not None and host.exclusive):
         raise ExpertcacheError("--demote-time is an exclusive host level's cost: give --host-exclusive")
     result = simulate_timing(
@@ -1051,7 +1062,10 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
         "--host-memory", metavar="X", help="three tiers: a host cache of this many bytes (8GiB) or this "
         "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",
     )  # fmt: skip
-    p.add_argument("--host-capacity", type=int, metavar="N", help="the host cache in experts, not bytes")
+    p.add_argument(
+        "--host-capacity", type=int, metavar="N", help="the host cache's memory in experts, not bytes (an "
+        "exclusive one holds N less its reserve for hits in flight, a layer's top-k, as with --host-memory)",
+    )  # fmt: skip
     if mode == "plan":
         p.add_argument(
             "--host-policy", nargs="+", metavar="NAME",
