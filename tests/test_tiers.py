@@ -527,6 +527,8 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
         (["timing", "--host-capacity", "0"], "a whole number of experts, 1 or more"),
         (["timing", "--host-capacity", "2", "--host-exclusive"], "holds no expert: an exclusive level keeps"),
+        (["plan", "--expert-memory", "20%", "--host-memory", "0"], "host memory 0 holds no expert"),
+        (["doctor", "--expert-memory", "20%", "--host-memory", "0"], "host memory 0 holds no expert"),
         (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
         (["generate", "--prompt", "hi", "--host-memory", "0"], "host memory 0 holds no expert of"),
         (
