@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import socket
@@ -47,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil  # accelerate's dependency
 
@@ -54,7 +56,7 @@ try:
     import httpx
 except ImportError:  # openai >= 3 brings httpx as httpx2
     import httpx2 as httpx
-from provenance import ROOT, provenance, write_json
+from provenance import provenance, write_json
 
 from expertcache.tools.quality import heldout_texts
 
@@ -485,16 +487,18 @@ def main() -> int:
     p.add_argument("--leave-share", type=float, default=0.3, help="share of clients that hang up")
     p.add_argument("--slowloris", type=int, default=0, metavar="N", help="then N trickling connections")
     p.add_argument("--slowloris-duration", type=float, default=60.0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load.json"))
+    p.add_argument("--out", help="write the results here as JSON (default: print them to stdout)")
     args = p.parse_args()
-    args.clients = [int(n) for n in args.clients.split(",")]
+    check_args(args)
     head = {"provenance": provenance(), "max_tokens": args.tokens}
     if args.compare:
         args.compare = args.compare.split(",")
         result = {**head, **compare(args)}
-        write_json(args.out, result)
+        if args.out:
+            write_json(args.out, result)
         print(json.dumps(result["summary"], indent=1))
-        print(f"wrote {args.out}", file=sys.stderr)
+        if args.out:
+            print(f"wrote {args.out}", file=sys.stderr)
         return 0
     args.clients = args.clients[0]
     port = free_port()
@@ -506,9 +510,50 @@ def main() -> int:
     finally:
         stop_server(server)
     result = {**head, "server_command": " ".join(cmd[1:]), **result}
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
+    if args.out:
+        write_json(args.out, result)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(json.dumps(result, indent=1))
     return 0
+
+
+def refuse(message: str) -> None:
+    """Bad input: one line and exit code 2, before any server starts."""
+    print(f"serve_load.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every option's value checked before the run (a run is minutes long; its results are not lost to
+    an output path that cannot be written); ``--clients`` becomes a list of counts."""
+    try:
+        args.clients = [int(n) for n in args.clients.split(",")]
+    except ValueError:
+        refuse(f"--clients {args.clients!r}: a number of clients, or a comma list of them (16,64)")
+    if min(args.clients) < 1:
+        refuse(f"--clients {','.join(map(str, args.clients))}: each count at least 1")
+    for name, least, strict in (("duration", 0, True), ("single", 0, False), ("warm", 0, False),
+                                ("slowloris_duration", 0, True)):  # fmt: skip
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            refuse(f"--{name.replace('_', '-')} {value}: seconds, {'more than' if strict else 'at least'} 0")
+    for name in ("tokens", "rounds"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} {getattr(args, name)}: at least 1")
+    if args.slowloris < 0:
+        refuse(f"--slowloris {args.slowloris}: a number of connections, 0 or more")
+    for name in ("bad_share", "leave_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            refuse(f"--{name.replace('_', '-')} {getattr(args, name)}: a share between 0 and 1")
+    if args.bad_share + args.leave_share > 1:
+        refuse(f"--bad-share {args.bad_share} and --leave-share {args.leave_share} add up to more than 1")
+    if args.compare is not None and not all(c.strip() for c in args.compare.split(",")):
+        refuse(f"--compare {args.compare!r}: an empty config")
+    if args.out:
+        parent = Path(args.out).resolve().parent
+        if Path(args.out).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            refuse(f"--out {args.out}: cannot write a file there")
 
 
 if __name__ == "__main__":
