@@ -244,8 +244,8 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": "x", "temperature": 1, "seed": -1}, 400, "seed: Input should be"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "exceeds the model's context"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "not supported by this server: n"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "not supported by this server: logprobs"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n: not supported by this server"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs: not supported by this server"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
         (
@@ -265,14 +265,18 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         (
             {"model": "tiny", "prompt": "x", "tool_choice": "auto"},
             400,
-            "not supported by this server: tool_c",
+            "tool_choice: not supported by this server",
         ),
         ({"model": "tiny", "prompt": "x", "function_call": "auto"}, 400, "function_call"),
         ({"model": "tiny", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
         ({"model": "tiny", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
         ({"model": "tiny", "prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
         ({"model": "tiny", "prompt": "x", "ignore_eos": True}, 400, "ignore_eos"),
-        ({"model": "tiny", "prompt": "x", "no_such_field": 1}, 400, "not a field this server takes: no_such"),
+        (
+            {"model": "tiny", "prompt": "x", "no_such_field": 1},
+            400,
+            "no_such_field: not a field this server takes",
+        ),
         # a lone surrogate: 400, not a 500 from the tokenizer
         ({"model": "tiny", "prompt": "a\ud800b"}, 400, "prompt: not valid Unicode text: a lone surrogate"),
         ({"model": "tiny", "prompt": "x", "stop": ["\udfff"]}, 400, "lone surrogate"),
@@ -345,6 +349,16 @@ def test_malformed_json_bad_messages_and_unknown_routes(served):
     model, http, client = served
     r = http.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
+    for headers, said in (
+        ({"content-type": "application/x-www-form-urlencoded"}, "this request's is"),
+        ({}, "none"),
+    ):
+        r = http.post("/v1/completions", content=body, headers=headers)  # curl -d's default, or none
+        message = r.json()["error"]["message"]
+        assert r.status_code == 415 and "Content-Type: application/json" in message and said in message
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "colour": "blue"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "colour", r.json()
     r = http.post(
         "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}
     )

@@ -83,13 +83,19 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
+        kind = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind.lower():
+            # FastAPI reads a body as JSON only when it says so: curl -d sends form-encoded by default
+            metrics.answered(request.url.path, 415)
+            got = f"this request's is {kind!r}" if kind else "this request has none"
+            return _error(ApiError(415, f"send the body as JSON with Content-Type: application/json ({got})"))
         metrics.answered(request.url.path, 400)
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
             return _error(ApiError(400, f"the body is not valid JSON ({why})"))
         # the field's path without pydantic's own steps (``function-after[...]``, a union's member type)
         loc = [str(p) for p in first.get("loc", ())[1:] if isinstance(p, int) or p.isidentifier()]
-        where = ".".join(loc) or "body"
+        where = ".".join(loc) or first.get("ctx", {}).get("fields") or "body"  # or the unknown fields
         param = where if where != "body" else None
         msg = str(first.get("msg")).removeprefix("Value error, ")
         if first.get("type") == "extra_forbidden":

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # as OpenAI
 MAX_STOP_CHARS = 1000  # a stop string's characters at most (each is matched as the text grows)
@@ -98,11 +99,15 @@ class Sampling(BaseModel):
     def _no_unsupported(self):
         extra = self.model_extra or {}
         unknown = sorted(k for k in extra if k not in UNSUPPORTED)
-        if unknown:
-            raise ValueError(f"not a field this server takes: {', '.join(unknown)}")
+        if unknown:  # the fields named as the error's param (``serve.app``), as a field's own error is
+            raise PydanticCustomError(
+                "unknown_field", "not a field this server takes", {"fields": ", ".join(unknown)}
+            )
         given = sorted(k for k, v in extra.items() if not _asks_nothing(v, UNSUPPORTED[k]))
         if given:
-            raise ValueError(f"not supported by this server: {', '.join(given)}")
+            raise PydanticCustomError(
+                "unsupported_field", "not supported by this server", {"fields": ", ".join(given)}
+            )
         return self
 
     @property
