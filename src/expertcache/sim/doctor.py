@@ -313,6 +313,8 @@ def verdict(r: dict[str, object]) -> list[str]:
                 if "error" not in exc
                 else f"an exclusive host level does not fit that memory ({exc['error']})"
             )
+            + f"; under {lv['host_policy']} only (--host-policy), where `plan` compares other host "
+            "policies too"
         )
     t = r["tpot_s"]
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
