@@ -247,6 +247,7 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n: not supported by this server"),
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs: not supported by this server"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({"model": "tiny", "prompt": "x", "stop": ""}, 400, "stop: an empty stop string"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
         (
             {"model": "tiny", "prompt": "x", "max_tokens": "5"},

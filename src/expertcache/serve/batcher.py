@@ -220,7 +220,10 @@ class Batcher:
             if not self._thread.is_alive():  # nobody would hand this request its results
                 raise Unavailable("the dispatching thread stopped; restart the server")
             if len(self.jobs) >= self.max_queue:
-                raise QueueFull(f"the server is busy: {len(self.jobs)} requests running or waiting")
+                raise QueueFull(
+                    f"the server is busy: {len(self.jobs)} request{'s' if len(self.jobs) != 1 else ''} "
+                    "running or waiting"
+                )
             job = Job(
                 f"{self._run}-{next(self._ids)}", len(prompt_ids), max_tokens, stop, asyncio.Queue(), loop
             )

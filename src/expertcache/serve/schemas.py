@@ -89,8 +89,10 @@ class Sampling(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
+        if any(not s for s in stops):
+            raise ValueError("an empty stop string would stop before the first token; leave it out")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return [_unicode(s) for s in stops]
