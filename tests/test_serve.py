@@ -726,3 +726,58 @@ def test_the_stop_finder_equals_searching_the_whole_text_each_time(text, stops, 
             assert held == held_back(seen, stops)
         if found is not None:
             break
+
+
+def _cb_warpers(vocab: int):
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingTopKLogitsWarper,
+        ContinuousBatchingTopPLogitsWarper,
+    )
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    return (
+        ContinuousBatchingTopKLogitsWarper(TopKLogitsWarper(top_k=vocab)),
+        ContinuousBatchingTopPLogitsWarper(TopPLogitsWarper(top_p=0.5)),
+    )
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 12))
+def test_the_server_s_top_k_and_top_p_equal_transformers_bit_for_bit(seed, rows):
+    """serve.warpers: every row of every kind (greedy, top-k, whole vocabulary, top-p below and at 1,
+    ties, -inf scores) comes out as transformers' own sorting processors give it."""
+    from expertcache.serve import warpers
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(torch.randint(2, 300, (1,), generator=g))
+    scores = torch.randn(rows, vocab, generator=g) * 3
+    scores = torch.round(scores * 4) / 4  # ties
+    scores[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
+    scores[torch.rand(rows, vocab, generator=g) < 0.05] = -200.0  # a probability of 0 in float32: top-p at 1
+    scores[:, 0] = scores[:, 0].nan_to_num(neginf=0.0)  # every row keeps a finite score
+    choices = torch.tensor([1, 1, 2, 5, vocab - 1, vocab, vocab + 7])
+    k = choices[torch.randint(0, len(choices), (rows,), generator=g)].clamp(min=1).to(torch.int32)
+    p = torch.tensor([1.0, 1.0, 0.95, 0.5, 0.1])[torch.randint(0, 5, (rows,), generator=g)]
+    k_arg, p_arg = k.clone(), p.clone().view(torch.int32)
+    top_k, top_p = _cb_warpers(vocab)
+    want = top_p(top_k(scores.clone(), k_arg), p_arg)
+    seen: dict = {}
+    got = warpers.TopP(top_p, seen)(warpers.TopK(top_k, seen)(scores.clone(), k_arg), p_arg)
+    assert torch.equal(got, want)
+    alone = warpers.TopP(top_p, {})(scores.clone(), p_arg)  # no top-k before it: transformers' own
+    assert torch.equal(alone, top_p(scores.clone(), p_arg))
+
+
+def test_the_server_wraps_transformers_top_k_and_top_p(make_ckpt):
+    from expertcache.serve import warpers
+
+    model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    try:
+        batcher = batcher_module.Batcher(model, max_queue=4)
+        try:
+            kinds = [type(p) for p in batcher.manager.logit_processor.logits_processor]
+            assert warpers.TopK in kinds and warpers.TopP in kinds
+            assert kinds.index(warpers.TopK) < kinds.index(warpers.TopP)  # top-p reads top-k's k
+        finally:
+            batcher.close()
+    finally:
+        model.close()

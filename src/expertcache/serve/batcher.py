@@ -46,6 +46,7 @@ import numpy as np
 from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.serve import warpers
 from expertcache.units import format_bytes
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
@@ -174,6 +175,7 @@ class Batcher:
         self.manager = self.model.model.init_continuous_batching(
             generation_config=self._generation_config, continuous_batching_config=deepcopy(self._cb)
         )
+        warpers.install(self.manager)  # the same top-k and top-p, without two sorts of every row
         self.sampler = SeededSampler.install(self.manager)
         self.manager.start()
 
