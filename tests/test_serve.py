@@ -358,8 +358,23 @@ def test_malformed_json_bad_messages_and_unknown_routes(served):
         r = http.post("/v1/completions", content=body, headers=headers)  # curl -d's default, or none
         message = r.json()["error"]["message"]
         assert r.status_code == 415 and "Content-Type: application/json" in message and said in message
-    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "colour": "blue"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "colour", r.json()
+    for kind in ("text/json", "application/jsonl", "text/plain; charset=utf-8"):  # not read as JSON
+        r = http.post("/v1/completions", content=body, headers={"content-type": kind})
+        assert r.status_code == 415 and kind in r.json()["error"]["message"]
+    for kind in ("Application/JSON; charset=utf-8", "application/vnd.api+json"):  # read as JSON
+        r = http.post("/v1/completions", content=body, headers={"content-type": kind})
+        assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "no body" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"")
+    assert r.status_code == 400 and "no body" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "colour": "blue", "aroma": 1})
+    error = r.json()["error"]
+    assert (
+        r.status_code == 400
+        and error["param"] == "aroma"
+        and "aroma, colour: not a field" in error["message"]
+    )
     r = http.post(
         "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}
     )

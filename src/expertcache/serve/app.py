@@ -15,6 +15,7 @@ loop), and prompt plus ``max_tokens`` against both the context and the KV cache 
 from __future__ import annotations
 
 import asyncio
+import email.message
 import json
 import logging
 import secrets
@@ -83,22 +84,28 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        kind = request.headers.get("content-type", "")
-        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind.lower():
-            # FastAPI reads a body as JSON only when it says so: curl -d sends form-encoded by default
-            metrics.answered(request.url.path, 415)
-            got = f"this request's is {kind!r}" if kind else "this request has none"
-            return _error(ApiError(415, f"send the body as JSON with Content-Type: application/json ({got})"))
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") != "json_invalid":
+            # the body as a whole was not read as JSON: none, or a type FastAPI does not parse as JSON
+            kind = request.headers.get("content-type", "")
+            if not await request.body():
+                metrics.answered(request.url.path, 400)
+                return _error(ApiError(400, "the request has no body: send a JSON object"))
+            if not _is_json(kind):  # curl -d sends a form by default
+                metrics.answered(request.url.path, 415)
+                got = f"this request's is {kind!r}" if kind else "this request has none"
+                message = f"send the body as JSON with Content-Type: application/json ({got})"
+                return _error(ApiError(415, message))
         metrics.answered(request.url.path, 400)
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
             return _error(ApiError(400, f"the body is not valid JSON ({why})"))
         # the field's path without pydantic's own steps (``function-after[...]``, a union's member type)
         loc = [str(p) for p in first.get("loc", ())[1:] if isinstance(p, int) or p.isidentifier()]
-        where = ".".join(loc) or first.get("ctx", {}).get("fields") or "body"  # or the unknown fields
-        param = where if where != "body" else None
+        fields = first.get("ctx", {}).get("fields")  # unknown or unsupported fields, named
+        where = ".".join(loc) or fields or "body"
+        param = ".".join(loc) if loc else fields.split(", ")[0] if fields else None
         msg = str(first.get("msg")).removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
+        if first.get("type") in ("extra_forbidden", "unknown_field"):
             msg = "not a field this server takes (docs/SERVE.md lists them)"
         return _error(ApiError(400, f"{where}: {msg}", code="invalid_value", param=param))
 
@@ -328,6 +335,16 @@ def _usage(job, last) -> dict[str, int]:
         "completion_tokens": last.tokens,
         "total_tokens": job.prompt_tokens + last.tokens,
     }
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of ``content_type`` as JSON: application/json or application/*+json."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 def _error(exc: ApiError) -> JSONResponse:
