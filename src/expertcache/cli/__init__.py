@@ -805,15 +805,17 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive, stage=args.host_stage)
     else:
         host, host_capacity = _host_level(args), args.host_capacity
-        if host_capacity is not None and host.exclusive:  # its memory in experts, as plan and doctor read it
+        if host_capacity is not None and host.exclusive and host_capacity >= 1:
+            # its memory in experts, as plan and doctor read it: capped at all experts, less the reserve
             from expertcache.cache.tiers import exclusive_reserve, level_experts
 
-            held = level_experts(host_capacity, True, trace.top_k)
+            reserve = exclusive_reserve(trace.top_k)
+            held = level_experts(min(host_capacity, trace.num_layers * trace.num_experts), True, trace.top_k)
             if held < 1:
                 raise ExpertcacheError(
-                    f"--host-capacity {host_capacity} with --host-exclusive holds no expert: an exclusive "
-                    f"level keeps {exclusive_reserve(trace.top_k)} of its memory for its hits in flight "
-                    f"(a layer's top-k); give at least {host_capacity - held + 1}"
+                    f"--host-capacity {host_capacity} with --host-exclusive: an exclusive level keeps "
+                    f"{reserve} experts of its memory for its hits in flight (a layer's top-k), which leaves "
+                    "it none; give more"
                 )
             host_capacity = held
     if args.demote_time and not (host is not None and host.exclusive):
@@ -1070,7 +1072,8 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
     )  # fmt: skip
     p.add_argument(
         "--host-capacity", type=int, metavar="N", help="the host cache's memory in experts, not bytes (an "
-        "exclusive one holds N less its reserve for hits in flight, a layer's top-k, as with --host-memory)",
+        "exclusive one holds N less its reserve for hits in flight, a layer's top-k, as with --host-memory; "
+        "a run's stats give host_capacity and host_reserve)",
     )  # fmt: skip
     if mode == "plan":
         p.add_argument(
