@@ -494,11 +494,12 @@ def main() -> int:
     if args.compare:
         args.compare = args.compare.split(",")
         result = {**head, **compare(args)}
-        if args.out:
+        if args.out:  # the summary to read, the rounds in the file
             write_json(args.out, result)
-        print(json.dumps(result["summary"], indent=1))
-        if args.out:
+            print(json.dumps(result["summary"], indent=1))
             print(f"wrote {args.out}", file=sys.stderr)
+        else:
+            print(json.dumps(result, indent=1))
         return 0
     args.clients = args.clients[0]
     port = free_port()
@@ -548,12 +549,39 @@ def check_args(args: argparse.Namespace) -> None:
             refuse(f"--{name.replace('_', '-')} {getattr(args, name)}: a share between 0 and 1")
     if args.bad_share + args.leave_share > 1:
         refuse(f"--bad-share {args.bad_share} and --leave-share {args.leave_share} add up to more than 1")
-    if args.compare is not None and not all(c.strip() for c in args.compare.split(",")):
-        refuse(f"--compare {args.compare!r}: an empty config")
+    if args.compare is None and len(args.clients) > 1:
+        refuse(f"--clients {','.join(map(str, args.clients))}: a list of counts needs --compare")
+    for config in args.compare.split(",") if args.compare is not None else [args.expert_memory]:
+        check_config(config, args)
     if args.out:
-        parent = Path(args.out).resolve().parent
-        if Path(args.out).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        out = Path(args.out)
+        parent = out.resolve().parent
+        if out.is_dir() or not parent.is_dir() or not os.access(out if out.exists() else parent, os.W_OK):
             refuse(f"--out {args.out}: cannot write a file there")
+
+
+def check_config(config: str, args: argparse.Namespace) -> None:
+    """A server's config (``MEMORY[:POLICY[:MISS]]``) checked as the server would check it, so that a
+    bad one is refused before the first round, not after it."""
+    from expertcache.config import CacheConfig, MissConfig
+    from expertcache.errors import ExpertcacheError
+    from expertcache.units import parse_size
+
+    memory, policy, miss = (config.split(":") + [None, None])[:3]
+    where = f"--compare {config!r}" if args.compare is not None else f"--expert-memory {config!r}"
+    try:
+        if not memory.strip():
+            raise ExpertcacheError("an empty config")
+        if memory.strip().endswith("%"):
+            share = float(memory.strip()[:-1])
+            if not 0 < share <= 100:
+                raise ExpertcacheError(f"{memory} is not a share in (0%, 100%]")
+        else:
+            parse_size(memory, "expert memory")
+        CacheConfig(policy or args.policy or "lru")
+        MissConfig(miss or args.miss or "fetch")
+    except (ExpertcacheError, ValueError) as exc:
+        refuse(f"{where}: {str(exc).splitlines()[0]}")
 
 
 if __name__ == "__main__":
