@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import engine_fixtures
 import numpy as np
@@ -293,3 +294,33 @@ def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):
     assert run["expert_format"] == "int4-g64" and run["kernel"] == "packed" and run["lossy"]
     assert main(["quantize", "--bits", "8", "4", "--checkpoint", str(tmp_path / "two")]) == 2
     assert "give one --bits" in capsys.readouterr().err
+
+
+def test_the_cpu_loops_are_loaded_at_load_not_in_the_first_request(packed_ckpts, ckpt, monkeypatch, tmp_path):
+    """Below 100 % on a CPU (no warm-up generation), a packed checkpoint's loops and a low-precision
+    miss path's are run once at load (numba's import and cached code: 0.3-0.6 s the first request paid)."""
+    from expertcache.engine import load
+    from expertcache.tools.quantize import quantize_model
+
+    calls = []
+    real = PackedKernels.warm_host
+
+    def counted(self):
+        calls.append(self.packed.format)
+        real(self)
+
+    monkeypatch.setattr(PackedKernels, "warm_host", counted)
+    for bits in (8, 4):
+        with load(packed_ckpts[bits], expert_memory="50%", device="cpu", progress=False):
+            pass
+    assert calls == ["int8", "int4"]
+    calls.clear()
+    with load(packed_ckpts[8], device="cpu", progress=False):  # 100 %: the warm-up generation runs them
+        pass
+    assert calls == []
+    path = tmp_path / "mixtral"  # its copies beside a checkpoint of its own
+    shutil.copytree(ckpt("mixtral"), path)
+    quantize_model(path, bits=(4,), group=16, optimize=False, progress=False)
+    with load(path, expert_memory="50%", miss="hobbit:bits=4,group=16", device="cpu", progress=False):
+        pass
+    assert calls == ["int4"]

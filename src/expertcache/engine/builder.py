@@ -288,6 +288,8 @@ class Builder:
             self.tier.disk_reads, self.tier.disk_read_s = 0, 0.0
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
+        if self.device.type == "cpu" and self.warmup_s is None:  # the warm-up has run them otherwise
+            self._warm_host_loops(sk.experts[0])
         release_freed()  # what the load freed, given back: not resident, not charged to a cgroup
 
     def built(self) -> Built:
@@ -318,6 +320,14 @@ class Builder:
             store.fill(jobs, bar)
         self.worker.bytes_moved = 0
         return len(keys)
+
+    def _warm_host_loops(self, experts) -> None:
+        """Packed or low-precision experts computed on this CPU: their loops loaded now, at load, not in
+        the first request (``PackedKernels.warm_host``)."""
+        found = [part.kernels for part in self.parts.values()]
+        found.append(getattr(experts, "_expertcache_packed", None))  # a packed checkpoint's, shared
+        for kernels in {id(k): k for k in found if k is not None}.values():
+            kernels.warm_host()
 
     def _warm_up(self) -> float:
         """With every expert resident, one generation of 2 tokens after a ``WARMUP_TOKENS``-token prompt

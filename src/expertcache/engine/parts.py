@@ -48,6 +48,7 @@ class EnginePart:
     make_source: Callable[[object], object]  # tier -> a source: copy_chunk(key, views, chunk) fills a slot
     compute: Callable[[object, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     source: object = None  # set by bind(), once the slow tier exists
+    kernels: object = None  # ``packed.PackedKernels`` where it computes from packed bytes (warmed at load)
 
     def bind(self, tier) -> None:
         self.source = self.make_source(tier)
@@ -237,10 +238,12 @@ def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = 
     meta = read_meta(path)
     layout = quant_layout(meta)
     packed = packed_of(meta, dtype)
+    kernels = None
     if packed is not None:
         from expertcache.engine.packed import PackedKernels
 
-        compute = PackedKernels(packed).expert
+        kernels = PackedKernels(packed)
+        compute = kernels.expert
     else:
         from expertcache.lazy import hqq_quantizer
 
@@ -253,4 +256,4 @@ def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = 
     def source(tier) -> QuantSource:
         return QuantSource(path, layout, pin=pin, in_memory=getattr(tier, "name", "") == "host")
 
-    return EnginePart(spec, {None: layout}, source, compute)
+    return EnginePart(spec, {None: layout}, source, compute, kernels=kernels)
