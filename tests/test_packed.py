@@ -317,6 +317,8 @@ def test_the_cpu_loops_are_loaded_at_load_not_in_the_first_request(packed_ckpts,
     calls.clear()
     with load(packed_ckpts[8], device="cpu", progress=False):  # 100 %: the warm-up generation runs them
         pass
+    with load(packed_ckpts[8], expert_memory="50%", device="cpu", warmup=False, progress=False):
+        pass  # --no-warmup: neither
     assert calls == []
     path = tmp_path / "mixtral"  # its copies beside a checkpoint of its own
     shutil.copytree(ckpt("mixtral"), path)

@@ -93,7 +93,7 @@ def add_model_args(p) -> None:
     p.add_argument(
         "--no-warmup", action="store_true",
         help="at 100%% expert memory, skip the 2-token warm-up generation at load (it takes the first "
-        "request's one-time costs)",
+        "request's one-time costs); below it on a CPU, the packed and low-precision loops' run at load",
     )  # fmt: skip
     p.add_argument(
         "--expert-memory", metavar="X",

@@ -288,7 +288,7 @@ class Builder:
             self.tier.disk_reads, self.tier.disk_read_s = 0, 0.0
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
-        if self.device.type == "cpu" and self.warmup_s is None:  # the warm-up has run them otherwise
+        if warmup and self.device.type == "cpu" and self.warmup_s is None:  # else the warm-up ran them
             self._warm_host_loops(sk.experts[0])
         release_freed()  # what the load freed, given back: not resident, not charged to a cgroup
 
