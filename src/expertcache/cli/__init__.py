@@ -919,12 +919,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     cost = _cost_from_args(args)
     capacity = _capacity(args, cost, trace)
     host = _host_level(args)
-    _note_free_reads(host, cost, trace, args.host_capacity)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
         host_capacity=args.host_capacity,
     )  # fmt: skip
+    _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     if args.plot:
         plot_diagnosis(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -984,7 +984,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ]
     predictor_trace = load_trace(args.predictor) if args.predictor else None
     host = _host_level(args)
-    _note_free_reads(host, cost, trace, args.host_capacity)
     hosts = {} if host is None else {"host": host, "host_capacity": args.host_capacity}
     if args.host_policy:
         hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
@@ -993,6 +992,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
         objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, **hosts,
     )  # fmt: skip
+    _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
@@ -1005,15 +1005,9 @@ def _given(args: argparse.Namespace, *dests: str) -> list[str]:
     return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d)]
 
 
-def _note_free_reads(host, cost, trace, host_capacity: int | None) -> None:
-    """``plan`` and ``doctor``, as ``timing`` does: a host level whose misses cost no time; said once the
-    level's size is known to be one (a bad size is the one line)."""
-    if host is None:
-        return
-    from expertcache.sim.timing import host_level_of
-
-    host_level_of(host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes, trace.top_k)
-    if not cost.disk_read_s:
+def _note_free_reads(host, cost) -> None:
+    """``plan`` and ``doctor``, as ``timing`` does: a host level whose misses cost no time."""
+    if host is not None and not cost.disk_read_s:
         print(
             "note: the cost model's disk_read_s is 0 (give --disk-time, or a profile of the disk tier): the "
             "host level's misses cost no time",

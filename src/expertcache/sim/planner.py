@@ -423,12 +423,13 @@ def make_plan(
                 {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
                  "window": pf.window, "host_policy": hp, "host_exclusive": hx}
             )  # fmt: skip
+    skipped = list(dict.fromkeys(skipped))  # once each: some are found once a method
     if not candidates:
         raise ExpertcacheError(
             f"no method could lay out {capacity} experts over {L} layers (a per-layer layout needs "
             f"{L * K}: top-{K} in every layer); add 'shared'"
             if all(m in LAYOUT_METHODS for m in methods) else
-            f"nothing to compare: {'; '.join(dict.fromkeys(skipped)) or 'no method and miss path left'}"
+            f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
         )  # fmt: skip
     key = f"{objective}_s"
     # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
@@ -449,7 +450,7 @@ def make_plan(
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(),
-            "skipped": list(dict.fromkeys(skipped)),  # once each: some are found once a method
+            "skipped": skipped,
         },
     )  # fmt: skip
 
