@@ -3,8 +3,8 @@
 Starts a server (the embedded model, ``--expert-memory``, CPU; ``--device cuda``: a GPU, its slow tier
 pinned host memory) in a subprocess; then an async httpx
 driver runs ``--clients`` streaming clients that each send completions back to back for ``--duration``
-seconds (prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32,
-greedy), and afterwards one client alone for ``--single`` seconds. Per request: TTFT (send to first text
+seconds (prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32 or
+each drawn from ``--tokens A-B``, greedy), and afterwards one client alone for ``--single`` seconds. Per request: TTFT (send to first text
 chunk; its p99 also without each client's first request, the phase's opening wave), TPOT (mean gap
 between chunks after the first) and completion tokens from ``usage``; errors and unfinished streams are
 counted. The server's resident memory is sampled every second, and its expert
@@ -169,7 +169,7 @@ async def phase(
     clients: int,
     duration: float,
     prompts: list[str],
-    tokens: int,
+    tokens: tuple[int, int],
     bad_share: float = 0.0,
     leave_share: float = 0.0,
 ) -> dict[str, object]:
@@ -180,15 +180,17 @@ async def phase(
 
     async def client_loop(i: int, client: httpx.AsyncClient) -> None:
         k = i
+        lengths = random.Random(i)  # each client's own seeded draws: the same lengths in every phase
         while time.perf_counter() < stop_at:
             prompt = prompts[k % len(prompts)]
+            n = lengths.randint(*tokens)
             if i < n_bad:
                 bad.append(await bad_request(client, base, k))
                 await asyncio.sleep(0.1)
             elif i < n_bad + n_leave:
-                left.append(await leaving_request(client, base, prompt, tokens))
+                left.append(await leaving_request(client, base, prompt, n))
             else:
-                result = await one_request(client, base, prompt, tokens)
+                result = await one_request(client, base, prompt, n)
                 result["first"] = k == i  # this client's first request: all of them arrive at once
                 results.append(result)
             k += clients
@@ -469,7 +471,9 @@ def main() -> int:
     p.add_argument("--clients", default="64", help="concurrent clients; a comma list runs each (default 64)")
     p.add_argument("--duration", type=float, default=600, help="seconds of concurrent load (default 600)")
     p.add_argument("--single", type=float, default=60, help="seconds of one client alone (default 60)")
-    p.add_argument("--tokens", type=int, default=32, help="max_tokens per request (default 32)")
+    p.add_argument("--tokens", default="32", metavar="N or A-B", help="max_tokens per request (default 32), "
+                   "or a range A-B: each request's drawn uniformly in it (seeded per client), so that the "
+                   "clients do not end together")  # fmt: skip
     p.add_argument("--expert-memory", default="30%")
     p.add_argument("--model", help="a checkpoint folder (default: the embedded model)")
     p.add_argument("--dtype", help="the server's --dtype (default: the checkpoint's)")
@@ -490,7 +494,8 @@ def main() -> int:
     p.add_argument("--out", help="write the results here as JSON (default: print them to stdout)")
     args = p.parse_args()
     check_args(args)
-    head = {"provenance": provenance(), "max_tokens": args.tokens}
+    lo, hi = args.tokens
+    head = {"provenance": provenance(), "max_tokens": lo if lo == hi else f"{lo}-{hi} (uniform, seeded)"}
     if args.compare:
         args.compare = args.compare.split(",")
         result = {**head, **compare(args)}
@@ -539,9 +544,15 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not math.isfinite(value) or value < least or (strict and value == least):
             refuse(f"--{name.replace('_', '-')} {value}: seconds, {'more than' if strict else 'at least'} 0")
-    for name in ("tokens", "rounds"):
-        if getattr(args, name) < 1:
-            refuse(f"--{name} {getattr(args, name)}: at least 1")
+    if args.rounds < 1:
+        refuse(f"--rounds {args.rounds}: at least 1")
+    try:
+        ends = [int(n) for n in args.tokens.split("-")] if args.tokens.count("-") <= 1 else []
+    except ValueError:
+        ends = []
+    if len(ends) not in (1, 2) or min(ends) < 1 or ends[0] > ends[-1]:
+        refuse(f"--tokens {args.tokens!r}: max_tokens, at least 1, or a range A-B with 1 <= A <= B (16-48)")
+    args.tokens = (ends[0], ends[-1])
     if args.slowloris < 0:
         refuse(f"--slowloris {args.slowloris}: a number of connections, 0 or more")
     for name in ("bad_share", "leave_share"):
