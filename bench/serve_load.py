@@ -1,13 +1,14 @@
 """Load test of ``expertcache serve`` on loopback: many concurrent streaming clients against one at a time.
 
 Starts a server (the embedded model, ``--expert-memory``, CPU; ``--device cuda``: a GPU, its slow tier
-pinned host memory) in a subprocess; then an async httpx
-driver runs ``--clients`` streaming clients that each send completions back to back for ``--duration``
-seconds (prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32 or
-each drawn from ``--tokens A-B``, greedy), and afterwards one client alone for ``--single`` seconds. Per request: TTFT (send to first text
-chunk; its p99 also without each client's first request, the phase's opening wave), TPOT (mean gap
-between chunks after the first) and completion tokens from ``usage``; errors and unfinished streams are
-counted. The server's resident memory is sampled every second, and its expert
+pinned host memory; ``--schedule``: its step scheduling) in a subprocess; then an async httpx driver
+runs ``--clients`` streaming clients that each send completions back to back for ``--duration`` seconds
+(prompts: the first 60 characters of held-out standard-library files, ``max_tokens`` 32, or each drawn
+from ``--tokens A-B`` so that the clients do not end together; greedy), and afterwards one client alone
+for ``--single`` seconds. Per request: TTFT (send to first text chunk; its p99 also without each
+client's first request, the phase's opening wave), TPOT (mean gap between chunks after the first) and
+completion tokens from ``usage``; errors and unfinished streams are counted. The server's resident
+memory is sampled every second, and its expert
 cache's hits and misses are read from ``/metrics`` before and after each phase.
 
 ``--faults`` mixes in hostile clients (issue 27): a ``--bad-share`` of the clients (default 10 %) send,
@@ -58,6 +59,7 @@ except ImportError:  # openai >= 3 brings httpx as httpx2
     import httpx2 as httpx
 from provenance import provenance, write_json
 
+from expertcache.config import SCHEDULES
 from expertcache.tools.quality import heldout_texts
 
 
@@ -351,6 +353,7 @@ def server_command(args, port: int, config: str) -> list[str]:
         ("dtype", args.dtype),
         ("policy", policy or args.policy),
         ("miss", miss or args.miss),
+        ("schedule", args.schedule),
     ):
         if value:
             cmd += [f"--{flag}", value]
@@ -481,6 +484,7 @@ def main() -> int:
     p.add_argument("--slow-tier", help="the server's --slow-tier (default: mapped on a CPU, host on a GPU)")
     p.add_argument("--policy", help="the server's --policy (default: its own)")
     p.add_argument("--miss", help="the server's --miss (default: its own)")
+    p.add_argument("--schedule", choices=SCHEDULES, help="the server's --schedule (default: its own, fifo)")
     p.add_argument("--compare", metavar="CONFIG,...", help="servers at each config (MEM or "
                    "MEM:POLICY[:MISS]) in turn, alternating over --rounds, each against the last "
                    "(e.g. 25%%:lru,25%%:tlfu:batch,100%%); replaces --expert-memory")  # fmt: skip

@@ -111,6 +111,72 @@ def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served)
     assert tokens > steps > 0  # some steps computed several requests' tokens
 
 
+@pytest.mark.parametrize("schedule", ["fifo", "prompts-first"])
+def test_prompts_first_runs_new_prompts_in_a_step_of_their_own_and_every_answer_is_the_same(
+    make_ckpt, schedule
+):
+    """``--schedule prompts-first``: prompts that arrive while another request decodes get a step without
+    the decodes, then everyone decodes; under ``fifo`` (transformers' order) they share the decode's
+    step. Every request's tokens equal the model's alone either way.
+    The generation thread is held in the long request's first decode step until the new prompts are
+    queued, so what the scheduler sees does not depend on timing."""
+    model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    long = next(
+        p for p in ("once upon a time", "in the beginning", "x y z") if len(alone(model, p, 24)) == 24
+    )
+    want = {p: model.tokenizer.decode(alone(model, p, n), skip_special_tokens=True)
+            for p, n in ((long, 24), *((p, 6) for p in PROMPTS))}  # fmt: skip
+    steps: list[tuple[int, int]] = []  # (prompt tokens, decode tokens) of each step, as it begins
+    queued = threading.Event()
+    told_by = model.engine.step_source
+
+    config = ServeConfig(max_queue=8, schedule=schedule)
+    with TestClient(create_app(model, "tiny", config), base_url=BASE) as http:
+        batcher = http.app.state.batcher
+        told_by = model.engine.step_source
+
+        def spy():
+            told = told_by()
+            if told is not None:
+                steps.append((int(told[1].sum()), int((~told[1]).sum())))
+                if steps[-1] == (0, 1) and not queued.is_set():  # the long request's first decode step
+                    queued.wait(60)
+            return told
+
+        model.engine.step_source = spy
+        client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
+        got: dict[str, str] = {}
+
+        def ask(p: str, n: int) -> None:
+            got[p] = client.completions.create(model="tiny", prompt=p, max_tokens=n).choices[0].text
+
+        stream = client.completions.create(model="tiny", prompt=long, max_tokens=24, stream=True)
+        first = next(stream).choices[0].text  # out of the prefill: the long request decodes next
+        threads = [threading.Thread(target=ask, args=(p, 6)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while batcher.manager.input_queue.qsize() < len(PROMPTS) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued.set()
+        got[long] = first + "".join(chunk.choices[0].text for chunk in stream)
+        for t in threads:
+            t.join(120)
+        scheduler = batcher.manager.batch_processor.scheduler
+    model.engine.step_source = told_by
+    model.close()
+    assert got == want
+    prompts = sum(len(model.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    joined = next(i for i, step in enumerate(steps) if step[0] == prompts)  # the step of the new prompts
+    if schedule == "fifo":
+        assert type(scheduler).__name__ == "FIFOScheduler"
+        assert steps[joined] == (prompts, 1)  # beside the long request's next token
+    else:
+        assert type(scheduler).__name__ == "PromptsFirst" and scheduler.prompt_steps == 1
+        assert steps[joined] == (prompts, 0)  # alone: the long request sits this step out
+        assert steps[joined + 1] == (0, 5)  # then everyone's next token: the long request's and the four's
+
+
 # batch: a margin that admits few experts, so that many-token misses stream (fills off: they, like
 # prefetches, depend on the machine's timing)
 @pytest.mark.parametrize("policy, miss", [("lru", "fetch"), ("tlfu:margin=8", "batch:fill=0")])
@@ -682,6 +748,7 @@ def test_serve_bad_options_are_one_line(capsys):
         [["serve", "--max-connections", "0"], "--max-connections must be at least 1"],
         [["serve", "--allowed-host", ""], "--allowed-host needs a host name"],
         [["serve", "--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"],
+        [["serve", "--schedule", "sjf"], "--schedule must be one of fifo, prompts-first, got 'sjf'"],
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

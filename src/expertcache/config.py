@@ -289,6 +289,7 @@ class SamplingConfig:
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers' block)
+SCHEDULES = ("fifo", "prompts-first")  # the server's step scheduling (``serve.scheduling``)
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,9 @@ class ServeConfig:
 
     ``max_queue`` requests running or waiting; a KV cache of ``kv_tokens`` (None: ``max_queue`` x
     min(context, 2048); rounded up to whole pages of ``KV_PAGE``); ``batch_tokens`` tokens a step
-    computes at most (decode tokens and prompt chunks of every running request); a request body of
+    computes at most (decode tokens and prompt chunks of every running request); ``schedule`` which
+    requests a step runs (``SCHEDULES``: transformers' FIFO order, or new prompts in a step of their own
+    first, ``serve.scheduling``); a request body of
     ``max_body`` at most (413); request headers complete within ``header_timeout`` of the connection
     (or of the last response on it), the body within ``body_timeout`` of its headers (408); an idle keep-alive
     connection closed after ``idle_timeout``; ``max_connections`` open at once (None: 4096, or less
@@ -313,6 +316,7 @@ class ServeConfig:
     max_queue: int = 64
     kv_tokens: int | None = None
     batch_tokens: int = 512
+    schedule: str = "fifo"
     max_body: str | int = "4MiB"
     max_connections: int | None = None
     header_timeout: str | float = "10s"
@@ -336,6 +340,8 @@ class ServeConfig:
             raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {self.kv_tokens}")
         if self.batch_tokens < 1:
             raise ExpertcacheError(f"--max-batch-tokens must be at least 1, got {self.batch_tokens}")
+        if self.schedule not in SCHEDULES:
+            raise ExpertcacheError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ExpertcacheError(f"--max-connections must be at least 1, got {self.max_connections}")
         body = parse_size(self.max_body, "--max-body")

@@ -9,6 +9,7 @@ import sys
 
 from expertcache.cli.generate import add_model_args, load_model
 from expertcache.cli.util import output_option
+from expertcache.config import SCHEDULES
 from expertcache.errors import ExpertcacheError
 
 
@@ -47,6 +48,12 @@ def add_parser(sub) -> None:
         "--max-batch-tokens", type=int, default=512, metavar="N",
         help="tokens one step computes at most: every running request's next token, then prompts in "
         "chunks (default 512)",
+    )  # fmt: skip
+    s.add_argument(
+        "--schedule", default="fifo", metavar="{" + ",".join(SCHEDULES) + "}",
+        help="which requests a step runs: fifo, transformers' order (every running request's next token, "
+        "then new prompts); prompts-first, new prompts in a step of their own when one is waiting, for a "
+        "shorter time to first token at some cost in time per token (default fifo; docs/SERVE.md)",
     )  # fmt: skip
     s.add_argument(
         "--max-body",
@@ -110,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get("EXPERTCACHE_API_KEY"),
         max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, batch_tokens=args.max_batch_tokens,
-        max_body=args.max_body,
+        schedule=args.schedule, max_body=args.max_body,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         allowed_hosts=tuple(args.allowed_host or ()), metrics_open=args.metrics_open, docs=args.docs,

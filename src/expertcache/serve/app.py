@@ -64,7 +64,9 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher = Batcher(model, config.max_queue, metrics, config.kv_tokens, config.batch_tokens)
+        batcher = Batcher(
+            model, config.max_queue, metrics, config.kv_tokens, config.batch_tokens, config.schedule
+        )
         state["batcher"] = app.state.batcher = batcher
         yield
         state.pop("batcher")

@@ -46,7 +46,7 @@ import numpy as np
 from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError, first_line
-from expertcache.serve import warpers
+from expertcache.serve import scheduling, warpers
 from expertcache.units import format_bytes
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
@@ -114,7 +114,13 @@ class Batcher:
     """Continuous batching over an ``OffloadedModel``; ``submit`` a request, iterate over its pieces."""
 
     def __init__(
-        self, model, max_queue: int = 64, metrics=None, kv_tokens: int | None = None, batch_tokens: int = 512
+        self,
+        model,
+        max_queue: int = 64,
+        metrics=None,
+        kv_tokens: int | None = None,
+        batch_tokens: int = 512,
+        schedule: str = "fifo",
     ) -> None:
         """``kv_tokens``: the KV cache's size in tokens (default: ``max_queue`` requests of up to 2048
         tokens, or the context if shorter, cut to what fits: ``kv_size``); ``batch_tokens``: tokens one
@@ -148,7 +154,7 @@ class Batcher:
             self._cb = ContinuousBatchingConfig(
                 per_request_processors=True, page_size=page, num_blocks=self.kv_tokens // page,
                 max_batch_tokens=batch_tokens, use_cuda_graph=False, use_async_batching=False,
-                auto_switch_to_flash=False,
+                auto_switch_to_flash=False, scheduler_type=scheduling.scheduler_type(schedule),
             )  # fmt: skip
         except TypeError:
             raise ExpertcacheError(
