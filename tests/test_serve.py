@@ -408,6 +408,9 @@ def test_the_door_refuses_compressed_bodies_and_two_keys_and_answers_head(make_c
             assert http.head("/health").status_code == 200
             r = http.get("/v1/nothing", headers={"authorization": "Bearer k"})
             assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+            r = http.get("/v1/completions", headers={"authorization": "Bearer k"})  # a POST route
+            assert r.status_code == 405 and r.headers["allow"] == "POST"
+            assert r.json()["error"]["message"] == "GET is not allowed on /v1/completions; use POST"
     finally:
         model.close()
 

@@ -114,9 +114,16 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         metrics.answered("other", exc.status_code)
-        if exc.status_code in (404, 405):  # as OpenAI answers an unknown route
+        if exc.status_code == 404:  # as OpenAI answers an unknown route
             message = f"Invalid URL ({request.method} {request.url.path})"
-            return _error(ApiError(exc.status_code, message, code="unknown_url"))
+            return _error(ApiError(404, message, code="unknown_url"))
+        if exc.status_code == 405:  # a route that exists, asked with another method: say which it takes
+            allow = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow or 'another method'}"
+            response = _error(ApiError(405, message, code="method_not_allowed"))
+            if allow:
+                response.headers["Allow"] = allow
+            return response
         return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     @app.head("/health", include_in_schema=False)  # load balancers check with HEAD
