@@ -166,6 +166,34 @@ def test_timing_counts_levels_and_exclusive_holds_more_distinct_experts():
     assert "host_requests" not in none.cache and none.misses == inclusive.misses  # the device's unchanged
 
 
+def test_timing_caps_a_cache_beyond_every_expert_and_then_uses_no_host_level_as_the_engine():
+    from expertcache.sim.planner import make_plan
+    from expertcache.trace.default import default_trace
+
+    tr = default_trace()
+    total = tr.num_layers * tr.num_experts
+    big = simulate_timing(tr, 5000)
+    assert big.capacity == total and f"a cache of 5000 experts is more than all {total}" in big.notes[0]
+    assert big.misses == simulate_timing(tr, total).misses
+    # every expert in the expert memory: the engine leaves the host level out ("not used"), so must these
+    r = simulate_timing(tr, total, host=HostConfig(None), host_capacity=60)
+    assert "host_requests" not in r.cache and "the host level is not used" in r.notes[-1]
+    plan = make_plan(tr, total, host=HostConfig(None), host_capacity=60)
+    assert plan.host_policy is None and plan.host_capacity is None
+    assert any("so it is not used" in s for s in plan.source["skipped"])
+
+
+def test_a_host_policy_s_parameters_are_kept_in_every_report(ckpt):
+    from expertcache.trace.default import default_trace
+
+    spec = "lcp:rho=0.05,omega=1000"
+    r = simulate_timing(default_trace(), 24, host=HostConfig(None, spec), host_capacity=60)
+    assert r.cache["host_policy"] == spec
+    with engine_load(ckpt("mixtral"), TOP_K + 1, host_memory="50%", host_policy=spec) as model:
+        greedy(model, IDS)
+        assert model.stats["host_policy"] == spec
+
+
 # ------------------------------------------------------------------------------- the engine
 @pytest.mark.parametrize("family", PATH_FAMILIES)
 def test_the_engine_with_a_host_level_is_exact_and_replays_to_the_same_counts(family, ckpt, reference):
@@ -737,6 +765,21 @@ def test_doctor_says_which_level_bounds_the_step():
         assert lv["exclusive"]["host_misses"] < lv["inclusive"]["host_misses"]
         assert any(f"bound by the {bound}" in line for line in r["verdict"])
     assert diagnose(tr, 24)["levels"] is None
+
+
+def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
+    # its batch advice was timed without the host level, which serves the fetch path only (a new user
+    # took it and every command refused it)
+    from expertcache.sim.doctor import diagnose
+    from expertcache.trace.batch import batch_requests
+    from expertcache.trace.default import default_trace
+
+    batched = batch_requests(default_trace(), 8)
+    line = next(x for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
+                if "--miss batch" in x)  # fmt: skip
+    assert "without the host level: it serves the fetch miss path only" in line
+    line = next(x for x in diagnose(batched, 24)["verdict"] if "--miss batch" in x)
+    assert "host level" not in line
 
 
 def test_cli_plan_and_doctor_take_a_host_level():

@@ -1196,7 +1196,10 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
                 f"capacity {item!r} is not an integer, START:STOP[:STEP], a share (25%) or all"
             ) from None
         if len(nums) == 1:
-            caps.append(nums[0])
+            if nums[0] > total:
+                print(f"note: a cache of {nums[0]} experts is more than all {total}; capped at {total}",
+                      file=sys.stderr)  # fmt: skip
+            caps.append(min(nums[0], total))
         elif len(nums) in (2, 3) and (len(nums) == 2 or nums[2] > 0):
             start, stop = nums[0], min(nums[1], total)
             caps += range(start, stop + 1, nums[2] if len(nums) == 3 else 1)

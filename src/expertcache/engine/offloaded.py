@@ -292,7 +292,7 @@ class OffloadedModel:
             **level.stats.to_dict(),
             "host_memory_bytes": len(tier.pool) * tier.pool.layout.slot_bytes,  # the reserve's slots too
             "host_capacity": level.policy.capacity,
-            "host_policy": level.policy.name,
+            "host_policy": self.host_config.policy,  # the spec as given, its parameters too
             "host_exclusive": level.exclusive,
             "host_reserve": len(tier.pool) - level.policy.capacity,  # exclusive: hits' slots still read
             "device_spare_slots": self.spare_slots,  # beyond the expert memory: copies down overlap

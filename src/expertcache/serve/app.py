@@ -119,7 +119,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             return _error(ApiError(404, message, code="unknown_url"))
         if exc.status_code == 405:  # a route that exists, asked with another method: say which it takes
             allow = (exc.headers or {}).get("Allow", "")
-            message = f"{request.method} is not allowed on {request.url.path}; use {allow or 'another method'}"
+            use = allow or "another method"
+            message = f"{request.method} is not allowed on {request.url.path}; use {use}"
             response = _error(ApiError(405, message, code="method_not_allowed"))
             if allow:
                 response.headers["Allow"] = allow

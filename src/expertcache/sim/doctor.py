@@ -296,7 +296,12 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
             f"{100 * b['lru_miss_ratio']:.0f} % of them, token-weighted frequency (tlfu) "
             f"{100 * b['tlfu_miss_ratio']:.0f} %; --miss batch --policy tlfu moves and computes misses in "
-            f"{b['batch_vs_best']:.2f}x the better per-step reference (TPOT {1e3 * b['batch_tpot_s']:.3f} ms)"
+            f"{b['batch_vs_best']:.2f}x the better per-step reference (TPOT {1e3 * b['batch_tpot_s']:.3f} ms"
+            + (
+                ", without the host level: it serves the fetch miss path only, so batch means giving it up)"
+                if r.get("levels") is not None
+                else ")"
+            )
         )
     lv = r.get("levels")
     if lv is not None:

@@ -307,6 +307,9 @@ def make_plan(
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
     skipped: list[str] = []
     host_level = host_level_of(host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes)
+    if host_level is not None and capacity >= trace.num_layers * trace.num_experts:  # as the engine does
+        skipped.append("the host level: every expert fits the expert memory, so it is not used")
+        host_level = None
     if host_level is not None:
         cfg, memory, _ = host_level
         if cfg.exclusive:

@@ -165,6 +165,10 @@ def simulate_timing(
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
         raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
     check_capacity(capacity, "layer", K)
+    capped = []
+    if capacity > L * E and not capacities:  # as the engine caps an expert memory beyond every expert
+        capped = [f"a cache of {capacity} experts is more than all {L * E}; capped at {L * E}"]
+        capacity = L * E
     schedule = build_schedule(trace, "layer")
     path = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params)
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
@@ -176,8 +180,11 @@ def simulate_timing(
         profile=schedule.profile if _needs_profile(cache_cfg) else None,
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
-    level, notes = None, [] if capacities else path.capacity_notes(caps)
+    level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
     host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
+    if host_level is not None and capacity >= L * E and not capacities:  # as the engine does
+        notes += host_level[2] + ["every expert fits the expert memory: the host level is not used"]
+        host_level = None
     if host_level is not None:
         host_cfg, host_capacity, level_notes = host_level
         notes += level_notes
@@ -250,7 +257,7 @@ def simulate_timing(
         host_wait_by_phase=host,
         requests=int(st.requests.sum()),
         misses=int(st.misses.sum()),
-        cache={**st.to_dict(), **_level_counts(level, link)},
+        cache={**st.to_dict(), **_level_counts(level, link, host_level)},
         params=cache_cfg.params,
         capacities=caps,
         governor=None if governor is None else governor.summary(),
@@ -305,14 +312,14 @@ def host_level_of(
     return cfg, experts, notes
 
 
-def _level_counts(level, link: VirtualLink) -> dict[str, object]:
+def _level_counts(level, link: VirtualLink, host_level) -> dict[str, object]:
     """The host level's counts and the disk's reads (``cache.tiers``), where there is one."""
     if level is None:
         return {}
     return {
         **level.stats.to_dict(),
         "host_capacity": level.policy.capacity,
-        "host_policy": level.policy.name,
+        "host_policy": host_level[0].policy,  # the spec as given, its parameters too
         "host_exclusive": level.exclusive,
         "host_stage": level.stage_limit,
         "disk_reads": link.disk_reads,
