@@ -104,7 +104,20 @@ def test_a_device_profile_of_another_model_is_refused(ckpt, make_ckpt, tmp_path,
 
 
 def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
+    plan = tmp_path / "plan.json"  # a plan where a cost model goes: named (a new user got 30 field names)
+    plan.write_text(json.dumps({"format": "expertcache-plan", "version": 1, "capacity": 24}))
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"link_bandwidth": "25GB/s", "speed": 1, "colour": 2}))
     for argv, words in [
+        (
+            ["profile", "--device-profile", str(plan)],
+            "plan.json is a plan (expertcache plan's: give it as --plan)",
+        ),
+        (["timing", "--cost", str(plan)], "not a cost model or a profile"),
+        (
+            ["timing", "--cost", str(odd)],
+            "unknown field(s) colour, speed; known: chunk_bytes, demote_s, dense_s,",
+        ),
         (["profile", "--device-bandwidth", "25"], "needs a unit"),
         (["profile", "--device-time", "1ms,2us,3"], "is TIME or TIME,PER_TOKEN"),
         (["profile", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),

@@ -200,6 +200,15 @@ class CostModel:
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
         shape, profile = None, None
+        if isinstance(data.get("format"), str) and data["format"] != PROFILE_FORMAT:  # another file of ours
+            what = (
+                "a plan (expertcache plan's: give it as --plan)"
+                if data["format"] == "expertcache-plan"
+                else (f"a file of format {data['format']!r}")
+            )
+            raise ExpertcacheError(
+                f"{path} is {what}, not a cost model or a profile (expertcache profile writes one)"
+            )
         if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
             shape = data.get("model") if isinstance(data.get("model"), dict) else None
             profile, data = data, data.get("cost")
@@ -214,8 +223,8 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict[str, object], base: CostModel | None = None) -> CostModel:
         """``base`` (default: the defaults) with the given fields, parsed as ``load`` does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        known = sorted(f.name for f in fields(cls))
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ExpertcacheError(f"cost: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
         parsed = {name: _parse_field(name, value) for name, value in data.items()}
