@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,7 +95,14 @@ def test_generate_prompts_file_writes_json_lines_in_order(capsys, ckpt, tmp_path
     with engine_load(path) as model:
         want = model.generate_text(["hello world", "the quick\nbrown fox"], max_new_tokens=4, batch_size=1)
     assert [r["tokens"] for r in rows] == [g.tokens for g in want]
-    assert "2/2 prompts done" in err
+    assert "2/2 prompts done" in err and "host level" not in err
+    code, out, err = gen(
+        capsys, path, "--prompts", str(plain), "--expert-memory", "40%", "--host-memory", "60%"
+    )
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("batch 0:"))
+    hits, misses = (int(x) for x in re.search(r"host level hits (\d+), misses (\d+)", line).groups())
+    assert hits + misses == int(re.search(r"\| misses (\d+) \|", line).group(1)) > 0
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "hello world", "id": "a"}) + "\n" + json.dumps("the quick") + "\n")
     code, out, err = gen(capsys, path, "--prompts", str(jsonl), "--quiet")

@@ -434,9 +434,13 @@ def _generate_many(model, items, args, sampling) -> None:
             print(json.dumps({"id": it.id, "batch": b // args.batch_size, **g.to_dict()}), flush=True)
         done += len(batch)
         r = results[0]
+        host = (  # three tiers: the host level's part of the batch's misses
+            f" | host level hits {r.stats['host_hits']}, misses {r.stats['host_misses']}"
+            if "host_requests" in r.stats else ""
+        )  # fmt: skip
         _err(f"batch {b // args.batch_size}: {len(batch)} prompt(s), {sum(len(g.tokens) for g in results)} "
              f"new tokens in {r.total_s:.2f} s ({r.tokens_per_s:.1f} tok/s) | hits {r.stats['hits']} | "
-             f"misses {r.stats['misses']} | {done}/{len(items)} prompts done", args)  # fmt: skip
+             f"misses {r.stats['misses']}{host} | {done}/{len(items)} prompts done", args)  # fmt: skip
     _err(f"{len(items)} prompts in {time.perf_counter() - start:.1f} s", args)
 
 
