@@ -329,6 +329,11 @@ def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys)
     assert 0 <= r["consistency"]["srp"] <= 1 and r["verdict"]
     assert main([*argv, "--trace", "x.npz"]) == 2
     assert "give --trace or --model" in capsys.readouterr().err
+    # sequences shorter than the window: said before the recording, in one line
+    assert main([*argv, "--window-tokens", "500"]) == 2
+    err = capsys.readouterr().err
+    assert "and --max-new-tokens 20 make" in err and "fewer than --window-tokens 500" in err
+    assert err.count("\n") == 1
 
 
 def test_bare_placement_and_host_are_searched_per_layer_and_by_fill():

@@ -911,7 +911,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.model:
         if args.trace != "default":
             raise ExpertcacheError("give --trace or --model with --prompts, not both")
-        trace = _record_trace(args.model, args.prompts, args.max_new_tokens)
+        trace = _record_trace(args.model, args.prompts, args.max_new_tokens, args.window_tokens)
     else:
         trace = _trace(args.trace)
     trace = _served(trace, args)
@@ -932,8 +932,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _record_trace(model: str, prompts: str, max_new_tokens: int) -> Trace:
-    """The routing of ``model`` over the prompts of a file (every expert resident, greedy)."""
+def _record_trace(model: str, prompts: str, max_new_tokens: int, window: int | None = None) -> Trace:
+    """The routing of ``model`` over the prompts of a file (every expert resident, greedy). ``window``
+    (doctor's): a sequence must have that many tokens, checked before generating."""
     from expertcache.tools.prompts import read_prompt_items
 
     items = read_prompt_items(prompts)
@@ -943,6 +944,15 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int) -> Trace:
     from expertcache.engine.offloaded import load
 
     with load(model, "100%", progress=False, warmup=False) as m:
+        texts = [item.prompt for item in items if not isinstance(item.prompt, list)]
+        longest = max((len(m.tokenizer(t)["input_ids"]) for t in texts), default=None)
+        short = window is not None and longest is not None and longest + max_new_tokens < window
+        if short and len(texts) == len(items):  # (a chat prompt's template adds tokens: not judged here)
+            raise ExpertcacheError(
+                f"the longest prompt ({longest} tokens) and --max-new-tokens {max_new_tokens} make "
+                f"{longest + max_new_tokens} tokens, fewer than --window-tokens {window}: give more new "
+                "tokens, longer prompts or a smaller window"
+            )
         for item in items:
             m.generate_text(item.prompt, max_new_tokens, chat=isinstance(item.prompt, list))
         return m.trace()

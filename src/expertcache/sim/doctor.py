@@ -51,8 +51,11 @@ def window_counts(trace: Trace, m: int) -> np.ndarray:
     for lo, hi in zip(np.r_[0, edges], np.r_[edges, trace.num_tokens], strict=True):
         starts += range(int(lo), int(hi) - m + 1, m)
     if not starts:
+        name = "the recorded trace" if str(trace.source).startswith("<") else f"trace {trace.source}"
+        longest = int(np.diff(np.r_[0, edges, trace.num_tokens]).max()) if trace.num_tokens else 0
         raise ExpertcacheError(
-            f"no sequence of trace {trace.source} has {m} tokens: give a smaller window (--window-tokens)"
+            f"no sequence of {name} has {m} tokens (the longest has {longest}): give a smaller window "
+            "(--window-tokens)"
         )
     L, E = trace.num_layers, trace.num_experts
     idx = np.asarray(starts)[:, None] + np.arange(m)[None, :]  # [W, m]
