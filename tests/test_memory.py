@@ -165,7 +165,15 @@ def test_a_budget_that_holds_every_expert_reads_them_at_load(ckpt, reference):
         assert model.stats["preloaded_experts"] == 0
         assert_exact(greedy(model, IDS), want)
         assert model.stats["misses"] > 0
-    with engine_load(path, miss="host") as model:  # another miss path: nothing preloaded
+    for miss in ("host", "hybrid"):  # paths of whole experts keep them all too: nothing to offload
+        with engine_load(path, miss=miss) as model:
+            assert model.stats["preloaded_experts"] == total_experts("mixtral")
+            assert_exact(greedy(model, IDS), want)
+            assert model.stats["misses"] == 0 and model.stats["host_computed"] == 0
+    with engine_load(path, miss="batch") as model:  # its stream buffer takes slots: cold, and said
+        assert model.stats["preloaded_experts"] == 0
+        assert any("its stream buffer takes" in note for note in model.notes)
+    with engine_load(path, miss="placement:first=1") as model:  # a layer placed on the host by design
         assert model.stats["preloaded_experts"] == 0
 
 

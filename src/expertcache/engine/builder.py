@@ -228,8 +228,9 @@ class Builder:
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
         self.weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
-        # nothing to offload (the plain fetch path, every expert fits): every slot is filled at load
-        self.whole = miss.name == "fetch" and self.capacity >= self.num_layers * self.num_experts
+        # nothing to offload (every expert fits, and the miss path would keep them all: fetch, host,
+        # hybrid): every slot is filled at load
+        self.whole = self.miss.preloads() and self.capacity >= self.num_layers * self.num_experts
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
         # prefetching only while it pays has nothing to do when every expert is resident from the start
@@ -297,7 +298,8 @@ class Builder:
 
     # -- the steps ---------------------------------------------------------------------------------
     def _preload(self, show: bool) -> int:
-        """With the plain fetch path and a budget that holds every expert, there is nothing to offload:
+        """With a budget that holds every expert and a miss path that keeps them (``MissPath.preloads``:
+        fetch, host, hybrid), there is nothing to offload:
         every expert is read into its slot now (a progress bar), as a model loads its weights, through the
         policy's inserts and the transfer worker a miss takes; the first request then finds them all
         resident (no first-use misses, no stall). The cache's work counts from the first step: these are

@@ -139,6 +139,13 @@ class MissPath:
         """Layers whose experts never enter the cache (always computed on the host)."""
         return frozenset()
 
+    def preloads(self) -> bool:
+        """Whether, with an expert memory that holds every expert, filling it at load is this path's
+        answer too: every expert then a hit, computed from its slot (nothing to offload). True for a
+        path of whole experts alone that keeps no layer on the host; a path that divides the memory
+        (segments, low-precision copies, a stream buffer) or places layers on the host does not."""
+        return [spec.kind for spec in self.parts()] == ["full"] and not self.host_layers()
+
     def capacity_notes(self, capacities: dict[str, object]) -> list[str]:
         """What the split of the memory (``capacities``'s result) changed of the options given: one line
         each, for the user (a part smaller than asked for)."""

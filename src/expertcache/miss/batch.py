@@ -76,7 +76,13 @@ class Batch(MissPath):
         return {STREAM: buffer, FULL: max(0, slots - buffer)}
 
     def capacity_notes(self, capacities: dict[str, object]) -> list[str]:
-        got = capacities[STREAM]
+        got, total = capacities[STREAM], self.ctx.num_layers * self.ctx.num_experts
+        if capacities[FULL] < total <= capacities[FULL] + got:  # the buffer took what the cache needed
+            return [
+                f"batch: the expert memory holds every expert, but its stream buffer takes {got} slot(s), so "
+                f"the cache holds {capacities[FULL]} of {total} and misses; with nothing to offload, the "
+                "default miss path (fetch) keeps them all"
+            ]
         if got >= self.buffer or not self.buffer_given:
             return []
         return [
