@@ -254,6 +254,9 @@ def bad_ckpt(
             return built[kind]
         if kind == "missing_dir":
             path = tmp_path_factory.mktemp("gone") / "no-such-model"
+        elif kind == "a_file":
+            path = tmp_path_factory.mktemp("file") / "model.txt"
+            path.write_text("not a checkpoint\n")
         elif kind == "no_config":
             path = copy_of(kind)
             (path / "config.json").unlink()

@@ -121,9 +121,14 @@ def test_quantize_command_prints_the_files(ckpt, capsys, tmp_path):
     rc = main(
         ["quantize", str(ckpt("olmoe")), "--bits", "4", "--group", "32", "--out", str(tmp_path), "--json"]
     )
-    out = json.loads(capsys.readouterr().out)
+    got = capsys.readouterr()
+    out = json.loads(got.out)
     assert rc == 0 and out[0]["bits"] == 4 and (tmp_path / "int4-g32.safetensors").is_file()
     assert out[0]["bytes_per_expert"] < out[0]["full_bytes_per_expert"] / 4
+    # --out is not where the engine looks: said, with where it does (a new user lost the copies there)
+    assert "note: the engine looks for copies in" in got.err and "expertcache-quant" in got.err
+    assert main(["quantize", str(ckpt("olmoe")), "--bits", "8", "--group", "32", "--out", str(tmp_path)]) == 2
+    assert "--group applies to int4 and int2 only" in capsys.readouterr().err
 
 
 def test_missing_copies_say_how_to_make_them(ckpt):

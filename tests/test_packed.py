@@ -326,3 +326,49 @@ def test_the_cpu_loops_are_loaded_at_load_not_in_the_first_request(packed_ckpts,
     with load(path, expert_memory="50%", miss="hobbit:bits=4,group=16", device="cpu", progress=False):
         pass
     assert calls == ["int4"]
+
+
+def test_quality_refuses_a_reference_that_cannot_stand_for_the_packed_model(tmp_path, capsys):
+    """A packed reference (transformers would run it with experts it never read), another model, or the
+    source checkpoint changed since (the same shapes, new weights) gave meaningless figures and exit 0
+    (a new user found all three); hobbit's copies of a changed checkpoint were used too."""
+    from expertcache.cli import main
+
+    def synth(out, family="mixtral", seed=0, hidden=64):
+        argv = [
+            "model",
+            "synth",
+            "--family",
+            family,
+            "-o",
+            str(out),
+            "--hidden",
+            str(hidden),
+            "--seed",
+            str(seed),
+        ]
+        assert main(argv) == 0, capsys.readouterr().err
+        capsys.readouterr()
+
+    def quality(*extra):
+        code = main(["quality", "--model", str(packed), "--tokens", "8", "--expert-memory", "100%", *extra])
+        return code, capsys.readouterr()
+
+    src, packed, other = tmp_path / "src", tmp_path / "int8", tmp_path / "other"
+    synth(src)
+    assert main(["quantize", str(src), "--bits", "8", "--checkpoint", str(packed)]) == 0
+    assert main(["quantize", str(src), "--bits", "4"]) == 0  # hobbit's copies, beside it
+    capsys.readouterr()
+    code, out = quality()
+    assert code == 0 and "top-1 agreement" in out.out
+    code, out = quality("--reference-model", str(packed))
+    assert code == 2 and "stores its experts packed (int8): transformers cannot read them" in out.err
+    synth(other, "qwen2_moe", hidden=32)
+    code, out = quality("--reference-model", str(other))
+    assert code == 2 and "is another model: its model_type is 'qwen2_moe'" in out.err
+    synth(src, seed=7)  # the same shapes, new weights, in the same place (its old copies beside it)
+    code, out = quality()
+    assert code == 2 and "changed since" in out.err and out.err.count("\n") == 1
+    argv = ["generate", "--model", str(src), "--prompt", "x", "--max-new-tokens", "2", "--miss", "hobbit"]
+    assert main([*argv, "--expert-memory", "50%"]) == 2
+    assert "made for another checkpoint" in capsys.readouterr().err

@@ -477,7 +477,11 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--fast", action="store_true", help="int2: plain min-max rounding, without HQQ's optimisation"
     )
-    q.add_argument("--json", action="store_true", help="print one JSON array of the files written")
+    q.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as JSON: an array of the copies written; with --checkpoint, one object",
+    )
     q.set_defaults(func=_cmd_quantize)
 
     ql = sub.add_parser(
@@ -1428,8 +1432,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         return _write_packed(args)
     if args.format is not None:
         raise ExpertcacheError(f"--format {args.format} writes a checkpoint: give --checkpoint DIR")
+    bits = list(dict.fromkeys(args.bits or [8, 4]))  # each precision once
+    if args.group is not None and bits == [8]:
+        raise ExpertcacheError("int8 copies have one scale per row: --group applies to int4 and int2 only")
     records = quantize_model(
-        args.model, args.bits or [8, 4], 64 if args.group is None else args.group, args.out,
+        args.model, bits, 64 if args.group is None else args.group, args.out,
         optimize=not args.fast,
         log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
@@ -1441,6 +1448,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             grouping = "one scale a row" if r["bits"] == 8 else f"group {r['group']}"
             print(f"int{r['bits']} ({grouping}): {r['path']} ({r['bytes_per_expert']} bytes per "
                   f"expert, {share:.1%} of the full one)")  # fmt: skip
+    if args.out is not None:
+        from expertcache.engine.hub import resolve_model
+        from expertcache.engine.quantized import candidates
+
+        where = " or ".join(str(c) for c in candidates(resolve_model(args.model)))
+        print(f"note: the engine looks for copies in {where}, not in {args.out}: move the files there to "
+              "use them (--out is for building them elsewhere)", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -1462,6 +1476,7 @@ def _write_packed(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         record = _write_own(args)
+    record["path"] = str(Path(record["path"]).resolve())  # as the copies' records give theirs
     if args.json:
         print(json.dumps(record))
     else:

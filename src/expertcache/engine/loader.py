@@ -65,7 +65,8 @@ def read_config(path: str | Path):
 
     path = Path(path)
     if not path.is_dir():
-        raise ExpertcacheError(f"{path}: no such checkpoint directory")
+        what = "a file, not a checkpoint directory" if path.exists() else "no such checkpoint directory"
+        raise ExpertcacheError(f"{path}: {what}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ExpertcacheError(f"{path}: no config.json (not a Hugging Face checkpoint)")

@@ -43,12 +43,23 @@ def file_name(bits: int, group: int) -> str:
     return f"int{bits}-g{group}.safetensors"
 
 
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # a weight file's bytes the fingerprint reads: 1 MiB, spread over it
+
+
 def fingerprint(model: str | Path) -> str:
-    """The checkpoint's identity: its config and the names and sizes of its weight files."""
+    """The checkpoint's identity: its config, the names and sizes of its weight files, and bytes read at
+    ``SAMPLES`` places spread over each file (its header, its end and between), so that new weights of
+    the same shapes (a fine-tune saved over its base) are another checkpoint, while a copy of the
+    checkpoint elsewhere is the same one. About 1 MiB read a file, whatever its size."""
     model = Path(model)
     h = hashlib.sha256((model / "config.json").read_bytes())
     for f in sorted(model.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            for i in range(SAMPLES):
+                fh.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)))
+                h.update(fh.read(SAMPLE_BYTES))
     return h.hexdigest()[:16]
 
 

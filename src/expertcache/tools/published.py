@@ -80,7 +80,13 @@ def write_published(
     checked first) in ``fmt``'s published layout (module docstring). Returns what was written."""
     from expertcache.engine.loader import build_skeleton
     from expertcache.engine.packed import describe_format
-    from expertcache.tools.quantize import Shards, copy_small_files, full_precision_source
+    from expertcache.tools.quantize import (
+        SOURCE_KEY,
+        Shards,
+        copy_small_files,
+        full_precision_source,
+        source_record,
+    )
 
     if fmt not in FORMATS:
         raise ExpertcacheError(f"--format {fmt}: one of {', '.join(FORMATS)}")
@@ -130,6 +136,7 @@ def write_published(
             "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
             "weight_block_size": list(FP8_BLOCK),
         }  # fmt: skip
+    config[SOURCE_KEY] = source_record(path)  # quality's reference
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     written = build_skeleton(target)  # read back as the engine reads it
     full = sk.layout.nbytes

@@ -228,20 +228,62 @@ def measure(
 
 def _reference_path(model, given: str | Path | None) -> Path:
     """The checkpoint the reference runs: ``given``, else the model's own, else (a packed checkpoint, which
-    transformers cannot run) the full-precision one its config names."""
-    if given is not None:
-        return Path(given)
-    if model.packed is None:
+    transformers cannot run) the full-precision one it was made from, as ``expertcache quantize`` recorded
+    it (refused where that checkpoint changed since: its fingerprint differs). A reference that is packed
+    (transformers would run it with experts it never read) or another model is refused."""
+    import json
+
+    from expertcache.engine.packed import CONFIG_KEY
+    from expertcache.engine.quantized import fingerprint
+    from expertcache.tools.quantize import SOURCE_KEY
+
+    if given is None and model.packed is None:
         return model.path
+    if given is not None:
+        path = Path(given)
+        if not (path / "config.json").is_file():
+            raise ExpertcacheError(
+                f"--reference-model {given}: no config.json there (a checkpoint directory)"
+            )
+    else:
+        config = json.loads((model.path / "config.json").read_text())
+        recorded = config.get(SOURCE_KEY) or {"path": (config.get(CONFIG_KEY) or {}).get("source")}
+        source = recorded.get("path")
+        if source is None or not (Path(source) / "config.json").is_file():
+            raise ExpertcacheError(
+                f"{model.path} stores its experts packed and names no full-precision checkpoint that exists "
+                f"({source or 'none'}): give the one it was made from (--reference-model DIR)"
+            )
+        path = Path(source)
+        if recorded.get("fingerprint") not in (None, fingerprint(path)):
+            raise ExpertcacheError(
+                f"{path} changed since {model.path} was made from it (its config or weights differ): give "
+                "the checkpoint it was made from (--reference-model DIR)"
+            )
+    _check_reference(model, path)
+    return path
+
+
+def _check_reference(model, path: Path) -> None:
+    """One line where the reference cannot stand for ``model``: packed, or of another shape."""
+    import json
+
     from expertcache.engine.packed import CONFIG_KEY
 
-    source = (getattr(model.config, CONFIG_KEY, None) or {}).get("source")
-    if source is None or not (Path(source) / "config.json").is_file():
+    theirs = json.loads((path / "config.json").read_text())
+    mine = json.loads((model.path / "config.json").read_text()) if model.path is not None else {}
+    if CONFIG_KEY in theirs:
+        fmt = theirs[CONFIG_KEY].get("format", "packed") if isinstance(theirs[CONFIG_KEY], dict) else "packed"
         raise ExpertcacheError(
-            f"{model.path} stores its experts packed and names no full-precision checkpoint that exists "
-            f"({source or 'none'}): give the one it was made from (--reference-model DIR)"
+            f"reference {path} stores its experts packed ({fmt}): transformers cannot read them; give the "
+            "full-precision checkpoint"
         )
-    return Path(source)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if key in mine and key in theirs and mine[key] != theirs[key]:
+            raise ExpertcacheError(
+                f"reference {path} is another model: its {key} is {theirs[key]!r}, "
+                f"{model.path}'s {mine[key]!r}"
+            )
 
 
 def format_quality(r: dict[str, object]) -> str:

@@ -217,6 +217,15 @@ class Shards:
         (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+SOURCE_KEY = "expertcache_source"  # a quantised checkpoint's config: the checkpoint it was made from
+
+
+def source_record(path: Path) -> dict[str, str]:
+    """What a quantised checkpoint records of the one it was made from (``quality``'s reference): where
+    it is and its fingerprint, so that a checkpoint changed since is not taken for it."""
+    return {"path": str(path.resolve()), "fingerprint": fingerprint(path)}
+
+
 def copy_small_files(source: Path, target: Path) -> None:
     """The tokenizer, generation config, licence ...: every file of ``source`` but its config and weights."""
     for f in sorted(source.iterdir()):
@@ -272,7 +281,8 @@ def write_checkpoint(
     target = writable_dir(target, "the packed checkpoint")
     copy_small_files(path, target)
     config = json.loads((path / "config.json").read_text())
-    config[CONFIG_KEY] = {**packed.entry(), "source": str(path.resolve())}  # quality's reference
+    config[CONFIG_KEY] = packed.entry()
+    config[SOURCE_KEY] = source_record(path)  # quality's reference
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     shards = Shards()
