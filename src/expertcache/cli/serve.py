@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
         "--schedule", default="fifo", metavar="{" + ",".join(SCHEDULES) + "}",
         help="which requests a step runs: fifo, transformers' order (every running request's next token, "
         "then new prompts); prompts-first, new prompts in a step of their own when one is waiting, for a "
-        "shorter time to first token at some cost in time per token (default fifo; docs/SERVE.md)",
+        "shorter median time to first token (default fifo; docs/SERVE.md)",
     )  # fmt: skip
     s.add_argument(
         "--max-body",

@@ -243,7 +243,7 @@ def _reference_path(model, given: str | Path | None) -> Path:
         path = Path(given)
         if not (path / "config.json").is_file():
             raise ExpertcacheError(
-                f"--reference-model {given}: no config.json there (a checkpoint directory)"
+                f"--reference-model {given}: no config.json there (not a checkpoint directory)"
             )
     else:
         config = json.loads((model.path / "config.json").read_text())
