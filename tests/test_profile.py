@@ -158,3 +158,19 @@ def test_profile_leaves_out_a_copy_it_cannot_read(ckpt, tmp_path, capsys, monkey
     data = json.loads(out.read_text())
     assert "skipped" in data["precisions"]["int2"] and data["precisions"]["int4"]["compute_s"] > 0
     assert data["cost"]["dequant_s"] == data["precisions"]["int4"]["dequant_s"]
+
+
+def test_two_calibrations_that_disagree_are_said_and_the_quieter_is_kept():
+    # a new user's profile on a busy machine gave the expert 2131 us a token one run, 1.9 us the next
+    from expertcache.tools.profile import _steadier
+
+    quiet = CostModel(expert_s=1e-4, expert_token_s=2e-6)
+    busy = CostModel(expert_s=1e-4, expert_token_s=2e-3)
+    for a, b in ((quiet, busy), (busy, quiet)):
+        kept, unsteady = _steadier(a, b)
+        assert kept is quiet and [u.split(" ms")[0].rsplit(" ", 3)[0] for u in unsteady] == [
+            "expert, 1 token",
+            "expert, 16 tokens",
+        ]
+    kept, unsteady = _steadier(quiet, CostModel(expert_s=1.1e-4, expert_token_s=2e-6))
+    assert kept is quiet and unsteady == []

@@ -897,6 +897,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
+    if data["how"]["unsteady"]:
+        figures = "; ".join(data["how"]["unsteady"])
+        print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quieter is kept, "
+              "profile again when it is quiet", file=sys.stderr)  # fmt: skip
     print(json.dumps(data) if args.json else format_profile(data))
     return 0
 
