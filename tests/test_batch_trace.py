@@ -35,10 +35,14 @@ def _requests(
     return Trace(ex, experts, seq_id=seq, is_prefill=phase, token_id=np.arange(rows, dtype=np.int32))
 
 
-def _check_batched(src: Trace, out: Trace, concurrency: int, batch_tokens: int | None) -> None:
+def _check_batched(
+    src: Trace, out: Trace, concurrency: int, batch_tokens: int | None, schedule: str = "fifo"
+) -> None:
     """What any batching of ``src`` must satisfy: each request's tokens once and in order, its prompt
-    before its generated tokens, one generated token of a request a step, at most ``concurrency``
-    requests in a step, and a step within ``batch_tokens``."""
+    before its generated tokens, one generated token of a request a step (under prompts-first, a step
+    of prompts alone may come between two), at most ``concurrency`` requests in a step, and a step
+    within ``batch_tokens``."""
+    gap = 1 if schedule == "fifo" else 2
     pool = requests_of(src)
     steps = out.step_id
     assert (np.diff(steps) >= 0).all() and steps[0] == 0 and (np.diff(np.unique(steps)) == 1).all()
@@ -48,9 +52,9 @@ def _check_batched(src: Trace, out: Trace, concurrency: int, batch_tokens: int |
         assert out.token_id[rows].tolist() == src.token_id[want].tolist()  # every token once, in order
         assert out.is_prefill[rows].tolist() == src.is_prefill[want].tolist()
         gen_steps = steps[rows[prompt:]]
-        assert (np.diff(gen_steps) == 1).all()  # one generated token a step, from the step after its prompt
-        if len(gen_steps):
-            assert gen_steps[0] == steps[rows[prompt - 1]] + 1
+        assert (np.diff(gen_steps) >= 1).all() and (np.diff(gen_steps) <= gap).all()  # one a step
+        if len(gen_steps):  # from the step after its prompt's last (or the one after that)
+            assert 1 <= gen_steps[0] - steps[rows[prompt - 1]] <= gap
     for s in np.unique(steps).tolist():
         in_step = steps == s
         assert len(np.unique(out.seq_id[in_step])) <= concurrency
@@ -66,16 +70,41 @@ def _check_batched(src: Trace, out: Trace, concurrency: int, batch_tokens: int |
     cap=st.one_of(st.none(), st.integers(0, 6)),
     stagger=st.integers(0, 3),
     extra=st.integers(0, 4),
+    schedule=st.sampled_from(["fifo", "prompts-first"]),
 )
-def test_any_batching_keeps_every_request_whole_and_in_order(lengths, concurrency, cap, stagger, extra):
+def test_any_batching_keeps_every_request_whole_and_in_order(
+    lengths, concurrency, cap, stagger, extra, schedule
+):
     src = _requests(lengths)
     batch_tokens = None if cap is None else concurrency + cap
     total = len(lengths) + extra
-    out = batch_requests(src, concurrency, total, batch_tokens, stagger)
+    out = batch_requests(src, concurrency, total, batch_tokens, stagger, schedule)
     assert len(np.unique(out.seq_id)) == total
     assert out.num_tokens == sum(sum(lengths[r % len(lengths)]) for r in range(total))
-    _check_batched(src, out, concurrency, batch_tokens)
+    _check_batched(src, out, concurrency, batch_tokens, schedule)
     assert (out.meta["concurrency"], out.meta["batched_requests"]) == (concurrency, total)
+    assert out.meta["schedule"] == schedule
+
+
+def test_prompts_first_gives_prompts_a_step_of_their_own_but_never_two_in_a_row():
+    """``trace batch --schedule prompts-first`` lays steps out as the server's scheduler does: a step
+    with prompts to compute while others decode computes the prompts alone, unless the step before did."""
+    src = _requests([(3, 6), (2, 5), (4, 4), (1, 7)] * 3, seed=1)
+    fifo, first = (batch_requests(src, 4, schedule=s) for s in ("fifo", "prompts-first"))
+    steps = {}
+    for name, out in (("fifo", fifo), ("prompts-first", first)):
+        kinds = []  # per step: (prompt tokens, decode tokens)
+        for s in range(int(out.step_id.max()) + 1):
+            phase = out.is_prefill[out.step_id == s]
+            kinds.append((int(phase.sum()), int((phase == 0).sum())))
+        steps[name] = kinds
+    assert any(p and d for p, d in steps["fifo"])  # FIFO mixes a joining prompt with the decodes
+    alone = [i for i, (p, d) in enumerate(steps["prompts-first"]) if p and not d]
+    assert len(alone) > 1 and all(
+        p == 0 or d == 0 or i - 1 in alone for i, (p, d) in enumerate(steps["prompts-first"])
+    )
+    with pytest.raises(TraceError, match="schedule must be one of fifo, prompts-first"):
+        batch_requests(src, 4, schedule="sjf")
 
 
 def test_one_at_a_time_is_the_trace_itself():

@@ -14,6 +14,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import parse_miss
 from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.registry import predictor_class
+from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (``serve.scheduling``)
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
@@ -289,7 +290,6 @@ class SamplingConfig:
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers' block)
-SCHEDULES = ("fifo", "prompts-first")  # the server's step scheduling (``serve.scheduling``)
 
 
 @dataclass(frozen=True)

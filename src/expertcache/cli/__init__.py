@@ -358,6 +358,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bat.add_argument("--stagger", type=int, default=1, metavar="STEPS",
                      help="steps between the clients' first requests (default 1)")  # fmt: skip
+    bat.add_argument("--schedule", default="fifo", metavar="{fifo,prompts-first}",
+                     help="how a step is laid out, as serve --schedule runs it (default fifo)")  # fmt: skip
     bat.set_defaults(func=_cmd_trace_batch)
     imp = tsub.add_parser("import", help="a routing log (JSON lines, CSV, torch tensors) as a trace")
     imp.add_argument("file", help="the log: .jsonl, .csv, or .pt (tensors: [T, L, K] ids, or per layer)")
@@ -1271,7 +1273,7 @@ def _cmd_trace_batch(args: argparse.Namespace) -> int:
     from expertcache.trace.batch import batch_requests
 
     trace = batch_requests(
-        _trace(args.file), args.concurrency, args.requests, args.batch_tokens, args.stagger
+        _trace(args.file), args.concurrency, args.requests, args.batch_tokens, args.stagger, args.schedule
     )
     trace.save(args.out)
     shape = step_shape(trace)

@@ -12,6 +12,9 @@ ends. Request r replays the trace's request ``r % S`` (S requests in the trace);
 A step is laid out as transformers' continuous batching lays it out: the running requests' decode
 tokens first (in the order they joined), then the prompts of the requests joining, in chunks when
 ``batch_tokens`` caps the step (a chunked prompt goes on in the next steps, before anything new joins).
+That is the server's ``--schedule fifo``; with ``prompts-first`` (``serve.scheduling``) a step with
+prompts to compute, after one that did not compute prompts alone, computes them alone, the decodes
+sitting it out.
 The routing of each token is the one recorded for it: experts and gate weights do not depend on what
 else ran in the step (true of the model, which computes each token alone, up to floating-point order).
 """
@@ -22,6 +25,8 @@ import numpy as np
 
 from expertcache.errors import TraceError
 from expertcache.trace.trace import Trace
+
+SCHEDULES = ("fifo", "prompts-first")  # which requests a step runs: the server's --schedule
 
 
 def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
@@ -54,10 +59,14 @@ def batch_requests(
     requests: int | None = None,
     batch_tokens: int | None = None,
     stagger: int = 1,
+    schedule: str = "fifo",
 ) -> Trace:
     """``trace``'s requests as a server runs ``concurrency`` of them at once (see the module docstring):
     ``requests`` in all (default: the trace's, or twice ``concurrency`` if more), ``batch_tokens`` a step
-    at most (default: no cap; a prompt then joins whole), clients starting ``stagger`` steps apart."""
+    at most (default: no cap; a prompt then joins whole), clients starting ``stagger`` steps apart, steps
+    laid out by ``schedule`` (``SCHEDULES``)."""
+    if schedule not in SCHEDULES:
+        raise TraceError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if concurrency < 1:
         raise TraceError(f"concurrency must be at least 1, got {concurrency}")
     if stagger < 0:
@@ -78,6 +87,7 @@ def batch_requests(
     ready = [c * stagger for c in range(concurrency)]  # the step each client sends its next request at
     client_of: dict[int, int] = {}
     sent, step = 0, 0
+    alone_last = False  # prompts-first: the step before computed prompts alone
     while sent < total or running:
         for c in range(concurrency):  # clients whose time has come send (one request each at a time)
             if sent < total and ready[c] is not None and ready[c] <= step:
@@ -92,7 +102,9 @@ def batch_requests(
         rows, seqs = [], []
         decoding = [r for r in running if r[1] >= r[2]]
         prompting = [r for r in running if r[1] < r[2]]
-        for r in decoding + prompting:  # decode tokens first, then prompts (chunks) in the order they came
+        alone = schedule == "prompts-first" and bool(prompting) and bool(decoding) and not alone_last
+        alone_last = alone
+        for r in prompting if alone else decoding + prompting:  # decodes first, then prompts (chunks)
             req, offset, prompt, which = r
             take = 1 if offset >= prompt else min(prompt - offset, budget)
             if take <= 0:
@@ -114,7 +126,10 @@ def batch_requests(
         k: v[index] if isinstance(v, np.ndarray) and v.ndim and len(v) == trace.num_tokens else v
         for k, v in trace.meta.items()
     }
-    meta.update(batched_from=trace.source, concurrency=concurrency, batched_requests=total, stagger=stagger)
+    meta.update(
+        batched_from=trace.source, concurrency=concurrency, batched_requests=total, stagger=stagger,
+        schedule=schedule,
+    )  # fmt: skip
     if batch_tokens is not None:
         meta["batch_tokens"] = batch_tokens
     return Trace(
