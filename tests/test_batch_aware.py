@@ -280,6 +280,10 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
     assert "a step serves" not in capsys.readouterr().out  # one request a step: no batch to speak of
     assert main(["plan", "--concurrency", "4", "--policy", "tlfu", "--miss", "batch", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["miss"].startswith("batch")
+    # the steps laid out as serve --schedule prompts-first runs them: other steps, other figures
+    assert main(["doctor", "--concurrency", "16", "--schedule", "prompts-first", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "16 at a time (prompts-first)" in err and json.loads(out)["batch"] != batch
 
 
 @pytest.mark.parametrize("command", ["doctor", "plan"])

@@ -75,6 +75,7 @@ def test_doctor_cli_json_plot_and_bad_input(tmp_path, capsys):
         (["doctor", "--trace", str(trace), "--window-tokens", "0"], "--window-tokens must be at least 1"),
         (["doctor", "--trace", str(trace), "--window-tokens", "5000"], "(the longest has 600)"),
         (["doctor", "--trace", str(trace), "--model", "x"], "--model and --prompts go together"),
+        (["doctor", "--trace", str(trace), "--schedule", "prompts-first"], "give --concurrency"),
         (["doctor", "--trace", str(trace), "--plot", str(tmp_path / "d.xyz")], "xyz"),
     ]:
         assert main(argv) == 2, argv

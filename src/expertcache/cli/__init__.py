@@ -1053,11 +1053,17 @@ def _add_concurrency(p: argparse.ArgumentParser) -> None:
         "--concurrency", type=int, metavar="N", help="serve the trace's requests N at a time first, as "
         "'trace batch' does (what a server with N users asks of the cache; default: as recorded)"
     )  # fmt: skip
+    p.add_argument(
+        "--schedule", metavar="{fifo,prompts-first}",
+        help="with --concurrency: how a step is laid out, as serve --schedule runs it (default fifo)",
+    )  # fmt: skip
 
 
 def _check_concurrency(args: argparse.Namespace) -> None:
     if args.concurrency is not None and args.concurrency < 1:
         raise ExpertcacheError(f"--concurrency must be at least 1 request at a time, got {args.concurrency}")
+    if args.schedule is not None and args.concurrency is None:
+        raise ExpertcacheError("--schedule lays out the steps of --concurrency N: give --concurrency")
 
 
 def _served(trace: Trace, args: argparse.Namespace) -> Trace:
@@ -1066,9 +1072,10 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
         return trace
     from expertcache.trace.batch import batch_requests
 
-    served = batch_requests(trace, args.concurrency)
+    served = batch_requests(trace, args.concurrency, schedule=args.schedule or "fifo")
+    how = f" ({args.schedule})" if args.schedule not in (None, "fifo") else ""
     print(
-        f"served {trace.source}'s requests {args.concurrency} at a time: {served.num_tokens} tokens in "
+        f"served {trace.source}'s requests {args.concurrency} at a time{how}: {served.num_tokens} tokens in "
         f"{len(set(served.step_id.tolist()))} steps",
         file=sys.stderr,
     )
