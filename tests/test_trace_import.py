@@ -4,6 +4,7 @@ traces; profiling rows left out and reported; bad logs one line each."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from expertcache.cli import main
 from expertcache.errors import TraceError
 from expertcache.trace import load_trace
+from expertcache.trace.default import default_trace
 from expertcache.trace.importers import import_trace
 
 
@@ -364,3 +366,27 @@ def test_weights_on_some_records_only_say_which(tmp_path, capsys):
         "m.jsonl: line 3: request 'b', token 0, layer 0 has no topk_weights while the records before it "
         "have them: give every record topk_weights, or none" in err
     )
+
+
+def test_cut_and_overlong_csv_rows_a_byte_order_mark_and_the_input_as_output(tmp_path, capsys):
+    """A row cut short (what a killed logger leaves) was a traceback; a row with more fields than the
+    header lost them silently; Excel's byte-order mark hid the header; and -o naming the input
+    overwrote it (a new user found all four)."""
+    for rows, words in (("0,0,1 2\n1\n", "line 3: 1 field(s), the header has 3"),
+                        ("0,0,1 2,x\n", "line 2: 4 field(s), the header has 3")):  # fmt: skip
+        path = tmp_path / "cut.csv"
+        path.write_text("token_idx,layer,topk_ids\n" + rows)
+        with pytest.raises(TraceError, match=re.escape(words)):
+            import_trace(path)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbftoken_idx,layer,topk_ids\n0,0,1 2\n")
+    assert import_trace(bom, num_experts=4)[0].num_tokens == 1
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"token_idx": 0, "layer": 0, "topk_ids": [1, 2]}\n')
+    before = log.read_bytes()
+    assert main(["trace", "import", str(log), "-o", str(log)]) == 2
+    assert "is the input itself" in capsys.readouterr().err and log.read_bytes() == before
+    batched = tmp_path / "t.npz"
+    default_trace().save(batched)
+    assert main(["trace", "batch", str(batched), "-c", "4", "-o", str(batched)]) == 2
+    assert "is the input itself" in capsys.readouterr().err

@@ -1276,9 +1276,16 @@ def _cmd_trace_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_the_input(out: str, given: str) -> None:
+    """One line where the output would overwrite the input it is made from."""
+    if given != "default" and Path(given).exists() and Path(out).resolve() == Path(given).resolve():
+        raise ExpertcacheError(f"-o {out} is the input itself: writing it would destroy what it is made from")
+
+
 def _cmd_trace_batch(args: argparse.Namespace) -> int:
     from expertcache.trace.batch import batch_requests
 
+    _not_the_input(args.out, args.file)
     trace = batch_requests(
         _trace(args.file), args.concurrency, args.requests, args.batch_tokens, args.stagger, args.schedule
     )
@@ -1296,6 +1303,7 @@ def _cmd_trace_import(args: argparse.Namespace) -> int:
 
     if args.num_experts is not None and args.num_experts < 1:
         raise ExpertcacheError(f"--num-experts must be at least 1, got {args.num_experts}")
+    _not_the_input(args.out, args.file)
     fmt = args.format or ("torch" if Path(args.file).suffix.lower() in (".pt", ".pth") else None)
     if fmt == "torch":
         from expertcache.tools.trace_import import import_torch

@@ -234,7 +234,7 @@ def _prefill(record: dict, where: str) -> int | None:
 
 
 def _jsonl(path: Path, rows: _Rows) -> None:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is dropped
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -267,7 +267,7 @@ def _split(cell: str) -> list[str]:
 
 
 def _csv(path: Path, rows: _Rows) -> None:
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark (Excel's) is dropped
         reader = csv.DictReader(f)
         head = reader.fieldnames or []
         experts = sorted((c for c in head if re.fullmatch(r"expert_\d+", c)), key=lambda c: int(c[7:]))
@@ -281,6 +281,9 @@ def _csv(path: Path, rows: _Rows) -> None:
             )
         for n, rec in enumerate(reader, 2):
             where = f"{path}: line {n}"
+            if None in rec or None in rec.values():  # more fields than the header, or fewer (a cut row)
+                got = len(head) + len(rec.get(None) or ()) - sum(v is None for v in rec.values())
+                raise TraceError(f"{where}: {got} field(s), the header has {len(head)}")
             ids = (
                 _split(rec["topk_ids"])
                 if "topk_ids" in head
