@@ -408,6 +408,12 @@ def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_p
     with pytest.raises(SystemExit) as refused:  # argparse's own one-line refusal
         main([*argv, "--resume", "--force"])
     assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    # a sweep that failed before its first row leaves the header alone: nothing to lose, no refusal
+    # (a new user's rerun was refused after a --ray address that did not answer)
+    header = out.read_text().splitlines()[0]
+    out.write_text(header + "\n")
+    assert run(capsys, *argv)[0] == 0
+    assert [r["capacity"] for r in csv.DictReader(out.open())] == ["8"]
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     code, _, err = run(capsys, *argv[:-1], str(tmp_path / "other.csv"), "--resume")
     assert code == 2 and "not this sweep's results (its header lacks trace" in err

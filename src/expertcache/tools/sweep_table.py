@@ -105,8 +105,15 @@ class Results:
         self._out: IO[str] | None = None
 
     def existing(self) -> list[Path]:
-        """The files a run before this one left (an empty file holds nothing to lose)."""
-        return [p for p in dict.fromkeys((self.path, self.journal)) if p.is_file() and p.stat().st_size]
+        """The files a run before this one left that hold rows (an empty file, or a CSV of its header alone,
+        which a sweep that failed before its first row leaves, holds nothing to lose)."""
+        return [
+            p
+            for p in dict.fromkeys((self.path, self.journal))
+            if p.is_file()
+            and p.stat().st_size
+            and not (p.suffix.lower() == ".csv" and len(_complete_lines(p)) <= 1)
+        ]
 
     def start(self, resume: bool, force: bool) -> list[dict[str, object]]:
         """Rows already there (with ``resume``), the journal opened for appending. Existing results are
