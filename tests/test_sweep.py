@@ -4,6 +4,7 @@ files, local processes and Ray alike, timing cells, plots, and one-line errors w
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -195,6 +196,18 @@ def test_a_range_that_selects_no_capacity_of_a_trace_is_a_note_even_quiet(capsys
         ]
     with pytest.raises(expertcache.ExpertcacheError, match=r"can run \(.*100:200 select no capacity"):
         quiet(traces=[str(traces[0])], capacities=["100:200"])  # no log: the note is the message
+
+
+def test_a_capacity_above_every_expert_is_capped_with_a_note(capsys, traces):
+    # a row said capacity 200 and share 2.08 of a 96-expert trace (a new user found it)
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "200", "32"
+    )
+    assert (
+        code == 0 and f"note: {traces[0]}: capacities 200 are more than all 32 experts; capped at 32" in err
+    )
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [(r["capacity"], r["share"]) for r in rows] == [("32", "1.0")]
 
 
 def test_a_trace_a_grid_file_names_is_reported_as_resolved(tmp_path, capsys):

@@ -293,6 +293,12 @@ def _capacities(grid: Grid, t: _Loaded, order: str, p: Cells) -> list[int | str]
     if shares and order == grid.orders[0]:
         p.notes.append(f"note: {t.name}: capacities {', '.join(shares)} of {total} experts are less than "
                        "one expert; left out")  # fmt: skip
+    above = [c for c in caps if isinstance(c, int) and c > total]
+    if above:  # as sim and timing cap them: a share above 100 % in a row would say what no cache did
+        if order == grid.orders[0]:
+            p.notes.append(f"note: {t.name}: capacities {_ranges(above)} are more than all {total} experts; "
+                           f"capped at {total}")  # fmt: skip
+        caps = list(dict.fromkeys(min(c, total) if isinstance(c, int) else c for c in caps))
     below = [c for c in caps if isinstance(c, int) and c < low]
     if below:
         p.notes.append(f"note: {t.name}: capacities {_ranges(below)} are below top-k {low}: left out in "
