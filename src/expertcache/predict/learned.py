@@ -189,6 +189,7 @@ class Learned(Predictor):
         self.directory = directory
         self._on: dict[torch.device, dict[int, tuple]] = {}
         self._checked = False
+        self._check_probe()  # at load, not at the first prediction: a generation under way would be lost
 
     def _mlps(self, device) -> dict[int, tuple]:
         """Each target's MLP on ``device`` as its tensors ``(W1, b1, W2, b2)``: ``_run`` calls the two
@@ -222,19 +223,23 @@ class Learned(Predictor):
         index = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices  # [T, K]
         return rank_union(np.asarray(index.cpu().numpy()))
 
+    def _check_probe(self) -> None:
+        """Given the model's routers: their routing of the probe's inputs agrees with what the predictor
+        was trained on (each router casts the inputs to its own device and dtype, as a gate input is)."""
+        if self.probe is None or self.ctx.routers is None:
+            return
+        agree = topk_overlap(probe_routing(self.ctx.routers, self.hidden_size), self.probe)
+        if agree < PROBE_AGREEMENT:
+            raise PredictorError(
+                f"{self.directory}: trained for another model (its routers agree with this "
+                f"model's on {agree:.0%} of probe inputs); train one for it with train-predictor"
+            )
+
     def _check_model(self, x: torch.Tensor) -> None:
-        """Once, at the first gate input: its hidden size, and (given routers) the probe's routing."""
+        """Once, at the first gate input: its hidden size."""
         if x.shape[-1] != self.hidden_size:
             raise PredictorError(
                 f"{self.directory}: trained for hidden size {self.hidden_size}, "
                 f"the gate input has {x.shape[-1]}"
             )
-        if self.probe is not None and self.ctx.routers is not None:
-            got = probe_routing(self.ctx.routers, self.hidden_size, x.device, x.dtype)
-            agree = topk_overlap(got, self.probe)
-            if agree < PROBE_AGREEMENT:
-                raise PredictorError(
-                    f"{self.directory}: trained for another model (its routers agree with this "
-                    f"model's on {agree:.0%} of probe inputs); train one for it with train-predictor"
-                )
         self._checked = True
