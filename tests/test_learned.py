@@ -371,3 +371,30 @@ class TestCli:
         out, err = capsys.readouterr()
         assert out == "" and "capturing routing" in err
         assert np.unique(got.sequence).tolist() == [0, 1]
+
+
+def test_predictor_data_a_predictor_does_not_read_is_refused(tmp_path, capsys):
+    """``--predictor`` was ignored where the predictor reads none (next-gate, oracle), and the wrong kind
+    (a trace for learned, a directory for eam) was taken silently or named 'no such trace file' (a new
+    user found each)."""
+    from expertcache.trace.default import default_trace
+
+    trace = tmp_path / "t.npz"
+    default_trace().save(trace)
+    cases = [
+        (["timing", "--capacity", "24", "--prefetch", "oracle", "--predictor", str(trace)],
+         "prefetch oracle reads no recorded trace (token and eam do)"),
+        (["timing", "--capacity", "24", "--prefetch", "eam", "--predictor", str(tmp_path)],
+         "is a directory: the simulator's predictors learn from a recorded trace"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "1", "--expert-memory", "50%", "--prefetch",
+          "next-gate", "--predictor", str(trace)], "prefetch next-gate reads no predictor data"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "1", "--expert-memory", "50%", "--prefetch",
+          "learned", "--predictor", str(trace)], "is a trace: prefetch learned reads a trained predictor"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "1", "--expert-memory", "50%", "--prefetch",
+          "eam", "--predictor", str(tmp_path)], "is a directory: prefetch eam reads a recorded trace"),
+    ]  # fmt: skip
+    for argv, words in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert main(["timing", "--capacity", "24", "--prefetch", "eam", "--predictor", str(trace)]) == 0

@@ -803,7 +803,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
     capacity = plan.capacity if plan is not None else _capacity(args, cost, trace)
-    predictor_trace = load_trace(args.predictor) if args.predictor else None
+    predictor_trace = _predictor_trace(args.predictor, [prefetch.predictor])
     if plan is not None and plan.host_capacity is not None:  # the plan's host level, at its capacity
         from expertcache.config import HostConfig
 
@@ -1002,7 +1002,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for p in dict.fromkeys(args.prefetch or ["none"])
         for w in ([None] if p == "none" else windows)
     ]
-    predictor_trace = load_trace(args.predictor) if args.predictor else None
+    predictor_trace = _predictor_trace(args.predictor, [p.predictor for p in prefetches])
     host = _host_level(args)
     hosts = {} if host is None else {"host": host, "host_capacity": args.host_capacity}
     if args.host_policy:
@@ -1064,6 +1064,28 @@ def _check_concurrency(args: argparse.Namespace) -> None:
         raise ExpertcacheError(f"--concurrency must be at least 1 request at a time, got {args.concurrency}")
     if args.schedule is not None and args.concurrency is None:
         raise ExpertcacheError("--schedule lays out the steps of --concurrency N: give --concurrency")
+
+
+def _predictor_trace(given: str | None, predictors: list[str]) -> Trace | None:
+    """``--predictor`` in the simulator's commands: a recorded trace, for a predictor that reads one
+    (token, eam); one line where none of ``predictors`` does, or where it is a directory (a trained
+    predictor, which runs in the engine only)."""
+    if given is None:
+        return None
+    from expertcache.predict.registry import predictor_class
+
+    if Path(given).is_dir():
+        raise ExpertcacheError(
+            f"--predictor {given} is a directory: the simulator's predictors learn from a recorded trace "
+            "(.npz); a trained predictor runs in the engine (generate --prefetch learned --predictor DIR)"
+        )
+    readers = [p for p in predictors if p not in ("none", "recorded") and predictor_class(p).reads == "trace"]
+    if not readers:
+        raise ExpertcacheError(
+            f"--predictor {given}: prefetch {', '.join(dict.fromkeys(predictors))} reads no recorded trace "
+            "(token and eam do)"
+        )
+    return load_trace(given)
 
 
 def _served(trace: Trace, args: argparse.Namespace) -> Trace:

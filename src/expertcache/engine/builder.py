@@ -688,6 +688,20 @@ class Builder:
                 raise ExpertcacheError(
                     f"{src}: predictor data must be a trained predictor directory or a .npz trace"
                 )
+        if source is not None:  # what the predictor reads, and only that: a datum it ignores is refused
+            name, reads = self.prefetch, predictor_class(self.prefetch).reads
+            if reads is None:
+                raise ExpertcacheError(
+                    f"--predictor {source}: prefetch {name} reads no predictor data (learned reads a trained "
+                    "predictor directory; token and eam a recorded trace)"
+                )
+            if (reads == "directory") != (path is not None):
+                given, wants = (
+                    ("a trace", "a trained predictor directory (expertcache train-predictor)")
+                    if (reads == "directory")
+                    else ("a directory", "a recorded trace (.npz)")
+                )
+                raise ExpertcacheError(f"--predictor {source} is {given}: prefetch {name} reads {wants}")
         if trace is None and source is None and self.path == DEFAULT_MODEL:
             trace = default_trace()  # token's table and eam's warm start on the embedded model
         if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):

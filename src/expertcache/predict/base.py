@@ -60,6 +60,7 @@ class Predictor(ABC):
     default_window: ClassVar[int] = 1  # layers ahead when the user gives no window
     adaptive: ClassVar[bool] = False  # prefetch its targets only up to the first with a missing expert
     trained: ClassVar[bool] = False  # reads a predictor trained for the model (the embedded one's bundled)
+    reads: ClassVar[str | None] = None  # the data it takes (--predictor): "trace" (recorded), "directory"
 
     def __init__(self, ctx: PredictContext) -> None:
         self.ctx = ctx

@@ -32,6 +32,7 @@ class Eam(Predictor):
     """MoE-Infinity's prediction: the current request's EAM matched against past requests' EAMs."""
 
     name = "eam"
+    reads = "trace"
 
     def __init__(
         self, ctx: PredictContext, *, capacity: int = DEFAULT_CAPACITY, matches: int = DEFAULT_MATCHES

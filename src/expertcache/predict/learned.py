@@ -159,6 +159,7 @@ class Learned(Predictor):
     """ProMoE's learned predictor: MLP_i(gate input of layer i - k) -> layer i's top-k (default k = 2)."""
 
     name = "learned"
+    reads = "directory"
     needs_model = True
     trained = True
     default_window = 2

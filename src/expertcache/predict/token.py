@@ -20,6 +20,7 @@ class TokenPredictor(Predictor):
     """Experts most used with this step's token id(s) in a recorded trace; unknown ids: overall use."""
 
     name = "token"
+    reads = "trace"
 
     def __init__(self, ctx: PredictContext) -> None:
         super().__init__(ctx)
