@@ -95,6 +95,8 @@ def test_yaml_and_toml_grids_are_the_same_grid(tmp_path, traces):
     assert from_yaml == from_toml
     assert from_yaml.capacities == (8, "25%", "4:12:4") and from_yaml.seeds == (0,)
     assert from_yaml.timing == Timing(prefetch=("none", "eam"), link_bandwidth=("16GB/s",))
+    (tmp_path / "z.yaml").write_text("capacities: [010]\npolicies: [lru]\n")  # YAML 1.1's octal: 8
+    assert Grid.load(tmp_path / "z.yaml").capacities == (10,)
 
 
 def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_path, traces, capsys):

@@ -163,7 +163,8 @@ def _parse_grid_text(path: Path, text: str) -> object:
 
 def _grid_loader():
     """YAML's safe loader, but for integers: YAML 1.1 reads ``4:12:4`` as a base-60 number (15124), and
-    in a grid that is a capacity range; integers are plain decimals here, as in YAML 1.2."""
+    in a grid that is a capacity range, and ``010`` as octal; integers are plain decimals here, as in
+    YAML 1.2."""
     import re
 
     import yaml
@@ -177,6 +178,8 @@ def _grid_loader():
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     GridLoader.add_implicit_resolver(int_tag, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    # and read in base 10: YAML 1.1's constructor takes a leading zero for octal (010 was 8)
+    GridLoader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node), 10))
     return GridLoader
 
 
