@@ -115,7 +115,7 @@ class TestTraining:
         [
             (dict(window=0), "windows must be integers >= 1"),
             (dict(epochs=0), "epochs must be at least 1"),
-            (dict(prompts=PROMPTS[:1]), "at least 2 prompts"),
+            (dict(prompts=PROMPTS[:1]), "1 prompt given: training needs at least 2"),
         ],
     )
     def test_bad_arguments(self, tiny, tmp_path, kwargs, match):

@@ -314,13 +314,20 @@ def _check_windows(windows: Sequence[int], layers: int, path: Path) -> None:
 
 
 def _prompts(prompts: str | Path | Sequence[str] | None) -> list[str]:
+    """The prompts to capture: at least 2, said before any capture (``split_by_prompt`` holds whole
+    prompts out for validation)."""
     if prompts is None:
         return default_prompts()
     if isinstance(prompts, (str, Path)):
-        return read_prompts(prompts)
-    texts = [p for p in prompts if p.strip()]
-    if not texts:
-        raise ExpertcacheError("no prompts given")
+        texts = read_prompts(prompts)
+    else:
+        texts = [p for p in prompts if p.strip()]
+        if not texts:
+            raise ExpertcacheError("no prompts given")
+    if len(texts) < 2:
+        raise ExpertcacheError(
+            f"{len(texts)} prompt given: training needs at least 2 (whole prompts are held out to validate)"
+        )
     return texts
 
 
