@@ -758,3 +758,17 @@ def test_the_sweep_runs_without_torch_and_imports_the_heavy_parts_only_when_used
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_simulate_takes_one_policy_and_shares_as_sim_and_sweep_do():
+    # ec.simulate(t, "lru", ...) iterated the string ("unknown policy 'l'"), and "25%" was a raw ValueError
+    trace = expertcache.default_trace()
+    one = expertcache.simulate(trace, "lru", capacities=24)
+    listed = expertcache.simulate(trace, ["lru"], capacities=["25%"])
+    assert [(r.policy, r.capacity, r.misses) for r in one] == [
+        (r.policy, r.capacity, r.misses) for r in listed
+    ]
+    assert listed[0].capacity == 24  # a quarter of 96
+    for bad, words in (("x", "a whole number of experts or a share"), ("0.5%", "less than one expert")):
+        with pytest.raises(expertcache.ExpertcacheError, match=words):
+            expertcache.simulate(trace, ["lru"], capacities=[bad])

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from expertcache.cache.schedule import build_schedule
+from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
@@ -45,8 +46,8 @@ def _simulate(
     jobs: int,
 ) -> list[SimResult]:
     schedule = build_schedule(trace, order)
-    caps = all_capacities(schedule) if capacities == "all" else [int(c) for c in capacities]
-    specs = [parse_policy(spec) for spec in policies]
+    caps = all_capacities(schedule) if capacities == "all" else _capacities(capacities, trace.num_keys)
+    specs = [parse_policy(spec) for spec in ([policies] if isinstance(policies, str) else policies)]
     with ThreadPoolExecutor(1) as background:
         opt, opt_caps = None, []
         if fast.use_compiled(schedule):  # OPT's bound beside the policies: the kernels release the GIL
@@ -63,3 +64,21 @@ def _simulate(
                 continue
             results += run_policy(schedule, name, mine, seed, params, jobs) if mine else []
         return with_opt(schedule, results, None if opt is None else opt.result())
+
+
+def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]:
+    """Capacities as ``simulate`` takes them: one or a list of whole numbers of experts or shares of all
+    ``total`` (``"25%"``, rounded down, as ``sim --capacity`` and ``sweep`` take them)."""
+    caps = []
+    for c in [given] if isinstance(given, int | str) else given:
+        text = str(c).strip()
+        try:
+            n = int(total * float(text[:-1]) / 100) if text.endswith("%") else int(text)
+        except ValueError:
+            raise ExpertcacheError(f"capacity {c!r}: a whole number of experts or a share (25%)") from None
+        if text.endswith("%") and not 0 < float(text[:-1]) <= 100:
+            raise ExpertcacheError(f"capacity {c!r}: a share is in (0%, 100%]")
+        if n < 1:
+            raise ExpertcacheError(f"capacity {c!r} is less than one expert of {total}")
+        caps.append(n)
+    return caps
