@@ -68,15 +68,16 @@ def cache_root() -> Path:
     return Path(base) / "expertcache" / "quant"
 
 
-def candidates(model: str | Path) -> list[Path]:
-    """Where copies of ``model`` may be: beside it, then in the user's cache."""
-    return [Path(model) / FOLDER, cache_root() / fingerprint(model)]
+def candidates(model: str | Path, fp: str | None = None) -> list[Path]:
+    """Where copies of ``model`` (of fingerprint ``fp``, read if not given) may be: beside it, then in
+    the user's cache."""
+    return [Path(model) / FOLDER, cache_root() / (fp or fingerprint(model))]
 
 
 def find_copy(model: str | Path, bits: int, group: int) -> Path:
     """The file of ``model``'s ``bits``-bit copies; a one-line error saying how to make it if none."""
     want = fingerprint(model)
-    for folder in candidates(model):
+    for folder in candidates(model, want):
         path = folder / file_name(bits, group)
         if path.is_file():
             meta = read_meta(path)

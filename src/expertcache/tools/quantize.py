@@ -34,7 +34,7 @@ from expertcache.paths import save_tensors, writable_dir
 PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
 
-def destination(model: Path, out: str | Path | None) -> Path:
+def destination(model: Path, out: str | Path | None, fp: str | None = None) -> Path:
     """``out``, else beside the checkpoint when that can be written, else the user's cache (always for
     the embedded model: nothing is written into the installed package)."""
     from expertcache.engine.hub import DEFAULT_MODEL
@@ -44,7 +44,7 @@ def destination(model: Path, out: str | Path | None) -> Path:
     else:
         beside = model / "expertcache-quant"
         mine = os.access(model, os.W_OK) and model.resolve() != DEFAULT_MODEL
-        folder = beside if mine else cache_root() / fingerprint(model)
+        folder = beside if mine else cache_root() / (fp or fingerprint(model))
     return writable_dir(folder, "the quantised copies")
 
 
@@ -89,10 +89,10 @@ def describe(name: str, t: torch.Tensor, views: dict[str, torch.Tensor], transpo
 
 
 def _write(
-    target: Path, tensors, info, bits: int, group: int, model: Path, dtype: torch.dtype, extra: dict
+    target: Path, tensors, info, bits: int, group: int, model: Path, dtype: torch.dtype, extra: dict, fp: str
 ) -> None:
     meta = {
-        "format": FORMAT, "bits": str(bits), "group": str(group), "fingerprint": fingerprint(model),
+        "format": FORMAT, "bits": str(bits), "group": str(group), "fingerprint": fp,
         "model": str(model), "dtype": str(dtype).removeprefix("torch."), "tensors": json.dumps(info), **extra,
     }  # fmt: skip
     save_tensors(tensors, target, meta)
@@ -133,7 +133,8 @@ def quantize_model(
         shape = layout.shapes[layout.names.index(name)]
         if (shape[0] * shape[1]) % group:
             raise ExpertcacheError(f"{name} of shape {list(shape)} does not split into groups of {group}")
-    folder = destination(path, out)
+    fp = fingerprint(path)  # read once: it samples every weight file
+    folder = destination(path, out, fp)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     show = sys.stderr.isatty() if progress is None else progress
     keys = [(layer, e) for layer in range(len(sk.experts)) for e in range(sk.num_experts)]
@@ -167,7 +168,7 @@ def quantize_model(
         if packed is not None:
             extra = {"layout": PACKED, "transposed": str(int(transposed)),
                      "shapes": json.dumps({n: list(v) for n, v in sk.shapes.items()})}  # fmt: skip
-        _write(target, tensors, info, b, group, path, sk.dtype, extra)
+        _write(target, tensors, info, b, group, path, sk.dtype, extra, fp)
         per_expert = sum(t["bytes"] for t in info.values())
         record = {
             "bits": b, "group": group, "path": str(target), "file_bytes": target.stat().st_size,
