@@ -201,13 +201,21 @@ def _rows_fp8(
 def blocks(fmt: str, rows: int, cols: int, group: int) -> tuple[int, int]:
     """The block sizes for a matrix: (outputs a program, int8, fp8: columns a step / int4, mxfp4: groups a
     step), ``group`` int4's and mxfp4's columns a scale, fp8's columns a block of scales. Fixed by the shape
-    alone (``bench/packed_gpu.py`` measured int8's and int4's on an H100; mxfp4's and fp8's are guesses)."""
-    block_n = 16 if rows <= 8192 else 32
+    alone, from ``bench/packed_gpu.py``'s sweeps on an H100 (Mixtral-8x7B's and Qwen3-30B-A3B's matrices:
+    int8 and int4 on 2026-11-24, fp8 and mxfp4 on 2026-11-26; docs/BENCHMARKS.md)."""
+    tall = rows > 8192  # Mixtral's gate_up, 28672 rows
+    block_n = 32 if tall else 16
     if fmt == "int8":
-        return block_n, 512 if rows <= 8192 else 256
+        return block_n, 256 if tall else 512
     if fmt == "fp8":  # columns a step, within one block of scales (``group``: its columns)
-        return block_n, min(128, triton.next_power_of_2(group))
-    return block_n, max(1, 512 // group)  # int4, mxfp4 (group 32): groups a step
+        return (
+            (32, min(32, triton.next_power_of_2(group)))
+            if tall
+            else (8, min(128, triton.next_power_of_2(group)))
+        )
+    if fmt == "mxfp4":  # groups of 32 columns a step: longer steps on long rows (Mixtral's down, 14336)
+        return block_n, 32 if cols > 8192 else 16
+    return block_n, max(1, 512 // group)  # int4: groups a step
 
 
 def project(
