@@ -44,6 +44,11 @@ storing experts one by one) writes the checkpoint once more with its experts pac
 quantize --checkpoint``, beside it) and runs that (no transformers reference); ``--miss hobbit...`` builds
 the low-precision copies it needs first.
 
+``--build-only --tokenizer DIR`` (for ``bench/serve_load.py``, whose clients send text) copies DIR's
+tokenizer into the checkpoint and gives the model that tokenizer's vocabulary and special tokens (the
+name says so: ``-v4096`` for the embedded model's): a random model samples every id of its vocabulary, and
+ids past the tokenizer's decode to no text. The experts' shapes do not change.
+
 Three tiers: ``--host-memory 16GiB`` runs each budget with a host level of that memory (pinned) over
 exact reads of the checkpoint on disk (``--slow-tier disk``), ``--host-levels inclusive exclusive`` both
 kinds, ``--host-policy`` its policy (``none`` among the sizes: every expert in pinned host memory). Each
@@ -248,8 +253,10 @@ def write_random_checkpoint(out: Path, spec: dict[str, object], dtype: torch.dty
 
 
 def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path, float]:
+    vocab = "" if args.tokenizer is None else f"-v{spec['vocab_size']}"  # the tokenizer's vocabulary
     name = (
-        f"{args.shape}{'-tiny' if args.tiny else ''}-l{spec['num_hidden_layers']}-{str(dtype).split('.')[-1]}"
+        f"{args.shape}{'-tiny' if args.tiny else ''}-l{spec['num_hidden_layers']}{vocab}-"
+        + str(dtype).split(".")[-1]
     )
     path = args.cache_dir / name
     if (path / ".complete").is_file():
@@ -263,16 +270,29 @@ def checkpoint(args, spec: dict[str, object], dtype: torch.dtype) -> tuple[Path,
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template")
 
 
-def add_tokenizer(path: Path, source: Path, vocab: int) -> None:
-    """Copy ``source``'s tokenizer into the random checkpoint ``path`` (for ``bench/serve_load.py``, whose
-    clients send text), once; one whose tokens do not all fit the model's vocabulary is refused."""
+def tokenizer_vocab(spec: dict[str, object], source: Path) -> dict[str, object]:
+    """``spec`` with the vocabulary of ``source``'s tokenizer and its special tokens: a random model
+    samples its whole vocabulary, and ids past the tokenizer's decode to no text, so the served text of a
+    model with Qwen's 151936 ids and a 4096-token tokenizer would be mostly empty (the experts' shapes,
+    what the benchmarks measure, do not change; the embedding and the head shrink)."""
     from transformers import AutoTokenizer
 
-    files = [f for f in sorted(source.iterdir()) if f.is_file() and f.name.startswith(TOKENIZER_FILES)]
-    if not files:
+    if not source.is_dir() or not any(f.name.startswith(TOKENIZER_FILES) for f in source.iterdir()):
         raise SystemExit(f"--tokenizer {source}: no tokenizer files there")
-    if len(AutoTokenizer.from_pretrained(str(source))) > vocab:
-        raise SystemExit(f"--tokenizer {source}: more tokens than the model's vocabulary of {vocab}")
+    tok = AutoTokenizer.from_pretrained(str(source))
+    spec = {**spec, "vocab_size": len(tok)}
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in spec:
+            own = getattr(tok, key, None)
+            spec[key] = own if own is not None else eos
+    return spec
+
+
+def add_tokenizer(path: Path, source: Path) -> None:
+    """Copy ``source``'s tokenizer into the random checkpoint ``path`` (for ``bench/serve_load.py``, whose
+    clients send text), once; the checkpoint's vocabulary is the tokenizer's (``tokenizer_vocab``)."""
+    files = [f for f in sorted(source.iterdir()) if f.is_file() and f.name.startswith(TOKENIZER_FILES)]
     for f in files:
         if not (path / f.name).exists():
             (path / f.name).write_bytes(f.read_bytes())
@@ -774,7 +794,7 @@ def main() -> None:
     )
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--tokenizer", type=Path, default=None,
-                    help="a checkpoint whose tokenizer the random one gets (to serve it)")  # fmt: skip
+                    help="a checkpoint whose tokenizer (and vocabulary size) a random one gets")  # fmt: skip
     ap.add_argument("--resume", action="store_true", help="keep configurations already in --out")
     ap.add_argument(
         "--out", type=Path, default=None, help="default bench/results/engine_gpu.json (tiny: /tmp)"
@@ -805,10 +825,12 @@ def main() -> None:
         else ROOT / "bench/results/engine_gpu.json"
     )
     spec = shape_spec(args)
+    if args.tokenizer is not None:
+        spec = tokenizer_vocab(spec, args.tokenizer)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     path, build_s = checkpoint(args, spec, dtype)
     if args.tokenizer is not None:
-        add_tokenizer(path, args.tokenizer, int(spec["vocab_size"]))
+        add_tokenizer(path, args.tokenizer)
     if args.packed:
         path = packed_checkpoint(path, args.packed)
         args.no_reference = True  # transformers cannot run the packed experts

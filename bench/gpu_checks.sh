@@ -10,8 +10,11 @@
 #   kernels issue 30: one expert's kernel, transfer and miss per packed format on Mixtral's shapes, 2 minutes
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
-# install of this repository, or PYTHONPATH=src:bench). The checkpoints are written to $TMPDIR (or /tmp)
-# and the Mixtral one is removed before the Qwen one is written (both do not fit a 64 GB disk at once).
+# install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
+# and their dependencies, which the lent machines' image lacked on 2026-11-26: carry them as wheels). The
+# checkpoints are written to $TMPDIR (or /tmp) and the Mixtral one is removed before the Qwen one is
+# written (both do not fit a 64 GB disk at once). Files under OUT are named without '%' (the device tool
+# returns only names of letters, digits, '.', '_' and '-').
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PARTS="tests tiers serve kernels"
@@ -52,7 +55,7 @@ for part in "$@"; do
       rm -rf "$CACHE"/mixtral-8x7b-*
       timeout 240 python3 bench/engine_gpu.py --build-only --cache-dir "$CACHE" --tokenizer src/expertcache/data/default \
         >"$OUT/serve_build.log" 2>&1 || { stamp "serve: the checkpoint failed"; tail -5 "$OUT/serve_build.log"; continue; }
-      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l24-bfloat16)
+      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l24-v*-bfloat16)  # the tokenizer's vocabulary (engine_gpu.py)
       timeout 600 python3 bench/serve_load.py --device cuda --model "$model" \
         --compare 25%:lru:fetch,25%:tlfu:batch,100% --clients 16,64 --duration 30 --single 15 --rounds 1 \
         --warm 5 --out "$OUT/serve_load_gpu_qwen.json" >"$OUT/serve.log" 2>&1

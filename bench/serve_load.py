@@ -60,7 +60,21 @@ except ImportError:  # openai >= 3 brings httpx as httpx2
 from provenance import provenance, write_json
 
 from expertcache.config import SCHEDULES
+from expertcache.errors import ExpertcacheError
 from expertcache.tools.quality import heldout_texts
+
+
+def _prompts(count: int = 32, chars: int = 60) -> list[str]:
+    """The first characters of the embedded model's held-out texts; where this Python lacks some of them
+    (a Debian python3 without idlelib), those of the standard library's first modules in sorted order."""
+    try:
+        return [t[:chars] for t in heldout_texts(count)]
+    except ExpertcacheError as e:
+        import sysconfig
+
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
+        print(f"serve_load: {e}; prompts from {len(files)} other stdlib files instead", file=sys.stderr)
+        return [f.read_text(encoding="utf-8", errors="replace")[:chars] for f in files]
 
 
 def free_port() -> int:
@@ -117,6 +131,9 @@ async def one_request(client: httpx.AsyncClient, base: str, prompt: str, tokens:
                 usage = chunk["usage"]
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
+    if done and usage is not None and not times and usage.get("completion_tokens"):
+        # every token decoded to nothing: a random model whose vocabulary outgrows its tokenizer's
+        return {"error": f"no text in {usage['completion_tokens']} tokens"}
     if not done or usage is None or not times:
         return {"error": "stream ended early"}
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -308,7 +325,7 @@ async def sample_memory(pid: int, out: list, stop: asyncio.Event) -> None:
 
 
 async def run(args, base: str, pid: int) -> dict[str, object]:
-    prompts = [t[:60] for t in heldout_texts(32)]
+    prompts = _prompts()
     memory: list = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_memory(pid, memory, stop))
@@ -426,7 +443,7 @@ def compare(args) -> dict[str, object]:
     drifts), every round the same load; medians and ranges over rounds, and each config against the
     last (throughput and TTFT p99 ratios per round, paired) and each load's TTFT p99 against one
     client's on the same server."""
-    prompts = [t[:60] for t in heldout_texts(32)]
+    prompts = _prompts()
     runs: dict[str, list[dict]] = {c: [] for c in args.compare}
     commands = {}
     for r in range(args.rounds):
