@@ -131,6 +131,7 @@ def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_
         ("g.yaml", "timing: {links: [1]}\n", "g.yaml: unknown key 'links' in timing"),
         ("g.yaml", "timing: {link_latency: [20]}\n", "g.yaml: link latency '20' needs a unit"),
         ("g.yaml", "orders: [flat]\ntiming: true\n", "g.yaml: timing cells run in layer order"),
+        ("g.yaml", "timing: {window: [2]}\n", "g.yaml: a window sets the layers ahead of a predictor, and "),
         ("g.txt", "policies: [lru]\n", "g.txt: a grid file is .yaml, .yml or .toml"),
     ],
 )
@@ -156,6 +157,11 @@ def test_a_bad_grid_file_is_one_line_naming_it(tmp_path, capsys, name, text, mes
         (["--prefetch", "token"], "predictor 'token' needs a recorded trace"),
         (["--prefetch", "next-gate"], "the simulator replays the predictions an engine recorded"),
         (["--order", "flat", "--timing"], "timing cells run in layer order"),
+        (["--window", "2"], "a window sets the layers ahead of a predictor, and the grid has none"),
+        (
+            ["--predictor", "p.npz", "--prefetch", "none"],
+            "predictor trace p.npz: no predictor of the grid reads",
+        ),
         (["--out", "r.txt"], "r.txt: a results file is .csv, .json or .parquet"),
         (["--out", "no/such/dir/r.csv"], "cannot write the results: directory"),
         (["--resume"], "resuming reads the results file: give it (--out FILE; out=FILE)"),

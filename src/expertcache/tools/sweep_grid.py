@@ -15,6 +15,7 @@ from expertcache.config import MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.registry import parse_policy
+from expertcache.predict.registry import predictor_class
 from expertcache.sim.simulate import DEFAULT_POLICIES
 from expertcache.trace.default import DEFAULT_TRACE
 from expertcache.units import capacity_for, parse_duration, parse_rate
@@ -47,8 +48,18 @@ class Timing:
             object.__setattr__(self, name, values)
         for spec in self.miss:
             MissConfig(spec)
-        for name in self.prefetch:
-            PrefetchConfig(name)
+        predictors = [PrefetchConfig(name).predictor for name in self.prefetch]
+        swept = [name for name in predictors if name not in ("none", "auto", "recorded")]
+        if any(w is not None for w in self.window) and not swept:
+            raise ExpertcacheError(  # as timing's --window without --prefetch: never an ignored value
+                "a window sets the layers ahead of a predictor, and the grid has none: add predictors "
+                "(--prefetch NAME, or prefetch: in the grid's timing)"
+            )
+        if self.predictor is not None and not any(predictor_class(n).reads == "trace" for n in swept):
+            raise ExpertcacheError(
+                f"predictor trace {self.predictor}: no predictor of the grid reads one (token and eam do; "
+                f"the grid's: {', '.join(dict.fromkeys(predictors))})"
+            )
         for w in self.window:
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
                 raise ExpertcacheError(f"window {w!r} is not a number of layers (at least 1)")
