@@ -411,6 +411,18 @@ def test_ray_missing_is_refused_before_the_work(monkeypatch, capsys, traces):
     )
 
 
+def test_a_ray_address_in_the_environment_where_nothing_answers_is_refused_at_once(
+    monkeypatch, capsys, traces
+):
+    """``--ray`` without an address joins RAY_ADDRESS when it is set: Ray would retry for minutes."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--ray")
+    assert code == 2 and out == ""
+    assert err.startswith("expertcache: error: RAY_ADDRESS=127.0.0.1:1: nothing answers there")
+    assert len(err.splitlines()) == 1, err
+
+
 def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_path, capsys, traces):
     out = tmp_path / "r.csv"
     argv = ["sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8", "--out", str(out)]

@@ -450,6 +450,8 @@ def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None
 
         if address:
             _check_reachable(address)
+        elif os.environ.get("RAY_ADDRESS"):  # what ray.init joins when given no address
+            _check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS=")
         try:
             ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
                      include_dashboard=False if not address else None)  # fmt: skip
@@ -496,9 +498,10 @@ def _raise_for(task: Task, error: Exception) -> NoReturn:
     raise error
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(address: str, flag: str = "--ray ") -> None:
     """Something answers at a cluster's ``host:port`` (or ``ray://host:port``): Ray's own connection
-    attempts to an address where nothing does go on for minutes."""
+    attempts to an address where nothing does go on for minutes. ``flag`` names where the address came
+    from in the message (``--ray `` or the environment's ``RAY_ADDRESS=``)."""
     import socket
 
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -507,7 +510,7 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
-        raise ExpertcacheError(f"--ray {address}: nothing answers there ({e.strerror or e})") from None
+        raise ExpertcacheError(f"{flag}{address}: nothing answers there ({e.strerror or e})") from None
 
 
 def _import_ray():
