@@ -11,6 +11,7 @@ import torch
 from engine_fixtures import _one_torch_thread, make_ckpt, tokenizer_dir  # noqa: F401  (fixtures)
 
 from expertcache.cli import main
+from expertcache.errors import ExpertcacheError
 from expertcache.predict import PredictContext, Predictor, PredictorError, make_predictor
 from expertcache.predict.learned import (
     CONFIG,
@@ -109,6 +110,30 @@ class TestTraining:
         train_predictor(tiny, tmp_path, PROMPTS[:3], window=3, hidden=8, epochs=1, max_new_tokens=3)
         assert (tmp_path / CONFIG).is_file() and (tmp_path / WEIGHTS).is_file()
         assert Learned(ctx(None, tmp_path)).window == 3  # no window asked: the trained one
+
+    def test_a_folder_with_a_predictor_is_refused_first_or_replaced_with_force(
+        self, tiny, tmp_path, monkeypatch
+    ):
+        """Never a trained predictor lost, and never two layouts (DIR/predictor.* beside DIR/window-K/)."""
+        small = dict(hidden=8, epochs=1, max_new_tokens=3)
+        train_predictor(tiny, tmp_path, PROMPTS[:3], window=[1, 2], **small)
+        (tmp_path / "notes.txt").write_text("mine\n")
+        import expertcache.tools.train_predictor as tp
+
+        def no_capture(*a, **k):
+            raise AssertionError("the capture ran")
+
+        with monkeypatch.context() as m:
+            m.setattr(tp, "load_for_capture", no_capture)
+            refused = "holds a trained predictor already: give a new folder, or --force"
+            with pytest.raises(ExpertcacheError, match=refused) as exc:
+                train_predictor(tiny, tmp_path, PROMPTS[:3], window=3, **small)
+            one_line(exc)
+        train_predictor(tiny, tmp_path, PROMPTS[:3], window=3, force=True, **small)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG, WEIGHTS, "notes.txt"])
+        assert Learned(ctx(None, tmp_path)).window == 3
+        train_predictor(tiny, tmp_path, PROMPTS[:3], window=[1, 2], force=True, **small)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "window-1", "window-2"]
 
     @pytest.mark.parametrize(
         "kwargs, match",

@@ -432,6 +432,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--max-new-tokens", type=int, metavar="N", help="greedy tokens per prompt (default 64)")
     tp.add_argument("--seed", type=int, default=0, help="seed of the split and the training (default 0)")
     tp.add_argument("--json", action="store_true", help="print the training report as one JSON object")
+    tp.add_argument("--force", action="store_true", help="replace the predictors --out holds")
     tp.set_defaults(func=_cmd_train_predictor)
 
     tpol = sub.add_parser("train-policy", help="fit the reuse eviction policy's model on recorded traces")
@@ -1461,6 +1462,7 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
         seed=args.seed,
         log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
         progress=not args.json and sys.stderr.isatty(),
+        force=args.force,
         **opts,
     )
     print(json.dumps(report) if args.json else format_report(report))

@@ -33,7 +33,15 @@ from expertcache.engine.routing import router_fns
 from expertcache.errors import ExpertcacheError
 from expertcache.paths import writable_dir
 from expertcache.predict.base import PredictorError
-from expertcache.predict.learned import make_mlp, probe_routing, save_predictor, source_layer, topk_overlap
+from expertcache.predict.learned import (
+    CONFIG,
+    WEIGHTS,
+    make_mlp,
+    probe_routing,
+    save_predictor,
+    source_layer,
+    topk_overlap,
+)
 from expertcache.tools.capture import Captured, capture, load_for_capture
 from expertcache.tools.prompts import read_prompts
 
@@ -220,9 +228,12 @@ def train_predictor(
     val_fraction: float = VAL_FRACTION,
     log: Callable[[str], None] | None = None,
     progress: bool = False,
+    force: bool = False,
 ) -> dict:
     """Capture, fit and save learned predictors; returns the training report (``log``: a line per
-    stage; ``progress``: a progress bar of the capture on stderr).
+    stage; ``progress``: a progress bar of the capture on stderr). A folder that holds anything is refused
+    before the capture, unless ``force``: then the predictors in it (``predictor.*``, ``window-K/``) are
+    removed once the new ones are trained, and the new ones written; other files are left as they are.
 
     ``window`` an int: ``out_dir`` becomes that window's predictor directory. A sequence of windows:
     one capture, and ``out_dir/window-<k>/`` for each. ``prompts``: a prompt file (see the module
@@ -234,7 +245,7 @@ def train_predictor(
 
     windows = [window] if isinstance(window, int) else list(window)
     _check_args(windows, hidden, epochs, max_new_tokens)
-    _check_out_dir(Path(out_dir))
+    _check_out_dir(Path(out_dir), force)
     path = resolve_model(model_path)
     read_config(path)  # a bad checkpoint fails before any capture
     texts = _prompts(prompts)
@@ -264,6 +275,7 @@ def train_predictor(
         "windows": {},
     }
     settings = {"epochs": epochs, "seed": seed, "val_fraction": val_fraction, "capture": report["capture"]}
+    _remove_predictors(Path(out_dir))  # one layout in the folder: a window's or several windows'
     for k, (mlps, val) in fits.items():
         directory = Path(out_dir) if isinstance(window, int) else Path(out_dir) / f"window-{k}"
         save_predictor(directory, mlps, _meta(k, hidden, captured, fingerprint, settings, val), probe=probe)
@@ -297,9 +309,25 @@ def _check_args(windows: list[int], hidden: int, epochs: int, max_new_tokens: in
             raise ExpertcacheError(f"{name} must be at least {low}, got {value}")
 
 
-def _check_out_dir(out: Path) -> None:
-    """The predictor's folder can be written: found out before the capture, not after it."""
+def _check_out_dir(out: Path, force: bool) -> None:
+    """The predictor's folder can be written, and holds nothing that would be lost or mixed with the
+    new predictors (without ``force``): found out before the capture, not after it."""
+    if out.is_dir() and not force and any(out.iterdir()):
+        trained = (out / CONFIG).is_file() or any((d / CONFIG).is_file() for d in out.glob("window-*"))
+        raise ExpertcacheError(
+            f"{out}: holds {'a trained predictor' if trained else 'files'} already: give a new folder, or "
+            "--force (force=True) to replace the predictors there"
+        )
     writable_dir(out, "the predictor")
+
+
+def _remove_predictors(out: Path) -> None:
+    """The predictor files in ``out`` and in its ``window-K/`` folders (a folder left empty goes too)."""
+    for folder in [out, *sorted(d for d in out.glob("window-*") if d.is_dir())]:
+        for name in (CONFIG, WEIGHTS):
+            (folder / name).unlink(missing_ok=True)
+        if folder != out and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _check_windows(windows: Sequence[int], layers: int, path: Path) -> None:
