@@ -124,6 +124,15 @@ def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):
     assert err == ""
 
 
+def test_sim_default_policies_leave_out_a_dist_policy_that_cannot_run(capsys, trace_file):
+    """Named, lru-dist below its minimum is an error (above); come with the defaults, it is left out."""
+    code, out, err = run(capsys, "sim", str(trace_file), "--json", "--capacity", "4")
+    assert code == 0, err
+    policies = [r["policy"] for r in json.loads(out)]
+    assert "lru-dist" not in policies and "lru" in policies
+    assert "note: lru-dist (a default policy) left out: it needs capacity >= 8" in err
+
+
 def test_sim_policy_parameters(capsys, trace_file):
     code, out, _ = run(
         capsys,

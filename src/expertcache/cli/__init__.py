@@ -585,7 +585,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
     for c in caps:
         check_capacity(c, args.order, trace.top_k)
-    _note_skipped(policies, caps, trace.num_layers, min_room(args.order, trace.top_k))
+    policies = _note_skipped(
+        policies, caps, trace.num_layers, min_room(args.order, trace.top_k), bool(args.policy)
+    )
     _note_prefetched(trace, args.trace)
     results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
     if args.json:
@@ -1209,9 +1211,14 @@ def _timing_capacity(memory: str, expert_bytes: int, total: int) -> int:
     return capacity
 
 
-def _note_skipped(policies: Sequence[str], caps: list[int], num_layers: int, min_room: int) -> None:
+def _note_skipped(
+    policies: Sequence[str], caps: list[int], num_layers: int, min_room: int, named: bool = True
+) -> list[str]:
     """Say which capacities a -dist policy could not run with: a layer's budget below its group, or
-    a capacity other than the sum of the budgets it was given."""
+    a capacity other than the sum of the budgets it was given. A policy that can run at none of them is
+    an error where the user ``named`` it, and left out with a note where it came with the defaults.
+    -> the policies to run."""
+    kept = []
     for spec in policies:
         name, params = parse_policy(spec)
         low = min_capacity(name, num_layers, params, min_room)
@@ -1220,10 +1227,15 @@ def _note_skipped(policies: Sequence[str], caps: list[int], num_layers: int, min
         skipped = [c for c in caps if c < low or fixed not in (None, c)]
         if skipped and len(skipped) == len(caps):
             need = f"capacity {fixed}" if fixed is not None else f"capacity >= {low}"
-            raise ExpertcacheError(f"{name} needs {need} ({why})")
+            if named:
+                raise ExpertcacheError(f"{name} needs {need} ({why})")
+            print(f"note: {name} (a default policy) left out: it needs {need} ({why})", file=sys.stderr)
+            continue
         if skipped:
             where = f"other than {fixed}" if fixed is not None else f"< {low}"
             print(f"note: {name} left out at capacities {where} ({why})", file=sys.stderr)
+        kept.append(spec)
+    return kept
 
 
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
