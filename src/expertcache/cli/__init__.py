@@ -71,7 +71,9 @@ class _Parser(argparse.ArgumentParser):
         self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        """One line under the prefix every error of the command line has (``expertcache: error:``), the
+        command's help named at its end."""
+        self.exit(2, f"expertcache: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         """A value that starts with a minus and a digit (``--expert-memory -5%``, ``--link-latency -1ms``)
