@@ -42,7 +42,9 @@ trace is shared; ``--shape qwen3-30b-a3b`` Qwen3-30B-A3B's (128 experts top-8, e
 ``--packed int4`` (or ``int8``; ``fp8``: block-scaled FP8 as DeepSeek-V3's checkpoints store it, a family
 storing experts one by one) writes the checkpoint once more with its experts packed (``expertcache
 quantize --checkpoint``, beside it) and runs that (no transformers reference); ``--miss hobbit...`` builds
-the low-precision copies it needs first.
+the low-precision copies it needs first. A random router splits a token's weight evenly, so HOBBIT's
+thresholds send nothing to low precision; ``--gate-weights hobbit`` replays top-2 weights drawn as HOBBIT
+reports Mixtral's (``bench/hobbit_weights_sim.py`` projects what that changes).
 
 ``--build-only --tokenizer DIR`` (for ``bench/serve_load.py``, whose clients send text) copies DIR's
 tokenizer into the checkpoint and gives the model that tokenizer's vocabulary and special tokens (the
@@ -143,7 +145,8 @@ SHARD_BYTES = 4 * 2**30
 # the measured generation's share of the engine's cumulative counters
 DELTAS = (
     "misses", "decode_misses", "prefill_misses", "stall_s", "decode_stall_s", "bytes_transferred",
-    "host_computed", "host_wait_s", "host_busy_s", "prefetch_issued", "prefetch_used",
+    "host_computed", "host_wait_s", "host_busy_s", "prefetch_issued", "prefetch_used", "low_precision",
+    "skipped",
 )  # fmt: skip
 HOST_DELTAS = ("host_requests", "host_hits", "host_misses", "disk_reads", "disk_read_s", "host_demoted")
 
@@ -792,6 +795,11 @@ def main() -> None:
         default=None,
         help="run a packed checkpoint of the model (written once beside it; no eager reference)",
     )
+    ap.add_argument(
+        "--gate-weights", choices=["trace", "hobbit"], default="trace",
+        help="the routing's weights: the trace's (even where it has none, as a random router's), or top-2 "
+        "weights drawn as HOBBIT reports Mixtral's (what its thresholds act on)",
+    )  # fmt: skip
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="a checkpoint whose tokenizer (and vocabulary size) a random one gets")  # fmt: skip
@@ -847,6 +855,13 @@ def main() -> None:
     E = int(spec.get("num_experts") or spec.get("num_local_experts"))
     K = int(spec["num_experts_per_tok"])
     trace, trace_source = find_trace(args, L, E, K)
+    if args.gate_weights == "hobbit":
+        from miss_projection import hobbit_weights
+
+        if K != 2:
+            raise SystemExit(f"--gate-weights hobbit draws top-2 weights; this model routes top-{K}")
+        trace = dataclasses.replace(trace, weights=hobbit_weights(trace.experts.shape, 0))
+        trace_source += "; gate weights drawn as HOBBIT reports Mixtral's (miss_projection.hobbit_weights)"
     work = Workload(trace, args, int(spec["vocab_size"]), device)
     pad = int(spec["eos_token_id"])
     log(
@@ -918,6 +933,8 @@ def main() -> None:
             s += f"  decode misses {r['decode_misses']:5d}  stall {r['stall_s']:6.2f} s"
             if r["miss"] != "fetch":
                 s += f"  host {r['host_computed']:5d} ({r['host_busy_s']:.2f} s)"
+            if r.get("low_precision") or r.get("skipped"):
+                s += f"  low precision {r['low_precision']}  skipped {r['skipped']}"
             s += f"  sim==engine {r['sim_matches_engine']}"
             if r.get("host"):
                 s += (f"  host {r['host']}: {r['host_hits']} hits {r['host_misses']} misses, "

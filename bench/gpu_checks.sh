@@ -8,6 +8,9 @@
 #   serve   issue 31: `serve` on Qwen1.5-MoE's shapes (random weights, the embedded model's tokenizer) at
 #           25 % (LRU/fetch, TLFU/batch) and 100 %, 16 and 64 clients; 14 minutes at most, the checkpoint too
 #   kernels issue 30: one expert's kernel, transfer and miss per packed format on Mixtral's shapes, 2 minutes
+#   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
+#           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
+#           precision); 5 minutes at most, the checkpoint and the int4 copies too
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
 # install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
@@ -17,7 +20,7 @@
 # returns only names of letters, digits, '.', '_' and '-').
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PARTS="tests tiers serve kernels"
+PARTS="tests tiers serve kernels hobbit"
 if [ "$#" -lt 2 ]; then
   echo "usage: bench/gpu_checks.sh OUT PART... (parts: $PARTS)" >&2
   exit 2
@@ -67,6 +70,14 @@ for part in "$@"; do
       timeout 120 python3 bench/packed_gpu.py --shape mixtral-8x7b --formats int8 int4 mxfp4 fp8 --no-sweep \
         --reps 20 --out "$OUT/packed_gpu_mixtral.json" 2>&1 | tail -8
       stamp "kernels rc $?"
+      ;;
+    hobbit)
+      stamp "hobbit"
+      timeout 300 python3 bench/engine_gpu.py --shape mixtral-8x7b --layers 4 --cache-dir "$CACHE" \
+        --new-tokens 32 --budgets 25 --policies lru --miss fetch hobbit hobbit:low_share=0.1 \
+        --gate-weights hobbit --no-reference --out "$OUT/engine_gpu_mixtral4_hobbit_weights.json" 2>&1 \
+        | grep -v "Loading weights" | tee "$OUT/hobbit.log" | tail -8
+      stamp "hobbit rc $?"
       ;;
   esac
 done
