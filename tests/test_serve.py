@@ -86,6 +86,32 @@ def test_streaming_ends_with_done_and_adds_up_to_the_whole_text(served):
     assert lines[-1] == "data: [DONE]"
 
 
+def test_a_short_prompt_is_tokenised_on_the_loop_and_a_long_one_on_a_worker(served, monkeypatch):
+    """A worker's handoff waits for the GIL the generation thread holds; a long prompt must not hold
+    the event loop either. Both give the same answer."""
+    import expertcache.serve.app as app_module
+
+    model, http, client = served
+    handed = []
+    real = app_module.run_in_threadpool
+
+    async def recorded(fn, *args):
+        handed.append(fn)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(app_module, "run_in_threadpool", recorded)
+    short = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3).choices[0].text
+    chat = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny", messages=chat, max_tokens=2)
+    assert handed == []
+    monkeypatch.setattr(app_module, "INLINE_CHARS", len(PROMPTS[0]) - 1)  # PROMPTS[0] is now "long"
+    assert client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3).choices[0].text == short
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x" * 80}], max_tokens=2
+    )
+    assert len(handed) == 2
+
+
 def test_concurrent_requests_are_batched_and_each_equals_the_model_alone(served):
     model, http, client = served
     want = {p: model.tokenizer.decode(alone(model, p, 10), skip_special_tokens=True) for p in PROMPTS}

@@ -40,6 +40,10 @@ from expertcache.serve.schemas import ChatRequest, CompletionRequest
 DEFAULT_MAX_TOKENS = 256
 log = logging.getLogger("expertcache.serve")
 RETRY_AFTER_S = 1  # a full queue frees a slot within about a request's time: ask again soon
+# prompts up to this many characters are tokenised on the event loop (tens of microseconds); longer ones
+# on a worker thread, so that a long prompt does not hold the loop. A handoff to a worker waits for the
+# GIL, which the generation thread holds in Python code for up to the 5 ms switch interval at each turn
+INLINE_CHARS = 4096
 
 
 class ApiError(Exception):
@@ -151,7 +155,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         _check(req, limits, name)
         limits.check_chars(len(req.prompt))
-        ids = await run_in_threadpool(lambda: model.tokenizer(req.prompt).input_ids)
+        ids = await _off_loop(lambda: model.tokenizer(req.prompt).input_ids, len(req.prompt))
         echo = req.prompt if req.echo else ""
         return await _generate(req, request, ids, "text_completion", req.max_tokens, echo)
 
@@ -162,14 +166,15 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
-        limits.check_chars(sum(len(m["content"]) for m in messages))
+        chars = sum(len(m["content"]) for m in messages)
+        limits.check_chars(chars)
 
         def tokenize() -> list[int]:
             text = render(model.tokenizer, messages, True)
             return model.tokenizer(text, add_special_tokens=False).input_ids
 
         try:
-            ids = await run_in_threadpool(tokenize)
+            ids = await _off_loop(tokenize, chars)
         except (ValueError, ExpertcacheError) as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         return await _generate(req, request, ids, "chat.completion", req.limit)
@@ -312,6 +317,11 @@ class Limits:
                     "tokens", code="context_length_exceeded",
                 )  # fmt: skip
         return max_tokens
+
+
+async def _off_loop(fn, chars: int):
+    """``fn()`` (a tokenisation), on the event loop for a short text, on a worker thread for a long one."""
+    return fn() if chars <= INLINE_CHARS else await run_in_threadpool(fn)
 
 
 def _check(req, limits: Limits, name: str) -> None:
