@@ -5,8 +5,9 @@
 #   tests   the tests of the paths with GPU code (EXPERTCACHE_TEST_DEVICE=cuda), 5 minutes at most
 #   tiers   issue 32: Mixtral-8x7B's experts (8 layers, 22.5 GiB) over a 16 GiB host level and 8 GiB of
 #           slots, exclusive and two tiers, against transformers; 7 minutes at most, the checkpoint too
-#   serve   issue 31: `serve` on Qwen1.5-MoE's shapes (random weights, the embedded model's tokenizer) at
-#           25 % (LRU/fetch, TLFU/batch) and 100 %, 16 and 64 clients; 14 minutes at most, the checkpoint too
+#   serve   issue 31: `serve` on Qwen1.5-MoE's shapes (random weights, the embedded model's tokenizer and
+#           vocabulary; SERVE_LAYERS of its 24 layers, default 8) at 100 % and 25 % (LRU/fetch,
+#           TLFU/batch), 16 and 64 clients, a run of its own each; 4-6 minutes with the checkpoint
 #   kernels issue 30: one expert's kernel, transfer and miss per packed format on Mixtral's shapes, 2 minutes
 #   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
 #           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
@@ -56,14 +57,18 @@ for part in "$@"; do
     serve)
       stamp "serve"
       rm -rf "$CACHE"/mixtral-8x7b-*
-      timeout 240 python3 bench/engine_gpu.py --build-only --cache-dir "$CACHE" --tokenizer src/expertcache/data/default \
-        >"$OUT/serve_build.log" 2>&1 || { stamp "serve: the checkpoint failed"; tail -5 "$OUT/serve_build.log"; continue; }
-      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l24-v*-bfloat16)  # the tokenizer's vocabulary (engine_gpu.py)
-      timeout 600 python3 bench/serve_load.py --device cuda --model "$model" \
-        --compare 25%:lru:fetch,25%:tlfu:batch,100% --clients 16,64 --duration 30 --single 15 --rounds 1 \
-        --warm 5 --out "$OUT/serve_load_gpu_qwen.json" >"$OUT/serve.log" 2>&1
-      stamp "serve rc $?"
-      tail -5 "$OUT/serve.log"
+      layers=${SERVE_LAYERS:-8}
+      timeout 120 python3 bench/engine_gpu.py --build-only --layers "$layers" --cache-dir "$CACHE" \
+        --tokenizer src/expertcache/data/default >"$OUT/serve_build.log" 2>&1 \
+        || { stamp "serve: the checkpoint failed"; tail -5 "$OUT/serve_build.log"; continue; }
+      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l"$layers"-v*-bfloat16)  # the tokenizer's vocabulary
+      for cell in 100% 25%:lru:fetch 25%:tlfu:batch; do  # a run each: what ran is kept if time runs out
+        name=$(printf %s "$cell" | tr -c 'a-z0-9' '_')
+        timeout 150 python3 bench/serve_load.py --device cuda --model "$model" --compare "$cell" \
+          --clients 16,64 --duration 15 --single 10 --rounds 1 --warm 5 --tokens 16-48 \
+          --out "$OUT/serve_gpu_$name.json" >"$OUT/serve_$name.log" 2>&1
+        stamp "serve $cell rc $?"
+      done
       ;;
     kernels)
       stamp "kernels"
