@@ -131,7 +131,6 @@ def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_
         ("g.yaml", "timing: {links: [1]}\n", "g.yaml: unknown key 'links' in timing"),
         ("g.yaml", "timing: {link_latency: [20]}\n", "g.yaml: link latency '20' needs a unit"),
         ("g.yaml", "orders: [flat]\ntiming: true\n", "g.yaml: timing cells run in layer order"),
-        ("g.yaml", "timing: {window: [2]}\n", "g.yaml: a window sets the layers ahead of a predictor, and "),
         ("g.txt", "policies: [lru]\n", "g.txt: a grid file is .yaml, .yml or .toml"),
     ],
 )
@@ -179,6 +178,37 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, traces
     assert code == 2 and out == ""
     assert err.splitlines()[-1].startswith("expertcache: error: ") and message in err.splitlines()[-1], err
     assert "Traceback" not in err
+
+
+def test_a_window_clipped_to_the_traces_layers_is_said(capsys, traces):
+    argv = ["sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8", "--prefetch", "eam"]
+    code, out, err = run(capsys, *argv, "--window", "1", "99", "--json")
+    assert code == 0, err
+    assert sorted(r["window"] for r in json.loads(out)) == [1, 4]  # 99 runs as the trace's 4 layers
+    assert "prefetch window 99 reaches past a 4-layer model" in err
+
+
+def test_the_timing_values_are_checked_once_the_flags_replace_the_files(tmp_path, capsys, traces):
+    """A window needs a predictor and a predictor trace a predictor that reads one, in the merged grid:
+    a flag that supplies what the file lacks is not refused on the file alone."""
+    (tmp_path / "t.npz").write_bytes(traces[0].read_bytes())
+    (tmp_path / "w.yaml").write_text(
+        "traces: [t.npz]\npolicies: [lru]\ncapacities: [8]\ntiming: {window: [1]}\n"
+    )
+    code, _, err = run(capsys, "sweep", str(tmp_path / "w.yaml"))
+    assert code == 2 and "a window sets the layers ahead of a predictor, and the grid has none" in err
+    code, out, err = run(capsys, "sweep", str(tmp_path / "w.yaml"), "--prefetch", "eam", "--json", "--quiet")
+    assert code == 0, err
+    assert {(r["prefetch"], r["window"]) for r in json.loads(out) if r["prefetch"] is not None} == {
+        ("eam", 1)
+    }
+    (tmp_path / "p.yaml").write_text(
+        "traces: [t.npz]\npolicies: [lru]\ncapacities: [8]\ntiming: {prefetch: [oracle], predictor: t.npz}\n"
+    )
+    code, _, err = run(capsys, "sweep", str(tmp_path / "p.yaml"))
+    assert code == 2 and "no predictor of the grid reads one (token and eam do; the grid's: oracle)" in err
+    code, out, err = run(capsys, "sweep", str(tmp_path / "p.yaml"), "--prefetch", "eam", "--json", "--quiet")
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(
@@ -421,6 +451,22 @@ def test_a_ray_address_in_the_environment_where_nothing_answers_is_refused_at_on
     assert code == 2 and out == ""
     assert err.startswith("expertcache: error: RAY_ADDRESS=127.0.0.1:1: nothing answers there")
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_ray_address_where_something_else_answers_is_refused_without_rays_retries(capsys, traces):
+    """A listener that is no gRPC server (no answer to an HTTP/2 preface): Ray would retry for minutes."""
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--ray", address)
+    assert code == 2 and out == ""
+    assert err == f"expertcache: error: --ray {address}: something answers there, but not a Ray cluster " + (
+        "(no gRPC server)\n"
+    )
 
 
 def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_path, capsys, traces):

@@ -15,6 +15,7 @@ tasks finish (``tools/sweep_table.py``), which is what lets an interrupted sweep
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -175,9 +176,12 @@ def file_sha(path: str | Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _timing_cells(grid: Grid, t: _Loaded, predictor: Trace | None) -> list[TimingCell]:
+def _timing_cells(
+    grid: Grid, t: _Loaded, predictor: Trace | None, notes: list[str] | None = None
+) -> list[TimingCell]:
     """The timing grid's combinations for one trace; predictors and miss paths are built once here,
-    so that a predictor this trace cannot feed, or a bad parameter, is refused before any work."""
+    so that a predictor this trace cannot feed, or a bad parameter, is refused before any work. A window
+    clipped to the trace's layers is said in ``notes`` (its cells are those of the clipped window)."""
     from expertcache.miss.base import MissContext
     from expertcache.miss.registry import miss_class
     from expertcache.sim.recorded import make_sim_predictor
@@ -193,6 +197,9 @@ def _timing_cells(grid: Grid, t: _Loaded, predictor: Trace | None) -> list[Timin
             name = PrefetchConfig(prefetch).predictor
             for window in [None] if name == "none" else tm.window:
                 pred = make_sim_predictor(name, tr, window, 0, predictor)
+                note = None if pred is None or pred.note is None else f"note: {t.name}: {pred.note}"
+                if note is not None and notes is not None and note not in notes:
+                    notes.append(note)
                 for bw in tm.link_bandwidth:
                     for lat in tm.link_latency:
                         link = {"link_bandwidth": bw, "link_latency": lat}
@@ -211,7 +218,7 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
     timing = grid.timing is not None
     for t in traces:
         L, K, total = t.trace.num_layers, t.trace.top_k, t.trace.num_keys
-        cells = _timing_cells(grid, t, predictor.trace if predictor else None) if timing else []
+        cells = _timing_cells(grid, t, predictor.trace if predictor else None, p.notes) if timing else []
         caps_by_order = {order: _capacities(grid, t, order, p) for order in grid.orders}
         each = {order: len(cells) if timing and order == "layer" else 1 for order in grid.orders}
         for spec in grid.policies:
@@ -448,17 +455,18 @@ def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None
     if started:
         import logging
 
+        env = os.environ.get("RAY_ADDRESS")  # what ray.init joins when given no address
+        where = f"--ray {address}" if address else f"RAY_ADDRESS={env}" if env else "--ray (a local Ray)"
         if address:
             _check_reachable(address)
-        elif os.environ.get("RAY_ADDRESS"):  # what ray.init joins when given no address
-            _check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS=")
+        elif env:
+            _check_reachable(env, "RAY_ADDRESS=")
         try:
-            ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
-                     include_dashboard=False if not address else None)  # fmt: skip
+            with _no_native_stderr():  # Ray's C++ client logs each retry there; its failure comes as an error
+                ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
+                         include_dashboard=False if not address else None)  # fmt: skip
         except Exception as e:  # Ray raises ConnectionError, RuntimeError, ValueError, ... for this
-            raise ExpertcacheError(
-                f"--ray {address or ''}: cannot start or join Ray ({first_line(e)})"
-            ) from None
+            raise ExpertcacheError(f"{where}: cannot start or join Ray ({first_line(e)})") from None
     try:
         refs = {sha: ray.put(trace) for sha, trace in traces.items()}  # once: the object store ships it
         remote = ray.remote(num_cpus=1)(run_task)
@@ -498,6 +506,20 @@ def _raise_for(task: Task, error: Exception) -> NoReturn:
     raise error
 
 
+@contextlib.contextmanager
+def _no_native_stderr():
+    """File descriptor 2 pointed at the null device for a while (what native code writes there)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def _check_reachable(address: str, flag: str = "--ray ") -> None:
     """Something answers at a cluster's ``host:port`` (or ``ray://host:port``): Ray's own connection
     attempts to an address where nothing does go on for minutes. ``flag`` names where the address came
@@ -508,9 +530,25 @@ def _check_reachable(address: str, flag: str = "--ray ") -> None:
     if not sep or not port.isdigit():
         return  # auto, local: Ray resolves these itself, and says so at once when it cannot
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        conn = socket.create_connection((host, int(port)), timeout=5)
     except OSError as e:
         raise ExpertcacheError(f"{flag}{address}: nothing answers there ({e.strerror or e})") from None
+    with conn:  # Ray's head (and its client server) speak gRPC: an HTTP/2 server answers a preface
+        try:  # with a SETTINGS frame at once; something else there would have Ray retry for minutes
+            conn.settimeout(3)
+            conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            head = b""
+            while len(head) < 9:
+                part = conn.recv(9 - len(head))
+                if not part:
+                    break
+                head += part
+        except OSError:
+            head = b""
+    if len(head) < 9 or head[3] != 4:
+        raise ExpertcacheError(
+            f"{flag}{address}: something answers there, but not a Ray cluster (no gRPC server)"
+        )
 
 
 def _import_ray():
@@ -557,6 +595,8 @@ def sweep(
     if not isinstance(grid, Grid):
         grid = Grid.load(grid) if grid is not None else Grid()
     grid = grid.with_overrides(**dimensions)
+    if grid.timing is not None:
+        grid.timing.check_used()
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
     if resume and out is None:

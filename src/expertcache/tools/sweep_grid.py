@@ -48,18 +48,8 @@ class Timing:
             object.__setattr__(self, name, values)
         for spec in self.miss:
             MissConfig(spec)
-        predictors = [PrefetchConfig(name).predictor for name in self.prefetch]
-        swept = [name for name in predictors if name not in ("none", "auto", "recorded")]
-        if any(w is not None for w in self.window) and not swept:
-            raise ExpertcacheError(  # as timing's --window without --prefetch: never an ignored value
-                "a window sets the layers ahead of a predictor, and the grid has none: add predictors "
-                "(--prefetch NAME, or prefetch: in the grid's timing)"
-            )
-        if self.predictor is not None and not any(predictor_class(n).reads == "trace" for n in swept):
-            raise ExpertcacheError(
-                f"predictor trace {self.predictor}: no predictor of the grid reads one (token and eam do; "
-                f"the grid's: {', '.join(dict.fromkeys(predictors))})"
-            )
+        for name in self.prefetch:
+            PrefetchConfig(name)
         for w in self.window:
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
                 raise ExpertcacheError(f"window {w!r} is not a number of layers (at least 1)")
@@ -69,6 +59,23 @@ class Timing:
         for lat in self.link_latency:
             if lat is not None:
                 parse_duration(lat, "link latency")
+
+    def check_used(self) -> None:
+        """Every value is used by some cell: a window needs a predictor in the grid, a predictor trace a
+        predictor that reads one (as for ``timing``). Checked once a grid file's values and the flags that
+        replace them are merged (``sweep``), not on the file alone."""
+        predictors = [PrefetchConfig(name).predictor for name in self.prefetch]
+        swept = [name for name in predictors if name not in ("none", "auto", "recorded")]
+        if any(w is not None for w in self.window) and not swept:
+            raise ExpertcacheError(
+                "a window sets the layers ahead of a predictor, and the grid has none: add predictors "
+                "(--prefetch NAME, or prefetch: in the grid's timing)"
+            )
+        if self.predictor is not None and not any(predictor_class(n).reads == "trace" for n in swept):
+            raise ExpertcacheError(
+                f"predictor trace {self.predictor}: no predictor of the grid reads one (token and eam do; "
+                f"the grid's: {', '.join(dict.fromkeys(predictors))})"
+            )
 
     def cost_model(self) -> CostModel:
         return CostModel.load(self.cost) if self.cost else CostModel()
