@@ -144,9 +144,26 @@ class TestTraining:
         ],
     )
     def test_bad_arguments(self, tiny, tmp_path, kwargs, match):
+        out = tmp_path / "new"
         with pytest.raises(Exception, match=match) as exc:
-            train_predictor(tiny, tmp_path, **{"prompts": PROMPTS[:3], "max_new_tokens": 3, **kwargs})
+            train_predictor(tiny, out, **{"prompts": PROMPTS[:3], "max_new_tokens": 3, **kwargs})
         one_line(exc)
+        assert not out.exists()  # a failed run leaves no empty folder of its own
+
+    def test_a_window_given_twice_is_one_window_and_a_weak_predictor_is_noted(self, tiny, tmp_path):
+        lines: list[str] = []
+        report = train_predictor(tiny, tmp_path / "a", PROMPTS[:3], window=[2, 2], hidden=8, epochs=1,
+                                 max_new_tokens=3, log=lines.append)  # fmt: skip
+        assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["window-2"]
+        w = report["windows"][2]
+        noted = [line for line in lines if line.startswith("note: at window 2 the learned predictor scores")]
+        assert w["learned"] < w["skip"] and len(noted) == 1  # one epoch on 3 prompts: below skip
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+        argv = ["train-predictor", "--model", str(tiny), "--out", str(tmp_path / "b"), "--window", "2", "2",
+                "--epochs", "1", "--hidden", "8", "--max-new-tokens", "3", "--prompts", str(prompts),
+                "--json"]  # fmt: skip
+        assert main(argv) == 0 and (tmp_path / "b" / CONFIG).is_file()  # the CLI: one window, into --out
 
     def test_prompt_file_escapes(self, tmp_path):
         f = tmp_path / "p.txt"

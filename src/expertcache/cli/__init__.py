@@ -1468,11 +1468,12 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
     quiet_transformers()
     names = ("epochs", "hidden", "max_new_tokens")
     opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    windows = list(dict.fromkeys(args.window))  # each once: one window is written into --out itself
     report = train_predictor(
         args.model,
         args.out,
         args.prompts,
-        args.window[0] if len(args.window) == 1 else args.window,
+        windows[0] if len(windows) == 1 else windows,
         seed=args.seed,
         log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
         progress=not args.json and sys.stderr.isatty(),

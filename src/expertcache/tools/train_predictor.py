@@ -240,12 +240,27 @@ def train_predictor(
     docstring), a list of prompts, or None for ``default_prompts()``. ``model_path`` None: the
     embedded model.
     """
+    windows = [window] if isinstance(window, int) else list(dict.fromkeys(window))  # each once
+    _check_args(windows, hidden, epochs, max_new_tokens)
+    created = not Path(out_dir).exists()
+    _check_out_dir(Path(out_dir), force)
+    try:
+        return _train(model_path, out_dir, prompts, window, windows, hidden, epochs, max_new_tokens, seed,
+                      val_fraction, log, progress)  # fmt: skip
+    except BaseException:  # a run that fails (a bad window, no prompts) leaves no empty folder of its own
+        if created and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
+            Path(out_dir).rmdir()
+        raise
+
+
+def _train(
+    model_path, out_dir, prompts, window, windows, hidden, epochs, max_new_tokens, seed, val_fraction, log,
+    progress,
+) -> dict:  # fmt: skip
+    """``train_predictor`` once its arguments and folder are checked."""
     from expertcache.engine.hub import resolve_model
     from expertcache.engine.loader import read_config
 
-    windows = [window] if isinstance(window, int) else list(window)
-    _check_args(windows, hidden, epochs, max_new_tokens)
-    _check_out_dir(Path(out_dir), force)
     path = resolve_model(model_path)
     read_config(path)  # a bad checkpoint fails before any capture
     texts = _prompts(prompts)
@@ -280,6 +295,12 @@ def train_predictor(
         directory = Path(out_dir) if isinstance(window, int) else Path(out_dir) / f"window-{k}"
         save_predictor(directory, mlps, _meta(k, hidden, captured, fingerprint, settings, val), probe=probe)
         report["windows"][k] = {"dir": str(directory), **val}
+        if val["learned"] < val["skip"] and log:
+            log(
+                f"note: at window {k} the learned predictor scores {val['learned']:.3f} on the held-out "
+                f"prompts, below skip prediction's {val['skip']:.3f}: more prompts, tokens or epochs would "
+                f"help (--prefetch window --window {k} predicts by skipping, without training)"
+            )
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
