@@ -133,6 +133,15 @@ def test_sim_default_policies_leave_out_a_dist_policy_that_cannot_run(capsys, tr
     assert "note: lru-dist (a default policy) left out: it needs capacity >= 8" in err
 
 
+def test_sim_takes_several_policies_after_one_flag_or_the_flag_repeated(capsys, trace_file):
+    results = []
+    for argv in (["--policy", "lru", "lfu"], ["--policy", "lru", "--policy", "lfu"]):
+        code, out, err = run(capsys, "sim", str(trace_file), *argv, "--capacity", "8", "--json")
+        assert code == 0, err
+        results.append(json.loads(out))
+    assert [r["policy"] for r in results[0]] == ["lru", "lfu"] and results[0] == results[1]
+
+
 def test_sim_policy_parameters(capsys, trace_file):
     code, out, _ = run(
         capsys,
@@ -292,6 +301,9 @@ def test_policies_lists_every_registered_name(capsys):
 
 BAD_INPUTS = [
     (["sim", "{missing}"], "no such trace file"),
+    (["sim", "{trace}", "--bogus"], "unrecognized arguments: --bogus (see expertcache sim --help)"),
+    (["--bogus"], "unknown option --bogus: a command comes first"),
+    (["sim", "--policy", "lru", "{trace}"], "looks like a trace: give it first, before --policy"),
     (["sim", "{junk}"], "not a readable .npz"),
     (["sim", "{trace}", "--capacity", "0"], "capacity must be at least 1"),
     (["sim", "{trace}", "--capacity", "1"], "below top-k 2"),

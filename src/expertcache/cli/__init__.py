@@ -107,7 +107,13 @@ def _family_help() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0].startswith("-") and words[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unknown option {words[0]}: a command comes first (expertcache COMMAND ...)")
+    args, extra = parser.parse_known_args(words)
+    if extra:  # named by the command's parser, whose help lists what it takes
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # the command is the whole process (the console script, python -m), not main() called from Python:
     # what it loads lives until exit (cli.util.startup_gc)
     args.whole_process = argv is None
@@ -161,7 +167,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sim", help="replay a routing trace through eviction policies")
     s.add_argument("trace", nargs="?", default="default", help="trace .npz (default: the embedded trace)")
-    s.add_argument("--policy", action="append", metavar="NAME[:k=v,...]", help="repeatable")
+    s.add_argument(
+        "--policy", nargs="+", action="extend", type=_not_a_trace("--policy"), metavar="NAME[:k=v,...]",
+        help="policies: several after one flag, or the flag repeated (default: the usual ones)",
+    )  # fmt: skip
     s.add_argument(
         "--capacity",
         nargs="+",
@@ -671,6 +680,19 @@ def _add_sweep(sub) -> None:
     for action in sw._actions:  # a grid file after a list flag (or --ray) is not one of its values
         if action.option_strings and (action.nargs == "+" or action.dest == "ray"):
             action.type = _not_a_grid(action.option_strings[-1], action.type or str)
+
+
+def _not_a_trace(flag: str):
+    """A policy name's type that refuses a trace given after the flag's values, saying where it goes."""
+
+    def value(text: str) -> str:
+        looks = text == "default" or Path(text).suffix.lower() in (".npz", ".csv", ".jsonl", ".parquet")
+        if looks and ":" not in text:  # a policy's parameters may name a file (static:profile=...)
+            raise argparse.ArgumentTypeError(f"{text} looks like a trace: give it first, before {flag}")
+        return text
+
+    value.__name__ = "policy"
+    return value
 
 
 def _not_a_grid(flag: str, convert):
