@@ -568,6 +568,10 @@ def test_lengths_are_checked_against_the_kv_cache_and_the_default_fits(make_ckpt
             assert r.status_code == 200, r.text
             usage = r.json()["usage"]
             assert usage["prompt_tokens"] + usage["completion_tokens"] <= 256
+            # a prompt that fills the cache, without max_tokens: the message names no max_tokens of its own
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 300})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and "+ a token to generate (max_tokens not given) exceeds" in message
             # too long a prompt is refused by its characters, before it is tokenised
             limits_chars = 2048 * max(len(t) for t in model.tokenizer.get_vocab())
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "y" * (limits_chars + 1)})

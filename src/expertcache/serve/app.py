@@ -306,15 +306,17 @@ class Limits:
         if batcher is not None:
             bounds.append((batcher.kv_tokens, "the server's KV cache (--kv-cache-tokens)"))
         room = min((b for b, _ in bounds), default=None)
+        given = max_tokens is not None
         if max_tokens is None:
             max_tokens = (
                 DEFAULT_MAX_TOKENS if room is None else max(1, min(DEFAULT_MAX_TOKENS, room - prompt))
             )
         for bound, what in bounds:
             if prompt + max_tokens > bound:
+                asked = f"max_tokens {max_tokens}" if given else "a token to generate (max_tokens not given)"
                 raise ApiError(
-                    400, f"prompt of {prompt} tokens + max_tokens {max_tokens} exceeds {what} of {bound} "
-                    "tokens", code="context_length_exceeded",
+                    400, f"prompt of {prompt} tokens + {asked} exceeds {what} of {bound} tokens",
+                    code="context_length_exceeded",
                 )  # fmt: skip
         return max_tokens
 
