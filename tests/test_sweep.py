@@ -188,27 +188,26 @@ def test_a_window_clipped_to_the_traces_layers_is_said(capsys, traces):
     assert "prefetch window 99 reaches past a 4-layer model" in err
 
 
-def test_the_timing_values_are_checked_once_the_flags_replace_the_files(tmp_path, capsys, traces):
+@pytest.mark.parametrize(
+    "timing, refused",
+    [
+        ("{window: [1]}", "a window sets the layers ahead of a predictor, and the grid has none"),
+        ("{prefetch: [oracle], predictor: t.npz}", "no predictor of the grid reads one (token and eam do"),
+    ],
+)  # fmt: skip
+def test_the_timing_values_are_checked_once_the_flags_replace_the_files(
+    tmp_path, capsys, traces, timing, refused
+):
     """A window needs a predictor and a predictor trace a predictor that reads one, in the merged grid:
     a flag that supplies what the file lacks is not refused on the file alone."""
     (tmp_path / "t.npz").write_bytes(traces[0].read_bytes())
-    (tmp_path / "w.yaml").write_text(
-        "traces: [t.npz]\npolicies: [lru]\ncapacities: [8]\ntiming: {window: [1]}\n"
-    )
-    code, _, err = run(capsys, "sweep", str(tmp_path / "w.yaml"))
-    assert code == 2 and "a window sets the layers ahead of a predictor, and the grid has none" in err
-    code, out, err = run(capsys, "sweep", str(tmp_path / "w.yaml"), "--prefetch", "eam", "--json", "--quiet")
+    grid = tmp_path / "g.yaml"
+    grid.write_text(f"traces: [t.npz]\npolicies: [lru]\ncapacities: [8]\ntiming: {timing}\n")
+    code, _, err = run(capsys, "sweep", str(grid))
+    assert code == 2 and refused in err
+    code, out, err = run(capsys, "sweep", str(grid), "--prefetch", "eam", "--json", "--quiet")
     assert code == 0, err
-    assert {(r["prefetch"], r["window"]) for r in json.loads(out) if r["prefetch"] is not None} == {
-        ("eam", 1)
-    }
-    (tmp_path / "p.yaml").write_text(
-        "traces: [t.npz]\npolicies: [lru]\ncapacities: [8]\ntiming: {prefetch: [oracle], predictor: t.npz}\n"
-    )
-    code, _, err = run(capsys, "sweep", str(tmp_path / "p.yaml"))
-    assert code == 2 and "no predictor of the grid reads one (token and eam do; the grid's: oracle)" in err
-    code, out, err = run(capsys, "sweep", str(tmp_path / "p.yaml"), "--prefetch", "eam", "--json", "--quiet")
-    assert code == 0, err
+    assert {r["prefetch"] for r in json.loads(out) if r["prefetch"] is not None} == {"eam"}
 
 
 @pytest.mark.parametrize(
