@@ -287,6 +287,53 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
 
 
 @pytest.mark.parametrize("command", ["doctor", "plan"])
+def test_a_bad_budget_is_refused_before_the_requests_are_batched(command, capsys):
+    assert main([command, "--concurrency", "16", "--expert-memory", "64MiB"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("expertcache: error: --expert-memory 64MiB holds no expert")
+        and len(err.splitlines()) == 1
+    )
+
+
+def test_timing_of_a_batched_plan_on_another_trace_says_so(tmp_path, capsys):
+    plan = tmp_path / "p16.json"
+    assert main(["plan", "--concurrency", "4", "--expert-memory", "25%", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["timing", "--plan", str(plan)]) == 0
+    assert "it served its trace 4 at a time: replay that" in capsys.readouterr().err
+    served = tmp_path / "u4.npz"
+    assert main(["trace", "batch", "default", "--concurrency", "4", "-o", str(served)]) == 0
+    capsys.readouterr()
+    assert main(["timing", "--plan", str(plan), "--trace", str(served)]) == 0
+    assert "note: the plan was made on" not in capsys.readouterr().err
+    single = tmp_path / "p1.json"  # a plan of the trace as it is, replayed on it: nothing to say
+    assert main(["plan", "--expert-memory", "25%", "-o", str(single)]) == 0
+    capsys.readouterr()
+    assert main(["timing", "--plan", str(single)]) == 0
+    assert "note: the plan was made on" not in capsys.readouterr().err
+
+
+def test_plan_refuses_to_write_over_its_own_trace(tmp_path, capsys):
+    import shutil
+
+    from expertcache.trace.default import DEFAULT_TRACE
+
+    trace = tmp_path / "t.npz"
+    shutil.copyfile(DEFAULT_TRACE, trace)
+    before = trace.read_bytes()
+    assert main(["plan", "--trace", str(trace), "--capacity", "24", "-o", str(trace)]) == 2
+    assert "is the input itself" in capsys.readouterr().err and trace.read_bytes() == before
+
+
+def test_doctor_of_a_batched_trace_with_every_expert_cached_has_a_verdict(capsys):
+    """At 100 % nothing misses, so batch has no reference to compare with: said, not a crash."""
+    assert main(["doctor", "--concurrency", "4", "--expert-memory", "100%"]) == 0
+    out = capsys.readouterr().out
+    assert "at this budget every expert stays in the cache after its first use" in out
+
+
+@pytest.mark.parametrize("command", ["doctor", "plan"])
 def test_bad_concurrency_is_one_line_and_exit_2(command, capsys):
     assert main([command, "--concurrency", "0"]) == 2
     err = capsys.readouterr().err.strip()

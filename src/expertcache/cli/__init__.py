@@ -807,6 +807,22 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             )
         plan = Plan.load(args.plan)
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
+        made_on, tokens = str(plan.source.get("trace", "")), plan.source.get("tokens")
+        served = re.search(r" x(\d+)$", made_on)  # the plan's trace served N at a time (trace.batch)
+        replayed = trace.meta.get("concurrency")
+        other_n = (int(served.group(1)) if served else None) != (None if replayed is None else int(replayed))
+        if other_n or (tokens is not None and tokens != trace.num_tokens):  # another workload than the plan's
+            how = (
+                f"; it served its trace {served.group(1)} at a time: replay that (expertcache trace batch "
+                f"TRACE --concurrency {served.group(1)} -o F, then --trace F)"
+                if served
+                else ""
+            )
+            print(
+                f"note: the plan was made on {made_on} ({tokens} tokens); this replays {trace.source} "
+                f"({trace.num_tokens} tokens), so these figures are not the plan's prediction{how}",
+                file=sys.stderr,
+            )
         plan.refuse_host(_given(args, "host_memory", "host_capacity", "host_policy", "host_exclusive"))
     options = {
         "data": args.predictor,
@@ -951,10 +967,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         trace = _record_trace(args.model, args.prompts, args.max_new_tokens, args.window_tokens)
     else:
         trace = _trace(args.trace)
-    trace = _served(trace, args)
     _check_profile(args, trace)
     cost = _cost_from_args(args)
-    capacity = _capacity(args, cost, trace)
+    capacity = _capacity(args, cost, trace)  # the budget checked before the requests are batched
+    trace = _served(trace, args)
     host = _host_level(args)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
@@ -1019,10 +1035,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     _check_cost_flags(args)
     _check_concurrency(args)
-    trace = _served(_trace(args.trace), args)
-    _check_profile(args, trace)
+    if args.out:
+        for given in (args.trace, getattr(args, "profile", None), args.predictor, args.cost):
+            if given is not None:
+                _not_the_input(args.out, given)
+    raw = _trace(args.trace)
+    _check_profile(args, raw)
     cost = _cost_from_args(args)
-    capacity = _capacity(args, cost, trace)
+    capacity = _capacity(args, cost, raw)  # the budget checked before the requests are batched
+    trace = _served(raw, args)
     windows = list(dict.fromkeys(args.window or [None]))
     prefetches = [
         PrefetchConfig(p, window=w, data=args.predictor)

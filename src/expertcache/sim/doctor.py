@@ -293,7 +293,13 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{r['capacity_per_layer_in_active']:.1f}x"
         )
     b = r.get("batch")
-    if b is not None:
+    if b is not None and b["batch_vs_best"] is None:  # every expert fits: nothing misses, nothing to split
+        out.append(
+            f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
+            f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer; at this budget every "
+            "expert stays in the cache after its first use, so no step waits for a transfer beyond those"
+        )
+    elif b is not None:
         out.append(
             f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
             f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
