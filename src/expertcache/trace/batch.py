@@ -53,6 +53,9 @@ def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
     return out
 
 
+MAX_TOKENS = 20_000_000  # a batched trace's tokens at most: built step by step, request by request, in lists
+
+
 def batch_requests(
     trace: Trace,
     concurrency: int,
@@ -80,6 +83,12 @@ def batch_requests(
     total = requests if requests is not None else max(len(pool), 2 * concurrency)
     if total < 1:
         raise TraceError(f"requests must be at least 1, got {total}")
+    rows = total * sum(len(rows) for rows, _ in pool) / len(pool)  # the batched trace's tokens, about
+    if rows > MAX_TOKENS:  # found out at once, not by running out of memory (a step per client each)
+        raise TraceError(
+            f"{total} requests of {trace.source} (concurrency {concurrency}) would make a trace of about "
+            f"{rows:,.0f} tokens, more than {MAX_TOKENS:,}: give fewer requests or a lower concurrency"
+        )
     rows_out: list[np.ndarray] = []
     seq_out: list[np.ndarray] = []
     step_out: list[np.ndarray] = []
