@@ -83,11 +83,11 @@ def batch_requests(
     total = requests if requests is not None else max(len(pool), 2 * concurrency)
     if total < 1:
         raise TraceError(f"requests must be at least 1, got {total}")
-    rows = total * sum(len(rows) for rows, _ in pool) / len(pool)  # the batched trace's tokens, about
-    if rows > MAX_TOKENS:  # found out at once, not by running out of memory (a step per client each)
+    tokens = total * sum(len(r) for r, _ in pool) / len(pool)  # the batched trace's, about
+    if tokens > MAX_TOKENS:  # found out at once, not by running out of memory (a step per client each)
         raise TraceError(
             f"{total} requests of {trace.source} (concurrency {concurrency}) would make a trace of about "
-            f"{rows:,.0f} tokens, more than {MAX_TOKENS:,}: give fewer requests or a lower concurrency"
+            f"{tokens:,.0f} tokens, more than {MAX_TOKENS:,}: give fewer requests or a lower concurrency"
         )
     rows_out: list[np.ndarray] = []
     seq_out: list[np.ndarray] = []
