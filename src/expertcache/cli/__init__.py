@@ -1120,15 +1120,14 @@ def _predictor_trace(given: str | None, predictors: list[str]) -> Trace | None:
     predictor, which runs in the engine only)."""
     if given is None:
         return None
-    from expertcache.predict.registry import predictor_class
+    from expertcache.predict.registry import trace_readers
 
     if Path(given).is_dir():
         raise ExpertcacheError(
             f"--predictor {given} is a directory: the simulator's predictors learn from a recorded trace "
             "(.npz); a trained predictor runs in the engine (generate --prefetch learned --predictor DIR)"
         )
-    readers = [p for p in predictors if p not in ("none", "recorded") and predictor_class(p).reads == "trace"]
-    if not readers:
+    if not trace_readers(predictors):
         raise ExpertcacheError(
             f"--predictor {given}: prefetch {', '.join(dict.fromkeys(predictors))} reads no recorded trace "
             "(token and eam do)"

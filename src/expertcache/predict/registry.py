@@ -31,6 +31,12 @@ def predictor_class(name: str) -> type[Predictor]:
         ) from None
 
 
+def trace_readers(names) -> list[str]:
+    """Those of the predictor ``names`` that learn from a recorded trace (``--predictor TRACE.npz``: token,
+    eam); ``none`` and ``recorded`` read none."""
+    return [n for n in names if n not in ("none", "recorded", "auto") and predictor_class(n).reads == "trace"]
+
+
 def make_predictor(name: str, ctx: PredictContext) -> Predictor:
     """Build a registered predictor; unknown names, or inputs it lacks, raise PredictorError."""
     return predictor_class(name)(ctx)

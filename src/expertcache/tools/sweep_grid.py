@@ -15,7 +15,7 @@ from expertcache.config import MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.registry import parse_policy
-from expertcache.predict.registry import predictor_class
+from expertcache.predict.registry import trace_readers
 from expertcache.sim.simulate import DEFAULT_POLICIES
 from expertcache.trace.default import DEFAULT_TRACE
 from expertcache.units import capacity_for, parse_duration, parse_rate
@@ -71,7 +71,7 @@ class Timing:
                 "a window sets the layers ahead of a predictor, and the grid has none: add predictors "
                 "(--prefetch NAME, or prefetch: in the grid's timing)"
             )
-        if self.predictor is not None and not any(predictor_class(n).reads == "trace" for n in swept):
+        if self.predictor is not None and not trace_readers(swept):
             raise ExpertcacheError(
                 f"predictor trace {self.predictor}: no predictor of the grid reads one (token and eam do; "
                 f"the grid's: {', '.join(dict.fromkeys(predictors))})"
