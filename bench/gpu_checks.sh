@@ -8,10 +8,14 @@
 #   serve   issue 31: `serve` on Qwen1.5-MoE's shapes (random weights, the embedded model's tokenizer and
 #           vocabulary; SERVE_LAYERS of its 24 layers, default 8) at 100 % and 25 % (LRU/fetch,
 #           TLFU/batch), 16 and 64 clients, a run of its own each; 4-6 minutes with the checkpoint
+#           (SERVE_DURATION, SERVE_SINGLE, SERVE_WARM: seconds of load, of one client, of warm-up)
 #   kernels issue 30: one expert's kernel, transfer and miss per packed format on Mixtral's shapes, 2 minutes
 #   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
 #           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
 #           precision); 5 minutes at most, the checkpoint and the int4 copies too
+#   attention issue 31: decode attention's cost per new key length by backend, the driver's JIT cache on and
+#           off (bench/attention_gpu.py), then the 100 % server on the serve part's checkpoint with
+#           transformers' sdpa and eager attention, a cold JIT cache each; 4 minutes with the checkpoint
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
 # install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
@@ -21,7 +25,7 @@
 # returns only names of letters, digits, '.', '_' and '-').
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PARTS="tests tiers serve kernels hobbit"
+PARTS="tests tiers serve kernels hobbit attention"
 if [ "$#" -lt 2 ]; then
   echo "usage: bench/gpu_checks.sh OUT PART... (parts: $PARTS)" >&2
   exit 2
@@ -35,6 +39,14 @@ cd "$HERE" || exit 2
 CACHE=${TMPDIR:-/tmp}/expertcache-gpu
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/bench
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+qwen_checkpoint() {  # sets $model: Qwen1.5-MoE's shapes, SERVE_LAYERS layers, the tokenizer's vocabulary
+  rm -rf "$CACHE"/mixtral-8x7b-*
+  layers=${SERVE_LAYERS:-8}
+  timeout 120 python3 bench/engine_gpu.py --build-only --layers "$layers" --cache-dir "$CACHE" \
+    --tokenizer src/expertcache/data/default >"$OUT/serve_build.log" 2>&1 \
+    || { stamp "the Qwen checkpoint failed"; tail -5 "$OUT/serve_build.log"; return 1; }
+  model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l"$layers"-v*-bfloat16)
+}
 
 for part in "$@"; do
   case "$part" in
@@ -56,16 +68,12 @@ for part in "$@"; do
       ;;
     serve)
       stamp "serve"
-      rm -rf "$CACHE"/mixtral-8x7b-*
-      layers=${SERVE_LAYERS:-8}
-      timeout 120 python3 bench/engine_gpu.py --build-only --layers "$layers" --cache-dir "$CACHE" \
-        --tokenizer src/expertcache/data/default >"$OUT/serve_build.log" 2>&1 \
-        || { stamp "serve: the checkpoint failed"; tail -5 "$OUT/serve_build.log"; continue; }
-      model=$(ls -d "$CACHE"/qwen15-moe-a2.7b-l"$layers"-v*-bfloat16)  # the tokenizer's vocabulary
+      qwen_checkpoint || continue
       for cell in 100% 25%:lru:fetch 25%:tlfu:batch; do  # a run each: what ran is kept if time runs out
         name=$(printf %s "$cell" | tr -c 'a-z0-9' '_')
         timeout 150 python3 bench/serve_load.py --device cuda --model "$model" --compare "$cell" \
-          --clients 16,64 --duration 15 --single 10 --rounds 1 --warm 5 --tokens 16-48 \
+          --clients 16,64 --duration "${SERVE_DURATION:-15}" --single "${SERVE_SINGLE:-10}" --rounds 1 \
+          --warm "${SERVE_WARM:-5}" --tokens 16-48 \
           --out "$OUT/serve_gpu_$name.json" >"$OUT/serve_$name.log" 2>&1
         stamp "serve $cell rc $?"
       done
@@ -83,6 +91,18 @@ for part in "$@"; do
         --gate-weights hobbit --no-reference --out "$OUT/engine_gpu_mixtral4_hobbit_weights.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/hobbit.log" | tail -8
       stamp "hobbit rc $?"
+      ;;
+    attention)
+      stamp "attention"
+      timeout 150 python3 bench/attention_gpu.py --out "$OUT/attention_gpu.json" 2>&1 | tee "$OUT/attention.log"
+      qwen_checkpoint || continue
+      for att in sdpa eager; do  # a cold JIT cache, as on a machine just started
+        CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
+          --compare 100% --attention "$att" --clients 16 --duration 10 --single 6 --rounds 1 --warm 3 \
+          --tokens 16-48 --out "$OUT/serve_gpu_attention_$att.json" >"$OUT/serve_attention_$att.log" 2>&1
+        stamp "serve 100% attention $att rc $?"
+        grep -E "^  (1 client|16 clients):" "$OUT/serve_attention_$att.log" | cut -c1-220
+      done
       ;;
   esac
 done
