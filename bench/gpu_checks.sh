@@ -53,7 +53,7 @@ for part in "$@"; do
     tests)
       stamp "tests"
       EXPERTCACHE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -rs -n 8 -p no:cacheprovider \
-        tests/test_tiers.py tests/test_dense.py tests/test_packed.py tests/test_published.py \
+        tests/test_tiers.py tests/test_dense.py tests/test_packed.py tests/test_published.py tests/test_engine.py \
         >"$OUT/tests.log" 2>&1
       stamp "tests rc $?"
       grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -20

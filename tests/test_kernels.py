@@ -407,3 +407,27 @@ def test_the_routing_reaches_the_host_in_one_copy_unchanged(tokens, top_k, exper
     got_index, got_weights = routing_on_host(index, weights, packed=True)
     assert got_index.dtype == want_index.dtype == np.int64 and (got_index == want_index).all()
     assert got_weights.dtype == want_weights.dtype == np.float32 and (got_weights == want_weights).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 40),
+    top_k=st.integers(1, 8),
+    experts=st.sampled_from([8, 60, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_experts_rows_at_once_are_eagers(tokens, top_k, experts, seed):
+    """Off a CPU the eager kernel takes all experts' rows of a layer from the host ids in one sort and one
+    copy: for every expert, used or not, the same token and top-k indices in the same order as eager's
+    ``torch.where(expert == top_k_index.T)``, which waits for the GPU once an expert."""
+    from expertcache.engine.runtime import RowsByExpert
+
+    g = torch.Generator().manual_seed(seed)
+    picks = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
+    index = torch.stack(picks) if picks else torch.zeros(0, top_k, dtype=torch.int64)
+    rows = RowsByExpert(index.numpy(), torch.device("cpu"))
+    for expert in range(experts + 1):
+        top_k_pos, token_idx = torch.where(expert == index.T)
+        got_token, got_pos = rows[expert]
+        assert got_token.dtype == got_pos.dtype == torch.int64
+        assert torch.equal(got_token, token_idx) and torch.equal(got_pos, top_k_pos)

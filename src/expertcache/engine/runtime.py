@@ -138,6 +138,32 @@ def routing_on_host(
     return both[:, :K].astype(np.int64), np.ascontiguousarray(both[:, K:])
 
 
+class RowsByExpert:
+    """Each expert's rows of a layer's routing ``[T, K]`` (host ids), as eager's ``torch.where(expert ==
+    top_k_index.T)`` gives them (top-k position, then token), for all experts at once: one stable sort on
+    the host and one copy to the device (pinned, asynchronous), where each expert's rows are views.
+    eager's loop synchronises with the GPU once an expert; on a CPU, where nothing waits, the engine's
+    ``np.nonzero`` per expert is faster for a few tokens."""
+
+    def __init__(self, index: np.ndarray, device: torch.device) -> None:
+        T = index.shape[0]
+        flat = np.ascontiguousarray(index.T).ravel()  # position p = top_k_pos * T + token
+        order = np.argsort(flat, kind="stable")
+        ids = flat[order]
+        bounds = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1, [ids.size])).tolist()
+        self._where = (
+            dict(zip(ids[bounds[:-1]].tolist(), itertools.pairwise(bounds), strict=True)) if ids.size else {}
+        )
+        pairs = torch.from_numpy(np.stack((order % T, order // T)))  # token_idx, top_k_pos (int64)
+        if device.type != "cpu":
+            pairs = pairs.pin_memory().to(device, non_blocking=True)
+        self._pairs = pairs
+
+    def __getitem__(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._where.get(expert, (0, 0))
+        return self._pairs[0, a:b], self._pairs[1, a:b]
+
+
 def _inference(fn, args):
     with torch.inference_mode():  # inference mode is per thread
         return fn(*args)
@@ -244,18 +270,20 @@ class Engine:
         work = self.driver.layer(layer, index, weights, self._gate_inputs.pop(layer, hidden))
         if self.grouped:
             return self._grouped(module, layer, hidden, top_k_index, top_k_weights, index, work)
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (token_idx, top_k_pos)
         on_cpu = hidden.device.type == "cpu"
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> (token_idx, top_k_pos)
+        on_device = None  # off a CPU: every expert's rows, copied at the first need
 
         def tokens_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal on_device
+            if not on_cpu:
+                if on_device is None:
+                    on_device = RowsByExpert(index, hidden.device)
+                return on_device[expert]
             got = rows.get(expert)
-            if got is None:
-                if on_cpu:  # from the host copy: the same indices, in the same order, as torch.where's
-                    top_k_pos, token_idx = np.nonzero(expert == index.T)
-                    got = rows[expert] = (torch.from_numpy(token_idx), torch.from_numpy(top_k_pos))
-                else:
-                    top_k_pos, token_idx = torch.where(expert == top_k_index.T)
-                    got = rows[expert] = (token_idx, top_k_pos)
+            if got is None:  # from the host copy: the same indices, in the same order, as torch.where's
+                top_k_pos, token_idx = np.nonzero(expert == index.T)
+                got = rows[expert] = (torch.from_numpy(token_idx), torch.from_numpy(top_k_pos))
             return got
 
         # one token on a CPU (a decode step of one sequence): every expert computes all of ``hidden``,
