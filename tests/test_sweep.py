@@ -832,6 +832,6 @@ def test_simulate_takes_one_policy_and_shares_as_sim_and_sweep_do():
         (r.policy, r.capacity, r.misses) for r in listed
     ]
     assert listed[0].capacity == 24  # a quarter of 96
-    for bad, words in (("x", "a whole number of experts or a share"), ("0.5%", "less than one expert")):
+    for bad, words in (("x", "is not experts .24., a range"), ("0.5%", "less than one expert")):
         with pytest.raises(expertcache.ExpertcacheError, match=words):
             expertcache.simulate(trace, ["lru"], capacities=[bad])

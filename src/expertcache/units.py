@@ -135,6 +135,40 @@ def capacity_for(budget: str | int | float, expert_bytes: int, total_experts: in
     return min(total_experts, int(parse_size(budget, "expert memory") // expert_bytes))
 
 
+def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
+    """The capacities one item names on a trace of ``total`` experts: whole experts (24), a range
+    (START:STOP[:STEP], cut at ``total``), a share of all experts (25%, rounded down) or ``all`` (from
+    ``low``, the least a layer order allows). A share below one expert is returned as its text, for the
+    caller to leave out or refuse. The one grammar of ``sim --capacity``, ``sweep`` and ``simulate``."""
+    text = str(item).strip()
+    if text == "all":
+        return list(range(low, total + 1))
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            raise ExpertcacheError(f"capacity {item!r} is not a share of all experts (25%)") from None
+        if not 0 < share <= 100:
+            raise ExpertcacheError(f"capacity {item!r}: a share is in (0%, 100%]")
+        n = capacity_for(text, 1, total)
+        return [n] if n >= 1 else [text]
+    try:
+        nums = [int(p) for p in text.split(":")] if not isinstance(item, bool | float) else []
+    except ValueError:
+        nums = []
+    if not 1 <= len(nums) <= 3:
+        raise ExpertcacheError(
+            f"capacity {item!r} is not experts (24), a range (8:96:8), a share (25%) or all"
+        )
+    if min(nums) < 1:
+        raise ExpertcacheError(f"capacity {item!r}: a capacity is at least 1 expert, a step at least 1")
+    if len(nums) == 1:
+        return nums
+    if nums[1] < nums[0]:
+        raise ExpertcacheError(f"capacity {text} selects no capacity (a range is START:STOP, STOP >= START)")
+    return list(range(nums[0], min(nums[1], total) + 1, nums[2] if len(nums) == 3 else 1))
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -34,11 +34,11 @@ from expertcache.sim import fast
 from expertcache.sim.planner import METHODS, OBJECTIVES
 from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
-from expertcache.tools.sweep_grid import capacity_items
 from expertcache.trace.default import default_trace
 from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
+from expertcache.units import capacity_items
 
 DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
 _SIGNED = re.compile(r"^-[0-9.]")  # a negative value with a unit: -5%, -1ms
@@ -1283,34 +1283,21 @@ def _note_skipped(
 
 
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
+    """``sim --capacity``: items of ``units.capacity_items``' grammar, ``all`` from the least the layer
+    order allows; a whole number above all experts is capped, with a note."""
     total = trace.num_layers * trace.num_experts
-    if list(items) == ["all"]:
-        return list(range(min_room(order, trace.top_k), total + 1))
     caps: list[int] = []
     for item in items:
-        if item.endswith("%"):  # a share of all experts, rounded down (as sweep resolves it)
-            (n,) = capacity_items(item, total, 1)
-            if not isinstance(n, int):
-                raise ExpertcacheError(f"capacity {item!r} is below one expert of {total}")
-            caps.append(n)
-            continue
-        parts = item.split(":")
-        try:
-            nums = [int(x) for x in parts]
-        except ValueError:
-            raise ExpertcacheError(
-                f"capacity {item!r} is not an integer, START:STOP[:STEP], a share (25%) or all"
-            ) from None
-        if len(nums) == 1:
-            if nums[0] > total:
-                print(f"note: a cache of {nums[0]} experts is more than all {total}; capped at {total}",
-                      file=sys.stderr)  # fmt: skip
-            caps.append(min(nums[0], total))
-        elif len(nums) in (2, 3) and (len(nums) == 2 or nums[2] > 0):
-            start, stop = nums[0], min(nums[1], total)
-            caps += range(start, stop + 1, nums[2] if len(nums) == 3 else 1)
-        else:
-            raise ExpertcacheError(f"capacity range {item!r} must be START:STOP[:STEP] with STEP > 0")
+        got = capacity_items(item, total, min_room(order, trace.top_k))
+        if any(isinstance(n, str) for n in got):
+            raise ExpertcacheError(f"capacity {item!r} is below one expert of {total}")
+        if len(got) == 1 and got[0] > total:
+            print(
+                f"note: a cache of {got[0]} experts is more than all {total}; capped at {total}",
+                file=sys.stderr,
+            )
+            got = [total]
+        caps += got
     if not caps:
         raise ExpertcacheError(f"capacity {' '.join(items)} selects no capacity")
     return list(dict.fromkeys(caps))

@@ -14,6 +14,7 @@ from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace
+from expertcache.units import capacity_items
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
@@ -21,14 +22,15 @@ DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "
 def simulate(
     trace: Trace,
     policies: Sequence[str] = DEFAULT_POLICIES,
-    capacities: Sequence[int] | str = "all",
+    capacities: Sequence[int | str] | int | str = "all",
     order: str = "layer",
     seed: int = 0,
     skip_infeasible: bool = False,
     jobs: int = 1,
 ) -> list[SimResult]:
     """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
-    1..L*E); each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
+    1..L*E, or items as ``sim --capacity`` takes them: 24, "8:96:8", "25%"); each result carries OPT's
+    misses at its capacity. With ``skip_infeasible``, capacities a
     policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
     given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
@@ -67,18 +69,12 @@ def _simulate(
 
 
 def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]:
-    """Capacities as ``simulate`` takes them: one or a list of whole numbers of experts or shares of all
-    ``total`` (``"25%"``, rounded down, as ``sim --capacity`` and ``sweep`` take them)."""
+    """Capacities as ``simulate`` takes them: one or a list of items of ``sim --capacity``'s grammar
+    (``units.capacity_items``: whole experts, ranges, shares of all ``total`` experts)."""
     caps = []
     for c in [given] if isinstance(given, int | str) else given:
-        text = str(c).strip()
-        try:
-            n = int(total * float(text[:-1]) / 100) if text.endswith("%") else int(text)
-        except ValueError:
-            raise ExpertcacheError(f"capacity {c!r}: a whole number of experts or a share (25%)") from None
-        if text.endswith("%") and not 0 < float(text[:-1]) <= 100:
-            raise ExpertcacheError(f"capacity {c!r}: a share is in (0%, 100%]")
-        if n < 1:
+        got = capacity_items(c, total, 1)
+        if any(isinstance(n, str) for n in got):
             raise ExpertcacheError(f"capacity {c!r} is less than one expert of {total}")
-        caps.append(n)
-    return caps
+        caps += got
+    return list(dict.fromkeys(caps))  # each once, in the order given, as sim --capacity

@@ -18,7 +18,7 @@ from expertcache.policy.registry import parse_policy
 from expertcache.predict.registry import trace_readers
 from expertcache.sim.simulate import DEFAULT_POLICIES
 from expertcache.trace.default import DEFAULT_TRACE
-from expertcache.units import capacity_for, parse_duration, parse_rate
+from expertcache.units import capacity_items, parse_duration, parse_rate
 
 DEFAULT_CAPACITIES = tuple(f"{100 * i / 16:g}%" for i in range(1, 17))  # as `sim`: 16 even steps
 GRID_SUFFIXES = (".yaml", ".yml", ".toml")
@@ -230,35 +230,3 @@ def _timing_from(data: object, base: str) -> Timing | None:
         if data.get(key) is not None:
             data[key] = str(Path(base) / data[key])
     return Timing(**data)
-
-
-def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
-    """Capacities of one grid item on a trace of ``total`` experts (``low``: the least a layer order
-    allows, for ``all``); a share below one expert is returned as its text, to be left out."""
-    text = str(item).strip()
-    if text == "all":
-        return list(range(low, total + 1))
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            raise ExpertcacheError(f"capacity {item!r} is not a share of all experts (25%)") from None
-        if not 0 < share <= 100:
-            raise ExpertcacheError(f"capacity {item!r}: a share is in (0%, 100%]")
-        n = capacity_for(text, 1, total)
-        return [n] if n >= 1 else [text]
-    try:
-        nums = [int(p) for p in text.split(":")] if not isinstance(item, bool | float) else []
-    except ValueError:
-        nums = []
-    if not 1 <= len(nums) <= 3:
-        raise ExpertcacheError(
-            f"capacity {item!r} is not experts (24), a range (8:96:8), a share (25%) or all"
-        )
-    if min(nums) < 1:
-        raise ExpertcacheError(f"capacity {item!r}: a capacity is at least 1 expert, a step at least 1")
-    if len(nums) == 1:
-        return nums
-    if nums[1] < nums[0]:
-        raise ExpertcacheError(f"capacity {text} selects no capacity (a range is START:STOP, STOP >= START)")
-    return list(range(nums[0], min(nums[1], total) + 1, nums[2] if len(nums) == 3 else 1))
