@@ -191,8 +191,14 @@ def test_the_cli_writes_a_batched_trace_and_info_describes_its_steps(tmp_path: P
     out = tmp_path / "batched.npz"
     assert main(["trace", "batch", "-c", "4", "--batch-tokens", "64", "-o", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "wrote" in err and "requests, 4 at a time" in err and "experts a layer a step" in err
+    assert "wrote" in err and "requests, 4 at a time (achieved: " in err and "experts a layer a step" in err
     trace = load_trace(out)
+    per_step = [len(set(trace.seq_id[trace.step_id == s].tolist())) for s in np.unique(trace.step_id)]
+    shape = step_shape(trace)  # the concurrency achieved: ramp-up and drain run fewer than 4
+    assert shape["max_step_requests"] == max(per_step) <= 4 and shape["mean_step_requests"] == np.mean(
+        per_step
+    )
+    assert f"{shape['mean_step_requests']:.1f} a step on average, {max(per_step)} at most" in err
     assert trace.meta["concurrency"] == 4 and trace.step_id is not None
     _check_batched(default_trace(), trace, 4, 64)
     assert main(["trace", "info", str(out), "--json"]) == 0

@@ -1323,6 +1323,9 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
         print(f"steps       {st['steps']} forward steps of {st['mean_step_tokens']:.1f} tokens on average "
               f"(at most {st['max_step_tokens']}); a layer needs {st['mean_step_experts']:.1f} distinct "
               "experts a step")  # fmt: skip
+        if "mean_step_requests" in st:
+            print(f"requests    {st['mean_step_requests']:.1f} served together a step on average (at most "
+                  f"{st['max_step_requests']})")  # fmt: skip
     print(f"entropy     mean {info['mean_entropy_bits']:.3f} bits of {info['max_entropy_bits']:.3f}")
     print(f"reuse       mean {info['mean_reuse']:.3f} of a token's experts were used by the previous token")
     print("layer  entropy  reuse")
@@ -1357,8 +1360,12 @@ def _cmd_trace_batch(args: argparse.Namespace) -> int:
     )
     trace.save(args.out)
     shape = step_shape(trace)
-    print(f"wrote {args.out}: {trace.meta['batched_requests']} requests, {args.concurrency} at a time: "
-          f"{shape['steps']} steps of {shape['mean_step_tokens']:.1f} tokens on average, "
+    achieved = ""
+    if "mean_step_requests" in shape:  # ramp-up, drain and the step's token cap run fewer than asked
+        mean, most = shape["mean_step_requests"], shape["max_step_requests"]
+        achieved = f" (achieved: {mean:.1f} a step on average, {most} at most)"
+    print(f"wrote {args.out}: {trace.meta['batched_requests']} requests, {args.concurrency} at a time"
+          f"{achieved}: {shape['steps']} steps of {shape['mean_step_tokens']:.1f} tokens on average, "
           f"{shape['mean_step_experts']:.1f} of {trace.num_experts} experts a layer a step",
           file=sys.stderr)  # fmt: skip
     return 0

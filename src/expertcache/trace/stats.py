@@ -40,7 +40,8 @@ def reuse_between_tokens(trace: Trace) -> np.ndarray:
 def step_shape(trace: Trace) -> dict[str, float | int] | None:
     """A batched trace's forward steps (``step_id``): how many, their tokens (mean, most), and the distinct
     experts a layer needs in a step (mean over steps and layers: what one step asks of a layer's
-    cache); None for a trace without ``step_id``."""
+    cache), and with ``seq_id`` the requests a step serves together (mean, most); None for a trace
+    without ``step_id``."""
     if trace.step_id is None:
         return None
     starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
@@ -53,12 +54,17 @@ def step_shape(trace: Trace) -> dict[str, float | int] | None:
         seen[:] = False
         seen[np.broadcast_to(layers, (n, L, trace.top_k)), trace.experts[s : s + n]] = True
         distinct += int(seen[:, :E].sum())
-    return {
+    shape = {
         "steps": len(starts),
         "mean_step_tokens": float(sizes.mean()),
         "max_step_tokens": int(sizes.max()),
         "mean_step_experts": distinct / (len(starts) * L),
     }
+    if trace.seq_id is not None:  # the requests a step served together: the concurrency achieved
+        pairs = np.unique(np.stack((trace.step_id.astype(np.int64), trace.seq_id.astype(np.int64))), axis=1)
+        per_step = np.bincount(np.searchsorted(np.unique(pairs[0]), pairs[0]))
+        shape |= {"mean_step_requests": float(per_step.mean()), "max_step_requests": int(per_step.max())}
+    return shape
 
 
 def summary(trace: Trace) -> dict[str, object]:
