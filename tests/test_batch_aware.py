@@ -276,6 +276,13 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
     assert "16 at a time" in err
     assert batch["mean_step_experts"] > 10 and batch["tlfu_miss_ratio"] < batch["lru_miss_ratio"]
     assert batch["batch_vs_best"] <= 1.2
+    assert main(["doctor", "--concurrency", "16"]) == 0  # the advice names the paths the plan could weigh
+    assert "--miss fetch --miss batch --miss host" in capsys.readouterr().out
+    assert (
+        main(["doctor", "--concurrency", "16", "--miss", "fetch", "--miss", "batch", "--miss", "host"]) == 0
+    )
+    out = capsys.readouterr().out  # given them, the plan weighed them: no advice to give them
+    assert "a step serves" in out and "--miss fetch --miss batch" not in out
     assert main(["doctor"]) == 0
     assert "a step serves" not in capsys.readouterr().out  # one request a step: no batch to speak of
     assert main(["plan", "--concurrency", "4", "--policy", "tlfu", "--miss", "batch", "--json"]) == 0

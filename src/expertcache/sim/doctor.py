@@ -183,6 +183,7 @@ def diagnose(
             "plan": plan.predicted["tpot_s"],
         },
         "plan": plan.describe(),
+        "plan_misses": list(misses),
         "transfer_saved_by_lru": saved,
         "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
         "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity, K),
@@ -300,6 +301,13 @@ def verdict(r: dict[str, object]) -> list[str]:
             "expert stays in the cache after its first use, so no step waits for a transfer beyond those"
         )
     elif b is not None:
+        weighed = {m.split(":")[0] for m in r.get("plan_misses", ())}
+        advice = (
+            ""
+            if {"batch", "host"} <= weighed
+            else "; give the plan the paths to weigh with --miss fetch --miss batch --miss host (here or in "
+            "plan, the same trace and --concurrency)"
+        )
         out.append(
             f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
             f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
@@ -309,7 +317,7 @@ def verdict(r: dict[str, object]) -> list[str]:
             + (
                 ", without the host level: it serves the fetch miss path only, so batch means giving it up)"
                 if r.get("levels") is not None
-                else ")"
+                else ")" + advice
             )
         )
     lv = r.get("levels")
