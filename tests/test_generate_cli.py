@@ -287,6 +287,35 @@ def test_a_step_cut_off_before_its_last_layer_is_left_out_of_the_trace():
         for layer in range(layers):
             rec.add(layer, np.array([[layer]]), None)
     assert rec.trace().num_tokens == 1
+    rec = Recorder(num_layers=2, num_experts=4, top_k=1)
+    for step in range(2):
+        rec.begin(np.array([6]), False, np.array([0]))
+        rec.add(1, np.array([[3]]), None)  # the last layer, twice in the second step, but no first layer
+        if step == 0:
+            rec.add(0, np.array([[2]]), None)
+    rec.add(1, np.array([[3]]), None)
+    assert rec.trace().num_tokens == 1
+
+
+def test_the_recorder_gives_each_step_its_routing_in_token_layer_order():
+    rec = Recorder(num_layers=3, num_experts=8, top_k=2)
+    rng = np.random.default_rng(0)
+    steps = [(np.array([1, 2, 3]), True), (np.array([4]), False), (np.array([5]), False)]
+    want_e, want_w = [], []
+    for tokens, prefill in steps:
+        rec.begin(tokens, prefill, np.zeros(len(tokens), np.int32))
+        e = np.array([[rng.choice(8, 2, replace=False) for _ in tokens] for _ in range(3)])
+        w = rng.random((3, len(tokens), 2)).astype(np.float32)
+        for layer in (2, 0, 1):  # any order
+            rec.add(layer, e[layer], w[layer] if layer != 1 else None)  # layer 1 without weights
+        w[1] = 0
+        want_e.append(e.transpose(1, 0, 2))
+        want_w.append(w.transpose(1, 0, 2))
+    trace = rec.trace()
+    assert trace.experts.dtype == np.int16 and np.array_equal(trace.experts, np.concatenate(want_e))
+    assert np.array_equal(trace.weights, np.concatenate(want_w))
+    assert trace.is_prefill.tolist() == [1, 1, 1, 0, 0] and trace.step_id.tolist() == [0, 0, 0, 1, 2]
+    assert trace.token_id.tolist() == [1, 2, 3, 4, 5]
 
 
 def test_streamed_text_stops_where_the_result_does(capsys, ckpt):

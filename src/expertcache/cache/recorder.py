@@ -9,7 +9,12 @@ from expertcache.trace.trace import Trace
 
 
 class Recorder:
-    """Routing of every step (for ``--record-trace``): experts, weights, token ids, phase, sequence."""
+    """Routing of every step (for ``--record-trace``): experts, weights, token ids, phase, sequence.
+
+    Each step's routing goes into two arrays made when it begins (experts ``[L, T, K]`` int16, weights
+    float32), not two per layer: recording a decode token of a 24-layer top-8 model holds about 2.2 KB
+    (6.5 KB with an array per layer), which a long session or a server with ``--record-trace`` keeps
+    until it ends."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
@@ -25,9 +30,12 @@ class Recorder:
             phase = np.full(len(token_ids), 1 if prefill else 0, dtype=np.int8)
         else:
             phase = np.asarray(prompt, dtype=np.int8)
+        t, L, K = len(token_ids), self.num_layers, self.top_k
+        experts, weights = np.full((L, t, K), -1, dtype=np.int16), np.zeros((L, t, K), dtype=np.float32)
         self.steps.append(
-            {"token_id": token_ids, "phase": phase, "seq": seq, "experts": {}, "weights": {}, "pred": {}}
-        )
+            {"token_id": token_ids, "phase": phase, "seq": seq, "done": 0, "pred": {}, "experts": experts,
+             "weights": weights}
+        )  # fmt: skip
 
     def predict(self, predictions: dict[int, list[int]]) -> None:
         """What the predictor said this step: target layer -> ranked experts."""
@@ -38,24 +46,19 @@ class Recorder:
     def add(self, layer: int, index: np.ndarray, weights: np.ndarray | None) -> None:
         """Layer ``layer`` routed the step's tokens: experts [T, K] and their gate weights [T, K]."""
         step = self.steps[-1]
-        step["experts"][layer] = index.astype(np.int16)
+        step["experts"][layer] = index
         if weights is not None:
-            step["weights"][layer] = np.asarray(weights, dtype=np.float32)
+            step["weights"][layer] = weights
+        step["done"] |= 1 << layer  # the layers routed, as bits
 
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
         ex, wt, tok, pf, seq, step, pred = [], [], [], [], [], [], []
         steps = self.steps
-        if steps and len(steps[-1]["experts"]) < L:  # interrupted (Ctrl-C) before its last layer: dropped
+        if steps and steps[-1]["done"] != (1 << L) - 1:  # interrupted (Ctrl-C) before its last layer: dropped
             steps = steps[:-1]
         for i, s in enumerate(steps):
             t = len(s["token_id"])
-            e = np.full((t, L, K), -1, dtype=np.int16)
-            w = np.zeros((t, L, K), dtype=np.float32)
-            for layer, idx in s["experts"].items():
-                e[:, layer] = idx
-                if layer in s["weights"]:
-                    w[:, layer] = s["weights"][layer]
             p = np.full((t, L, K), -1, dtype=np.int16)
             for layer, ranked in s["pred"].items():  # the step's ranked list, spread over its rows
                 block = np.full(t * K, -1, dtype=np.int16)
@@ -63,8 +66,8 @@ class Recorder:
                 block[: len(flat)] = flat
                 p[:, layer] = block.reshape(t, K)
             pred.append(p)
-            ex.append(e)
-            wt.append(w)
+            ex.append(s["experts"].transpose(1, 0, 2))
+            wt.append(s["weights"].transpose(1, 0, 2))
             tok.append(s["token_id"])
             pf.append(s["phase"])
             seq.append(s["seq"])
