@@ -257,3 +257,34 @@ def test_the_readmes_trace_import_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md", "exec"), {})
     assert main(["trace", "import", "routes.pt", "-o", "r.npz"]) == 0
+
+
+def _slug(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it: code marks and links' targets dropped, lower case,
+    every character but letters, digits, '_', '-' and spaces removed, spaces made hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.replace("`", ""))
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_reach_their_files_and_headings():
+    """`[text](OTHER.md#heading)` and `[text](#heading)`: the file is there, and so is the heading."""
+    anchors = {}
+    for doc in DOCS:
+        seen: dict[str, int] = {}
+        for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", doc.read_text()), re.M):
+            slug = _slug(heading)
+            anchors.setdefault(doc.resolve(), set()).add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    bad = []
+    for doc in DOCS:
+        for target, fragment in re.findall(
+            r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", FENCE.sub("", doc.read_text())
+        ):
+            if target.startswith(("http:", "https:", "mailto:")):
+                continue
+            path = (doc.parent / target).resolve() if target else doc.resolve()
+            if not path.exists():
+                bad.append(f"{doc.name}: ({target}) is not a file of the repository")
+            elif fragment and path in anchors and fragment not in anchors[path]:
+                bad.append(f"{doc.name}: ({target}#{fragment}) names no heading of {path.name}")
+    assert not bad, "\n".join(bad)
