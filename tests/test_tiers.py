@@ -765,6 +765,12 @@ def test_doctor_says_which_level_bounds_the_step():
         assert lv["exclusive"]["host_misses"] < lv["inclusive"]["host_misses"]
         assert any(f"bound by the {bound}" in line for line in r["verdict"])
     assert diagnose(tr, 24)["levels"] is None
+    every = diagnose(tr, 96, slow_disk, host=HostConfig(None), host_capacity=60)  # all fit: no level used
+    assert (
+        every["levels"]["unused"] in every["verdict"]
+        and "host level is not used" in every["levels"]["unused"]
+    )
+    assert not any("over the host level" in line for line in every["verdict"])
 
 
 def test_doctor_says_the_batch_path_means_giving_the_host_level_up():

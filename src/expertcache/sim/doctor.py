@@ -222,6 +222,8 @@ def _levels(
     busiest of the computation (the step less its stall), the link (its transfers, reads aside) and the
     disk (its reads), over the whole run."""
     out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
+    if capacity >= trace.num_layers * trace.num_experts:  # as timing and generate say it
+        return out | {"unused": "every expert fits the expert memory: the host level is not used"}
     for name, cfg, experts in (
         ("inclusive", HostConfig(None, host.policy), host_capacity),
         ("exclusive", HostConfig(None, host.policy, True), level_experts(host_capacity, True, top_k)),
@@ -321,7 +323,9 @@ def verdict(r: dict[str, object]) -> list[str]:
             )
         )
     lv = r.get("levels")
-    if lv is not None:
+    if lv is not None and "unused" in lv:
+        out.append(lv["unused"])
+    elif lv is not None:
         inc, exc = lv["inclusive"], lv["exclusive"]
         busy = ", ".join(f"{k} {v:.3f} s" for k, v in inc["busy_s"].items())
         out.append(
@@ -339,10 +343,11 @@ def verdict(r: dict[str, object]) -> list[str]:
             "policies too"
         )
     t = r["tpot_s"]
+    over = " over the host level" if lv is not None and "unused" not in lv else ""
     if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
         out.append(
             f"predicted TPOT: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
-            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU{' over the host level' if lv else ''}, "
+            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU{over}, "
             f"{1e3 * t['all_resident']:.3f} ms all resident"
         )
     return out
