@@ -640,6 +640,10 @@ def test_api_load_refuses_host_options_without_a_host_level(ckpt):
     with engine_load(path, TOP_K, host_memory="50%") as model:
         assert model.stats["disk_reads"] == 0  # the measurements at load are not the host level's work
         assert model.stats["host_over"] == "disk"
+    with engine_load(path, TOP_K, host_memory="50%", host_policy=None) as model:  # None: the default
+        assert model.host_config.policy == "lru"
+    with pytest.raises(ExpertcacheError, match="host_policy: a policy's name"):
+        engine_load(path, TOP_K, host_memory="50%", host_policy=3)
 
 
 def test_metrics_carry_the_host_level(ckpt):

@@ -441,7 +441,7 @@ def load(
     deterministic: bool = False,
     plan: str | Path | Plan | None = None,
     host_memory: str | int | None = None,
-    host_policy: str = "lru",
+    host_policy: str | None = "lru",
     host_stage: int = 0,
     host_exclusive: bool = False,
     **options,
@@ -525,6 +525,9 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
+    host_policy = "lru" if host_policy is None else host_policy  # None: the default, as elsewhere
+    if not isinstance(host_policy, str):
+        raise ExpertcacheError(f"host_policy: a policy's name (lru, lfu:...), got {host_policy!r}")
     if host_memory is None and (host_policy != "lru" or host_stage or host_exclusive):
         raise ExpertcacheError(
             "host_policy, host_stage and host_exclusive need host_memory (the host cache they rule)"
