@@ -831,6 +831,21 @@ def test_cli_plan_and_doctor_take_a_host_level():
     assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
 
 
+@pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
+def test_every_command_notes_a_host_level_capped_or_no_larger_than_the_cache(command, capsys):
+    """A host level beyond all experts is capped, and an inclusive one no larger than the cache hits only
+    what the cache let go: timing, plan and doctor say both alike (plan and doctor said neither)."""
+    from expertcache.cli import main
+
+    for host, said in (
+        (["--host-capacity", "300"], "a host level of 300 experts is more than all 96; capped at 96"),
+        (["--host-memory", "64GiB"], "a host level of 64GiB is more than all 96 experts take"),
+        (["--host-capacity", "10"], "the host level (10 experts) holds no more than the cache (24)"),
+    ):
+        assert main([command, "--capacity", "24", *host, "--disk-time", "1ms"]) == 0
+        assert f"note: {said}" in capsys.readouterr().err
+
+
 def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(tmp_path):
     def cli(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)

@@ -978,6 +978,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         host_capacity=args.host_capacity,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
+    for note in report["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     if args.plot:
         plot_diagnosis(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -1061,6 +1063,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, **hosts,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
+    for note in plan.source.get("notes", []):
+        print(f"note: {note}", file=sys.stderr)
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)

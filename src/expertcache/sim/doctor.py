@@ -130,7 +130,7 @@ def diagnose(
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step."""
     cost = cost or CostModel()
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
+    level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     tiers = {}  # the host level, for the plan and the on-demand run too
     if level is not None:
         host, host_capacity, _ = level
@@ -187,6 +187,7 @@ def diagnose(
         "transfer_saved_by_lru": saved,
         "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
         "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity, K),
+        "notes": [] if level is None else level[2],  # the host level's size, as timing notes it
     }
     report["verdict"] = verdict(report)
     return report

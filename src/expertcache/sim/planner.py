@@ -306,7 +306,10 @@ def make_plan(
     host_cfgs: list[HostConfig | None] = [None]
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
     skipped: list[str] = []
-    host_level = host_level_of(host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes)
+    host_level = host_level_of(
+        host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes, capacity=capacity
+    )
+    level_notes = [] if host_level is None else host_level[2]
     if host_level is not None and capacity >= trace.num_layers * trace.num_experts:  # as the engine does
         skipped.append("the host level: every expert fits the expert memory, so it is not used")
         host_level = None
@@ -453,7 +456,7 @@ def make_plan(
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
             "trace": trace.source, "tokens": trace.num_tokens, "cost": cost.to_dict(),
-            "skipped": skipped,
+            "skipped": skipped, "notes": level_notes,
         },
     )  # fmt: skip
 

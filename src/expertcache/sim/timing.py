@@ -181,18 +181,13 @@ def simulate_timing(
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
     level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
-    host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K)
+    host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     if host_level is not None and capacity >= L * E and not capacities:  # as the engine does
         notes += host_level[2] + ["every expert fits the expert memory: the host level is not used"]
         host_level = None
     if host_level is not None:
         host_cfg, host_capacity, level_notes = host_level
         notes += level_notes
-        if not host_cfg.exclusive and host_capacity <= capacity:
-            notes.append(
-                f"the host level ({host_capacity} experts) holds no more than the cache ({capacity}): "
-                "inclusive, it hits only experts the cache let go recently; give it more memory"
-            )
         if miss_cfg.name != "fetch":
             raise ExpertcacheError(
                 f"a host level serves the fetch miss path, as the engine's does; miss path {miss_cfg.name} "
@@ -267,14 +262,20 @@ def simulate_timing(
 
 
 def host_level_of(
-    host: HostConfig | str | None, host_capacity: int | None, total: int, expert_bytes: int, top_k: int = 1
+    host: HostConfig | str | None,
+    host_capacity: int | None,
+    total: int,
+    expert_bytes: int,
+    top_k: int = 1,
+    capacity: int | None = None,
 ) -> tuple[HostConfig, int, list[str]] | None:
     """The host level asked for, as (its config, its experts, notes), or None: ``host`` (a ``HostConfig``
     or its memory) sized by its memory in experts of ``expert_bytes`` (less an exclusive level's reserve
     for its hits in flight, as the engine sizes it: ``cache.tiers.exclusive_reserve``), or
     ``host_capacity`` experts (one or the other; ``host_capacity`` alone: an LRU host level). One clear
     error for a size that cannot be a host level; more than all ``total`` experts is capped, with a
-    note."""
+    note, and an inclusive level no larger than the cache's ``capacity`` is noted (timing, plan and
+    doctor say the same)."""
     if host is None and host_capacity is None:
         return None
     cfg = as_config(host, HostConfig)
@@ -294,6 +295,11 @@ def host_level_of(
         raise ExpertcacheError("a host level needs its memory (HostConfig(memory=...)) or host_capacity")
     else:
         memory = cfg.bytes_of(total * expert_bytes) // expert_bytes
+        if cfg.exceeds(total * expert_bytes):  # as the engine notes it
+            notes.append(
+                f"a host level of {cfg.memory} is more than all {total} experts take "
+                f"({format_bytes(total * expert_bytes)}); capped at {total}"
+            )
         if memory < 1:
             raise ExpertcacheError(
                 f"host memory {cfg.memory} holds no expert of {format_bytes(expert_bytes)} (the cost "
@@ -309,6 +315,11 @@ def host_level_of(
     if experts > total:
         notes.append(f"a host level of {experts} experts is more than all {total}; capped at {total}")
         experts = total
+    if capacity is not None and capacity < total and not cfg.exclusive and experts <= capacity:
+        notes.append(
+            f"the host level ({experts} experts) holds no more than the cache ({capacity}): "
+            "inclusive, it hits only experts the cache let go recently; give it more memory"
+        )
     return cfg, experts, notes
 
 
