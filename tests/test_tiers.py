@@ -846,6 +846,29 @@ def test_every_command_notes_a_host_level_capped_or_no_larger_than_the_cache(com
         assert f"note: {said}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
+def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, tmp_path, capsys):
+    """A CPU profile's link is the disk read: under a host level a host hit would pay it, and
+    --expert-bytes rescales the link but not the disk read the profile measured; each in a note."""
+    from expertcache.cli import main
+
+    prof = tmp_path / "prof.json"
+    costs = {"link_bandwidth": "1GB/s", "disk_read_s": "0.2ms"}
+    prof.write_text(json.dumps({
+        "format": "expertcache-profile", "version": 1, "cost": costs,
+        "measured": ["link_bandwidth", "disk_read_s"], "how": {"slow_tier": "disk", "link": "disk -> cpu"},
+    }))  # fmt: skip
+    assert main([command, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60"]) == 0
+    err = capsys.readouterr().err
+    assert "measured the link reading the disk tier (disk -> cpu)" in err and "--link-bandwidth" in err
+    argv = [command, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60", "--link-bandwidth"]
+    assert main([*argv, "20GB/s", "--expert-bytes", "1MiB"]) == 0
+    err = capsys.readouterr().err
+    assert "measured the link" not in err and "--expert-bytes rescales the link's time, not the disk" in err
+    assert main([command, "--cost", str(prof), "--capacity", "24"]) == 0  # no host level: nothing to say
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(tmp_path):
     def cli(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)

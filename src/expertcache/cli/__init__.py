@@ -875,6 +875,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     )  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
+    _note_profile_links(args, host)
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
     else:
@@ -978,6 +979,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         host_capacity=args.host_capacity,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
+    _note_profile_links(args, host)
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     if args.plot:
@@ -1063,6 +1065,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, **hosts,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
+    _note_profile_links(args, host)
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     if args.out:
@@ -1075,6 +1078,39 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _given(args: argparse.Namespace, *dests: str) -> list[str]:
     """The options of ``dests`` the command line gave, as flags (``--host-memory``)."""
     return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d)]
+
+
+def _note_profile_links(args: argparse.Namespace, host) -> None:
+    """``timing``, ``plan`` and ``doctor`` with ``--cost PROFILE.json``: what a profile measured that a host
+    level or ``--expert-bytes`` changes the meaning of, in a note each."""
+    if not args.cost:
+        return
+    from expertcache.costs import PROFILE_FORMAT, READ_TIERS
+
+    try:
+        profile = json.loads(Path(args.cost).read_text())
+    except (OSError, ValueError):
+        return  # CostModel.load has read it already, or said why it could not
+    if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+        return  # a plain cost file: its figures are what they say
+    how, measured = profile.get("how"), profile.get("measured")
+    if not isinstance(how, dict) or not isinstance(measured, list):
+        return
+    tier = how.get("slow_tier")
+    if host is not None and tier in READ_TIERS and "link_bandwidth" in measured and not args.link_bandwidth:
+        print(
+            f"note: {args.cost} measured the link reading the {tier} tier ({how.get('link')}); with a host "
+            "level the link is the copy from the host cache into the expert memory, and a host hit pays "
+            "that read here: give --link-bandwidth for the copy (expertcache profile --slow-tier host "
+            "measures it)",
+            file=sys.stderr,
+        )
+    if args.expert_bytes and "disk_read_s" in measured and getattr(args, "disk_time", None) is None:
+        print(
+            f"note: --expert-bytes rescales the link's time, not the disk read {args.cost} measured for its "
+            "experts: give --disk-time for experts of this size",
+            file=sys.stderr,
+        )
 
 
 def _note_free_reads(host, cost) -> None:
