@@ -556,6 +556,13 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-capacity", "0"], "a whole number of experts, 1 or more"),
         (["timing", "--host-capacity", "2", "--host-exclusive"], "which leaves it none"),
         (["timing", "--host-capacity", "0", "--host-exclusive"], "a whole number of experts, 1 or more"),
+        (["timing", "--host-capacity", "3", "--host-exclusive"], "which leaves it 1, fewer than the top-2"),
+        (["timing", "--host-capacity", "50%"], "'50%' is not a whole number of experts (a share or a size"),
+        (
+            ["timing", "--host-memory", "30%", "--host-policy", "nosuch"],
+            "unknown host policy 'nosuch'; a host",
+        ),
+        (["plan", "--capacity", "24", "--host-memory", "512MiB"], "a host level of 1 expert is too small"),
         (["plan", "--expert-memory", "20%", "--host-memory", "0"], "host memory 0 holds no expert"),
         (["doctor", "--expert-memory", "20%", "--host-memory", "0"], "host memory 0 holds no expert"),
         (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
@@ -769,6 +776,8 @@ def test_doctor_says_which_level_bounds_the_step():
         assert lv["exclusive"]["host_misses"] < lv["inclusive"]["host_misses"]
         assert any(f"bound by the {bound}" in line for line in r["verdict"])
     assert diagnose(tr, 24)["levels"] is None
+    small = diagnose(tr, 24, slow_disk, host=HostConfig(None), host_capacity=2)["levels"]["exclusive"]
+    assert small["error"] == "its 2 experts of memory are all kept for hits in flight, a layer's top-2"
     every = diagnose(tr, 96, slow_disk, host=HostConfig(None), host_capacity=60)  # all fit: no level used
     assert (
         every["levels"]["unused"] in every["verdict"]

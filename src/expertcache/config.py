@@ -165,6 +165,16 @@ class LinkConfig:
         return self.bandwidth is not None or self.latency_s > 0
 
 
+def host_policies() -> list[str]:
+    """The policies a host level can run: online ones that decide by hits and insertions alone."""
+    from expertcache.policy.registry import POLICIES
+
+    return [
+        name for name in POLICIES
+        if not ((c := policy_class(name)).offline or c.needs_profile or c.observes or c.weighs)
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class HostConfig:
     """The host level of a tier stack (``cache.tiers``): device slots <- a host cache of ``memory``
@@ -181,8 +191,16 @@ class HostConfig:
     params: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        name, params = parse_policy(self.policy)
-        cls = policy_class(name)
+        try:
+            name, params = parse_policy(self.policy)
+            cls = policy_class(name)
+        except ExpertcacheError as exc:  # its choices are the host level's, not every policy's
+            if not str(exc).startswith("unknown policy"):
+                raise
+            raise ExpertcacheError(
+                f"unknown host policy {str(self.policy).partition(':')[0]!r}; a host level takes "
+                f"{', '.join(host_policies())}"
+            ) from None
         if cls.offline or cls.needs_profile or cls.observes or cls.weighs:
             why = (
                 "needs the future" if cls.offline else "needs a usage profile" if cls.needs_profile

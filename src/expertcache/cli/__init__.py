@@ -860,6 +860,13 @@ def _cmd_timing(args: argparse.Namespace) -> int:
 
             reserve = exclusive_reserve(trace.top_k)
             held = level_experts(min(host_capacity, trace.num_layers * trace.num_experts), True, trace.top_k)
+            if 1 <= held < trace.top_k:  # the policy's own message would name the held experts alone
+                raise ExpertcacheError(
+                    f"--host-capacity {host_capacity} with --host-exclusive: an exclusive level keeps "
+                    f"{reserve} experts of its memory for its hits in flight (a layer's top-k), which leaves "
+                    f"it {held}, fewer than the top-{trace.top_k} a layer needs; give at least "
+                    f"{trace.top_k + reserve}"
+                )
             if held < 1:
                 raise ExpertcacheError(
                     f"--host-capacity {host_capacity} with --host-exclusive: an exclusive level keeps "
@@ -1080,6 +1087,16 @@ def _given(args: argparse.Namespace, *dests: str) -> list[str]:
     return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d)]
 
 
+def _experts_count(text: str) -> int:
+    """``--host-capacity``: a whole number of experts (a share or a size is ``--host-memory``'s)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of experts (a share or a size of memory: --host-memory)"
+        ) from None
+
+
 def _note_profile_links(args: argparse.Namespace, host) -> None:
     """``timing``, ``plan`` and ``doctor`` with ``--cost PROFILE.json``: what a profile measured that a host
     level or ``--expert-bytes`` changes the meaning of, in a note each."""
@@ -1201,8 +1218,9 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
         "share of all experts (30%%) between the cache and the disk (a miss of it reads --disk-time first)",
     )  # fmt: skip
     p.add_argument(
-        "--host-capacity", type=int, metavar="N", help="the host cache's memory in experts, not bytes (an "
-        "exclusive one holds N less its reserve for hits in flight, a layer's top-k, as with --host-memory; "
+        "--host-capacity", type=_experts_count, metavar="N",
+        help="the host cache's memory in experts, not bytes (an exclusive one holds N less its reserve for "
+        "hits in flight, a layer's top-k, as with --host-memory; "
         "a run's stats give host_capacity and host_reserve)",
     )  # fmt: skip
     if mode == "plan":

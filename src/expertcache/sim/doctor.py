@@ -229,6 +229,13 @@ def _levels(
         ("inclusive", HostConfig(None, host.policy), host_capacity),
         ("exclusive", HostConfig(None, host.policy, True), level_experts(host_capacity, True, top_k)),
     ):
+        if experts < 1:  # its memory is all reserve for hits in flight
+            out[name] = {
+                "host_capacity": experts,
+                "error": f"its {host_capacity} experts of memory are all kept for hits in flight, a layer's "
+                f"top-{top_k}",
+            }
+            continue
         try:
             r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=experts)
         except ExpertcacheError as exc:  # too small for an exclusive level under this policy

@@ -341,7 +341,8 @@ def make_plan(
             raise ExpertcacheError("a host level needs at least one policy to plan with")
         if not host_cfgs:
             raise ExpertcacheError(
-                f"a host level of {host_caps[False]} experts is too small for every host policy given "
+                f"a host level of {host_caps[False]} expert{'s' if host_caps[False] != 1 else ''} is too "
+                "small for every host policy given "
                 f"({', '.join(room)}): the least needs {min(room.values())} (a layer's top-{trace.top_k}, "
                 "in every layer for a -dist policy)"
             )
