@@ -462,7 +462,7 @@ def summary(out: dict) -> str:
         more = "".join(
             f" | {word} {out[key]}"
             for word, key in (("bypassed", "host_bypassed"), ("staged", "host_staged"),
-                              ("came down", "host_demoted"), ("waits for a slot", "host_slot_waits"))
+                              ("demoted", "host_demoted"), ("waits for a slot", "host_slot_waits"))
             if out.get(key)
         )  # fmt: skip
         lines.append(
