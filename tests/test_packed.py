@@ -360,7 +360,16 @@ def test_quality_refuses_a_reference_that_cannot_stand_for_the_packed_model(tmp_
     assert main(["quantize", str(src), "--bits", "4"]) == 0  # hobbit's copies, beside it
     capsys.readouterr()
     code, out = quality()
-    assert code == 0 and "top-1 agreement" in out.out
+    assert code == 0 and "top-1 agreement" in out.out and f"on {src}:" in out.out  # the reference named
+    twin = tmp_path / "twin"  # the same shapes, other weights: allowed when named, and said
+    synth(twin, seed=3)
+    code, out = quality("--reference-model", str(twin))
+    assert (
+        code == 0
+        and f"note: --reference-model {twin} is not the checkpoint {packed} was made from" in out.err
+    )
+    code, out = quality("--reference-model", str(src))  # the source itself, named: nothing to say
+    assert code == 0 and "note: --reference-model" not in out.err
     code, out = quality("--reference-model", str(packed))
     assert code == 2 and "stores its experts packed (int8): transformers cannot read them" in out.err
     synth(other, "qwen2_moe", hidden=32)

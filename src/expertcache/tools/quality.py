@@ -239,15 +239,23 @@ def _reference_path(model, given: str | Path | None) -> Path:
 
     if given is None and model.packed is None:
         return model.path
+    config = json.loads((model.path / "config.json").read_text()) if model.path is not None else {}
+    recorded = config.get(SOURCE_KEY) or {"path": (config.get(CONFIG_KEY) or {}).get("source")}
     if given is not None:
         path = Path(given)
         if not (path / "config.json").is_file():
             raise ExpertcacheError(
                 f"--reference-model {given}: no config.json there (not a checkpoint directory)"
             )
+        made_from = recorded.get("fingerprint")
+        if model.packed is not None and made_from is not None and made_from != fingerprint(path):
+            print(
+                f"note: --reference-model {given} is not the checkpoint {model.path} was made from (its "
+                f"config or weights differ from {recorded.get('path')}'s when it was): the figures compare "
+                "with another model",
+                file=sys.stderr,
+            )
     else:
-        config = json.loads((model.path / "config.json").read_text())
-        recorded = config.get(SOURCE_KEY) or {"path": (config.get(CONFIG_KEY) or {}).get("source")}
         source = recorded.get("path")
         if source is None or not (Path(source) / "config.json").is_file():
             raise ExpertcacheError(
@@ -291,7 +299,9 @@ def format_quality(r: dict[str, object]) -> str:
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
         + (f"dense layers {r['dense_format']}, " if r.get("dense_format", "as stored") != "as stored" else "")
         + (f"in {r['dtype']}, " if r.get("dtype") else "")
-        + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}: "
+        + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}"
+        + (f" on {r['reference_model']}" if r.get("reference_model") else "")
+        + ": "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "
