@@ -222,6 +222,38 @@ def test_families_run_packed(family, ckpt, tmp_path):
     assert (want[1] - full[1]).abs().max() < 0.05 * float(full[1].abs().max()) + 1e-3
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_checkpoint_cut_off_while_written_leaves_no_folder_behind(tmp_path, monkeypatch, existed):
+    """Ctrl-C during ``quantize --checkpoint`` left a config marked packed and no weights: the rerun was
+    refused (not empty) and the engine could not read it. What the writing made goes, for every writer."""
+    from expertcache.tools import published, quantize
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize.Shards, "save", cut)
+    for name, write in (("int8", lambda out: write_checkpoint(None, 8, out, progress=False)),
+                        ("fp8", lambda out: published.write_published(None, "fp8", out))):  # fmt: skip
+        out = tmp_path / name
+        if existed:
+            out.mkdir()
+        with pytest.raises(KeyboardInterrupt):
+            write(out)
+        assert out.is_dir() == existed and not (existed and any(out.iterdir())), list(tmp_path.rglob("*"))
+    monkeypatch.undo()
+    assert write_checkpoint(None, 8, tmp_path / "int8", progress=False)["experts"] > 0  # the rerun runs
+
+
+def test_empty_paths_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    from expertcache.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where an empty path would have written
+    for argv in (["quantize", "--bits", "8", "--checkpoint", ""], ["quantize", "--bits", "8", "--out", ""]):
+        assert main(argv) == 2
+        assert "an empty path for the" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_packed_errors_are_one_line(packed_ckpts, tmp_path):
     from expertcache.engine import load
     from expertcache.engine.hub import DEFAULT_MODEL

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from expertcache.errors import ExpertcacheError
-from expertcache.paths import writable_dir
+from expertcache.paths import output_dir
 
 FORMATS = ("mxfp4", "fp8")
 FP8_BLOCK = (128, 128)
@@ -102,43 +102,43 @@ def write_published(
             f"fp8 checkpoints store experts one by one; {sk.family.name} stores them fused (transformers "
             "5.24 would drop their scales): write --bits 8 for expertcache's int8"
         )
-    target = writable_dir(target, f"the {fmt} checkpoint")
-    copy_small_files(path, target)
-    ckpt, experts = sk.store.ckpt, sk.store.expert_keys()
-    shards = Shards()
-    for key in ckpt:
-        t = ckpt.tensor(key)
-        if fmt == "mxfp4" and key in experts and t.dim() == 3:  # [E, in, out] -> [E, out, in] blocks
-            # one expert at a time: the rounding's float32 temporaries stay a few times an expert's size
-            blocks, scales = zip(*(quantize_mxfp4(t[e].T) for e in range(t.shape[0])), strict=True)
-            shards.put(f"{key}_blocks", torch.stack(blocks))
-            shards.put(f"{key}_scales", torch.stack(scales))
-        elif fmt == "fp8" and _fp8_target(key, t, experts):
-            if t.dim() == 3:
-                q, scale = (torch.stack(x) for x in zip(*(quantize_fp8(w) for w in t), strict=True))
+    with output_dir(target, f"the {fmt} checkpoint") as target:  # removed if the writing fails
+        copy_small_files(path, target)
+        ckpt, experts = sk.store.ckpt, sk.store.expert_keys()
+        shards = Shards()
+        for key in ckpt:
+            t = ckpt.tensor(key)
+            if fmt == "mxfp4" and key in experts and t.dim() == 3:  # [E, in, out] -> [E, out, in] blocks
+                # one expert at a time: the rounding's float32 temporaries stay a few times an expert's size
+                blocks, scales = zip(*(quantize_mxfp4(t[e].T) for e in range(t.shape[0])), strict=True)
+                shards.put(f"{key}_blocks", torch.stack(blocks))
+                shards.put(f"{key}_scales", torch.stack(scales))
+            elif fmt == "fp8" and _fp8_target(key, t, experts):
+                if t.dim() == 3:
+                    q, scale = (torch.stack(x) for x in zip(*(quantize_fp8(w) for w in t), strict=True))
+                else:
+                    q, scale = quantize_fp8(t)
+                shards.put(key, q)
+                shards.put(f"{key}_scale_inv", scale)
             else:
-                q, scale = quantize_fp8(t)
-            shards.put(key, q)
-            shards.put(f"{key}_scale_inv", scale)
+                shards.put(key, t.contiguous())
+        shards.save(target, {"format": "pt"})
+        config = json.loads((path / "config.json").read_text())
+        if fmt == "mxfp4":
+            config["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"
+                ],
+            }  # fmt: skip
         else:
-            shards.put(key, t.contiguous())
-    shards.save(target, {"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    if fmt == "mxfp4":
-        config["quantization_config"] = {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"
-            ],
-        }  # fmt: skip
-    else:
-        config["quantization_config"] = {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-            "weight_block_size": list(FP8_BLOCK),
-        }  # fmt: skip
-    config[SOURCE_KEY] = source_record(path)  # quality's reference
-    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    written = build_skeleton(target)  # read back as the engine reads it
+            config["quantization_config"] = {
+                "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": list(FP8_BLOCK),
+            }  # fmt: skip
+        config[SOURCE_KEY] = source_record(path)  # quality's reference
+        (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        written = build_skeleton(target)  # read back as the engine reads it
     full = sk.layout.nbytes
     record = {
         "path": str(target), "format": describe_format(written.packed), "experts": len(sk.store.prefixes)

@@ -29,7 +29,7 @@ from expertcache.engine.packed import Packed, describe_format, require_gate
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
-from expertcache.paths import save_tensors, writable_dir
+from expertcache.paths import output_dir, save_tensors, writable_dir
 
 PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
@@ -40,6 +40,8 @@ def destination(model: Path, out: str | Path | None, fp: str | None = None) -> P
     from expertcache.engine.hub import DEFAULT_MODEL
 
     if out is not None:
+        if not str(out).strip():
+            raise ExpertcacheError("an empty path for the quantised copies: give a folder (or no --out)")
         folder = Path(out)
     else:
         beside = model / "expertcache-quant"
@@ -242,8 +244,12 @@ def full_precision_source(model: str | Path | None, out: str | Path, already: st
     from expertcache.engine.packed import describe_format
 
     path = resolve_model(model)
+    if not str(out).strip():
+        raise ExpertcacheError("an empty path for the checkpoint: give a new folder")
     target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    if target.exists() and not target.is_dir():
+        raise ExpertcacheError(f"{target}: a file, not a folder (give a new folder for the checkpoint)")
+    if target.exists() and any(target.iterdir()):
         raise ExpertcacheError(f"{target}: exists and is not an empty directory (give a new one)")
     sk = build_skeleton(path)
     if sk.packed is not None:
@@ -279,43 +285,45 @@ def write_checkpoint(
     path, target, sk = full_precision_source(model, out, "packed")
     packed = Packed(fmt, group, sk.shapes, sk.dtype, bool(sk.experts[0].is_transposed))
     packed.check_shapes()
-    target = writable_dir(target, "the packed checkpoint")
-    copy_small_files(path, target)
-    config = json.loads((path / "config.json").read_text())
-    config[CONFIG_KEY] = packed.entry()
-    config[SOURCE_KEY] = source_record(path)  # quality's reference
-    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with output_dir(target, "the packed checkpoint") as target:  # removed if the writing fails
+        copy_small_files(path, target)
+        config = json.loads((path / "config.json").read_text())
+        config[CONFIG_KEY] = packed.entry()
+        config[SOURCE_KEY] = source_record(path)  # quality's reference
+        (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    shards = Shards()
-    put = shards.put
-    ckpt, skip = sk.store.ckpt, sk.store.expert_keys()
-    for key in ckpt:  # the dense weights, as stored
-        if key not in skip:
-            put(key, ckpt.tensor(key).contiguous())
-    full = SlotLayout.of(sk.shapes, sk.dtype)
-    scratch = SlotPool(full, 1, torch.device("cpu")).views[0]
-    stored = packed.tensors()
-    keys = [(layer, e) for layer in range(len(sk.experts)) for e in range(sk.num_experts)]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
+        shards = Shards()
+        put = shards.put
+        ckpt, skip = sk.store.ckpt, sk.store.expert_keys()
+        for key in ckpt:  # the dense weights, as stored
+            if key not in skip:
+                put(key, ckpt.tensor(key).contiguous())
+        full = SlotLayout.of(sk.shapes, sk.dtype)
+        scratch = SlotPool(full, 1, torch.device("cpu")).views[0]
+        stored = packed.tensors()
+        keys = [(layer, e) for layer in range(len(sk.experts)) for e in range(sk.num_experts)]
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(keys), desc=f"{fmt} experts", unit="expert", leave=False)
-    for layer, prefix in enumerate(sk.store.prefixes):
-        tensors = {name: torch.empty(sk.num_experts, n, dtype=torch.uint8) for name, (n,) in stored.items()}
-        for e in range(sk.num_experts):
-            sk.store.read((layer, e), scratch)
-            for name, t in packed.pack({n: v.to(device) for n, v in scratch.items()}).items():
-                tensors[name][e] = t.cpu()
-            if bar is not None:
-                bar.update()
-        for name, t in tensors.items():
-            put(f"{prefix}.{STORED}.{name}", t)
-    if bar is not None:
-        bar.close()
-    shards.save(target, {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())})
+            bar = tqdm(total=len(keys), desc=f"{fmt} experts", unit="expert", leave=False)
+        for layer, prefix in enumerate(sk.store.prefixes):
+            tensors = {
+                name: torch.empty(sk.num_experts, n, dtype=torch.uint8) for name, (n,) in stored.items()
+            }
+            for e in range(sk.num_experts):
+                sk.store.read((layer, e), scratch)
+                for name, t in packed.pack({n: v.to(device) for n, v in scratch.items()}).items():
+                    tensors[name][e] = t.cpu()
+                if bar is not None:
+                    bar.update()
+            for name, t in tensors.items():
+                put(f"{prefix}.{STORED}.{name}", t)
+        if bar is not None:
+            bar.close()
+        shards.save(target, {"format": "pt", CONFIG_KEY: json.dumps(packed.entry())})
     layout = packed.layout()
     record = {
         "path": str(target), "format": describe_format(packed), "bits": bits, "group": group,
