@@ -307,3 +307,37 @@ def test_recorded_trace_replays_to_the_engine_counts(policy, quantized):
     for key in ("requests", "hits", "misses", "low_precision", "skipped"):
         assert stats[key] == sim.cache[key], key
     assert sim.capacities == capacities
+
+
+def test_the_hint_for_missing_int8_copies_is_a_command_that_runs(tmp_path, capsys):
+    """It named --group 64, which quantize refuses for int8 (one scale a row); group= is int4's and
+    int2's (a trial's finding)."""
+    import re
+    import shlex
+
+    from expertcache.cli import main
+
+    model = tmp_path / "m"
+    assert main(["model", "synth", "--family", "mixtral", "-o", str(model), "--hidden", "64"]) == 0
+    capsys.readouterr()
+    run = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        "--expert-memory",
+        "50%",
+    ]
+    assert main([*run, "--miss", "hobbit:bits=8"]) == 2
+    err = capsys.readouterr().err
+    hint = re.search(r"build them once with '([^']+)'", err).group(1)
+    assert "--group" not in hint and "(group" not in err
+    assert main(shlex.split(hint)[1:]) == 0
+    capsys.readouterr()
+    assert main([*run, "--miss", "hobbit:bits=8"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--miss", "hobbit:bits=8,group=32"]) == 2
+    assert "int8 copies have one scale per row: group applies to bits=4 and 2" in capsys.readouterr().err

@@ -88,9 +88,10 @@ def find_copy(model: str | Path, bits: int, group: int) -> Path:
 
     name = model_label(Path(model))
     arg = "" if name == EMBEDDED else f" {model}"
+    grouped = bits != 8  # int8 copies have one scale a row: quantize takes no --group for them
     raise MissPathError(
-        f"no int{bits} copies (group {group}) of {name}: build them once with "
-        f"'expertcache quantize{arg} --bits {bits} --group {group}'"
+        f"no int{bits} copies{f' (group {group})' if grouped else ''} of {name}: build them once with "
+        f"'expertcache quantize{arg} --bits {bits}{f' --group {group}' if grouped else ''}'"
     )
 
 
