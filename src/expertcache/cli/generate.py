@@ -498,10 +498,13 @@ def summary(out: dict) -> str:
         lines.append("kernel compiled: decode steps' experts in compiled loops, not bit-equal to "
                      "transformers (expertcache quality --kernel compiled says how far; --kernel grouped "
                      "is exact)")  # fmt: skip
-    if out.get("kernel") == "packed" and not out.get("experts_lossy"):  # another tool's quantised checkpoint
+    if out.get("kernel") == "packed" and not out.get("experts_lossy"):  # a published format's checkpoint
+        made = (f"; expertcache quantize made it from {out['made_from']}, which it stands for with a loss "
+                f"(expertcache quality --model {out.get('model') or 'DIR'} says how far)"
+                if out.get("made_from") else "")  # fmt: skip
         lines.append(f"experts read as the checkpoint stores them ({out.get('expert_format')}): its "
                      "weights exactly, summed in float32 (transformers' dequantised forward within "
-                     "rounding)")  # fmt: skip
+                     f"rounding){made}")  # fmt: skip
     elif out.get("kernel") == "packed":  # engine.packed: a packed checkpoint, lossy against its source
         lines.append(f"experts packed ({out.get('expert_format')}): quantised, not the full-precision "
                      f"model's outputs (expertcache quality --model {out.get('model') or 'DIR'} says how "

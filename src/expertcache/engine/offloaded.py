@@ -26,7 +26,7 @@ from expertcache.engine.generation import Generation, timed_generate
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import resident_memory
-from expertcache.engine.packed import describe_format
+from expertcache.engine.packed import SOURCE_KEY, describe_format
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.plan import Plan, as_plan
 from expertcache.trace.trace import Trace
@@ -228,6 +228,8 @@ class OffloadedModel:
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,
             "expert_format": describe_format(self.packed, self.dtype),
+            # a checkpoint expertcache quantised: the full-precision one it was made from (quality's)
+            "made_from": (getattr(self.config, SOURCE_KEY, None) or {}).get("path") if self.packed else None,
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
             # the outputs may differ from the checkpoint's model: a lossy miss path, experts packed by
@@ -413,7 +415,9 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "all_experts_bytes": total * layout.nbytes,
         "dense_bytes": dense,
         "min_expert_memory_bytes": sk.top_k * layout.slot_bytes,
-    }
+    } | (  # a checkpoint expertcache quantised: the full-precision one it was made from
+        {"made_from": source.get("path")} if (source := getattr(sk.config, SOURCE_KEY, None) or {}) else {}
+    )
 
 
 def load(

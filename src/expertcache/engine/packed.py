@@ -64,6 +64,7 @@ from expertcache.engine.memory import SlotLayout
 from expertcache.errors import ExpertcacheError
 
 CONFIG_KEY = "expertcache_experts"  # config.json's entry of a packed checkpoint
+SOURCE_KEY = "expertcache_source"  # a checkpoint expertcache quantised: the one it was made from (quality's)
 STORED = "packed_experts"  # the checkpoint's tensors: {layer prefix}.packed_experts.{tensor}
 FORMATS = {"int8": 8, "int4": 4, "mxfp4": 4, "fp8": 8, "pack-int4": 4, "pack-int8": 8}  # -> bits a weight
 OWN = ("int8", "int4")  # expertcache's own formats (``expertcache quantize --checkpoint``); others: read only

@@ -25,7 +25,7 @@ import torch
 
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.packed import Packed, describe_format, require_gate
+from expertcache.engine.packed import SOURCE_KEY, Packed, describe_format, require_gate
 from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
 from expertcache.errors import ExpertcacheError
 from expertcache.lazy import hqq_quantizer
@@ -218,9 +218,6 @@ class Shards:
             weight_map.update(dict.fromkeys(shard, name))
         index = {"metadata": {"total_size": sum(self.sizes)}, "weight_map": weight_map}
         (target / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-SOURCE_KEY = "expertcache_source"  # a quantised checkpoint's config: the checkpoint it was made from
 
 
 def source_record(path: Path) -> dict[str, str]:
