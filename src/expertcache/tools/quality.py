@@ -186,7 +186,7 @@ def measure(
                 print(f"text {i + 1}/{len(seqs)}: {count} tokens", file=sys.stderr, flush=True)
         if count < tokens:
             print(f"note: the texts hold {count} tokens to predict: measured on those, not the {tokens} "
-                  "asked (--text FILE for more)", file=sys.stderr)  # fmt: skip
+                  "of --tokens (--text FILE for more)", file=sys.stderr)  # fmt: skip
         after = model.stats
         uses = after["requests"] - before["requests"]
         low = after["low_precision"] - before["low_precision"]
