@@ -88,10 +88,18 @@ def find_copy(model: str | Path, bits: int, group: int) -> Path:
 
     name = model_label(Path(model))
     arg = "" if name == EMBEDDED else f" {model}"
-    grouped = bits != 8  # int8 copies have one scale a row: quantize takes no --group for them
+    if bits == 8:  # one scale a row: quantize takes no --group for them, and writes the default's name
+        from expertcache.engine.packed import DEFAULT_GROUP
+
+        default = (
+            "" if group == DEFAULT_GROUP else ", then leave group= out of hobbit's spec (int4's, int2's)"
+        )
+        raise MissPathError(
+            f"no int8 copies of {name}: build them once with 'expertcache quantize{arg} --bits 8'{default}"
+        )
     raise MissPathError(
-        f"no int{bits} copies{f' (group {group})' if grouped else ''} of {name}: build them once with "
-        f"'expertcache quantize{arg} --bits {bits}{f' --group {group}' if grouped else ''}'"
+        f"no int{bits} copies (group {group}) of {name}: build them once with "
+        f"'expertcache quantize{arg} --bits {bits} --group {group}'"
     )
 
 

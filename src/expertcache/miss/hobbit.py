@@ -69,9 +69,6 @@ class Hobbit(MissPath):
             raise MissPathError(f"hobbit: low_share must be in (0, 1), got {low_share!r}")
         if not isinstance(group, int) or group < 8 or group & (group - 1):
             raise MissPathError(f"hobbit: group must be a power of two of at least 8, got {group!r}")
-        if bits == 8 and group != 64:  # int8 copies have a scale a row; their files carry the default's name
-            raise MissPathError(f"hobbit: int8 copies have one scale per row: group applies to bits=4 and 2, "
-                                f"got group={group}")  # fmt: skip
         self.bits, self.t1, self.t2, self.skip = bits, float(t1), float(t2), bool(skip)
         self.low_share, self.group = float(low_share), group
         self.low = f"int{bits}"
