@@ -290,7 +290,7 @@ def verdict(r: dict[str, object]) -> list[str]:
                 f"but not in layer(s) {shown}: there a cache gains little; per-layer budgets "
                 "(expertcache plan) can give those layers less"
             )
-    if 1 - lru <= share * 1.1:
+    if share < 1 and 1 - lru <= min(share * 1.1, share + (1 - share) / 2):  # every expert fits: no chance
         out.append(
             "LRU hits no more than the budget's share of experts would by chance: the cache is not finding "
             "reuse at this budget"
