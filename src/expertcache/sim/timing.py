@@ -15,6 +15,7 @@ still in transit (stall). See docs/TIMING.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +67,9 @@ class TimingResult:
     governor: dict[str, object] | None = None  # with prefetch_when "pays": what the governor decided
     notes: list[str] = field(default_factory=list)  # for the user: what was adjusted (a clipped window)
     host_busy_s: float = 0.0  # the host's time computing missed experts (busy, whether or not waited for)
+    # a batched trace (``step_id``): each request's time from its first step's start to its first token
+    # (the end of the step of its last prompt token), in the trace's request order; None otherwise
+    request_ttft_s: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def total_s(self) -> float:
@@ -75,6 +79,17 @@ class TimingResult:
     def ttft_s(self) -> float | None:
         """Mean prefill step time (one prefill step per request: the time to its first token)."""
         return self.step_time_s[1] / self.steps[1] if self.steps[1] else None
+
+    @property
+    def request_ttfts(self) -> dict[str, float] | None:
+        """A batched trace's time to first token per request: mean, median, p99 and how many."""
+        t = self.request_ttft_s
+        if t is None or not len(t):
+            return None
+        return {
+            "requests": len(t), "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)),
+            "p99_s": float(np.percentile(t, 99)), "max_s": float(t.max()),
+        }  # fmt: skip
 
     @property
     def tpot_s(self) -> float | None:
@@ -106,6 +121,7 @@ class TimingResult:
             "reorder": self.reorder,
             "chunks_per_expert": len(self.cost.chunk_sizes()),
             "tokens": self.tokens,
+            "ttft_requests": self.request_ttfts,
             "prefill_steps": self.steps[1],
             "decode_steps": self.steps[0],
             "ttft_s": self.ttft_s,
@@ -224,13 +240,18 @@ def simulate_timing(
     xcache, governor = driver.cache, driver.governor
     run = _Run(trace, schedule, cost, driver, link, {s.name: s for s in path.parts()}, pred)
     steps, times, stalls, host = [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    bounds = np.empty(schedule.num_rounds + 1) if trace.step_id is not None else None  # each step's start
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         t0, s0, h0 = link.now, link.stall_s, link.host_wait_s
+        if bounds is not None:
+            bounds[r] = t0
         run.step(r, prefill)
         steps[prefill] += 1
         times[prefill] += link.now - t0
         stalls[prefill] += link.stall_s - s0
         host[prefill] += link.host_wait_s - h0
+    if bounds is not None:
+        bounds[-1] = link.now
     st = xcache.stats
     return TimingResult(
         policy=xcache.policy.name,
@@ -258,7 +279,26 @@ def simulate_timing(
         governor=None if governor is None else governor.summary(),
         notes=([pred.note] if pred is not None and pred.note else []) + notes,
         host_busy_s=link.host_busy_s,
+        request_ttft_s=None if bounds is None else request_ttfts(trace, schedule.round_token, bounds),
     )
+
+
+def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each request's time to first token in a replay whose step ``r`` began at ``bounds[r]`` (and the
+    last ended at ``bounds[-1]``), steps starting at tokens ``round_token``: from the start of its first
+    step to the end of the step that holds its last prompt token, where its first token is sampled (a
+    prompt chunked over several steps, or waiting behind others, counts whole). Requests without a
+    prompt token in the trace are left out."""
+    tokens = np.arange(trace.num_tokens)
+    step = np.searchsorted(round_token, tokens, side="right") - 1
+    seq = trace.seq_id.astype(np.int64) if trace.seq_id is not None else np.zeros(trace.num_tokens, np.int64)
+    prompt = trace.is_prefill == 1 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
+    ids, first = np.unique(seq, return_index=True)  # each request's first token, in id order
+    last = np.full(len(ids), -1)
+    np.maximum.at(last, np.searchsorted(ids, seq[prompt]), tokens[prompt])  # its last prompt token
+    has = last >= 0
+    order = np.argsort(first[has], kind="stable")  # in the order the requests began
+    return (bounds[step[last[has]] + 1] - bounds[step[first[has]]])[order]
 
 
 def host_level_of(
@@ -420,7 +460,13 @@ def format_timing(result: TimingResult) -> str:
         f"cache      {r.policy}{params}, {r.capacity} experts | miss {r.miss} | prefetch {prefetch} | "
         f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}",
         f"cost       {r.cost.describe()}",
-        f"TTFT       {ms(r.ttft_s)} (mean of {r.steps[1]} prefill steps)",
+        f"TTFT       {ms(r.ttft_s)} (mean of {r.steps[1]} prefill steps)"
+        + (
+            f"; a request's, from its first step to its first token: mean {ms(q['mean_s'])}, p99 "
+            f"{ms(q['p99_s'])} over {q['requests']} requests"
+            if (q := r.request_ttfts) and not math.isclose(q["mean_s"], r.ttft_s or 0.0, rel_tol=0.01)
+            else ""  # a prompt a step: the mean prefill step is each request's time to first token
+        ),
         f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)",
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "
