@@ -143,6 +143,10 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
         assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--record-trace", "run.npz"]) == 0
     if "users16.npz" in argv and argv[:2] != ["trace", "batch"]:  # a batched trace an earlier one wrote
         assert main(["trace", "batch", "--concurrency", "16", "-o", "users16.npz"]) == 0
+    if "users16c.npz" in argv and argv[:2] != ["trace", "batch"]:  # the same, its prompts chunked
+        assert (
+            main(["trace", "batch", "--concurrency", "16", "--batch-tokens", "32", "-o", "users16c.npz"]) == 0
+        )
     if "profile.json" in argv and argv[0] != "profile":  # a profile an earlier example wrote
         assert main(["profile", "--device", "cpu", "--steps", "2", "-o", "profile.json"]) == 0
     if "int8-model" in argv and argv[0] != "quantize" and not Path("int8-model").exists():
