@@ -165,14 +165,23 @@ class LinkConfig:
         return self.bandwidth is not None or self.latency_s > 0
 
 
+def _host_refuses(cls) -> str | None:
+    """Why a host level cannot run a policy of class ``cls`` (None: it can): it sees only the device's
+    transfers, so a policy must be online and decide by hits and insertions alone."""
+    if cls.offline:
+        return "needs the future"
+    if cls.needs_profile:
+        return "needs a usage profile"
+    if cls.observes or cls.weighs:
+        return "decides by the router's requests, which the host level does not see"
+    return None
+
+
 def host_policies() -> list[str]:
-    """The policies a host level can run: online ones that decide by hits and insertions alone."""
+    """The policies a host level can run."""
     from expertcache.policy.registry import POLICIES
 
-    return [
-        name for name in POLICIES
-        if not ((c := policy_class(name)).offline or c.needs_profile or c.observes or c.weighs)
-    ]  # fmt: skip
+    return [name for name in POLICIES if _host_refuses(policy_class(name)) is None]
 
 
 @dataclass(frozen=True)
@@ -201,11 +210,8 @@ class HostConfig:
                 f"unknown host policy {str(self.policy).partition(':')[0]!r}; a host level takes "
                 f"{', '.join(host_policies())}"
             ) from None
-        if cls.offline or cls.needs_profile or cls.observes or cls.weighs:
-            why = (
-                "needs the future" if cls.offline else "needs a usage profile" if cls.needs_profile
-                else "decides by the router's requests, which the host level does not see"
-            )  # fmt: skip
+        why = _host_refuses(cls)
+        if why is not None:
             raise ExpertcacheError(
                 f"host policy {name} {why}; the host level sees only the device's transfers: give one "
                 "that decides by hits and insertions (lru, lfu, fifo, lcp, llru, ...)"

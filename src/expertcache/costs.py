@@ -271,11 +271,18 @@ def host_reads_of(profile: dict, cost: CostModel) -> CostModel:
     adds the copy to the device, a bound on the read. Without a measured link (a declared one replaced
     it) the read is not known and stays 0. A Granite-shaped model at 25 % on the disk tier was planned
     with host compute at 216 ms a token, read-free, and measured 626-880 ms, against fetching's 436-491."""
-    how = profile.get("how") if isinstance(profile.get("how"), dict) else {}
-    measured = profile.get("measured") if isinstance(profile.get("measured"), list) else []
-    if cost.host_read_s or how.get("slow_tier") not in READ_TIERS or "link_bandwidth" not in measured:
+    if cost.host_read_s or read_tier_link(profile) is None:
         return cost
     return replace(cost, host_read_s=cost.transfer_time())
+
+
+def read_tier_link(profile: dict) -> str | None:
+    """The tier a profile measured its link by reading (disk, mapped), where it measured the link so; else
+    None. Such a link is a read of the tier, not a copy from host memory."""
+    how = profile.get("how") if isinstance(profile.get("how"), dict) else {}
+    measured = profile.get("measured") if isinstance(profile.get("measured"), list) else []
+    tier = how.get("slow_tier")
+    return tier if tier in READ_TIERS and "link_bandwidth" in measured else None
 
 
 def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:

@@ -260,7 +260,7 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
     else:
         valid = (ex >= 0).reshape(-1)
         req_group, req_key = np.flatnonzero(valid), kid[valid]
-    prefill = _token_prefill(trace)
+    prefill = token_prefill(trace)
 
     def per_layer(ex: np.ndarray) -> np.ndarray:  # known entries per layer of [T, L, K]
         return (ex >= 0).reshape(len(ex), -1).sum(axis=0, dtype=np.int64).reshape(L, -1).sum(axis=1)
@@ -279,7 +279,7 @@ def _token_order(trace: Trace, ex: np.ndarray, order: str, rounds_per_token: int
         group_index=None,
         round_prefill=np.repeat(prefill, rounds_per_token),
         round_token=np.repeat(np.arange(trace.num_tokens, dtype=np.int64), rounds_per_token),
-        round_seq=np.repeat(_token_seq(trace), rounds_per_token),
+        round_seq=np.repeat(token_seq(trace), rounds_per_token),
         req_group=req_group,
         req_key=req_key.astype(np.int32, copy=False),
         layer_requests=counts,
@@ -321,7 +321,7 @@ def _layer_order(trace: Trace) -> Schedule:
     req_group = np.repeat(np.arange(len(flat_gid), dtype=np.int64), row_len[flat_gid])
     members = padded[flat_gid].reshape(-1)  # [G * width]
     req_key = members if width == 1 and (row_len == 1).all() else np.compress(members >= 0, members)
-    prefill = np.logical_or.reduceat(_token_prefill(trace), starts)  # any prompt token: a prefill step
+    prefill = np.logical_or.reduceat(token_prefill(trace), starts)  # any prompt token: a prefill step
     # requests per phase and layer, from how often each distinct group is used (not per request)
     row_layer = np.asarray([r[0] for r in rows], dtype=np.int64)
     counts = np.zeros((2, L), dtype=np.int64)
@@ -339,7 +339,7 @@ def _layer_order(trace: Trace) -> Schedule:
         group_index=flat_gid.astype(np.int32),
         round_prefill=prefill,
         round_token=starts.astype(np.int64),
-        round_seq=_token_seq(trace)[starts],
+        round_seq=token_seq(trace)[starts],
         req_group=req_group,
         req_key=req_key.astype(np.int32, copy=False),
         layer_requests=counts,
@@ -378,13 +378,15 @@ def _unique_layer_rows(ex: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarra
     return uniq, inverse.reshape(-1)
 
 
-def _token_seq(trace: Trace) -> np.ndarray:
+def token_seq(trace: Trace) -> np.ndarray:
+    """Each token's request (seq_id), 0 for all where the trace has none."""
     if trace.seq_id is None:
         return np.zeros(trace.num_tokens, dtype=np.int64)
     return trace.seq_id.astype(np.int64)
 
 
-def _token_prefill(trace: Trace) -> np.ndarray:
+def token_prefill(trace: Trace) -> np.ndarray:
+    """Whether each token is a prompt token (none where the trace does not say)."""
     if trace.is_prefill is None:
         return np.zeros(trace.num_tokens, dtype=bool)
     return trace.is_prefill == 1

@@ -47,6 +47,8 @@ from expertcache.errors import PolicyError
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key, Policy
 
+HOST_LEVEL_UNUSED = "every expert fits the expert memory: the host level is not used"  # the note
+
 
 def exclusive_reserve(top_k: int) -> int:
     """Host slots an exclusive level keeps beyond its capacity, out of the same memory: an exclusive hit

@@ -1102,7 +1102,7 @@ def _note_profile_links(args: argparse.Namespace, host) -> None:
     level or ``--expert-bytes`` changes the meaning of, in a note each."""
     if not args.cost:
         return
-    from expertcache.costs import PROFILE_FORMAT, READ_TIERS
+    from expertcache.costs import PROFILE_FORMAT, read_tier_link
 
     try:
         profile = json.loads(Path(args.cost).read_text())
@@ -1110,11 +1110,9 @@ def _note_profile_links(args: argparse.Namespace, host) -> None:
         return  # CostModel.load has read it already, or said why it could not
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         return  # a plain cost file: its figures are what they say
-    how, measured = profile.get("how"), profile.get("measured")
-    if not isinstance(how, dict) or not isinstance(measured, list):
-        return
-    tier = how.get("slow_tier")
-    if host is not None and tier in READ_TIERS and "link_bandwidth" in measured and not args.link_bandwidth:
+    tier, how = read_tier_link(profile), profile.get("how") or {}
+    measured = profile.get("measured") if isinstance(profile.get("measured"), list) else []
+    if host is not None and tier is not None and not args.link_bandwidth:
         print(
             f"note: {args.cost} measured the link reading the {tier} tier ({how.get('link')}); with a host "
             "level the link is the copy from the host cache into the expert memory, and a host hit pays "

@@ -24,7 +24,7 @@ from expertcache.cache.recorder import Recorder
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.step import InlinePredictor, StepDriver
-from expertcache.cache.tiers import level_experts
+from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
 from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
@@ -570,7 +570,7 @@ class Builder:
                 f"host memory {host.memory} holds no expert of {format_bytes(slot)}; give at least that"
             )
         if self.capacity >= total:
-            self.notes.append("every expert fits the expert memory: the host level is not used")
+            self.notes.append(HOST_LEVEL_UNUSED)
             return 0
         experts = level_experts(memory, host.exclusive, self.top_k)
         self.host_reserve = memory - experts

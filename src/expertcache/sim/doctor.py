@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
-from expertcache.cache.tiers import level_experts
+from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError
@@ -224,7 +224,7 @@ def _levels(
     disk (its reads), over the whole run."""
     out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
     if capacity >= trace.num_layers * trace.num_experts:  # as timing and generate say it
-        return out | {"unused": "every expert fits the expert memory: the host level is not used"}
+        return out | {"unused": HOST_LEVEL_UNUSED}
     for name, cfg, experts in (
         ("inclusive", HostConfig(None, host.policy), host_capacity),
         ("exclusive", HostConfig(None, host.policy, True), level_experts(host_capacity, True, top_k)),

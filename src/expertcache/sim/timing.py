@@ -22,9 +22,9 @@ import numpy as np
 
 from expertcache.cache.build import assemble, build_host_level, build_parts, part_capacities
 from expertcache.cache.governor import describe
-from expertcache.cache.schedule import build_schedule, check_capacity
+from expertcache.cache.schedule import build_schedule, check_capacity, token_prefill, token_seq
 from expertcache.cache.step import InlinePredictor, StepDriver
-from expertcache.cache.tiers import level_experts
+from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
@@ -199,7 +199,7 @@ def simulate_timing(
     level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
     host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     if host_level is not None and capacity >= L * E and not capacities:  # as the engine does
-        notes += host_level[2] + ["every expert fits the expert memory: the host level is not used"]
+        notes += host_level[2] + [HOST_LEVEL_UNUSED]
         host_level = None
     if host_level is not None:
         host_cfg, host_capacity, level_notes = host_level
@@ -291,8 +291,7 @@ def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> 
     prompt token in the trace are left out."""
     tokens = np.arange(trace.num_tokens)
     step = np.searchsorted(round_token, tokens, side="right") - 1
-    seq = trace.seq_id.astype(np.int64) if trace.seq_id is not None else np.zeros(trace.num_tokens, np.int64)
-    prompt = trace.is_prefill == 1 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
+    seq, prompt = token_seq(trace), token_prefill(trace)
     ids, first = np.unique(seq, return_index=True)  # each request's first token, in id order
     last = np.full(len(ids), -1)
     np.maximum.at(last, np.searchsorted(ids, seq[prompt]), tokens[prompt])  # its last prompt token
