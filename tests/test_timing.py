@@ -683,7 +683,7 @@ def test_cli_text_on_the_default_trace(capsys):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--window", "2"], "needs --prefetch NAME"),
+        (["--window", "2"], "needs a predictor (--prefetch NAME)"),
         (["--link-bandwidth", "fast"], "--link-bandwidth 'fast' is not a rate"),
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),

@@ -196,8 +196,8 @@ class TestValidation:
         assert load_trace(path).num_experts == 4
 
     def test_missing_file(self, tmp_path: Path) -> None:
-        for path in (tmp_path / "absent.npz", tmp_path):  # a directory is not a trace file either
-            with pytest.raises(TraceError, match="no such trace file") as err:
+        for path, says in ((tmp_path / "absent.npz", "no such trace file"), (tmp_path, "a directory, not a")):
+            with pytest.raises(TraceError, match=says) as err:  # a directory is not a trace file either
                 load_trace(path)
             assert str(path) in str(err.value)
 

@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from expertcache.config import HostConfig  # noqa: E402
-from expertcache.errors import ExpertcacheError, PolicyError, TraceError  # noqa: E402
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, PolicyError, TraceError  # noqa: E402
 from expertcache.plan import Plan  # noqa: E402
 from expertcache.policy import POLICIES, PolicyContext, make_policy  # noqa: E402
 from expertcache.predict import PREDICTORS, PredictContext, make_predictor  # noqa: E402
@@ -51,6 +51,7 @@ __all__ = [
     "Plan",
     "PredictContext",
     "ExpertcacheError",
+    "ExpertcacheWarning",
     "HostConfig",
     "PolicyContext",
     "PolicyError",

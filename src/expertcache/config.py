@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.miss.registry import parse_miss
 from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.registry import predictor_class
@@ -43,8 +43,8 @@ class CacheConfig:
         _set(self, name=name, params=params)
         if self.profile is not None and not policy_class(name).needs_profile:
             raise ExpertcacheError(
-                f"a usage profile (--profile) ranks experts for the static policies; policy {name} uses none "
-                "(give --policy static or static-dist, or leave out --profile)"
+                f"a usage profile ({option('--profile', 'profile')}) ranks experts for the static policies; "
+                f"policy {name} uses none (give policy static or static-dist, or leave out the profile)"
             )
 
     @property
@@ -94,23 +94,27 @@ class PrefetchConfig:
         if name not in ("none", RECORDED, AUTO) and obj is None:
             predictor_class(name)
         if name == "none" and (self.window is not None or self.data is not None or self.thread):
-            raise ExpertcacheError("a window, predictor data or a predictor thread needs --prefetch NAME")
+            raise ExpertcacheError(
+                "a window, predictor data or a predictor thread needs a predictor "
+                f"({option('--prefetch NAME', 'prefetch=NAME')})"
+            )
         when = None if self.when is None else str(self.when).strip().lower()
         if when is not None and when not in WHEN:
             raise ExpertcacheError(f"prefetch when {self.when!r} is not one of: {', '.join(WHEN)}")
         if when is not None and name == "none":
             raise ExpertcacheError(
-                f"prefetch when {when!r} needs a predictor: --prefetch NAME or auto (prefetch= in the API)"
+                f"prefetch when {when!r} needs a predictor: {option('--prefetch', 'prefetch=')}NAME or auto"
             )
         if self.deterministic and when == "pays":
             raise ExpertcacheError(
                 "prefetch when 'pays' follows measured times, so no two runs are alike: a deterministic run "
-                "prefetches always (--prefetch-when always) or not at all (--prefetch none)"
+                f"prefetches always ({option('--prefetch-when always', 'prefetch_when=always')}) or not at "
+                f"all ({option('--prefetch none', 'prefetch=none')})"
             )
         if self.deterministic and self.thread:
             raise ExpertcacheError(
                 "a predictor thread races the model's layers: a deterministic run predicts inline (leave out "
-                "--predictor-thread)"
+                f"{option('--predictor-thread', 'predictor_thread')})"
             )
         _set(self, when=when or ("pays" if name == AUTO and not self.deterministic else "always"))
         if self.window is not None and int(self.window) < 1:
@@ -120,7 +124,9 @@ class PrefetchConfig:
         chunk = None
         if self.chunk_size is not None:
             if not self.chunking:
-                raise ExpertcacheError("a chunk size was given with chunking off (--no-chunking)")
+                raise ExpertcacheError(
+                    f"a chunk size was given with chunking off ({option('--no-chunking', 'chunking=False')})"
+                )
             chunk = parse_size(self.chunk_size, "chunk size")
             if chunk < 1 or chunk != int(chunk):
                 got = self.chunk_size

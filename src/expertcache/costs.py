@@ -72,6 +72,12 @@ class CostModel:
     weight_bits: int = 16  # bits per weight of a whole expert (its low-precision copies are sized from it)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a value with a unit ("25GB/s", "2ms", "336MiB"), as a JSON file gives it
+            value = getattr(self, f.name)
+            if isinstance(value, str) and not (f.name == "chunk_bytes" and value == AUTO):
+                object.__setattr__(self, f.name, _parse_field(f.name, value))
+            elif f.name == "dense_s" and isinstance(value, list | tuple) and any(map(_is_text, value)):
+                object.__setattr__(self, f.name, _parse_field(f.name, list(value)))
         if isinstance(self.dense_s, list | tuple):
             object.__setattr__(self, "dense_s", tuple(float(d) for d in self.dense_s))
             if not self.dense_s:
@@ -80,8 +86,12 @@ class CostModel:
             _check_time(name, getattr(self, name))
         for d in self.dense_s if isinstance(self.dense_s, tuple) else (self.dense_s,):
             _check_time("dense_s", d)
-        if not self.link_bandwidth > 0:  # also refuses NaN
-            raise ExpertcacheError(f"cost: link_bandwidth must be positive, got {self.link_bandwidth}")
+        bandwidth = self.link_bandwidth
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float) or not bandwidth > 0:  # NaN
+            raise ExpertcacheError(
+                "cost: link_bandwidth must be a positive rate (bytes a second, or a string such as "
+                f"'25GB/s'), got {self.link_bandwidth!r}"
+            )
         if self.weight_bits not in (16, 32):
             raise ExpertcacheError(f"cost: weight_bits must be 16 or 32, got {self.weight_bits!r}")
         if not isinstance(self.expert_bytes, int) or self.expert_bytes < 1:
@@ -298,9 +308,16 @@ def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return max(a, 0.0), max(b, 0.0)
 
 
+def _is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
 def _check_time(name: str, value: float) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-        raise ExpertcacheError(f"cost: {name} must be a non-negative number of seconds, got {value!r}")
+        raise ExpertcacheError(
+            f"cost: {name} must be a non-negative number of seconds (or a string such as '2ms'), "
+            f"got {value!r}"
+        )
 
 
 def _parse_field(name: str, value: object) -> object:

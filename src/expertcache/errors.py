@@ -13,6 +13,41 @@ class PolicyError(ExpertcacheError):
     """An unknown policy name, bad policy parameters, or a capacity the policy cannot work with."""
 
 
+class ExpertcacheWarning(UserWarning):
+    """A result the Python API returns that is not what it may look like (a replay of a run that
+    prefetched, without its prefetches); the CLI says the same in a note on stderr."""
+
+
+_command_line = [False]  # the command line is running (``cli.main``): messages name its flags
+
+
+def option(flag: str, argument: str) -> str:
+    """How a message names an option: the command line's flag (``--host-memory``) while a command runs
+    (``command_line``), the Python argument (``host_memory``) otherwise; one message serves both."""
+    return flag if _command_line[0] else argument
+
+
+def warn_notes(notes: list[str], stacklevel: int = 3) -> None:
+    """A Python caller's notes (what was adjusted, what a result leaves out) as ``ExpertcacheWarning``s;
+    the command line prints them itself, as notes on stderr."""
+    if not _command_line[0]:
+        import warnings
+
+        for note in notes:
+            warnings.warn(note, ExpertcacheWarning, stacklevel=stacklevel)
+
+
+class command_line:
+    """``with command_line():`` around a command's work: messages name the command line's flags."""
+
+    def __enter__(self) -> None:
+        self._before = _command_line[0]
+        _command_line[0] = True
+
+    def __exit__(self, *exc) -> None:
+        _command_line[0] = self._before
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name if it has none), for one-line errors; a
     first line that only announces the next (ending in a colon: a validator's) with that next line."""

@@ -10,6 +10,8 @@ Value = int | float | str | list[int] | list[float]
 def parse_spec(spec: str, what: str, error: type[ExpertcacheError]) -> tuple[str, dict[str, Value]]:
     """``'name'`` or ``'name:k=v,...'`` -> (lower-case name, params); values are ints, floats, lists
     (``2/2/4``) or words. ``what`` names the kind ("policy") in errors of type ``error``."""
+    if not isinstance(spec, str):
+        raise error(f"{what} must be a name or 'name:key=value,...', got {spec!r}")
     name, _, rest = spec.partition(":")
     params: dict[str, Value] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):

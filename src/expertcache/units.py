@@ -169,6 +169,33 @@ def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
     return list(range(nums[0], min(nums[1], total) + 1, nums[2] if len(nums) == 3 else 1))
 
 
+def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
+    """One cache size in experts, as the API's functions of one capacity take it: whole experts (24, "24")
+    or a share of all ``total`` experts ("25%", rounded down), ``capacity_items``'s grammar less ranges."""
+    if isinstance(item, bool) or not isinstance(item, int | str):
+        raise ExpertcacheError(
+            f"{what}: a whole number of experts (24) or a share of all experts ('25%'), got {item!r}"
+        )
+    if isinstance(item, int) and item < 1:
+        raise ExpertcacheError(f"{what} must be at least 1 expert, got {item}")
+    got = capacity_items(item, total, 1)
+    if len(got) != 1:
+        raise ExpertcacheError(f"{what} {item!r}: one capacity, not a range or all")
+    if isinstance(got[0], str):
+        raise ExpertcacheError(f"{what} {item!r} is less than one expert of {total}")
+    return got[0]
+
+
+def whole_number(value: object, what: str, low: int = 1) -> int:
+    """``value`` as an argument that counts something: an int (not a bool, not 2.5, not "8") of at least
+    ``low``, else one clear error naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ExpertcacheError(f"{what} must be a whole number, got {value!r}")
+    if value < low:
+        raise ExpertcacheError(f"{what} must be at least {low}, got {value}")
+    return value
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.policy.registry import (
     POLICIES,
     capacity_reason,
@@ -118,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what it loads lives until exit (cli.util.startup_gc)
     args.whole_process = argv is None
     try:
-        check_outputs(args)
-        code = _run(args)
+        with command_line():
+            check_outputs(args)
+            code = _run(args)
         sys.stdout.flush()  # a full disk or a closed pipe under stdout is met here, not at exit
         return code
     except ExpertcacheError as e:
@@ -600,7 +602,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         policies, caps, trace.num_layers, min_room(args.order, trace.top_k), bool(args.policy)
     )
     _note_prefetched(trace, args.trace)
-    results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
+    with warnings.catch_warnings():  # the note above says it, with the command to run
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
     if args.json:
         print(json.dumps([r.to_dict() for r in results]), flush=True)
     else:
@@ -617,20 +621,15 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
 def _note_prefetched(trace, name: str) -> None:
     """A run that prefetched moved experts these replays (no prefetching) do not: say how to replay it."""
-    if trace.predicted is None:
-        return
-    import numpy as np
+    from expertcache.sim.simulate import prefetched_note
 
-    steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
-    predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
-    n = len(np.unique(steps[predicted]))
-    who = trace.meta.get("predictor", "a predictor")
-    print(
-        f"note: this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
-        f"prefetch, so their misses are not the run's: 'expertcache timing --trace {name} --prefetch "
-        "recorded --capacity N' replays its prefetches",
-        file=sys.stderr,
-    )
+    note = prefetched_note(trace)
+    if note is not None:
+        print(
+            f"note: {note}: 'expertcache timing --trace {name} --prefetch recorded --capacity N' replays "
+            "its prefetches",
+            file=sys.stderr,
+        )
 
 
 def _add_sweep(sub) -> None:

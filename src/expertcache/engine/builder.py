@@ -10,6 +10,7 @@ every expert fitting, it fills them and warms the model up. ``Built`` is the res
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from expertcache.engine.transfer import (
     Target,
     TransferWorker,
 )
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.plan import Plan
@@ -220,7 +221,7 @@ class Builder:
                 f"({format_bytes(self.budget)}) holds none and is not used"
             )
         if plan is not None and plan.host_capacity is not None:  # its host level, in this model's slots
-            plan.refuse_host(["--host-memory (in Python, host_memory)"] if host is not None else [])
+            plan.refuse_host([option("--host-memory", "host_memory")] if host is not None else [])
             host = plan.host_config(self.layout.slot_bytes)
         self.host_reserve = 0  # an exclusive host level's slots beyond its capacity (``cache.tiers``)
         self.host_config, self.host_capacity = host, self._host_capacity(host, slow_tier)
@@ -358,20 +359,21 @@ class Builder:
         """Option errors that need no loading, before any loading."""
         if cache.offline:
             raise ExpertcacheError(
-                f"policy {cache.name} needs the future (simulator only); use it with 'expertcache sim'"
+                f"policy {cache.name} needs the future (simulator only); use it with "
+                + option("'expertcache sim'", "expertcache.simulate")
             )
         named = prefetch.enabled and prefetch.predictor_object is None and prefetch.predictor != AUTO
         if named and predictor_class(prefetch.predictor).sim_only:
             raise ExpertcacheError(
-                f"predictor {prefetch.predictor} needs the future (simulator only); "
-                "use it with 'expertcache timing'"
+                f"predictor {prefetch.predictor} needs the future (simulator only); use it with "
+                + option("'expertcache timing'", "expertcache.simulate_timing")
             )
         bundled = named and prefetch.data is None and predictor_class(prefetch.predictor).trained
         if bundled and self.path.resolve() != DEFAULT_MODEL:
             raise ExpertcacheError(
                 f"the bundled {prefetch.predictor} predictor is for the embedded model; for {self.path} "
                 f"train one (expertcache train-predictor --model {self.path} --out DIR), then pass "
-                "--predictor DIR"
+                + option("--predictor DIR", "predictor='DIR'")
             )
         if kernel not in (None, AUTO_KERNEL, *KERNELS):
             raise ExpertcacheError(
@@ -381,8 +383,11 @@ class Builder:
             raise ExpertcacheError(f"slow tier {slow_tier!r} is not one of: {', '.join(SLOW_TIERS)}")
         if policy_class(cache.name).needs_profile and cache.profile is None:
             raise ExpertcacheError(
-                f"policy {cache.name} ranks experts by a usage profile: pass --profile TRACE.npz (a "
-                "trace of an earlier run, from --record-trace; in Python: profile=TRACE.npz)"
+                f"policy {cache.name} ranks experts by a usage profile: pass "
+                + option(
+                    "--profile TRACE.npz (a trace of an earlier run, from --record-trace)",
+                    "profile='TRACE.npz' (a trace of an earlier run, from model.save_trace)",
+                )
             )
         text = str(expert_memory).strip()
         if not text.endswith("%"):
@@ -468,15 +473,19 @@ class Builder:
         if room is not None and need > room[0]:
             parts = ["the expert slots"] if self.device.type == "cpu" else []  # a GPU's are on the GPU
             if self.host_capacity:
-                parts.append("the host cache (--host-memory)")
+                parts.append(f"the host cache ({option('--host-memory', 'host_memory')})")
             elif tier == "host":
                 parts.append("the host tier's copy of every expert")
             raise ExpertcacheError(
                 f"{' and '.join(parts)} need {format_bytes(need)} of host memory, more than this process may "
                 f"use ({format_bytes(room[0])}: {room[1]}); give a smaller "
-                + ("host cache (--host-memory) or " if self.host_capacity else "")
-                + "expert memory (--expert-memory)"
-                + (" or --slow-tier disk" if tier == "host" and not self.host_capacity else "")
+                + (f"host cache ({option('--host-memory', 'host_memory')}) or " if self.host_capacity else "")
+                + f"expert memory ({option('--expert-memory', 'expert_memory')})"
+                + (
+                    f" or {option('--slow-tier disk', 'slow_tier=disk')}"
+                    if tier == "host" and not self.host_capacity
+                    else ""
+                )
             )
 
     def _targets(self, show: bool) -> dict[tuple[str, int | None], Target]:
@@ -513,6 +522,12 @@ class Builder:
                 raise ExpertcacheError(f"expert memory {expert_memory!r} must be a share in (0%, 100%]")
             budget = round(total * share / 100)
         else:
+            number = isinstance(expert_memory, int | float) and not isinstance(expert_memory, bool)
+            if number and (not math.isfinite(expert_memory) or expert_memory != int(expert_memory)):
+                raise ExpertcacheError(
+                    f"expert memory {expert_memory!r}: a number is bytes, a whole number of them; a share of "
+                    "all experts is a string such as '25%'"
+                )
             budget = int(parse_size(expert_memory, "expert memory"))
         if budget > total:
             self.notes.append(
@@ -530,9 +545,11 @@ class Builder:
             if fixed_capacity(cache.name, cache.params) is not None:
                 why = f"its budgets sum to {need}"
             if cap < need and len(self.miss.host_layers()) < self.num_layers:
+                bytes_given = isinstance(expert_memory, int | float) and not isinstance(expert_memory, bool)
                 raise ExpertcacheError(
                     f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
                     f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): {why}"
+                    + (" (a number is bytes; a share of all experts is a string, '25%')" * bytes_given)
                 )
         return budget
 
@@ -546,18 +563,19 @@ class Builder:
             return 0
         if slow_tier == "host":
             raise ExpertcacheError(
-                "a host level (--host-memory, or a plan's) is a host cache over the checkpoint on disk; "
-                "--slow-tier host holds every expert in host memory: give --slow-tier disk (the default "
-                "with a host level) or mapped"
+                f"a host level ({option('--host-memory', 'host_memory')}, or a plan's) is a host cache over "
+                "the checkpoint on disk; slow tier host holds every expert in host memory: give slow tier "
+                "disk (the default with a host level) or mapped"
             )
         if self.miss.name != "fetch":
             raise ExpertcacheError(
-                f"a host level (--host-memory) serves the fetch miss path; miss path {self.miss.name} "
-                "reads experts its own way"
+                f"a host level ({option('--host-memory', 'host_memory')}) serves the fetch miss path; miss "
+                f"path {self.miss.name} reads experts its own way"
             )
         if host.stage and not self.prefetch_config_.enabled:
             raise ExpertcacheError(
-                f"host stage {host.stage} reads predicted experts early: give a predictor (--prefetch NAME)"
+                f"host stage {host.stage} reads predicted experts early: give a predictor "
+                f"({option('--prefetch NAME', 'prefetch=NAME')})"
             )
         total, slot = self.num_layers * self.num_experts, self.layout.slot_bytes
         memory = host.bytes_of(total * slot) // slot  # experts the memory holds, all of them at most

@@ -40,6 +40,14 @@ class Generation:
     seed: int | None = None  # the sampling seed (None: greedy)
     batch_size: int = 1  # prompts generated together; timings and stats are the batch's
 
+    def __repr__(self) -> str:
+        text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
+        hits, misses = self.stats.get("hits", 0), self.stats.get("misses", 0)
+        return (
+            f"<Generation {text!r}: {len(self.tokens)} tokens ({self.finish_reason}), "
+            f"TTFT {self.ttft_s * 1e3:.1f} ms, TPOT {self.tpot_s * 1e3:.1f} ms, {hits} hits, {misses} misses>"
+        )
+
     def to_dict(self) -> dict[str, object]:
         return {
             "tokens": self.tokens,
@@ -98,6 +106,37 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
 
 
 # ------------------------------------------------------------------------------------ prompts
+# ``generate_text``'s own arguments and the ones it sets: not passed through
+_OWN = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "pad_token_id", "streamer"}
+
+
+def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
+    """Keyword arguments for transformers' ``generate``: its own parameters, its generation settings
+    (``GenerationConfig``'s fields) and the model's forward arguments; anything else (a misspelt name) is
+    one error naming it and the nearest known names, before any work."""
+    if not kwargs:
+        return
+    import difflib
+    import inspect
+
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    known = set(GenerationConfig().to_dict()) | set(inspect.signature(GenerationMixin.generate).parameters)
+    known |= set(inspect.signature(model.forward).parameters)
+    known -= {"self", "kwargs", "args"}
+    for name in kwargs:
+        if name in _OWN:
+            raise ExpertcacheError(f"generate_text sets {name} itself; leave it out")
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known | {"max_new_tokens"}), n=2)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise ExpertcacheError(
+                f"generate_text got an unknown argument {name!r}{hint}: it takes transformers' generation "
+                "settings"
+            )
+
+
 def render(tokenizer, prompt: Prompt, chat: bool, where: str = "the prompt") -> str:
     """The text the model sees: the prompt, or with ``chat`` the conversation through the template."""
     if not chat:

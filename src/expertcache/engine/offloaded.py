@@ -27,9 +27,10 @@ from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import resident_memory
 from expertcache.engine.packed import SOURCE_KEY, describe_format
-from expertcache.errors import ExpertcacheError, first_line
+from expertcache.errors import ExpertcacheError, first_line, warn_notes
 from expertcache.plan import Plan, as_plan
 from expertcache.trace.trace import Trace
+from expertcache.units import whole_number
 
 # the builder's names of the parts this model keeps private
 _PRIVATE = {
@@ -83,6 +84,19 @@ class OffloadedModel:
         for field in dataclasses.fields(built):  # the parts as this model's attributes
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
         self._tokenizer = None
+        self.closed = False
+
+    def __repr__(self) -> str:
+        total = self.num_layers * self.num_experts
+        state = "closed" if self.closed else f"{self.capacity} of {total} experts"
+        return (
+            f"<OffloadedModel {model_label(self.path)}: {state}, policy {self.cache_config.name}, "
+            f"miss {self.miss_config.name}, {self.device}>"
+        )
+
+    def _open(self) -> None:
+        if self.closed:
+            raise ExpertcacheError("this model is closed (close() was called): load it again")
 
     # ----------------------------------------------------------------- transformers-style use
     @property
@@ -101,11 +115,13 @@ class OffloadedModel:
         return self._tokenizer
 
     def __call__(self, *args, **kwargs):
+        self._open()
         with torch.inference_mode():
             return self.model(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
         """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise)."""
+        self._open()
         kwargs.setdefault("do_sample", False)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)
@@ -129,15 +145,23 @@ class OffloadedModel:
         time, padded on the left). ``sampling``: greedy by default (the reference's tokens), or a
         ``SamplingConfig`` (temperature, top-p, top-k, seed, repetition penalty, stop strings). ``chat``:
         prompts go through the tokenizer's chat template (a prompt may then be a list of messages).
-        Each result has tokens, text, finish reason, TTFT/TPOT and the cache's work during its batch."""
-        if max_new_tokens < 1:
-            raise ExpertcacheError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if batch_size < 1:
-            raise ExpertcacheError(f"batch size must be at least 1, got {batch_size}")
+        Each result has tokens, text, finish reason, TTFT/TPOT and the cache's work during its batch.
+        Other keyword arguments go to transformers' ``generate`` (its generation settings)."""
+        self._open()
+        whole_number(max_new_tokens, "max_new_tokens")
+        whole_number(batch_size, "batch_size")
+        gen.check_generate_kwargs(kwargs, self.model)
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise ExpertcacheError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling = sampling or SamplingConfig()
         one = isinstance(prompt, str) or (
             chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
         )
+        if not one and not isinstance(prompt, list | tuple):
+            raise ExpertcacheError(
+                f"prompt must be a string or a list of them{' (or of chat messages)' if chat else ''}, "
+                f"got {type(prompt).__name__}"
+            )
         prompts = [prompt] if one else list(prompt)
         if not prompts:
             raise ExpertcacheError("no prompts were given")
@@ -380,7 +404,10 @@ class OffloadedModel:
         self.trace().save(path)
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the engine's threads and free its memory; the model cannot be used after (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.engine.close()
 
     def __enter__(self) -> OffloadedModel:
         return self
@@ -495,6 +522,8 @@ def load(
     ``host_exclusive`` makes it hold what the expert memory does not (a hit moves up, the expert memory's
     victim comes down; ``cache.tiers``).
     """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     plan = as_plan(plan)
     if plan is not None:
         defaults = {
@@ -539,11 +568,13 @@ def load(
     host = options.pop("host", None) or HostConfig(
         host_memory, host_policy, exclusive=bool(host_exclusive), stage=host_stage
     )
-    return OffloadedModel(
+    model = OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),
         miss=as_config(miss, MissConfig), device=device, plan=plan, host=host if host.enabled else None,
         **options,
     )  # fmt: skip
+    warn_notes(model.notes)  # also in ``model.notes``; the command line prints them
+    return model
 
 
 def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str | float) -> LinkConfig:

@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable
 from functools import partial
 
-from expertcache.errors import PolicyError
+from expertcache.errors import PolicyError, option
 from expertcache.policy.base import Policy, PolicyContext
 from expertcache.policy.dist import Dist
 from expertcache.policy.eam import EAM
@@ -112,8 +112,9 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
     _lookup(name)
     if "profile" in params:
         raise PolicyError(
-            f"policy {spec!r}: the usage profile is not a policy parameter; give it as --policy {name} "
-            "--profile TRACE.npz (in Python: profile=TRACE.npz); sim and timing profile the trace they replay"
+            f"policy {spec!r}: the usage profile is not a policy parameter; give it as "
+            + option(f"--policy {name} --profile TRACE.npz", f"policy={name!r}, profile='TRACE.npz'")
+            + "; sim and timing profile the trace they replay"
         )
     _check_parameters(name, params)  # when a config is built, not later when the policy is
     text = policy_class(name).text_params

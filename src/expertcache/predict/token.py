@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from expertcache.errors import option
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.predict.eam_matching import check_trace, ranked
 
@@ -28,7 +29,10 @@ class TokenPredictor(Predictor):
         if trace is None:
             raise PredictorError(
                 f"predictor {self.name!r} needs a recorded trace of this model (with token ids): "
-                "--predictor TRACE.npz, from generate --record-trace"
+                + option(
+                    "--predictor TRACE.npz, from generate --record-trace",
+                    "predictor='TRACE.npz', from model.save_trace",
+                )
             )
         check_trace(self.name, trace, ctx)
         if trace.token_id is None or (trace.token_id < 0).all():

@@ -29,13 +29,14 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
 from expertcache.costs import CostModel
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
 from expertcache.sim.timing import host_level_of, simulate_timing
 from expertcache.trace.stats import step_shape
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
+from expertcache.units import one_capacity
 
 LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
 
@@ -55,7 +56,7 @@ def window_counts(trace: Trace, m: int) -> np.ndarray:
         longest = int(np.diff(np.r_[0, edges, trace.num_tokens]).max()) if trace.num_tokens else 0
         raise ExpertcacheError(
             f"no sequence of {name} has {m} tokens (the longest has {longest}): give a smaller window "
-            "(--window-tokens)"
+            f"({option('--window-tokens', 'window_tokens')})"
         )
     L, E = trace.num_layers, trace.num_experts
     idx = np.asarray(starts)[:, None] + np.arange(m)[None, :]  # [W, m]
@@ -116,8 +117,8 @@ def knee(xs: list[float], ys: list[float]) -> float | None:
 
 
 def diagnose(
-    trace: Trace,
-    capacity: int,
+    trace: Trace | str,
+    capacity: int | str,
     cost: CostModel | None = None,
     *,
     window_tokens: int = 16,
@@ -127,7 +128,12 @@ def diagnose(
     host_capacity: int | None = None,
 ) -> dict[str, object]:
     """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module). ``host`` and
-    ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step."""
+    ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step.
+    ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%")."""
+    trace = as_trace(trace)
+    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    if isinstance(misses, str):
+        misses = (misses,)
     cost = cost or CostModel()
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)

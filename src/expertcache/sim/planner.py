@@ -45,7 +45,8 @@ from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, simulate_timing
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
+from expertcache.units import one_capacity
 
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
@@ -278,8 +279,8 @@ def _host_room(policy: str, num_layers: int, top_k: int) -> int:
 
 
 def make_plan(
-    trace: Trace,
-    capacity: int,
+    trace: Trace | str,
+    capacity: int | str,
     cost: CostModel | None = None,
     *,
     policy: str = "lru",
@@ -301,7 +302,16 @@ def make_plan(
     its misses read ``cost.disk_read_s``), under each of ``host_policies`` in turn; the plan then says
     which, and whether it is inclusive or exclusive of the expert memory (an exclusive one holds its
     memory less ``cache.tiers.exclusive_reserve`` experts). Staging is not planned. The engine's host
-    level serves the ``fetch`` miss path, so other miss paths are left out."""
+    level serves the ``fetch`` miss path, so other miss paths are left out. ``trace`` is a ``Trace`` or
+    its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name."""
+    trace = as_trace(trace)
+    predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
+    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    misses, prefetches, host_policies = (
+        [v] if isinstance(v, str | PrefetchConfig) else v for v in (misses, prefetches, host_policies)
+    )
+    if isinstance(methods, str):
+        methods = [methods]
     cost = cost or CostModel()
     host_cfgs: list[HostConfig | None] = [None]
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from expertcache.errors import option
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.predict.registry import PREDICTORS, predictor_class
 from expertcache.trace.trace import Trace
@@ -63,8 +64,9 @@ def make_sim_predictor(
     if data is None and spec != Recorded.name and not predictor_class(spec).needs_model:
         if spec == "token":  # its table from the simulated trace itself would read the future
             raise PredictorError(
-                "predictor 'token' needs a recorded trace to count from (--predictor TRACE.npz), another "
-                "run than the one simulated; passing the simulated trace itself gives an in-sample bound"
+                "predictor 'token' needs a recorded trace to count from "
+                f"({option('--predictor TRACE.npz', 'predictor_trace=TRACE')}), another run than the one "
+                "simulated; passing the simulated trace itself gives an in-sample bound"
             )
     elif data is None:
         data = trace

@@ -27,6 +27,13 @@ class SimResult:
     split_groups: bool = False  # some group was larger than its layer's room and served in chunks
     opt_is_bound: bool | None = None  # neither this run nor OPT split a group: OPT's misses are a bound
 
+    def __repr__(self) -> str:
+        opt = "" if self.opt_misses is None else f", OPT {self.opt_misses}"
+        return (
+            f"<SimResult {self.label} at {self.capacity} experts ({self.order} order): "
+            f"{self.requests} requests, {self.hits} hits, {self.misses} misses ({self.miss_ratio:.1%}){opt}>"
+        )
+
     @property
     def label(self) -> str:
         """The policy as it was asked for: its name, and its parameters if any (``lcp:rho=0.5``)."""

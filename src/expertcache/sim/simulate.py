@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from expertcache.cache.schedule import build_schedule
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capacity_items
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
 
 def simulate(
-    trace: Trace,
+    trace: Trace | str,
     policies: Sequence[str] = DEFAULT_POLICIES,
     capacities: Sequence[int | str] | int | str = "all",
     order: str = "layer",
@@ -28,14 +31,39 @@ def simulate(
     skip_infeasible: bool = False,
     jobs: int = 1,
 ) -> list[SimResult]:
-    """Replay ``trace`` through every policy ('name' or 'name:k=v,...') at every capacity ('all' =
-    1..L*E, or items as ``sim --capacity`` takes them: 24, "8:96:8", "25%"); each result carries OPT's
-    misses at its capacity. With ``skip_infeasible``, capacities a
+    """Replay ``trace`` (a ``Trace`` or its file) through every policy ('name' or 'name:k=v,...') at
+    every capacity ('all' = 1..L*E, or items as ``sim --capacity`` takes them: 24, "8:96:8", "25%");
+    each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
     policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
     given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
+    trace = as_trace(trace)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    note = prefetched_note(trace)
+    if note is not None:
+        warnings.warn(
+            f"{note}: simulate_timing(trace, capacity, prefetch='recorded') replays its prefetches",
+            ExpertcacheWarning,
+            stacklevel=2,
+        )
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs)
+
+
+def prefetched_note(trace: Trace) -> str | None:
+    """Where ``trace`` was recorded by a run that prefetched: a line saying that replays without
+    prefetching do not count its misses (``simulate`` warns it, ``sim`` notes it), else None."""
+    if trace.predicted is None:
+        return None
+    steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
+    predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
+    n = len(np.unique(steps[predicted]))
+    who = trace.meta.get("predictor", "a predictor")
+    return (
+        f"this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
+        "prefetch, so their misses are not the run's"
+    )
 
 
 def _simulate(

@@ -28,14 +28,14 @@ from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, quantized_bytes
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.miss.base import FULL, MissContext, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
-from expertcache.trace.trace import Trace
-from expertcache.units import format_bytes
+from expertcache.trace.trace import Trace, as_trace
+from expertcache.units import format_bytes, one_capacity
 
 
 @dataclass
@@ -146,8 +146,8 @@ class TimingResult:
 
 
 def simulate_timing(
-    trace: Trace,
-    capacity: int,
+    trace: Trace | str,
+    capacity: int | str,
     *,
     cache: CacheConfig | str | None = None,
     prefetch: PrefetchConfig | str | None = None,
@@ -158,16 +158,20 @@ def simulate_timing(
     host: HostConfig | str | None = None,
     host_capacity: int | None = None,
 ) -> TimingResult:
-    """Replay ``trace`` step by step in layer order through a cache of ``capacity`` experts' worth of
-    memory (shared among the miss path's parts), under ``cache`` (a policy spec or a ``CacheConfig``),
-    prefetching as ``prefetch`` says (a predictor name or a ``PrefetchConfig``), serving misses by
-    ``miss`` (a miss path spec or a ``MissConfig``), timed by ``cost``. Trace-based predictors learn from
+    """Replay ``trace`` (a ``Trace`` or its file) step by step in layer order through a cache of
+    ``capacity`` experts' worth of memory (or "25%": a share of all experts), shared among the miss
+    path's parts, under ``cache`` (a policy spec or a ``CacheConfig``), prefetching as ``prefetch`` says
+    (a predictor name or a ``PrefetchConfig``), serving misses by ``miss`` (a miss path spec or a
+    ``MissConfig``), timed by ``cost``. Trace-based predictors learn from
     ``predictor_trace`` (``token`` requires one; it must be another run than the simulated one).
     ``capacities`` (keys per cache part) replaces the share of ``capacity`` the miss path would give
     each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly.
     ``host`` (a ``HostConfig``, or its memory as a spec) puts a host level between the link and the disk
     (``cache.tiers``), of ``host_capacity`` experts where given (an engine's own: ``trace.meta``), else
     of its memory in the cost model's experts; a host-level miss reads ``cost.disk_read_s`` first."""
+    trace = as_trace(trace)
+    predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
+    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     if pf.predictor == AUTO_PREFETCH:
         raise ExpertcacheError(
@@ -204,6 +208,13 @@ def simulate_timing(
     if host_level is not None:
         host_cfg, host_capacity, level_notes = host_level
         notes += level_notes
+        recorded = trace.meta.get("host_exclusive")
+        if recorded is not None and bool(recorded) != host_cfg.exclusive:  # a replay of a run, not its level
+            kind = {True: "an exclusive", False: "an inclusive"}
+            notes.append(
+                f"the trace was recorded with {kind[bool(recorded)]} host level; this replay's is "
+                f"{kind[host_cfg.exclusive].split()[1]}"
+            )
         if miss_cfg.name != "fetch":
             raise ExpertcacheError(
                 f"a host level serves the fetch miss path, as the engine's does; miss path {miss_cfg.name} "
@@ -211,8 +222,9 @@ def simulate_timing(
             )
         if not cost.disk_read_s:
             notes.append(
-                "the cost model's disk_read_s is 0 (give --disk-time, or a profile of the disk tier): the "
-                "host level's misses cost no time"
+                "the cost model's disk_read_s is 0 (give "
+                + option("--disk-time", "CostModel(disk_read_s=...)")
+                + ", or a profile of the disk tier): the host level's misses cost no time"
             )
         level = build_host_level(host_cfg, host_capacity, ctx)
     one = CostModel.from_dict({"chunk_bytes": None}, cost)  # demand transfers move whole (the engine's rule)
@@ -230,7 +242,7 @@ def simulate_timing(
     if level is not None and level.stage_limit and pred is None:
         raise ExpertcacheError(
             f"host stage {level.stage_limit} reads predicted experts early: give a predictor "
-            "(--prefetch NAME)"
+            f"({option('--prefetch NAME', 'prefetch=NAME')})"
         )
     driver = assemble(
         parts, link, path, ctx, limit=pf.limit, preemption=pf.preemption, reorder=pf.reorder,

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertcache.errors import TraceError
-from expertcache.trace.trace import Trace
+from expertcache.errors import ExpertcacheError, TraceError
+from expertcache.trace.trace import Trace, as_trace
+from expertcache.units import whole_number
 
 SCHEDULES = ("fifo", "prompts-first")  # which requests a step runs: the server's --schedule
 
@@ -70,10 +71,15 @@ def batch_requests(
     laid out by ``schedule`` (``SCHEDULES``)."""
     if schedule not in SCHEDULES:
         raise TraceError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if concurrency < 1:
-        raise TraceError(f"concurrency must be at least 1, got {concurrency}")
-    if stagger < 0:
-        raise TraceError(f"stagger must be at least 0 steps, got {stagger}")
+    trace = as_trace(trace)
+    try:
+        whole_number(concurrency, "concurrency")
+        whole_number(stagger, "stagger (steps)", 0)
+        for name, value in (("requests", requests), ("batch_tokens", batch_tokens)):
+            if value is not None:
+                whole_number(value, name)
+    except ExpertcacheError as e:
+        raise TraceError(str(e)) from None
     if batch_tokens is not None and batch_tokens < concurrency:
         raise TraceError(
             f"batch_tokens {batch_tokens} is below the concurrency {concurrency}: a step must hold the "

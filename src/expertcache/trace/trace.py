@@ -12,6 +12,7 @@ step's ranked list, read row after row over the step's tokens, -1 padding; meta 
 
 from __future__ import annotations
 
+import os
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -65,6 +66,13 @@ class Trace:
         if w is not None and not np.isfinite(w).all():  # only at unknown entries (validated): read as 0
             object.__setattr__(self, "weights", np.where(np.isfinite(w), w, np.float32(0)))
 
+    def __repr__(self) -> str:
+        seqs = "" if self.seq_id is None else f", {len(np.unique(self.seq_id))} sequences"
+        return (
+            f"<Trace {self.source}: {self.num_tokens} tokens{seqs}, {self.num_layers} layers x "
+            f"{self.num_experts} experts, top-{self.top_k}>"
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.experts.shape[0])
@@ -105,9 +113,22 @@ class Trace:
             raise TraceError(f"{path}: cannot write trace ({e.strerror or e})") from None
 
 
+def as_trace(trace: Trace | str | Path, what: str = "trace") -> Trace:
+    """``trace`` itself, or the trace file it names (``load_trace``): what the API's functions take."""
+    if isinstance(trace, Trace):
+        return trace
+    if isinstance(trace, str | os.PathLike):
+        return load_trace(trace)
+    raise TraceError(f"{what}: a Trace or a trace file's path (.npz), got {type(trace).__name__}")
+
+
 def load_trace(path: str | Path) -> Trace:
     """Load and validate a .npz routing trace; every problem is a TraceError naming the file."""
+    if not isinstance(path, str | os.PathLike):
+        raise TraceError(f"a trace file's path, got {type(path).__name__}")
     path = Path(path)
+    if path.is_dir():
+        raise TraceError(f"{path}: a directory, not a trace file (.npz)")
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     if not zipfile.is_zipfile(path):
