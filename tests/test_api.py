@@ -223,3 +223,24 @@ def test_a_replay_says_when_its_host_level_is_not_the_recorded_runs(trace):
     assert "the trace was recorded with an exclusive host level; this replay's is inclusive" in notes
     same = ec.simulate_timing(recorded, 24, host=ec.HostConfig(None, exclusive=True), host_capacity=46).notes
     assert not any("was recorded with" in n for n in same)
+
+
+def test_a_replay_of_another_miss_path_says_so_and_names_what_replays_it(trace, tmp_path, capsys):
+    meta = {
+        "policy": "tlfu",
+        "capacity": 20,
+        "miss": "batch:buffer=4",
+        "capacities": '{"stream": 4, "full": 20}',
+    }
+    served = ec.Trace(trace.experts, trace.num_experts, seq_id=trace.seq_id, meta=meta)
+    with pytest.warns(ExpertcacheWarning, match=r"miss path batch:buffer=4 \(in the memory of 24 experts\)"):
+        ec.simulate(served, ["tlfu"], [24])
+    path = tmp_path / "served.npz"
+    served.save(path)
+    assert main(["sim", str(path), "--policy", "tlfu", "--capacity", "24"]) == 0
+    err = capsys.readouterr().err
+    assert f"'expertcache timing --trace {path} --policy tlfu --miss batch:buffer=4 --capacity 24'" in err
+    fetched = ec.Trace(trace.experts, trace.num_experts, meta={"miss": "fetch", "capacity": 24})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ec.simulate(fetched, ["lru"], [24])  # a fetch run without prefetching: the replay is the run's

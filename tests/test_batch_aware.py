@@ -341,10 +341,38 @@ def test_doctor_of_a_batched_trace_with_every_expert_cached_has_a_verdict(capsys
 
 
 @pytest.mark.parametrize("command", ["doctor", "plan"])
-def test_bad_concurrency_is_one_line_and_exit_2(command, capsys):
-    assert main([command, "--concurrency", "0"]) == 2
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--max-batch-tokens", "64"], "--max-batch-tokens lays out the steps of --concurrency N"),
+        (
+            ["--concurrency", "16", "--max-batch-tokens", "8"],
+            "--max-batch-tokens 8 is below --concurrency 16",
+        ),
+    ],
+)
+def test_bad_concurrency_is_one_line_and_exit_2(command, argv, words, capsys):
+    assert main([command, *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--concurrency" in err and len(err.splitlines()) == 1
+    assert words in err and len(err.splitlines()) == 1
+
+
+def test_the_served_steps_are_capped_as_the_servers_are(capsys):
+    """``--max-batch-tokens``: the steps of at most that many tokens a server with that cap computes, by
+    default serve's 512; a smaller cap chunks the prompts into more steps."""
+    from expertcache.trace.batch import batch_requests
+    from expertcache.trace.default import default_trace
+
+    assert main(["doctor", "--concurrency", "4", "--max-batch-tokens", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    capped = batch_requests(default_trace(), 4, batch_tokens=16)
+    assert (
+        f"steps of at most 16 tokens: {capped.num_tokens} tokens in {len(set(capped.step_id.tolist()))} steps"
+        in err
+    )
+    assert main(["doctor", "--concurrency", "4"]) == 0
+    assert "steps of at most 512 tokens" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_a_budget_the_machine_cannot_hold_is_refused_before_loading(ckpt, monkey
     with pytest.raises(ExpertcacheError, match=r"the expert slots need .* more than this process may use "
                        r"\(1000 B: its memory cgroup's room"):  # fmt: skip
         engine_load(path)
-    with pytest.raises(ExpertcacheError, match="host tier's copy of every expert.*or --slow-tier disk"):
+    with pytest.raises(ExpertcacheError, match="host tier's copy of every expert.*or slow_tier=disk"):
         engine_load(path, 4, slow_tier="host")
     monkeypatch.setattr(builder, "available_memory", lambda: None)  # not Linux: no check
     with engine_load(path, 4) as model:

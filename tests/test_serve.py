@@ -338,6 +338,8 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "exceeds the model's context"),
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n: not supported by this server"),
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs: not supported by this server"),
+        # a completion's logprobs counts alternatives: 0 still asks for the chosen token's own
+        ({"model": "tiny", "prompt": "x", "logprobs": 0}, 400, "logprobs: not supported by this server"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"model": "tiny", "prompt": "x", "stop": ""}, 400, "stop: an empty stop string"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
@@ -556,12 +558,16 @@ def test_a_tiny_temperature_is_greedy_and_developer_is_a_system_message(served):
 
 def test_lengths_are_checked_against_the_kv_cache_and_the_default_fits(make_ckpt):
     model = engine_load(make_ckpt("mixtral"), 8, record=False)
+    model.tokenizer.chat_template = TEMPLATE
     try:
         with TestClient(create_app(model, "tiny", ServeConfig(kv_tokens=200)), base_url=BASE) as http:
             assert http.app.state.batcher.kv_tokens == 256  # whole pages
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 40, "max_tokens": 250})
             err = r.json()["error"]
             assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+            assert err["param"] == "prompt"  # as OpenAI names the field: messages for a chat
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "x " * 40}], "max_tokens": 250}
+            assert http.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "messages"
             assert "the server's KV cache (--kv-cache-tokens) of 256 tokens" in err["message"]
             # without max_tokens the answer is as long as fits (it used to ask for 256 and fail)
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 40})
@@ -611,6 +617,8 @@ def test_an_exception_inside_a_stream_ends_it_with_an_error_event(served, monkey
     monkeypatch.setattr(batcher, "pieces", broken)
     lines = _ask(http, stream=True)
     assert '"error"' in lines[-2] and "incident" in lines[-2] and lines[-1] == "data: [DONE]"
+    event = json.loads(lines[-2].removeprefix("data: "))["error"]  # OpenAI's error object, every key
+    assert set(event) == {"message", "type", "param", "code"} and event["type"] == "server_error"
     assert "raw text" not in "".join(lines)
     for job in list(batcher.jobs.values()):  # the request the broken stream left behind, if running
         batcher.cancel(job)
@@ -777,6 +785,8 @@ def test_serve_bad_options_are_one_line(capsys):
         [["serve", "--max-body", "lots"], "--max-body 'lots' is not a size"],
         [["serve", "--max-body", "100B"], "--max-body must be at least 1KiB"],
         [["serve", "--header-timeout", "0s"], "--header-timeout must be longer than 0"],
+        [["serve", "--header-timeout", "-3s"], "--header-timeout must be longer than 0, got '-3s'"],
+        [["serve", "--served-model-name", " "], "--served-model-name is empty"],
         [["serve", "--body-timeout", "soon"], "--body-timeout 'soon' is not a duration"],
         [["serve", "--max-connections", "0"], "--max-connections must be at least 1"],
         [["serve", "--allowed-host", ""], "--allowed-host needs a host name"],
@@ -786,6 +796,24 @@ def test_serve_bad_options_are_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0]
+
+
+def test_stats_give_the_engines_counts_and_every_answer_is_counted(served):
+    model, http, client = served
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200
+    stats = http.get("/stats").json()
+    assert stats["misses"] == model.stats["misses"] and set(stats["phases"]) == {"decode", "prefill"}
+    before = http.get("/metrics").text
+    assert http.get("/v1/models").status_code == 200
+    after = http.get("/metrics").text
+    label = 'expertcache_requests_total{endpoint="/v1/models",status="200"}'
+
+    def count(text: str) -> float:
+        return float(next((ln.split()[-1] for ln in text.splitlines() if ln.startswith(label)), "0"))
+
+    assert count(after) == count(before) + 1
+    assert 'expertcache_requests_total{endpoint="/metrics",status="200"}' in after
 
 
 def _metric(text: str, name: str) -> str:

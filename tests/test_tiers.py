@@ -513,7 +513,7 @@ def test_a_host_level_under_another_policy_with_prefetching_is_exact(ckpt, refer
 def test_host_level_options_that_cannot_work_are_refused(ckpt):
     path = ckpt("mixtral")
     for kwargs, match in [
-        (dict(slow_tier="host"), "--slow-tier host holds every expert"),
+        (dict(slow_tier="host"), "slow tier host holds every expert"),
         (dict(miss="host"), "serves the fetch miss path"),
         (dict(host_policy="lru:nope=1"), "nope"),
     ]:
@@ -542,7 +542,7 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
     with engine_load(path, TOP_K, slow_tier="disk") as model:  # the slots alone fit (on a GPU: nothing)
         assert model.capacity == TOP_K
     what = "the expert slots and the host cache" if engine_fixtures.DEVICE == "cpu" else "the host cache"
-    with pytest.raises(ExpertcacheError, match=rf"{what} \(--host-memory\) need"):
+    with pytest.raises(ExpertcacheError, match=rf"{what} \(host_memory\) need"):
         engine_load(path, TOP_K, host_memory="50%")
 
 

@@ -44,7 +44,8 @@ class CacheConfig:
         if self.profile is not None and not policy_class(name).needs_profile:
             raise ExpertcacheError(
                 f"a usage profile ({option('--profile', 'profile')}) ranks experts for the static policies; "
-                f"policy {name} uses none (give policy static or static-dist, or leave out the profile)"
+                f"policy {name} uses none (give {option('--policy static', 'policy=static')} or static-dist, "
+                f"or leave out {option('--profile', 'profile')})"
             )
 
     @property
@@ -320,6 +321,7 @@ class SamplingConfig:
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers' block)
+SERVE_BATCH_TOKENS = 512  # tokens a served step computes at most, by default (serve --max-batch-tokens)
 
 
 @dataclass(frozen=True)
@@ -345,7 +347,7 @@ class ServeConfig:
     api_key: str | None = None
     max_queue: int = 64
     kv_tokens: int | None = None
-    batch_tokens: int = 512
+    batch_tokens: int = SERVE_BATCH_TOKENS
     schedule: str = "fifo"
     max_body: str | int = "4MiB"
     max_connections: int | None = None
@@ -380,7 +382,10 @@ class ServeConfig:
         times = {}
         for name in ("header_timeout", "body_timeout", "idle_timeout"):
             flag = "--" + name.replace("_", "-")
-            times[name + "_s"] = t = parse_duration(getattr(self, name), flag)
+            value = getattr(self, name)
+            if str(value).strip().startswith("-"):  # one message for 0 and below: a time longer than 0
+                raise ExpertcacheError(f"{flag} must be longer than 0, got {value!r}")
+            times[name + "_s"] = t = parse_duration(value, flag)
             if t <= 0:
                 raise ExpertcacheError(f"{flag} must be longer than 0, got {getattr(self, name)!r}")
         hosts = tuple(host_name(h) for h in self.allowed_hosts)

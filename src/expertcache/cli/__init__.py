@@ -22,6 +22,7 @@ from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
+from expertcache.config import SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.policy.registry import (
     POLICIES,
@@ -601,7 +602,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     policies = _note_skipped(
         policies, caps, trace.num_layers, min_room(args.order, trace.top_k), bool(args.policy)
     )
-    _note_prefetched(trace, args.trace)
+    _note_replays(trace, args.trace)
     with warnings.catch_warnings():  # the note above says it, with the command to run
         warnings.simplefilter("ignore", ExpertcacheWarning)
         results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
@@ -619,17 +620,13 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_prefetched(trace, name: str) -> None:
-    """A run that prefetched moved experts these replays (no prefetching) do not: say how to replay it."""
-    from expertcache.sim.simulate import prefetched_note
+def _note_replays(trace, name: str) -> None:
+    """A run that prefetched, or served misses by another path, counted what these replays do not: say
+    how to replay it."""
+    from expertcache.sim.simulate import replay_notes
 
-    note = prefetched_note(trace)
-    if note is not None:
-        print(
-            f"note: {note}: 'expertcache timing --trace {name} --prefetch recorded --capacity N' replays "
-            "its prefetches",
-            file=sys.stderr,
-        )
+    for note in replay_notes(trace, name):
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _add_sweep(sub) -> None:
@@ -1159,13 +1156,26 @@ def _add_concurrency(p: argparse.ArgumentParser) -> None:
         "--schedule", metavar="{fifo,prompts-first}",
         help="with --concurrency: how a step is laid out, as serve --schedule runs it (default fifo)",
     )  # fmt: skip
+    p.add_argument(
+        "--max-batch-tokens", type=int, metavar="N",
+        help="with --concurrency: tokens a step computes at most, prompts joining in chunks, as serve "
+        f"--max-batch-tokens (default {SERVE_BATCH_TOKENS}, serve's, or N if more)",
+    )  # fmt: skip
 
 
 def _check_concurrency(args: argparse.Namespace) -> None:
     if args.concurrency is not None and args.concurrency < 1:
         raise ExpertcacheError(f"--concurrency must be at least 1 request at a time, got {args.concurrency}")
-    if args.schedule is not None and args.concurrency is None:
-        raise ExpertcacheError("--schedule lays out the steps of --concurrency N: give --concurrency")
+    for flag in ("schedule", "max_batch_tokens"):
+        if getattr(args, flag) is not None and args.concurrency is None:
+            raise ExpertcacheError(
+                f"--{flag.replace('_', '-')} lays out the steps of --concurrency N: give --concurrency"
+            )
+    if args.max_batch_tokens is not None and args.max_batch_tokens < args.concurrency:
+        raise ExpertcacheError(
+            f"--max-batch-tokens {args.max_batch_tokens} is below --concurrency {args.concurrency}: the "
+            "simulated server's step holds every running request's next token"
+        )
 
 
 def _predictor_trace(given: str | None, predictors: list[str]) -> Trace | None:
@@ -1195,8 +1205,10 @@ def _served(trace: Trace, args: argparse.Namespace) -> Trace:
         return trace
     from expertcache.trace.batch import batch_requests
 
-    served = batch_requests(trace, args.concurrency, schedule=args.schedule or "fifo")
+    cap = args.max_batch_tokens or max(SERVE_BATCH_TOKENS, args.concurrency)
+    served = batch_requests(trace, args.concurrency, batch_tokens=cap, schedule=args.schedule or "fifo")
     how = f" ({args.schedule})" if args.schedule not in (None, "fifo") else ""
+    how += f", steps of at most {cap} tokens"
     print(
         f"served {trace.source}'s requests {args.concurrency} at a time{how}: {served.num_tokens} tokens in "
         f"{len(set(served.step_id.tolist()))} steps",

@@ -9,7 +9,7 @@ import sys
 
 from expertcache.cli.generate import add_model_args, load_model
 from expertcache.cli.util import output_option
-from expertcache.config import SCHEDULES
+from expertcache.config import SCHEDULES, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError
 
 
@@ -45,9 +45,9 @@ def add_parser(sub) -> None:
         "to what fits in memory)",
     )  # fmt: skip
     s.add_argument(
-        "--max-batch-tokens", type=int, default=512, metavar="N",
+        "--max-batch-tokens", type=int, default=SERVE_BATCH_TOKENS, metavar="N",
         help="tokens one step computes at most: every running request's next token, then prompts in "
-        "chunks (default 512)",
+        f"chunks (default {SERVE_BATCH_TOKENS})",
     )  # fmt: skip
     s.add_argument(
         "--schedule", default="fifo", metavar="{" + ",".join(SCHEDULES) + "}",
@@ -124,6 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level="warning" if args.quiet else "info",
     )  # fmt: skip
     _check_port(args.host, args.port)  # before the model loads
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ExpertcacheError("--served-model-name is empty: give the id clients ask for, or leave it out")
     from expertcache.engine.hub import model_label
     from expertcache.serve import run
 

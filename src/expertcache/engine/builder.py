@@ -204,6 +204,12 @@ class Builder:
         if plan is not None:  # its budget is in experts: the timing model's unit
             plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
             expert_memory = plan.capacity * self.layout.slot_bytes
+            if plan.source.get("cost") == CostModel().to_dict():  # chosen for a machine that is not this one
+                self.notes.append(
+                    "this plan was priced by the default cost model (a Mixtral-8x7B expert over PCIe 4 to a "
+                    "GPU), not measured here: 'expertcache profile' measures this machine, and 'expertcache "
+                    "plan --cost PROFILE.json' plans for it"
+                )
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
         )

@@ -1,10 +1,11 @@
 """``expertcache serve``: an OpenAI-compatible HTTP server over an offloaded model (FastAPI, uvicorn).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
-as server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /health`` and
-``GET /metrics`` (Prometheus). Every error is OpenAI's JSON error object with a 4xx status (503 with
-``Retry-After`` when the queue is full or the server is stopping; 500 with an incident id the log
-repeats, never raw exception text); one bad request never disturbs the others. Every request first
+as server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /health``,
+``GET /metrics`` (Prometheus) and ``GET /stats`` (``model.stats`` as JSON). Every error is OpenAI's JSON
+error object with a 4xx status (503 with ``Retry-After`` when the queue is full or the server is
+stopping; 500 with an incident id the log repeats, never raw exception text); one bad request never
+disturbs the others. Every request first
 passes ``serve.gate`` (Host, key, body size and time); the generation loop is ``serve.batcher``.
 
 A request is checked against the model before it reaches the loop: ``top_k`` at most the vocabulary,
@@ -136,16 +137,24 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     async def health():
         batcher = state.get("batcher")
         ok, why = batcher.health() if batcher is not None else (False, "starting or stopping")
+        metrics.answered("/health", 200 if ok else 503)
         if ok:
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable", "reason": why}, 503, {"Retry-After": "5"})
 
     @app.get("/metrics")
     async def prometheus():
+        metrics.answered("/metrics", 200)  # this scrape counted in what it reads
         return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats():  # the expert cache's work since load, as ``model.stats`` (and generate --json) give it
+        metrics.answered("/stats", 200)
+        return JSONResponse(model.stats)
 
     @v1.get("/models")
     async def models():
+        metrics.answered("/v1/models", 200)
         return {
             "object": "list",
             "data": [{"id": name, "object": "model", "created": 0, "owned_by": "expertcache"}],
@@ -154,7 +163,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check(req, limits, name)
-        limits.check_chars(len(req.prompt))
+        limits.check_chars(len(req.prompt), "prompt")
         ids = await _off_loop(lambda: model.tokenizer(req.prompt).input_ids, len(req.prompt))
         echo = req.prompt if req.echo else ""
         return await _generate(req, request, ids, "text_completion", req.max_tokens, echo)
@@ -167,7 +176,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         chars = sum(len(m["content"]) for m in messages)
-        limits.check_chars(chars)
+        limits.check_chars(chars, "messages")
 
         def tokenize() -> list[int]:
             text = render(model.tokenizer, messages, True)
@@ -181,7 +190,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     async def _generate(req, request: Request, ids: list[int], kind: str, max_tokens: int | None, echo=""):
         batcher = state.get("batcher")
-        max_tokens = limits.check_lengths(len(ids), max_tokens, batcher)
+        field = "messages" if kind == "chat.completion" else "prompt"
+        max_tokens = limits.check_lengths(len(ids), max_tokens, batcher, field)
         if batcher is None:
             raise ApiError(503, "the server is starting or stopping", "server_error")
         stop = tuple(req.stop or ())
@@ -243,9 +253,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             incident = secrets.token_hex(4)
             log.error("stream of request %s failed (incident %s)", job.id, incident, exc_info=exc)
             metrics.answered(_path(kind), 500)
-            yield {
-                "data": json.dumps({"error": {"message": internal_error(incident), "type": "server_error"}})
-            }
+            yield {"data": json.dumps(error_object(internal_error(incident), "server_error"))}
             yield {"data": "[DONE]"}
 
     async def _events(batcher, job, kind, head, include_usage: bool, echo: str):
@@ -256,11 +264,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             if piece.error:
                 metrics.answered(_path(kind), 503 if piece.shutdown else 500)
                 code = "shutting_down" if piece.shutdown else None
-                yield {
-                    "data": json.dumps(
-                        {"error": {"message": piece.error, "type": "server_error", "code": code}}
-                    )
-                }
+                yield {"data": json.dumps(error_object(piece.error, "server_error", code))}
                 break
             text = (echo if first else "") + piece.text
             if kind == "chat.completion":
@@ -292,14 +296,16 @@ class Limits:
         longest = max((len(t) for t in model.tokenizer.get_vocab()), default=16)
         self.chars = None if self.context is None else int(self.context) * max(longest, 1)
 
-    def check_chars(self, chars: int) -> None:
+    def check_chars(self, chars: int, field: str) -> None:
+        """``field``: the request's field that holds the prompt (``prompt``, ``messages``), the error's
+        ``param`` as OpenAI names it."""
         if self.chars is not None and chars > self.chars:
             raise ApiError(
                 400, f"the prompt's {chars} characters cannot fit the model's context of {self.context} "
-                f"tokens (at most {self.chars} characters)", code="context_length_exceeded",
+                f"tokens (at most {self.chars} characters)", code="context_length_exceeded", param=field,
             )  # fmt: skip
 
-    def check_lengths(self, prompt: int, max_tokens: int | None, batcher) -> int:
+    def check_lengths(self, prompt: int, max_tokens: int | None, batcher, field: str) -> int:
         """``max_tokens`` (None: up to 256, as room allows) after checking prompt + max_tokens against the
         context and the KV cache."""
         bounds = [(self.context, "the model's context")] if self.context is not None else []
@@ -316,7 +322,7 @@ class Limits:
                 asked = f"max_tokens {max_tokens}" if given else "a token to generate (max_tokens not given)"
                 raise ApiError(
                     400, f"prompt of {prompt} tokens + {asked} exceeds {what} of {bound} tokens",
-                    code="context_length_exceeded",
+                    code="context_length_exceeded", param=field,
                 )  # fmt: skip
         return max_tokens
 

@@ -142,7 +142,7 @@ class Gate:
         await send_error(send, status, message, kind, code, close=close)
 
 
-KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+KNOWN_PATHS = ("/health", "/metrics", "/stats", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def internal_error(incident: str) -> str:

@@ -15,7 +15,7 @@ greedy, the full model's tokens (OpenAI's own default is 1; pass it to sample); 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -97,15 +97,18 @@ class Sampling(BaseModel):
             raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return [_unicode(s) for s in stops]
 
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
+
     @model_validator(mode="after")
     def _no_unsupported(self):
         extra = self.model_extra or {}
-        unknown = sorted(k for k in extra if k not in UNSUPPORTED)
+        table = self.unsupported
+        unknown = sorted(k for k in extra if k not in table)
         if unknown:  # the fields named as the error's param (``serve.app``), as a field's own error is
             raise PydanticCustomError(
                 "unknown_field", "not a field this server takes", {"fields": ", ".join(unknown)}
             )
-        given = sorted(k for k, v in extra.items() if not _asks_nothing(v, UNSUPPORTED[k]))
+        given = sorted(k for k, v in extra.items() if not _asks_nothing(v, table[k]))
         if given:
             raise PydanticCustomError(
                 "unsupported_field", "not supported by this server", {"fields": ", ".join(given)}
@@ -124,6 +127,8 @@ def _asks_nothing(value, defaults: tuple) -> bool:
 class CompletionRequest(Sampling):
     prompt: Text | list[Text]
     echo: bool = False
+    # completions' ``logprobs`` is a count of alternatives, and 0 still asks for the chosen token's
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, "logprobs": (None,)}
 
     @field_validator("prompt")
     @classmethod

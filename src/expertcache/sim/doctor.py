@@ -283,11 +283,11 @@ def verdict(r: dict[str, object]) -> list[str]:
     )
     if srp_m < LOCAL_SRP:
         out.append(
-            f"this model's routing is not local (SRP({m}) = {srp_m:.2f} < {LOCAL_SRP}): a cache gains "
+            f"this model's routing is not local (SRP({m}) = {srp_m:.3f} < {LOCAL_SRP:.2f}): a cache gains "
             "little beyond its share; prefer host compute (--miss host or hybrid) or a larger budget"
         )
     else:
-        out.append(f"routing is local (SRP({m}) = {srp_m:.2f}): a cache can exploit it")
+        out.append(f"routing is local (SRP({m}) = {srp_m:.3f}): a cache can exploit it")
         per = r["consistency"]["per_layer"]
         low = [i for i, x in enumerate(per) if x < LOCAL_SRP and x < 0.8 * srp_m]  # well below the rest
         if low:

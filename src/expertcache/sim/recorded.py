@@ -81,6 +81,11 @@ def make_sim_predictor(
     recorded = trace.meta.get("predictor")
     if trace.predicted is None or (spec != Recorded.name and recorded != spec):
         has = f"those of {recorded!r}" if trace.predicted is not None else "none"
+        if spec == Recorded.name:  # nothing to replay: the run did not prefetch
+            raise PredictorError(
+                f"{trace.source}: prefetch 'recorded' replays the predictions an engine recorded into the "
+                "trace, and this trace has none (its run did not prefetch: replay it without prefetching)"
+            )
         raise PredictorError(
             f"{trace.source}: predictor {spec!r} needs the model's gate inputs, so the simulator replays "
             f"the predictions an engine recorded into the trace, and this trace has {has}"

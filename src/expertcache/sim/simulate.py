@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
-from expertcache.errors import ExpertcacheError, ExpertcacheWarning
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
@@ -40,30 +41,59 @@ def simulate(
     trace = as_trace(trace)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
-    note = prefetched_note(trace)
-    if note is not None:
-        warnings.warn(
-            f"{note}: simulate_timing(trace, capacity, prefetch='recorded') replays its prefetches",
-            ExpertcacheWarning,
-            stacklevel=2,
-        )
+    for note in replay_notes(trace):
+        warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs)
 
 
-def prefetched_note(trace: Trace) -> str | None:
-    """Where ``trace`` was recorded by a run that prefetched: a line saying that replays without
-    prefetching do not count its misses (``simulate`` warns it, ``sim`` notes it), else None."""
-    if trace.predicted is None:
-        return None
-    steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
-    predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
-    n = len(np.unique(steps[predicted]))
-    who = trace.meta.get("predictor", "a predictor")
-    return (
-        f"this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
-        "prefetch, so their misses are not the run's"
-    )
+def replay_notes(trace: Trace, name: str = "TRACE") -> list[str]:
+    """Why these replays (a whole-expert cache, fetched on demand, no prefetching) do not count what the
+    run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched, or
+    served its misses by another miss path. ``simulate`` warns them, ``sim`` notes them."""
+    notes = []
+    miss = str(trace.meta.get("miss", "fetch"))
+    if miss.partition(":")[0] != "fetch":
+        policy = trace.meta.get("policy", "POLICY")
+        capacity = _memory_of(trace.meta)
+        notes.append(
+            f"this run served its misses by miss path {miss} (in the memory of {capacity} experts); these "
+            "replays fetch every miss whole, so their counts are not the run's: "
+            + option(
+                f"'expertcache timing --trace {name} --policy {policy} --miss {miss} --capacity {capacity}'",
+                f"simulate_timing(trace, {capacity}, cache={policy!r}, miss={miss!r})",
+            )
+            + " replays it, its decisions priced by the cost model given (the machine's: "
+            + option("--cost PROFILE.json", "cost=CostModel.load('PROFILE.json')")
+            + ")"
+        )
+    if trace.predicted is not None:
+        steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
+        predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
+        n = len(np.unique(steps[predicted]))
+        who = trace.meta.get("predictor", "a predictor")
+        notes.append(
+            f"this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
+            "prefetch, so their misses are not the run's: "
+            + option(
+                f"'expertcache timing --trace {name} --prefetch recorded --capacity N'",
+                "simulate_timing(trace, capacity, prefetch='recorded')",
+            )
+            + " replays its prefetches"
+        )
+    return notes
+
+
+def _memory_of(meta: dict) -> object:
+    """The expert memory of a recorded run, in experts: its parts' slots together (a miss path's buffer
+    beside the whole-expert cache), as ``simulate_timing``'s capacity takes it."""
+    try:
+        parts = json.loads(meta["capacities"])
+        if all(isinstance(n, int) for n in parts.values()):
+            return sum(parts.values())
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
+    return meta.get("capacity", "N")
 
 
 def _simulate(

@@ -70,6 +70,7 @@ class TimingResult:
     # a batched trace (``step_id``): each request's time from its first step's start to its first token
     # (the end of the step of its last prompt token), in the trace's request order; None otherwise
     request_ttft_s: np.ndarray | None = field(default=None, repr=False)
+    whole_transfers: bool = False  # the cost model's auto chunks dropped: no prefetch for a miss to pass
 
     @property
     def total_s(self) -> float:
@@ -179,8 +180,10 @@ def simulate_timing(
             "for the governor, or replay what an engine predicted with --prefetch recorded"
         )
     miss_cfg, cost = as_config(miss, MissConfig), cost or CostModel()
+    unchunked = False  # the cost model's auto chunks dropped: nothing speculative for a demand miss to pass
     if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
+        unchunked = True
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
         raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
@@ -292,6 +295,7 @@ def simulate_timing(
         notes=([pred.note] if pred is not None and pred.note else []) + notes,
         host_busy_s=link.host_busy_s,
         request_ttft_s=None if bounds is None else request_ttfts(trace, schedule.round_token, bounds),
+        whole_transfers=unchunked,
     )
 
 
@@ -470,7 +474,11 @@ def format_timing(result: TimingResult) -> str:
     lines = [
         f"cache      {r.policy}{params}, {r.capacity} experts | miss {r.miss} | prefetch {prefetch} | "
         f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}",
-        f"cost       {r.cost.describe()}",
+        "cost       "
+        + r.cost.describe().replace(  # said where the chunks are, since doctor and plan show the model's
+            " in 1 chunk:",
+            " in 1 chunk (nothing prefetched to pass):" if r.whole_transfers else " in 1 chunk:",
+        ),
         f"TTFT       {ms(r.ttft_s)} (mean of {r.steps[1]} prefill steps)"
         + (
             f"; a request's, from its first step to its first token: mean {ms(q['mean_s'])}, p99 "

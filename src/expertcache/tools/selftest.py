@@ -30,6 +30,7 @@ import gc
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch
 from expertcache.costs import CostModel
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.offloaded import resolve_device
-from expertcache.errors import first_line
+from expertcache.errors import ExpertcacheWarning, first_line
 from expertcache.miss.registry import parse_miss
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
@@ -239,7 +240,8 @@ def selftest(
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per tiny model saved and loaded: the checks' lines only
     try:
-        with tempfile.TemporaryDirectory(prefix="expertcache-selftest-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="expertcache-selftest-") as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExpertcacheWarning)  # its tiny models' notes: the checks report
             models = Models(Path(tmp), dev)
             for case in plan(dev, quick):
                 check = _not_run(case, report.device_lost) if report.device_lost else run_check(models, case)

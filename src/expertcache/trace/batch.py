@@ -74,7 +74,7 @@ def batch_requests(
     trace = as_trace(trace)
     try:
         whole_number(concurrency, "concurrency")
-        whole_number(stagger, "stagger (steps)", 0)
+        whole_number(stagger, "stagger", 0)
         for name, value in (("requests", requests), ("batch_tokens", batch_tokens)):
             if value is not None:
                 whole_number(value, name)
