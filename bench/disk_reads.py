@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.units import parse_size  # noqa: E402
 
 ALIGN = 4096  # O_DIRECT's alignment of offset, length and buffer
@@ -49,7 +50,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    size = -(-int(parse_size(args.read_size, "--read-size")) // ALIGN) * ALIGN
+    try:
+        size = -(-int(parse_size(args.read_size, "--read-size")) // ALIGN) * ALIGN
+    except ExpertcacheError as e:
+        print(f"disk_reads: {e}", file=sys.stderr)
+        return 2
     try:
         fd = os.open(args.file, os.O_RDONLY | os.O_DIRECT)
     except OSError as e:
@@ -66,7 +71,7 @@ def main() -> int:
             results[depth].append(rate(fd, size, file_bytes, depth, args.reads, rng))
     os.close(fd)
     if args.json:
-        print(json.dumps({"file": args.file, "read_bytes": size, "gb_per_s": results}))
+        print(json.dumps({"file": os.path.basename(args.file), "read_bytes": size, "gb_per_s": results}))
     else:
         for depth, got in results.items():
             print(f"depth {depth}: " + ", ".join(f"{g:.2f}" for g in got) + f" GB/s ({size} B a read)")
