@@ -482,6 +482,25 @@ def test_malformed_json_bad_messages_and_unknown_routes(served):
     assert http.get("/health").json() == {"status": "ok"}
 
 
+def test_a_key_given_twice_is_refused_not_guessed(served):
+    model, http, client = served
+    headers = {"content-type": "application/json"}
+    for raw, key in (
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "max_tokens": 3}', "max_tokens"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "a", "content": "b"}]}', "content"),
+    ):
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        r = http.post(path, content=raw, headers=headers)
+        err = r.json()["error"]
+        assert (
+            r.status_code == 400 and err["message"] == f"the body gives {key!r} twice" and err["param"] == key
+        )
+    assert (
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
+        == 200
+    )
+
+
 def test_a_client_that_leaves_cancels_its_request(served):
     model, http, client = served
     stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=200, stream=True)

@@ -90,6 +90,12 @@ class Gate:
                     "shutting_down",
                     close=True,
                 )
+            twice = _given_twice(body) if b"json" in headers.get(b"content-type", b"").lower() else None
+            if twice is not None:  # JSON leaves it open which one counts: not for the server to guess
+                return await self._refuse(
+                    send, path, 400, f"the body gives {twice!r} twice", "invalid_request_error",
+                    "invalid_value", close=False, param=twice,
+                )  # fmt: skip
             receive = _replay(body, receive)
         await self._run(scope, receive, send)
 
@@ -134,12 +140,14 @@ class Gate:
             "invalid_request_error", "request_too_large", close=True,
         )  # fmt: skip
 
-    async def _refuse(self, send, path: str, status: int, message: str, kind: str, code=None, close=True):
+    async def _refuse(
+        self, send, path: str, status: int, message: str, kind: str, code=None, close=True, param=None
+    ):
         """An error before the route; ``close``: the request's body is not read, the connection cannot
         carry another request (and lingers, ``serve.connections``)."""
         if self.metrics is not None:
             self.metrics.answered(path if path in KNOWN_PATHS else "other", status)
-        await send_error(send, status, message, kind, code, close=close)
+        await send_error(send, status, message, kind, code, close=close, param=param)
 
 
 KNOWN_PATHS = ("/health", "/metrics", "/stats", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -164,6 +172,26 @@ async def send_error(send, status: int, message: str, kind: str, code=None, para
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _given_twice(body: bytes) -> str | None:
+    """A key some object of the JSON ``body`` gives twice (the first found), else None; a body that is
+    not JSON is the route's to name."""
+    twice: list[str] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen and not twice:
+                twice.append(key)
+            seen.add(key)
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return twice[0] if twice else None
 
 
 class TooLarge(Exception):
