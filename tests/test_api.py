@@ -150,6 +150,10 @@ def test_messages_name_python_arguments_in_python_and_flags_on_the_command_line(
         ({"expert_memory": 24}, "(a number is bytes; a share of all experts is a string, '25%')"),
         ({"expert_memory": "30%", "seed": "a"}, "seed must be a whole number, got 'a'"),
         ({"policy": 3}, "policy must be a name"),
+        ({"path": 5}, "path: a checkpoint folder or a Hugging Face id (org/name), got int 5"),
+        ({"prefetch": "window", "window": "2"}, "window must be a whole number of layers, got '2'"),
+        ({"deterministic": "yes"}, "deterministic must be True or False, got 'yes'"),
+        ({"prefetch": "window:size=3"}, "predictor 'window' takes no parameters ('window:size=3')"),
     ],
 )
 def test_load_refuses_what_it_would_misread(kwargs, needle):
@@ -177,6 +181,8 @@ def test_load_warns_its_notes():
         ((None, 4), {}, "prompt must be a string or a list of them, got NoneType"),
         (("x", 4), {"sampling": "greedy"}, "sampling must be a SamplingConfig, got str"),
         (("x", 4), {"attention_mask": None}, "generate_text sets attention_mask itself"),
+        (("x", 4), {"temperature": 0.5}, "temperature is a sampling setting: give sampling=SamplingConfig("),
+        (("x", 4), {"do_sample": True}, "give sampling=SamplingConfig(temperature=...)"),
     ],
 )
 def test_generate_text_refuses_bad_arguments_before_any_work(model, args, kwargs, needle):
@@ -189,7 +195,7 @@ def test_generate_text_refuses_bad_arguments_before_any_work(model, args, kwargs
 
 def test_generate_text_passes_transformers_settings_through(model):
     one = model.generate_text("Hello", 3)
-    again = model.generate_text("Hello", 3, repetition_penalty=1.0, num_beams=1)
+    again = model.generate_text("Hello", 3, no_repeat_ngram_size=0, num_beams=1)
     assert one.tokens == again.tokens
 
 
@@ -240,7 +246,127 @@ def test_a_replay_of_another_miss_path_says_so_and_names_what_replays_it(trace, 
     assert main(["sim", str(path), "--policy", "tlfu", "--capacity", "24"]) == 0
     err = capsys.readouterr().err
     assert f"'expertcache timing --trace {path} --policy tlfu --miss batch:buffer=4 --capacity 24'" in err
+    predicted = np.full_like(trace.experts, -1)
+    predicted[::5] = trace.experts[::5]
+    both = ec.Trace(trace.experts, trace.num_experts, seq_id=trace.seq_id, predicted=predicted, meta=meta)
+    both.save(path)
+    assert main(["sim", str(path), "--policy", "tlfu", "--capacity", "24"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: this run") == 1  # one note, one command that replays both
+    assert "this run prefetched (a predictor, in " in err
+    assert "and served its misses by miss path batch" in err
+    assert "these replays do not prefetch, fetch every miss whole" in err
+    assert "--policy tlfu --miss batch:buffer=4 --prefetch recorded --capacity 24'" in err
+    with pytest.warns(ExpertcacheWarning, match=r"miss='batch:buffer=4', prefetch='recorded'\)") as got:
+        ec.simulate(both, ["tlfu"], [24])
+    assert len(got) == 1
     fetched = ec.Trace(trace.experts, trace.num_experts, meta={"miss": "fetch", "capacity": 24})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ec.simulate(fetched, ["lru"], [24])  # a fetch run without prefetching: the replay is the run's
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"policies": None}, "policies: a policy spec ('lru') or a non-empty list of them, got None"),
+        ({"policies": []}, "a non-empty list of them, got []"),
+        ({"capacities": 24.5}, "capacities: experts (24), a range ('8:96:8'), a share ('25%'), 'all' or"),
+        ({"capacities": None}, "or a non-empty list of these, got None"),
+        ({"jobs": "2"}, "jobs must be a whole number, got '2'"),
+        ({"jobs": 0}, "jobs must be at least 1, got 0"),
+        ({"skip_infeasible": "no"}, "skip_infeasible must be True or False, got 'no'"),
+    ],
+)
+def test_simulate_refuses_arguments_it_would_misread(trace, kwargs, needle):
+    args = {"policies": ["lru"], "capacities": [24], **kwargs}
+    with pytest.raises(ExpertcacheError) as err:
+        ec.simulate(trace, **args)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"capacities": {"foo": 1}}, "capacities: a dict of each part of miss path fetch (full) to the"),
+        ({"capacities": [1, 2]}, "capacities: a dict of each part of miss path fetch (full)"),
+        ({"capacities": {"full": "24"}}, "capacities['full']: a whole number of experts, or a list of 6"),
+        ({"cost": 3}, "cost must be a CostModel, a dict of its fields or the path of a cost model"),
+        ({"cost": "/nonexistent/cost.json"}, "/nonexistent/cost.json: cannot read cost model"),
+        ({"cost": {"expert_z": 1}}, "cost: unknown field(s) expert_z"),
+        ({"host": "lru"}, "host 'lru' is not the host level's memory (bytes, '8GiB', or a share of all"),
+        ({"host": "1GiB", "host_capacity": -1}, "host_capacity: a whole number of experts, 1 or more, got -"),
+        ({"host_capacity": 2.5}, "host_capacity: a whole number of experts, 1 or more, got 2.5"),
+        ({"prefetch": "eam:size=3"}, "predictor 'eam' takes no parameters ('eam:size=3'); how far ahead"),
+    ],
+)
+def test_simulate_timing_refuses_arguments_it_would_misread(trace, kwargs, needle):
+    with pytest.raises(ExpertcacheError) as err:
+        ec.simulate_timing(trace, 24, **kwargs)
+    assert needle in str(err.value)
+
+
+def test_a_cost_model_may_be_given_as_a_dict_or_a_file(trace, tmp_path):
+    fields = {"expert_s": "1ms", "link_bandwidth": "8GB/s", "expert_bytes": "184KiB"}
+    cost = CostModel.from_dict(fields)
+    cost.save(tmp_path / "cost.json")
+    want = ec.simulate_timing(trace, 24, cost=cost).to_dict()
+    for given in (fields, tmp_path / "cost.json", str(tmp_path / "cost.json")):
+        assert ec.simulate_timing(trace, 24, cost=given).to_dict() == want
+    assert ec.make_plan(trace, 24, cost=fields).predicted == ec.make_plan(trace, 24, cost=cost).predicted
+    assert ec.diagnose(trace, 24, cost=fields) == ec.diagnose(trace, 24, cost=cost)
+
+
+def test_plan_and_doctor_check_their_counts(trace):
+    with pytest.raises(ExpertcacheError, match="seed must be a whole number, got 'x'"):
+        ec.make_plan(trace, 24, seed="x")
+    with pytest.raises(ExpertcacheError, match="window_tokens must be a whole number, got '16'"):
+        ec.diagnose(trace, 24, window_tokens="16")
+
+
+def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(trace):
+    with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
+        result = ec.simulate_timing(trace, 1000)
+    assert result.notes == ["a cache of 1000 experts is more than all 96; capped at 96"]
+    with warnings.catch_warnings():  # the planner's and the doctor's own replays do not warn theirs
+        warnings.simplefilter("error", ExpertcacheWarning)
+        ec.make_plan(trace, 24)
+    text = repr(result)
+    assert text.startswith("<TimingResult lru at 96 experts, miss fetch: TTFT ") and "\n" not in text
+    assert f"{result.misses} misses of {result.requests} requests" in text and len(text) < 200
+
+
+def test_sampling_settings_are_checked_when_made():
+    from expertcache.config import SamplingConfig
+
+    with pytest.raises(ExpertcacheError, match="top-p must be a number, got '0.9'"):
+        SamplingConfig(temperature=0.5, top_p="0.9")
+    with pytest.raises(ExpertcacheError, match="top-k must be a whole number, got 2.5"):
+        SamplingConfig(temperature=0.5, top_k=2.5)
+    with pytest.raises(ExpertcacheError, match="temperature must be a number >= 0"):
+        SamplingConfig(temperature="0.5")
+
+
+def test_a_trace_is_saved_to_a_path_and_a_closed_models_run_can_be_saved(model, tmp_path):
+    with pytest.raises(ExpertcacheError, match=r"a trace is saved to a path \(\.npz\), got int 5"):
+        model.save_trace(5)
+    with pytest.raises(ec.TraceError, match=r"a trace is saved to a path \(\.npz\), got int 5"):
+        ec.default_trace().save(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        m = ec.load(expert_memory="25%", prefetch="none")
+    m.generate_text("Hello", 2)
+    m.close()
+    m.save_trace(tmp_path / "closed.npz")
+    assert ec.load_trace(tmp_path / "closed.npz").num_tokens == m.trace().num_tokens > 0
+    assert m.stats["misses"] > 0
+
+
+def test_the_doctors_advice_names_python_arguments_in_python(trace):
+    report = ec.diagnose(trace, 24, host_capacity=48)
+    text = " ".join(report["verdict"])
+    assert "HostConfig(exclusive=True)" in text and "make_plan compares other host policies" in text
+    assert " --" not in text
+    with command_line():
+        text = " ".join(ec.diagnose(trace, 24, host_capacity=48)["verdict"])
+    assert "--host-exclusive" in text and "--host-policy" in text

@@ -259,7 +259,7 @@ def test_packed_errors_are_one_line(packed_ckpts, tmp_path):
     from expertcache.engine.hub import DEFAULT_MODEL
 
     path = packed_ckpts[8]
-    with pytest.raises(ExpertcacheError, match="run on the packed kernel only, not --kernel grouped"):
+    with pytest.raises(ExpertcacheError, match="run on the packed kernel only, not kernel='grouped'"):
         load(path, kernel="grouped", progress=False)
     with pytest.raises(ExpertcacheError, match="miss path hobbit needs full-precision experts"):
         load(path, miss="hobbit", progress=False)

@@ -439,6 +439,9 @@ def test_the_door_refuses_compressed_bodies_and_two_keys_and_answers_head(make_c
             r = http.get("/v1/completions", headers={"authorization": "Bearer k"})  # a POST route
             assert r.status_code == 405 and r.headers["allow"] == "POST"
             assert r.json()["error"]["message"] == "GET is not allowed on /v1/completions; use POST"
+            metrics = http.get("/metrics", headers={"authorization": "Bearer k"}).text
+            assert 'expertcache_requests_total{endpoint="/v1/completions",status="405"} 1.0' in metrics
+            assert 'expertcache_requests_total{endpoint="other",status="404"} 1.0' in metrics
     finally:
         model.close()
 

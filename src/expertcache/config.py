@@ -54,6 +54,14 @@ class CacheConfig:
         return is_offline(self.name)
 
 
+# PrefetchConfig's switches: (field, the command line's flag, load()'s argument)
+_SWITCHES = (
+    ("chunking", "--no-chunking", "chunking"), ("preemption", "--no-preemption", "preemption"),
+    ("reorder", "--no-reorder", "reorder"), ("thread", "--predictor-thread", "predictor_thread"),
+    ("deterministic", "--deterministic", "deterministic"),
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """Proactive caching (ProMoE): the predictor (``none`` to switch it off), its window (layers ahead;
@@ -86,12 +94,24 @@ class PrefetchConfig:
     predictor_object: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for value, flag, arg in _SWITCHES:
+            if not isinstance(getattr(self, value), bool):
+                raise ExpertcacheError(
+                    f"{option(flag, arg)} must be True or False, got {getattr(self, value)!r}"
+                )
         obj = None
         if self.predictor is not None and not isinstance(self.predictor, str):  # a Predictor (the API)
             obj, name = self.predictor, str(getattr(self.predictor, "name", "custom"))
         else:
             name = "none" if self.predictor in (None, "none") else str(self.predictor).strip().lower()
         _set(self, predictor=name, predictor_object=obj)
+        if ":" in name and obj is None:  # a policy's or miss path's spec form: predictors take none
+            base = name.partition(":")[0]
+            predictor_class(base)
+            raise ExpertcacheError(
+                f"predictor {base!r} takes no parameters ({name!r}); how far ahead it predicts is "
+                f"{option('--window K', 'window=K')}"
+            )
         if name not in ("none", RECORDED, AUTO) and obj is None:
             predictor_class(name)
         if name == "none" and (self.window is not None or self.data is not None or self.thread):
@@ -118,9 +138,16 @@ class PrefetchConfig:
                 f"{option('--predictor-thread', 'predictor_thread')})"
             )
         _set(self, when=when or ("pays" if name == AUTO and not self.deterministic else "always"))
-        if self.window is not None and int(self.window) < 1:
+        for value, flag, arg, unit in (
+            ("window", "--window", "window", "layer"),
+            ("limit", "--prefetch-limit", "prefetch_limit", "expert"),
+        ):
+            n = getattr(self, value)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+                raise ExpertcacheError(f"{option(flag, arg)} must be a whole number of {unit}s, got {n!r}")
+        if self.window is not None and self.window < 1:
             raise ExpertcacheError(f"prefetch window must be at least 1 layer, got {self.window}")
-        if self.limit is not None and int(self.limit) < 1:
+        if self.limit is not None and self.limit < 1:
             raise ExpertcacheError(f"prefetch limit must be at least 1 expert per layer, got {self.limit}")
         chunk = None
         if self.chunk_size is not None:
@@ -292,7 +319,14 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        for name, kind in (("top_p", "a number"), ("repetition_penalty", "a number"), ("top_k", "int"),
+                           ("seed", "int")):  # fmt: skip
+            v = getattr(self, name)
+            numeric = isinstance(v, int) if kind == "int" else isinstance(v, int | float)
+            if v is not None and (isinstance(v, bool) or not numeric):
+                what = "a whole number" if kind == "int" else kind
+                raise ExpertcacheError(f"{name.replace('_', '-')} must be {what}, got {v!r}")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise ExpertcacheError(f"temperature must be a number >= 0 (0: greedy), got {t!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ExpertcacheError(f"top-p must be in (0, 1], got {self.top_p}")

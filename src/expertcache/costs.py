@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -271,6 +272,23 @@ _TIMES = (
 # slow tiers whose experts the host reads into memory before computing them (``DiskTier.host_views``):
 # ``expertcache profile`` writes the tier as ``how.slow_tier``
 READ_TIERS = ("disk", "mapped")
+
+
+def as_cost(cost: CostModel | dict | str | os.PathLike | None) -> CostModel:
+    """A cost model as the Python API takes it: a ``CostModel``, a dict of its fields (as ``from_dict``
+    reads them), the path of a cost model or a profile (``load``), or None for the defaults."""
+    if cost is None:
+        return CostModel()
+    if isinstance(cost, CostModel):
+        return cost
+    if isinstance(cost, dict):
+        return CostModel.from_dict(cost)
+    if isinstance(cost, str | os.PathLike):
+        return CostModel.load(cost)
+    raise ExpertcacheError(
+        "cost must be a CostModel, a dict of its fields or the path of a cost model or profile, got "
+        f"{type(cost).__name__} {cost!r}"
+    )
 
 
 def host_reads_of(profile: dict, cost: CostModel) -> CostModel:

@@ -440,7 +440,10 @@ class Builder:
             return
         what = f"{model_label(self.path)} stores its experts packed ({describe_format(self.packed)})"
         if kernel not in (None, AUTO_KERNEL, "packed"):
-            raise ExpertcacheError(f"{what}: they run on the packed kernel only, not --kernel {kernel}")
+            raise ExpertcacheError(
+                f"{what}: they run on the packed kernel only, not "
+                + option(f"--kernel {kernel}", f"kernel={kernel!r}")
+            )
         kinds = {spec.kind for spec in self.miss.parts()}
         if kinds - {"full"}:
             raise ExpertcacheError(
@@ -716,8 +719,9 @@ class Builder:
             name, reads = self.prefetch, predictor_class(self.prefetch).reads
             if reads is None:
                 raise ExpertcacheError(
-                    f"--predictor {source}: prefetch {name} reads no predictor data (learned reads a trained "
-                    "predictor directory; token and eam a recorded trace)"
+                    f"{option(f'--predictor {source}', f'predictor={source!r}')}: prefetch {name} reads no "
+                    "predictor data (learned reads a trained predictor directory; token and eam a recorded "
+                    "trace)"
                 )
             if (reads == "directory") != (path is not None):
                 given, wants = (
@@ -725,7 +729,10 @@ class Builder:
                     if (reads == "directory")
                     else ("a directory", "a recorded trace (.npz)")
                 )
-                raise ExpertcacheError(f"--predictor {source} is {given}: prefetch {name} reads {wants}")
+                raise ExpertcacheError(
+                    f"{option(f'--predictor {source}', f'predictor={source!r}')} is {given}: prefetch {name} "
+                    f"reads {wants}"
+                )
         if trace is None and source is None and self.path == DEFAULT_MODEL:
             trace = default_trace()  # token's table and eam's warm start on the embedded model
         if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):

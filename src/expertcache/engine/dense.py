@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from expertcache.engine.kernels import cast, host_f32
 from expertcache.engine.packed import CPU_ROWS, DECODE_ROWS, _has_triton, pack_int8
 from expertcache.engine.routing import moe_routers
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 
 DENSE_FORMATS = ("int8",)
 _ALIGN = 64  # the scales start on a 64-byte boundary of the pool
@@ -53,8 +53,8 @@ def check_dense_format(fmt: str | None) -> str | None:
     if fmt is None or fmt in DENSE_FORMATS:
         return fmt
     raise ExpertcacheError(
-        f"dense format {fmt!r} (quantize_dense, --quantize-dense) is not one the dense layers can be "
-        f"quantised to: {', '.join(DENSE_FORMATS)}"
+        f"dense format {fmt!r} ({option('--quantize-dense', 'quantize_dense')}) is not one the dense layers "
+        f"can be quantised to: {', '.join(DENSE_FORMATS)}"
     )
 
 

@@ -108,6 +108,8 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
 # ------------------------------------------------------------------------------------ prompts
 # ``generate_text``'s own arguments and the ones it sets: not passed through
 _OWN = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "pad_token_id", "streamer"}
+# transformers' sampling settings: ``SamplingConfig``'s (``generate_text(sampling=...)``), which sets them
+_SAMPLING = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty"}
 
 
 def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
@@ -126,6 +128,12 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
     known |= set(inspect.signature(model.forward).parameters)
     known -= {"self", "kwargs", "args"}
     for name in kwargs:
+        if name in _SAMPLING:
+            field = "temperature" if name == "do_sample" else name
+            raise ExpertcacheError(
+                f"{name} is a sampling setting: give sampling=SamplingConfig({field}=...) (from "
+                "expertcache.config; greedy by default), which also seeds the run and reports the seed"
+            )
         if name in _OWN:
             raise ExpertcacheError(f"generate_text sets {name} itself; leave it out")
         if name not in known:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ def _auto_refuses_grouped(device: torch.device) -> str | None:
     """Why ``auto`` does not take the grouped kernel on ``device`` (None: it does)."""
     why = grouped_available(device)
     if why is None and device.type in GROUPED_NOT_EXACT_ON:
-        why = "the grouped kernel is not bit-exact on a GPU yet (--kernel grouped takes it)"
+        take = option("--kernel grouped", "kernel='grouped'")
+        why = f"the grouped kernel is not bit-exact on a GPU yet ({take} takes it)"
     return why
 
 
@@ -191,7 +192,9 @@ def resolve_kernel(
     if name in ("grouped", "compiled") and why is not None:
         also = " (its prefill is the grouped kernel's)" if name == "compiled" else ""
         raise ExpertcacheError(
-            f"experts kernel {name} cannot run here{also}: {why}; --kernel eager runs anywhere"
+            f"experts kernel {name} cannot run here{also}: {why}; "
+            + option("--kernel eager", "kernel='eager'")
+            + " runs anywhere"
         )
     return KERNELS[name], None
 

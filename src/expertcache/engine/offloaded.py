@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -401,6 +402,9 @@ class OffloadedModel:
         return self.driver.recorder.trace(meta=meta)
 
     def save_trace(self, path: str | Path) -> None:
+        """Write ``trace()`` to ``path`` (.npz); a closed model's run can still be saved."""
+        if not isinstance(path, str | os.PathLike):
+            raise ExpertcacheError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
         self.trace().save(path)
 
     def close(self) -> None:
@@ -524,6 +528,10 @@ def load(
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    if path is not None and not isinstance(path, str | os.PathLike):
+        raise ExpertcacheError(
+            f"path: a checkpoint folder or a Hugging Face id (org/name), got {type(path).__name__} {path!r}"
+        )
     plan = as_plan(plan)
     if plan is not None:
         defaults = {

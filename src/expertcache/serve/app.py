@@ -34,7 +34,7 @@ from expertcache.config import ServeConfig
 from expertcache.engine.generation import render
 from expertcache.errors import ExpertcacheError
 from expertcache.serve.batcher import Batcher, QueueFull, Restarting, Unavailable
-from expertcache.serve.gate import Gate, error_object, internal_error
+from expertcache.serve.gate import KNOWN_PATHS, Gate, error_object, internal_error
 from expertcache.serve.metrics import CONTENT_TYPE, Metrics
 from expertcache.serve.schemas import ChatRequest, CompletionRequest
 
@@ -118,7 +118,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        metrics.answered("other", exc.status_code)
+        path = request.url.path  # a known route asked with another method counts as that route's
+        metrics.answered(path if path in KNOWN_PATHS else "other", exc.status_code)
         if exc.status_code == 404:  # as OpenAI answers an unknown route
             message = f"Invalid URL ({request.method} {request.url.path})"
             return _error(ApiError(404, message, code="unknown_url"))

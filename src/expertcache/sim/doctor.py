@@ -28,15 +28,15 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
-from expertcache.costs import CostModel
-from expertcache.errors import ExpertcacheError, option
+from expertcache.costs import CostModel, as_cost
+from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
-from expertcache.sim.timing import host_level_of, simulate_timing
+from expertcache.sim.timing import host_level_of, run_timing
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import one_capacity
+from expertcache.units import one_capacity, whole_number
 
 LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
 
@@ -119,7 +119,7 @@ def knee(xs: list[float], ys: list[float]) -> float | None:
 def diagnose(
     trace: Trace | str,
     capacity: int | str,
-    cost: CostModel | None = None,
+    cost: CostModel | dict | str | None = None,
     *,
     window_tokens: int = 16,
     policy: str = "lru",
@@ -134,11 +134,13 @@ def diagnose(
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     if isinstance(misses, str):
         misses = (misses,)
-    cost = cost or CostModel()
+    cost = as_cost(cost)
+    window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     tiers = {}  # the host level, for the plan and the on-demand run too
     if level is not None:
+        warn_notes(level[2])  # also in the report's notes; the command line prints them
         host, host_capacity, _ = level
         if host.exclusive or host.stage:
             raise ExpertcacheError(
@@ -159,13 +161,13 @@ def diagnose(
     at = {name: run_policy(schedule, name, [capacity])[0] for name in ("lru", "opt")}
     predict = {}
     for name in ("eam", "recorded") if trace.predicted is not None else ("eam",):
-        r = simulate_timing(trace, capacity, prefetch=name, cost=cost)
+        r = run_timing(trace, capacity, prefetch=name, cost=cost)
         predict[name] = {"accuracy": r.cache.get("accuracy"), "goodpred": r.cache.get("goodpred")}
     hosts = {} if not tiers else {**tiers, "host_policies": (tiers["host"].policy,)}
     plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, **hosts)
     free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
-    resident = simulate_timing(trace, L * E, cost=free)
-    on_demand = simulate_timing(trace, capacity, cache=policy, cost=cost, **tiers)
+    resident = run_timing(trace, L * E, cost=free)
+    on_demand = run_timing(trace, capacity, cache=policy, cost=cost, **tiers)
     saved = 1 - at["lru"].miss_ratio  # without a cache every request is a transfer
     report = {
         "trace": trace.source,
@@ -206,7 +208,7 @@ def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float)
         return None
     tlfu = run_policy(schedule, "tlfu", [capacity])[0].miss_ratio
     best = float(step_bounds(trace, capacity, cost).best_s.sum())
-    res = simulate_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
+    res = run_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
     work = res.link_busy_s + res.host_busy_s
     return {
         **shape,
@@ -243,7 +245,7 @@ def _levels(
             }
             continue
         try:
-            r = simulate_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=experts)
+            r = run_timing(trace, capacity, cache=policy, cost=cost, host=cfg, host_capacity=experts)
         except ExpertcacheError as exc:  # too small for an exclusive level under this policy
             out[name] = {"host_capacity": experts, "error": str(exc)}
             continue
@@ -284,7 +286,9 @@ def verdict(r: dict[str, object]) -> list[str]:
     if srp_m < LOCAL_SRP:
         out.append(
             f"this model's routing is not local (SRP({m}) = {srp_m:.3f} < {LOCAL_SRP:.2f}): a cache gains "
-            "little beyond its share; prefer host compute (--miss host or hybrid) or a larger budget"
+            "little beyond its share; prefer host compute ("
+            + option("--miss host or hybrid", "miss='host' or 'hybrid'")
+            + ") or a larger budget"
         )
     else:
         out.append(f"routing is local (SRP({m}) = {srp_m:.3f}): a cache can exploit it")
@@ -294,7 +298,7 @@ def verdict(r: dict[str, object]) -> list[str]:
             shown = ", ".join(f"{i} ({per[i]:.2f})" for i in low[:8]) + (" ..." if len(low) > 8 else "")
             out.append(
                 f"but not in layer(s) {shown}: there a cache gains little; per-layer budgets "
-                "(expertcache plan) can give those layers less"
+                f"({option('expertcache plan', 'make_plan')}) can give those layers less"
             )
     if share < 1 and 1 - lru <= min(share * 1.1, share + (1 - share) / 2):  # every expert fits: no chance
         out.append(
@@ -321,14 +325,19 @@ def verdict(r: dict[str, object]) -> list[str]:
         advice = (
             ""
             if {"batch", "host"} <= weighed
-            else "; give the plan the paths to weigh with --miss fetch --miss batch --miss host (here or in "
-            "plan, the same trace and --concurrency)"
+            else "; give the plan the paths to weigh with "
+            + option(
+                "--miss fetch --miss batch --miss host (here or in plan, the same trace and --concurrency)",
+                "misses=('fetch', 'batch', 'host') (here or in make_plan, on the same trace)",
+            )
         )
         out.append(
             f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
             f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
             f"{100 * b['lru_miss_ratio']:.0f} % of them, token-weighted frequency (tlfu) "
-            f"{100 * b['tlfu_miss_ratio']:.0f} %; --miss batch --policy tlfu moves and computes misses in "
+            f"{100 * b['tlfu_miss_ratio']:.0f} %; "
+            + option("--miss batch --policy tlfu", "miss path batch under policy tlfu")
+            + " moves and computes misses in "
             f"{b['batch_vs_best']:.2f}x the better per-step reference (TPOT {1e3 * b['batch_tpot_s']:.3f} ms"
             + (
                 ", without the host level: it serves the fetch miss path only, so batch means giving it up)"
@@ -348,13 +357,17 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{inc['total_s']:.3f} s: bound by the {inc['bound']}; "
             + (
                 f"an exclusive host level in the same memory ({exc['host_capacity']} experts, "
-                f"--host-exclusive) would read {exc['host_misses']} experts from the disk instead of "
+                + option("--host-exclusive", "HostConfig(exclusive=True)")
+                + f") would read {exc['host_misses']} experts from the disk instead of "
                 f"{inc['host_misses']} (TPOT {1e3 * exc['tpot_s']:.3f} against {1e3 * inc['tpot_s']:.3f} ms)"
                 if "error" not in exc
                 else f"an exclusive host level does not fit that memory ({exc['error']})"
             )
-            + f"; under {lv['host_policy']} only (--host-policy), where `plan` compares other host "
-            "policies too"
+            + f"; under {lv['host_policy']} only ("
+            + option("--host-policy", "HostConfig(policy=...)")
+            + "), where "
+            + option("`plan`", "make_plan")
+            + " compares other host policies too"
         )
     t = r["tpot_s"]
     over = " over the host level" if lv is not None and "unused" not in lv else ""

@@ -37,14 +37,14 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.costs import CostModel
-from expertcache.errors import ExpertcacheError
+from expertcache.costs import CostModel, as_cost
+from expertcache.errors import ExpertcacheError, warn_notes
 from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.sim.curves import run_policy
-from expertcache.sim.timing import host_level_of, simulate_timing
+from expertcache.sim.timing import host_level_of, run_timing
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import one_capacity
 
@@ -281,7 +281,7 @@ def _host_room(policy: str, num_layers: int, top_k: int) -> int:
 def make_plan(
     trace: Trace | str,
     capacity: int | str,
-    cost: CostModel | None = None,
+    cost: CostModel | dict | str | None = None,
     *,
     policy: str = "lru",
     misses: Sequence[str] = ("fetch",),
@@ -312,7 +312,9 @@ def make_plan(
     )
     if isinstance(methods, str):
         methods = [methods]
-    cost = cost or CostModel()
+    cost = as_cost(cost)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     host_cfgs: list[HostConfig | None] = [None]
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
     skipped: list[str] = []
@@ -320,6 +322,7 @@ def make_plan(
         host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes, capacity=capacity
     )
     level_notes = [] if host_level is None else host_level[2]
+    warn_notes(level_notes)  # also in the plan's search; the command line prints them
     if host_level is not None and capacity >= trace.num_layers * trace.num_experts:  # as the engine does
         skipped.append("the host level: every expert fits the expert memory, so it is not used")
         host_level = None
@@ -422,7 +425,7 @@ def make_plan(
                 figures = {**seen[cell], "same_as": seen[cell]["method"]}
             else:
                 try:
-                    r = simulate_timing(
+                    r = run_timing(
                         trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
                         miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
                         host_capacity=host_caps.get(hx),
@@ -455,7 +458,7 @@ def make_plan(
     hx = bool(best["host_exclusive"])
     best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"], exclusive=hx)
     host_capacity = host_caps.get(hx)
-    bound = simulate_timing(
+    bound = run_timing(
         trace, capacity, cache="opt", miss="fetch", cost=cost, host=best_host, host_capacity=host_capacity
     )
     return Plan(

@@ -18,7 +18,7 @@ from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import capacity_items
+from expertcache.units import capacity_items, whole_number
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
@@ -41,6 +41,13 @@ def simulate(
     trace = as_trace(trace)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    jobs = whole_number(jobs, "jobs")
+    if not isinstance(skip_infeasible, bool):
+        raise ExpertcacheError(f"skip_infeasible must be True or False, got {skip_infeasible!r}")
+    if not isinstance(policies, str) and not (isinstance(policies, Sequence) and policies):
+        raise ExpertcacheError(
+            f"policies: a policy spec ('lru') or a non-empty list of them, got {policies!r}"
+        )
     for note in replay_notes(trace):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
@@ -49,39 +56,46 @@ def simulate(
 
 def replay_notes(trace: Trace, name: str = "TRACE") -> list[str]:
     """Why these replays (a whole-expert cache, fetched on demand, no prefetching) do not count what the
-    run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched, or
-    served its misses by another miss path. ``simulate`` warns them, ``sim`` notes them."""
-    notes = []
+    run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched,
+    served its misses by another miss path, or both (one note, one command). ``simulate`` warns it,
+    ``sim`` notes it."""
     miss = str(trace.meta.get("miss", "fetch"))
-    if miss.partition(":")[0] != "fetch":
-        policy = trace.meta.get("policy", "POLICY")
-        capacity = _memory_of(trace.meta)
-        notes.append(
-            f"this run served its misses by miss path {miss} (in the memory of {capacity} experts); these "
-            "replays fetch every miss whole, so their counts are not the run's: "
-            + option(
-                f"'expertcache timing --trace {name} --policy {policy} --miss {miss} --capacity {capacity}'",
-                f"simulate_timing(trace, {capacity}, cache={policy!r}, miss={miss!r})",
-            )
-            + " replays it, its decisions priced by the cost model given (the machine's: "
-            + option("--cost PROFILE.json", "cost=CostModel.load('PROFILE.json')")
-            + ")"
-        )
+    other_miss = miss.partition(":")[0] != "fetch"
+    prefetched = ""
     if trace.predicted is not None:
         steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
         predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
-        n = len(np.unique(steps[predicted]))
         who = trace.meta.get("predictor", "a predictor")
-        notes.append(
-            f"this run prefetched ({who}, in {n} of {len(np.unique(steps))} steps); these replays do not "
-            "prefetch, so their misses are not the run's: "
-            + option(
-                f"'expertcache timing --trace {name} --prefetch recorded --capacity N'",
-                "simulate_timing(trace, capacity, prefetch='recorded')",
-            )
-            + " replays its prefetches"
+        prefetched = (
+            f"prefetched ({who}, in {len(np.unique(steps[predicted]))} of {len(np.unique(steps))} steps)"
         )
-    return notes
+    if not other_miss and not prefetched:
+        return []
+    capacity, policy = _memory_of(trace.meta), trace.meta.get("policy", "POLICY")
+    did, undone, flags, args = [], [], "", ""
+    if prefetched:
+        did, undone = [prefetched], ["do not prefetch"]
+        flags, args = " --prefetch recorded", ", prefetch='recorded'"
+    if other_miss:
+        did.append(f"served its misses by miss path {miss} (in the memory of {capacity} experts)")
+        undone.append("fetch every miss whole")
+        flags, args = f" --policy {policy} --miss {miss}{flags}", f", cache={policy!r}, miss={miss!r}{args}"
+    note = (
+        f"this run {' and '.join(did)}; these replays {', '.join(undone)}, so their counts are not the "
+        "run's: "
+        + option(
+            f"'expertcache timing --trace {name}{flags} --capacity {capacity}'",
+            f"simulate_timing(trace, {'capacity' if capacity == 'N' else capacity}{args})",
+        )
+        + " replays it"
+    )
+    if other_miss:
+        note += (
+            ", its decisions priced by the cost model given (the machine's: "
+            + option("--cost PROFILE.json", "cost=CostModel.load('PROFILE.json')")
+            + ")"
+        )
+    return [note]
 
 
 def _memory_of(meta: dict) -> object:
@@ -129,8 +143,15 @@ def _simulate(
 def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]:
     """Capacities as ``simulate`` takes them: one or a list of items of ``sim --capacity``'s grammar
     (``units.capacity_items``: whole experts, ranges, shares of all ``total`` experts)."""
+    if isinstance(given, int | str) and not isinstance(given, bool):
+        given = [given]
+    elif not (isinstance(given, Sequence) and given):
+        raise ExpertcacheError(
+            "capacities: experts (24), a range ('8:96:8'), a share ('25%'), 'all' or a non-empty list of "
+            f"these, got {given!r}"
+        )
     caps = []
-    for c in [given] if isinstance(given, int | str) else given:
+    for c in given:
         got = capacity_items(c, total, 1)
         if any(isinstance(n, str) for n in got):
             raise ExpertcacheError(f"capacity {c!r} is less than one expert of {total}")

@@ -15,6 +15,7 @@ still in transit (stall). See docs/TIMING.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -27,9 +28,9 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
-from expertcache.costs import AUTO, CostModel, quantized_bytes
-from expertcache.errors import ExpertcacheError, option
-from expertcache.miss.base import FULL, MissContext, PartSpec
+from expertcache.costs import AUTO, CostModel, as_cost, quantized_bytes
+from expertcache.errors import ExpertcacheError, option, warn_notes
+from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.sim.recorded import make_sim_predictor
@@ -71,6 +72,15 @@ class TimingResult:
     # (the end of the step of its last prompt token), in the trace's request order; None otherwise
     request_ttft_s: np.ndarray | None = field(default=None, repr=False)
     whole_transfers: bool = False  # the cost model's auto chunks dropped: no prefetch for a miss to pass
+
+    def __repr__(self) -> str:
+        ms = lambda s: "-" if s is None else f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"  # noqa: E731
+        pf = f", prefetch {self.predictor}" if self.predictor else ""
+        return (
+            f"<TimingResult {self.policy} at {self.capacity} experts, miss {self.miss}{pf}: TTFT "
+            f"{ms(self.ttft_s)}, TPOT {ms(self.tpot_s)}, {self.misses} misses of {self.requests} requests, "
+            f"{ms(self.stall_s)} stalled in all{f', {len(self.notes)} note(s)' if self.notes else ''}>"
+        )
 
     @property
     def total_s(self) -> float:
@@ -146,14 +156,14 @@ class TimingResult:
         }
 
 
-def simulate_timing(
+def run_timing(
     trace: Trace | str,
     capacity: int | str,
     *,
     cache: CacheConfig | str | None = None,
     prefetch: PrefetchConfig | str | None = None,
     miss: MissConfig | str | None = None,
-    cost: CostModel | None = None,
+    cost: CostModel | dict | str | None = None,
     predictor_trace: Trace | None = None,
     capacities: dict[str, object] | None = None,
     host: HostConfig | str | None = None,
@@ -179,7 +189,7 @@ def simulate_timing(
             "prefetch 'auto' is the engine's choice of predictor; here name one, with --prefetch-when pays "
             "for the governor, or replay what an engine predicted with --prefetch recorded"
         )
-    miss_cfg, cost = as_config(miss, MissConfig), cost or CostModel()
+    miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
     unchunked = False  # the cost model's auto chunks dropped: nothing speculative for a demand miss to pass
     if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
@@ -195,6 +205,8 @@ def simulate_timing(
     schedule = build_schedule(trace, "layer")
     path = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params)
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
+    if capacities is not None:
+        capacities = _given_capacities(capacities, path, L)
     caps = capacities or part_capacities(path, capacity * cost.expert_bytes, part_bytes, K)
     clock = Clock()
     ctx = PolicyContext(
@@ -299,6 +311,13 @@ def simulate_timing(
     )
 
 
+@functools.wraps(run_timing)
+def simulate_timing(*args, **kwargs) -> TimingResult:
+    result = run_timing(*args, **kwargs)
+    warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them
+    return result
+
+
 def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """Each request's time to first token in a replay whose step ``r`` began at ``bounds[r]`` (and the
     last ended at ``bounds[-1]``), steps starting at tokens ``round_token``: from the start of its first
@@ -314,6 +333,26 @@ def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> 
     has = last >= 0
     order = np.argsort(first[has], kind="stable")  # in the order the requests began
     return (bounds[step[last[has]] + 1] - bounds[step[first[has]]])[order]
+
+
+def _given_capacities(given: object, path: MissPath, num_layers: int) -> dict[str, object]:
+    """``simulate_timing``'s ``capacities``: the keys of each of the miss path's parts, a whole number
+    (or one per layer), as a recorded trace's ``meta["capacities"]`` gives them; else one clear error."""
+    names = [spec.name for spec in path.parts()]
+    if not isinstance(given, dict) or set(given) != set(names):
+        got = sorted(map(str, given)) if isinstance(given, dict) else given
+        raise ExpertcacheError(
+            f"capacities: a dict of each part of miss path {path.describe()} ({', '.join(names)}) to the "
+            f"experts it holds, got {got!r}"
+        )
+    for name, n in given.items():
+        values = n if isinstance(n, list) and len(n) == num_layers else [n]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ExpertcacheError(
+                f"capacities[{name!r}]: a whole number of experts, or a list of {num_layers} (one a layer), "
+                f"got {n!r}"
+            )
+    return given
 
 
 def host_level_of(
@@ -333,17 +372,27 @@ def host_level_of(
     doctor say the same)."""
     if host is None and host_capacity is None:
         return None
-    cfg = as_config(host, HostConfig)
+    try:
+        cfg = as_config(host, HostConfig)
+    except ExpertcacheError as e:  # a spec is the level's memory; its policy is the config's
+        if not isinstance(host, str) or "is not a" not in str(e):
+            raise
+        raise ExpertcacheError(
+            f"{option('--host-memory', 'host')} {host!r} is not the host level's memory (bytes, '8GiB', or "
+            f"a share of all experts, '30%')"
+            + option("", "; its policy and kind: HostConfig(memory, policy=..., exclusive=...)")
+        ) from None
     notes: list[str] = []
     if host_capacity is not None:
+        if not isinstance(host_capacity, int) or isinstance(host_capacity, bool) or host_capacity < 1:
+            raise ExpertcacheError(
+                f"{option('--host-capacity', 'host_capacity')}: a whole number of experts, 1 or more, got "
+                f"{host_capacity!r}"
+            )
         if cfg.enabled:
             raise ExpertcacheError(
                 f"give the host level's memory ({cfg.memory}) or its capacity in experts ({host_capacity}), "
                 "not both"
-            )
-        if not isinstance(host_capacity, int) or isinstance(host_capacity, bool) or host_capacity < 1:
-            raise ExpertcacheError(
-                f"host capacity: a whole number of experts, 1 or more, got {host_capacity!r}"
             )
         experts = host_capacity
     elif not cfg.enabled:

@@ -353,13 +353,13 @@ def _row(task: Task, capacity: int, requests: int, misses: int, ref, timing: dic
 
 
 def _timing_task(task, trace, schedule, params, predictor) -> tuple[list[dict], list[str]]:
-    from expertcache.sim.timing import simulate_timing
+    from expertcache.sim.timing import run_timing
 
     (capacity,) = task.capacities
     cell = task.timing
     prefetch = PrefetchConfig(cell.prefetch, window=cell.window if cell.prefetch != "none" else None)
     try:
-        r = simulate_timing(
+        r = run_timing(
             trace, capacity, cache=CacheConfig(_spec(task.policy, params), seed=task.seed),
             prefetch=prefetch, miss=cell.miss, cost=cell.cost, predictor_trace=predictor,
         )  # fmt: skip

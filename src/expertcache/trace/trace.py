@@ -92,6 +92,8 @@ class Trace:
 
     def save(self, path: str | Path) -> None:
         """Write the trace as .npz in the shared layout (meta scalars included)."""
+        if not isinstance(path, str | os.PathLike):  # an int would be taken as a file descriptor
+            raise TraceError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
         arrays: dict[str, object] = {
             "experts": self.experts,
             "num_experts": np.int32(self.num_experts),
