@@ -796,9 +796,9 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
 
     batched = batch_requests(default_trace(), 8)
     line = next(x for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
-                if "--miss batch" in x)  # fmt: skip
+                if "miss path batch under policy tlfu" in x)  # fmt: skip (Python's words; the CLI's flags)
     assert "without the host level: it serves the fetch miss path only" in line
-    line = next(x for x in diagnose(batched, 24)["verdict"] if "--miss batch" in x)
+    line = next(x for x in diagnose(batched, 24)["verdict"] if "miss path batch under policy tlfu" in x)
     assert "host level" not in line
 
 
