@@ -407,6 +407,17 @@ def test_quality_refuses_a_reference_that_cannot_stand_for_the_packed_model(tmp_
     synth(other, "qwen2_moe", hidden=32)
     code, out = quality("--reference-model", str(other))
     assert code == 2 and "is another model: its model_type is 'qwen2_moe'" in out.err
+    assert out.err.count("\n") == 1  # the error alone: no note first that the figures compare another model
+    fp8 = tmp_path / "fp8"  # a published layout: the engine computes its own weights exactly
+    assert main(["quantize", str(src), "--format", "fp8", "--checkpoint", str(fp8)]) == 0
+    capsys.readouterr()
+    code = main(["quality", "--model", str(fp8), "--tokens", "8", "--expert-memory", "100%", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["lossy"] is True  # but measured against its source: a loss
+    from expertcache.tools.quality import format_quality
+
+    assert "low precision" not in format_quality(report)  # nothing a fetching path does
+    assert "low precision 0.0%, skipped 0.0%" in format_quality({**report, "miss": "hobbit"})
     synth(src, seed=7)  # the same shapes, new weights, in the same place (its old copies beside it)
     code, out = quality()
     assert code == 2 and "changed since" in out.err and out.err.count("\n") == 1

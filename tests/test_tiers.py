@@ -795,8 +795,11 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
     from expertcache.trace.default import default_trace
 
     batched = batch_requests(default_trace(), 8)
-    line = next(x for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
-                if "miss path batch under policy tlfu" in x)  # fmt: skip (Python's words; the CLI's flags)
+    line = next(
+        x
+        for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
+        if "miss path batch under policy tlfu" in x
+    )  # fmt: skip (Python's words; the CLI's flags)
     assert "without the host level: it serves the fetch miss path only" in line
     line = next(x for x in diagnose(batched, 24)["verdict"] if "miss path batch under policy tlfu" in x)
     assert "host level" not in line
@@ -1020,3 +1023,17 @@ def test_a_deterministic_run_with_staging_counts_the_same_whatever_the_reads_tak
         keys = ("misses", "host_misses", "host_evicted", "host_staged", "disk_reads")
         counts.append({k: stats[k] for k in keys})
     assert counts[0] == counts[1] == counts[2]
+
+
+@pytest.mark.parametrize("command", ["plan", "doctor"])
+def test_plan_and_doctor_say_why_they_take_no_exclusive_or_staging_flag(command, capsys):
+    # they weigh both kinds of host level themselves; a bare "unrecognized arguments" left a new user guessing
+    from expertcache.cli import main
+
+    base = [command, "--capacity", "24", "--host-capacity", "48"]
+    assert main([*base, "--host-exclusive"]) == 2
+    err = capsys.readouterr().err
+    assert f"{command} weighs an inclusive and an exclusive host level itself and reports both" in err
+    assert err.count("\n") == 1
+    assert main([*base, "--host-stage", "2"]) == 2
+    assert f"{command} does not weigh staging (leave out --host-stage" in capsys.readouterr().err

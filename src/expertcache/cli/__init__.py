@@ -511,7 +511,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ql.add_argument(
         "--kernel", choices=cli_generate.KERNEL_CHOICES, default="auto",
-        help="the experts kernel measured, e.g. compiled (default auto: grouped, exact)",
+        help="the experts kernel measured, e.g. compiled (default auto: grouped, exact; packed for a packed "
+        "checkpoint)",
     )  # fmt: skip
     ql.add_argument(
         "--quantize-dense", choices=cli_generate.DENSE_FORMATS, metavar="FORMAT",
@@ -775,8 +776,8 @@ _TIMING_COST_FLAGS = (
     (
         "--demote-time",
         "TIME",
-        "with an exclusive host level: the compute thread's copy of the cache's victim down into it (a "
-        "CPU's; default 0)",
+        "with an exclusive host level (plan and doctor weigh one themselves): the compute thread's copy "
+        "of the cache's victim down into it (a CPU's; default 0)",
     ),
 )
 
@@ -1242,8 +1243,10 @@ def _add_host_level(p: argparse.ArgumentParser, mode: str = "timing") -> None:
         p.add_argument(
             "--host-policy", metavar="NAME[:k=v,...]", help="the host cache's policy (default lru)"
         )
-    if mode != "timing":
-        p.set_defaults(host_exclusive=False, host_stage=0)
+    if mode != "timing":  # asked for anyway: refused in one line that says why (``_host_level``)
+        p.add_argument("--host-exclusive", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument("--host-stage", type=int, default=0, help=argparse.SUPPRESS)
+        p.set_defaults(host_mode=mode)
         return
     p.add_argument(
         "--host-stage", type=int, default=0, metavar="N",
@@ -1260,6 +1263,16 @@ def _host_level(args: argparse.Namespace):
     """The ``HostConfig`` of ``--host-memory`` / ``--host-capacity`` and their options, or None."""
     from expertcache.config import HostConfig
 
+    mode = getattr(args, "host_mode", "timing")
+    if mode != "timing" and (args.host_exclusive or args.host_stage):
+        flag = "--host-exclusive" if args.host_exclusive else "--host-stage"
+        raise ExpertcacheError(
+            f"{mode} weighs an inclusive and an exclusive host level itself and reports both (leave out "
+            f"{flag}; 'expertcache timing' replays one level of your choice)"
+            if args.host_exclusive
+            else f"{mode} does not weigh staging (leave out {flag}; 'expertcache timing --host-stage N' "
+            "replays it)"
+        )
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
         for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time", "demote_time"):

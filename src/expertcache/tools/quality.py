@@ -201,7 +201,9 @@ def measure(
             "attention": model.stats["attention"],
             "dtype": model.stats["dtype"],
             "reference_dtype": str(ref.model.dtype).removeprefix("torch."),
-            "lossy": model.stats["lossy"],
+            # against another checkpoint (the full-precision one a packed checkpoint was made from), the
+            # figures measure a loss even where the engine computes this checkpoint's own weights exactly
+            "lossy": model.stats["lossy"] or _other_checkpoint(model, ref.path),
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
             "policy": policy,
@@ -247,6 +249,7 @@ def _reference_path(model, given: str | Path | None) -> Path:
             raise ExpertcacheError(
                 f"--reference-model {given}: no config.json there (not a checkpoint directory)"
             )
+        _check_reference(model, path)  # one line for a reference that cannot be this model, before any note
         made_from = recorded.get("fingerprint")
         if model.packed is not None and made_from is not None and made_from != fingerprint(path):
             print(
@@ -272,6 +275,11 @@ def _reference_path(model, given: str | Path | None) -> Path:
     return path
 
 
+def _other_checkpoint(model, path: str | Path) -> bool:
+    """Whether the reference ``path`` is another checkpoint than the model's own."""
+    return model.path is None or Path(path).resolve() != Path(model.path).resolve()
+
+
 def _check_reference(model, path: Path) -> None:
     """One line where the reference cannot stand for ``model``: packed, or of another shape."""
     import json
@@ -294,6 +302,16 @@ def _check_reference(model, path: Path) -> None:
             )
 
 
+def _lossy_path(miss: str) -> bool:
+    """Whether miss path ``miss`` (a spec) may compute experts at low precision or skip them."""
+    from expertcache.miss.registry import miss_class
+
+    try:
+        return bool(miss_class(miss.partition(":")[0]).lossy)
+    except ExpertcacheError:
+        return True  # not one of ours: say what it did
+
+
 def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
@@ -305,7 +323,12 @@ def format_quality(r: dict[str, object]) -> str:
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "
-        f"largest difference {r['logits_max_difference']:.3g} | low precision "
-        f"{r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of {r['expert_uses']} expert uses"
+        f"largest difference {r['logits_max_difference']:.3g}"
+        + (
+            f" | low precision {r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of "
+            f"{r['expert_uses']} expert uses"
+            if _lossy_path(str(r["miss"])) or r["low_precision_share"] or r["skipped_share"]
+            else ""
+        )
         + (f" | varies from run to run: follows {', '.join(r['varies_by'])}" if r.get("varies_by") else "")
     )
