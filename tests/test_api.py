@@ -298,6 +298,7 @@ def test_simulate_refuses_arguments_it_would_misread(trace, kwargs, needle):
         ({"host": "1GiB", "host_capacity": -1}, "host_capacity: a whole number of experts, 1 or more, got -"),
         ({"host_capacity": 2.5}, "host_capacity: a whole number of experts, 1 or more, got 2.5"),
         ({"prefetch": "eam:size=3"}, "predictor 'eam' takes no parameters ('eam:size=3'); how far ahead"),
+        ({"prefetch": "auto"}, "name one, with PrefetchConfig(NAME, when='pays') for the governor, or"),
     ],
 )
 def test_simulate_timing_refuses_arguments_it_would_misread(trace, kwargs, needle):

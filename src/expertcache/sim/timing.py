@@ -178,16 +178,21 @@ def run_timing(
     ``capacities`` (keys per cache part) replaces the share of ``capacity`` the miss path would give
     each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly.
     ``host`` (a ``HostConfig``, or its memory as a spec) puts a host level between the link and the disk
-    (``cache.tiers``), of ``host_capacity`` experts where given (an engine's own: ``trace.meta``), else
-    of its memory in the cost model's experts; a host-level miss reads ``cost.disk_read_s`` first."""
+    (``cache.tiers``), sized by its memory in the cost model's experts, or by ``host_capacity`` experts
+    (an engine's own: ``trace.meta``) with a ``HostConfig`` that gives no memory (its policy and kind
+    alone) or none; one or the other, not both. A host-level miss reads ``cost.disk_read_s`` first.
+    What was adjusted (a capacity capped, a level no larger than the cache) is in the result's
+    ``notes`` and comes as an ``ExpertcacheWarning``."""
     trace = as_trace(trace)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     if pf.predictor == AUTO_PREFETCH:
         raise ExpertcacheError(
-            "prefetch 'auto' is the engine's choice of predictor; here name one, with --prefetch-when pays "
-            "for the governor, or replay what an engine predicted with --prefetch recorded"
+            "prefetch 'auto' is the engine's choice of predictor; here name one, with "
+            + option("--prefetch-when pays", "PrefetchConfig(NAME, when='pays')")
+            + " for the governor, or replay what an engine predicted with "
+            + option("--prefetch recorded", "prefetch='recorded'")
         )
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
     unchunked = False  # the cost model's auto chunks dropped: nothing speculative for a demand miss to pass
