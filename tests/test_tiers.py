@@ -578,11 +578,11 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         ),
         (["timing", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
         (["plan", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
-        (["doctor", "--capacity", "24", "--host-exclusive"], "unrecognized arguments: --host-exclusive"),
+        (["doctor", "--capacity", "24", "--host-exclusive"], "doctor weighs an inclusive and an exclusive"),
         (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),
         (["timing", "--host-memory", "1KiB"], "holds no expert"),
         (["generate", "--prompt", "hi", "--host-exclusive"], "--host-exclusive needs --host-memory"),
-        (["plan", "--capacity", "24", "--host-capacity", "60", "--host-exclusive"], "unrecognized arguments"),
+        (["plan", "--capacity", "24", "--host-exclusive"], "plan weighs an inclusive and an"),
         (["plan", "--capacity", "24", "--policy", "tlfu", "--policy", "lru"], "--policy: given twice"),
         (["timing", "--demote-time", "1ms"], "--demote-time needs --host-memory or --host-capacity"),
         (
