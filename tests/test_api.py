@@ -21,6 +21,13 @@ def trace():
 
 
 @pytest.fixture(scope="module")
+def short(trace):
+    """The trace's first 640 tokens: for the planner's and the doctor's many replays (seconds, not tens)."""
+    n = 640
+    return ec.Trace(trace.experts[:n], trace.num_experts, seq_id=trace.seq_id[:n])
+
+
+@pytest.fixture(scope="module")
 def model():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExpertcacheWarning)
@@ -30,7 +37,8 @@ def model():
 
 
 # ------------------------------------------------------------------ traces and capacities, one form
-def test_functions_of_one_capacity_take_a_share_as_simulate_does(trace):
+def test_functions_of_one_capacity_take_a_share_as_simulate_does(short):
+    trace = short
     expected = ec.simulate(trace, ["lru"], ["25%"])[0].capacity
     assert expected == 24
     assert ec.simulate_timing(trace, "25%").capacity == ec.simulate_timing(trace, 24).capacity == 24
@@ -307,7 +315,8 @@ def test_simulate_timing_refuses_arguments_it_would_misread(trace, kwargs, needl
     assert needle in str(err.value)
 
 
-def test_a_cost_model_may_be_given_as_a_dict_or_a_file(trace, tmp_path):
+def test_a_cost_model_may_be_given_as_a_dict_or_a_file(short, tmp_path):
+    trace = short
     fields = {"expert_s": "1ms", "link_bandwidth": "8GB/s", "expert_bytes": "184KiB"}
     cost = CostModel.from_dict(fields)
     cost.save(tmp_path / "cost.json")
@@ -325,7 +334,8 @@ def test_plan_and_doctor_check_their_counts(trace):
         ec.diagnose(trace, 24, window_tokens="16")
 
 
-def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(trace):
+def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(short):
+    trace = short
     with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
         result = ec.simulate_timing(trace, 1000)
     assert result.notes == ["a cache of 1000 experts is more than all 96; capped at 96"]
@@ -363,7 +373,8 @@ def test_a_trace_is_saved_to_a_path_and_a_closed_models_run_can_be_saved(model, 
     assert m.stats["misses"] > 0
 
 
-def test_the_doctors_advice_names_python_arguments_in_python(trace):
+def test_the_doctors_advice_names_python_arguments_in_python(short):
+    trace = short
     report = ec.diagnose(trace, 24, host_capacity=48)
     text = " ".join(report["verdict"])
     assert "HostConfig(exclusive=True)" in text and "make_plan compares other host policies" in text

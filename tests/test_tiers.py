@@ -844,8 +844,21 @@ def test_cli_plan_and_doctor_take_a_host_level():
     assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
 
 
+@pytest.fixture(scope="module")
+def short_trace(tmp_path_factory):
+    """The embedded trace's first 640 tokens, as a file: for the notes of plan's and doctor's many replays,
+    which the trace's length does not change (seconds, not a minute, on a 2-core machine)."""
+    from expertcache.trace import Trace
+    from expertcache.trace.default import default_trace
+
+    full, n = default_trace(), 640
+    path = tmp_path_factory.mktemp("short") / "short.npz"
+    Trace(full.experts[:n], full.num_experts, seq_id=full.seq_id[:n]).save(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
-def test_every_command_notes_a_host_level_capped_or_no_larger_than_the_cache(command, capsys):
+def test_every_command_notes_a_host_level_capped_or_no_larger_than_the_cache(command, short_trace, capsys):
     """A host level beyond all experts is capped, and an inclusive one no larger than the cache hits only
     what the cache let go: timing, plan and doctor say both alike (plan and doctor said neither)."""
     from expertcache.cli import main
@@ -855,12 +868,12 @@ def test_every_command_notes_a_host_level_capped_or_no_larger_than_the_cache(com
         (["--host-memory", "64GiB"], "a host level of 64GiB is more than all 96 experts take"),
         (["--host-capacity", "10"], "the host level (10 experts) holds no more than the cache (24)"),
     ):
-        assert main([command, "--capacity", "24", *host, "--disk-time", "1ms"]) == 0
+        assert main([command, "--trace", short_trace, "--capacity", "24", *host, "--disk-time", "1ms"]) == 0
         assert f"note: {said}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
-def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, tmp_path, capsys):
+def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, short_trace, tmp_path, capsys):
     """A CPU profile's link is the disk read: under a host level a host hit would pay it, and
     --expert-bytes rescales the link but not the disk read the profile measured; each in a note."""
     from expertcache.cli import main
@@ -871,14 +884,16 @@ def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, tmp_pat
         "format": "expertcache-profile", "version": 1, "cost": costs,
         "measured": ["link_bandwidth", "disk_read_s"], "how": {"slow_tier": "disk", "link": "disk -> cpu"},
     }))  # fmt: skip
-    assert main([command, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60"]) == 0
+    argv = [command, "--trace", short_trace, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60"]
+    assert main(argv) == 0
     err = capsys.readouterr().err
     assert "measured the link reading the disk tier (disk -> cpu)" in err and "--link-bandwidth" in err
-    argv = [command, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60", "--link-bandwidth"]
+    argv += ["--link-bandwidth"]
     assert main([*argv, "20GB/s", "--expert-bytes", "1MiB"]) == 0
     err = capsys.readouterr().err
     assert "measured the link" not in err and "--expert-bytes rescales the link's time, not the disk" in err
-    assert main([command, "--cost", str(prof), "--capacity", "24"]) == 0  # no host level: nothing to say
+    assert main([command, "--trace", short_trace, "--cost", str(prof), "--capacity", "24"]) == 0
+    # no host level: nothing to say
     assert "note:" not in capsys.readouterr().err
 
 
