@@ -153,7 +153,7 @@ def test_prompts_first_runs_new_prompts_in_a_step_of_their_own_and_every_answer_
     want = {p: model.tokenizer.decode(alone(model, p, n), skip_special_tokens=True)
             for p, n in ((long, 24), *((p, 6) for p in PROMPTS))}  # fmt: skip
     steps: list[tuple[int, int]] = []  # (prompt tokens, decode tokens) of each step, as it begins
-    queued = threading.Event()
+    queued, decoding = threading.Event(), threading.Event()
     told_by = model.engine.step_source
 
     config = ServeConfig(max_queue=8, schedule=schedule)
@@ -166,6 +166,7 @@ def test_prompts_first_runs_new_prompts_in_a_step_of_their_own_and_every_answer_
             if told is not None:
                 steps.append((int(told[1].sum()), int((~told[1]).sum())))
                 if steps[-1] == (0, 1) and not queued.is_set():  # the long request's first decode step
+                    decoding.set()
                     queued.wait(60)
             return told
 
@@ -176,8 +177,13 @@ def test_prompts_first_runs_new_prompts_in_a_step_of_their_own_and_every_answer_
         def ask(p: str, n: int) -> None:
             got[p] = client.completions.create(model="tiny", prompt=p, max_tokens=n).choices[0].text
 
-        stream = client.completions.create(model="tiny", prompt=long, max_tokens=24, stream=True)
-        first = next(stream).choices[0].text  # out of the prefill: the long request decodes next
+        def ask_long() -> None:  # its first token comes out of the step the spy holds: not waited for here
+            stream = client.completions.create(model="tiny", prompt=long, max_tokens=24, stream=True)
+            got[long] = "".join(chunk.choices[0].text for chunk in stream)
+
+        streaming = threading.Thread(target=ask_long)
+        streaming.start()
+        assert decoding.wait(60)  # out of the prefill, held in its first decode step
         threads = [threading.Thread(target=ask, args=(p, 6)) for p in PROMPTS]
         for t in threads:
             t.start()
@@ -185,8 +191,7 @@ def test_prompts_first_runs_new_prompts_in_a_step_of_their_own_and_every_answer_
         while batcher.manager.input_queue.qsize() < len(PROMPTS) and time.monotonic() < deadline:
             time.sleep(0.01)
         queued.set()
-        got[long] = first + "".join(chunk.choices[0].text for chunk in stream)
-        for t in threads:
+        for t in [streaming, *threads]:
             t.join(120)
         scheduler = batcher.manager.batch_processor.scheduler
     model.engine.step_source = told_by
