@@ -30,7 +30,7 @@ from expertcache.engine.memory import resident_memory
 from expertcache.engine.packed import SOURCE_KEY, describe_format
 from expertcache.errors import ExpertcacheError, first_line, warn_notes
 from expertcache.plan import Plan, as_plan
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, check_save_path
 from expertcache.units import whole_number
 
 # the builder's names of the parts this model keeps private
@@ -403,8 +403,7 @@ class OffloadedModel:
 
     def save_trace(self, path: str | Path) -> None:
         """Write ``trace()`` to ``path`` (.npz); a closed model's run can still be saved."""
-        if not isinstance(path, str | os.PathLike):
-            raise ExpertcacheError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
+        check_save_path(path)  # before trace(): a wrong path is the first thing to say
         self.trace().save(path)
 
     def close(self) -> None:

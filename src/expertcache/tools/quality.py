@@ -271,7 +271,7 @@ def _reference_path(model, given: str | Path | None) -> Path:
                 f"{path} changed since {model.path} was made from it (its config or weights differ): give "
                 "the checkpoint it was made from (--reference-model DIR)"
             )
-    _check_reference(model, path)
+        _check_reference(model, path)
     return path
 
 

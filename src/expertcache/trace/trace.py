@@ -92,8 +92,7 @@ class Trace:
 
     def save(self, path: str | Path) -> None:
         """Write the trace as .npz in the shared layout (meta scalars included)."""
-        if not isinstance(path, str | os.PathLike):  # an int would be taken as a file descriptor
-            raise TraceError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
+        check_save_path(path)
         arrays: dict[str, object] = {
             "experts": self.experts,
             "num_experts": np.int32(self.num_experts),
@@ -113,6 +112,12 @@ class Trace:
                 np.savez_compressed(f, **arrays)
         except OSError as e:
             raise TraceError(f"{path}: cannot write trace ({e.strerror or e})") from None
+
+
+def check_save_path(path: object) -> None:
+    """A trace is saved to a path: an int would be taken as a file descriptor."""
+    if not isinstance(path, str | os.PathLike):
+        raise TraceError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
 
 
 def as_trace(trace: Trace | str | Path, what: str = "trace") -> Trace:
