@@ -764,11 +764,8 @@ def test_the_planner_chooses_the_host_policy_and_the_engine_runs_its_plan(ckpt, 
 def test_doctor_says_which_level_bounds_the_step():
     from expertcache.costs import CostModel
     from expertcache.sim.doctor import diagnose
-    from expertcache.trace import Trace
-    from expertcache.trace.default import default_trace
 
-    full, n = default_trace(), 1280  # the first 1280 tokens: the same verdicts, in a quarter of the time
-    tr = Trace(full.experts[:n], full.num_experts, seq_id=full.seq_id[:n])
+    tr = prefix(1280)  # the same verdicts as the whole trace's, in a quarter of the time
     slow_disk = CostModel(disk_read_s=1.0, link_bandwidth=1e12)
     slow_link = CostModel(disk_read_s=1e-6, link_bandwidth=1e8)
     for cost, bound in ((slow_disk, "disk"), (slow_link, "link")):
@@ -794,9 +791,8 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
     # took it and every command refused it)
     from expertcache.sim.doctor import diagnose
     from expertcache.trace.batch import batch_requests
-    from expertcache.trace.default import default_trace
 
-    batched = batch_requests(default_trace(), 8)
+    batched = batch_requests(prefix(640), 8)
     line = next(
         x
         for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
@@ -807,9 +803,11 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
     assert "host level" not in line
 
 
-def test_cli_plan_and_doctor_take_a_host_level():
+def test_cli_plan_and_doctor_take_a_host_level(short_trace):
     argv = [
         "plan",
+        "--trace",
+        short_trace,
         "--capacity",
         "24",
         "--host-capacity",
@@ -826,7 +824,8 @@ def test_cli_plan_and_doctor_take_a_host_level():
     marked = [line for line in done.stdout.splitlines() if line.startswith("* ")]
     assert len(marked) == 1, marked  # the chosen row alone, not its policy's other kind beside it
     done = subprocess.run(
-        [sys.executable, "-m", "expertcache", "doctor", "--capacity", "24", "--host-memory", "60%"],
+        [sys.executable, "-m", "expertcache", "doctor", "--trace", short_trace, "--capacity", "24",
+         "--host-memory", "60%"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0 and "with a host level of 57 experts (lru)" in done.stdout, done.stderr
@@ -835,7 +834,17 @@ def test_cli_plan_and_doctor_take_a_host_level():
     # doctor's twin (its memory less the reserve), not a level of that many experts
     said = {}
     for command in ("doctor", "timing"):
-        argv = [command, "--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms"]
+        argv = [
+            command,
+            "--trace",
+            short_trace,
+            "--capacity",
+            "24",
+            "--host-capacity",
+            "60",
+            "--disk-time",
+            "2ms",
+        ]
         if command == "timing":
             argv += ["--host-exclusive", "--json"]
         run = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
@@ -846,16 +855,25 @@ def test_cli_plan_and_doctor_take_a_host_level():
     assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
 
 
-@pytest.fixture(scope="module")
-def short_trace(tmp_path_factory):
-    """The embedded trace's first 640 tokens, as a file: for the notes of plan's and doctor's many replays,
-    which the trace's length does not change (seconds, not a minute, on a 2-core machine)."""
-    from expertcache.trace import Trace
+def prefix(n: int):
+    """The embedded trace's first ``n`` tokens: for plan's and doctor's many replays, where what a test
+    checks does not need the whole trace (seconds, not a minute, on a 2-core machine)."""
     from expertcache.trace.default import default_trace
 
-    full, n = default_trace(), 640
+    full = default_trace()
+    rows = {
+        f.name: getattr(full, f.name)[:n]
+        for f in dataclasses.fields(full)
+        if hasattr(getattr(full, f.name), "shape")
+    }
+    return dataclasses.replace(full, **rows)
+
+
+@pytest.fixture(scope="module")
+def short_trace(tmp_path_factory):
+    """``prefix(256)`` as a file, for the command line."""
     path = tmp_path_factory.mktemp("short") / "short.npz"
-    Trace(full.experts[:n], full.num_experts, seq_id=full.seq_id[:n]).save(path)
+    prefix(256).save(path)
     return str(path)
 
 
@@ -899,17 +917,17 @@ def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, short_t
     assert "note:" not in capsys.readouterr().err
 
 
-def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(tmp_path):
+def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(short_trace, tmp_path):
     def cli(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
 
     plan = tmp_path / "plan.json"
-    done = cli("plan", "--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms", "--miss", "fetch",
-               "--miss", "host", "-o", str(plan))  # fmt: skip
+    done = cli("plan", "--trace", short_trace, "--capacity", "24", "--host-capacity", "60",
+               "--disk-time", "2ms", "--miss", "fetch", "--miss", "host", "-o", str(plan))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "left out: host: the engine's host level serves the fetch miss path" in done.stdout
     chosen = json.loads(plan.read_text())
-    again = cli("timing", "--plan", str(plan), "--json")
+    again = cli("timing", "--trace", short_trace, "--plan", str(plan), "--json")
     assert again.returncode == 0, again.stderr
     got = json.loads(again.stdout)
     assert got["tpot_s"] == pytest.approx(
@@ -918,7 +936,7 @@ def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(tmp_path)
     assert (got["host_capacity"], got["host_policy"], got["host_exclusive"]) == (
         chosen["host_capacity"], chosen["host_policy"], chosen["host_exclusive"]
     )  # fmt: skip
-    refused = cli("timing", "--plan", str(plan), "--host-capacity", "60")
+    refused = cli("timing", "--trace", short_trace, "--plan", str(plan), "--host-capacity", "60")
     assert refused.returncode == 2 and "the plan sets a host level" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
 
