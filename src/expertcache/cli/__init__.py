@@ -581,7 +581,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "selftest", help="tiny models of every family through the engine against transformers, on this device"
     )
     st.add_argument("--device", choices=["cpu", "cuda"], help="(default: cuda when torch sees a GPU)")
-    st.add_argument("--quick", action="store_true", help="the plain path and one miss path per family (110 checks: half a minute on 2 CPU cores)")
+    st.add_argument(
+        "--quick",
+        action="store_true",
+        help="the plain path and one miss path per family (half a minute on 2 CPU cores)",
+    )
     st.add_argument("--json", action="store_true", help="print one JSON object with every check")
     st.set_defaults(func=_cmd_selftest)
     return p
