@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_fixtures import prefix, prefix_file
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
@@ -265,10 +266,10 @@ def test_batch_tlfu_moves_and_computes_within_the_target_of_the_better_reference
     assert math.isclose(res.requests, res.hits + res.misses)
 
 
-def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
+def test_doctor_and_plan_serve_the_trace_n_at_a_time(tmp_path, capsys):
     """``--concurrency N``: the trace's requests served N at a time first; the doctor then says what a
     step asks of the cache and what ``batch`` with ``tlfu`` does for it."""
-    assert main(["doctor", "--concurrency", "16", "--json"]) == 0
+    assert main(["doctor", "--concurrency", "16", "--json"]) == 0  # the whole trace: issue 31's target
     out, err = capsys.readouterr()
     import json
 
@@ -276,21 +277,24 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(capsys):
     assert "16 at a time" in err
     assert batch["mean_step_experts"] > 10 and batch["tlfu_miss_ratio"] < batch["lru_miss_ratio"]
     assert batch["batch_vs_best"] <= 1.2
-    assert main(["doctor", "--concurrency", "16"]) == 0  # the advice names the paths the plan could weigh
+    # the advice and the options' effects, on the trace's first 256 tokens, 4 at a time
+    short = ["--trace", prefix_file(tmp_path, 256)]
+    assert main(["doctor", *short, "--concurrency", "4"]) == 0  # the advice names the paths to weigh
     assert "--miss fetch --miss batch --miss host" in capsys.readouterr().out
-    assert (
-        main(["doctor", "--concurrency", "16", "--miss", "fetch", "--miss", "batch", "--miss", "host"]) == 0
-    )
+    argv = ["doctor", *short, "--concurrency", "4", "--miss", "fetch", "--miss", "batch", "--miss", "host"]
+    assert main(argv) == 0
     out = capsys.readouterr().out  # given them, the plan weighed them: no advice to give them
     assert "a step serves" in out and "--miss fetch --miss batch" not in out
-    assert main(["doctor"]) == 0
+    assert main(["doctor", *short]) == 0
     assert "a step serves" not in capsys.readouterr().out  # one request a step: no batch to speak of
-    assert main(["plan", "--concurrency", "4", "--policy", "tlfu", "--miss", "batch", "--json"]) == 0
+    assert main(["plan", *short, "--concurrency", "4", "--policy", "tlfu", "--miss", "batch", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["miss"].startswith("batch")
     # the steps laid out as serve --schedule prompts-first runs them: other steps, other figures
-    assert main(["doctor", "--concurrency", "16", "--schedule", "prompts-first", "--json"]) == 0
+    assert main(["doctor", *short, "--concurrency", "4", "--json"]) == 0
+    fifo = json.loads(capsys.readouterr().out)["batch"]
+    assert main(["doctor", *short, "--concurrency", "4", "--schedule", "prompts-first", "--json"]) == 0
     out, err = capsys.readouterr()
-    assert "16 at a time (prompts-first)" in err and json.loads(out)["batch"] != batch
+    assert "4 at a time (prompts-first)" in err and json.loads(out)["batch"] != fifo
 
 
 @pytest.mark.parametrize("command", ["doctor", "plan"])
@@ -304,20 +308,23 @@ def test_a_bad_budget_is_refused_before_the_requests_are_batched(command, capsys
 
 
 def test_timing_of_a_batched_plan_on_another_trace_says_so(tmp_path, capsys):
-    plan = tmp_path / "p16.json"
-    assert main(["plan", "--concurrency", "4", "--expert-memory", "25%", "-o", str(plan)]) == 0
+    short = prefix_file(tmp_path, 256)
+    plan = tmp_path / "p4.json"
+    assert (
+        main(["plan", "--trace", short, "--concurrency", "4", "--expert-memory", "25%", "-o", str(plan)]) == 0
+    )
     capsys.readouterr()
-    assert main(["timing", "--plan", str(plan)]) == 0
+    assert main(["timing", "--trace", short, "--plan", str(plan)]) == 0
     assert "it served its trace 4 at a time: replay that" in capsys.readouterr().err
     served = tmp_path / "u4.npz"
-    assert main(["trace", "batch", "default", "--concurrency", "4", "-o", str(served)]) == 0
+    assert main(["trace", "batch", short, "--concurrency", "4", "-o", str(served)]) == 0
     capsys.readouterr()
     assert main(["timing", "--plan", str(plan), "--trace", str(served)]) == 0
     assert "note: the plan was made on" not in capsys.readouterr().err
     single = tmp_path / "p1.json"  # a plan of the trace as it is, replayed on it: nothing to say
-    assert main(["plan", "--expert-memory", "25%", "-o", str(single)]) == 0
+    assert main(["plan", "--trace", short, "--expert-memory", "25%", "-o", str(single)]) == 0
     capsys.readouterr()
-    assert main(["timing", "--plan", str(single)]) == 0
+    assert main(["timing", "--trace", short, "--plan", str(single)]) == 0
     assert "note: the plan was made on" not in capsys.readouterr().err
 
 
@@ -333,9 +340,10 @@ def test_plan_refuses_to_write_over_its_own_trace(tmp_path, capsys):
     assert "is the input itself" in capsys.readouterr().err and trace.read_bytes() == before
 
 
-def test_doctor_of_a_batched_trace_with_every_expert_cached_has_a_verdict(capsys):
+def test_doctor_of_a_batched_trace_with_every_expert_cached_has_a_verdict(tmp_path, capsys):
     """At 100 % nothing misses, so batch has no reference to compare with: said, not a crash."""
-    assert main(["doctor", "--concurrency", "4", "--expert-memory", "100%"]) == 0
+    short = prefix_file(tmp_path, 256)
+    assert main(["doctor", "--trace", short, "--concurrency", "4", "--expert-memory", "100%"]) == 0
     out = capsys.readouterr().out
     assert "at this budget every expert stays in the cache after its first use" in out
 
@@ -358,20 +366,20 @@ def test_bad_concurrency_is_one_line_and_exit_2(command, argv, words, capsys):
     assert words in err and len(err.splitlines()) == 1
 
 
-def test_the_served_steps_are_capped_as_the_servers_are(capsys):
+def test_the_served_steps_are_capped_as_the_servers_are(tmp_path, capsys):
     """``--max-batch-tokens``: the steps of at most that many tokens a server with that cap computes, by
     default serve's 512; a smaller cap chunks the prompts into more steps."""
     from expertcache.trace.batch import batch_requests
-    from expertcache.trace.default import default_trace
 
-    assert main(["doctor", "--concurrency", "4", "--max-batch-tokens", "16", "--json"]) == 0
+    short = ["--trace", prefix_file(tmp_path, 256)]
+    assert main(["doctor", *short, "--concurrency", "4", "--max-batch-tokens", "16", "--json"]) == 0
     out, err = capsys.readouterr()
-    capped = batch_requests(default_trace(), 4, batch_tokens=16)
+    capped = batch_requests(prefix(256), 4, batch_tokens=16)
     assert (
         f"steps of at most 16 tokens: {capped.num_tokens} tokens in {len(set(capped.step_id.tolist()))} steps"
         in err
     )
-    assert main(["doctor", "--concurrency", "4"]) == 0
+    assert main(["doctor", *short, "--concurrency", "4"]) == 0
     assert "steps of at most 512 tokens" in capsys.readouterr().err
 
 

@@ -17,6 +17,7 @@ import engine_fixtures
 import pytest
 import torch
 from engine_fixtures import PATH_FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
+from trace_fixtures import prefix, prefix_file
 
 from expertcache.cache.tiers import HostLevel, exclusive_reserve
 from expertcache.config import HostConfig
@@ -855,26 +856,10 @@ def test_cli_plan_and_doctor_take_a_host_level(short_trace):
     assert "disk_read_s is 0" in done.stderr  # as timing says: the host level's misses cost nothing here
 
 
-def prefix(n: int):
-    """The embedded trace's first ``n`` tokens: for plan's and doctor's many replays, where what a test
-    checks does not need the whole trace (seconds, not a minute, on a 2-core machine)."""
-    from expertcache.trace.default import default_trace
-
-    full = default_trace()
-    rows = {
-        f.name: getattr(full, f.name)[:n]
-        for f in dataclasses.fields(full)
-        if hasattr(getattr(full, f.name), "shape")
-    }
-    return dataclasses.replace(full, **rows)
-
-
 @pytest.fixture(scope="module")
 def short_trace(tmp_path_factory):
     """``prefix(256)`` as a file, for the command line."""
-    path = tmp_path_factory.mktemp("short") / "short.npz"
-    prefix(256).save(path)
-    return str(path)
+    return prefix_file(tmp_path_factory.mktemp("short"), 256)
 
 
 @pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
