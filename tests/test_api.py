@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from trace_fixtures import prefix
 
 import expertcache as ec
 from expertcache import CostModel, ExpertcacheError, ExpertcacheWarning
@@ -21,10 +22,9 @@ def trace():
 
 
 @pytest.fixture(scope="module")
-def short(trace):
-    """The trace's first 640 tokens: for the planner's and the doctor's many replays (seconds, not tens)."""
-    n = 640
-    return ec.Trace(trace.experts[:n], trace.num_experts, seq_id=trace.seq_id[:n])
+def short():
+    """The trace's first 256 tokens: for the planner's and the doctor's many replays (seconds, not tens)."""
+    return prefix(256)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ dropped, ``a && b`` runs both). Usage synopses (``[--flag ...]``) are not exampl
 Placeholders are filled in: ``DIR`` is a tiny checkpoint (a new directory after ``-o``), ``TRACE.npz`` a
 small synthetic trace, ``"..."`` a short prompt; relative outputs land in a temporary directory (with a
 copy of ``examples/``, whose files examples name). Examples for a GPU (``--device cuda``) run only where
-torch sees one.
+torch sees one. A command shown in several docs runs once.
 
 Sample outputs: the lines after a ``$ expertcache ...`` line, up to the next ``$ `` line or the block's
 end, are what that command prints, and an example without placeholders must print exactly that (line for
@@ -83,7 +83,25 @@ def inline_code() -> list[tuple[str, str]]:
     return out
 
 
-EXAMPLES = examples()
+def distinct(examples: list[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+    """Each command once, named by every doc that shows it ("README.md+MISS.md"), with the sample output
+    one of them shows; a command shown with two different samples runs once for each."""
+    docs: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for doc, command, sample in examples:
+        docs.setdefault(command, [])
+        if doc not in docs[command]:
+            docs[command].append(doc)
+        if sample is not None and sample not in samples.setdefault(command, []):
+            samples[command].append(sample)
+    return [
+        ("+".join(names), command, sample)
+        for command, names in docs.items()
+        for sample in samples.get(command) or [None]
+    ]
+
+
+EXAMPLES = distinct(examples())
 INLINE = inline_code()
 
 

@@ -503,9 +503,13 @@ class _Run:
             host_s = sum(cost.host_expert(need.tokens) for need in work.host)  # one after another
             link.host_busy_s += host_s
             host_end = link.now + host_s  # beside the device, from when the router has chosen
-            tokens = {n.key: n.tokens for n in work.needs}
-            for key, part in work.units():  # lazily: wait, compute, ...
-                link.advance(unit_time(specs[part], cost, layer, tokens[key]))
+            if e - s == 1:  # one token: each expert computes it (its needs are not summed up at all)
+                for _, part in work.units():  # lazily: wait, compute, ...
+                    link.advance(unit_time(specs[part], cost, layer, 1))
+            else:
+                tokens = {n.key: n.tokens for n in work.needs}
+                for key, part in work.units():
+                    link.advance(unit_time(specs[part], cost, layer, tokens[key]))
             driver.end_layer(layer)
             # host and device are one processor when not host_parallel: the host's experts run after
             link.join(host_end if cost.host_parallel else link.now + host_s)
