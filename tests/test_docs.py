@@ -6,7 +6,8 @@ dropped, ``a && b`` runs both). Usage synopses (``[--flag ...]``) are not exampl
 Placeholders are filled in: ``DIR`` is a tiny checkpoint (a new directory after ``-o``), ``TRACE.npz`` a
 small synthetic trace, ``"..."`` a short prompt; relative outputs land in a temporary directory (with a
 copy of ``examples/``, whose files examples name). Examples for a GPU (``--device cuda``) run only where
-torch sees one. A command shown in several docs runs once.
+torch sees one. A command shown in several docs runs once; ``serve`` and ``selftest`` examples are
+parsed here and run by their own tests (``RUN_ELSEWHERE``).
 
 Sample outputs: the lines after a ``$ expertcache ...`` line, up to the next ``$ `` line or the block's
 end, are what that command prints, and an example without placeholders must print exactly that (line for
@@ -105,6 +106,11 @@ EXAMPLES = distinct(examples())
 INLINE = inline_code()
 
 
+# commands whose examples another test runs as written: serve runs until stopped (tests/test_serve.py);
+# selftest --device cpu --quick is tests/test_selftest.py's first test, which checks every line it prints
+RUN_ELSEWHERE = ("serve", "selftest")
+
+
 def matches_sample(out: str, sample: str) -> bool:
     """Line for line, trailing spaces aside; ``...`` in a sample line matches any text."""
     got, want = out.strip("\n").splitlines(), sample.splitlines()
@@ -175,7 +181,7 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
         assert main(["quantize", "--bits", "8", "4"]) == 0
     if "plan.json" in argv and argv[0] != "plan":  # a plan an earlier example wrote
         assert main(["plan", "--expert-memory", "25%", "--method", "uniform", "-o", "plan.json"]) == 0
-    if argv[0] == "serve":  # runs until stopped: parsed here, run by tests/test_serve.py
+    if argv[0] in RUN_ELSEWHERE:  # parsed here, run by the test that checks what it does
         assert _build_parser().parse_args(argv).func is not None
         return
     code = main(argv)

@@ -7,7 +7,8 @@
   present, and on
   random traces (hypothesis): the same misses per phase and layer.
 - LRU's and OPT's stack depths, and the curves ``run_policy`` builds with them.
-- ``run_policy`` and ``simulate`` pick the compiled path by themselves on large schedules.
+- ``run_policy`` and ``simulate`` pick the compiled path by themselves on large schedules, and the
+  planner's per-layer curves where their replays together are large.
 """
 
 from __future__ import annotations
@@ -220,6 +221,24 @@ def test_run_policy_and_simulate_use_the_compiled_replay(monkeypatch):
     got = simulate(tr, ["opt", "fifo", "lru"], caps, "layer")  # the opt row: the bound, computed once
     assert [r.to_dict() for r in got] == [r.to_dict() for r in expected]
     assert calls.count("lru") == 3  # three capacities: compiled replays beat the stack pass
+
+
+def test_the_planners_layer_curves_run_compiled_when_all_their_replays_pay_for_it(monkeypatch):
+    """Each layer's schedule is small, but the curves replay every layer at every size: compiled when that
+    work together reaches ``MIN_REQUESTS`` (the same misses as the reference's replays)."""
+    from expertcache.sim.planner import layer_curves
+
+    tr = TRACES["zipf"]()
+    calls = []
+    real = fast.replay
+    monkeypatch.setattr(fast, "replay", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(fast, "MIN_REQUESTS", 10**12)
+    reference = layer_curves(tr, "fifo")
+    assert not calls
+    work = tr.num_tokens * tr.top_k * tr.num_layers * (tr.num_experts - tr.top_k + 1)
+    monkeypatch.setattr(fast, "MIN_REQUESTS", work)  # each layer's schedule alone is far below it
+    assert layer_curves(tr, "fifo").tolist() == reference.tolist()
+    assert calls and set(calls) == {"fifo"}
 
 
 def test_compiled_flat_schedule_needs_no_group_objects():

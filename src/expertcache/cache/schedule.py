@@ -349,7 +349,8 @@ def _layer_order(trace: Trace) -> Schedule:
 def _unique_layer_rows(ex: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct (layer, e0, e1, ...) rows of ex [S, L, K], sorted, and each (step, layer)'s index
     among them: -> int64 [U, 1 + K], [S * L]. Through one integer code per row when it fits; by a table
-    of every code (linear time) when the codes are few, else by sorting."""
+    of every code (linear time) when the possible codes are few next to the rows, else by sorting (a
+    table of 2 x 61^4 codes for one layer of a 1096-token trace took 0.1 s and 250 MB, a sort 0.1 ms)."""
     S, L, K = ex.shape
     if (K + 1) * np.log2(base) >= 62:  # no code fits: rows as they are
         sig = np.concatenate([np.broadcast_to(np.arange(L)[None, :, None], (S, L, 1)), ex], axis=2)
@@ -361,7 +362,7 @@ def _unique_layer_rows(ex: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarra
         code += ex[:, :, col] + 1  # +1: unknown entries (-1) become digit 0
     code = code.reshape(-1)
     size = (L + 1) * base**K
-    if size <= 1 << 26:  # few possible codes: mark them in a table, no sort
+    if size <= min(1 << 26, max(1 << 16, 8 * len(code))):  # few possible codes: a table, no sort
         seen = np.zeros(size, dtype=bool)
         seen[code] = True
         codes = np.flatnonzero(seen)

@@ -63,11 +63,12 @@ def run_policy(
     seed: int = 0,
     params: dict[str, object] | None = None,
     jobs: int = 1,
+    compiled: bool | None = None,
 ) -> list[SimResult]:
     """One SimResult per capacity; stack algorithms take one pass for every capacity >= max group when
     that is cheaper, other capacities are replayed: compiled (``sim/fast.py``, on ``jobs`` threads) where
-    the policy has a compiled replay and the schedule is large, else by the Python reference (on ``jobs``
-    processes)."""
+    the policy has a compiled replay and the replays are large (``compiled`` None) or the caller says so
+    (it replays many small schedules), else by the Python reference (on ``jobs`` processes)."""
     params = params or {}
     low = min_capacity(name, schedule.num_layers, params, schedule.min_room)
     for c in capacities:
@@ -86,7 +87,9 @@ def run_policy(
     todo = [c for c in dict.fromkeys(capacities) if c not in done]
     from expertcache.sim import fast
 
-    compiled = fast.use_compiled(schedule, name) and fast.supports(name, params)
+    if compiled is None:
+        compiled = fast.use_compiled(schedule, name, len(todo))
+    compiled = compiled and fast.available() and fast.supports(name, params)
     for r in (_fast_all if compiled else _replay_all)(schedule, name, todo, seed, params, jobs):
         done[r.capacity] = r
     return [done[c] for c in capacities]

@@ -60,10 +60,12 @@ def supports(name: str, params: dict[str, object] | None = None) -> bool:
     return base in _KINDS and set(params or {}) <= allowed
 
 
-def use_compiled(schedule: Schedule, name: str | None = None) -> bool:
-    """Whether the compiled paths pay on this schedule (and numba is installed). For ``reuse`` always:
-    the policy object runs on the same compiled kernels, so loading them is paid either way."""
-    return (name == "reuse" or schedule.num_requests >= MIN_REQUESTS) and available()
+def use_compiled(schedule: Schedule, name: str | None = None, replays: int = 1) -> bool:
+    """Whether the compiled paths pay for ``replays`` replays of this schedule (and numba is installed):
+    from ``MIN_REQUESTS`` requests in all (the planner's per-layer curves replay a small schedule at every
+    size). For ``reuse`` always: the policy object runs on the same compiled kernels, so loading them is
+    paid either way."""
+    return (name == "reuse" or schedule.num_requests * replays >= MIN_REQUESTS) and available()
 
 
 def next_use(s: Schedule) -> tuple[np.ndarray, int]:

@@ -73,12 +73,16 @@ def layer_trace(trace: Trace, layer: int) -> Trace:
 def layer_curves(trace: Trace, policy: str = "lru") -> np.ndarray:
     """Misses of each layer's own cache at every size: int64 [2, L, E + 1], row 0 decode, row 1
     prefill, column c a cache of c experts for that layer (sizes below top-k are not run: -1)."""
+    from expertcache.sim import fast
+
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     out = np.full((2, L, E + 1), -1, dtype=np.int64)
     sizes = list(range(K, E + 1))
+    # compiled where the replays of every layer at every size, together, pay for loading the kernels
+    compiled = trace.num_tokens * K * L * len(sizes) >= fast.MIN_REQUESTS or None
     for layer in range(L):
         schedule = build_schedule(layer_trace(trace, layer), "layer")
-        for r in run_policy(schedule, policy, sizes):
+        for r in run_policy(schedule, policy, sizes, compiled=compiled):
             out[:, layer, r.capacity] = r.layer_misses[:, 0]
     return out
 
