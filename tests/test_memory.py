@@ -341,16 +341,28 @@ def test_the_cli_offers_the_engines_tiers():
 
 
 # ------------------------------------------------------------------------ the copy path of a miss
-@pytest.mark.parametrize("family", engine_fixtures.PATH_FAMILIES)
-@pytest.mark.parametrize("tier", ["disk", "mapped", "host"])
-@pytest.mark.parametrize("parallel", [False, True], ids=["numpy", "torch-threads"])
+TIERS = ("disk", "mapped", "host")
+
+
+@pytest.mark.parametrize(
+    ("family", "tier", "parallel"),
+    [
+        (family, tier, parallel)
+        for i, family in enumerate(engine_fixtures.PATH_FAMILIES)
+        for tier in TIERS
+        for parallel in (False, True)
+        if not parallel or tier == TIERS[i % len(TIERS)]  # torch's threads: one tier a family, in turn
+    ],
+    ids=lambda v: {False: "numpy", True: "torch-threads"}.get(v, v) if isinstance(v, bool) else v,
+)
 def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(
     ckpt, family, tier, parallel, monkeypatch
 ):
     """The byte-range copy (one read per run of an expert's bytes in the file, one copy per run of a
     slot's bytes) and the tensor-by-tensor copy give the same slot, byte for byte, for every expert,
-    whole and in chunks (a chunk may take rows of two checkpoint tensors, or part of one); with every
-    run long enough to go through torch's intra-op threads (``copy_bytes``) as well."""
+    whole and in chunks (a chunk may take rows of two checkpoint tensors, or part of one), from every
+    tier; with every run long enough to go through torch's intra-op threads (``copy_bytes``) as well, from
+    one tier a family (each tier in turn: the threads split the same runs whatever the tier reads)."""
     from expertcache.engine import store
 
     if parallel:
