@@ -353,7 +353,7 @@ TIERS = ("disk", "mapped", "host")
         for parallel in (False, True)
         if not parallel or tier == TIERS[i % len(TIERS)]  # torch's threads: one tier a family, in turn
     ],
-    ids=lambda v: {False: "numpy", True: "torch-threads"}.get(v, v) if isinstance(v, bool) else v,
+    ids=lambda v: ("numpy", "torch-threads")[v] if isinstance(v, bool) else v,
 )
 def test_a_copy_plan_fills_a_slot_with_the_bytes_of_the_tensor_by_tensor_copy(
     ckpt, family, tier, parallel, monkeypatch

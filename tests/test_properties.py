@@ -488,6 +488,18 @@ def test_llru_within_one_layer_is_lru(order: str, trace: Trace, data: st.DataObj
     np.testing.assert_array_equal(replay(s, "llru-dist", c).layer_misses, lru.layer_misses)
 
 
+def test_a_step_without_tokens_needs_nothing() -> None:
+    from unittest import mock
+
+    from expertcache.cache import needs
+    from expertcache.cache.needs import LayerNeeds, needs_of
+
+    for small in (0, 10**6):  # numpy's arrays and plain Python alike
+        with mock.patch.object(needs, "SMALL", small):
+            empty = np.zeros((0, 2), dtype=np.int64)
+            assert needs_of(1, empty) == [] and list(LayerNeeds(1, empty)) == []
+
+
 def _needs_by_loop(layer: int, index: np.ndarray, weights: np.ndarray | None) -> list:
     """``needs_of`` one routing entry at a time, as first written (importance now summed in rank order,
     as a single token sums it): the oracle of the vectorised one."""

@@ -113,7 +113,7 @@ def _needs_of_rows(layer: int, index: list[list[int]], w: list[list[float]]) -> 
     """``needs_of`` for a small step, in plain Python: ``w`` are the renormalised weights. The same
     figures as the array version's, summed in the same order (token by token, each token's experts by
     descending weight, ties in column order): the same floats."""
-    k = len(index[0])
+    k = len(index[0]) if index else 0
     stats: dict[int, list] = {}  # expert -> [tokens, weight, importance, rank, mass]
     for row, wr in zip(index, w, strict=True):
         above = 0.0

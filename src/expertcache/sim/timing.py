@@ -503,7 +503,7 @@ class _Run:
             host_s = sum(cost.host_expert(need.tokens) for need in work.host)  # one after another
             link.host_busy_s += host_s
             host_end = link.now + host_s  # beside the device, from when the router has chosen
-            if e - s == 1:  # one token: each expert computes it (its needs are not summed up at all)
+            if e - s == 1:  # one token (its experts distinct: ``Trace`` checks it): each computes it once
                 for _, part in work.units():  # lazily: wait, compute, ...
                     link.advance(unit_time(specs[part], cost, layer, 1))
             else:
