@@ -805,20 +805,8 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
 
 
 def test_cli_plan_and_doctor_take_a_host_level(short_trace):
-    argv = [
-        "plan",
-        "--trace",
-        short_trace,
-        "--capacity",
-        "24",
-        "--host-capacity",
-        "60",
-        "--host-policy",
-        "lru",
-        "lfu",
-        "--disk-time",
-        "2ms",
-    ]
+    level = ["--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms"]
+    argv = ["plan", "--trace", short_trace, *level, "--host-policy", "lru", "lfu"]
     done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "host level" in done.stdout.splitlines()[-1] and "host lfu" in done.stdout
@@ -835,17 +823,7 @@ def test_cli_plan_and_doctor_take_a_host_level(short_trace):
     # doctor's twin (its memory less the reserve), not a level of that many experts
     said = {}
     for command in ("doctor", "timing"):
-        argv = [
-            command,
-            "--trace",
-            short_trace,
-            "--capacity",
-            "24",
-            "--host-capacity",
-            "60",
-            "--disk-time",
-            "2ms",
-        ]
+        argv = [command, "--trace", short_trace, *level]
         if command == "timing":
             argv += ["--host-exclusive", "--json"]
         run = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
