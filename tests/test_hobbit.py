@@ -10,6 +10,8 @@ import engine_fixtures
 import pytest
 import torch
 from engine_fixtures import TOP_K, assert_exact, engine_load, greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from expertcache.cli import main
 from expertcache.costs import CostModel, quantized_bytes
@@ -194,6 +196,63 @@ class TestHobbitPolicy:
         policy = make_policy("hobbit", ctx, w_lru=0.0, w_lfu=0.0, w_lhu=0.0, w_fld=1.0)
         policy.clock.layer = 1
         assert policy.score((2, 0)) > policy.score((0, 0))  # layer 2 comes next, layer 0 comes last
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        weights=st.sampled_from(
+            [(0.25,) * 4, (0.5, 0.0, 0.25, 0.25), (0.0, 0.0, 0.0, 1.0), (0.1, 0.6, 0.3, 0.0)]
+        ),
+        steps=st.lists(  # (a new sequence if 2, tokens to advance, the group's keys as L * E ids)
+            st.tuples(
+                st.integers(0, 2), st.integers(0, 2), st.sets(st.integers(0, 11), min_size=1, max_size=4)
+            ),
+            min_size=1,
+            max_size=40,
+        ),
+    )
+    def test_every_victim_is_the_formula_s_lowest_score(self, weights, steps):
+        """Against HOBBIT's formula written out key by key (no arrays): the victim is the resident key of
+        the lowest score, ties to the least recently used, then the lowest key; records restart with each
+        sequence; pinned keys (the group being served) are never chosen."""
+        L, E, cap = 3, 4, 5
+        names = ("w_lru", "w_lfu", "w_lhu", "w_fld")
+        ctx = PolicyContext(capacity=cap, num_layers=L, num_experts=E)
+        policy = make_policy("hobbit", ctx, **dict(zip(names, weights, strict=True)))
+        clock, resident, rec = policy.clock, set(), {}  # rec: key -> (1 + last use, uses, served)
+        seq = start = token = 0
+
+        def score(key, layer: int) -> float:
+            last, uses, served = rec.get(key, (0, 0, 0))
+            near = 1.0 - ((key[0] - layer) % L) / L
+            t = token - start + 1
+            return (weights[0] * last + weights[1] * uses + weights[2] * served) / t + weights[3] * near
+
+        for new_seq, advance, ids in steps:
+            token += advance
+            if new_seq == 2:  # a new sequence: the records restart
+                seq, start, rec = seq + 1, token, {}
+            layer = min(ids) // E
+            clock.seq, clock.token, clock.layer = seq, token, layer
+            keys = sorted({(layer, i % E) for i in ids})
+            policy.on_request(keys)
+            for key in keys:
+                _, uses, served = rec.get(key, (0, 0, 0))
+                rec[key] = (token - start + 1, uses + 1, served + 1)
+            for key in keys:
+                if key in resident:
+                    policy.on_hit(key)
+                    continue
+                want = None  # a group holds at most E < cap keys: there is always one to evict
+                if len(resident) >= cap:
+                    free = [k for k in resident if k not in keys]
+                    want = min(free, key=lambda k: (score(k, layer), rec.get(k, (0,))[0], k))  # noqa: B023
+                assert policy.victim(key, set(keys)) == want
+                if want is not None:
+                    policy.on_evict(want)
+                    resident.discard(want)
+                policy.on_insert(key)
+                resident.add(key)
+            assert all(key in policy for key in resident) and len(policy) == len(resident)
 
     def test_weights_must_sum_to_one(self):
         with pytest.raises(PolicyError, match="sum to 1"):
