@@ -5,11 +5,15 @@
 - Every family's tiny model, built from its record, has the record's MoE layers, experts and routers,
   and runs through the engine with ``next-gate`` prefetching (which calls the routers the record names)
   at the minimum budget: tokens and logits identical to transformers' run of the same checkpoint.
+- Every model of the installed transformers whose experts go through ``ExpertsInterface`` either runs
+  (its own record, or its text model's) or is listed in docs/ENGINE.md with the reason it cannot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import engine_fixtures
 import pytest
@@ -27,6 +31,47 @@ reference = engine_fixtures.reference
 tokenizer_dir = engine_fixtures.tokenizer_dir
 
 REQUIRED = [f.name for f in dataclasses.fields(Family) if f.default is dataclasses.MISSING]
+ENGINE_MD = Path(__file__).resolve().parents[1] / "docs" / "ENGINE.md"
+
+
+def _transformers_models_with_experts() -> dict[str, set[str]]:
+    """transformers' model folders whose modeling code has an ``...Experts`` module dispatched through
+    ``ExpertsInterface`` (``@use_experts_implementation``) -> the model types their configs declare."""
+    import transformers
+
+    out = {}
+    for folder in sorted((Path(transformers.__file__).parent / "models").iterdir()):
+        if any("@use_experts_implementation" in m.read_text() for m in folder.glob("modeling_*.py")):
+            types = set()
+            for config in folder.glob("configuration_*.py"):
+                types |= set(re.findall(r'^\s+model_type\s*=\s*"([^"]+)"', config.read_text(), re.M))
+            out[folder.name] = types
+    return out
+
+
+def test_every_transformers_model_with_an_experts_module_runs_or_is_listed_with_why():
+    """A transformers model runs if its own model type or its text model's has a record; the others are
+    rows of ENGINE.md's table of those not supported, each with its reason. The section's counts are the
+    installed transformers' when its version is the one the section names."""
+    import transformers
+
+    models = _transformers_models_with_experts()
+    text = ENGINE_MD.read_text()
+    head = re.search(r"^### Families of transformers (\S+) with an experts module not supported", text, re.M)
+    assert head, "ENGINE.md lost its section of the families not supported"
+    section = text[head.end() : text.index("\n## ", head.end())]
+    rows = [line.split("|")[1].split("(")[0] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([a-z0-9_]+)`", row)}  # not the notes
+    running = {folder for folder, types in models.items() if types & set(RECORDS)}
+    missing = sorted(set(models) - running - listed)
+    why = "add a record, or a row saying why not"
+    assert not missing, f"transformers {transformers.__version__}: {why}: {missing}"
+    assert listed <= {t for types in models.values() for t in types} | set(models), listed - set(models)
+    assert not (listed & set(RECORDS)), "a family that runs is listed as not supported"
+    if transformers.__version__.startswith(head.group(1) + "."):
+        line = f"transformers {head.group(1)} has {len(models)} model types"
+        assert line in " ".join(section.split()), line
+        assert f"The other {len(set(models) - running) + len(listed & running)}:" in section
 
 
 @pytest.mark.parametrize("family", FAMILIES)
