@@ -793,7 +793,7 @@ def test_doctor_says_the_batch_path_means_giving_the_host_level_up():
     from expertcache.sim.doctor import diagnose
     from expertcache.trace.batch import batch_requests
 
-    batched = batch_requests(prefix(640), 8)
+    batched = batch_requests(prefix(256), 8)
     line = next(
         x
         for x in diagnose(batched, 24, host=HostConfig(None), host_capacity=60)["verdict"]
