@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from expertcache.cli import main
+from expertcache.errors import ExpertcacheError
 from expertcache.sim.doctor import diagnose, knee, sch, srp, window_counts
 from expertcache.trace import Trace, synthesize
 
 
-def _trace(rows: list[list[int]], experts: int = 4) -> Trace:
-    """One layer, top-1: ``rows`` are the experts of consecutive tokens."""
+def _trace(rows: list[list[int]], experts: int = 4, seq_id: list[int] | None = None) -> Trace:
+    """One layer, top-1: ``rows`` are the experts of consecutive tokens (of the sequences ``seq_id``)."""
     ex = np.asarray(rows, dtype=np.int16).reshape(-1, 1, 1)
-    return Trace(experts=ex, num_experts=experts)
+    seq = None if seq_id is None else np.asarray(seq_id, dtype=np.int32)
+    return Trace(experts=ex, num_experts=experts, seq_id=seq)
 
 
 def test_srp_and_sch_by_hand():
@@ -29,6 +31,21 @@ def test_srp_and_sch_by_hand():
     assert r["srp"] == pytest.approx(0.7) and r["alpha"] == 0.5
     h = sch(counts, [1, 2])
     assert h["sch"] == pytest.approx([5 / 8, 8 / 8])  # the most used: 3 + 2; the two most used: all
+
+
+def test_windows_follow_each_sequence_through_a_batched_trace():
+    """A batched or served trace interleaves its requests' tokens: a window is a request's consecutive
+    tokens, wherever the others' fall between them (a new user's doctor found no window of 16 in a
+    served trace of 4 requests of 43-48 tokens each)."""
+    a, b = [0, 0, 0, 1, 2, 2, 3, 3, 1], [3, 3, 2, 2, 1, 1, 0, 0]
+    apart = _trace(a + b, seq_id=[0] * len(a) + [1] * len(b))
+    seq = [0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0]
+    rest = [iter(a), iter(b)]
+    mixed = _trace([next(rest[s]) for s in seq], seq_id=seq)
+    assert np.array_equal(window_counts(mixed, 4), window_counts(apart, 4))
+    assert window_counts(mixed, 4)[:, 0].tolist() == [[3, 1, 0, 0], [0, 0, 2, 2], [0, 0, 2, 2], [2, 2, 0, 0]]
+    with pytest.raises(ExpertcacheError, match="the longest has 9"):
+        window_counts(mixed, 10)
 
 
 def test_knee_of_a_concave_curve():

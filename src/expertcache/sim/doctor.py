@@ -43,12 +43,15 @@ LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16,
 
 def window_counts(trace: Trace, m: int) -> np.ndarray:
     """Tokens routed to each expert in each window of ``m`` consecutive tokens of a sequence (a
-    sequence's last, shorter window left out): int32 [W, L, E]."""
+    sequence's last, shorter window left out): int32 [W, L, E]. A sequence's tokens need not be
+    contiguous in the trace: a batched or served trace interleaves its requests' tokens, each request's
+    in its own order."""
     if m < 1:
         raise ExpertcacheError(f"the window must be at least 1 token, got {m}")
     seq = trace.seq_id if trace.seq_id is not None else np.zeros(trace.num_tokens, dtype=np.int64)
+    order = np.argsort(seq, kind="stable")  # each sequence's tokens together, in their own order
+    edges = np.flatnonzero(np.diff(seq[order])) + 1
     starts = []
-    edges = np.flatnonzero(np.diff(seq)) + 1
     for lo, hi in zip(np.r_[0, edges], np.r_[edges, trace.num_tokens], strict=True):
         starts += range(int(lo), int(hi) - m + 1, m)
     if not starts:
@@ -59,7 +62,7 @@ def window_counts(trace: Trace, m: int) -> np.ndarray:
             f"({option('--window-tokens', 'window_tokens')})"
         )
     L, E = trace.num_layers, trace.num_experts
-    idx = np.asarray(starts)[:, None] + np.arange(m)[None, :]  # [W, m]
+    idx = order[np.asarray(starts)[:, None] + np.arange(m)[None, :]]  # [W, m] token indices
     ex = trace.experts[idx].astype(np.int64)  # [W, m, L, K]
     w = np.broadcast_to(np.arange(len(starts))[:, None, None, None], ex.shape)
     layer = np.broadcast_to(np.arange(L)[None, None, :, None], ex.shape)
