@@ -329,6 +329,13 @@ def test_model_synth_replaces_an_older_sharded_checkpoint(capsys, tmp_path, toke
     assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]  # no stale index
     code, out_text, err = run(capsys, "model", "info", str(out), "--json")
     assert code == 0 and json.loads(out_text)["moe_layers"] == 3, err
+    assert json.loads((out / "expertcache-random.json").read_text())["layers"] == 3  # what replaces it
+    packed = tmp_path / "packed"  # made from it, and so not replaced by synth either
+    assert run(capsys, "quantize", str(out), "--bits", "8", "--checkpoint", str(packed))[0] == 0
+    assert (packed / "tokenizer.json").is_file() and not (packed / "expertcache-random.json").exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # as any file it writes
 
 
 def test_model_synth_refuses_a_folder_that_is_not_a_checkpoint(capsys, tmp_path, tokenizer_dir):
@@ -337,8 +344,14 @@ def test_model_synth_refuses_a_folder_that_is_not_a_checkpoint(capsys, tmp_path,
     (tmp_path / "notes.txt").write_text("mine")
     synth = ("model", "synth", "--family", "mixtral", "--tokenizer", str(tokenizer_dir), "-o")
     line = one_line_error(*run(capsys, *synth, str(tmp_path)))
-    assert line.endswith("not empty and not a checkpoint (no config.json); choose a new or empty folder")
+    assert line.endswith("not empty and not a checkpoint; choose a new or empty folder")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    packed = tmp_path / "packed"  # a checkpoint synth did not make (a new user lost one quantize wrote)
+    assert run(capsys, "quantize", "--bits", "8", "--checkpoint", str(packed))[0] == 0
+    before = {f.name: f.stat().st_mtime_ns for f in packed.iterdir()}
+    line = one_line_error(*run(capsys, *synth, str(packed)))
+    assert line.endswith("not empty and a checkpoint not made by model synth; choose a new or empty folder")
+    assert {f.name: f.stat().st_mtime_ns for f in packed.iterdir()} == before
     line = one_line_error(*run(capsys, "model", "synth", "--family", "mixtral", "-o", str(DEFAULT_MODEL)))
     assert line.endswith("is the checkpoint the tokenizer comes from; choose another folder")
 

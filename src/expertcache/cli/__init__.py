@@ -408,7 +408,7 @@ def _build_parser() -> argparse.ArgumentParser:
     family.lazy_help = _family_help
     ms.add_argument(
         "-o", "--out", required=True, metavar="DIR",
-        help="a new or empty folder, or a checkpoint to replace (its weights and index are removed)",
+        help="a new or empty folder, or one model synth wrote before (replaced; no other checkpoint is)",
     )  # fmt: skip
     output_option(ms, "out", "checkpoint", folder=True)
     for flag, default, what in (

@@ -7,6 +7,8 @@ checkpoint (default: the embedded model), so the result works with ``expertcache
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,17 +24,22 @@ _CHECKPOINT_FILES = (
 )  # fmt: skip
 
 
+MARK = "expertcache-random.json"  # what a random checkpoint was made with; only such a folder is replaced
+
+
 def _prepare_out(out: Path, tok_dir: Path) -> None:
-    """Refuse an output folder that is a file, holds something other than a checkpoint (a checkpoint is
-    overwritten), or is the folder the tokenizer comes from (the embedded model, by default)."""
+    """Refuse an output folder that is a file, holds anything but a random checkpoint written here before
+    (which is replaced: a user's own checkpoint, or one ``quantize`` wrote, is never overwritten), or is
+    the folder the tokenizer comes from (the embedded model, by default)."""
     if out.exists() and not out.is_dir():
         raise ExpertcacheError(f"{out}: exists and is not a directory")
     if out.is_dir() and tok_dir.is_dir() and out.resolve() == tok_dir.resolve():
         raise ExpertcacheError(f"{out}: is the checkpoint the tokenizer comes from; choose another folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise ExpertcacheError(
-            f"{out}: not empty and not a checkpoint (no config.json); choose a new or empty folder"
+    if out.is_dir() and any(out.iterdir()) and not (out / MARK).is_file():
+        what = (
+            "a checkpoint not made by model synth" if (out / "config.json").is_file() else "not a checkpoint"
         )
+        raise ExpertcacheError(f"{out}: not empty and {what}; choose a new or empty folder")
 
 
 def _clear_checkpoint(out: Path) -> None:
@@ -40,7 +47,7 @@ def _clear_checkpoint(out: Path) -> None:
     beside the new files (transformers reads an index before a single file)."""
     if not out.is_dir():
         return
-    for pattern in _CHECKPOINT_FILES:
+    for pattern in (*_CHECKPOINT_FILES, *_TOKENIZER_FILES, MARK):
         for f in out.glob(pattern):
             if f.is_file():
                 f.unlink()
@@ -123,4 +130,12 @@ def make_checkpoint(
     for name in _TOKENIZER_FILES:
         if (tok_dir / name).is_file():
             shutil.copy(tok_dir / name, out / name)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.glob("*.safetensors"):  # safetensors writes its files for the owner alone
+        f.chmod(0o666 & ~mask)
+    made = dict(family=family, hidden=hidden, layers=layers, experts=experts, top_k=top_k,
+                intermediate=intermediate, heads=heads, kv_heads=kv_heads, seed=seed,
+                dtype=dtype)  # fmt: skip
+    (out / MARK).write_text(json.dumps({"made_by": "expertcache model synth", **made}, indent=1) + "\n")
     return out

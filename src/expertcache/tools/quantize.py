@@ -227,9 +227,12 @@ def source_record(path: Path) -> dict[str, str]:
 
 
 def copy_small_files(source: Path, target: Path) -> None:
-    """The tokenizer, generation config, licence ...: every file of ``source`` but its config and weights."""
+    """The tokenizer, generation config, licence ...: every file of ``source`` but its config and weights
+    (and ``model synth``'s mark: the new checkpoint is not one it may replace)."""
+    from expertcache.engine.random_checkpoint import MARK
+
     for f in sorted(source.iterdir()):
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHTS):
+        if f.is_file() and f.name not in ("config.json", MARK) and not f.name.endswith(_WEIGHTS):
             (target / f.name).write_bytes(f.read_bytes())
 
 
