@@ -168,7 +168,7 @@ def test_sampling_repeats_with_a_seed_and_reports_a_drawn_one(ckpt):
         (["--temperature", "1", "--top-k", "0"], "top-k must be at least 1"),
         (["--repetition-penalty", "0"], "repetition penalty must be > 0"),
         (["--stop", ""], "stop strings must be non-empty"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--batch-size", "4"], "--batch-size is for --prompts FILE"),  # not ignored (a new user's)
         (["--chat-template", "x.jinja"], "--chat-template needs --chat"),
     ],
 )
@@ -426,6 +426,8 @@ def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monk
     many.write_text("hello\n" + "hello world, " * 2000 + "\nworld\n")
     code, out, err = gen(capsys, path, "--prompts", str(many), "--batch-size", "1")
     assert out == "" and f"{many}:2: prompt of" in one_line_error(code, out, err)  # before batch 0
+    line = one_line_error(*gen(capsys, path, "--prompts", str(many), "--batch-size", "0"))
+    assert "--batch-size must be at least 1, got 0" in line
     assert "float7" in one_line_error(*gen(capsys, path, "--prompt", "x", "--dtype", "float7"))
 
 

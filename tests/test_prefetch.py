@@ -450,7 +450,17 @@ def test_cli_generate_with_prefetch_reports_it(ckpt, capsys):
         (["--prefetch", "window", "--prefetch-limit", "0"], "prefetch limit must be at least 1"),
         (["--chunk-size", "lots"], "chunk size"),
         (["--prefetch", "token", "--predictor", "/no/such/file.npz"], "predictor data"),
-        (["--prefetch", "none", "--prefetch-when", "pays"], "prefetch when 'pays' needs a predictor"),
+        (
+            ["--prefetch", "none", "--prefetch-when", "pays"],
+            "prefetch when 'pays' needs a predictor: --prefetch NAME",
+        ),
+        # options about prefetched experts without a predictor: refused, not ignored (a new user's)
+        (["--prefetch", "none", "--prefetch-limit", "3"], "--prefetch-limit is about prefetched experts"),
+        (["--prefetch", "none", "--no-preemption"], "--no-preemption is about prefetched experts"),
+        (
+            ["--prefetch", "window", "--prefetch-limit", "99"],
+            "prefetch limit 99 is more than the 8 experts of a layer",
+        ),
     ],
 )
 def test_cli_prefetch_errors_are_one_line_and_exit_2(ckpt, capsys, args, message):
@@ -633,6 +643,10 @@ def test_a_named_predictor_may_be_governed_and_auto_always_on(ckpt):
         assert model.governor is None and model.prefetch == "next-gate"
     with pytest.raises(ExpertcacheError, match="needs a predictor"):
         PrefetchConfig("none", when="pays")
+    with pytest.raises(ExpertcacheError, match="^prefetch_limit is about prefetched experts.*prefetch=NAME"):
+        PrefetchConfig("none", limit=2)
+    with pytest.raises(ExpertcacheError, match="^preemption=False is about prefetched experts"):
+        PrefetchConfig("none", preemption=False)
     with pytest.raises(ExpertcacheError, match="prefetch when 'sometimes'"):
         PrefetchConfig("auto", when="sometimes")
 

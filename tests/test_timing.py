@@ -480,7 +480,8 @@ def test_properties(trace, name, extra, predictor, window, chunks, latency, expe
     pred = Wrong(ctx_of(trace, window)) if predictor == "wrong" else predictor
     r = simulate(
         trace, name, capacity=capacity, cost=c, predictor=pred, window=window if pred else None,
-        preemption=switches[0], reorder=switches[1], predictor_trace=trace if pred == "token" else None,
+        preemption=switches[0] or not pred, reorder=switches[1],  # preemption is of prefetches
+        predictor_trace=trace if pred == "token" else None,
     )  # fmt: skip
     ref = replay(build_schedule(trace, "layer"), name, capacity)
     steps = sum(r.steps)
@@ -650,7 +651,8 @@ def test_cli_switches_and_cost_file(capsys, trace_file, tmp_path):
     )
     d = json.loads(run_cli(capsys, *args)[1])
     assert d["capacity"] == 8 and d["cost"]["link_latency"] == 1e-3 and d["cost"]["chunk_bytes"] is None
-    d = json.loads(run_cli(capsys, *args, "--chunk-size", "1B", "--no-reorder", "--no-preemption")[1])
+    switches = ("--chunk-size", "1B", "--no-reorder", "--prefetch", "oracle", "--no-preemption")
+    d = json.loads(run_cli(capsys, *args, *switches)[1])
     assert d["chunks_per_expert"] == 3 and not d["reorder"] and not d["preemption"]
     d = json.loads(run_cli(capsys, *args, "--no-chunking")[1])
     assert d["chunks_per_expert"] == 1
@@ -684,6 +686,8 @@ def test_cli_text_on_the_default_trace(capsys):
     "argv, words",
     [
         (["--window", "2"], "needs a predictor (--prefetch NAME)"),
+        (["--prefetch-limit", "2"], "--prefetch-limit is about prefetched experts"),
+        (["--prefetch", "oracle", "--prefetch-limit", "9"], "prefetch limit 9 is more than the 8 experts"),
         (["--link-bandwidth", "fast"], "--link-bandwidth 'fast' is not a rate"),
         (["--expert-time", "1ms,2us,3us"], "TIME,PER_TOKEN"),
         (["--dense-time", "1ms,1ms"], "2 times for a model of 4 layers"),

@@ -119,12 +119,19 @@ class PrefetchConfig:
                 "a window, predictor data or a predictor thread needs a predictor "
                 f"({option('--prefetch NAME', 'prefetch=NAME')})"
             )
+        if name == "none" and (self.limit is not None or not self.preemption):
+            given = option("--prefetch-limit", "prefetch_limit") if self.limit is not None else None
+            given = given or option("--no-preemption", "preemption=False")
+            raise ExpertcacheError(
+                f"{given} is about prefetched experts, and nothing is prefetched without a predictor "
+                f"({option('--prefetch NAME', 'prefetch=NAME')})"
+            )
         when = None if self.when is None else str(self.when).strip().lower()
         if when is not None and when not in WHEN:
             raise ExpertcacheError(f"prefetch when {self.when!r} is not one of: {', '.join(WHEN)}")
         if when is not None and name == "none":
             raise ExpertcacheError(
-                f"prefetch when {when!r} needs a predictor: {option('--prefetch', 'prefetch=')}NAME or auto"
+                f"prefetch when {when!r} needs a predictor: {option('--prefetch ', 'prefetch=')}NAME or auto"
             )
         if self.deterministic and when == "pays":
             raise ExpertcacheError(

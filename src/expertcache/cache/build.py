@@ -133,6 +133,11 @@ def assemble(
     (the engine's wall clock, the simulator's virtual one) when one is given and there is a predictor.
     ``host_level``: a host cache between ``transport`` and the disk (``cache.tiers``)."""
     L, limit = ctx.num_layers, ctx.top_k if limit is None else int(limit)
+    if limit > ctx.num_experts:
+        raise ExpertcacheError(
+            f"prefetch limit {limit} is more than the {ctx.num_experts} experts of a layer (at most "
+            f"{ctx.num_experts}; top-k, {ctx.top_k}, by default)"
+        )
     if host_level is not None:
         transport = TieredTransport(transport, host_level)
     cache = ExpertCache(parts, transport, miss, L, limit, preemption, reorder)

@@ -49,7 +49,7 @@ def add_parsers(sub) -> None:
         help="many prompts: one a line (\\n for a newline) or JSON lines "
         "({\"prompt\"|\"messages\", \"id\"}); - reads standard input; results are JSON lines",
     )  # fmt: skip
-    g.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts run together (default 8)")
+    g.add_argument("--batch-size", type=int, metavar="N", help="--prompts run N together (default 8)")
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="(default 32)")
     g.add_argument(
         "--stream", action="store_true", help="with --json: a JSON line per token first (text always streams)"
@@ -297,6 +297,9 @@ def _err(line: str, args) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from expertcache.tools.prompts import read_prompt_items, read_text
 
+    if args.batch_size is not None and not args.prompts:
+        raise ExpertcacheError("--batch-size is for --prompts FILE (many prompts); one prompt runs alone")
+    args.batch_size = 8 if args.batch_size is None else args.batch_size
     for flag in ("max_new_tokens", "batch_size"):
         if getattr(args, flag) < 1:
             raise ExpertcacheError(
