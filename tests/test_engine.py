@@ -44,7 +44,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.engine import EmulatedLink, load
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.transfer import DEMAND, SPECULATIVE, TransferWorker
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning
 from expertcache.sim.replay import replay
 from expertcache.units import format_bytes
 
@@ -622,6 +622,14 @@ def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
     assert stats["link"] == "0.2 GB/s, 500 us"
     assert busy >= stats["misses"] * (0.5e-3 + nbytes / 200e6)
     assert stats["stall_s"] <= busy + 1.0
+
+
+def test_an_emulated_link_under_a_budget_that_holds_every_expert_is_noted(ckpt):
+    """At 100 % nothing crosses the link after the load: the options are not silently idle."""
+    with pytest.warns(
+        ExpertcacheWarning, match="every expert is resident from the load on.*slows only the load"
+    ):
+        engine_load(ckpt("mixtral"), link_latency="20us").close()
 
 
 def test_a_prompts_layer_is_computed_as_its_experts_land_and_stays_exact(ckpt, reference):

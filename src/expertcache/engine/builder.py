@@ -238,6 +238,14 @@ class Builder:
         # nothing to offload (every expert fits, and the miss path would keep them all: fetch, host,
         # hybrid): every slot is filled at load
         self.whole = self.miss.preloads() and self.capacity >= self.num_layers * self.num_experts
+        if self.whole and self.link is not None:
+            given = (
+                f"{option('--link-bandwidth', 'link_bandwidth')}, {option('--link-latency', 'link_latency')}"
+            )
+            self.notes.append(
+                f"every expert is resident from the load on: the emulated link ({given}) slows only the "
+                "load, which fills every slot through it"
+            )
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
         # prefetching only while it pays has nothing to do when every expert is resident from the start
