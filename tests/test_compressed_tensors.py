@@ -127,6 +127,7 @@ def test_the_engine_reads_what_transformers_reads(family, bits, strategy, dtype,
         full = greedy(model, IDS)
         stats = model.stats
     assert stats["kernel"] == "packed" and stats["lossy"] is False and stats["made_from"] is None
+    assert stats["experts_as_stored"]  # another tool's checkpoint, read exactly: that model
     width = 32 if dtype == "float32" else 16  # a scale's bits, and a full-precision weight's
     share = (bits + width / (GROUP if strategy == "group" else 16)) / width  # a weight's bits, its scale's
     full_bytes = model_info(make_ckpt(family, dtype=dtype))["expert_bytes"]

@@ -501,7 +501,7 @@ def summary(out: dict) -> str:
         lines.append("kernel compiled: decode steps' experts in compiled loops, not bit-equal to "
                      "transformers (expertcache quality --kernel compiled says how far; --kernel grouped "
                      "is exact)")  # fmt: skip
-    if out.get("kernel") == "packed" and not out.get("experts_lossy"):  # a published format's checkpoint
+    if out.get("kernel") == "packed" and out.get("experts_as_stored"):  # a published format's checkpoint
         made = (f"; expertcache quantize made it from {out['made_from']}, which it stands for with a loss "
                 f"(expertcache quality --model {out.get('model') or 'DIR'} says how far)"
                 if out.get("made_from") else "")  # fmt: skip

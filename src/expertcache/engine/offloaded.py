@@ -243,7 +243,16 @@ class OffloadedModel:
     # ------------------------------------------------------------------------------- reports
     @property
     def _experts_lossy(self) -> bool:
-        return self.packed is not None and not self.packed.exact
+        """The experts' outputs are not those of the full-precision model: packed by expertcache (whatever
+        the format: an FP8 checkpoint ``quantize`` made stands for its source with a loss), or read through
+        a kernel that does not compute the stored weights exactly. Another tool's quantised checkpoint read
+        exactly is that model."""
+        return self.packed is not None and (not self.packed.exact or self._made_from is not None)
+
+    @property
+    def _made_from(self) -> str | None:
+        """The full-precision checkpoint expertcache packed this one from (``quantize``), if it did."""
+        return (getattr(self.config, SOURCE_KEY, None) or {}).get("path") if self.packed else None
 
     def _describe(self) -> dict[str, object]:
         """What this model is: its cache's size and parts, policy, miss path, device."""
@@ -254,7 +263,9 @@ class OffloadedModel:
             "expert_bytes": self.layout.nbytes,
             "expert_format": describe_format(self.packed, self.dtype),
             # a checkpoint expertcache quantised: the full-precision one it was made from (quality's)
-            "made_from": (getattr(self.config, SOURCE_KEY, None) or {}).get("path") if self.packed else None,
+            "made_from": self._made_from,
+            # the kernels compute the checkpoint's stored weights exactly (another tool's format)
+            "experts_as_stored": self.packed is not None and self.packed.exact,
             "policy": self.cache_config.policy,
             "miss": self.miss.describe(),
             # the outputs may differ from the checkpoint's model: a lossy miss path, experts packed by
