@@ -206,6 +206,19 @@ def test_a_packed_checkpoint_costs_little_accuracy(packed_ckpts):
     assert (int8[1].argmax(-1) == full[1].argmax(-1)).float().mean() >= 0.75
 
 
+def test_serve_says_what_makes_its_model_lossy(packed_ckpts):
+    """serve prints one note at start (a new user found generate saying it and serve silent)."""
+    from expertcache.cli.serve import lossy_note
+    from expertcache.engine.hub import DEFAULT_MODEL
+
+    with engine_load(DEFAULT_MODEL) as model:
+        assert lossy_note(model.stats, model.miss.lossy) is None
+    with engine_load(packed_ckpts[4], quantize_dense="int8") as model:
+        note = lossy_note(model.stats, model.miss.lossy)
+    assert note.startswith("note: lossy, not the full-precision model's outputs: experts packed (int4-g64, ")
+    assert "dense layers int8" in note and "miss path" not in note
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])
 def test_families_run_packed(family, ckpt, tmp_path):
     path = ckpt(family)

@@ -158,6 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if local is not None:
         check_batchable(read_config(local))  # before the model loads
     model = load_model(args, record=bool(args.record_trace))
+    note = lossy_note(model.stats, model.miss.lossy)
+    if note:
+        print(note, file=sys.stderr)
 
     kv_tokens, note = kv_size(model, config.max_queue, config.kv_tokens)  # a size that fits, before serving
     if note:
@@ -178,6 +181,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def lossy_note(stats: dict, lossy_path: bool) -> str | None:
+    """What makes a served model's outputs not the full-precision model's, in one note (None: exact)."""
+    if not stats["lossy"]:
+        return None
+    why = []
+    if stats["experts_lossy"]:
+        made = f", made from {stats['made_from']}" if stats["made_from"] else ""
+        why.append(f"experts packed ({stats['expert_format']}{made})")
+    if stats["dense"]:
+        why.append(f"dense layers {stats['dense']['format']}")
+    if lossy_path:
+        why.append(f"miss path {stats['miss']}")
+    return (
+        f"note: lossy, not the full-precision model's outputs: {', '.join(why)} (expertcache quality with "
+        "the same options says how far)"
+    )
 
 
 def _save_trace(model, path: str, stopped: bool) -> None:
