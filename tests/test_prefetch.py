@@ -729,6 +729,13 @@ def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
     assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0
     err = capsys.readouterr().err
     assert "this run prefetched (next-gate, in 4 of 4 steps)" in err and "--prefetch recorded" in err
+    assert "--policy" not in err  # LRU, timing's own default
+    run = [*args, "--expert-memory", "50%", "--prefetch", "next-gate", "--record-trace", str(trace)]
+    assert main([*run, "--policy", "llru"]) == 0
+    capsys.readouterr()
+    assert main(["sim", str(trace), "--policy", "llru", "--capacity", "8"]) == 0
+    err = capsys.readouterr().err  # the command replays the run's own policy (it said LRU's)
+    assert f"'expertcache timing --trace {trace} --policy llru --prefetch recorded --capacity " in err
     assert main([*args, "--expert-memory", "50%", "--prefetch", "none", "--record-trace", str(trace)]) == 0
     capsys.readouterr()
     assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0

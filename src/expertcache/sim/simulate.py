@@ -72,14 +72,18 @@ def replay_notes(trace: Trace, name: str = "TRACE") -> list[str]:
     if not other_miss and not prefetched:
         return []
     capacity, policy = _memory_of(trace.meta), trace.meta.get("policy", "POLICY")
-    did, undone, flags, args = [], [], "", ""
-    if prefetched:
-        did, undone = [prefetched], ["do not prefetch"]
-        flags, args = " --prefetch recorded", ", prefetch='recorded'"
+    did, undone = [], []
+    # the run's own policy (timing's default is LRU; a new user replayed an LLRU run as LRU)
+    named = other_miss or policy not in ("lru", "POLICY")
+    flags, args = (f" --policy {policy}", f", cache={policy!r}") if named else ("", "")
     if other_miss:
         did.append(f"served its misses by miss path {miss} (in the memory of {capacity} experts)")
         undone.append("fetch every miss whole")
-        flags, args = f" --policy {policy} --miss {miss}{flags}", f", cache={policy!r}, miss={miss!r}{args}"
+        flags, args = f"{flags} --miss {miss}", f"{args}, miss={miss!r}"
+    if prefetched:
+        did.insert(0, prefetched)
+        undone.insert(0, "do not prefetch")
+        flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
     note = (
         f"this run {' and '.join(did)}; these replays {', '.join(undone)}, so their counts are not the "
         "run's: "
