@@ -304,6 +304,7 @@ BAD_INPUTS = [
     (["sim", "{trace}", "--bogus"], "unrecognized arguments: --bogus (see expertcache sim --help)"),
     (["--bogus"], "unknown option --bogus: a command comes first"),
     (["sim", "--policy", "lru", "{trace}"], "looks like a trace: give it first, before --policy"),
+    (["sim", "--capacity", "25%", "{trace}"], "looks like a trace: give it first, before --capacity"),
     (["sim", "{junk}"], "not a readable .npz"),
     (["sim", "{trace}", "--capacity", "0"], "a capacity is at least 1 expert"),
     (["sim", "{trace}", "--capacity", "1"], "below top-k 2"),

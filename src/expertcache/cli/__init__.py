@@ -177,6 +177,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--capacity",
         nargs="+",
+        type=_not_a_trace("--capacity"),
         metavar="N",
         help=f"experts: N [N ...], START:STOP[:STEP], shares of all experts (25%%) or all = 1..L*E "
         f"(default: {DEFAULT_STEPS} even steps)",
@@ -684,7 +685,8 @@ def _add_sweep(sub) -> None:
 
 
 def _not_a_trace(flag: str):
-    """A policy name's type that refuses a trace given after the flag's values, saying where it goes."""
+    """A list flag's value type (policies, capacities) that refuses a trace given after the flag's values,
+    saying where it goes."""
 
     def value(text: str) -> str:
         looks = text == "default" or Path(text).suffix.lower() in (".npz", ".csv", ".jsonl", ".parquet")
