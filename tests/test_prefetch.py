@@ -730,6 +730,9 @@ def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "this run prefetched (next-gate, in 4 of 4 steps)" in err and "--prefetch recorded" in err
     assert "--policy" not in err  # LRU, timing's own default
+    assert main(["sim", str(trace), "--policy", "reuse:weights=/nonexistent.json", "--capacity", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "/nonexistent.json" in err and "\n" not in err  # the error alone, not the note before it
     run = [*args, "--expert-memory", "50%", "--prefetch", "next-gate", "--record-trace", str(trace)]
     assert main([*run, "--policy", "llru"]) == 0
     capsys.readouterr()

@@ -608,10 +608,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     policies = _note_skipped(
         policies, caps, trace.num_layers, min_room(args.order, trace.top_k), bool(args.policy)
     )
-    _note_replays(trace, args.trace)
-    with warnings.catch_warnings():  # the note above says it, with the command to run
+    with warnings.catch_warnings():  # the note below says it, with the command to run
         warnings.simplefilter("ignore", ExpertcacheWarning)
         results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
+    _note_replays(trace, args.trace)  # once the replays ran: a policy refused is then the one line
     if args.json:
         print(json.dumps([r.to_dict() for r in results]), flush=True)
     else:
