@@ -120,8 +120,11 @@ class PrefetchConfig:
                 f"({option('--prefetch NAME', 'prefetch=NAME')})"
             )
         if name == "none" and (self.limit is not None or not self.preemption):
-            given = option("--prefetch-limit", "prefetch_limit") if self.limit is not None else None
-            given = given or option("--no-preemption", "preemption=False")
+            given = (
+                option("--prefetch-limit", "prefetch_limit")
+                if self.limit is not None
+                else option("--no-preemption", "preemption=False")
+            )
             raise ExpertcacheError(
                 f"{given} is about prefetched experts, and nothing is prefetched without a predictor "
                 f"({option('--prefetch NAME', 'prefetch=NAME')})"

@@ -32,11 +32,17 @@ def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | Non
     """``safetensors.torch.save_file``, the file then given the permissions the process's umask allows
     (``0666 & ~umask``), as ``open`` would: safetensors writes its files readable by their owner alone
     (0600), so a checkpoint or copy written for a server running as another user could not be read."""
-    import os
-
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
+    as_umask_allows(path)
+
+
+def as_umask_allows(path: str | Path) -> None:
+    """Give a file the permissions ``open`` would have: ``0666 & ~umask`` (safetensors, and so
+    transformers' ``save_pretrained``, write theirs for the owner alone)."""
+    import os
+
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)

@@ -8,7 +8,6 @@ checkpoint (default: the embedded model), so the result works with ``expertcache
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from expertcache.engine.families import FAMILIES, Shape
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.paths import as_umask_allows
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _CHECKPOINT_FILES = (
@@ -130,10 +130,8 @@ def make_checkpoint(
     for name in _TOKENIZER_FILES:
         if (tok_dir / name).is_file():
             shutil.copy(tok_dir / name, out / name)
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in out.glob("*.safetensors"):  # safetensors writes its files for the owner alone
-        f.chmod(0o666 & ~mask)
+    for f in out.glob("*.safetensors"):
+        as_umask_allows(f)
     made = dict(family=family, hidden=hidden, layers=layers, experts=experts, top_k=top_k,
                 intermediate=intermediate, heads=heads, kv_heads=kv_heads, seed=seed,
                 dtype=dtype)  # fmt: skip

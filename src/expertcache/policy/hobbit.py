@@ -87,17 +87,21 @@ class Hobbit(Policy):
             near = self._near[layer] = self.w[3] * (1.0 - ((self._layer - layer) % L) / L)
         return near
 
+    def _weighted_one(self, i: int) -> float:
+        """``_weighted()[i]``: the same floats, in the same order."""
+        w_lru, w_lfu, w_lhu, _ = self.w
+        return w_lru * self._last[i] + w_lfu * self._uses[i] + w_lhu * self._served[i]
+
     def on_request(self, keys: Sequence[Key], scores: Sequence[float] | None = None) -> None:
         now = self._now()
-        w_lru, w_lfu, w_lhu, _ = self.w
         last, uses, served, resident = self._last, self._uses, self._served, self._resident
         for layer, expert in keys:
             i = layer * self._E + expert
             last[i] = now + 1
             uses[i] += 1
             served[i] += 1
-            if resident[i]:  # the same floats as _weighted's, in the same order
-                self._live[i] = w_lru * last[i] + w_lfu * uses[i] + w_lhu * served[i]
+            if resident[i]:
+                self._live[i] = self._weighted_one(i)
 
     def on_hit(self, key: Key) -> None:
         pass  # counted in on_request
@@ -105,8 +109,7 @@ class Hobbit(Policy):
     def on_insert(self, key: Key) -> None:
         i = key[0] * self._E + key[1]
         self._resident[i] = True
-        w_lru, w_lfu, w_lhu, _ = self.w
-        self._live[i] = w_lru * self._last[i] + w_lfu * self._uses[i] + w_lhu * self._served[i]
+        self._live[i] = self._weighted_one(i)
         self._count += 1
 
     def on_evict(self, key: Key) -> None:
