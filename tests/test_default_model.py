@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,30 @@ def test_model_info_counts_a_tied_head_once():
             self.register_buffer("scratch", torch.zeros(100), persistent=False)  # not saved: not counted
 
     assert stored_bytes(Tied()) == (10 * 4 + 3) * 4
+
+
+def test_the_heldout_texts_are_stored_with_the_model_and_read_from_no_stdlib(monkeypatch):
+    """quality, the predictors' accuracy and the benchmarks read the held-out files of the default trace's
+    prompts; a Python without some of them (Debian's idlelib is a package of its own, 3.13 has no crypt.py
+    or lib2to3) made ``quality`` exit 2 (seen on the GPU machine's Python). They are stored with the model:
+    the names are the trace's, the texts this Python's files where it has them, and no stdlib is read."""
+    import sysconfig
+
+    from expertcache.tools.predictor_accuracy import HELDOUT_CHARS, heldout_prompts
+    from expertcache.tools.quality import heldout_texts as quality_texts
+    from expertcache.trace.default import HELDOUT_STORED_CHARS, heldout_texts
+
+    stored = heldout_texts()
+    names = [n for n in str(default_trace().meta["prompts"]).split(";") if n]
+    assert [n for n, _ in stored] == names and len(names) == 16
+    root = Path(sysconfig.get_paths()["stdlib"])
+    here = [(n, t) for n, t in stored if (root / n).is_file()]
+    for name, text in here:  # the regenerate helper: tools/record_default_trace.py --heldout
+        assert text == (root / name).read_text(encoding="utf-8", errors="replace")[:HELDOUT_STORED_CHARS]
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": "/nonexistent"})
+    assert quality_texts(3, 100) == [t[:100] for _, t in stored[:3]]
+    prompts = heldout_prompts()
+    assert len(prompts) == 16 and all(0 < len(p) <= HELDOUT_CHARS for p in prompts)
+    assert prompts[0] == stored[0][1].strip()[:HELDOUT_CHARS]
+    with pytest.raises(ValueError, match="stored to 4000"):
+        heldout_texts(1, HELDOUT_STORED_CHARS + 1)

@@ -6,12 +6,22 @@ a policy) on prompts cut from held-out standard-library files (the training scri
 split), greedy, and saves the routing of every step in the trace format:
 
     python tools/record_default_trace.py            # -> src/expertcache/data/default_trace.npz
+    python tools/record_default_trace.py --heldout  # -> src/expertcache/data/default/heldout.json
+
+``--heldout`` stores the first 4000 characters of the held-out files the trace's prompts were cut from
+(named in its metadata), from this Python's standard library, so that ``quality``, ``predictor``'s
+accuracy and the benchmarks read the same text on every Python (3.13 has no ``crypt.py`` or
+``lib2to3``, Debian's Python no ``idlelib`` without its own package). Run it with the Python the trace
+was recorded with (3.11).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import sys
+import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,6 +30,7 @@ from train_default_model import is_validation, stdlib_files  # noqa: E402
 
 import expertcache  # noqa: E402
 from expertcache.engine.offloaded import DEFAULT_MODEL  # noqa: E402
+from expertcache.trace.default import HELDOUT, HELDOUT_STORED_CHARS, default_trace  # noqa: E402
 
 OUT = DEFAULT_MODEL.parent / "default_trace.npz"
 
@@ -40,6 +51,26 @@ def prompts(n: int, chars: int, val_percent: float) -> list[tuple[str, str]]:
     return out
 
 
+def write_heldout(out: Path = HELDOUT) -> None:
+    """The held-out texts of the default trace's prompts, from this Python's standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = [n for n in str(default_trace().meta.get("prompts", "")).split(";") if n]
+    missing = [n for n in names if not (root / n).is_file()]
+    if missing:
+        sys.exit(f"record_default_trace.py: {missing[0]} is not in this Python's standard library {root}")
+    record = {
+        "source": f"the Python {platform.python_version()} standard library, first {HELDOUT_STORED_CHARS} "
+        "characters of each file (tools/record_default_trace.py --heldout)",
+        "license": "PSF-2.0: Copyright (c) 2001 Python Software Foundation; All Rights Reserved",
+        "texts": [
+            [n, (root / n).read_text(encoding="utf-8", errors="replace")[:HELDOUT_STORED_CHARS]]
+            for n in names
+        ],
+    }
+    out.write_text(json.dumps(record, indent=0, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {out}: {len(names)} texts")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(OUT))
@@ -47,7 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-chars", type=int, default=600)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--val-percent", type=float, default=3.0)
+    p.add_argument("--heldout", action="store_true", help="write the held-out texts only, then stop")
     args = p.parse_args(argv)
+    if args.heldout:
+        write_heldout()
+        return 0
     model = expertcache.load(expert_memory="100%", device="cpu")
     chosen = prompts(args.prompts, args.prompt_chars, args.val_percent)
     for rel, text in chosen:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from expertcache.engine.routing import router_fns
-from expertcache.predict.base import PredictContext, Predictor, PredictorError
+from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor
 from expertcache.tools.capture import Captured, capture, load_for_capture
 
@@ -108,23 +108,12 @@ def build_predictor(
 def heldout_prompts(count: int = 16) -> list[str]:
     """The default trace's prompts: the first 600 characters of held-out standard-library files.
 
-    These are the evaluation prompts of the embedded model (``tools/record_default_trace.py``); they
-    are read from this interpreter's standard library, named in the default trace's metadata.
+    These are the evaluation prompts of the embedded model (``tools/record_default_trace.py``), cut from
+    the held-out texts stored with it (``trace.default.heldout_texts``: the same on every Python).
     """
-    import sysconfig
+    from expertcache.trace.default import heldout_texts
 
-    from expertcache.trace.default import default_trace
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = str(default_trace().meta.get("prompts", "")).split(";")
-    out = []
-    for rel in [n for n in names if n][:count]:
-        if not (root / rel).is_file():
-            raise PredictorError(
-                f"held-out prompt file {rel} is not in this Python's standard library {root}"
-            )
-        out.append((root / rel).read_text(encoding="utf-8", errors="replace").strip()[:HELDOUT_CHARS])
-    return out
+    return [text.strip()[:HELDOUT_CHARS] for _, text in heldout_texts(count)]
 
 
 def evaluate_model(

@@ -9,7 +9,7 @@ agreement (the share of positions where both predict the same next token), the s
 served at low precision or skipped, and how far the logits are from the reference's (the share of
 positions whose logits are bit-identical, the largest difference). By default the texts are the embedded
 model's held-out files (the standard-library files of its validation split that its default trace's
-prompts come from); ``texts`` takes any list of strings.
+prompts come from, stored with it); ``texts`` takes any list of strings.
 
 Shape letters: N tokens of a text, V vocabulary.
 """
@@ -31,19 +31,11 @@ DEFAULT_TEXTS = 8
 
 
 def heldout_texts(count: int = DEFAULT_TEXTS, chars: int = 4000) -> list[str]:
-    """The first ``chars`` characters of the embedded model's held-out standard-library files."""
-    import sysconfig
+    """The first ``chars`` characters of the embedded model's held-out standard-library files, as stored
+    with it (``trace.default.heldout_texts``: the same text on every Python)."""
+    from expertcache.trace.default import heldout_texts as stored
 
-    from expertcache.trace.default import default_trace
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = [n for n in str(default_trace().meta.get("prompts", "")).split(";") if n][:count]
-    missing = [n for n in names if not (root / n).is_file()]
-    if missing or not names:
-        raise ExpertcacheError(
-            f"held-out file {missing[0] if missing else '?'} is not in this Python's stdlib {root}"
-        )
-    return [(root / n).read_text(encoding="utf-8", errors="replace")[:chars] for n in names]
+    return [text for _, text in stored(count, chars)]
 
 
 def _stream(model, ids: torch.Tensor) -> torch.Tensor:
