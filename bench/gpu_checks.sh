@@ -13,9 +13,10 @@
 #   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
 #           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
 #           precision); 5 minutes at most, the checkpoint and the int4 copies too
-#   attention issue 31: decode attention's cost per new key length by backend, the driver's JIT cache on and
-#           off (bench/attention_gpu.py), then the 100 % server on the serve part's checkpoint with
-#           transformers' sdpa and eager attention, a cold JIT cache each; 4 minutes with the checkpoint
+#   attention issue 31: decode attention's cost per new key length with and without cuDNN's backend, the
+#           driver's JIT cache on and off (bench/attention_gpu.py; all six backend sets measured on an H200
+#           on 2026-11-27, docs/BENCHMARKS.md), then the 100 % server on the serve part's checkpoint with
+#           --attention sdpa and sdpa_no_cudnn, a cold JIT cache each; 4 minutes with the checkpoint
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
 # install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
@@ -94,9 +95,10 @@ for part in "$@"; do
       ;;
     attention)
       stamp "attention"
-      timeout 150 python3 bench/attention_gpu.py --out "$OUT/attention_gpu.json" 2>&1 | tee "$OUT/attention.log"
+      timeout 100 python3 bench/attention_gpu.py --backends default no-cudnn --out "$OUT/attention_gpu.json" 2>&1 \
+        | tee "$OUT/attention.log"
       qwen_checkpoint || continue
-      for att in sdpa eager; do  # a cold JIT cache, as on a machine just started
+      for att in sdpa sdpa_no_cudnn; do  # a cold JIT cache, as on a machine just started
         CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
           --compare 100% --attention "$att" --clients 16 --duration 10 --single 6 --rounds 1 --warm 3 \
           --tokens 16-48 --out "$OUT/serve_gpu_attention_$att.json" >"$OUT/serve_attention_$att.log" 2>&1

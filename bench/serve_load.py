@@ -503,7 +503,11 @@ def main() -> int:
     p.add_argument("--policy", help="the server's --policy (default: its own)")
     p.add_argument("--miss", help="the server's --miss (default: its own)")
     p.add_argument("--schedule", choices=SCHEDULES, help="the server's --schedule (default: its own, fifo)")
-    p.add_argument("--attention", choices=["sdpa", "eager"], help="the server's --attention (default: sdpa)")
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "eager", "sdpa_no_cudnn"],
+        help="the server's --attention (default: sdpa)",
+    )
     p.add_argument("--compare", metavar="CONFIG,...", help="servers at each config (MEM or "
                    "MEM:POLICY[:MISS]) in turn, alternating over --rounds, each against the last "
                    "(e.g. 25%%:lru,25%%:tlfu:batch,100%%); replaces --expert-memory")  # fmt: skip

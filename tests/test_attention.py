@@ -67,7 +67,7 @@ def test_an_attention_the_engine_does_not_run_is_one_line(ckpt, capsys):
 
     assert list(ATTENTION) == CLI_ATTENTION  # the CLI's copy (no torch before its checks)
     with pytest.raises(
-        ExpertcacheError, match="attention 'flash' .* is not one the engine runs: sdpa, eager"
+        ExpertcacheError, match="attention 'flash' .* is not one the engine runs: sdpa, eager, sdpa_no_cudnn"
     ):
         load(ckpt("mixtral"), attention="flash", progress=False)
     with pytest.raises(ExpertcacheError, match="attention 'flash'"):
@@ -91,6 +91,23 @@ def test_a_family_without_the_attention_asked_is_one_line(ckpt, capsys):
     assert code == 2 and capsys.readouterr().err.count("\n") == 1
     with engine_load(path) as m:
         assert m.stats["attention"] == "eager"
+    with pytest.raises(ExpertcacheError, match="gpt_oss: transformers runs no sdpa_no_cudnn attention"):
+        load(path, attention="sdpa_no_cudnn", progress=False)
+
+
+def test_sdpa_without_cudnn_is_refused_where_transformers_has_no_sdpa(ckpt, monkeypatch):
+    """sdpa_no_cudnn runs transformers' sdpa function: a class without sdpa (any family's, here made so)
+    refuses it as it refuses sdpa, in one line."""
+    from transformers import GraniteMoeForCausalLM
+
+    from expertcache.engine import load
+
+    monkeypatch.setattr(GraniteMoeForCausalLM, "_supports_sdpa", False)
+    path = ckpt("granitemoe")
+    with pytest.raises(ExpertcacheError, match="granitemoe: transformers runs no sdpa_no_cudnn attention"):
+        load(path, attention="sdpa_no_cudnn", progress=False)
+    with pytest.raises(ExpertcacheError, match="granitemoe: transformers runs no sdpa_no_cudnn attention"):
+        load_reference(path, attention="sdpa_no_cudnn")
 
 
 def test_a_reference_given_to_quality_is_compared_by_the_attention_it_runs(ckpt):
@@ -103,3 +120,31 @@ def test_a_reference_given_to_quality_is_compared_by_the_attention_it_runs(ckpt)
     assert r["attention"] == "sdpa" and r["logits_identical"] == 1.0
     with pytest.raises(ExpertcacheError, match="the reference given runs attention sdpa, not eager"):
         measure(path, "fetch", "100%", texts=["def f(x):\n"], tokens=4, reference=ref, attention="eager")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "granitemoe", "deepseek_v3"])
+def test_sdpa_without_cudnn_equals_transformers_with_it_and_with_sdpa(family, ckpt):
+    """``sdpa_no_cudnn`` (cuDNN's attention plans every new key length on a GPU: 33 ms each on an H200):
+    the engine with it equals transformers loaded with it; on a CPU, whose sdpa has no cuDNN, that is
+    transformers' own sdpa too, bit for bit. The family's mask is sdpa's (a padded batch: one family
+    with a left-padded row)."""
+    path = ckpt(family)
+    ref = load_reference(path, device=engine_fixtures.DEVICE, experts=engine_fixtures.REFERENCE,
+                         attention="sdpa_no_cudnn")  # fmt: skip
+    assert ref.config._attn_implementation == "sdpa_no_cudnn"
+    want = greedy(ref, IDS)
+    with engine_load(path, moe_layers(family) * engine_fixtures.TOP_K, slow_tier="disk",
+                     attention="sdpa_no_cudnn") as m:  # fmt: skip
+        got = greedy(m, IDS)
+        assert m.stats["attention"] == "sdpa_no_cudnn"
+    assert_exact(got, want)
+    if engine_fixtures.DEVICE == "cpu":
+        sdpa = load_reference(path, device="cpu", experts=engine_fixtures.REFERENCE, attention="sdpa")
+        assert_exact(greedy(sdpa, IDS), want)
+    if family == "qwen2_moe" and engine_fixtures.DEVICE == "cpu":  # a left-padded batch: sdpa's mask
+        n = len(engine_fixtures.PROMPT)
+        ids = torch.tensor([[0, 0, *engine_fixtures.PROMPT[:-2]], engine_fixtures.PROMPT])
+        mask = torch.tensor([[0, 0] + [1] * (n - 2), [1] * n])
+        with torch.inference_mode():
+            got_logits = ref(input_ids=ids, attention_mask=mask).logits
+            assert torch.equal(got_logits, sdpa(input_ids=ids, attention_mask=mask).logits)

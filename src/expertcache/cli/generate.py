@@ -23,11 +23,12 @@ SLOW_TIERS = ["host", "disk", "mapped"]  # engine.transfer.SLOW_TIERS (not impor
 # engine.kernels: AUTO_KERNEL and KERNELS (not imported: no torch before checks; a test checks)
 KERNEL_CHOICES = ["auto", "grouped", "eager", "compiled", "packed"]
 DENSE_FORMATS = ["int8"]  # engine.dense.DENSE_FORMATS (not imported: no torch before checks; a test checks)
-ATTENTION = ["sdpa", "eager"]  # engine.loader.ATTENTION (the same; a test checks)
+ATTENTION = ["sdpa", "eager", "sdpa_no_cudnn"]  # engine.loader.ATTENTION (the same; a test checks)
 ATTENTION_HELP = (
-    "transformers' attention implementation: sdpa or eager, each exact against transformers loaded with "
-    "it (default: transformers' default: sdpa, eager where it has none; on a CPU in bfloat16 eager decodes "
-    "faster at long contexts)"
+    "transformers' attention implementation: sdpa, eager, or sdpa_no_cudnn (sdpa with cuDNN's backend left "
+    "out: on a GPU cuDNN plans every new key length, 33 ms each on an H200), each exact against "
+    "transformers loaded with it (default: transformers' default: sdpa, eager where it has none; on a CPU "
+    "in bfloat16 eager decodes faster at long contexts)"
 )
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "

@@ -165,11 +165,17 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 _NARROW = (torch.bfloat16, torch.float16)  # dense weights kept as stored until quantised (``build_skeleton``)
-ATTENTION = ("sdpa", "eager")  # transformers' attention implementations the engine runs
+# transformers' attention implementations the engine runs; the last is sdpa without cuDNN's backend
+# (engine.attention), registered with transformers when it is asked for
+ATTENTION = ("sdpa", "eager", "sdpa_no_cudnn")
 
 
 def check_attention(attention: str | None) -> str | None:
     """``attention`` if it is one of ``ATTENTION`` (or None: transformers' default); else one clear line."""
+    if attention == "sdpa_no_cudnn":
+        from expertcache.engine.attention import register
+
+        return register()
     if attention is None or attention in ATTENTION:
         return attention
     raise ExpertcacheError(

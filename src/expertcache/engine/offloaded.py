@@ -518,9 +518,11 @@ def load(
     transformers (``expertcache quality --kernel compiled`` measures how far); default ``"auto"``:
     grouped where torch has it; ``engine.kernels``), ``quantize_dense`` (``"int8"``: the dense layers
     quantised at load and computed packed, lossy and opt-in: ``engine.dense``; default None: as stored),
-    ``attention`` (transformers' attention implementation: ``"sdpa"`` or ``"eager"``, exact against
-    transformers loaded with the same; default None: transformers' default, ``sdpa`` or ``eager`` where it
-    has none; on a CPU in bfloat16 ``eager`` decodes faster at long contexts: ``engine.loader.ATTENTION``),
+    ``attention`` (transformers' attention implementation: ``"sdpa"``, ``"eager"`` or ``"sdpa_no_cudnn"``
+    (``sdpa`` without cuDNN's backend, which plans every new key length on a GPU: ``engine.attention``),
+    exact against transformers loaded with the same; default None: transformers' default, ``sdpa`` or
+    ``eager`` where it has none; on a CPU in bfloat16 ``eager`` decodes faster at long contexts:
+    ``engine.loader.ATTENTION``),
     ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
     for cost-based miss paths; default: measured
