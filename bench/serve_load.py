@@ -60,21 +60,12 @@ except ImportError:  # openai >= 3 brings httpx as httpx2
 from provenance import provenance, write_json
 
 from expertcache.config import SCHEDULES
-from expertcache.errors import ExpertcacheError
 from expertcache.tools.quality import heldout_texts
 
 
 def _prompts(count: int = 32, chars: int = 60) -> list[str]:
-    """The first characters of the embedded model's held-out texts; where this Python lacks some of them
-    (a Debian python3 without idlelib), those of the standard library's first modules in sorted order."""
-    try:
-        return [t[:chars] for t in heldout_texts(count)]
-    except ExpertcacheError as e:
-        import sysconfig
-
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
-        print(f"serve_load: {e}; prompts from {len(files)} other stdlib files instead", file=sys.stderr)
-        return [f.read_text(encoding="utf-8", errors="replace")[:chars] for f in files]
+    """The first characters of the embedded model's held-out texts (16, stored with it)."""
+    return [t[:chars] for t in heldout_texts(count)]
 
 
 def free_port() -> int:
