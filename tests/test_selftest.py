@@ -239,16 +239,21 @@ def test_tolerance(case, device, atol):
     assert st.tolerance(case, device)[0] == atol
 
 
-def test_quantised_dense_layers_and_other_tools_checkpoints_pass_on_the_cpu(tmp_path):
+def test_quantised_dense_layers_other_tools_checkpoints_and_an_attention_pass_on_the_cpu(tmp_path):
     """The full plan's checks of ``--quantize-dense`` (against transformers with the same layers
-    quantised, bit for bit) and of FP8 and MXFP4 checkpoints (against transformers dequantising them)."""
+    quantised, bit for bit), of FP8 and MXFP4 checkpoints (against transformers dequantising them) and of
+    ``--attention sdpa_no_cudnn`` (against transformers loaded with it; on a GPU in bf16 too)."""
     models = st.Models(tmp_path, CPU)
-    cases = [c for c in st.plan(CPU) if c.dense or c.packing]
-    assert len(cases) == 3
+    cases = [c for c in st.plan(CPU) if c.dense or c.packing or c.attention]
+    assert len(cases) == 4
     for case in cases:
         check = st.run_check(models, case)
         assert check.passed, check.line()
         assert ("checkpoint=" in check.line()) is (case.packing is not None)
+    ran = {key[-1]: m.config._attn_implementation for key, m in models._built.items() if key[0] == "eager"}
+    assert ran["sdpa_no_cudnn"] == "sdpa_no_cudnn"  # the reference ran it, not transformers' default
+    gpu = [c for c in st.plan(torch.device("cuda")) if c.attention]
+    assert [c.dtype for c in gpu] == ["float32", "bfloat16"]
 
 
 def test_a_logit_difference_alone_fails_a_bit_exact_check():

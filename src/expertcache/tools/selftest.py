@@ -107,6 +107,11 @@ class Case:
         """The dense layers' quantisation (``quantize_dense``), which the reference gets too."""
         return dict(self.options).get("quantize_dense")
 
+    @property
+    def attention(self) -> str | None:
+        """transformers' attention implementation (``attention``), which the reference gets too."""
+        return dict(self.options).get("attention")
+
     def label(self, capacity: int) -> str:
         share = 100 * capacity / total_experts(self.family)
         words = [self.family, self.policy, f"{share:.0f}%", self.miss, f"prefetch={self.prefetch}"]
@@ -345,7 +350,15 @@ def _further(device: torch.device) -> list[Case]:
             options=(("host_memory", "50%"), ("host_exclusive", True), ("link_bandwidth", "50MB/s")),
         ),  # fmt: skip
     ]
+    # sdpa without cuDNN's backend (engine.attention), against transformers loaded with it: on a GPU in
+    # bf16 too, where sdpa would take cuDNN's attention and this one flash or memory-efficient attention
+    cases.append(
+        Case("qwen2_moe", "lru", "half", prefetch="next-gate", options=(("attention", "sdpa_no_cudnn"),))
+    )
     if device.type == "cuda":  # bf16: tokens equal
+        cases.append(
+            Case("qwen2_moe", "lru", "min", dtype="bfloat16", options=(("attention", "sdpa_no_cudnn"),))
+        )
         cases += [Case(f, "lru", "min", prefetch="next-gate", dtype="bfloat16") for f in FAMILIES]
         split = "split:theta=0.5,buffer=1"
         cases += [Case(f, "lcp", "half", split, dtype="bfloat16") for f in ("mixtral", "gpt_oss")]
@@ -378,7 +391,7 @@ def run_check(models: Models, case: Case) -> Check:
     check = Check(case, capacity, expect, atol)
     start = time.perf_counter()
     try:
-        want = models.reference(case.family, case.dtype, case.batch, case.packing, case.dense)
+        want = models.reference(case.family, case.dtype, case.batch, case.packing, case.dense, case.attention)
         check.comparison = compare(run_engine(models, case, capacity), want)
     except Exception as exc:  # a crash on this machine is a result to report, not bad input
         check.error, check.cause = f"{type(exc).__name__}: {first_line(exc)}", exc
@@ -454,23 +467,30 @@ class Models:
         return self._once(("path", out), lambda: make_tiny(out, family, self.tokenizer(), **shapes))
 
     def reference(
-        self, family: str, dtype: str, batch: bool, packing: str | None = None, dense: str | None = None
+        self,
+        family: str,
+        dtype: str,
+        batch: bool,
+        packing: str | None = None,
+        dense: str | None = None,
+        attention: str | None = None,
     ) -> Run:
         """transformers' run of the checkpoint on the device, with the experts implementation of the
         default kernel (``engine.loader.load_reference``; another tool's layout dequantised), its dense
-        layers quantised as the engine's where ``dense`` (``engine.dense.quantize_dense``)."""
+        layers quantised as the engine's where ``dense`` (``engine.dense.quantize_dense``), its attention
+        ``attention`` (None: transformers' default)."""
         from expertcache.engine.loader import load_reference
 
         def build():
-            model = load_reference(self.path(family, dtype, packing), dtype, self.device)
+            model = load_reference(self.path(family, dtype, packing), dtype, self.device, attention=attention)
             if dense is not None:
                 from expertcache.engine.dense import quantize_dense
 
                 quantize_dense(model, dense)
             return model
 
-        model = self._once(("eager", family, dtype, packing, dense), build)
-        key = ("run", family, dtype, batch, packing, dense)
+        model = self._once(("eager", family, dtype, packing, dense, attention), build)
+        key = ("run", family, dtype, batch, packing, dense, attention)
         return self._once(key, lambda: greedy(model, *prompts(batch)))
 
     def slot_bytes(self, family: str, dtype: str, packing: str | None = None) -> int:
