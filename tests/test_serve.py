@@ -951,3 +951,26 @@ def test_the_server_wraps_transformers_top_k_and_top_p(make_ckpt):
             batcher.close()
     finally:
         model.close()
+
+
+def test_sdpa_without_cudnn_is_served_as_sdpa_with_cudnn_off_and_equals_the_model_alone(make_ckpt):
+    """transformers' continuous batching refuses attention implementations it does not know by name (a
+    new user's traceback at start): the server runs sdpa with cuDNN's attention off in its process, the
+    same computation, and says sdpa_no_cudnn ran."""
+    path = make_ckpt("mixtral")
+    model = engine_load(path, 8, record=False, attention="sdpa_no_cudnn")
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        want = alone(model, PROMPTS[1], 6)
+        with TestClient(create_app(model, "tiny", ServeConfig(max_queue=4)), base_url=BASE) as http:
+            client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
+            r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6)
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert r.choices[0].text == model.tokenizer.decode(want, skip_special_tokens=True)
+        assert (
+            model.stats["attention"] == "sdpa_no_cudnn" and model.model.config._attn_implementation == "sdpa"
+        )
+        assert alone(model, PROMPTS[1], 6) == want  # generate after serving: the same tokens
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+        model.close()

@@ -73,15 +73,23 @@ def write_heldout(out: Path = HELDOUT) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--prompt-chars", type=int, default=600)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--val-percent", type=float, default=3.0)
-    p.add_argument("--heldout", action="store_true", help="write the held-out texts only, then stop")
+    p.add_argument("--out", default=str(OUT), help="the trace's file (default: the embedded one)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out files to prompt with (default 16)")
+    p.add_argument("--prompt-chars", type=int, default=600, help="characters of each (default 600)")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens after each (default 128)")
+    p.add_argument("--val-percent", type=float, default=3.0, help="the training's validation share (3)")
+    p.add_argument("--heldout", nargs="?", const=str(HELDOUT), metavar="FILE",
+                   help="write the held-out texts of the trace's prompts (default: the embedded file), then "
+                   "stop; takes no other option")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    if args.heldout:
-        write_heldout()
+    if args.heldout is not None:
+        others = [a for a in argv if a.startswith("--") and not a.startswith("--heldout")]
+        if others:
+            p.error(
+                f"--heldout takes no other option ({others[0]}): it writes the texts of the trace's prompts"
+            )
+        write_heldout(Path(args.heldout))
         return 0
     model = expertcache.load(expert_memory="100%", device="cpu")
     chosen = prompts(args.prompts, args.prompt_chars, args.val_percent)

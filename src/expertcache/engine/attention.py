@@ -12,6 +12,10 @@ order: on a CPU the same backend as ``sdpa`` runs (the same bits); on a GPU one 
 It is registered with transformers' ``AttentionInterface`` (and its mask with ``AttentionMaskInterface``,
 as ``sdpa``'s) under ``NAME`` the first time it is asked for (``register``), so that transformers loaded
 with it, the engine's reference, computes the same attention: exactness is against that reference.
+
+transformers' continuous batching (``expertcache serve``) takes attention implementations by name (sdpa,
+eager, flash) and refuses this one: a server asked for it runs ``sdpa`` with cuDNN's attention switched
+off in its process (``serve_without_cudnn``), which computes the same.
 """
 
 from __future__ import annotations
@@ -39,3 +43,16 @@ def register() -> str:
     AttentionInterface.register(NAME, sdpa_no_cudnn)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+def serve_without_cudnn(model) -> bool:
+    """A model loaded with ``NAME`` made ready for transformers' continuous batching: ``sdpa`` by name,
+    cuDNN's attention off for the whole process (the server's own). True if it was loaded with ``NAME``
+    (its stats keep saying ``NAME``); False, nothing done, otherwise."""
+    import torch
+
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    model.set_attn_implementation("sdpa")
+    return True

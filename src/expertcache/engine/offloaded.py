@@ -86,6 +86,9 @@ class OffloadedModel:
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
         self._tokenizer = None
         self.closed = False
+        # the attention asked for, where its modules run another by name with the same effect (a server's
+        # sdpa_no_cudnn: engine.attention.serve_without_cudnn); None: what the modules run
+        self.attention: str | None = None
 
     def __repr__(self) -> str:
         total = self.num_layers * self.num_experts
@@ -279,7 +282,7 @@ class OffloadedModel:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),  # the modules' compute dtype (``--dtype``)
             "kernel": self.kernel.name,
-            "attention": getattr(self.model.config, "_attn_implementation", None),
+            "attention": self.attention or getattr(self.model.config, "_attn_implementation", None),
             "preloaded_experts": self.preloaded,
             "warmup_s": self.warmup_s,
         }  # fmt: skip

@@ -162,6 +162,10 @@ class Batcher:
                 "(5.23 is tested): pip install -U transformers"
             ) from None
         self._generation_config = config
+        from expertcache.engine.attention import NAME, serve_without_cudnn
+
+        if serve_without_cudnn(model.model):  # transformers' continuous batching takes sdpa by name
+            model.attention = NAME
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
