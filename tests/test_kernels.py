@@ -33,6 +33,7 @@ from expertcache.engine.kernels import (
     decode_rows,
     default_kernel,
     grouped_rows,
+    reference_order,
     resolve_kernel,
 )
 from expertcache.engine.memory import SlotLayout, SlotPool
@@ -431,3 +432,70 @@ def test_every_experts_rows_at_once_are_eagers(tokens, top_k, experts, seed):
         got_token, got_pos = rows[expert]
         assert got_token.dtype == got_pos.dtype == torch.int64
         assert torch.equal(got_token, token_idx) and torch.equal(got_pos, top_k_pos)
+
+
+class _Threads:
+    """torch on ``n`` threads inside the block (the suite runs it on one), as before after it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def test_a_layer_computed_in_batches_of_experts_is_transformers_grouped_mm_on_two_threads():
+    """On two threads torch's ``mm`` gives a row bits that depend on where it sits among its group's rows,
+    so a layer's experts computed a batch at a time (those resident, then those that land) must lay each
+    group's rows out in transformers' order: its sort of the whole layer's expert ids, not a sort of the
+    batch's slot ids (a new user's trial found the embedded model's logits 4e-6 off at 30 % on two
+    threads). Each batch equals transformers' own ``grouped_mm_experts_forward``, bit for bit."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    torch.manual_seed(0)
+    E, T, K, H, F = 16, 24, 2, 160, 96
+    module = SimpleNamespace(
+        gate_up_proj=torch.randn(E, 2 * F, H) / 10, down_proj=torch.randn(E, H, F) / 10, num_experts=E,
+        is_transposed=False, has_gate=True, has_bias=False, _is_expert_parallel=False,
+        has_post_expert_norm=False, act_fn=torch.nn.functional.silu, config=SimpleNamespace(),
+    )  # fmt: skip
+    module._apply_gate = lambda h: module.act_fn(h[..., :F]) * h[..., F:]
+    hidden, index = torch.randn(T, H), torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K), -1)
+    slot_of = torch.randperm(E)  # a partial budget's slots hold the experts in another order
+    pool = SimpleNamespace(
+        num_slots=E, tensors={"gate_up_proj": torch.empty(E, 2 * F, H), "down_proj": torch.empty(E, H, F)}
+    )
+    pool.tensors["gate_up_proj"][slot_of] = module.gate_up_proj
+    pool.tensors["down_proj"][slot_of] = module.down_proj
+    flat_index = index.reshape(-1).numpy()
+    with _Threads(2), torch.inference_mode():
+        want = grouped_mm_experts_forward(module, hidden, index, weights)
+        whole = grouped_rows(module, pool, hidden, slot_of[index], weights, reference_order(index))
+        assert torch.equal(combine(whole, T, K, hidden.dtype), want)
+        rows = torch.zeros(T * K, H)
+        for batch in (list(range(0, E, 2)), list(range(1, E, 2))):  # resident, then arrived
+            at = torch.from_numpy(np.flatnonzero(np.isin(flat_index, batch)))
+            ids, pairs = slot_of[index].reshape(-1)[at].unsqueeze(1), weights.reshape(-1)[at].unsqueeze(1)
+            rows[at] = grouped_rows(module, pool, hidden[at // K], ids, pairs, reference_order(index, at))
+        assert torch.equal(combine(rows, T, K, hidden.dtype), want)
+
+
+def test_the_embedded_model_at_a_partial_budget_on_two_threads_equals_transformers():
+    """The same end to end: a prompt's prefill at 30 % of the experts, then decode steps, on two threads."""
+    from expertcache.engine import load
+    from expertcache.engine.loader import load_reference
+    from expertcache.engine.offloaded import DEFAULT_MODEL
+
+    text = "def read_config(path):\n    with open(path) as f:\n        return f.read()\n"
+    with _Threads(2):
+        with load(None, "30%", prefetch="none", progress=False) as model:
+            ids = model.tokenizer(text, return_tensors="pt").input_ids
+            got = greedy(model, ids, new=4)
+        assert_exact(got, greedy(load_reference(DEFAULT_MODEL), ids, new=4))

@@ -258,15 +258,26 @@ def grouped_rows(
     hidden: torch.Tensor,
     slot_ids: torch.Tensor,
     top_k_weights: torch.Tensor,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted output ``[T*K, H]``, in routing order, from the experts in
     slots ``slot_ids`` ``[T, K]`` (``pool.num_slots`` for a pair computed elsewhere: its row is left
     undefined). The operations of transformers' ``grouped_mm_experts_forward``, with the slot pool for
-    the experts' stacked weights and slot ids for expert ids."""
+    the experts' stacked weights and slot ids for expert ids.
+
+    ``order`` (a CPU's): the pairs (indices into ``slot_ids`` flattened, every pair computed here) in the
+    order transformers lays them out, its sort of the layer's expert ids (``reference_order``). Within a
+    group that order matters: on more than one thread torch's ``mm`` gives a row bits that depend on
+    where it sits among the group's rows (the threads' blocks), and a sort of slot ids, or of a subset
+    of the layer's pairs, can order a group's equal keys otherwise. None: sorted by slot (every slot
+    holding the expert of the same number, as at 100 %, gives transformers' order)."""
     S, K = pool.num_slots, slot_ids.shape[-1]
     t = pool.tensors
     ids = slot_ids.reshape(-1)
-    ids_g, perm = torch.sort(ids)
+    if order is None:
+        ids_g, perm = torch.sort(ids)
+    else:
+        perm, ids_g = order, ids[order]
     x = hidden[perm // K]
     w = top_k_weights.reshape(-1)[perm]
     transposed = module.is_transposed
@@ -366,6 +377,19 @@ def compiled_rows(
     if at is not None:
         out.add_(t["down_proj_bias"][at])
     return out * top_k_weights.reshape(-1).unsqueeze(-1)
+
+
+def reference_order(top_k_index: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """The order in which transformers' grouped experts lay out a layer's (token, expert) pairs: its
+    ``torch.sort`` of the expert ids ``top_k_index`` flattened. ``pairs`` (indices of some of the pairs,
+    in routing order): those pairs' positions among themselves in that order, for ``grouped_rows``'s
+    ``order`` over them alone (a batch of the layer's experts)."""
+    perm = torch.sort(top_k_index.reshape(-1))[1]
+    if pairs is None:
+        return perm
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), device=perm.device)
+    return torch.argsort(rank[pairs])
 
 
 def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:

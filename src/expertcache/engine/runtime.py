@@ -32,6 +32,7 @@ from expertcache.engine.kernels import (
     compiled_rows,
     decode_rows,
     grouped_rows,
+    reference_order,
 )
 from expertcache.engine.kv import grow
 from expertcache.engine.packed import packed_decode_rows, packed_grouped_rows
@@ -349,8 +350,9 @@ class Engine:
                     if T == 1 and self._on_cpu:
                         slots = self.table.host[layer, index[0]].tolist()
                         rows = self._one_token(module, stacked, hidden, slots, top_k_weights)
-                    else:
-                        rows = self._rows(module, stacked, hidden, table[top_k_index], top_k_weights)
+                    else:  # in transformers' order of the pairs (``kernels.grouped_rows``)
+                        order = reference_order(top_k_index) if self._on_cpu else None
+                        rows = self._rows(module, stacked, hidden, table[top_k_index], top_k_weights, order)
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
                 batches = itertools.chain([first], batches)  # the rest as it lands
@@ -393,7 +395,8 @@ class Engine:
                     at = torch.from_numpy(flat).to(device)
                     ids = slots_of.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
                     pairs = top_k_weights.reshape(-1)[at].unsqueeze(1)
-                    put(flat, self._rows(module, pool, hidden[at // K], ids, pairs))
+                    order = reference_order(top_k_index, at) if self._on_cpu else None
+                    put(flat, self._rows(module, pool, hidden[at // K], ids, pairs, order))
             for key, part in batch:  # an expert's parts may come in different batches
                 if part not in pools:
                     out = self.parts[part].compute(module, self.transport.views(key, part), tokens(key[1]))
