@@ -487,15 +487,18 @@ def test_a_layer_computed_in_batches_of_experts_is_transformers_grouped_mm_on_tw
         assert torch.equal(combine(rows, T, K, hidden.dtype), want)
 
 
-def test_the_embedded_model_at_a_partial_budget_on_two_threads_equals_transformers():
-    """The same end to end: a prompt's prefill at 30 % of the experts, then decode steps, on two threads."""
+@pytest.mark.parametrize("miss", ["fetch", "hybrid", "placement:first=1"])
+def test_the_embedded_model_at_a_partial_budget_on_two_threads_equals_transformers(miss):
+    """The same end to end: a prompt's prefill at 30 % of the experts, then decode steps, on two threads;
+    experts computed on the host too (hybrid, placement), whose rows take the same order."""
     from expertcache.engine import load
     from expertcache.engine.loader import load_reference
     from expertcache.engine.offloaded import DEFAULT_MODEL
 
     text = "def read_config(path):\n    with open(path) as f:\n        return f.read()\n"
     with _Threads(2):
-        with load(None, "30%", prefetch="none", progress=False) as model:
+        with load(None, "30%", prefetch="none", miss=miss, progress=False) as model:
             ids = model.tokenizer(text, return_tensors="pt").input_ids
             got = greedy(model, ids, new=4)
+            assert miss == "fetch" or model.stats["host_computed"] > 0
         assert_exact(got, greedy(load_reference(DEFAULT_MODEL), ids, new=4))

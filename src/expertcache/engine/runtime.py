@@ -368,14 +368,23 @@ class Engine:
                 rows = torch.zeros(T * K, values.shape[-1], dtype=kind, device=values.device)
             rows[torch.from_numpy(flat).to(device)] = values.to(rows.dtype)
 
+        # an expert's pairs in transformers' order of its group's rows (``kernels.grouped_rows``: on more
+        # than one thread a row's bits depend on its place), on a CPU; in routing order elsewhere
+        ref_order = reference_order(top_k_index).numpy() if self._on_cpu else None
+
+        def pairs_of(expert: int) -> np.ndarray:
+            if ref_order is None:
+                return np.flatnonzero(flat_index == expert)
+            return ref_order[flat_index[ref_order] == expert]
+
         def alone(expert: int, out: torch.Tensor) -> None:
             """An expert computed alone: its output on each of its pairs, weighted, into their rows."""
-            flat = np.flatnonzero(flat_index == expert)
+            flat = pairs_of(expert)
             at = torch.from_numpy(flat).to(device)
             put(flat, out * top_k_weights.reshape(-1)[at, None])
 
         def tokens(expert: int) -> torch.Tensor:
-            return hidden[torch.from_numpy(np.flatnonzero(flat_index == expert) // K).to(device)]
+            return hidden[torch.from_numpy(pairs_of(expert) // K).to(device)]
 
         on_host = {need.key[1]: self.host.submit(module, need.key, tokens(need.key[1])) for need in work.host}
         partial: dict[int, dict[str, torch.Tensor]] = {}  # expert -> part -> output (units computed alone)
