@@ -385,8 +385,11 @@ def reference_order(top_k_index: torch.Tensor, pairs: torch.Tensor | None = None
     in routing order): those pairs' positions among themselves in that order, for ``grouped_rows``'s
     ``order`` over them alone (a batch of the layer's experts)."""
     perm = torch.sort(top_k_index.reshape(-1))[1]
-    if pairs is None:
-        return perm
+    return perm if pairs is None else order_among(perm, pairs)
+
+
+def order_among(perm: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """``pairs``' positions among themselves in the layer's order ``perm`` (``reference_order``'s)."""
     rank = torch.empty_like(perm)
     rank[perm] = torch.arange(perm.numel(), device=perm.device)
     return torch.argsort(rank[pairs])

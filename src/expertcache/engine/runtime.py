@@ -32,6 +32,7 @@ from expertcache.engine.kernels import (
     compiled_rows,
     decode_rows,
     grouped_rows,
+    order_among,
     reference_order,
 )
 from expertcache.engine.kv import grow
@@ -370,7 +371,8 @@ class Engine:
 
         # an expert's pairs in transformers' order of its group's rows (``kernels.grouped_rows``: on more
         # than one thread a row's bits depend on its place), on a CPU; in routing order elsewhere
-        ref_order = reference_order(top_k_index).numpy() if self._on_cpu else None
+        ref = reference_order(top_k_index) if self._on_cpu else None  # sorted once a layer
+        ref_order = None if ref is None else ref.numpy()
 
         def pairs_of(expert: int) -> np.ndarray:
             if ref_order is None:
@@ -404,7 +406,7 @@ class Engine:
                     at = torch.from_numpy(flat).to(device)
                     ids = slots_of.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
                     pairs = top_k_weights.reshape(-1)[at].unsqueeze(1)
-                    order = reference_order(top_k_index, at) if self._on_cpu else None
+                    order = None if ref is None else order_among(ref, at)
                     put(flat, self._rows(module, pool, hidden[at // K], ids, pairs, order))
             for key, part in batch:  # an expert's parts may come in different batches
                 if part not in pools:
