@@ -13,10 +13,20 @@
 #   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
 #           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
 #           precision); 5 minutes at most, the checkpoint and the int4 copies too
-#   attention issue 31: decode attention's cost per new key length with and without cuDNN's backend, the
-#           driver's JIT cache on and off (bench/attention_gpu.py; all six backend sets measured on an H200
-#           on 2026-11-27, docs/BENCHMARKS.md), then the 100 % server on the serve part's checkpoint with
-#           --attention sdpa and sdpa_no_cudnn, a cold JIT cache each; 4 minutes with the checkpoint
+#   attention issue 31: the server on the serve part's checkpoint at 100 % and at 25 % (TLFU/batch), 16
+#           and 64 clients, with --attention sdpa_no_cudnn and sdpa, a cold JIT cache each (as on a machine
+#           just started); 6 minutes with the checkpoint. Decode attention's cost per new key length alone
+#           is bench/attention_gpu.py's (all six backend sets measured on an H200 on 2026-11-27)
+#   grouped issues 31 and 30: why the grouped kernel is not bit-exact on a GPU, one difference at a time,
+#           and one layer's experts at 1-256 tokens grouped against one at a time (bench/grouped_gpu.py),
+#           then the same at the tests' tiny shapes in float32 and bfloat16; then the attention part's
+#           servers with --kernel grouped (sdpa_no_cudnn); 4 minutes
+#
+#   selftest  `expertcache selftest --device cuda`: 568 checks, every family in bfloat16 too, the default
+#           attention on a GPU (sdpa_no_cudnn) and transformers' own sdpa; 5 minutes at most
+#   exact-grouped  the engine's exactness tests with the grouped kernel against transformers' grouped_mm
+#           on the GPU (EXPERTCACHE_TEST_KERNEL=grouped), stopping at the first failure, with the failure's
+#           figures; 3 minutes at most
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
 # install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
@@ -26,7 +36,7 @@
 # returns only names of letters, digits, '.', '_' and '-').
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PARTS="tests tiers serve kernels hobbit attention"
+PARTS="tests tiers serve kernels hobbit attention grouped selftest exact-grouped"
 if [ "$#" -lt 2 ]; then
   echo "usage: bench/gpu_checks.sh OUT PART... (parts: $PARTS)" >&2
   exit 2
@@ -95,16 +105,48 @@ for part in "$@"; do
       ;;
     attention)
       stamp "attention"
-      timeout 100 python3 bench/attention_gpu.py --backends default no-cudnn --out "$OUT/attention_gpu.json" 2>&1 \
-        | tee "$OUT/attention.log"
       qwen_checkpoint || continue
-      for att in sdpa sdpa_no_cudnn; do  # a cold JIT cache, as on a machine just started
-        CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
-          --compare 100% --attention "$att" --clients 16 --duration 10 --single 6 --rounds 1 --warm 3 \
-          --tokens 16-48 --out "$OUT/serve_gpu_attention_$att.json" >"$OUT/serve_attention_$att.log" 2>&1
-        stamp "serve 100% attention $att rc $?"
-        grep -E "^  (1 client|16 clients):" "$OUT/serve_attention_$att.log" | cut -c1-220
+      for cell in 100% 25%:tlfu:batch; do
+        for att in sdpa_no_cudnn sdpa; do  # one log for all four: the device tool returns 8 files a run
+          name=$(printf %s "${cell}_$att" | tr -c 'a-z0-9_' '_')
+          CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
+            --compare "$cell" --attention "$att" --clients 16,64 --duration 10 --single 6 --rounds 1 --warm 3 \
+            --tokens 16-48 --out "$OUT/serve_gpu_attention_$name.json" >>"$OUT/serve_attention.log" 2>&1
+          stamp "serve $cell attention $att rc $?"
+          grep -E "^  (1 client|16 clients|64 clients):" "$OUT/serve_attention.log" | tail -3 | cut -c1-220
+        done
       done
+      ;;
+    grouped)
+      stamp "grouped"
+      timeout 90 python3 bench/grouped_gpu.py --out "$OUT/grouped_gpu.json" 2>&1 | tee "$OUT/grouped.log"
+      for dtype in float32 bfloat16; do  # the tests' tiny models' shapes, where the H100's tests differed
+        timeout 60 python3 bench/grouped_gpu.py --experts 8 --top-k 2 --hidden 32 --intermediate 32 \
+          --tokens 1,7,16 --dtype "$dtype" --out "$OUT/grouped_gpu_tiny_$dtype.json" 2>&1 | tee -a "$OUT/grouped.log"
+      done
+      qwen_checkpoint || continue
+      for cell in 100% 25%:tlfu:batch; do
+        name=$(printf %s "$cell" | tr -c 'a-z0-9_' '_')
+        CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
+          --compare "$cell" --attention sdpa_no_cudnn --kernel grouped --clients 16,64 --duration 10 \
+          --single 6 --rounds 1 --warm 3 --tokens 16-48 --out "$OUT/serve_gpu_grouped_$name.json" \
+          >>"$OUT/serve_grouped.log" 2>&1
+        stamp "serve $cell grouped rc $?"
+        grep -E "^  (1 client|16 clients|64 clients):" "$OUT/serve_grouped.log" | tail -3 | cut -c1-220
+      done
+      ;;
+    selftest)
+      stamp "selftest"
+      timeout 300 python3 -m expertcache.cli selftest --device cuda >"$OUT/selftest.log" 2>&1
+      stamp "selftest rc $?"
+      grep -v -E "^PASS " "$OUT/selftest.log" | tail -25
+      ;;
+    exact-grouped)
+      stamp "exact-grouped"
+      EXPERTCACHE_TEST_DEVICE=cuda EXPERTCACHE_TEST_KERNEL=grouped timeout 180 python3 -m pytest -x -n 0 \
+        -p no:cacheprovider tests/test_engine.py -k "exact or equal" >"$OUT/exact_grouped.log" 2>&1
+      stamp "exact-grouped rc $?"
+      grep -E "^(FAILED|ERROR|E )|[0-9]+ (passed|failed)" "$OUT/exact_grouped.log" | head -30
       ;;
   esac
 done

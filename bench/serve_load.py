@@ -363,6 +363,7 @@ def server_command(args, port: int, config: str) -> list[str]:
         ("miss", miss or args.miss),
         ("schedule", args.schedule),
         ("attention", args.attention),
+        ("kernel", args.kernel),
     ):
         if value:
             cmd += [f"--{flag}", value]
@@ -498,6 +499,11 @@ def main() -> int:
         "--attention",
         choices=["sdpa", "eager", "sdpa_no_cudnn"],
         help="the server's --attention (default: sdpa)",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=["auto", "grouped", "eager", "compiled", "packed"],
+        help="the server's --kernel (default: its own, auto)",
     )
     p.add_argument("--compare", metavar="CONFIG,...", help="servers at each config (MEM or "
                    "MEM:POLICY[:MISS]) in turn, alternating over --rounds, each against the last "
