@@ -2,7 +2,8 @@
 
 - Every family runs through the engine with ``eager`` attention, at a small budget from disk: tokens and
   logits bit-identical to transformers loaded with the same attention; the stats say which one ran, and
-  the default is transformers' own (``sdpa``).
+  the default is transformers' own (``sdpa``), except on a GPU, where it is ``sdpa_no_cudnn`` in place of
+  ``sdpa``.
 - ``quality --attention eager`` compares against a reference with the same attention: exact on ``fetch``.
 - A name the engine does not run is one line (exit 2 from the CLI); the CLI's list is the engine's.
 """
@@ -47,6 +48,32 @@ def test_the_default_is_transformers_own(ckpt):
     ref = load_reference(path, device="cpu")
     with engine_load(path) as m:
         assert m.stats["attention"] == ref.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "gpt_oss"])
+def test_the_default_on_a_gpu_is_sdpa_without_cudnn_where_transformers_takes_sdpa(family, ckpt):
+    """On a GPU the default replaces transformers' sdpa with sdpa_no_cudnn, in the engine and its reference
+    alike; a family whose default is eager keeps it, an attention asked for is kept, a CPU keeps sdpa. The
+    device only names where the model will run: nothing here needs a GPU."""
+    from expertcache.engine.loader import build_skeleton, default_attention
+
+    path = ckpt(family)
+    want = "sdpa_no_cudnn" if family == "granitemoe" else "eager"
+    assert build_skeleton(path, device="cuda").model.config._attn_implementation == want
+    assert build_skeleton(path, device=torch.device("cuda", 0)).model.config._attn_implementation == want
+    own = "sdpa" if family == "granitemoe" else "eager"
+    assert build_skeleton(path, device="cpu").model.config._attn_implementation == own
+    assert build_skeleton(path).model.config._attn_implementation == own
+    ref = load_reference(path, device="cpu")
+    default_attention(ref, None, "cuda")  # what load_reference(device="cuda") does after loading
+    assert ref.config._attn_implementation == want
+    ref = load_reference(path, device="cpu", attention="eager")
+    default_attention(ref, "eager", "cuda")
+    assert ref.config._attn_implementation == "eager"
+    if family == "granitemoe":
+        ref = load_reference(path, device="cpu", attention="sdpa")
+        default_attention(ref, "sdpa", "cuda")  # asked for: transformers' own sdpa, cuDNN allowed
+        assert ref.config._attn_implementation == "sdpa"
 
 
 def test_quality_compares_against_the_same_attention(ckpt, capsys):

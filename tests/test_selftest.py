@@ -203,7 +203,7 @@ def test_default_plan_covers_every_family_policy_predictor_budget_and_exact_path
     for family in FAMILIES:  # every family runs every path
         assert {c.miss for c in cases if c.family == family} == set(st.MISSES)
     # linear in the families (each: the plain path and every miss path), not the cross product of
-    # families, policies, predictors and budgets (18: the further checks, sdpa_no_cudnn's two included)
+    # families, policies, predictors and budgets (18: the further checks, the two attentions' included)
     assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 18
     assert any(dict(c.options).get("host_stage") for c in cases)  # three tiers, staging included
     assert any(dict(c.options).get("host_exclusive") for c in cases)  # and an exclusive host level
@@ -242,7 +242,8 @@ def test_tolerance(case, device, atol):
 def test_quantised_dense_layers_other_tools_checkpoints_and_an_attention_pass_on_the_cpu(tmp_path):
     """The full plan's checks of ``--quantize-dense`` (against transformers with the same layers
     quantised, bit for bit), of FP8 and MXFP4 checkpoints (against transformers dequantising them) and of
-    ``--attention sdpa_no_cudnn`` (against transformers loaded with it; on a GPU in bf16 too)."""
+    ``--attention sdpa_no_cudnn`` (against transformers loaded with it; on a GPU, where it is the default,
+    transformers' own sdpa in bf16 too)."""
     models = st.Models(tmp_path, CPU)
     cases = [c for c in st.plan(CPU) if c.dense or c.packing or c.attention]
     assert len(cases) == 4
@@ -252,8 +253,8 @@ def test_quantised_dense_layers_other_tools_checkpoints_and_an_attention_pass_on
         assert ("checkpoint=" in check.line()) is (case.packing is not None)
     ran = {key[-1]: m.config._attn_implementation for key, m in models._built.items() if key[0] == "eager"}
     assert ran["sdpa_no_cudnn"] == "sdpa_no_cudnn"  # the reference ran it, not transformers' default
-    gpu = [c for c in st.plan(torch.device("cuda")) if c.attention]
-    assert [c.dtype for c in gpu] == ["float32", "bfloat16"]
+    gpu = [c for c in st.plan(torch.device("cuda")) if c.attention]  # on a GPU sdpa_no_cudnn is the default
+    assert [(c.dtype, c.attention) for c in gpu] == [("float32", "sdpa_no_cudnn"), ("bfloat16", "sdpa")]
 
 
 def test_a_logit_difference_alone_fails_a_bit_exact_check():

@@ -27,8 +27,8 @@ ATTENTION = ["sdpa", "eager", "sdpa_no_cudnn"]  # engine.loader.ATTENTION (the s
 ATTENTION_HELP = (
     "transformers' attention implementation: sdpa, eager, or sdpa_no_cudnn (sdpa with cuDNN's backend left "
     "out: on a GPU cuDNN plans every new key length, 33 ms each on an H200), each exact against "
-    "transformers loaded with it (default: transformers' default: sdpa, eager where it has none; on a CPU "
-    "in bfloat16 eager decodes faster at long contexts)"
+    "transformers loaded with it (default: transformers' default, sdpa or eager where it has none, with "
+    "sdpa_no_cudnn in place of sdpa on a GPU; on a CPU in bfloat16 eager decodes faster at long contexts)"
 )
 SLOW_TIER_HELP = (
     "where experts wait: host memory (default on cuda), the disk (exact reads, nothing left in the page "

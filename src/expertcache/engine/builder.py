@@ -181,8 +181,9 @@ class Builder:
         check_attention(attention)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None
         show = sys.stderr.isatty() if progress is None else progress
+        dense = quantize_dense is not None
         sk = build_skeleton(
-            self.path, dtype, progress=show, attention=attention, quantized_dense=quantize_dense is not None
+            self.path, dtype, progress=show, attention=attention, quantized_dense=dense, device=self.device
         )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k

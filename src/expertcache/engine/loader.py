@@ -183,15 +183,30 @@ def check_attention(attention: str | None) -> str | None:
     )
 
 
+def default_attention(model: torch.nn.Module, attention: str | None, device) -> None:
+    """The engine's default attention on ``device``, set on ``model`` (the engine's or its reference's
+    alike): transformers' default, except on a GPU where that default is ``sdpa``: ``sdpa_no_cudnn``
+    (``engine.attention``). cuDNN's attention, which torch prefers on Hopper for heads without grouping,
+    plans every new key length, and every decode step has one: on an H200 a server at 16 clients made 14.6
+    tokens a second with it on a machine just started, 247 without it (docs/BENCHMARKS.md). An
+    ``attention`` asked for is left as asked (``sdpa``: transformers' own, cuDNN allowed)."""
+    if attention is not None or device is None or torch.device(device).type != "cuda":
+        return
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(check_attention("sdpa_no_cudnn"))
+
+
 def build_skeleton(
     path: str | Path,
     dtype=None,
     progress: bool = False,
     attention: str | None = None,
     quantized_dense: bool = False,
+    device=None,
 ) -> Skeleton:
     """The model with non-expert weights loaded (on CPU) and an expert store for the rest; its attention in
-    transformers' implementation ``attention`` (``ATTENTION``; None: transformers' default).
+    transformers' implementation ``attention`` (``ATTENTION``; None: transformers' default, or on a GPU
+    ``default_attention``'s, for a ``device`` the engine will run on).
     ``quantized_dense``: the dense layers will be quantised next (``engine.dense``), so their weights are
     read as stored where that is narrower than ``dtype`` (a bfloat16 checkpoint run in float32 does not
     hold every dense weight in float32 at once for the moment before it is quantised)."""
@@ -211,6 +226,7 @@ def build_skeleton(
         model = causal_lm_class(config).from_config(
             config, experts_implementation=IMPLEMENTATION, dtype=dtype, **_attention_kwargs(attention)
         )
+    default_attention(model, attention, device)
     experts, prefixes, shapes = [], [], None
     for name, module in model.named_modules():
         if not _is_experts(module):
@@ -415,7 +431,7 @@ def load_reference(
     ``experts`` implementation (``"eager"``, ``"grouped_mm"``, ``"batched_mm"``); by default the one the
     engine's default kernel on ``device`` is exact against (``engine.kernels``: ``grouped_mm`` where
     torch has it). ``attention``: transformers' attention implementation (``ATTENTION``; None: its
-    default), as the engine's ``load(attention=...)``.
+    default, ``default_attention``'s on a GPU), as the engine's ``load(attention=...)``.
 
     Every tensor is cloned into fresh memory, as the engine's slots and dense weights are, so that
     both see the same alignment (weights read in place from a memory map can round differently).
@@ -437,6 +453,7 @@ def load_reference(
             str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention),
             **_dequantized(config),
         )  # fmt: skip
+    default_attention(model, attention, device)
     if chosen is None:
         from expertcache.engine.kernels import not_grouped
 

@@ -350,15 +350,14 @@ def _further(device: torch.device) -> list[Case]:
             options=(("host_memory", "50%"), ("host_exclusive", True), ("link_bandwidth", "50MB/s")),
         ),  # fmt: skip
     ]
-    # sdpa without cuDNN's backend (engine.attention), against transformers loaded with it: on a GPU in
-    # bf16 too, where sdpa would take cuDNN's attention and this one flash or memory-efficient attention
+    # sdpa without cuDNN's backend (engine.attention), against transformers loaded with it; on a GPU it is
+    # the default (every CUDA case below runs it), and transformers' own sdpa, which may take cuDNN's
+    # attention there, is asked for by name
     cases.append(
         Case("qwen2_moe", "lru", "half", prefetch="next-gate", options=(("attention", "sdpa_no_cudnn"),))
     )
     if device.type == "cuda":  # bf16: tokens equal
-        cases.append(
-            Case("qwen2_moe", "lru", "min", dtype="bfloat16", options=(("attention", "sdpa_no_cudnn"),))
-        )
+        cases.append(Case("qwen2_moe", "lru", "min", dtype="bfloat16", options=(("attention", "sdpa"),)))
         cases += [Case(f, "lru", "min", prefetch="next-gate", dtype="bfloat16") for f in FAMILIES]
         split = "split:theta=0.5,buffer=1"
         cases += [Case(f, "lcp", "half", split, dtype="bfloat16") for f in ("mixtral", "gpt_oss")]
