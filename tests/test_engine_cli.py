@@ -165,6 +165,7 @@ def test_generate_text_mode_prints_the_text_on_stdout_and_the_stats_on_stderr(ca
     assert f"{r['prompt_tokens']} prompt + {r['new_tokens']} new tokens" in table
     assert f"cache {r['capacity_experts']}/{r['total_experts']} experts (lru, cpu)" in table
     assert "TTFT" in table and "TPOT" in table
+    assert f"| {r['kernel']} kernel | {r['attention']} attention" in table  # what computed it, by name
 
 
 def test_generate_stream_json_prints_a_line_per_token_then_the_result(capsys, ckpt):

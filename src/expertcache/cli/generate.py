@@ -453,7 +453,8 @@ def summary(out: dict) -> str:
     lines = [
         f"---\n{out['prompt_tokens']} prompt + {out['new_tokens']} new tokens ({out['finish_reason']}) | "
         f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
-        f"{out['tokens_per_s']:.1f} tok/s",
+        f"{out['tokens_per_s']:.1f} tok/s"
+        + "".join(f" | {out[k]} {k}" for k in ("kernel", "attention") if out.get(k)),
         f"cache {out['capacity_experts']}/{out['total_experts']} experts ({out['policy']}, {out['device']}"
         f"{'' if out['miss'] == 'fetch' else ', miss ' + str(out['miss'])}) | hits {out['hits']} | "
         f"misses {out['misses']} | "
