@@ -151,7 +151,7 @@ def measure(
         impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
-        ran = model.stats["attention"]  # transformers' default resolved: sdpa, or eager where it has no sdpa
+        ran = model.stats["attention"]  # the default resolved: sdpa (on a GPU sdpa_no_cudnn), or eager
         if reference is not None and reference.model.config._attn_implementation != ran:
             raise ExpertcacheError(
                 f"the reference given runs attention {reference.model.config._attn_implementation}, not {ran}"
