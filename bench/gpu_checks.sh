@@ -13,14 +13,15 @@
 #   hobbit  issue 30: hobbit against fetch at 25 % on 4 of Mixtral-8x7B's layers with top-2 gate weights
 #           drawn as HOBBIT reports Mixtral's (a random router's even split sends nothing to low
 #           precision); 5 minutes at most, the checkpoint and the int4 copies too
-#   attention issue 31: the server on the serve part's checkpoint at 100 % and at 25 % (TLFU/batch), 16
-#           and 64 clients, with --attention sdpa_no_cudnn and sdpa, a cold JIT cache each (as on a machine
-#           just started); 6 minutes with the checkpoint. Decode attention's cost per new key length alone
+#   attention issue 31: the server on the serve part's checkpoint at 100 % and at 25 % (TLFU/batch), with
+#           --attention sdpa_no_cudnn (16 and 64 clients) and sdpa (16 clients: cuDNN's planning makes it
+#           too slow for 64 in the time), a cold JIT cache each (as on a machine just started); 6.5 minutes
+#           with the checkpoint on an H200, 10 at most. Decode attention's cost per new key length alone
 #           is bench/attention_gpu.py's (all six backend sets measured on an H200 on 2026-11-27)
 #   grouped issues 31 and 30: why the grouped kernel is not bit-exact on a GPU, one difference at a time,
 #           and one layer's experts at 1-256 tokens grouped against one at a time (bench/grouped_gpu.py),
 #           then the same at the tests' tiny shapes in float32 and bfloat16; then the attention part's
-#           servers with --kernel grouped (sdpa_no_cudnn); 4 minutes
+#           servers with --kernel grouped (sdpa_no_cudnn); 3.5 minutes on an H200, 9.5 at most
 #
 #   selftest  `expertcache selftest --device cuda`: 568 checks, every family in bfloat16 too, the default
 #           attention on a GPU (sdpa_no_cudnn) and transformers' own sdpa; 5 minutes at most
@@ -41,13 +42,14 @@ if [ "$#" -lt 2 ]; then
   echo "usage: bench/gpu_checks.sh OUT PART... (parts: $PARTS)" >&2
   exit 2
 fi
-OUT=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "bench/gpu_checks.sh: cannot write to $1" >&2; exit 2; }
-shift
-for part in "$@"; do  # every part known before any runs
+for part in "${@:2}"; do  # every part known before any runs, or OUT made
   case " $PARTS " in *" $part "*) ;; *) echo "bench/gpu_checks.sh: unknown part $part ($PARTS)" >&2; exit 2;; esac
 done
+OUT=$(mkdir -p "$1" 2>/dev/null && cd "$1" && pwd) || { echo "bench/gpu_checks.sh: cannot write to $1" >&2; exit 2; }
+shift
 cd "$HERE" || exit 2
 CACHE=${TMPDIR:-/tmp}/expertcache-gpu
+mkdir -p "$CACHE" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/bench
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 qwen_checkpoint() {  # sets $model: Qwen1.5-MoE's shapes, SERVE_LAYERS layers, the tokenizer's vocabulary
@@ -109,11 +111,13 @@ for part in "$@"; do
       for cell in 100% 25%:tlfu:batch; do
         for att in sdpa_no_cudnn sdpa; do  # one log for all four: the device tool returns 8 files a run
           name=$(printf %s "${cell}_$att" | tr -c 'a-z0-9_' '_')
+          clients=16,64; [ "$att" = sdpa ] && clients=16
           CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
-            --compare "$cell" --attention "$att" --clients 16,64 --duration 10 --single 6 --rounds 1 --warm 3 \
-            --tokens 16-48 --out "$OUT/serve_gpu_attention_$name.json" >>"$OUT/serve_attention.log" 2>&1
+            --compare "$cell" --attention "$att" --clients "$clients" --duration 10 --single 6 --rounds 1 \
+            --warm 3 --tokens 16-48 --out "$OUT/serve_gpu_attention_$name.json" >"$CACHE/run.log" 2>&1
           stamp "serve $cell attention $att rc $?"
-          grep -E "^  (1 client|16 clients|64 clients):" "$OUT/serve_attention.log" | tail -3 | cut -c1-220
+          grep -E "^  (1 client|16 clients|64 clients):" "$CACHE/run.log" | cut -c1-220
+          cat "$CACHE/run.log" >>"$OUT/serve_attention.log"
         done
       done
       ;;
@@ -130,9 +134,10 @@ for part in "$@"; do
         CUDA_CACHE_DISABLE=1 timeout 120 python3 bench/serve_load.py --device cuda --model "$model" \
           --compare "$cell" --attention sdpa_no_cudnn --kernel grouped --clients 16,64 --duration 10 \
           --single 6 --rounds 1 --warm 3 --tokens 16-48 --out "$OUT/serve_gpu_grouped_$name.json" \
-          >>"$OUT/serve_grouped.log" 2>&1
+          >"$CACHE/run.log" 2>&1
         stamp "serve $cell grouped rc $?"
-        grep -E "^  (1 client|16 clients|64 clients):" "$OUT/serve_grouped.log" | tail -3 | cut -c1-220
+        grep -E "^  (1 client|16 clients|64 clients):" "$CACHE/run.log" | cut -c1-220
+        cat "$CACHE/run.log" >>"$OUT/serve_grouped.log"
       done
       ;;
     selftest)

@@ -1,6 +1,6 @@
 """Why the grouped kernel is not bit-exact on a GPU, and what it would save: ``grouped_mm`` over the slot
 pool against transformers' call over the layer's own stacked experts, one difference at a time, and one
-MoE layer's experts at 1, 16 and 64 tokens by the grouped kernel and by one expert at a time.
+MoE layer's experts at 1 to 256 tokens by the grouped kernel and by one expert at a time.
 
 The reference is transformers' ``grouped_mm_experts_forward``'s call: rows sorted by expert id, one group
 per expert (E groups), weights ``[E, 2F, H]`` contiguous, transposed views. Each variant changes one
@@ -159,7 +159,7 @@ def timing(T, K, E, H, F_, gen, reps=30, pool_layers=8) -> dict:
     res = {}
     for name, fn in (
         ("grouped", run_grouped),
-        (f"grouped_{S}_slots", run_grouped_pool),
+        ("grouped_pool", run_grouped_pool),
         ("eager", run_eager),
     ):
         for _ in range(3):
@@ -175,20 +175,33 @@ def timing(T, K, E, H, F_, gen, reps=30, pool_layers=8) -> dict:
             times.append(time.perf_counter() - t0)
         times.sort()
         res[f"{name}_ms"] = round(1000 * times[len(times) // 2], 4)
+    res["pool_slots"] = S
     return res
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=int, default=60)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--tokens", default="1,4,16,64,256")
-    p.add_argument("--out")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script")
+    p.add_argument("--experts", type=int, default=60, help="experts a layer (default 60)")
+    p.add_argument("--top-k", type=int, default=4, help="experts a token (default 4)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
+    p.add_argument(
+        "--intermediate", type=int, default=1408, help="an expert's intermediate size (default 1408)"
+    )
+    p.add_argument(
+        "--tokens", default="1,4,16,64,256", help="token counts, a comma list (default 1,4,16,64,256)"
+    )
+    p.add_argument("--out", help="write the results here as JSON (default: print them to stdout)")
+    p.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens {args.tokens!r} is not a comma list of whole numbers")
+    if min(tokens) < 1 or not 1 <= args.top_k <= args.experts:
+        p.error("--tokens must be at least 1 and --top-k between 1 and --experts")
     global DEV, DTYPE
     DEV, DTYPE = args.device, getattr(torch, args.dtype)
     if DEV == "cuda" and not torch.cuda.is_available() or not hasattr(F, "grouped_mm"):
@@ -204,7 +217,7 @@ def main(argv=None) -> int:
         "shape": dict(zip(("top_k", "experts", "hidden", "intermediate"), shape, strict=True)),
         "by_tokens": {},
     }
-    for T in (int(t) for t in args.tokens.split(",")):
+    for T in tokens:
         r = {"bits": probe(T, *shape, gen), "layer_time": timing(T, *shape, gen)}
         result["by_tokens"][str(T)] = r
         print(T, json.dumps(r), file=sys.stderr, flush=True)

@@ -498,7 +498,7 @@ def main() -> int:
     p.add_argument(
         "--attention",
         choices=["sdpa", "eager", "sdpa_no_cudnn"],
-        help="the server's --attention (default: sdpa)",
+        help="the server's --attention (default: the server's own: sdpa, on a GPU sdpa_no_cudnn)",
     )
     p.add_argument(
         "--kernel",

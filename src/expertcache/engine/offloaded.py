@@ -524,7 +524,8 @@ def load(
     ``attention`` (transformers' attention implementation: ``"sdpa"``, ``"eager"`` or ``"sdpa_no_cudnn"``
     (``sdpa`` without cuDNN's backend, which plans every new key length on a GPU: ``engine.attention``),
     exact against transformers loaded with the same; default None: transformers' default, ``sdpa`` or
-    ``eager`` where it has none; on a CPU in bfloat16 ``eager`` decodes faster at long contexts:
+    ``eager`` where it has none, with ``sdpa_no_cudnn`` in ``sdpa``'s place on a GPU
+    (``engine.loader.default_attention``); on a CPU in bfloat16 ``eager`` decodes faster at long contexts:
     ``engine.loader.ATTENTION``),
     ``slow_tier``
     (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``

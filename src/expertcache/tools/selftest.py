@@ -477,7 +477,7 @@ class Models:
         """transformers' run of the checkpoint on the device, with the experts implementation of the
         default kernel (``engine.loader.load_reference``; another tool's layout dequantised), its dense
         layers quantised as the engine's where ``dense`` (``engine.dense.quantize_dense``), its attention
-        ``attention`` (None: transformers' default)."""
+        ``attention`` (None: transformers' default, ``sdpa_no_cudnn`` in ``sdpa``'s place on a GPU)."""
         from expertcache.engine.loader import load_reference
 
         def build():
