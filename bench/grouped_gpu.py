@@ -32,18 +32,25 @@ DEV = "cuda"
 DTYPE = torch.bfloat16
 
 
-def reference(x, ids, w, E):
-    """transformers' grouped call: sort by id, gather, histogram offsets, grouped_mm."""
-    ids_g, perm = torch.sort(ids)
-    offs = torch.cumsum(
-        torch.histc(ids_g.int() if ids_g.is_cuda else ids_g.float(), bins=E, min=0, max=E - 1),
-        dim=0,
-        dtype=torch.int32,
-    )
-    out = F.grouped_mm(x[perm], w.transpose(-2, -1), offs=offs)
+def offsets(ids_g, n):
+    """grouped_mm's group ends from sorted ids, by histogram (transformers' way)."""
+    counts = torch.histc(ids_g.int() if ids_g.is_cuda else ids_g.float(), bins=n, min=0, max=n - 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def call(x, ids_g, perm, w, n):
+    """One grouped product of ``x``'s rows in the order ``perm`` (ids ``ids_g``) by ``w`` ``[n, out, in]``,
+    its rows put back in ``x``'s order."""
+    out = F.grouped_mm(x[perm], w.transpose(-2, -1), offs=offsets(ids_g, n))
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return out[inv]
+
+
+def reference(x, ids, w, E):
+    """transformers' grouped call: sort by id, gather, histogram offsets, grouped_mm."""
+    ids_g, perm = torch.sort(ids)
+    return call(x, ids_g, perm, w, E)
 
 
 def grouped(x, ids, w, S, perm=None):
@@ -52,15 +59,7 @@ def grouped(x, ids, w, S, perm=None):
         ids_g, perm = torch.sort(ids, stable=True)
     else:
         ids_g = ids[perm]
-    offs = torch.cumsum(
-        torch.histc(ids_g.int() if ids_g.is_cuda else ids_g.float(), bins=S, min=0, max=S - 1),
-        dim=0,
-        dtype=torch.int32,
-    )
-    out = F.grouped_mm(x[perm], w.transpose(-2, -1), offs=offs)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return out[inv]
+    return call(x, ids_g, perm, w, S)
 
 
 def compare(a, b) -> dict:
@@ -126,11 +125,7 @@ def timing(T, K, E, H, F_, gen, reps=30, pool_layers=8) -> dict:
 
     def grouped_over(gu, d, ids, n):
         ids_g, perm = torch.sort(ids)
-        offs = torch.cumsum(
-            torch.histc(ids_g.int() if ids_g.is_cuda else ids_g.float(), bins=n, min=0, max=n - 1),
-            dim=0,
-            dtype=torch.int32,
-        )
+        offs = offsets(ids_g, n)
         h = F.grouped_mm(x[perm // K], gu.transpose(-2, -1), offs=offs)
         g, u = h.chunk(2, dim=-1)
         o = F.grouped_mm(F.silu(g) * u, d.transpose(-2, -1), offs=offs) * wts.reshape(-1)[perm, None]
