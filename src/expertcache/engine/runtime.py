@@ -373,11 +373,12 @@ class Engine:
         # than one thread a row's bits depend on its place), on a CPU; in routing order elsewhere
         ref = reference_order(top_k_index) if self._on_cpu else None  # sorted once a layer
         ref_order = None if ref is None else ref.numpy()
+        ids_in_order = None if ref is None else flat_index[ref_order]  # each pair's expert, in that order
 
         def pairs_of(expert: int) -> np.ndarray:
             if ref_order is None:
                 return np.flatnonzero(flat_index == expert)
-            return ref_order[flat_index[ref_order] == expert]
+            return ref_order[ids_in_order == expert]
 
         def alone(expert: int, out: torch.Tensor) -> None:
             """An expert computed alone: its output on each of its pairs, weighted, into their rows."""
