@@ -402,15 +402,22 @@ def test_ctrl_c_in_a_chat_reply_stops_that_reply_and_the_conversation_goes_on(
 
     monkeypatch.setattr(cli_gen, "_text_out", text_out)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
-    code, out, err = run(
-        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "12",
-        "--chat-template", str(template), "--stop", "NEVER-SEEN",  # the user's stop criteria stay
-    )  # fmt: skip
+    # Python's own handler, as in a terminal: a test run started in the background of a script inherits
+    # SIGINT ignored, and the reply restores whatever was there before it
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, out, err = run(
+            capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "12",
+            "--chat-template", str(template), "--stop", "NEVER-SEEN",  # the user's stop criteria stay
+        )  # fmt: skip
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert code == 0, err
     turns = [line for line in err.splitlines() if line.startswith("[")]
     assert len(turns) == 2 and "stopped by Ctrl-C" in turns[0] and "stopped" not in turns[1]
     assert int(turns[0][1:].split()[0]) < 12 and turns[1].startswith("[12 tokens")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after each reply
+    assert handler is signal.default_int_handler  # restored after each reply
 
 
 def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monkeypatch):
