@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -95,17 +96,27 @@ def test_every_record_is_complete(family):
     assert isinstance(rec.tiny, Tiny) and rec.tiny.layers > rec.dense_first >= 0 and rec.tiny.experts > TOP_K
 
 
-def test_a_twin_repeats_its_twins_experts_layout_and_router():
-    """Families left out of the miss-path cross products (``engine_fixtures.TWINS``) store their experts
-    as their twin does (the same slot tensors, each from fused or per-expert sources) and route alike."""
-    from engine_fixtures import TWINS
+def test_the_cross_products_run_one_family_of_each_layout_router_and_layer_numbering():
+    """``engine_fixtures.PATH_FAMILIES``: a family left out of the miss-path, tier and copy-plan cross
+    products stores and routes its experts as the family that stands for it, whose MoE layers are
+    numbered alike; the families that differ in any of these stand for themselves."""
+    from engine_fixtures import PATH_FAMILIES, REPRESENTS, path_signature
 
     def kinds(rec):
         return {name: tuple(src.fused for src in srcs) for name, srcs in rec.sources.items()}
 
-    for family, twin in TWINS.items():
-        a, b = RECORDS[family], RECORDS[twin]
-        assert kinds(a) == kinds(b) and a.router == b.router and a.router_inputs == b.router_inputs, family
+    assert set(REPRESENTS) == set(FAMILIES) and set(REPRESENTS.values()) == set(PATH_FAMILIES)
+    for family, stands in REPRESENTS.items():
+        a, b = RECORDS[family], RECORDS[stands]
+        assert kinds(a) == kinds(b) and (a.router, a.router_inputs) == (b.router, b.router_inputs), family
+        assert (a.dense_first > 0) == (b.dense_first > 0) and a.transposed_ok == b.transposed_ok, family
+    # each of these differs from every other family in what a miss path sees: each runs itself
+    apart = ["mixtral", "deepseek_v3", "gpt_oss", "granitemoe", "phimoe", "afmoe", "lfm2_moe", "nemotron_h"]
+    apart += ["gemma4_text", "qwen3_vl_moe_text", "muse_spark_text"]
+    assert len({REPRESENTS[f] for f in apart}) == len(apart)
+    assert len({path_signature(f) for f in apart}) == len(apart)
+    if os.environ.get("EXPERTCACHE_TEST_ALL_FAMILIES") != "1":
+        assert len(PATH_FAMILIES) < len(FAMILIES) / 2  # what keeps the test command within its time
 
 
 @pytest.mark.parametrize("field", REQUIRED)

@@ -93,15 +93,20 @@ def reference_hits(s, name: str, capacity: int, **params) -> np.ndarray:
 
 
 def _check_replays(s, names=COMPILED, caps=None) -> int:
+    """Each policy at each capacity: the compiled replay's misses per layer are ``replay``'s; request for
+    request its hits are ``reference_hits``' at a policy's smallest and middle capacities (the slow
+    oracle: at every capacity it was half of this module's time)."""
     checked = 0
     for name in names:
-        for c in caps or _capacities(s):
-            if name.endswith("-dist") and c < s.num_layers * s.min_room:
-                continue
+        feasible = [
+            c for c in caps or _capacities(s) if not name.endswith("-dist") or c >= s.num_layers * s.min_room
+        ]
+        for c in feasible:
             ref = replay(s, name, c)
             got, rooms, hits = fast.replay(s, name, c, record=True)
             assert got.tolist() == ref.layer_misses.tolist(), (name, c, s.order)
-            assert np.array_equal(hits, reference_hits(s, name, c)), (name, c, s.order)  # request for request
+            if c in (feasible[0], feasible[len(feasible) // 2]):  # request for request
+                assert np.array_equal(hits, reference_hits(s, name, c)), (name, c, s.order)
             assert bool((rooms < s.max_group_by_layer).any()) == ref.split_groups
             checked += 1
     return checked

@@ -606,9 +606,23 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         ),  # fmt: skip
     ],
 )
-def test_cli_refuses_bad_host_level_options_in_one_line(argv, message):
+def test_cli_refuses_bad_host_level_options_in_one_line(argv, message, capsys):
+    """In this process (a command's own process: ``test_the_console_script_refuses_a_host_option``)."""
+    from expertcache.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_console_script_refuses_a_host_option_in_one_line():
+    argv = ["generate", "--prompt", "hi", "--host-memory", "0"]
     done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert done.returncode == 2 and "host memory 0 holds no expert of" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
