@@ -607,7 +607,8 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
     ],
 )
 def test_cli_refuses_bad_host_level_options_in_one_line(argv, message, capsys):
-    """In this process (a command's own process: ``test_the_console_script_refuses_a_host_option``)."""
+    """In this process; a command's own process is
+    ``test_the_console_script_refuses_a_host_option_in_one_line``'s."""
     from expertcache.cli import main
 
     try:
