@@ -62,11 +62,13 @@ def path_signature(family: str) -> tuple:
 # in FAMILIES' order (17 of 55 families): across all families they were a third of the test command's
 # time. ``EXPERTCACHE_TEST_ALL_FAMILIES=1`` runs them on every family (before a release, or after a
 # change to how the engine reads or routes a family).
-REPRESENTS: dict[str, str] = {}  # family -> the family whose runs stand for it
+_FIRST: dict[tuple, str] = {}  # signature -> its first family
 for _family in FAMILIES:
-    REPRESENTS[_family] = next(f for f in FAMILIES if path_signature(f) == path_signature(_family))
-if os.environ.get("EXPERTCACHE_TEST_ALL_FAMILIES") == "1":
-    REPRESENTS = {f: f for f in FAMILIES}
+    _FIRST.setdefault(path_signature(_family), _family)
+REPRESENTS = {  # family -> the family whose runs stand for it
+    f: f if os.environ.get("EXPERTCACHE_TEST_ALL_FAMILIES") == "1" else _FIRST[path_signature(f)]
+    for f in FAMILIES
+}
 PATH_FAMILIES = tuple(f for f in FAMILIES if REPRESENTS[f] == f)
 
 ONLINE = [name for name in POLICIES if not is_offline(name)]
@@ -82,7 +84,9 @@ REFERENCE = {"eager": "eager", "grouped": "grouped_mm"}.get(KERNEL or "")
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread() -> Iterator[None]:
-    """Tiny matmuls on a loaded 2-core machine run ~50x faster on one thread than fighting for two."""
+    """Tiny matmuls on a loaded 2-core machine run ~50x faster on one thread than fighting for two.
+    conftest starts every test process on one (``OMP_NUM_THREADS``); this puts it back to one for each
+    module, whatever thread count an earlier test left behind."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

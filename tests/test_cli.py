@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_fixtures import exit_code
 
 from expertcache.cli import main
 from expertcache.errors import ExpertcacheError
@@ -358,10 +359,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, trace_file, argv, me
         "out": tmp_path / "o.npz",
     }
     argv = [a.format(**paths) for a in argv]
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own usage errors
-        code = e.code
+    code = exit_code(argv)
     _, err = capsys.readouterr()
     assert code == 2
     lines = err.strip().splitlines()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_fixtures import exit_code
 from engine_fixtures import _one_torch_thread, make_ckpt, tokenizer_dir  # noqa: F401  (fixtures)
 
 from expertcache.cli import main
@@ -382,10 +383,7 @@ class TestCli:
         extra = [a.format(file=tmp_path / "file") for a in extra]
         given = {"--model": str(tiny), "--out": str(tmp_path / "o")}  # an option is given once: extra's wins
         argv = ["train-predictor", *[a for k, v in given.items() if k not in extra for a in (k, v)], *extra]
-        try:
-            code = main(argv)
-        except SystemExit as e:  # argparse's own errors
-            code = e.code
+        code = exit_code(argv)
         err = capsys.readouterr().err
         assert code == 2
         assert len(err.strip().splitlines()) == 1 and match.format(tiny=tiny) in err

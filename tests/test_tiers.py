@@ -16,6 +16,7 @@ import time
 import engine_fixtures
 import pytest
 import torch
+from cli_fixtures import exit_code
 from engine_fixtures import PATH_FAMILIES, TOP_K, assert_exact, engine_load, greedy, total_experts
 from trace_fixtures import prefix, prefix_file
 
@@ -609,12 +610,7 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
 def test_cli_refuses_bad_host_level_options_in_one_line(argv, message, capsys):
     """In this process; a command's own process is
     ``test_the_console_script_refuses_a_host_option_in_one_line``'s."""
-    from expertcache.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's refusal
-        code = e.code
+    code = exit_code(argv)
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_fixtures import exit_code
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -722,10 +723,7 @@ def test_cli_text_on_the_default_trace(capsys):
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):
-    try:
-        code = main(["timing", "--trace", str(trace_file), *argv])
-    except SystemExit as e:  # argparse's own usage errors
-        code = e.code
+    code = exit_code(["timing", "--trace", str(trace_file), *argv])
     err = capsys.readouterr().err
     assert code == 2 and words in err and err.count("\n") == 1
 
