@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.transfers import DEMAND, FAILED, PENDING, READY, SPECULATIVE
 from expertcache.cli import main
-from expertcache.config import PrefetchConfig
+from expertcache.config import CacheConfig, PrefetchConfig
 from expertcache.costs import CostModel, chunks_pay
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import FULL
@@ -27,7 +27,7 @@ from expertcache.policy import POLICIES
 from expertcache.predict.base import PredictContext, Predictor, PredictorError
 from expertcache.sim.recorded import Recorded, make_sim_predictor
 from expertcache.sim.replay import replay
-from expertcache.sim.timing import format_timing, simulate_timing
+from expertcache.sim.timing import format_timing, run_timing, shared_runs, simulate_timing
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace import Trace, synthesize
 
@@ -430,6 +430,24 @@ def test_no_deadlock_at_the_minimum_capacity_with_a_wrong_predictor(name: str, w
             r.hits + r.misses == r.requests == replay(build_schedule(trace, "layer"), name, capacity).requests
         )
         assert r.stall_s >= 0 and r.cache["accuracy"] == 0.0
+
+
+def test_shared_runs_give_one_result_to_the_same_arguments_only_within_them():
+    """``shared_runs`` (the doctor's): a run asked again, its arguments spelled another way, is the first
+    one's result; other arguments are other runs; outside it every call runs."""
+    trace, cost = AGREE_TRACE, transfer(1.0, 3, dense_s=0.5)
+    with shared_runs():
+        first = run_timing(trace, 8, cost=cost)
+        assert (
+            run_timing(trace, 8, cache=CacheConfig("lru"), prefetch="none", miss="fetch", cost=cost) is first
+        )
+        other = run_timing(trace, 9, cost=cost)
+        assert other is not first and other.capacity == 9
+        assert run_timing(trace, 8, cache="lfu", cost=cost) is not first
+        with shared_runs():  # nested: the outer one's runs
+            assert run_timing(trace, 8, cost=cost) is first
+    again = run_timing(trace, 8, cost=cost)
+    assert again is not first and (again.misses, again.total_s) == (first.misses, first.total_s)
 
 
 def test_preemption_cancels_wrong_prefetches_and_saves_link_time():

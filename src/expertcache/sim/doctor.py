@@ -33,7 +33,7 @@ from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
-from expertcache.sim.timing import host_level_of, run_timing
+from expertcache.sim.timing import host_level_of, run_timing, shared_runs
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import one_capacity, whole_number
@@ -133,6 +133,11 @@ def diagnose(
     """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module). ``host`` and
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step.
     ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%")."""
+    with shared_runs():  # the on-demand run and the host levels' are among the plan's candidates
+        return _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity)
+
+
+def _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity) -> dict[str, object]:
     trace = as_trace(trace)
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     if isinstance(misses, str):

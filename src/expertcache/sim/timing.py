@@ -15,8 +15,11 @@ still in transit (stall). See docs/TIMING.md.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -156,6 +159,23 @@ class TimingResult:
         }
 
 
+_RUNS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("expertcache_timing_runs", default=None)
+
+
+@contextlib.contextmanager
+def shared_runs() -> Iterator[None]:
+    """Within it, ``run_timing`` called again with the same arguments returns the first call's result
+    (the timing model is deterministic): ``doctor`` asks for the on-demand run, each host level's and
+    the plan's candidates, and the plan's candidates include the first two. The results are shared, so a
+    caller must not change one. Nested uses share the outermost one's runs."""
+    token = _RUNS.set({}) if _RUNS.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _RUNS.reset(token)
+
+
 def run_timing(
     trace: Trace | str,
     capacity: int | str,
@@ -187,6 +207,34 @@ def run_timing(
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
+    runs = _RUNS.get()
+    if runs is None:
+        return _run_timing(
+            trace, capacity, cache_cfg, pf, miss, cost, predictor_trace, capacities, host, host_capacity
+        )
+    miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
+    # the objects themselves are kept with the result, so that no other object takes their ids meanwhile
+    held = (trace, predictor_trace, pf.predictor_object)
+    key = (*map(id, held), capacity, repr((cache_cfg, pf, miss_cfg, cost, capacities, host, host_capacity)))
+    if key not in runs:
+        runs[key] = (held, _run_timing(
+            trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
+        ))  # fmt: skip
+    return runs[key][1]
+
+
+def _run_timing(
+    trace: Trace,
+    capacity: int,
+    cache_cfg: CacheConfig,
+    pf: PrefetchConfig,
+    miss: MissConfig | str | None,
+    cost: CostModel | dict | str | None,
+    predictor_trace: Trace | None,
+    capacities: dict[str, object] | None,
+    host: HostConfig | str | None,
+    host_capacity: int | None,
+) -> TimingResult:
     if pf.predictor == AUTO_PREFETCH:
         raise ExpertcacheError(
             "prefetch 'auto' is the engine's choice of predictor; here name one, with "
