@@ -332,6 +332,10 @@ def test_plan_and_doctor_check_their_counts(trace):
         ec.make_plan(trace, 24, seed="x")
     with pytest.raises(ExpertcacheError, match="window_tokens must be a whole number, got '16'"):
         ec.diagnose(trace, 24, window_tokens="16")
+    with pytest.raises(ExpertcacheError, match="jobs must be at least 1, got 0"):
+        ec.make_plan(trace, 24, jobs=0)
+    with pytest.raises(ExpertcacheError, match="jobs must be a whole number, got 2.0"):
+        ec.diagnose(trace, 24, jobs=2.0)
 
 
 def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(short):

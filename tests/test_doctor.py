@@ -94,10 +94,21 @@ def test_doctor_cli_json_plot_and_bad_input(tmp_path, capsys):
         (["doctor", "--trace", str(trace), "--model", "x"], "--model and --prompts go together"),
         (["doctor", "--trace", str(trace), "--schedule", "prompts-first"], "give --concurrency"),
         (["doctor", "--trace", str(trace), "--plot", str(tmp_path / "d.xyz")], "xyz"),
+        (["doctor", "--trace", str(trace), "--jobs", "0"], "--jobs must be at least 1, got 0"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def test_the_runs_side_by_side_give_the_same_report():
+    """``jobs``: the doctor's timing runs (its predictors, the resident bound, the on-demand run, the
+    plan's candidates, the host levels) run on worker processes first; the report is the same."""
+    trace = synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
+    kw = dict(cost={"disk_read_s": 5e-3}, host_capacity=12)
+    one, two = (diagnose(trace, 8, jobs=jobs, **kw) for jobs in (1, 2))
+    assert one["levels"]["exclusive"]["host_misses"] >= 0 and one["predictors"]["eam"]["accuracy"] is not None
+    assert json.dumps(two) == json.dumps(one)
 
 
 def test_the_shared_qwen_trace_is_not_local():

@@ -185,6 +185,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--policy", "eam"], "-dist form and no parameters"),
         ([*plan_at, "16", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
         ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s has 2 times for a model"),
+        ([*plan_at, "16", "--jobs", "-1"], "--jobs must be at least 1, got -1"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
         (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),
     ]  # fmt: skip
@@ -347,3 +348,40 @@ def test_bare_placement_and_host_are_searched_per_layer_and_by_fill():
     plan = make_plan(default_trace(), 24, misses=("fetch", "placement"), methods=("shared",))
     assert {c["miss"] for c in plan.candidates} >= {"placement:first=1", "placement:first=5", "placement"}
     assert plan.predicted["tpot_s"] == min(c["tpot_s"] for c in plan.candidates)
+
+
+def test_the_candidates_run_side_by_side_give_the_same_plan():
+    """``jobs``: the candidates run first on worker processes (``warm_runs``); the plan, its candidates'
+    figures and its skipped list are those of one process, with a host level (inclusive and exclusive
+    under each host policy) and predictors among them."""
+    from expertcache.costs import CostModel
+
+    trace = synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
+    kw = dict(host_capacity=9, prefetches=("none", "eam"))
+    one = make_plan(trace, 8, CostModel(disk_read_s=5e-3), jobs=1, **kw)
+    two = make_plan(trace, 8, CostModel(disk_read_s=5e-3), jobs=2, **kw)
+    assert len(one.candidates) > 8 and one.source["skipped"]  # a -dist level that does not fit, said
+    assert json.dumps(two.to_dict()) == json.dumps(one.to_dict())
+
+
+def test_warm_runs_keep_what_ran_and_leave_a_refused_run_to_the_caller():
+    from expertcache.sim.timing import run_timing, shared_runs, warm_runs
+
+    trace = synthesize("sticky", tokens=200, layers=3, experts=6, top_k=2, seed=1)
+    calls = [dict(trace=trace, capacity=c) for c in (4, 6, 6)] + [dict(trace=trace, capacity=1)]
+    warm_runs(calls, 2)  # outside shared_runs: nothing to keep them in, nothing runs
+    with shared_runs():
+        warm_runs(calls, 2)
+        first = run_timing(trace, 4, cache="lru")
+        assert run_timing(trace, 4) is first and first.misses == run_timing(trace, 4).misses
+        with pytest.raises(ExpertcacheError) as refused:  # capacity 1 < top-2: the caller's call says so
+            run_timing(trace, 1)
+        with pytest.raises(TypeError, match="not arguments of run_timing: colour"):
+            warm_runs([dict(trace=trace, capacity=4, colour="red")], 2)
+    with pytest.raises(ExpertcacheError) as alone:
+        run_timing(trace, 1)
+    assert str(refused.value) == str(alone.value)
+    out = run_timing(trace, 6)
+    with shared_runs():
+        warm_runs(calls, 2)
+        assert run_timing(trace, 6).misses == out.misses and run_timing(trace, 6).total_s == out.total_s

@@ -282,6 +282,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_costs(pl)
     pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_jobs(pl, "the candidates' runs")
     _add_host_level(pl, "plan")
     pl.set_defaults(func=_cmd_plan, chunk_size=None, no_chunking=False)
 
@@ -314,6 +315,7 @@ def _build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_jobs(dr, "the timing model's runs")
     _add_host_level(dr, "doctor")
     dr.set_defaults(func=_cmd_doctor, chunk_size=None, no_chunking=False)
 
@@ -965,6 +967,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis
 
     _check_cost_flags(args)
+    _check_jobs(args)
     if args.plot:
         check_plot_path(args.plot)
     if bool(args.model) != bool(args.prompts):
@@ -986,7 +989,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
-        host_capacity=args.host_capacity,
+        host_capacity=args.host_capacity, jobs=args.jobs,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)
@@ -1049,6 +1052,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     _check_cost_flags(args)
     _check_concurrency(args)
+    _check_jobs(args)
     if args.out:
         for given in (args.trace, getattr(args, "profile", None), args.predictor, args.cost):
             if given is not None:
@@ -1072,7 +1076,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
-        objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, **hosts,
+        objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)
@@ -1152,6 +1156,18 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
                 parsers.get(meta, parse_duration)(piece, flag)
+
+
+def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+        help=f"processes for {what}, side by side (default: all CPUs; the same result with any number)",
+    )  # fmt: skip
+
+
+def _check_jobs(args: argparse.Namespace) -> None:
+    if args.jobs < 1:
+        raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
 
 
 def _add_concurrency(p: argparse.ArgumentParser) -> None:

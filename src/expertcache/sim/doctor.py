@@ -33,7 +33,7 @@ from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
-from expertcache.sim.timing import host_level_of, run_timing, shared_runs
+from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import one_capacity, whole_number
@@ -129,21 +129,26 @@ def diagnose(
     misses: tuple[str, ...] = ("fetch",),
     host: HostConfig | None = None,
     host_capacity: int | None = None,
+    jobs: int = 1,
 ) -> dict[str, object]:
     """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module). ``host`` and
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step.
-    ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%")."""
+    ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%"). ``jobs``:
+    worker processes for the timing model's runs, which do not depend on each other (the same report)."""
     with shared_runs():  # the on-demand run and the host levels' are among the plan's candidates
-        return _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity)
+        return _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs)
 
 
-def _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity) -> dict[str, object]:
+def _diagnose(
+    trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs
+) -> dict[str, object]:
     trace = as_trace(trace)
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     if isinstance(misses, str):
         misses = (misses,)
     cost = as_cost(cost)
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
+    jobs = whole_number(jobs, option("--jobs", "jobs"))
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     tiers = {}  # the host level, for the plan and the on-demand run too
@@ -156,6 +161,28 @@ def _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_c
                 "without exclusive or stage"
             )
         tiers = {"host": HostConfig(None, host.policy), "host_capacity": host_capacity}
+    free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
+    predictors = ("eam", "recorded") if trace.predicted is not None else ("eam",)
+    batched = _is_batched(trace)
+    levels = [] if level is None else _level_runs(trace, capacity, host, host_capacity, K)
+    warm_runs(  # the runs below, side by side (each is then taken from the shared runs)
+        [
+            *(dict(trace=trace, capacity=capacity, prefetch=name, cost=cost) for name in predictors),
+            dict(trace=trace, capacity=L * E, cost=free),
+            dict(trace=trace, capacity=capacity, cache=policy, cost=cost, **tiers),
+            *(
+                [dict(trace=trace, capacity=capacity, cache="tlfu", miss="batch", cost=cost)]
+                if batched
+                else []
+            ),
+            *(
+                dict(trace=trace, capacity=capacity, cache=policy, cost=cost, host=cfg, host_capacity=n)
+                for _, cfg, n in levels
+                if n >= 1
+            ),
+        ],
+        jobs,
+    )
     counts = window_counts(trace, window_tokens)
     consistency = srp(counts, window_tokens)
     sizes = list(range(1, E + 1))
@@ -168,12 +195,11 @@ def _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_c
     knee_c = knee(list(per_size), list(per_size.values()))
     at = {name: run_policy(schedule, name, [capacity])[0] for name in ("lru", "opt")}
     predict = {}
-    for name in ("eam", "recorded") if trace.predicted is not None else ("eam",):
+    for name in predictors:
         r = run_timing(trace, capacity, prefetch=name, cost=cost)
         predict[name] = {"accuracy": r.cache.get("accuracy"), "goodpred": r.cache.get("goodpred")}
     hosts = {} if not tiers else {**tiers, "host_policies": (tiers["host"].policy,)}
-    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, **hosts)
-    free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
+    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, jobs=jobs, **hosts)
     resident = run_timing(trace, L * E, cost=free)
     on_demand = run_timing(trace, capacity, cache=policy, cost=cost, **tiers)
     saved = 1 - at["lru"].miss_ratio  # without a cache every request is a transfer
@@ -201,19 +227,25 @@ def _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_c
         "plan": plan.describe(),
         "plan_misses": list(misses),
         "transfer_saved_by_lru": saved,
-        "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio),
-        "levels": None if level is None else _levels(trace, capacity, cost, policy, host, host_capacity, K),
+        "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio) if batched else None,
+        "levels": None
+        if level is None
+        else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels),
         "notes": [] if level is None else level[2],  # the host level's size, as timing notes it
     }
     report["verdict"] = verdict(report)
     return report
 
 
-def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float) -> dict[str, object] | None:
-    """A batched trace's steps, and what token weighting does for them (None for one request a step)."""
+def _is_batched(trace: Trace) -> bool:
+    """Steps of several tokens, from several requests: the doctor says what a batched step asks."""
     shape = step_shape(trace)
-    if shape is None or shape["mean_step_tokens"] <= 1 or _one_request_a_step(trace):
-        return None
+    return shape is not None and shape["mean_step_tokens"] > 1 and not _one_request_a_step(trace)
+
+
+def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float) -> dict[str, object]:
+    """A batched trace's steps, and what token weighting does for them."""
+    shape = step_shape(trace)
     tlfu = run_policy(schedule, "tlfu", [capacity])[0].miss_ratio
     best = float(step_bounds(trace, capacity, cost).best_s.sum())
     res = run_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
@@ -230,21 +262,28 @@ def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float)
     }
 
 
-def _levels(
-    trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int, top_k: int
-) -> dict:
-    """Three tiers: each level's misses and the time it keeps busy, on demand under ``policy``, for the
-    host level as given and as its exclusive twin in the same memory (less its reserve for hits in
-    flight, as the engine's: ``cache.tiers.exclusive_reserve``); the level that bounds the step is the
-    busiest of the computation (the step less its stall), the link (its transfers, reads aside) and the
-    disk (its reads), over the whole run."""
-    out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
-    if capacity >= trace.num_layers * trace.num_experts:  # as timing and generate say it
-        return out | {"unused": HOST_LEVEL_UNUSED}
-    for name, cfg, experts in (
+def _level_runs(trace: Trace, capacity: int, host, host_capacity: int, top_k: int) -> list[tuple]:
+    """(name, host level, its experts) of the inclusive level as given and its exclusive twin in the same
+    memory (less its reserve for hits in flight, as the engine's: ``cache.tiers.exclusive_reserve``);
+    none where every expert fits the cache (the host level is not used)."""
+    if capacity >= trace.num_layers * trace.num_experts:
+        return []
+    return [
         ("inclusive", HostConfig(None, host.policy), host_capacity),
         ("exclusive", HostConfig(None, host.policy, True), level_experts(host_capacity, True, top_k)),
-    ):
+    ]
+
+
+def _levels(
+    trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int, top_k: int, runs
+) -> dict:
+    """Three tiers: each level's misses and the time it keeps busy, on demand under ``policy``, for the
+    levels of ``_level_runs``; the level that bounds the step is the busiest of the computation (the step
+    less its stall), the link (its transfers, reads aside) and the disk (its reads), over the whole run."""
+    out: dict[str, object] = {"host_capacity": host_capacity, "host_policy": host.policy}
+    if not runs:  # as timing and generate say it
+        return out | {"unused": HOST_LEVEL_UNUSED}
+    for name, cfg, experts in runs:
         if experts < 1:  # its memory is all reserve for hits in flight
             out[name] = {
                 "host_capacity": experts,

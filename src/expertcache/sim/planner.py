@@ -38,15 +38,15 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel, as_cost
-from expertcache.errors import ExpertcacheError, warn_notes
+from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.sim.curves import run_policy
-from expertcache.sim.timing import host_level_of, run_timing
+from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import one_capacity
+from expertcache.units import one_capacity, whole_number
 
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
@@ -297,6 +297,7 @@ def make_plan(
     host: HostConfig | str | None = None,
     host_capacity: int | None = None,
     host_policies: Sequence[str] = HOST_POLICIES,
+    jobs: int = 1,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
     the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
@@ -307,7 +308,9 @@ def make_plan(
     which, and whether it is inclusive or exclusive of the expert memory (an exclusive one holds its
     memory less ``cache.tiers.exclusive_reserve`` experts). Staging is not planned. The engine's host
     level serves the ``fetch`` miss path, so other miss paths are left out. ``trace`` is a ``Trace`` or
-    its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name."""
+    its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name. ``jobs``:
+    worker processes that run the candidates side by side first (``sim.timing.warm_runs``; the same
+    plan)."""
     trace = as_trace(trace)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
@@ -319,6 +322,7 @@ def make_plan(
     cost = as_cost(cost)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    jobs = whole_number(jobs, option("--jobs", "jobs"))
     host_cfgs: list[HostConfig | None] = [None]
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
     skipped: list[str] = []
@@ -418,35 +422,49 @@ def make_plan(
             cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name, curves)]))
         else:
             skipped.append(f"moepic: needs more than one layer and more than top-{K} experts")
-    candidates, seen = [], {}
-    for method, budgets, cell_misses in cells:
-        spec = name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
-        for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
-            hp = None if host is None else host.policy
-            hx = host is not None and host.exclusive
-            cell = (spec, miss, pf.predictor, pf.window, hp, hx)
-            if cell in seen:  # another method laid the budget out the same way
-                figures = {**seen[cell], "same_as": seen[cell]["method"]}
-            else:
-                try:
-                    r = run_timing(
-                        trace, capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
-                        miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
-                        host_capacity=host_caps.get(hx),
-                    )  # fmt: skip
-                except ExpertcacheError as exc:
-                    if hx:  # an exclusive level the memory cannot hold for this policy: the other kind
-                        skipped.append(f"an exclusive host level under {hp}: {exc}")
+
+    def spec_of(budgets) -> str:
+        return name if budgets is None else f"{name}-dist:budgets={'/'.join(map(str, budgets))}"
+
+    def run_of(spec: str, miss: str, pf: PrefetchConfig, host: HostConfig | None) -> dict[str, object]:
+        return dict(
+            trace=trace, capacity=capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
+            miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
+            host_capacity=host_caps.get(host is not None and host.exclusive),
+        )  # fmt: skip
+
+    with shared_runs():  # the candidates run side by side first, on ``jobs`` processes
+        cells_run = [
+            run_of(spec_of(budgets), miss, pf, host)
+            for _, budgets, cell_misses in cells
+            for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs)
+        ]
+        warm_runs(cells_run, jobs)
+        candidates, seen = [], {}
+        for method, budgets, cell_misses in cells:
+            spec = spec_of(budgets)
+            for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
+                hp = None if host is None else host.policy
+                hx = host is not None and host.exclusive
+                cell = (spec, miss, pf.predictor, pf.window, hp, hx)
+                if cell in seen:  # another method laid the budget out the same way
+                    figures = {**seen[cell], "same_as": seen[cell]["method"]}
+                else:
+                    try:
+                        r = run_timing(**run_of(spec, miss, pf, host))
+                    except ExpertcacheError as exc:
+                        if hx:  # an exclusive level the memory cannot hold for this policy: the other kind
+                            skipped.append(f"an exclusive host level under {hp}: {exc}")
+                            continue
+                        if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
+                            raise
+                        skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
                         continue
-                    if method != "moepic":  # a layout of ours that does not run: a bug, not a skip
-                        raise
-                    skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
-                    continue
-                figures = seen[cell] = {"method": method, **_figures(r)}
-            candidates.append(
-                {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
-                 "window": pf.window, "host_policy": hp, "host_exclusive": hx}
-            )  # fmt: skip
+                    figures = seen[cell] = {"method": method, **_figures(r)}
+                candidates.append(
+                    {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
+                     "window": pf.window, "host_policy": hp, "host_exclusive": hx}
+                )  # fmt: skip
     skipped = list(dict.fromkeys(skipped))  # once each: some are found once a method
     if not candidates:
         raise ExpertcacheError(

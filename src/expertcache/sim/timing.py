@@ -19,7 +19,10 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Iterator
+import multiprocessing as mp
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +43,7 @@ from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import format_bytes, one_capacity
+from expertcache.workers import exit_with_parent
 
 
 @dataclass
@@ -203,24 +207,87 @@ def run_timing(
     alone) or none; one or the other, not both. A host-level miss reads ``cost.disk_read_s`` first.
     What was adjusted (a capacity capped, a level no larger than the cache) is in the result's
     ``notes`` and comes as an ``ExpertcacheWarning``."""
+    runs = _RUNS.get()
+    args = _canonical(
+        trace, capacity, cache, prefetch, miss, cost, predictor_trace, capacities, host, host_capacity
+    )
+    if runs is None:
+        return _run_timing(*args)
+    key, held = _key(args)
+    if key not in runs:
+        runs[key] = (held, _run_timing(*args))
+    return runs[key][1]
+
+
+def _canonical(
+    trace, capacity, cache, prefetch, miss, cost, predictor_trace, capacities, host, host_capacity
+):
+    """``run_timing``'s arguments in one spelling each (its traces loaded, configs and costs made)."""
     trace = as_trace(trace)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
-    runs = _RUNS.get()
-    if runs is None:
-        return _run_timing(
-            trace, capacity, cache_cfg, pf, miss, cost, predictor_trace, capacities, host, host_capacity
-        )
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
-    # the objects themselves are kept with the result, so that no other object takes their ids meanwhile
+    return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
+
+
+def _key(args: tuple) -> tuple[tuple, tuple]:
+    """A run's key in ``shared_runs``, and the objects it names by their ids (kept with the result, so
+    that no other object takes an id meanwhile)."""
+    trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity = args
     held = (trace, predictor_trace, pf.predictor_object)
-    key = (*map(id, held), capacity, repr((cache_cfg, pf, miss_cfg, cost, capacities, host, host_capacity)))
-    if key not in runs:
-        runs[key] = (held, _run_timing(
-            trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
-        ))  # fmt: skip
-    return runs[key][1]
+    return (
+        *map(id, held),
+        capacity,
+        repr((cache_cfg, pf, miss_cfg, cost, capacities, host, host_capacity)),
+    ), held
+
+
+def warm_runs(calls: Sequence[dict[str, object]], jobs: int) -> None:
+    """Run ``run_timing(**call)`` for each call on up to ``jobs`` worker processes and keep the results
+    in the current ``shared_runs``, where the caller's own ``run_timing`` calls then find them: the
+    planner's candidates and the doctor's runs, which do not depend on each other, side by side. A call
+    the model refuses is left for the caller's own call to raise. Nothing is run outside ``shared_runs``,
+    with fewer than two jobs or fewer than two runs to make, or for a predictor given as an object (it may
+    not pickle): the caller's calls run them one after another, with the same results."""
+    runs = _RUNS.get()
+    if runs is None or jobs < 2:
+        return
+    todo: dict[tuple, tuple[tuple, dict]] = {}
+    for call in calls:
+        c = dict(call)
+        try:
+            args = _canonical(
+                c.pop("trace"), c.pop("capacity"), c.pop("cache", None), c.pop("prefetch", None),
+                c.pop("miss", None), c.pop("cost", None), c.pop("predictor_trace", None),
+                c.pop("capacities", None), c.pop("host", None), c.pop("host_capacity", None),
+            )  # fmt: skip
+        except ExpertcacheError:  # the caller's own call says what is wrong
+            continue
+        if c:
+            raise TypeError(f"warm_runs: not arguments of run_timing: {', '.join(c)}")
+        key, held = _key(args)
+        if key not in runs and key not in todo and args[3].predictor_object is None:
+            todo[key] = (held, args)
+    if len(todo) < 2:
+        return
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    with ProcessPoolExecutor(
+        min(jobs, len(todo)), mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
+    ) as pool:
+        for (key, (held, _)), result in zip(
+            todo.items(), pool.map(_timing_or_none, [a for _, a in todo.values()]), strict=True
+        ):
+            if result is not None:
+                runs[key] = (held, result)
+
+
+def _timing_or_none(args: tuple) -> TimingResult | None:
+    """A worker's run (``warm_runs``): its result, or None where the model refuses it."""
+    try:
+        return _run_timing(*args)
+    except ExpertcacheError:
+        return None
 
 
 def _run_timing(
@@ -228,8 +295,8 @@ def _run_timing(
     capacity: int,
     cache_cfg: CacheConfig,
     pf: PrefetchConfig,
-    miss: MissConfig | str | None,
-    cost: CostModel | dict | str | None,
+    miss_cfg: MissConfig,
+    cost: CostModel,
     predictor_trace: Trace | None,
     capacities: dict[str, object] | None,
     host: HostConfig | str | None,
@@ -242,7 +309,6 @@ def _run_timing(
             + " for the governor, or replay what an engine predicted with "
             + option("--prefetch recorded", "prefetch='recorded'")
         )
-    miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
     unchunked = False  # the cost model's auto chunks dropped: nothing speculative for a demand miss to pass
     if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
