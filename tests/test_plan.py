@@ -372,6 +372,9 @@ def test_warm_runs_keep_what_ran_and_leave_a_refused_run_to_the_caller():
     warm_runs(calls, 2)  # outside shared_runs: nothing to keep them in, nothing runs
     with shared_runs():
         warm_runs(calls, 2)
+        from expertcache.sim import timing
+
+        assert sorted(key[3] for key in timing._RUNS.get()) == [4, 6]  # the workers' runs; 1 refused
         first = run_timing(trace, 4, cache="lru")
         assert run_timing(trace, 4) is first and first.misses == run_timing(trace, 4).misses
         with pytest.raises(ExpertcacheError) as refused:  # capacity 1 < top-2: the caller's call says so
@@ -385,3 +388,19 @@ def test_warm_runs_keep_what_ran_and_leave_a_refused_run_to_the_caller():
     with shared_runs():
         warm_runs(calls, 2)
         assert run_timing(trace, 6).misses == out.misses and run_timing(trace, 6).total_s == out.total_s
+
+
+def test_warm_runs_that_fail_in_the_workers_leave_the_runs_to_the_caller(monkeypatch):
+    """Best effort: where the workers cannot run them, nothing is kept and the caller's calls run them."""
+    from expertcache.sim import timing
+
+    def broken(args):
+        raise RuntimeError("a worker's failure")
+
+    trace = synthesize("sticky", tokens=200, layers=3, experts=6, top_k=2, seed=1)
+    want = timing.run_timing(trace, 4)
+    monkeypatch.setattr(timing, "_timing_or_none", broken)
+    with timing.shared_runs():
+        timing.warm_runs([dict(trace=trace, capacity=c) for c in (4, 5)], 2)
+        got = timing.run_timing(trace, 4)
+    assert (got.misses, got.total_s) == (want.misses, want.total_s)

@@ -248,8 +248,9 @@ def warm_runs(calls: Sequence[dict[str, object]], jobs: int) -> None:
     in the current ``shared_runs``, where the caller's own ``run_timing`` calls then find them: the
     planner's candidates and the doctor's runs, which do not depend on each other, side by side. A call
     the model refuses is left for the caller's own call to raise. Nothing is run outside ``shared_runs``,
-    with fewer than two jobs or fewer than two runs to make, or for a predictor given as an object (it may
-    not pickle): the caller's calls run them one after another, with the same results."""
+    with fewer than two jobs or fewer than two runs to make, for a predictor given as an object, or where
+    the worker processes cannot (none can start, an argument does not pickle, a run fails): the caller's
+    calls then run them one after another, with the same results, and raise what fails."""
     runs = _RUNS.get()
     if runs is None or jobs < 2:
         return
@@ -272,14 +273,16 @@ def warm_runs(calls: Sequence[dict[str, object]], jobs: int) -> None:
     if len(todo) < 2:
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(
-        min(jobs, len(todo)), mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
-    ) as pool:
-        for (key, (held, _)), result in zip(
-            todo.items(), pool.map(_timing_or_none, [a for _, a in todo.values()]), strict=True
-        ):
-            if result is not None:
-                runs[key] = (held, result)
+    try:
+        with ProcessPoolExecutor(
+            min(jobs, len(todo)), mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
+        ) as pool:
+            results = list(pool.map(_timing_or_none, [a for _, a in todo.values()]))
+    except Exception:  # best effort: the caller's own calls run them, and raise what fails
+        return
+    for (key, (held, _)), result in zip(todo.items(), results, strict=True):
+        if result is not None:
+            runs[key] = (held, result)
 
 
 def _timing_or_none(args: tuple) -> TimingResult | None:
