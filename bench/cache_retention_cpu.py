@@ -1,7 +1,8 @@
 """How long a core keeps its caches between two uses of the same code and data: what a decode token's
 thousands of small operations cost on a shared machine.
 
-    .venv/bin/python bench/cache_retention_cpu.py [--gaps-ms 0 0.5 2 5 20] [--rounds 200] [--out FILE]
+    .venv/bin/python bench/cache_retention_cpu.py [--gaps-ms 0 0.5 2 5 20] [--rounds 200] [--threads 1] \\
+        [--out FILE]
 
 Two probes, each timed right after a gap in which the process spins in Python (busy, touching almost
 no memory, so nothing of its own evicts anything):
@@ -9,21 +10,22 @@ no memory, so nothing of its own evicts anything):
 - **data**: 256 KiB (one read a 64-byte line, in a random order), read once before the gap and again
   after it. Read back from the core's own caches it takes about 16 us on the development VMs; from the
   memory, ten times that.
-- **torch**: six small operations on a 1 x 1024 float32 tensor (``add``, ``pow``, ``mean``, ``add`` and
-  ``rsqrt``, ``mul``: an RMSNorm's arithmetic), run before the gap and again after it. Warm, each costs
-  a few microseconds of torch's dispatcher and Python; after a gap in which the core's caches were
-  taken, the code and data of that path come from the memory again.
+- **torch**: seven small operations on a 1 x 1024 float32 tensor (an ``add``, then an RMSNorm's
+  arithmetic: ``pow``, ``mean``, ``add``, ``rsqrt``, two ``mul``), run before the gap and again after it.
+  Warm, each costs a few microseconds of torch's dispatcher and Python; after a gap in which the core's
+  caches were taken, the code and data of that path come from the memory again.
 
 A decode token of transformers' eager modules is about 2700 such operations between the weights' loops
 (docs/BENCHMARKS.md, issue 30): where the machine's neighbours take the core's caches within a
-millisecond or two, every one of them runs cold. llama.cpp runs a token in a few compiled kernels, so
-the same machine costs it much less. Medians of ``--rounds`` in microseconds; results to stdout, JSON
-to ``--out``.
+millisecond or two, they run cold (the token's own weight loops evict the caches too). llama.cpp runs a
+token in a few compiled kernels. Medians of ``--rounds`` in microseconds; results to stdout, JSON (with
+torch's version) to ``--out``, whose directory is checked first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -37,13 +39,24 @@ def spin(seconds: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gaps-ms", type=float, nargs="+", default=[0.0, 0.5, 2.0, 5.0, 20.0])
-    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument(
+        "--gaps-ms", type=float, nargs="+", default=[0.0, 0.5, 2.0, 5.0, 20.0], metavar="MS",
+        help="spins between the two uses, in milliseconds (0 to 1000; default 0 0.5 2 5 20)",
+    )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=200, help="rounds per gap and probe (default 200)")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (default 1)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     args = ap.parse_args()
-    if args.rounds < 1 or any(g < 0 for g in args.gaps_ms):
-        print("cache_retention_cpu: --rounds must be at least 1, every --gaps-ms at least 0", file=sys.stderr)
+    bad = [
+        f"--rounds {args.rounds}: give at least 1" if args.rounds < 1 else "",
+        f"--threads {args.threads}: give at least 1" if args.threads < 1 else "",
+        *(f"--gaps-ms {g}: give 0 to 1000" for g in args.gaps_ms if not 0 <= g <= 1000),  # nan fails too
+        f"--out {args.out}: its directory does not exist"
+        if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))
+        else "",
+    ]
+    if any(bad):
+        print(f"cache_retention_cpu: {next(b for b in bad if b)}", file=sys.stderr)
         return 2
     import numpy as np
     import torch
@@ -61,7 +74,7 @@ def main() -> int:
         w * (a * torch.rsqrt(x.mean(-1, keepdim=True) + 1e-6))
 
     results = []
-    print("| gap ms | 256 KiB read again, us | six torch operations again, us |")
+    print("| gap ms | 256 KiB read again, us | seven torch operations again, us |")
     print("|---|---|---|")
     for gap in args.gaps_ms:
         row = {"gap_ms": gap}
@@ -79,7 +92,8 @@ def main() -> int:
     if args.out:
         from provenance import provenance, write_json
 
-        write_json(args.out, {"provenance": provenance(), "settings": vars(args), "results": results})
+        settings = {**vars(args), "torch": torch.__version__}
+        write_json(args.out, {"provenance": provenance(), "settings": settings, "results": results})
     return 0
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -14,7 +12,7 @@ from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import capacity_reason, min_capacity
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.stack import lru_depths, opt_depths
-from expertcache.workers import exit_with_parent
+from expertcache.workers import map_in_processes
 
 
 def _depths(reference: Callable[[Schedule], np.ndarray], name: str) -> Callable[[Schedule], np.ndarray]:
@@ -102,12 +100,10 @@ def _replay_all(
     jobs = max(1, min(jobs, len(caps)))
     if jobs == 1:
         return [replay(schedule, name, c, seed, **params) for c in caps]
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
-    ) as pool:
-        parts = pool.map(_replay_part, [(schedule, name, caps[i::jobs], seed, params) for i in range(jobs)])
-        return [r for part in parts for r in part]
+    parts = map_in_processes(
+        _replay_part, [(schedule, name, caps[i::jobs], seed, params) for i in range(jobs)], jobs
+    )
+    return [r for part in parts for r in part]
 
 
 def _fast_all(

@@ -19,10 +19,7 @@ import contextlib
 import contextvars
 import functools
 import math
-import multiprocessing as mp
-import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +40,7 @@ from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import format_bytes, one_capacity
-from expertcache.workers import exit_with_parent
+from expertcache.workers import map_in_processes
 
 
 @dataclass
@@ -272,12 +269,8 @@ def warm_runs(calls: Sequence[dict[str, object]], jobs: int) -> None:
             todo[key] = (held, args)
     if len(todo) < 2:
         return
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     try:
-        with ProcessPoolExecutor(
-            min(jobs, len(todo)), mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)
-        ) as pool:
-            results = list(pool.map(_timing_or_none, [a for _, a in todo.values()]))
+        results = map_in_processes(_timing_or_none, [a for _, a in todo.values()], jobs)
     except Exception:  # best effort: the caller's own calls run them, and raise what fails
         return
     for (key, (held, _)), result in zip(todo.items(), results, strict=True):

@@ -1,0 +1,79 @@
+"""``expertcache.workers.map_in_processes``: results in order, a killed worker raised (not waited for
+forever), and Ctrl-C, even twice, stops every worker and the parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+
+from expertcache.workers import map_in_processes
+
+
+def test_results_come_in_the_items_order():
+    assert map_in_processes(abs, [-3, 2, -1, 0, -7], 2) == [3, 2, 1, 0, 7]
+    assert map_in_processes(abs, [-4], 8) == [4]  # never more workers than items
+
+
+def test_a_worker_that_dies_is_raised_not_waited_for():
+    with pytest.raises(BrokenProcessPool):
+        map_in_processes(os._exit, [3, 3], 2)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pgrep: Linux")
+def test_ctrl_c_twice_stops_the_workers_and_the_command():
+    """Ctrl-C reaches every process of the terminal's group: the workers ignore it, the parent stops
+    them, and a second Ctrl-C while it does cannot leave them waiting on their queue (it did with a
+    pool's own shutdown, which the second interrupt cut short)."""
+    # the planner's candidates on two workers: each a timing run of about a second, the parent waiting
+    argv = [
+        sys.executable,
+        "-m",
+        "expertcache",
+        "plan",
+        "--capacity",
+        "24",
+        "--host-capacity",
+        "60",
+        "--jobs",
+        "2",
+    ]
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # both workers started
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and err.decode().strip().splitlines()[-1:] == ["expertcache: interrupted"]
+    time.sleep(0.5)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
