@@ -35,19 +35,14 @@ def test_ctrl_c_twice_stops_the_workers_and_the_command():
     """Ctrl-C reaches every process of the terminal's group: the workers ignore it, the parent stops
     them, and a second Ctrl-C while it does cannot leave them waiting on their queue (it did with a
     pool's own shutdown, which the second interrupt cut short)."""
-    # the planner's candidates on two workers: each a timing run of about a second, the parent waiting
-    argv = [
-        sys.executable,
-        "-m",
-        "expertcache",
-        "plan",
-        "--capacity",
-        "24",
-        "--host-capacity",
-        "60",
-        "--jobs",
-        "2",
-    ]
+    # the planner's candidates on two workers: each a timing run of about a second, the parent waiting.
+    # Ctrl-C handled as in a terminal even where this test's own process ignores it (a CI job started in
+    # the background of a shell does, and a child inherits that)
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'expertcache'; runpy.run_module('expertcache', run_name='__main__')"
+    )
+    argv = [sys.executable, "-c", start, "plan", "--capacity", "24", "--host-capacity", "60", "--jobs", "2"]
     proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
