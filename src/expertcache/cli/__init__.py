@@ -188,9 +188,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "default), flat (one expert at a time) or rounds (top-k as k rounds per token)",
     )  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
-    s.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="processes for replays (default: all CPUs)"
-    )
+    _add_jobs(s, "the replays")
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
     output_option(s, "plot", "plot")
@@ -603,8 +601,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     step = max(1, keys // DEFAULT_STEPS)
     caps = _capacities(args.capacity or [f"{step}:{keys}:{step}"], trace, args.order)
     policies = args.policy or DEFAULT_POLICIES
-    if args.jobs < 1:
-        raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
+    _check_jobs(args)
     for c in caps:
         check_capacity(c, args.order, trace.top_k)
     policies = _note_skipped(
@@ -716,8 +713,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from expertcache.tools.sweep import Grid, sweep
     from expertcache.tools.sweep_table import to_json, write_csv
 
-    if args.jobs is not None and args.jobs < 1:
-        raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
+    _check_jobs(args)
     if args.ray is not None and args.jobs is not None:
         raise ExpertcacheError("--jobs sets local processes; with --ray the cluster's CPUs run the cells")
     grid = Grid.load(args.grid) if args.grid else Grid()
@@ -1166,7 +1162,8 @@ def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _check_jobs(args: argparse.Namespace) -> None:
-    if args.jobs < 1:
+    """``--jobs`` of sim, sweep, plan and doctor: at least 1 where given (sweep's default is None)."""
+    if args.jobs is not None and args.jobs < 1:
         raise ExpertcacheError(f"--jobs must be at least 1, got {args.jobs}")
 
 
