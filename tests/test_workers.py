@@ -72,3 +72,19 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity masks on this system")
+def test_the_jobs_default_is_the_cpus_the_process_may_use():
+    """Pinned to one CPU (``taskset``, a container's cpuset), a process counts one CPU, and ``--jobs``
+    of every command that has it defaults to that, not to the machine's count."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from expertcache.cli import _build_parser\n"
+        "from expertcache.workers import usable_cpus\n"
+        "p = _build_parser()\n"
+        "print(usable_cpus(), *(p.parse_args([c]).jobs for c in ('sim', 'plan', 'doctor')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1", "1", "1", "1"]

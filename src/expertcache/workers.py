@@ -1,7 +1,9 @@
 """Worker processes that do not outlive their parent: ``exit_with_parent``, for a process pool's
-initializer (the sweep's), and ``map_in_processes``, a map over worker processes that Ctrl-C stops
-cleanly (sim's replays, the planner's and the doctor's timing runs). Standard library only, and
-importing nothing of expertcache, so that any module can use it without an import cycle."""
+initializer (the sweep's), ``map_in_processes``, a map over worker processes that Ctrl-C stops
+cleanly (sim's replays, the planner's and the doctor's timing runs), and ``usable_cpus``, the CPUs
+this process may run on (the default of every ``--jobs``, and the engine's reader threads). Standard
+library only, and importing nothing of expertcache, so that any module can use it without an import
+cycle."""
 
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the system has one (``taskset``, a
+    container's ``cpuset``), else every CPU of the machine; at least 1. ``os.cpu_count()`` counts the
+    machine's, which a process pinned to 2 of 64 CPUs must not start 64 workers for."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def exit_with_parent(parent: int | None = None, poll_s: float = 1.0) -> None:

@@ -41,6 +41,7 @@ from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
 from expertcache.units import capacity_items
+from expertcache.workers import usable_cpus
 
 DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
 _SIGNED = re.compile(r"^-[0-9.]")  # a negative value with a unit: -5%, -1ms
@@ -729,7 +730,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         timing = replace(grid.timing or Timing(), **timing_flags)
     rows = sweep(
         grid, out=args.out, resume=args.resume, force=args.force,
-        jobs=(os.cpu_count() or 1) if args.jobs is None else args.jobs, ray=args.ray, plot=args.plot,
+        jobs=usable_cpus() if args.jobs is None else args.jobs, ray=args.ray, plot=args.plot,
         progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
         traces=args.trace, policies=args.policy, capacities=args.capacity, orders=args.order,
         seeds=args.seed, timing=timing,
@@ -1156,8 +1157,9 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
 
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
-        help=f"processes for {what}, side by side (default: all CPUs; the same result with any number)",
+        "--jobs", type=int, default=usable_cpus(), metavar="N",
+        help=f"processes for {what}, side by side (default: every CPU this process may use; the same result "
+        "with any number)",
     )  # fmt: skip
 
 

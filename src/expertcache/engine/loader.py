@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,14 +26,14 @@ from expertcache.engine.memory import SlotLayout
 from expertcache.engine.packed import CONFIG_KEY, Packed, PackedKernels, dense_name, dense_weight, from_config
 from expertcache.engine.store import Checkpoint, ExpertStore
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.workers import usable_cpus
 
 IMPLEMENTATION = "expertcache"
 # threads reading the dense weights (one buffered read per tensor, ``Checkpoint.copy``), one a processor up
 # to 4: measured on the 2-core development VM, fresh processes, page cache warm, 337 MiB of a
 # Granite-shaped model: 0.21-0.23 s on one thread, 0.11-0.12 s on 2, 0.14 s on 4 (torch's copy out of
 # the map: 0.11-0.12 s idle, 1.7-1.8 s beside other work, its threads waiting on each other)
-_PROCESSORS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-DENSE_THREADS = min(4, _PROCESSORS)
+DENSE_THREADS = min(4, usable_cpus())
 _LAYER = re.compile(r"^(.*\blayers\.\d+)\.")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 import threading
 import time
 
@@ -28,6 +27,7 @@ from expertcache.engine.store import ExpertStore, copy_alone, copy_bytes, copy_t
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key
+from expertcache.workers import usable_cpus
 
 STAGE_PART = ("stage", None)  # the worker's target of staging reads: the host level's slots (``StackTier``)
 
@@ -501,7 +501,7 @@ class _Stager:
 # a demand copy from memory of a slot this size or less is made by the thread that submits it
 # (``TransferWorker``): at memory speed it takes about as long as waking the worker would
 LEAVE_BYTES = 1 << 20
-_PROCESSORS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_PROCESSORS = usable_cpus()
 
 _JOIN = 64  # bytes of padding between two tensors of a slot (SlotLayout's alignment): copied along
 

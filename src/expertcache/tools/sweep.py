@@ -579,12 +579,12 @@ def sweep(
     """Run a grid (a ``Grid``, a YAML/TOML file, or the defaults; keyword dimensions such as
     ``policies=[...]`` replace the grid's) and return its rows in the grid's order. ``out``: a ``.csv``,
     ``.json`` or ``.parquet`` results file, written as cells finish; with ``resume`` the cells it holds are
-    not run again, with ``force`` it is replaced (without either an existing file is refused). ``jobs``:
-    local processes (default 1 here, in this process; the command line's ``--jobs`` defaults to all
-    CPUs: pass ``jobs=os.cpu_count()`` for that); ``ray``: run on Ray instead (True or "": a local Ray,
-    or an address). ``plot``: a folder for miss-ratio curves and heat maps of the ratio to OPT. Notes
-    (not with ``quiet``) and a one-line summary go to ``log``. A keyword that is none of these is
-    refused, naming the ones there are."""
+    not run again, with ``force`` it is replaced (without either an existing file is refused). ``jobs``: local
+    processes (default 1 here, in this process; the command line's ``--jobs`` defaults to all CPUs this
+    process may use: pass ``jobs=expertcache.workers.usable_cpus()`` for that); ``ray``: run on Ray instead
+    (True or "": a local Ray, or an address). ``plot``: a folder for miss-ratio curves and heat maps of the
+    ratio to OPT. Notes (not with ``quiet``) and a one-line summary go to ``log``. A keyword that is none of
+    these is refused, naming the ones there are."""
     t0 = time.perf_counter()
     unknown = [k for k in dimensions if k not in DIMENSIONS]
     if unknown:
