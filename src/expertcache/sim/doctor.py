@@ -163,7 +163,8 @@ def _diagnose(
         tiers = {"host": HostConfig(None, host.policy), "host_capacity": host_capacity}
     free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
     predictors = ("eam", "recorded") if trace.predicted is not None else ("eam",)
-    batched = _is_batched(trace)
+    shape = step_shape(trace)
+    batched = _is_batched(trace, shape)
     levels = [] if level is None else _level_runs(trace, capacity, host, host_capacity, K)
     warm_runs(  # the runs below, side by side (each is then taken from the shared runs)
         [
@@ -227,7 +228,7 @@ def _diagnose(
         "plan": plan.describe(),
         "plan_misses": list(misses),
         "transfer_saved_by_lru": saved,
-        "batch": _batched(trace, schedule, capacity, cost, at["lru"].miss_ratio) if batched else None,
+        "batch": _batched(trace, shape, schedule, capacity, cost, at["lru"].miss_ratio) if batched else None,
         "levels": None
         if level is None
         else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels),
@@ -237,15 +238,16 @@ def _diagnose(
     return report
 
 
-def _is_batched(trace: Trace) -> bool:
-    """Steps of several tokens, from several requests: the doctor says what a batched step asks."""
-    shape = step_shape(trace)
+def _is_batched(trace: Trace, shape: dict | None) -> bool:
+    """Steps of several tokens (``shape``: the trace's ``step_shape``), from several requests: the doctor
+    says what a batched step asks."""
     return shape is not None and shape["mean_step_tokens"] > 1 and not _one_request_a_step(trace)
 
 
-def _batched(trace: Trace, schedule, capacity: int, cost: CostModel, lru: float) -> dict[str, object]:
-    """A batched trace's steps, and what token weighting does for them."""
-    shape = step_shape(trace)
+def _batched(
+    trace: Trace, shape: dict, schedule, capacity: int, cost: CostModel, lru: float
+) -> dict[str, object]:
+    """A batched trace's steps (``shape``: its ``step_shape``), and what token weighting does for them."""
     tlfu = run_policy(schedule, "tlfu", [capacity])[0].miss_ratio
     best = float(step_bounds(trace, capacity, cost).best_s.sum())
     res = run_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
