@@ -1,4 +1,5 @@
-"""Session-wide test settings: one torch thread a process, the user's cache directory a temporary one."""
+"""Session-wide test settings: one torch thread a process, each pytest-xdist worker on its own CPUs, the
+user's cache directory a temporary one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ import pytest
 # OpenMP threads fight over two cores and a tiny model's step ran 5-10x slower (a kernels test 13.9 s in
 # the suite against 1.2 s alone). Set before anything imports torch; a test about threads sets its own.
 os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def _own_cpus() -> None:
+    """Give each pytest-xdist worker its share of the CPUs (worker i of n: every n-th from the i-th), so
+    that what a test starts stays on its worker's share: the commands' ``--jobs`` default
+    (``workers.usable_cpus``) and a test's subprocesses. Without it each worker's ``plan`` or ``doctor``
+    forked a worker a CPU of the machine, and two pytest workers ran four processes on two cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker.startswith("gw") or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, count = sorted(os.sched_getaffinity(0)), int(count)
+    if count > 1 and len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker[2:]) % count :: count])
+
+
+_own_cpus()
 
 
 @pytest.fixture(autouse=True, scope="session")
