@@ -163,7 +163,7 @@ def test_reuse_parameters_and_scores_run_compiled(tmp_path):
     weights) and their absence (a schedule without its trace: 1 per request) both match the object."""
     from expertcache.tools.train_policy import train_policy, write_weights
 
-    tr = TRACES["sticky"]()
+    tr = synthesize("sticky", tokens=500, layers=4, experts=8, top_k=2, seed=2, sequences=3, prompt_len=40)
     weights = tmp_path / "w.json"
     write_weights(train_policy([TRACES["zipf"]()], ["zipf"], orders=("flat",)), weights)
     ex = tr.experts

@@ -356,7 +356,7 @@ def test_the_candidates_run_side_by_side_give_the_same_plan():
     under each host policy) and predictors among them."""
     from expertcache.costs import CostModel
 
-    trace = synthesize("sticky", tokens=300, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
+    trace = synthesize("sticky", tokens=120, layers=4, experts=8, top_k=2, seed=3, sequences=2, prompt_len=10)
     kw = dict(host_capacity=9, prefetches=("none", "eam"))
     one = make_plan(trace, 8, CostModel(disk_read_s=5e-3), jobs=1, **kw)
     two = make_plan(trace, 8, CostModel(disk_read_s=5e-3), jobs=2, **kw)
