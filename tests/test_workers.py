@@ -1,5 +1,6 @@
-"""``expertcache.workers.map_in_processes``: results in order, a killed worker raised (not waited for
-forever), and Ctrl-C, even twice, stops every worker and the parent."""
+"""``expertcache.workers``: ``map_in_processes`` gives results in order, raises a killed worker (not
+waited for forever), and Ctrl-C, even twice, stops every worker and the parent; ``usable_cpus`` counts
+the CPUs the process may use, and ``--jobs`` defaults to it."""
 
 from __future__ import annotations
 
