@@ -30,6 +30,15 @@ def _own_cpus() -> None:
 _own_cpus()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker for each CPU this process may use (``taskset``, a container's cpuset), at most
+    ``--maxprocesses``. pytest-xdist's own count is the machine's cores where psutil is installed (it is,
+    through accelerate), which put two workers on one CPU under ``taskset -c 1``."""
+    from expertcache.workers import usable_cpus
+
+    return usable_cpus()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _user_cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory):
     """Quantised copies of the embedded model go to the user's cache: keep the tests out of the real one."""

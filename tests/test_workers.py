@@ -89,3 +89,11 @@ def test_the_jobs_default_is_the_cpus_the_process_may_use():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1", "1", "1", "1"]
+    # sweep's --jobs is None until it runs (it is refused beside --ray): its summary names the jobs used
+    code = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from expertcache.cli import main\n"
+        "sys.exit(main(['sweep', '--policy', 'lru', '--capacity', '8', '--order', 'layer']))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "on 1 job(s)" in run.stderr, run.stderr

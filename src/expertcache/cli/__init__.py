@@ -670,7 +670,10 @@ def _add_sweep(sub) -> None:
     again = sw.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="skip the cells --out already holds")
     again.add_argument("--force", action="store_true", help="replace an existing --out")
-    sw.add_argument("--jobs", type=int, metavar="N", help="local processes (default: all CPUs)")
+    sw.add_argument(
+        "--jobs", type=int, metavar="N",
+        help="local processes (default: every CPU this process may use; not with --ray)",
+    )  # fmt: skip
     sw.add_argument(
         "--ray", nargs="?", const="", metavar="ADDRESS",
         help="run on Ray: a cluster's address, or none for a local Ray (pip install 'expertcache[cluster]')",
