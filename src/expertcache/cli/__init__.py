@@ -672,7 +672,8 @@ def _add_sweep(sub) -> None:
     again.add_argument("--force", action="store_true", help="replace an existing --out")
     sw.add_argument(
         "--jobs", type=int, metavar="N",
-        help="local processes (default: every CPU this process may use; not with --ray)",
+        help=f"local processes (default: every CPU this process may use, {usable_cpus()} here; not with "
+        "--ray)",
     )  # fmt: skip
     sw.add_argument(
         "--ray", nargs="?", const="", metavar="ADDRESS",
@@ -1161,8 +1162,8 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--jobs", type=int, default=usable_cpus(), metavar="N",
-        help=f"processes for {what}, side by side (default: every CPU this process may use; the same result "
-        "with any number)",
+        help=f"processes for {what}, side by side (default: every CPU this process may use, {usable_cpus()} "
+        "here; the same result with any number)",
     )  # fmt: skip
 
 
