@@ -1160,10 +1160,11 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
 
 
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
+    cpus = usable_cpus()
     p.add_argument(
-        "--jobs", type=int, default=usable_cpus(), metavar="N",
-        help=f"processes for {what}, side by side (default: every CPU this process may use, {usable_cpus()} "
-        "here; the same result with any number)",
+        "--jobs", type=int, default=cpus, metavar="N",
+        help=f"processes for {what}, side by side (default: every CPU this process may use, {cpus} here; the "
+        "same result with any number)",
     )  # fmt: skip
 
 
