@@ -198,7 +198,10 @@ def test_generate_with_an_emulated_link_and_a_static_profile(capsys, ckpt, tmp_p
     )
     assert code == 0, err
     linked = json.loads(out)
-    assert linked["misses"] > 0 and linked["stall_s"] >= linked["misses"] * 200e-6 * 0.5
+    # the first layer of the prompt starts with an empty cache and nothing known to fetch early: its first
+    # expert waits a whole latency at least. (Not a latency a miss: a layer's transfers are in flight
+    # together, and the prefetch may move some before they are needed.)
+    assert linked["misses"] > 0 and linked["prefill_stall_s"] >= 200e-6
     code, out, err = generate(capsys, path, "--json", "--expert-memory", "25%")
     assert json.loads(out)["tokens"] == linked["tokens"]
     code, out, err = generate(

@@ -13,6 +13,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
+from expertcache import workers
 from expertcache.workers import map_in_processes
 
 
@@ -97,3 +98,64 @@ def test_the_jobs_default_is_the_cpus_the_process_may_use():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "on 1 job(s)" in run.stderr, run.stderr
+
+
+def _fake_proc(tmp_path, cgroup: str, mountinfo: str, files: dict[str, str]):
+    """A ``/proc/self`` of ``cgroup`` and ``mountinfo`` lines, with cgroup files under ``tmp_path/fs``."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo.replace("FS", str(tmp_path / "fs")))
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(proc)
+
+
+def test_cpu_quota_reads_cgroup_v2_and_takes_the_smallest_along_the_path(tmp_path):
+    """``docker --cpus 1.5`` writes ``150000 100000`` to the container's ``cpu.max``; a parent's quota
+    below the child's bounds it too, and ``max`` is no quota."""
+    mounts = "30 23 0:26 / FS rw,nosuid - cgroup2 cgroup2 rw\n"
+    proc = _fake_proc(
+        tmp_path, "0::/pod/box\n", mounts,
+        {"cpu.max": "max 100000\n", "pod/cpu.max": "250000 100000\n", "pod/box/cpu.max": "150000 100000\n"},
+    )  # fmt: skip
+    assert workers.cpu_quota(proc) == 1.5
+    (tmp_path / "fs" / "pod" / "cpu.max").write_text("50000 100000\n")
+    assert workers.cpu_quota(proc) == 0.5
+    for name in ("pod/cpu.max", "pod/box/cpu.max"):
+        (tmp_path / "fs" / name).write_text("max 100000\n")
+    assert workers.cpu_quota(proc) is None
+
+
+def test_cpu_quota_reads_cgroup_v1_below_a_mount_of_part_of_the_hierarchy(tmp_path):
+    """cgroup v1 (a hybrid system's ``cpu,cpuacct`` controller), mounted from the container's own
+    cgroup (its root field ``/docker/abc``) as older Docker does: the quota is read where the mount
+    shows the process's cgroup, and ``-1`` is no quota."""
+    mounts = (
+        "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+        "32 31 0:29 /docker/abc FS rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+        "33 31 0:30 / /elsewhere rw - cgroup cgroup rw,memory\n"
+    )
+    proc = _fake_proc(
+        tmp_path, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n", mounts,
+        {"cpu.cfs_quota_us": "200000\n", "cpu.cfs_period_us": "100000\n"},
+    )  # fmt: skip
+    assert workers.cpu_quota(proc) == 2.0
+    (tmp_path / "fs" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert workers.cpu_quota(proc) is None
+
+
+def test_cpu_quota_is_none_without_cgroups_or_with_files_it_cannot_read(tmp_path):
+    assert workers.cpu_quota(str(tmp_path / "no-such-proc")) is None
+    mounts = "30 23 0:26 / FS rw - cgroup2 cgroup2 rw\n"
+    proc = _fake_proc(tmp_path, "0::/box\n", mounts, {"box/cpu.max": "lots\n"})
+    assert workers.cpu_quota(proc) is None
+
+
+def test_usable_cpus_is_the_affinity_within_the_quota_rounded_up(monkeypatch):
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    for quota, expected in ((None, 4), (1.5, 2), (0.2, 1), (2.0, 2), (16.0, 4)):
+        monkeypatch.setattr(workers, "cpu_quota", lambda quota=quota: quota)
+        assert workers.usable_cpus() == expected

@@ -1,12 +1,13 @@
 """Worker processes that do not outlive their parent: ``exit_with_parent``, for a process pool's
 initializer (the sweep's), ``map_in_processes``, a map over worker processes that Ctrl-C stops
 cleanly (sim's replays, the planner's and the doctor's timing runs), and ``usable_cpus``, the CPUs
-this process may run on (the default of every ``--jobs``, and the engine's reader threads). Standard
-library only, and importing nothing of expertcache, so that any module can use it without an import
-cycle."""
+this process may use, its affinity mask within its cgroups' CPU quota (the default of every ``--jobs``,
+and the engine's reader threads). Standard library only, and importing nothing of expertcache, so that
+any module can use it without an import cycle."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -21,12 +22,82 @@ R = TypeVar("R")
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask where the system has one (``taskset``, a
-    container's ``cpuset``), else every CPU of the machine; at least 1. ``os.cpu_count()`` counts the
-    machine's, which a process pinned to 2 of 64 CPUs must not start 64 workers for."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    """The CPUs this process may use: its affinity mask where the system has one (``taskset``, a
+    container's ``cpuset``), else every CPU of the machine, and no more than its cgroups' CPU quota
+    allows (``docker --cpus``, a Kubernetes CPU limit; rounded up, ``cpu_quota``); at least 1.
+    ``os.cpu_count()`` counts the machine's, which a process pinned to 2 of 64 CPUs, or given 2 CPUs'
+    time on 64, must not start 64 workers for."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def cpu_quota(proc: str = "/proc/self") -> float | None:
+    """The CPUs' worth of time this process's cgroups allow it (quota / period, the smallest along its
+    cgroup's path up to the hierarchy's root, cgroup v2's ``cpu.max`` and v1's ``cpu.cfs_quota_us``
+    alike), or None where no quota is set or none can be read (no cgroups: not Linux). ``proc`` is the
+    process's ``/proc`` entry, for tests; the cgroup files are found through its ``mountinfo``."""
+    try:
+        with open(os.path.join(proc, "cgroup")) as f:
+            memberships = [line.rstrip("\n").split(":", 2) for line in f]
+        with open(os.path.join(proc, "mountinfo")) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    limits = []
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        dash = fields.index("-")
+        if len(fields) < dash + 3 or dash < 5:
+            continue
+        root, point, fstype, options = fields[3], fields[4], fields[dash + 1], fields[dash + 3].split(",")
+        if fstype == "cgroup2":
+            paths = [m[2] for m in memberships if len(m) == 3 and m[0] == "0" and m[1] == ""]
+            files = ("cpu.max",)
+        elif fstype == "cgroup" and "cpu" in options:
+            paths = [m[2] for m in memberships if len(m) == 3 and "cpu" in m[1].split(",")]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for path in paths:
+            if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
+                continue  # the process's cgroup is outside what this mount shows
+            relative = path[len(root) :] if root != "/" else path
+            limit = _quota_along(point, relative.strip("/"), files)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _quota_along(point: str, relative: str, files: tuple[str, ...]) -> float | None:
+    """The smallest quota / period from the cgroup ``point``/``relative`` up to ``point``."""
+    parts = relative.split("/") if relative else []
+    smallest = None
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(point, *parts[:depth])
+        try:
+            texts = []
+            for name in files:
+                with open(os.path.join(directory, name)) as f:
+                    texts.append(f.read().split())
+        except OSError:
+            continue
+        try:
+            if len(files) == 1:  # v2: "max 100000" or "200000 100000"
+                quota, period = texts[0][0], texts[0][1]
+            else:  # v1: "-1" or "200000", and "100000"
+                quota, period = texts[0][0], texts[1][0]
+            if quota in ("max", "-1") or float(period) <= 0:
+                continue
+            limit = float(quota) / float(period)
+        except (IndexError, ValueError):
+            continue
+        if limit > 0:
+            smallest = limit if smallest is None else min(smallest, limit)
+    return smallest
 
 
 def exit_with_parent(parent: int | None = None, poll_s: float = 1.0) -> None:
