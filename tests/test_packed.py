@@ -16,7 +16,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import engine_fixtures
 import numpy as np
@@ -437,3 +440,29 @@ def test_quality_refuses_a_reference_that_cannot_stand_for_the_packed_model(tmp_
     argv = ["generate", "--model", str(src), "--prompt", "x", "--max-new-tokens", "2", "--miss", "hobbit"]
     assert main([*argv, "--expert-memory", "50%"]) == 2
     assert "made for another checkpoint" in capsys.readouterr().err
+
+
+def test_the_packed_loops_run_on_torch_s_threads_in_the_thread_that_generates(tmp_path):
+    """numba keeps its thread count per thread, starting at its pool's size: a generation on another
+    thread than the load's, after ``torch.set_num_threads(1)``, runs its packed loops on one thread, not
+    on numba's pool of two (``kernels.follow_torch_threads``, at each step)."""
+    code = (
+        "import sys, threading, torch\n"
+        "from expertcache.engine.offloaded import load\n"
+        "from expertcache.tools.quantize import write_checkpoint\n"
+        f"write_checkpoint(None, 8, {str(tmp_path / 'int8')!r}, progress=False)\n"
+        "torch.set_num_threads(1)\n"
+        f"model = load({str(tmp_path / 'int8')!r}, expert_memory='30%')\n"
+        "from expertcache.jit import numba\n"
+        "seen = []\n"
+        "def run():\n"
+        "    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)\n"
+        "    seen.append(numba.get_num_threads())\n"
+        "t = threading.Thread(target=run); t.start(); t.join()\n"
+        "print(numba.config.NUMBA_NUM_THREADS, model.stats['kernel'], *seen)\n"
+    )
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    env.pop("OMP_NUM_THREADS", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["2", "packed", "1"]

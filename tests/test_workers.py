@@ -159,3 +159,56 @@ def test_usable_cpus_is_the_affinity_within_the_quota_rounded_up(monkeypatch):
     for quota, expected in ((None, 4), (1.5, 2), (0.2, 1), (2.0, 2), (16.0, 4)):
         monkeypatch.setattr(workers, "cpu_quota", lambda quota=quota: quota)
         assert workers.usable_cpus() == expected
+
+
+def test_quota_threads_only_where_a_quota_lowers_the_cpus_and_the_user_chose_none(monkeypatch):
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(workers, "cpu_quota", lambda: 1.5)
+    assert workers.quota_threads({}) == 2
+    both = {"OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
+    assert workers.thread_environment({}) == both
+    for chosen in ({"OMP_NUM_THREADS": "3"}, {"NUMBA_NUM_THREADS": "3"}):  # the user's choice stands
+        assert workers.quota_threads(chosen) is None
+    assert workers.thread_environment({"NUMBA_NUM_THREADS": "3"}) == {}
+    assert workers.quota_threads({"OMP_NUM_THREADS": ""}) == 2
+    for quota in (None, 4.0, 9.0):  # no quota, or one the mask is within
+        monkeypatch.setattr(workers, "cpu_quota", lambda quota=quota: quota)
+        assert workers.quota_threads({}) is None
+        assert workers.thread_environment({}) == {}
+        # OMP_NUM_THREADS alone: numba's pool the size of torch's
+        assert workers.thread_environment({"OMP_NUM_THREADS": "1"}) == {"NUMBA_NUM_THREADS": "1"}
+        assert workers.thread_environment({"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}) == {}
+        assert workers.thread_environment({"OMP_NUM_THREADS": "lots"}) == {}
+
+
+def test_the_command_line_and_load_give_torch_the_quota_s_threads(monkeypatch, tmp_path):
+    """Under a quota the command line starts torch and numba on the quota's threads (``OMP_NUM_THREADS``,
+    ``NUMBA_NUM_THREADS``, which its worker processes inherit too), and ``load()`` lowers the threads of a
+    torch already running."""
+    code = (
+        "import os, sys\n"
+        "from expertcache import workers\n"
+        "workers.quota_threads = lambda environ=os.environ: 1\n"
+        "from expertcache.cli import main\n"
+        "code = main(['sim', '--policy', 'lru', '--capacity', '8', '--order', 'layer'])\n"
+        "import torch\n"
+        "from numba import config\n"
+        "print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads(), config.NUMBA_NUM_THREADS, code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-4:] == ["1", "1", "1", "0"]
+    torch = pytest.importorskip("torch")
+    from expertcache.engine import offloaded
+    from expertcache.errors import ExpertcacheError
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(offloaded, "quota_threads", lambda: 1)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(ExpertcacheError):  # refused after the threads are set: no model is built
+            offloaded.load(str(tmp_path / "no-such-model"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
@@ -32,6 +32,35 @@ def usable_cpus() -> int:
     if quota is not None:
         cpus = min(cpus, math.ceil(quota))
     return max(1, cpus)
+
+
+def quota_threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The compute threads a CPU quota calls for where the user has chosen none: ``usable_cpus()`` where
+    the cgroups' quota makes it fewer than the CPUs of the affinity mask and neither ``OMP_NUM_THREADS``
+    nor ``NUMBA_NUM_THREADS`` is set; else None. torch's thread pool (OpenMP) and numba's start a thread
+    per CPU of the affinity mask and do not read quotas: under a quota of one CPU on the 2-core
+    development VM, two threads were throttled for most of each period (docs/ENGINE.md). ``load()``
+    lowers torch's threads to it; the command line sets both variables (``thread_environment``)."""
+    if environ.get("OMP_NUM_THREADS") or environ.get("NUMBA_NUM_THREADS"):
+        return None
+    cpus = usable_cpus()
+    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus if cpus < mask else None
+
+
+def thread_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables the command line sets before torch and numba start: under a CPU quota (and no
+    thread count chosen) ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS`` to ``quota_threads()``; where the
+    user set ``OMP_NUM_THREADS`` alone, ``NUMBA_NUM_THREADS`` to it, so that numba's pool is the size of
+    torch's (the packed loops run on torch's thread count; a larger pool only waits). Both are read once,
+    when each library starts, and inherited by the command's worker processes."""
+    threads = quota_threads(environ)
+    if threads is not None:
+        return {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    omp = environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0 and not environ.get("NUMBA_NUM_THREADS"):
+        return {"NUMBA_NUM_THREADS": omp}
+    return {}
 
 
 def cpu_quota(proc: str = "/proc/self") -> float | None:

@@ -41,7 +41,7 @@ from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
 from expertcache.units import capacity_items
-from expertcache.workers import usable_cpus
+from expertcache.workers import thread_environment, usable_cpus
 
 DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
 _SIGNED = re.compile(r"^-[0-9.]")  # a negative value with a unit: -5%, -1ms
@@ -120,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the command is the whole process (the console script, python -m), not main() called from Python:
     # what it loads lives until exit (cli.util.startup_gc)
     args.whole_process = argv is None
+    started = {"OMP_NUM_THREADS": "torch", "NUMBA_NUM_THREADS": "numba"}  # each read when its library starts
+    for name, value in thread_environment().items():  # a CPU quota's threads (``workers``)
+        if started[name] not in sys.modules:
+            os.environ[name] = value
     try:
         with command_line():
             check_outputs(args)

@@ -241,15 +241,27 @@ class StackedPool:
         """The buffer as the compiled kernel reads it (the same memory, numpy): 32-bit words, two bfloat16
         values each (float32: one), and each tensor's offset in words. Threads: torch's."""
         if self._words is None:
-            from expertcache.jit import numba
-
-            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+            follow_torch_threads()
             pairs = self.layout.dtype == torch.bfloat16
             words = self.buffer.view(torch.int32).numpy().view(np.uint32) if pairs else self.buffer.numpy()
             per = 2 if pairs else 1
             offsets = {n: o // per for n, o in zip(self.layout.names, self.layout.offsets, strict=True)}
             self._words = (words, offsets, pairs)
         return self._words
+
+
+def follow_torch_threads() -> None:
+    """Run numba's loops on the calling thread on torch's thread count (at most numba's pool). numba keeps
+    its count per thread, and a thread that never set it runs on the whole pool: the engine calls this at
+    each step (``runtime``), on the thread that runs it, so the loops of a generation thread, a server's
+    or a user's own follow ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` as torch's products do. (Set
+    once in the thread that loaded the model, a decode under ``OMP_NUM_THREADS=1`` ran its loops on two
+    threads, both cores busy, where it asked for one.)"""
+    from expertcache.jit import numba
+
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
 
 
 def grouped_rows(

@@ -32,6 +32,7 @@ from expertcache.errors import ExpertcacheError, first_line, warn_notes
 from expertcache.plan import Plan, as_plan
 from expertcache.trace.trace import Trace, check_save_path
 from expertcache.units import whole_number
+from expertcache.workers import quota_threads
 
 # the builder's names of the parts this model keeps private
 _PRIVATE = {
@@ -540,7 +541,9 @@ def load(
     the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses;
     ``host_stage`` reads up to that many more predicted experts a layer into it early;
     ``host_exclusive`` makes it hold what the expert memory does not (a hit moves up, the expert memory's
-    victim comes down; ``cache.tiers``).
+    victim comes down; ``cache.tiers``). Under a CPU quota (``docker --cpus``, a Kubernetes CPU limit)
+    with ``OMP_NUM_THREADS`` not set, torch's threads are lowered to the quota, rounded up
+    (``workers.quota_threads``).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
@@ -548,6 +551,9 @@ def load(
         raise ExpertcacheError(
             f"path: a checkpoint folder or a Hugging Face id (org/name), got {type(path).__name__} {path!r}"
         )
+    threads = quota_threads()  # torch starts a thread per CPU of the mask and ignores a CPU quota
+    if threads is not None and torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
     plan = as_plan(plan)
     if plan is not None:
         defaults = {

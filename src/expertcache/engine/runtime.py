@@ -14,6 +14,7 @@ experts became resident or were computed: the full-precision device path is the 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from expertcache.engine.kernels import (
     combine,
     compiled_rows,
     decode_rows,
+    follow_torch_threads,
     grouped_rows,
     order_among,
     reference_order,
@@ -243,6 +245,8 @@ class Engine:
         past = kwargs.get("cache")  # transformers >= 5.24 names the KV cache ``cache``
         if past is None:
             past = kwargs.get("past_key_values")
+        if ids.device.type == "cpu" and "expertcache.jit" in sys.modules:
+            follow_torch_threads()  # numba's loops on this thread's count (it is per thread)
         if past is not None and ids.device.type == "cpu":
             grow(past)  # the cache's keys and values written in place, not concatenated (``engine.kv``)
         # a paged cache (continuous batching: requests in prefill and decode share a step) has no length:
