@@ -508,3 +508,30 @@ def test_trace_info_alone_takes_the_embedded_trace(capsys):
     """As sim, timing and doctor do (it needed a file argument)."""
     code, out, _ = run(capsys, "trace", "info", "--json")
     assert code == 0 and json.loads(out) == summary(default_trace())
+
+
+def test_a_closed_standard_output_is_one_line():
+    """``expertcache ... >&-``: Python starts with ``sys.stdout`` None, and the flush at the end was a
+    traceback; the command is refused before any work instead."""
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "expertcache", "trace", "info"],
+        stderr=subprocess.PIPE, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("expertcache: error: standard output is closed")
+    assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_file_that_cannot_be_written_late_is_named_and_the_results_still_print(tmp_path):
+    """``plan -o FILE`` on a full disk said "standard output" and left an empty FILE; it names the file,
+    and the plan it computed is on standard output all the same."""
+    done = subprocess.run(
+        [sys.executable, "-m", "expertcache", "plan", "--capacity", "24", "-o", "/dev/full"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "expertcache: error: /dev/full: cannot write plan (No space left on device)"
+    )
+    assert "chosen:" in done.stdout

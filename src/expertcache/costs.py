@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.paths import write_output
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
@@ -186,10 +187,7 @@ class CostModel:
         data = self.to_dict()
         if math.isinf(self.link_bandwidth):
             data["link_bandwidth"] = "inf"
-        try:
-            Path(path).write_text(json.dumps(data, indent=2) + "\n")
-        except OSError as e:
-            raise ExpertcacheError(f"{path}: cannot write cost model ({e.strerror or e})") from None
+        write_output(path, json.dumps(data, indent=2) + "\n", "cost model")
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,8 +43,6 @@ def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | Non
 def as_umask_allows(path: str | Path) -> None:
     """Give a file the permissions ``open`` would have: ``0666 & ~umask`` (safetensors, and so
     transformers' ``save_pretrained``, write theirs for the owner alone)."""
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
@@ -68,3 +68,41 @@ def output_dir(folder: str | Path, what: str) -> Iterator[Path]:
                 else:
                     child.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def output_file(path: str | Path, what: str) -> Iterator[Path]:
+    """A file to write ``what`` into, put in place of ``path`` once written whole: the caller writes the
+    path this yields (a new file beside ``path``, with its suffix, for writers that go by it), and a write
+    that fails (a full disk, a quota) or is interrupted leaves ``path`` as it was, not empty or half
+    written to be taken for a whole one later, and raises one line naming ``path``. Where ``path`` is not
+    a plain file (``/dev/stdout``, a pipe, a link) or no new file can be made beside it, it is written in
+    place, the failure still named."""
+    path = Path(path)
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        mode = None
+    in_place = mode is not None and not stat.S_ISREG(mode)
+    temp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
+    if not in_place:
+        try:
+            temp.touch(exist_ok=False)
+        except OSError:
+            in_place = True
+    target = path if in_place else temp
+    try:
+        yield target
+        if not in_place:
+            os.replace(temp, path)
+    except OSError as e:
+        raise ExpertcacheError(f"{path}: cannot write {what} ({e.strerror or e})") from None
+    finally:
+        if not in_place:
+            temp.unlink(missing_ok=True)
+
+
+def write_output(path: str | Path, text: str, what: str) -> None:
+    """``text`` written to ``path`` whole or not at all (``output_file``)."""
+    with output_file(path, what) as target:
+        target.write_text(text)

@@ -18,6 +18,7 @@ from expertcache.cache.tiers import exclusive_reserve
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import miss_class
+from expertcache.paths import write_output
 
 FORMAT = "expertcache-plan"
 VERSION = 1
@@ -164,7 +165,7 @@ class Plan:
         return {"format": FORMAT, "version": VERSION, **data, "lossy": self.lossy}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_output(path, json.dumps(self.to_dict(), indent=1) + "\n", "plan")
 
     @classmethod
     def from_dict(cls, data: object, source: str = "plan") -> Plan:

@@ -24,6 +24,7 @@ from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
 from expertcache.config import SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
+from expertcache.paths import write_output
 from expertcache.policy.registry import (
     POLICIES,
     capacity_reason,
@@ -124,11 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in thread_environment().items():  # a CPU quota's threads (``workers``)
         if started[name] not in sys.modules:
             os.environ[name] = value
+    if sys.stdout is None and args.command != "serve":  # started with standard output closed (>&-)
+        print("expertcache: error: standard output is closed: the results would be lost (give it a file, "
+              "or > /dev/null)", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         with command_line():
             check_outputs(args)
             code = _run(args)
-        sys.stdout.flush()  # a full disk or a closed pipe under stdout is met here, not at exit
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a full disk or a closed pipe under stdout is met here, not at exit
         return code
     except ExpertcacheError as e:
         print(f"expertcache: error: {e}", file=sys.stderr)
@@ -159,6 +165,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _drop_stdout() -> None:
     """Standard output to /dev/null: no second error when Python flushes it at exit."""
+    if sys.stdout is None:
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
 
@@ -957,14 +965,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, slow_tier=args.slow_tier, declared=declared,
         steps=args.steps, device_profile_shape=shape,
     )  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
     if data["how"]["unsteady"]:
         figures = "; ".join(data["how"]["unsteady"])
         print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quieter is kept, "
               "profile again when it is quiet", file=sys.stderr)  # fmt: skip
-    print(json.dumps(data) if args.json else format_profile(data))
+    print(json.dumps(data) if args.json else format_profile(data), flush=True)  # kept if the file fails
+    if args.out:
+        write_output(args.out, json.dumps(data, indent=1) + "\n", "profile")
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -1087,10 +1095,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _note_profile_links(args, host)
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
+    print(
+        json.dumps(plan.to_dict()) if args.json else format_plan(plan), flush=True
+    )  # kept if the file fails
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
-    print(json.dumps(plan.to_dict()) if args.json else format_plan(plan))
     return 0
 
 

@@ -30,6 +30,7 @@ from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
 from expertcache.costs import CostModel, as_cost
 from expertcache.errors import ExpertcacheError, option, warn_notes
+from expertcache.paths import output_file
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
 from expertcache.sim.planner import layer_curves, make_plan
@@ -484,8 +485,11 @@ def plot_diagnosis(r: dict[str, object], path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(str(r["trace"]).split("/")[-1])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with output_file(path, "plot") as target:
+            fig.savefig(target, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 __all__ = ["diagnose", "format_diagnosis", "knee", "plot_diagnosis", "sch", "srp", "window_counts"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import output_file
 from expertcache.sim.replay import SimResult
 
 _LONG_TABLE_MAX_ROWS = 40
@@ -127,7 +128,8 @@ def plot_curves(results: Sequence[SimResult], path: str | Path, title: str = "")
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path)
+        with output_file(path, "plot") as target:
+            fig.savefig(target)
     except (OSError, ValueError) as e:
         raise ExpertcacheError(f"{path}: cannot write plot ({e})") from None
     finally:

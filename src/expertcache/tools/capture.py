@@ -22,6 +22,7 @@ import torch
 
 from expertcache.engine.routing import moe_routers, router_parts
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import output_file
 
 _ARRAYS = ("gate_input", "logits", "experts", "token_ids", "step", "prefill", "sequence")
 
@@ -63,7 +64,8 @@ class Captured:
         return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def save(self, path: str | Path) -> None:
-        np.savez_compressed(path, **{name: getattr(self, name) for name in _ARRAYS})
+        with output_file(path, "captured routing") as target, open(target, "wb") as f:
+            np.savez_compressed(f, **{name: getattr(self, name) for name in _ARRAYS})
 
     @classmethod
     def load(cls, path: str | Path) -> Captured:

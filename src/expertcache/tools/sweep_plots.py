@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import output_file
 from expertcache.tools.sweep_table import TIMING_IDENTITY
 
 _ANNOTATE_MAX = 12  # a heat map writes its values in the cells up to this many rows and columns
@@ -152,7 +153,8 @@ def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     try:
-        fig.savefig(path, dpi=100)
+        with output_file(path, "the plot") as target:
+            fig.savefig(target, dpi=100)
     except (OSError, ValueError) as e:
         raise ExpertcacheError(f"{path}: cannot write the plot ({e})") from None
     finally:

@@ -22,6 +22,7 @@ import numpy as np
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.errors import ExpertcacheError
+from expertcache.paths import write_output
 from expertcache.policy.reuse import DEFAULT_WEIGHTS, FEATURES, ReuseModel
 from expertcache.trace.trace import Trace
 
@@ -146,4 +147,4 @@ def format_report(report: dict[str, object]) -> str:
 
 
 def write_weights(report: dict[str, object], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    write_output(path, json.dumps(report, indent=1) + "\n", "policy weights")

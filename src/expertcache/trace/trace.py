@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import TraceError
+from expertcache.errors import ExpertcacheError, TraceError
+from expertcache.paths import output_file
 
 # Optional per-token arrays: name -> (dtype kind check, canonical dtype, rank).
 _OPTIONAL = {
@@ -108,10 +109,10 @@ class Trace:
             arr = np.asarray(value)
             arrays.setdefault(key, arr.astype(str) if arr.dtype == object else arr)
         try:
-            with open(path, "wb") as f:
+            with output_file(path, "trace") as target, open(target, "wb") as f:
                 np.savez_compressed(f, **arrays)
-        except OSError as e:
-            raise TraceError(f"{path}: cannot write trace ({e.strerror or e})") from None
+        except ExpertcacheError as e:
+            raise TraceError(str(e)) from None
 
 
 def check_save_path(path: object) -> None:
