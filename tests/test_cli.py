@@ -535,3 +535,31 @@ def test_a_file_that_cannot_be_written_late_is_named_and_the_results_still_print
         "expertcache: error: /dev/full: cannot write plan (No space left on device)"
     )
     assert "chosen:" in done.stdout
+
+
+def test_a_chunking_option_with_nothing_prefetched_is_said_to_change_nothing(capsys):
+    """Only prefetched experts move in chunks: ``timing --chunk-size`` without a predictor ran every
+    transfer whole and said nothing, while its cost line priced an expert in chunks."""
+    code, out, err = run(capsys, "timing", "--capacity", "24", "--chunk-size", "1MiB", "--json")
+    chunked = json.loads(out)
+    assert code == 0 and "note: --chunk-size changes nothing here" in err
+    code, out, err = run(capsys, "timing", "--capacity", "24", "--json")
+    assert code == 0 and "changes nothing" not in err
+    whole = json.loads(out)
+    assert chunked["tpot_s"] == whole["tpot_s"] and chunked["transfers"] == whole["transfers"]
+    code, out, err = run(capsys, "timing", "--capacity", "24", "--no-chunking")
+    assert code == 0 and "note: --no-chunking changes nothing here" in err
+    assert "in 1 chunk" in out
+
+
+def test_download_of_the_embedded_model_is_refused(capsys):
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--download")
+    assert code == 2 and "a download needs a Hugging Face id" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_named_predictor_with_every_expert_resident_is_said_to_have_nothing_to_move(capsys):
+    two = ("generate", "--prompt", "x", "--max-new-tokens", "2")
+    code, _, err = run(capsys, *two, "--prefetch", "next-gate")
+    assert code == 0 and "prefetch next-gate has nothing to move" in err
+    code, _, err = run(capsys, *two)  # auto: the engine's choice
+    assert code == 0 and "nothing to move" not in err

@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import engine_fixtures
 import numpy as np
 import pytest
@@ -506,3 +509,21 @@ def test_the_embedded_model_at_a_partial_budget_on_two_threads_equals_transforme
             got = greedy(model, ids, new=4)
             assert miss == "fetch" or model.stats["host_computed"] > 0
         assert_exact(got, greedy(load_reference(DEFAULT_MODEL), ids, new=4))
+
+
+def test_the_compiled_kernel_s_loops_are_loaded_at_load_in_the_types_a_request_uses():
+    """A first request paid the compiled loops' load (numba's cached code: 0.1-0.2 s of its first decode
+    token on the development VM); the load runs them once, with the argument types a request's decode
+    uses, so the request adds no specialisation of its own."""
+    code = (
+        "import torch\n"
+        "from expertcache.engine.offloaded import load\n"
+        "from expertcache.engine import _gemv_jit\n"
+        "model = load(expert_memory='30%', kernel='compiled')\n"
+        "loaded = len(_gemv_jit.rows_f32.signatures)\n"
+        "model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)\n"
+        "print(model.stats['kernel'], loaded, len(_gemv_jit.rows_f32.signatures))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["compiled", "1", "1"]

@@ -974,3 +974,12 @@ def test_sdpa_without_cudnn_is_served_as_sdpa_with_cudnn_off_and_equals_the_mode
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
         model.close()
+
+
+def test_metrics_open_without_a_key_says_it_changes_nothing(capsys, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["serve", "--metrics-open", "--model", str(tmp_path / "none"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "note: --metrics-open changes nothing without an API key" in err

@@ -180,6 +180,25 @@ class PrefetchConfig:
         """Prefetching only while it pays (a governor decides, step by step)."""
         return self.enabled and self.when == "pays"
 
+    def idle_chunking_note(self, background: bool = False) -> str | None:
+        """A note where a chunking option was given and changes nothing: only speculative transfers move
+        in chunks (a prefetcher's; a miss path's that fills the cache in the background, ``background``),
+        demand transfers move whole, and there are none to chunk. The engine and the timing model say it
+        alike."""
+        if self.enabled or background:
+            return None
+        if self.chunk_bytes is not None:
+            given = option("--chunk-size", "chunk_size")
+        elif not self.chunking:
+            given = option("--no-chunking", "chunking=False")
+        else:
+            return None
+        predictor = option("--prefetch NAME", "prefetch=NAME")
+        return (
+            f"{given} changes nothing here: only prefetched experts move in chunks (demand misses move "
+            f"whole), and nothing is prefetched without a predictor ({predictor})"
+        )
+
     def chunked(self, background: bool = False) -> bool:
         """Whether transfers move in chunks. Chunks bound how long a demand transfer waits behind a
         speculative one, so they pay only where speculative transfers exist: a prefetcher, or a miss

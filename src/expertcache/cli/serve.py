@@ -135,6 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "(the KV cache holds whole pages of 256 tokens)",
             file=sys.stderr,
         )
+    if config.metrics_open and not config.api_key:
+        print("note: --metrics-open changes nothing without an API key (--api-key): every endpoint is open",
+              file=sys.stderr)  # fmt: skip
     if args.host not in LOOPBACK_HOSTS:
         if not config.api_key:
             print(

@@ -34,7 +34,15 @@ from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
 from expertcache.engine.host import HostExperts
 from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
-from expertcache.engine.kernels import AUTO_KERNEL, KERNELS, Kernel, StackedPool, resolve_kernel
+from expertcache.engine.kernels import (
+    AUTO_KERNEL,
+    KERNELS,
+    Kernel,
+    StackedPool,
+    compiled_rows,
+    first_matrix,
+    resolve_kernel,
+)
 from expertcache.engine.link import EmulatedLink
 from expertcache.engine.loader import build_skeleton, check_attention, read_config, resolve_dtype
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, release_freed
@@ -247,11 +255,18 @@ class Builder:
                 f"every expert is resident from the load on: the emulated link ({given}) slows only the "
                 "load, which fills every slot through it"
             )
+        if self.whole and prefetch.predictor not in ("none", AUTO):  # named, not the engine's choice
+            self.notes.append(
+                f"every expert is resident from the load on: prefetch {prefetch.predictor} has nothing to "
+                f"move (give {option('--expert-memory', 'expert_memory')} below 100%)"
+            )
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool
         # prefetching only while it pays has nothing to do when every expert is resident from the start
         idle = prefetch.governed and self.whole
         chunked = prefetch.chunked(background=miss.name != "fetch") and not idle
+        if (note := prefetch.idle_chunking_note(background=miss.name != "fetch")) is not None:
+            self.notes.append(note)
         self.worker = TransferWorker(link=self.link, parts=self.targets)
         stager = None  # a host level's staging reads: a worker of their own, beside the link's
         if self.host_capacity and host.stage:
@@ -259,6 +274,7 @@ class Builder:
         self.chunking = self._chunking(prefetch) if chunked else None
         self.worker.chunk_bytes = self.chunk_bytes = self.chunking["chunk_bytes"] if chunked else None
         self.kernel, pools = self._kernel(kernel, sk.experts[0])
+        self._stacked = pools[FULL][0] if FULL in pools else None  # the cache's pool, for the warm-up
         tables = {(part, None): table for part, (_, table) in pools.items()}
         settle = prefetch.deterministic
         self.transport = SlotTransport(
@@ -340,12 +356,19 @@ class Builder:
         return len(keys)
 
     def _warm_host_loops(self, experts) -> None:
-        """Packed or low-precision experts computed on this CPU: their loops loaded now, at load, not in
-        the first request (``PackedKernels.warm_host``)."""
+        """Packed or low-precision experts computed on this CPU, or the compiled kernel: their loops loaded
+        now, at load, not in the first request (``PackedKernels.warm_host``)."""
         found = [part.kernels for part in self.parts.values()]
         found.append(getattr(experts, "_expertcache_packed", None))  # a packed checkpoint's, shared
         for kernels in {id(k): k for k in found if k is not None}.values():
             kernels.warm_host()
+        if self.kernel.name == "compiled" and isinstance(self._stacked, StackedPool):
+            # its loops too (numba's cached code, or a first compile on a new machine): a first request
+            # paid 0.3 s and more for them. One token through the pool's first slot; the output is dropped
+            pool = self._stacked
+            cols = pool.tensors[first_matrix(experts)].shape[-1]
+            hidden = torch.zeros(cols, dtype=pool.layout.dtype)
+            compiled_rows(experts, pool, hidden, [0], torch.ones(1, dtype=pool.layout.dtype))
 
     def _warm_up(self) -> float:
         """With every expert resident, one generation of 2 tokens after a ``WARMUP_TOKENS``-token prompt

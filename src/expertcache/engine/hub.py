@@ -23,6 +23,10 @@ def resolve_model(model: str | Path | None, download: bool = False) -> Path:
     """The folder of ``model``: None is the embedded model; an existing path is itself; ``org/name`` is
     found in the local Hugging Face cache (or downloaded, with ``download``)."""
     if model is None:
+        if download:
+            raise ExpertcacheError(
+                "a download needs a Hugging Face id (--model org/name); the embedded model is installed"
+            )
         return DEFAULT_MODEL
     path = Path(model).expanduser()
     if path.exists() or not _HUB_ID.fullmatch(str(model)):

@@ -309,6 +309,10 @@ def _run_timing(
     if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
         unchunked = True
+    idle_chunks = pf.idle_chunking_note(background=miss_cfg.name != "fetch")
+    if idle_chunks is not None and cost.chunk_bytes is not None:  # said as it runs: every transfer whole
+        cost = CostModel.from_dict({"chunk_bytes": None}, cost)
+        unchunked = True
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
         raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
@@ -331,6 +335,8 @@ def _run_timing(
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
     level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
+    if idle_chunks is not None:
+        notes.append(idle_chunks)
     host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     if host_level is not None and capacity >= L * E and not capacities:  # as the engine does
         notes += host_level[2] + [HOST_LEVEL_UNUSED]
