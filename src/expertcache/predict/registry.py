@@ -27,7 +27,8 @@ def predictor_class(name: str) -> type[Predictor]:
         return PREDICTORS[name]
     except KeyError:
         raise PredictorError(
-            f"unknown predictor {name!r}; choose from none, {', '.join(PREDICTORS)}"
+            f"unknown predictor {name!r}; choose from none, auto (the engine's choice; its default), "
+            f"recorded (the simulator's replay of an engine's predictions), {', '.join(PREDICTORS)}"
         ) from None
 
 
