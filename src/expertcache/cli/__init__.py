@@ -969,7 +969,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         figures = "; ".join(data["how"]["unsteady"])
         print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quieter is kept, "
               "profile again when it is quiet", file=sys.stderr)  # fmt: skip
-    print(json.dumps(data) if args.json else format_profile(data), flush=True)  # kept if the file fails
+    print(json.dumps(data) if args.json else format_profile(data), flush=True)  # kept if -o cannot be written
     if args.out:
         write_output(args.out, json.dumps(data, indent=1) + "\n", "profile")
         print(f"wrote {args.out}", file=sys.stderr)
@@ -1095,9 +1095,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _note_profile_links(args, host)
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
-    print(
-        json.dumps(plan.to_dict()) if args.json else format_plan(plan), flush=True
-    )  # kept if the file fails
+    shown = json.dumps(plan.to_dict()) if args.json else format_plan(plan)
+    print(shown, flush=True)  # first: the plan is kept if its file cannot be written
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)

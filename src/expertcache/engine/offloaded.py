@@ -542,8 +542,8 @@ def load(
     ``host_stage`` reads up to that many more predicted experts a layer into it early;
     ``host_exclusive`` makes it hold what the expert memory does not (a hit moves up, the expert memory's
     victim comes down; ``cache.tiers``). Under a CPU quota (``docker --cpus``, a Kubernetes CPU limit)
-    with ``OMP_NUM_THREADS`` not set, torch's threads are lowered to the quota, rounded up
-    (``workers.quota_threads``).
+    with neither ``OMP_NUM_THREADS`` nor ``NUMBA_NUM_THREADS`` set, torch's threads are lowered to the
+    quota, rounded up (``workers.quota_threads``).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
