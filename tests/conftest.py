@@ -1,10 +1,11 @@
 """Session-wide test settings: one torch thread a process, each pytest-xdist worker on its own CPUs, the
-user's cache directory a temporary one."""
+user's cache directory a temporary one, no deadline on hypothesis' examples."""
 
 from __future__ import annotations
 
 import os
 
+import hypothesis
 import pytest
 
 # Every test process, and every command a test starts, runs torch's intra-op work on one thread. The
@@ -12,6 +13,11 @@ import pytest
 # OpenMP threads fight over two cores and a tiny model's step ran 5-10x slower (a kernels test 13.9 s in
 # the suite against 1.2 s alone). Set before anything imports torch; a test about threads sets its own.
 os.environ["OMP_NUM_THREADS"] = "1"
+
+# No time limit on a hypothesis example (its default, 250 ms, fails a test whose example was slow because
+# the machine was busy, then calls it flaky when the replay is fast): tests assert behaviour, not time.
+hypothesis.settings.register_profile("expertcache", deadline=None)
+hypothesis.settings.load_profile("expertcache")
 
 
 def _own_cpus() -> None:

@@ -613,7 +613,9 @@ def test_emulated_link_is_a_lower_bound_on_transfer_time():
 def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
     path = ckpt("mixtral")
     with engine_load(path, TOP_K, link_bandwidth="200MB/s", link_latency="0.5ms") as model:
+        started = time.perf_counter()
         got = greedy(model, IDS)
+        elapsed = time.perf_counter() - started
         stats = model.stats
         busy = model.worker.busy_s
         nbytes = model.layout.nbytes
@@ -621,7 +623,9 @@ def test_engine_with_an_emulated_link_is_exact_and_stalls(ckpt, reference):
     assert stats["misses"] > 0 and stats["stall_s"] > 0
     assert stats["link"] == "0.2 GB/s, 500 us"
     assert busy >= stats["misses"] * (0.5e-3 + nbytes / 200e6)
-    assert stats["stall_s"] <= busy + 1.0
+    # the stalls are parts of the generation's own time (not of the link's busy time: a thread woken late
+    # stalls longer while the emulated transfer it waited for ended on time)
+    assert stats["stall_s"] <= elapsed
 
 
 def test_an_emulated_link_under_a_budget_that_holds_every_expert_is_noted(ckpt):

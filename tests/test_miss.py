@@ -228,7 +228,10 @@ def test_costs_are_measured_at_load_when_not_given(ckpt, reference):
         costs = model.costs
         assert_reference(greedy(model, IDS), reference(path, IDS), "hybrid")
     assert costs is not None and costs.expert_bytes == model.layout.nbytes
-    assert costs.expert_s > 0 and costs.host_expert_s > 0 and costs.link_bandwidth > 0
+    # an expert's time for one token (the fit's fixed part alone may come out 0 where 16 tokens cost no
+    # more than one: a flat curve, on a busy machine)
+    assert costs.expert_s + costs.expert_token_s > 0 and costs.link_bandwidth > 0
+    assert costs.host_expert_s + costs.host_expert_token_s > 0
     assert costs.host_parallel is ON_GPU  # on a CPU engine the host is the device
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 
 import engine_fixtures
+import numpy as np
 import openai
 import pytest
 
@@ -52,7 +53,10 @@ def server(ckpt, tmp_path_factory):
            "--device", "cpu", "--port", str(port), "--expert-memory", "50%", "--api-key", KEY,
            "--kv-cache-tokens", "300", "--max-body", "64KiB", "--header-timeout", "1s",
            "--body-timeout", "1s", "--idle-timeout", "1s", "--max-connections", str(CAP),
-           "--max-queue", "8", "--record-trace", str(log.parent / "served.npz")]  # fmt: skip
+           "--max-queue", "8", "--record-trace", str(log.parent / "served.npz"),
+           # each miss waits 5 ms on the emulated link (a sleep, never shorter): a long generation takes
+           # seconds on any machine, however fast, which the SIGTERM test's requests rely on
+           "--link-latency", "5ms"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
@@ -224,7 +228,10 @@ def test_slow_and_idle_connections_cannot_lock_out_prompt_clients(server):
                 s.sendall(b"a")
             except OSError:
                 break
-        assert s.recv(100) == b""  # closed by the server (recv would time out after 30 s otherwise)
+        try:  # closed by the server (recv would time out after 30 s otherwise)
+            assert s.recv(100) == b""
+        except ConnectionResetError:  # closed with a byte of ours unread (a late one, on a busy machine)
+            pass
     # more idle connections than --max-connections: the longest idle make room, prompt clients are served
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(CAP + 10)]
     try:
@@ -241,8 +248,10 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
     port, proc, log = server
     client, name = _client(port), _name(port)
     # a plain request whose client leaves is cancelled. The client leaves as soon as the request is in
-    # flight: a generation as long as the KV cache allows (about 1 s here) against a disconnect seen in
-    # milliseconds. (A client timing out after a fixed delay raced the generation: it lost on a fast machine.)
+    # flight: a generation as long as the KV cache allows (nearly 300 tokens, each waiting for its misses
+    # on the server's emulated link: seconds on any machine) against a disconnect the server checks for
+    # every 0.25 s. (A client timing out after a fixed delay raced the generation: it lost on a fast
+    # machine; so did this test before the link's floor.)
     body = json.dumps({"model": name, "prompt": "hello", "max_tokens": 500}).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
     head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -269,7 +278,6 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
     while b"expertcache_requests_in_flight 2.0" not in _request(port, "GET", "/metrics", None, AUTH)[2]:
         assert time.time() < deadline
         time.sleep(0.1)
-    start = time.time()
     proc.send_signal(signal.SIGTERM)
     with pytest.raises(openai.APIError, match="shutting down"):  # not a quiet, seemingly finished end
         for _ in stream:
@@ -279,7 +287,12 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
     assert status == 503 and headers["retry-after"] and b"shutting_down" in body  # not a 500
     assert proc.wait(timeout=30) == 0
     text = log.read_text()
-    assert time.time() - start < 10 and "Traceback" not in text and "did not exit" not in text, text
+    assert "Traceback" not in text and "did not exit" not in text, text
     trace = load_trace(log.parent / "served.npz")  # --record-trace: written as the server stopped
     assert f"trace of {trace.num_tokens} tokens written to" in text
     assert trace.step_id is not None and (trace.is_prefill == 1).any() and (trace.is_prefill == 0).any()
+    # the server did not wait for the two generations in flight: each stopped short of its 250 tokens
+    # (counted in the trace, not on a clock: a busy machine's shutdown is slow, not wrong)
+    last_two = np.unique(trace.seq_id)[-2:]
+    decoded = [int(((trace.seq_id == s) & (trace.is_prefill == 0)).sum()) for s in last_two]
+    assert all(n < 249 for n in decoded), decoded

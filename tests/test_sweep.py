@@ -593,11 +593,13 @@ def test_ctrl_c_stops_the_workers_and_the_sweep_resumes(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    if proc.returncode == 130:  # stopped half way (else it was done before the signal came)
-        assert "run again with --resume (resume=True) to go on" in err and "expertcache: interrupted" in err
-    else:
-        assert proc.returncode == 0, err
     kept = len(out.read_text().splitlines()) - 1
+    # the signal may come half way, after the last row (a fast machine), or as Python exits (-2)
+    assert proc.returncode in (130, 0, -signal.SIGINT), err
+    if proc.returncode == 130:
+        assert "expertcache: interrupted" in err
+        if kept < 3 * 12 * 3:  # stopped half way: said how to go on
+            assert "run again with --resume (resume=True) to go on" in err
     done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = list(csv.DictReader(out.open()))
