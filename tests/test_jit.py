@@ -1,6 +1,7 @@
 """The package's compiled loops get the core's full vector width (``expertcache.jit``), unless the user
 chose numba's target or turned AVX off; it holds whether or not numba was imported first, touches no other
-numba setting, and leaves the environment (child processes) alone."""
+numba setting, and leaves the environment (child processes) alone; but numba's pool takes the size of
+``OMP_NUM_THREADS`` where the user set only that."""
 
 from __future__ import annotations
 
@@ -68,3 +69,22 @@ def test_the_users_torch_thread_count_survives_the_first_parallel_loop():
     )
     torch_threads, numba_threads = _ask(code, NUMBA_NUM_THREADS="2").split()
     assert torch_threads == "1" and numba_threads == "2"
+
+
+def test_numbas_pool_follows_omp_num_threads_whatever_is_imported_first():
+    """Under ``OMP_NUM_THREADS=1`` alone, the simulator's loops loaded before torch (one process) made
+    numba start a pool of every CPU through the OpenMP runtime it shares with torch, and torch then ran
+    on that many threads. numba's pool now takes ``OMP_NUM_THREADS`` where ``NUMBA_NUM_THREADS`` is not
+    set, and the user's own ``NUMBA_NUM_THREADS`` stands."""
+    code = (
+        "from expertcache import jit; import torch, numba; "
+        "print(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)"
+    )
+    clean = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
+    assert _ask(code, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2").split()[1] == "2"

@@ -9,24 +9,45 @@ step's 8 int8 experts at Granite's shapes took 1287 us with 256-bit vectors and 
 docs/BENCHMARKS.md). On a core with AVX-512 the package asks LLVM for full-width vectors by compiling
 for the host's features plus ``-prefer-256-bit``.
 
-How: numba takes its target features from ``numba.config.CPU_FEATURES`` (``NUMBA_CPU_FEATURES``) when it
-makes its code generator, at its first compile or cached load; this module sets that value in this
-process only (the environment, and so child processes, are left alone) to numba's own host features
-(``NUMBA_ENABLE_AVX=0`` still takes the AVX features away) plus ``-prefer-256-bit``, unless the user chose
-a target (``NUMBA_CPU_FEATURES``, ``NUMBA_CPU_NAME``) or turned AVX off. No other numba setting is
-touched. Where numba had already compiled something in this process before expertcache was imported, its
-first features stay (``wide_vectors`` says which). The features are part of numba's on-disk cache key, so
-a cached kernel is never reused across them. Sums run in another order at another width, so the packed
-kernels' float32 results differ in their last bits from a build with 256-bit vectors; within a process
-every path runs the same code.
+How: numba takes its target features from ``numba.config.CPU_FEATURES`` (``NUMBA_CPU_FEATURES``) when it makes
+its code generator, at its first compile or cached load; this module sets that value in this process only (the
+environment, and so child processes, are left alone) to numba's own host features (``NUMBA_ENABLE_AVX=0``
+still takes the AVX features away) plus ``-prefer-256-bit``, unless the user chose a target
+(``NUMBA_CPU_FEATURES``, ``NUMBA_CPU_NAME``) or turned AVX off. No other numba setting is touched, but for the
+size of numba's thread pool where only ``OMP_NUM_THREADS`` is set (``_pool_follows_openmp``). Where numba had
+already compiled something in this process before expertcache was imported, its first features stay
+(``wide_vectors`` says which). The features are part of numba's on-disk cache key, so a cached kernel is never
+reused across them. Sums run in another order at another width, so the packed kernels' float32 results differ
+in their last bits from a build with 256-bit vectors; within a process every path runs the same code.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-import numba
-import numpy.ma  # noqa: F401  (see below)
+
+def _pool_follows_openmp() -> None:
+    """``NUMBA_NUM_THREADS`` set to ``OMP_NUM_THREADS`` where the user set only the latter and numba has
+    not started: numba's OpenMP layer starts its pool by setting the OpenMP thread count of the runtime
+    it shares with torch, so a pool of every CPU made a torch imported afterwards report and use that
+    many threads under ``OMP_NUM_THREADS=1`` (the simulator's loops loaded before a model, in one
+    process). The one variable this module writes to the environment, so that the command's worker
+    processes start alike; the command line does the same (``workers.thread_environment``)."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if (
+        "numba" not in sys.modules
+        and omp.isdigit()
+        and int(omp) > 0
+        and not os.environ.get("NUMBA_NUM_THREADS")
+    ):
+        os.environ["NUMBA_NUM_THREADS"] = omp
+
+
+_pool_follows_openmp()
+
+import numba  # noqa: E402  (after its pool's size is settled)
+import numpy.ma  # noqa: E402, F401  (see below)
 
 # numba's argument typing reads ``np.ma``, which numpy 2 imports on first access (a module
 # ``__getattr__``); the simulator's first compiled calls run on two threads at once (OPT's bound beside the

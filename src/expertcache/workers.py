@@ -50,17 +50,13 @@ def quota_threads(environ: Mapping[str, str] = os.environ) -> int | None:
 
 def thread_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables the command line sets before torch and numba start: under a CPU quota (and no
-    thread count chosen) ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS`` to ``quota_threads()``; where the
-    user set ``OMP_NUM_THREADS`` alone, ``NUMBA_NUM_THREADS`` to it, so that numba's pool is the size of
-    torch's (the packed loops run on torch's thread count; a larger pool only waits). Both are read once,
-    when each library starts, and inherited by the command's worker processes."""
+    thread count chosen) ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS`` to ``quota_threads()``; else none
+    (where the user set ``OMP_NUM_THREADS`` alone, ``expertcache.jit`` gives numba's pool its size). Both
+    are read once, when each library starts, and inherited by the command's worker processes."""
     threads = quota_threads(environ)
-    if threads is not None:
-        return {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
-    omp = environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0 and not environ.get("NUMBA_NUM_THREADS"):
-        return {"NUMBA_NUM_THREADS": omp}
-    return {}
+    if threads is None:
+        return {}
+    return {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
 
 
 def cpu_quota(proc: str = "/proc/self") -> float | None:
