@@ -713,3 +713,20 @@ class TestDist:
             drv.serve([(1, e)], rnd)
         # layer 1 favours (1,0), (1,1): the miss of (1,3) should evict the unfavoured (1,2)
         assert drv.serve([(1, 3)], 3) == [((1, 3), (1, 2))]
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("eam", {"eps": math.nan}, "eps must be a positive finite number"),  # was an IndexError
+        ("eam", {"eps": math.inf}, "eps must be a positive finite number"),
+        ("eam", {"eamc": 1.5}, "eamc must be a whole number"),  # was taken as 1
+        ("eam", {"matches": 2.7}, "matches must be a whole number"),
+        ("lcp", {"omega": math.nan}, "omega must be a positive finite number"),  # was accepted
+        ("lcp", {"omega": math.inf}, "omega must be a positive finite number"),
+    ],
+)
+def test_parameters_that_are_not_numbers_of_their_kind_are_refused(name, params, message):
+    with pytest.raises(PolicyError, match=message):
+        build(name, 8, num_layers=2, **params)
+    build(name, 8, num_layers=2, **{k: 2 for k in params})  # a whole, finite value of each is taken

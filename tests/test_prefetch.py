@@ -810,3 +810,15 @@ def test_a_deterministic_run_s_prefetches_replay_exactly_given_its_link(ckpt, ca
     got = json.loads(capsys.readouterr().out)
     keys = ("hits", "misses", "prefetch_issued", "prefetch_used", "prefetch_cancelled")
     assert {k: got[k] for k in keys} == {k: run[k] for k in keys}
+
+
+def test_predictor_accuracy_refuses_a_predictor_file_nothing_reads(capsys, tmp_path):
+    """PREDICTORS.md: a --predictor no named predictor reads is refused in one line, not ignored."""
+    from expertcache.trace.default import default_trace
+
+    trace = tmp_path / "t.npz"
+    default_trace().save(trace)
+    for path, why in ((str(trace), "reads no recorded trace"), (str(tmp_path), "a trained predictor")):
+        assert main(["predictor-accuracy", "--predictors", "next-gate", "--predictor", path]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err

@@ -176,3 +176,14 @@ def test_two_calibrations_that_disagree_are_said_and_the_quieter_is_kept():
         ]
     kept, unsteady = _steadier(quiet, CostModel(expert_s=1.1e-4, expert_token_s=2e-6))
     assert kept is quiet and unsteady == []
+
+
+def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():
+    """More tokens measured faster (a busy machine) clamped the slope to 0 but kept the free fit's
+    intercept, 3.29 ms for samples of 3 and 1 ms; the best fit with a slope of 0 is their mean."""
+    from expertcache.costs import fit_linear
+
+    assert fit_linear([(1, 0.003), (8, 0.001)]) == pytest.approx((0.002, 0.0))
+    a, b = fit_linear([(1, 0.0001), (16, 0.01)])  # a free intercept below 0: the line through the origin
+    assert a == 0.0 and b == pytest.approx((0.0001 + 16 * 0.01) / (1 + 16 * 16))
+    assert fit_linear([(1, 0.001), (16, 0.0032)]) == pytest.approx((0.001 - 0.0022 / 15, 0.0022 / 15))

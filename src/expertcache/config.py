@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from expertcache.errors import ExpertcacheError, option
 from expertcache.miss.registry import parse_miss
 from expertcache.policy.registry import is_offline, parse_policy, policy_class
+from expertcache.predict.base import PredictorError
 from expertcache.predict.registry import predictor_class
 from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (``serve.scheduling``)
 from expertcache.units import parse_duration, parse_rate, parse_size
@@ -113,7 +114,13 @@ class PrefetchConfig:
                 f"{option('--window K', 'window=K')}"
             )
         if name not in ("none", RECORDED, AUTO) and obj is None:
-            predictor_class(name)
+            try:
+                predictor_class(name)
+            except PredictorError as e:  # the names a prefetch takes beyond the predictors themselves
+                raise PredictorError(
+                    f"{e}; or none, auto (the engine's choice, its default), recorded (the simulator's "
+                    "replay of the predictions an engine recorded)"
+                ) from None
         if name == "none" and (self.window is not None or self.data is not None or self.thread):
             raise ExpertcacheError(
                 "a window, predictor data or a predictor thread needs a predictor "

@@ -313,7 +313,9 @@ def read_tier_link(profile: dict) -> str | None:
 
 def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """Least squares ``seconds = a + b * tokens`` over (tokens, seconds) samples, a and b at least 0
-    (b = 0 when every sample has one token count)."""
+    (b = 0 when every sample has one token count). Where the free fit puts one below 0, the best fit
+    with it at 0: a slope of 0 (more tokens measured no slower, on a busy machine) fits the mean, an
+    intercept of 0 the line through the origin."""
     tokens = np.asarray([s[0] for s in samples], dtype=np.float64)
     secs = np.asarray([s[1] for s in samples], dtype=np.float64)
     if len(secs) == 0:
@@ -321,7 +323,11 @@ def fit_linear(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     if np.ptp(tokens) == 0:
         return max(float(secs.mean()), 0.0), 0.0
     b, a = (float(v) for v in np.polyfit(tokens, secs, 1))
-    return max(a, 0.0), max(b, 0.0)
+    if b < 0:
+        return max(float(secs.mean()), 0.0), 0.0
+    if a < 0:
+        return 0.0, max(float(tokens @ secs / (tokens @ tokens)), 0.0)
+    return a, b
 
 
 def _is_text(value: object) -> bool:

@@ -1752,7 +1752,19 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
         raise ExpertcacheError("--window and --max-new-tokens must be at least 1")
     trace = None
     if args.predictor and Path(args.predictor).suffix == ".npz":
+        from expertcache.predict.registry import trace_readers
+
+        if not trace_readers(names):
+            raise ExpertcacheError(
+                f"--predictor {args.predictor}: {', '.join(dict.fromkeys(names))} reads no recorded trace "
+                "(token and eam do)"
+            )
         trace = load_trace(args.predictor)
+    elif args.predictor and "learned" not in names:
+        raise ExpertcacheError(
+            f"--predictor {args.predictor}: a trained predictor is read by learned, which --predictors "
+            f"does not name ({', '.join(dict.fromkeys(names))})"
+        )
     rows = evaluate_model(
         args.model,
         read_prompts(args.prompts) if args.prompts else None,

@@ -18,6 +18,7 @@ its EAM then enters the EAMC. Parameters: ``eamc`` (EAMC capacity, 64), ``matche
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Container, Sequence
 
 import numpy as np
@@ -33,8 +34,11 @@ class EAM(Policy):
 
     def __init__(self, ctx: PolicyContext, *, eamc: int = 64, matches: int = 3, eps: float = 1e-3) -> None:
         super().__init__(ctx)
-        if eps <= 0:
-            raise PolicyError(f"eam: eps must be positive, got {eps}")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise PolicyError(f"eam: eps must be a positive finite number, got {eps}")
+        for name, value in (("eamc", eamc), ("matches", matches)):  # not truncated: 1.5 is not 1
+            if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
+                raise PolicyError(f"eam: {name} must be a whole number, got {value}")
         try:
             self.model = EamModel(ctx.num_layers, ctx.num_experts, int(eamc), int(matches))
         except ExpertcacheError as e:

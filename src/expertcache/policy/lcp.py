@@ -24,8 +24,8 @@ class LCP(ScoredPolicy):
         super().__init__(ctx)
         if not 0.0 < rho < 1.0:
             raise PolicyError(f"lcp: rho must be in (0, 1), got {rho}")
-        if omega <= 0:
-            raise PolicyError(f"lcp: omega must be positive, got {omega}")
+        if not 0 < omega < math.inf:  # nan and inf too
+            raise PolicyError(f"lcp: omega must be a positive finite number, got {omega}")
         self.rho, self.omega = rho, omega
         self._decay = -math.log(rho) / omega
         self._count: dict[Key, int] = {}

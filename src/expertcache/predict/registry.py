@@ -27,8 +27,7 @@ def predictor_class(name: str) -> type[Predictor]:
         return PREDICTORS[name]
     except KeyError:
         raise PredictorError(
-            f"unknown predictor {name!r}; choose from none, auto (the engine's choice; its default), "
-            f"recorded (the simulator's replay of an engine's predictions), {', '.join(PREDICTORS)}"
+            f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}"
         ) from None
 
 
