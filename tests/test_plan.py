@@ -404,3 +404,11 @@ def test_warm_runs_that_fail_in_the_workers_leave_the_runs_to_the_caller(monkeyp
         timing.warm_runs([dict(trace=trace, capacity=c) for c in (4, 5)], 2)
         got = timing.run_timing(trace, 4)
     assert (got.misses, got.total_s) == (want.misses, want.total_s)
+
+
+@pytest.mark.parametrize("empty", [{"methods": []}, {"prefetches": []}, {"misses": ()}])
+def test_an_empty_list_is_said_to_be_empty(empty):
+    """``methods=[]`` was "unknown planning method ''", ``prefetches=[]`` "no method could lay out"."""
+    (what,) = empty
+    with pytest.raises(ExpertcacheError, match=f"{what} is empty"):
+        make_plan(default_trace(), 24, **empty)

@@ -319,6 +319,9 @@ def make_plan(
     )
     if isinstance(methods, str):
         methods = [methods]
+    for given, what in ((methods, "methods"), (misses, "misses"), (prefetches, "prefetches")):
+        if given is not None and not len(given):
+            raise ExpertcacheError(f"{what} is empty: name one at least (or leave it out for the default)")
     cost = as_cost(cost)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
@@ -385,10 +388,8 @@ def make_plan(
     if objective not in OBJECTIVES:
         raise ExpertcacheError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ExpertcacheError(
-            f"unknown planning method {unknown[0] if unknown else ''!r}; choose from {', '.join(METHODS)}"
-        )
+    if unknown:
+        raise ExpertcacheError(f"unknown planning method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     name, params = parse_policy(policy)
     if params or name.endswith("-dist") or f"{name}-dist" not in POLICIES:
         raise ExpertcacheError(
