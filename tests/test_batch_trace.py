@@ -279,3 +279,20 @@ def test_the_python_api_names_them():
 
     assert expertcache.batch_requests is batch_requests and expertcache.step_bounds is step_bounds
     assert "batch_requests" in expertcache.__all__ and "step_bounds" in expertcache.__all__
+
+
+def test_step_bounds_takes_its_arguments_as_simulate_timing_does():
+    """A trace file, a share of the experts, a cost as None or a dict; a bad one is one clear error (they
+    were AttributeErrors)."""
+    from expertcache.costs import CostModel
+    from expertcache.errors import ExpertcacheError
+    from expertcache.sim.bounds import step_bounds
+    from expertcache.trace.default import default_trace
+
+    trace = default_trace()
+    want = step_bounds(trace, 24, CostModel()).best_s.sum()
+    assert step_bounds(trace, "25%", None).best_s.sum() == want  # 25 % of 96 experts
+    assert step_bounds(trace, 24, {}).best_s.sum() == want
+    for bad, message in ((-1, "at least 0"), ("lots", "lots")):
+        with pytest.raises(ExpertcacheError, match=message):
+            step_bounds(trace, bad)

@@ -730,3 +730,8 @@ def test_parameters_that_are_not_numbers_of_their_kind_are_refused(name, params,
     with pytest.raises(PolicyError, match=message):
         build(name, 8, num_layers=2, **params)
     build(name, 8, num_layers=2, **{k: 2 for k in params})  # a whole, finite value of each is taken
+
+
+def test_make_policy_without_a_context_says_what_it_needs():
+    with pytest.raises(PolicyError, match="make_policy needs a PolicyContext"):
+        make_policy("lru", None)  # was an AttributeError

@@ -788,3 +788,12 @@ def test_the_plain_layer_shortcut_takes_the_same_decisions(policy, miss, predict
         assert any(plain for plain, _ in taken)  # the shortcut is exercised here
         if share < 1.0:  # and serves layers with misses
             assert any(plain and missed for plain, missed in taken)
+
+
+def test_simulate_timing_names_itself_when_given_too_many_positions():
+    from expertcache.errors import ExpertcacheError
+    from expertcache.sim.timing import simulate_timing
+    from expertcache.trace.default import default_trace
+
+    with pytest.raises(ExpertcacheError, match="simulate_timing takes the trace and the capacity by position"):
+        simulate_timing(default_trace(), 48, "lru")  # was run_timing's TypeError

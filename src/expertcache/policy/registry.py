@@ -98,6 +98,11 @@ def capacity_reason(name: str, params: dict[str, object] | None = None, min_room
 
 def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
     """Build a registered policy; unknown names or parameters raise PolicyError."""
+    if not isinstance(ctx, PolicyContext):
+        raise PolicyError(
+            f"make_policy needs a PolicyContext (capacity, num_layers, num_experts, top_k, ...), got "
+            f"{type(ctx).__name__}"
+        )
     factory = _lookup(name)
     _check_parameters(name, params)
     try:

@@ -26,9 +26,7 @@ def predictor_class(name: str) -> type[Predictor]:
     try:
         return PREDICTORS[name]
     except KeyError:
-        raise PredictorError(
-            f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}"
-        ) from None
+        raise PredictorError(f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}") from None
 
 
 def trace_readers(names) -> list[str]:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from expertcache.cache.schedule import step_starts
-from expertcache.costs import CostModel
+from expertcache.costs import CostModel, as_cost
 from expertcache.errors import ExpertcacheError
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
+from expertcache.units import one_capacity
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,21 @@ class StepBounds:
         }
 
 
-def step_bounds(trace: Trace, capacity: int, cost: CostModel) -> StepBounds:
-    """The stream and static-split miss times of each step of ``trace`` (see the module docstring), at a
-    cache of ``capacity`` experts (``capacity // L`` a layer for the static set)."""
+def step_bounds(
+    trace: Trace | str, capacity: int | str, cost: CostModel | dict | str | None = None
+) -> StepBounds:
+    """The stream and static-split miss times of each step of ``trace`` (a ``Trace`` or its file; see the
+    module docstring), at a cache of ``capacity`` experts (or a share of all, "25%"; ``capacity // L`` a
+    layer for the static set), under ``cost`` (a ``CostModel``, a dict or file of one, None: the
+    defaults), as ``simulate_timing`` takes them."""
+    trace = as_trace(trace)
+    cost = as_cost(cost)
     L, E = trace.num_layers, trace.num_experts
-    if capacity < 0:
-        raise ExpertcacheError(f"capacity must be at least 0 experts, got {capacity}")
+    if not isinstance(capacity, bool) and isinstance(capacity, int) and capacity <= 0:  # 0: no cache
+        if capacity < 0:
+            raise ExpertcacheError(f"capacity must be at least 0 experts, got {capacity}")
+    else:
+        capacity = one_capacity(capacity, L * E)
     room = min(capacity // L, E)
     ex = trace.experts
     layer_of = np.broadcast_to(np.arange(L)[None, :, None], ex.shape)

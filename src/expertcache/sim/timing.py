@@ -434,6 +434,11 @@ def _run_timing(
 
 @functools.wraps(run_timing)
 def simulate_timing(*args, **kwargs) -> TimingResult:
+    if len(args) > 2:  # run_timing's own TypeError named run_timing
+        raise ExpertcacheError(
+            "simulate_timing takes the trace and the capacity by position and the rest by name "
+            "(cache=..., prefetch=..., miss=..., cost=...)"
+        )
     result = run_timing(*args, **kwargs)
     warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them
     return result
