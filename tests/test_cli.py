@@ -563,3 +563,9 @@ def test_a_named_predictor_with_every_expert_resident_is_said_to_have_nothing_to
     assert code == 0 and "prefetch next-gate has nothing to move" in err
     code, _, err = run(capsys, *two)  # auto: the engine's choice
     assert code == 0 and "nothing to move" not in err
+
+
+def test_budgets_for_too_few_layers_are_named_as_such(capsys):
+    """``lru-dist:budgets=1/2/3`` on 6 layers said "needs capacity 6 (its budgets sum to 6)"."""
+    code, _, err = run(capsys, "sim", "--policy", "lru-dist:budgets=1/2/3", "--capacity", "24")
+    assert code == 2 and err.strip() == "expertcache: error: lru-dist: 3 budgets given for 6 layers"
