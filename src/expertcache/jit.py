@@ -33,7 +33,7 @@ def _pool_follows_openmp() -> None:
     it shares with torch, so a pool of every CPU made a torch imported afterwards report and use that
     many threads under ``OMP_NUM_THREADS=1`` (the simulator's loops loaded before a model, in one
     process). The one variable this module writes to the environment, so that the command's worker
-    processes start alike; the command line does the same (``workers.thread_environment``)."""
+    processes start alike (under a CPU quota the command line sets both, ``workers.thread_environment``)."""
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if (
         "numba" not in sys.modules
