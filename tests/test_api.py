@@ -386,3 +386,13 @@ def test_the_doctors_advice_names_python_arguments_in_python(short):
     with command_line():
         text = " ".join(ec.diagnose(trace, 24, host_capacity=48)["verdict"])
     assert "--host-exclusive" in text and "--host-policy" in text
+
+
+def test_simulate_caps_a_capacity_over_all_experts_and_says_so():
+    """As ``sim --capacity`` and ``simulate_timing`` do: the row was labelled 1000 experts of 96."""
+    from expertcache.trace.default import default_trace
+
+    trace = default_trace()
+    with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
+        (row,) = ec.simulate(trace, ["lru"], [1000])
+    assert row.capacity == 96 and row.misses == ec.simulate(trace, ["lru"], [96])[0].misses

@@ -159,5 +159,12 @@ def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]
         got = capacity_items(c, total, 1)
         if any(isinstance(n, str) for n in got):
             raise ExpertcacheError(f"capacity {c!r} is less than one expert of {total}")
+        if len(got) == 1 and got[0] > total:  # as sim --capacity: capped, and said
+            warnings.warn(
+                f"a cache of {got[0]} experts is more than all {total}; capped at {total}",
+                ExpertcacheWarning,
+                stacklevel=4,  # the caller of simulate
+            )
+            got = [total]
         caps += got
     return list(dict.fromkeys(caps))  # each once, in the order given, as sim --capacity
