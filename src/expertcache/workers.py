@@ -27,11 +27,16 @@ def usable_cpus() -> int:
     allows (``docker --cpus``, a Kubernetes CPU limit; rounded up, ``cpu_quota``); at least 1.
     ``os.cpu_count()`` counts the machine's, which a process pinned to 2 of 64 CPUs, or given 2 CPUs'
     time on 64, must not start 64 workers for."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = _mask_cpus()
     quota = cpu_quota()
     if quota is not None:
         cpus = min(cpus, math.ceil(quota))
     return max(1, cpus)
+
+
+def _mask_cpus() -> int:
+    """The CPUs of the affinity mask, or the machine's where the system has no masks."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def quota_threads(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -44,8 +49,7 @@ def quota_threads(environ: Mapping[str, str] = os.environ) -> int | None:
     if environ.get("OMP_NUM_THREADS") or environ.get("NUMBA_NUM_THREADS"):
         return None
     cpus = usable_cpus()
-    mask = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus if cpus < mask else None
+    return cpus if cpus < _mask_cpus() else None
 
 
 def thread_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -1384,9 +1384,6 @@ def _note_skipped(
     kept = []
     for spec in policies:
         name, params = parse_policy(spec)
-        budgets = params.get("budgets")
-        if isinstance(budgets, list) and len(budgets) != num_layers:  # before what their sum would fill
-            raise ExpertcacheError(f"{name}: {len(budgets)} budgets given for {num_layers} layers")
         low = min_capacity(name, num_layers, params, min_room)
         fixed = fixed_capacity(name, params)
         why = capacity_reason(name, params, min_room)

@@ -72,10 +72,13 @@ def min_capacity(
     name: str, num_layers: int, params: dict[str, object] | None = None, min_room: int = 1
 ) -> int:
     """The smallest capacity the policy can run with when every layer needs ``min_room`` slots:
-    that for a whole-cache policy, ``min_room`` per layer for -dist (or the sum of given budgets)."""
+    that for a whole-cache policy, ``min_room`` per layer for -dist (or the sum of given budgets). Budgets
+    given for another number of layers are refused here, before what their sum would fill is judged."""
     factory = _lookup(name)
     if isinstance(factory, partial) and factory.func is Dist:
         budgets = (params or {}).get("budgets")
+        if isinstance(budgets, list) and len(budgets) != num_layers:  # as Dist says it
+            raise PolicyError(f"{name}: {len(budgets)} budgets given for {num_layers} layers")
         return sum(budgets) if isinstance(budgets, list) else num_layers * min_room
     return min_room
 

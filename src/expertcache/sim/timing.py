@@ -305,14 +305,15 @@ def _run_timing(
             + " for the governor, or replay what an engine predicted with "
             + option("--prefetch recorded", "prefetch='recorded'")
         )
-    unchunked = False  # the cost model's auto chunks dropped: nothing speculative for a demand miss to pass
-    if cost.chunk_bytes == AUTO and not pf.chunked(background=miss_cfg.name != "fetch"):
-        cost = CostModel.from_dict({"chunk_bytes": None}, cost)  # the engine's rule: no chunks to bound
-        unchunked = True
-    idle_chunks = pf.idle_chunking_note(background=miss_cfg.name != "fetch")
-    if idle_chunks is not None and cost.chunk_bytes is not None:  # said as it runs: every transfer whole
+    # the engine's rule: nothing speculative for a demand miss to pass, no chunks (auto's, or a size given,
+    # which the note says changes nothing); the cost line says every transfer moves whole
+    background = miss_cfg.name != "fetch"
+    idle_chunks = pf.idle_chunking_note(background=background)
+    unchunked = (cost.chunk_bytes == AUTO and not pf.chunked(background=background)) or (
+        idle_chunks is not None and cost.chunk_bytes is not None
+    )
+    if unchunked:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
-        unchunked = True
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
         raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
