@@ -569,3 +569,22 @@ def test_budgets_for_too_few_layers_are_named_as_such(capsys):
     """``lru-dist:budgets=1/2/3`` on 6 layers said "needs capacity 6 (its budgets sum to 6)"."""
     code, _, err = run(capsys, "sim", "--policy", "lru-dist:budgets=1/2/3", "--capacity", "24")
     assert code == 2 and err.strip() == "expertcache: error: lru-dist: 3 budgets given for 6 layers"
+
+
+def test_a_seed_where_no_policy_draws_at_random_is_said_to_change_nothing(capsys):
+    """``--seed`` seeds only random and marking (and their -dist forms); given with LRU it was taken in
+    silence. The seed still reaches a policy that draws: two seeds, two different runs."""
+    code, out, err = run(capsys, "sim", "--policy", "lru", "--capacity", "24", "--seed", "3", "--json")
+    assert code == 0 and "note: --seed 3 changes nothing here: lru draws nothing at random" in err
+    code, seeded, err = run(capsys, "sim", "--policy", "random", "--capacity", "24", "--seed", "3", "--json")
+    assert code == 0 and "--seed" not in err
+    code, other, err = run(capsys, "sim", "--policy", "random", "--capacity", "24", "--json")
+    assert code == 0 and "--seed" not in err
+    assert json.loads(seeded)[0]["misses"] != json.loads(other)[0]["misses"]
+    code, out, err = run(capsys, "timing", "--capacity", "24", "--seed", "1", "--host-capacity", "60")
+    assert code == 0 and "note: --seed 1 changes nothing here: lru draws nothing at random" in err
+    host = ("--host-capacity", "60", "--host-policy", "random")
+    code, out, err = run(capsys, "timing", "--capacity", "24", "--seed", "1", *host)
+    assert code == 0 and "--seed 1 changes nothing" not in err  # the host level's policy draws
+    code, out, err = run(capsys, "plan", "--capacity", "24", "--method", "shared", "--seed", "2")
+    assert code == 0 and "note: --seed 2 changes nothing here: lru draws nothing at random" in err

@@ -155,6 +155,7 @@ class TestPlacement:
         ("host:speed=2", "does not take speed"),
         ("host:fill=2", "fill is 0 or 1"),
         ("host:fill", "not key=value"),
+        ("host:fill=1,fill=0", "'fill' is given twice"),
         ("fetch:x=1", "takes no parameters"),
     ],
 )

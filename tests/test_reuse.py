@@ -269,8 +269,10 @@ def test_parameters_are_checked_and_weights_can_be_given_in_memory(tmp_path):
         with pytest.raises(PolicyError, match="finite numbers"):
             make_policy("reuse", ctx, weights=bad)
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    name, params = parse_policy(f"reuse:weights={a},lr=0,weights={b}")
-    assert params["weights"] == str(b)  # the last one given, as for numbers
+    with pytest.raises(PolicyError, match="'weights' is given twice"):  # not the last one silently
+        parse_policy(f"reuse:weights={a},lr=0,weights={b}")
+    name, params = parse_policy("reuse:weights=007,lr=0")
+    assert params["weights"] == "007"  # a file name as written
 
 
 def test_a_sweep_knows_a_weights_file_by_its_content(tmp_path):

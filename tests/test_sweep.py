@@ -164,6 +164,7 @@ def test_a_bad_grid_file_is_one_line_naming_it(tmp_path, capsys, name, text, mes
         (["--out", "r.txt"], "r.txt: a results file is .csv, .json or .parquet"),
         (["--out", "no/such/dir/r.csv"], "cannot write the results: directory"),
         (["--resume"], "resuming reads the results file: give it (--out FILE; out=FILE)"),
+        (["--force"], "--force (force=True) replaces the results file: give it (--out FILE; out=FILE)"),
         (["--jobs", "0"], "--jobs must be at least 1, got 0"),
         (["--ray", "--jobs", "2"], "with --ray the cluster's CPUs run the cells"),
         (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers there"),
@@ -837,3 +838,29 @@ def test_simulate_takes_one_policy_and_shares_as_sim_and_sweep_do():
     for bad, words in (("x", "is not experts .24., a range"), ("0.5%", "less than one expert")):
         with pytest.raises(expertcache.ExpertcacheError, match=words):
             expertcache.simulate(trace, ["lru"], capacities=[bad])
+
+
+def test_a_long_title_stays_inside_the_figure():
+    """A trace's path and a timing combination ran off both edges of a 7-inch figure's title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from expertcache.tools.sweep_plots import _curves, _heatmap, _timing_title
+
+    row = {"trace": "t", "trace_sha": "0", "order": "layer", "policy": "lru", "params": "", "capacity": 4,
+           "requests": 10, "misses": 5, "miss_ratio": 0.5, "opt_misses": 4, "ratio_to_opt": 1.25}  # fmt: skip
+    title = "/a/rather/long/path/to/the/traces/of/this/study/qwen1.5-moe-a2.7b-chat.npz (layer order" + (
+        _timing_title(("fetch", "eam", 2, 25.0, 20.0)) + ")"
+    )
+    for fig in (_curves([row], title), _heatmap([row], title)):
+        fig.canvas.draw()
+        box = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, (box, fig.bbox)
+        assert "qwen1.5-moe" in fig.axes[0].get_title().replace("\n", "")
+
+
+def test_a_grid_of_the_wrong_type_is_named():
+    from expertcache import ExpertcacheError, sweep
+
+    with pytest.raises(ExpertcacheError, match="sweep's grid is a Grid, a YAML or TOML file, or None, got 5"):
+        sweep(5)

@@ -585,3 +585,14 @@ def test_synthetic_traces_beyond_memory_or_with_nan_parameters_are_refused() -> 
     for a, b in ((float("nan"), 0.0), (float("inf"), 0.0), (1.0, float("nan"))):
         with pytest.raises(ExpertcacheError, match="needs finite a >= 0 and b > -1"):
             synthesize("zipf", tokens=10, layers=1, experts=4, top_k=1, a=a, b=b)
+
+
+def test_synthetic_parameters_of_the_wrong_type_are_named() -> None:
+    """``synthesize("zipf", tokens="100")`` ended in "'<' not supported between 'str' and 'int'"."""
+    import numpy as np
+
+    for key, bad, kind in (("tokens", "100", "whole"), ("tokens", 2.5, "whole"), ("a", True, "real")):
+        with pytest.raises(ExpertcacheError, match=f"zipf': {key} must be a {kind} number, got {bad!r}"):
+            synthesize("zipf", **{key: bad})
+    t = synthesize("zipf", tokens=np.int64(12), layers=2, experts=4, top_k=1, a=np.float32(1.5), b=0)
+    assert t.num_tokens == 12

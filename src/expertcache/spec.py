@@ -9,7 +9,8 @@ Value = int | float | str | list[int] | list[float]
 
 def parse_spec(spec: str, what: str, error: type[ExpertcacheError]) -> tuple[str, dict[str, Value]]:
     """``'name'`` or ``'name:k=v,...'`` -> (lower-case name, params); values are ints, floats, lists
-    (``2/2/4``) or words. ``what`` names the kind ("policy") in errors of type ``error``."""
+    (``2/2/4``) or words. ``what`` names the kind ("policy") in errors of type ``error``; a key given
+    twice is one of them."""
     if not isinstance(spec, str):
         raise error(f"{what} must be a name or 'name:key=value,...', got {spec!r}")
     name, _, rest = spec.partition(":")
@@ -18,6 +19,8 @@ def parse_spec(spec: str, what: str, error: type[ExpertcacheError]) -> tuple[str
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
             raise error(f"{what} {spec!r}: parameter {item!r} is not key=value")
+        if key.strip() in params:  # not the last one silently
+            raise error(f"{what} {spec!r}: parameter {key.strip()!r} is given twice")
         params[key.strip()] = parse_value(value.strip())
     return name.strip().lower(), params
 

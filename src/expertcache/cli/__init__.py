@@ -200,7 +200,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="requests the cache sees: layer (a step's experts of a layer together, as the engine; "
         "default), flat (one expert at a time) or rounds (top-k as k rounds per token)",
     )  # fmt: skip
-    s.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
+    s.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
     _add_jobs(s, "the replays")
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
@@ -248,7 +248,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
     _add_host_level(tm)
     _add_costs(tm)
-    tm.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
+    tm.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
     tm.add_argument("--json", action="store_true", help="print one JSON object")
     tm.set_defaults(func=_cmd_timing)
 
@@ -291,7 +291,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--objective", choices=OBJECTIVES, default="tpot", help="what to minimise (default tpot)")
     _add_concurrency(pl)
     _add_costs(pl)
-    pl.add_argument("--seed", type=int, default=0, help="seed of randomized policies and predictors")
+    pl.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_jobs(pl, "the candidates' runs")
     _add_host_level(pl, "plan")
@@ -620,9 +620,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     policies = _note_skipped(
         policies, caps, trace.num_layers, min_room(args.order, trace.top_k), bool(args.policy)
     )
+    seed = _seed(args, policies)
     with warnings.catch_warnings():  # the note below says it, with the command to run
         warnings.simplefilter("ignore", ExpertcacheWarning)
-        results = simulate(trace, policies, caps, args.order, args.seed, len(caps) > 1, args.jobs)
+        results = simulate(trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs)
     _note_replays(trace, args.trace)  # once the replays ran: a policy refused is then the one line
     if args.json:
         print(json.dumps([r.to_dict() for r in results]), flush=True)
@@ -852,14 +853,10 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "when": args.prefetch_when,
     }
     if plan is not None:
-        prefetch, cache, miss = (
-            plan.prefetch_config(**options),
-            plan.cache_config(args.seed),
-            plan.miss_config(),
-        )
+        prefetch, cache, miss = plan.prefetch_config(**options), plan.cache_config(), plan.miss_config()
     else:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
-        cache, miss = CacheConfig(args.policy or "lru", seed=args.seed), MissConfig(args.miss or "fetch")
+        cache, miss = CacheConfig(args.policy or "lru"), MissConfig(args.miss or "fetch")
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
@@ -894,6 +891,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             host_capacity = held
     if args.demote_time and not (host is not None and host.exclusive):
         raise ExpertcacheError("--demote-time is an exclusive host level's cost: give --host-exclusive")
+    cache = replace(cache, seed=_seed(args, [cache.policy, host.policy if host is not None else None]))
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
         predictor_trace=predictor_trace, host=host, host_capacity=host_capacity,
@@ -1086,10 +1084,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hosts = {} if host is None else {"host": host, "host_capacity": args.host_capacity}
     if args.host_policy:
         hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
+    seed = _seed(args, [args.policy, *(hosts.get("host_policies") or [])])
     plan = make_plan(
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
-        objective=args.objective, seed=args.seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
+        objective=args.objective, seed=seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)
@@ -1101,6 +1100,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _seed(args: argparse.Namespace, policies: Sequence[str | None]) -> int:
+    """``--seed`` (default 0), with a note where no policy of the run draws at random: a seed given
+    there changes nothing, and is not taken in silence."""
+    if args.seed is None:
+        return 0
+    names = list(dict.fromkeys(parse_policy(p)[0] for p in policies if p))
+    if not any(policy_class(n).seeded for n in names):
+        drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
+        print(
+            f"note: --seed {args.seed} changes nothing here: {', '.join(names)} "
+            f"{'draws' if len(names) == 1 else 'draw'} nothing at random (only {drawing} do)",
+            file=sys.stderr,
+        )
+    return args.seed
 
 
 def _given(args: argparse.Namespace, *dests: str) -> list[str]:

@@ -128,7 +128,7 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
     text = policy_class(name).text_params
     raw = {k.strip(): v.strip() for k, _, v in (i.partition("=") for i in spec.partition(":")[2].split(","))}
     for key, value in params.items():
-        if key in text:  # a file name as written (a number-like one too); the last given, as for numbers
+        if key in text:  # a file name as written (a number-like one too)
             params[key] = raw.get(key, value)
         elif not isinstance(value, int | float) and not (
             isinstance(value, list) and all(isinstance(v, int) for v in value)

@@ -592,6 +592,8 @@ def sweep(
             f"sweep() has no keyword {unknown[0]!r}; it takes grid, {', '.join(_OPTIONS)} and the "
             f"dimensions {', '.join(DIMENSIONS)}"
         )
+    if grid is not None and not isinstance(grid, Grid | str | os.PathLike):
+        raise ExpertcacheError(f"sweep's grid is a Grid, a YAML or TOML file, or None, got {grid!r}")
     if not isinstance(grid, Grid):
         grid = Grid.load(grid) if grid is not None else Grid()
     grid = grid.with_overrides(**dimensions)
@@ -601,6 +603,10 @@ def sweep(
         raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
     if resume and out is None:
         raise ExpertcacheError("resuming reads the results file: give it (--out FILE; out=FILE)")
+    if force and out is None:  # nothing to replace: the rows go to the caller (standard output)
+        raise ExpertcacheError(
+            "--force (force=True) replaces the results file: give it (--out FILE; out=FILE)"
+        )
     if resume and force:
         raise ExpertcacheError(
             "--resume (resume=True) goes on from the results, --force (force=True) replaces them: choose one"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,7 +109,7 @@ def _curves(group: Sequence[dict[str, object]], title: str):
     ax.plot(list(opt), list(opt.values()), "k--", linewidth=2, label="OPT", marker=marker)
     ax.set_xlabel("capacity (experts)")
     ax.set_ylabel("miss ratio")
-    ax.set_title(f"miss ratio against capacity\n{title}", fontsize=9)
+    ax.set_title(f"miss ratio against capacity\n{_wrapped(title, fig)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -139,9 +140,16 @@ def _heatmap(group: Sequence[dict[str, object]], title: str):
                     ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7, color=color)
     fig.colorbar(image, ax=ax, label="misses / OPT's misses")
     ax.set_xlabel("capacity (experts)")
-    ax.set_title(f"ratio to OPT\n{title}", fontsize=9)
+    ax.set_title(f"ratio to OPT\n{_wrapped(title, fig)}", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _wrapped(title: str, fig) -> str:
+    """The title in lines that fit the figure's width at the titles' 9 points (a long trace path and a
+    timing combination ran off both edges): about 13 characters an inch, paths broken anywhere."""
+    width = max(20, int(fig.get_figwidth() * 72 / (0.62 * 9)))
+    return "\n".join(textwrap.wrap(title, width, break_long_words=True, break_on_hyphens=False))
 
 
 def _thinned(n: int, most: int) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 
 import numpy as np
@@ -120,6 +121,12 @@ def synthesize(kind: str, **params: object) -> Trace:
         raise ExpertcacheError(
             f"trace kind {kind!r} does not take {', '.join(unknown)}; it takes {', '.join(accepted)}"
         )
+    for key, value in params.items():  # by the default's type: a whole number, or any real one
+        whole = isinstance(accepted[key].default, int)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
+            raise ExpertcacheError(
+                f"trace kind {kind!r}: {key} must be a {'whole' if whole else 'real'} number, got {value!r}"
+            )
     return gen(**params)
 
 
