@@ -147,12 +147,8 @@ def test_example_runs_as_written(doc, command, sample, make_ckpt, tmp_path, monk
     redirected = ">" in argv  # `... > out.txt`: the output goes to stdout, which is what is checked
     if redirected:
         argv = argv[: argv.index(">")]
-    (tmp_path / "prompts.txt").write_text("def add(a, b):\nimport os\n")  # a prompts file's placeholder
-    (tmp_path / "routes.jsonl").write_text(  # routing logs' placeholders
-        '{"req_id": "r1", "token_idx": 0, "layer": 0, "topk_ids": [5, 9], "topk_weights": [0.6, 0.4]}\n'
-    )
-    (tmp_path / "routes.csv").write_text("token_idx,layer,topk_ids\n0,0,5 9\n0,1,1 2\n")
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # files the examples name (a sweep's grid)
+    # files the examples name (a sweep's grid, prompts, routing logs), as in a clone
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
     monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n"))  # what `chat` and `--prompt -` read
     for i, arg in enumerate(argv):
         if arg == "DIR":

@@ -422,9 +422,34 @@ def test_options_that_would_do_nothing_are_refused_or_noted(capsys, ckpt, tmp_pa
 def test_the_table_says_when_host_compute_left_the_cache_empty():
     from expertcache.cli.generate import miss_work
 
-    out = {"host_computed": 102, "hits": 0, "bytes_transferred": 0, "capacity_experts": 28}
+    out = {"host_computed": 102, "hits": 0, "bytes_transferred": 0, "capacity_experts": 28, "miss": "host"}
     assert miss_work(out) == (
         "102 expert uses computed on the host, the cache's 28 slots stayed empty (host:fill=1 moves experts "
         "in after computing)"
     )
     assert miss_work({**out, "hits": 3}) == "102 expert uses computed on the host"
+    # hybrid takes no fill: the hint named another path (and hybrid:fill=1 is refused)
+    assert miss_work({**out, "miss": "hybrid"}).endswith("the cache's 28 slots stayed empty")
+    assert miss_work({"low_precision": 18}) == "18 expert uses at low precision (lossy)"
+
+
+def test_hybrid_on_a_cpu_reading_the_disk_fetches_and_caches_as_fetch_does(ckpt):
+    """On a CPU-only machine reading from the disk, computing a missed expert on the host and fetching it
+    cost the same read and the same computation: HybriMoE's schedule sent every such tie to the host, so
+    the cache stayed empty and every use read the expert again (2-3x fetch's TPOT). A tie fetches now."""
+    from dataclasses import replace
+
+    from expertcache.costs import CostModel
+    from expertcache.miss.base import Need
+    from expertcache.miss.hybrid import makespan_split
+
+    tie = CostModel(expert_s=1e-3, expert_token_s=0.0, host_expert_s=1e-3, host_expert_token_s=0.0,
+                    host_read_s=2e-3, link_bandwidth=1e9, link_latency=0.0, expert_bytes=2_000_000,
+                    chunk_bytes=None, host_parallel=False)  # fmt: skip
+    assert tie.transfer_time() == tie.host_read_s
+    assert makespan_split(tie, [Need((0, e), 1, 1.0, 0.0, 0) for e in range(4)]) == [False] * 4
+    cheaper = replace(tie, host_read_s=1e-3)  # the host's read really is cheaper: it computes there
+    assert makespan_split(cheaper, [Need((0, 0), 1, 1.0, 0.0, 0)]) == [True]
+    with engine_load(ckpt("mixtral"), expert_memory="50%", policy="mrs", miss="hybrid") as model:
+        model.generate_text("hello world, hello experts", 8)
+        assert model.stats["hits"] > 0 and model.stats["bytes_transferred"] > 0

@@ -166,6 +166,7 @@ def test_sampling_repeats_with_a_seed_and_reports_a_drawn_one(ckpt):
         (["--temperature", "-1"], "temperature must be"),
         (["--temperature", "1", "--top-p", "1.5"], r"top-p must be in \(0, 1\]"),
         (["--temperature", "1", "--top-k", "0"], "top-k must be at least 1"),
+        (["--temperature", "1", "--top-k", "100000"], "top-k 100000 is more than the vocabulary's"),
         (["--repetition-penalty", "0"], "repetition penalty must be > 0"),
         (["--stop", ""], "stop strings must be non-empty"),
         (["--batch-size", "4"], "--batch-size is for --prompts FILE"),  # not ignored (a new user's)
@@ -524,3 +525,30 @@ def test_generate_does_not_import_hqq_and_transformers_still_finds_it():
     done = subprocess.run([sys.executable, "-c", used], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]  # the stand-in imports hqq when first used
+
+
+def test_a_chat_turn_that_fails_keeps_the_conversation_before_it(capsys, ckpt, tmp_path, monkeypatch):
+    """The oldest turns were dropped to fit a turn before it ran, and stayed dropped when it failed: the
+    conversation after a too-long turn had lost everything said before it."""
+    from expertcache.engine.offloaded import OffloadedModel
+
+    sent = []
+    real = OffloadedModel.generate_text
+
+    def recording(self, prompt, *args, **kwargs):
+        sent.append([m["content"] for m in prompt])
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", recording)
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    long_turn = "hello world, " * 2000  # more tokens than the tiny model's context, alone
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"first\n{long_turn}\nthird\n"))
+    code, out, err = run(
+        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
+        "--chat-template", str(template),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "exceeds the model's context" in err and "dropped" not in err
+    assert sent[0] == ["first"] and len(sent) == 3 and sent[1][-1] == long_turn
+    assert sent[2][0] == "first" and sent[2][-1] == "third" and len(sent[2]) == 3  # first, its reply, third

@@ -220,6 +220,9 @@ def test_serve_says_what_makes_its_model_lossy(packed_ckpts):
         note = lossy_note(model.stats, model.miss.lossy)
     assert note.startswith("note: lossy, not the full-precision model's outputs: experts packed (int4-g64, ")
     assert "dense layers int8" in note and "miss path" not in note
+    with engine_load(DEFAULT_MODEL, kernel="compiled") as model:  # not bit-equal: said, as generate says it
+        note = lossy_note(model.stats, model.miss.lossy)
+    assert ": the compiled kernel (its sums in another order) (expertcache quality with" in note
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])

@@ -5,6 +5,7 @@ alone, a full queue, a client that leaves, metrics, and a real server process st
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import threading
@@ -428,6 +429,63 @@ def test_chat_fields_nobody_defined_and_two_limits_are_refused(served):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def test_a_content_part_that_is_not_text_is_named_as_the_field_it_is(served):
+    """An image part was a 400 with ``param: null``, and ``"content": []`` an empty message."""
+    model, http, client = served
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    for content, words in (
+        ([{"type": "text", "text": "hi"}, image], "part 1 is of type 'image_url'"),
+        ([{"type": "text", "text": "a", "x": 1}], "part 0 is a text part with other keys (x)"),
+        ([{"type": "text", "text": 5}], "part 0 is a text part whose text is not a string"),
+        ([{"text": "a"}], "part 0 is without a type"),
+        ([], "no content parts"),
+    ):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": content}],
+        }
+        err = http.post("/v1/chat/completions", json=body).json()["error"]
+        assert err["param"] == "messages.1.content" and err["message"].startswith("messages.1.content: ")
+        assert words in err["message"], err
+    parts = [{"type": "text", "text": "def "}, {"type": "text", "text": "add("}]
+
+    def chat(content):
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        return http.post("/v1/chat/completions", json=body)
+
+    r, plain = chat(parts), chat("def add(")
+    assert r.status_code == 200 and r.json()["choices"] == plain.json()["choices"]
+
+
+def test_sampling_fields_on_a_greedy_request_are_refused_not_ignored(served):
+    """``top_p`` or ``top_k`` without a temperature came back greedy with a 200 (the command line refuses
+    --top-p without --temperature); the values that ask for nothing, and a seed, are taken."""
+    model, http, client = served
+    for extra, field in (
+        ({"top_p": 0.5}, "top_p"),
+        ({"top_k": 5}, "top_k"),
+        ({"top_p": 0.9, "temperature": 0}, "top_p"),
+    ):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and "this request is greedy" in err["message"]
+    for extra in ({"top_p": 1.0}, {"top_k": 1}, {"seed": 5}, {"top_p": 0.5, "temperature": 0.7, "seed": 1}):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    err = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stop": 5}).json()["error"]
+    assert err["param"] == "stop"  # not pydantic's "stop.str"
+
+
+def test_a_body_that_is_not_utf8_is_named_as_such(served):
+    model, http, client = served
+    raw = b'{"model": "tiny", "prompt": "\xff\xfe"}'
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        "the body is not valid JSON (not UTF-8 text: byte 0xff at "
+    )
+
+
 def test_the_door_refuses_compressed_bodies_and_two_keys_and_answers_head(make_ckpt):
     model = engine_load(make_ckpt("mixtral"), 8, record=False)
     try:
@@ -819,10 +877,44 @@ def test_serve_bad_options_are_one_line(capsys):
         [["serve", "--allowed-host", ""], "--allowed-host needs a host name"],
         [["serve", "--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"],
         [["serve", "--schedule", "sjf"], "--schedule must be one of fifo, prompts-first, got 'sjf'"],
+        [["serve", "--api-key", ""], "--api-key is empty"],  # an empty key was no key: every endpoint open
+        [["serve", "--api-key", " "], "--api-key is empty"],
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0]
+
+
+def test_an_empty_key_in_the_environment_is_refused_and_a_given_one_wins(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("EXPERTCACHE_API_KEY", "")
+    assert main(["serve", "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "EXPERTCACHE_API_KEY is set but empty" in err[0]
+    assert (
+        main(["serve", "--api-key", "k", "--model", str(tmp_path / "none")]) == 2
+    )  # past the key: the model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none" in err[0] and "API_KEY" not in err[0]
+
+
+def test_serve_config_values_of_the_wrong_type_are_named():
+    """``ServeConfig(port="8000")`` ended in a TypeError from ``<``; ``allowed_hosts="box.lan"`` was read
+    as the names b, o, x, ..."""
+    for kwargs, words in (
+        ({"port": "8000"}, "ServeConfig port must be a whole number, got '8000'"),
+        ({"port": True}, "ServeConfig port must be a whole number, got True"),
+        (
+            {"allowed_hosts": "box.lan"},
+            "ServeConfig allowed_hosts must be a list of host names, got 'box.lan'",
+        ),
+        ({"allowed_hosts": ("a", 3)}, "ServeConfig allowed_hosts must be names"),
+        ({"metrics_open": 1}, "ServeConfig metrics_open must be True or False"),
+        ({"api_key": ""}, "--api-key is empty"),
+        ({"kv_tokens": "300"}, "ServeConfig kv_tokens must be a whole number or None"),
+    ):
+        with pytest.raises(ExpertcacheError, match=re.escape(words)):
+            ServeConfig(**kwargs)
+    assert ServeConfig(allowed_hosts=["box.lan"]).allowed_hosts == ("box.lan",)
 
 
 def test_stats_give_the_engines_counts_and_every_answer_is_counted(served):

@@ -394,6 +394,24 @@ KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers
 SERVE_BATCH_TOKENS = 512  # tokens a served step computes at most, by default (serve --max-batch-tokens)
 
 
+_WHOLE, _TEXT, _FLAG = ((int,), "a whole number"), ((str,), "text"), ((bool,), "True or False")
+_OR_NONE = {int: ((int, type(None)), "a whole number or None"), str: ((str, type(None)), "text or None")}
+_SERVE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # ServeConfig's fields not parsed from text
+    "host": _TEXT,
+    "port": _WHOLE,
+    "api_key": _OR_NONE[str],
+    "max_queue": _WHOLE,
+    "kv_tokens": _OR_NONE[int],
+    "batch_tokens": _WHOLE,
+    "schedule": _TEXT,
+    "max_connections": _OR_NONE[int],
+    "allowed_hosts": ((tuple, list), "a list of host names"),
+    "metrics_open": _FLAG,
+    "docs": _FLAG,
+    "log_level": _TEXT,
+}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """How ``expertcache serve`` meets its clients: where it listens, who may use it, and the bounds that
@@ -434,6 +452,17 @@ class ServeConfig:
     idle_timeout_s: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name, (kinds, what) in _SERVE_TYPES.items():  # a str is not a list of names, True not a port
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ExpertcacheError(f"ServeConfig {name} must be {what}, got {value!r}")
+        if not all(isinstance(h, str) for h in self.allowed_hosts):
+            raise ExpertcacheError(f"ServeConfig allowed_hosts must be names, got {self.allowed_hosts!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ExpertcacheError(
+                "--api-key is empty: give the key clients must send, or leave it out (an empty key would "
+                "leave every endpoint open)"
+            )
         if not 0 < self.port < 65536:
             raise ExpertcacheError(f"--port must be in 1..65535, got {self.port}")
         if self.max_queue < 1:

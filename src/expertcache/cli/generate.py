@@ -530,16 +530,16 @@ def miss_work(out: dict) -> str:
     miss was a whole fetch."""
     words = []
     for key, what in (("host_computed", "expert uses computed on the host"),
-                      ("low_precision", "expert uses at low precision"), ("skipped", "expert uses skipped"),
+                      ("low_precision", "expert uses at low precision (lossy)"),
+                      ("skipped", "expert uses skipped (lossy)"),
                       ("filled", "experts moved into the cache after host compute")):  # fmt: skip
         if out.get(key):
             words.append(f"{out[key]} {what}")
     if out.get("host_computed") and not out.get("hits") and not out.get("bytes_transferred"):
         slots = out.get("capacity_experts")
         if slots:  # a cost-based path that judged every miss cheaper on the host, and nothing fills the cache
-            words.append(
-                f"the cache's {slots} slots stayed empty (host:fill=1 moves experts in after computing)"
-            )
+            fill = " (host:fill=1 moves experts in after computing)" if str(out.get("miss")) == "host" else ""
+            words.append(f"the cache's {slots} slots stayed empty{fill}")
     parts = out.get("part_misses") or {}
     if len(parts) > 1 or (parts and "full" not in parts):  # split experts, low-precision copies
         words.append("transfers by part: " + ", ".join(f"{p} {n}" for p, n in parts.items()))
@@ -637,21 +637,22 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
             continue
         if not command:
             continue
-        history.append({"role": "user", "content": line})
         halt = _CtrlC()
-        try:
-            history = _fit(model, system, history, args)
+        try:  # the turns dropped to fit this one are dropped only once it is answered
+            turns, dropped = _fit(model, system, [*history, {"role": "user", "content": line}], args)
             with halt:
                 g = model.generate_text(
-                    system + history, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
+                    system + turns, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=True,
                     streamer=_text_out(model.tokenizer, sampling.stop), stopping_criteria=[halt],
                 )  # fmt: skip
         except ExpertcacheError as exc:  # this turn only: the conversation and the warm cache go on
-            history.pop()
             print(f"expertcache: error: {exc}", file=sys.stderr)
             continue
         sys.stdout.flush()
-        history.append({"role": "assistant", "content": g.text})
+        if dropped:
+            _err(f"({dropped // 2} oldest exchange(s) dropped: the conversation was longer than the model's "
+                 "context)", args)  # fmt: skip
+        history = [*turns, {"role": "assistant", "content": g.text}]
         stopped = " (stopped by Ctrl-C; the conversation goes on, Ctrl-C at the prompt ends it)"
         stopped = stopped if halt.asked else ""
         _err(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tok/s, hits {g.stats['hits']}, "
@@ -705,17 +706,17 @@ def _read_turn(tty: bool) -> str | None:
         parts.append(line[:-1])
 
 
-def _fit(model, system: list, history: list, args) -> list:
-    """The history, oldest turns dropped until the conversation and a reply fit the model's context."""
+def _fit(model, system: list, history: list, args) -> tuple[list, int]:
+    """The history, oldest turns dropped until the conversation and a reply fit the model's context.
+    -> (the history kept, how many of its messages were dropped)"""
     from expertcache.engine.generation import render
 
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return history
-    while True:
-        text = render(model.tokenizer, system + history, True)
+    kept = history
+    while limit is not None:
+        text = render(model.tokenizer, system + kept, True)
         n = len(model.tokenizer(text, add_special_tokens=False).input_ids)
-        if n + args.max_new_tokens <= limit or len(history) <= 1:
-            return history
-        history = history[2:] if len(history) > 2 else history[1:]
-        _err("(oldest turn dropped: the conversation is longer than the model's context)", args)
+        if n + args.max_new_tokens <= limit or len(kept) <= 1:
+            break
+        kept = kept[2:] if len(kept) > 2 else kept[1:]
+    return kept, len(history) - len(kept)

@@ -114,8 +114,14 @@ def add_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from expertcache.config import LOOPBACK_HOSTS, ServeConfig
 
+    api_key = os.environ.get("EXPERTCACHE_API_KEY") if args.api_key is None else args.api_key
+    if args.api_key is None and api_key is not None and not api_key.strip():
+        raise ExpertcacheError(
+            "EXPERTCACHE_API_KEY is set but empty: set it to the key clients must send, or unset it (an "
+            "empty key would leave every endpoint open)"
+        )
     config = ServeConfig(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("EXPERTCACHE_API_KEY"),
+        host=args.host, port=args.port, api_key=api_key,
         max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, batch_tokens=args.max_batch_tokens,
         schedule=args.schedule, max_body=args.max_body,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
@@ -198,6 +204,8 @@ def lossy_note(stats: dict, lossy_path: bool) -> str | None:
         why.append(f"dense layers {stats['dense']['format']}")
     if lossy_path:
         why.append(f"miss path {stats['miss']}")
+    if stats.get("kernel") == "compiled":
+        why.append("the compiled kernel (its sums in another order)")
     return (
         f"note: lossy, not the full-precision model's outputs: {', '.join(why)} (expertcache quality with "
         "the same options says how far)"

@@ -44,6 +44,7 @@ class Kernel:
     reference: str | None  # transformers' ``experts_implementation`` it equals bit for bit (None: none)
     summary: str
     stacked: bool = True  # computes over the slot pool as stacked tensors, with the slot table
+    rounds: bool = False  # sums in another order than any transformers path: not bit-equal (stats' lossy)
 
 
 KERNELS: dict[str, Kernel] = {
@@ -56,6 +57,7 @@ KERNELS: dict[str, Kernel] = {
         None,
         "grouped, with each decode step's experts in compiled loops at the memory's speed "
         "(CPU; opt-in: its sums in another order, not bit-equal to transformers)",
+        rounds=True,
     ),
     "packed": Kernel(
         "packed",

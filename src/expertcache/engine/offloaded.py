@@ -190,6 +190,9 @@ class OffloadedModel:
                 f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
                 f"context of {limit}"
             )
+        vocab = getattr(self.config, "vocab_size", None)
+        if sampling.top_k is not None and vocab is not None and sampling.top_k > vocab:  # as serve refuses it
+            raise ExpertcacheError(f"top-k {sampling.top_k} is more than the vocabulary's {vocab} tokens")
         decode_kw, seed = gen.sampling_kwargs(sampling, tok)
         if sampling.stop:
             from transformers import StoppingCriteriaList
@@ -274,8 +277,8 @@ class OffloadedModel:
             "miss": self.miss.describe(),
             # the outputs may differ from the checkpoint's model: a lossy miss path, experts packed by
             # expertcache (another tool's quantised checkpoint is that model: its weights are read exactly),
-            # or dense weights quantised at load
-            "lossy": self.miss.lossy or self._experts_lossy or self.dense is not None,
+            # dense weights quantised at load, or the compiled kernel (its sums in another order)
+            "lossy": self.miss.lossy or self._experts_lossy or self.dense is not None or self.kernel.rounds,
             "experts_lossy": self._experts_lossy,
             "dense": None if self.dense is None else self.dense.to_dict(),
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}

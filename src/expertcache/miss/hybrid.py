@@ -13,6 +13,7 @@ Exact, as ``host``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from expertcache.costs import CostModel
@@ -49,7 +50,10 @@ def makespan_split(
         to_host = end(host + c.host_expert(light.tokens), device)
         arrive = link + (transfer if moved is None or not moved[order[hi]] else 0.0)
         fetched = end(host, max(device, arrive) + c.expert(heavy.tokens))
-        if to_host <= fetched:
+        # a tie goes to the device, as in Fiddler's rule (``CostModel.host_pays``): a fetched expert enters
+        # the cache and later steps hit it; on a CPU-only machine reading from the disk the two are the same
+        # read and the same computation, and a tie sent every miss to the host (the cache stayed empty)
+        if to_host < fetched and not math.isclose(to_host, fetched, rel_tol=1e-9):
             on_host[order[lo]] = True
             host += c.host_expert(light.tokens)
             lo += 1

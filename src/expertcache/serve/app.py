@@ -107,7 +107,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             why = first.get("ctx", {}).get("error", "")
             return _error(ApiError(400, f"the body is not valid JSON ({why})"))
         # the field's path without pydantic's own steps (``function-after[...]``, a union's member type)
-        loc = [str(p) for p in first.get("loc", ())[1:] if isinstance(p, int) or p.isidentifier()]
+        steps = first.get("loc", ())[1:]
+        loc = [str(p) for p in steps if isinstance(p, int) or p.isidentifier() and p not in _TYPES]
         fields = first.get("ctx", {}).get("fields")  # unknown or unsupported fields, named
         where = ".".join(loc) or fields or "body"
         param = ".".join(loc) if loc else fields.split(", ")[0] if fields else None
@@ -131,6 +132,10 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             if allow:
                 response.headers["Allow"] = allow
             return response
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing"
+            at = f"byte 0x{cause.object[cause.start]:02x} at {cause.start}"
+            return _error(ApiError(400, f"the body is not valid JSON (not UTF-8 text: {at})"))
         return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     @app.head("/health", include_in_schema=False)  # load balancers check with HEAD
@@ -172,10 +177,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @v1.post("/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         _check(req, limits, name)
-        try:
-            messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_value") from None
+        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
         chars = sum(len(m["content"]) for m in messages)
         limits.check_chars(chars, "messages")
 
@@ -374,6 +376,9 @@ def _is_json(content_type: str) -> bool:
     return message.get_content_maintype() == "application" and (
         subtype == "json" or subtype.endswith("+json")
     )
+
+
+_TYPES = frozenset(("str", "int", "float", "bool", "list", "dict", "none"))  # a union member's step in a loc
 
 
 def _error(exc: ApiError) -> JSONResponse:

@@ -47,11 +47,11 @@ from expertcache.config import KV_PAGE
 from expertcache.engine.generation import StopFinder
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.serve import scheduling, warpers
+from expertcache.serve.schemas import GREEDY_BELOW
 from expertcache.units import format_bytes
 
 FINISHED = 3  # transformers' RequestStatus.FINISHED
 FAILED = 4  # RequestStatus.FAILED
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy (1e-45 would overflow the logits to inf)
 MAX_RESTARTS = 3  # restarts of the generation loop within RESTART_WINDOW before the batcher gives up
 RESTART_WINDOW = 60.0
 log = logging.getLogger("expertcache.serve")

@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # as OpenAI
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (1e-45 would overflow the logits to inf)
 MAX_STOP_CHARS = 1000  # a stop string's characters at most (each is matched as the text grows)
 # fields of OpenAI's or vLLM's API this server does not implement, with the values that ask for nothing
 UNSUPPORTED: dict[str, tuple] = {
@@ -100,6 +101,22 @@ class Sampling(BaseModel):
     unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     @model_validator(mode="after")
+    def _sampling_needs_a_temperature(self):
+        """top_p below 1 or a top_k on a greedy request (no temperature, or one below ``GREEDY_BELOW``)
+        would be ignored: refused, naming the field, as the command line refuses --top-p without
+        --temperature (``seed`` is taken: a greedy answer is the same under every seed)."""
+        if self.temperature < GREEDY_BELOW:
+            given = [f for f in ("top_p", "top_k") if f in self.model_fields_set and getattr(self, f) != 1.0]
+            if given:
+                raise PydanticCustomError(
+                    "greedy_sampling",
+                    "is for sampling, and this request is greedy (temperature {temperature}; 0 is this "
+                    "server's default): give a temperature above 0 too, or leave it out",
+                    {"fields": given[0], "temperature": self.temperature},
+                )
+        return self
+
+    @model_validator(mode="after")
     def _no_unsupported(self):
         extra = self.model_extra or {}
         table = self.unsupported
@@ -146,6 +163,32 @@ class Message(BaseModel):
     content: Text | list[dict]
     name: Text | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        """Content parts are text parts, joined: the error names ``messages.N.content`` (the part's
+        index too), as OpenAI's ``param`` would."""
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError('no content parts: give the text, or text parts ({"type": "text", "text": ...})')
+        for i, part in enumerate(v):
+            text = part.get("text")
+            kind = part.get("type")
+            if kind != "text":
+                what = f"of type {kind!r}" if isinstance(kind, str) else "without a type"
+            elif part.keys() != {"type", "text"}:
+                what = f"a text part with other keys ({', '.join(sorted(set(part) - {'type', 'text'}))})"
+            elif not isinstance(text, str):
+                what = "a text part whose text is not a string"
+            else:
+                continue
+            raise ValueError(
+                f'part {i} is {what}: this server takes text parts ({{"type": "text", "text": ...}}, '
+                "no other keys)"
+            )
+        return "".join(_unicode(p["text"]) for p in v)
+
     @field_validator("name")
     @classmethod
     def _no_name(cls, v):
@@ -159,16 +202,7 @@ class Message(BaseModel):
         return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = [
-            p.get("text") for p in self.content if p.get("type") == "text" and p.keys() == {"type", "text"}
-        ]
-        if len(parts) != len(self.content) or not all(isinstance(t, str) for t in parts):
-            raise ValueError(
-                'message content parts must be text parts ({"type": "text", "text": ...}, no other keys)'
-            )
-        return "".join(_unicode(t) for t in parts)
+        return self.content  # text parts are joined when the request is read
 
 
 class ChatRequest(Sampling):
