@@ -396,3 +396,16 @@ def test_simulate_caps_a_capacity_over_all_experts_and_says_so():
     with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
         (row,) = ec.simulate(trace, ["lru"], [1000])
     assert row.capacity == 96 and row.misses == ec.simulate(trace, ["lru"], [96])[0].misses
+
+
+def test_a_misspelt_load_argument_is_named_before_anything_loads():
+    """``load(expert_memroy="30%")`` was a TypeError from OffloadedModel, after the model had loaded."""
+    import expertcache
+
+    with pytest.raises(expertcache.ExpertcacheError, match=r"unknown argument 'expert_memroy' \(did you mean "
+                       r"expert_memory\?\)"):  # fmt: skip
+        expertcache.load(expert_memroy="30%")
+    with pytest.raises(
+        expertcache.ExpertcacheError, match="unknown argument 'kernal' \\(did you mean kernel"
+    ):
+        expertcache.load(kernal="eager")

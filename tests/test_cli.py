@@ -434,6 +434,7 @@ OUTPUT_ARGV = {
     ("train-predictor", "out"): ["train-predictor", "--out", "{bad}"],
     ("train-policy", "out"): ["train-policy", "default", "-o", "{bad}.json"],
     ("quantize", "out"): ["quantize", "--out", "{bad}"],
+    ("quantize", "checkpoint"): ["quantize", "--bits", "8", "--checkpoint", "{bad}"],
     ("sweep", "out"): ["sweep", "--out", "{bad}.csv"],
     ("sweep", "plot"): ["sweep", "--plot", "{bad}"],
     ("generate", "record_trace"): ["generate", "--prompt", "x", "--record-trace", "{bad}.npz"],
@@ -460,8 +461,9 @@ def test_every_output_option_is_walked():
 @pytest.mark.parametrize("key", sorted(OUTPUT_ARGV), ids=" ".join)
 def test_an_unwritable_output_is_one_line_before_any_work(key, capsys, tmp_path, monkeypatch):
     """/proc refuses new files even to root (whom permission bits let write anywhere: profile -o
-    /proc/p.json failed with a traceback after 22 s of measuring); a path under a file; a file in a
-    folder that does not exist (a folder output is made with its parents)."""
+    /proc/p.json failed with a traceback after 22 s of measuring); a path under a file; a file, or a
+    folder, in a folder that does not exist (a folder output is made, not its missing parents: quantize
+    --checkpoint /nonexistent/q made /nonexistent)."""
     import expertcache.cli as cli
     from expertcache.cli import _build_parser
 
@@ -469,9 +471,7 @@ def test_an_unwritable_output_is_one_line_before_any_work(key, capsys, tmp_path,
     monkeypatch.setattr(cli, "_run", lambda args: pytest.fail("the work started before the check"))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    bads = ["/proc/expertcache-out", str(blocker / "out")] + (
-        [] if folder else [str(tmp_path / "no" / "out")]
-    )
+    bads = ["/proc/expertcache-out", str(blocker / "out"), str(tmp_path / "no" / "out")]
     for bad in bads:
         argv = [a.replace("{bad}", bad) for a in OUTPUT_ARGV[key]]
         code = main(argv)
@@ -488,7 +488,7 @@ def test_a_writable_output_is_checked_without_a_trace(tmp_path, monkeypatch):
     kept.write_text("precious")
     assert main(["plan", "-o", str(fresh)]) == 0 and not fresh.exists()
     assert main(["plan", "-o", str(kept)]) == 0 and kept.read_text() == "precious"
-    assert main(["model", "synth", "--family", "mixtral", "-o", str(tmp_path / "m" / "n")]) == 0
+    assert main(["model", "synth", "--family", "mixtral", "-o", str(tmp_path / "m")]) == 0
     assert list(tmp_path.iterdir()) == [kept]
 
 
@@ -563,6 +563,10 @@ def test_a_named_predictor_with_every_expert_resident_is_said_to_have_nothing_to
     assert code == 0 and "prefetch next-gate has nothing to move" in err
     code, _, err = run(capsys, *two)  # auto: the engine's choice
     assert code == 0 and "nothing to move" not in err
+    code, _, err = run(capsys, *two, "--window", "2", "--prefetch-limit", "3")  # taken in silence before
+    assert code == 0 and "--window, --prefetch-limit have nothing to move" in err
+    code, _, err = run(capsys, *two, "--window", "2", "--expert-memory", "50%")
+    assert code == 0 and "nothing to move" not in err
 
 
 def test_budgets_for_too_few_layers_are_named_as_such(capsys):
@@ -588,3 +592,40 @@ def test_a_seed_where_no_policy_draws_at_random_is_said_to_change_nothing(capsys
     assert code == 0 and "--seed 1 changes nothing" not in err  # the host level's policy draws
     code, out, err = run(capsys, "plan", "--capacity", "24", "--method", "shared", "--seed", "2")
     assert code == 0 and "note: --seed 2 changes nothing here: lru draws nothing at random" in err
+
+
+def test_options_that_change_nothing_are_refused_or_said(capsys, tmp_path):
+    """A new user's trial found these accepted and ignored: plan --window without a predictor, doctor
+    --max-new-tokens without a model to record, quality --prefetch-when without a predictor, quantize
+    --fast without int2, sim --per-layer with --json."""
+    for argv, words in (
+        (["plan", "--capacity", "24", "--window", "2"], "--window sets the layers ahead of a predictor"),
+        (["plan", "--capacity", "24", "--window", "0"], "--window sets the layers ahead of a predictor"),
+        (["doctor", "--max-new-tokens", "5"], "--max-new-tokens is for recording a trace"),
+        (
+            ["quality", "--prefetch", "none", "--prefetch-when", "pays"],
+            "prefetch when 'pays' needs a predictor",
+        ),
+        (["quantize", "--fast", "--bits", "8", "--out", str(tmp_path)], "--fast is int2's"),
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    code, out, err = run(capsys, "sim", "--policy", "lru", "--capacity", "24", "--json", "--per-layer")
+    assert code == 0 and "note: --per-layer changes nothing with --json" in err
+    assert len(json.loads(out)[0]["layers"]["misses"]) == 6 and "split_groups" in json.loads(out)[0]
+
+
+def test_a_cost_no_expert_paid_is_said_to_change_nothing(capsys):
+    code, _, err = run(capsys, "timing", "--capacity", "24", "--host-time", "1ms", "--dequant-time", "1ms")
+    assert code == 0 and "note: --host-time changes nothing here: no expert was computed on the host" in err
+    assert "note: --dequant-time changes nothing here: no low-precision copy was used" in err
+    code, _, err = run(capsys, "timing", "--capacity", "24", "--host-time", "1ms", "--miss", "host")
+    assert code == 0 and "--host-time changes nothing" not in err
+
+
+def test_doctor_names_why_a_policy_with_parameters_is_refused(capsys):
+    """``doctor --policy lcp:rho=0.5`` said "unknown policy 'lcp:rho=0.5'; choose from ..., lcp, ..."."""
+    for spec in ("lcp:rho=0.5", "lru-dist:budgets=4/4/4/4/4/4"):
+        code, _, err = run(capsys, "doctor", "--policy", spec)
+        assert code == 2 and "unknown policy" not in err
+        assert f"a policy with a -dist form and no parameters, not '{spec}'" in err

@@ -164,6 +164,17 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_pat
     path.write_text("{")
     with pytest.raises(ExpertcacheError, match="is not JSON"):
         Plan.load(path)
+    from expertcache.costs import CostModel
+
+    default_trace().save(tmp_path / "t.npz")  # a trace given as a plan, and as a cost model: said so
+    with pytest.raises(ExpertcacheError, match="t.npz is a trace or another .npz archive, not a plan"):
+        Plan.load(tmp_path / "t.npz")
+    with pytest.raises(ExpertcacheError, match="t.npz is a trace or another .npz archive, not a cost model"):
+        CostModel.load(tmp_path / "t.npz")
+    with pytest.raises(
+        ExpertcacheError, match=r"none.json: cannot read the plan \(no such file or directory\)"
+    ):
+        Plan.load(tmp_path / "none.json")
     path.write_text(json.dumps({k: v for k, v in data.items() if k != "layers"}))
     with pytest.raises(ExpertcacheError, match="the plan has no layers"):
         Plan.load(path)
@@ -184,7 +195,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--policy", "opt"], "needs the future"),
         ([*plan_at, "16", "--policy", "eam"], "-dist form and no parameters"),
         ([*plan_at, "16", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
-        ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s has 2 times for a model"),
+        ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "--dense-time has 2 times for a"),
         ([*plan_at, "16", "--jobs", "-1"], "--jobs must be at least 1, got -1"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
         (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),
@@ -254,6 +265,39 @@ def test_generate_runs_a_plan_and_refuses_options_it_sets(tmp_path, capsys):
     assert planned == capsys.readouterr().out  # exact: the plan changes the cost, not the text
     assert main([*argv, "--plan", str(file), "--expert-memory", "50%"]) == 2
     assert "leave out --expert-memory" in capsys.readouterr().err
+
+
+def test_a_static_plan_runs_with_its_usage_profile(tmp_path, capsys):
+    """A plan of ``--policy static`` could not run: generate asked for --profile, and refused it beside
+    --plan with the same message; ``load(plan=..., profile=...)`` too."""
+    import expertcache
+
+    trace = tmp_path / "t.npz"
+    default_trace().save(trace)
+    file = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--policy", "static", "--capacity", "24", "--method", "uniform", "-o", str(file)]) == 0
+    )
+    assert "note: a static plan runs with its usage profile: generate --plan PLAN --profile" in (
+        capsys.readouterr().err
+    )
+    argv = [
+        "generate",
+        "--prompt",
+        "def add(",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--plan",
+        str(file),
+    ]
+    assert main(argv) == 2 and "pass --profile TRACE.npz" in capsys.readouterr().err
+    assert main([*argv, "--profile", str(trace), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "static-dist:budgets=4/4/4/4/4/4" and out["capacity_experts"] == 24
+    with expertcache.load(plan=file, profile=trace, device="cpu") as model:
+        assert model.stats["policy"] == "static-dist:budgets=4/4/4/4/4/4"
 
 
 # ------------------------------------------------------------------------------------ MoEpic

@@ -12,6 +12,7 @@ from engine_fixtures import SPECS, TOP_K, moe_layers
 
 from expertcache.cli import main
 from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError
 from expertcache.trace import synthesize
 
 _one_torch_thread = engine_fixtures._one_torch_thread
@@ -49,10 +50,21 @@ def test_profile_measures_a_model_and_plan_reads_it(ckpt, tmp_path, capsys):
     capsys.readouterr()
     other = tmp_path / "other.npz"
     synthesize("sticky", tokens=200, layers=L + 1, experts=E, top_k=TOP_K, seed=1).save(other)
-    for cmd in ("plan", "timing"):
-        assert main([cmd, "--trace", str(other), "--cost", str(out), "--capacity", str(E)]) == 2
+    for cmd in ("plan", "timing", "doctor", "sweep"):  # sweep and the API took it in silence
+        assert main([cmd, "--trace", str(other), "--cost", str(out), "--capacity", str(E)]) == 2, cmd
         err = capsys.readouterr().err
-        assert f"is for {path} ({L} MoE layers" in err or f"({L} MoE layers x {E} experts" in err, err
+        assert f"({L} MoE layers x {E} experts" in err and len(err.strip().splitlines()) == 1, err
+    import expertcache
+
+    for call in (
+        lambda: expertcache.simulate_timing(str(other), E, cost=str(out)),
+        lambda: expertcache.make_plan(str(other), E, cost=str(out), methods=["shared"]),
+        lambda: expertcache.diagnose(str(other), E, cost=str(out)),
+        lambda: expertcache.step_bounds(str(other), E, cost=str(out)),
+    ):
+        with pytest.raises(ExpertcacheError, match=f"MoE layers x {E} experts, top-{TOP_K}\\); trace"):
+            call()
+    assert expertcache.simulate_timing(str(same), E, cost=str(out)).tpot_s > 0
 
 
 def test_declared_figures_replace_measured_ones(ckpt, tmp_path, capsys):

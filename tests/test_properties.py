@@ -198,6 +198,7 @@ def test_split_groups_are_flagged_where_opt_is_no_bound(
     assert result.split_groups or replay(s, "opt", capacity).split_groups
     assert result.opt_is_bound is False
     assert result.to_dict()["opt_is_bound"] is False
+    assert result.to_dict()["split_groups"] == result.split_groups  # sim --json says it, as DESIGN.md
 
 
 @orders

@@ -374,6 +374,13 @@ def test_a_policy_that_draws_no_random_numbers_runs_once_with_a_note(capsys, tra
         "note: lru draws no random numbers: its cells run once, with seed 1" in err
         and "note: random" not in err
     )
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8",
+                         "--seed", "3", "--json")  # fmt: skip
+    assert code == 0 and "note: lru draws no random numbers: its cells run once, with seed 3" in err
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "8", "--json"
+    )
+    assert code == 0 and "draws no random numbers" not in err  # the default seed: nothing to say
 
 
 def test_the_python_api(traces):

@@ -795,3 +795,11 @@ def test_simulate_timing_names_itself_when_given_too_many_positions():
 
     with pytest.raises(ExpertcacheError, match="simulate_timing takes the trace and the capacity by"):
         simulate_timing(default_trace(), 48, "lru")  # was run_timing's TypeError
+
+
+def test_the_cache_line_spells_a_policy_as_policy_takes_it(capsys):
+    """``cache lru-dist:budgets=[4, 4, ...]`` could not be pasted back into --policy."""
+    from expertcache.cli import main
+
+    assert main(["timing", "--policy", "lru-dist:budgets=4/4/4/4/4/4", "--capacity", "24"]) == 0
+    assert "cache      lru-dist:budgets=4/4/4/4/4/4, 24 experts" in capsys.readouterr().out

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.errors import ExpertcacheError, first_line
-from expertcache.paths import write_output
+from expertcache.paths import not_json_kind, write_output
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
@@ -205,6 +205,11 @@ class CostModel:
         except OSError as e:
             raise ExpertcacheError(f"{path}: cannot read cost model ({e.strerror or e})") from None
         except ValueError as e:
+            kind = not_json_kind(path)
+            if kind is not None:
+                raise ExpertcacheError(
+                    f"{path} is {kind}, not a cost model or a profile (expertcache profile writes one)"
+                ) from None
             raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
@@ -272,9 +277,10 @@ _TIMES = (
 READ_TIERS = ("disk", "mapped")
 
 
-def as_cost(cost: CostModel | dict | str | os.PathLike | None) -> CostModel:
+def as_cost(cost: CostModel | dict | str | os.PathLike | None, trace=None) -> CostModel:
     """A cost model as the Python API takes it: a ``CostModel``, a dict of its fields (as ``from_dict``
-    reads them), the path of a cost model or a profile (``load``), or None for the defaults."""
+    reads them), the path of a cost model or a profile (``load``), or None for the defaults. A profile
+    measured for another model's shape than ``trace``'s (a ``Trace``) is refused (``check_shape``)."""
     if cost is None:
         return CostModel()
     if isinstance(cost, CostModel):
@@ -282,11 +288,28 @@ def as_cost(cost: CostModel | dict | str | os.PathLike | None) -> CostModel:
     if isinstance(cost, dict):
         return CostModel.from_dict(cost)
     if isinstance(cost, str | os.PathLike):
-        return CostModel.load(cost)
+        model, shape = CostModel.load_profile(cost)
+        if trace is not None:
+            check_shape(cost, shape, trace)
+        return model
     raise ExpertcacheError(
         "cost must be a CostModel, a dict of its fields or the path of a cost model or profile, got "
         f"{type(cost).__name__} {cost!r}"
     )
+
+
+def check_shape(path: str | os.PathLike, shape: dict | None, trace) -> None:
+    """A profile (``path``, its model ``shape``) measured for another model's shape than ``trace``'s
+    (layers, experts, top-k) is refused in one line: its expert size and times are another model's."""
+    if shape is None:  # a plain cost model: no shape to hold it to
+        return
+    have = (trace.num_layers, trace.num_experts, trace.top_k)
+    want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
+    if have != want:
+        raise ExpertcacheError(
+            f"profile {path} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
+            f"experts, top-{want[2]}); trace {trace.source} has {have[0]} x {have[1]}, top-{have[2]}"
+        )
 
 
 def host_reads_of(profile: dict, cost: CostModel) -> CostModel:

@@ -106,3 +106,16 @@ def write_output(path: str | Path, text: str, what: str) -> None:
     """``text`` written to ``path`` whole or not at all (``output_file``)."""
     with output_file(path, what) as target:
         target.write_text(text)
+
+
+def not_json_kind(path: str | Path) -> str | None:
+    """What a file that was not JSON is, where its first bytes say (a zip: a trace, as traces are
+    written, or another ``.npz``), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"PK\x03\x04"):  # a zip: numpy's .npz, as traces are written
+        return "a trace or another .npz archive"
+    return None

@@ -18,7 +18,7 @@ from expertcache.cache.tiers import exclusive_reserve
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import miss_class
-from expertcache.paths import write_output
+from expertcache.paths import not_json_kind, write_output
 
 FORMAT = "expertcache-plan"
 VERSION = 1
@@ -104,8 +104,10 @@ class Plan:
             return self.policy
         return f"{self.policy}-dist:budgets={'/'.join(map(str, self.budgets))}"
 
-    def cache_config(self, seed: int = 0) -> CacheConfig:
-        return CacheConfig(self.policy_spec, seed=seed)
+    def cache_config(self, seed: int = 0, profile=None) -> CacheConfig:
+        """The plan's policy; ``profile``: the usage profile a ``static`` plan ranks its experts by (a
+        plan holds none: run it with one, ``--profile TRACE.npz``)."""
+        return CacheConfig(self.policy_spec, seed=seed, profile=profile)
 
     def host_config(self, slot_bytes: int) -> HostConfig | None:
         """The host level for slots of ``slot_bytes`` (its memory is its experts' slots, and an exclusive
@@ -193,8 +195,15 @@ class Plan:
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
-            raise ExpertcacheError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+            raise ExpertcacheError(
+                f"{path}: cannot read the plan ({(exc.strerror or str(exc)).lower()})"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            kind = not_json_kind(path)
+            if kind is not None:
+                raise ExpertcacheError(
+                    f"{path} is {kind}, not a plan (expertcache plan -o writes one)"
+                ) from None
             raise ExpertcacheError(f"plan {path} is not JSON: {exc}") from None
         return cls.from_dict(data, str(path))
 

@@ -305,9 +305,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model", metavar="PATH", help="record the trace from this model instead (with --prompts)"
     )
     dr.add_argument("--prompts", metavar="FILE", help="prompts to record with, one per line (with --model)")
-    dr.add_argument(
-        "--max-new-tokens", type=int, default=32, metavar="N", help="per prompt when recording (default 32)"
-    )
+    dr.add_argument("--max-new-tokens", type=int, metavar="N", help="per prompt when recording (default 32)")
     _add_budget(dr, "25%")
     dr.add_argument(
         "--window-tokens",
@@ -495,6 +493,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="write a packed checkpoint here (a new or empty folder): the model with its experts packed, "
         "which generate --model DIR runs",
     )  # fmt: skip
+    output_option(q, "checkpoint", "checkpoint", folder=True)
     q.add_argument(
         "--format", choices=("mxfp4", "fp8"), default=None,
         help="with --checkpoint: write another tool's published layout instead of expertcache's int8/int4 "
@@ -560,7 +559,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the predictor, or none (default auto: the model's)",
     )
     ql.add_argument(
-        "--prefetch-when", choices=cli_generate.PREFETCH_WHEN, default="always",
+        "--prefetch-when", choices=cli_generate.PREFETCH_WHEN,
         help="always: predict in every step, a deterministic run (default); pays: as generate runs by "
         "default, only while it measurably pays (the numbers vary from run to run)",
     )  # fmt: skip
@@ -626,6 +625,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         results = simulate(trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs)
     _note_replays(trace, args.trace)  # once the replays ran: a policy refused is then the one line
     if args.json:
+        if args.per_layer:
+            print("note: --per-layer changes nothing with --json: its objects always hold the layers",
+                  file=sys.stderr)  # fmt: skip
         print(json.dumps([r.to_dict() for r in results]), flush=True)
     else:
         print(format_table(results))
@@ -898,6 +900,13 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     )  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
+    for flag, count, what in (  # a cost no expert of the run paid: said, not taken in silence
+        ("host_time", "host_computed", "no expert was computed on the host"),
+        ("dequant_time", "low_precision", "no low-precision copy was used (hobbit uses them)"),
+    ):
+        if getattr(args, flag) and not result.cache.get(count):
+            print(f"note: --{flag.replace('_', '-')} changes nothing here: {what} (miss {result.miss})",
+                  file=sys.stderr)  # fmt: skip
     _note_profile_links(args, host)
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
@@ -983,13 +992,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     if bool(args.model) != bool(args.prompts):
         raise ExpertcacheError("--model and --prompts go together: the trace is recorded from them")
+    if args.max_new_tokens is not None and not args.model:  # not taken in silence
+        raise ExpertcacheError("--max-new-tokens is for recording a trace (--model with --prompts)")
     if args.window_tokens < 1:
         raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
     _check_concurrency(args)
     if args.model:
         if args.trace != "default":
             raise ExpertcacheError("give --trace or --model with --prompts, not both")
-        trace = _record_trace(args.model, args.prompts, args.max_new_tokens, args.window_tokens)
+        trace = _record_trace(args.model, args.prompts, args.max_new_tokens or 32, args.window_tokens)
     else:
         trace = _trace(args.trace)
     _check_profile(args, trace)
@@ -1041,20 +1052,10 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int, window: int | N
 
 def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
     """A ``--cost`` profile measured for another model's shape is refused."""
-    from expertcache.costs import CostModel
+    from expertcache.costs import CostModel, check_shape
 
-    if not args.cost:
-        return
-    _, shape = CostModel.load_profile(args.cost)
-    if shape is None:
-        return
-    have = (trace.num_layers, trace.num_experts, trace.top_k)
-    want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
-    if have != want:
-        raise ExpertcacheError(
-            f"profile {args.cost} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
-            f"experts, top-{want[2]}); trace {trace.source} has {have[0]} x {have[1]}, top-{have[2]}"
-        )
+    if args.cost:
+        check_shape(args.cost, CostModel.load_profile(args.cost)[1], trace)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -1074,6 +1075,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     capacity = _capacity(args, cost, raw)  # the budget checked before the requests are batched
     trace = _served(raw, args)
     windows = list(dict.fromkeys(args.window or [None]))
+    if args.window and all(p == "none" for p in args.prefetch or ["none"]):  # as timing refuses it
+        raise ExpertcacheError("--window sets the layers ahead of a predictor, and none is compared "
+                               "(--prefetch NAME)")  # fmt: skip
     prefetches = [
         PrefetchConfig(p, window=w, data=args.predictor)
         for p in dict.fromkeys(args.prefetch or ["none"])
@@ -1094,6 +1098,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _note_profile_links(args, host)
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
+    if policy_class(parse_policy(args.policy)[0]).needs_profile:  # it ranks by usage, which the plan lacks
+        print(f"note: a {args.policy} plan runs with its usage profile: generate --plan PLAN --profile "
+              "TRACE.npz (a trace like the one planned on)", file=sys.stderr)  # fmt: skip
     shown = json.dumps(plan.to_dict()) if args.json else format_plan(plan)
     print(shown, flush=True)  # first: the plan is kept if its file cannot be written
     if args.out:
@@ -1665,6 +1672,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     bits = list(dict.fromkeys(args.bits or [8, 4]))  # each precision once
     if args.group is not None and bits == [8]:
         raise ExpertcacheError("int8 copies have one scale per row: --group applies to int4 and int2 only")
+    if args.fast and 2 not in bits:  # int8 and int4 are rounded plainly anyway (the packed formats)
+        raise ExpertcacheError("--fast is int2's (HQQ without its optimisation): give --bits 2 with it")
     records = quantize_model(
         args.model, bits, 64 if args.group is None else args.group, args.out,
         optimize=not args.fast,
@@ -1735,7 +1744,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
 
     quiet_transformers()
     MissConfig(args.miss)  # a bad spec is refused before anything loads
-    PrefetchConfig(args.prefetch)
+    PrefetchConfig(args.prefetch, when=args.prefetch_when)  # a when without a predictor too
     texts = None
     if args.text:
         try:
@@ -1744,7 +1753,8 @@ def _cmd_quality(args: argparse.Namespace) -> int:
             raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
     r = measure(
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
-        progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when, kernel=args.kernel,
+        progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when or "always",
+        kernel=args.kernel,
         reference_implementation=None if args.reference == "auto" else args.reference,
         reference_model=args.reference_model, quantize_dense=args.quantize_dense, attention=args.attention,
         dtype=args.dtype,

@@ -250,7 +250,8 @@ def load_model(args, record: bool = True):
                 f"--plan sets the expert memory, policy, miss path and predictor; leave out {flag}"
             )
         plan = Plan.load(args.plan)
-        cache, miss, prefetch = plan.cache_config(), plan.miss_config(), plan.prefetch_config(**options)
+        cache = plan.cache_config(profile=args.profile)  # a static plan's usage profile
+        miss, prefetch = plan.miss_config(), plan.prefetch_config(**options)
         plan.refuse_host([f"--{f.replace('_', '-')}" for f in HOST_FLAGS if getattr(args, f)])
     else:
         cache = CacheConfig(args.policy or "lru", profile=args.profile)

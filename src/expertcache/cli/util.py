@@ -72,13 +72,14 @@ def check_writable(path: str, what: str = "output") -> None:
 
 def check_writable_dir(path: str, what: str = "output") -> None:
     """Refuse an output folder that could not be made or written into, before any work is done for it
-    (a file is made and removed in it, or in the nearest folder above it that exists)."""
+    (a file is made and removed in it, or in the folder above it, which must exist: the command makes
+    the folder, not a chain of missing ones, as a file's folder must exist)."""
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         raise ExpertcacheError(f"{path}: cannot write the {what} there: it is a file, not a folder")
-    base = full
-    while not os.path.exists(base):
-        base = os.path.dirname(base)
+    base = full if os.path.exists(full) else os.path.dirname(full)  # the folder is made, not its parents
+    if not os.path.exists(base):  # as a file's missing folder is refused (check_writable)
+        raise ExpertcacheError(f"{path}: cannot write the {what} there: directory {base} does not exist")
     if not os.path.isdir(base):
         raise ExpertcacheError(f"{path}: cannot write the {what} there: {base} is a file, not a folder")
     try:

@@ -255,10 +255,26 @@ class Builder:
                 f"every expert is resident from the load on: the emulated link ({given}) slows only the "
                 "load, which fills every slot through it"
             )
-        if self.whole and prefetch.predictor not in ("none", AUTO):  # named, not the engine's choice
+        given = [  # options about moving experts, given where none moves
+            name
+            for name, on in (
+                (option("--window", "window"), prefetch.window is not None),
+                (option("--predictor", "predictor"), prefetch.data is not None),
+                (option("--prefetch-limit", "prefetch_limit"), prefetch.limit is not None),
+                (option("--chunk-size", "chunk_size"), prefetch.chunk_size is not None),
+                (option("--no-chunking", "chunking=False"), not prefetch.chunking),
+                (option("--no-preemption", "preemption=False"), not prefetch.preemption),
+                (option("--predictor-thread", "predictor_thread"), prefetch.thread),
+            )
+            if on
+        ]
+        named = [f"prefetch {prefetch.predictor}"] if prefetch.predictor not in ("none", AUTO) else []
+        if self.whole and (named or given):  # asked for, not the engine's default
+            parts = named + given
             self.notes.append(
-                f"every expert is resident from the load on: prefetch {prefetch.predictor} has nothing to "
-                f"move (give {option('--expert-memory', 'expert_memory')} below 100%)"
+                f"every expert is resident from the load on: {', '.join(parts)} "
+                f"{'has' if len(parts) == 1 else 'have'} nothing to move (give "
+                f"{option('--expert-memory', 'expert_memory')} below 100%)"
             )
         self.targets = self._targets(show)  # (part, layer or None) -> its slots and their source
         self.pool = next(iter(self.targets.values())).pool

@@ -548,6 +548,7 @@ def load(
     with neither ``OMP_NUM_THREADS`` nor ``NUMBA_NUM_THREADS`` set, torch's threads are lowered to the
     quota, rounded up (``workers.quota_threads``).
     """
+    _check_options(options)  # a misspelt argument, before anything loads
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     if path is not None and not isinstance(path, str | os.PathLike):
@@ -578,7 +579,7 @@ def load(
             raise ExpertcacheError(
                 f"plan sets the expert memory, policy, miss path and predictor; leave out {extra[0]}"
             )
-        policy = policy if isinstance(policy, CacheConfig) else plan.cache_config(seed)
+        policy = policy if isinstance(policy, CacheConfig) else plan.cache_config(seed, profile)
         miss = plan.miss_config()
         if not isinstance(prefetch, PrefetchConfig):
             prefetch, window = plan.prefetch, plan.window
@@ -610,6 +611,22 @@ def load(
     return model
 
 
+def _check_options(options: dict) -> None:
+    """``load``'s further keyword arguments are ``OffloadedModel``'s own (``dtype``, ``kernel``, ...);
+    another is refused in one line, with the nearest names (``expert_memroy``: did you mean ...?)."""
+    import difflib
+    import inspect
+
+    own = {"cache", "prefetch", "link", "miss", "path", "expert_memory", "plan"}  # load's own spelling
+    known = set(inspect.signature(OffloadedModel.__init__).parameters) - {"self"} - own
+    for name in options:
+        if name not in known:
+            every = known | set(inspect.signature(load).parameters) - {"options"}
+            near = difflib.get_close_matches(name, sorted(every), n=2)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise ExpertcacheError(f"load got an unknown argument {name!r}{hint}")
+
+
 def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str | float) -> LinkConfig:
     """The link as a config: ``link`` itself, or one made of ``link_bandwidth`` and ``link_latency``."""
     if link is None:
@@ -625,8 +642,14 @@ def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str |
 
 def _is_plans(value: object, plan: Plan) -> bool:
     """A config the plan itself gives (what the CLI passes along with the plan)."""
-    return value in (plan.cache_config(), plan.miss_config()) or (
-        isinstance(value, PrefetchConfig) and value.predictor == plan.prefetch and value.window == plan.window
+    return (
+        value in (plan.cache_config(), plan.miss_config())
+        or (isinstance(value, CacheConfig) and value.policy == plan.policy_spec)
+        or (
+            isinstance(value, PrefetchConfig)
+            and value.predictor == plan.prefetch
+            and value.window == plan.window
+        )
     )
 
 

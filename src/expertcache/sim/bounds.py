@@ -56,7 +56,7 @@ def step_bounds(
     layer for the static set), under ``cost`` (a ``CostModel``, a dict or file of one, None: the
     defaults), as ``simulate_timing`` takes them."""
     trace = as_trace(trace)
-    cost = as_cost(cost)
+    cost = as_cost(cost, trace)
     L, E = trace.num_layers, trace.num_experts
     if not isinstance(capacity, bool) and isinstance(capacity, int) and capacity <= 0:  # 0: no cache
         if capacity < 0:

@@ -33,7 +33,7 @@ from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.paths import output_file
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
-from expertcache.sim.planner import layer_curves, make_plan
+from expertcache.sim.planner import check_layout_policy, layer_curves, make_plan
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
@@ -147,7 +147,8 @@ def _diagnose(
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     if isinstance(misses, str):
         misses = (misses,)
-    cost = as_cost(cost)
+    cost = as_cost(cost, trace)
+    check_layout_policy(policy, "doctor draws the per-layer curves of, and plans with,")
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
     jobs = whole_number(jobs, option("--jobs", "jobs"))
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k

@@ -282,6 +282,19 @@ def _host_room(policy: str, num_layers: int, top_k: int) -> int:
     return min_capacity(name, num_layers, params, min_room=top_k)
 
 
+def check_layout_policy(policy: str, who: str) -> str:
+    """A policy the planner can lay out over the layers (one with a -dist form, no parameters, online);
+    ``who`` begins the message (``"the planner lays out"``). -> its name"""
+    name, params = parse_policy(policy)
+    if params or name.endswith("-dist") or f"{name}-dist" not in POLICIES:
+        raise ExpertcacheError(
+            f"{who} a policy with a -dist form and no parameters, not {policy!r} (e.g. lru, lfu, llru)"
+        )
+    if is_offline(name):
+        raise ExpertcacheError(f"policy {name} needs the future: it cannot run in an engine")
+    return name
+
+
 def make_plan(
     trace: Trace | str,
     capacity: int | str,
@@ -322,7 +335,7 @@ def make_plan(
     for given, what in ((methods, "methods"), (misses, "misses"), (prefetches, "prefetches")):
         if given is not None and not len(given):
             raise ExpertcacheError(f"{what} is empty: name one at least (or leave it out for the default)")
-    cost = as_cost(cost)
+    cost = as_cost(cost, trace)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     jobs = whole_number(jobs, option("--jobs", "jobs"))
@@ -383,21 +396,15 @@ def make_plan(
         methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != trace.num_layers:
         raise ExpertcacheError(
-            f"cost: dense_s has {len(cost.dense_s)} times for a model of {trace.num_layers} layers"
+            f"cost: {option('--dense-time', 'dense_s')} has {len(cost.dense_s)} times for a model of "
+            f"{trace.num_layers} layers (give one for all layers, or one per layer)"
         )
     if objective not in OBJECTIVES:
         raise ExpertcacheError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ExpertcacheError(f"unknown planning method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    name, params = parse_policy(policy)
-    if params or name.endswith("-dist") or f"{name}-dist" not in POLICIES:
-        raise ExpertcacheError(
-            f"the planner lays out a policy with a -dist form and no parameters, not {policy!r} "
-            f"(e.g. lru, lfu, llru)"
-        )
-    if is_offline(name):
-        raise ExpertcacheError(f"policy {name} needs the future: it cannot run in an engine")
+    name = check_layout_policy(policy, "the planner lays out")
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if not K <= capacity <= L * E:
         raise ExpertcacheError(

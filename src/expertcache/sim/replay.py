@@ -82,6 +82,7 @@ class SimResult:
             "opt_misses": self.opt_misses,
             "ratio_to_opt": self.ratio_to_opt,
             "opt_is_bound": self.opt_is_bound,
+            "split_groups": self.split_groups,
             "params": self.params,
             "phases": phase,
             "layers": {

@@ -224,7 +224,7 @@ def _canonical(
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
-    miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost)
+    miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
     return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
 
 
@@ -316,7 +316,10 @@ def _run_timing(
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
-        raise ExpertcacheError(f"cost: dense_s has {len(cost.dense_s)} times for a model of {L} layers")
+        raise ExpertcacheError(
+            f"cost: {option('--dense-time', 'dense_s')} has {len(cost.dense_s)} times for a model of {L} "
+            "layers (give one for all layers, or one per layer)"
+        )
     check_capacity(capacity, "layer", K)
     capped = []
     if capacity > L * E and not capacities:  # as the engine caps an expert memory beyond every expert
@@ -645,7 +648,8 @@ def format_timing(result: TimingResult) -> str:
     def ms(seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
-    params = ":" + ",".join(f"{k}={v}" for k, v in r.params.items()) if r.params else ""
+    spell = lambda v: "/".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731  as --policy takes it
+    params = ":" + ",".join(f"{k}={spell(v)}" for k, v in r.params.items()) if r.params else ""
     prefetch = "none" if r.predictor is None else f"{r.predictor} (window {r.window})"
     if r.governor is not None:
         prefetch += f", {describe(r.governor)}"

@@ -187,7 +187,7 @@ def _timing_cells(
     from expertcache.sim.recorded import make_sim_predictor
 
     assert grid.timing is not None
-    tm, base = grid.timing, grid.timing.cost_model()
+    tm, base = grid.timing, grid.timing.cost_model(t.trace)
     tr = t.trace
     cells = []
     for miss_spec in tm.miss:
@@ -233,7 +233,7 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
             seeds = grid.seeds if policy_class(name).seeded else grid.seeds[:1]
             note = (f"note: {_spec(name, params)} draws no random numbers: its cells run once, with seed "
                     f"{seeds[0]} (seeds change only random and marking)")  # fmt: skip
-            if len(seeds) < len(grid.seeds) and note not in p.notes:
+            if not policy_class(name).seeded and tuple(grid.seeds) != (0,) and note not in p.notes:
                 p.notes.append(note)
             for seed in seeds:
                 for order in grid.orders:

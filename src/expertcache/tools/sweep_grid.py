@@ -12,7 +12,7 @@ from pathlib import Path
 
 from expertcache.cache.schedule import ORDERS
 from expertcache.config import MissConfig, PrefetchConfig
-from expertcache.costs import CostModel
+from expertcache.costs import CostModel, as_cost
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.policy.registry import parse_policy
 from expertcache.predict.registry import trace_readers
@@ -77,8 +77,9 @@ class Timing:
                 f"the grid's: {', '.join(dict.fromkeys(predictors))})"
             )
 
-    def cost_model(self) -> CostModel:
-        return CostModel.load(self.cost) if self.cost else CostModel()
+    def cost_model(self, trace=None) -> CostModel:
+        """The timing cells' costs; a profile for another model's shape than ``trace``'s is refused."""
+        return as_cost(self.cost, trace) if self.cost else CostModel()
 
 
 @dataclass(frozen=True)

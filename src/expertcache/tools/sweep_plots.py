@@ -25,8 +25,12 @@ def check_plot_dir(folder: str | Path) -> None:
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise ExpertcacheError(f"{folder}: cannot write the plots there: it is a file, not a folder")
+    if not path.exists() and not path.absolute().parent.is_dir():  # the folder is made, not its parents
+        raise ExpertcacheError(
+            f"{folder}: cannot write the plots there: directory {path.absolute().parent} does not exist"
+        )
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(exist_ok=True)
     except OSError as e:
         raise ExpertcacheError(f"{folder}: cannot make the plot folder ({e.strerror or e})") from None
     if not os.access(path, os.W_OK):
