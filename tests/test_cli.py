@@ -465,9 +465,7 @@ def test_an_unwritable_output_is_one_line_before_any_work(key, capsys, tmp_path,
     folder, in a folder that does not exist (a folder output is made, not its missing parents: quantize
     --checkpoint /nonexistent/q made /nonexistent)."""
     import expertcache.cli as cli
-    from expertcache.cli import _build_parser
 
-    folder = _output_options(_build_parser())[key]
     monkeypatch.setattr(cli, "_run", lambda args: pytest.fail("the work started before the check"))
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -312,3 +312,31 @@ def test_links_between_the_docs_reach_their_files_and_headings():
             elif fragment and path in anchors and fragment not in anchors[path]:
                 bad.append(f"{doc.name}: ({target}#{fragment}) names no heading of {path.name}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_readmes_python_names_of_the_commands_exist():
+    """The README's table of each command's Python name: every name in it resolves (a renamed function
+    would leave the table pointing at nothing)."""
+    import importlib
+
+    import expertcache
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| command | Python |") :].split("\n\n")[0]
+    names = re.findall(r"`(expertcache\.[\w.]+)", table)
+    bare = {n for cell in re.findall(r"\| ([^|]+) \|\n", table) for n in re.findall(r"`(\w+)", cell)}
+    assert len(names) >= 10
+    modules = []
+    for dotted in names:
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            modules.append(obj)
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+    for name in bare - {"expertcache"}:  # a top-level name, or one of a module named beside it
+        assert name in expertcache.__all__ or any(hasattr(m, name) for m in modules), name
