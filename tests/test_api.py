@@ -4,6 +4,7 @@ useful reprs, and a closed model that says so."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -409,3 +410,78 @@ def test_a_misspelt_load_argument_is_named_before_anything_loads():
         expertcache.ExpertcacheError, match="unknown argument 'kernal' \\(did you mean kernel"
     ):
         expertcache.load(kernal="eager")
+
+
+def test_a_third_trial_of_the_api_is_one_clear_error_each(tmp_path):
+    """What a trial of the Python API found: raw TypeErrors and AttributeErrors from deep inside, a
+    truthy "no" taken for True, numpy's integers refused, a float capacity rounded up in silence."""
+    import numpy as np
+
+    import expertcache as ec
+    from expertcache.config import HostConfig
+    from expertcache.tools.train_policy import train_policy
+    from expertcache.trace.importers import import_trace
+
+    t = ec.default_trace()
+    flat = ec.build_schedule(t, "flat")
+    for call, words in (
+        (lambda: ec.replay(flat, "lru", 24.5), "capacity must be a whole number of experts, got 24.5"),
+        (lambda: ec.replay(flat, "lru", True), "capacity must be a whole number of experts, got True"),
+        (
+            lambda: ec.replay(t, "lru", 24),
+            "replay takes a Schedule (build_schedule(trace, order)), got Trace",
+        ),
+        (lambda: ec.run_policy(flat, "lru", 24), "capacities is a list of whole numbers, got 24"),
+        (lambda: ec.run_policy(flat, "lcp", [24], params=[("rho", 0.5)]), "params is a dict"),
+        (lambda: ec.simulate_timing(t, 24, polcy="lru"), "simulate_timing got an unknown argument 'polcy'"),
+        (lambda: ec.profile(steps=0), "steps must be at least 2, got 0"),
+        (lambda: ec.synthesize("zipf", tokens=10, layers=2, seed=-1), "seed must be at least 0, got -1"),
+        (lambda: train_policy([t], ["s"], orders="layer"), "orders is a list, got 'layer'"),
+        (lambda: train_policy([t], []), "a name per trace: 1 traces and 0 names"),
+        (lambda: ec.build_schedule(None), "a Trace or a trace file's path"),
+        (lambda: HostConfig("1GiB", exclusive="no"), "host_exclusive must be True or False, got 'no'"),
+        (lambda: ec.sweep(resume="no"), "resume must be True or False, got 'no'"),
+        (lambda: ec.load(record="no"), "record must be True or False, got 'no'"),
+        (lambda: ec.load(costs=5), "cost must be a CostModel, a dict of its fields or the path"),
+        (lambda: import_trace(tmp_path / "r.pt"), "read by expertcache.tools.trace_import.import_torch"),
+        (lambda: ec.simulate_timing(t, 24, predictor_trace=t), "predictor_trace: prefetch none reads no"),
+        (lambda: ec.make_plan(t, 24, predictor_trace=t), "predictor_trace: prefetch none reads no recorded"),
+        (lambda: ec.make_plan(t, 24, host_policies=["lru"]), "host_policies rules a host level: give host"),
+        (
+            lambda: ec.make_policy("lru-dist", ec.PolicyContext(4, 2, 4, 1), budgets="2/x"),
+            "budgets is a list of whole numbers (or '2/2/4'), got '2/x'",
+        ),
+    ):
+        with pytest.raises(ec.ExpertcacheError) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
+    assert ec.replay(flat, "lru", np.int64(24)).misses == ec.replay(flat, "lru", 24).misses
+    assert ec.simulate_timing(t, np.int64(24)).capacity == 24
+    both = ec.make_plan(t, 24, prefetches=["none", "eam"], predictor_trace=t, methods=["shared"])
+    assert {c["prefetch"] for c in both.candidates} >= {"none", "eam"}  # each candidate its own reading
+    assert ec.make_policy("lru-dist", ec.PolicyContext(4, 2, 4, 1), budgets="2/2") is not None  # as --policy
+    t.save(tmp_path / "t.npz")
+    assert ec.build_schedule(tmp_path / "t.npz").num_layers == t.num_layers
+    with ec.load(expert_memory="30%", miss="host", costs={"link_bandwidth": "1GB/s"}, device="cpu") as model:
+        assert model.costs.link_bandwidth == 1e9  # a dict, as simulate_timing takes it: it crashed later
+        assert len(model.generate_text("x = 1", 2).tokens) == 2
+        with pytest.raises(ec.ExpertcacheError, match="chat must be True or False, got 'no'"):
+            model.generate_text("hi", 2, chat="no")
+        assert len(model.generate_text("hi", np.int64(2)).tokens) == 2
+
+
+def test_a_cost_model_takes_numpy_numbers_and_refuses_true_for_a_number():
+    import expertcache as ec
+
+    c = ec.CostModel(
+        link_bandwidth=np.float32(2e10), link_latency=np.float32(1e-5), expert_bytes=np.int64(1000)
+    )
+    assert c.expert_bytes == 1000 and isinstance(c.expert_bytes, int) and c.link_bandwidth == 2e10
+    for kwargs, words in (
+        ({"link_latency": True}, "link_latency must be a number or a string with a unit, not True"),
+        ({"expert_bytes": True}, "expert_bytes must be a number"),  # was 1 byte
+        ({"host_parallel": 0}, "host_parallel must be True or False, got 0"),
+        ({"weight_bits": 16.0}, "weight_bits must be 16 or 32, got 16.0"),
+    ):
+        with pytest.raises(ec.ExpertcacheError, match=re.escape(words)):
+            ec.CostModel(**kwargs)

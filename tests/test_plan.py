@@ -156,6 +156,7 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_pat
         ({**data, "budgets": [1] * data["layers"], "capacity": data["layers"]}, "must be 2 .. 16"),
         ({**data, "budgets": [4] * data["layers"]}, f"not the plan's capacity of {data['capacity']}"),
         ({**data, "miss": "nope"}, "unknown miss path 'nope'"),
+        ({**data, "polcy": "lfu"}, r"the plan has no field 'polcy' \(did you mean policy\?\)"),  # not ignored
     ]
     for body, words in cases:
         path.write_text(json.dumps(body))
@@ -360,6 +361,10 @@ def test_plan_compares_predictors_and_their_windows(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert {(r["prefetch"], r["window"]) for r in rows} == {("none", None), ("eam", 1), ("eam", 2)}
     assert trace.num_layers * trace.top_k <= 24
+    trace.save(tmp_path / "t.npz")  # eam learns from --predictor, none beside it reads nothing: it was refused
+    assert main([*argv, "--predictor", str(tmp_path / "t.npz"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert {r["prefetch"] for r in rows} == {"none", "eam"}
 
 
 def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys):

@@ -270,6 +270,8 @@ class HostConfig:
     params: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exclusive, bool):  # "no" is truthy: not taken for True
+            raise ExpertcacheError(f"host_exclusive must be True or False, got {self.exclusive!r}")
         try:
             name, params = parse_policy(self.policy)
             cls = policy_class(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -74,6 +75,17 @@ class CostModel:
     weight_bits: int = 16  # bits per weight of a whole expert (its low-precision copies are sized from it)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # True is not 1 byte, nor 1 s; numpy's numbers are numbers
+            value = getattr(self, f.name)
+            if f.name == "host_parallel":
+                if not isinstance(value, bool):
+                    raise ExpertcacheError(f"cost: host_parallel must be True or False, got {value!r}")
+            elif isinstance(value, bool):
+                raise ExpertcacheError(f"cost: {f.name} must be a number or a string with a unit, not True")
+            elif isinstance(value, numbers.Integral) and not isinstance(value, int):
+                object.__setattr__(self, f.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, int | float):
+                object.__setattr__(self, f.name, float(value))
         for f in fields(self):  # a value with a unit ("25GB/s", "2ms", "336MiB"), as a JSON file gives it
             value = getattr(self, f.name)
             if isinstance(value, str) and not (f.name == "chunk_bytes" and value == AUTO):
@@ -94,7 +106,7 @@ class CostModel:
                 "cost: link_bandwidth must be a positive rate (bytes a second, or a string such as "
                 f"'25GB/s'), got {self.link_bandwidth!r}"
             )
-        if self.weight_bits not in (16, 32):
+        if not isinstance(self.weight_bits, int) or self.weight_bits not in (16, 32):
             raise ExpertcacheError(f"cost: weight_bits must be 16 or 32, got {self.weight_bits!r}")
         if not isinstance(self.expert_bytes, int) or self.expert_bytes < 1:
             raise ExpertcacheError(

@@ -10,6 +10,7 @@ refused. Plain JSON, so a plan can be read, diffed and edited; torch-free.
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,6 +179,11 @@ class Plan:
                 f"{source}: plan version {data.get('version')!r}; this expertcache reads {VERSION}"
             )
         known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known - {"format", "version", "lossy"})  # lossy: computed, written
+        if unknown:  # an edited plan's misspelt key ran the plan without it, in silence
+            near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ExpertcacheError(f"{source}: the plan has no field {unknown[0]!r}{hint}")
         fields = {k: v for k, v in data.items() if k in known}
         missing = [k for k in ("layers", "experts", "top_k", "capacity") if k not in fields]
         if missing:

@@ -9,6 +9,7 @@ given in ``Gb/s``); sizes of memory take only bytes, where a bit unit is far lik
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from expertcache.errors import ExpertcacheError
@@ -172,6 +173,8 @@ def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
 def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
     """One cache size in experts, as the API's functions of one capacity take it: whole experts (24, "24")
     or a share of all ``total`` experts ("25%", rounded down), ``capacity_items``'s grammar less ranges."""
+    if isinstance(item, numbers.Integral) and not isinstance(item, bool):
+        item = int(item)  # numpy's integers too
     if isinstance(item, bool) or not isinstance(item, int | str):
         raise ExpertcacheError(
             f"{what}: a whole number of experts (24) or a share of all experts ('25%'), got {item!r}"
@@ -189,11 +192,11 @@ def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
 def whole_number(value: object, what: str, low: int = 1) -> int:
     """``value`` as an argument that counts something: an int (not a bool, not 2.5, not "8") of at least
     ``low``, else one clear error naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's integers too
         raise ExpertcacheError(f"{what} must be a whole number, got {value!r}")
     if value < low:
         raise ExpertcacheError(f"{what} must be at least {low}, got {value}")
-    return value
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

@@ -17,6 +17,7 @@ empty (unknown entries).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -25,7 +26,7 @@ import numpy as np
 from expertcache.cache.residency import group_experts
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Key
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
 
 ORDERS = ("layer", "flat", "rounds")
 
@@ -183,7 +184,8 @@ class Schedule:
 
 
 def build_schedule(trace: Trace, order: str = "layer") -> Schedule:
-    """The request groups of ``trace`` in ``order`` (layer, flat or rounds)."""
+    """The request groups of ``trace`` (a ``Trace`` or its file) in ``order`` (layer, flat or rounds)."""
+    trace = as_trace(trace)
     if order == "layer":
         schedule = _layer_order(trace)
     elif order == "flat":
@@ -221,7 +223,10 @@ def min_room(order: str, top_k: int) -> int:
 
 
 def check_capacity(capacity: int, order: str, top_k: int) -> None:
-    """Capacity must be at least 1, and at least top-k in layer order."""
+    """Capacity must be a whole number of experts (not 24.5, not True, not "24": ``simulate`` takes
+    shares), at least 1, and at least top-k in layer order."""
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+        raise ExpertcacheError(f"capacity must be a whole number of experts, got {capacity!r}")
     if capacity < 1:
         raise ExpertcacheError(f"capacity must be at least 1 expert, got {capacity}")
     if capacity < min_room(order, top_k):

@@ -1079,7 +1079,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ExpertcacheError("--window sets the layers ahead of a predictor, and none is compared "
                                "(--prefetch NAME)")  # fmt: skip
     prefetches = [
-        PrefetchConfig(p, window=w, data=args.predictor)
+        PrefetchConfig(p, window=w, data=None if p == "none" else args.predictor)
         for p in dict.fromkeys(args.prefetch or ["none"])
         for w in ([None] if p == "none" else windows)
     ]

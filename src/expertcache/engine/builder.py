@@ -28,7 +28,7 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
-from expertcache.costs import AUTO_CHUNKS, CostModel, chunks_pay
+from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, chunks_pay
 from expertcache.engine.dense import DenseReport, check_dense_format
 from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
@@ -176,6 +176,10 @@ class Builder:
         host: HostConfig | None = None,
         attention: str | None = None,
     ) -> None:
+        for name, value in (("record", record), ("download", download), ("warmup", warmup)):
+            if not isinstance(value, bool):  # "no" is truthy: not taken for True
+                raise ExpertcacheError(f"{name} must be True or False, got {value!r}")
+        costs = None if costs is None else as_cost(costs)  # a dict or a profile's path, as simulate_timing's
         self.path = resolve_model(path, download)
         self.plan = plan
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why

@@ -153,8 +153,10 @@ class OffloadedModel:
         Each result has tokens, text, finish reason, TTFT/TPOT and the cache's work during its batch.
         Other keyword arguments go to transformers' ``generate`` (its generation settings)."""
         self._open()
-        whole_number(max_new_tokens, "max_new_tokens")
-        whole_number(batch_size, "batch_size")
+        max_new_tokens = whole_number(max_new_tokens, "max_new_tokens")  # numpy's integers too
+        batch_size = whole_number(batch_size, "batch_size")
+        if not isinstance(chat, bool):  # "no" is truthy: not taken for True
+            raise ExpertcacheError(f"chat must be True or False, got {chat!r}")
         gen.check_generate_kwargs(kwargs, self.model)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise ExpertcacheError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -532,8 +534,8 @@ def load(
     (``engine.loader.default_attention``); on a CPU in bfloat16 ``eager`` decodes faster at long contexts:
     ``engine.loader.ATTENTION``),
     ``slow_tier``
-    (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``
-    for cost-based miss paths; default: measured
+    (``"host"``, ``"disk"`` or ``"mapped"``: ``engine.transfer.DiskTier``), ``costs`` (a ``CostModel``,
+    a dict of its fields or a cost model or profile file, for cost-based miss paths; default: measured
     at load), ``progress``, ``record`` (keep the routing for ``trace()``; on by default), ``download``,
     ``warmup`` (on by default: with every expert resident, a 2-token generation at load takes the first
     request's one-time costs; ``stats["warmup_s"]`` its time).
@@ -600,7 +602,7 @@ def load(
             "host_policy, host_stage and host_exclusive need host_memory (the host cache they rule)"
         )
     host = options.pop("host", None) or HostConfig(
-        host_memory, host_policy, exclusive=bool(host_exclusive), stage=host_stage
+        host_memory, host_policy, exclusive=host_exclusive, stage=host_stage
     )
     model = OffloadedModel(
         path, expert_memory, cache=cache, prefetch=pf, link=_link(link, link_bandwidth, link_latency),

@@ -23,7 +23,7 @@ from expertcache.policy.rand import Random
 from expertcache.policy.reuse import Reuse
 from expertcache.policy.static import Static
 from expertcache.policy.tlfu import TLFU
-from expertcache.spec import parse_spec
+from expertcache.spec import parse_spec, parse_value
 
 PolicyFactory = Callable[..., Policy]
 
@@ -108,6 +108,14 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
         )
     factory = _lookup(name)
     _check_parameters(name, params)
+    budgets = params.get("budgets")
+    if isinstance(budgets, str):  # the command line's spelling, 2/2/4: not a string of 5 characters
+        parsed = parse_value(budgets)
+        if not (isinstance(parsed, list) and all(isinstance(b, int) for b in parsed)):
+            raise PolicyError(
+                f"policy {name!r}: budgets is a list of whole numbers (or '2/2/4'), got {budgets!r}"
+            )
+        params = {**params, "budgets": parsed}
     try:
         return factory(ctx, **params)
     except TypeError as e:  # a parameter of the wrong type

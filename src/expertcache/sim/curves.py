@@ -10,7 +10,7 @@ import numpy as np
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import capacity_reason, min_capacity
-from expertcache.sim.replay import SimResult, replay
+from expertcache.sim.replay import SimResult, check_schedule, replay
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
 
@@ -67,6 +67,11 @@ def run_policy(
     that is cheaper, other capacities are replayed: compiled (``sim/fast.py``, on ``jobs`` threads) where
     the policy has a compiled replay and the replays are large (``compiled`` None) or the caller says so
     (it replays many small schedules), else by the Python reference (on ``jobs`` processes)."""
+    check_schedule(schedule, "run_policy")
+    if isinstance(capacities, str) or not isinstance(capacities, Sequence):
+        raise ExpertcacheError(f"run_policy's capacities is a list of whole numbers, got {capacities!r}")
+    if params is not None and not isinstance(params, dict):
+        raise ExpertcacheError(f"run_policy's params is a dict of the policy's parameters, got {params!r}")
     params = params or {}
     low = min_capacity(name, schedule.num_layers, params, schedule.min_room)
     for c in capacities:

@@ -43,6 +43,7 @@ from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
+from expertcache.predict.registry import trace_readers
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.trace import Trace, as_trace
@@ -339,6 +340,17 @@ def make_plan(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     jobs = whole_number(jobs, option("--jobs", "jobs"))
+    if host is None and host_capacity is None and host_policies is not HOST_POLICIES:  # not in silence
+        raise ExpertcacheError(
+            f"{option('--host-policy', 'host_policies')} rules a host level: give "
+            f"{option('--host-memory', 'host')} or {option('--host-capacity', 'host_capacity')} too"
+        )
+    named = [p.predictor if isinstance(p, PrefetchConfig) else str(p) for p in prefetches or ["none"]]
+    if predictor_trace is not None and not trace_readers(named):
+        raise ExpertcacheError(
+            f"predictor_trace: prefetch {', '.join(dict.fromkeys(named))} reads no recorded trace (token and "
+            "eam do)"
+        )
     host_cfgs: list[HostConfig | None] = [None]
     host_caps: dict[bool, int] = {}  # the host level's capacity, inclusive and exclusive
     skipped: list[str] = []
@@ -437,7 +449,8 @@ def make_plan(
     def run_of(spec: str, miss: str, pf: PrefetchConfig, host: HostConfig | None) -> dict[str, object]:
         return dict(
             trace=trace, capacity=capacity, cache=CacheConfig(spec, seed=seed), prefetch=pf,
-            miss=MissConfig(miss), cost=cost, predictor_trace=predictor_trace, host=host,
+            miss=MissConfig(miss), cost=cost, host=host,
+            predictor_trace=predictor_trace if trace_readers([pf.predictor]) else None,  # its readers only
             host_capacity=host_caps.get(host is not None and host.exclusive),
         )  # fmt: skip
 

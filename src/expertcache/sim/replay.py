@@ -108,9 +108,19 @@ def policy_for(schedule: Schedule, name: str, capacity: int, seed: int = 0, **pa
     return make_policy(name, ctx, **params)
 
 
+def check_schedule(schedule: object, who: str) -> None:
+    """``who`` replays a ``Schedule`` (``build_schedule(trace, order)``), not a trace or its file."""
+    if not isinstance(schedule, Schedule):
+        raise ExpertcacheError(
+            f"{who} takes a Schedule (build_schedule(trace, order)), got {type(schedule).__name__}"
+        )
+
+
 def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
     """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
+    check_schedule(schedule, "replay")
     check_capacity(capacity, schedule.order, schedule.top_k)
+    capacity = int(capacity)
     policy = policy_for(schedule, name, capacity, seed, **params)
     residency, clock = Residency(policy), policy.clock
     L, per_layer = schedule.num_layers, schedule.per_layer

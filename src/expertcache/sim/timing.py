@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.policy.base import Clock, PolicyContext
+from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
@@ -225,6 +228,10 @@ def _canonical(
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
+    if predictor_trace is not None and not trace_readers([pf.predictor]):  # not taken in silence
+        raise ExpertcacheError(
+            f"predictor_trace: prefetch {pf.predictor} reads no recorded trace (token and eam do)"
+        )
     return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
 
 
@@ -443,6 +450,12 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
             "simulate_timing takes the trace and the capacity by position and the rest by name "
             "(cache=..., prefetch=..., miss=..., cost=...)"
         )
+    takes = inspect.signature(run_timing).parameters
+    unknown = [k for k in kwargs if k not in takes]
+    if unknown:  # run_timing's own TypeError named run_timing
+        near = difflib.get_close_matches(unknown[0], list(takes), n=2)
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        raise ExpertcacheError(f"simulate_timing got an unknown argument {unknown[0]!r}{hint}")
     result = run_timing(*args, **kwargs)
     warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them
     return result

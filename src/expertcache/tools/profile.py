@@ -30,8 +30,8 @@ import os
 import platform
 
 from expertcache.costs import PROFILE_FORMAT, CostModel
-from expertcache.errors import ExpertcacheError
-from expertcache.units import parse_duration, parse_rate
+from expertcache.errors import ExpertcacheError, option
+from expertcache.units import parse_duration, parse_rate, whole_number
 
 DEVICE_FIELDS = ("link_bandwidth", "link_latency", "expert_s", "expert_token_s", "dense_s", "step_s")
 PROMPT = "def fibonacci(n):\n    "
@@ -86,6 +86,9 @@ def profile(
     from expertcache.engine.hub import model_label
     from expertcache.engine.offloaded import load
 
+    steps = whole_number(steps, option("--steps", "steps"), 2)  # decode steps a dense time is measured over
+    if declared is not None and not isinstance(declared, dict):
+        raise ExpertcacheError(f"declared is a dict of cost fields (link_bandwidth=...), got {declared!r}")
     declared = dict(declared or {})
     if device_profile_shape is not None:  # before loading: a device profile of another model is refused
         _check_shape(path, device_profile_shape)

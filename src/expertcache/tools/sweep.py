@@ -39,6 +39,7 @@ from expertcache.policy.registry import (
     parse_policy,
     policy_class,
 )
+from expertcache.predict.registry import trace_readers
 from expertcache.sim import fast
 from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
@@ -361,7 +362,8 @@ def _timing_task(task, trace, schedule, params, predictor) -> tuple[list[dict], 
     try:
         r = run_timing(
             trace, capacity, cache=CacheConfig(_spec(task.policy, params), seed=task.seed),
-            prefetch=prefetch, miss=cell.miss, cost=cell.cost, predictor_trace=predictor,
+            prefetch=prefetch, miss=cell.miss, cost=cell.cost,
+            predictor_trace=predictor if trace_readers([prefetch.predictor]) else None,  # its readers only
         )  # fmt: skip
     except ExpertcacheError as e:  # a capacity this miss path cannot divide among its parts
         where = f"{task.trace}: {_spec(task.policy, params)} at capacity {capacity} with miss {cell.miss}"
@@ -599,6 +601,9 @@ def sweep(
     grid = grid.with_overrides(**dimensions)
     if grid.timing is not None:
         grid.timing.check_used()
+    for name, value in (("resume", resume), ("force", force), ("progress", progress), ("quiet", quiet)):
+        if not isinstance(value, bool):  # "no" is truthy: not taken for True
+            raise ExpertcacheError(f"{name} must be True or False, got {value!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
     if resume and out is None:

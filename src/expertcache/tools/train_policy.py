@@ -115,7 +115,19 @@ def train_policy(
     test: Sequence[Trace] = (),
     test_names: Sequence[str] = (),
 ) -> dict[str, object]:
-    """Fit the reuse model on ``traces`` (in each of ``orders``) -> a weights file's content."""
+    """Fit the reuse model on ``traces`` (in each of ``orders``) -> a weights file's content; ``names``
+    (and ``test_names``) one per trace, as the report lists them."""
+    for what, given in (("traces", traces), ("names", names), ("orders", orders), ("test", test),
+                        ("test_names", test_names)):  # fmt: skip
+        if isinstance(given, str | Trace) or not isinstance(given, Sequence):  # "layer" is not l, a, y...
+            raise ExpertcacheError(f"train_policy's {what} is a list, got {given!r}")
+    if len(names) != len(traces) or len(test_names) != len(test):
+        raise ExpertcacheError(
+            f"train_policy takes a name per trace: {len(traces)} traces and {len(names)} names, "
+            f"{len(test)} test traces and {len(test_names)} test names"
+        )
+    if not all(isinstance(t, Trace) for t in (*traces, *test)):
+        raise ExpertcacheError("train_policy's traces are Trace objects (expertcache.load_trace(path))")
     X, y = _stack(traces, orders)
     w = fit(X, y)
     report: dict[str, object] = {

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import json
+import numbers
 import re
 from pathlib import Path
 
@@ -321,8 +322,18 @@ def import_trace(
     fmt = fmt or {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}.get(
         path.suffix.lower()
     )
+    torch_file = fmt is None and path.suffix.lower() in (".pt", ".pth")
+    if fmt in ("torch", "pt") or torch_file:  # torch's format: read where torch may be imported
+        raise TraceError(
+            f"{path}: a torch file is read by expertcache.tools.trace_import.import_torch (this module is "
+            "torch-free)"
+        )
     if fmt not in FORMATS:
-        raise TraceError(f"{path}: give the format (--format {' or '.join(FORMATS)}, or torch for .pt files)")
+        formats = " or ".join(FORMATS)
+        raise TraceError(f"{path}: give the format (fmt= or --format: {formats}, or torch for .pt)")
+    whole = isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool)
+    if num_experts is not None and not whole:
+        raise TraceError(f"num_experts must be a whole number, got {num_experts!r}")
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     rows = _Rows(str(path))

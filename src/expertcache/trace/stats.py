@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, as_trace
 
 
 def layer_entropy(trace: Trace) -> np.ndarray:
@@ -68,7 +68,9 @@ def step_shape(trace: Trace) -> dict[str, float | int] | None:
 
 
 def summary(trace: Trace) -> dict[str, object]:
-    """Shape, sequence structure, per-layer entropy and reuse as a JSON-ready dict."""
+    """Shape, sequence structure, per-layer entropy and reuse as a JSON-ready dict (``trace``: a
+    ``Trace`` or its file)."""
+    trace = as_trace(trace)
     ent = layer_entropy(trace)
     reuse = reuse_between_tokens(trace)
     prefill = int((trace.is_prefill == 1).sum()) if trace.is_prefill is not None else None

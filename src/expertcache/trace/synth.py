@@ -127,6 +127,8 @@ def synthesize(kind: str, **params: object) -> Trace:
             raise ExpertcacheError(
                 f"trace kind {kind!r}: {key} must be a {'whole' if whole else 'real'} number, got {value!r}"
             )
+    if params.get("seed", 0) < 0:  # numpy's own error named nothing
+        raise ExpertcacheError(f"trace kind {kind!r}: seed must be at least 0, got {params['seed']}")
     return gen(**params)
 
 
