@@ -361,18 +361,34 @@ def test_a_stop_string_is_matched_in_the_new_text_only(ckpt):
     assert g.tokens == full.tokens and g.finish_reason == full.finish_reason
 
 
-def test_chat_survives_a_turn_that_fails(capsys, ckpt, tmp_path, monkeypatch):
+def test_chat_survives_a_turn_that_fails_and_keeps_the_conversation_before_it(
+    capsys, ckpt, tmp_path, monkeypatch
+):
+    """The oldest turns were dropped to fit a turn before it ran, and stayed dropped when it failed: the
+    conversation after a too-long turn had lost everything said before it."""
+    from expertcache.engine.offloaded import OffloadedModel
+
+    sent = []
+    real = OffloadedModel.generate_text
+
+    def recording(self, prompt, *args, **kwargs):
+        sent.append([m["content"] for m in prompt])
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", recording)
     template = tmp_path / "t.jinja"
     template.write_text(TEMPLATE)
-    long_turn = "hello world, " * 2000  # more tokens than the tiny model's context
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_turn}\n/stat\nhi\n"))
+    long_turn = "hello world, " * 2000  # more tokens than the tiny model's context, alone
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"first\n{long_turn}\n/stat\nhi\n"))
     code, out, err = run(
         capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
         "--chat-template", str(template),
     )  # fmt: skip
     assert code == 0, err
-    assert "exceeds the model's context" in err and "unknown command /stat" in err
-    assert err.count("tokens,") == 1  # "hi" was answered after the failed turn
+    assert "exceeds the model's context" in err and "unknown command /stat" in err and "dropped" not in err
+    assert err.count("tokens,") == 2  # "first", and "hi" after the failed turn
+    assert sent[0] == ["first"] and len(sent) == 3 and sent[1][-1] == long_turn
+    assert sent[2][0] == "first" and sent[2][-1] == "hi" and len(sent[2]) == 3  # first, its reply, hi
 
 
 def test_ctrl_c_in_a_chat_reply_stops_that_reply_and_the_conversation_goes_on(
@@ -525,30 +541,3 @@ def test_generate_does_not_import_hqq_and_transformers_still_finds_it():
     done = subprocess.run([sys.executable, "-c", used], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]  # the stand-in imports hqq when first used
-
-
-def test_a_chat_turn_that_fails_keeps_the_conversation_before_it(capsys, ckpt, tmp_path, monkeypatch):
-    """The oldest turns were dropped to fit a turn before it ran, and stayed dropped when it failed: the
-    conversation after a too-long turn had lost everything said before it."""
-    from expertcache.engine.offloaded import OffloadedModel
-
-    sent = []
-    real = OffloadedModel.generate_text
-
-    def recording(self, prompt, *args, **kwargs):
-        sent.append([m["content"] for m in prompt])
-        return real(self, prompt, *args, **kwargs)
-
-    monkeypatch.setattr(OffloadedModel, "generate_text", recording)
-    template = tmp_path / "t.jinja"
-    template.write_text(TEMPLATE)
-    long_turn = "hello world, " * 2000  # more tokens than the tiny model's context, alone
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"first\n{long_turn}\nthird\n"))
-    code, out, err = run(
-        capsys, "chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
-        "--chat-template", str(template),
-    )  # fmt: skip
-    assert code == 0, err
-    assert "exceeds the model's context" in err and "dropped" not in err
-    assert sent[0] == ["first"] and len(sent) == 3 and sent[1][-1] == long_turn
-    assert sent[2][0] == "first" and sent[2][-1] == "third" and len(sent[2]) == 3  # first, its reply, third

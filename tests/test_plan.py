@@ -361,7 +361,8 @@ def test_plan_compares_predictors_and_their_windows(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert {(r["prefetch"], r["window"]) for r in rows} == {("none", None), ("eam", 1), ("eam", 2)}
     assert trace.num_layers * trace.top_k <= 24
-    trace.save(tmp_path / "t.npz")  # eam learns from --predictor, none beside it reads nothing: it was refused
+    # eam learns from --predictor, none beside it reads nothing: the pair was refused
+    trace.save(tmp_path / "t.npz")
     assert main([*argv, "--predictor", str(tmp_path / "t.npz"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert {r["prefetch"] for r in rows} == {"none", "eam"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -596,3 +597,25 @@ def test_synthetic_parameters_of_the_wrong_type_are_named() -> None:
             synthesize("zipf", **{key: bad})
     t = synthesize("zipf", tokens=np.int64(12), layers=2, experts=4, top_k=1, a=np.float32(1.5), b=0)
     assert t.num_tokens == 12
+
+
+def test_a_trace_is_made_of_whole_numbers_and_its_ids_are_not_wrapped() -> None:
+    """Trace(ex, "4") was a TypeError, Trace(ex, 4.5) "a trace of 4.5 experts" that failed in a replay,
+    seq_id 2**32 wrapped to 0 (three requests read as one), meta=None failed only at save."""
+    import numpy as np
+
+    from expertcache.trace import Trace
+
+    ex = np.array([[[0, 1]], [[1, 2]], [[2, 3]]])
+    for kwargs, words in (
+        ({"num_experts": "4"}, "num_experts must be a whole number, got '4'"),
+        ({"num_experts": 4.5}, "num_experts must be a whole number, got 4.5"),
+        (
+            {"num_experts": 4, "seq_id": np.array([0, 2**32, 2**33])},
+            "'seq_id' holds 8589934592, more than int32",
+        ),
+        ({"num_experts": 4, "meta": None}, "meta must be a dict, got NoneType"),
+    ):
+        with pytest.raises(ExpertcacheError, match=re.escape(words)):
+            Trace(ex, **kwargs)
+    assert Trace(ex, np.int64(4)).num_experts == 4

@@ -508,7 +508,9 @@ def load(
     ``expert_memory`` is bytes (``"6GiB"``, ``500_000_000``) or a share of all expert bytes (``"30%"``);
     ``policy`` any online policy of the library (``"lru"``, ``"llru"``, ``"lfu-dist"``, ``"lru:param=v"``);
     ``miss`` what to do on a miss (``"fetch"``, ``"host"``, ``"hybrid"``, ``"split:theta=0.5"``, ...,
-    see ``expertcache misses``). Link emulation: ``link_bandwidth`` and ``link_latency``, or ``link``, a
+    see ``expertcache misses``). Link emulation: ``link_bandwidth`` and ``link_latency`` (a number is bytes a
+    second and seconds: ``link_latency=20`` is 20 s; or a string with its unit, ``"16GB/s"``, ``"20us"``), or
+    ``link``, a
     ``expertcache.config.LinkConfig`` (giving both ways is an error). ``seed`` and ``profile`` (a trace,
     for ``static``) go to the policy. Proactive caching: ``prefetch`` (a predictor
     name: ``"next-gate"``, ``"window"``, ``"learned"``, ``"token"``, ``"eam"``; ``"none"``; by default

@@ -12,6 +12,7 @@ step's ranked list, read row after row over the step's tokens, -1 padding; meta 
 
 from __future__ import annotations
 
+import numbers
 import os
 import zipfile
 import zlib
@@ -52,6 +53,12 @@ class Trace:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "experts", _as_experts(self.experts, self.source))
+        n = self.num_experts  # not "4", not 4.5 (a trace of 4.5 experts failed later, in a replay)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TraceError(f"{self.source}: num_experts must be a whole number, got {n!r}")
+        object.__setattr__(self, "num_experts", int(n))
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"{self.source}: meta must be a dict, got {type(self.meta).__name__}")
         for name, (kinds, dtype, _) in _OPTIONAL.items():
             value = getattr(self, name)
             if value is None:
@@ -61,6 +68,9 @@ class Trace:
                 raise TraceError(
                     f"{self.source}: '{name}' has dtype {value.dtype}, expected {dtype.__name__}"
                 )
+            if value.dtype.kind in "iu" and value.size and np.iinfo(dtype).max < value.max():  # not wrapped
+                most = f"more than {dtype.__name__} holds"
+                raise TraceError(f"{self.source}: '{name}' holds {value.max()}, {most}")
             object.__setattr__(self, name, value.astype(dtype, copy=False))
         _validate(self)
         w = self.weights
