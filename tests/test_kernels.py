@@ -527,3 +527,15 @@ def test_the_compiled_kernel_s_loops_are_loaded_at_load_in_the_types_a_request_u
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["compiled", "1", "1"]
+
+
+def test_quality_names_its_arguments_and_warns_in_python(ckpt):
+    """``measure(tokens="32")`` was a TypeError; its note that the texts were shorter than ``tokens`` was
+    a print to stderr, which a Python caller cannot catch."""
+    import expertcache as ec
+    from expertcache.tools.quality import measure
+
+    with pytest.raises(ec.ExpertcacheError, match="tokens must be a whole number, got '32'"):
+        measure(None, "fetch", tokens="32")
+    with pytest.warns(ec.ExpertcacheWarning, match="the texts hold .* tokens to predict: measured on those"):
+        measure(ckpt("mixtral"), "fetch", "100%", texts=["hello world"], tokens=400)

@@ -27,6 +27,17 @@ def option(flag: str, argument: str) -> str:
     return flag if _command_line[0] else argument
 
 
+def say_notes(notes: list[str]) -> None:
+    """Notes where the caller hears them: on stderr under the command line, else as ``warn_notes``."""
+    if _command_line[0]:
+        import sys
+
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+    else:
+        warn_notes(notes, stacklevel=4)
+
+
 def warn_notes(notes: list[str], stacklevel: int = 3) -> None:
     """A Python caller's notes (what was adjusted, what a result leaves out) as ``ExpertcacheWarning``s;
     the command line prints them itself, as notes on stderr."""

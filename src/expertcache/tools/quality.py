@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option, say_notes
+from expertcache.units import whole_number
 
 DEFAULT_TOKENS = 2048  # tokens measured in all, split over the texts
 DEFAULT_TEXTS = 8
@@ -126,8 +127,7 @@ def measure(
     from expertcache.config import PrefetchConfig
     from expertcache.engine import load
 
-    if tokens < 2:
-        raise ExpertcacheError(f"--tokens must be at least 2, got {tokens}")
+    tokens = whole_number(tokens, option("--tokens", "tokens"), 2)
     when = None if prefetch == "none" else prefetch_when
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
@@ -177,8 +177,12 @@ def measure(
             if progress:
                 print(f"text {i + 1}/{len(seqs)}: {count} tokens", file=sys.stderr, flush=True)
         if count < tokens:
-            print(f"note: the texts hold {count} tokens to predict: measured on those, not the {tokens} "
-                  "of --tokens (--text FILE for more)", file=sys.stderr)  # fmt: skip
+            say_notes(
+                [
+                    f"the texts hold {count} tokens to predict: measured on those, not the {tokens} of "
+                    f"{option('--tokens', 'tokens')} ({option('--text FILE', 'texts=')} for more)"
+                ]
+            )
         after = model.stats
         uses = after["requests"] - before["requests"]
         low = after["low_precision"] - before["low_precision"]
