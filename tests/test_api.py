@@ -467,6 +467,8 @@ def test_a_third_trial_of_the_api_is_one_clear_error_each(tmp_path):
         assert len(model.generate_text("x = 1", 2).tokens) == 2
         with pytest.raises(ec.ExpertcacheError, match="chat must be True or False, got 'no'"):
             model.generate_text("hi", 2, chat="no")
+        with pytest.raises(ec.ExpertcacheError, match="prompt 2 must be text, got NoneType None"):
+            model.generate_text(["a", None], 2)  # it said "a conversation: it needs chat mode"
         assert len(model.generate_text("hi", np.int64(2)).tokens) == 2
 
 
@@ -485,3 +487,25 @@ def test_a_cost_model_takes_numpy_numbers_and_refuses_true_for_a_number():
     ):
         with pytest.raises(ec.ExpertcacheError, match=re.escape(words)):
             ec.CostModel(**kwargs)
+
+
+def test_contexts_are_whole_numbers_and_repeats_run_once():
+    import numpy as np
+
+    import expertcache as ec
+
+    for call, words in (
+        (lambda: ec.PolicyContext("4", 2, 4), "PolicyContext capacity must be a whole number, got '4'"),
+        (lambda: ec.PolicyContext(4.5, 2, 4), "PolicyContext capacity must be a whole number, got 4.5"),
+        (lambda: ec.PolicyContext(4, 2, 4, top_k=9), "top_k must be 1 .. num_experts (4), got 9"),
+        (lambda: ec.PolicyContext(4, 2, 4, clock=5), "clock must be a Clock (or None), got 5"),
+        (lambda: ec.PredictContext("6", 16, 2), "PredictContext num_layers must be a whole number, got '6'"),
+        (lambda: ec.PredictContext(6, 16, 2, window=1.5), "window must be a whole number, got 1.5"),
+        (lambda: ec.make_predictor("window", None), "make_predictor needs a PredictContext"),
+    ):
+        with pytest.raises(ec.ExpertcacheError) as info:
+            call()
+        assert words in str(info.value), str(info.value)
+    assert ec.PolicyContext(np.int64(4), 2, 4).capacity == 4
+    results = ec.simulate(ec.default_trace(), ["lru", "lru", "fifo"], [24])
+    assert [r.policy for r in results] == ["lru", "fifo"]  # a repeat is the same replay, as for capacities

@@ -148,8 +148,10 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
 def render(tokenizer, prompt: Prompt, chat: bool, where: str = "the prompt") -> str:
     """The text the model sees: the prompt, or with ``chat`` the conversation through the template."""
     if not chat:
-        if not isinstance(prompt, str):
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             raise ExpertcacheError(f"{where} is a conversation (a list of messages): it needs chat mode")
+        if not isinstance(prompt, str):  # None, token ids, a number: not a conversation either
+            raise ExpertcacheError(f"{where} must be text, got {type(prompt).__name__} {prompt!r:.40}")
         if not prompt:
             raise ExpertcacheError(f"{where} is empty")
         return prompt

@@ -17,6 +17,7 @@ step; the K rounds of a token in rounds order share it), ``seq`` is the request 
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,12 +56,21 @@ class PolicyContext:
     profile: Mapping[Key, int] | None = None  # key -> how often it is used (for Static)
 
     def __post_init__(self) -> None:
+        for name in ("capacity", "num_layers", "num_experts", "top_k", "seed"):  # not 4.5, "4" or True
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise PolicyError(f"PolicyContext {name} must be a whole number, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.capacity < 1:
             raise PolicyError(f"capacity must be at least 1 expert, got {self.capacity}")
         if self.num_layers < 1 or self.num_experts < 1:
             raise PolicyError("num_layers and num_experts must be at least 1")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise PolicyError(f"top_k must be 1 .. num_experts ({self.num_experts}), got {self.top_k}")
         if self.clock is None:
             object.__setattr__(self, "clock", Clock())
+        elif not isinstance(self.clock, Clock):
+            raise PolicyError(f"PolicyContext clock must be a Clock (or None), got {self.clock!r}")
 
     def now(self) -> int:
         """The current time in layer visits: round * L + layer."""

@@ -17,6 +17,7 @@ layers 1..k at layer 0 (ProMoE's fallback, ``i - k`` clamped to 0); the others m
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ class PredictContext:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "top_k", "window", "seed"):  # not "6", 1.5 or True
+            value = getattr(self, name)
+            if value is None and name == "window":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise PredictorError(f"PredictContext {name} must be a whole number, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if min(self.num_layers, self.num_experts, self.top_k) < 1:
+            raise PredictorError("num_layers, num_experts and top_k must be at least 1")
         if self.window is not None and self.window < 1:
             raise PredictorError(f"prefetch window must be at least 1 layer, got {self.window}")
 

@@ -37,4 +37,10 @@ def trace_readers(names) -> list[str]:
 
 def make_predictor(name: str, ctx: PredictContext) -> Predictor:
     """Build a registered predictor; unknown names, or inputs it lacks, raise PredictorError."""
-    return predictor_class(name)(ctx)
+    cls = predictor_class(name)
+    if not isinstance(ctx, PredictContext):  # as make_policy checks its context
+        raise PredictorError(
+            f"make_predictor needs a PredictContext (num_layers, num_experts, top_k, ...), got "
+            f"{type(ctx).__name__}"
+        )
+    return cls(ctx)

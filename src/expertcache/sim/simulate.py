@@ -48,6 +48,8 @@ def simulate(
         raise ExpertcacheError(
             f"policies: a policy spec ('lru') or a non-empty list of them, got {policies!r}"
         )
+    if not isinstance(policies, str):  # each once, as capacities are: a repeat is the same replay
+        policies = list(dict.fromkeys(policies))
     for note in replay_notes(trace):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
