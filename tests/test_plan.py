@@ -157,6 +157,10 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(embedded_plan, tmp_pat
         ({**data, "budgets": [4] * data["layers"]}, f"not the plan's capacity of {data['capacity']}"),
         ({**data, "miss": "nope"}, "unknown miss path 'nope'"),
         ({**data, "polcy": "lfu"}, r"the plan has no field 'polcy' \(did you mean policy\?\)"),  # not ignored
+        ({**data, "capacity": 1000}, r"capacity must be 2 \.\. 96 experts"),  # it failed only when run
+        ({**data, "top_k": 20}, "top_k 20 is more than the 16 experts a layer has"),
+        ({**data, "budgets": None, "policy": "opt"}, "policy opt needs the future"),
+        ({**data, "candidates": "abc"}, "candidates is a list of the rows compared"),
     ]
     for body, words in cases:
         path.write_text(json.dumps(body))

@@ -915,6 +915,8 @@ def test_serve_config_values_of_the_wrong_type_are_named():
         with pytest.raises(ExpertcacheError, match=re.escape(words)):
             ServeConfig(**kwargs)
     assert ServeConfig(allowed_hosts=["box.lan"]).allowed_hosts == ("box.lan",)
+    port = ServeConfig(port=np.int64(8001)).port
+    assert port == 8001 and type(port) is int  # numpy's integers, as Python's for the server
 
 
 def test_stats_give_the_engines_counts_and_every_answer_is_counted(served):

@@ -8,6 +8,7 @@ with the same one-line message, before any work starts. Torch-free.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from expertcache.errors import ExpertcacheError, option
@@ -396,8 +397,11 @@ KV_PAGE = 256  # tokens in one page of the server's paged KV cache (transformers
 SERVE_BATCH_TOKENS = 512  # tokens a served step computes at most, by default (serve --max-batch-tokens)
 
 
-_WHOLE, _TEXT, _FLAG = ((int,), "a whole number"), ((str,), "text"), ((bool,), "True or False")
-_OR_NONE = {int: ((int, type(None)), "a whole number or None"), str: ((str, type(None)), "text or None")}
+_WHOLE, _TEXT, _FLAG = ((numbers.Integral,), "a whole number"), ((str,), "text"), ((bool,), "True or False")
+_OR_NONE = {
+    int: ((numbers.Integral, type(None)), "a whole number or None"),
+    str: ((str, type(None)), "text or None"),
+}
 _SERVE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # ServeConfig's fields not parsed from text
     "host": _TEXT,
     "port": _WHOLE,
@@ -458,6 +462,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
                 raise ExpertcacheError(f"ServeConfig {name} must be {what}, got {value!r}")
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                _set(self, **{name: int(value)})  # numpy's integers too, as Python's for the server
         if not all(isinstance(h, str) for h in self.allowed_hosts):
             raise ExpertcacheError(f"ServeConfig allowed_hosts must be names, got {self.allowed_hosts!r}")
         if self.api_key is not None and not self.api_key.strip():

@@ -20,6 +20,7 @@ from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConf
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import miss_class
 from expertcache.paths import not_json_kind, write_output
+from expertcache.policy.registry import is_offline
 
 FORMAT = "expertcache-plan"
 VERSION = 1
@@ -49,11 +50,24 @@ class Plan:
     host_exclusive: bool = False  # exclusive of the expert memory (its memory then holds a reserve too)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "candidates", tuple(self.candidates))
         for name in ("layers", "experts", "top_k", "capacity"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ExpertcacheError(f"plan: {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.experts:
+            raise ExpertcacheError(
+                f"plan: top_k {self.top_k} is more than the {self.experts} experts a layer has"
+            )
+        if not self.top_k <= self.capacity <= self.layers * self.experts:  # as make_plan lays one out
+            raise ExpertcacheError(
+                f"plan: capacity must be {self.top_k} .. {self.layers * self.experts} experts (top-k .. "
+                f"all), got {self.capacity}"
+            )
+        if not isinstance(self.candidates, tuple | list) or not all(
+            isinstance(c, dict) for c in self.candidates
+        ):
+            raise ExpertcacheError("plan: candidates is a list of the rows compared (objects)")
+        object.__setattr__(self, "candidates", tuple(self.candidates))
         if self.budgets is not None:
             budgets = tuple(self.budgets)
             object.__setattr__(self, "budgets", budgets)
@@ -93,6 +107,8 @@ class Plan:
             self.host_config(1)
         elif self.host_exclusive:
             raise ExpertcacheError("plan: host_exclusive without a host level (host_capacity)")
+        if is_offline(self.cache_config().name):  # a plan is run by the engine
+            raise ExpertcacheError(f"plan: policy {self.policy} needs the future: it cannot run in an engine")
         self.cache_config()  # a bad policy, miss path or predictor is refused here, by its own check
         self.miss_config()
         self.prefetch_config()
