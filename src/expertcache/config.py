@@ -17,7 +17,7 @@ from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.base import PredictorError
 from expertcache.predict.registry import predictor_class
 from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (``serve.scheduling``)
-from expertcache.units import parse_duration, parse_rate, parse_size
+from expertcache.units import parse_duration, parse_rate, parse_size, true_or_false
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
@@ -271,8 +271,7 @@ class HostConfig:
     params: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.exclusive, bool):  # "no" is truthy: not taken for True
-            raise ExpertcacheError(f"host_exclusive must be True or False, got {self.exclusive!r}")
+        true_or_false(self.exclusive, "host_exclusive")
         try:
             name, params = parse_policy(self.policy)
             cls = policy_class(name)

@@ -27,6 +27,14 @@ def option(flag: str, argument: str) -> str:
     return flag if _command_line[0] else argument
 
 
+def did_you_mean(name: str, choices, n: int = 2) -> str:
+    """`` (did you mean a or b?)`` for a misspelt ``name`` among ``choices``, or nothing."""
+    import difflib
+
+    near = difflib.get_close_matches(name, sorted(choices), n=n)
+    return f" (did you mean {' or '.join(near)}?)" if near else ""
+
+
 def say_notes(notes: list[str]) -> None:
     """Notes where the caller hears them: on stderr under the command line, else as ``warn_notes``."""
     if _command_line[0]:

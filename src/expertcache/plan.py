@@ -10,14 +10,13 @@ refused. Plain JSON, so a plan can be read, diffed and edited; torch-free.
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from expertcache.cache.tiers import exclusive_reserve
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, did_you_mean
 from expertcache.miss.registry import miss_class
 from expertcache.paths import not_json_kind, write_output
 from expertcache.policy.registry import is_offline
@@ -197,8 +196,7 @@ class Plan:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known - {"format", "version", "lossy"})  # lossy: computed, written
         if unknown:  # an edited plan's misspelt key ran the plan without it, in silence
-            near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
+            hint = did_you_mean(unknown[0], known, n=1)
             raise ExpertcacheError(f"{source}: the plan has no field {unknown[0]!r}{hint}")
         fields = {k: v for k, v in data.items() if k in known}
         missing = [k for k in ("layers", "experts", "top_k", "capacity") if k not in fields]

@@ -189,6 +189,13 @@ def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
     return got[0]
 
 
+def true_or_false(value: object, what: str) -> bool:
+    """``value`` as a switch: True or False only ("no" and 1 are truthy, and not taken for True)."""
+    if not isinstance(value, bool):
+        raise ExpertcacheError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def whole_number(value: object, what: str, low: int = 1) -> int:
     """``value`` as an argument that counts something: an int (not a bool, not 2.5, not "8") of at least
     ``low``, else one clear error naming ``what``."""

@@ -70,7 +70,7 @@ from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor, predictor_class
 from expertcache.trace.default import default_trace
 from expertcache.trace.trace import Trace, load_trace
-from expertcache.units import format_bytes, parse_size
+from expertcache.units import format_bytes, parse_size, true_or_false
 
 WARMUP_TOKENS = 32  # the prompt of the warm-up generation at load (every expert resident)
 
@@ -177,8 +177,7 @@ class Builder:
         attention: str | None = None,
     ) -> None:
         for name, value in (("record", record), ("download", download), ("warmup", warmup)):
-            if not isinstance(value, bool):  # "no" is truthy: not taken for True
-                raise ExpertcacheError(f"{name} must be True or False, got {value!r}")
+            true_or_false(value, name)
         costs = None if costs is None else as_cost(costs)  # a dict or a profile's path, as simulate_timing's
         self.path = resolve_model(path, download)
         self.plan = plan

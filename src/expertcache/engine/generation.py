@@ -18,7 +18,7 @@ import torch
 from transformers import StoppingCriteria
 
 from expertcache.config import SamplingConfig
-from expertcache.errors import ExpertcacheError, first_line
+from expertcache.errors import ExpertcacheError, did_you_mean, first_line
 
 Prompt = str | list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
@@ -118,7 +118,6 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
     one error naming it and the nearest known names, before any work."""
     if not kwargs:
         return
-    import difflib
     import inspect
 
     from transformers import GenerationConfig
@@ -137,8 +136,7 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
         if name in _OWN:
             raise ExpertcacheError(f"generate_text sets {name} itself; leave it out")
         if name not in known:
-            near = difflib.get_close_matches(name, sorted(known | {"max_new_tokens"}), n=2)
-            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            hint = did_you_mean(name, known | {"max_new_tokens"})
             raise ExpertcacheError(
                 f"generate_text got an unknown argument {name!r}{hint}: it takes transformers' generation "
                 "settings"

@@ -28,10 +28,10 @@ from expertcache.engine.hub import DEFAULT_MODEL, model_label, resolve_model
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import resident_memory
 from expertcache.engine.packed import SOURCE_KEY, describe_format
-from expertcache.errors import ExpertcacheError, first_line, warn_notes
+from expertcache.errors import ExpertcacheError, did_you_mean, first_line, warn_notes
 from expertcache.plan import Plan, as_plan
 from expertcache.trace.trace import Trace, check_save_path
-from expertcache.units import whole_number
+from expertcache.units import true_or_false, whole_number
 from expertcache.workers import quota_threads
 
 # the builder's names of the parts this model keeps private
@@ -155,8 +155,7 @@ class OffloadedModel:
         self._open()
         max_new_tokens = whole_number(max_new_tokens, "max_new_tokens")  # numpy's integers too
         batch_size = whole_number(batch_size, "batch_size")
-        if not isinstance(chat, bool):  # "no" is truthy: not taken for True
-            raise ExpertcacheError(f"chat must be True or False, got {chat!r}")
+        true_or_false(chat, "chat")
         gen.check_generate_kwargs(kwargs, self.model)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise ExpertcacheError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -618,7 +617,6 @@ def load(
 def _check_options(options: dict) -> None:
     """``load``'s further keyword arguments are ``OffloadedModel``'s own (``dtype``, ``kernel``, ...);
     another is refused in one line, with the nearest names (``expert_memroy``: did you mean ...?)."""
-    import difflib
     import inspect
 
     own = {"cache", "prefetch", "link", "miss", "path", "expert_memory", "plan"}  # load's own spelling
@@ -626,9 +624,7 @@ def _check_options(options: dict) -> None:
     for name in options:
         if name not in known:
             every = known | set(inspect.signature(load).parameters) - {"options"}
-            near = difflib.get_close_matches(name, sorted(every), n=2)
-            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
-            raise ExpertcacheError(f"load got an unknown argument {name!r}{hint}")
+            raise ExpertcacheError(f"load got an unknown argument {name!r}{did_you_mean(name, every)}")
 
 
 def _link(link: LinkConfig | None, bandwidth: str | float | None, latency: str | float) -> LinkConfig:

@@ -18,7 +18,7 @@ from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import capacity_items, whole_number
+from expertcache.units import capacity_items, true_or_false, whole_number
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
@@ -42,8 +42,7 @@ def simulate(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     jobs = whole_number(jobs, "jobs")
-    if not isinstance(skip_infeasible, bool):
-        raise ExpertcacheError(f"skip_infeasible must be True or False, got {skip_infeasible!r}")
+    true_or_false(skip_infeasible, "skip_infeasible")
     if not isinstance(policies, str) and not (isinstance(policies, Sequence) and policies):
         raise ExpertcacheError(
             f"policies: a policy spec ('lru') or a non-empty list of them, got {policies!r}"

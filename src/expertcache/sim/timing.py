@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import functools
 import inspect
 import math
@@ -34,7 +33,7 @@ from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
 from expertcache.costs import AUTO, CostModel, as_cost, quantized_bytes
-from expertcache.errors import ExpertcacheError, option, warn_notes
+from expertcache.errors import ExpertcacheError, did_you_mean, option, warn_notes
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
 from expertcache.policy.base import Clock, PolicyContext
@@ -453,8 +452,7 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     takes = inspect.signature(run_timing).parameters
     unknown = [k for k in kwargs if k not in takes]
     if unknown:  # run_timing's own TypeError named run_timing
-        near = difflib.get_close_matches(unknown[0], list(takes), n=2)
-        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        hint = did_you_mean(unknown[0], takes)
         raise ExpertcacheError(f"simulate_timing got an unknown argument {unknown[0]!r}{hint}")
     result = run_timing(*args, **kwargs)
     warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them

@@ -40,7 +40,7 @@ import torch
 from expertcache.costs import CostModel
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.offloaded import resolve_device
-from expertcache.errors import ExpertcacheError, ExpertcacheWarning, first_line
+from expertcache.errors import ExpertcacheWarning, first_line
 from expertcache.miss.registry import parse_miss
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
@@ -55,6 +55,7 @@ from expertcache.tools.tiny import (
     moe_layers,
     total_experts,
 )
+from expertcache.units import true_or_false
 
 BUDGETS = ("min", "half", "all")
 # every exact miss path, by where it computes a missed expert (which sets the tolerance); hobbit is lossy
@@ -235,8 +236,7 @@ def selftest(
     the remaining checks are reported as not run, ``device_lost`` says why, and garbage collection is
     switched off: freeing GPU memory would abort the process, which should exit (the CLI does).
     """
-    if not isinstance(quick, bool):  # "no" is truthy: not taken for True
-        raise ExpertcacheError(f"quick must be True or False, got {quick!r}")
+    true_or_false(quick, "quick")
     dev = resolve_device(device)
     report = Report(_describe(dev), quick)
     start = time.perf_counter()

@@ -45,6 +45,7 @@ from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
 from expertcache.trace.trace import Trace, load_trace
+from expertcache.units import true_or_false
 from expertcache.workers import exit_with_parent
 
 __all__ = ["Grid", "Timing", "exit_with_parent", "sweep"]
@@ -602,8 +603,7 @@ def sweep(
     if grid.timing is not None:
         grid.timing.check_used()
     for name, value in (("resume", resume), ("force", force), ("progress", progress), ("quiet", quiet)):
-        if not isinstance(value, bool):  # "no" is truthy: not taken for True
-            raise ExpertcacheError(f"{name} must be True or False, got {value!r}")
+        true_or_false(value, name)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
     if resume and out is None:
