@@ -192,6 +192,14 @@ def test_load_warns_its_notes():
         (("x", 4), {"attention_mask": None}, "generate_text sets attention_mask itself"),
         (("x", 4), {"temperature": 0.5}, "temperature is a sampling setting: give sampling=SamplingConfig("),
         (("x", 4), {"do_sample": True}, "give sampling=SamplingConfig(temperature=...)"),
+        # settings that would change what comes back, or ignore max_new_tokens: refused, not passed on
+        (("x", 4), {"num_beams": 2}, "num_beams=2: generate_text decodes one sequence a prompt"),
+        (("x", 4), {"num_return_sequences": 3}, "num_return_sequences=3: generate_text returns one result"),
+        (("x", 4), {"return_dict_in_generate": True}, "use generate() on the model"),
+        (("x", 4), {"output_scores": True}, "output_scores=True: generate_text returns no scores"),
+        (("x", 4), {"max_length": 3}, "generate_text's length is max_new_tokens"),
+        (("x", 4), {"min_new_tokens": 5}, "min_new_tokens 5 is more than max_new_tokens 4"),
+        (("x", 4), {"min_new_tokens": -1}, "min_new_tokens must be at least 0"),
     ],
 )
 def test_generate_text_refuses_bad_arguments_before_any_work(model, args, kwargs, needle):
@@ -204,8 +212,21 @@ def test_generate_text_refuses_bad_arguments_before_any_work(model, args, kwargs
 
 def test_generate_text_passes_transformers_settings_through(model):
     one = model.generate_text("Hello", 3)
-    again = model.generate_text("Hello", 3, no_repeat_ngram_size=0, num_beams=1)
+    again = model.generate_text(
+        "Hello", 3, no_repeat_ngram_size=0, num_beams=1, num_return_sequences=1, output_scores=False
+    )
     assert one.tokens == again.tokens
+    assert len(model.generate_text("Hello", 3, min_new_tokens=3).tokens) == 3
+
+
+@pytest.mark.parametrize("given", ["Hello", [1, 2, 3]])
+def test_generate_takes_token_ids_and_names_anything_else(model, given):
+    with pytest.raises(ExpertcacheError, match="generate takes token ids .* give text to generate_text"):
+        model.generate(given, max_new_tokens=2)
+    with pytest.raises(ExpertcacheError, match="generate takes token ids"):
+        model.generate(inputs=given, max_new_tokens=2)
+    ids = model.encode("Hello").reshape(1, -1)
+    assert model.generate(ids, max_new_tokens=2).shape == (1, ids.shape[1] + 2)
 
 
 def test_reprs_are_one_line_summaries(model, trace):

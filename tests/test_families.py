@@ -523,6 +523,17 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
         assert not (tmp_path / family).exists()
     with pytest.raises(ExpertcacheError, match=r"^qwen3_moe: transformers refuses these sizes \(.*head_dim"):
         make_checkpoint(tmp_path / "odd", "qwen3_moe", hidden=36, heads=4, experts=4, intermediate=32)
+    for kwargs, needle in (
+        (dict(hidden="64"), "hidden must be a whole number, got '64'"),
+        (dict(heads=0), "heads must be at least 1, got 0"),
+        (dict(kv_heads=3), "heads 4 is not a multiple of kv_heads 3"),
+        (dict(dtype="fp8"), "dtype must be one of float32, bfloat16, float16, got 'fp8'"),
+        (dict(seed=-1), "seed must be at least 0, got -1"),
+        (dict(max_shard_size="5 parsecs"), "max_shard_size '5 parsecs' is not a size"),
+    ):  # the Python API's own checks (``model synth`` parses its flags before): one line, nothing written
+        with pytest.raises(ExpertcacheError, match=re.escape(needle)):
+            make_checkpoint(tmp_path / "bad", "mixtral", **kwargs)
+        assert not (tmp_path / "bad").exists()
     path = make_checkpoint(
         tmp_path / "gemma4", "gemma4_text", layers=2, hidden=32, experts=4, intermediate=32
     )

@@ -389,6 +389,16 @@ def test_the_python_api(traces):
     assert rows[-1]["misses"] == rows[-1]["opt_misses"]  # everything fits: only first uses miss
 
 
+def test_a_trace_read_from_a_file_is_taken_as_its_path_one_made_in_memory_is_named(traces):
+    by_path = quiet(traces=[str(traces[1])], policies=["lru"], capacities=[8])
+    assert quiet(traces=[load_trace(traces[1])], policies=["lru"], capacities=[8]) == by_path
+    default = quiet(traces=[expertcache.default_trace()], policies=["lru"], capacities=[8])
+    assert default[0]["trace"] == "default"
+    made = synthesize("zipf", tokens=50, layers=2, experts=8, top_k=2, seed=0)
+    with pytest.raises(expertcache.ExpertcacheError, match=r"reads its traces from files .* save it"):
+        quiet(traces=[made], policies=["lru"], capacities=[8])
+
+
 def test_the_python_api_speaks_to_python_callers(tmp_path, traces):
     with pytest.raises(expertcache.ExpertcacheError) as raised:
         quiet(traces=[str(traces[0])], polices=["lru"])

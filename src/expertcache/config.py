@@ -22,6 +22,7 @@ from expertcache.units import parse_duration, parse_rate, parse_size, true_or_fa
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
 WHEN = ("always", "pays")  # prefetch in every step, or only while the governor measures that it pays
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # a random checkpoint's weights (model synth)
 
 
 def _set(obj: object, **values: object) -> None:

@@ -22,7 +22,7 @@ from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
-from expertcache.config import SERVE_BATCH_TOKENS
+from expertcache.config import CHECKPOINT_DTYPES, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
 from expertcache.policy.registry import (
@@ -434,7 +434,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="decoder layers (default 2, or the family's fewest that run: nemotron_h 3, qwen3_next 4)",
     )  # fmt: skip
     ms.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        "--dtype", default="float32", choices=CHECKPOINT_DTYPES,
         help="weight dtype (default float32)",
     )  # fmt: skip
     ms.add_argument("--max-shard-size", metavar="SIZE", help="shard the safetensors files, e.g. 500MB")
@@ -1598,9 +1598,9 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         from expertcache.engine.families import FAMILIES
 
         args.layers = max(2, FAMILIES[args.family].min_layers) if args.family in FAMILIES else 2
-    for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads"):
-        if getattr(args, name) < 1:
-            raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads", "seed"):
+        if getattr(args, name) < (name != "seed"):
+            raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least {int(name != 'seed')}")
     out = make_checkpoint(
         args.out,
         args.family,

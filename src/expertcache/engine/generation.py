@@ -110,6 +110,22 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
 _OWN = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "pad_token_id", "streamer"}
 # transformers' sampling settings: ``SamplingConfig``'s (``generate_text(sampling=...)``), which sets them
 _SAMPLING = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty"}
+# transformers' settings that change what ``generate`` returns (not one text a prompt) or its length
+# (``max_new_tokens`` is the length): each a refusal, with what to use instead
+_FOR_GENERATE = "use generate() on the model (transformers' own generate) for that"
+_NOT_HERE = {
+    "num_beams": f"generate_text decodes one sequence a prompt, not beam search; {_FOR_GENERATE}",
+    "num_beam_groups": f"generate_text does not run beam search; {_FOR_GENERATE}",
+    "num_return_sequences": f"generate_text returns one result a prompt; {_FOR_GENERATE}",
+    "return_dict_in_generate": f"generate_text returns its own results (text, timing); {_FOR_GENERATE}",
+    "output_scores": f"generate_text returns no scores; {_FOR_GENERATE}",
+    "output_logits": f"generate_text returns no logits; {_FOR_GENERATE}",
+    "output_attentions": f"generate_text returns no attentions; {_FOR_GENERATE}",
+    "output_hidden_states": f"generate_text returns no hidden states; {_FOR_GENERATE}",
+    "max_length": "generate_text's length is max_new_tokens (new tokens, not counting the prompt)",
+    "min_length": "generate_text counts new tokens: give min_new_tokens",
+}
+_HARMLESS = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1}  # values that change nothing
 
 
 def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
@@ -135,6 +151,8 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
             )
         if name in _OWN:
             raise ExpertcacheError(f"generate_text sets {name} itself; leave it out")
+        if name in _NOT_HERE and kwargs[name] not in (None, False, _HARMLESS.get(name)):
+            raise ExpertcacheError(f"{name}={kwargs[name]!r}: {_NOT_HERE[name]}")
         if name not in known:
             hint = did_you_mean(name, known | {"max_new_tokens"})
             raise ExpertcacheError(

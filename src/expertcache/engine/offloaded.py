@@ -127,6 +127,12 @@ class OffloadedModel:
     def generate(self, *args, **kwargs):
         """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise)."""
         self._open()
+        given = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if isinstance(given, str | list | tuple):
+            raise ExpertcacheError(
+                f"generate takes token ids (a tensor [batch, tokens], as transformers' generate), got "
+                f"{type(given).__name__}: give text to generate_text, or ids from encode()"
+            )
         kwargs.setdefault("do_sample", False)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)
@@ -157,6 +163,9 @@ class OffloadedModel:
         batch_size = whole_number(batch_size, "batch_size")
         true_or_false(chat, "chat")
         gen.check_generate_kwargs(kwargs, self.model)
+        least = kwargs.get("min_new_tokens")
+        if least is not None and whole_number(least, "min_new_tokens", 0) > max_new_tokens:
+            raise ExpertcacheError(f"min_new_tokens {least} is more than max_new_tokens {max_new_tokens}")
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise ExpertcacheError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         sampling = sampling or SamplingConfig()

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from expertcache.config import CHECKPOINT_DTYPES
 from expertcache.engine.families import FAMILIES, Shape
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.paths import as_umask_allows
+from expertcache.units import parse_size, whole_number
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _CHECKPOINT_FILES = (
@@ -77,6 +79,21 @@ def make_checkpoint(
 
     if family not in FAMILIES:
         raise ExpertcacheError(f"unsupported family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
+    sizes = dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k, intermediate=intermediate,
+                 heads=heads, max_positions=max_positions)  # fmt: skip
+    hidden, layers, experts, top_k, intermediate, heads, max_positions = (
+        whole_number(v, k) for k, v in sizes.items()
+    )
+    kv_heads = None if kv_heads is None else whole_number(kv_heads, "kv_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ExpertcacheError(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
+    seed = whole_number(seed, "seed", 0)
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ExpertcacheError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    if isinstance(max_shard_size, str):  # "500MB", as the command line takes it
+        max_shard_size = int(parse_size(max_shard_size, "max_shard_size"))
+    elif max_shard_size is not None:
+        max_shard_size = whole_number(max_shard_size, "max_shard_size")
     if hidden % heads:
         raise ExpertcacheError(f"hidden {hidden} is not a multiple of heads {heads}")
     if not 1 <= top_k <= experts:

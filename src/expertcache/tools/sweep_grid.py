@@ -18,6 +18,7 @@ from expertcache.policy.registry import parse_policy
 from expertcache.predict.registry import trace_readers
 from expertcache.sim.simulate import DEFAULT_POLICIES
 from expertcache.trace.default import DEFAULT_TRACE
+from expertcache.trace.trace import Trace
 from expertcache.units import capacity_items, parse_duration, parse_rate
 
 DEFAULT_CAPACITIES = tuple(f"{100 * i / 16:g}%" for i in range(1, 17))  # as `sim`: 16 even steps
@@ -101,7 +102,8 @@ class Grid:
     def __post_init__(self) -> None:
         for name in ("traces", "policies", "capacities", "orders", "seeds"):
             object.__setattr__(self, name, _items(getattr(self, name), name))
-        object.__setattr__(self, "traces", tuple(str(t) for t in self.traces))
+        names = (_trace_name(t, self.base) for t in self.traces)
+        object.__setattr__(self, "traces", tuple(dict.fromkeys(names)))
         for spec in self.policies:
             parse_policy(str(spec))
         for order in self.orders:
@@ -200,6 +202,22 @@ def _grid_loader():
     # and read in base 10: YAML 1.1's constructor takes a leading zero for octal (010 was 8)
     GridLoader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node), 10))
     return GridLoader
+
+
+def _trace_name(trace: object, base: str) -> str:
+    """A grid's trace as its file: a path, ``default``, or a ``Trace`` read from a ``.npz`` (its path; the
+    cells and their workers read it there). A trace made in memory is refused: save it first."""
+    if not isinstance(trace, Trace):
+        return str(trace)
+    source = Path(trace.source)
+    if source.suffix == ".npz" and source.is_file():
+        if source.resolve() == Path(DEFAULT_TRACE).resolve():
+            return "default"
+        return str(source if source.is_absolute() or base == "." else source.resolve())
+    raise ExpertcacheError(
+        f"a sweep reads its traces from files (each cell, in its own worker): {trace!r} is not one; "
+        "save it (trace.save('name.npz')) and give the path"
+    )
 
 
 def _items(value: object, name: str) -> tuple:
