@@ -351,6 +351,17 @@ def test_quality_command_refuses_a_bad_path_before_loading(capsys):
     assert "bits must be 8, 4 or 2" in capsys.readouterr().err
 
 
+def test_quality_api_refuses_an_unknown_reference_implementation_before_loading(monkeypatch):
+    import expertcache.engine
+    from expertcache.tools.quality import measure
+
+    monkeypatch.setattr(expertcache.engine, "load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(
+        ExpertcacheError, match=r"reference_implementation must be one of grouped_mm, eager, "
+    ):
+        measure(None, "fetch", reference_implementation="fast")
+
+
 @pytest.mark.parametrize("policy", ["lru", "hobbit"])
 def test_recorded_trace_replays_to_the_engine_counts(policy, quantized):
     path = quantized("mixtral")

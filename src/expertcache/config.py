@@ -23,6 +23,7 @@ RECORDED = "recorded"  # the timing model's replay of the predictions an engine 
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
 WHEN = ("always", "pays")  # prefetch in every step, or only while the governor measures that it pays
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # a random checkpoint's weights (model synth)
+REFERENCE_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")  # transformers' experts functions (quality)
 
 
 def _set(obj: object, **values: object) -> None:

@@ -22,7 +22,7 @@ from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
 from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
-from expertcache.config import CHECKPOINT_DTYPES, SERVE_BATCH_TOKENS
+from expertcache.config import CHECKPOINT_DTYPES, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
 from expertcache.policy.registry import (
@@ -536,7 +536,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--dtype", help="compute dtype of the model and the reference alike (default: each checkpoint's)"
     )
     ql.add_argument(
-        "--reference", choices=["auto", "grouped_mm", "eager", "batched_mm"], default="auto",
+        "--reference", choices=["auto", *REFERENCE_IMPLEMENTATIONS], default="auto",
         help="transformers' experts implementation compared against (default auto: the one the kernel is "
         "exact against; grouped_mm for compiled)",
     )  # fmt: skip

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from expertcache.config import REFERENCE_IMPLEMENTATIONS
 from expertcache.errors import ExpertcacheError, option, say_notes
 from expertcache.units import whole_number
 
@@ -128,6 +129,11 @@ def measure(
     from expertcache.engine import load
 
     tokens = whole_number(tokens, option("--tokens", "tokens"), 2)
+    if reference_implementation not in (None, *REFERENCE_IMPLEMENTATIONS):
+        raise ExpertcacheError(
+            f"reference_implementation must be one of {', '.join(REFERENCE_IMPLEMENTATIONS)} (transformers' "
+            f"experts implementations) or None, got {reference_implementation!r}"
+        )
     when = None if prefetch == "none" else prefetch_when
     pf = PrefetchConfig(prefetch, when=when, deterministic=when != "pays")
     model = load(
