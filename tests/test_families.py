@@ -530,6 +530,7 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
         (dict(dtype="fp8"), "dtype must be one of float32, bfloat16, float16, got 'fp8'"),
         (dict(seed=-1), "seed must be at least 0, got -1"),
         (dict(max_shard_size="5 parsecs"), "max_shard_size '5 parsecs' is not a size"),
+        (dict(max_shard_size="1.5GB"), "max_shard_size '1.5GB' is not a size"),
     ):  # the Python API's own checks (``model synth`` parses its flags before): one line, nothing written
         with pytest.raises(ExpertcacheError, match=re.escape(needle)):
             make_checkpoint(tmp_path / "bad", "mixtral", **kwargs)

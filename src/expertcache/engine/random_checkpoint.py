@@ -17,7 +17,7 @@ from expertcache.config import CHECKPOINT_DTYPES
 from expertcache.engine.families import FAMILIES, Shape
 from expertcache.errors import ExpertcacheError, first_line
 from expertcache.paths import as_umask_allows
-from expertcache.units import parse_size, whole_number
+from expertcache.units import whole_number
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _CHECKPOINT_FILES = (
@@ -90,8 +90,15 @@ def make_checkpoint(
     seed = whole_number(seed, "seed", 0)
     if dtype not in CHECKPOINT_DTYPES:
         raise ExpertcacheError(f"dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
-    if isinstance(max_shard_size, str):  # "500MB", as the command line takes it
-        max_shard_size = int(parse_size(max_shard_size, "max_shard_size"))
+    if isinstance(max_shard_size, str):  # "500MB": transformers' spelling, which save_pretrained reads
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            convert_file_size_to_int(max_shard_size)
+        except ValueError:
+            raise ExpertcacheError(
+                f"max_shard_size {max_shard_size!r} is not a size (a whole number and a unit: 500MB, 2GiB)"
+            ) from None
     elif max_shard_size is not None:
         max_shard_size = whole_number(max_shard_size, "max_shard_size")
     if hidden % heads:
