@@ -4,6 +4,7 @@ useful reprs, and a closed model that says so."""
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -112,6 +113,37 @@ def test_cost_model_fields_take_units_as_its_json_does():
         CostModel(link_bandwidth="fast")
     with pytest.raises(ExpertcacheError, match="a positive rate .* got None"):
         CostModel(link_bandwidth=None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        (
+            "link_bandwidth",
+            16,
+            '16 would be 16 bytes a second; a bare number is bytes a second, so give the unit ("16GB/s")',
+        ),
+        (
+            "link_latency",
+            5,
+            '5 would be 5 s; a bare number is seconds, so give the unit ("5us", "5ms", or "5s"',
+        ),
+        ("dense_s", [0.001, 2], "'dense_s': 2 would be 2 s"),
+    ],
+)
+def test_a_cost_files_bare_number_far_from_any_machine_is_refused_not_read_in_base_units(
+    tmp_path, capsys, field, value, needle
+):
+    """A new user wrote ``{"link_bandwidth": 16}`` and got a link of 16 B/s and experts of 2e10 ms."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({field: value}))
+    with pytest.raises(ExpertcacheError, match=re.escape(needle)):
+        CostModel.load(path)
+    with pytest.raises(ExpertcacheError, match=re.escape(needle)):
+        ec.simulate_timing(ec.default_trace(), 24, cost={field: value})
+    assert main(["timing", "--cost", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"expertcache: error: {path}: cost field")
+    assert CostModel.from_dict({"link_bandwidth": 16e9, "link_latency": 5e-6, "step_s": "2s"}).step_s == 2.0
 
 
 def test_a_replay_of_a_prefetching_run_warns_in_python_and_notes_on_the_command_line(trace, tmp_path, capsys):

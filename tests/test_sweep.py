@@ -513,6 +513,15 @@ def test_an_existing_results_file_is_resumed_or_replaced_never_overwritten(tmp_p
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     code, _, err = run(capsys, *argv[:-1], str(tmp_path / "other.csv"), "--resume")
     assert code == 2 and "not this sweep's results (its header lacks trace" in err
+    # a file that is not a sweep's is neither cut nor replaced, with or without --resume (a new user's
+    # notes lost their last line, or all of it, where it held a line or two)
+    for i, text in enumerate(("name,score\nalice,1\nbob,2", "name,score\nbob,2", "name,score\n", "notes")):
+        other = tmp_path / f"other{i}.csv"
+        other.write_text(text)
+        for more in ((), ("--resume",)):
+            code, _, err = run(capsys, *argv[:-1], str(other), *more)
+            assert code == 2 and other.read_text() == text
+            assert ("not this sweep's results" if more else "results exist; --resume") in err
 
 
 def test_resume_runs_only_the_missing_cells_and_ends_with_the_same_table(tmp_path, monkeypatch, traces):

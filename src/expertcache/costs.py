@@ -402,12 +402,32 @@ def _parse_field(name: str, value: object) -> object:
             raise ExpertcacheError(f"{what}: expected a whole number of bytes, got {value!r}")
         return int(size)
     if isinstance(value, int | float):
-        return float(value)
+        return _plausible(what, name, float(value))
     if not isinstance(value, str):
         raise ExpertcacheError(f"{what}: expected a number or a string with a unit, got {value!r}")
     if name != "link_bandwidth":
         return parse_duration(value, what)
     return parse_rate(value, what)
+
+
+# a bare number is in base units (seconds, bytes a second), as ``profile`` writes them; one far outside
+# what a machine measures was most likely meant in another unit (16 for 16 GB/s, 5 for 5 us): refused
+_BARE_LONGEST_S = 1.0
+_BARE_SLOWEST_RATE = 1e6
+
+
+def _plausible(what: str, name: str, value: float) -> float:
+    if name == "link_bandwidth" and 0 < value < _BARE_SLOWEST_RATE:
+        raise ExpertcacheError(
+            f'{what}: {value:g} would be {value:g} bytes a second; a bare number is bytes a second, so give '
+            f'the unit ("{value:g}GB/s")'
+        )
+    if name != "link_bandwidth" and value >= _BARE_LONGEST_S:
+        raise ExpertcacheError(
+            f'{what}: {value:g} would be {value:g} s; a bare number is seconds, so give the unit '
+            f'("{value:g}us", "{value:g}ms", or "{value:g}s" if it is)'
+        )
+    return value
 
 
 def quantized_bytes(nbytes: int, bits: int, base_bits: int = 16, group: int = 64) -> int:

@@ -107,13 +107,19 @@ class Results:
     def existing(self) -> list[Path]:
         """The files a run before this one left that hold rows (an empty file, or a CSV of its header alone,
         which a sweep that failed before its first row leaves, holds nothing to lose)."""
-        return [
-            p
-            for p in dict.fromkeys((self.path, self.journal))
-            if p.is_file()
-            and p.stat().st_size
-            and not (p.suffix.lower() == ".csv" and len(_complete_lines(p)) <= 1)
-        ]
+        paths = dict.fromkeys((self.path, self.journal))
+        return [p for p in paths if p.is_file() and not self._nothing_in(p)]
+
+    def _nothing_in(self, path: Path) -> bool:
+        """An empty file, or a CSV holding this table's header (or the start of it) and nothing else."""
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ExpertcacheError(f"{path}: cannot read the results ({e.strerror or e})") from None
+        if not data:
+            return True
+        header = (",".join(self.names) + "\n").encode()
+        return path.suffix.lower() == ".csv" and header.startswith(data)
 
     def start(self, resume: bool, force: bool) -> list[dict[str, object]]:
         """Rows already there (with ``resume``), the journal opened for appending. Existing results are
@@ -131,6 +137,8 @@ class Results:
                 read = self._read(path)
                 self.read_from.update((identity(r, timing), path) for r in read)
                 rows += read
+            if self.journal in there:  # every file read as this sweep's: appending goes on after the
+                _cut_to_whole_lines(self.journal)  # last whole line (a killed sweep's cut one dropped)
         else:
             for path in there:
                 path.unlink()
@@ -262,20 +270,25 @@ def _value(v: object, kind: str) -> object:
 
 
 def _complete_lines(path: Path) -> list[str]:
-    """The file's lines but a last one cut short (a sweep killed while writing it); the file is cut
-    back to its last whole line, so that appending goes on from there."""
+    """The file's lines but a last one cut short (a sweep killed while writing it). The file is left as
+    it is: only once it reads as this sweep's is it cut back (``_cut_to_whole_lines``)."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ExpertcacheError(f"{path}: cannot read the results ({e.strerror or e})") from None
     whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(whole))
     try:
         return whole.decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise ExpertcacheError(f"{path}: not a results file (not UTF-8 text)") from None
+
+
+def _cut_to_whole_lines(path: Path) -> None:
+    data = path.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(whole)
 
 
 def _other_columns(path: Path, got: Sequence[str], want: Sequence[str], where: str = "its header") -> str:
