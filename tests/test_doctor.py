@@ -10,7 +10,7 @@ import pytest
 
 from expertcache.cli import main
 from expertcache.errors import ExpertcacheError
-from expertcache.sim.doctor import LOCAL_SRP, diagnose, knee, sch, srp, window_counts
+from expertcache.sim.doctor import LOCAL_SRP, diagnose, format_diagnosis, knee, sch, srp, window_counts
 from expertcache.trace import Trace, synthesize
 
 
@@ -125,3 +125,32 @@ def test_the_shared_qwen_trace_is_not_local():
     # local" (test_verdicts_on_traces_whose_answer_is_known runs that on traces whose answer is known)
     consistency = srp(window_counts(trace, 16), 16)
     assert 0.25 < consistency["srp"] < 0.4 and consistency["srp"] < LOCAL_SRP
+
+
+def test_a_layer_without_a_known_expert_reads_as_none_and_a_trace_without_any_is_refused(tmp_path, capsys):
+    """A new user's traces with -1 in every entry of a layer (or of all) were read as entropy 0, reuse 0,
+    SRP 0 ("a cache gains little there"), a miss ratio of 0 for 0 requests, and a ZeroDivisionError."""
+    base = synthesize("sticky", tokens=200, layers=3, experts=8, top_k=2, seed=0)
+    part = base.experts.copy()
+    part[:, 1] = -1
+    path = tmp_path / "part.npz"
+    Trace(part, 8).save(path)
+    assert main(["trace", "info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["entropy_bits"][1] is None and info["reuse"][1] is None
+    assert None not in (info["entropy_bits"][0], info["reuse"][2])
+    assert info["mean_entropy_bits"] == pytest.approx((info["entropy_bits"][0] + info["entropy_bits"][2]) / 2)
+    assert main(["trace", "info", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "    1        -      -" in out and "-: a layer without a known expert" in err
+    r = diagnose(path, 6)
+    assert r["consistency"]["per_layer"][1] is None and "per layer" in format_diagnosis(r)
+    assert not any("not in layer(s) 1 " in v for v in r["verdict"])
+    none = np.full_like(base.experts, -1)
+    Trace(none, 8).save(tmp_path / "none.npz")
+    for argv in (["sim", "--policy", "lru", "--capacity", "4"], ["doctor", "--trace"], ["timing", "--trace"]):
+        at = len(argv) if argv[-1] == "--trace" else 1
+        assert main([*argv[:at], str(tmp_path / "none.npz"), *argv[at:]]) == 2
+        assert capsys.readouterr().err.endswith(
+            "none.npz: every entry is unknown (-1): no expert to replay\n"
+        )

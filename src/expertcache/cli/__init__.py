@@ -1467,11 +1467,17 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
         if "mean_step_requests" in st:
             print(f"requests    {st['mean_step_requests']:.1f} served together a step on average (at most "
                   f"{st['max_step_requests']})")  # fmt: skip
-    print(f"entropy     mean {info['mean_entropy_bits']:.3f} bits of {info['max_entropy_bits']:.3f}")
-    print(f"reuse       mean {info['mean_reuse']:.3f} of a token's experts were used by the previous token")
+    def num(v: float | None, width: int) -> str:  # a layer without known entries: "-"
+        return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
+
+    print(f"entropy     mean {num(info['mean_entropy_bits'], 0)} bits of {info['max_entropy_bits']:.3f}")
+    reuse = num(info["mean_reuse"], 0)
+    print(f"reuse       mean {reuse} of a token's experts were used by the previous token")
     print("layer  entropy  reuse")
     for layer, (h, r) in enumerate(zip(info["entropy_bits"], info["reuse"], strict=True)):
-        print(f"{layer:5d}  {h:7.3f}  {r:5.3f}")
+        print(f"{layer:5d}  {num(h, 7)}  {num(r, 5)}")
+    if any(h is None for h in info["entropy_bits"]):
+        print("-: a layer without a known expert (the trace's -1 entries)", file=sys.stderr)
     return 0
 
 

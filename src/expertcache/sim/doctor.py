@@ -92,8 +92,11 @@ def srp(counts: np.ndarray, m: int) -> dict[str, object]:
         "m": m,
         "srp": overall,
         "alpha": overall_t / m,
-        "per_layer": best_f1.tolist(),
-        "per_layer_alpha": (best_t / m).tolist(),
+        # a layer without a known expert (the trace's -1 entries) has no SRP: None, printed "-"
+        "per_layer": [None if n == 0 else f for f, n in zip(best_f1.tolist(), total.tolist(), strict=True)],
+        "per_layer_alpha": [
+            None if n == 0 else a for a, n in zip((best_t / m).tolist(), total.tolist(), strict=True)
+        ],  # fmt: skip
     }
 
 
@@ -143,7 +146,7 @@ def diagnose(
 def _diagnose(
     trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs
 ) -> dict[str, object]:
-    trace = as_trace(trace)
+    trace = as_trace(trace, replay=True)
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     if isinstance(misses, str):
         misses = (misses,)
@@ -344,7 +347,9 @@ def verdict(r: dict[str, object]) -> list[str]:
     else:
         out.append(f"routing is local (SRP({m}) = {srp_m:.3f}): a cache can exploit it")
         per = r["consistency"]["per_layer"]
-        low = [i for i, x in enumerate(per) if x < LOCAL_SRP and x < 0.8 * srp_m]  # well below the rest
+        low = [
+            i for i, x in enumerate(per) if x is not None and x < LOCAL_SRP and x < 0.8 * srp_m
+        ]  # well below
         if low:
             shown = ", ".join(f"{i} ({per[i]:.2f})" for i in low[:8]) + (" ..." if len(low) > 8 else "")
             out.append(
@@ -447,7 +452,7 @@ def format_diagnosis(r: dict[str, object]) -> str:
         f"budget       {r['capacity']} experts ({100 * r['capacity_share']:.0f} %), "
         f"{r['capacity_per_layer_in_active']:.1f}x the active per layer",
         f"{'SRP(' + str(c['m']) + ')':13}{c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "
-        + " ".join(f"{x:.2f}" for x in c["per_layer"]),
+        + " ".join("-" if x is None else f"{x:.2f}" for x in c["per_layer"]),
         f"{'SCH(' + str(c['m']) + ', C)':13}{sch_txt}",
         f"miss ratio   LRU {r['lru_miss_ratio']:.3f} | OPT {r['opt_miss_ratio']:.3f}",
         f"predictors   accuracy {pred or '-'}",

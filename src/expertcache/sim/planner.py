@@ -325,7 +325,7 @@ def make_plan(
     its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name. ``jobs``:
     worker processes that run the candidates side by side first (``sim.timing.warm_runs``; the same
     plan)."""
-    trace = as_trace(trace)
+    trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     misses, prefetches, host_policies = (

@@ -38,7 +38,7 @@ def simulate(
     policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
     given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
-    trace = as_trace(trace)
+    trace = as_trace(trace, replay=True)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
     jobs = whole_number(jobs, "jobs")

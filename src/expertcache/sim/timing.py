@@ -222,7 +222,7 @@ def _canonical(
     trace, capacity, cache, prefetch, miss, cost, predictor_trace, capacities, host, host_capacity
 ):
     """``run_timing``'s arguments in one spelling each (its traces loaded, configs and costs made)."""
-    trace = as_trace(trace)
+    trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)

@@ -44,7 +44,7 @@ from expertcache.sim import fast
 from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
-from expertcache.trace.trace import Trace, load_trace
+from expertcache.trace.trace import Trace, check_replayable, load_trace
 from expertcache.units import true_or_false
 from expertcache.workers import exit_with_parent
 
@@ -147,7 +147,7 @@ def _load_traces(grid: Grid, log: Log | None) -> list[_Loaded]:
     for name in grid.traces:
         path = grid.trace_path(name)
         try:
-            trace = load_trace(path)
+            trace = check_replayable(load_trace(path))
         except ExpertcacheError as e:
             if grid.source is None or name == "default":
                 raise

@@ -8,10 +8,11 @@ from expertcache.trace.trace import Trace, as_trace
 
 
 def layer_entropy(trace: Trace) -> np.ndarray:
-    """Entropy in bits of each layer's expert-usage distribution. -> [L]"""
+    """Entropy in bits of each layer's expert-usage distribution (NaN for a layer with no known
+    entry). -> [L]"""
     L, E = trace.num_layers, trace.num_experts
     ex = trace.experts.transpose(1, 0, 2).reshape(L, -1)  # [L, T*K]
-    out = np.zeros(L)
+    out = np.full(L, np.nan)
     for layer in range(L):
         ids = ex[layer][ex[layer] >= 0]
         if ids.size:
@@ -22,7 +23,8 @@ def layer_entropy(trace: Trace) -> np.ndarray:
 
 
 def reuse_between_tokens(trace: Trace) -> np.ndarray:
-    """Per layer: fraction of a token's experts the previous token of its sequence also used. -> [L]"""
+    """Per layer: fraction of a token's experts the previous token of its sequence also used (NaN for a
+    layer with no known entry after a token of its sequence). -> [L]"""
     ex = trace.experts.astype(np.int32)
     same_seq = np.ones(len(ex) - 1, dtype=bool)
     if trace.seq_id is not None:  # each request's tokens in order (a batched trace interleaves them)
@@ -34,7 +36,7 @@ def reuse_between_tokens(trace: Trace) -> np.ndarray:
     known = cur >= 0
     hit = (cur[:, :, :, None] == prev[:, :, None, :]).any(axis=3) & known  # [T', L, K]
     denom = known.sum(axis=(0, 2))
-    return np.divide(hit.sum(axis=(0, 2)), denom, out=np.zeros(trace.num_layers), where=denom > 0)
+    return np.divide(hit.sum(axis=(0, 2)), denom, out=np.full(trace.num_layers, np.nan), where=denom > 0)
 
 
 def step_shape(trace: Trace) -> dict[str, float | int] | None:
@@ -85,8 +87,19 @@ def summary(trace: Trace) -> dict[str, object]:
         "unknown_entries": int((trace.experts < 0).sum()),
         "step_shape": step_shape(trace),
         "max_entropy_bits": float(np.log2(trace.num_experts)),
-        "entropy_bits": ent.round(4).tolist(),
-        "mean_entropy_bits": float(ent.mean()),
-        "reuse": reuse.round(4).tolist(),
-        "mean_reuse": float(reuse.mean()),
+        "entropy_bits": _or_none(ent.round(4)),
+        "mean_entropy_bits": _mean_or_none(ent),
+        "reuse": _or_none(reuse.round(4)),
+        "mean_reuse": _mean_or_none(reuse),
     }
+
+
+def _or_none(values: np.ndarray) -> list[float | None]:
+    """A layer without the data (NaN) as None: JSON's null, printed "-"."""
+    return [None if np.isnan(v) else float(v) for v in values]
+
+
+def _mean_or_none(values: np.ndarray) -> float | None:
+    """The mean over the layers that have the data; None where none has."""
+    known = values[~np.isnan(values)]
+    return float(known.mean()) if known.size else None

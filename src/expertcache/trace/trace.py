@@ -131,13 +131,23 @@ def check_save_path(path: object) -> None:
         raise TraceError(f"a trace is saved to a path (.npz), got {type(path).__name__} {path!r}")
 
 
-def as_trace(trace: Trace | str | Path, what: str = "trace") -> Trace:
-    """``trace`` itself, or the trace file it names (``load_trace``): what the API's functions take."""
+def as_trace(trace: Trace | str | Path, what: str = "trace", replay: bool = False) -> Trace:
+    """``trace`` itself, or the trace file it names (``load_trace``): what the API's functions take.
+    ``replay``: a trace to replay, which must hold a known expert (``check_replayable``)."""
     if isinstance(trace, Trace):
-        return trace
-    if isinstance(trace, str | os.PathLike):
-        return load_trace(trace)
-    raise TraceError(f"{what}: a Trace or a trace file's path (.npz), got {type(trace).__name__}")
+        got = trace
+    elif isinstance(trace, str | os.PathLike):
+        got = load_trace(trace)
+    else:
+        raise TraceError(f"{what}: a Trace or a trace file's path (.npz), got {type(trace).__name__}")
+    return check_replayable(got) if replay else got
+
+
+def check_replayable(trace: Trace) -> Trace:
+    """A trace whose every entry is unknown (-1) has nothing to replay: its zero misses are no result."""
+    if not (trace.experts >= 0).any():
+        raise TraceError(f"{trace.source}: every entry is unknown (-1): no expert to replay")
+    return trace
 
 
 def load_trace(path: str | Path) -> Trace:
