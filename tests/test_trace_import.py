@@ -65,6 +65,15 @@ def test_jsonl_with_requests_a_header_and_a_profiling_run(tmp_path):
     assert kept.num_tokens == 9 and notes == []
 
 
+def test_an_expert_only_the_left_out_profiling_rows_name_still_counts(tmp_path):
+    """A new user's log: the profiling pass routes to expert 9, the kept rows to 1..4; E was 5."""
+    path = tmp_path / "r.csv"
+    path.write_text("token_idx,layer,topk_ids\n0,0,5 9\n1,0,5 9\n0,0,1 2\n1,0,3 4\n")
+    trace, notes = import_trace(path)
+    assert notes and "profiling" in notes[0]
+    assert trace.num_experts == 10 and trace.experts[:, 0].tolist() == [[1, 2], [3, 4]]
+
+
 def test_jsonl_without_request_ids_splits_where_token_idx_goes_back(tmp_path):
     # a dummy run routes every token alike: left out; then two requests, told apart by token_idx
     dummy = [{"token_idx": t, "layer": layer, "topk_ids": [0, 1]} for t in range(3) for layer in range(2)]

@@ -147,7 +147,9 @@ class _Rows:
             wt[(ex < 0)] = np.nan  # unknown entries: any weight (read as 0)
         if ex.max() > np.iinfo(np.int16).max or ex.min() < -1:
             raise TraceError(f"{self.source}: expert ids outside 0..32767")
-        need = int(ex.max()) + 1
+        # the largest id of every record read, the left-out profiling ones too: an expert the model has
+        # is one of its experts, whether the kept rows route to it or not (shares and "all" count them)
+        need = max(int(ex.max()), max(max(v[0], default=-1) for v in self.routes.values())) + 1
         if num_experts is None:
             num_experts = int(self.meta.get("num_experts") or need)
         if need > num_experts:

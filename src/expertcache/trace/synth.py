@@ -84,14 +84,14 @@ def sticky(
     return _finish(ex, experts, sequences, prompt_len, meta)
 
 
-def cyclic(tokens: int = 1_000, layers: int = 4, experts: int = 2, seed: int = 0) -> Trace:
+def cyclic(tokens: int = 1_000, layers: int = 4, experts: int = 2) -> Trace:
     """The LLRU paper Thm 3.3: round i requests expert (i mod E) of every layer (K = 1)."""
     _check_shape(tokens, layers, experts, 1)
     ex = np.broadcast_to((np.arange(tokens) % experts)[:, None, None], (tokens, layers, 1))
     return _finish(ex.copy(), experts, 1, 0, {"generator": "cyclic"})
 
 
-def partition(tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int = 0, seed: int = 0) -> Trace:
+def partition(tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int = 0) -> Trace:
     """The LLRU paper Thm 3.1: one layer cycles through all its experts, every other layer uses expert 0."""
     _check_shape(tokens, layers, experts, 1)
     if not 0 <= layer < layers:
