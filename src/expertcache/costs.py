@@ -419,12 +419,12 @@ _BARE_SLOWEST_RATE = 1e6
 def _plausible(what: str, name: str, value: float) -> float:
     if name == "link_bandwidth" and 0 < value < _BARE_SLOWEST_RATE:
         raise ExpertcacheError(
-            f'{what}: {value:g} would be {value:g} bytes a second; a bare number is bytes a second, so give '
+            f"{what}: {value:g} would be {value:g} bytes a second; a bare number is bytes a second, so give "
             f'the unit ("{value:g}GB/s")'
         )
     if name != "link_bandwidth" and value >= _BARE_LONGEST_S:
         raise ExpertcacheError(
-            f'{what}: {value:g} would be {value:g} s; a bare number is seconds, so give the unit '
+            f"{what}: {value:g} would be {value:g} s; a bare number is seconds, so give the unit "
             f'("{value:g}us", "{value:g}ms", or "{value:g}s" if it is)'
         )
     return value

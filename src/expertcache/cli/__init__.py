@@ -1467,6 +1467,7 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
         if "mean_step_requests" in st:
             print(f"requests    {st['mean_step_requests']:.1f} served together a step on average (at most "
                   f"{st['max_step_requests']})")  # fmt: skip
+
     def num(v: float | None, width: int) -> str:  # a layer without known entries: "-"
         return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
 
