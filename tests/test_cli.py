@@ -108,9 +108,23 @@ def test_sim_capacity_shares(capsys, trace_file):
         ("101%", "a share is in"),
         ("1%", "below one expert"),
         ("a%", "not a share"),
+        ("4%", "capacity 4% (1 expert of 32) is below top-k 2"),  # the share said in experts
     ):
         code, _, err = run(capsys, "sim", str(trace_file), "--policy", "lru", "--capacity", bad)
         assert code == 2 and why in err and len(err.strip().splitlines()) == 1
+
+
+def test_sim_s_default_capacities_start_at_top_k_and_a_range_s_lower_ones_are_left_out_and_said(
+    capsys, tmp_path
+):
+    """On a trace of 2 layers x 10 experts, top-2, the default range began at 1 and the run was refused."""
+    path = tmp_path / "small.npz"
+    synthesize("uniform", tokens=100, layers=2, experts=10, top_k=2, seed=0).save(path)
+    code, out, _ = run(capsys, "sim", str(path), "--policy", "lru", "--json")
+    assert code == 0 and [r["capacity"] for r in json.loads(out)] == list(range(2, 21))
+    code, out, err = run(capsys, "sim", str(path), "--policy", "lru", "--capacity", "1:9:4", "--json")
+    assert code == 0 and [r["capacity"] for r in json.loads(out)] == [5, 9]
+    assert "note: capacity 1:9:4: left out 1 (below top-k 2)" in err
 
 
 def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):

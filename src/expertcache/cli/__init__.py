@@ -611,7 +611,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         trace = _trace(args.trace)
     keys = trace.num_layers * trace.num_experts
     step = max(1, keys // DEFAULT_STEPS)
-    caps = _capacities(args.capacity or [f"{step}:{keys}:{step}"], trace, args.order)
+    start = step * -(-min_room(args.order, trace.top_k) // step)  # the default range's first that fits
+    caps = _capacities(args.capacity or [f"{start}:{keys}:{step}"], trace, args.order)
     policies = args.policy or DEFAULT_POLICIES
     _check_jobs(args)
     for c in caps:
@@ -1427,17 +1428,32 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
     """``sim --capacity``: items of ``units.capacity_items``' grammar, ``all`` from the least the layer
     order allows; a whole number above all experts is capped, with a note."""
     total = trace.num_layers * trace.num_experts
+    room = min_room(order, trace.top_k)
+    why = f"in layer order a token's {trace.top_k} experts of a layer must be resident together"
     caps: list[int] = []
     for item in items:
-        got = capacity_items(item, total, min_room(order, trace.top_k))
+        got = capacity_items(item, total, room)
         if any(isinstance(n, str) for n in got):
             raise ExpertcacheError(f"capacity {item!r} is below one expert of {total}")
-        if len(got) == 1 and got[0] > total:
-            print(
-                f"note: a cache of {got[0]} experts is more than all {total}; capped at {total}",
-                file=sys.stderr,
-            )
-            got = [total]
+        if ":" not in str(item) and str(item) != "all":  # one capacity: a count or a share
+            n = got[0]
+            if n > total:
+                print(
+                    f"note: a cache of {n} experts is more than all {total}; capped at {total}",
+                    file=sys.stderr,
+                )
+                got = [total]
+            elif n < room:
+                said = "" if str(item) == str(n) else f" ({n} expert{'s' if n != 1 else ''} of {total})"
+                raise ExpertcacheError(f"capacity {item}{said} is below top-k {trace.top_k}: {why}")
+        else:  # a range (or all): what it holds beyond the trace's bounds is left out, and said
+            out = [n for n in got if not room <= n <= total]
+            if out:
+                bound = f"below top-k {trace.top_k}" if out[0] < room else f"above all {total} experts"
+                print(
+                    f"note: capacity {item}: left out {', '.join(map(str, out))} ({bound})", file=sys.stderr
+                )
+            got = [n for n in got if room <= n <= total]
         caps += got
     if not caps:
         raise ExpertcacheError(f"capacity {' '.join(items)} selects no capacity")
