@@ -200,7 +200,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--policy", "opt"], "needs the future"),
         ([*plan_at, "16", "--policy", "eam"], "-dist form and no parameters"),
         ([*plan_at, "16", "-o", str(tmp_path / "no" / "p.json")], "does not exist"),
-        ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "--dense-time has 2 times for a"),
+        ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s) has 2 times for a"),
         ([*plan_at, "16", "--jobs", "-1"], "--jobs must be at least 1, got -1"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
         (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),

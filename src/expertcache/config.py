@@ -144,7 +144,8 @@ class PrefetchConfig:
             raise ExpertcacheError(f"prefetch when {self.when!r} is not one of: {', '.join(WHEN)}")
         if when is not None and name == "none":
             raise ExpertcacheError(
-                f"prefetch when {when!r} needs a predictor: {option('--prefetch ', 'prefetch=')}NAME or auto"
+                f"prefetch when {when!r} needs a predictor: {option('--prefetch ', 'prefetch=')}NAME (or, in "
+                "the engine, auto)"
             )
         if self.deterministic and when == "pays":
             raise ExpertcacheError(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError, first_line
+from expertcache.errors import ExpertcacheError, first_line, option
 from expertcache.paths import not_json_kind, write_output
 from expertcache.units import parse_duration, parse_rate, parse_size
 
@@ -428,6 +428,16 @@ def _plausible(what: str, name: str, value: float) -> float:
             f'("{value:g}us", "{value:g}ms", or "{value:g}s" if it is)'
         )
     return value
+
+
+def check_dense_layers(cost: CostModel, layers: int) -> None:
+    """Per-layer dense times are one a layer of the model: one line naming where they came from."""
+    if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != layers:
+        given = option("--dense-time (or a cost file's dense_s)", "the cost's dense_s")
+        raise ExpertcacheError(
+            f"cost: {given} has {len(cost.dense_s)} times for a model of {layers} layers (give one for all "
+            "layers, or one per layer)"
+        )
 
 
 def quantized_bytes(nbytes: int, bits: int, base_bits: int = 16, group: int = 64) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.costs import CostModel, as_cost
+from expertcache.costs import CostModel, as_cost, check_dense_layers
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import parse_miss
 from expertcache.plan import Plan
@@ -406,11 +406,7 @@ def make_plan(
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
     if methods is None:
         methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
-    if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != trace.num_layers:
-        raise ExpertcacheError(
-            f"cost: {option('--dense-time', 'dense_s')} has {len(cost.dense_s)} times for a model of "
-            f"{trace.num_layers} layers (give one for all layers, or one per layer)"
-        )
+    check_dense_layers(cost, trace.num_layers)
     if objective not in OBJECTIVES:
         raise ExpertcacheError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     unknown = [m for m in methods if m not in METHODS]

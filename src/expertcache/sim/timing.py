@@ -32,7 +32,7 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig, as_config
-from expertcache.costs import AUTO, CostModel, as_cost, quantized_bytes
+from expertcache.costs import AUTO, CostModel, as_cost, check_dense_layers, quantized_bytes
 from expertcache.errors import ExpertcacheError, did_you_mean, option, warn_notes
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
 from expertcache.miss.registry import miss_class
@@ -321,11 +321,7 @@ def _run_timing(
     if unchunked:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    if isinstance(cost.dense_s, tuple) and len(cost.dense_s) != L:
-        raise ExpertcacheError(
-            f"cost: {option('--dense-time', 'dense_s')} has {len(cost.dense_s)} times for a model of {L} "
-            "layers (give one for all layers, or one per layer)"
-        )
+    check_dense_layers(cost, L)
     check_capacity(capacity, "layer", K)
     capped = []
     if capacity > L * E and not capacities:  # as the engine caps an expert memory beyond every expert

@@ -45,7 +45,7 @@ from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
 from expertcache.trace.trace import Trace, check_replayable, load_trace
-from expertcache.units import true_or_false
+from expertcache.units import true_or_false, whole_number
 from expertcache.workers import exit_with_parent
 
 __all__ = ["Grid", "Timing", "exit_with_parent", "sweep"]
@@ -604,8 +604,7 @@ def sweep(
         grid.timing.check_used()
     for name, value in (("resume", resume), ("force", force), ("progress", progress), ("quiet", quiet)):
         true_or_false(value, name)
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ExpertcacheError(f"jobs must be at least 1, got {jobs!r}")
+    jobs = whole_number(jobs, "jobs")
     if resume and out is None:
         raise ExpertcacheError("resuming reads the results file: give it (--out FILE; out=FILE)")
     if force and out is None:  # nothing to replace: the rows go to the caller (standard output)
