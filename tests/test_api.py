@@ -103,6 +103,10 @@ def test_wrong_types_are_expertcache_errors(trace):
         ec.simulate(trace, [3], [24])
     with pytest.raises(ExpertcacheError, match="seed must be a whole number, got 'a'"):
         ec.simulate(trace, ["random"], [24], seed="a")
+    with pytest.raises(ExpertcacheError, match="seed must be at least 0, got -1"):  # it drew as 1 does
+        ec.simulate(trace, ["random"], [24], seed=-1)
+    random = ec.simulate(trace, ["random", "lru"], [24], seed=3)  # a random run's seed is in its row
+    assert [r.to_dict()["seed"] for r in random] == [3, None]
 
 
 def test_cost_model_fields_take_units_as_its_json_does():

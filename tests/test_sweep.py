@@ -125,7 +125,7 @@ def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_
         ("g.yaml", "capacities: [120%]\n", "g.yaml: capacity '120%': a share is in (0%, 100%]"),
         ("g.yaml", "capacities: [{a: 1}]\n", "g.yaml: 'capacities' takes a value or a list of values"),
         ("g.yaml", "orders: [zigzag]\n", "g.yaml: order 'zigzag' is not one of layer, flat, rounds"),
-        ("g.yaml", "seeds: [a]\n", "g.yaml: seed 'a' is not an integer"),
+        ("g.yaml", "seeds: [a]\n", "g.yaml: seed 'a' is not a whole number of at least 0"),
         ("g.yaml", "policies: []\n", "g.yaml: 'policies' is empty"),
         ("g.yaml", "timing: {miss: [nope]}\n", "g.yaml: unknown miss path 'nope'"),
         ("g.yaml", "timing: {links: [1]}\n", "g.yaml: unknown key 'links' in timing"),

@@ -63,6 +63,8 @@ class PolicyContext:
             object.__setattr__(self, name, int(value))
         if self.capacity < 1:
             raise PolicyError(f"capacity must be at least 1 expert, got {self.capacity}")
+        if self.seed < 0:  # Python's random draws the same for -1 as for 1: two seeds, one run
+            raise PolicyError(f"seed must be at least 0, got {self.seed}")
         if self.num_layers < 1 or self.num_experts < 1:
             raise PolicyError("num_layers and num_experts must be at least 1")
         if not 1 <= self.top_k <= self.num_experts:

@@ -9,7 +9,7 @@ import numpy as np
 
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError
-from expertcache.policy.registry import capacity_reason, min_capacity
+from expertcache.policy.registry import capacity_reason, min_capacity, policy_class
 from expertcache.sim.replay import SimResult, check_schedule, replay
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
@@ -95,6 +95,9 @@ def run_policy(
     compiled = compiled and fast.available() and fast.supports(name, params)
     for r in (_fast_all if compiled else _replay_all)(schedule, name, todo, seed, params, jobs):
         done[r.capacity] = r
+    if policy_class(name).seeded:  # the run repeats from its row: the seed it drew with
+        for r in done.values():
+            r.seed = seed
     return [done[c] for c in capacities]
 
 

@@ -337,8 +337,7 @@ def make_plan(
         if given is not None and not len(given):
             raise ExpertcacheError(f"{what} is empty: name one at least (or leave it out for the default)")
     cost = as_cost(cost, trace)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    seed = whole_number(seed, option("--seed", "seed"), 0)  # -1 would draw as 1 does
     jobs = whole_number(jobs, option("--jobs", "jobs"))
     if host is None and host_capacity is None and host_policies is not HOST_POLICIES:  # not in silence
         raise ExpertcacheError(

@@ -26,6 +26,7 @@ class SimResult:
     params: dict[str, object] = field(default_factory=dict)
     split_groups: bool = False  # some group was larger than its layer's room and served in chunks
     opt_is_bound: bool | None = None  # neither this run nor OPT split a group: OPT's misses are a bound
+    seed: int | None = None  # the seed of a policy that draws at random (None: it draws nothing)
 
     def __repr__(self) -> str:
         opt = "" if self.opt_misses is None else f", OPT {self.opt_misses}"
@@ -84,6 +85,7 @@ class SimResult:
             "opt_is_bound": self.opt_is_bound,
             "split_groups": self.split_groups,
             "params": self.params,
+            "seed": self.seed,
             "phases": phase,
             "layers": {
                 "requests": req.sum(axis=0).tolist(),
@@ -156,6 +158,7 @@ def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params
         layer_misses=np.asarray(misses, dtype=np.int64),
         params=dict(params),
         split_groups=bool((np.asarray(rooms) < schedule.max_group_by_layer).any()),
+        seed=seed if policy_class(name).seeded else None,
     )
 
 

@@ -39,8 +39,7 @@ def simulate(
     given) are left out instead of raising.
     ``jobs`` > 1 replays capacities on that many processes."""
     trace = as_trace(trace, replay=True)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ExpertcacheError(f"seed must be a whole number, got {seed!r}")
+    seed = whole_number(seed, option("--seed", "seed"), 0)  # -1 would draw as 1 does
     jobs = whole_number(jobs, "jobs")
     true_or_false(skip_infeasible, "skip_infeasible")
     if not isinstance(policies, str) and not (isinstance(policies, Sequence) and policies):

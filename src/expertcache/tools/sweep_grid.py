@@ -110,8 +110,8 @@ class Grid:
             if order not in ORDERS:
                 raise ExpertcacheError(f"order {order!r} is not one of {', '.join(ORDERS)}")
         for seed in self.seeds:
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise ExpertcacheError(f"seed {seed!r} is not an integer")
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise ExpertcacheError(f"seed {seed!r} is not a whole number of at least 0")
         for item in self.capacities:
             capacity_items(item, 1, 1)  # the syntax; the values come per trace
         if not isinstance(self.timing, Timing | None):
