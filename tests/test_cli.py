@@ -318,6 +318,17 @@ BAD_INPUTS = [
     (["sim", "{missing}"], "no such trace file"),
     (["sim", "{trace}", "--bogus"], "unrecognized arguments: --bogus (see expertcache sim --help)"),
     (["--bogus"], "unknown option --bogus: a command comes first"),
+    # the innermost command's help, and where a trace goes when it was given the other way
+    (
+        ["trace", "synth", "-o", "{out}", "--force"],
+        "unrecognized arguments: --force (see expertcache trace synth",
+    ),
+    (
+        ["timing", "{trace}"],
+        "; expertcache timing takes its trace as --trace FILE (see expertcache timing --help)",
+    ),
+    (["sim", "--trace", "{trace}"], "expertcache sim takes its trace as its first argument, without --trace"),
+    (["sweep", "{trace}"], "is a trace: give it as --trace"),
     (["sim", "--policy", "lru", "{trace}"], "looks like a trace: give it first, before --policy"),
     (["sim", "--capacity", "25%", "{trace}"], "looks like a trace: give it first, before --capacity"),
     (["sim", "{junk}"], "not a readable .npz"),

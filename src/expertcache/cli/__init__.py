@@ -109,15 +109,32 @@ def _family_help() -> str:
     return f"the family (config.json's model_type): {', '.join(FAMILIES)}"
 
 
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Arguments no parser took: named by the innermost command's parser (``trace synth``'s, not
+    ``trace``'s), with where a trace goes when it was given the other way."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = None if sub is None else getattr(args, sub.dest, None)
+        if chosen not in (sub.choices if sub is not None else {}):
+            break
+        parser = sub.choices[chosen]
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    takes_flag = "--trace" in parser._option_string_actions
+    if takes_flag and any(e == "default" or e.endswith(".npz") for e in extra if not e.startswith("-")):
+        message += f"; {parser.prog} takes its trace as --trace FILE"
+    elif "--trace" in extra and not takes_flag:
+        message += f"; {parser.prog} takes its trace as its first argument, without --trace"
+    parser.error(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     if words and words[0].startswith("-") and words[0] not in ("-h", "--help", "--version"):
         parser.error(f"unknown option {words[0]}: a command comes first (expertcache COMMAND ...)")
     args, extra = parser.parse_known_args(words)
-    if extra:  # named by the command's parser, whose help lists what it takes
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # named by the (sub)command's parser, whose help lists what it takes
+        _unrecognized(parser, args, extra)
     # the command is the whole process (the console script, python -m), not main() called from Python:
     # what it loads lives until exit (cli.util.startup_gc)
     args.whole_process = argv is None
