@@ -320,7 +320,7 @@ BAD_INPUTS = [
     (["--bogus"], "unknown option --bogus: a command comes first"),
     # the innermost command's help, and where a trace goes when it was given the other way
     (
-        ["trace", "synth", "-o", "{out}", "--force"],
+        ["trace", "synth", "--kind", "zipf", "-o", "{out}", "--force"],
         "unrecognized arguments: --force (see expertcache trace synth",
     ),
     (
