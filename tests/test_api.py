@@ -517,6 +517,10 @@ def test_a_third_trial_of_the_api_is_one_clear_error_each(tmp_path):
     both = ec.make_plan(t, 24, prefetches=["none", "eam"], predictor_trace=t, methods=["shared"])
     assert {c["prefetch"] for c in both.candidates} >= {"none", "eam"}  # each candidate its own reading
     assert ec.make_policy("lru-dist", ec.PolicyContext(4, 2, 4, 1), budgets="2/2") is not None  # as --policy
+    spec = ec.make_policy("lcp:rho=0.5", ec.PolicyContext(4, 2, 4, 1))  # a spec, as --policy gives it
+    assert spec.name == "lcp" and spec.rho == 0.5
+    with pytest.raises(ec.PolicyError, match="rho given in the spec and as a keyword"):
+        ec.make_policy("lcp:rho=0.5", ec.PolicyContext(4, 2, 4, 1), rho=0.3)
     t.save(tmp_path / "t.npz")
     assert ec.build_schedule(tmp_path / "t.npz").num_layers == t.num_layers
     with ec.load(expert_memory="30%", miss="host", costs={"link_bandwidth": "1GB/s"}, device="cpu") as model:
@@ -566,3 +570,14 @@ def test_contexts_are_whole_numbers_and_repeats_run_once():
     assert ec.PolicyContext(np.int64(4), 2, 4).capacity == 4
     results = ec.simulate(ec.default_trace(), ["lru", "lru", "fifo"], [24])
     assert [r.policy for r in results] == ["lru", "fifo"]  # a repeat is the same replay, as for capacities
+
+
+def test_a_capacity_above_every_expert_is_capped_and_said_by_replay_and_run_policy_as_by_simulate(trace):
+    """``replay(schedule, "lru", 2000)`` on 96 experts reported "lru at 2000 experts" in silence."""
+    schedule = ec.build_schedule(trace)
+    with pytest.warns(ExpertcacheWarning, match="a cache of 2000 experts is more than all 96; capped at 96"):
+        one = ec.replay(schedule, "lru", 2000)
+    with pytest.warns(ExpertcacheWarning, match="capped at 96"):
+        many = ec.run_policy(schedule, "lru", [24, 1000])
+    assert one.capacity == many[1].capacity == 96 and one.misses == many[1].misses == 96
+    assert many[0].capacity == 24

@@ -1479,6 +1479,9 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
 
 def _trace(name: str) -> Trace:
     """A trace file, or ``default``: the embedded trace (as ``sim``, ``timing`` and ``trace info`` take)."""
+    if name == "default" and Path(name).exists():  # the name wins, and a file so named is not read in silence
+        print("note: 'default' is the embedded trace, not the file ./default here (give ./default for that)",
+              file=sys.stderr)  # fmt: skip
     return default_trace() if name == "default" else load_trace(name)
 
 

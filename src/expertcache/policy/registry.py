@@ -100,12 +100,19 @@ def capacity_reason(name: str, params: dict[str, object] | None = None, min_room
 
 
 def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
-    """Build a registered policy; unknown names or parameters raise PolicyError."""
+    """Build a registered policy; unknown names or parameters raise PolicyError. ``name`` may be a spec
+    as the command line gives it (``lcp:rho=0.5``): its parameters join ``params`` (given twice: refused)."""
     if not isinstance(ctx, PolicyContext):
         raise PolicyError(
             f"make_policy needs a PolicyContext (capacity, num_layers, num_experts, top_k, ...), got "
             f"{type(ctx).__name__}"
         )
+    if isinstance(name, str) and ":" in name:
+        name, given = parse_policy(name)
+        twice = sorted(set(given) & set(params))
+        if twice:
+            raise PolicyError(f"policy {name!r}: {', '.join(twice)} given in the spec and as a keyword")
+        params = {**given, **params}
     factory = _lookup(name)
     _check_parameters(name, params)
     budgets = params.get("budgets")

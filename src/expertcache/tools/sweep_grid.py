@@ -124,7 +124,9 @@ class Grid:
         """A grid from a YAML or TOML file; a problem is one ExpertcacheError naming the file."""
         path = Path(path)
         if path.suffix.lower() == ".npz":
-            raise ExpertcacheError(f"{path} is a trace: give it as --trace {path} (the argument is a grid file)")
+            raise ExpertcacheError(
+                f"{path} is a trace: give it as --trace {path} (the argument is a grid file)"
+            )
         if path.suffix.lower() not in GRID_SUFFIXES:
             raise ExpertcacheError(f"{path}: a grid file is .yaml, .yml or .toml")
         try:
