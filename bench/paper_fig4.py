@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from provenance import ROOT, provenance, write_json  # noqa: E402
 
 from expertcache.cache.schedule import Schedule  # noqa: E402
+from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.policy.registry import is_offline  # noqa: E402
 from expertcache.sim import build_schedule, run_policy  # noqa: E402
 from expertcache.trace import Trace, load_trace  # noqa: E402
@@ -272,6 +273,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.trace == DEFAULT_TRACE and not Path(DEFAULT_TRACE).is_file():
+        raise ExpertcacheError(
+            "the shared Qwen1.5-MoE trace is not beside this checkout (../shared/traces/); give --trace FILE"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     args.img.mkdir(parents=True, exist_ok=True)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -360,4 +365,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ExpertcacheError as e:  # bad input: one line, as the command line says it
+        print(f"paper_fig4.py: {e}", file=sys.stderr)
+        sys.exit(2)

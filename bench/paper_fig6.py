@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from provenance import ROOT, provenance, write_json  # noqa: E402
 
+from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.sim import build_schedule, replay  # noqa: E402
 from expertcache.trace import synthesize  # noqa: E402
 
@@ -323,4 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ExpertcacheError as e:  # bad input: one line, as the command line says it
+        print(f"paper_fig6.py: {e}", file=sys.stderr)
+        sys.exit(2)
