@@ -571,13 +571,3 @@ def test_contexts_are_whole_numbers_and_repeats_run_once():
     results = ec.simulate(ec.default_trace(), ["lru", "lru", "fifo"], [24])
     assert [r.policy for r in results] == ["lru", "fifo"]  # a repeat is the same replay, as for capacities
 
-
-def test_a_capacity_above_every_expert_is_capped_and_said_by_replay_and_run_policy_as_by_simulate(trace):
-    """``replay(schedule, "lru", 2000)`` on 96 experts reported "lru at 2000 experts" in silence."""
-    schedule = ec.build_schedule(trace)
-    with pytest.warns(ExpertcacheWarning, match="a cache of 2000 experts is more than all 96; capped at 96"):
-        one = ec.replay(schedule, "lru", 2000)
-    with pytest.warns(ExpertcacheWarning, match="capped at 96"):
-        many = ec.run_policy(schedule, "lru", [24, 1000])
-    assert one.capacity == many[1].capacity == 96 and one.misses == many[1].misses == 96
-    assert many[0].capacity == 24

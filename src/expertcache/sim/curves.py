@@ -10,7 +10,7 @@ import numpy as np
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import capacity_reason, min_capacity, policy_class
-from expertcache.sim.replay import SimResult, capped, check_schedule, replay
+from expertcache.sim.replay import SimResult, check_schedule, replay
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
 
@@ -76,8 +76,6 @@ def run_policy(
     low = min_capacity(name, schedule.num_layers, params, schedule.min_room)
     for c in capacities:
         check_capacity(c, schedule.order, schedule.top_k)
-    capacities = [capped(schedule, int(c)) for c in capacities]
-    for c in capacities:
         if c < low:
             why = capacity_reason(name, params, schedule.min_room)
             raise ExpertcacheError(

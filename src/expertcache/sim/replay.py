@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from expertcache.cache.residency import Residency
 from expertcache.cache.schedule import Schedule, check_capacity
-from expertcache.errors import ExpertcacheError, ExpertcacheWarning
+from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock, Policy, PolicyContext
 from expertcache.policy.registry import make_policy, policy_class
 
@@ -119,22 +118,11 @@ def check_schedule(schedule: object, who: str) -> None:
         )
 
 
-def capped(schedule: Schedule, capacity: int) -> int:
-    """A capacity above all the schedule's experts is all of them, with a warning (as ``simulate`` and
-    ``sim --capacity`` cap it): a result "at 2000 experts" of a trace of 96 would say what did not run."""
-    total = schedule.num_layers * schedule.num_experts
-    if capacity > total:
-        warnings.warn(f"a cache of {capacity} experts is more than all {total}; capped at {total}",
-                      ExpertcacheWarning, stacklevel=3)  # fmt: skip
-        return total
-    return capacity
-
-
 def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
     """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
     check_schedule(schedule, "replay")
     check_capacity(capacity, schedule.order, schedule.top_k)
-    capacity = capped(schedule, int(capacity))
+    capacity = int(capacity)
     policy = policy_for(schedule, name, capacity, seed, **params)
     residency, clock = Residency(policy), policy.clock
     L, per_layer = schedule.num_layers, schedule.per_layer
