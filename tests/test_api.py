@@ -570,4 +570,3 @@ def test_contexts_are_whole_numbers_and_repeats_run_once():
     assert ec.PolicyContext(np.int64(4), 2, 4).capacity == 4
     results = ec.simulate(ec.default_trace(), ["lru", "lru", "fifo"], [24])
     assert [r.policy for r in results] == ["lru", "fifo"]  # a repeat is the same replay, as for capacities
-

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import engine_fixtures
 import pytest
@@ -109,14 +111,42 @@ def test_int8_and_int4_copies_need_no_hqq(make_ckpt, monkeypatch):
 
 def test_quantize_refuses_bad_requests_before_working(ckpt, tmp_path):
     path = ckpt("mixtral")
-    with pytest.raises(ExpertcacheError, match="--bits must be among 8, 4, 2"):
+    with pytest.raises(ExpertcacheError, match="^bits must be among 8, 4, 2"):  # Python's name in Python
         quantize_model(path, bits=(3,), progress=False)
     with pytest.raises(ExpertcacheError, match="power of two"):
         quantize_model(path, bits=(4,), group=48, progress=False)
+    for kwargs, needle in (  # each before any work (bits=8 is one precision, not "not iterable")
+        ({"bits": ["8"]}, "bits holds str '8'; it takes whole numbers"),
+        ({"bits": (4,), "group": "64"}, "group must be a whole number, got '64'"),
+        ({"bits": (8,), "optimize": False}, "optimize=False is int2's (HQQ without its optimisation)"),
+    ):
+        with pytest.raises(ExpertcacheError, match=re.escape(needle)):
+            quantize_model(path, progress=False, **kwargs)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ExpertcacheError, match="cannot write the quantised copies"):
         quantize_model(path, bits=(4,), out=blocker / "sub", progress=False)
+
+
+def test_copies_say_how_they_were_made_and_the_engine_and_quality_say_which_file_ran(make_ckpt):
+    """int2's two makings (HQQ optimised, or --fast) share a file: a new user measured one and read
+    the other's figures. The file says which it holds, a replacement by the other is said, and the
+    engine's stats (quality's line) name the file and its making."""
+    pytest.importorskip("hqq")
+    path = make_ckpt("mixtral", seed=3)
+    lines: list[str] = []
+    slow = quantize_model(path, bits=(2,), group=32, progress=False, log=lines.append)
+    assert slow[0]["method"] == "hqq" and not any("replaced" in line for line in lines)
+    fast = quantize_model(path, bits=(2,), group=32, optimize=False, progress=False, log=lines.append)
+    assert fast[0]["method"] == "hqq-fast" and fast[0]["path"] == slow[0]["path"]
+    assert any("held copies made by hqq; they are replaced by hqq-fast's" in line for line in lines)
+    assert read_meta(Path(fast[0]["path"]))["method"] == "hqq-fast"
+    packed = quantize_model(path, bits=(4,), group=32, progress=False)
+    assert packed[0]["method"] == "round"
+    with engine_load(path, TOP_K + 2, miss="hobbit:bits=2,t1=-1,group=32") as model:
+        greedy(model, IDS)
+        copies = [p.get("copies") for p in model.stats["parts"].values()]
+    assert "int2-g32.safetensors (hqq-fast)" in copies
 
 
 def test_quantize_command_prints_the_files(ckpt, capsys, tmp_path):
@@ -413,5 +443,17 @@ def test_the_hint_for_missing_int8_copies_is_a_command_that_runs(tmp_path, capsy
     capsys.readouterr()
     assert main([*run, "--miss", "hobbit:bits=8"]) == 0
     capsys.readouterr()
-    assert main([*run, "--miss", "hobbit:bits=8,group=32"]) == 2  # copies no command of the CLI writes
-    assert "then leave group= out of hobbit's spec" in capsys.readouterr().err
+    # int8 copies have no group: a spec's group finds the same file (quantize --bits 8 4 --group 32
+    # wrote an int8-g32 file that hobbit:bits=8 never read)
+    assert main([*run, "--miss", "hobbit:bits=8,group=32"]) == 0
+    capsys.readouterr()
+    folder = find_copy(model, 8, 64).parent
+    for f in folder.glob("int8-*.safetensors"):
+        f.unlink()
+    assert main(["quantize", str(model), "--bits", "8", "4", "--group", "32"]) == 0
+    assert sorted(f.name for f in folder.glob("*.safetensors")) == [
+        "int4-g32.safetensors",
+        "int8-g64.safetensors",
+    ]
+    capsys.readouterr()
+    assert main([*run, "--miss", "hobbit:bits=8"]) == 0

@@ -13,7 +13,7 @@ import pytest
 
 from expertcache.cache import Residency
 from expertcache.cache.schedule import ORDERS, build_schedule
-from expertcache.errors import PolicyError
+from expertcache.errors import ExpertcacheError, PolicyError
 from expertcache.policy import POLICIES, PolicyContext, make_policy
 from expertcache.policy.registry import parse_policy, policy_class
 from expertcache.policy.reuse import DEFAULT_WEIGHTS, FEATURES, ReuseModel, load_weights
@@ -212,6 +212,30 @@ def test_training_fits_the_examples_and_reports_held_out_scores():
     other = synthesize("sticky", tokens=200, layers=3, experts=8, top_k=2, seed=2, stickiness=0.7)
     report = train_policy([tr], ["a"], ("flat",), [other], ["b"])
     assert report["test"]["log_loss"] < base and report["test"]["traces"] == ["b"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_unknown_entries_are_no_examples_and_a_trace_of_nothing_known_is_refused(order):
+    """A new user's trace with layers 3..5 unknown gave as many examples as the whole one, half of
+    them labelled "not requested", and a trace of -1 alone trained to accuracy 1.0."""
+    tr = synthesize("sticky", tokens=120, layers=4, experts=8, top_k=2, seed=3, stickiness=0.7)
+    gap = tr.experts.copy()
+    gap[:, 2:] = -1  # two layers unknown throughout
+    gap[::5, 0, 1] = -1  # and one slot of layer 0 in every fifth token: that layer's round says nothing
+    gapped = Trace(gap, 8, seq_id=tr.seq_id, is_prefill=tr.is_prefill)
+    whole = sum(len(y) for _, y in examples(tr, order))
+    rounds = list(examples(gapped, order))
+    X = np.concatenate([x for x, _ in rounds])
+    y = np.concatenate([y for _, y in rounds])
+    assert len(X) == len(y) < whole / 2
+    assert y.sum() == (np.where((gap >= 0).all(axis=2, keepdims=True), gap, -1) >= 0).sum() or order != "flat"
+    base_whole = np.mean(np.concatenate([y for _, y in examples(tr, order)]))
+    assert abs(y.mean() - base_whole) < 0.05  # the share of positives is not halved by the gaps
+    nothing = Trace(np.full_like(tr.experts, -1), 8)
+    with pytest.raises(ExpertcacheError, match="every entry is unknown"):
+        train_policy([nothing], ["none"], (order,))
+    with pytest.raises(ExpertcacheError, match="a single token has no past to learn from"):
+        train_policy([Trace(tr.experts[:1], 8)], ["one"], (order,))
 
 
 def test_reuse_runs_in_simulate_on_every_order_and_beats_lru_where_routing_is_sticky():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Iterable
 
 from expertcache.errors import ExpertcacheError
 
@@ -194,6 +195,30 @@ def true_or_false(value: object, what: str) -> bool:
     if not isinstance(value, bool):
         raise ExpertcacheError(f"{what} must be True or False, got {value!r}")
     return value
+
+
+def values_of(value: object, what: str, kind: type | tuple[type, ...]) -> list:
+    """An argument that takes a list of ``kind``: one value alone is a list of one (a string is one
+    text or name, not its characters); anything else in it, or an empty list, is one clear error."""
+    if isinstance(value, kind) and not isinstance(value, bool) or isinstance(value, str):
+        items = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, bytes | dict):
+        items = list(value)
+    else:
+        raise ExpertcacheError(
+            f"{what} is a list of {_kind_name(kind)}, got {type(value).__name__} {value!r:.40}"
+        )
+    if not items:
+        raise ExpertcacheError(f"{what} is empty")
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ExpertcacheError(f"{what} holds {type(v).__name__} {v!r:.40}; it takes {_kind_name(kind)}")
+    return items
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {str: "text", numbers.Integral: "whole numbers", numbers.Real: "numbers"}
+    return " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 
 def whole_number(value: object, what: str, low: int = 1) -> int:

@@ -1715,8 +1715,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     bits = list(dict.fromkeys(args.bits or [8, 4]))  # each precision once
     if args.group is not None and bits == [8]:
         raise ExpertcacheError("int8 copies have one scale per row: --group applies to int4 and int2 only")
-    if args.fast and 2 not in bits:  # int8 and int4 are rounded plainly anyway (the packed formats)
-        raise ExpertcacheError("--fast is int2's (HQQ without its optimisation): give --bits 2 with it")
     records = quantize_model(
         args.model, bits, 64 if args.group is None else args.group, args.out,
         optimize=not args.fast,

@@ -291,7 +291,8 @@ class OffloadedModel:
             "lossy": self.miss.lossy or self._experts_lossy or self.dense is not None or self.kernel.rounds,
             "experts_lossy": self._experts_lossy,
             "dense": None if self.dense is None else self.dense.to_dict(),
-            "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes()}
+            "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes(),
+                             **({"copies": p.copies} if p.copies else {})}
                       for name, p in self.parts.items()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),  # the modules' compute dtype (``--dtype``)

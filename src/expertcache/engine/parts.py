@@ -49,6 +49,7 @@ class EnginePart:
     compute: Callable[[object, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
     source: object = None  # set by bind(), once the slow tier exists
     kernels: object = None  # ``packed.PackedKernels`` where it computes from packed bytes (warmed at load)
+    copies: str | None = None  # the file of low-precision copies it reads, and how they were made
 
     def bind(self, tier) -> None:
         self.source = self.make_source(tier)
@@ -256,4 +257,5 @@ def quantized_part(spec: PartSpec, model: Path, dtype: torch.dtype, pin: bool = 
     def source(tier) -> QuantSource:
         return QuantSource(path, layout, pin=pin, in_memory=getattr(tier, "name", "") == "host")
 
-    return EnginePart(spec, {None: layout}, source, compute, kernels=kernels)
+    made = meta.get("method") or ("round" if packed is not None else "hqq, or hqq-fast: not recorded")
+    return EnginePart(spec, {None: layout}, source, compute, kernels=kernels, copies=f"{path.name} ({made})")

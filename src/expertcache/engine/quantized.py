@@ -40,6 +40,11 @@ MATRICES = ("gate_up_proj", "down_proj")  # quantised; anything else (biases) is
 
 
 def file_name(bits: int, group: int) -> str:
+    """The copies' file. int8 copies have one scale a row, whatever the group asked for: one name (the
+    default group's, as earlier versions wrote it), so that ``--bits 8 4 --group 32`` writes the int8
+    file every spec finds (it wrote int8-g32, which hobbit:bits=8 never read)."""
+    if bits == 8:
+        group = 64
     return f"int{bits}-g{group}.safetensors"
 
 
@@ -88,14 +93,9 @@ def find_copy(model: str | Path, bits: int, group: int) -> Path:
 
     name = model_label(Path(model))
     arg = "" if name == EMBEDDED else f" {model}"
-    if bits == 8:  # one scale a row: quantize takes no --group for them, and writes the default's name
-        from expertcache.engine.packed import DEFAULT_GROUP
-
-        default = (
-            "" if group == DEFAULT_GROUP else ", then leave group= out of hobbit's spec (int4's, int2's)"
-        )
+    if bits == 8:  # one scale a row: quantize takes no --group for them
         raise MissPathError(
-            f"no int8 copies of {name}: build them once with 'expertcache quantize{arg} --bits 8'{default}"
+            f"no int8 copies of {name}: build them once with 'expertcache quantize{arg} --bits 8'"
         )
     raise MissPathError(
         f"no int{bits} copies (group {group}) of {name}: build them once with "

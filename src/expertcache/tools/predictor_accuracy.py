@@ -16,6 +16,7 @@ alone decides which predictor's GOODPRED is higher (ProMoE Sec. 4).
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from expertcache.engine.routing import router_fns
 from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor
 from expertcache.tools.capture import Captured, capture, load_for_capture
+from expertcache.units import values_of, whole_number
 
 HELDOUT_CHARS = 600  # tools/record_default_trace.py's --prompt-chars
 
@@ -135,18 +137,20 @@ def evaluate_model(
     """
     from expertcache.engine.hub import resolve_model
 
+    names = values_of(names, "names", str)  # "next-gate" is one name, not nine
+    windows = [whole_number(k, "windows") for k in values_of(windows, "windows", numbers.Integral)]
+    texts = values_of(prompts, "prompts", str) if prompts is not None else heldout_prompts()
+    # the first new token comes from the prompt's forward: ACCURACY counts the decode steps after it
+    max_new_tokens = whole_number(max_new_tokens, "max_new_tokens", 2)
     path = resolve_model(model_path)
     model, tokenizer = load_for_capture(path)
-    for name in names:  # a predictor that cannot be built fails before the capture, not after
-        for k in windows:
-            build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
-    texts = list(prompts) if prompts is not None else heldout_prompts()
+    built = {  # every predictor before the capture: one that cannot be built fails first, not after
+        (name, k): build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
+        for name in names
+        for k in windows
+    }
     captured = capture(model, tokenizer, texts, max_new_tokens, progress=progress)
-    rows = []
-    for name in names:
-        for k in windows:
-            predictor = build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
-            rows.append(evaluate(predictor, captured))
+    rows = [evaluate(predictor, captured) for predictor in built.values()]  # each used once, as built
     return rows
 
 

@@ -26,7 +26,7 @@ import torch
 
 from expertcache.config import REFERENCE_IMPLEMENTATIONS
 from expertcache.errors import ExpertcacheError, option, say_notes
-from expertcache.units import whole_number
+from expertcache.units import values_of, whole_number
 
 DEFAULT_TOKENS = 2048  # tokens measured in all, split over the texts
 DEFAULT_TEXTS = 8
@@ -143,7 +143,7 @@ def measure(
     for note in model.notes:  # e.g. expert memory capped at all experts
         print(f"note: {note}", file=sys.stderr)
     try:
-        texts = list(texts) if texts is not None else heldout_texts()
+        texts = values_of(texts, "texts", str) if texts is not None else heldout_texts()  # one text: one
         tok = model.tokenizer
         # a text of n tokens gives n - 1 predictions: `tokens` predictions in all, spread over the texts
         share = [tokens // len(texts) + (i < tokens % len(texts)) for i in range(len(texts))]
@@ -196,6 +196,7 @@ def measure(
         ppl_ref, ppl = math.exp(nll["reference"] / count), math.exp(nll["measured"] / count)
         return {
             "miss": model.miss.describe(),
+            "copies": [p["copies"] for p in model.stats["parts"].values() if "copies" in p],  # which file
             "kernel": model.kernel.name,
             "expert_format": model.stats["expert_format"],
             "dense_format": quantize_dense or "as stored",
@@ -332,5 +333,6 @@ def format_quality(r: dict[str, object]) -> str:
             if _lossy_path(str(r["miss"])) or r["low_precision_share"] or r["skipped_share"]
             else ""
         )
+        + (f" | copies {', '.join(r['copies'])}" if r.get("copies") else "")
         + (f" | varies from run to run: follows {', '.join(r['varies_by'])}" if r.get("varies_by") else "")
     )

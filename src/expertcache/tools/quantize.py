@@ -15,6 +15,7 @@ maintenance mode. The destination is checked before any work; a progress bar sho
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 import time
@@ -26,10 +27,20 @@ import torch
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.packed import SOURCE_KEY, Packed, describe_format, require_gate
-from expertcache.engine.quantized import BITS, FORMAT, MATRICES, PACKED, cache_root, file_name, fingerprint
-from expertcache.errors import ExpertcacheError
+from expertcache.engine.quantized import (
+    BITS,
+    FORMAT,
+    MATRICES,
+    PACKED,
+    cache_root,
+    file_name,
+    fingerprint,
+    read_meta,
+)
+from expertcache.errors import ExpertcacheError, option
 from expertcache.lazy import hqq_quantizer
 from expertcache.paths import output_dir, save_tensors, writable_dir
+from expertcache.units import true_or_false, values_of, whole_number
 
 PACKED_BITS = (8, 4)  # the copies in the packed checkpoints' formats (the others: HQQ's)
 
@@ -100,6 +111,17 @@ def _write(
     save_tensors(tensors, target, meta)
 
 
+def _method_of(path: Path) -> str | None:
+    """How the copies in ``path`` were made (None: no such file, an unreadable one, or one of a version
+    that did not say: int2's HQQ, with or without its optimisation)."""
+    if not path.is_file():
+        return None
+    try:
+        return read_meta(path).get("method")
+    except ExpertcacheError:
+        return None
+
+
 def quantize_model(
     model: str | Path | None,
     bits: Sequence[int] = (8, 4),
@@ -114,11 +136,23 @@ def quantize_model(
     The quantisation runs on ``device`` (default: a GPU if torch sees one, much faster for large experts)."""
     from expertcache.engine.hub import resolve_model
 
+    bits = values_of(bits, option("--bits", "bits"), numbers.Integral)  # bits=8: one precision
     bad = [b for b in bits if b not in BITS]
-    if bad or not bits:
-        raise ExpertcacheError(f"--bits must be among {', '.join(map(str, BITS))}, got {list(bits)}")
+    if bad:
+        raise ExpertcacheError(
+            f"{option('--bits', 'bits')} must be among {', '.join(map(str, BITS))}, got {list(bits)}"
+        )
+    group = whole_number(group, option("--group", "group"))
     if group < 8 or group & (group - 1):
-        raise ExpertcacheError(f"--group must be a power of two of at least 8, got {group}")
+        raise ExpertcacheError(
+            f"{option('--group', 'group')} must be a power of two of at least 8, got {group}"
+        )
+    true_or_false(optimize, "optimize")
+    if not optimize and 2 not in bits:  # int8 and int4 are rounded plainly anyway (the packed formats)
+        raise ExpertcacheError(
+            f"{option('--fast', 'optimize=False')} is int2's (HQQ without its optimisation): give "
+            f"{option('--bits 2', 'bits=[2]')} with it"
+        )
     if any(b not in PACKED_BITS for b in bits):
         hqq_quantizer()  # optional: refused before any work when it is not installed
     path = resolve_model(model)
@@ -166,15 +200,20 @@ def quantize_model(
                 tensors[f"{key[0]}.{key[1]}.{name}"] = t
                 info[name] = describe(name, t, scratch, transposed)
         target = folder / file_name(b, group)
-        extra = {}
+        method = "round" if packed is not None else ("hqq" if optimize else "hqq-fast")
+        extra = {"method": method}  # int2's two makings share a file: which one is there is said
         if packed is not None:
-            extra = {"layout": PACKED, "transposed": str(int(transposed)),
-                     "shapes": json.dumps({n: list(v) for n, v in sk.shapes.items()})}  # fmt: skip
+            extra |= {"layout": PACKED, "transposed": str(int(transposed)),
+                      "shapes": json.dumps({n: list(v) for n, v in sk.shapes.items()})}  # fmt: skip
+        before = _method_of(target)
+        if before is not None and before != method and log is not None:
+            log(f"note: {target.name} held copies made by {before}; they are replaced by {method}'s")
         _write(target, tensors, info, b, group, path, sk.dtype, extra, fp)
         per_expert = sum(t["bytes"] for t in info.values())
         record = {
-            "bits": b, "group": group, "path": str(target), "file_bytes": target.stat().st_size,
-            "bytes_per_expert": per_expert, "full_bytes_per_expert": layout.nbytes, "experts": len(keys),
+            "bits": b, "group": group, "method": method, "path": str(target),
+            "file_bytes": target.stat().st_size, "bytes_per_expert": per_expert,
+            "full_bytes_per_expert": layout.nbytes, "experts": len(keys),
             "seconds": round(time.perf_counter() - start, 2),
         }  # fmt: skip
         if log is not None:

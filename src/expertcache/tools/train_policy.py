@@ -24,7 +24,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.errors import ExpertcacheError
 from expertcache.paths import write_output
 from expertcache.policy.reuse import DEFAULT_WEIGHTS, FEATURES, ReuseModel
-from expertcache.trace.trace import Trace
+from expertcache.trace.trace import Trace, check_replayable
 
 RIDGE = 1e-3  # per example, on every weight but the bias
 ITERATIONS = 25
@@ -40,17 +40,33 @@ def examples(trace: Trace, order: str, every: int = 1) -> Iterator[tuple[np.ndar
     scores = s.group_scores
     per_round = s.per_layer * s.num_layers
     E = s.num_experts
+    # a layer whose round holds an unknown entry (-1) says nothing of its experts there: not "unused"
+    known = np.repeat(~unknown_layers(trace, s), E, axis=1)  # [rounds, L * E]
+
+    def example():
+        keep = known[model.round]
+        return model.X[keep], model.used[keep].astype(np.float64)
+
     for g, keys in enumerate(s.groups):
         rnd = g // per_round
         if rnd != model.round:
             if model.round % every == 0:
-                yield model.X, model.used.astype(np.float64)
+                yield example()
             model.advance(rnd, int(s.round_token[rnd]))
         if keys:
             sc = None if scores is None else [scores[g].get(k, 0.0) for k in keys]
             model.observe([layer * E + e for layer, e in keys], sc)
     if model.round % every == 0:
-        yield model.X, model.used.astype(np.float64)
+        yield example()
+
+
+def unknown_layers(trace: Trace, schedule) -> np.ndarray:
+    """Which layers of each round of ``schedule`` hold an unknown entry of ``trace``. -> bool [rounds, L]"""
+    unknown = trace.experts < 0  # [T, L, K]
+    if schedule.order == "rounds":  # round t * K + k: the k-th expert of every layer
+        return unknown.transpose(0, 2, 1).reshape(-1, trace.num_layers)
+    per_token = unknown.any(axis=2)  # [T, L]
+    return np.logical_or.reduceat(per_token, schedule.round_token, axis=0)  # a round: its tokens
 
 
 def _stack(traces: Sequence[Trace], orders: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -59,8 +75,8 @@ def _stack(traces: Sequence[Trace], orders: Sequence[str]) -> tuple[np.ndarray, 
     total = sum(tr.num_tokens * tr.num_layers * tr.num_experts for tr in traces) * len(orders)
     every = max(1, math.ceil(total / MAX_EXAMPLES))  # rounds <= tokens: at most MAX_EXAMPLES kept
     parts = [(X, y) for tr in traces for order in orders for X, y in examples(tr, order, every)]
-    if not parts:
-        raise ExpertcacheError("train-policy: the traces hold no rounds")
+    if not parts or not sum(len(y) for _, y in parts):
+        raise ExpertcacheError("train-policy: the traces hold no rounds of known routing")
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
@@ -128,6 +144,10 @@ def train_policy(
         )
     if not all(isinstance(t, Trace) for t in (*traces, *test)):
         raise ExpertcacheError("train_policy's traces are Trace objects (expertcache.load_trace(path))")
+    for t in (*traces, *test):
+        check_replayable(t)
+    if sum(t.num_tokens for t in traces) < 2:  # one step: no history, so nothing for the features to tell
+        raise ExpertcacheError("train-policy: a single token has no past to learn from; give a longer trace")
     X, y = _stack(traces, orders)
     w = fit(X, y)
     report: dict[str, object] = {

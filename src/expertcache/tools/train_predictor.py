@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from expertcache.engine.routing import router_fns
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.paths import writable_dir
 from expertcache.predict.base import PredictorError
 from expertcache.predict.learned import (
@@ -44,6 +44,7 @@ from expertcache.predict.learned import (
 )
 from expertcache.tools.capture import Captured, capture, load_for_capture
 from expertcache.tools.prompts import read_prompts
+from expertcache.units import values_of, whole_number
 
 HIDDEN = 128
 EPOCHS = 10
@@ -319,15 +320,14 @@ def _meta(k: int, hidden: int, captured: Captured, fingerprint: dict, settings: 
 
 
 def _check_args(windows: list[int], hidden: int, epochs: int, max_new_tokens: int) -> None:
-    if not windows or any(not isinstance(k, int) or k < 1 for k in windows):
+    if not windows or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in windows):
         raise PredictorError(f"prediction windows must be integers >= 1, got {windows}")
     for name, value, low in (
         ("hidden", hidden, 1),
-        ("epochs", epochs, 1),
+        ("epochs", epochs, 1),  # 2.5 failed in torch's scheduler, after the capture
         ("max_new_tokens", max_new_tokens, 2),
     ):
-        if value < low:
-            raise ExpertcacheError(f"{name} must be at least {low}, got {value}")
+        whole_number(value, option(f"--{name.replace('_', '-')}", name), low)
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
@@ -370,7 +370,7 @@ def _prompts(prompts: str | Path | Sequence[str] | None) -> list[str]:
     if isinstance(prompts, (str, Path)):
         texts = read_prompts(prompts)
     else:
-        texts = [p for p in prompts if p.strip()]
+        texts = [p for p in values_of(prompts, "prompts", str) if p.strip()]
         if not texts:
             raise ExpertcacheError("no prompts given")
     if len(texts) < 2:
