@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -500,6 +501,24 @@ def test_an_unwritable_output_is_one_line_before_any_work(key, capsys, tmp_path,
         code = main(argv)
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and "cannot write the" in err, (argv, err)
+
+
+def test_the_python_api_makes_an_output_folder_not_a_chain_of_missing_ones(tmp_path):
+    """The command line refused nope/x/y while make_checkpoint, train_predictor and quantize_model
+    made every missing folder of it."""
+    from expertcache.engine.random_checkpoint import make_checkpoint
+    from expertcache.tools.quantize import quantize_model
+    from expertcache.tools.train_predictor import train_predictor
+
+    chain = tmp_path / "nope" / "x"
+    for call in (
+        lambda: make_checkpoint(chain / "ckpt"),
+        lambda: train_predictor(None, chain / "tp"),
+        lambda: quantize_model(None, bits=[4], out=chain / "q", progress=False),
+    ):
+        with pytest.raises(ExpertcacheError, match=f"directory {re.escape(str(chain))} does not exist"):
+            call()
+        assert not (tmp_path / "nope").exists()
 
 
 def test_a_writable_output_is_checked_without_a_trace(tmp_path, monkeypatch):

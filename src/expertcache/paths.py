@@ -12,16 +12,21 @@ from pathlib import Path
 from expertcache.errors import ExpertcacheError
 
 
-def writable_dir(folder: str | Path, what: str) -> Path:
+def writable_dir(folder: str | Path, what: str, parents: bool = False) -> Path:
     """``folder``, created if need be, after proving a file can be written there: a bad output folder is
-    found out before a long job, not after it (``what`` names the output in the message)."""
+    found out before a long job, not after it (``what`` names the output in the message). The folder is
+    made, not a chain of missing ones (a mistyped path is refused, as a file's missing folder is), but
+    with ``parents``: a place of the program's own (the user's cache)."""
     if not str(folder).strip():
         raise ExpertcacheError(f"an empty path for {what}: give a folder")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ExpertcacheError(f"{folder}: exists and is not a directory")
+    above = folder.absolute().parent
+    if not parents and not folder.exists() and not above.is_dir():
+        raise ExpertcacheError(f"{folder}: cannot write {what} there: directory {above} does not exist")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=parents, exist_ok=True)
         probe = folder / ".write-test"
         probe.write_bytes(b"")
         probe.unlink()

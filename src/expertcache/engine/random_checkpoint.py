@@ -16,7 +16,7 @@ import torch
 from expertcache.config import CHECKPOINT_DTYPES
 from expertcache.engine.families import FAMILIES, Shape
 from expertcache.errors import ExpertcacheError, first_line
-from expertcache.paths import as_umask_allows
+from expertcache.paths import as_umask_allows, writable_dir
 from expertcache.units import whole_number
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -35,6 +35,8 @@ def _prepare_out(out: Path, tok_dir: Path) -> None:
     the folder the tokenizer comes from (the embedded model, by default)."""
     if out.exists() and not out.is_dir():
         raise ExpertcacheError(f"{out}: exists and is not a directory")
+    if not out.exists() and not out.absolute().parent.is_dir():  # the folder is made, not its parents
+        raise ExpertcacheError(f"{out}: directory {out.absolute().parent} does not exist")
     if out.is_dir() and tok_dir.is_dir() and out.resolve() == tok_dir.resolve():
         raise ExpertcacheError(f"{out}: is the checkpoint the tokenizer comes from; choose another folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MARK).is_file():
@@ -148,7 +150,7 @@ def make_checkpoint(
     model = causal_lm_class(config).from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)
     _clear_checkpoint(out)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_dir(out, "the checkpoint")  # the folder is made, its parent must exist
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), **kwargs)
     for name in _TOKENIZER_FILES:

@@ -58,6 +58,7 @@ def destination(model: Path, out: str | Path | None, fp: str | None = None) -> P
         beside = model / "expertcache-quant"
         mine = os.access(model, os.W_OK) and model.resolve() != DEFAULT_MODEL
         folder = beside if mine else cache_root() / (fp or fingerprint(model))
+        return writable_dir(folder, "the quantised copies", parents=not mine)  # the cache: its own
     return writable_dir(folder, "the quantised copies")
 
 
