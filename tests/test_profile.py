@@ -157,6 +157,25 @@ def test_profile_measures_each_low_precision_copy_that_exists(ckpt, tmp_path, ca
     assert data["cost"]["dequant_s"] == int4["dequant_s"] and "dequant_s" in data["measured"]
 
 
+def test_a_packed_model_s_profile_says_what_it_stores_and_refuses_to_time_hobbit(ckpt, tmp_path, capsys):
+    """A new user's int8 checkpoint was profiled as float32 experts without a gate projection, and
+    timing --miss hobbit then predicted 6353 low-precision misses the engine refuses to run."""
+    packed = tmp_path / "int8"
+    assert main(["quantize", str(ckpt("mixtral")), "--bits", "8", "--checkpoint", str(packed)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", str(packed), "--device", "cpu", "--steps", "2", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "; stored int8)" in text and "the experts are stored int8: hobbit's copies are made from" in text
+    shape = json.loads(out.read_text())["model"]
+    assert shape["gated"] is True and shape["expert_format"] == "int8"
+    trace = tmp_path / "t.npz"
+    synthesize("zipf", tokens=60, layers=shape["layers"], experts=shape["experts"], top_k=TOP_K).save(trace)
+    assert main(["timing", "--trace", str(trace), "--cost", str(out), "--miss", "hobbit"]) == 2
+    assert "whose experts are stored int8: hobbit serves low-precision copies" in capsys.readouterr().err
+    assert main(["timing", "--trace", str(trace), "--cost", str(out)]) == 0
+
+
 def test_profile_leaves_out_a_copy_it_cannot_read(ckpt, tmp_path, capsys, monkeypatch):
     """int2 copies are HQQ's: without hqq the profile says so for them and times the others."""
     import sys

@@ -310,6 +310,22 @@ def as_cost(cost: CostModel | dict | str | os.PathLike | None, trace=None) -> Co
     )
 
 
+FULL_FORMATS = ("float32", "bfloat16", "float16")  # experts stored at full precision (a profile's model)
+
+
+def check_low_precision(path: str | os.PathLike, shape: dict | None, misses) -> None:
+    """A profile of a model whose experts are stored packed (int8, int4, mxfp4, fp8) has no low-precision
+    copies for a miss path to serve (the engine refuses hobbit there): timing it would predict a run that
+    cannot happen."""
+    fmt = (shape or {}).get("expert_format", "float32")
+    lossy = [m for m in misses if str(m).split(":")[0] == "hobbit"]
+    if fmt not in FULL_FORMATS and lossy:
+        raise ExpertcacheError(
+            f"profile {path} is of a model whose experts are stored {fmt}: {lossy[0]} serves low-precision "
+            "copies, which are made from a full-precision checkpoint (profile that one)"
+        )
+
+
 def check_shape(path: str | os.PathLike, shape: dict | None, trace) -> None:
     """A profile (``path``, its model ``shape``) measured for another model's shape than ``trace``'s
     (layers, experts, top-k) is refused in one line: its expert size and times are another model's."""

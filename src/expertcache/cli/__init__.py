@@ -1069,11 +1069,16 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int, window: int | N
 
 
 def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
-    """A ``--cost`` profile measured for another model's shape is refused."""
-    from expertcache.costs import CostModel, check_shape
+    """A ``--cost`` profile measured for another model's shape is refused, and one of a packed model
+    for a miss path that needs low-precision copies."""
+    from expertcache.costs import CostModel, check_low_precision, check_shape
 
     if args.cost:
-        check_shape(args.cost, CostModel.load_profile(args.cost)[1], trace)
+        shape = CostModel.load_profile(args.cost)[1]
+        check_shape(args.cost, shape, trace)
+        given = getattr(args, "miss", None)
+        misses = given if isinstance(given, list) else [given or "fetch"]
+        check_low_precision(args.cost, shape, misses)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import datetime
 import os
 import platform
 
-from expertcache.costs import PROFILE_FORMAT, CostModel
+from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, CostModel
 from expertcache.errors import ExpertcacheError, option
 from expertcache.units import parse_duration, parse_rate, whole_number
 
@@ -105,7 +105,9 @@ def profile(
         shape = {
             "name": model_label(m.path), "layers": m.num_layers, "experts": m.num_experts, "top_k": m.top_k,
             "expert_bytes": m.layout.nbytes, "dtype": str(m.dtype).removeprefix("torch."),
-            "gated": "gate_up_proj" in m.layout.names,
+            # a packed checkpoint's slots hold gate_up_proj.q and its scales: the matrices are its shapes'
+            "gated": "gate_up_proj" in (m.packed.shapes if m.packed is not None else m.layout.names),
+            "expert_format": m.stats["expert_format"],  # float32, bfloat16, or a packed format: int8 ...
         }  # fmt: skip
         dev = str(m.device)
         tier = m.tier.name
@@ -284,7 +286,9 @@ def format_profile(data: dict[str, object]) -> str:
     shape = data["model"]
     lines = [
         f"model      {shape['name']}: {shape['layers']} MoE layers x {shape['experts']} experts, top-"
-        f"{shape['top_k']}, {shape['expert_bytes'] / 2**20:.2f} MiB per expert ({shape['dtype']})",
+        f"{shape['top_k']}, {shape['expert_bytes'] / 2**20:.2f} MiB per expert ({shape['dtype']}"
+        + (f"; stored {fmt}" if (fmt := shape.get("expert_format", shape["dtype"])) != shape["dtype"] else "")
+        + ")",
         f"cost       {cost.describe()}",
         f"measured   {', '.join(data['measured'])}",
         f"declared   {', '.join(data['declared']) or 'nothing'}",
@@ -303,7 +307,10 @@ def format_profile(data: dict[str, object]) -> str:
                 for name, p in data["precisions"].items()
             )
             or (
-                "full only (no low-precision copies: expertcache quantize makes them)"
+                f"full only (the experts are stored {shape['expert_format']}: hobbit's copies are made from "
+                "a full-precision checkpoint)"
+                if shape.get("expert_format", "float") not in FULL_FORMATS
+                else "full only (no low-precision copies: expertcache quantize makes them)"
                 if shape.get("gated", True)
                 else "full only (experts without a gate projection have no low-precision copies)"
             )
