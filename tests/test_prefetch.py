@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 
@@ -504,8 +505,31 @@ def test_cli_predictor_accuracy_reports_per_layer_accuracy(ckpt, tmp_path, capsy
     for r in rows:
         assert len(r["per_layer"]) == layers and r["per_layer"][0] is None  # layer 0 is never predicted
         assert all(a is None or 0.0 <= a <= 1.0 for a in r["per_layer"]) and 0.0 <= r["accuracy"] <= 1.0
+    assert err.count("reaches past a 2-layer model") == 1  # each predictor built once (it said it twice)
     assert main(["predictor-accuracy", "--model", str(path), "--predictors", "oracle"]) == 2
     assert "exact by definition" in capsys.readouterr().err
+    for flags, needle in (  # one message an option, naming the flag; one new token has no decode step
+        (["--max-new-tokens", "1"], "--max-new-tokens must be at least 2 (accuracy is counted over decode"),
+        (["--window", "0"], "--window must be at least 1, got 0"),
+    ):
+        assert main(["predictor-accuracy", "--model", str(path), *flags]) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_evaluate_model_takes_one_prompt_name_or_window_as_one(ckpt):
+    """evaluate_model(prompts="def f", names="next-gate") ran five one-letter prompts, and asked for
+    predictor 'n'."""
+    from expertcache.tools.predictor_accuracy import evaluate_model
+
+    rows = evaluate_model(ckpt("mixtral"), "a b c d", "next-gate", 1, max_new_tokens=3)
+    assert [(r["name"], r["window"], r["steps"]) for r in rows] == [("next-gate", 1, 2)]
+    for kwargs, needle in (
+        ({"prompts": ["a", 5]}, "prompts holds int 5; it takes text"),
+        ({"windows": [1, "2"]}, "windows holds str '2'; it takes whole numbers"),
+        ({"max_new_tokens": 1}, "max_new_tokens must be at least 2"),
+    ):
+        with pytest.raises(ExpertcacheError, match=re.escape(needle)):
+            evaluate_model(ckpt("mixtral"), **{"prompts": "a b", **kwargs})
 
 
 @pytest.mark.parametrize("name", ["next-gate", "window", "eam"])

@@ -1819,8 +1819,13 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
     for name in names:
         if predictor_class(name).sim_only:
             raise ExpertcacheError(f"predictor {name} needs the future; it is exact by definition")
-    if min(args.window) < 1 or args.max_new_tokens < 1:
-        raise ExpertcacheError("--window and --max-new-tokens must be at least 1")
+    if min(args.window) < 1:
+        raise ExpertcacheError(f"--window must be at least 1, got {min(args.window)}")
+    if args.max_new_tokens < 2:  # the first new token comes from the prompt's forward: no decode step
+        raise ExpertcacheError(
+            f"--max-new-tokens must be at least 2 (accuracy is counted over decode steps), got "
+            f"{args.max_new_tokens}"
+        )
     trace = None
     if args.predictor and Path(args.predictor).suffix == ".npz":
         from expertcache.predict.registry import trace_readers

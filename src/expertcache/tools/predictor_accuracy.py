@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from expertcache.engine.routing import router_fns
+from expertcache.errors import option
 from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor
 from expertcache.tools.capture import Captured, capture, load_for_capture
@@ -138,10 +139,13 @@ def evaluate_model(
     from expertcache.engine.hub import resolve_model
 
     names = values_of(names, "names", str)  # "next-gate" is one name, not nine
-    windows = [whole_number(k, "windows") for k in values_of(windows, "windows", numbers.Integral)]
+    windows = [
+        whole_number(k, option("--window", "windows"))
+        for k in values_of(windows, "windows", numbers.Integral)
+    ]
     texts = values_of(prompts, "prompts", str) if prompts is not None else heldout_prompts()
     # the first new token comes from the prompt's forward: ACCURACY counts the decode steps after it
-    max_new_tokens = whole_number(max_new_tokens, "max_new_tokens", 2)
+    max_new_tokens = whole_number(max_new_tokens, option("--max-new-tokens", "max_new_tokens"), 2)
     path = resolve_model(model_path)
     model, tokenizer = load_for_capture(path)
     built = {  # every predictor before the capture: one that cannot be built fails first, not after
