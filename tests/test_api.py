@@ -570,3 +570,16 @@ def test_contexts_are_whole_numbers_and_repeats_run_once():
     assert ec.PolicyContext(np.int64(4), 2, 4).capacity == 4
     results = ec.simulate(ec.default_trace(), ["lru", "lru", "fifo"], [24])
     assert [r.policy for r in results] == ["lru", "fifo"]  # a repeat is the same replay, as for capacities
+
+
+def test_a_model_or_bits_of_the_wrong_type_is_named_before_any_work(tmp_path):
+    """model_info(42) raised pathlib's TypeError; write_checkpoint(None, "8", out) wrote an 'int8'
+    checkpoint recording bits "8"."""
+    from expertcache.engine.offloaded import model_info
+    from expertcache.tools.quantize import write_checkpoint
+
+    with pytest.raises(ExpertcacheError, match="a model is a checkpoint's folder or a Hugging Face id, got 42"):
+        model_info(42)
+    with pytest.raises(ExpertcacheError, match="bits must be a whole number, got '8'"):
+        write_checkpoint(None, "8", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -316,6 +316,10 @@ def test_policies_lists_every_registered_name(capsys):
 
 
 BAD_INPUTS = [
+    (
+        ["model", "synth", "--family", "mixtral", "-o", "{out}", "--max-shard-size", "0MB"],
+        "more than 0 bytes",
+    ),
     (["sim", "{missing}"], "no such trace file"),
     (["sim", "{trace}", "--bogus"], "unrecognized arguments: --bogus (see expertcache sim --help)"),
     (["--bogus"], "unknown option --bogus: a command comes first"),

@@ -1640,6 +1640,8 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
     from expertcache.units import parse_size
 
     shard = None if args.max_shard_size is None else int(parse_size(args.max_shard_size, "--max-shard-size"))
+    if shard == 0:  # it wrote one file, as without the option
+        raise ExpertcacheError(f"--max-shard-size {args.max_shard_size}: a shard holds more than 0 bytes")
 
     quiet_transformers()
     if args.layers is None:

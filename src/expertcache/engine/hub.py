@@ -7,6 +7,7 @@ are honoured). Nothing is downloaded unless asked (``download=True``, ``--downlo
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def resolve_model(model: str | Path | None, download: bool = False) -> Path:
                 "a download needs a Hugging Face id (--model org/name); the embedded model is installed"
             )
         return DEFAULT_MODEL
+    if not isinstance(model, str | os.PathLike):  # model_info(42): pathlib's TypeError named nothing
+        raise ExpertcacheError(f"a model is a checkpoint's folder or a Hugging Face id, got {model!r}")
     path = Path(model).expanduser()
     if path.exists() or not _HUB_ID.fullmatch(str(model)):
         if download:

@@ -315,10 +315,13 @@ def write_checkpoint(
 
     from expertcache.engine.packed import CONFIG_KEY, OWN, STORED, Packed, check_format, describe_format
 
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral):  # "8" was written as int"8"
+        raise ExpertcacheError(f"{option('--bits', 'bits')} must be a whole number, got {bits!r}")
     fmt = f"int{bits}"
     if fmt not in OWN:
         raise ExpertcacheError(
-            f"--bits {bits}: a packed checkpoint is one of {', '.join(f[3:] for f in OWN)}"
+            f"{option('--bits', 'bits')} {bits}: a packed checkpoint is one of "
+            f"{', '.join(f[3:] for f in OWN)}"
         )
     group = check_format(fmt, group)
     start = time.perf_counter()
