@@ -446,6 +446,9 @@ def main(argv=None) -> int:
         do_sample=False, num_beams=1, max_new_tokens=60, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot
     )
     model.save_pretrained(out_dir, safe_serialization=True)
+    mask = os.umask(0)  # safetensors writes its file for the owner alone: give it what open() would
+    os.umask(mask)
+    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o666 & ~mask)
 
     samples = generate_samples(model, hf_tok)
     for s in samples:

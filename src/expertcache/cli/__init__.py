@@ -1736,10 +1736,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             print(f"int{r['bits']} ({grouping}): {r['path']} ({r['bytes_per_expert']} bytes per "
                   f"expert, {share:.1%} of the full one)")  # fmt: skip
     if args.out is not None:
-        from expertcache.engine.hub import resolve_model
+        from expertcache.engine.hub import DEFAULT_MODEL, resolve_model
         from expertcache.engine.quantized import candidates
 
-        where = " or ".join(str(c) for c in candidates(resolve_model(args.model)))
+        model = resolve_model(args.model)
+        places = candidates(model)
+        if model.resolve() == DEFAULT_MODEL.resolve():  # the installed package is no place to put files
+            places = places[1:]
+        where = " or ".join(str(c) for c in places)
         print(f"note: the engine looks for copies in {where}, not in {args.out}: move the files there to "
               "use them (--out is for building them elsewhere)", file=sys.stderr)  # fmt: skip
     return 0

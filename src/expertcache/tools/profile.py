@@ -120,9 +120,10 @@ def profile(
     cost = CostModel.from_dict(base, measured)
     if declared:  # a declared device (its compute) is another processor than this host
         cost = CostModel.from_dict({**declared, "host_parallel": "expert_s" in declared}, cost)
-    # step_s is 0: the rest of a step is measured (or declared) as dense_s; host_read_s is not measured
-    # (reading the profile gives it the disk tier's transfer: costs.host_reads_of)
-    skip = ("chunk_bytes", "wake_s", "submit_s", "step_s", "host_read_s")
+    # step_s is 0: the rest of a step is measured (or declared) as dense_s; host_read_s is measured on the
+    # disk and mapped tiers (calibrate: one expert read into memory), 0 elsewhere (reading a profile
+    # without it gives it the tier's transfer: costs.host_reads_of)
+    skip = ("chunk_bytes", "wake_s", "submit_s", "step_s") + (() if cost.host_read_s else ("host_read_s",))
     if not cost.disk_read_s:  # measured on the disk tier (and with a host level) only
         skip += ("disk_read_s",)
     if not cost.demote_s:  # measured on a CPU only (a GPU copies down on a stream of its own)
