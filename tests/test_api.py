@@ -148,6 +148,7 @@ def test_a_cost_files_bare_number_far_from_any_machine_is_refused_not_read_in_ba
     assert main(["timing", "--cost", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"expertcache: error: {path}: cost field")
     assert CostModel.from_dict({"link_bandwidth": 16e9, "link_latency": 5e-6, "step_s": "2s"}).step_s == 2.0
+    assert CostModel.from_dict({"disk_read_s": 3.4}).disk_read_s == 3.4  # 336 MiB from a slow disk
 
 
 def test_a_replay_of_a_prefetching_run_warns_in_python_and_notes_on_the_command_line(trace, tmp_path, capsys):

@@ -427,8 +427,10 @@ def _parse_field(name: str, value: object) -> object:
 
 
 # a bare number is in base units (seconds, bytes a second), as ``profile`` writes them; one far outside
-# what a machine measures was most likely meant in another unit (16 for 16 GB/s, 5 for 5 us): refused
+# what a machine measures was most likely meant in another unit (16 for 16 GB/s, 5 for 5 us): refused.
+# A whole expert's read from a slow disk may take seconds (336 MiB at 100 MB/s: 3.4 s); nothing else does.
 _BARE_LONGEST_S = 1.0
+_BARE_LONGEST_READ_S = 60.0
 _BARE_SLOWEST_RATE = 1e6
 
 
@@ -438,7 +440,8 @@ def _plausible(what: str, name: str, value: float) -> float:
             f"{what}: {value:g} would be {value:g} bytes a second; a bare number is bytes a second, so give "
             f'the unit ("{value:g}GB/s")'
         )
-    if name != "link_bandwidth" and value >= _BARE_LONGEST_S:
+    longest = _BARE_LONGEST_READ_S if name in ("disk_read_s", "host_read_s") else _BARE_LONGEST_S
+    if name != "link_bandwidth" and value >= longest:
         raise ExpertcacheError(
             f"{what}: {value:g} would be {value:g} s; a bare number is seconds, so give the unit "
             f'("{value:g}us", "{value:g}ms", or "{value:g}s" if it is)'

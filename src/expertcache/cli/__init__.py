@@ -1448,7 +1448,9 @@ def _note_skipped(
 
 def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
     """``sim --capacity``: items of ``units.capacity_items``' grammar, ``all`` from the least the layer
-    order allows; a whole number above all experts is capped, with a note."""
+    order allows; one capacity above all experts is capped, with a note, and one below top-k (in layer
+    order) refused, said in experts where it was a share; a range's capacities outside those bounds are
+    left out, with a note."""
     total = trace.num_layers * trace.num_experts
     room = min_room(order, trace.top_k)
     why = f"in layer order a token's {trace.top_k} experts of a layer must be resident together"
@@ -1648,9 +1650,10 @@ def _cmd_model_synth(args: argparse.Namespace) -> int:
         from expertcache.engine.families import FAMILIES
 
         args.layers = max(2, FAMILIES[args.family].min_layers) if args.family in FAMILIES else 2
-    for name in ("hidden", "layers", "experts", "top_k", "intermediate", "heads", "seed"):
-        if getattr(args, name) < (name != "seed"):
-            raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least {int(name != 'seed')}")
+    for name, least in (("hidden", 1), ("layers", 1), ("experts", 1), ("top_k", 1), ("intermediate", 1),
+                        ("heads", 1), ("seed", 0)):  # fmt: skip
+        if getattr(args, name) < least:
+            raise ExpertcacheError(f"--{name.replace('_', '-')} must be at least {least}")
     out = make_checkpoint(
         args.out,
         args.family,
