@@ -347,9 +347,8 @@ def verdict(r: dict[str, object]) -> list[str]:
     else:
         out.append(f"routing is local (SRP({m}) = {srp_m:.3f}): a cache can exploit it")
         per = r["consistency"]["per_layer"]
-        low = [
-            i for i, x in enumerate(per) if x is not None and x < LOCAL_SRP and x < 0.8 * srp_m
-        ]  # well below
+        # well below the rest (a layer without a known expert has no SRP to be below it)
+        low = [i for i, x in enumerate(per) if x is not None and x < LOCAL_SRP and x < 0.8 * srp_m]
         if low:
             shown = ", ".join(f"{i} ({per[i]:.2f})" for i in low[:8]) + (" ..." if len(low) > 8 else "")
             out.append(
