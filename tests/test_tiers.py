@@ -876,6 +876,7 @@ def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, short_t
     costs = {"link_bandwidth": "1GB/s", "disk_read_s": "0.2ms"}
     prof.write_text(json.dumps({
         "format": "expertcache-profile", "version": 1, "cost": costs,
+        "model": {"name": "embedded", "layers": 6, "experts": 16, "top_k": 2},
         "measured": ["link_bandwidth", "disk_read_s"], "how": {"slow_tier": "disk", "link": "disk -> cpu"},
     }))  # fmt: skip
     argv = [command, "--trace", short_trace, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60"]

@@ -23,6 +23,7 @@ from expertcache.paths import not_json_kind, write_output
 from expertcache.units import parse_duration, parse_rate, parse_size
 
 PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
+PROFILE_VERSION = 1  # the profile files this version reads and writes
 MAX_CHUNKS = 4096  # chunks per expert the timing model follows one by one (a chunk of 1 B ran out of memory)
 AUTO = "auto"  # chunk_bytes: an expert's three weight matrices, about a third of it each, where that pays
 AUTO_CHUNKS = 3
@@ -213,7 +214,7 @@ class CostModel:
         """A cost model file or a profile (``expertcache profile``): the costs, and the profile's model
         shape (``layers``, ``experts``, ``top_k``, ...; None for a plain cost model)."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
         except OSError as e:
             raise ExpertcacheError(f"{path}: cannot read cost model ({e.strerror or e})") from None
         except ValueError as e:
@@ -236,7 +237,22 @@ class CostModel:
                 f"{path} is {what}, not a cost model or a profile (expertcache profile writes one)"
             )
         if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
-            shape = data.get("model") if isinstance(data.get("model"), dict) else None
+            if data.get("version") != PROFILE_VERSION:
+                raise ExpertcacheError(
+                    f"{path}: a profile of version {data.get('version')!r}; this expertcache reads version "
+                    f"{PROFILE_VERSION} (expertcache profile writes one)"
+                )
+            shape = data.get("model")
+            if not isinstance(shape, dict):  # without it, a profile of another model would pass unchecked
+                raise ExpertcacheError(
+                    f"{path}: a profile without its 'model' object (the model it measured)"
+                )
+            for key in ("layers", "experts", "top_k"):
+                v = shape.get(key)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ExpertcacheError(
+                        f"{path}: the profile's model.{key} must be a whole number, got {v!r}"
+                    )
             profile, data = data, data.get("cost")
             if not isinstance(data, dict):
                 raise ExpertcacheError(f"{path}: a profile without its 'cost' object")

@@ -23,6 +23,8 @@ from expertcache.policy.registry import is_offline
 
 FORMAT = "expertcache-plan"
 VERSION = 1
+METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")  # how the planner laid the budgets out
+OBJECTIVES = ("tpot", "ttft")  # what it minimised
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,18 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ExpertcacheError(f"plan: {name} must be a positive integer, got {value!r}")
+        for name in ("policy", "miss", "prefetch", "method", "objective", "host_policy"):  # "policy": 5
+            value = getattr(self, name, None)
+            if value is not None and not isinstance(value, str):
+                raise ExpertcacheError(f"plan: {name} must be text, got {value!r}")
+        for name, known in (("method", METHODS), ("objective", OBJECTIVES)):
+            if getattr(self, name) not in known:
+                raise ExpertcacheError(
+                    f"plan: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}"
+                )
+        for name in ("predicted", "lower_bound", "source"):  # read with .get() by the engine and timing
+            if not isinstance(getattr(self, name), dict):
+                raise ExpertcacheError(f"plan: {name} must be an object, got {getattr(self, name)!r}")
         if self.top_k > self.experts:
             raise ExpertcacheError(
                 f"plan: top_k {self.top_k} is more than the {self.experts} experts a layer has"
@@ -213,7 +227,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
         except OSError as exc:
             raise ExpertcacheError(
                 f"{path}: cannot read the plan ({(exc.strerror or str(exc)).lower()})"

@@ -1171,7 +1171,7 @@ def _note_profile_links(args: argparse.Namespace, host) -> None:
     from expertcache.costs import PROFILE_FORMAT, read_tier_link
 
     try:
-        profile = json.loads(Path(args.cost).read_text())
+        profile = json.loads(Path(args.cost).read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return  # CostModel.load has read it already, or said why it could not
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
@@ -1803,7 +1803,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     texts = None
     if args.text:
         try:
-            texts = [Path(args.text).read_text(encoding="utf-8")]
+            texts = [Path(args.text).read_text(encoding="utf-8-sig")]
         except (OSError, UnicodeDecodeError) as exc:
             raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
     r = measure(

@@ -287,7 +287,10 @@ def _chat_template(model, args) -> None:
     if args.chat_template:
         from expertcache.tools.prompts import read_text
 
-        model.tokenizer.chat_template = read_text(args.chat_template, "chat template")
+        template = read_text(args.chat_template, "chat template")
+        if not template.strip():  # it was taken for none, and the model's tokenizer blamed
+            raise ExpertcacheError(f"{args.chat_template}: the chat template is empty")
+        model.tokenizer.chat_template = template
 
 
 def _err(line: str, args) -> None:

@@ -44,7 +44,13 @@ from expertcache.engine.kernels import (
     resolve_kernel,
 )
 from expertcache.engine.link import EmulatedLink
-from expertcache.engine.loader import build_skeleton, check_attention, read_config, resolve_dtype
+from expertcache.engine.loader import (
+    build_skeleton,
+    check_attention,
+    layers_beyond,
+    read_config,
+    resolve_dtype,
+)
 from expertcache.engine.memory import SlotLayout, SlotPool, available_memory, release_freed
 from expertcache.engine.packed import Packed, PackedPool, describe_format, require_gate
 from expertcache.engine.parts import EnginePart, full_part, quantized_part, segment_part
@@ -198,6 +204,13 @@ class Builder:
         )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
+        beyond = layers_beyond(sk.store.ckpt, sk.config)
+        if beyond:  # a config.json of 3 layers over weights of 6 ran another model without a word
+            self.notes.append(
+                f"the checkpoint holds weights of layer(s) {beyond}, beyond config.json's num_hidden_layers "
+                f"({sk.config.num_hidden_layers}): they are not run (a config of another model, or a "
+                "family's extra layers, as DeepSeek-V3's multi-token prediction)"
+            )
         self.packed = sk.packed
         self.layout = sk.layout  # one whole expert, as stored
         self.dense = None  # the dense weights as stored, or quantised here (opt-in: engine.dense)

@@ -222,9 +222,15 @@ def build_skeleton(
     # parameters on the meta device and no initialisation of them (random draws into meta tensors took 0.3 s
     # of a Granite-shaped model's load): every one is read from the checkpoint; buffers are computed
     with init_empty_weights(include_buffers=False), no_init_weights(), _attention_refused(config, attention):
-        model = causal_lm_class(config).from_config(
-            config, experts_implementation=IMPLEMENTATION, dtype=dtype, **_attention_kwargs(attention)
-        )
+        try:
+            model = causal_lm_class(config).from_config(
+                config, experts_implementation=IMPLEMENTATION, dtype=dtype, **_attention_kwargs(attention)
+            )
+        except (RuntimeError, ValueError, TypeError) as exc:  # a size of -16, a head of 9 values in 2 ...
+            if attention is not None and "attention" in str(exc).lower():
+                raise  # _attention_refused's to say
+            raise ExpertcacheError(f"{path}: transformers cannot build the model config.json describes "
+                                   f"({first_line(exc)})") from None  # fmt: skip
     default_attention(model, attention, device)
     experts, prefixes, shapes = [], [], None
     for name, module in model.named_modules():
@@ -374,11 +380,34 @@ def _load_dense(
             )
         for part, t in zip(parts, torch.split(read[key], sizes), strict=True):
             state[part] = t.clone()
-    model.load_state_dict(state, strict=False, assign=True)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # "size mismatch for ...": config.json describes another model's shapes
+        found = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) "
+                          r"from checkpoint, the shape in current model is torch.Size\((\[[^\]]*\])\)",
+                          str(exc))  # fmt: skip
+        said = (f"{found[1]} is {found[2]} in the weights, {found[3]} by config.json" if found
+                else first_line(exc))  # fmt: skip
+        raise ExpertcacheError(f"{ckpt.path}: config.json does not describe these weights: {said}") from None
     model.tie_weights()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:
             raise ExpertcacheError(f"{ckpt.path}: checkpoint lacks tensor {name}")
+
+
+def layers_beyond(ckpt: Checkpoint, config) -> str:
+    """Decoder layers the checkpoint's tensors name past the config's ``num_hidden_layers`` (as text:
+    "3..5"), or "" where there are none."""
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int):
+        return ""
+    found = sorted({int(m[1]) for key in ckpt for m in [_LAYER_KEY.match(key)] if m and int(m[1]) >= count})
+    if not found:
+        return ""
+    return str(found[0]) if len(found) == 1 else f"{found[0]}..{found[-1]}"
+
+
+_LAYER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
 
 
 @contextlib.contextmanager

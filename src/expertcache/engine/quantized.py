@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from expertcache.engine.memory import SlotLayout
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, first_line
 from expertcache.miss.base import MissPathError
 
 FORMAT = "expertcache-quantized-experts"
@@ -113,7 +113,17 @@ def read_meta(path: Path) -> dict:
         raise ExpertcacheError(f"{path}: cannot read quantised experts ({exc})") from None
     if meta.get("format") != FORMAT:
         raise ExpertcacheError(f"{path}: not a file of quantised experts (format {meta.get('format')!r})")
-    return {**meta, "tensors": json.loads(meta["tensors"])}
+    try:
+        tensors = json.loads(meta["tensors"])
+        for t in tensors.values():  # each stored tensor's bytes: what its slot is laid out from
+            if isinstance(t["bytes"], bool) or not isinstance(t["bytes"], int) or t["bytes"] < 0:
+                raise ValueError(f"bytes {t['bytes']!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ExpertcacheError(
+            f"{path}: its metadata does not describe its tensors ({first_line(exc)}): run expertcache "
+            "quantize again"
+        ) from None
+    return {**meta, "tensors": tensors}
 
 
 def quant_layout(meta: dict) -> SlotLayout:

@@ -390,6 +390,12 @@ def _map_file(file: Path) -> tuple[dict[str, torch.Tensor], _Mapping | None]:
     return out, mapping
 
 
+def _leaves_folder(name: str) -> bool:
+    """Whether a file name of an index points out of its folder (an absolute path, or up past it)."""
+    path = Path(os.path.normpath(name))
+    return path.is_absolute() or path.parts[:1] == ("..",)
+
+
 class Checkpoint:
     """Every tensor of a safetensors checkpoint by name, each file opened once and memory-mapped."""
 
@@ -402,9 +408,20 @@ class Checkpoint:
         index, single = self.path / INDEX, self.path / SINGLE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(index.read_text(encoding="utf-8-sig"))["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ExpertcacheError(f"{index}: not a safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items()
+            ):
+                raise ExpertcacheError(
+                    f"{index}: not a safetensors index (its weight_map maps names to files)"
+                )
+            # "../../etc/passwd": a checkpoint's shards are files of its folder, by name (not resolved: the
+            # Hugging Face cache links each to a blob elsewhere)
+            outside = next((f for f in weight_map.values() if _leaves_folder(f)), None)
+            if outside is not None:
+                raise ExpertcacheError(f"{index}: names a file outside the checkpoint's folder ({outside})")
             self.files = {k: self.path / f for k, f in weight_map.items()}
             self._found = {f: _found(f) for f in dict.fromkeys(self.files.values())}
         elif single.is_file():

@@ -197,7 +197,7 @@ def load_weights(path: str | Path) -> tuple[float, ...]:
     [...]}); any problem is a PolicyError naming the file."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise PolicyError(f"reuse: cannot read weights {path}: {e.strerror or e}") from None
     except ValueError:

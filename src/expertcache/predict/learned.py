@@ -102,6 +102,7 @@ def save_predictor(
 
 def load_predictor(directory: str | Path) -> tuple[dict, dict[int, torch.nn.Sequential], np.ndarray | None]:
     """(meta, {target layer: MLP in float32}, probe or None) from a directory of ``save_predictor``."""
+    import torch
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -109,7 +110,7 @@ def load_predictor(directory: str | Path) -> tuple[dict, dict[int, torch.nn.Sequ
         if not (directory / name).is_file():
             raise PredictorError(f"{directory}: no {name} (not a trained learned-predictor directory)")
     try:
-        meta = json.loads((directory / CONFIG).read_text())
+        meta = json.loads((directory / CONFIG).read_text(encoding="utf-8-sig"))
         tensors = load_file(str(directory / WEIGHTS))
     except Exception as exc:  # broken JSON or safetensors: one line, whatever the library raised
         raise PredictorError(
@@ -120,6 +121,7 @@ def load_predictor(directory: str | Path) -> tuple[dict, dict[int, torch.nn.Sequ
     missing = [key for key in _REQUIRED if key not in meta]
     if missing:
         raise PredictorError(f"{directory / CONFIG}: lacks {', '.join(missing)}")
+    _check_meta(directory / CONFIG, meta)
     mlps = {}
     for t in meta["targets"]:
         mlp = make_mlp(meta["hidden_size"], meta["hidden"], meta["num_experts"])
@@ -133,9 +135,44 @@ def load_predictor(directory: str | Path) -> tuple[dict, dict[int, torch.nn.Sequ
             raise PredictorError(
                 f"{directory / WEIGHTS}: target layer {t}'s weights do not fit the shapes in {CONFIG}"
             ) from None
+        if not all(torch.isfinite(p).all() for p in mlp.parameters()):  # NaN weights predicted nothing
+            raise PredictorError(f"{directory / WEIGHTS}: target layer {t}'s weights are not all finite")
         mlps[int(t)] = mlp.eval()
     probe = tensors.get("probe")
     return meta, mlps, None if probe is None else probe.numpy()
+
+
+def _check_meta(where: Path, meta: dict) -> None:
+    """The predictor's description, each field as ``save_predictor`` writes it: a window of 0, -2 or 9 of
+    a 6-layer model, or an activation the MLPs do not use, was taken and ran (or said) something else."""
+    for key in ("window", "hidden", "num_layers", "num_experts", "hidden_size", "top_k"):
+        v = meta[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PredictorError(f"{where}: {key} must be a whole number >= 1, got {v!r}")
+    if meta["window"] >= meta["num_layers"]:
+        raise PredictorError(
+            f"{where}: window {meta['window']} reaches past the {meta['num_layers']} MoE layers it was "
+            "trained on"
+        )
+    if meta["top_k"] > meta["num_experts"]:
+        raise PredictorError(f"{where}: top_k {meta['top_k']} of {meta['num_experts']} experts")
+    targets = meta["targets"]
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 1 <= t < meta["num_layers"] for t in targets
+        )
+    ):
+        raise PredictorError(f"{where}: targets must be layers 1 .. {meta['num_layers'] - 1}")
+    if meta.get("activation", "gelu") != "gelu":  # make_mlp's
+        raise PredictorError(
+            f"{where}: activation {meta['activation']!r}; the learned predictor's MLPs use gelu"
+        )
+    if meta.get("dtype", "float16") not in ("float16", "bfloat16", "float32"):
+        raise PredictorError(
+            f"{where}: dtype {meta['dtype']!r} is not a float dtype the weights are stored in"
+        )
 
 
 def resolve_directory(path: str | Path | None, window: int | None) -> Path:
@@ -191,6 +228,11 @@ class Learned(Predictor):
         self._on: dict[torch.device, dict[int, tuple]] = {}
         self._checked = False
         self._check_probe()  # at load, not at the first prediction: a generation under way would be lost
+        if self.probe is None and ctx.routers is not None:  # said, not skipped in silence
+            self.note = (
+                f"{directory}: no probe (the routing it was trained on), so it is not checked to be this "
+                "model's predictor; expertcache train-predictor writes one"
+            )
 
     def _mlps(self, device) -> dict[int, tuple]:
         """Each target's MLP on ``device`` as its tensors ``(W1, b1, W2, b2)``: ``_run`` calls the two

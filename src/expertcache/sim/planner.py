@@ -40,7 +40,7 @@ from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConf
 from expertcache.costs import CostModel, as_cost, check_dense_layers
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import parse_miss
-from expertcache.plan import Plan
+from expertcache.plan import METHODS, OBJECTIVES, Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.predict.registry import trace_readers
@@ -49,9 +49,7 @@ from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import one_capacity, whole_number
 
-METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
-OBJECTIVES = ("tpot", "ttft")
 # the host level's policies the planner tries by default: those that decide by hits and insertions alone
 # a host level sees only the device's misses: frequency often beats recency there, and which one wins
 # depends on the trace (``bench/host_policies_sim.py``); -dist forms where the level holds top-k a layer

@@ -29,7 +29,7 @@ import datetime
 import os
 import platform
 
-from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, CostModel
+from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, PROFILE_VERSION, CostModel
 from expertcache.errors import ExpertcacheError, option
 from expertcache.units import parse_duration, parse_rate, whole_number
 
@@ -131,7 +131,7 @@ def profile(
     fields = [f for f in cost.to_dict() if f not in skip]
     return {
         "format": PROFILE_FORMAT,
-        "version": 1,
+        "version": PROFILE_VERSION,
         "model": shape,
         "cost": cost.to_dict(),
         "measured": [

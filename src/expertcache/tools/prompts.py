@@ -31,14 +31,22 @@ class PromptItem:
 
 def read_text(path: str | Path, what: str = "prompt") -> str:
     """A whole file (``-``: standard input) as text."""
+    where = "standard input" if str(path) == "-" else path
     try:
         if str(path) == "-":
             data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-            return data.decode("utf-8")
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        where = "standard input" if str(path) == "-" else path
-        raise ExpertcacheError(f"{where}: cannot read the {what} ({exc.__class__.__name__})") from None
+        else:
+            data = Path(path).read_bytes()
+        return data.decode("utf-8-sig")  # an editor's byte-order mark is no part of the text
+    except IsADirectoryError:
+        raise ExpertcacheError(f"{where}: cannot read the {what}: it is a folder, not a file") from None
+    except OSError as exc:
+        raise ExpertcacheError(f"{where}: cannot read the {what} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ExpertcacheError(
+            f"{where}: cannot read the {what}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+            f"position {exc.start})"
+        ) from None
 
 
 def read_prompt_items(path: str | Path) -> list[PromptItem]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import TraceError
+from expertcache.errors import TraceError, option
 from expertcache.trace.trace import Trace
 
 FORMATS = ("jsonl", "csv")
@@ -59,6 +59,8 @@ class _Rows:
             self.has_ids = req is not None
         if (req is not None) != self.has_ids:
             raise TraceError(f"{where}: 'req_id' is given for some records and not for others")
+        if req is not None and not isinstance(req, str | int) or isinstance(req, bool):
+            raise TraceError(f"{where}: req_id must be text or a whole number, got {req!r}")
         token, layer = _int(where, "token_idx", token), _int(where, "layer", layer)
         if token < 0 or layer < 0:
             raise TraceError(f"{where}: token_idx and layer must be >= 0")
@@ -151,7 +153,12 @@ class _Rows:
         # is one of its experts, whether the kept rows route to it or not (shares and "all" count them)
         need = max(int(ex.max()), max(max(v[0], default=-1) for v in self.routes.values())) + 1
         if num_experts is None:
-            num_experts = int(self.meta.get("num_experts") or need)
+            given = self.meta.get("num_experts")
+            if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+                raise TraceError(
+                    f"{self.source}: the header's num_experts must be a whole number >= 1, got {given!r}"
+                )
+            num_experts = given or need
         if need > num_experts:
             raise TraceError(f"{self.source}: expert id {need - 1} is out of range for {num_experts} experts")
         index = {r: i for i, r in enumerate(requests)}
@@ -273,6 +280,9 @@ def _csv(path: Path, rows: _Rows) -> None:
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark (Excel's) is dropped
         reader = csv.DictReader(f)
         head = reader.fieldnames or []
+        twice = sorted({c for c in head if head.count(c) > 1})
+        if twice:  # DictReader keeps the last column of a name: the other would be lost in silence
+            raise TraceError(f"{path}: the header names {', '.join(twice)} twice")
         experts = sorted((c for c in head if re.fullmatch(r"expert_\d+", c)), key=lambda c: int(c[7:]))
         weights = sorted((c for c in head if re.fullmatch(r"weight_\d+", c)), key=lambda c: int(c[7:]))
         missing = [c for c in ("token_idx", "layer") if c not in head]
@@ -330,12 +340,18 @@ def import_trace(
             f"{path}: a torch file is read by expertcache.tools.trace_import.import_torch (this module is "
             "torch-free)"
         )
+    if path.is_dir():
+        raise TraceError(f"{path}: a folder, not a routing log")
+    if path.suffix.lower() == ".npz":
+        raise TraceError(f"{path}: already a trace (.npz): give it to the commands as it is")
     if fmt not in FORMATS:
         formats = " or ".join(FORMATS)
-        raise TraceError(f"{path}: give the format (fmt= or --format: {formats}, or torch for .pt)")
+        raise TraceError(
+            f"{path}: give the format ({option('--format', 'fmt=')} {formats}, or torch for .pt)"
+        )
     whole = isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool)
-    if num_experts is not None and not whole:
-        raise TraceError(f"num_experts must be a whole number, got {num_experts!r}")
+    if num_experts is not None and (not whole or num_experts < 1):
+        raise TraceError(f"num_experts must be a whole number >= 1, got {num_experts!r}")
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     rows = _Rows(str(path))

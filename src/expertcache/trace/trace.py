@@ -57,6 +57,9 @@ class Trace:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TraceError(f"{self.source}: num_experts must be a whole number, got {n!r}")
         object.__setattr__(self, "num_experts", int(n))
+        most = np.iinfo(np.int16).max + 1  # expert ids are int16: (layer, expert) keys beyond wrap
+        if not 1 <= self.num_experts <= most:
+            raise TraceError(f"{self.source}: num_experts must be in 1 .. {most}, got {self.num_experts}")
         if not isinstance(self.meta, dict):
             raise TraceError(f"{self.source}: meta must be a dict, got {type(self.meta).__name__}")
         for name, (kinds, dtype, _) in _OPTIONAL.items():

@@ -1,0 +1,204 @@
+"""Files made wrong as real files go wrong, handed to the commands and the API: one line naming the file
+and the problem (exit 2), never a traceback, never a plausible wrong answer (a new user's trial)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import engine_fixtures
+import numpy as np
+import pytest
+from engine_fixtures import TOP_K
+
+from expertcache.cli import main
+from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError
+from expertcache.trace import Trace, load_trace, synthesize
+from expertcache.trace.default import default_trace
+from expertcache.trace.importers import import_trace
+
+BOM = "\ufeff"
+_one_torch_thread = engine_fixtures._one_torch_thread
+tokenizer_dir = engine_fixtures.tokenizer_dir
+make_ckpt = engine_fixtures.make_ckpt
+ckpt = engine_fixtures.ckpt
+
+
+def _err(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_trace_of_more_experts_than_its_ids_can_name_is_refused(tmp_path):
+    """num_experts 2**31 + 5 gave an OPT above LRU (keys wrapped) and 'out of memory' elsewhere."""
+    t = default_trace()
+    path = tmp_path / "huge.npz"
+    np.savez(path, experts=t.experts, num_experts=np.int64(2**31 + 5))
+    with pytest.raises(ExpertcacheError, match=r"num_experts must be in 1 \.\. 32768, got 2147483653"):
+        Trace(t.experts, 2**31 + 5)
+    with pytest.raises(ExpertcacheError, match="num_experts must be in 1 .. 32768"):
+        load_trace(path)
+
+
+def test_a_byte_order_mark_is_no_part_of_a_prompt_or_template(tmp_path, capsys):
+    """--prompts with a BOM read its JSON lines as plain text; a prompt file's BOM went to the model."""
+    from expertcache.tools.prompts import read_prompt_items, read_text
+
+    lines = tmp_path / "p.txt"
+    lines.write_text(BOM + '{"prompt": "def add(", "id": "a"}\n', encoding="utf-8")
+    items = read_prompt_items(lines)
+    assert [(i.prompt, i.id) for i in items] == [("def add(", "a")]
+    one = tmp_path / "one.txt"
+    one.write_text(BOM + "hello", encoding="utf-8")
+    assert read_text(one) == "hello"
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9")
+    with pytest.raises(ExpertcacheError, match=r"not UTF-8 text \(byte 0xe9 at position 3\)"):
+        read_text(latin)
+    with pytest.raises(ExpertcacheError, match="it is a folder, not a file"):
+        read_text(tmp_path)
+    empty = tmp_path / "t.jinja"
+    empty.write_text("")
+    err = _err(capsys, ["generate", "--prompt", "hi", "--chat", "--chat-template", str(empty)])
+    assert f"{empty}: the chat template is empty" in err  # not "the tokenizer has no chat template"
+
+
+def test_a_profile_without_its_model_or_of_another_version_is_refused(tmp_path):
+    good = {"format": "expertcache-profile", "version": 1, "cost": {"expert_s": 0.001},
+            "model": {"name": "m", "layers": 6, "experts": 16, "top_k": 2}}  # fmt: skip
+    for change, needle in (
+        ({"model": None}, "a profile without its 'model' object"),
+        ({"model": []}, "a profile without its 'model' object"),
+        ({"version": 99}, "a profile of version 99; this expertcache reads version 1"),
+        (
+            {"model": {**good["model"], "layers": "6"}},
+            "the profile's model.layers must be a whole number, got '6'",
+        ),
+    ):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ExpertcacheError, match=needle):
+            CostModel.load(path)
+    path.write_text(BOM + json.dumps(good), encoding="utf-8")  # an editor's BOM: read
+    assert CostModel.load(path).expert_s == 0.001
+
+
+def test_routing_logs_with_a_repeated_column_an_odd_request_or_header_are_named(tmp_path):
+    dup = tmp_path / "dup.csv"
+    dup.write_text("token_idx,layer,topk_ids,layer\n0,0,1 2,3\n")
+    with pytest.raises(ExpertcacheError, match="the header names layer twice"):
+        import_trace(dup)
+    for record, needle in (
+        ({"req_id": [1], "token_idx": 0, "layer": 0, "topk_ids": [1, 2]}, "req_id must be text or a whole"),
+        ({"type": "meta", "num_experts": "x"}, "the header's num_experts must be a whole number >= 1"),
+        ({"type": "meta", "num_experts": -1}, "the header's num_experts must be a whole number >= 1"),
+    ):
+        log = tmp_path / "r.jsonl"
+        rows = [record, {"token_idx": 0, "layer": 0, "topk_ids": [1, 2]}]
+        if "req_id" in record:
+            rows = [record, {"req_id": 2, "token_idx": 0, "layer": 0, "topk_ids": [1, 2]}]
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(ExpertcacheError, match=needle):
+            import_trace(log)
+    with pytest.raises(ExpertcacheError, match="num_experts must be a whole number >= 1, got 0"):
+        import_trace(log, num_experts=0)
+    with pytest.raises(ExpertcacheError, match="a folder, not a routing log"):
+        import_trace(tmp_path)
+    trace = tmp_path / "t.npz"
+    synthesize("zipf", tokens=20, layers=2, experts=4, top_k=2).save(trace)
+    with pytest.raises(ExpertcacheError, match=r"already a trace \(\.npz\)"):
+        import_trace(trace)
+
+
+def test_a_plan_with_fields_of_the_wrong_kind_is_refused(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", "default", "--expert-memory", "25%", "-o", str(out)]) == 0
+    capsys.readouterr()
+    good = json.loads(out.read_text())
+    for change, needle in (
+        ({"source": "x"}, "plan: source must be an object, got 'x'"),  # an AttributeError in timing
+        ({"policy": 5}, "plan: policy must be text, got 5"),
+        ({"method": "magic"}, "plan: method must be one of shared, uniform, knapsack, fate, moepic"),
+        ({"objective": "speed"}, "plan: objective must be one of tpot, ttft"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**good, **change}))
+        assert needle in _err(capsys, ["timing", "--plan", str(bad)])
+
+
+def test_a_checkpoint_whose_index_or_copies_are_broken_is_named(ckpt, tmp_path, capsys):
+    from expertcache.engine.store import Checkpoint
+
+    base = ckpt("mixtral")
+    for weight_map, needle in (
+        ([], r"not a safetensors index \(its weight_map maps names to files\)"),
+        ({"x": "../../etc/passwd"}, r"names a file outside the checkpoint's folder \(\.\./\.\./etc/passwd\)"),
+        ({"x": "/etc/passwd"}, r"names a file outside the checkpoint's folder \(/etc/passwd\)"),
+    ):
+        folder = tmp_path / "idx"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ExpertcacheError, match=needle):
+            Checkpoint(folder)
+    from expertcache.engine.quantized import read_meta
+    from expertcache.tools.quantize import quantize_model
+
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    path = Path(quantize_model(copy, bits=(4,), progress=False)[0]["path"])
+    from safetensors.torch import load_file, save_file
+
+    meta = read_meta(path)
+    save_file(load_file(str(path)), str(path), {**{k: str(v) for k, v in meta.items()}, "tensors": "nope"})
+    with pytest.raises(ExpertcacheError, match="its metadata does not describe its tensors"):
+        read_meta(path)
+
+
+def test_a_config_that_does_not_describe_the_weights_is_refused_or_said(ckpt, tmp_path, capsys):
+    """num_local_experts 8 over weights of 16 was torch's size-mismatch traceback; num_hidden_layers
+    3 over 6 layers of weights ran another model without a word."""
+    from expertcache.engine import load
+
+    base = ckpt("mixtral")
+    config = json.loads((base / "config.json").read_text())
+    fewer = tmp_path / "fewer-experts"
+    shutil.copytree(base, fewer)
+    (fewer / "config.json").write_text(
+        json.dumps({**config, "num_local_experts": config["num_local_experts"] // 2})
+    )
+    with pytest.raises(
+        ExpertcacheError, match=r"config.json does not describe these weights: .* is \[\d+, \d+\] in"
+    ):
+        load(fewer, progress=False)
+    short = tmp_path / "fewer-layers"
+    shutil.copytree(base, short)
+    layers = config["num_hidden_layers"]
+    (short / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers - 1}))
+    with load(short, progress=False) as model:
+        assert any(f"weights of layer(s) {layers - 1}, beyond config.json's num_hidden_layers" in n
+                   for n in model.notes)  # fmt: skip
+    assert model.top_k == TOP_K
+
+
+def test_a_learned_predictor_whose_description_is_wrong_is_refused(tmp_path):
+    from expertcache.predict.learned import DEFAULT_PREDICTORS, load_predictor
+
+    for change, needle in (
+        ({"window": 0}, "window must be a whole number >= 1, got 0"),
+        ({"window": 9}, "window 9 reaches past the 6 MoE layers"),
+        ({"activation": "swish9"}, "activation 'swish9'; the learned predictor's MLPs use gelu"),
+        ({"dtype": "int8"}, "dtype 'int8' is not a float dtype"),
+        ({"top_k": 40}, "top_k 40 of 16 experts"),
+    ):
+        folder = tmp_path / "p"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(DEFAULT_PREDICTORS / "window-2", folder)
+        meta = json.loads((folder / "predictor.json").read_text())
+        (folder / "predictor.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(ExpertcacheError, match=needle):
+            load_predictor(folder)
