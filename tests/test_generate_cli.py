@@ -445,7 +445,7 @@ def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monk
     assert "the chat template does not render" in line
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad\n")))
     line = one_line_error(*gen(capsys, path, "--prompt", "-"))
-    assert "standard input: cannot read the prompt (UnicodeDecodeError)" in line
+    assert "standard input: cannot read the prompt: not UTF-8 text (byte 0xff at position 0)" in line
     many = tmp_path / "p.txt"
     many.write_text("hello\n" + "hello world, " * 2000 + "\nworld\n")
     code, out, err = gen(capsys, path, "--prompts", str(many), "--batch-size", "1")
