@@ -202,3 +202,23 @@ def test_a_learned_predictor_whose_description_is_wrong_is_refused(tmp_path):
         (folder / "predictor.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(ExpertcacheError, match=needle):
             load_predictor(folder)
+
+
+def test_weights_that_make_the_outputs_nan_are_one_error_not_an_empty_text(ckpt, tmp_path):
+    """A NaN in one expert gave token 0 for ever: text '', exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.engine import load
+
+    bad = tmp_path / "nan"
+    shutil.copytree(ckpt("mixtral"), bad)
+    (file,) = bad.glob("*.safetensors")
+    tensors = load_file(str(file))
+    name = next(k for k in tensors if "experts" in k)
+    tensors = {k: (v.fill_(float("nan")) if k == name else v) for k, v in tensors.items()}
+    save_file(tensors, str(file), {"format": "pt"})
+    with (  # found at load's warm-up already
+        pytest.raises(ExpertcacheError, match="the model's outputs are not finite"),
+        load(bad, expert_memory="100%", progress=False) as model,
+    ):
+        model.generate_text("Hello there", 3)

@@ -70,14 +70,22 @@ def read_config(path: str | Path):
     if not cfg_file.is_file():
         raise ExpertcacheError(f"{path}: no config.json (not a Hugging Face checkpoint)")
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as exc:
         raise ExpertcacheError(f"{cfg_file}: not valid JSON ({exc})") from None
-    model_type = str(raw.get("model_type") if isinstance(raw, dict) else None)
+    if not isinstance(raw, dict):
+        raise ExpertcacheError(f"{cfg_file}: a config is a JSON object, got {type(raw).__name__}")
+    if "model_type" not in raw:  # "unsupported architecture 'None'" named no problem
+        raise ExpertcacheError(f"{cfg_file}: no model_type (the architecture's name, e.g. mixtral)")
+    model_type = str(raw.get("model_type"))
     if model_type not in FAMILIES and not (
         isinstance(raw, dict) and isinstance(raw.get("text_config"), dict)
     ):
         family_of(model_type)  # one line listing the supported families
+    if cfg_file.read_bytes().startswith(b"\xef\xbb\xbf"):  # transformers reads it as broken JSON
+        raise ExpertcacheError(
+            f"{cfg_file}: starts with a byte-order mark, which transformers does not read: save it without"
+        )
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:

@@ -173,6 +173,18 @@ def _inference(fn, args):
         return fn(*args)
 
 
+def _finite_logits(module, args, output) -> None:
+    """A forward whose logits are NaN or infinite (a checkpoint's NaN weights, or a config's NaN epsilon)
+    decodes token 0 for ever: an empty text, exit 0. It is one error instead, at the step it happens."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and not torch.isfinite(logits).all():
+        raise ExpertcacheError(
+            "the model's outputs are not finite (NaN or infinite logits): the checkpoint's weights or "
+            "config.json (rms_norm_eps, ...) hold a NaN or an infinity, or the dtype overflows (try --dtype "
+            "float32)"
+        )
+
+
 class Engine:
     """Runs a model's experts through the step driver; tracks forward steps with a pre-hook."""
 
@@ -230,6 +242,7 @@ class Engine:
         # returning (request id [T], prompt token [T]) for the step about to run, or None (``StepSource``)
         self.step_source: StepSource | None = None
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+        self._out_hook = model.register_forward_hook(_finite_logits)
 
     def _keeper(self, layer: int):
         def keep(router, args):
@@ -436,6 +449,7 @@ class Engine:
         slots) is freed when the last reference to it goes, not at some later garbage collection: a
         sweep loading one model after another in one process held every closed one until then."""
         self._hook.remove()
+        self._out_hook.remove()
         for hook in self._router_hooks:
             hook.remove()
         self.driver.close()
