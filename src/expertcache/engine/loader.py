@@ -415,7 +415,8 @@ def layers_beyond(ckpt: Checkpoint, config) -> str:
     return str(found[0]) if len(found) == 1 else f"{found[0]}..{found[-1]}"
 
 
-_LAYER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
+# the decoder's layers (not a vision tower's: model.vision_model.layers.N may outnumber the text's)
+_LAYER_KEY = re.compile(r"(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
 
 @contextlib.contextmanager

@@ -173,18 +173,6 @@ def _inference(fn, args):
         return fn(*args)
 
 
-def _finite_logits(module, args, output) -> None:
-    """A forward whose logits are NaN or infinite (a checkpoint's NaN weights, or a config's NaN epsilon)
-    decodes token 0 for ever: an empty text, exit 0. It is one error instead, at the step it happens."""
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and not torch.isfinite(logits).all():
-        raise ExpertcacheError(
-            "the model's outputs are not finite (NaN or infinite logits): the checkpoint's weights or "
-            "config.json (rms_norm_eps, ...) hold a NaN or an infinity, or the dtype overflows (try --dtype "
-            "float32)"
-        )
-
-
 class Engine:
     """Runs a model's experts through the step driver; tracks forward steps with a pre-hook."""
 
@@ -242,7 +230,26 @@ class Engine:
         # returning (request id [T], prompt token [T]) for the step about to run, or None (``StepSource``)
         self.step_source: StepSource | None = None
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
-        self._out_hook = model.register_forward_hook(_finite_logits)
+        self._out_hook = model.register_forward_hook(self._finite_logits)
+
+    def _finite_logits(self, module, args, output) -> None:
+        """A forward whose logits are NaN or infinite (a checkpoint's NaN weights, or a config's NaN
+        epsilon) decodes token 0 for ever: an empty text, exit 0. It is one error instead, at the step it
+        happens. Not under the server's continuous batching, whose steps may hold padding rows that attend
+        to nothing (NaN by construction, never sampled)."""
+        if self.step_source is not None:
+            return
+        logits = getattr(output, "logits", None)
+        if (
+            isinstance(logits, torch.Tensor)
+            and logits.is_floating_point()
+            and not torch.isfinite(logits).all()
+        ):
+            raise ExpertcacheError(
+                "the model's outputs are not finite (NaN or infinite logits): the checkpoint's weights or "
+                "config.json (rms_norm_eps, ...) hold a NaN or an infinity, or the dtype overflows (try "
+                "--dtype float32)"
+            )
 
     def _keeper(self, layer: int):
         def keep(router, args):
