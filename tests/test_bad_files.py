@@ -222,3 +222,25 @@ def test_weights_that_make_the_outputs_nan_are_one_error_not_an_empty_text(ckpt,
         load(bad, expert_memory="100%", progress=False) as model,
     ):
         model.generate_text("Hello there", 3)
+
+
+def test_a_log_s_unknown_fields_and_disagreeing_layers_are_said(tmp_path):
+    """A misspelt "topk_weight" on every record gave a trace without weights, and a token's layers that
+    disagreed on is_prefill were settled by the last record, each without a word."""
+    rows = [
+        {
+            "token_idx": t,
+            "layer": layer,
+            "topk_ids": [1, 2],
+            "topk_weight": [0.5, 0.5],
+            "is_prefill": layer == 0,
+        }
+        for t in range(3)
+        for layer in range(2)
+    ]
+    log = tmp_path / "r.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace, notes = import_trace(log)
+    assert trace.weights is None
+    assert "ignored the field 'topk_weight' (did you mean topk_weights" in notes[0] and "line 1" in notes[0]
+    assert notes[1] == "line 2: is_prefill 0 where another layer said 1: the last record's is kept"

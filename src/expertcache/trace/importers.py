@@ -33,11 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import TraceError, option
+from expertcache.errors import TraceError, did_you_mean, option
 from expertcache.trace.trace import Trace
 
 FORMATS = ("jsonl", "csv")
 PROFILING = re.compile(r"dummy|profil|warm", re.I)
+# the fields of a JSONL routing record the importer reads (any other is noted, not dropped in silence)
+JSONL_FIELDS = ("req_id", "request_id", "token_idx", "layer", "topk_ids", "topk_weights", "is_prefill",
+                "phase", "token_id", "type")  # fmt: skip
 
 
 class _Rows:
@@ -53,6 +56,8 @@ class _Rows:
         self._last: dict[int, int] = {}  # layer -> last token_idx (request boundaries without ids)
         self._auto = 0
         self.has_ids = None
+        self.unknown_fields: dict[str, str] = {}  # a record's field the importer does not read -> where
+        self.conflicts: dict[str, str] = {}  # a token's field that its layers' records disagree on -> where
 
     def add(self, where: str, req, token, layer, experts, weights=None, prefill=None, token_id=None) -> None:
         if self.has_ids is None:
@@ -97,10 +102,13 @@ class _Rows:
         self.routes[key] = (ids, w, where)
         self.requests.setdefault(req)
         info = self.extra.setdefault((req, token), {})
-        if prefill is not None:
-            info["is_prefill"] = prefill
-        if token_id is not None:
-            info["token_id"] = _int(where, "token_id", token_id)
+        for field, value in (("is_prefill", prefill), ("token_id", token_id)):
+            if value is None:
+                continue
+            value = value if field == "is_prefill" else _int(where, field, value)
+            if field in info and info[field] != value and field not in self.conflicts:  # per token, not layer
+                self.conflicts[field] = f"{where}: {field} {value} where another layer said {info[field]}"
+            info[field] = value
 
     def trace(self, num_experts: int | None, skip_profiling: bool) -> tuple[Trace, list[str]]:
         if not self.routes:
@@ -113,6 +121,13 @@ class _Rows:
             rows = sum(1 for k in self.routes if k[0] == first)
             why = f"request {first!r}" if self.has_ids else "its every token routed alike in every layer"
             notes.append(f"left out {rows} leading profiling rows ({why})")
+        for field, where in self.unknown_fields.items():  # a misspelt topk_weight dropped every weight
+            hint = did_you_mean(field, JSONL_FIELDS)
+            notes.append(
+                f"ignored the field {field!r}{hint} (first at {where.removeprefix(self.source + ': ')})"
+            )
+        for said in self.conflicts.values():
+            notes.append(f"{said.removeprefix(self.source + ': ')}: the last record's is kept")
         kept = set(requests)
         routes = [(key, v) for key, v in self.routes.items() if key[0] in kept]  # in the log's order
         weighted = [v[1] is not None for _, v in routes]
@@ -265,6 +280,9 @@ def _jsonl(path: Path, rows: _Rows) -> None:
                     raise TraceError(f"{where}: no '{field}'")
             if not isinstance(rec["topk_ids"], list):
                 raise TraceError(f"{where}: 'topk_ids' must be a list of expert ids")
+            for field in rec:
+                if field not in JSONL_FIELDS and field not in rows.unknown_fields:
+                    rows.unknown_fields[field] = where
             req = rec.get("req_id", rec.get("request_id"))
             rows.add(
                 where, req, rec["token_idx"], rec["layer"], rec["topk_ids"], rec.get("topk_weights"),
