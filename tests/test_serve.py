@@ -743,6 +743,11 @@ def test_an_exception_in_a_step_fails_its_requests_and_the_loop_goes_on(watched)
         r = _ask(http)
         assert r.status_code == 500 and "incident" in r.json()["error"]["message"]
         assert "injected" not in r.text  # the log has it, the client does not
+        # the 500 can reach its client before the dispatcher has started the loop again (a request then
+        # hears "starting again", a 503): wait for the restart, not for a time
+        batcher, deadline = http.app.state.batcher, time.monotonic() + 60
+        while not (batcher.restarts and batcher.state == "running") and time.monotonic() < deadline:
+            time.sleep(0.05)
         lines = _ask(http, stream=True)  # the loop was started again: served as before
         assert lines[-1] == "data: [DONE]" and "error" not in lines[-2]
         assert _ask(http).json()["choices"][0]["text"] == want
