@@ -200,7 +200,8 @@ def true_or_false(value: object, what: str) -> bool:
 def values_of(value: object, what: str, kind: type | tuple[type, ...]) -> list:
     """An argument that takes a list of ``kind``: one value alone is a list of one (a string is one
     text or name, not its characters); anything else in it, or an empty list, is one clear error."""
-    if isinstance(value, kind) and not isinstance(value, bool) or isinstance(value, str):
+    one = isinstance(value, str) or (isinstance(value, kind) and not isinstance(value, bool))
+    if one:
         items = [value]
     elif isinstance(value, Iterable) and not isinstance(value, bytes | dict):
         items = list(value)
