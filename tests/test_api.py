@@ -457,6 +457,19 @@ def test_simulate_caps_a_capacity_over_all_experts_and_says_so():
     assert row.capacity == 96 and row.misses == ec.simulate(trace, ["lru"], [96])[0].misses
 
 
+def test_the_planner_and_the_doctor_cap_a_capacity_over_all_experts_as_the_simulator_does(short):
+    """They refused 1000 experts of 96 that ``simulate`` and ``simulate_timing`` cap with a note."""
+    note = "a cache of 1000 experts is more than all 96; capped at 96"
+    with pytest.warns(ExpertcacheWarning, match=note):
+        plan = ec.make_plan(short, 1000)
+    assert plan.capacity == 96 and note in plan.source["notes"]
+    with pytest.warns(ExpertcacheWarning, match=note):
+        report = ec.diagnose(short, 1000)
+    assert note in report["notes"] and report["capacity"] == 96
+    with pytest.raises(ExpertcacheError, match=r"a cache of 1 experts: the planner needs top-k \(2\)"):
+        ec.make_plan(short, 1)
+
+
 def test_a_misspelt_load_argument_is_named_before_anything_loads():
     """``load(expert_memroy="30%")`` was a TypeError from OffloadedModel, after the model had loaded."""
     import expertcache

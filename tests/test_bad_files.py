@@ -4,12 +4,14 @@ and the problem (exit 2), never a traceback, never a plausible wrong answer (a n
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import engine_fixtures
 import numpy as np
 import pytest
+import torch
 from engine_fixtures import TOP_K
 
 from expertcache.cli import main
@@ -154,7 +156,21 @@ def test_a_checkpoint_whose_index_or_copies_are_broken_is_named(ckpt, tmp_path, 
     from safetensors.torch import load_file, save_file
 
     meta = read_meta(path)
-    save_file(load_file(str(path)), str(path), {**{k: str(v) for k, v in meta.items()}, "tensors": "nope"})
+    assert meta["layout"] == "packed" and meta["path"] == str(path)
+    from expertcache.engine.quantized import packed_of
+
+    tensors = load_file(str(path))
+    written = {k: v for k, v in meta.items() if k != "path"} | {"tensors": json.dumps(meta["tensors"])}
+    shapes = {n: [2 * v[0], *v[1:]] for n, v in json.loads(meta["shapes"]).items()}  # another model's
+    for edit, needle in (
+        ({"shapes": json.dumps(shapes)}, "tensors do not match their layout"),
+        ({"bits": "x"}, "its metadata does not describe its packing"),
+        ({"shapes": "[1]"}, "its metadata does not describe its packing"),
+    ):
+        save_file(tensors, str(path), written | edit)
+        with pytest.raises(ExpertcacheError, match=f"^{re.escape(str(path))}: {needle}"):
+            packed_of(read_meta(path), torch.bfloat16)
+    save_file(tensors, str(path), written | {"tensors": "nope"})
     with pytest.raises(ExpertcacheError, match="its metadata does not describe its tensors"):
         read_meta(path)
 

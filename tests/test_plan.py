@@ -194,6 +194,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
     assert "chosen:" in printed and "a bound on fetching" in printed and printed.startswith("cost: ")
     plan = Plan.load(out)
     assert (plan.layers, plan.experts, plan.top_k, plan.capacity) == (4, 8, 2, 16)
+    assert plan.file == str(out) and "file" not in plan.to_dict()  # named in its messages, never written
     plan_at = ["plan", "--trace", str(trace), "--capacity"]
     bad = [
         ([*plan_at, "6", "--method", "uniform"], "needs 8: top-2 in every layer"),
@@ -203,7 +204,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s) has 2 times for a"),
         ([*plan_at, "16", "--jobs", "-1"], "--jobs must be at least 1, got -1"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
-        (["timing", "--plan", str(out)], "the plan is for a model of 4 MoE layers x 8 experts, top-2; trace"),
+        (["timing", "--plan", str(out)], f"the plan {out} is for a model of 4 MoE layers x 8 experts, top-2"),
     ]  # fmt: skip
     for argv, words in bad:
         assert main(argv) == 2, argv

@@ -11,7 +11,7 @@ refused. Plain JSON, so a plan can be read, diffed and edited; torch-free.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from expertcache.cache.tiers import exclusive_reserve
@@ -49,6 +49,7 @@ class Plan:
     host_capacity: int | None = None  # a host level of this many experts (``cache.tiers``), or none
     host_policy: str | None = None  # its policy
     host_exclusive: bool = False  # exclusive of the expert memory (its memory then holds a reserve too)
+    file: str | None = field(default=None, compare=False)  # the file it was read from (not written)
 
     def __post_init__(self) -> None:
         for name in ("layers", "experts", "top_k", "capacity"):
@@ -172,7 +173,8 @@ class Plan:
         have, want = (layers, experts, top_k), (self.layers, self.experts, self.top_k)
         if have != want:
             raise ExpertcacheError(
-                f"the plan is for a model of {want[0]} MoE layers x {want[1]} experts, top-{want[2]}; "
+                f"the plan{f' {self.file}' if self.file else ''} is for a model of {want[0]} MoE layers x "
+                f"{want[1]} experts, top-{want[2]}; "
                 f"{what} has {have[0]} x {have[1]}, top-{have[2]}"
             )
 
@@ -192,6 +194,7 @@ class Plan:
     # ------------------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, object]:
         data = asdict(self)
+        del data["file"]
         data["budgets"] = None if self.budgets is None else list(self.budgets)
         data["candidates"] = list(self.candidates)
         return {"format": FORMAT, "version": VERSION, **data, "lossy": self.lossy}
@@ -207,7 +210,7 @@ class Plan:
             raise ExpertcacheError(
                 f"{source}: plan version {data.get('version')!r}; this expertcache reads {VERSION}"
             )
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) - {"file"}
         unknown = sorted(set(data) - known - {"format", "version", "lossy"})  # lossy: computed, written
         if unknown:  # an edited plan's misspelt key ran the plan without it, in silence
             hint = did_you_mean(unknown[0], known, n=1)
@@ -239,7 +242,7 @@ class Plan:
                     f"{path} is {kind}, not a plan (expertcache plan -o writes one)"
                 ) from None
             raise ExpertcacheError(f"plan {path} is not JSON: {exc}") from None
-        return cls.from_dict(data, str(path))
+        return replace(cls.from_dict(data, str(path)), file=str(path))
 
 
 def as_plan(value: object) -> Plan | None:

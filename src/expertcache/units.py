@@ -190,6 +190,15 @@ def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
     return got[0]
 
 
+def capped_capacity(capacity: int, total: int) -> tuple[int, list[str]]:
+    """A cache of more experts than all ``total``, as the engine caps an expert memory beyond every expert:
+    all of them, and the note that says so (the simulator, the timing model, the planner and the doctor
+    alike)."""
+    if capacity <= total:
+        return capacity, []
+    return total, [f"a cache of {capacity} experts is more than all {total}; capped at {total}"]
+
+
 def true_or_false(value: object, what: str) -> bool:
     """``value`` as a switch: True or False only ("no" and 1 are truthy, and not taken for True)."""
     if not isinstance(value, bool):

@@ -123,7 +123,7 @@ def read_meta(path: Path) -> dict:
             f"{path}: its metadata does not describe its tensors ({first_line(exc)}): run expertcache "
             "quantize again"
         ) from None
-    return {**meta, "tensors": tensors}
+    return {**meta, "tensors": tensors, "path": str(path)}  # the path: named in later messages
 
 
 def quant_layout(meta: dict) -> SlotLayout:
@@ -203,11 +203,19 @@ def packed_of(meta: dict, dtype: torch.dtype):
         return None
     from expertcache.engine.packed import Packed
 
-    shapes = {name: tuple(shape) for name, shape in json.loads(meta["shapes"]).items()}
-    bits = int(meta["bits"])
-    group = 0 if bits == 8 else int(meta["group"])
-    packed = Packed(f"int{bits}", group, shapes, dtype, meta["transposed"] == "1")
+    where = meta.get("path", "quantised copies")
+    try:
+        shapes = {name: tuple(shape) for name, shape in json.loads(meta["shapes"]).items()}
+        bits = int(meta["bits"])
+        group = 0 if bits == 8 else int(meta["group"])
+        packed = Packed(f"int{bits}", group, shapes, dtype, meta["transposed"] == "1")
+        expected = [(name, n) for name, (n,) in packed.tensors().items()]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ExpertcacheError(
+            f"{where}: its metadata does not describe its packing ({first_line(exc)}): run expertcache "
+            "quantize again"
+        ) from None
     got = [(name, int(t["bytes"])) for name, t in meta["tensors"].items()]  # in order: ``quant_layout``'s
-    if got != [(name, n) for name, (n,) in packed.tensors().items()]:
-        raise ExpertcacheError(f"{meta.get('path', 'quantised copies')}: tensors do not match their layout")
+    if got != expected:
+        raise ExpertcacheError(f"{where}: tensors do not match their layout (run expertcache quantize again)")
     return packed

@@ -37,7 +37,7 @@ from expertcache.sim.planner import check_layout_policy, layer_curves, make_plan
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import one_capacity, whole_number
+from expertcache.units import capped_capacity, one_capacity, whole_number
 
 LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
 
@@ -147,7 +147,10 @@ def _diagnose(
     trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs
 ) -> dict[str, object]:
     trace = as_trace(trace, replay=True)
-    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    capacity, capped = capped_capacity(
+        one_capacity(capacity, trace.num_layers * trace.num_experts), trace.num_layers * trace.num_experts
+    )
+    warn_notes(capped)  # also in the report's notes; the command line prints them
     if isinstance(misses, str):
         misses = (misses,)
     cost = as_cost(cost, trace)
@@ -237,7 +240,7 @@ def _diagnose(
         "levels": None
         if level is None
         else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels),
-        "notes": [] if level is None else level[2],  # the host level's size, as timing notes it
+        "notes": capped + ([] if level is None else level[2]),  # the host level's size, as timing notes it
     }
     report["verdict"] = verdict(report)
     return report

@@ -47,7 +47,7 @@ from expertcache.predict.registry import trace_readers
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import one_capacity, whole_number
+from expertcache.units import capped_capacity, one_capacity, whole_number
 
 LAYOUT_METHODS = METHODS[:4]  # those that lay out a -dist policy's budgets (moepic: a split miss path)
 # the host level's policies the planner tries by default: those that decide by hits and insertions alone
@@ -325,7 +325,9 @@ def make_plan(
     plan)."""
     trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
-    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    capacity, capped = capped_capacity(
+        one_capacity(capacity, trace.num_layers * trace.num_experts), trace.num_layers * trace.num_experts
+    )
     misses, prefetches, host_policies = (
         [v] if isinstance(v, str | PrefetchConfig) else v for v in (misses, prefetches, host_policies)
     )
@@ -354,7 +356,7 @@ def make_plan(
     host_level = host_level_of(
         host, host_capacity, trace.num_layers * trace.num_experts, cost.expert_bytes, capacity=capacity
     )
-    level_notes = [] if host_level is None else host_level[2]
+    level_notes = capped + ([] if host_level is None else host_level[2])
     warn_notes(level_notes)  # also in the plan's search; the command line prints them
     if host_level is not None and capacity >= trace.num_layers * trace.num_experts:  # as the engine does
         skipped.append("the host level: every expert fits the expert memory, so it is not used")
@@ -411,10 +413,8 @@ def make_plan(
         raise ExpertcacheError(f"unknown planning method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     name = check_layout_policy(policy, "the planner lays out")
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    if not K <= capacity <= L * E:
-        raise ExpertcacheError(
-            f"a cache of {capacity} experts: the planner needs {K} .. {L * E} (top-k .. all of the model's)"
-        )
+    if capacity < K:
+        raise ExpertcacheError(f"a cache of {capacity} experts: the planner needs top-k ({K}) at least")
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
     fits = L * K <= capacity <= L * E
     need = ("knapsack" in methods and fits) or ("moepic" in methods and L > 1 and capacity > K)

@@ -41,7 +41,7 @@ from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import format_bytes, one_capacity
+from expertcache.units import capped_capacity, format_bytes, one_capacity
 from expertcache.workers import map_in_processes
 
 
@@ -324,9 +324,8 @@ def _run_timing(
     check_dense_layers(cost, L)
     check_capacity(capacity, "layer", K)
     capped = []
-    if capacity > L * E and not capacities:  # as the engine caps an expert memory beyond every expert
-        capped = [f"a cache of {capacity} experts is more than all {L * E}; capped at {L * E}"]
-        capacity = L * E
+    if not capacities:  # as the engine caps an expert memory beyond every expert
+        capacity, capped = capped_capacity(capacity, L * E)
     schedule = build_schedule(trace, "layer")
     path = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params)
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
