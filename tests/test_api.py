@@ -304,15 +304,21 @@ def test_a_replay_of_another_miss_path_says_so_and_names_what_replays_it(trace, 
         "capacity": 20,
         "miss": "batch:buffer=4",
         "capacities": '{"stream": 4, "full": 20}',
+        "memory": 24,
     }
     served = ec.Trace(trace.experts, trace.num_experts, seq_id=trace.seq_id, meta=meta)
-    with pytest.warns(ExpertcacheWarning, match=r"miss path batch:buffer=4 \(in the memory of 24 experts\)"):
+    said = r"batch:buffer=4 \(in an expert memory of 24 experts\).*simulate_timing\(trace, 'recorded'"
+    with pytest.warns(ExpertcacheWarning, match=said):
         ec.simulate(served, ["tlfu"], [24])
     path = tmp_path / "served.npz"
     served.save(path)
     assert main(["sim", str(path), "--policy", "tlfu", "--capacity", "24"]) == 0
-    err = capsys.readouterr().err
-    assert f"'expertcache timing --trace {path} --policy tlfu --miss batch:buffer=4 --capacity 24'" in err
+    err = capsys.readouterr().err  # timing replays the run's own parts: no capacity to give
+    assert f"'expertcache timing --trace {path} --policy tlfu --miss batch:buffer=4' replays it at" in err
+    # a trace of an engine before its expert memory was recorded: the parts alone, nothing said of it
+    older = ec.Trace(trace.experts, trace.num_experts, meta={k: v for k, v in meta.items() if k != "memory"})
+    with pytest.warns(ExpertcacheWarning, match=r"by miss path batch:buffer=4; these replays"):
+        ec.simulate(older, ["tlfu"], [24])
     predicted = np.full_like(trace.experts, -1)
     predicted[::5] = trace.experts[::5]
     both = ec.Trace(trace.experts, trace.num_experts, seq_id=trace.seq_id, predicted=predicted, meta=meta)
@@ -323,7 +329,7 @@ def test_a_replay_of_another_miss_path_says_so_and_names_what_replays_it(trace, 
     assert "this run prefetched (a predictor, in " in err
     assert "and served its misses by miss path batch" in err
     assert "these replays do not prefetch, fetch every miss whole" in err
-    assert "--policy tlfu --miss batch:buffer=4 --prefetch recorded --capacity 24'" in err
+    assert "--policy tlfu --miss batch:buffer=4 --prefetch recorded'" in err
     with pytest.warns(ExpertcacheWarning, match=r"miss='batch:buffer=4', prefetch='recorded'\)") as got:
         ec.simulate(both, ["tlfu"], [24])
     assert len(got) == 1

@@ -91,7 +91,8 @@ def test_doctor_cli_json_plot_and_bad_input(tmp_path, capsys):
     for argv, words in [
         (["doctor", "--trace", str(trace), "--window-tokens", "0"], "--window-tokens must be at least 1"),
         (["doctor", "--trace", str(trace), "--window-tokens", "5000"], "(the longest has 600)"),
-        (["doctor", "--trace", str(trace), "--model", "x"], "--model and --prompts go together"),
+        (["doctor", "--trace", str(trace), "--model", "x"], "--model records a trace from --prompts FILE"),
+        (["doctor", "--trace", str(trace), "--prompts", "p.txt"], "give --trace or --prompts"),
         (["doctor", "--trace", str(trace), "--schedule", "prompts-first"], "give --concurrency"),
         (["doctor", "--trace", str(trace), "--plot", str(tmp_path / "d.xyz")], "xyz"),
         (["doctor", "--trace", str(trace), "--jobs", "0"], "--jobs must be at least 1, got 0"),

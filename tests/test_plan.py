@@ -204,7 +204,7 @@ def test_plan_cli_writes_the_plan_and_refuses_bad_input(tmp_path, capsys):
         ([*plan_at, "16", "--dense-time", "1ms,2ms", "--miss", "split"], "dense_s) has 2 times for a"),
         ([*plan_at, "16", "--jobs", "-1"], "--jobs must be at least 1, got -1"),
         (["timing", "--plan", str(out), "--capacity", "8"], "leave out --capacity"),
-        (["timing", "--plan", str(out)], f"the plan {out} is for a model of 4 MoE layers x 8 experts, top-2"),
+        (["timing", "--plan", str(out), "--trace", "default"], f"the plan {out} is for a model of 4 MoE"),
     ]  # fmt: skip
     for argv, words in bad:
         assert main(argv) == 2, argv
@@ -384,7 +384,7 @@ def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys)
     assert (r["shape"]["layers"], r["shape"]["experts"], r["shape"]["top_k"]) == (L, E, TOP_K)
     assert 0 <= r["consistency"]["srp"] <= 1 and r["verdict"]
     assert main([*argv, "--trace", "x.npz"]) == 2
-    assert "give --trace or --model" in capsys.readouterr().err
+    assert "give --trace or --prompts (recorded from --model), not both" in capsys.readouterr().err
     # sequences shorter than the window: said before the recording, in one line
     assert main([*argv, "--window-tokens", "500"]) == 2
     err = capsys.readouterr().err

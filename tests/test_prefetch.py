@@ -766,7 +766,7 @@ def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
     capsys.readouterr()
     assert main(["sim", str(trace), "--policy", "llru", "--capacity", "8"]) == 0
     err = capsys.readouterr().err  # the command replays the run's own policy (it said LRU's)
-    assert f"'expertcache timing --trace {trace} --policy llru --prefetch recorded --capacity " in err
+    assert f"'expertcache timing --trace {trace} --policy llru --prefetch recorded' replays it" in err
     assert main([*args, "--expert-memory", "50%", "--prefetch", "none", "--record-trace", str(trace)]) == 0
     capsys.readouterr()
     assert main(["sim", str(trace), "--policy", "lru", "--capacity", "8"]) == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError, first_line, option
+from expertcache.errors import ExpertcacheError, first_line, option, warn_notes
 from expertcache.paths import not_json_kind, write_output
 from expertcache.units import parse_duration, parse_rate, parse_size
 
@@ -319,6 +319,9 @@ def as_cost(cost: CostModel | dict | str | os.PathLike | None, trace=None) -> Co
         model, shape = CostModel.load_profile(cost)
         if trace is not None:
             check_shape(cost, shape, trace)
+            note = size_note(cost, model, trace)
+            if note is not None:
+                warn_notes([note])
         return model
     raise ExpertcacheError(
         "cost must be a CostModel, a dict of its fields or the path of a cost model or profile, got "
@@ -354,6 +357,19 @@ def check_shape(path: str | os.PathLike, shape: dict | None, trace) -> None:
             f"profile {path} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
             f"experts, top-{want[2]}); trace {trace.source} has {have[0]} x {have[1]}, top-{have[2]}"
         )
+
+
+def size_note(path: str | os.PathLike, cost: CostModel, trace) -> str | None:
+    """A cost model or profile (``path``) whose expert size is not that of the experts the run that
+    recorded ``trace`` moved (``trace.meta["expert_bytes"]``, an engine's): another model of the same
+    shape, or the same model in another dtype. Its times are then not that run's: said, not refused."""
+    moved = trace.meta.get("expert_bytes")
+    if not isinstance(moved, int) or isinstance(moved, bool) or moved == cost.expert_bytes:
+        return None
+    return (
+        f"{path} prices experts of {cost.expert_bytes} bytes; the run recorded in {trace.source} moved "
+        f"experts of {moved} (another model or dtype): its times are not that run's"
+    )
 
 
 def host_reads_of(profile: dict, cost: CostModel) -> CostModel:

@@ -157,6 +157,21 @@ class Plan:
                 f"{given[0]}"
             )
 
+    def predictor_trace(self) -> str | None:
+        """The recorded trace the plan's predictor learned from (token, eam: ``plan --predictor``), which
+        a run of the plan learns from too unless given another; None where it reads none."""
+        from expertcache.predict.registry import trace_readers
+
+        if not trace_readers([self.prefetch]):
+            return None
+        return self.source.get("predictor_trace")
+
+    def trace_file(self) -> str | None:
+        """The file of the trace the plan was made on, where it is still there (``timing --plan``
+        replays it by default)."""
+        made_on = self.source.get("trace")
+        return made_on if isinstance(made_on, str) and Path(made_on).is_file() else None
+
     def miss_config(self) -> MissConfig:
         return MissConfig(self.miss)
 

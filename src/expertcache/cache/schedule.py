@@ -18,7 +18,8 @@ empty (unknown entries).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -181,6 +182,26 @@ class Schedule:
         """How often each key is requested (what Static ranks by)."""
         counts = np.bincount(self.req_key, minlength=self.num_layers * self.num_experts)
         return {self.key(k): int(c) for k, c in enumerate(counts.tolist()) if c}
+
+
+def usage_profile(given: Trace | str | os.PathLike, trace: Trace) -> dict[Key, int]:
+    """The usage profile ``given`` (a trace or its file: a profiling run's, as the engine's ``--profile``
+    takes it) for replaying ``trace``: how often it requested each key, what Static ranks by."""
+    got = as_trace(given, "profile", replay=True)
+    if (got.num_layers, got.num_experts) != (trace.num_layers, trace.num_experts):
+        raise ExpertcacheError(
+            f"profile {got.source} has {got.num_layers} layers x {got.num_experts} experts; "
+            f"{trace.source} has {trace.num_layers} x {trace.num_experts}"
+        )
+    return build_schedule(got, "layer").profile
+
+
+def with_profile(schedule: Schedule, profile: dict[Key, int]) -> Schedule:
+    """``schedule`` with another usage profile (``usage_profile``) in place of its own: the static
+    policies then rank by the profiling run the engine ranked by, not by the replayed trace itself."""
+    copy = replace(schedule)
+    copy.__dict__["profile"] = profile  # the cached property's value (the dataclass is frozen)
+    return copy
 
 
 def build_schedule(trace: Trace, order: str = "layer") -> Schedule:

@@ -37,7 +37,7 @@ from expertcache.sim import fast
 from expertcache.sim.planner import METHODS, OBJECTIVES
 from expertcache.sim.report import check_plot_path, format_layers, format_table, plot_curves
 from expertcache.sim.simulate import DEFAULT_POLICIES, simulate
-from expertcache.trace.default import default_trace
+from expertcache.trace.default import DEFAULT_TRACE, default_trace
 from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
@@ -218,6 +218,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "default), flat (one expert at a time) or rounds (top-k as k rounds per token)",
     )  # fmt: skip
     s.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
+    s.add_argument(
+        "--profile", metavar="TRACE.npz",
+        help="usage profile the static policies rank by, as generate's (default: the trace's own use)",
+    )  # fmt: skip
     _add_jobs(s, "the replays")
     s.add_argument("--json", action="store_true", help="print one JSON array of results")
     s.add_argument("--plot", metavar="FILE.png", help="write misses against capacity")
@@ -228,8 +232,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
 
     tm = sub.add_parser("timing", help="replay a trace in virtual time: TTFT, TPOT, stall, prefetching")
-    tm.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
+    tm.add_argument(
+        "--trace", metavar="FILE.npz",
+        help="(default: the embedded trace; with --plan, the plan's own where its file is there)",
+    )  # fmt: skip
     tm.add_argument("--policy", metavar="NAME[:k=v,...]", help="any policy (default lru)")
+    tm.add_argument(
+        "--profile", metavar="TRACE.npz",
+        help="usage profile for the static policies, as generate's (default: the trace's own use)",
+    )  # fmt: skip
     tm.add_argument(
         "--plan", metavar="PLAN.json", help="run a plan (expertcache plan): its policy, budgets, miss path, "
         "predictor and capacity"
@@ -319,9 +330,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     dr.add_argument("--trace", default="default", metavar="FILE.npz", help="(default: the embedded trace)")
     dr.add_argument(
-        "--model", metavar="PATH", help="record the trace from this model instead (with --prompts)"
+        "--model", metavar="PATH", help="the model --prompts records from (default: the embedded one)"
     )
-    dr.add_argument("--prompts", metavar="FILE", help="prompts to record with, one per line (with --model)")
+    dr.add_argument(
+        "--prompts", metavar="FILE", help="record the trace from these prompts instead, one per line"
+    )
     dr.add_argument("--max-new-tokens", type=int, metavar="N", help="per prompt when recording (default 32)")
     _add_budget(dr, "25%")
     dr.add_argument(
@@ -640,8 +653,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     seed = _seed(args, policies)
     with warnings.catch_warnings():  # the note below says it, with the command to run
         warnings.simplefilter("ignore", ExpertcacheWarning)
-        results = simulate(trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs)
-    _note_replays(trace, args.trace)  # once the replays ran: a policy refused is then the one line
+        results = simulate(
+            trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs, profile=args.profile
+        )
+    # once the replays ran: a policy refused is then the one line
+    _note_replays(trace, args.trace, bool(args.profile))
     if args.json:
         if args.per_layer:
             print("note: --per-layer changes nothing with --json: its objects always hold the layers",
@@ -659,12 +675,12 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_replays(trace, name: str) -> None:
-    """A run that prefetched, or served misses by another path, counted what these replays do not: say
-    how to replay it."""
+def _note_replays(trace, name: str, profiled: bool = False) -> None:
+    """A run that prefetched, or served misses by another path, or ranked a static policy by a profile
+    not given, counted what these replays do not: say how to replay it."""
     from expertcache.sim.simulate import replay_notes
 
-    for note in replay_notes(trace, name):
+    for note in replay_notes(trace, name, profiled):
         print(f"note: {note}", file=sys.stderr)
 
 
@@ -831,7 +847,6 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     from expertcache.sim.timing import format_timing, simulate_timing
 
     _check_cost_flags(args)
-    trace = _trace(args.trace)
     plan = None
     if args.plan:
         given = [
@@ -845,12 +860,20 @@ def _cmd_timing(args: argparse.Namespace) -> int:
                 f"--plan sets the policy, miss path, predictor and capacity; leave out {flag}"
             )
         plan = Plan.load(args.plan)
+    if args.trace is None and plan is not None and plan.trace_file() is not None:
+        args.trace = plan.trace_file()  # the plan's prediction, on the plan's trace
+        if Path(args.trace).resolve() != DEFAULT_TRACE.resolve():
+            print(f"note: replaying the plan's trace {args.trace} (--trace gives another)", file=sys.stderr)
+    trace = _trace(args.trace or "default")
+    if plan is not None:
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
         made_on, tokens = str(plan.source.get("trace", "")), plan.source.get("tokens")
         served = re.search(r" x(\d+)$", made_on)  # the plan's trace served N at a time (trace.batch)
         replayed = trace.meta.get("concurrency")
         other_n = (int(served.group(1)) if served else None) != (None if replayed is None else int(replayed))
-        if other_n or (tokens is not None and tokens != trace.num_tokens):  # another workload than the plan's
+        digest = plan.source.get("digest")  # the routing itself (a plan before it: its token count)
+        other = digest != trace.digest() if digest is not None else tokens not in (None, trace.num_tokens)
+        if other_n or other:  # another workload than the plan's
             how = (
                 f"; it served its trace {served.group(1)} at a time: replay that (expertcache trace batch "
                 f"TRACE --concurrency {served.group(1)} -o F, then --trace F)"
@@ -873,15 +896,32 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "when": args.prefetch_when,
     }
     if plan is not None:
-        prefetch, cache, miss = plan.prefetch_config(**options), plan.cache_config(), plan.miss_config()
+        prefetch, miss = plan.prefetch_config(**options), plan.miss_config()
+        cache = plan.cache_config(profile=args.profile)
     else:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
-        cache, miss = CacheConfig(args.policy or "lru"), MissConfig(args.miss or "fetch")
+        cache = CacheConfig(args.policy or "lru", profile=args.profile)
+        miss = MissConfig(args.miss or "fetch")
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
     cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
-    capacity = plan.capacity if plan is not None else _capacity(args, cost, trace)
-    predictor_trace = _predictor_trace(args.predictor, [prefetch.predictor])
+    if plan is not None:
+        capacity = plan.capacity
+    elif args.capacity is None and not args.expert_memory and "capacities" in trace.meta:
+        capacity = _run_capacity(trace, miss, cost) or _capacity(args, cost, trace)
+    else:
+        capacity = _capacity(args, cost, trace)
+    predictor_data = args.predictor
+    if predictor_data is None and plan is not None and plan.predictor_trace() is not None:
+        predictor_data = plan.predictor_trace()  # what the plan's predictor learned from
+        if not Path(predictor_data).is_file():
+            raise ExpertcacheError(
+                f"the plan's predictor {plan.prefetch} was planned learning from {predictor_data}, which is "
+                "not there: give the trace as --predictor TRACE.npz"
+            )
+        print(f"note: prefetch {plan.prefetch} learns from {predictor_data}, the trace it was planned with "
+              "(--predictor gives another)", file=sys.stderr)  # fmt: skip
+    predictor_trace = _predictor_trace(predictor_data, [prefetch.predictor])
     if plan is not None and plan.host_capacity is not None:  # the plan's host level, at its capacity
         from expertcache.config import HostConfig
 
@@ -936,6 +976,25 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             print(f"plan       {args.plan}: {plan.describe()}; costs: {whose}")
         print(format_timing(result))
     return 0
+
+
+def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
+    """``timing``'s capacity for an engine's trace given none: the run's own cache parts under its own
+    miss path (exact), else its expert memory in experts; None where the trace records neither (said)."""
+    from expertcache.sim.timing import RECORDED, recorded_capacities
+
+    try:
+        _, parts = recorded_capacities(trace, miss, cost)
+    except ExpertcacheError:
+        memory = trace.meta.get("memory")
+        if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
+            print(f"note: at the recorded run's expert memory, {memory} experts (--capacity sets another)",
+                  file=sys.stderr)  # fmt: skip
+            return memory
+        return None
+    held = ", ".join(f"{name} {n}" for name, n in parts.items())
+    print(f"note: at the recorded run's own cache ({held}; --capacity sets another)", file=sys.stderr)
+    return RECORDED
 
 
 def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
@@ -1008,16 +1067,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     _check_jobs(args)
     if args.plot:
         check_plot_path(args.plot)
-    if bool(args.model) != bool(args.prompts):
-        raise ExpertcacheError("--model and --prompts go together: the trace is recorded from them")
-    if args.max_new_tokens is not None and not args.model:  # not taken in silence
-        raise ExpertcacheError("--max-new-tokens is for recording a trace (--model with --prompts)")
+    if args.model and not args.prompts:
+        raise ExpertcacheError("--model records a trace from --prompts FILE: give them too, or a --trace")
+    if args.max_new_tokens is not None and not args.prompts:  # not taken in silence
+        raise ExpertcacheError("--max-new-tokens is for recording a trace (--prompts, with --model or not)")
     if args.window_tokens < 1:
         raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
     _check_concurrency(args)
-    if args.model:
+    if args.prompts:  # recorded from --model, or the embedded model
         if args.trace != "default":
-            raise ExpertcacheError("give --trace or --model with --prompts, not both")
+            raise ExpertcacheError("give --trace or --prompts (recorded from --model), not both")
         trace = _record_trace(args.model, args.prompts, args.max_new_tokens or 32, args.window_tokens)
     else:
         trace = _trace(args.trace)
@@ -1071,11 +1130,14 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int, window: int | N
 def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
     """A ``--cost`` profile measured for another model's shape is refused, and one of a packed model
     for a miss path that needs low-precision copies."""
-    from expertcache.costs import CostModel, check_low_precision, check_shape
+    from expertcache.costs import CostModel, check_low_precision, check_shape, size_note
 
     if args.cost:
-        shape = CostModel.load_profile(args.cost)[1]
+        cost, shape = CostModel.load_profile(args.cost)
         check_shape(args.cost, shape, trace)
+        note = size_note(args.cost, cost, trace)
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr)
         given = getattr(args, "miss", None)
         misses = given if isinstance(given, list) else [given or "fetch"]
         check_low_precision(args.cost, shape, misses)

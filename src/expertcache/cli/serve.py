@@ -167,6 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if local is not None:
         check_batchable(read_config(local))  # before the model loads
     model = load_model(args, record=bool(args.record_trace))
+    if not args.quiet:  # what runs, as a plan or the options chose it
+        print(f"serving {describe_run(model)}", file=sys.stderr)
     note = lossy_note(model.stats, model.miss.lossy)
     if note:
         print(note, file=sys.stderr)
@@ -190,6 +192,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def describe_run(model) -> str:
+    """One line: the model, its expert memory, and the policy, miss path and predictor that run."""
+    from expertcache.engine.hub import model_label
+
+    total = model.num_layers * model.num_experts
+    parts = [
+        f"{model_label(model.path)} on {model.device}: {model.capacity} of {total} experts",
+        f"policy {model.cache_config.policy}", f"miss {model.miss.describe()}", f"prefetch {model.prefetch}",
+    ]  # fmt: skip
+    if model.plan is not None:
+        parts.append(f"from plan {model.plan.file or ''}".rstrip())
+    return ", ".join(parts)
 
 
 def lossy_note(stats: dict, lossy_path: bool) -> str | None:

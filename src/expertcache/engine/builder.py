@@ -13,7 +13,7 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -189,7 +189,10 @@ class Builder:
         self.plan = plan
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
         self.cache_config = cache = cache or CacheConfig()
-        self.prefetch_config_ = prefetch = prefetch or PrefetchConfig(AUTO)
+        prefetch = prefetch or PrefetchConfig(AUTO)
+        if plan is not None:
+            prefetch = self._plans_data(plan, prefetch)
+        self.prefetch_config_ = prefetch
         self.link_config = link = link or LinkConfig()
         self.miss_config = miss = miss or MissConfig()
         self.device = resolve_device(device)
@@ -229,11 +232,18 @@ class Builder:
         if plan is not None:  # its budget is in experts: the timing model's unit
             plan.check_model(self.num_layers, self.num_experts, self.top_k, f"model {model_label(self.path)}")
             expert_memory = plan.capacity * self.layout.slot_bytes
+            priced = (plan.source.get("cost") or {}).get("expert_bytes")
             if plan.source.get("cost") == CostModel().to_dict():  # chosen for a machine that is not this one
                 self.notes.append(
                     "this plan was priced by the default cost model (a Mixtral-8x7B expert over PCIe 4 to a "
                     "GPU), not measured here: 'expertcache profile' measures this machine, and 'expertcache "
                     "plan --cost PROFILE.json' plans for it"
+                )
+            elif isinstance(priced, int) and priced != self.layout.slot_bytes:  # a profile of another model
+                self.notes.append(
+                    f"this plan was priced for experts of {priced} bytes; {model_label(self.path)}'s are "
+                    f"{self.layout.slot_bytes} (another model of its shape, or another dtype): its predicted "
+                    "times are not this model's ('expertcache profile' measures this one)"
                 )
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
@@ -422,6 +432,23 @@ class Builder:
             engine.driver, engine._seq = driver, seq
             self.cache.stats = CacheStats(self.num_layers)
         return time.perf_counter() - start
+
+    def _plans_data(self, plan: Plan, prefetch: PrefetchConfig) -> PrefetchConfig:
+        """A plan whose predictor learned from a recorded trace (token, eam) runs with that trace, as it
+        was planned (the embedded model's own trace would predict otherwise), unless given another."""
+        path = plan.predictor_trace()
+        if path is None or prefetch.data is not None or prefetch.predictor != plan.prefetch:
+            return prefetch
+        if not Path(path).is_file():
+            raise ExpertcacheError(
+                f"the plan's predictor {plan.prefetch} was planned learning from {path}, which is not "
+                f"there: give the trace as {option('--predictor TRACE.npz', 'predictor=TRACE')}"
+            )
+        self.notes.append(
+            f"prefetch {plan.prefetch} learns from {path}, the trace it was planned with (give "
+            f"{option('--predictor', 'predictor')} for another)"
+        )
+        return replace(prefetch, data=path)
 
     def _check_cheap(
         self, cache: CacheConfig, prefetch: PrefetchConfig, slow_tier, expert_memory, kernel=None

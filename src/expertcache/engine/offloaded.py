@@ -421,9 +421,16 @@ class OffloadedModel:
         meta = {
             "model": model_label(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
             "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
+            "memory": self.budget // self.layout.slot_bytes,  # the expert memory, in whole experts
+            "expert_bytes": self.layout.slot_bytes,  # what a whole expert moves (a profile's must match)
         }  # fmt: skip
+        profile = self.cache_config.profile
+        if profile is not None:  # a static policy's ranking: the simulator needs the same (--profile)
+            meta["profile"] = str(profile.source if isinstance(profile, Trace) else profile)
         if self.predictor is not None:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
+            if self.prefetch_limit is not None:
+                meta["prefetch_limit"] = self.prefetch_limit
         level = getattr(self.cache.transport, "level", None)
         if level is not None:  # the host level (``cache.tiers``): replayed at its own capacity
             meta.update(host_capacity=level.policy.capacity, host_policy=self.host_config.policy,

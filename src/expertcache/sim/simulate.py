@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from expertcache.cache.schedule import build_schedule
+from expertcache.cache.schedule import build_schedule, usage_profile, with_profile
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
-from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy
+from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy, policy_class
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
+from expertcache.sim.timing import RECORDED
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capacity_items, true_or_false, whole_number
@@ -31,13 +31,16 @@ def simulate(
     seed: int = 0,
     skip_infeasible: bool = False,
     jobs: int = 1,
+    profile: Trace | str | None = None,
 ) -> list[SimResult]:
     """Replay ``trace`` (a ``Trace`` or its file) through every policy ('name' or 'name:k=v,...') at
     every capacity ('all' = 1..L*E, or items as ``sim --capacity`` takes them: 24, "8:96:8", "25%");
     each result carries OPT's misses at its capacity. With ``skip_infeasible``, capacities a
     policy cannot run with (below one slot per layer for -dist, other than the sum of -dist budgets
     given) are left out instead of raising.
-    ``jobs`` > 1 replays capacities on that many processes."""
+    ``jobs`` > 1 replays capacities on that many processes. ``profile`` (a trace or its file): the
+    usage profile the static policies rank by, as the engine's ``profile`` (default: the replayed
+    trace's own use, an oracle's)."""
     trace = as_trace(trace, replay=True)
     seed = whole_number(seed, option("--seed", "seed"), 0)  # -1 would draw as 1 does
     jobs = whole_number(jobs, "jobs")
@@ -48,50 +51,79 @@ def simulate(
         )
     if not isinstance(policies, str):  # each once, as capacities are: a repeat is the same replay
         policies = list(dict.fromkeys(policies))
-    for note in replay_notes(trace):
+    ranked = None
+    if profile is not None:
+        names = [policies] if isinstance(policies, str) else policies
+        if not any(policy_class(parse_policy(p)[0]).needs_profile for p in names):
+            raise ExpertcacheError(
+                f"{option('--profile', 'profile')} ranks experts for the static policies; none of "
+                f"{', '.join(names)} ranks by one"
+            )
+        ranked = usage_profile(profile, trace)
+    for note in replay_notes(trace, profiled=profile is not None):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
-        return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs)
+        return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs, ranked)
 
 
-def replay_notes(trace: Trace, name: str = "TRACE") -> list[str]:
+def replay_notes(trace: Trace, name: str = "TRACE", profiled: bool = False) -> list[str]:
     """Why these replays (a whole-expert cache, fetched on demand, no prefetching) do not count what the
     run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched,
-    served its misses by another miss path, or both (one note, one command). ``simulate`` warns it,
-    ``sim`` notes it."""
-    miss = str(trace.meta.get("miss", "fetch"))
+    served its misses by another miss path, or both (one note, one command); or it ranked a static
+    policy by a profiling run's use that the replay was not given (``profiled``: it was). ``simulate``
+    warns them, ``sim`` notes them."""
+    meta = trace.meta
+    miss = str(meta.get("miss", "fetch"))
     other_miss = miss.partition(":")[0] != "fetch"
     prefetched = ""
     if trace.predicted is not None:
         steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
         predicted = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
-        who = trace.meta.get("predictor", "a predictor")
+        who = meta.get("predictor", "a predictor")
         prefetched = (
             f"prefetched ({who}, in {len(np.unique(steps[predicted]))} of {len(np.unique(steps))} steps)"
         )
+    notes = []
+    policy, profile = meta.get("policy", "POLICY"), meta.get("profile")
+    if profile is not None and not profiled:  # a static policy's ranking: the run's, not this trace's
+        notes.append(
+            f"this run's policy {policy} ranked experts by the use of {profile}; these replays rank by "
+            f"{name}'s own unless given it: " + option(f"--profile {profile}", f"profile={str(profile)!r}")
+        )
     if not other_miss and not prefetched:
-        return []
-    capacity, policy = _memory_of(trace.meta), trace.meta.get("policy", "POLICY")
+        return notes
+    recorded = "capacities" in meta  # an engine's run: timing replays its own cache parts
     did, undone = [], []
     # the run's own policy (timing's default is LRU; a new user replayed an LLRU run as LRU)
     named = other_miss or policy not in ("lru", "POLICY")
     flags, args = (f" --policy {policy}", f", cache={policy!r}") if named else ("", "")
+    if profile is not None:
+        flags, args = f"{flags} --profile {profile}", f"{args}, profile={str(profile)!r}"
     if other_miss:
-        did.append(f"served its misses by miss path {miss} (in the memory of {capacity} experts)")
+        memory = meta.get("memory")  # an engine's expert memory in whole experts (not its parts' slots)
+        did.append(
+            f"served its misses by miss path {miss}"
+            + (f" (in an expert memory of {memory} experts)" if memory is not None else "")
+        )
         undone.append("fetch every miss whole")
         flags, args = f"{flags} --miss {miss}", f"{args}, miss={miss!r}"
     if prefetched:
         did.insert(0, prefetched)
         undone.insert(0, "do not prefetch")
         flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
+    capacity = meta.get("capacity", "N")
+    given = repr(RECORDED) if recorded else "capacity" if capacity == "N" else capacity
     note = (
         f"this run {' and '.join(did)}; these replays {', '.join(undone)}, so their counts are not the "
         "run's: "
         + option(
-            f"'expertcache timing --trace {name}{flags} --capacity {capacity}'",
-            f"simulate_timing(trace, {'capacity' if capacity == 'N' else capacity}{args})",
+            f"'expertcache timing --trace {name}{flags}"
+            + ("" if recorded else f" --capacity {capacity}")
+            + "'",
+            f"simulate_timing(trace, {given}{args})",
         )
         + " replays it"
+        + (" at the run's own cache parts" if recorded else "")
     )
     if other_miss:
         note += (
@@ -99,19 +131,7 @@ def replay_notes(trace: Trace, name: str = "TRACE") -> list[str]:
             + option("--cost PROFILE.json", "cost=CostModel.load('PROFILE.json')")
             + ")"
         )
-    return [note]
-
-
-def _memory_of(meta: dict) -> object:
-    """The expert memory of a recorded run, in experts: its parts' slots together (a miss path's buffer
-    beside the whole-expert cache), as ``simulate_timing``'s capacity takes it."""
-    try:
-        parts = json.loads(meta["capacities"])
-        if all(isinstance(n, int) for n in parts.values()):
-            return sum(parts.values())
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass
-    return meta.get("capacity", "N")
+    return [*notes, note]
 
 
 def _simulate(
@@ -122,8 +142,11 @@ def _simulate(
     seed: int,
     skip_infeasible: bool,
     jobs: int,
+    profile: dict | None = None,
 ) -> list[SimResult]:
     schedule = build_schedule(trace, order)
+    if profile is not None:
+        schedule = with_profile(schedule, profile)
     caps = all_capacities(schedule) if capacities == "all" else _capacities(capacities, trace.num_keys)
     specs = [parse_policy(spec) for spec in ([policies] if isinstance(policies, str) else policies)]
     with ThreadPoolExecutor(1) as background:

@@ -19,15 +19,22 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import json
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from expertcache.cache.build import assemble, build_host_level, build_parts, part_capacities
 from expertcache.cache.governor import describe
-from expertcache.cache.schedule import build_schedule, check_capacity, token_prefill, token_seq
+from expertcache.cache.schedule import (
+    build_schedule,
+    check_capacity,
+    token_prefill,
+    token_seq,
+    usage_profile,
+)
 from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import AUTO as AUTO_PREFETCH
@@ -224,14 +231,50 @@ def _canonical(
     """``run_timing``'s arguments in one spelling each (its traces loaded, configs and costs made)."""
     trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
-    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
+    if isinstance(capacity, str) and capacity == RECORDED:
+        if capacities is not None:
+            raise ExpertcacheError(f"capacity {RECORDED!r} is the run's own capacities: leave out capacities")
+        capacity, capacities = recorded_capacities(trace, miss_cfg, cost)
+    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    if pf.predictor == "recorded" and pf.limit is None and "prefetch_limit" in trace.meta:
+        pf = replace(pf, limit=int(trace.meta["prefetch_limit"]))  # as the run prefetched; said in its notes
     if predictor_trace is not None and not trace_readers([pf.predictor]):  # not taken in silence
         raise ExpertcacheError(
             f"predictor_trace: prefetch {pf.predictor} reads no recorded trace (token and eam do)"
         )
     return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
+
+
+RECORDED = "recorded"  # a capacity: the recorded run's own, each cache part as the engine held it
+
+
+def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tuple[int, dict[str, object]]:
+    """The cache parts of the engine run ``trace`` recorded (``trace.meta``), as ``capacities`` takes
+    them, and its primary part's capacity: a replay under the run's own miss path then holds what the
+    run's held (a split path's segments, hobbit's low-precision copies), whatever the cost model's expert
+    size. One clear error where the trace records no run, or another miss path than ``miss``."""
+    meta = trace.meta
+    try:
+        parts, capacity = json.loads(meta["capacities"]), int(meta["capacity"])
+    except (KeyError, TypeError, ValueError):
+        raise ExpertcacheError(
+            f"capacity {RECORDED!r}: {trace.source} records no engine run's cache (a trace of "
+            + option("expertcache generate --record-trace", "model.save_trace")
+            + ")"
+        ) from None
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    path = miss_class(miss.name)(MissContext(L, E, K, costs=cost), **miss.params)
+    if path.describe() != meta.get("miss", "fetch"):
+        memory = meta.get("memory")
+        raise ExpertcacheError(
+            f"capacity {RECORDED!r}: the run served its misses by miss path {meta.get('miss')}, not "
+            f"{path.describe()}; give its expert memory in experts"
+            + (f" ({memory})" if memory is not None else "")
+            + " to replay it under another"
+        )
+    return capacity, parts
 
 
 def _key(args: tuple) -> tuple[tuple, tuple]:
@@ -336,12 +379,14 @@ def _run_timing(
     ctx = PolicyContext(
         capacity=max(1, capacity), num_layers=L, num_experts=E, top_k=K, clock=clock, seed=cache_cfg.seed,
         future=schedule.future if cache_cfg.offline else None,
-        profile=schedule.profile if _needs_profile(cache_cfg) else None,
+        profile=_profile(cache_cfg, schedule, trace),
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
     level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
     if idle_chunks is not None:
         notes.append(idle_chunks)
+    if pf.predictor == "recorded" and pf.limit is not None and pf.limit == trace.meta.get("prefetch_limit"):
+        notes.append(f"prefetch limit {pf.limit} a layer: the recorded run's")
     host_level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     if host_level is not None and capacity >= L * E and not capacities:  # as the engine does
         notes += host_level[2] + [HOST_LEVEL_UNUSED]
@@ -577,6 +622,14 @@ def _level_counts(level, link: VirtualLink, host_level) -> dict[str, object]:
         "disk_read_s": link.disk_busy_s,
         "link_read_s": link.link_read_s,  # of those, the reads inside transfers (the link waits for them)
     }
+
+
+def _profile(cfg: CacheConfig, schedule, trace: Trace) -> dict | None:
+    """A static policy's ranking: the usage profile given (``cfg.profile``: what the engine ranked by),
+    else the replayed trace's own (an oracle's); None for a policy that ranks by none."""
+    if not _needs_profile(cfg):
+        return None
+    return schedule.profile if cfg.profile is None else usage_profile(cfg.profile, trace)
 
 
 def _needs_profile(cfg: CacheConfig) -> bool:

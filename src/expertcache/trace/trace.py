@@ -12,6 +12,7 @@ step's ranked list, read row after row over the step's tokens, -1 padding; meta 
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import os
 import zipfile
@@ -98,6 +99,14 @@ class Trace:
     @property
     def top_k(self) -> int:
         return int(self.experts.shape[2])
+
+    def digest(self) -> str:
+        """A fingerprint of the routing (its shape, experts, phases and steps): two traces of equal
+        digests replay alike, whatever their files are called (a plan holds its trace's)."""
+        h = hashlib.sha256(repr((self.num_tokens, self.num_layers, self.num_experts, self.top_k)).encode())
+        for a in (self.experts, self.is_prefill, self.step_id, self.seq_id):
+            h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
 
     @property
     def num_keys(self) -> int:

@@ -1,0 +1,180 @@
+"""Design in the simulator, deploy in the engine, and back: what an engine run recorded replays to what it
+counted, with the command the simulator suggests, and a plan runs as it was planned (a new user's trial
+found each of these counted otherwise, at exit 0)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from trace_fixtures import prefix
+
+import expertcache as ec
+from expertcache.cli import main
+from expertcache.config import PrefetchConfig
+from expertcache.costs import PROFILE_VERSION
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning
+
+PROMPT = "def read_config(path):"
+
+
+def _run(tmp_path, name, new_tokens=12, **kwargs):
+    """An engine run of the embedded model at 30 %, its stats and its trace's file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(expert_memory="30%", **kwargs) as model:
+            model.generate_text(PROMPT, new_tokens)
+            stats = model.stats
+            path = tmp_path / f"{name}.npz"
+            model.save_trace(path)
+    return stats, path
+
+
+@pytest.mark.parametrize("miss", ["split:theta=0.5", "hobbit:bits=8"])
+def test_a_run_of_a_miss_path_with_parts_replays_at_its_own_parts_as_sim_says(tmp_path, capsys, miss):
+    """The note named --capacity 57 (split: the parts' slots summed, half experts counted as experts) and
+    70 (hobbit: int4 copies counted as experts); those replays missed 90 and 138 against the run's 133
+    and 235. Now the run's own parts are replayed, and its expert memory in experts is recorded."""
+    if miss.startswith("hobbit"):
+        from expertcache.tools.quantize import quantize_model
+
+        quantize_model(None, bits=(8,), progress=False)  # into the test session's own cache
+    stats, path = _run(tmp_path, "parts", miss=miss, prefetch="none")
+    trace = ec.load_trace(path)
+    assert trace.meta["memory"] == 28 and trace.meta["expert_bytes"] == stats["expert_bytes"]
+    assert main(["sim", str(path), "--policy", "lru", "--capacity", "28"]) == 0
+    err = capsys.readouterr().err
+    said = err.split("'expertcache timing ")[1].split("'")[0]
+    assert "--capacity" not in said and "in an expert memory of 28 experts" in err
+    assert main(["timing", *said.split(), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: at the recorded run's own cache (" in err
+    replayed = json.loads(out)
+    assert (replayed["hits"], replayed["misses"]) == (stats["hits"], stats["misses"])
+    result = ec.simulate_timing(trace, "recorded", miss=trace.meta["miss"])
+    assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+    # under another miss path, the run's expert memory, said
+    assert main(["timing", "--trace", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "at the recorded run's expert memory, 28 experts" in err and json.loads(out)["capacity"] == 28
+    with pytest.raises(
+        ExpertcacheError, match=r"served its misses by miss path .*give its expert memory in "
+    ):
+        ec.simulate_timing(trace, "recorded")
+
+
+def test_recorded_capacities_need_an_engines_trace():
+    with pytest.raises(ExpertcacheError, match="records no engine run's cache"):
+        ec.simulate_timing(ec.default_trace(), "recorded")
+    with pytest.raises(ExpertcacheError, match="leave out capacities"):
+        ec.simulate_timing(ec.default_trace(), "recorded", capacities={"full": 8})
+
+
+def test_a_runs_prefetch_limit_is_recorded_and_replayed(tmp_path, capsys):
+    """--prefetch-limit was not in the trace: the replay the note suggested prefetched without it."""
+    kw = dict(prefetch="learned", window=1, prefetch_limit=1, deterministic=True)
+    stats, path = _run(tmp_path, "limit", **kw)
+    trace = ec.load_trace(path)
+    assert trace.meta["prefetch_limit"] == 1
+    fast = {"link_bandwidth": "1000TB/s", "link_latency": "0us"}
+    with pytest.warns(ExpertcacheWarning, match="prefetch limit 1 a layer: the recorded run's"):
+        result = ec.simulate_timing(trace, "recorded", prefetch="recorded", cost=fast)
+    assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+    unlimited = ec.simulate_timing(trace, "recorded", prefetch=PrefetchConfig("recorded", limit=8), cost=fast)
+    assert unlimited.misses != result.misses  # the limit was the difference
+
+
+def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path, capsys):
+    """sim and timing ranked a static policy by the replayed trace itself (230/77 against the run's
+    126/181), and had no --profile to say otherwise."""
+    profile = tmp_path / "profile.npz"
+    ec.load_trace(_run(tmp_path, "profiling", new_tokens=24, prefetch="none")[1]).save(profile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(expert_memory="30%", policy="static", profile=str(profile), prefetch="none") as model:
+            model.generate_text("import os", 12)
+            stats, trace = model.stats, model.trace()
+    assert trace.meta["profile"] == str(profile)
+    with pytest.warns(ExpertcacheWarning, match=f"ranked experts by the use of {profile}"):
+        (own,) = ec.simulate(trace, ["static"], [28])
+    (given,) = ec.simulate(trace, ["static"], [28], profile=profile)
+    assert (given.hits, given.misses) == (stats["hits"], stats["misses"]) != (own.hits, own.misses)
+    path = tmp_path / "static.npz"
+    trace.save(path)
+    replay = ["timing", "--trace", str(path), "--policy", "static", "--profile", str(profile)]
+    assert main([*replay, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["misses"] == stats["misses"]
+    for argv, needle in (
+        (["sim", str(path), "--policy", "lru", "--profile", str(profile)], "none of lru ranks by one"),
+        (["timing", "--trace", str(path), "--profile", str(profile)], "policy lru uses none"),
+    ):
+        assert main(argv) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_a_plan_runs_with_the_trace_its_predictor_learned_from_and_replays_on_its_own_trace(tmp_path, capsys):
+    """A plan choosing prefetch token had predicted 451 misses; generate --plan ran 710 (the embedded
+    trace's table), and timing --plan replayed the embedded trace, not the plan's."""
+    _, made_on = _run(tmp_path, "made-on", new_tokens=24, prefetch="none")
+    _, learned = _run(tmp_path, "learned", new_tokens=24, prefetch="none")
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(made_on), "--capacity", "24", "--prefetch", "token", "--predictor"]
+    assert main([*argv, str(learned), "--method", "uniform", "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    plan = ec.Plan.load(plan_file)
+    assert plan.prefetch == "token" and plan.predictor_trace() == str(learned.resolve())
+    assert plan.source["digest"] == ec.load_trace(made_on).digest()
+    assert main(["timing", "--plan", str(plan_file), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert f"replaying the plan's trace {made_on.resolve()}" in err
+    assert f"learns from {learned.resolve()}" in err
+    assert json.loads(out)["misses"] == plan.predicted["misses"]
+    said = f"prefetch token learns from {learned.resolve()}"
+    with pytest.warns(ExpertcacheWarning, match=said), ec.load(plan=plan_file) as model:
+        assert str(model.prefetch_config_.data) == str(learned.resolve())
+    # the same number of tokens is not the same trace: the routing's digest says it
+    other = ec.load_trace(made_on)
+    shuffled = ec.Trace(np.roll(other.experts, 1, axis=2), other.num_experts, source="x")
+    shuffled.save(tmp_path / "other.npz")
+    assert main(["timing", "--plan", str(plan_file), "--trace", str(tmp_path / "other.npz")]) == 0
+    assert "these figures are not the plan's prediction" in capsys.readouterr().err
+    learned.unlink()
+    with pytest.raises(ExpertcacheError, match="was planned learning from .*which is not there"):
+        ec.load(plan=plan_file)
+
+
+def test_a_plan_using_the_planned_trace_as_its_predictors_data_says_it_is_in_sample():
+    short = prefix(256)
+    with pytest.warns(ExpertcacheWarning, match="the predictor trace is the planned trace itself"):
+        ec.make_plan(short, 24, prefetches=["token"], predictor_trace=short, methods=["uniform"])
+
+
+def test_a_profile_of_other_experts_than_the_run_moved_is_said(tmp_path):
+    _, path = _run(tmp_path, "run", prefetch="none")
+    trace = ec.load_trace(path)
+    profile = tmp_path / "profile.json"
+    profile.write_text(
+        json.dumps(
+            {
+                "format": "expertcache-profile", "version": PROFILE_VERSION,
+                "model": {"name": "other", "layers": 6, "experts": 16, "top_k": 2},
+                "cost": {"expert_bytes": trace.meta["expert_bytes"] * 4},
+            }
+        )
+    )  # fmt: skip
+    with pytest.warns(
+        ExpertcacheWarning, match="prices experts of .*moved experts of .*another model or dtype"
+    ):
+        ec.simulate_timing(trace, 24, cost=str(profile))
+
+
+def test_a_traces_digest_is_its_routing_whatever_its_file():
+    trace = ec.default_trace()
+    fields = dict(seq_id=trace.seq_id, is_prefill=trace.is_prefill, step_id=trace.step_id)
+    again = ec.Trace(trace.experts.copy(), trace.num_experts, source="elsewhere", **fields)
+    assert again.digest() == trace.digest()
+    changed = trace.experts.copy()
+    changed[0, 0, 0] = (changed[0, 0, 0] + 1) % trace.num_experts
+    assert ec.Trace(changed, trace.num_experts, **fields).digest() != trace.digest()
