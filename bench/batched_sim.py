@@ -20,17 +20,17 @@ bytes, its device and host compute times all shrink by the same factor, the link
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import provenance  # noqa: E402
+from provenance import at_least, fail, provenance, results_out, write_json  # noqa: E402
 
 from expertcache.cache.schedule import build_schedule  # noqa: E402
 from expertcache.costs import CostModel  # noqa: E402
+from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.sim.bounds import step_bounds  # noqa: E402
 from expertcache.sim.replay import replay  # noqa: E402
 from expertcache.sim.timing import simulate_timing  # noqa: E402
@@ -61,20 +61,31 @@ def scaled(expert_bytes: int) -> CostModel:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--share", type=float, default=0.25, help="budget as a share of all experts")
+    ap.add_argument("--concurrency", type=at_least(1), nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--share", type=at_least(0.0, float), default=0.25, help="budget: a share of all experts")
     ap.add_argument("--cost", help="a cost model or profile (JSON) for every trace")
     ap.add_argument(
-        "--host-factor", type=float, default=1.0, help="the host's expert times scaled by this (sensitivity)"
-    )
-    ap.add_argument("--out", help="write the results as JSON")
+        "--host-factor", type=at_least(0.0, float), default=1.0,
+        help="the host's expert times scaled by this (sensitivity)",
+    )  # fmt: skip
+    ap.add_argument("--out", type=Path, help="write the results as JSON")
     args = ap.parse_args()
+    if not 0 < args.share <= 1:
+        fail(ap.prog, f"--share is a share of all experts in (0, 1], got {args.share}")
+    if args.out is not None:
+        args.out = results_out(ap, args, args.out.name)  # checked before the replays
+    try:
+        given = CostModel.load(args.cost) if args.cost else None
+    except ExpertcacheError as exc:
+        fail(ap.prog, str(exc))
     traces = {"embedded": default_trace()}
     if SHARED.exists():
         traces["qwen15"] = load_trace(SHARED)
+    else:  # the table in docs/BENCHMARKS.md has its rows: a run without them is not that table
+        print(f"note: {SHARED} not found: the Qwen1.5-MoE rows are left out", file=sys.stderr)
     rows = []
     for name, src in traces.items():
-        cost = CostModel.load(args.cost) if args.cost else scaled(EXPERT_BYTES[name])
+        cost = given if given is not None else scaled(EXPERT_BYTES[name])
         cost = replace(cost, host_expert_s=cost.host_expert_s * args.host_factor,
                        host_expert_token_s=cost.host_expert_token_s * args.host_factor)  # fmt: skip
         capacity = int(src.num_keys * args.share)
@@ -104,7 +115,7 @@ def main() -> int:
                 f"miss s: stream {row['bound_stream_s']:.2f} static {row['bound_static_s']:.2f} best "
                 f"{row['bound_best_s']:.2f} | fetch {row['fetch_miss_s']:.2f} host {row['host_miss_s']:.2f} "
                 f"hybrid {row['hybrid_miss_s']:.2f} batch {row['batch_miss_s']:.2f} makespan "
-                f"{row['batch_makespan_miss_s']:.2f} (x best: {row['batch_vs_best']:.2f}; waits: hybrid "
+                f"{row['batch_makespan_miss_s']:.2f} (batch / best {row['batch_vs_best']:.2f}; waits: hybrid "
                 f"{row['hybrid_wait_s']:.2f} batch {row['batch_wait_s']:.2f} makespan "
                 f"{row['batch_makespan_wait_s']:.2f}; {time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
@@ -112,7 +123,8 @@ def main() -> int:
             )  # fmt: skip
     out = {"provenance": provenance(), "share": args.share, "host_factor": args.host_factor, "rows": rows}
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

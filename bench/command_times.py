@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import provenance, write_json
+from provenance import provenance, results_out, write_json
 
 
 def run_once(command: str, src: str | None) -> float:
@@ -53,6 +53,13 @@ def main() -> int:
         p.error(f"--before {args.before}: no expertcache package there")
     if args.rounds < 1:
         p.error("--rounds must be 1 or more")
+    for command in args.commands:  # each splits as a shell would, before any is timed
+        try:
+            shlex.split(command)
+        except ValueError as exc:
+            p.error(f"command {command!r}: {exc}")
+    if args.out is not None:
+        results_out(p, args, args.out.name)  # writable, before the rounds
     times: dict[str, dict[str, list[float]]] = {c: {"before": [], "after": []} for c in args.commands}
     for r in range(args.rounds):
         order = [("before", before), ("after", None)]

@@ -55,7 +55,8 @@ def main() -> int:
     split = dataclasses.replace(even, weights=hobbit_weights(even.experts.shape, 0))
     rows = []
     print(
-        "| router weights | miss path | policy | TPOT ms | / fetch | misses | at low precision | GB moved |"
+        "| router weights | miss path | policy | TPOT ms | speed vs fetch | misses | at low precision "
+        "| GB moved |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for label, trace in (("even (random router)", even), ("HOBBIT's split for Mixtral", split)):

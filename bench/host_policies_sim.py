@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_json
+from provenance import ROOT, notes_as_lines, provenance, results_out, write_json
 
 from expertcache.config import HostConfig
 from expertcache.sim import build_schedule, replay
@@ -53,8 +53,14 @@ def traces() -> dict[str, object]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exclusive", action="store_true", help="an exclusive host level (default inclusive)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/host_policies_sim.json")
+    ap.add_argument(
+        "--out", type=Path,
+        help="default bench/results/host_policies_sim.json (--exclusive: host_policies_sim_exclusive.json)",
+    )  # fmt: skip
     args = ap.parse_args()
+    name = "host_policies_sim_exclusive.json" if args.exclusive else "host_policies_sim.json"
+    args.out = results_out(ap, args, name, modes=("exclusive",))
+    notes_as_lines()
     rows = []
     print(
         "| trace | device / host experts | OPT at the host's capacity | " + " | ".join(POLICIES) + " | best |"

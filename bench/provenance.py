@@ -85,3 +85,72 @@ def portable_text(text: str) -> str:
 def write_json(path: Path, data: object) -> None:
     """Write ``data`` as indented JSON with portable paths (see :func:`portable_text`)."""
     Path(path).write_text(portable_text(json.dumps(data, indent=1, default=str)) + "\n")
+
+
+def notes_as_lines() -> None:
+    """expertcache's warnings (``ExpertcacheWarning``: what a call adjusted) printed as the command line
+    prints its notes, one ``note:`` line each, once, without Python's source line."""
+    import warnings
+
+    from expertcache.errors import ExpertcacheWarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ExpertcacheWarning):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+    warnings.simplefilter("once", ExpertcacheWarning)
+
+
+def fail(prog: str, message: str) -> None:
+    """Bad input to a benchmark: one line naming it, exit 2 (as the command line's own errors)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def at_least(low: int | float, kind=int):
+    """An argparse type: a number (``kind``) of at least ``low``, else argparse's one-line error."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a {kind.__name__}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+def results_out(parser, args, name: str, at_least: tuple[str, ...] = (), modes: tuple[str, ...] = ()) -> Path:
+    """Where a benchmark writes its results, decided and checked writable before any work: ``--out`` as
+    given; else ``bench/results/NAME`` for the documented run (every option at its default; those named
+    in ``at_least`` at their default or more, as more repeats; ``modes`` any, where NAME already says
+    which), and the system's temporary directory for any other, said: a shrunk or partial run never
+    replaces the committed results in silence."""
+    out = args.out
+    if out is None:
+
+        def documented(key: str) -> bool:
+            value, default = getattr(args, key), parser.get_default(key)
+            return value >= default if key in at_least else value == default
+
+        full = all(documented(k) for k in vars(args) if k != "out" and k not in modes)
+        out = ROOT / "bench" / "results" / name if full else Path(tempfile.gettempdir()) / name
+        if not full:
+            print(f"note: options other than the documented run's: the results go to {out} (--out FILE "
+                  "writes them elsewhere)", file=sys.stderr)  # fmt: skip
+    out = Path(out)
+    if not out.parent.is_dir():
+        fail(parser.prog, f"--out {out}: the folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        fail(parser.prog, f"--out {out}: not writable")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit("provenance.py is the library the benchmarks record their runs with, not a benchmark of its own")

@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_json
+from provenance import at_least, fail, provenance, results_out, write_json
 
-from expertcache.cache.schedule import build_schedule
+from expertcache.cache.schedule import ORDERS, build_schedule
+from expertcache.errors import ExpertcacheError
 from expertcache.sim import fast
 from expertcache.sim.replay import replay
 from expertcache.trace import Trace, synthesize
@@ -28,13 +29,21 @@ POLICIES = ["lru", "fifo", "lfu", "lcp", "llru", "opt", "lru-dist", "lfu-dist", 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=100_000)
-    ap.add_argument("--reference-tokens", type=int, default=10_000)
-    ap.add_argument("--order", default="flat")
-    ap.add_argument("--capacity", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_kernels.json")
+    ap.add_argument("--tokens", type=at_least(1), default=100_000)
+    ap.add_argument("--reference-tokens", type=at_least(1), default=10_000)
+    ap.add_argument("--order", choices=ORDERS, default="flat")
+    ap.add_argument("--capacity", type=at_least(1), default=64)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--out", type=Path, help="default bench/results/sim_kernels.json (other sizes: temp dir)")
     args = ap.parse_args()
+    args.out = results_out(ap, args, "sim_kernels.json", at_least=("repeats",))
+    try:
+        return _run(args)
+    except ExpertcacheError as exc:  # a capacity a policy cannot run at, say
+        fail(ap.prog, str(exc))
+
+
+def _run(args) -> int:
     trace = synthesize("zipf", tokens=args.tokens, layers=32, experts=8, top_k=2, seed=1)
     s = build_schedule(trace, args.order)
     part = Trace(trace.experts[: args.reference_tokens], trace.num_experts)
@@ -63,6 +72,7 @@ def main() -> int:
               f"{reference_rate / 1e6:5.2f}M req/s | {compiled_rate / reference_rate:5.0f}x | "
               f"agree {agree}")  # fmt: skip
     write_json(args.out, {**provenance(), "tokens": args.tokens, "order": args.order, "rows": rows})
+    print(f"wrote {args.out}", file=sys.stderr)
     if not all(r["agree"] for r in rows):
         print("the compiled and the reference replays disagree", file=sys.stderr)
         return 1

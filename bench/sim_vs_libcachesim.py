@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import ROOT, provenance, write_json
+from provenance import at_least, provenance, results_out, write_json
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.trace import synthesize
@@ -53,7 +53,10 @@ ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
 def timed(cmd: list[str], repeats: int) -> tuple[float, str]:
-    subprocess.run(cmd, capture_output=True, text=True, check=True, env=ENV)
+    first = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
+    if first.returncode != 0:  # the child's own message, not a CalledProcessError that hides it
+        last = (first.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"sim_vs_libcachesim: {Path(cmd[0]).name} failed (exit {first.returncode}): {last}")
     runs, out = [], ""
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -76,12 +79,15 @@ print(ratio, time.perf_counter() - t0)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=100_000)
-    ap.add_argument("--capacity", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=at_least(1), default=100_000)
+    ap.add_argument("--capacity", type=at_least(1), default=64)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--no-curve", action="store_true", help="skip the whole-curve row (slow at 100M)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_vs_libcachesim.json")
+    ap.add_argument(
+        "--out", type=Path, help="default bench/results/sim_vs_libcachesim.json (other sizes: the temp dir)"
+    )
     args = ap.parse_args()
+    args.out = results_out(ap, args, "sim_vs_libcachesim.json", at_least=("repeats",))
     exe = str(Path(sys.executable).parent / "expertcache")
     with tempfile.TemporaryDirectory() as tmp:
         npz, og = Path(tmp) / "t.npz", Path(tmp) / "t.oracleGeneral"
@@ -106,7 +112,7 @@ def main() -> int:
                 "agree": agree,
             })  # fmt: skip
             print(f"{policy:5} @{args.capacity}: expertcache {ec_s:6.2f} s | libCacheSim {lcs_s:6.2f} s "
-                  f"(processing {lcs_process_s:.2f} s) | {ec_s / lcs_s:5.2f}x | "
+                  f"(processing {lcs_process_s:.2f} s) | expertcache's time {ec_s / lcs_s:5.2f}x | "
                   f"miss ratio {ec['miss_ratio']:.6f} vs {lcs_ratio:.6f}")  # fmt: skip
         curve_row = None
         if not args.no_curve:
@@ -120,6 +126,7 @@ def main() -> int:
             curve_row = {"capacities": len(curve), "expertcache_s": curve_s,
                          "libcachesim_one_capacity_s": lcs_lru}  # fmt: skip
     write_json(args.out, {**provenance(), "tokens": args.tokens, "rows": rows, "curve": curve_row})
+    print(f"wrote {args.out}", file=sys.stderr)
     if not all(r["agree"] for r in rows):
         print("miss ratios differ between expertcache and libCacheSim", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from provenance import ROOT, provenance, write_json
+from provenance import at_least, provenance, results_out, write_json
 
 from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel, fit_linear
@@ -108,26 +108,20 @@ def host_samples(model, counts=(1, 4, 16), reps: int = 100) -> list[tuple[int, f
     return out
 
 
-def dequant_seconds(model, miss: str) -> float:
-    """Median time to expand one expert's low-precision copy (the hobbit path's extra device work)."""
-    from expertcache.engine.parts import quantized_part
+def dequant_seconds(model, miss: str, full_s: float) -> float:
+    """The hobbit path's extra device time for one low-precision expert, as ``expertcache profile``
+    measures it: HQQ's expansion of its copy, or what the packed kernels take beyond a full expert's
+    ``full_s`` (none when they are faster; int8 and int4 copies are packed and never expanded)."""
     from expertcache.miss.registry import make_miss
+    from expertcache.tools.profile import low_precision_costs
 
-    path = make_miss(miss, model.miss.ctx)
-    spec = path.parts()[1]
-    part = quantized_part(spec, model.path, model.dtype)
-    from expertcache.engine.quantized import Dequantizer, find_copy, read_meta
-
-    expand = Dequantizer(read_meta(find_copy(model.path, spec.bits, spec.group)), model.dtype)
-    views = part.layouts[None].views(torch.zeros(part.layouts[None].slot_numel, dtype=torch.uint8))
-    for _ in range(10):
-        expand(views)
-    times = []
-    for _ in range(100):
-        t = time.perf_counter()
-        expand(views)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    spec = make_miss(miss, model.miss.ctx).parts()[1]
+    module = next(m for m in model.model.modules() if getattr(m, "_expertcache_layer", None) == 0)
+    got = low_precision_costs(model, module, full_s).get(f"int{spec.bits}", {})
+    if "dequant_s" not in got:
+        why = got.get("skipped", f"build them with 'expertcache quantize --bits {spec.bits}'")
+        raise SystemExit(f"validate_timing: no int{spec.bits} copies of group 64 were measured: {why}")
+    return got["dequant_s"]
 
 
 def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
@@ -135,7 +129,7 @@ def calibrate(path, args) -> tuple[CostModel, dict[str, object]]:
         samples = expert_samples(model)
         hosts = host_samples(model)
         hobbit = [m for m in args.miss if m.startswith("hobbit")]
-        dequant = dequant_seconds(model, hobbit[0]) if hobbit else 0.0
+        dequant = dequant_seconds(model, hobbit[0], samples[0][1]) if hobbit else 0.0
         generate(model, 8)  # warm-up
         tpots = [generate(model, args.new_tokens).tpot_s for _ in range(3)]
         L, K, nbytes = model.num_layers, model.top_k, model.layout.nbytes
@@ -241,8 +235,8 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", default=["25%", "50%", "75%"])
     ap.add_argument("--predictors", nargs="+", default=["none", "next-gate", "window", "learned"])
     ap.add_argument("--policy", default="lru")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=at_least(2), default=64)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--link-ratio", type=float, default=3.0)
     ap.add_argument("--link-latency-us", type=float, default=5.0)
     ap.add_argument("--no-chunking", action="store_true")
@@ -257,8 +251,9 @@ def main() -> None:
     ap.add_argument(
         "--replay", action="store_true", help="route by a synthetic sticky-Zipf trace (random-weight models)"
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "validate_timing.json")
+    ap.add_argument("--out", type=Path, help="default bench/results/validate_timing.json (else: temp dir)")
     args = ap.parse_args()
+    args.out = results_out(ap, args, "validate_timing.json", at_least=("repeats",))
     args.link_latency_s = args.link_latency_us * 1e-6
     if args.quick:
         args.budgets, args.predictors, args.new_tokens, args.repeats = ["50%"], ["none", "next-gate"], 16, 1
@@ -292,14 +287,15 @@ def main() -> None:
         row.update(error=err, runs=runs)
         rows.append(row)
         e_stall, s_stall = eng["decode_stall_per_token_s"], sim["decode_stall_per_token_s"]
+        off = {k: "n/a" if v is None else f"{v:+.1%}" for k, v in err.items()}  # n/a: the engine's was 0
         print(
             f"{budget:>4} {name:10} {miss:24} TPOT engine {eng['tpot_s'] * 1e3:6.2f} "
-            f"sim {sim['tpot_s'] * 1e3:6.2f} ({err['tpot_s']:+.1%}) | decode stall/token engine "
-            f"{e_stall * 1e3:6.3f} sim {s_stall * 1e3:6.3f} ({err['decode_stall_per_token_s'] or 0:+.1%})"
-            f" | misses {eng['misses']:.0f} / {sim['misses']}",
+            f"sim {sim['tpot_s'] * 1e3:6.2f} ({off['tpot_s']}) | decode stall/token engine "
+            f"{e_stall * 1e3:6.3f} sim {s_stall * 1e3:6.3f} ({off['decode_stall_per_token_s']})"
+            f" | misses {eng['misses']:.0f} / {sim['misses']}"
+            + (" (the overheads were fitted on this run)" if row["fitted_here"] else ""),
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "provenance": provenance(),
         "args": {k: v for k, v in vars(args).items() if k != "out"},

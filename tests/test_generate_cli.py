@@ -222,6 +222,8 @@ def test_the_embedded_model_has_a_plain_chat_template():
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
     text = render(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], True)
     assert text == "<|endoftext|># system: be brief\n# user: hi\n# assistant:\n"
+    text = render(tok, [{"role": "user", "content": "import os\ndef f():"}], True)  # each line a comment
+    assert text == "<|endoftext|># user: import os\n# def f():\n# assistant:\n"
 
 
 def test_chat_command_keeps_a_conversation_on_stdin(capsys, ckpt, tmp_path, monkeypatch):
@@ -435,6 +437,69 @@ def test_ctrl_c_in_a_chat_reply_stops_that_reply_and_the_conversation_goes_on(
     assert len(turns) == 2 and "stopped by Ctrl-C" in turns[0] and "stopped" not in turns[1]
     assert int(turns[0][1:].split()[0]) < 12 and turns[1].startswith("[12 tokens")
     assert handler is signal.default_int_handler  # restored after each reply
+
+
+def test_a_chat_says_its_refusals_under_quiet_reports_its_seed_and_refuses_a_reply_longer_than_the_context(
+    capsys, ckpt, tmp_path, monkeypatch
+):
+    """A new user's trial: --quiet hid "unknown command"; a sampled chat never said its seed; and
+    --max-new-tokens beyond the context was taken, every turn then failed, and the chat ended with 0."""
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    chat = ["chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--chat-template", str(template)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/foo\nhello\n"))
+    code, out, err = run(capsys, *chat, "--max-new-tokens", "3", "--quiet")
+    assert code == 0 and err.startswith("expertcache: error: unknown command /foo; commands: ") and out
+    sampled = [*chat, "--max-new-tokens", "6", "--temperature", "0.9"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    code, first, err = run(capsys, *sampled)
+    assert code == 0, err
+    seed = err.split("sampling with seed ")[1].split()[0]
+    assert f"(--seed {seed} repeats the conversation)" in err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    code, again, err = run(capsys, *sampled, "--seed", seed)
+    assert code == 0 and again == first and "sampling with seed" not in err  # the seed repeats it
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(ckpt("mixtral")).max_position_embeddings
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    line = one_line_error(*run(capsys, *chat, "--max-new-tokens", str(limit)))
+    assert f"--max-new-tokens {limit} leaves no room for a turn in the model's context of {limit}" in line
+
+
+def test_a_chat_ends_at_the_end_of_input_after_a_turn_left_open_and_with_130_at_ctrl_c(
+    capsys, ckpt, tmp_path, monkeypatch
+):
+    """A terminal's Ctrl-D is not lasting (read again, it waits for more): after a pending turn the chat
+    went on waiting. Ctrl-C at the prompt ended it with 0, where every command gives 130."""
+    from expertcache.cli.generate import _read_turn
+
+    class CtrlC(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", CtrlC())
+    chat = ["chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--chat-template", str(template)]
+    code, out, err = run(capsys, *chat)
+    assert code == 130 and err.endswith("expertcache: interrupted\n") and out == ""
+
+    class Terminal:  # a line left open by a backslash, Ctrl-D, and whatever is typed after
+        def __init__(self):
+            self.buffer = io.BytesIO(b"first \\\n")
+            self.more = [b"second\n"]
+
+        def readline(self):
+            got = self.buffer.readline()
+            if not got and self.more:
+                self.buffer = io.BytesIO(self.more.pop())
+            return got
+
+    ended = [False]
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    assert _read_turn(False, ended) == "first "
+    assert ended == [True] and _read_turn(False, ended) is None  # "second" is never read
 
 
 def test_bad_input_that_needs_the_model_is_one_line(capsys, ckpt, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ cache's work, timings, progress) to stderr, so ``generate ... > out.txt`` holds 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,7 +37,7 @@ SLOW_TIER_HELP = (
     "pages stay in the page cache)"
 )
 
-CHAT_COMMANDS = "/reset (forget the conversation), /stats (the cache's work), /exit"
+CHAT_COMMANDS = "/reset (forget the conversation), /stats (the cache's work), /exit (or /quit)"
 
 
 # ------------------------------------------------------------------------------------ parsers
@@ -601,6 +602,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     model = load_model(args)
     try:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and args.max_new_tokens >= limit:  # every turn would fail: said once, now
+            raise ExpertcacheError(
+                f"--max-new-tokens {args.max_new_tokens} leaves no room for a turn in the model's context of "
+                f"{limit} tokens: give at most {limit - 1}"
+            )
+        if sampling.temperature and sampling.seed is None:  # one seed for the whole conversation, reported
+            import secrets
+
+            sampling = dataclasses.replace(sampling, seed=secrets.randbelow(2**31))
+            seed = sampling.seed
+            _err(f"sampling with seed {seed} (--seed {seed} repeats the conversation)", args)
         _chat_template(model, args)
         from expertcache.engine.generation import render
         from expertcache.engine.hub import model_label
@@ -614,8 +627,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _err(f"chat with {model_label(model.path)} ({model.capacity}/{total} experts cached); "
              f"commands: {CHAT_COMMANDS}", args)  # fmt: skip
         _chat_loop(model, args, sampling, system, tty)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # at the prompt, or a second one in a reply: the chat ends, as any command
         print(file=sys.stderr)
+        _err("expertcache: interrupted", args)
+        return 130
     finally:
         model.close()
     return 0
@@ -623,7 +638,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
     history: list[dict[str, str]] = []
-    while (line := _read_turn(tty)) is not None:
+    ended = [False]  # the end of input was read (a terminal's Ctrl-D after a pending turn ends the chat too)
+    while (line := _read_turn(tty, ended)) is not None:
         command = line.strip()
         if command in ("/exit", "/quit"):
             return
@@ -632,7 +648,8 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
             _err("(conversation forgotten; the cache stays warm)", args)
             continue
         if command.startswith("/") and " " not in command and command != "/stats":  # a mistyped command
-            _err(f"unknown command {command}; commands: {CHAT_COMMANDS}", args)
+            print(f"expertcache: error: unknown command {command}; commands: {CHAT_COMMANDS}",
+                  file=sys.stderr)  # fmt: skip
             continue
         if command == "/stats":
             s = model.stats
@@ -694,14 +711,20 @@ class _CtrlC:
         return torch.full((input_ids.shape[0],), self.asked, dtype=torch.bool, device=input_ids.device)
 
 
-def _read_turn(tty: bool) -> str | None:
-    """One turn from standard input (None at its end); a line ending in a backslash goes on."""
+def _read_turn(tty: bool, ended: list[bool] | None = None) -> str | None:
+    """One turn from standard input (None at its end); a line ending in a backslash goes on. ``ended``
+    (one flag): set at the end of input, after which no more is read (a terminal's Ctrl-D is not
+    lasting: read again, it would wait for more)."""
+    ended = [False] if ended is None else ended
+    if ended[0]:
+        return None
     parts: list[str] = []
     while True:
         if tty:  # the prompt goes to stderr: stdout holds only the replies
             print("> " if not parts else ". ", end="", file=sys.stderr, flush=True)
         raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode()
         if raw == b"":
+            ended[0] = True
             return "\n".join(parts) if parts else None
         line = raw.decode("utf-8", errors="replace")  # a stray byte is not worth ending the conversation
         line = line.rstrip("\n")

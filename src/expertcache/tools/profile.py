@@ -111,7 +111,7 @@ def profile(
         }  # fmt: skip
         dev = str(m.device)
         tier = m.tier.name
-        precisions = _precisions(m, module, measured.expert(1))
+        precisions = low_precision_costs(m, module, measured.expert(1))
     base = {"dense_s": dense, "step_s": 0.0}
     timed_ones = {name: p for name, p in precisions.items() if "dequant_s" in p}
     if timed_ones:
@@ -198,7 +198,7 @@ def _check_shape(path, shape: dict) -> None:
         )
 
 
-def _precisions(m, module, full_s: float) -> dict[str, dict[str, float]]:
+def low_precision_costs(m, module, full_s: float) -> dict[str, dict[str, float]]:
     """Each low-precision copy of the model that exists (``expertcache quantize``): its bytes per expert,
     its transfer to the device (from its file, in the engine's chunks) and the device time it takes beyond
     a full expert's ``full_s`` for one token: HQQ's expansion, or what the packed kernels take more (none
