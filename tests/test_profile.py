@@ -210,6 +210,32 @@ def test_two_calibrations_that_disagree_are_said_and_the_quieter_is_kept():
     assert kept is quiet and unsteady == []
 
 
+def test_a_decode_step_measured_twice_keeps_the_quicker_and_says_when_they_disagree(
+    ckpt, tmp_path, monkeypatch
+):
+    """A new user's profile on a busy VM measured the all-resident decode step at 14 ms against about 2 ms
+    quiet, once, and said nothing: the plans made from it were 7x off."""
+    import dataclasses
+
+    from expertcache.engine.offloaded import OffloadedModel
+    from expertcache.tools.profile import profile
+
+    real, steps = OffloadedModel.generate_text, []
+
+    def busy_second(self, *args, **kwargs):
+        g = real(self, *args, **kwargs)
+        if kwargs.get("min_new_tokens"):  # the decode step's runs
+            steps.append(g.tpot_s)
+            if len(steps) == 2:  # the machine got busy
+                return dataclasses.replace(g, tpot_s=10 * g.tpot_s + 1e-3)
+        return g
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", busy_second)
+    data = profile(ckpt("mixtral"), device="cpu", steps=4)
+    assert len(steps) == 2 and data["how"]["decode_step_s"] == steps[0]
+    assert any(u.startswith("decode step ") for u in data["how"]["unsteady"])
+
+
 def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():
     """More tokens measured faster (a busy machine) clamped the slope to 0 but kept the free fit's
     intercept, 3.29 ms for samples of 3 and 1 ms; the best fit with a slope of 0 is their mean."""

@@ -178,3 +178,20 @@ def test_a_traces_digest_is_its_routing_whatever_its_file():
     changed = trace.experts.copy()
     changed[0, 0, 0] = (changed[0, 0, 0] + 1) % trace.num_experts
     assert ec.Trace(changed, trace.num_experts, **fields).digest() != trace.digest()
+
+
+def test_a_run_of_a_policy_the_replays_pass_for_is_named(capsys, tmp_path):
+    """A plan's lru-dist:budgets=... run replayed by sim's defaults (whose lru-dist is uniform) gave no
+    hint that none of the rows was the run's."""
+    trace = prefix(256)
+    run = ec.Trace(trace.experts, trace.num_experts, meta={"policy": "lru-dist:budgets=4/4/4/4/6/6"})
+    with pytest.warns(ExpertcacheWarning, match=r"policy was lru-dist:budgets=4/4/4/4/6/6, which these"):
+        ec.simulate(run, ["lru", "lru-dist"], [28])
+    path = tmp_path / "dist.npz"
+    run.save(path)
+    assert main(["sim", str(path), "--capacity", "28"]) == 0  # the default policies
+    assert "--policy lru-dist:budgets=4/4/4/4/6/6 replays it" in capsys.readouterr().err
+    with warnings.catch_warnings():  # another policy asked for by name: the user compares, nothing said
+        warnings.simplefilter("error", ExpertcacheWarning)
+        ec.simulate(run, ["llru"], [28])
+        ec.simulate(run, ["lru-dist:budgets=4/4/4/4/6/6"], [28])

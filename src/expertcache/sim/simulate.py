@@ -60,17 +60,22 @@ def simulate(
                 f"{', '.join(names)} ranks by one"
             )
         ranked = usage_profile(profile, trace)
-    for note in replay_notes(trace, profiled=profile is not None):
+    names = [policies] if isinstance(policies, str) else list(policies)
+    for note in replay_notes(trace, profiled=profile is not None, policies=names):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs, ranked)
 
 
-def replay_notes(trace: Trace, name: str = "TRACE", profiled: bool = False) -> list[str]:
+def replay_notes(
+    trace: Trace, name: str = "TRACE", profiled: bool = False, policies: Sequence[str] | None = None
+) -> list[str]:
     """Why these replays (a whole-expert cache, fetched on demand, no prefetching) do not count what the
     run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched,
     served its misses by another miss path, or both (one note, one command); or it ranked a static
-    policy by a profiling run's use that the replay was not given (``profiled``: it was). ``simulate``
+    policy by a profiling run's use that the replay was not given (``profiled``: it was); or ran a policy
+    that ``policies`` (those replayed) do not hold, where they hold its name with other parameters (the
+    uniform ``lru-dist`` beside a plan's ``lru-dist:budgets=...``) or are the default ones. ``simulate``
     warns them, ``sim`` notes them."""
     meta = trace.meta
     miss = str(meta.get("miss", "fetch"))
@@ -91,6 +96,12 @@ def replay_notes(trace: Trace, name: str = "TRACE", profiled: bool = False) -> l
             f"{name}'s own unless given it: " + option(f"--profile {profile}", f"profile={str(profile)!r}")
         )
     if not other_miss and not prefetched:
+        if policies is not None and _other_policy(str(policy), policies):  # its counts are its policy's
+            notes.append(
+                f"this run's policy was {policy}, which these replays do not run: "
+                + option(f"--policy {policy}", f"policies=[{policy!r}]")
+                + " replays it"
+            )
         return notes
     recorded = "capacities" in meta  # an engine's run: timing replays its own cache parts
     did, undone = [], []
@@ -132,6 +143,18 @@ def replay_notes(trace: Trace, name: str = "TRACE", profiled: bool = False) -> l
             + ")"
         )
     return [*notes, note]
+
+
+def _other_policy(policy: str, policies: Sequence[str]) -> bool:
+    """The run's ``policy`` is not replayed, and the replays would pass for it: its name with other
+    parameters, or the default set (which a new user reads as covering the run's)."""
+    if policy == "POLICY" or policy in policies:
+        return False
+    try:
+        name = parse_policy(policy)[0]
+        return list(policies) == list(DEFAULT_POLICIES) or name in {parse_policy(p)[0] for p in policies}
+    except ExpertcacheError:
+        return False
 
 
 def _simulate(
