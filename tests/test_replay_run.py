@@ -43,7 +43,12 @@ def test_a_run_of_a_miss_path_with_parts_replays_at_its_own_parts_as_sim_says(tm
         quantize_model(None, bits=(8,), progress=False)  # into the test session's own cache
     stats, path = _run(tmp_path, "parts", miss=miss, prefetch="none")
     trace = ec.load_trace(path)
-    assert trace.meta["memory"] == 28 and trace.meta["expert_bytes"] == stats["expert_bytes"]
+    assert trace.meta["memory"] == stats["memory_experts"] == 28
+    assert trace.meta["expert_bytes"] == stats["expert_bytes"]
+    from expertcache.cli.generate import _held
+
+    parts = " + ".join(f"{name} {n}" for name, n in json.loads(trace.meta["capacities"]).items())
+    assert _held(stats) == f"28/96 experts' memory as {parts} slots"  # not "53/96 experts" of half experts
     assert main(["sim", str(path), "--policy", "lru", "--capacity", "28"]) == 0
     err = capsys.readouterr().err
     said = err.split("'expertcache timing ")[1].split("'")[0]

@@ -453,6 +453,17 @@ def _generate_many(model, items, args, sampling) -> None:
     _err(f"{len(items)} prompts in {time.perf_counter() - start:.1f} s", args)
 
 
+def _held(out: dict) -> str:
+    """What the cache holds: whole experts of all, or (a miss path of other parts: split segments,
+    low-precision copies) the expert memory, in whole experts, and each part's slots in it."""
+    parts = out.get("parts") or {}
+    if set(parts) <= {"full"}:
+        return f"{out['capacity_experts']}/{out['total_experts']} experts"
+    slots = " + ".join(f"{name} {sum(p['slots']) if isinstance(p['slots'], list) else p['slots']}"
+                       for name, p in parts.items())  # fmt: skip
+    return f"{out['memory_experts']}/{out['total_experts']} experts' memory as {slots} slots"
+
+
 def summary(out: dict) -> str:
     """The cache's work and the timings of one generation, for stderr."""
     lines = [
@@ -460,7 +471,7 @@ def summary(out: dict) -> str:
         f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
         f"{out['tokens_per_s']:.1f} tok/s"
         + "".join(f" | {out[k]} {k}" for k in ("kernel", "attention") if out.get(k)),
-        f"cache {out['capacity_experts']}/{out['total_experts']} experts ({out['policy']}, {out['device']}"
+        f"cache {_held(out)} ({out['policy']}, {out['device']}"
         f"{'' if out['miss'] == 'fetch' else ', miss ' + str(out['miss'])}) | hits {out['hits']} | "
         f"misses {out['misses']} | "
         f"moved {out['bytes_transferred'] / 2**20:.1f} MiB | stall {out['stall_s'] * 1e3:.1f} ms"

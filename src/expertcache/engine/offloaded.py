@@ -275,7 +275,8 @@ class OffloadedModel:
         """What this model is: its cache's size and parts, policy, miss path, device."""
         return {
             "model": model_label(self.path),
-            "capacity_experts": self.capacity,
+            "capacity_experts": self.capacity,  # keys of the primary part (a split path's: its segments)
+            "memory_experts": self.budget // self.layout.slot_bytes,  # the expert memory, in whole experts
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,
             "expert_format": describe_format(self.packed, self.dtype),
