@@ -200,3 +200,24 @@ def test_a_run_of_a_policy_the_replays_pass_for_is_named(capsys, tmp_path):
         warnings.simplefilter("error", ExpertcacheWarning)
         ec.simulate(run, ["llru"], [28])
         ec.simulate(run, ["lru-dist:budgets=4/4/4/4/6/6"], [28])
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_a_runs_host_level_is_named_with_the_flags_that_replay_it(tmp_path, capsys, exclusive):
+    """timing on a three-tier run's trace replayed the expert memory alone, without a word of its host
+    level; the flags it now names (an exclusive level's memory holds its reserve too) replay it."""
+    kw = dict(prefetch="none", host_memory="30%", host_policy="lfu", host_exclusive=exclusive)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(expert_memory="10%", **kw) as model:
+            model.generate_text(PROMPT, 12)
+            stats = model.stats
+            path = tmp_path / "tiers.npz"
+            model.save_trace(path)
+    assert main(["timing", "--trace", str(path)]) == 0
+    err = capsys.readouterr().err
+    said = err.split("which this replay leaves out: ")[1].split(" replays it")[0]
+    assert ("--host-exclusive" in said) == exclusive
+    assert main(["timing", "--trace", str(path), *said.split(), "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert (replay["host_hits"], replay["host_misses"]) == (stats["host_hits"], stats["host_misses"])

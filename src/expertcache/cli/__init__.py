@@ -929,6 +929,16 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive, stage=args.host_stage)
     else:
         host, host_capacity = _host_level(args), args.host_capacity
+        recorded = trace.meta.get("host_capacity")
+        if recorded is not None and host is None and host_capacity is None:  # the run had a host level
+            from expertcache.cache.tiers import exclusive_reserve
+
+            exclusive = bool(trace.meta.get("host_exclusive"))  # its memory holds a reserve beside them
+            given = int(recorded) + (exclusive_reserve(trace.top_k) if exclusive else 0)
+            how = f"--host-capacity {given} --host-policy {trace.meta.get('host_policy', 'lru')}"
+            how += " --host-exclusive" if exclusive else ""
+            print(f"note: the run had a host level of {recorded} experts, which this replay leaves out: "
+                  f"{how} replays it", file=sys.stderr)  # fmt: skip
         if host_capacity is not None and host.exclusive and host_capacity >= 1:
             # its memory in experts, as plan and doctor read it: capped at all experts, less the reserve
             from expertcache.cache.tiers import exclusive_reserve, level_experts
@@ -980,7 +990,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
 
 def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
     """``timing``'s capacity for an engine's trace given none: the run's own cache parts under its own
-    miss path (exact), else its expert memory in experts; None where the trace records neither (said)."""
+    miss path (exact), else its expert memory in experts (both said); None where the trace records
+    neither (the default then)."""
     from expertcache.sim.timing import RECORDED, recorded_capacities
 
     try:

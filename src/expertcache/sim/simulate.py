@@ -107,9 +107,10 @@ def replay_notes(
     did, undone = [], []
     # the run's own policy (timing's default is LRU; a new user replayed an LLRU run as LRU)
     named = other_miss or policy not in ("lru", "POLICY")
-    flags, args = (f" --policy {policy}", f", cache={policy!r}") if named else ("", "")
-    if profile is not None:
-        flags, args = f"{flags} --profile {profile}", f"{args}, profile={str(profile)!r}"
+    cache = repr(policy) if profile is None else f"CacheConfig({policy!r}, profile={str(profile)!r})"
+    flags, args = (f" --policy {policy}", f", cache={cache}") if named else ("", "")
+    if profile is not None:  # a static policy ranks by the run's profile
+        flags += f" --profile {profile}"
     if other_miss:
         memory = meta.get("memory")  # an engine's expert memory in whole experts (not its parts' slots)
         did.append(

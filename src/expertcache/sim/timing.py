@@ -238,8 +238,9 @@ def _canonical(
             raise ExpertcacheError(f"capacity {RECORDED!r} is the run's own capacities: leave out capacities")
         capacity, capacities = recorded_capacities(trace, miss_cfg, cost)
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
-    if pf.predictor == "recorded" and pf.limit is None and "prefetch_limit" in trace.meta:
-        pf = replace(pf, limit=int(trace.meta["prefetch_limit"]))  # as the run prefetched; said in its notes
+    limit = trace.meta.get("prefetch_limit")  # an engine's --prefetch-limit (a whole number: else none)
+    if pf.predictor == "recorded" and pf.limit is None and isinstance(limit, int) and limit >= 1:
+        pf = replace(pf, limit=limit)  # as the run prefetched; said in its notes
     if predictor_trace is not None and not trace_readers([pf.predictor]):  # not taken in silence
         raise ExpertcacheError(
             f"predictor_trace: prefetch {pf.predictor} reads no recorded trace (token and eam do)"
