@@ -463,8 +463,12 @@ def test_a_chat_says_its_refusals_under_quiet_reports_its_seed_and_refuses_a_rep
 
     limit = AutoConfig.from_pretrained(ckpt("mixtral")).max_position_embeddings
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
-    line = one_line_error(*run(capsys, *chat, "--max-new-tokens", str(limit)))
-    assert f"--max-new-tokens {limit} leaves no room for a turn in the model's context of {limit}" in line
+    line = one_line_error(*run(capsys, *chat, "--max-new-tokens", str(limit - 1)))  # the turn needs more
+    assert f"--max-new-tokens {limit - 1} leaves no room for a turn in the model's context of {limit}" in line
+    most = int(line.rsplit("give at most ", 1)[1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, out, err = run(capsys, *chat, "--max-new-tokens", str(most))  # the most it takes: a turn runs
+    assert code == 0 and "exceeds" not in err, err
 
 
 def test_a_chat_ends_at_the_end_of_input_after_a_turn_left_open_and_with_130_at_ctrl_c(

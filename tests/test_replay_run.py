@@ -63,7 +63,7 @@ def test_a_run_of_a_miss_path_with_parts_replays_at_its_own_parts_as_sim_says(tm
     # under another miss path, the run's expert memory, said
     assert main(["timing", "--trace", str(path), "--json"]) == 0
     out, err = capsys.readouterr()
-    assert "at the recorded run's expert memory, 28 experts" in err and json.loads(out)["capacity"] == 28
+    assert "at the recorded run's expert memory, 28 whole experts" in err and json.loads(out)["capacity"] == 28
     with pytest.raises(
         ExpertcacheError, match=r"served its misses by miss path .*give its expert memory in "
     ):
@@ -221,3 +221,71 @@ def test_a_runs_host_level_is_named_with_the_flags_that_replay_it(tmp_path, caps
     assert main(["timing", "--trace", str(path), *said.split(), "--json"]) == 0
     replay = json.loads(capsys.readouterr().out)
     assert (replay["host_hits"], replay["host_misses"]) == (stats["host_hits"], stats["host_misses"])
+
+
+def test_quantize_out_into_the_engines_own_place_says_nothing_of_moving_them(capsys, tmp_path):
+    """`quantize --out` into the user cache's folder for the model said "the engine looks for copies in
+    X, not in X", the same folder twice."""
+    from expertcache.engine.hub import DEFAULT_MODEL
+    from expertcache.engine.quantized import candidates
+
+    own = candidates(DEFAULT_MODEL)[1]
+    own.parent.mkdir(parents=True, exist_ok=True)  # a user's cache made by an earlier run
+    assert main(["quantize", "--bits", "8", "--out", str(own)]) == 0
+    assert "the engine looks for copies" not in capsys.readouterr().err
+    assert main(["quantize", "--bits", "8", "--out", str(tmp_path)]) == 0
+    assert f"not in {tmp_path}: move the files there" in capsys.readouterr().err
+
+
+def test_a_deterministic_prefetching_run_replays_with_an_instant_link_as_sim_says(tmp_path, capsys):
+    """The engine settles each transfer as it is submitted, so it cancels nothing; the suggested replay
+    on the default link cancelled queued prefetches, one hit off (155/78 against 154/79)."""
+    kw = dict(prefetch="learned", prefetch_limit=3, deterministic=True)
+    stats, path = _run(tmp_path, "det", new_tokens=16, **kw)
+    assert ec.load_trace(path).meta["deterministic"] is True
+    assert main(["sim", str(path), "--policy", "lru", "--capacity", "28"]) == 0
+    said = capsys.readouterr().err.split("'expertcache timing ")[1].split("'")[0]
+    assert "--link-bandwidth inf --link-latency 0us" in said
+    assert main(["timing", *said.split(), "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert (replay["hits"], replay["misses"]) == (stats["hits"], stats["misses"])
+    assert main(["timing", "--trace", str(path), "--prefetch", "recorded"]) == 0  # the default link: said
+    assert "it was deterministic, every transfer landing before the next decision" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("miss", ["host", "placement"])
+def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by(tmp_path, capsys, miss):
+    """A host run's replay needed --cost PROFILE.json, which no generate flag writes (0/233 against the
+    run's 57/176 without it); a run with every layer on the host held 0 experts, and its replay was
+    refused ("capacity must be at least 1")."""
+    stats, path = _run(tmp_path, "run", new_tokens=16, miss=miss, prefetch="none")
+    trace = ec.load_trace(path)
+    assert ("costs" in trace.meta) == (miss == "host")
+    assert main(["timing", "--trace", str(path), "--miss", trace.meta["miss"], "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert ("priced by the costs the run decided by" in err) == (miss == "host")
+    replay = json.loads(out)
+    assert (replay["hits"], replay["misses"], replay["host_computed"]) == (
+        stats["hits"], stats["misses"], stats["host_computed"]
+    )  # fmt: skip
+    assert main(["timing", "--trace", str(path), "--policy", "lfu", "--miss", trace.meta["miss"]]) == 0
+    err = capsys.readouterr().err
+    assert "this replay is not the recorded run's: its policy was lru (--policy lru)" in err
+
+
+def test_a_plan_whose_predictor_trace_changed_or_whose_trace_is_gone_says_so(tmp_path, capsys):
+    _, made_on = _run(tmp_path, "made-on", new_tokens=16, prefetch="none")
+    _, learned = _run(tmp_path, "learned", new_tokens=16, prefetch="none")
+    _, other = _run(tmp_path, "other", new_tokens=24, prefetch="none")
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(made_on), "--capacity", "24", "--prefetch", "token", "--predictor"]
+    assert main([*argv, str(learned), "--method", "uniform", "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    learned.write_bytes(other.read_bytes())  # another recording written over it
+    assert main(["timing", "--plan", str(plan_file)]) == 0
+    assert "has changed since the plan was made" in capsys.readouterr().err
+    with pytest.warns(ExpertcacheWarning, match="has changed since the plan was made"):
+        ec.load(plan=plan_file).close()
+    made_on.unlink()
+    assert main(["timing", "--plan", str(plan_file)]) == 0
+    assert f"the plan's trace {made_on.resolve()} is not there" in capsys.readouterr().err

@@ -166,6 +166,20 @@ class Plan:
             return None
         return self.source.get("predictor_trace")
 
+    def predictor_trace_changed(self) -> str | None:
+        """A note where the predictor's trace (``predictor_trace``) no longer holds the routing it held
+        when the plan was made (another recording written over it): what runs is then not what was
+        planned. None where it is the same, or the plan recorded no digest of it."""
+        from expertcache.trace.trace import load_trace
+
+        path, digest = self.predictor_trace(), self.source.get("predictor_digest")
+        if path is None or digest is None or load_trace(path).digest() == digest:
+            return None
+        return (
+            f"{path} has changed since the plan was made: prefetch {self.prefetch} learns from what it "
+            "holds now, not what was planned"
+        )
+
     def trace_file(self) -> str | None:
         """The file of the trace the plan was made on, where it is still there (``timing --plan``
         replays it by default)."""

@@ -864,6 +864,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         args.trace = plan.trace_file()  # the plan's prediction, on the plan's trace
         if Path(args.trace).resolve() != DEFAULT_TRACE.resolve():
             print(f"note: replaying the plan's trace {args.trace} (--trace gives another)", file=sys.stderr)
+    elif args.trace is None and plan is not None and plan.source.get("trace"):
+        print(f"note: the plan's trace {plan.source['trace']} is not there: replaying the embedded one "
+              "(--trace gives another)", file=sys.stderr)  # fmt: skip
     trace = _trace(args.trace or "default")
     if plan is not None:
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
@@ -911,6 +914,17 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         capacity = _run_capacity(trace, miss, cost) or _capacity(args, cost, trace)
     else:
         capacity = _capacity(args, cost, trace)
+    from expertcache.sim.timing import RECORDED, recorded_costs, replay_differences
+
+    flags = any(getattr(args, f[2:].replace("-", "_")) for f, *_ in _TIMING_COST_FLAGS)
+    own = recorded_costs(trace) if capacity == RECORDED and not args.cost else None
+    if own is not None:  # the run's own replay: priced as its cost-based miss path decided
+        cost = _cost_from_args(args, prefetch, own)
+        print("note: priced by the costs the run decided by (measured at its load; --cost gives others)",
+              file=sys.stderr)  # fmt: skip
+    if plan is None:
+        for note in replay_differences(trace, cache, prefetch, cost_given=bool(args.cost or flags)):
+            print(f"note: {note}", file=sys.stderr)
     predictor_data = args.predictor
     if predictor_data is None and plan is not None and plan.predictor_trace() is not None:
         predictor_data = plan.predictor_trace()  # what the plan's predictor learned from
@@ -921,6 +935,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             )
         print(f"note: prefetch {plan.prefetch} learns from {predictor_data}, the trace it was planned with "
               "(--predictor gives another)", file=sys.stderr)  # fmt: skip
+        changed = plan.predictor_trace_changed()
+        if changed is not None:
+            print(f"note: {changed}, so these figures are not the plan's prediction", file=sys.stderr)
     predictor_trace = _predictor_trace(predictor_data, [prefetch.predictor])
     if plan is not None and plan.host_capacity is not None:  # the plan's host level, at its capacity
         from expertcache.config import HostConfig
@@ -999,8 +1016,9 @@ def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
     except ExpertcacheError:
         memory = trace.meta.get("memory")
         if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
-            print(f"note: at the recorded run's expert memory, {memory} experts (--capacity sets another)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"note: at the recorded run's expert memory, {memory} whole experts (--capacity sets "
+                  "another; the engine splits its budget in bytes among another miss path's parts, which "
+                  "may give a part a slot more)", file=sys.stderr)  # fmt: skip
             return memory
         return None
     held = ", ".join(f"{name} {n}" for name, n in parts.items())
@@ -1819,9 +1837,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         places = candidates(model)
         if model.resolve() == DEFAULT_MODEL.resolve():  # the installed package is no place to put files
             places = places[1:]
-        where = " or ".join(str(c) for c in places)
-        print(f"note: the engine looks for copies in {where}, not in {args.out}: move the files there to "
-              "use them (--out is for building them elsewhere)", file=sys.stderr)  # fmt: skip
+        if Path(args.out).resolve() not in [Path(c).resolve() for c in places]:  # else the engine finds them
+            where = " or ".join(str(c) for c in places)
+            print(f"note: the engine looks for copies in {where}, not in {args.out}: move the files there "
+                  "to use them (--out is for building them elsewhere)", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -613,26 +613,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     model = load_model(args)
     try:
+        _chat_template(model, args)
+        from expertcache.engine.generation import render
+        from expertcache.engine.hub import model_label
+
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        # a template, before input; and the tokens it takes around a turn of one token
+        frame = render(model.tokenizer, system + [{"role": "user", "content": "hi"}], True)
         limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and args.max_new_tokens >= limit:  # every turn would fail: said once, now
-            raise ExpertcacheError(
-                f"--max-new-tokens {args.max_new_tokens} leaves no room for a turn in the model's context of "
-                f"{limit} tokens: give at most {limit - 1}"
-            )
+        if limit is not None:  # every turn would fail: said once, now
+            taken = len(model.tokenizer(frame, add_special_tokens=False).input_ids)
+            if args.max_new_tokens + taken > limit:
+                raise ExpertcacheError(
+                    f"--max-new-tokens {args.max_new_tokens} leaves no room for a turn in the model's "
+                    f"context of {limit} tokens (a one-word turn takes {taken} with the template"
+                    + (" and --system" if system else "")
+                    + f"): give at most {max(1, limit - taken)}"
+                )
         if sampling.temperature and sampling.seed is None:  # one seed for the whole conversation, reported
             import secrets
 
             sampling = dataclasses.replace(sampling, seed=secrets.randbelow(2**31))
             seed = sampling.seed
             _err(f"sampling with seed {seed} (--seed {seed} repeats the conversation)", args)
-        _chat_template(model, args)
-        from expertcache.engine.generation import render
-        from expertcache.engine.hub import model_label
-
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        render(
-            model.tokenizer, system + [{"role": "user", "content": "hi"}], True
-        )  # a template, before input
         tty = sys.stdin.isatty()
         total = model.num_layers * model.num_experts
         _err(f"chat with {model_label(model.path)} ({model.capacity}/{total} experts cached); "

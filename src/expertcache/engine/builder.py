@@ -448,6 +448,9 @@ class Builder:
             f"prefetch {plan.prefetch} learns from {path}, the trace it was planned with (give "
             f"{option('--predictor', 'predictor')} for another)"
         )
+        changed = plan.predictor_trace_changed()
+        if changed is not None:
+            self.notes.append(changed)
         return replace(prefetch, data=path)
 
     def _check_cheap(

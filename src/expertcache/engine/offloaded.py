@@ -427,9 +427,14 @@ class OffloadedModel:
         }  # fmt: skip
         profile = self.cache_config.profile
         if profile is not None:  # a static policy's ranking: the simulator needs the same (--profile)
-            meta["profile"] = str(profile.source if isinstance(profile, Trace) else profile)
+            where = Path(profile.source if isinstance(profile, Trace) else profile)
+            meta["profile"] = str(where.resolve() if where.is_file() else where)
+        if self.costs is not None and self.miss.needs_costs:  # what a cost-based path decided by
+            meta["costs"] = json.dumps(self.costs.to_dict())
         if self.predictor is not None:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
+            # every transfer landed before the next decision: the counts are an instant link's
+            meta["deterministic"] = bool(self.prefetch_config_.deterministic)
             if self.prefetch_limit is not None:
                 meta["prefetch_limit"] = self.prefetch_limit
         level = getattr(self.cache.transport, "level", None)

@@ -516,7 +516,7 @@ def make_plan(
             "trace": _path_of(trace), "tokens": trace.num_tokens, "digest": trace.digest(),
             "cost": cost.to_dict(), "skipped": skipped, "notes": level_notes,
             **(
-                {"predictor_trace": _path_of(predictor_trace)}
+                {"predictor_trace": _path_of(predictor_trace), "predictor_digest": predictor_trace.digest()}
                 if predictor_trace is not None and trace_readers([best["prefetch"]])
                 else {}
             ),

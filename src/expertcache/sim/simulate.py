@@ -11,6 +11,8 @@ import numpy as np
 
 from expertcache.cache.schedule import build_schedule, usage_profile, with_profile
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
+from expertcache.miss.registry import miss_class
+from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy, policy_class
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
@@ -123,6 +125,9 @@ def replay_notes(
         did.insert(0, prefetched)
         undone.insert(0, "do not prefetch")
         flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
+        if meta.get("deterministic"):  # its transfers landed before each decision: an instant link's counts
+            flags += " --link-bandwidth inf --link-latency 0us"
+            args += ", cost={'link_bandwidth': 'inf', 'link_latency': 0}"
     capacity = meta.get("capacity", "N")
     given = repr(RECORDED) if recorded else "capacity" if capacity == "N" else capacity
     note = (
@@ -136,14 +141,25 @@ def replay_notes(
         )
         + " replays it"
         + (" at the run's own cache parts" if recorded else "")
+        + (" (an instant link: the run was deterministic)" * bool(prefetched and meta.get("deterministic")))
     )
-    if other_miss:
+    if other_miss and _decides_by_costs(miss):
         note += (
-            ", its decisions priced by the cost model given (the machine's: "
+            ", its decisions priced by the costs the run decided by, which the trace holds"
+            if "costs" in meta and recorded
+            else ", its decisions priced by the cost model given (the machine's: "
             + option("--cost PROFILE.json", "cost=CostModel.load('PROFILE.json')")
             + ")"
         )
     return [*notes, note]
+
+
+def _decides_by_costs(miss: str) -> bool:
+    """A miss path (spec) whose choices depend on the machine's costs (host, hybrid, ...)."""
+    try:
+        return miss_class(miss.partition(":")[0]).needs_costs
+    except ExpertcacheError:
+        return True  # unknown here: the advice does no harm
 
 
 def _other_policy(policy: str, policies: Sequence[str]) -> bool:
@@ -152,7 +168,11 @@ def _other_policy(policy: str, policies: Sequence[str]) -> bool:
     if policy == "POLICY" or policy in policies:
         return False
     try:
-        name = parse_policy(policy)[0]
+        name, params = parse_policy(policy)
+        budgets = params.get("budgets")
+        plain = set(params) == {"budgets"} and isinstance(budgets, list) and name in policies
+        if plain and list(budgets) == uniform_budgets(sum(budgets), len(budgets)):  # the plain -dist's split
+            return False
         return list(policies) == list(DEFAULT_POLICIES) or name in {parse_policy(p)[0] for p in policies}
     except ExpertcacheError:
         return False

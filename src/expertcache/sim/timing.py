@@ -232,11 +232,15 @@ def _canonical(
     trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
+    recorded = isinstance(capacity, str) and capacity == RECORDED
+    if recorded and cost is None:  # the run's own costs, where a cost-based miss path decided by them
+        cost = recorded_costs(trace)
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
-    if isinstance(capacity, str) and capacity == RECORDED:
+    if recorded:
         if capacities is not None:
             raise ExpertcacheError(f"capacity {RECORDED!r} is the run's own capacities: leave out capacities")
         capacity, capacities = recorded_capacities(trace, miss_cfg, cost)
+        capacity = max(trace.top_k, capacity)  # a run whose experts were all on the host held none
     capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
     limit = trace.meta.get("prefetch_limit")  # an engine's --prefetch-limit (a whole number: else none)
     if pf.predictor == "recorded" and pf.limit is None and isinstance(limit, int) and limit >= 1:
@@ -249,6 +253,45 @@ def _canonical(
 
 
 RECORDED = "recorded"  # a capacity: the recorded run's own, each cache part as the engine held it
+
+
+def recorded_costs(trace: Trace) -> CostModel | None:
+    """The costs a recorded run's cost-based miss path decided by (measured at its load, or given:
+    ``trace.meta["costs"]``), or None."""
+    try:
+        return CostModel.from_dict(json.loads(trace.meta["costs"]))
+    except (KeyError, TypeError, ValueError, ExpertcacheError):
+        return None
+
+
+def replay_differences(trace: Trace, cache: CacheConfig, pf: PrefetchConfig, cost_given: bool) -> list[str]:
+    """What a replay of an engine's recorded run (``trace``) leaves out of the run, each with what
+    replays it: its policy, its static profile, its prefetching, and a deterministic run's instant
+    transfers (its counts are an instant link's; a slower one's timing may cancel prefetches it did not).
+    Empty for a trace no engine recorded."""
+    meta = trace.meta
+    if "capacities" not in meta:
+        return []
+    out = []
+    policy = meta.get("policy")
+    if policy is not None and policy != cache.policy:
+        out.append(f"its policy was {policy} (" + option(f"--policy {policy}", f"cache={policy!r}") + ")")
+    profile = meta.get("profile")
+    if profile is not None and cache.profile is None and policy == cache.policy:
+        out.append(f"it ranked by the use of {profile} (" + option(f"--profile {profile}", "profile=") + ")")
+    if trace.predicted is not None and pf.predictor == "none":
+        out.append(
+            f"it prefetched ({meta.get('predictor', 'a predictor')}: "
+            + option("--prefetch recorded", "prefetch='recorded'")
+            + ")"
+        )
+    if meta.get("deterministic") and pf.predictor == "recorded" and not cost_given:
+        out.append(
+            "it was deterministic, every transfer landing before the next decision (an instant link, "
+            + option("--link-bandwidth inf --link-latency 0us", "cost={'link_bandwidth': 'inf', ...}")
+            + ", replays its counts)"
+        )
+    return [f"this replay is not the recorded run's: {'; '.join(out)}"] if out else []
 
 
 def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tuple[int, dict[str, object]]:
