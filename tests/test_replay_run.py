@@ -63,7 +63,8 @@ def test_a_run_of_a_miss_path_with_parts_replays_at_its_own_parts_as_sim_says(tm
     # under another miss path, the run's expert memory, said
     assert main(["timing", "--trace", str(path), "--json"]) == 0
     out, err = capsys.readouterr()
-    assert "at the recorded run's expert memory, 28 whole experts" in err and json.loads(out)["capacity"] == 28
+    assert "at the recorded run's expert memory, 28 whole experts" in err
+    assert json.loads(out)["capacity"] == 28
     with pytest.raises(
         ExpertcacheError, match=r"served its misses by miss path .*give its expert memory in "
     ):
@@ -119,15 +120,22 @@ def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path,
         assert needle in capsys.readouterr().err
 
 
-def test_a_plan_runs_with_the_trace_its_predictor_learned_from_and_replays_on_its_own_trace(tmp_path, capsys):
-    """A plan choosing prefetch token had predicted 451 misses; generate --plan ran 710 (the embedded
-    trace's table), and timing --plan replayed the embedded trace, not the plan's."""
-    _, made_on = _run(tmp_path, "made-on", new_tokens=24, prefetch="none")
-    _, learned = _run(tmp_path, "learned", new_tokens=24, prefetch="none")
+def _token_plan(tmp_path, capsys, new_tokens: int):
+    """A plan of 24 experts prefetching with ``token``, made on one run's trace and learning from
+    another's: (the trace, the predictor's trace, the plan's file)."""
+    _, made_on = _run(tmp_path, "made-on", new_tokens=new_tokens, prefetch="none")
+    _, learned = _run(tmp_path, "learned", new_tokens=new_tokens, prefetch="none")
     plan_file = tmp_path / "plan.json"
     argv = ["plan", "--trace", str(made_on), "--capacity", "24", "--prefetch", "token", "--predictor"]
     assert main([*argv, str(learned), "--method", "uniform", "-o", str(plan_file)]) == 0
     capsys.readouterr()
+    return made_on, learned, plan_file
+
+
+def test_a_plan_runs_with_the_trace_its_predictor_learned_from_and_replays_on_its_own_trace(tmp_path, capsys):
+    """A plan choosing prefetch token had predicted 451 misses; generate --plan ran 710 (the embedded
+    trace's table), and timing --plan replayed the embedded trace, not the plan's."""
+    made_on, learned, plan_file = _token_plan(tmp_path, capsys, 24)
     plan = ec.Plan.load(plan_file)
     assert plan.prefetch == "token" and plan.predictor_trace() == str(learned.resolve())
     assert plan.source["digest"] == ec.load_trace(made_on).digest()
@@ -274,13 +282,8 @@ def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by
 
 
 def test_a_plan_whose_predictor_trace_changed_or_whose_trace_is_gone_says_so(tmp_path, capsys):
-    _, made_on = _run(tmp_path, "made-on", new_tokens=16, prefetch="none")
-    _, learned = _run(tmp_path, "learned", new_tokens=16, prefetch="none")
+    made_on, learned, plan_file = _token_plan(tmp_path, capsys, 16)
     _, other = _run(tmp_path, "other", new_tokens=24, prefetch="none")
-    plan_file = tmp_path / "plan.json"
-    argv = ["plan", "--trace", str(made_on), "--capacity", "24", "--prefetch", "token", "--predictor"]
-    assert main([*argv, str(learned), "--method", "uniform", "-o", str(plan_file)]) == 0
-    capsys.readouterr()
     learned.write_bytes(other.read_bytes())  # another recording written over it
     assert main(["timing", "--plan", str(plan_file)]) == 0
     assert "has changed since the plan was made" in capsys.readouterr().err
