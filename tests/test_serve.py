@@ -758,6 +758,29 @@ def test_an_exception_in_a_step_fails_its_requests_and_the_loop_goes_on(watched)
     assert "expertcache_requests_in_flight 0.0" in http.get("/metrics").text
 
 
+def test_a_request_whose_logits_are_not_finite_ends_with_an_error_not_token_0_for_ever(watched):
+    """The engine's own guard is off under continuous batching (padding rows may be NaN by construction):
+    a served request whose scores went NaN streamed token 0 to its last token, status 200."""
+    model, http = watched
+    want = _ask(http).json()["choices"][0]["text"]
+
+    def nan(module, args, output):
+        output.logits.fill_(float("nan"))
+        return output
+
+    hook = model.model.register_forward_hook(nan)
+    try:
+        r = _ask(http)
+        assert r.status_code == 500 and "the model's outputs are not finite" in r.json()["error"]["message"]
+        lines = _ask(http, stream=True)
+        assert "the model's outputs are not finite" in lines[-2] and lines[-1] == "data: [DONE]", lines
+    finally:
+        hook.remove()
+    assert _ask(http).json()["choices"][0]["text"] == want  # the loop and the other requests go on
+    assert http.get("/health").json() == {"status": "ok"}
+    assert not http.app.state.batcher.sampler.bad and not http.app.state.batcher.sampler.live
+
+
 def test_an_exception_in_the_dispatching_loop_ends_running_streams_with_an_error(watched, monkeypatch):
     model, http = watched
     batcher = http.app.state.batcher

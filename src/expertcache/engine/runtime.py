@@ -236,7 +236,8 @@ class Engine:
         """A forward whose logits are NaN or infinite (a checkpoint's NaN weights, or a config's NaN
         epsilon) decodes token 0 for ever: an empty text, exit 0. It is one error instead, at the step it
         happens. Not under the server's continuous batching, whose steps may hold padding rows that attend
-        to nothing (NaN by construction, never sampled)."""
+        to nothing (NaN by construction, never sampled): there the server checks each request's own rows
+        and ends a request whose scores are NaN with an error (``serve.batcher.SeededSampler``)."""
         if self.step_source is not None:
             return
         logits = getattr(output, "logits", None)

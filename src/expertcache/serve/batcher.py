@@ -242,8 +242,8 @@ class Batcher:
             job.finder = StopFinder(stop)
             self.jobs[job.id] = job
         greedy = temperature < GREEDY_BELOW
-        if seed is not None and not greedy:
-            job.slot = self.sampler.open(seed)
+        # every request a slot: its rows are checked for non-finite scores, and a seeded one sampled
+        job.slot = self.sampler.open(seed if seed is not None and not greedy else None)
         try:
             added = self.manager.add_request(
                 prompt_ids,
@@ -405,6 +405,10 @@ class Batcher:
             await asyncio.sleep(0.05)
 
     def _update(self, job: Job, out) -> None:
+        if job.slot is not None and job.slot in self.sampler.bad:  # the model's scores went NaN for it
+            self._hand(job, Piece("", len(job.tokens), error=NOT_FINITE))
+            self.manager.cancel_request(job.id)
+            return
         now = time.perf_counter()
         new = list(out.generated_tokens)
         if len(new) > len(job.tokens):
@@ -553,6 +557,12 @@ def batching_memory() -> int | None:
     return int((total - max(allocated, reserved)) * share)
 
 
+NOT_FINITE = (
+    "the model's outputs are not finite (NaN logits) for this request: the checkpoint's weights or config "
+    "hold a NaN or an infinity, or the dtype overflows on it (try --dtype float32)"
+)
+
+
 def failed(incident: str) -> str:
     """A failed request's message: no raw exception text for the client, an id to find it in the log."""
     return f"generation failed (incident {incident}; the server log has the details)"
@@ -563,7 +573,10 @@ class SeededSampler:
     seed is sampled here, from the request's own ``torch.Generator``, and replaced by a certainty
     (0 at the drawn token, -inf elsewhere) that the manager's own draw then keeps. The draw is
     ``generate``'s (softmax, one ``multinomial``), so a request alone gets ``generate``'s tokens for its
-    seed. Rows without a seed (slot -1) pass through to the manager's shared random stream."""
+    seed. Rows without a seed pass through to the manager's shared random stream. Every request's rows
+    (slot >= 0; padding rows have -1, and may be NaN by construction) are checked for NaN first: such a
+    request's slot goes into ``bad`` (the dispatcher ends it with an error, where greedy decoding would
+    stream token 0 for ever) and its row is made a certainty, so that the step's draw stays defined."""
 
     supported_kwargs = {"seed_slot": int}
     ignored_kwargs: tuple[str, ...] = ()
@@ -571,6 +584,8 @@ class SeededSampler:
     def __init__(self) -> None:
         self.generators: dict[int, object] = {}
         self.seeds: dict[int, int] = {}
+        self.live: set[int] = set()  # the slots of requests not ended
+        self.bad: set[int] = set()  # of those, the ones whose scores were NaN
         self._slots = itertools.count()
 
     @classmethod
@@ -589,16 +604,21 @@ class SeededSampler:
         processors.do_processing = True
         return sampler
 
-    def open(self, seed: int) -> int:
-        """A slot for a new request sampled with ``seed``; its generator is made on the logits' device."""
+    def open(self, seed: int | None = None) -> int:
+        """A slot for a new request, sampled with ``seed`` (its generator is made on the logits' device)
+        or by the manager's draw (None)."""
         slot = next(self._slots) % 2**31
-        self.seeds[slot] = seed
+        self.live.add(slot)
+        if seed is not None:
+            self.seeds[slot] = seed
         return slot
 
     def close(self, slot: int | None) -> None:
         if slot is not None:
             self.seeds.pop(slot, None)
             self.generators.pop(slot, None)
+            self.live.discard(slot)
+            self.bad.discard(slot)
 
     # the ContinuousBatchingLogitsProcessor interface
     def fill_defaults(self, int32_tensor) -> None:
@@ -613,8 +633,17 @@ class SeededSampler:
     def __call__(self, scores, tensor_arg):
         import torch
 
-        for row, slot in enumerate(tensor_arg[: scores.size(0)].tolist()):
-            if slot < 0 or slot not in self.seeds:
+        slots = tensor_arg[: scores.size(0)].tolist()
+        rows = [row for row, slot in enumerate(slots) if slot >= 0]
+        if rows:
+            nan = torch.isnan(scores[rows]).any(dim=-1).tolist()
+            for row, is_nan in zip(rows, nan, strict=True):
+                if is_nan:  # the dispatcher ends the request; its row drawn as a certainty meanwhile
+                    self.bad.add(slots[row])
+                    scores[row].fill_(float("-inf"))
+                    scores[row, 0] = 0.0
+        for row, slot in enumerate(slots):
+            if slot < 0 or slot not in self.seeds or slot in self.bad:
                 continue
             gen = self.generators.get(slot)
             if gen is None:
