@@ -476,6 +476,35 @@ def test_sampling_fields_on_a_greedy_request_are_refused_not_ignored(served):
     assert err["param"] == "stop"  # not pydantic's "stop.str"
 
 
+def test_openai_s_own_values_and_types_are_taken_or_refused_as_openai_does(served):
+    """A new user's trial with the openai SDK: chat took ``logprobs: 0`` (a boolean there), and
+    completions' ``best_of`` and ``suffix``; ``stream_options`` without a stream was taken; ``seed: -1``,
+    ``top_p: 0`` and ``store: false``, all OpenAI's, were refused; ``models.retrieve`` was a 404."""
+    model, http, client = served
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, status, words in (
+        ({"logprobs": 0}, 400, "logprobs: Input should be a valid boolean"),
+        ({"logprobs": True}, 400, "logprobs: not supported by this server"),
+        ({"logprobs": False}, 200, ""),
+        ({"best_of": 1}, 400, "not a field this server takes"),
+        ({"suffix": ""}, 400, "not a field this server takes"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options: is for streaming"),
+        ({"store": True}, 400, "store: not supported by this server"),
+        ({"store": False}, 200, ""),
+        ({"seed": -1, "temperature": 0.8}, 200, ""),
+    ):
+        r = http.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == status and words in r.text, (extra, r.text)
+    prompt = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6}
+    greedy = http.post("/v1/completions", json=prompt).json()["choices"][0]["text"]
+    nucleus = http.post("/v1/completions", json={**prompt, "temperature": 1.0, "top_p": 0.0, "seed": 3})
+    assert nucleus.json()["choices"][0]["text"] == greedy  # top_p 0: the most likely token alone
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.list().data[0].created > 0
+    r = http.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_a_body_that_is_not_utf8_is_named_as_such(served):
     model, http, client = served
     raw = b'{"model": "tiny", "prompt": "\xff\xfe"}'

@@ -65,6 +65,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     (``ServeConfig``: the queue, the KV cache, the key, the bounds on requests and the docs pages)."""
     config = config or ServeConfig()
     metrics = Metrics(model)
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "expertcache"}
     state: dict[str, Batcher] = {}
 
     @asynccontextmanager
@@ -161,10 +162,21 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
     @v1.get("/models")
     async def models():
         metrics.answered("/v1/models", 200)
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "expertcache"}],
-        }
+        return {"object": "list", "data": [card]}  # created: when this server started
+
+    @v1.get("/models/{model_id:path}")
+    async def one_model(model_id: str):  # OpenAI's retrieve (client.models.retrieve)
+        if model_id != name:
+            metrics.answered("/v1/models/{model}", 404)
+            return _error(
+                ApiError(
+                    404,
+                    f"model {model_id!r} is not served here; this server serves {name!r}",
+                    code="model_not_found",
+                )
+            )
+        metrics.answered("/v1/models/{model}", 200)
+        return card
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, request: Request):

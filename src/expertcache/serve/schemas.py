@@ -1,16 +1,20 @@
 """The OpenAI requests the server takes, validated by pydantic: a bad field is a 400 naming it.
 
 Nothing is ignored in silence. A field this server implements is checked; ``user`` and ``stream_options``
-change nothing here but the usage chunk and are taken; a field of OpenAI's (or vLLM's) API whose meaning
-the server does not implement (``n`` > 1, ``logprobs``, ``best_of``, ``suffix``, tools and function
-calls, ``response_format``, ``logit_bias``, penalties, ``min_tokens``, ``ignore_eos``) is refused unless
-it has the value that asks for nothing (``false``, ``0``, ``1`` for ``n``, ``"none"``, a text response
-format, a repetition penalty of 1); and a field nobody defined is refused, in ``stream_options`` and
-content parts too. ``null`` is the field left out (the openai client sends it for ``None``). Stop strings
-have at most 1000 characters. Text must be valid Unicode (a lone
-surrogate such as ``"\\ud800"`` is refused, not handed to the tokenizer). ``temperature`` defaults to 0:
-greedy, the full model's tokens (OpenAI's own default is 1; pass it to sample); below ``GREEDY_BELOW``
-(1e-5) it is greedy too. The ``developer`` role is OpenAI's current name for ``system``.
+change nothing here but the usage chunk and are taken (``stream_options`` with ``stream: true`` only, as
+OpenAI); a field of OpenAI's (or vLLM's) API whose meaning the server does not implement (``n`` > 1,
+``logprobs``, ``best_of``, ``suffix``, tools and function calls, ``response_format``, ``logit_bias``,
+penalties, ``min_tokens``, ``ignore_eos``, ``store``) is refused unless it has the value that asks for
+nothing (``false``, ``0``, ``1`` for ``n``, ``"none"``, a text response format, a repetition penalty of
+1); and a field nobody defined is refused, in ``stream_options`` and content parts too; ``best_of``,
+``suffix`` and ``echo`` are completions' fields, unknown to chat, whose ``logprobs`` is a switch
+(``false`` asks for nothing). ``null`` is the field left out (the openai client sends it for ``None``).
+Stop strings have at most 1000 characters. Text must be valid Unicode (a lone surrogate such as
+``"\\ud800"`` is refused, not handed to the tokenizer). ``temperature`` defaults to 0: greedy, the full
+model's tokens (OpenAI's own default is 1; pass it to sample); below ``GREEDY_BELOW`` (1e-5) it is greedy
+too; ``top_p`` 0 keeps the most likely token alone. ``seed`` is OpenAI's signed 64-bit integer. The
+``developer`` role is OpenAI's current name for ``system``; a message's text parts are joined as they
+are, nothing between them (vLLM puts a newline between): give the spaces or newlines you mean.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ UNSUPPORTED: dict[str, tuple] = {
     "n": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
+    "store": (None, False),  # nothing is stored here: storing is refused, not storing taken
 }
+COMPLETIONS_ONLY = ("best_of", "suffix")  # OpenAI's completions fields that chat does not define
 
 
 def _unicode(text: str) -> str:
@@ -72,10 +78,10 @@ class Sampling(BaseModel):
     model: Text
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -114,6 +120,16 @@ class Sampling(BaseModel):
                     "server's default): give a temperature above 0 too, or leave it out",
                     {"fields": given[0], "temperature": self.temperature},
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _usage_with_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "is for streaming: give stream true too, or leave it out (a whole answer carries its usage)",
+                {"fields": "stream_options"},
+            )
         return self
 
     @model_validator(mode="after")
@@ -208,6 +224,17 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False  # chat's is a switch, a boolean (completions' a count)
+    unsupported: ClassVar[dict[str, tuple]] = {
+        k: v for k, v in UNSUPPORTED.items() if k not in (*COMPLETIONS_ONLY, "logprobs")
+    }
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("not supported by this server")
+        return v
 
     @model_validator(mode="after")
     def _one_limit(self):
