@@ -339,7 +339,7 @@ def test_a_seeded_request_equals_generate_with_its_seed_alone_or_under_concurren
         ({"model": "tiny", "prompt": ""}, 400, "one non-empty prompt"),
         ({"model": "tiny", "prompt": ["a", "b"]}, 400, "one non-empty prompt"),
         ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"model": "tiny", "prompt": "x", "temperature": 1, "seed": -1}, 400, "seed: Input should be"),
+        ({"model": "tiny", "prompt": "x", "temperature": 1, "seed": 2**64}, 400, "seed: Input should be"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "exceeds the model's context"),
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n: not supported by this server"),

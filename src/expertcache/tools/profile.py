@@ -297,6 +297,9 @@ def format_profile(data: dict[str, object]) -> str:
         f"cost       {cost.describe()}",
         f"measured   {', '.join(data['measured'])}",
         f"declared   {', '.join(data['declared']) or 'nothing'}",
+        "not here   submit_s, wake_s: the engine's bookkeeping a transfer and its wake-up after one (0: a "
+        "plan under misses comes out optimistic on a CPU; plan --issue-time/--wake-time adds them, as "
+        "bench/validate_timing.py fits them)",
         "precisions "
         + (
             "; ".join(
