@@ -236,6 +236,23 @@ def test_a_decode_step_measured_twice_keeps_the_quicker_and_says_when_they_disag
     assert any(u.startswith("decode step ") for u in data["how"]["unsteady"])
 
 
+def test_fit_overheads_fits_submit_s_on_a_run_and_the_fitted_model_matches_its_tpot(ckpt, tmp_path, capsys):
+    """A profile left the engine's own work a transfer at 0, and plans on a CPU came out 22-27 % fast."""
+    out = tmp_path / "fitted.json"
+    argv = ["profile", "--model", str(ckpt("mixtral")), "--device", "cpu", "--steps", "4"]
+    assert main([*argv, "--fit-overheads", "-o", str(out)]) == 0
+    assert "fitted     submit_s " in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    fit = data["how"]["fit"]
+    assert fit["submit_s"] >= 0 and fit["wake_s"] == 0 and fit["misses"] > 0
+    assert data["cost"]["submit_s"] == fit["submit_s"] and "submit_s" in data["measured"]
+    if fit["submit_s"] > 0:  # fitted: the model's TPOT of the run is the run's
+        assert fit["model"]["tpot_s"] == pytest.approx(fit["engine"]["tpot_s"], rel=0.02)
+    assert main([*argv, "--fit-overheads", "--device-bandwidth", "25GB/s"]) == 2
+    assert "a declared device or link is another machine's" in capsys.readouterr().err
+    assert main(argv) == 0 and "--fit-overheads fits submit_s on a run" in capsys.readouterr().out
+
+
 def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():
     """More tokens measured faster (a busy machine) clamped the slope to 0 but kept the free fit's
     intercept, 3.29 ms for samples of 3 and 1 ms; the best fit with a slope of 0 is their mean."""

@@ -366,6 +366,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     pr.add_argument("--slow-tier", choices=cli_generate.SLOW_TIERS, help=cli_generate.SLOW_TIER_HELP)
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
+    pr.add_argument(
+        "--fit-overheads", action="store_true",
+        help="also fit submit_s and wake_s, the engine's own work a transfer, on two runs at 50%% here",
+    )  # fmt: skip
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")
     pr.add_argument("--device-latency", metavar="TIME", help="declare its latency per chunk, e.g. 20us")
     pr.add_argument("--device-time", metavar="TIME[,PER_TOKEN]", help="declare one expert's device compute")
@@ -1076,7 +1080,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     quiet_transformers()
     data = profile(
         args.model, device=args.device, dtype=args.dtype, slow_tier=args.slow_tier, declared=declared,
-        steps=args.steps, device_profile_shape=shape,
+        steps=args.steps, device_profile_shape=shape, fit_overheads=args.fit_overheads,
     )  # fmt: skip
     if data["how"]["unsteady"]:
         figures = "; ".join(data["how"]["unsteady"])
