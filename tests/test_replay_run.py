@@ -292,3 +292,19 @@ def test_a_plan_whose_predictor_trace_changed_or_whose_trace_is_gone_says_so(tmp
     made_on.unlink()
     assert main(["timing", "--plan", str(plan_file)]) == 0
     assert f"the plan's trace {made_on.resolve()} is not there" in capsys.readouterr().err
+
+
+def test_a_plan_priced_for_other_experts_than_the_model_s_says_so_when_run(tmp_path):
+    trace = prefix(256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        own = ec.load(expert_memory="30%", prefetch="none")
+    size = own.layout.nbytes
+    own.close()
+    for expert_bytes, said in ((size, False), (4 * size, True)):
+        plan = ec.make_plan(trace, 24, cost={"expert_bytes": expert_bytes, "link_bandwidth": "2GB/s"})
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always", ExpertcacheWarning)
+            ec.load(plan=plan).close()
+        notes = [str(w.message) for w in got]
+        assert any(f"this plan was priced for experts of {4 * size} bytes" in n for n in notes) == said

@@ -239,10 +239,10 @@ class Builder:
                     "GPU), not measured here: 'expertcache profile' measures this machine, and 'expertcache "
                     "plan --cost PROFILE.json' plans for it"
                 )
-            elif isinstance(priced, int) and priced != self.layout.slot_bytes:  # a profile of another model
+            elif isinstance(priced, int) and priced != self.layout.nbytes:  # a profile of another model
                 self.notes.append(
                     f"this plan was priced for experts of {priced} bytes; {model_label(self.path)}'s are "
-                    f"{self.layout.slot_bytes} (another model of its shape, or another dtype): its predicted "
+                    f"{self.layout.nbytes} (another model of its shape, or another dtype): its predicted "
                     "times are not this model's ('expertcache profile' measures this one)"
                 )
         self.miss = miss_class(miss.name)(

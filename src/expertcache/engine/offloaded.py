@@ -423,7 +423,7 @@ class OffloadedModel:
             "model": model_label(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
             "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
             "memory": self.budget // self.layout.slot_bytes,  # the expert memory, in whole experts
-            "expert_bytes": self.layout.slot_bytes,  # what a whole expert moves (a profile's must match)
+            "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
         }  # fmt: skip
         profile = self.cache_config.profile
         if profile is not None:  # a static policy's ranking: the simulator needs the same (--profile)
