@@ -248,9 +248,33 @@ def test_fit_overheads_fits_submit_s_on_a_run_and_the_fitted_model_matches_its_t
     assert data["cost"]["submit_s"] == fit["submit_s"] and "submit_s" in data["measured"]
     if fit["submit_s"] > 0:  # fitted: the model's TPOT of the run is the run's
         assert fit["model"]["tpot_s"] == pytest.approx(fit["engine"]["tpot_s"], rel=0.02)
-    assert main([*argv, "--fit-overheads", "--device-bandwidth", "25GB/s"]) == 2
-    assert "a declared device or link is another machine's" in capsys.readouterr().err
+    for declared in (["--device-bandwidth", "25GB/s"], ["--dense-time", "0.05ms"]):  # another's figures
+        assert main([*argv, "--fit-overheads", *declared]) == 2
+        assert "declared are another's: fit on the machine itself" in capsys.readouterr().err
     assert main(argv) == 0 and "--fit-overheads fits submit_s on a run" in capsys.readouterr().out
+
+
+def test_a_fit_on_a_busy_machine_is_said_and_an_impossible_one_fits_nothing(ckpt, monkeypatch):
+    """A busy machine's profile measured the all-resident step at 24.5 ms and its run at 50 % at 15.6 ms
+    (impossible: misses add time), and fitted without a word; two runs' fits of 54 and 0.5 ms neither."""
+    import dataclasses
+
+    from expertcache.engine.offloaded import OffloadedModel
+    from expertcache.tools.profile import profile
+
+    real, calls = OffloadedModel.generate_text, []
+
+    def quick_at_50(self, *args, **kwargs):
+        g = real(self, *args, **kwargs)
+        if self.capacity < self.num_layers * self.num_experts:  # the fit's runs
+            calls.append(1)
+            return dataclasses.replace(g, tpot_s=g.tpot_s / 100)
+        return g
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", quick_at_50)
+    data = profile(ckpt("mixtral"), device="cpu", steps=4, fit_overheads=True)
+    assert len(calls) == 2 and data["how"]["fit"]["submit_s"] == 0 == data["cost"]["submit_s"]
+    assert any("quicker than all resident" in u and "nothing fitted" in u for u in data["how"]["unsteady"])
 
 
 def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():

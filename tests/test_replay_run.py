@@ -308,3 +308,18 @@ def test_a_plan_priced_for_other_experts_than_the_model_s_says_so_when_run(tmp_p
             ec.load(plan=plan).close()
         notes = [str(w.message) for w in got]
         assert any(f"this plan was priced for experts of {4 * size} bytes" in n for n in notes) == said
+
+
+def test_a_plan_runs_on_the_slow_tier_its_profile_measured(tmp_path, capsys):
+    """A plan from a `profile --slow-tier host` chose `miss host` and ran on the disk tier, where the host
+    path fetched instead: 367 hits, none on the host, against the plan's 0 and 407."""
+    from expertcache.tools.profile import profile
+
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile(None, device="cpu", slow_tier="host", steps=2)))
+    plan = ec.make_plan(prefix(256), 24, cost=str(path), misses=["host"])
+    assert plan.source["slow_tier"] == "host"
+    with pytest.warns(ExpertcacheWarning, match="slow tier host: the plan's"), ec.load(plan=plan) as model:
+        assert model.stats["slow_tier"] == "host"
+    with pytest.warns(ExpertcacheWarning, match="priced on the host slow tier, and this runs on disk"):
+        ec.load(plan=plan, slow_tier="disk").close()

@@ -359,6 +359,18 @@ def check_shape(path: str | os.PathLike, shape: dict | None, trace) -> None:
         )
 
 
+def profile_tier(path: str | os.PathLike) -> str | None:
+    """The slow tier a profile (``path``) measured the engine on (``how.slow_tier``: disk, mapped or
+    host), or None (a plain cost model, or a profile without it)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return None
+    how = data.get("how") if isinstance(data, dict) and data.get("format") == PROFILE_FORMAT else None
+    tier = how.get("slow_tier") if isinstance(how, dict) else None
+    return tier if isinstance(tier, str) else None
+
+
 def size_note(path: str | os.PathLike, cost: CostModel, trace) -> str | None:
     """A cost model or profile (``path``) whose expert size is not that of the experts the run that
     recorded ``trace`` moved (``trace.meta["expert_bytes"]``, an engine's): another model of the same

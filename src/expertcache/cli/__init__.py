@@ -368,7 +368,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
     pr.add_argument(
         "--fit-overheads", action="store_true",
-        help="also fit submit_s and wake_s, the engine's own work a transfer, on two runs at 50%% here",
+        help="also fit submit_s, the engine's own work a transfer, on two runs at 50%% here (wake_s stays 0)",
     )  # fmt: skip
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")
     pr.add_argument("--device-latency", metavar="TIME", help="declare its latency per chunk, e.g. 20us")
@@ -1178,6 +1178,7 @@ def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from expertcache.config import PrefetchConfig
+    from expertcache.costs import profile_tier
     from expertcache.sim.planner import format_plan, make_plan
 
     _check_cost_flags(args)
@@ -1211,6 +1212,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
         objective=args.objective, seed=seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
+        slow_tier=profile_tier(args.cost) if args.cost else None,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)

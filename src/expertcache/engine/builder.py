@@ -197,6 +197,18 @@ class Builder:
         self.miss_config = miss = miss or MissConfig()
         self.device = resolve_device(device)
         self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
+        planned_tier = None if plan is None else plan.source.get("slow_tier")
+        if planned_tier in SLOW_TIERS and slow_tier is None:  # the tier its costs were measured on
+            slow_tier = planned_tier
+            self.notes.append(
+                f"slow tier {planned_tier}: the plan's (its costs were measured on it; "
+                f"{option('--slow-tier', 'slow_tier')} gives another)"
+            )
+        elif planned_tier in SLOW_TIERS and slow_tier != planned_tier:
+            self.notes.append(
+                f"the plan was priced on the {planned_tier} slow tier, and this runs on {slow_tier}: its "
+                "predicted times and choices are another tier's"
+            )
         check_dense_format(quantize_dense)
         check_attention(attention)
         self.link = EmulatedLink(link.bandwidth_Bps, link.latency_s) if link.emulated else None

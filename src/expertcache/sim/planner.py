@@ -29,6 +29,7 @@ fetching. Every layout is scored by the timing model, whatever the method's own 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +39,7 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.costs import CostModel, as_cost, check_dense_layers
+from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
@@ -311,6 +312,7 @@ def make_plan(
     host_capacity: int | None = None,
     host_policies: Sequence[str] = HOST_POLICIES,
     jobs: int = 1,
+    slow_tier: str | None = None,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
     the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
@@ -323,7 +325,10 @@ def make_plan(
     level serves the ``fetch`` miss path, so other miss paths are left out. ``trace`` is a ``Trace`` or
     its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name. ``jobs``:
     worker processes that run the candidates side by side first (``sim.timing.warm_runs``; the same
-    plan)."""
+    plan). ``slow_tier``: the tier the costs were measured on (a profile's own, read from its file when
+    ``cost`` is one), recorded in the plan: a run of it takes that tier."""
+    if slow_tier is None and isinstance(cost, str | os.PathLike):
+        slow_tier = profile_tier(cost)
     trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity, capped = capped_capacity(
@@ -515,6 +520,7 @@ def make_plan(
         source={
             "trace": _path_of(trace), "tokens": trace.num_tokens, "digest": trace.digest(),
             "cost": cost.to_dict(), "skipped": skipped, "notes": level_notes,
+            **({"slow_tier": slow_tier} if slow_tier is not None else {}),
             **(
                 {"predictor_trace": _path_of(predictor_trace), "predictor_digest": predictor_trace.digest()}
                 if predictor_trace is not None and trace_readers([best["prefetch"]])
