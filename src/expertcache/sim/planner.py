@@ -415,6 +415,15 @@ def make_plan(
         skipped += [f"{m}: the engine's host level serves the fetch miss path" for m in others]
         misses = [m for m in misses if parse_miss(m)[0] == "fetch"]
     misses = expand_misses(misses, trace.num_layers)
+    on_host = sorted({parse_miss(m)[0] for m in misses if _computes_on_host(parse_miss(m)[0])})
+    if cost.submit_s > 0 and on_host:  # the engine's own work a transfer is priced, a host expert's is not
+        favoured = [
+            f"the cost model charges each transfer submit_s ({cost.submit_s * 1e6:.0f} us of the engine's "
+            f"own work) and an expert computed on the host nothing of the kind: {', '.join(on_host)} "
+            "candidates are favoured against fetch by up to that much a miss"
+        ]
+        warn_notes(favoured)
+        level_notes += favoured
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
     if methods is None:
         methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
@@ -528,6 +537,14 @@ def make_plan(
             ),
         },
     )  # fmt: skip
+
+
+def _computes_on_host(name: str) -> bool:
+    """A miss path that computes some experts on the host: a cost-based one (host, hybrid, batch) or
+    placement."""
+    from expertcache.miss.registry import miss_class
+
+    return name == "placement" or miss_class(name).needs_costs
 
 
 def _same_routing(a: Trace, b: Trace) -> bool:
