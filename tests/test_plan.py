@@ -382,6 +382,7 @@ def test_doctor_records_a_trace_from_a_model_and_prompts(ckpt, tmp_path, capsys)
     assert main([*argv, "--window-tokens", "8", "--capacity", str(L * TOP_K), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["shape"]["layers"], r["shape"]["experts"], r["shape"]["top_k"]) == (L, E, TOP_K)
+    assert r["trace"] == f"{path} on {prompts}"  # the model and the prompts, not "<memory>"
     assert 0 <= r["consistency"]["srp"] <= 1 and r["verdict"]
     assert main([*argv, "--trace", "x.npz"]) == 2
     assert "give --trace or --prompts (recorded from --model), not both" in capsys.readouterr().err

@@ -1157,7 +1157,10 @@ def _record_trace(model: str, prompts: str, max_new_tokens: int, window: int | N
             )
         for item in items:
             m.generate_text(item.prompt, max_new_tokens, chat=isinstance(item.prompt, list))
-        return m.trace()
+        from expertcache.engine.hub import model_label
+
+        # named in the reports as what it is, not "<memory>"
+        return replace(m.trace(), source=f"{model_label(m.path)} on {prompts}")
 
 
 def _check_profile(args: argparse.Namespace, trace: Trace) -> None:
