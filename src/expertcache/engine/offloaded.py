@@ -271,12 +271,17 @@ class OffloadedModel:
         """The full-precision checkpoint expertcache packed this one from (``quantize``), if it did."""
         return (getattr(self.config, SOURCE_KEY, None) or {}).get("path") if self.packed else None
 
+    @property
+    def memory_experts(self) -> int:
+        """The expert memory in whole experts (not the slots of a miss path's parts: half experts, copies)."""
+        return self.budget // self.layout.slot_bytes
+
     def _describe(self) -> dict[str, object]:
         """What this model is: its cache's size and parts, policy, miss path, device."""
         return {
             "model": model_label(self.path),
             "capacity_experts": self.capacity,  # keys of the primary part (a split path's: its segments)
-            "memory_experts": self.budget // self.layout.slot_bytes,  # the expert memory, in whole experts
+            "memory_experts": self.memory_experts,
             "total_experts": self.num_layers * self.num_experts,
             "expert_bytes": self.layout.nbytes,
             "expert_format": describe_format(self.packed, self.dtype),
@@ -422,7 +427,7 @@ class OffloadedModel:
         meta = {
             "model": model_label(self.path), "policy": self.cache_config.policy, "capacity": self.capacity,
             "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
-            "memory": self.budget // self.layout.slot_bytes,  # the expert memory, in whole experts
+            "memory": self.memory_experts,
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
         }  # fmt: skip
         profile = self.cache_config.profile

@@ -634,14 +634,12 @@ class SeededSampler:
         import torch
 
         slots = tensor_arg[: scores.size(0)].tolist()
-        rows = [row for row, slot in enumerate(slots) if slot >= 0]
-        if rows:
-            nan = torch.isnan(scores[rows]).any(dim=-1).tolist()
-            for row, is_nan in zip(rows, nan, strict=True):
-                if is_nan:  # the dispatcher ends the request; its row drawn as a certainty meanwhile
-                    self.bad.add(slots[row])
-                    scores[row].fill_(float("-inf"))
-                    scores[row, 0] = 0.0
+        # one reduction over the step's rows (no copy of them); padding rows (slot -1) are let be
+        for row, is_nan in enumerate(torch.isnan(scores).any(dim=-1).tolist()):
+            if is_nan and slots[row] >= 0:  # the dispatcher ends the request; its row drawn as a certainty
+                self.bad.add(slots[row])
+                scores[row].fill_(float("-inf"))
+                scores[row, 0] = 0.0
         for row, slot in enumerate(slots):
             if slot < 0 or slot not in self.seeds or slot in self.bad:
                 continue

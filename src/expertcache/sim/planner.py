@@ -41,7 +41,7 @@ from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
 from expertcache.errors import ExpertcacheError, option, warn_notes
-from expertcache.miss.registry import parse_miss
+from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
@@ -542,8 +542,6 @@ def make_plan(
 def _computes_on_host(name: str) -> bool:
     """A miss path that computes some experts on the host: a cost-based one (host, hybrid, batch) or
     placement."""
-    from expertcache.miss.registry import miss_class
-
     return name == "placement" or miss_class(name).needs_costs
 
 

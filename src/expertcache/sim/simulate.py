@@ -53,16 +53,14 @@ def simulate(
         )
     if not isinstance(policies, str):  # each once, as capacities are: a repeat is the same replay
         policies = list(dict.fromkeys(policies))
-    ranked = None
+    ranked, names = None, [policies] if isinstance(policies, str) else list(policies)
     if profile is not None:
-        names = [policies] if isinstance(policies, str) else policies
         if not any(policy_class(parse_policy(p)[0]).needs_profile for p in names):
             raise ExpertcacheError(
                 f"{option('--profile', 'profile')} ranks experts for the static policies; none of "
                 f"{', '.join(names)} ranks by one"
             )
         ranked = usage_profile(profile, trace)
-    names = [policies] if isinstance(policies, str) else list(policies)
     for note in replay_notes(trace, profiled=profile is not None, policies=names):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
