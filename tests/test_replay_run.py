@@ -231,6 +231,30 @@ def test_a_runs_host_level_is_named_with_the_flags_that_replay_it(tmp_path, caps
     assert (replay["host_hits"], replay["host_misses"]) == (stats["host_hits"], stats["host_misses"])
 
 
+def test_a_staging_runs_host_level_is_named_with_its_staging(tmp_path, capsys):
+    """A run that staged predicted experts into its host level: the named flags left out --host-stage,
+    and replayed 169/216 host hits/misses against the run's 173/212."""
+    kw = dict(expert_memory="20%", host_memory="50%", host_stage=1, prefetch="next-gate", deterministic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(**kw) as model:
+            model.generate_text(PROMPT, 16)
+            stats = model.stats
+            path = tmp_path / "staged.npz"
+            model.save_trace(path)
+    assert stats["host_staged"] > 0
+    assert main(["timing", "--trace", str(path), "--prefetch", "recorded"]) == 0
+    said = capsys.readouterr().err.split("which this replay leaves out: ")[1].split(" replays it")[0]
+    assert "--host-stage 1" in said
+    instant = ["--link-bandwidth", "inf", "--link-latency", "0us"]
+    assert (
+        main(["timing", "--trace", str(path), "--prefetch", "recorded", *instant, *said.split(), "--json"])
+        == 0
+    )
+    replay = json.loads(capsys.readouterr().out)
+    assert (replay["host_hits"], replay["host_misses"]) == (stats["host_hits"], stats["host_misses"])
+
+
 def test_quantize_out_into_the_engines_own_place_says_nothing_of_moving_them(capsys, tmp_path):
     """`quantize --out` into the user cache's folder for the model said "the engine looks for copies in
     X, not in X", the same folder twice."""

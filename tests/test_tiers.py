@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -82,6 +83,7 @@ def test_host_config_refuses_what_the_host_level_cannot_serve():
     assert HostConfig("8GiB").exceeds(1 << 30) and not HostConfig("1GiB").exceeds(1 << 30)
     assert not HostConfig("60%").exceeds(1 << 30) and not HostConfig("100%").exceeds(1 << 30)  # a share never
     assert not HostConfig().enabled and HostConfig("1GiB", "lfu").name == "lfu"
+    assert HostConfig("1GiB", " lru ").policy == "lru"  # as shown and recorded, not " lru "
     for bad, match in [
         (dict(memory="1GiB", policy="tlfu"), "router's requests"),
         (dict(memory="1GiB", policy="opt"), "needs the future"),
@@ -569,6 +571,19 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["doctor", "--expert-memory", "20%", "--host-memory", "0"], "host memory 0 holds no expert"),
         (["generate", "--prompt", "hi", "--host-stage", "2"], "--host-stage needs --host-memory"),
         (["generate", "--prompt", "hi", "--host-memory", "0"], "host memory 0 holds no expert of"),
+        (  # 3 experts: 1 beside the reserve, which the message left unsaid
+            [
+                "generate",
+                "--prompt",
+                "hi",
+                "--expert-memory",
+                "20%",
+                "--host-memory",
+                "540KiB",
+                "--host-exclusive",
+            ],
+            "holds 1 expert(s) beside its reserve of 2 for hits in flight; a host level under policy lru",
+        ),
         (
             ["generate", "--prompt", "hi", "--host-memory", "50%", "--host-stage", "1", "--prefetch", "none"],
             "give a predictor",
@@ -579,6 +594,25 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
             "serves the fetch miss path",
         ),
         (["timing", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
+        # an empty policy was taken as lru (generate, timing, doctor) or ignored without a host level
+        (
+            ["generate", "--prompt", "hi", "--host-memory", "50%", "--host-policy", ""],
+            "--host-policy is empty",
+        ),
+        (["generate", "--prompt", "hi", "--host-policy", ""], "--host-policy is empty"),
+        (
+            ["timing", "--capacity", "24", "--host-capacity", "60", "--host-policy", ""],
+            "--host-policy is empty",
+        ),
+        (
+            ["doctor", "--capacity", "24", "--host-capacity", "60", "--host-policy", ""],
+            "--host-policy is empty",
+        ),
+        (
+            ["plan", "--capacity", "24", "--host-capacity", "60", "--host-policy", " "],
+            "--host-policy is empty",
+        ),
+        (["timing", "--capacity", "24", "--host-policy", ""], "--host-policy needs --host-memory"),
         (["plan", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
         (["doctor", "--capacity", "24", "--host-exclusive"], "doctor weighs an inclusive and an exclusive"),
         (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),
@@ -678,11 +712,16 @@ def test_metrics_carry_the_host_level(ckpt):
 
 
 def test_cli_timing_prints_the_host_level():
-    argv = ["timing", "--capacity", "24", "--host-capacity", "60", "--disk-time", "1ms"]
+    argv = ["timing", "--capacity", "24", "--host-capacity", "60", "--disk-time", "100ms"]
     done = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     line = next(x for x in done.stdout.splitlines() if x.startswith("host level"))
     assert "lru, 60 experts" in line and "disk reads" in line
+    # --json's link_busy_s is the table's "link busy": the reads the link waits on aside (it had them in)
+    busy = float(re.search(r"link busy ([0-9.]+) s", done.stdout).group(1))
+    js = subprocess.run([sys.executable, "-m", "expertcache", *argv, "--json"], capture_output=True)
+    row = json.loads(js.stdout)
+    assert row["link_busy_s"] == pytest.approx(busy, abs=1e-3) and row["link_read_s"] > 0
 
 
 # ------------------------------------------------------------------------------- planner and doctor
@@ -914,6 +953,14 @@ def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(short_tra
     refused = cli("timing", "--trace", short_trace, "--plan", str(plan), "--host-capacity", "60")
     assert refused.returncode == 2 and "the plan sets a host level" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+    # --demote-time beside a plan's inclusive level said "give --host-exclusive", which the plan refuses
+    inclusive = tmp_path / "inclusive.json"  # demoting dear: the plan keeps the level inclusive
+    done = cli("plan", "--trace", short_trace, "--capacity", "24", "--host-capacity", "60", "--disk-time",
+               "2ms", "--demote-time", "50ms", "--host-policy", "lru", "-o", str(inclusive))  # fmt: skip
+    assert done.returncode == 0 and json.loads(inclusive.read_text())["host_exclusive"] is False
+    demoted = cli("timing", "--trace", short_trace, "--plan", str(inclusive), "--demote-time", "1ms")
+    assert demoted.returncode == 2 and "the plan's host level (lru, 60 experts)" in demoted.stderr
+    assert "is inclusive: leave out --demote-time" in demoted.stderr and "give" not in demoted.stderr
 
 
 # ------------------------------------------------------------------------------- staging
@@ -953,7 +1000,7 @@ def test_the_timing_model_stages_predicted_experts_and_a_perfect_predictor_gains
     assert plain.cache["host_staged"] == 0 < staged.cache["host_staged"]
     assert staged.cache["host_misses"] < plain.cache["host_misses"] and staged.tpot_s < plain.tpot_s
     assert staged.misses == plain.misses  # the device's decisions are the same
-    moving = [r.link_busy_s - r.cache["link_read_s"] for r in (plain, staged)]  # the link, reads aside
+    moving = [r.link_busy_s for r in (plain, staged)]  # the link, reads aside
     assert moving[0] == pytest.approx(moving[1]) and staged.cache["link_read_s"] < staged.cache["disk_read_s"]
 
 

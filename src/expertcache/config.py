@@ -275,6 +275,8 @@ class HostConfig:
 
     def __post_init__(self) -> None:
         true_or_false(self.exclusive, "host_exclusive")
+        if isinstance(self.policy, str):  # as it is shown and recorded: " lru" is lru
+            object.__setattr__(self, "policy", self.policy.strip())
         try:
             name, params = parse_policy(self.policy)
             cls = policy_class(name)

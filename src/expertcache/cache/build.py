@@ -20,7 +20,7 @@ from expertcache.cache.governor import PrefetchGovernor
 from expertcache.cache.recorder import Recorder
 from expertcache.cache.residency import Residency
 from expertcache.cache.step import PredictorRunner, StepDriver
-from expertcache.cache.tiers import HostLevel, TieredTransport
+from expertcache.cache.tiers import HostLevel, TieredTransport, exclusive_reserve
 from expertcache.cache.transfers import Transport
 from expertcache.errors import ExpertcacheError
 from expertcache.miss.base import MissPath
@@ -99,17 +99,18 @@ def build_host_level(config, capacity: int, ctx: PolicyContext) -> HostLevel:
     one clear error where it cannot hold a layer's experts."""
     name, params = config.name, config.params
     low = max(min_capacity(name, ctx.num_layers, params, min_room=ctx.top_k), ctx.top_k)
+    what = "the host level" if config.memory is None else f"host memory {config.memory}"
+    held = f"{capacity} expert(s)"
+    if config.exclusive:  # its memory holds a reserve beside them, which the user's figure included
+        held += f" beside its reserve of {exclusive_reserve(ctx.top_k)} for hits in flight"
     if capacity < low:
-        what = "the host level" if config.memory is None else f"host memory {config.memory}"
         raise ExpertcacheError(
-            f"{what} holds {capacity} expert(s); a host level under policy {name} needs at least {low} "
+            f"{what} holds {held}; a host level under policy {name} needs at least {low} "
             f"({capacity_reason(name, params, ctx.top_k)})"
         )
     fixed = fixed_capacity(name, params)
     if fixed is not None and capacity != fixed:
-        raise ExpertcacheError(
-            f"host policy {name}'s budgets sum to {fixed}; the host memory holds {capacity} expert(s)"
-        )
+        raise ExpertcacheError(f"host policy {name}'s budgets sum to {fixed}; {what} holds {held}")
     policy = make_policy(name, replace(ctx, capacity=capacity), **params)
     return HostLevel(policy, ctx.num_layers, exclusive=config.exclusive, stage=config.stage)
 

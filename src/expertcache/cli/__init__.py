@@ -958,6 +958,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             given = int(recorded) + (exclusive_reserve(trace.top_k) if exclusive else 0)
             how = f"--host-capacity {given} --host-policy {trace.meta.get('host_policy', 'lru')}"
             how += " --host-exclusive" if exclusive else ""
+            how += f" --host-stage {stage}" if (stage := trace.meta.get("host_stage")) else ""
             print(f"note: the run had a host level of {recorded} experts, which this replay leaves out: "
                   f"{how} replays it", file=sys.stderr)  # fmt: skip
         if host_capacity is not None and host.exclusive and host_capacity >= 1:
@@ -981,6 +982,11 @@ def _cmd_timing(args: argparse.Namespace) -> int:
                 )
             host_capacity = held
     if args.demote_time and not (host is not None and host.exclusive):
+        if plan is not None and plan.host_capacity is not None:  # its level is the plan's: not to change
+            raise ExpertcacheError(
+                f"--demote-time is an exclusive host level's cost, and the plan's host level "
+                f"({plan.host_policy}, {plan.host_capacity} experts) is inclusive: leave out --demote-time"
+            )
         raise ExpertcacheError("--demote-time is an exclusive host level's cost: give --host-exclusive")
     cache = replace(cache, seed=_seed(args, [cache.policy, host.policy if host is not None else None]))
     result = simulate_timing(
@@ -1460,13 +1466,17 @@ def _host_level(args: argparse.Namespace):
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
         for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time", "demote_time"):
-            if getattr(args, flag):
+            if getattr(args, flag) not in (None, False, 0):  # given (an empty policy too)
                 raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
         return None
     if args.host_memory is not None and args.host_capacity is not None:
         raise ExpertcacheError("give --host-memory or --host-capacity, not both")
-    policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy or "lru"]
+    policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy]
+    if policies == [None]:
+        policies = ["lru"]
     for policy in policies:  # each checked here, in one line
+        if not policy.strip():
+            raise ExpertcacheError("--host-policy is empty; give a value or leave the option out")
         HostConfig(args.host_memory, policy, exclusive=args.host_exclusive, stage=args.host_stage)
     return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive, stage=args.host_stage)
 

@@ -233,7 +233,7 @@ def load_model(args, record: bool = True):
     from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
     from expertcache.plan import Plan
 
-    for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model"):
+    for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model", "host_policy"):
         if getattr(args, flag, None) is not None and not str(getattr(args, flag)).strip():
             flag = "--" + flag.replace("_", "-")
             raise ExpertcacheError(f"{flag} is empty; give a value or leave the option out")
@@ -260,7 +260,7 @@ def load_model(args, record: bool = True):
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
     for flag in HOST_FLAGS[1:]:
-        if getattr(args, flag) and args.host_memory is None:
+        if getattr(args, flag) not in (None, False, 0) and args.host_memory is None:  # an empty one too
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} needs --host-memory (the host cache it rules)"
             )

@@ -309,7 +309,7 @@ def _levels(
         disk = float(r.cache["disk_read_s"])
         busy = {
             "compute": r.total_s - r.stall_s,
-            "link": r.link_busy_s - r.cache["link_read_s"],
+            "link": r.link_busy_s,  # reads aside
             "disk": disk,
         }
         out[name] = {
