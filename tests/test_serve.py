@@ -280,6 +280,55 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
     assert sum(c["misses"] for c in stats["phases"].values()) == stats["misses"]
 
 
+def test_a_request_paused_for_kv_space_is_not_a_prompt_again(make_ckpt):
+    """A KV cache too small for two long requests: transformers pauses one (a soft reset: what it
+    generated is folded into a new request's prompt) and restarts it. Its restart was recorded as a
+    prompt step, and ``timing`` put its first token hundreds of steps late."""
+    model = engine_load(make_ckpt("mixtral"), 8, record=True)
+    with TestClient(
+        create_app(model, "tiny", ServeConfig(max_queue=8, kv_tokens=300)), base_url=BASE
+    ) as http:
+        client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
+        usage: list[tuple[int, int]] = []
+
+        def ask(p: str) -> None:
+            u = client.completions.create(model="tiny", prompt=p, max_tokens=400).usage
+            usage.append((u.prompt_tokens, u.completion_tokens))
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS[:2]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        trace, stats, metrics = model.trace(), model.stats, http.get("/metrics").text
+    model.close()
+    prompts, generated = sum(p for p, _ in usage), sum(n for _, n in usage)
+    assert len(usage) == 2 and generated > 512  # more than the KV cache holds: one was paused
+    phases = stats["phases"]
+    assert phases["decode"]["tokens"] > generated - 2  # the restarted request's tokens, computed again
+    assert int(trace.is_prefill.sum()) == phases["prefill"]["tokens"] == prompts
+    assert float(_metric(metrics, "expertcache_prompt_tokens_total")) == prompts
+    assert float(_metric(metrics, "expertcache_generated_tokens_total")) == generated
+    for seq in set(trace.seq_id.tolist()):  # each request's prompt steps come first, then never again
+        phase = trace.is_prefill[trace.seq_id == seq]
+        first = int(phase.sum())
+        assert (phase[:first] == 1).all() and (phase[first:] == 0).all()
+
+
+def test_a_prompt_token_is_one_of_a_request_that_has_generated_nothing():
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    state = RequestState(request_id="run-3", initial_tokens=[5, 6, 7], max_new_tokens=8)
+    assert batcher_module._in_prompt(state)
+    state.generated_tokens += [9, 10]
+    assert not batcher_module._in_prompt(state)  # decoding, or restored from the CPU after a pause
+    restarted = state.create_equivalent_initial_request()  # a soft reset: [5, 6, 7, 9, 10] to compute
+    assert not restarted.generated_tokens and not batcher_module._in_prompt(restarted)
+    fresh = RequestState(request_id="run-4", initial_tokens=[5], max_new_tokens=8)
+    again = fresh.create_equivalent_initial_request()  # paused before its first token: still its prompt
+    assert batcher_module._in_prompt(again)
+
+
 def test_stop_strings_and_sampling(served):
     model, http, client = served
     whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10).choices[0].text
@@ -598,6 +647,8 @@ def test_a_key_given_twice_is_refused_not_guessed(served):
 
 def test_a_client_that_leaves_cancels_its_request(served):
     model, http, client = served
+    totals = ("expertcache_prompt_tokens_total", "expertcache_generated_tokens_total")
+    before = [float(_metric(http.get("/metrics").text, name)) for name in totals]
     stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=200, stream=True)
     next(iter(stream))
     stream.close()
@@ -609,6 +660,9 @@ def test_a_client_that_leaves_cancels_its_request(served):
     while left not in http.get("/metrics").text and time.time() < deadline:  # counted as it went
         time.sleep(0.1)
     assert left in http.get("/metrics").text
+    # what the model read and generated for it counts (a cancelled request added nothing)
+    after = [float(_metric(http.get("/metrics").text, name)) for name in totals]
+    assert after[0] - before[0] == len(model.tokenizer(PROMPTS[2])["input_ids"]) and after[1] > before[1]
 
 
 def test_a_full_queue_answers_503_with_retry_after(make_ckpt):
@@ -901,6 +955,10 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line_before_serving(cap
     assert main(["serve", "--port", str(port), "--kv-cache-tokens", str(2**40), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--kv-cache-tokens {2**40} needs" in err[0] and "lower it" in err[0]
+    # without --quiet too: no "serving ..." line before the refusal (a new user saw one)
+    assert main(["serve", "--port", str(port), "--kv-cache-tokens", str(2**40)]) == 2
+    err = capsys.readouterr().err
+    assert "serving " not in err and f"--kv-cache-tokens {2**40} needs" in err.strip().splitlines()[-1]
 
 
 def test_serve_refuses_a_model_continuous_batching_cannot_cache_in_one_line_before_loading(ckpt, capsys):

@@ -167,15 +167,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if local is not None:
         check_batchable(read_config(local))  # before the model loads
     model = load_model(args, record=bool(args.record_trace))
+    try:
+        kv_tokens, kv_note = kv_size(model, config.max_queue, config.kv_tokens)  # one that fits, first
+    except ExpertcacheError:
+        model.close()
+        raise
     if not args.quiet:  # what runs, as a plan or the options chose it
         print(f"serving {describe_run(model)}", file=sys.stderr)
     note = lossy_note(model.stats, model.miss.lossy)
     if note:
         print(note, file=sys.stderr)
-
-    kv_tokens, note = kv_size(model, config.max_queue, config.kv_tokens)  # a size that fits, before serving
-    if note:
-        print(note, file=sys.stderr)
+    if kv_note:
+        print(kv_note, file=sys.stderr)
     config = dataclasses.replace(config, kv_tokens=kv_tokens)
     name = args.served_model_name or (args.model if args.model else model_label(model.path))
     stopped = True  # run() raising means no loop was left running

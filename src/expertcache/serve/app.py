@@ -246,7 +246,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             code = "shutting_down" if last.shutdown else None
             return _error(ApiError(status, last.error, "server_error", code))
         usage = _usage(job, last)
-        metrics.answered(_path(kind), 200, usage["prompt_tokens"], usage["completion_tokens"])
+        metrics.answered(_path(kind), 200)
         choice = {"index": 0, "finish_reason": last.finish}
         if kind == "chat.completion":
             choice["message"] = {"role": "assistant", "content": text}
@@ -291,7 +291,7 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             yield {"data": json.dumps({**head, "object": chunk_kind, "choices": [choice]})}
         if last is not None and not last.error:
             usage = _usage(job, last)
-            metrics.answered(_path(kind), 200, usage["prompt_tokens"], usage["completion_tokens"])
+            metrics.answered(_path(kind), 200)
             if include_usage:
                 yield {"data": json.dumps({**head, "object": chunk_kind, "choices": [], "usage": usage})}
         yield {"data": "[DONE]"}

@@ -110,6 +110,16 @@ def _request_number(request_id: str) -> int:
         return 0
 
 
+def _in_prompt(state) -> bool:
+    """Whether a request's tokens in a step are its prompt's (a chunk of it): it has generated nothing yet.
+    A request transformers paused for KV space comes back either restored (its generated tokens kept) or
+    soft reset: a new request whose prompt has what it had generated folded in (``_true_initial_tokens``
+    is its own prompt's length), its tokens recomputed or found in the prefix cache. Neither is a prompt
+    step: counted as one, a request paused after 254 tokens had its first token at its restart."""
+    own = getattr(state, "_true_initial_tokens", 0)
+    return not state.generated_tokens and not (own and len(state.initial_tokens) > own)
+
+
 class Batcher:
     """Continuous batching over an ``OffloadedModel``; ``submit`` a request, iterate over its pieces."""
 
@@ -201,7 +211,7 @@ class Batcher:
         for future in batch:
             n, state = future.query_length, future.state
             seq += [_request_number(state.request_id)] * n
-            prompt += [not state.generated_tokens] * n  # nothing generated yet: its prompt (a chunk)
+            prompt += [_in_prompt(state)] * n
         return np.asarray(seq, dtype=np.int32), np.asarray(prompt, dtype=bool)
 
     def health(self) -> tuple[bool, str]:
@@ -415,9 +425,11 @@ class Batcher:
             if job.first_token is None:
                 job.first_token = now
                 if self.metrics:
-                    self.metrics.first_token(now - job.submitted)
+                    self.metrics.first_token(now - job.submitted, job.prompt_tokens)
             elif self.metrics and job.last_token is not None:
                 self.metrics.next_tokens(now - job.last_token, len(new) - len(job.tokens))
+            if self.metrics:
+                self.metrics.tokens(len(new) - len(job.tokens))
             job.last_token = now
         job.tokens = new
         if out.status == FAILED or out.error:

@@ -24,8 +24,12 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         p = "expertcache_"
         self.requests = Counter(p + "requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generated = Counter(p + "generated_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "prompt tokens read (of requests whose first token came)", registry=r
+        )
+        self.generated = Counter(
+            p + "generated_tokens", "tokens generated, whatever became of the request", registry=r
+        )
         self.finishes = Counter(
             p + "finished_requests", "generations ended, by reason", ["reason"], registry=r
         )
@@ -41,8 +45,13 @@ class Metrics:
     def queued(self, n: int) -> None:
         self.queue.set(n)
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        """Tokens the model generated for a request, as they come (cancelled and failed requests too)."""
+        self.generated.inc(n)
 
     def next_tokens(self, seconds: float, tokens: int) -> None:
         for _ in range(tokens):
@@ -55,10 +64,8 @@ class Metrics:
     def cancelled(self) -> None:
         self.cancels.inc()
 
-    def answered(self, endpoint: str, status: int, prompt_tokens: int = 0, tokens: int = 0) -> None:
+    def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generated.inc(tokens)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
