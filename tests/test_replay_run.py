@@ -303,6 +303,14 @@ def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by
     assert main(["timing", "--trace", str(path), "--policy", "lfu", "--miss", trace.meta["miss"]]) == 0
     err = capsys.readouterr().err
     assert "this replay is not the recorded run's: its policy was lru (--policy lru)" in err
+    if miss == "host":  # its budget given (as SERVE.md writes the replay): still the run's own costs
+        argv = ["timing", "--trace", str(path), "--miss", "host", "--expert-memory", "30%", "--json"]
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert "priced by the costs the run decided by" in err
+        at = json.loads(out)
+        assert (at["hits"], at["host_computed"]) == (stats["hits"], stats["host_computed"])
+        assert ec.simulate_timing(trace, "30%", miss="host").cache["host_computed"] == stats["host_computed"]
 
 
 def test_a_plan_whose_predictor_trace_changed_or_whose_trace_is_gone_says_so(tmp_path, capsys):

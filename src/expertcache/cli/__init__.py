@@ -918,11 +918,11 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         capacity = _run_capacity(trace, miss, cost) or _capacity(args, cost, trace)
     else:
         capacity = _capacity(args, cost, trace)
-    from expertcache.sim.timing import RECORDED, recorded_costs, replay_differences
+    from expertcache.sim.timing import recorded_costs, replay_differences
 
     flags = any(getattr(args, f[2:].replace("-", "_")) for f, *_ in _TIMING_COST_FLAGS)
-    own = recorded_costs(trace) if capacity == RECORDED and not args.cost else None
-    if own is not None:  # the run's own replay: priced as its cost-based miss path decided
+    own = recorded_costs(trace) if planned is None and not args.cost else None
+    if own is not None:  # a run's replay, at its own budget or another: priced as its miss path decided
         cost = _cost_from_args(args, prefetch, own)
         print("note: priced by the costs the run decided by (measured at its load; --cost gives others)",
               file=sys.stderr)  # fmt: skip

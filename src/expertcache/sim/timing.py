@@ -203,7 +203,8 @@ def run_timing(
     ``capacity`` experts' worth of memory (or "25%": a share of all experts), shared among the miss
     path's parts, under ``cache`` (a policy spec or a ``CacheConfig``), prefetching as ``prefetch`` says
     (a predictor name or a ``PrefetchConfig``), serving misses by ``miss`` (a miss path spec or a
-    ``MissConfig``), timed by ``cost``. Trace-based predictors learn from
+    ``MissConfig``), timed by ``cost`` (None: the costs an engine's recorded run decided by, where it
+    recorded any (a cost-based miss path's), else the default model). Trace-based predictors learn from
     ``predictor_trace`` (``token`` requires one; it must be another run than the simulated one).
     ``capacities`` (keys per cache part) replaces the share of ``capacity`` the miss path would give
     each part: an engine's own (``trace.meta["capacities"]`` of a recorded trace) replays it exactly.
@@ -233,7 +234,7 @@ def _canonical(
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     cache_cfg, pf = as_config(cache, CacheConfig), as_config(prefetch, PrefetchConfig)
     recorded = isinstance(capacity, str) and capacity == RECORDED
-    if recorded and cost is None:  # the run's own costs, where a cost-based miss path decided by them
+    if cost is None:  # a recorded run's own costs, where a cost-based miss path decided by them
         cost = recorded_costs(trace)
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
     if recorded:
