@@ -7,8 +7,10 @@ brute-force model, and together in the simulator on batched traces against the p
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -271,7 +273,6 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(tmp_path, capsys):
     step asks of the cache and what ``batch`` with ``tlfu`` does for it."""
     assert main(["doctor", "--concurrency", "16", "--json"]) == 0  # the whole trace: issue 31's target
     out, err = capsys.readouterr()
-    import json
 
     batch = json.loads(out)["batch"]
     assert "16 at a time" in err
@@ -280,7 +281,8 @@ def test_doctor_and_plan_serve_the_trace_n_at_a_time(tmp_path, capsys):
     # the advice and the options' effects, on the trace's first 256 tokens, 4 at a time
     short = ["--trace", prefix_file(tmp_path, 256)]
     assert main(["doctor", *short, "--concurrency", "4"]) == 0  # the advice names the paths to weigh
-    assert "--miss fetch --miss batch --miss host" in capsys.readouterr().out
+    advice = capsys.readouterr().out  # under the policy it quoted (it named the paths alone: lru weighed)
+    assert "--policy tlfu --miss fetch --miss batch --miss host" in advice
     argv = ["doctor", *short, "--concurrency", "4", "--miss", "fetch", "--miss", "batch", "--miss", "host"]
     assert main(argv) == 0
     out = capsys.readouterr().out  # given them, the plan weighed them: no advice to give them
@@ -315,7 +317,15 @@ def test_timing_of_a_batched_plan_on_another_trace_says_so(tmp_path, capsys):
     )
     capsys.readouterr()
     assert main(["timing", "--trace", short, "--plan", str(plan)]) == 0
-    assert "it served its trace 4 at a time: replay that" in capsys.readouterr().err
+    said = capsys.readouterr().err  # the command that serves the requests as the plan did, whole
+    assert f"as `expertcache trace batch {Path(short).resolve()} --concurrency 4 --requests " in said
+    assert "--batch-tokens 512` serves them: replay that (-o F, then --trace F), or leave out --trace" in said
+    # without --trace: the plan's trace made again as it was (the plan's file said "not there", circularly)
+    assert main(["timing", "--plan", str(plan), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: replaying the plan's trace: " in err and "requests served 4 at a time (fifo" in err
+    assert "not there" not in err and "the plan was made on" not in err
+    assert json.loads(out)["tpot_s"] == pytest.approx(json.loads(plan.read_text())["predicted"]["tpot_s"])
     served = tmp_path / "u4.npz"
     assert main(["trace", "batch", short, "--concurrency", "4", "-o", str(served)]) == 0
     capsys.readouterr()
@@ -451,3 +461,27 @@ def test_a_prompts_one_time_experts_do_not_push_out_the_decode_working_set():
     lru_run = simulate_timing(trace, 8, cache="lru", miss="batch").to_dict()
     assert tlfu_run["decode_misses"] == 2 and lru_run["decode_misses"] == 4
     assert tlfu_run["prefill_misses"] == lru_run["prefill_misses"] == 6
+
+
+def test_serve_lays_out_its_steps_as_a_batched_plan_was_made(tmp_path, capsys):
+    """serve --plan of a plan made with --concurrency 4 --max-batch-tokens 64 --schedule prompts-first
+    served steps of 512 tokens, fifo, without a word."""
+    from argparse import Namespace
+
+    from expertcache.cli.serve import _layout
+
+    plan = tmp_path / "pf.json"
+    argv = ["plan", "--trace", prefix_file(tmp_path, 256), "--concurrency", "4", "--max-batch-tokens", "64",
+            "--schedule", "prompts-first", "--expert-memory", "25%", "-o", str(plan)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    taken = _layout(Namespace(plan=str(plan), max_batch_tokens=None, schedule=None))
+    assert taken[:2] == (64, "prompts-first") and taken[2].startswith("note: serving as the plan was made: ")
+    other = _layout(Namespace(plan=str(plan), max_batch_tokens=None, schedule="fifo"))
+    assert other[:2] == (64, "fifo") and "this server's steps differ (at most 64 tokens, fifo)" in other[2]
+    plain = tmp_path / "plain.json"  # a plan of one request at a time: the defaults, nothing to say
+    assert (
+        main(["plan", "--trace", prefix_file(tmp_path, 256), "--expert-memory", "25%", "-o", str(plain)]) == 0
+    )
+    assert _layout(Namespace(plan=str(plain), max_batch_tokens=None, schedule=None)) == (512, "fifo", None)
+    assert _layout(Namespace(plan=None, max_batch_tokens=0, schedule=None))[0] == 0  # refused by ServeConfig

@@ -180,6 +180,27 @@ class Plan:
             "holds now, not what was planned"
         )
 
+    def batched(self) -> dict | None:
+        """How the plan's trace was made where it is requests served N at a time (``plan --concurrency``):
+        the trace it was made from and ``batch_requests``' arguments; None for another trace."""
+        batched = self.source.get("batched")
+        return batched if isinstance(batched, dict) else None
+
+    def served_trace(self):
+        """The plan's trace of requests served N at a time, made again from the trace it was made from
+        (the plan holds the recipe, not the trace), or None where that trace is not there or the plan's
+        trace was not made so."""
+        from expertcache.trace.batch import batch_requests
+        from expertcache.trace.trace import load_trace
+
+        how = self.batched()
+        if how is None or not Path(how["trace"]).is_file():
+            return None
+        return batch_requests(
+            load_trace(how["trace"]), how["concurrency"], requests=how["requests"],
+            batch_tokens=how["batch_tokens"], stagger=how["stagger"], schedule=how["schedule"],
+        )  # fmt: skip
+
     def trace_file(self) -> str | None:
         """The file of the trace the plan was made on, where it is still there (``timing --plan``
         replays it by default)."""

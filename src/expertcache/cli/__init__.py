@@ -864,27 +864,40 @@ def _cmd_timing(args: argparse.Namespace) -> int:
                 f"--plan sets the policy, miss path, predictor and capacity; leave out {flag}"
             )
         plan = Plan.load(args.plan)
-    if args.trace is None and plan is not None and plan.trace_file() is not None:
+    served = plan.served_trace() if args.trace is None and plan is not None else None
+    if served is not None:  # the plan's trace of requests served N at a time, made again as it was
+        print(f"note: replaying the plan's trace: {_batched_how(plan.batched())} (--trace gives another)",
+              file=sys.stderr)  # fmt: skip
+    elif args.trace is None and plan is not None and plan.trace_file() is not None:
         args.trace = plan.trace_file()  # the plan's prediction, on the plan's trace
         if Path(args.trace).resolve() != DEFAULT_TRACE.resolve():
             print(f"note: replaying the plan's trace {args.trace} (--trace gives another)", file=sys.stderr)
     elif args.trace is None and plan is not None and plan.source.get("trace"):
-        print(f"note: the plan's trace {plan.source['trace']} is not there: replaying the embedded one "
+        made = plan.batched()
+        what = plan.source["trace"] if made is None else f"{made['trace']} (to serve its requests as planned)"
+        print(f"note: the plan's trace {what} is not there: replaying the embedded one "
               "(--trace gives another)", file=sys.stderr)  # fmt: skip
-    trace = _trace(args.trace or "default")
+    trace = served if served is not None else _trace(args.trace or "default")
     if plan is not None:
         plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
         made_on, tokens = str(plan.source.get("trace", "")), plan.source.get("tokens")
-        served = re.search(r" x(\d+)$", made_on)  # the plan's trace served N at a time (trace.batch)
+        served_n = re.search(r" x(\d+)$", made_on)  # the plan's trace served N at a time (trace.batch)
         replayed = trace.meta.get("concurrency")
-        other_n = (int(served.group(1)) if served else None) != (None if replayed is None else int(replayed))
+        other_n = (int(served_n.group(1)) if served_n else None) != (
+            None if replayed is None else int(replayed)
+        )
         digest = plan.source.get("digest")  # the routing itself (a plan before it: its token count)
         other = digest != trace.digest() if digest is not None else tokens not in (None, trace.num_tokens)
         if other_n or other:  # another workload than the plan's
+            made = plan.batched()
             how = (
-                f"; it served its trace {served.group(1)} at a time: replay that (expertcache trace batch "
-                f"TRACE --concurrency {served.group(1)} -o F, then --trace F)"
-                if served
+                f"; it served {made['trace']}'s requests as `expertcache trace batch {_batch_args(made)}` "
+                "serves them: replay that (-o F, then --trace F)"
+                + (", or leave out --trace" if Path(made["trace"]).is_file() else "")
+                if made is not None
+                else f"; it served its trace {served_n.group(1)} at a time: replay that (expertcache trace "
+                f"batch TRACE --concurrency {served_n.group(1)} -o F, then --trace F)"
+                if served_n
                 else ""
             )
             print(
@@ -1388,6 +1401,21 @@ def _predictor_trace(given: str | None, predictors: list[str]) -> Trace | None:
             "(token and eam do)"
         )
     return load_trace(given)
+
+
+def _batch_args(made: dict) -> str:
+    """``trace batch``'s arguments that make a plan's trace of requests served N at a time again."""
+    out = f"{made['trace']} --concurrency {made['concurrency']} --requests {made['requests']}"
+    out += f" --batch-tokens {made['batch_tokens']}" if made["batch_tokens"] is not None else ""
+    out += f" --stagger {made['stagger']}" if made["stagger"] != 1 else ""
+    return out + (f" --schedule {made['schedule']}" if made["schedule"] != "fifo" else "")
+
+
+def _batched_how(made: dict) -> str:
+    """A plan's trace of requests served N at a time, in words."""
+    how = f"{made['trace']}'s requests served {made['concurrency']} at a time ({made['schedule']}"
+    how += f", steps of at most {made['batch_tokens']} tokens" if made["batch_tokens"] is not None else ""
+    return how + ")"
 
 
 def _served(trace: Trace, args: argparse.Namespace) -> Trace:

@@ -45,15 +45,16 @@ def add_parser(sub) -> None:
         "to what fits in memory)",
     )  # fmt: skip
     s.add_argument(
-        "--max-batch-tokens", type=int, default=SERVE_BATCH_TOKENS, metavar="N",
+        "--max-batch-tokens", type=int, metavar="N",
         help="tokens one step computes at most: every running request's next token, then prompts in "
-        f"chunks (default {SERVE_BATCH_TOKENS})",
+        f"chunks (default {SERVE_BATCH_TOKENS}, or a --plan's made with --concurrency)",
     )  # fmt: skip
     s.add_argument(
-        "--schedule", default="fifo", metavar="{" + ",".join(SCHEDULES) + "}",
+        "--schedule", metavar="{" + ",".join(SCHEDULES) + "}",
         help="which requests a step runs: fifo, transformers' order (every running request's next token, "
         "then new prompts); prompts-first, new prompts in a step of their own when one is waiting, for a "
-        "shorter median time to first token (default fifo; docs/SERVE.md)",
+        "shorter median time to first token (default fifo, or a --plan's made with --concurrency; "
+        "docs/SERVE.md)",
     )  # fmt: skip
     s.add_argument(
         "--max-body",
@@ -120,15 +121,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "EXPERTCACHE_API_KEY is set but empty: set it to the key clients must send, or unset it (an "
             "empty key would leave every endpoint open)"
         )
+    batch_tokens, schedule, layout_note = _layout(args)
     config = ServeConfig(
         host=args.host, port=args.port, api_key=api_key,
-        max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, batch_tokens=args.max_batch_tokens,
-        schedule=args.schedule, max_body=args.max_body,
+        max_queue=args.max_queue, kv_tokens=args.kv_cache_tokens, batch_tokens=batch_tokens,
+        schedule=schedule, max_body=args.max_body,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
         body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         allowed_hosts=tuple(args.allowed_host or ()), metrics_open=args.metrics_open, docs=args.docs,
         log_level="warning" if args.quiet else "info",
     )  # fmt: skip
+    if layout_note:
+        print(layout_note, file=sys.stderr)
     _check_port(args.host, args.port)  # before the model loads
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ExpertcacheError("--served-model-name is empty: give the id clients ask for, or leave it out")
@@ -195,6 +199,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _layout(args: argparse.Namespace) -> tuple[int, str, str | None]:
+    """The steps' size cap and schedule: as given, else as a ``--plan`` made for requests served N at a
+    time laid them out, else the defaults; and a note where a plan made so is taken or not followed."""
+    made = None
+    if getattr(args, "plan", None):
+        from expertcache.plan import Plan
+
+        made = Plan.load(args.plan).batched()
+
+    def given(value, otherwise):  # a value given (0 or "" too: refused by ServeConfig), or the other
+        return otherwise if value is None else value
+
+    if made is None:
+        return given(args.max_batch_tokens, SERVE_BATCH_TOKENS), given(args.schedule, "fifo"), None
+    planned_tokens = made["batch_tokens"] or SERVE_BATCH_TOKENS
+    batch_tokens = given(args.max_batch_tokens, planned_tokens)
+    schedule = given(args.schedule, made["schedule"])
+    laid = f"steps of at most {planned_tokens} tokens, {made['schedule']}"
+    laid += f", {made['concurrency']} requests at a time"
+    note = None
+    if (batch_tokens, schedule) != (planned_tokens, made["schedule"]):
+        note = (
+            f"note: the plan was made serving {laid}; this server's steps differ (at most {batch_tokens} "
+            f"tokens, {schedule}), so its figures are not the plan's"
+        )
+    elif args.max_batch_tokens is None or args.schedule is None:
+        note = f"note: serving as the plan was made: {laid} (--max-batch-tokens and --schedule give others)"
+    return batch_tokens, schedule, note
 
 
 def describe_run(model) -> str:

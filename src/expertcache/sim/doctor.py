@@ -385,8 +385,9 @@ def verdict(r: dict[str, object]) -> list[str]:
             if {"batch", "host"} <= weighed
             else "; give the plan the paths to weigh with "
             + option(
-                "--miss fetch --miss batch --miss host (here or in plan, the same trace and --concurrency)",
-                "misses=('fetch', 'batch', 'host') (here or in make_plan, on the same trace)",
+                "--policy tlfu --miss fetch --miss batch --miss host (here or in plan, the same trace and "
+                "--concurrency)",
+                "policy='tlfu', misses=('fetch', 'batch', 'host') (here or in make_plan, on the same trace)",
             )
         )
         out.append(

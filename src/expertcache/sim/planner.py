@@ -528,6 +528,7 @@ def make_plan(
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
             "trace": _path_of(trace), "tokens": trace.num_tokens, "digest": trace.digest(),
+            **({"batched": batched} if (batched := _batched_from(trace)) is not None else {}),
             "cost": cost.to_dict(), "skipped": skipped, "notes": level_notes,
             **({"slow_tier": slow_tier} if slow_tier is not None else {}),
             **(
@@ -547,6 +548,22 @@ def _computes_on_host(name: str) -> bool:
 
 def _same_routing(a: Trace, b: Trace) -> bool:
     return a is b or (a.experts.shape == b.experts.shape and bool(np.array_equal(a.experts, b.experts)))
+
+
+def _batched_from(trace: Trace) -> dict | None:
+    """How a trace of requests served N at a time (``trace.batch.batch_requests``) was made: the trace it
+    was made from (its whole path where it is a file) and the arguments, to make it again; None for
+    another trace."""
+    meta = trace.meta
+    if "batched_from" not in meta:
+        return None
+    source = Path(str(meta["batched_from"]))
+    return {
+        "trace": str(source.resolve()) if source.is_file() else str(meta["batched_from"]),
+        "concurrency": int(meta["concurrency"]), "requests": int(meta["batched_requests"]),
+        "stagger": int(meta.get("stagger", 1)), "schedule": str(meta.get("schedule", "fifo")),
+        "batch_tokens": None if meta.get("batch_tokens") is None else int(meta["batch_tokens"]),
+    }  # fmt: skip
 
 
 def _path_of(trace: Trace) -> str:
