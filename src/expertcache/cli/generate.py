@@ -227,11 +227,23 @@ def _sampling(args):
     )  # fmt: skip
 
 
+def load_plan(args):
+    """``--plan``'s ``Plan``, refused in one line beside the options it sets."""
+    from expertcache.plan import Plan
+
+    given = [f for f in ("expert_memory", "policy", "miss", "prefetch", "window") if getattr(args, f, None)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ExpertcacheError(
+            f"--plan sets the expert memory, policy, miss path and predictor; leave out {flag}"
+        )
+    return Plan.load(args.plan)
+
+
 def load_model(args, record: bool = True):
     """The offloaded model the options describe; the options are checked before torch is imported.
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
     from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
-    from expertcache.plan import Plan
 
     for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model", "host_policy"):
         if getattr(args, flag, None) is not None and not str(getattr(args, flag)).strip():
@@ -244,13 +256,7 @@ def load_model(args, record: bool = True):
     }  # fmt: skip
     plan = None
     if args.plan:
-        given = [f for f in ("expert_memory", "policy", "miss", "prefetch", "window") if getattr(args, f)]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise ExpertcacheError(
-                f"--plan sets the expert memory, policy, miss path and predictor; leave out {flag}"
-            )
-        plan = Plan.load(args.plan)
+        plan = load_plan(args)
         cache = plan.cache_config(profile=args.profile)  # a static plan's usage profile
         miss, prefetch = plan.miss_config(), plan.prefetch_config(**options)
         plan.refuse_host([f"--{f.replace('_', '-')}" for f in HOST_FLAGS if getattr(args, f)])

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from expertcache.cli.generate import add_model_args, load_model
+from expertcache.cli.generate import add_model_args, load_model, load_plan
 from expertcache.cli.util import output_option
 from expertcache.config import SCHEDULES, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError
@@ -204,11 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _layout(args: argparse.Namespace) -> tuple[int, str, str | None]:
     """The steps' size cap and schedule: as given, else as a ``--plan`` made for requests served N at a
     time laid them out, else the defaults; and a note where a plan made so is taken or not followed."""
-    made = None
-    if getattr(args, "plan", None):
-        from expertcache.plan import Plan
-
-        made = Plan.load(args.plan).batched()
+    made = load_plan(args).batched() if str(getattr(args, "plan", None) or "").strip() else None
 
     def given(value, otherwise):  # a value given (0 or "" too: refused by ServeConfig), or the other
         return otherwise if value is None else value
