@@ -149,6 +149,30 @@ def test_every_family_runs_from_its_record_with_next_gate_at_the_minimum_budget(
     assert stats["prefetch_issued"] > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_saved_as_transformers_runs_it(family, ckpt, reference, tmp_path):
+    """``save_pretrained(save_original_format=False)`` writes the experts as transformers 5 holds them
+    (fused ``experts.gate_up_proj`` / ``down_proj`` under the block's name in the model, every name the
+    model's): refused before ("checkpoint lacks expert tensor ...experts.0.gate_proj.weight")."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from expertcache.engine.loader import load_reference
+
+    path = ckpt(family)
+    saved = tmp_path / "saved"
+    load_reference(path).save_pretrained(saved, save_original_format=False)
+    for f in path.iterdir():  # the tokenizer's files beside it
+        if not (saved / f.name).exists() and f.suffix != ".safetensors":
+            shutil.copy(f, saved / f.name)
+    keys = sum((list(safe_open(str(f), "pt").keys()) for f in saved.glob("*.safetensors")), [])
+    assert not any(re.search(r"\.experts\.0\.", k) for k in keys)  # fused: not one by one
+    with engine_load(saved, moe_layers(family) * TOP_K, "lru") as model:
+        got = greedy(model, IDS)
+    assert_exact(got, reference(path, IDS))
+
+
 # -- what some families need beyond a record's names -------------------------------------------------------
 def _every_kernel(path, capacity: int, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine on a CPU in each kernel at ``capacity`` experts: eager and grouped bit-exact against

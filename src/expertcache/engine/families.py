@@ -128,8 +128,20 @@ class Family:
         return max(self.dense_first + 1, self.tiny.layers if self.min_tiny else 1)
 
     def variants(self) -> list[Family]:
-        """The record as it is, then with each of its other ``layouts``."""
-        return [self, *(replace(self, block=lay.block, sources=lay.sources) for lay in self.layouts)]
+        """The record as it is, then with each of its other ``layouts``, then as transformers 5 runs the
+        experts (``save_pretrained(save_original_format=False)`` saves them so): each slot tensor fused,
+        ``experts.gate_up_proj`` and ``experts.down_proj``, under the block's name in the model."""
+        out = [self, *(replace(self, block=lay.block, sources=lay.sources) for lay in self.layouts)]
+        if self.block:
+            block = f".{self.block}."
+            for old, new in self.renames:
+                block = block.replace(old, new)
+            # the whole checkpoint then has the model's names: nothing to rename
+            fused = {name: (Source("{block}.experts." + name, fused=True),) for name in self.sources}
+            saved = replace(self, block=block.strip("."), sources=fused, renames=())
+            if not any((v.block, v.sources) == (saved.block, saved.sources) for v in out):
+                out.append(saved)
+        return out
 
     def rename(self, key: str) -> str:
         if key.startswith(self.root):
