@@ -342,7 +342,7 @@ def test_slot_pool_holds_capacity_slots_and_the_model_no_experts(family, ckpt):
     [
         ("missing_dir", "no such checkpoint directory"),
         ("no_config", "no config.json"),
-        ("unsupported", "unsupported architecture 'llama'; supported: .*mixtral"),
+        ("unsupported", "'llama' is not a mixture-of-experts model .*; supported: .*mixtral"),
         ("corrupt", "cannot read safetensors file"),
         ("truncated", "model.safetensors"),
         ("missing_expert", f"lacks expert tensor {MISSING_EXPERT}"),

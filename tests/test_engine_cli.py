@@ -223,7 +223,7 @@ def test_generate_with_an_emulated_link_and_a_static_profile(capsys, ckpt, tmp_p
         ("missing_dir", "no such checkpoint directory"),
         ("a_file", "model.txt: a file, not a checkpoint directory"),
         ("no_config", "no config.json"),
-        ("unsupported", "unsupported architecture 'llama'; supported: .*mixtral"),
+        ("unsupported", "'llama' is not a mixture-of-experts model .*; supported: .*mixtral"),
         ("corrupt", "cannot read safetensors file"),
         ("truncated", "model.safetensors"),
         ("missing_expert", f"lacks expert tensor {MISSING_EXPERT}"),

@@ -60,7 +60,7 @@ def test_every_transformers_model_with_an_experts_module_runs_or_is_listed_with_
     text = ENGINE_MD.read_text()
     head = re.search(r"^### Families of transformers (\S+) with an experts module not supported", text, re.M)
     assert head, "ENGINE.md lost its section of the families not supported"
-    section = text[head.end() : text.index("\n## ", head.end())]
+    section = text[head.end() : text.index("\n### ", head.end())]  # the next section: MoE of their own
     rows = [line.split("|")[1].split("(")[0] for line in section.splitlines() if line.startswith("| `")]
     listed = {name for row in rows for name in re.findall(r"`([a-z0-9_]+)`", row)}  # not the notes
     running = {folder for folder, types in models.items() if types & set(RECORDS)}
@@ -73,6 +73,47 @@ def test_every_transformers_model_with_an_experts_module_runs_or_is_listed_with_
         line = f"transformers {head.group(1)} has {len(models)} model types"
         assert line in " ".join(section.split()), line
         assert f"The other {len(set(models) - running) + len(listed & running)}:" in section
+
+
+def _transformers_moe_of_their_own() -> dict[str, set[str]]:
+    """transformers' model folders whose modeling code defines a mixture-of-experts module of its own
+    (a class named ...Experts, ...Moe, ...MoE or ...SparseMoe...) without ``ExpertsInterface`` -> the
+    model types their configs declare."""
+    import transformers
+
+    moe = re.compile(r"^class \w*(Experts|SparseMoe|MoE|Moe)\w*\(", re.M)
+    out = {}
+    for folder in sorted((Path(transformers.__file__).parent / "models").iterdir()):
+        texts = [m.read_text() for m in folder.glob("modeling_*.py")]
+        if any(moe.search(t) for t in texts) and not any("@use_experts_implementation" in t for t in texts):
+            types = set()
+            for config in folder.glob("configuration_*.py"):
+                types |= set(re.findall(r'^\s+model_type\s*=\s*"([^"]+)"', config.read_text(), re.M))
+            out[folder.name] = types
+    return out
+
+
+def test_every_moe_model_of_its_own_is_listed_with_why_and_refused_so():
+    from expertcache.engine.families import NOT_SUPPORTED, family_of
+    from expertcache.errors import ExpertcacheError
+
+    text = ENGINE_MD.read_text()
+    head = text.index("### MoE families of transformers")
+    section = text[head : text.index("\n## ", head)]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([a-z0-9_]+)`", row)}
+    models = _transformers_moe_of_their_own()
+    missing = sorted(f for f, types in models.items() if not ({f} | types) & listed)
+    assert not missing, f"list in ENGINE.md with why: {missing}"
+    assert not (listed & set(RECORDS))
+    other = text[text.index("### Families of transformers") : head]  # the ExpertsInterface ones' table
+    listed |= {n for line in other.splitlines() if line.startswith("| `")
+               for n in re.findall(r"`([a-z0-9_]+)`", line.split("|")[1].split("(")[0])}  # fmt: skip
+    assert listed == set(NOT_SUPPORTED), listed ^ set(NOT_SUPPORTED)  # each refused with its reason
+    for model_type, why in NOT_SUPPORTED.items():
+        with pytest.raises(ExpertcacheError, match=f"^unsupported architecture '{model_type}': "):
+            family_of(model_type)
+        assert why and "\n" not in why
 
 
 @pytest.mark.parametrize("family", FAMILIES)

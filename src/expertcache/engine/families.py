@@ -1057,11 +1057,84 @@ FAMILIES: dict[str, Family] = {  # keyed by config.json's model_type
 }
 
 
+# transformers' MoE model types that do not run, each with why in a few words (docs/ENGINE.md says more)
+_IMAGE_TEXT_NO_TEXT_CLASS = "an image-text (or audio) model whose text model transformers cannot build alone"
+NOT_SUPPORTED: dict[str, str] = {
+    # experts through ExpertsInterface
+    "mistral4": "transformers maps it to no causal-LM class",
+    "zaya": "its router carries state from layer to layer and routes to a skip expert",
+    "deepseek_v4": "its tensor names need regular-expression renames, and its first layers route by token id",
+    "inkling": "its config cannot be built with transformers' defaults (its text model inkling_text runs)",
+    "inkling2": "its tensor names need regular-expression renames",
+    "inkling2_loop": "it runs some layers several times a token",
+    "minimax_m3_vl": "its image-text checkpoints lack the shared experts its text class has (its text model "
+    "minimax_m3_vl_text runs)",
+    "aria": "its image-text layout is not read yet (its text model aria_text runs)",
+    "mistral_large4": "its checkpoints are in Mistral's own format, renamed and permuted by transformers",
+    "deepseek_ocr2": _IMAGE_TEXT_NO_TEXT_CLASS,
+    "diffusion_gemma": _IMAGE_TEXT_NO_TEXT_CLASS,
+    "ernie4_5_vl_moe": _IMAGE_TEXT_NO_TEXT_CLASS,
+    "qwen3_omni_moe": _IMAGE_TEXT_NO_TEXT_CLASS,
+    "unlimited_ocr": _IMAGE_TEXT_NO_TEXT_CLASS,
+    "openai_privacy_filter": "a token classifier, not a causal language model",
+    # experts modules of their own (not ExpertsInterface)
+    "llama4": "Llama 4's MoE block scales each token's input by its router score and runs every expert on "
+    "every token, in a module of its own",
+    "llama4_text": "Llama 4's MoE block scales each token's input by its router score and runs every expert "
+    "on every token, in a module of its own",
+    "dbrx": "its experts are one loop over a single [experts x width, hidden] tensor per projection, a "
+    "module of its own",
+    "jetmoe": "its attention is a mixture of experts too (JetMoE's MoA)",
+    "longcat_flash": "it routes to zero-computation (identity) experts beside its own, in a module of its "
+    "own",
+    "doge": "its experts are a product-key memory of embeddings, not weight matrices",
+    "step3p7": "image-text only, its experts a module of its own",
+    "step3p5": "no causal-LM class in transformers, its experts a module of its own",
+    "switch_transformers": "an encoder-decoder model, not a causal decoder",
+    "nllb_moe": "an encoder-decoder model, not a causal decoder",
+    "vitpose_backbone": "a vision backbone, not a language model",
+}
+# config attributes that say a model has routed experts (a config with none of them is a dense model's)
+_EXPERT_COUNTS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_experts_per_tok",
+)
+
+
 def family_of(model_type: str) -> Family:
-    """The family of a config's model_type, or a one-line error listing the supported ones."""
+    """The family of a config's model_type, or a one-line error: why it does not run where that is known
+    (``NOT_SUPPORTED``), that it is a dense model where transformers' default config of it has no experts,
+    and the supported ones."""
     try:
         return FAMILIES[model_type]
     except KeyError:
+        pass
+    supported = (
+        f"supported: {', '.join(sorted(FAMILIES))} (and image-text checkpoints whose text model is one)"
+    )
+    if model_type in NOT_SUPPORTED:
         raise ExpertcacheError(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-        ) from None
+            f"unsupported architecture {model_type!r}: {NOT_SUPPORTED[model_type]} (docs/ENGINE.md, families "
+            f"not supported); {supported}"
+        )
+    if _dense(model_type):
+        raise ExpertcacheError(
+            f"{model_type!r} is not a mixture-of-experts model (transformers' {model_type} has no routed "
+            f"experts): expertcache offloads experts; {supported}"
+        )
+    raise ExpertcacheError(f"unsupported architecture {model_type!r}; {supported}")
+
+
+def _dense(model_type: str) -> bool:
+    """transformers knows the model type and its default config names no experts."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(model_type)
+    except Exception:  # unknown to this transformers, or a config that needs arguments: not known dense
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return not any(getattr(c, name, None) for c in (config, text) for name in _EXPERT_COUNTS)
