@@ -543,6 +543,27 @@ def test_a_failed_download_says_so(tmp_path, monkeypatch):
         resolve_model("some-org/some-model", download=True)
 
 
+def test_a_download_of_a_family_the_engine_cannot_run_stops_after_its_config(tmp_path, monkeypatch):
+    """--download fetched every weight (hundreds of GB for Llama 4) before the family was refused."""
+    import huggingface_hub
+
+    from expertcache.engine.hub import resolve_model
+
+    calls = []
+
+    def fake(repo_id, allow_patterns=None, **kwargs):
+        calls.append(allow_patterns)
+        folder = tmp_path / "snap"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama4_text"}))
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    with pytest.raises(ExpertcacheError, match="unsupported architecture 'llama4_text': Llama 4's MoE block"):
+        resolve_model("meta-llama/Llama-4-Scout-17B-16E", download=True)
+    assert calls == [["config.json"]]
+
+
 # ------------------------------------------------------------------------------------ start-up
 _AS_PROGRAM = """
 import atexit, gc, runpy, sys

@@ -49,7 +49,13 @@ def _from_hub(repo_id: str, download: bool) -> Path:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
+        if download:  # its config first: a family the engine cannot run is refused before the weights come
+            from expertcache.engine.loader import read_config
+
+            read_config(Path(snapshot_download(repo_id, allow_patterns=["config.json"])))
         return Path(snapshot_download(repo_id, local_files_only=not download, allow_patterns=_FILES))
+    except ExpertcacheError:
+        raise
     except LocalEntryNotFoundError as exc:
         if download:  # asked to download, and it could not be reached
             raise ExpertcacheError(
