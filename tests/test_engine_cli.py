@@ -453,3 +453,18 @@ def test_hybrid_on_a_cpu_reading_the_disk_fetches_and_caches_as_fetch_does(ckpt)
     with engine_load(ckpt("mixtral"), expert_memory="50%", policy="mrs", miss="hybrid") as model:
         model.generate_text("hello world, hello experts", 8)
         assert model.stats["hits"] > 0 and model.stats["bytes_transferred"] > 0
+
+
+def test_a_model_saved_without_its_tokenizer_is_refused_in_one_whole_line(ckpt, tmp_path, capsys):
+    """A model saved by save_pretrained alone: the line was cut mid-sentence ("... serialization file,)")."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt("mixtral"), bare)
+    for f in bare.iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt") or f.suffix == ".jinja":
+            f.unlink()
+    assert main(["generate", "--model", str(bare), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer beside the weights" in err[0]
+    assert err[0].endswith("(tokenizer.save_pretrained(FOLDER))")

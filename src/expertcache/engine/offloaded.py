@@ -112,7 +112,14 @@ class OffloadedModel:
             try:
                 tok = AutoTokenizer.from_pretrained(str(self.path))
             except Exception as exc:
-                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({first_line(exc)})") from None
+                files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+                if not any((self.path / f).is_file() for f in files):  # a model saved without its tokenizer
+                    raise ExpertcacheError(
+                        f"{self.path}: no tokenizer beside the weights (no {', '.join(files)}): save the "
+                        "model's tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
+                    ) from None
+                why = first_line(exc).rstrip(",;: ")
+                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({why})") from None
             tok.padding_side = "left"  # batches: every row's new tokens start at the same position
             if tok.pad_token is None and tok.eos_token is not None:
                 tok.pad_token = tok.eos_token
