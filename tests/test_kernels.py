@@ -371,6 +371,19 @@ def test_quality_reports_what_the_compiled_kernel_costs(ckpt):
     assert other["reference"] == "transformers grouped_mm" and other["tokens"] == eager["tokens"]
 
 
+def test_quality_in_float64_measures_against_eager(ckpt):
+    """quality --dtype float64 crashed with a traceback: transformers' grouped_mm, the grouped kernel's
+    reference, calls torch._grouped_mm, which takes no float64."""
+    from expertcache.tools.quality import measure
+
+    texts = ["The quick brown fox jumps over the lazy dog.", "hello world, hello experts, hello cache"]
+    r = measure(ckpt("mixtral"), "fetch", "40%", texts=texts, tokens=24, dtype="float64")
+    assert r["reference"] == "transformers eager" and r["logits_identical"] == 1.0
+    with pytest.raises(ExpertcacheError, match="grouped_mm experts do not compute in float64: use eager"):
+        measure(ckpt("mixtral"), "fetch", "40%", texts=texts, tokens=24, dtype="float64",
+                reference_implementation="grouped_mm")  # fmt: skip
+
+
 def test_the_compiled_kernel_is_refused_where_it_cannot_run(ckpt):
     module = _gated_module()
     module.is_transposed = True

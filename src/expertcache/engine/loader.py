@@ -457,6 +457,15 @@ def _dequantized(config) -> dict[str, object]:
     return {"quantization_config": own}
 
 
+def default_reference(device, dtype: torch.dtype) -> str:
+    """transformers' experts implementation the engine's default kernel on ``device`` is exact against
+    (``engine.kernels``), eager in float64, which torch's ``_grouped_mm`` does not compute in."""
+    from expertcache.engine.kernels import default_kernel
+
+    experts = default_kernel(device).reference
+    return "eager" if experts == "grouped_mm" and dtype == torch.float64 else experts
+
+
 def load_reference(
     path: str | Path,
     dtype=None,
@@ -481,9 +490,9 @@ def load_reference(
     dtype = resolve_dtype(dtype, config)
     chosen = experts
     if experts is None:
-        from expertcache.engine.kernels import default_kernel
-
-        experts = default_kernel(device).reference
+        experts = default_reference(device, dtype)
+    if experts == "grouped_mm" and dtype == torch.float64:
+        raise ExpertcacheError("transformers' grouped_mm experts do not compute in float64: use eager")
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
     with _attention_refused(config, attention):
         model = cls.from_pretrained(

@@ -73,11 +73,11 @@ class Reference:
         dtype=None,
     ) -> None:
         from expertcache.engine.hub import resolve_model
-        from expertcache.engine.kernels import default_kernel
-        from expertcache.engine.loader import load_reference
+        from expertcache.engine.loader import default_reference, load_reference, read_config, resolve_dtype
 
-        self.experts = experts or default_kernel(device).reference  # transformers' experts implementation
         self.path = resolve_model(model_path)
+        # transformers' experts implementation
+        self.experts = experts or default_reference(device, resolve_dtype(dtype, read_config(self.path)))
         self.attention = attention  # transformers' attention implementation (None: its default)
         self.model = load_reference(
             self.path, dtype=dtype, device=device, experts=self.experts, attention=attention
@@ -155,6 +155,8 @@ def measure(
         from expertcache.engine.kernels import default_kernel
 
         impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
+        if reference_implementation is None and impl == "grouped_mm" and model.dtype == torch.float64:
+            impl = "eager"  # torch's _grouped_mm computes no float64 (the engine's kernels do)
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
         ran = model.stats["attention"]  # the default resolved: sdpa (on a GPU sdpa_no_cudnn), or eager
