@@ -5,7 +5,7 @@
   equal a float32 product with the model's weights: each ``(u - 2 ** (bits - 1)) * scale`` rounded to
   bfloat16 first in a bfloat16 model, as compressed-tensors computes it in the scale's dtype.
 - Against transformers, which reads the same checkpoints on a CPU by decompressing them (the reference;
-  the checkpoints written by compressed-tensors' own tools, ``ct_fixtures``): every expert the engine
+  the checkpoints written by compressed-tensors' own tools, ``compressed_fixtures``): every expert the engine
   expands and every dense weight it dequantises is bit-identical to transformers' parameter, the greedy
   tokens are the same, and the engine gives the same bits at any budget, tier and miss path.
 - What it does not read gets one line: asymmetric weights, quantised activations, fused experts.
@@ -170,3 +170,16 @@ def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
     fused = with_config(make_ckpt("granitemoe"), tmp_path / "fused", quantization_config=qc)
     with pytest.raises(ExpertcacheError, match="stores its experts fused"):
         load(fused)
+
+
+def test_quality_of_a_checkpoint_quantised_elsewhere_runs_against_transformers_own_run(compressed, capsys):
+    """quality --model on a checkpoint another tool quantised (none recorded its full-precision source,
+    as downloaded) was refused unless --reference-model named one: it now runs against transformers' own
+    (dequantising) run of the checkpoint, and says that this is not the quantisation's cost."""
+    from expertcache.tools.quality import measure
+
+    path = compressed("qwen3_moe", 8, "channel", "float32")
+    texts = ["The quick brown fox jumps over the lazy dog.", "hello world, hello experts, hello cache"]
+    r = measure(path, "fetch", "100%", texts=texts, tokens=24)
+    assert "the reference is transformers' own run of" in capsys.readouterr().err
+    assert r["top1_agreement"] == 1.0 and r["logits_max_difference"] < 1e-4

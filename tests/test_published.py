@@ -478,3 +478,26 @@ def test_writing_fp8_says_where_transformers_would_misread_a_partial_block(tmp_p
     record = write_published(wide, "fp8", tmp_path / "wide-fp8", log=lines.append)
     assert record["partial_blocks"] > 0
     assert any("are larger than 128 and not a multiple of it" in line for line in lines)
+
+
+def test_quality_refuses_transformers_dequantising_partial_fp8_blocks_otherwise(tmp_path, capsys):
+    """The embedded model's FP8 (hidden 160: a whole block of 128 and a partial one of 32) has no
+    full-precision source once its record is gone: transformers' Fp8Dequantize derives its block from the
+    scale grid (160 / 2 = 80), not the checkpoint's 128, and its run was 3.5 off the engine's in the logits
+    (a reference that is not one). It is refused, as is the checkpoint given as its own reference."""
+    import json
+
+    from expertcache.tools.published import write_published
+    from expertcache.tools.quality import measure
+    from expertcache.tools.quantize import SOURCE_KEY
+
+    out = tmp_path / "fp8"
+    write_published(None, "fp8", out)
+    config = json.loads((out / "config.json").read_text())
+    del config[SOURCE_KEY]
+    (out / "config.json").write_text(json.dumps(config))
+    why = r"\[96, 160\] is not whole blocks of \[128, 128\], which transformers dequantises"
+    with pytest.raises(ExpertcacheError, match=why):
+        measure(out, "fetch", "100%", tokens=8)
+    with pytest.raises(ExpertcacheError, match=why):
+        measure(out, "fetch", "100%", tokens=8, reference_model=out)

@@ -265,6 +265,21 @@ def _reference_path(model, given: str | Path | None) -> Path:
             )
     else:
         source = recorded.get("path")
+        if (source is None or not (Path(source) / "config.json").is_file()) and _transformers_reads(config):
+            # a checkpoint quantised by another tool (FP8, MXFP4, compressed-tensors), as downloaded
+            partial = _partial_fp8_block(model.path, config["quantization_config"])
+            if partial is not None:
+                raise ExpertcacheError(
+                    f"{model.path} has no full-precision checkpoint named, and transformers cannot stand in "
+                    f"for one: {partial}; give the full-precision checkpoint (--reference-model DIR)"
+                )
+            print(
+                f"note: the reference is transformers' own run of {model.path} (it dequantises the experts): "
+                "the figures say how the engine runs this checkpoint, not what its quantisation costs, which "
+                "needs the full-precision checkpoint (--reference-model DIR)",
+                file=sys.stderr,
+            )
+            return model.path
         if source is None or not (Path(source) / "config.json").is_file():
             raise ExpertcacheError(
                 f"{model.path} stores its experts packed and names no full-precision checkpoint that exists "
@@ -280,6 +295,41 @@ def _reference_path(model, given: str | Path | None) -> Path:
     return path
 
 
+def _transformers_reads(config: dict) -> bool:
+    """A checkpoint transformers runs itself, dequantising its experts (a ``quantization_config`` of its
+    own), not one only the engine reads (its own packed format alone)."""
+    from expertcache.engine.packed import CONFIG_KEY
+
+    return isinstance(config.get("quantization_config"), dict) and CONFIG_KEY not in config
+
+
+def _partial_fp8_block(path: Path, packing: dict) -> str | None:
+    """Where transformers dequantises a block-FP8 checkpoint otherwise than it was quantised: a weight
+    whose sides are not multiples of the block (DeepSeek's layout: a partial last block, as the engine
+    reads it) is dequantised with a block derived from its scale grid (transformers 5's
+    ``Fp8Dequantize``: 160 columns in 2 scales read as blocks of 80). None where no side has a partial
+    block after a whole one."""
+    from safetensors import safe_open
+
+    block = packing.get("weight_block_size") if packing.get("quant_method") == "fp8" else None
+    if not block:
+        return None
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names = set(f.keys())
+            for name in sorted(names):
+                weight = name.removesuffix("_scale_inv")
+                if name.endswith("_scale_inv") and weight in names:
+                    shape = f.get_slice(weight).get_shape()[-2:]
+                    # one block along a side (the whole side) is read alike; several with a partial last not
+                    if len(shape) == 2 and any(n % b and n > b for n, b in zip(shape, block, strict=True)):
+                        return (
+                            f"{weight} {list(shape)} is not whole blocks of {list(block)}, which "
+                            "transformers dequantises with another block than it was quantised with"
+                        )
+    return None
+
+
 def _other_checkpoint(model, path: str | Path) -> bool:
     """Whether the reference ``path`` is another checkpoint than the model's own."""
     return model.path is None or Path(path).resolve() != Path(model.path).resolve()
@@ -293,6 +343,10 @@ def _check_reference(model, path: Path) -> None:
 
     theirs = json.loads((path / "config.json").read_text())
     mine = json.loads((model.path / "config.json").read_text()) if model.path is not None else {}
+    if isinstance(theirs.get("quantization_config"), dict):
+        partial = _partial_fp8_block(path, theirs["quantization_config"])
+        if partial is not None:
+            raise ExpertcacheError(f"reference {path}: {partial}; give the full-precision checkpoint")
     if CONFIG_KEY in theirs:
         fmt = theirs[CONFIG_KEY].get("format", "packed") if isinstance(theirs[CONFIG_KEY], dict) else "packed"
         raise ExpertcacheError(
