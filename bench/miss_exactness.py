@@ -35,7 +35,7 @@ from expertcache.tools.quantize import quantize_model
 FAMILIES = tuple(ENGINE_FAMILIES)  # every family the engine supports
 PATHS = (
     "fetch", "host", "hybrid", "placement", "placement:first=1", "split:theta=0.5,buffer=1",
-    "split:theta=0.3/0.7", "hobbit:t1=1,t2=1,group=32", "hobbit:bits=8,t1=-1,group=32", "hobbit:group=32",
+    "split:theta=0.3/0.7", "hobbit:t1=1,t2=1,group=32", "hobbit:bits=8,t1=-1", "hobbit:group=32",
 )  # fmt: skip
 PROMPT = [5, 17, 42, 99, 120, 7, 250, 33]
 COSTS = CostModel(

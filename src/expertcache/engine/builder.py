@@ -554,7 +554,7 @@ class Builder:
         if kinds - {"full"}:
             raise ExpertcacheError(
                 f"{what}: miss path {self.miss.name} needs full-precision experts; packed ones run with "
-                "fetch, host, hybrid or placement"
+                "fetch, host, hybrid, placement or batch"
             )
 
     def _engine_parts(self, sk) -> dict[str, EnginePart]:

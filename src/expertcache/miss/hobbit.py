@@ -51,7 +51,7 @@ class Hobbit(MissPath):
         t2: float = 0.9,
         skip: int = 0,
         low_share: float = 0.25,
-        group: int = 64,
+        group: int | None = None,
     ) -> None:
         super().__init__(ctx)
         if bits not in (8, 4, 2):
@@ -67,6 +67,9 @@ class Hobbit(MissPath):
             raise MissPathError(f"hobbit: skip is 0 or 1, got {skip!r}")
         if not isinstance(low_share, int | float) or not 0 < low_share < 1:
             raise MissPathError(f"hobbit: low_share must be in (0, 1), got {low_share!r}")
+        if group is not None and bits == 8:  # taken in silence before: int8 copies are per channel
+            raise MissPathError("hobbit: group applies to int4 and int2 copies only (int8 is per channel)")
+        group = 64 if group is None else group
         if not isinstance(group, int) or group < 8 or group & (group - 1):
             raise MissPathError(f"hobbit: group must be a power of two of at least 8, got {group!r}")
         self.bits, self.t1, self.t2, self.skip = bits, float(t1), float(t2), bool(skip)
