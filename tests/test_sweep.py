@@ -132,6 +132,14 @@ def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_
         ("g.yaml", "timing: {link_latency: [20]}\n", "g.yaml: link latency '20' needs a unit"),
         ("g.yaml", "orders: [flat]\ntiming: true\n", "g.yaml: timing cells run in layer order"),
         ("g.txt", "policies: [lru]\n", "g.txt: a grid file is .yaml, .yml or .toml"),
+        # checked once the grid's values are merged with the flags: they named no file
+        ("g.yaml", "timing: {window: [2]}\n", "g.yaml: a window sets the layers ahead of a predictor"),
+        (
+            "g.yaml",
+            "capacities: [24]\npolicies: [lru]\ntiming: {prefetch: [token]}\n",
+            "g.yaml: predictor 'token' needs a recorded trace to count from (--predictor TRACE.npz, or "
+            "predictor: in the grid's timing)",
+        ),
     ],
 )
 def test_a_bad_grid_file_is_one_line_naming_it(tmp_path, capsys, name, text, message):

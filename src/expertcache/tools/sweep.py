@@ -114,6 +114,22 @@ class Task:
         }
 
 
+@contextlib.contextmanager
+def _named_by(grid: Grid):
+    """An error about the grid's values names its file (where it came from one), and the file's key for a
+    predictor trace where the message names the flag."""
+    try:
+        yield
+    except ExpertcacheError as exc:
+        text = str(exc)
+        if grid.source is None or text.startswith(f"{grid.source}"):
+            raise
+        text = text.replace(
+            "(--predictor TRACE.npz)", "(--predictor TRACE.npz, or predictor: in the grid's timing)"
+        )
+        raise ExpertcacheError(f"{grid.source}: {text}") from None
+
+
 def format_params(params: dict[str, object]) -> str:
     """A policy's or miss path's parameters as ``k=v,...`` (keys sorted; lists as ``a/b/c``)."""
     return ",".join(
@@ -601,7 +617,8 @@ def sweep(
         grid = Grid.load(grid) if grid is not None else Grid()
     grid = grid.with_overrides(**dimensions)
     if grid.timing is not None:
-        grid.timing.check_used()
+        with _named_by(grid):
+            grid.timing.check_used()
     for name, value in (("resume", resume), ("force", force), ("progress", progress), ("quiet", quiet)):
         true_or_false(value, name)
     jobs = whole_number(jobs, "jobs")
@@ -627,7 +644,8 @@ def sweep(
     notes = None if quiet else log
     traces = _load_traces(grid, notes)
     predictor = _load_predictor(grid)
-    p = plan_cells(grid, traces, predictor)
+    with _named_by(grid):
+        p = plan_cells(grid, traces, predictor)
     if not p.tasks:  # the notes say why, even with quiet; without a log the first is the message
         if log and p.notes:
             for note in p.notes:
