@@ -67,7 +67,9 @@ FEW = ("mixtral", "olmoe", "qwen2_moe")
 def _few_families(monkeypatch) -> None:
     real = st.plan
     monkeypatch.setattr(
-        st, "plan", lambda device, quick=False: [c for c in real(device, quick) if c.family in FEW]
+        st,
+        "plan",
+        lambda device, quick=False, families=None: [c for c in real(device, quick) if c.family in FEW],
     )
 
 
@@ -121,7 +123,9 @@ def test_an_engine_error_is_a_failed_check_not_a_crash(monkeypatch, capsys):
     def boom(models, case, capacity):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
 
-    monkeypatch.setattr(st, "plan", lambda device, quick=False: [st.Case("mixtral", budget="min")])
+    monkeypatch.setattr(
+        st, "plan", lambda device, quick=False, families=None: [st.Case("mixtral", budget="min")]
+    )
     monkeypatch.setattr(st, "run_engine", boom)
     assert main(["selftest", "--device", "cpu"]) == 1
     (line,) = _lines(capsys.readouterr().err)
@@ -140,7 +144,7 @@ def test_a_gpu_that_stops_answering_ends_the_run_with_a_report(monkeypatch, caps
     def exit_now(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(st, "plan", lambda device, quick=False: cases)
+    monkeypatch.setattr(st, "plan", lambda device, quick=False, families=None: cases)
     monkeypatch.setattr(st, "run_engine", boom)
     monkeypatch.setattr(st, "device_lost", lambda dev: "CUDA error: misaligned address")
     monkeypatch.setattr(os, "_exit", exit_now)  # the CLI leaves at once: freeing GPU memory would abort
@@ -174,7 +178,9 @@ def test_bad_device_name_is_a_usage_error(capsys):
 def test_python_api_is_lazy_and_returns_the_report(monkeypatch, capfd):
     from transformers.utils import logging as hf_logging
 
-    monkeypatch.setattr(st, "plan", lambda device, quick=False: [st.Case("qwen3_moe", "lfu", "min", "host")])
+    monkeypatch.setattr(
+        st, "plan", lambda device, quick=False, families=None: [st.Case("qwen3_moe", "lfu", "min", "host")]
+    )
     seen: list[str] = []
     hf_logging.enable_progress_bar()
     report = expertcache.selftest("cpu", log=seen.append)
@@ -296,3 +302,18 @@ def test_per_layer_miss_paths_get_a_value_for_each_of_a_family_s_moe_layers():
         miss = per_layer(case.miss, moe_layers(case.family))
         for values in (v for v in miss.replace(",", ":").split(":") if "/" in v):
             assert len(values.split("=")[1].split("/")) == moe_layers(case.family), (case.family, miss)
+
+
+def test_selftest_runs_the_families_asked_for(capsys):
+    """`selftest --family NAME ...` (it had no way to pick: "unrecognized arguments", every family ran)."""
+    cpu = torch.device("cpu")
+    chosen = st.plan(cpu, families=["qwen3_moe", "mixtral"])
+    assert {c.family for c in chosen} == {"qwen3_moe", "mixtral"}
+    assert len(chosen) < len(st.plan(cpu)) and chosen == [
+        c for c in st.plan(cpu) if c.family in {"qwen3_moe", "mixtral"}
+    ]
+    assert main(["selftest", "--quick", "--family", "olmoe", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"] and {c["family"] for c in report["checks"]} == {"olmoe"}
+    assert main(["selftest", "--family", "mixtrall"]) == 2
+    assert "unknown family 'mixtrall' (did you mean mixtral?)" in capsys.readouterr().err

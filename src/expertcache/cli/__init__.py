@@ -633,6 +633,10 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the plain path and one miss path per family (half a minute on 2 CPU cores)",
     )
+    st.add_argument(
+        "--family", nargs="+", metavar="NAME",
+        help="these families only (their own checks and the further ones made of them; default: every one)",
+    )  # fmt: skip
     st.add_argument("--json", action="store_true", help="print one JSON object with every check")
     st.set_defaults(func=_cmd_selftest)
     return p
@@ -2008,7 +2012,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 
     quiet_transformers()
     log = None if args.json else lambda line: print(line, file=sys.stderr, flush=True)
-    report = selftest(args.device, quick=args.quick, log=log)
+    report = selftest(args.device, quick=args.quick, families=args.family, log=log)
     print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
     if report.device_lost:  # freeing the dead GPU's memory at exit would abort with a C++ trace
         sys.stderr.flush()

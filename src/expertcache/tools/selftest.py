@@ -31,7 +31,7 @@ import re
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,7 @@ import torch
 from expertcache.costs import CostModel
 from expertcache.engine.families import FAMILIES
 from expertcache.engine.offloaded import resolve_device
-from expertcache.errors import ExpertcacheWarning, first_line
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, did_you_mean, first_line
 from expertcache.miss.registry import parse_miss
 from expertcache.policy import POLICIES, is_offline
 from expertcache.policy.registry import min_capacity, parse_policy
@@ -228,15 +228,26 @@ class Report:
 
 
 def selftest(
-    device: str | None = None, *, quick: bool = False, log: Callable[[str], None] | None = None
+    device: str | None = None,
+    *,
+    quick: bool = False,
+    families: Sequence[str] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Report:
-    """Run the engine against transformers' own model on ``device`` (default: CUDA when present).
+    """Run the engine against transformers' own model on ``device`` (default: CUDA when present), for
+    every family or those of ``families`` (their own checks and the further ones made of them).
 
     ``log`` receives each check's line as it ends. If the GPU stops answering (a sticky CUDA error),
     the remaining checks are reported as not run, ``device_lost`` says why, and garbage collection is
     switched off: freeing GPU memory would abort the process, which should exit (the CLI does).
     """
     true_or_false(quick, "quick")
+    if families is not None:
+        if isinstance(families, str) or not families:
+            raise ExpertcacheError(f"families: a list of family names, got {families!r}")
+        for name in families:
+            if name not in FAMILIES:
+                raise ExpertcacheError(f"unknown family {name!r}{did_you_mean(str(name), FAMILIES)}")
     dev = resolve_device(device)
     report = Report(_describe(dev), quick)
     start = time.perf_counter()
@@ -250,7 +261,7 @@ def selftest(
         with tempfile.TemporaryDirectory(prefix="expertcache-selftest-") as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore", ExpertcacheWarning)  # its tiny models' notes: the checks report
             models = Models(Path(tmp), dev)
-            for case in plan(dev, quick):
+            for case in plan(dev, quick, families):
                 check = _not_run(case, report.device_lost) if report.device_lost else run_check(models, case)
                 if check.error is not None and report.device_lost is None:
                     report.device_lost = device_lost(dev)
@@ -288,13 +299,16 @@ def _describe(dev: torch.device) -> str:
     return f"{dev} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else str(dev)
 
 
-def plan(device: torch.device, quick: bool = False) -> list[Case]:
-    """The checks, in order: per family the plain path (every expert resident), then its miss paths."""
+def plan(device: torch.device, quick: bool = False, families: Sequence[str] | None = None) -> list[Case]:
+    """The checks, in order: per family the plain path (every expert resident), then its miss paths (of
+    ``families`` only, where given: their further checks too)."""
     cases = []
     for i, family in enumerate(FAMILIES):
-        cases.append(Case(family))
-        cases += [_one_path(i, family)] if quick else _every_path(i, family)
-    return cases if quick else cases + _further(device)
+        if families is None or family in families:
+            cases.append(Case(family))
+            cases += [_one_path(i, family)] if quick else _every_path(i, family)
+    further = [] if quick else [c for c in _further(device) if families is None or c.family in families]
+    return cases + further
 
 
 def _one_path(i: int, family: str) -> Case:
