@@ -773,7 +773,7 @@ def test_cli_sim_says_when_the_replayed_run_prefetched(ckpt, capsys, tmp_path):
     assert "prefetched" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("miss", ["fetch", "hobbit:bits=8,group=16"])
+@pytest.mark.parametrize("miss", ["fetch", "hobbit:bits=8"])
 def test_a_deterministic_run_repeats_whatever_the_transfers_take(ckpt, tmp_path, miss):
     """deterministic=True: every transfer lands before the cache's next decision, so hits, misses,
     prefetches and what the miss path did (HOBBIT's low-precision uses) are the same however long each
