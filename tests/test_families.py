@@ -35,19 +35,28 @@ REQUIRED = [f.name for f in dataclasses.fields(Family) if f.default is dataclass
 ENGINE_MD = Path(__file__).resolve().parents[1] / "docs" / "ENGINE.md"
 
 
-def _transformers_models_with_experts() -> dict[str, set[str]]:
-    """transformers' model folders whose modeling code has an ``...Experts`` module dispatched through
-    ``ExpertsInterface`` (``@use_experts_implementation``) -> the model types their configs declare."""
+def _transformers_models(chosen) -> dict[str, set[str]]:
+    """transformers' model folders whose modeling files' texts ``chosen`` takes -> the model types their
+    configs declare."""
     import transformers
 
     out = {}
     for folder in sorted((Path(transformers.__file__).parent / "models").iterdir()):
-        if any("@use_experts_implementation" in m.read_text() for m in folder.glob("modeling_*.py")):
+        if chosen([m.read_text() for m in folder.glob("modeling_*.py")]):
             types = set()
             for config in folder.glob("configuration_*.py"):
                 types |= set(re.findall(r'^\s+model_type\s*=\s*"([^"]+)"', config.read_text(), re.M))
             out[folder.name] = types
     return out
+
+
+def _through_interface(texts: list[str]) -> bool:
+    """An ``...Experts`` module dispatched through ``ExpertsInterface`` (``@use_experts_implementation``)."""
+    return any("@use_experts_implementation" in t for t in texts)
+
+
+def _transformers_models_with_experts() -> dict[str, set[str]]:
+    return _transformers_models(_through_interface)
 
 
 def test_every_transformers_model_with_an_experts_module_runs_or_is_listed_with_why():
@@ -76,21 +85,10 @@ def test_every_transformers_model_with_an_experts_module_runs_or_is_listed_with_
 
 
 def _transformers_moe_of_their_own() -> dict[str, set[str]]:
-    """transformers' model folders whose modeling code defines a mixture-of-experts module of its own
-    (a class named ...Experts, ...Moe, ...MoE or ...SparseMoe...) without ``ExpertsInterface`` -> the
-    model types their configs declare."""
-    import transformers
-
+    """Folders whose modeling code defines a mixture-of-experts module of its own (a class named
+    ...Experts, ...Moe, ...MoE or ...SparseMoe...) without ``ExpertsInterface``."""
     moe = re.compile(r"^class \w*(Experts|SparseMoe|MoE|Moe)\w*\(", re.M)
-    out = {}
-    for folder in sorted((Path(transformers.__file__).parent / "models").iterdir()):
-        texts = [m.read_text() for m in folder.glob("modeling_*.py")]
-        if any(moe.search(t) for t in texts) and not any("@use_experts_implementation" in t for t in texts):
-            types = set()
-            for config in folder.glob("configuration_*.py"):
-                types |= set(re.findall(r'^\s+model_type\s*=\s*"([^"]+)"', config.read_text(), re.M))
-            out[folder.name] = types
-    return out
+    return _transformers_models(lambda texts: any(map(moe.search, texts)) and not _through_interface(texts))
 
 
 def test_every_moe_model_of_its_own_is_listed_with_why_and_refused_so():

@@ -49,6 +49,22 @@ def served(make_ckpt):
     model.close()
 
 
+def _usage_at_once(client, prompts: list[str], max_tokens: int) -> list[tuple[int, int]]:
+    """(prompt tokens, completion tokens) of each prompt, all asked at once (one thread each)."""
+    usage: list[tuple[int, int]] = []
+
+    def ask(p: str) -> None:
+        u = client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens).usage
+        usage.append((u.prompt_tokens, u.completion_tokens))
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return usage
+
+
 def alone(model, prompt, n: int, chat: bool = False) -> list[int]:
     """The model's greedy tokens for one prompt, through generate_text on the same (warm) model."""
     return model.generate_text(prompt, n, chat=chat).tokens
@@ -232,17 +248,7 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
     config = ServeConfig(max_queue=8, batch_tokens=12)
     with TestClient(create_app(model, "tiny", config), base_url=BASE) as http:
         client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
-        usage: list[tuple[int, int]] = []
-
-        def ask(p: str) -> None:
-            u = client.completions.create(model="tiny", prompt=p, max_tokens=6).usage
-            usage.append((u.prompt_tokens, u.completion_tokens))
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        usage = _usage_at_once(client, PROMPTS * 2, 6)
         trace, stats, metrics = model.trace(), model.stats, http.get("/metrics").text
     model.close()
     assert len(usage) == 8 and len(set(trace.seq_id.tolist())) == 8
@@ -289,17 +295,7 @@ def test_a_request_paused_for_kv_space_is_not_a_prompt_again(make_ckpt):
         create_app(model, "tiny", ServeConfig(max_queue=8, kv_tokens=300)), base_url=BASE
     ) as http:
         client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", http_client=http)
-        usage: list[tuple[int, int]] = []
-
-        def ask(p: str) -> None:
-            u = client.completions.create(model="tiny", prompt=p, max_tokens=400).usage
-            usage.append((u.prompt_tokens, u.completion_tokens))
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS[:2]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        usage = _usage_at_once(client, PROMPTS[:2], 400)
         trace, stats, metrics = model.trace(), model.stats, http.get("/metrics").text
     model.close()
     prompts, generated = sum(p for p, _ in usage), sum(n for _, n in usage)
