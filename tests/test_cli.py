@@ -675,3 +675,24 @@ def test_doctor_names_why_a_policy_with_parameters_is_refused(capsys):
         code, _, err = run(capsys, "doctor", "--policy", spec)
         assert code == 2 and "unknown policy" not in err
         assert f"a policy with a -dist form and no parameters, not '{spec}'" in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["timing", "--capacity", "24", "--trace", ""], "--trace"),
+        (["timing", "--expert-memory", " "], "--expert-memory"),
+        (["timing", "--capacity", "24", "--miss", ""], "--miss"),
+        (["plan", "--cost", ""], "--cost"),
+        (["doctor", "--expert-memory", ""], "--expert-memory"),
+        (["sweep", "--policy", "lru", "--capacity", "24", "--cost", ""], "--cost"),
+        (["sim", ""], "TRACE"),
+        (["sim", "--policy", "lru", ""], "--policy"),  # the empty word is a policy there
+    ],
+)
+def test_an_empty_value_is_refused_not_replaced_by_the_default(argv, flag, capsys):
+    """`timing --trace ""` replayed the embedded trace, `--expert-memory ""` ran at the default budget,
+    `--cost ""` priced by the default model, all at exit 0 (a script's unset variable, say)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"expertcache: error: {flag} is empty; give a value or leave the option out"]

@@ -612,7 +612,7 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
             ["plan", "--capacity", "24", "--host-capacity", "60", "--host-policy", " "],
             "--host-policy is empty",
         ),
-        (["timing", "--capacity", "24", "--host-policy", ""], "--host-policy needs --host-memory"),
+        (["timing", "--capacity", "24", "--host-policy", ""], "--host-policy is empty"),
         (["plan", "--capacity", "24", "--disk-time", "5ms"], "--disk-time needs --host-memory"),
         (["doctor", "--capacity", "24", "--host-exclusive"], "doctor weighs an inclusive and an exclusive"),
         (["timing", "--host-capacity", "9", "--host-stage", "-1"], "host stage: a number of experts"),

@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with command_line():
+            _refuse_empty(parser, args, words)
             check_outputs(args)
             code = _run(args)
         if sys.stdout is not None:
@@ -191,6 +192,36 @@ def _drop_stdout() -> None:
 def _stdout_failed(e: OSError) -> bool:
     """Whether ``e`` came from writing standard output (it names no file)."""
     return e.filename is None and e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+
+
+# options whose empty value says something (free text), or that refuse it with their own words
+_EMPTY_SAYS = {"prompt", "system", "stop", "text", "api_key", "allowed_host", "served_model_name"}
+
+
+def _refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace, words: list[str]) -> None:
+    """A value given empty or blank (``--trace ""``, ``--policy " "``, a script's unset variable) is one
+    line, exit 2: a default taken in its place would give another run's figures without a word."""
+    if not any(not w.strip() for w in words):
+        return
+    names: dict[str, str] = {}  # each destination as the user wrote it: its option, else the argument
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+                continue
+            written = [o for o in action.option_strings if o in words]
+            if written:
+                names[action.dest] = written[0]
+            elif not action.option_strings:
+                names.setdefault(action.dest, str(action.metavar or action.dest).upper())
+
+    walk(parser)
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        if dest not in _EMPTY_SAYS and any(isinstance(v, str) and not v.strip() for v in values):
+            raise ExpertcacheError(f"{names.get(dest, dest)} is empty; give a value or leave the option out")
 
 
 def _build_parser() -> argparse.ArgumentParser:
