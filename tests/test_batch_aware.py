@@ -485,3 +485,18 @@ def test_serve_lays_out_its_steps_as_a_batched_plan_was_made(tmp_path, capsys):
     )
     assert _layout(Namespace(plan=str(plain), max_batch_tokens=None, schedule=None)) == (512, "fifo", None)
     assert _layout(Namespace(plan=None, max_batch_tokens=0, schedule=None))[0] == 0  # refused by ServeConfig
+
+
+def test_a_plan_made_on_a_batched_file_replays_it_without_a_word(tmp_path, capsys):
+    """A plan made on `trace batch`'s output (the README's workflow) was re-served from the trace it came
+    from, then said to be another workload; on its own file too, which holds the same routing."""
+    served = tmp_path / "u4.npz"
+    assert main(["trace", "batch", prefix_file(tmp_path, 256), "--concurrency", "4", "-o", str(served)]) == 0
+    plan = tmp_path / "pu.json"
+    assert main(["plan", "--trace", str(served), "--expert-memory", "25%", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    want = json.loads(plan.read_text())["predicted"]["tpot_s"]
+    for extra in ([], ["--trace", str(served)]):
+        assert main(["timing", "--plan", str(plan), *extra, "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert "not the plan's prediction" not in err and json.loads(out)["tpot_s"] == pytest.approx(want)

@@ -899,8 +899,10 @@ def _cmd_timing(args: argparse.Namespace) -> int:
                 f"--plan sets the policy, miss path, predictor and capacity; leave out {flag}"
             )
         plan = Plan.load(args.plan)
-    served = plan.served_trace() if args.trace is None and plan is not None else None
-    if served is not None:  # the plan's trace of requests served N at a time, made again as it was
+    served = None
+    if args.trace is None and plan is not None and plan.trace_file() is None:
+        served = plan.served_trace()  # the plan's trace of requests served N at a time, made again
+    if served is not None:
         print(f"note: replaying the plan's trace: {_batched_how(plan.batched())} (--trace gives another)",
               file=sys.stderr)  # fmt: skip
     elif args.trace is None and plan is not None and plan.trace_file() is not None:
@@ -921,9 +923,12 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         other_n = (int(served_n.group(1)) if served_n else None) != (
             None if replayed is None else int(replayed)
         )
-        digest = plan.source.get("digest")  # the routing itself (a plan before it: its token count)
-        other = digest != trace.digest() if digest is not None else tokens not in (None, trace.num_tokens)
-        if other_n or other:  # another workload than the plan's
+        digest = plan.source.get("digest")  # the routing itself, steps too (a plan before it: its tokens)
+        if digest is not None:
+            other = digest != trace.digest()
+        else:
+            other = other_n or tokens not in (None, trace.num_tokens)
+        if other:  # another workload than the plan's
             made = plan.batched()
             how = (
                 f"; it served {made['trace']}'s requests as `expertcache trace batch {_batch_args(made)}` "
