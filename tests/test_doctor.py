@@ -72,7 +72,7 @@ def test_verdicts_on_traces_whose_answer_is_known(kind, params, capacity, local,
     words = "routing is local" if local else "not local"
     assert any(words in v for v in r["verdict"])
     t = r["tpot_s"]
-    assert t["all_resident"] <= t["plan"] <= t["on_demand_lru"] * (1 + 1e-9)
+    assert t["all_resident"] <= t["plan"] <= t["on_demand"] * (1 + 1e-9)
 
 
 def test_the_partition_adversary_names_its_layer():
@@ -155,3 +155,14 @@ def test_a_layer_without_a_known_expert_reads_as_none_and_a_trace_without_any_is
         assert capsys.readouterr().err.endswith(
             "none.npz: every entry is unknown (-1): no expert to replay\n"
         )
+
+
+def test_the_doctors_on_demand_figure_is_named_by_its_policy(capsys):
+    """doctor --policy lfu printed LFU's TPOT as "on-demand LRU" (and stored it as on_demand_lru)."""
+    from expertcache.cli import main
+
+    assert main(["doctor", "--expert-memory", "25%", "--policy", "lfu"]) == 0
+    out = capsys.readouterr().out
+    assert " ms on-demand lfu" in out and "on-demand LRU" not in out
+    assert main(["doctor", "--expert-memory", "25%", "--json"]) == 0
+    assert "on_demand" in json.loads(capsys.readouterr().out)["tpot_s"]

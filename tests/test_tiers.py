@@ -681,7 +681,7 @@ def test_api_host_level_sizes_are_checked_in_one_place():
     r = diagnose(tr, 24, cost, host=HostConfig("60%"))  # its size from its memory: 57 experts
     assert r["levels"]["host_capacity"] == 57 and "host level of 57 experts" in " ".join(r["verdict"])
     with_level = simulate_timing(tr, 24, cost=cost, host=HostConfig("60%"))
-    assert r["tpot_s"]["on_demand_lru"] == with_level.tpot_s  # the doctor's figures count the host level
+    assert r["tpot_s"]["on_demand"] == with_level.tpot_s  # the doctor's figures count the host level
     assert "host level lru (55 experts, exclusive)" in r["plan"]  # 57 less its reserve of 2: it wins
 
 

@@ -11,7 +11,8 @@ From a routing trace, before any tuning:
 - how predictable the next layers are: the accuracy of the predictors that run on a trace alone
   (MoE-Infinity's EAM, and the engine's recorded predictions when the trace holds them);
 - OPT's and LRU's miss ratios at the budget;
-- the planner's predicted TPOT against every expert resident and on-demand LRU;
+- the planner's predicted TPOT against every expert resident and on-demand fetching under the policy
+  given (LRU by default);
 - for a batched trace (many users in one step: ``serve --record-trace``, ``trace batch``): the steps'
   shape, the token-weighted policy's miss ratio (``tlfu``) beside LRU's, and the ``batch`` miss path's
   miss work against the better of the two per-step references (``sim.bounds``);
@@ -230,7 +231,7 @@ def _diagnose(
         "predictors": predict,
         "tpot_s": {
             "all_resident": resident.tpot_s,
-            "on_demand_lru": on_demand.tpot_s,
+            "on_demand": on_demand.tpot_s,  # under the policy given (lru by default), every miss fetched
             "plan": plan.predicted["tpot_s"],
         },
         "plan": plan.describe(),
@@ -430,10 +431,11 @@ def verdict(r: dict[str, object]) -> list[str]:
         )
     t = r["tpot_s"]
     over = " over the host level" if lv is not None and "unused" not in lv else ""
-    if t["on_demand_lru"] and t["plan"] and t["all_resident"]:
+    if t["on_demand"] and t["plan"] and t["all_resident"]:
+        named = "LRU" if r["policy"] == "lru" else r["policy"]
         out.append(
             f"predicted TPOT: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
-            f"{1e3 * t['on_demand_lru']:.3f} ms on-demand LRU{over}, "
+            f"{1e3 * t['on_demand']:.3f} ms on-demand {named}{over}, "
             f"{1e3 * t['all_resident']:.3f} ms all resident"
         )
     return out
