@@ -466,13 +466,15 @@ def test_ray_missing_is_refused_before_the_work(monkeypatch, capsys, traces):
     )
 
 
+@pytest.mark.parametrize("given", [[], ["auto"]])
 def test_a_ray_address_in_the_environment_where_nothing_answers_is_refused_at_once(
-    monkeypatch, capsys, traces
+    monkeypatch, capsys, traces, given
 ):
-    """``--ray`` without an address joins RAY_ADDRESS when it is set: Ray would retry for minutes."""
+    """``--ray`` without an address, or ``auto``, joins RAY_ADDRESS when it is set: Ray would retry for
+    minutes (``--ray auto`` did: a stale RAY_ADDRESS hung it for more than ten)."""
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
-    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--ray")
+    code, out, err = run(capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--ray", *given)
     assert code == 2 and out == ""
     assert err.startswith("expertcache: error: RAY_ADDRESS=127.0.0.1:1: nothing answers there")
     assert len(err.splitlines()) == 1, err
@@ -795,6 +797,48 @@ def test_errors_in_a_ray_task_are_one_line(traces, local_ray, capsys):
     assert str(raised.value).startswith(  # naming the task it came from
         f"{traces[0]}: lru in layer order: capacity 1 is below top-k 2: in layer order a token's 2 experts"
     )
+
+
+def test_on_a_ray_already_initialised_an_address_or_jobs_is_refused_and_the_summary_says_where(
+    traces, local_ray
+):
+    """sweep(ray="nosuchhost:1234") ran on the Ray already initialised and its summary named the address;
+    sweep(ray=True, jobs=4) took jobs and ignored it."""
+    with pytest.raises(expertcache.ExpertcacheError, match="Ray is already initialised in this process"):
+        quiet(traces=[str(traces[0])], policies=["lru"], capacities=[8], ray="nosuchhost:1234")
+    with pytest.raises(expertcache.ExpertcacheError, match="jobs sets local processes; with ray"):
+        quiet(traces=[str(traces[0])], policies=["lru"], capacities=[8], ray=True, jobs=4)
+    said = []
+    sweep(traces=[str(traces[0])], policies=["lru"], capacities=[8], ray=True, log=said.append)
+    assert said[-1].endswith("on the Ray initialised in this process")
+
+
+def test_a_policy_file_named_relative_is_read_from_the_sweeps_folder_wherever_a_worker_runs(
+    tmp_path, traces, monkeypatch
+):
+    """reuse:weights=w/reuse.json on a cluster started elsewhere read the cluster's w/reuse.json: the row
+    named one file (its sha) and was computed with another."""
+    from expertcache.tools.train_policy import train_policy, write_weights
+    from expertcache.trace.default import default_trace
+
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    for folder, orders in ((here, ("flat",)), (elsewhere, ("layer",))):  # two different weights files
+        (folder / "w").mkdir(parents=True)
+        write_weights(train_policy([default_trace()], ["default"], orders=orders), folder / "w" / "r.json")
+    monkeypatch.chdir(here)
+    spec = "reuse:weights=w/r.json"
+    want = quiet(traces=[str(traces[0])], policies=[spec], capacities=[8])
+    trace = load_trace(traces[0])
+    (task,) = sweep_module.plan_cells(
+        sweep_module.Grid(traces=(str(traces[0]),), policies=(spec,), capacities=(8,)),
+        sweep_module._load_traces(sweep_module.Grid(traces=(str(traces[0]),)), None),
+        None,
+    ).tasks
+    monkeypatch.chdir(elsewhere)  # a worker of a cluster started in another folder
+    rows, _ = sweep_module.run_task(task, trace)
+    assert rows[0]["misses"] == want[0]["misses"] and task.base == str(here)
+    theirs = quiet(traces=[str(traces[0])], policies=[spec], capacities=[8])  # the other file's weights
+    assert theirs[0]["misses"] != want[0]["misses"]
 
 
 # -- plots and the rest --------------------------------------------------------------------------------

@@ -822,7 +822,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         timing = replace(grid.timing or Timing(), **timing_flags)
     rows = sweep(
         grid, out=args.out, resume=args.resume, force=args.force,
-        jobs=usable_cpus() if args.jobs is None else args.jobs, ray=args.ray, plot=args.plot,
+        jobs=1 if args.ray is not None else usable_cpus() if args.jobs is None else args.jobs,
+        ray=args.ray, plot=args.plot,
         progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
         traces=args.trace, policies=args.policy, capacities=args.capacity, orders=args.order,
         seeds=args.seed, timing=timing,

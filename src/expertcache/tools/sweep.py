@@ -92,6 +92,7 @@ class Task:
     timing: TimingCell | None = None
     predictor_sha: str | None = None
     file_shas: str = ""  # ",k_sha=..." for each file a parameter names: a changed file is another cell
+    base: str = ""  # the folder a relative file a parameter names is read from (the sweep's own)
 
     def where(self) -> str:
         """The task, for messages: its trace, policy and order (and timing combination)."""
@@ -276,7 +277,7 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
                     p.skipped += (len(wanted) - len(mine)) * each[order]
                     task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine,
-                                file_shas=_file_shas(name, params))  # fmt: skip
+                                file_shas=_file_shas(name, params), base=os.getcwd())  # fmt: skip
                     if timing and order == "layer":
                         pred = predictor.sha if predictor else None
                         p.tasks += [
@@ -348,6 +349,9 @@ def run_task(task: Task, trace: Trace, predictor: Trace | None = None) -> tuple[
     with fast.plain_pages():  # the simulator's large arrays: see plain_pages
         schedule = build_schedule(trace, task.order)
         params = dict(task.params)
+        for key in policy_class(task.policy).text_params & set(params):  # a file: read where the sweep is
+            if task.base and not Path(str(params[key])).is_absolute():  # (a Ray worker is elsewhere)
+                params[key] = str(Path(task.base) / str(params[key]))
         if task.timing is None:
             results = run_policy(schedule, task.policy, list(task.capacities), task.seed, params)
             rows = [_row(task, r.capacity, r.requests, r.misses, r) for r in with_opt(schedule, results)]
@@ -465,27 +469,20 @@ def run_local(tasks: Sequence[Task], traces: dict[str, Trace], jobs: int, done: 
         pool.shutdown(wait=finished, cancel_futures=True)
 
 
-def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None, done: Done) -> None:
+def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None, done: Done) -> str:
     """Tasks as Ray remote calls, each result handed to ``done`` as its task finishes. A Ray already
-    initialised in this process is used as it is; else ``address`` is joined (None or "": a running
-    local Ray, or a new one started for this sweep and stopped after it)."""
+    initialised in this process is used as it is (an address given beside it is refused); else
+    ``address`` is joined, or the one ``RAY_ADDRESS`` names, or (neither) a new local Ray is started for
+    this sweep and stopped after it, never a cluster that happens to run here. Returns where the cells
+    ran, in words."""
     ray = _import_ray()
     started = not ray.is_initialized()
-    if started:
-        import logging
-
-        env = os.environ.get("RAY_ADDRESS")  # what ray.init joins when given no address
-        where = f"--ray {address}" if address else f"RAY_ADDRESS={env}" if env else "--ray (a local Ray)"
-        if address:
-            _check_reachable(address)
-        elif env:
-            _check_reachable(env, "RAY_ADDRESS=")
-        try:
-            with _no_native_stderr():  # Ray's C++ client logs each retry there; its failure comes as an error
-                ray.init(address=address or None, logging_level=logging.ERROR, log_to_driver=False,
-                         include_dashboard=False if not address else None)  # fmt: skip
-        except Exception as e:  # Ray raises ConnectionError, RuntimeError, ValueError, ... for this
-            raise ExpertcacheError(f"{where}: cannot start or join Ray ({first_line(e)})") from None
+    if not started and address:
+        raise ExpertcacheError(
+            f"ray={address!r}: Ray is already initialised in this process; ray=True runs the cells on it "
+            "(or ray.shutdown() first)"
+        )
+    ran = _start_ray(ray, address) if started else "the Ray initialised in this process"
     try:
         refs = {sha: ray.put(trace) for sha, trace in traces.items()}  # once: the object store ships it
         remote = ray.remote(num_cpus=1)(run_task)
@@ -504,9 +501,41 @@ def run_ray(tasks: Sequence[Task], traces: dict[str, Trace], address: str | None
                 except ray.exceptions.RayTaskError as e:
                     _raise_for(task, e.cause if isinstance(e.cause, ExpertcacheError) else e)
                 done(task, rows, notes)
+    except ray.exceptions.RayError as e:  # not a task's own error: the cluster (a node gone, Ray stopped)
+        if isinstance(e, ray.exceptions.RayTaskError):
+            raise
+        raise ExpertcacheError(f"{ran}: the cluster failed during the sweep ({first_line(e)})") from None
     finally:
         if started:
             ray.shutdown()
+    return ran
+
+
+def _start_ray(ray, address: str | None) -> str:
+    """Join ``address`` or the cluster ``RAY_ADDRESS`` names, or start a new local Ray (never a cluster
+    that happens to run here); where the cells run, in words."""
+    import logging
+
+    env = os.environ.get("RAY_ADDRESS")  # what ray.init joins for "auto" or no address
+    where = f"--ray {address}" if address else f"RAY_ADDRESS={env}" if env else "--ray (a local Ray)"
+    if address and address != "auto":
+        _check_reachable(address)
+    elif env:  # "auto" resolves it too: a stale one would have Ray retry for minutes
+        _check_reachable(env, "RAY_ADDRESS=")
+    joined = address or env
+    try:
+        with _no_native_stderr():  # Ray's C++ client logs each retry there; its failure comes as an error
+            ray.init(address=joined or "local", logging_level=logging.ERROR, log_to_driver=False,
+                     include_dashboard=False if not joined else None)  # fmt: skip
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError, ValueError, ... for this
+        why = first_line(e)
+        if "failed to connect" in why.lower():
+            why += (
+                "; a cluster that authenticates by token (recent Ray's `ray start` does by default) is "
+                "joined with RAY_AUTH_MODE=token set here too, or with --ray auto on one of its nodes"
+            )
+        raise ExpertcacheError(f"{where}: cannot start or join Ray ({why})") from None
+    return f"Ray at {joined}" if joined else "a local Ray started for the sweep"
 
 
 def _raise_for(task: Task, error: Exception) -> NoReturn:
@@ -641,6 +670,10 @@ def sweep(
     on_ray = ray is not None and ray is not False
     if on_ray:
         _import_ray()  # missing Ray is found before any work
+        if jobs != 1:  # taken and ignored before
+            raise ExpertcacheError(
+                "jobs sets local processes; with ray the cluster's CPUs run the cells (leave out jobs)"
+            )
     notes = None if quiet else log
     traces = _load_traces(grid, notes)
     predictor = _load_predictor(grid)
@@ -669,7 +702,7 @@ def sweep(
         return sorted(rows.values(), key=lambda r: p.order.get(identity(r, timing), len(p.order)))
 
     try:
-        computed, skipped = _run(grid, p, traces, predictor, rows, results, jobs, ray, progress, notes)
+        computed, skipped, ran = _run(grid, p, traces, predictor, rows, results, jobs, ray, progress, notes)
     except Exception:  # a task failed: the rows so far stay, in the grid's order, for --resume
         if results is not None and rows:
             try:
@@ -694,7 +727,7 @@ def sweep(
 
         written = plot_sweep(table, plot)
     if log:
-        where = (f"Ray at {ray}" if isinstance(ray, str) and ray else "Ray") if on_ray else f"{jobs} job(s)"
+        where = ran if on_ray else f"{jobs} job(s)"
         kept = f", {len(before)} already in {_files(results, before)}" if resume else ""
         kept += f", {stale} kept that are not cells of this grid" if stale else ""
         wrote = [str(out)] if out else []
@@ -725,7 +758,9 @@ def _load_predictor(grid: Grid) -> _Loaded | None:
     return _Loaded(grid.timing.predictor, file_sha(grid.timing.predictor), trace)
 
 
-def _run(grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, log) -> tuple[int, int]:
+def _run(
+    grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, log
+) -> tuple[int, int, str | None]:
     """Run the plan's cells that ``rows`` lacks; each finished task's rows go to ``rows`` and the file."""
     timing = grid.timing is not None
     todo = []
@@ -758,9 +793,10 @@ def _run(grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, 
         if bar is not None:
             bar.update(len(task.capacities))
 
+    ran = None
     try:
         if ray is not None and ray is not False:
-            run_ray(todo, shipped, None if ray is True else str(ray), done)
+            ran = run_ray(todo, shipped, None if ray is True else str(ray), done)
         else:
             run_local(todo, shipped, jobs, done)
     except KeyboardInterrupt:
@@ -773,7 +809,7 @@ def _run(grid, p: Cells, traces, predictor, rows, results, jobs, ray, progress, 
     finally:
         if bar is not None:
             bar.close()
-    return count["rows"], count["skipped"]
+    return count["rows"], count["skipped"], ran
 
 
 def _progress_bar(total: int, show: bool):
