@@ -243,9 +243,14 @@ def test_a_staging_runs_host_level_is_named_with_its_staging(tmp_path, capsys):
             path = tmp_path / "staged.npz"
             model.save_trace(path)
     assert stats["host_staged"] > 0
+    assert main(["timing", "--trace", str(path)]) == 0  # the flags named run as they are
+    said = capsys.readouterr().err.split("which this replay leaves out: ")[1].split(" replays it")[0]
+    assert "--host-stage 1 --prefetch recorded" in said
+    assert main(["timing", "--trace", str(path), *said.split()]) == 0
+    capsys.readouterr()
     assert main(["timing", "--trace", str(path), "--prefetch", "recorded"]) == 0
     said = capsys.readouterr().err.split("which this replay leaves out: ")[1].split(" replays it")[0]
-    assert "--host-stage 1" in said
+    assert "--host-stage 1" in said and "--prefetch" not in said
     instant = ["--link-bandwidth", "inf", "--link-latency", "0us"]
     assert (
         main(["timing", "--trace", str(path), "--prefetch", "recorded", *instant, *said.split(), "--json"])
@@ -303,6 +308,9 @@ def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by
     assert main(["timing", "--trace", str(path), "--policy", "lfu", "--miss", trace.meta["miss"]]) == 0
     err = capsys.readouterr().err
     assert "this replay is not the recorded run's: its policy was lru (--policy lru)" in err
+    assert main(["timing", "--trace", str(path), "--policy", "lru"]) == 0  # the default miss path: said
+    err = capsys.readouterr().err
+    assert f"it served its misses by miss path {trace.meta['miss']} (--miss {trace.meta['miss']})" in err
     if miss == "host":  # its budget given (as SERVE.md writes the replay): still the run's own costs
         argv = ["timing", "--trace", str(path), "--miss", "host", "--expert-memory", "30%", "--json"]
         assert main(argv) == 0

@@ -133,6 +133,7 @@ def test_flags_replace_the_files_values_and_traces_are_read_beside_the_file(tmp_
         ("g.yaml", "orders: [flat]\ntiming: true\n", "g.yaml: timing cells run in layer order"),
         ("g.txt", "policies: [lru]\n", "g.txt: a grid file is .yaml, .yml or .toml"),
         # checked once the grid's values are merged with the flags: they named no file
+        ("g.yaml", "timing: {prefetch: [eam], predictor: nothere.npz}\n", "g.yaml: "),
         ("g.yaml", "timing: {window: [2]}\n", "g.yaml: a window sets the layers ahead of a predictor"),
         (
             "g.yaml",

@@ -526,7 +526,11 @@ def test_host_level_options_that_cannot_work_are_refused(ckpt):
     with pytest.raises(ExpertcacheError, match="takes experts only from the device"):
         engine_load(path, TOP_K, host_memory="50%", host_exclusive=True, host_stage=1, prefetch="next-gate")
     slot = engine_fixtures._slot_bytes(path)
-    with pytest.raises(ExpertcacheError, match=rf"keeps {TOP_K} more for its hits in flight beyond what it"):
+    # (it said the reserve was "beyond what it holds", where a memory one expert larger was said to hold
+    # experts "beside its reserve": the reserve is in the memory)
+    with pytest.raises(
+        ExpertcacheError, match=rf"all of them the reserve .* give at least {2 * TOP_K} experts'"
+    ):
         engine_load(path, TOP_K, host_memory=TOP_K * slot, host_exclusive=True)  # all of it the reserve
     with pytest.raises(ExpertcacheError, match="holds no expert of"):
         engine_load(path, TOP_K, host_memory="1B")
@@ -558,7 +562,7 @@ def test_a_host_cache_the_machine_cannot_hold_is_refused_before_loading(ckpt, mo
         (["timing", "--host-exclusive"], "--host-exclusive needs --host-memory or --host-capacity"),
         (["timing", "--host-memory", "10%", "--host-capacity", "9"], "not both"),
         (["timing", "--host-capacity", "0"], "a whole number of experts, 1 or more"),
-        (["timing", "--host-capacity", "2", "--host-exclusive"], "which leaves it none"),
+        (["timing", "--host-capacity", "2", "--host-exclusive"], "which leaves it none; give at least 4"),
         (["timing", "--host-capacity", "0", "--host-exclusive"], "a whole number of experts, 1 or more"),
         (["timing", "--host-capacity", "3", "--host-exclusive"], "which leaves it 1, fewer than the top-2"),
         (["timing", "--host-capacity", "50%"], "'50%' is not a whole number of experts (a share or a size"),

@@ -981,7 +981,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         print("note: priced by the costs the run decided by (measured at its load; --cost gives others)",
               file=sys.stderr)  # fmt: skip
     if plan is None:
-        for note in replay_differences(trace, cache, prefetch, cost_given=bool(args.cost or flags)):
+        for note in replay_differences(
+            trace, cache, prefetch, cost_given=bool(args.cost or flags), miss=miss
+        ):
             print(f"note: {note}", file=sys.stderr)
     predictor_data = args.predictor
     if predictor_data is None and plan is not None and plan.predictor_trace() is not None:
@@ -1013,6 +1015,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             how = f"--host-capacity {given} --host-policy {trace.meta.get('host_policy', 'lru')}"
             how += " --host-exclusive" if exclusive else ""
             how += f" --host-stage {stage}" if (stage := trace.meta.get("host_stage")) else ""
+            how += " --prefetch recorded" if stage and prefetch.predictor == "none" else ""  # stages need one
             print(f"note: the run had a host level of {recorded} experts, which this replay leaves out: "
                   f"{how} replays it", file=sys.stderr)  # fmt: skip
         if host_capacity is not None and host.exclusive and host_capacity >= 1:
@@ -1032,7 +1035,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
                 raise ExpertcacheError(
                     f"--host-capacity {host_capacity} with --host-exclusive: an exclusive level keeps "
                     f"{reserve} experts of its memory for its hits in flight (a layer's top-k), which leaves "
-                    "it none; give more"
+                    f"it none; give at least {trace.top_k + reserve}"
                 )
             host_capacity = held
     if args.demote_time and not (host is not None and host.exclusive):

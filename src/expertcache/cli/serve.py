@@ -131,8 +131,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(args.allowed_host or ()), metrics_open=args.metrics_open, docs=args.docs,
         log_level="warning" if args.quiet else "info",
     )  # fmt: skip
-    if layout_note:
-        print(layout_note, file=sys.stderr)
     _check_port(args.host, args.port)  # before the model loads
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ExpertcacheError("--served-model-name is empty: give the id clients ask for, or leave it out")
@@ -171,11 +169,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if local is not None:
         check_batchable(read_config(local))  # before the model loads
     model = load_model(args, record=bool(args.record_trace))
-    try:
+    try:  # what can still refuse it, before a line that says it serves
+        model.tokenizer  # noqa: B018 (read now: a folder without one is refused here, not at a request)
         kv_tokens, kv_note = kv_size(model, config.max_queue, config.kv_tokens)  # one that fits, first
     except ExpertcacheError:
         model.close()
         raise
+    if layout_note:
+        print(layout_note, file=sys.stderr)
     if not args.quiet:  # what runs, as a plan or the options chose it
         print(f"serving {describe_run(model)}", file=sys.stderr)
     note = lossy_note(model.stats, model.miss.lossy)

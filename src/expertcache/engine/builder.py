@@ -709,9 +709,9 @@ class Builder:
         self.host_reserve = memory - experts
         if experts < 1:
             raise ExpertcacheError(
-                f"host memory {host.memory} holds {memory} expert(s) of {format_bytes(slot)}; an exclusive "
-                f"host level keeps {self.host_reserve} more for its hits in flight beyond what it holds: "
-                f"give it more"
+                f"host memory {host.memory} holds {memory} expert(s) of {format_bytes(slot)}, all of them "
+                f"the reserve an exclusive host level keeps for its hits in flight (a layer's top-k): give "
+                f"at least {self.top_k + self.host_reserve} experts' memory"
             )
         if experts <= self.capacity and not host.exclusive:
             self.notes.append(

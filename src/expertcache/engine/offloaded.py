@@ -107,19 +107,7 @@ class OffloadedModel:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(str(self.path))
-            except Exception as exc:
-                files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-                if not any((self.path / f).is_file() for f in files):  # a model saved without its tokenizer
-                    raise ExpertcacheError(
-                        f"{self.path}: no tokenizer beside the weights (no {', '.join(files)}): save the "
-                        "model's tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
-                    ) from None
-                why = first_line(exc).rstrip(",;: ")
-                raise ExpertcacheError(f"{self.path}: no usable tokenizer ({why})") from None
+            tok = load_tokenizer(self.path)
             tok.padding_side = "left"  # batches: every row's new tokens start at the same position
             if tok.pad_token is None and tok.eos_token is not None:
                 tok.pad_token = tok.eos_token
@@ -502,6 +490,23 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     } | (  # a checkpoint expertcache quantised: the full-precision one it was made from
         {"made_from": source.get("path")} if (source := getattr(sk.config, SOURCE_KEY, None) or {}) else {}
     )
+
+
+def load_tokenizer(path: Path):
+    """transformers' tokenizer of the checkpoint at ``path``, or one whole line saying what is wrong (a
+    model saved without its tokenizer: what to save)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((Path(path) / f).is_file() for f in files):  # a model saved without its tokenizer
+            raise ExpertcacheError(
+                f"{path}: no tokenizer beside the weights (no {', '.join(files)}): save the model's "
+                "tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
+            ) from None
+        raise ExpertcacheError(f"{path}: no usable tokenizer ({first_line(exc).rstrip(',;: ')})") from None
 
 
 def load(

@@ -265,15 +265,22 @@ def recorded_costs(trace: Trace) -> CostModel | None:
         return None
 
 
-def replay_differences(trace: Trace, cache: CacheConfig, pf: PrefetchConfig, cost_given: bool) -> list[str]:
+def replay_differences(
+    trace: Trace, cache: CacheConfig, pf: PrefetchConfig, cost_given: bool, miss: MissConfig | None = None
+) -> list[str]:
     """What a replay of an engine's recorded run (``trace``) leaves out of the run, each with what
-    replays it: its policy, its static profile, its prefetching, and a deterministic run's instant
-    transfers (its counts are an instant link's; a slower one's timing may cancel prefetches it did not).
-    Empty for a trace no engine recorded."""
+    replays it: its miss path (where ``miss`` is given), its policy, its static profile, its prefetching,
+    and a deterministic run's instant transfers (its counts are an instant link's; a slower one's timing
+    may cancel prefetches it did not). Empty for a trace no engine recorded."""
     meta = trace.meta
     if "capacities" not in meta:
         return []
     out = []
+    ran = meta.get("miss")
+    if miss is not None and ran is not None and str(ran).partition(":")[0] != miss.name:
+        out.append(
+            f"it served its misses by miss path {ran} (" + option(f"--miss {ran}", f"miss={ran!r}") + ")"
+        )
     policy = meta.get("policy")
     if policy is not None and policy != cache.policy:
         out.append(f"its policy was {policy} (" + option(f"--policy {policy}", f"cache={policy!r}") + ")")
@@ -638,9 +645,9 @@ def host_level_of(
         experts = level_experts(memory, cfg.exclusive, top_k)
         if experts < 1:
             raise ExpertcacheError(
-                f"host memory {cfg.memory} holds {memory} expert(s) of {format_bytes(expert_bytes)}; an "
-                f"exclusive host level keeps {memory - experts} more for its hits in flight beyond what it "
-                "holds: give it more"
+                f"host memory {cfg.memory} holds {memory} expert(s) of {format_bytes(expert_bytes)}, all of "
+                f"them the reserve an exclusive host level keeps for its hits in flight (a layer's top-k): "
+                f"give at least {top_k + memory - experts} experts' memory"
             )
     if experts > total:
         notes.append(f"a host level of {experts} experts is more than all {total}; capped at {total}")

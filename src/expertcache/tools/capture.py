@@ -186,14 +186,8 @@ def capture_model(path: str | Path, prompts: Sequence[str], max_new_tokens: int 
 
 def load_for_capture(path: str | Path):
     """The reference model (eager experts, all resident, CPU) and its tokenizer, one-line errors."""
-    from transformers import AutoTokenizer
-
     from expertcache.engine.loader import load_reference
-    from expertcache.errors import first_line
+    from expertcache.engine.offloaded import load_tokenizer
 
-    model = load_reference(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        raise ExpertcacheError(f"{path}: cannot load the tokenizer ({first_line(exc)})") from None
-    return model, tokenizer
+    tokenizer = load_tokenizer(path)  # before the model: a folder without one is refused at once
+    return load_reference(path), tokenizer

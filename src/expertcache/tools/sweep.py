@@ -676,7 +676,8 @@ def sweep(
             )
     notes = None if quiet else log
     traces = _load_traces(grid, notes)
-    predictor = _load_predictor(grid)
+    with _named_by(grid):
+        predictor = _load_predictor(grid)
     with _named_by(grid):
         p = plan_cells(grid, traces, predictor)
     if not p.tasks:  # the notes say why, even with quiet; without a log the first is the message
