@@ -814,6 +814,11 @@ def test_on_a_ray_already_initialised_an_address_or_jobs_is_refused_and_the_summ
     assert said[-1].endswith("on the Ray initialised in this process")
 
 
+def test_ray_takes_true_false_none_or_an_address(traces):
+    with pytest.raises(expertcache.ExpertcacheError, match="ray is True, False, None or a cluster's address"):
+        quiet(traces=[str(traces[0])], policies=["lru"], capacities=[8], ray=0)  # was the address "0"
+
+
 def test_a_policy_file_named_relative_is_read_from_the_sweeps_folder_wherever_a_worker_runs(
     tmp_path, traces, monkeypatch
 ):

@@ -1958,9 +1958,15 @@ def _write_packed(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         share = record["bytes_per_expert"] / record["full_bytes_per_expert"]
-        print(f"{record['format']} checkpoint: {record['path']} ({record['bytes_per_expert']} bytes per "
-              f"expert, {share:.1%} of the full one; run it with: expertcache generate --model "
-              f"{record['path']})")  # fmt: skip
+        out = Path(record["path"])
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        run = (
+            f"run it with: expertcache generate --model {out}"
+            if any((out / f).is_file() for f in files)
+            else "it has no tokenizer, as the model had none: save one into it to run it"
+        )
+        print(f"{record['format']} checkpoint: {out} ({record['bytes_per_expert']} bytes per expert, "
+              f"{share:.1%} of the full one; {run})")  # fmt: skip
     return 0
 
 

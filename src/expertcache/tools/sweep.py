@@ -667,6 +667,8 @@ def sweep(
         check_plot_dir(plot)
     timing = grid.timing is not None
     results = Results(out, timing) if out is not None else None
+    if ray is not None and not isinstance(ray, bool | str):  # ray=0 was taken as the address "0"
+        raise ExpertcacheError(f"ray is True, False, None or a cluster's address, got {ray!r}")
     on_ray = ray is not None and ray is not False
     if on_ray:
         _import_ray()  # missing Ray is found before any work
