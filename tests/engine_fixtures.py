@@ -149,6 +149,18 @@ def with_config(src: Path, dst: Path, **entries: object) -> Path:
     return dst
 
 
+def without_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint ``src`` at ``dst`` without its tokenizer's files (a model saved by
+    ``save_pretrained`` alone)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in dst.iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt") or f.suffix == ".jinja":
+            f.unlink()
+    return dst
+
+
 # a smaller budget from disk, experts computed on the host, a host tier with prefetching
 # (on a GPU without the host miss path: experts computed on the host round as its CPU does, within rounding
 # of the GPU's bits, as test_miss checks there)

@@ -457,13 +457,7 @@ def test_hybrid_on_a_cpu_reading_the_disk_fetches_and_caches_as_fetch_does(ckpt)
 
 def test_a_model_saved_without_its_tokenizer_is_refused_in_one_whole_line(ckpt, tmp_path, capsys):
     """A model saved by save_pretrained alone: the line was cut mid-sentence ("... serialization file,)")."""
-    import shutil
-
-    bare = tmp_path / "bare"
-    shutil.copytree(ckpt("mixtral"), bare)
-    for f in bare.iterdir():
-        if "token" in f.name or f.name in ("vocab.json", "merges.txt") or f.suffix == ".jinja":
-            f.unlink()
+    bare = engine_fixtures.without_tokenizer(ckpt("mixtral"), tmp_path / "bare")
     assert main(["generate", "--model", str(bare), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no tokenizer beside the weights" in err[0]

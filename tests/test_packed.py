@@ -473,15 +473,9 @@ def test_the_packed_loops_run_on_torch_s_threads_in_the_thread_that_generates(tm
 
 def test_quantize_of_a_model_without_a_tokenizer_does_not_say_to_run_what_cannot_run(ckpt, tmp_path, capsys):
     """It said "run it with: expertcache generate --model OUT", which then refused it for its tokenizer."""
-    import shutil
-
     from expertcache.cli import main
 
-    bare = tmp_path / "bare"
-    shutil.copytree(ckpt("mixtral"), bare)
-    for f in bare.iterdir():
-        if "token" in f.name or f.name in ("vocab.json", "merges.txt") or f.suffix == ".jinja":
-            f.unlink()
+    bare = engine_fixtures.without_tokenizer(ckpt("mixtral"), tmp_path / "bare")
     assert main(["quantize", str(bare), "--bits", "8", "--checkpoint", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
     assert "run it with" not in out and "it has no tokenizer, as the model had none" in out
