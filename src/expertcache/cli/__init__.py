@@ -212,10 +212,13 @@ def _refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
                     walk(sub)
                 continue
             written = [o for o in action.option_strings if o in words]
+            longs = [o for o in action.option_strings if o.startswith("--")]
             if written:
                 names[action.dest] = written[0]
-            elif not action.option_strings:
-                names.setdefault(action.dest, str(action.metavar or action.dest).upper())
+            else:
+                names.setdefault(
+                    action.dest, longs[0] if longs else str(action.metavar or action.dest).upper()
+                )
 
     walk(parser)
     for dest, value in vars(args).items():
@@ -1538,17 +1541,13 @@ def _host_level(args: argparse.Namespace):
     given = args.host_memory is not None or args.host_capacity is not None
     if not given:
         for flag in ("host_policy", "host_exclusive", "host_stage", "disk_time", "demote_time"):
-            if getattr(args, flag) not in (None, False, 0):  # given (an empty policy too)
+            if getattr(args, flag):  # (an empty value never comes here: _refuse_empty)
                 raise ExpertcacheError(f"--{flag.replace('_', '-')} needs --host-memory or --host-capacity")
         return None
     if args.host_memory is not None and args.host_capacity is not None:
         raise ExpertcacheError("give --host-memory or --host-capacity, not both")
-    policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy]
-    if policies == [None]:
-        policies = ["lru"]
+    policies = args.host_policy if isinstance(args.host_policy, list) else [args.host_policy or "lru"]
     for policy in policies:  # each checked here, in one line
-        if not policy.strip():
-            raise ExpertcacheError("--host-policy is empty; give a value or leave the option out")
         HostConfig(args.host_memory, policy, exclusive=args.host_exclusive, stage=args.host_stage)
     return HostConfig(args.host_memory, policies[0], exclusive=args.host_exclusive, stage=args.host_stage)
 
@@ -1958,11 +1957,12 @@ def _write_packed(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         share = record["bytes_per_expert"] / record["full_bytes_per_expert"]
+        from expertcache.engine.offloaded import has_tokenizer
+
         out = Path(record["path"])
-        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         run = (
             f"run it with: expertcache generate --model {out}"
-            if any((out / f).is_file() for f in files)
+            if has_tokenizer(out)
             else "it has no tokenizer, as the model had none: save one into it to run it"
         )
         print(f"{record['format']} checkpoint: {out} ({record['bytes_per_expert']} bytes per expert, "

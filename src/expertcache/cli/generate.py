@@ -245,10 +245,6 @@ def load_model(args, record: bool = True):
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
     from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
 
-    for flag in ("expert_memory", "policy", "miss", "prefetch", "profile", "plan", "model", "host_policy"):
-        if getattr(args, flag, None) is not None and not str(getattr(args, flag)).strip():
-            flag = "--" + flag.replace("_", "-")
-            raise ExpertcacheError(f"{flag} is empty; give a value or leave the option out")
     options = {
         "data": args.predictor, "limit": args.prefetch_limit, "chunking": not args.no_chunking,
         "chunk_size": args.chunk_size, "preemption": not args.no_preemption, "reorder": not args.no_reorder,
@@ -266,7 +262,7 @@ def load_model(args, record: bool = True):
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
     LinkConfig(args.link_bandwidth, args.link_latency)
     for flag in HOST_FLAGS[1:]:
-        if getattr(args, flag) not in (None, False, 0) and args.host_memory is None:  # an empty one too
+        if getattr(args, flag) and args.host_memory is None:
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} needs --host-memory (the host cache it rules)"
             )

@@ -457,13 +457,18 @@ def _dequantized(config) -> dict[str, object]:
     return {"quantization_config": own}
 
 
+def in_dtype(experts: str, dtype: torch.dtype) -> str:
+    """transformers' experts implementation ``experts`` where it computes in ``dtype``, else eager (torch's
+    ``_grouped_mm`` takes no float64; the engine's kernels do)."""
+    return "eager" if experts == "grouped_mm" and dtype == torch.float64 else experts
+
+
 def default_reference(device, dtype: torch.dtype) -> str:
     """transformers' experts implementation the engine's default kernel on ``device`` is exact against
-    (``engine.kernels``), eager in float64, which torch's ``_grouped_mm`` does not compute in."""
+    (``engine.kernels``), in ``dtype`` (``in_dtype``)."""
     from expertcache.engine.kernels import default_kernel
 
-    experts = default_kernel(device).reference
-    return "eager" if experts == "grouped_mm" and dtype == torch.float64 else experts
+    return in_dtype(default_kernel(device).reference, dtype)
 
 
 def load_reference(

@@ -492,6 +492,15 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     )
 
 
+# the files one of which a checkpoint's tokenizer is saved in
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint's folder holds a tokenizer (a model saved by ``save_pretrained`` alone: none)."""
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: Path):
     """transformers' tokenizer of the checkpoint at ``path``, or one whole line saying what is wrong (a
     model saved without its tokenizer: what to save)."""
@@ -500,11 +509,10 @@ def load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if not any((Path(path) / f).is_file() for f in files):  # a model saved without its tokenizer
+        if not has_tokenizer(path):
             raise ExpertcacheError(
-                f"{path}: no tokenizer beside the weights (no {', '.join(files)}): save the model's "
-                "tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
+                f"{path}: no tokenizer beside the weights (no {', '.join(TOKENIZER_FILES)}): save the "
+                "model's tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
             ) from None
         raise ExpertcacheError(f"{path}: no usable tokenizer ({first_line(exc).rstrip(',;: ')})") from None
 

@@ -70,6 +70,13 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[t
     return q, scale.contiguous()
 
 
+def partial_blocks(shape, block=FP8_BLOCK) -> bool:
+    """A matrix of several FP8 blocks along a side, the last partial (a size above the block, not a
+    multiple of it), which transformers dequantises with a block derived from its scale grid; one block
+    alone along a side is read right."""
+    return any(n > b and n % b for n, b in zip(tuple(shape)[-2:], block, strict=True))
+
+
 def write_published(
     model: str | Path | None,
     fmt: str,
@@ -121,8 +128,8 @@ def write_published(
                     q, scale = quantize_fp8(t)
                 shards.put(key, q)
                 shards.put(f"{key}_scale_inv", scale)
-                if any(n > b and n % b for n, b in zip(t.shape[-2:], FP8_BLOCK, strict=True)):
-                    partial.append(key)  # several blocks, the last partial (one block alone is read right)
+                if partial_blocks(t.shape):
+                    partial.append(key)
             else:
                 shards.put(key, t.contiguous())
         shards.save(target, {"format": "pt"})

@@ -153,10 +153,11 @@ def measure(
         if not seqs:
             raise ExpertcacheError("the texts give no two tokens to measure")
         from expertcache.engine.kernels import default_kernel
+        from expertcache.engine.loader import in_dtype
 
-        impl = reference_implementation or model.kernel.reference or default_kernel(device).reference
-        if reference_implementation is None and impl == "grouped_mm" and model.dtype == torch.float64:
-            impl = "eager"  # torch's _grouped_mm computes no float64 (the engine's kernels do)
+        impl = reference_implementation or in_dtype(
+            model.kernel.reference or default_kernel(device).reference, model.dtype
+        )
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
         ran = model.stats["attention"]  # the default resolved: sdpa (on a GPU sdpa_no_cudnn), or eager
@@ -311,6 +312,8 @@ def _partial_fp8_block(path: Path, packing: dict) -> str | None:
     block after a whole one."""
     from safetensors import safe_open
 
+    from expertcache.tools.published import partial_blocks
+
     block = packing.get("weight_block_size") if packing.get("quant_method") == "fp8" else None
     if not block:
         return None
@@ -321,8 +324,7 @@ def _partial_fp8_block(path: Path, packing: dict) -> str | None:
                 weight = name.removesuffix("_scale_inv")
                 if name.endswith("_scale_inv") and weight in names:
                     shape = f.get_slice(weight).get_shape()[-2:]
-                    # one block along a side (the whole side) is read alike; several with a partial last not
-                    if len(shape) == 2 and any(n % b and n > b for n, b in zip(shape, block, strict=True)):
+                    if len(shape) == 2 and partial_blocks(shape, block):
                         return (
                             f"{weight} {list(shape)} is not whole blocks of {list(block)}, which "
                             "transformers dequantises with another block than it was quantised with"
