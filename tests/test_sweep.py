@@ -847,6 +847,29 @@ def test_a_policy_file_named_relative_is_read_from_the_sweeps_folder_wherever_a_
     assert theirs[0]["misses"] != want[0]["misses"]
 
 
+def test_a_policy_file_named_in_a_grid_file_is_read_from_the_grid_files_folder(tmp_path, traces, monkeypatch):
+    """Traces named in a grid file were read from its folder, a policy's weights file from the current
+    one: the same grid failed (or read another file) when run from elsewhere. A policy given on the
+    command line reads from the current folder, as its traces do."""
+    from expertcache.tools.train_policy import train_policy, write_weights
+    from expertcache.trace.default import default_trace
+
+    grid_dir, elsewhere = tmp_path / "g", tmp_path / "elsewhere"
+    for folder, orders in ((grid_dir, ("flat",)), (elsewhere, ("layer",))):  # two different weights files
+        (folder / "w").mkdir(parents=True)
+        write_weights(train_policy([default_trace()], ["default"], orders=orders), folder / "w" / "r.json")
+    (grid_dir / "grid.yaml").write_text(
+        f"traces: [{traces[0]}]\npolicies: ['reuse:weights=w/r.json']\ncapacities: [8]\n"
+    )
+    monkeypatch.chdir(grid_dir)
+    want = quiet(traces=[str(traces[0])], policies=["reuse:weights=w/r.json"], capacities=[8])
+    monkeypatch.chdir(elsewhere)
+    (row,) = quiet(grid=str(grid_dir / "grid.yaml"))
+    assert row["misses"] == want[0]["misses"] and row["params"] == want[0]["params"]
+    (mine,) = quiet(grid=str(grid_dir / "grid.yaml"), policies=["reuse:weights=w/r.json"])  # this folder's
+    assert mine["misses"] != row["misses"] and mine["params"] != row["params"]  # another file, another sha
+
+
 # -- plots and the rest --------------------------------------------------------------------------------
 def test_plots_per_trace_order_and_timing_combination(tmp_path, capsys, traces):
     plots = tmp_path / "plots"

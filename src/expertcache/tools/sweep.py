@@ -181,9 +181,20 @@ def _load_traces(grid: Grid, log: Log | None) -> list[_Loaded]:
 
 
 def _file_shas(name: str, params: dict[str, object]) -> str:
-    """``,weights_sha=...`` for each parameter of the policy that names a file (``reuse:weights=``)."""
+    """``,weights_sha=...`` for each parameter of the policy that names a file (``reuse:weights=``;
+    ``params`` as ``_files_from`` resolved them)."""
     text = policy_class(name).text_params
     return "".join(f",{k}_sha={file_sha(str(params[k]))}" for k in sorted(text) if k in params)
+
+
+def _files_from(name: str, params: dict[str, object], base: str) -> dict[str, object]:
+    """``params`` with each relative file a parameter names (``reuse:weights=w/r.json``) read from ``base``:
+    the folder of the grid file that named the policy, else the sweep's own (a worker runs elsewhere)."""
+    out = dict(params)
+    for key in policy_class(name).text_params & set(params):
+        if base and not Path(str(params[key])).is_absolute():
+            out[key] = str(Path(base) / str(params[key]))
+    return out
 
 
 def file_sha(path: str | Path) -> str:
@@ -240,6 +251,7 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
         cells = _timing_cells(grid, t, predictor.trace if predictor else None, p.notes) if timing else []
         caps_by_order = {order: _capacities(grid, t, order, p) for order in grid.orders}
         each = {order: len(cells) if timing and order == "layer" else 1 for order in grid.orders}
+        base = str(Path(grid.policy_base).resolve())  # where a relative file of a policy is read
         for spec in grid.policies:
             name, params = parse_policy(str(spec))
             budgets = params.get("budgets") if fixed_capacity(name, params) is not None else None
@@ -248,7 +260,7 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                                f"given for its {L} layers")  # fmt: skip
                 p.skipped += len(grid.seeds) * sum(len(caps_by_order[o]) * each[o] for o in grid.orders)
                 continue
-            _check_policy(name, params, t.trace)
+            _check_policy(name, _files_from(name, params, base), t.trace)
             seeds = grid.seeds if policy_class(name).seeded else grid.seeds[:1]
             note = (f"note: {_spec(name, params)} draws no random numbers: its cells run once, with seed "
                     f"{seeds[0]} (seeds change only random and marking)")  # fmt: skip
@@ -276,8 +288,9 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                         p.notes.append(f"note: {t.name}: {_spec(name, params)} left out at capacities "
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
                     p.skipped += (len(wanted) - len(mine)) * each[order]
+                    shas = _file_shas(name, _files_from(name, params, base))
                     task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine,
-                                file_shas=_file_shas(name, params), base=os.getcwd())  # fmt: skip
+                                file_shas=shas, base=base)  # fmt: skip
                     if timing and order == "layer":
                         pred = predictor.sha if predictor else None
                         p.tasks += [
@@ -348,10 +361,7 @@ def run_task(task: Task, trace: Trace, predictor: Trace | None = None) -> tuple[
     """The rows of one task, and notes on cells it had to leave out."""
     with fast.plain_pages():  # the simulator's large arrays: see plain_pages
         schedule = build_schedule(trace, task.order)
-        params = dict(task.params)
-        for key in policy_class(task.policy).text_params & set(params):  # a file: read where the sweep is
-            if task.base and not Path(str(params[key])).is_absolute():  # (a Ray worker is elsewhere)
-                params[key] = str(Path(task.base) / str(params[key]))
+        params = _files_from(task.policy, dict(task.params), task.base)  # (a Ray worker is elsewhere)
         if task.timing is None:
             results = run_policy(schedule, task.policy, list(task.capacities), task.seed, params)
             rows = [_row(task, r.capacity, r.requests, r.misses, r) for r in with_opt(schedule, results)]

@@ -88,7 +88,8 @@ class Grid:
     """What a sweep runs: every combination of these, as rows of one table. Capacities are expert counts
     (``24``), ranges (``8:96:8``), shares of all experts (``25%``) or ``all`` (top-k or 1 .. L*E), resolved
     per trace; ``default`` is the embedded trace; relative trace paths are read from ``base`` (the folder
-    of ``source``, the grid file they were named in, if any)."""
+    of ``source``, the grid file they were named in, if any), and so are the files a policy's parameters
+    name (``reuse:weights=``) from ``policy_base``."""
 
     traces: tuple[str, ...] = ("default",)
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -98,6 +99,7 @@ class Grid:
     timing: Timing | None = None
     base: str = "."
     source: str | None = field(default=None, compare=False)
+    policy_base: str = "."
 
     def __post_init__(self) -> None:
         for name in ("traces", "policies", "capacities", "orders", "seeds"):
@@ -137,29 +139,34 @@ class Grid:
             raise ExpertcacheError(f"{path}: cannot read the grid ({first_line(e)})") from None
         data = _parse_grid_text(path, text)
         try:
-            return cls.from_dict(data, base=str(path.parent), source=str(path))
+            return cls.from_dict(data, base=str(path.parent), source=str(path), policy_base=str(path.parent))
         except ExpertcacheError as e:
             raise ExpertcacheError(f"{path}: {e}") from None
 
     @classmethod
-    def from_dict(cls, data: object, base: str = ".", source: str | None = None) -> Grid:
+    def from_dict(
+        cls, data: object, base: str = ".", source: str | None = None, policy_base: str = "."
+    ) -> Grid:
         """A grid from a mapping of the file's keys (``traces``, ``policies``, ..., ``timing``)."""
         if not isinstance(data, dict):
             raise ExpertcacheError(f"a grid is a mapping of {', '.join(DIMENSIONS)}")
         unknown = [k for k in data if k not in DIMENSIONS]
         if unknown:
             raise ExpertcacheError(f"unknown key {unknown[0]!r}; a grid has {', '.join(DIMENSIONS)}")
-        return cls(**data, base=base, source=source)
+        return cls(**data, base=base, source=source, policy_base=policy_base)
 
     def with_overrides(self, **values: object) -> Grid:
         """This grid with some dimensions replaced (what command-line flags do to a grid file's);
-        traces given here are read from the current directory. An unknown dimension is refused."""
+        traces and policies given here read their files from the current directory. An unknown dimension
+        is refused."""
         unknown = [k for k in values if k not in DIMENSIONS]
         if unknown:
             raise ExpertcacheError(f"unknown dimension {unknown[0]!r}; a grid has {', '.join(DIMENSIONS)}")
         given = {k: v for k, v in values.items() if v is not None}
         if "traces" in given:
             given["base"], given["source"] = ".", None
+        if "policies" in given:
+            given["policy_base"] = "."
         return replace(self, **given)
 
     def trace_path(self, name: str) -> Path:
