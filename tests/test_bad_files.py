@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 
 import engine_fixtures
@@ -238,6 +239,30 @@ def test_weights_that_make_the_outputs_nan_are_one_error_not_an_empty_text(ckpt,
         load(bad, expert_memory="100%", progress=False) as model,
     ):
         model.generate_text("Hello there", 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_takes_values_whose_sum_overflows_and_finds_one_nan_or_infinity(dtype):
+    """The check sums the logits first (torch's isfinite over a vocabulary is slow on a CPU): a sum that
+    overflows while every value is finite is no error; one NaN or infinity among them is."""
+    from types import SimpleNamespace
+
+    from expertcache.engine.runtime import Engine
+
+    check = partial(Engine._finite_logits, SimpleNamespace(step_source=None), None, ())
+    big = torch.full((1, 1, 50), torch.finfo(dtype).max, dtype=dtype)
+    assert not torch.isfinite(big.sum())
+    check(SimpleNamespace(logits=big))  # no error
+    check(SimpleNamespace(logits=torch.arange(6, dtype=torch.int64)))  # not scores: not checked
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        logits = torch.zeros(1, 1, 50, dtype=dtype)
+        logits[0, 0, 17] = bad
+        with pytest.raises(ExpertcacheError, match="the model's outputs are not finite"):
+            check(SimpleNamespace(logits=logits))
+    mixed = big.clone()
+    mixed[0, 0, 3] = -float("inf")  # inf and -inf: a NaN sum
+    with pytest.raises(ExpertcacheError, match="not finite"):
+        check(SimpleNamespace(logits=mixed))
 
 
 def test_a_log_s_unknown_fields_and_disagreeing_layers_are_said(tmp_path):

