@@ -92,6 +92,55 @@ def test_a_runs_prefetch_limit_is_recorded_and_replayed(tmp_path, capsys):
     assert unlimited.misses != result.misses  # the limit was the difference
 
 
+@pytest.mark.parametrize(("policy", "window"), [("lru", None), ("llru", 2)])
+def test_an_adaptive_runs_predictions_replay_at_the_layers_it_made_them(tmp_path, policy, window):
+    """HOBBIT's adaptive prefetch predicts a layer from each of the W before it and walks each batch over
+    the cache; the trace kept one list a layer, replayed as a window predictor's: 253/185 against the
+    run's 260/178 (lru), 497/127 against 481/143 (llru, window 2), at exit 0. The predictions are now
+    recorded as made, by layer (``predicted_from``), and the replay walks them over its own cache."""
+    kw = dict(policy=policy, prefetch="adaptive", window=window, deterministic=True)
+    stats, path = _run(tmp_path, "adaptive", new_tokens=24, **kw)
+    trace = ec.load_trace(path)
+    assert trace.predicted_from is not None and trace.predicted_from.shape[2] == (window or 3)
+    fast = {"link_bandwidth": "1000TB/s", "link_latency": "0us"}
+    for prefetch in ("recorded", "adaptive"):
+        result = ec.simulate_timing(trace, "recorded", cache=policy, prefetch=prefetch, cost=fast)
+        assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+        assert result.cache["prefetch_issued"] == stats["prefetch_issued"]
+
+
+def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):
+    """A predictor object of the user's own (a name the library does not know) was replayed as one of the
+    model's gate inputs, after each router, dropping what it predicted at each step's start: 157/281
+    against the run's 153/285. The run records where its predictor predicts."""
+    from expertcache.predict.base import PredictContext, Predictor
+
+    class Repeat(Predictor):  # each layer routes as it did in the step before
+        name = "repeat-last-step"
+
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.last, self.now = {}, {}
+
+        def _begin(self, token_ids, prefill, new_request, future):
+            self.last, self.now = ({} if new_request else {**self.last, **self.now}), {}
+
+        def _observe(self, layer, experts):
+            self.now[layer] = [int(x) for x in np.asarray(experts)[-1] if x >= 0]
+
+        def _predict(self, source, target, gate_input):
+            return list(self.last.get(target, []))
+
+    mine = Repeat(PredictContext(num_layers=6, num_experts=16, top_k=2))
+    stats, path = _run(tmp_path, "own", new_tokens=24, prefetch=PrefetchConfig(mine, deterministic=True))
+    trace = ec.load_trace(path)
+    assert trace.meta["predictor"] == "repeat-last-step" and trace.meta["predictor_needs_model"] is False
+    assert stats["prefetch_issued"] > 0
+    fast = {"link_bandwidth": "1000TB/s", "link_latency": "0us"}
+    result = ec.simulate_timing(trace, "recorded", prefetch="recorded", cost=fast)
+    assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+
+
 def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path, capsys):
     """sim and timing ranked a static policy by the replayed trace itself (230/77 against the run's
     126/181), and had no --profile to say otherwise."""

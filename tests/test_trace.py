@@ -39,6 +39,8 @@ class TestSaveLoad:
             seq_id=np.array([0, 0, 1], dtype=np.int32),
             is_prefill=np.array([1, 0, -1], dtype=np.int8),
             token_id=np.array([7, -1, 9], dtype=np.int32),
+            predicted=np.where(ex > 1, ex, -1),
+            predicted_from=np.stack([np.where(ex > 1, ex, -1), np.full_like(ex, -1), ex], axis=2),
             meta={"model": "tiny", "alpha": 1.5, "layer_ids": np.array([3, 7])},
         )
         path = tmp_path / "t.npz"
@@ -53,6 +55,8 @@ class TestSaveLoad:
             ("seq_id", np.int32),
             ("is_prefill", np.int8),
             ("token_id", np.int32),
+            ("predicted", np.int16),
+            ("predicted_from", np.int16),
         ]:
             assert getattr(loaded, name).dtype == dtype
             assert np.array_equal(getattr(loaded, name), getattr(trace, name))
@@ -142,6 +146,15 @@ BAD_FILES = {
         "'weights' has NaN or infinite values where the expert is known (token 1, layer 0, slot 1)",
     ),
     "token_id shape": ({"token_id": np.zeros(2, np.int32)}, "'token_id' has shape (2,)"),
+    "predicted_from rank": (
+        {"predicted_from": np.zeros((3, 2, 2), np.int16)},
+        "'predicted_from' has shape (3, 2, 2), expected (3, 2, W, 2), W at least 1",
+    ),
+    "predicted_from no sources": ({"predicted_from": np.zeros((3, 2, 0, 2), np.int16)}, "W at least 1"),
+    "predicted_from ids": (
+        {"predicted_from": np.full((3, 2, 3, 2), 4, np.int16)},
+        "'predicted_from' has expert ids outside -1..3",
+    ),
     "expert twice in a top-k": (
         {"experts": np.array([[[0, 1, 2], [2, 3, 0]], [[1, 2, 3], [3, -1, 3]]], np.int16)},
         "expert 3 appears twice in the top-k of token 1, layer 1 (slots 0 and 2;",

@@ -20,6 +20,7 @@ class Recorder:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.steps: list[dict[str, object]] = []
         self.predicted = False  # some step recorded predictions
+        self.reach = 0  # the most layers ahead a prediction recorded by source reached (``predict_from``)
 
     def begin(
         self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray, prompt: np.ndarray | None = None
@@ -33,8 +34,8 @@ class Recorder:
         t, L, K = len(token_ids), self.num_layers, self.top_k
         experts, weights = np.full((L, t, K), -1, dtype=np.int16), np.zeros((L, t, K), dtype=np.float32)
         self.steps.append(
-            {"token_id": token_ids, "phase": phase, "seq": seq, "done": 0, "pred": {}, "experts": experts,
-             "weights": weights}
+            {"token_id": token_ids, "phase": phase, "seq": seq, "done": 0, "pred": {}, "from": {},
+             "experts": experts, "weights": weights}
         )  # fmt: skip
 
     def predict(self, predictions: dict[int, list[int]]) -> None:
@@ -42,6 +43,16 @@ class Recorder:
         if self.steps and predictions:
             self.steps[-1]["pred"].update(predictions)
             self.predicted = True
+
+    def predict_from(self, source: int, predictions: dict[int, list[int]]) -> None:
+        """What the predictor said at layer ``source`` this step, before the prefetch walked it, for a
+        predictor that predicts a layer from several earlier ones (HOBBIT's ``adaptive``): replayed at
+        the same layers, the simulator's walk then decides as the engine's did."""
+        if self.steps and predictions:
+            mine = self.steps[-1]["from"]
+            for target, ranked in predictions.items():
+                mine[target, target - source] = ranked
+                self.reach = max(self.reach, target - source)
 
     def add(self, layer: int, index: np.ndarray, weights: np.ndarray | None) -> None:
         """Layer ``layer`` routed the step's tokens: experts [T, K] and their gate weights [T, K]."""
@@ -53,7 +64,7 @@ class Recorder:
 
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
-        ex, wt, tok, pf, seq, step, pred = [], [], [], [], [], [], []
+        ex, wt, tok, pf, seq, step, pred, by_source = [], [], [], [], [], [], [], []
         steps = self.steps
         if steps and steps[-1]["done"] != (1 << L) - 1:  # interrupted (Ctrl-C) before its last layer: dropped
             steps = steps[:-1]
@@ -61,11 +72,13 @@ class Recorder:
             t = len(s["token_id"])
             p = np.full((t, L, K), -1, dtype=np.int16)
             for layer, ranked in s["pred"].items():  # the step's ranked list, spread over its rows
-                block = np.full(t * K, -1, dtype=np.int16)
-                flat = ranked[: t * K]
-                block[: len(flat)] = flat
-                p[:, layer] = block.reshape(t, K)
+                p[:, layer] = _rows(ranked, t, K)
             pred.append(p)
+            if self.reach:
+                f = np.full((t, L, self.reach, K), -1, dtype=np.int16)
+                for (layer, d), ranked in s["from"].items():
+                    f[:, layer, d - 1] = _rows(ranked, t, K)
+                by_source.append(f)
             ex.append(s["experts"].transpose(1, 0, 2))
             wt.append(s["weights"].transpose(1, 0, 2))
             tok.append(s["token_id"])
@@ -83,5 +96,14 @@ class Recorder:
             token_id=np.concatenate(tok).astype(np.int32),
             step_id=np.concatenate(step),
             predicted=np.concatenate(pred) if self.predicted else None,
+            predicted_from=np.concatenate(by_source) if self.reach else None,
             meta=dict(meta or {}),
         )
+
+
+def _rows(ranked: list[int], t: int, k: int) -> np.ndarray:
+    """A step's ranked list spread row after row over its ``t`` rows of ``k`` (-1 padding), ``[t, k]``."""
+    block = np.full(t * k, -1, dtype=np.int16)
+    flat = ranked[: t * k]
+    block[: len(flat)] = flat
+    return block.reshape(t, k)

@@ -146,7 +146,9 @@ class StepDriver:
         if self.predicting:
             current = needs.keys_in_order
             self._prefetch(self._call(self.predictor.collect, layer), current, after=layer)
-            self._prefetch(self._call(self.predictor.after_router, layer, index, gate_input), current)
+            self._prefetch(
+                self._call(self.predictor.after_router, layer, index, gate_input), current, source=layer
+            )
         return work
 
     def end_layer(self, layer: int) -> None:
@@ -164,11 +166,18 @@ class StepDriver:
         finally:
             self.predictor_s += self.governor.clock() - start
 
-    def _prefetch(self, batches: list[Predictions], current, after: int = -1) -> None:
+    def _prefetch(
+        self, batches: list[Predictions], current, after: int = -1, source: int | None = None
+    ) -> None:
+        """Each batch of predictions to the cache. ``source``: the layer they were made at, where known (a
+        predictor inline); an adaptive predictor's are recorded as made, before the walk, so that a
+        replay walks them at the same layers over its own cache."""
         for predictions in batches:
             if after >= 0:  # layers already computed need nothing any more
                 predictions = {t: r for t, r in predictions.items() if t > after}
             if getattr(self.predictor, "adaptive", False):
+                if source is not None and self.recorder is not None and not self.shadow:
+                    self.recorder.predict_from(source, predictions)
                 predictions = self._up_to_first_miss(predictions)
             if not predictions:
                 continue

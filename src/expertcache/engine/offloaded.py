@@ -433,6 +433,9 @@ class OffloadedModel:
             meta["costs"] = json.dumps(self.costs.to_dict())
         if self.predictor is not None:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
+            # where it predicted (a layer's router or the step's start): a replay of a predictor it does
+            # not know (the user's own object) issues the recorded predictions at the same points
+            meta["predictor_needs_model"] = bool(getattr(self.predictor, "needs_model", True))
             # every transfer landed before the next decision: the counts are an instant link's
             meta["deterministic"] = bool(self.prefetch_config_.deterministic)
             if self.prefetch_limit is not None:

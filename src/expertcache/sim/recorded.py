@@ -2,8 +2,8 @@
 
 Gate-input predictors (``next-gate``, ``window``, ``learned``) need the model's hidden states, which a
 trace does not hold; the engine records what they predicted into the trace (``predicted``), and
-``Recorded`` replays it where the original issued it. Trace-based predictors (``token``, ``eam``) and
-``oracle`` run directly.
+``Recorded`` replays it where the original issued it (an adaptive predictor's at each layer it predicted
+from, ``predicted_from``). Trace-based predictors (``token``, ``eam``) and ``oracle`` run directly.
 """
 
 from __future__ import annotations
@@ -31,18 +31,39 @@ class Recorded(Predictor):
     name = "recorded"
     needs_model = True
 
-    def __init__(self, ctx: PredictContext, predicted: np.ndarray, needs_model: bool = True) -> None:
+    def __init__(
+        self,
+        ctx: PredictContext,
+        predicted: np.ndarray,
+        needs_model: bool = True,
+        predicted_from: np.ndarray | None = None,
+    ) -> None:
         super().__init__(ctx)
         self.predicted = predicted  # [T, L, K]
         self.needs_model = needs_model  # type: ignore[misc]  # as the recorded predictor
+        # [T, L, W, K]: what an adaptive predictor said of each layer at each of the W before it; replayed
+        # at the same layers and walked by the driver as the engine's were (HOBBIT's ``adaptive``)
+        self.predicted_from = predicted_from
+        if predicted_from is not None:
+            self.adaptive = True  # type: ignore[misc]
+            self.window = predicted_from.shape[2]
         self._rows = slice(0, 0)
 
     def _begin(self, token_ids, prefill, new_request, future) -> None:
         start = self._rows.stop
         self._rows = slice(start, start + len(token_ids))
 
+    def after_router(self, layer: int, experts: np.ndarray, gate_input=None):
+        if self.predicted_from is None:
+            return super().after_router(layer, experts, gate_input)
+        targets = range(layer + 1, min(layer + self.window, self.num_layers - 1) + 1)
+        return self._targets(layer, targets, gate_input)
+
     def _predict(self, source: int, target: int, gate_input) -> list[int]:
-        flat = self.predicted[self._rows, target].reshape(-1).tolist()
+        if self.predicted_from is not None:
+            flat = self.predicted_from[self._rows, target, target - source - 1].reshape(-1).tolist()
+        else:
+            flat = self.predicted[self._rows, target].reshape(-1).tolist()
         return list(dict.fromkeys(e for e in flat if e >= 0))
 
 
@@ -99,4 +120,8 @@ def make_sim_predictor(
     original = PREDICTORS.get(recorded) if isinstance(recorded, str) else None  # None: unknown here
     default = original.default_window if original is not None else 1
     ctx = replace(ctx, window=window or rec_window or default)
-    return Recorded(ctx, trace.predicted, original.needs_model if original is not None else True)
+    # where its predictions were made: the start of each step (trace-based ones), or after a router (those
+    # of the model's gate inputs); a predictor unknown here (the user's own) as the run recorded it
+    needs_model = original.needs_model if original is not None else trace.meta.get("predictor_needs_model")
+    return Recorded(ctx, trace.predicted, bool(needs_model) if needs_model is not None else True,
+                    trace.predicted_from)  # fmt: skip

@@ -7,7 +7,10 @@ Layout (see ../shared/traces/README.md): ``experts`` int16 [T, L, K] (expert ids
 engine's batched steps; without it, steps are derived from ``is_prefill`` and ``seq_id``),
 ``predicted`` int16 [T, L, K] (what the engine's predictor predicted for each step and layer: the
 step's ranked list, read row after row over the step's tokens, -1 padding; meta ``predictor`` and
-``window`` name it). Other arrays and scalars in a file are kept as metadata.
+``window`` name it), and for a predictor that predicts a layer from several earlier ones (HOBBIT's
+``adaptive``) ``predicted_from`` int16 [T, L, W, K] (entry ``d - 1`` of layer ``i``: what it predicted
+for layer i at layer i - d, before the prefetch walked it; the same layout). Other arrays and scalars in
+a file are kept as metadata.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ _OPTIONAL = {
     "token_id": ("iu", np.int32, 1),
     "step_id": ("iu", np.int32, 1),
     "predicted": ("iu", np.int16, 3),
+    "predicted_from": ("iu", np.int16, 4),
 }
 _CORE = ("experts", "num_experts", *_OPTIONAL)
 
@@ -49,6 +53,7 @@ class Trace:
     token_id: np.ndarray | None = None  # int32 [T]
     step_id: np.ndarray | None = None  # int32 [T], non-decreasing
     predicted: np.ndarray | None = None  # int16 [T, L, K]: the engine predictor's experts, -1 none
+    predicted_from: np.ndarray | None = None  # int16 [T, L, W, K]: layer i's predicted at layer i - d - 1
     meta: dict[str, object] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -245,13 +250,18 @@ def _validate(trace: Trace) -> None:
         value = getattr(trace, name)
         if value is None:
             continue
-        want = ex.shape if rank == 3 else (t,)
-        if value.shape != want:
+        if rank == 4:  # [T, L, W, K], any W of at least 1
+            ok = value.ndim == 4 and value.shape[:2] == (t, layers) and value.shape[3] == k and value.shape[2]
+            want = f"({t}, {layers}, W, {k}), W at least 1"
+        else:
+            ok = value.shape == (ex.shape if rank == 3 else (t,))
+            want = str(ex.shape if rank == 3 else (t,))
+        if not ok:
             raise TraceError(f"{src}: '{name}' has shape {value.shape}, expected {want}")
-    if trace.predicted is not None and (
-        trace.predicted.min() < -1 or trace.predicted.max() >= trace.num_experts
-    ):
-        raise TraceError(f"{src}: 'predicted' has expert ids outside -1..{trace.num_experts - 1}")
+    for name in ("predicted", "predicted_from"):
+        value = getattr(trace, name)
+        if value is not None and value.size and (value.min() < -1 or value.max() >= trace.num_experts):
+            raise TraceError(f"{src}: '{name}' has expert ids outside -1..{trace.num_experts - 1}")
     if trace.is_prefill is not None and not np.isin(trace.is_prefill, (-1, 0, 1)).all():
         raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
     if trace.seq_id is not None and (trace.seq_id < 0).any():
