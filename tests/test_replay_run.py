@@ -141,6 +141,29 @@ def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):
     assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
 
 
+def test_a_generations_json_holds_its_own_prediction_quality(tmp_path, capsys):
+    """PREDICTORS.md says generate --json reports accuracy, fetchrate and goodpred; it held none of them.
+    Each generation's are its own steps' (ratios of its counts), the model's stats its whole life's."""
+    assert main(["generate", "--prompt", PROMPT, "--max-new-tokens", "8", "--expert-memory", "30%",
+                 "--prefetch", "learned", "--deterministic", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["goodpred"] <= out["accuracy"] <= 1 and 0 < out["fetchrate"] <= 1
+    assert len(out["accuracy_by_layer"]) == 6 and out["accuracy_by_layer"][0] is None  # layer 0 unpredicted
+    with ec.load(expert_memory="30%", prefetch="learned", deterministic=True) as model:
+        first = model.generate_text(PROMPT, 8)
+        assert (
+            {k: first.stats[k] for k in ("accuracy", "fetchrate", "goodpred")}
+            == {k: model.stats[k] for k in ("accuracy", "fetchrate", "goodpred")}
+            == {k: out[k] for k in ("accuracy", "fetchrate", "goodpred")}
+        )
+        counts = model.engine.driver.cache.stats.prediction_counts()
+        second = model.generate_text("import numpy as np", 8)
+        correct, actual, _ = (
+            b - a for a, b in zip(counts, model.engine.driver.cache.stats.prediction_counts(), strict=True)
+        )
+        assert second.stats["accuracy"] == correct.sum() / actual.sum() != model.stats["accuracy"]
+
+
 def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path, capsys):
     """sim and timing ranked a static policy by the replayed trace itself (230/77 against the run's
     126/181), and had no --profile to say otherwise."""

@@ -43,10 +43,6 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, object]:
         req, miss = int(self.requests.sum()), int(self.misses.sum())
-
-        def ratio(a: np.ndarray, b: np.ndarray) -> float:
-            return float(a.sum() / b.sum()) if b.sum() else 0.0
-
         return {
             "requests": req,
             "hits": req - miss,
@@ -68,13 +64,30 @@ class CacheStats:
             "prefetch_skipped": int(self.skipped_prefetches.sum()),
             "shadow_guesses": self.shadow_guesses,
             "shadow_hits": self.shadow_hits,
-            "accuracy": ratio(self.correct, self.actual),
-            "fetchrate": ratio(self.in_time, self.correct),
-            "goodpred": ratio(self.in_time, self.actual),
-            "accuracy_by_layer": _per_layer(self.correct, self.actual),
-            "fetchrate_by_layer": _per_layer(self.in_time, self.correct),
-            "goodpred_by_layer": _per_layer(self.in_time, self.actual),
+            **prediction_quality(self.correct, self.actual, self.in_time),
         }
+
+    def prediction_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of ``correct``, ``actual`` and ``in_time`` per layer: two of them taken around a run give
+        its own quality (``prediction_quality`` of their differences)."""
+        return self.correct.copy(), self.actual.copy(), self.in_time.copy()
+
+
+def prediction_quality(correct: np.ndarray, actual: np.ndarray, in_time: np.ndarray) -> dict[str, object]:
+    """ProMoE's accuracy, fetch rate and good prediction rate, overall and per layer, from the counts
+    per layer (the module docstring)."""
+
+    def ratio(a: np.ndarray, b: np.ndarray) -> float:
+        return float(a.sum() / b.sum()) if b.sum() else 0.0
+
+    return {
+        "accuracy": ratio(correct, actual),
+        "fetchrate": ratio(in_time, correct),
+        "goodpred": ratio(in_time, actual),
+        "accuracy_by_layer": _per_layer(correct, actual),
+        "fetchrate_by_layer": _per_layer(in_time, correct),
+        "goodpred_by_layer": _per_layer(in_time, actual),
+    }
 
 
 def _phases(stats: CacheStats) -> dict[str, dict[str, int]]:

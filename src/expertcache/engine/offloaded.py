@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from expertcache.cache.stats import prediction_quality
 from expertcache.config import (
     AUTO,
     CacheConfig,
@@ -209,6 +210,7 @@ class OffloadedModel:
             torch.manual_seed(seed)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         before = self._stats(memory=False)
+        predicted = self.cache.stats.prediction_counts()
         run = timed_generate(
             self.generate, ids.to(self.device), streamer, attention_mask=mask.to(self.device),
             max_new_tokens=max_new_tokens, pad_token_id=pad, **{**decode_kw, **kwargs},
@@ -220,6 +222,9 @@ class OffloadedModel:
             "prefetch_late", "prefetch_cancelled", "shadow_guesses", "shadow_hits", "filled",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
+        # the prediction quality of this generation's steps (ratios of counts, not of the totals')
+        now = self.cache.stats.prediction_counts()
+        delta.update(prediction_quality(*(b - a for a, b in zip(predicted, now, strict=True))))
         parts = before["part_misses"]
         delta["part_misses"] = {
             p: n - parts.get(p, 0) for p, n in after["part_misses"].items() if n > parts.get(p, 0)
