@@ -403,6 +403,21 @@ def test_plan_and_doctor_check_their_counts(trace):
         ec.diagnose(trace, 24, jobs=2.0)
 
 
+def test_simulate_takes_every_capacity_item_as_sim_does(trace):
+    """A list holding "all" or a range from 1 was refused in layer order ("capacity 1 is below top-k 4")
+    where sim --capacity takes them; a range past every expert was cut without a word."""
+    K, total = trace.top_k, trace.num_keys
+    assert [r.capacity for r in ec.simulate(trace, ["lru"], ["all"])][0] == K
+    with pytest.warns(ExpertcacheWarning, match=f"capacity 1:{K + 2}: left out 1.* \\(below top-k {K}\\)"):
+        got = ec.simulate(trace, ["lru"], [f"1:{K + 2}", 24])
+    assert [r.capacity for r in got] == [K, K + 1, K + 2, 24]
+    with pytest.warns(ExpertcacheWarning, match=f"left out {total + 8}:{total + 16}:8 \\(above all {total}"):
+        got = ec.simulate(trace, ["lru"], [f"{total - 8}:{total + 16}:8"])
+    assert [r.capacity for r in got] == [total - 8, total]
+    with pytest.raises(ExpertcacheError, match=f"select no capacity of the trace's {total} experts"):
+        ec.simulate(trace, ["lru"], [f"{total + 1}:{total + 9}"])
+
+
 def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(short):
     trace = short
     with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):

@@ -126,6 +126,11 @@ def test_sim_s_default_capacities_start_at_top_k_and_a_range_s_lower_ones_are_le
     code, out, err = run(capsys, "sim", str(path), "--policy", "lru", "--capacity", "1:9:4", "--json")
     assert code == 0 and [r["capacity"] for r in json.loads(out)] == [5, 9]
     assert "note: capacity 1:9:4: left out 1 (below top-k 2)" in err
+    code, out, err = run(capsys, "sim", str(path), "--policy", "lru", "--capacity", "14:30:3", "--json")
+    assert code == 0 and [r["capacity"] for r in json.loads(out)] == [14, 17, 20]  # 23-29 unsaid
+    assert "note: capacity 14:30:3: left out 23:29:3 (above all 20 experts)" in err
+    code, _, err = run(capsys, "sim", str(path), "--policy", "lru", "--capacity", "21:30")
+    assert code == 2 and err.endswith("capacity 21:30 selects no capacity of the trace's 20 experts\n")
 
 
 def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):
@@ -696,3 +701,25 @@ def test_an_empty_value_is_refused_not_replaced_by_the_default(argv, flag, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"expertcache: error: {flag} is empty; give a value or leave the option out"]
+
+
+def test_the_listings_take_a_class_without_a_docstring(capsys, monkeypatch):
+    """A policy added as POLICIES.md says, in a module without a docstring, broke `expertcache policies`
+    with an IndexError traceback."""
+    import types
+
+    from expertcache.policy.lru import LRU
+    from expertcache.policy.registry import POLICIES
+
+    module = types.ModuleType("users_policy")  # no docstring
+    bare = type("Bare", (LRU,), {"__module__": "users_policy", "__doc__": None, "name": "bare"})
+    monkeypatch.setitem(sys.modules, "users_policy", module)
+    monkeypatch.setitem(POLICIES, "bare", bare)
+    code, out, err = run(capsys, "policies")
+    assert code == 0 and err == ""
+    assert [line for line in out.splitlines() if line.startswith("bare ")] == [
+        "bare          online  (no description: the class and its module have no docstring)"
+    ]
+    bare.__doc__ = "The user's own LRU.\n\nMore."
+    code, out, _ = run(capsys, "policies")
+    assert "bare          online  The user's own LRU." in out.splitlines()

@@ -245,6 +245,17 @@ def test_a_range_that_selects_no_capacity_of_a_trace_is_a_note_even_quiet(capsys
         quiet(traces=[str(traces[0])], capacities=["100:200"])  # no log: the note is the message
 
 
+def test_a_range_cut_at_every_expert_says_what_it_left_out(capsys, traces):
+    """24:40:8 on a 32-expert trace ran 24 and 32 and said nothing of 40."""
+    code, out, err = run(
+        capsys, "sweep", "--trace", str(traces[0]), "--policy", "lru", "--capacity", "24:40:8"
+    )
+    assert (
+        code == 0 and f"note: {traces[0]}: capacities 24:40:8 (40) of the ranges are more than all 32" in err
+    )
+    assert [r["capacity"] for r in csv.DictReader(io.StringIO(out))] == ["24", "32"]
+
+
 def test_a_capacity_above_every_expert_is_capped_with_a_note(capsys, traces):
     # a row said capacity 200 and share 2.08 of a 96-expert trace (a new user found it)
     code, out, err = run(

@@ -171,6 +171,27 @@ def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
     return list(range(nums[0], min(nums[1], total) + 1, nums[2] if len(nums) == 3 else 1))
 
 
+def capacity_beyond(item: str | int, total: int) -> str | None:
+    """What of a range item (``START:STOP[:STEP]``) lies beyond all ``total`` experts, where
+    ``capacity_items`` cut it (``"1450:1500:50"``, ``"1441-1500"``, ``"1500"``), for a note; None where
+    nothing does (or ``item`` is no range)."""
+    parts = str(item).strip().split(":")
+    try:
+        start, stop, *rest = (int(p) for p in parts)
+    except ValueError:
+        return None
+    step = rest[0] if rest else 1
+    if len(parts) not in (2, 3) or min(start, step) < 1:
+        return None
+    last = start + (stop - start) // step * step
+    first = start if start > total else start + -(-(total + 1 - start) // step) * step
+    if first > last:
+        return None
+    if first == last:
+        return str(first)
+    return f"{first}-{last}" if step == 1 else f"{first}:{last}:{step}"
+
+
 def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
     """One cache size in experts, as the API's functions of one capacity take it: whole experts (24, "24")
     or a share of all ``total`` experts ("25%", rounded down), ``capacity_items``'s grammar less ranges."""

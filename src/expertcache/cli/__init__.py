@@ -41,7 +41,7 @@ from expertcache.trace.default import DEFAULT_TRACE, default_trace
 from expertcache.trace.stats import step_shape, summary
 from expertcache.trace.synth import GENERATORS, synthesize
 from expertcache.trace.trace import Trace, load_trace
-from expertcache.units import capacity_items
+from expertcache.units import capacity_beyond, capacity_items
 from expertcache.workers import thread_environment, usable_cpus
 
 DEFAULT_STEPS = 16  # default capacities: L*E/16, 2*L*E/16, ..., L*E
@@ -1658,10 +1658,17 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
                 print(
                     f"note: capacity {item}: left out {', '.join(map(str, out))} ({bound})", file=sys.stderr
                 )
+            beyond = capacity_beyond(item, total)  # capacity_items cut the range there
+            if beyond is not None:
+                print(
+                    f"note: capacity {item}: left out {beyond} (above all {total} experts)", file=sys.stderr
+                )
             got = [n for n in got if room <= n <= total]
         caps += got
     if not caps:
-        raise ExpertcacheError(f"capacity {' '.join(items)} selects no capacity")
+        raise ExpertcacheError(
+            f"capacity {' '.join(items)} selects no capacity of the trace's {total} experts"
+        )
     return list(dict.fromkeys(caps))
 
 
@@ -1769,10 +1776,23 @@ def _cmd_trace_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doc_line(*docs: str | None) -> str:
+    """The first line of the first of ``docs`` with any text (a policy, miss path or predictor added
+    without a docstring is listed without one, not a traceback)."""
+    for doc in docs:
+        if doc and doc.strip():
+            return doc.strip().splitlines()[0]
+    return "(no description: the class and its module have no docstring)"
+
+
+def _module_doc(cls) -> str | None:
+    return getattr(sys.modules.get(cls.__module__), "__doc__", None)
+
+
 def _cmd_policies(args: argparse.Namespace) -> int:
     for name in POLICIES:
         cls = policy_class(name)
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        doc = _doc_line(_module_doc(cls), cls.__doc__)
         kind = "offline" if cls.offline else "online"
         print(f"{name:13s} {kind:7s} {'per-layer split of ' if name.endswith('-dist') else ''}{doc}")
     return 0
@@ -1782,7 +1802,7 @@ def _cmd_misses(args: argparse.Namespace) -> int:
     from expertcache.miss.registry import MISS_PATHS, parameters
 
     for name, cls in MISS_PATHS.items():
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        doc = _doc_line(_module_doc(cls), cls.__doc__)
         if cls.__module__.endswith(".base"):
             doc = "fetch the whole expert at full precision (the default)."
         kind = "lossy" if cls.lossy else "exact"
@@ -1795,7 +1815,7 @@ def _cmd_predictors(args: argparse.Namespace) -> int:
     from expertcache.predict.registry import PREDICTORS
 
     for name, cls in PREDICTORS.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        doc = _doc_line(cls.__doc__, _module_doc(cls))
         where = "sim" if cls.sim_only else "engine" if cls.needs_model else "both"
         print(f"{name:10s} {where:6s} window {cls.default_window}  {doc}")
     print(

@@ -20,7 +20,7 @@ from expertcache.sim.replay import SimResult
 from expertcache.sim.timing import RECORDED
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import capacity_items, true_or_false, whole_number
+from expertcache.units import capacity_beyond, capacity_items, true_or_false, whole_number
 
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
@@ -189,7 +189,11 @@ def _simulate(
     schedule = build_schedule(trace, order)
     if profile is not None:
         schedule = with_profile(schedule, profile)
-    caps = all_capacities(schedule) if capacities == "all" else _capacities(capacities, trace.num_keys)
+    caps = (
+        all_capacities(schedule)
+        if capacities == "all"
+        else _capacities(capacities, trace.num_keys, schedule.min_room)
+    )
     specs = [parse_policy(spec) for spec in ([policies] if isinstance(policies, str) else policies)]
     with ThreadPoolExecutor(1) as background:
         opt, opt_caps = None, []
@@ -209,9 +213,11 @@ def _simulate(
         return with_opt(schedule, results, None if opt is None else opt.result())
 
 
-def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]:
+def _capacities(given: Sequence[int | str] | int | str, total: int, room: int = 1) -> list[int]:
     """Capacities as ``simulate`` takes them: one or a list of items of ``sim --capacity``'s grammar
-    (``units.capacity_items``: whole experts, ranges, shares of all ``total`` experts)."""
+    (``units.capacity_items``: whole experts, ranges, shares of all ``total`` experts, ``all`` from
+    ``room``, the least the order allows); as ``sim``, a range's capacities beyond the trace's bounds are
+    left out and one capacity above all experts is capped, each with a warning."""
     if isinstance(given, int | str) and not isinstance(given, bool):
         given = [given]
     elif not (isinstance(given, Sequence) and given):
@@ -221,10 +227,20 @@ def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]
         )
     caps = []
     for c in given:
-        got = capacity_items(c, total, 1)
+        got = capacity_items(c, total, room)
         if any(isinstance(n, str) for n in got):
             raise ExpertcacheError(f"capacity {c!r} is less than one expert of {total}")
-        if len(got) == 1 and got[0] > total:  # as sim --capacity: capped, and said
+        if ":" in str(c):  # a range: what lies beyond the trace's bounds is left out, and said
+            out = [n for n in got if n < room]
+            beyond = capacity_beyond(c, total)
+            for what, bound in ((", ".join(map(str, out)), f"below top-k {room}"),
+                                (beyond, f"above all {total} experts")):  # fmt: skip
+                if what:
+                    warnings.warn(
+                        f"capacity {c}: left out {what} ({bound})", ExpertcacheWarning, stacklevel=4
+                    )
+            got = [n for n in got if n >= room]
+        elif len(got) == 1 and got[0] > total:  # as sim --capacity: capped, and said
             warnings.warn(
                 f"a cache of {got[0]} experts is more than all {total}; capped at {total}",
                 ExpertcacheWarning,
@@ -232,4 +248,6 @@ def _capacities(given: Sequence[int | str] | int | str, total: int) -> list[int]
             )
             got = [total]
         caps += got
+    if not caps:
+        raise ExpertcacheError(f"capacities {given!r} select no capacity of the trace's {total} experts")
     return list(dict.fromkeys(caps))  # each once, in the order given, as sim --capacity

@@ -45,7 +45,7 @@ from expertcache.sim.curves import run_policy, with_opt
 from expertcache.tools.sweep_grid import DIMENSIONS, Grid, Timing, capacity_items
 from expertcache.tools.sweep_table import TIMING_IDENTITY, Results, columns, identity
 from expertcache.trace.trace import Trace, check_replayable, load_trace
-from expertcache.units import true_or_false, whole_number
+from expertcache.units import capacity_beyond, true_or_false, whole_number
 from expertcache.workers import exit_with_parent
 
 __all__ = ["Grid", "Timing", "exit_with_parent", "sweep"]
@@ -324,6 +324,14 @@ def _capacities(grid: Grid, t: _Loaded, order: str, p: Cells) -> list[int | str]
     total, low = t.trace.num_keys, min_room(order, t.trace.top_k)
     by_item = {item: capacity_items(item, total, low) for item in grid.capacities}
     caps = list(dict.fromkeys(c for items in by_item.values() for c in items))
+    beyond = [  # (a range wholly beyond selects no capacity: said below)
+        f"{item} ({cut})"
+        for item in grid.capacities
+        if by_item[item] and (cut := capacity_beyond(item, total))
+    ]
+    if beyond and order == grid.orders[0]:  # the ranges are cut at all experts: said
+        p.notes.append(f"note: {t.name}: capacities {', '.join(beyond)} of the ranges are more than all "
+                       f"{total} experts; left out")  # fmt: skip
     none = [str(item) for item, items in by_item.items() if not items]
     if none and order == grid.orders[0]:
         p.notes.append(f"note: {t.name}: capacities {', '.join(none)} select no capacity of its {total} "
