@@ -164,6 +164,30 @@ def test_a_generations_json_holds_its_own_prediction_quality(tmp_path, capsys):
         assert second.stats["accuracy"] == correct.sum() / actual.sum() != model.stats["accuracy"]
 
 
+def test_a_random_policys_seed_is_recorded_and_a_replay_with_another_is_said(tmp_path, capsys):
+    """A run of CacheConfig("random", seed=3) replayed by sim with seed 0 counted 107/235 against the
+    run's 115/227 without a word."""
+    from expertcache.config import CacheConfig
+
+    stats, path = _run(
+        tmp_path, "seeded", new_tokens=16, policy=CacheConfig("random", seed=3), prefetch="none"
+    )
+    assert ec.load_trace(path).meta["policy_seed"] == 3
+    assert main(["sim", str(path), "--policy", "random", "--capacity", "28", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "this run's policy random drew at random with seed 3, these replays with seed 0: --seed 3" in err
+    assert main(["sim", str(path), "--policy", "random", "--capacity", "28", "--seed", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    (row,) = json.loads(out)
+    assert (row["hits"], row["misses"]) == (stats["hits"], stats["misses"]) and "seed" not in err
+    assert main(["timing", "--trace", str(path), "--policy", "random"]) == 0
+    assert "its policy drew at random with seed 3 (--seed 3)" in capsys.readouterr().err
+    with pytest.warns(ExpertcacheWarning, match="drew at random with seed 3, these replays with seed 0"):
+        ec.simulate(path, ["random"], [28])
+    result = ec.simulate_timing(path, "recorded", cache=CacheConfig("random", seed=3))
+    assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+
+
 def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path, capsys):
     """sim and timing ranked a static policy by the replayed trace itself (230/77 against the run's
     126/181), and had no --profile to say otherwise."""

@@ -699,7 +699,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs, profile=args.profile
         )
     # once the replays ran: a policy refused is then the one line
-    _note_replays(trace, args.trace, bool(args.profile), args.policy or DEFAULT_POLICIES)
+    _note_replays(trace, args.trace, bool(args.profile), args.policy or DEFAULT_POLICIES, seed)
     if args.json:
         if args.per_layer:
             print("note: --per-layer changes nothing with --json: its objects always hold the layers",
@@ -717,12 +717,12 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_replays(trace, name: str, profiled: bool = False, policies=None) -> None:
+def _note_replays(trace, name: str, profiled: bool = False, policies=None, seed: int | None = None) -> None:
     """A run that prefetched, or served misses by another path, or ranked a static policy by a profile
     not given, counted what these replays do not: say how to replay it."""
     from expertcache.sim.simulate import replay_notes
 
-    for note in replay_notes(trace, name, profiled, policies):
+    for note in replay_notes(trace, name, profiled, policies, seed):
         print(f"note: {note}", file=sys.stderr)
 
 

@@ -31,6 +31,7 @@ from expertcache.engine.memory import resident_memory
 from expertcache.engine.packed import SOURCE_KEY, describe_format
 from expertcache.errors import ExpertcacheError, did_you_mean, first_line, warn_notes
 from expertcache.plan import Plan, as_plan
+from expertcache.policy.registry import policy_class
 from expertcache.trace.trace import Trace, check_save_path
 from expertcache.units import true_or_false, whole_number
 from expertcache.workers import quota_threads
@@ -430,6 +431,8 @@ class OffloadedModel:
             "memory": self.memory_experts,
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
         }  # fmt: skip
+        if policy_class(self.cache_config.name).seeded:  # what it drew from: a replay needs the same
+            meta["policy_seed"] = self.cache_config.seed
         profile = self.cache_config.profile
         if profile is not None:  # a static policy's ranking: the simulator needs the same (--profile)
             where = Path(profile.source if isinstance(profile, Trace) else profile)

@@ -61,23 +61,28 @@ def simulate(
                 f"{', '.join(names)} ranks by one"
             )
         ranked = usage_profile(profile, trace)
-    for note in replay_notes(trace, profiled=profile is not None, policies=names):
+    for note in replay_notes(trace, profiled=profile is not None, policies=names, seed=seed):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs, ranked)
 
 
 def replay_notes(
-    trace: Trace, name: str = "TRACE", profiled: bool = False, policies: Sequence[str] | None = None
+    trace: Trace,
+    name: str = "TRACE",
+    profiled: bool = False,
+    policies: Sequence[str] | None = None,
+    seed: int | None = None,
 ) -> list[str]:
     """Why these replays (a whole-expert cache, fetched on demand, no prefetching) do not count what the
     run that recorded ``trace`` (its file ``name``) counted, and what replays it: the run prefetched,
     served its misses by another miss path, or both (one note, one command); or it ranked a static
     policy by a profiling run's use that the replay was not given (``profiled``: it was); or ran a policy
     that ``policies`` (those replayed) do not hold, where they hold its name with other parameters (the
-    uniform ``lru-dist`` beside a plan's ``lru-dist:budgets=...``) or are the default ones. ``simulate``
-    warns them, ``sim`` notes them."""
+    uniform ``lru-dist`` beside a plan's ``lru-dist:budgets=...``) or are the default ones; or its policy
+    drew at random from another seed than ``seed``. ``simulate`` warns them, ``sim`` notes them."""
     meta = trace.meta
+    drew = meta.get("policy_seed")
     miss = str(meta.get("miss", "fetch"))
     other_miss = miss.partition(":")[0] != "fetch"
     prefetched = ""
@@ -90,6 +95,12 @@ def replay_notes(
         )
     notes = []
     policy, profile = meta.get("policy", "POLICY"), meta.get("profile")
+    if drew is not None and seed is not None and int(drew) != seed and str(policy) in (policies or ()):
+        notes.append(
+            f"this run's policy {policy} drew at random with seed {drew}, these replays with seed {seed}: "
+            + option(f"--seed {drew}", f"seed={drew}")
+            + " replays it"
+        )
     if profile is not None and not profiled:  # a static policy's ranking: the run's, not this trace's
         notes.append(
             f"this run's policy {policy} ranked experts by the use of {profile}; these replays rank by "

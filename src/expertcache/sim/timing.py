@@ -284,6 +284,10 @@ def replay_differences(
     policy = meta.get("policy")
     if policy is not None and policy != cache.policy:
         out.append(f"its policy was {policy} (" + option(f"--policy {policy}", f"cache={policy!r}") + ")")
+    drew = meta.get("policy_seed")
+    if drew is not None and policy == cache.policy and int(drew) != cache.seed:
+        given = option(f"--seed {drew}", f"cache=CacheConfig({policy!r}, seed={drew})")
+        out.append(f"its policy drew at random with seed {drew} ({given})")
     profile = meta.get("profile")
     if profile is not None and cache.profile is None and policy == cache.policy:
         out.append(f"it ranked by the use of {profile} (" + option(f"--profile {profile}", "profile=") + ")")
