@@ -35,6 +35,7 @@ LAYERS = {
     "predict": 5,
     "config": 6,
     "plan": 6,
+    "plugins": 6,
     "sim": 7,
     "engine": 7,
     "tools": 8,

@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from expertcache.config import HostConfig  # noqa: E402
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, PolicyError, TraceError  # noqa: E402
 from expertcache.plan import Plan  # noqa: E402
+from expertcache.plugins import load_plugins, register_miss, register_policy, register_predictor  # noqa: E402
 from expertcache.policy import POLICIES, PolicyContext, make_policy  # noqa: E402
 from expertcache.predict import PREDICTORS, PredictContext, make_predictor  # noqa: E402
 from expertcache.sim import (  # noqa: E402
@@ -63,11 +64,15 @@ __all__ = [
     "default_trace",
     "diagnose",
     "load",
+    "load_plugins",
     "load_trace",
     "make_plan",
     "make_policy",
     "make_predictor",
     "profile",
+    "register_miss",
+    "register_policy",
+    "register_predictor",
     "replay",
     "run_policy",
     "selftest",

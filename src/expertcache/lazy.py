@@ -11,8 +11,8 @@ T = TypeVar("T")
 
 
 class LazyRegistry(Mapping[str, T], Generic[T]):
-    """A read-only mapping of names to ``"package.module:Attribute"`` paths, each resolved (imported)
-    the first time it is looked up; iteration and membership never import anything."""
+    """A mapping of names to ``"package.module:Attribute"`` paths, each resolved (imported) the first
+    time it is looked up; iteration and membership never import anything. ``register`` adds an object."""
 
     def __init__(self, paths: dict[str, str]) -> None:
         self._paths = dict(paths)
@@ -32,6 +32,11 @@ class LazyRegistry(Mapping[str, T], Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._paths
+
+    def register(self, name: str, obj: T) -> None:
+        """Add (or replace) an entry by the object itself (``plugins``: a class of the user's own)."""
+        self._paths[name] = f"{obj.__module__}:{obj.__qualname__}"
+        self._loaded[name] = obj
 
     def path(self, name: str) -> str:
         """Where the entry lives (``module:Attribute``), without importing it."""

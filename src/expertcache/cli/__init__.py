@@ -25,6 +25,7 @@ from expertcache.cli.util import check_outputs, output_option, quiet_transformer
 from expertcache.config import CHECKPOINT_DTYPES, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
+from expertcache.plugins import load_plugins
 from expertcache.policy.registry import (
     POLICIES,
     capacity_reason,
@@ -128,6 +129,11 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # the user's own policies, predictors and miss paths (EXPERTCACHE_PLUGINS), before any name is read
+        load_plugins()
+    except ExpertcacheError as e:
+        print(f"expertcache: error: {e}", file=sys.stderr)
+        return 2
     parser = _build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     if words and words[0].startswith("-") and words[0] not in ("-h", "--help", "--version"):

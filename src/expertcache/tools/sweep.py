@@ -30,6 +30,7 @@ from expertcache.cache.schedule import build_schedule, min_room
 from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel
 from expertcache.errors import ExpertcacheError, first_line
+from expertcache.plugins import load_plugins
 from expertcache.policy.base import PolicyContext
 from expertcache.policy.registry import (
     capacity_reason,
@@ -367,6 +368,7 @@ def cell_identity(task: Task, capacity: int, timing: bool) -> tuple[object, ...]
 # -- running one task (in this process, a worker process, or a Ray worker) --------------------------
 def run_task(task: Task, trace: Trace, predictor: Trace | None = None) -> tuple[list[dict], list[str]]:
     """The rows of one task, and notes on cells it had to leave out."""
+    load_plugins()  # a worker started fresh (spawned, a Ray worker's): the user's own policies (once)
     with fast.plain_pages():  # the simulator's large arrays: see plain_pages
         schedule = build_schedule(trace, task.order)
         params = _files_from(task.policy, dict(task.params), task.base)  # (a Ray worker is elsewhere)

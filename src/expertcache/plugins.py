@@ -1,0 +1,101 @@
+"""Policies, predictors and miss paths of the user's own, outside the package.
+
+A class is registered under its own ``name`` (the name the CLI, the API and result rows use) by
+``register_policy``, ``register_predictor`` or ``register_miss``, from Python or from a module of the
+user's that ``EXPERTCACHE_PLUGINS`` names (``EXPERTCACHE_PLUGINS=my_policies,my_predictor``, modules
+importable from ``sys.path``: ``PYTHONPATH``). The command line imports those modules before it reads its
+arguments, and so does every process that runs a sweep's cells (a worker started fresh, a Ray worker
+given the variable), so a plugin's names work wherever the package's own do. ``load_plugins`` imports
+them in a Python session. What a class must provide is the package's own contract: ``docs/POLICIES.md``,
+``docs/PREDICTORS.md``, ``docs/MISS.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+from expertcache.errors import ExpertcacheError, first_line
+
+ENV = "EXPERTCACHE_PLUGINS"
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_loaded: set[str] = set()
+
+
+def load_plugins(modules: str | None = None) -> list[str]:
+    """Import each module of ``modules`` (comma-separated; default: ``EXPERTCACHE_PLUGINS``) once per
+    process -> the names imported now. A module that cannot be imported is one ExpertcacheError naming it."""
+    text = os.environ.get(ENV, "") if modules is None else modules
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    done = []
+    for name in names:
+        if name in _loaded:
+            continue
+        try:
+            importlib.import_module(name)
+        except ExpertcacheError as e:  # a registration refused: its own words
+            raise ExpertcacheError(f"plugin {name} ({ENV}): {e}") from None
+        except Exception as e:  # noqa: BLE001 (the user's module: any error is theirs, said in one line)
+            missing = isinstance(e, ModuleNotFoundError) and e.name in (name, name.partition(".")[0])
+            what = first_line(e) if missing else f"{type(e).__name__}: {first_line(e)}"
+            hint = " (is its folder on PYTHONPATH?)" if missing else ""
+            raise ExpertcacheError(f"plugin {name} ({ENV}) cannot be imported: {what}{hint}") from None
+        _loaded.add(name)
+        done.append(name)
+    return done
+
+
+def register_policy(cls) -> type:
+    """Register an eviction policy class (a ``policy.base.Policy`` subclass) under its ``name``; usable
+    as a decorator."""
+    from expertcache.policy.base import Policy
+    from expertcache.policy.registry import POLICIES
+
+    _check(cls, Policy, "policy", POLICIES, "Policy (expertcache.policy.base)")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def register_predictor(cls) -> type:
+    """Register a predictor class (a ``predict.base.Predictor`` subclass) under its ``name``; usable as a
+    decorator."""
+    from expertcache.predict.base import Predictor
+    from expertcache.predict.registry import PREDICTORS
+
+    _check(cls, Predictor, "predictor", PREDICTORS, "Predictor (expertcache.predict.base)", ("none", "auto"))
+    PREDICTORS.register(cls.name, cls)
+    return cls
+
+
+def register_miss(cls) -> type:
+    """Register a miss path class (a ``miss.base.MissPath`` subclass) under its ``name``; usable as a
+    decorator."""
+    from expertcache.miss.base import MissPath
+    from expertcache.miss.registry import MISS_PATHS
+
+    _check(cls, MissPath, "miss path", MISS_PATHS, "MissPath (expertcache.miss.base)")
+    MISS_PATHS[cls.name] = cls
+    return cls
+
+
+def _check(cls, base: type, kind: str, registry, base_name: str, reserved: tuple[str, ...] = ()) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, base)) or cls is base:
+        raise ExpertcacheError(f"a {kind} to register is a subclass of {base_name}, got {cls!r}")
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        inherited = getattr(cls, "name", None)
+        why = f" (it inherits {inherited!r})" if isinstance(inherited, str) and name is None else ""
+        raise ExpertcacheError(
+            f"{kind} {cls.__qualname__}: set its own name, the one commands and rows use (name = "
+            f"'my-{kind.split()[0]}': lower-case letters, digits, '.', '_' or '-'){why}"
+        )
+    taken = registry.get(name) if name in registry else None
+    if name in reserved or (taken is not None and _identity(taken) != _identity(cls)):
+        raise ExpertcacheError(f"{kind} name {name!r} is taken: give {cls.__qualname__} another name")
+
+
+def _identity(cls) -> tuple[str, str]:
+    """The same class imported again (a module run twice) registers again; another class does not."""
+    cls = getattr(cls, "func", cls)  # a -dist policy's partial
+    return getattr(cls, "__module__", ""), getattr(cls, "__qualname__", repr(cls))

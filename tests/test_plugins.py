@@ -1,0 +1,193 @@
+"""Policies, predictors and miss paths of the user's own, outside the package (``expertcache.plugins``):
+registered from Python or named by EXPERTCACHE_PLUGINS, they work by name wherever the package's own do
+(a new user could only edit the installed package's registries)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import expertcache as ec
+from expertcache.errors import ExpertcacheError
+from expertcache.plugins import _loaded, load_plugins
+from expertcache.policy.registry import POLICIES
+from expertcache.predict.registry import PREDICTORS
+
+PLUGIN = '''
+"""A most-recently-used eviction policy and a predictor of the last step's experts, the user's own."""
+from collections import OrderedDict
+
+import numpy as np
+
+import expertcache
+from expertcache.policy.base import Policy
+from expertcache.predict.base import Predictor
+
+
+@expertcache.register_policy
+class MRU(Policy):
+    """MRU: evict the most recently requested expert."""
+
+    name = "users-mru"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.keys = OrderedDict()
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __contains__(self, key):
+        return key in self.keys
+
+    def on_hit(self, key):
+        self.keys.move_to_end(key)
+
+    def on_insert(self, key):
+        self.keys[key] = None
+
+    def on_evict(self, key):
+        del self.keys[key]
+
+    def victim(self, incoming, pinned):
+        if len(self.keys) < self.capacity:
+            return None
+        return next((k for k in reversed(self.keys) if k not in pinned), None)
+
+
+@expertcache.register_predictor
+class LastStep(Predictor):
+    """Each layer routes as it did in the step before."""
+
+    name = "users-last-step"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.last, self.now = {}, {}
+
+    def _begin(self, token_ids, prefill, new_request, future):
+        self.last, self.now = ({} if new_request else {**self.last, **self.now}), {}
+
+    def _observe(self, layer, experts):
+        self.now[layer] = [int(x) for x in np.asarray(experts)[-1] if x >= 0]
+
+    def _predict(self, source, target, gate_input):
+        return list(self.last.get(target, []))
+'''
+
+
+def _cli(tmp_path: Path, *argv: str, plugins: str = "users_plugin") -> subprocess.CompletedProcess:
+    env = {**os.environ, "EXPERTCACHE_PLUGINS": plugins}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    return subprocess.run(
+        [sys.executable, "-m", "expertcache", *argv], env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The plugin module in ``tmp_path``, imported here as EXPERTCACHE_PLUGINS would; unregistered after."""
+    (tmp_path / "users_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "users_plugin", raising=False)
+    assert load_plugins("users_plugin") == ["users_plugin"]
+    yield tmp_path
+    POLICIES.pop("users-mru", None)
+    PREDICTORS._paths.pop("users-last-step", None)
+    PREDICTORS._loaded.pop("users-last-step", None)
+    _loaded.discard("users_plugin")
+
+
+def test_a_plugins_policy_runs_alike_in_the_engine_the_simulator_and_the_command_line(plugin):
+    with ec.load(expert_memory="30%", policy="users-mru", prefetch="none") as model:
+        model.generate_text("def read_config(path):", 16)
+        stats, trace = model.stats, model.trace()
+    (row,) = ec.simulate(trace, ["users-mru"], [stats["capacity_experts"]])
+    assert row.policy == "users-mru" and (row.hits, row.misses) == (stats["hits"], stats["misses"])
+    (lru,) = ec.simulate(trace, ["lru"], [stats["capacity_experts"]])
+    assert lru.misses != row.misses  # not LRU under another name
+    path = plugin / "run.npz"
+    trace.save(path)
+    done = _cli(plugin, "sim", str(path), "--policy", "users-mru", "--capacity", str(row.capacity), "--json")
+    assert done.returncode == 0, done.stderr
+    (cli_row,) = json.loads(done.stdout)
+    assert (cli_row["policy"], cli_row["misses"]) == ("users-mru", row.misses)
+    listed = _cli(plugin, "policies")
+    assert "users-mru     online  A most-recently-used eviction policy" in listed.stdout
+    swept = _cli(plugin, "sweep", "--trace", str(path), "--policy", "users-mru", "lru", "--capacity", "24",
+                 "32", "--jobs", "2", "--json")  # fmt: skip
+    assert swept.returncode == 0, swept.stderr
+    assert {r["policy"] for r in json.loads(swept.stdout)} == {"users-mru", "lru"}
+
+
+def test_a_plugins_predictor_runs_in_the_engine_and_its_run_replays(plugin):
+    from expertcache.config import PrefetchConfig
+
+    with ec.load(
+        expert_memory="30%", prefetch=PrefetchConfig("users-last-step", deterministic=True)
+    ) as model:
+        model.generate_text("def read_config(path):", 16)
+        stats, trace = model.stats, model.trace()
+    assert stats["prefetch_issued"] > 0 and trace.meta["predictor"] == "users-last-step"
+    fast = {"link_bandwidth": "1000TB/s", "link_latency": "0us"}
+    for prefetch in ("recorded", "users-last-step"):  # replayed, or run again on the trace
+        result = ec.simulate_timing(trace, "recorded", prefetch=prefetch, cost=fast)
+        assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+    assert "users-last-step" in _cli(plugin, "predictors").stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "raise RuntimeError('no licence')",
+            "plugin bad_plugin (EXPERTCACHE_PLUGINS) cannot be imported: RuntimeError: no licence",
+        ),  # fmt: skip
+        (
+            "import expertcache\nfrom expertcache.policy.lru import LRU\n\n@expertcache.register_policy\n"
+            "class Mine(LRU):\n    pass\n",
+            "policy Mine: set its own name, the one commands and rows use "
+            "(name = 'my-policy': lower-case letters, digits, '.', '_' or '-') (it inherits 'lru')",
+        ),
+        (
+            "import expertcache\nfrom expertcache.policy.lru import LRU\n\n@expertcache.register_policy\n"
+            "class Mine(LRU):\n    name = 'fifo'\n",
+            "policy name 'fifo' is taken: give Mine another name",
+        ),
+        (
+            "import expertcache\nexpertcache.register_predictor(dict)\n",
+            "a predictor to register is a subclass of Predictor (expertcache.predict.base), got "
+            "<class 'dict'>",
+        ),
+    ],  # fmt: skip
+)
+def test_a_plugin_that_cannot_be_used_is_one_line(tmp_path, source, message):
+    (tmp_path / "bad_plugin.py").write_text(textwrap.dedent(source))
+    done = _cli(tmp_path, "policies", plugins="bad_plugin")
+    assert done.returncode == 2 and done.stdout == ""
+    said = (
+        message if "cannot be imported" in message else f"plugin bad_plugin (EXPERTCACHE_PLUGINS): {message}"
+    )
+    assert done.stderr == f"expertcache: error: {said}\n"
+
+
+def test_a_missing_plugin_module_is_one_line_naming_it(tmp_path):
+    done = _cli(tmp_path, "sim", "default", plugins="not_there, users_plugin")
+    assert done.returncode == 2 and done.stderr == (
+        "expertcache: error: plugin not_there (EXPERTCACHE_PLUGINS) cannot be imported: No module named "
+        "'not_there' (is its folder on PYTHONPATH?)\n"
+    )
+
+
+def test_registering_the_same_class_twice_is_no_error(plugin):
+    mru = ec.POLICIES["users-mru"]
+    assert ec.register_policy(mru) is mru
+    with pytest.raises(ExpertcacheError, match="'users-mru' is taken"):
+        ec.register_policy(type("Other", (mru,), {"name": "users-mru"}))
