@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--no-huge-pages", action="store_true")
     ap.add_argument("--modules", action="store_true", help="time the parts of the model around the loops")
     args = ap.parse_args()
+    if min(args.threads, args.new_tokens, args.rounds) < 1:
+        ap.error("--threads, --new-tokens and --rounds must be at least 1")
     import torch
 
     import expertcache
@@ -56,7 +58,13 @@ def main() -> None:
     kw = {"quantize_dense": args.quantize_dense} if args.quantize_dense else {}
     if args.dtype:
         kw["dtype"] = args.dtype
-    model = expertcache.load(args.model, expert_memory="100%", slow_tier="disk", device="cpu", **kw)
+    try:
+        model = expertcache.load(args.model, expert_memory="100%", slow_tier="disk", device="cpu", **kw)
+    except expertcache.ExpertcacheError as e:
+        ap.error(str(e))
+    if model.stats["expert_format"] != "int8":  # the loops timed here are the int8 ones
+        ap.error(f"{args.model} holds {model.stats['expert_format']} experts, not int8: give an int8 "
+                 "checkpoint (expertcache quantize --bits 8 --checkpoint)")  # fmt: skip
     ids = torch.arange(100, 164)[None]
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -120,7 +128,7 @@ def _wrap_parts(model, parts) -> None:
     from transformers import cache_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from expertcache.engine import dense, runtime
+    from expertcache.engine import dense, kv, runtime
     from expertcache.engine.routing import moe_routers
 
     def timing(inner, name: str):
@@ -146,7 +154,8 @@ def _wrap_parts(model, parts) -> None:
     if impl in ALL_ATTENTION_FUNCTIONS:  # looked up at every call: the registered function, timed
         functions = ALL_ATTENTION_FUNCTIONS._global_mapping
         functions[impl] = timing(functions[impl], f"attention function ({impl})")
-    wrap(cache_utils.DynamicLayer, "update", "key-value cache update")
+    wrap(cache_utils.DynamicLayer, "update", "key-value cache update")  # transformers' own, and the
+    wrap(kv.GrowingLayer, "update", "key-value cache update")  # engine's, which grows it in place
     wrap(type(moe_routers(model.model)[0]), "forward", "routers")
     norm = getattr(layer, "input_layernorm", None)
     if norm is not None:

@@ -396,7 +396,7 @@ def expertcache_spec(spec: str, extra: dict) -> tuple[str, str, dict, str]:
     memory, _, rest = spec.partition(":")
     tier, _, own = rest.partition(":")
     tier = tier or "disk"
-    own_args = parse_extra([kv for kv in own.split(",") if kv])
+    own_args = parse_extra([kv for kv in own.split(",") if kv], f"--expertcache {spec}")
     shown = {k: Path(str(v)).name if k == "model" else v for k, v in own_args.items()}
     name = f"expertcache {memory} {tier}" + "".join(f" {k}={v}" for k, v in shown.items())
     return memory, tier, {**extra, **own_args}, name
@@ -471,7 +471,10 @@ def build_checkpoint(config_dir: Path, out: Path, layers: int | None, tokenizer:
     cfg = json.loads((config_dir / "config.json").read_text())
     tok = tokenizer or config_dir
     if not (tok / "tokenizer.json").is_file():
-        raise SystemExit(f"{config_dir}: no tokenizer.json; give --tokenizer DIR")
+        raise SystemExit(
+            f"engines_cpu: error: {config_dir}: no tokenizer.json; give --tokenizer DIR (any "
+            "model's: random weights need only one)"
+        )
     spec = dict(
         hidden=cfg["hidden_size"],
         layers=layers or cfg["num_hidden_layers"],
@@ -495,12 +498,12 @@ def build_checkpoint(config_dir: Path, out: Path, layers: int | None, tokenizer:
     return out
 
 
-def parse_extra(pairs: list[str]) -> dict:
+def parse_extra(pairs: list[str], where: str = "--expertcache-args") -> dict:
     extra = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--expertcache-args: {pair!r} is not key=value")
+            raise SystemExit(f"engines_cpu: error: {where}: {pair!r} is not key=value")
         try:
             extra[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -600,6 +603,11 @@ def main() -> int:
         return 0
     if args.rounds < 1 or args.new_tokens < 2 or args.prompt_tokens < 1 or args.threads < 1:
         p.error("--rounds, --prompt-tokens and --threads must be at least 1, --new-tokens at least 2")
+    if not (args.model / "config.json").is_file():  # before anything loads (transformers' error is 70 lines)
+        p.error(f"--model {args.model}: no checkpoint there (no config.json); --build CONFIG_DIR makes one")
+    missing = [str(g) for g in args.gguf or () if not Path(g).is_file()]
+    if missing:
+        p.error(f"--gguf: no such file {missing[0]}")
     out = args.out or Path("/tmp/engines_cpu.json")
     cgroup = None
     if args.limit:  # before anything is loaded: this process and its llama.cpp worker in the group
@@ -675,6 +683,9 @@ def main() -> int:
             if want(name):
                 log(f"loading {name}")
                 engines.append(ExpertcacheEngine(spec, args.model, pad, extra))
+        if not engines:  # nothing selected, or nothing that started: what was skipped says why
+            why = "; ".join(notes) or f"--only {' '.join(args.only or [])} selects none of the engines"
+            raise SystemExit(f"engines_cpu: error: no engine to run ({why})")
         cold = {}
         for e in engines:
             log(f"warm-up {e.name} (ready in {e.ready_s:.1f} s)")
@@ -763,6 +774,14 @@ def main() -> int:
                     "median": round(statistics.median(ratios), 3),
                     "ci95": [round(lo, 3), round(hi, 3)],
                 }
+        q8 = runs.get("llama.cpp q8_0")
+        if q8 is not None and e.name != "llama.cpp q8_0":  # the issue's yardstick, round by round
+            ratios = [a["tpot_s"] / b["tpot_s"] for a, b in zip(rs, q8, strict=True)]
+            row["tpot_vs_q8_0"] = {
+                "median": round(statistics.median(ratios), 3),
+                "range": [round(min(ratios), 3), round(max(ratios), 3)],
+                "runs": [round(x, 3) for x in ratios],
+            }
         if "llama_perf" in rs[0]:
             row["llama_perf"] = {
                 "prefill_ms": round(statistics.median(x["llama_perf"]["prefill_ms"] for x in rs), 2),
@@ -787,6 +806,13 @@ def main() -> int:
     ]
     if perf:
         print("\nllama.cpp's own perf counters (medians): " + "; ".join(perf))
+    q8 = [
+        f"{n} {v['median']:.2f}x [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
+        for n, r in results["engines"].items()
+        if (v := r.get("tpot_vs_q8_0"))
+    ]
+    if q8:
+        print("\nTPOT / llama.cpp q8_0's in the same round, median [range]: " + "; ".join(q8))
     if ref:
         print(
             f"\nTransformers eager's greedy tokens: {results['eager_distinct_tokens']} distinct of "
@@ -799,5 +825,22 @@ def main() -> int:
     return 0
 
 
+def run() -> int:
+    """``main`` with the library's errors (a bad spec, a checkpoint that is not there, a size without its
+    unit) as one line and exit 2, as the command line gives them."""
+    from expertcache.errors import ExpertcacheError
+
+    try:
+        return main()
+    except ExpertcacheError as e:
+        print(f"engines_cpu: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # the script's own refusals (a message, not a status)
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -350,7 +350,7 @@ async def run(args, base: str, pid: int) -> dict[str, object]:
 def server_command(args, port: int, config: str) -> list[str]:
     """The server at ``config``: an expert memory, or ``MEMORY:POLICY[:MISS]`` (else ``--policy``,
     ``--miss``)."""
-    memory, policy, miss = (config.split(":") + [None, None])[:3]
+    memory, policy, miss = (config.split(":", 2) + [None, None])[:3]  # a miss path may have k=v,...
     tier = args.slow_tier or ("mapped" if args.device == "cpu" else "host")  # a GPU's: pinned host memory
     cmd = [sys.executable, "-m", "expertcache.cli", "serve", "--port", str(port), "--device", args.device,
            "--expert-memory", memory, "--max-queue", str(max(64, *args.clients)), "--slow-tier", tier,
@@ -602,7 +602,7 @@ def check_config(config: str, args: argparse.Namespace) -> None:
     from expertcache.errors import ExpertcacheError
     from expertcache.units import parse_size
 
-    memory, policy, miss = (config.split(":") + [None, None])[:3]
+    memory, policy, miss = (config.split(":", 2) + [None, None])[:3]  # a miss path may have k=v,...
     where = f"--compare {config!r}" if args.compare is not None else f"--expert-memory {config!r}"
     try:
         if not memory.strip():
