@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -123,7 +124,8 @@ def plot_curves(results: Sequence[SimResult], path: str | Path, title: str = "")
         ax.plot([c for c, _ in pts], [m for _, m in pts], "k--", linewidth=2, label="opt")
     ax.set_xlabel("capacity (experts)")
     ax.set_ylabel("misses")
-    ax.set_title(title or f"misses against capacity ({results[0].order} order)")
+    # a long trace path wraps rather than running off the figure
+    ax.set_title(textwrap.fill(title or f"misses against capacity ({results[0].order} order)", 64))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
