@@ -828,8 +828,10 @@ def main() -> int:
 def run() -> int:
     """``main`` with the library's errors (a bad spec, a checkpoint that is not there, a size without its
     unit) as one line and exit 2, as the command line gives them."""
-    from expertcache.errors import ExpertcacheError
-
+    try:
+        from expertcache.errors import ExpertcacheError
+    except ImportError:  # the llama.cpp worker, in llama-cpp-python's own environment
+        return main()
     try:
         return main()
     except ExpertcacheError as e:
