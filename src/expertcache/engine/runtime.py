@@ -243,8 +243,8 @@ class Engine:
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
             return
-        # a finite sum has no NaN or infinity in it (one reduction, about 15x faster than torch's isfinite
-        # over a vocabulary on a CPU); a sum that overflowed is checked value by value
+        # a finite sum has no NaN or infinity in it (one reduction: 6-8 us against isfinite's 44-72 us over
+        # Granite's 49,155 scores on a CPU); a sum that overflowed is checked value by value
         if not torch.isfinite(logits.sum()) and not torch.isfinite(logits).all():
             raise ExpertcacheError(
                 "the model's outputs are not finite (NaN or infinite logits): the checkpoint's weights or "
