@@ -21,70 +21,17 @@ from expertcache.predict.registry import PREDICTORS
 
 PLUGIN = '''
 """A most-recently-used eviction policy and a predictor of the last step's experts, the user's own."""
-from collections import OrderedDict
-
-import numpy as np
-
 import expertcache
-from expertcache.policy.base import Policy
-from expertcache.predict.base import Predictor
+from user_classes import MRU, LastStep
 
-
-@expertcache.register_policy
-class MRU(Policy):
-    """MRU: evict the most recently requested expert."""
-
-    name = "users-mru"
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.keys = OrderedDict()
-
-    def __len__(self):
-        return len(self.keys)
-
-    def __contains__(self, key):
-        return key in self.keys
-
-    def on_hit(self, key):
-        self.keys.move_to_end(key)
-
-    def on_insert(self, key):
-        self.keys[key] = None
-
-    def on_evict(self, key):
-        del self.keys[key]
-
-    def victim(self, incoming, pinned):
-        if len(self.keys) < self.capacity:
-            return None
-        return next((k for k in reversed(self.keys) if k not in pinned), None)
-
-
-@expertcache.register_predictor
-class LastStep(Predictor):
-    """Each layer routes as it did in the step before."""
-
-    name = "users-last-step"
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.last, self.now = {}, {}
-
-    def _begin(self, token_ids, prefill, new_request, future):
-        self.last, self.now = ({} if new_request else {**self.last, **self.now}), {}
-
-    def _observe(self, layer, experts):
-        self.now[layer] = [int(x) for x in np.asarray(experts)[-1] if x >= 0]
-
-    def _predict(self, source, target, gate_input):
-        return list(self.last.get(target, []))
+expertcache.register_policy(MRU)
+expertcache.register_predictor(LastStep)
 '''
 
 
 def _cli(tmp_path: Path, *argv: str, plugins: str = "users_plugin") -> subprocess.CompletedProcess:
     env = {**os.environ, "EXPERTCACHE_PLUGINS": plugins}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(__file__).parent), *sys.path])
     return subprocess.run(
         [sys.executable, "-m", "expertcache", *argv], env=env, capture_output=True, text=True, timeout=300,
         cwd=tmp_path,
@@ -120,7 +67,9 @@ def test_a_plugins_policy_runs_alike_in_the_engine_the_simulator_and_the_command
     (cli_row,) = json.loads(done.stdout)
     assert (cli_row["policy"], cli_row["misses"]) == ("users-mru", row.misses)
     listed = _cli(plugin, "policies")
-    assert "users-mru     online  A most-recently-used eviction policy" in listed.stdout
+    assert (
+        "users-mru     online  A policy and a predictor written as a user would write theirs" in listed.stdout
+    )
     swept = _cli(plugin, "sweep", "--trace", str(path), "--policy", "users-mru", "lru", "--capacity", "24",
                  "32", "--jobs", "2", "--json")  # fmt: skip
     assert swept.returncode == 0, swept.stderr

@@ -113,28 +113,14 @@ def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):
     """A predictor object of the user's own (a name the library does not know) was replayed as one of the
     model's gate inputs, after each router, dropping what it predicted at each step's start: 157/281
     against the run's 153/285. The run records where its predictor predicts."""
-    from expertcache.predict.base import PredictContext, Predictor
+    from user_classes import LastStep
 
-    class Repeat(Predictor):  # each layer routes as it did in the step before
-        name = "repeat-last-step"
+    from expertcache.predict.base import PredictContext
 
-        def __init__(self, ctx):
-            super().__init__(ctx)
-            self.last, self.now = {}, {}
-
-        def _begin(self, token_ids, prefill, new_request, future):
-            self.last, self.now = ({} if new_request else {**self.last, **self.now}), {}
-
-        def _observe(self, layer, experts):
-            self.now[layer] = [int(x) for x in np.asarray(experts)[-1] if x >= 0]
-
-        def _predict(self, source, target, gate_input):
-            return list(self.last.get(target, []))
-
-    mine = Repeat(PredictContext(num_layers=6, num_experts=16, top_k=2))
+    mine = LastStep(PredictContext(num_layers=6, num_experts=16, top_k=2))
     stats, path = _run(tmp_path, "own", new_tokens=24, prefetch=PrefetchConfig(mine, deterministic=True))
     trace = ec.load_trace(path)
-    assert trace.meta["predictor"] == "repeat-last-step" and trace.meta["predictor_needs_model"] is False
+    assert trace.meta["predictor"] == "users-last-step" and trace.meta["predictor_needs_model"] is False
     assert stats["prefetch_issued"] > 0
     fast = {"link_bandwidth": "1000TB/s", "link_latency": "0us"}
     result = ec.simulate_timing(trace, "recorded", prefetch="recorded", cost=fast)
