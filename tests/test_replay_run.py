@@ -107,6 +107,8 @@ def test_an_adaptive_runs_predictions_replay_at_the_layers_it_made_them(tmp_path
         result = ec.simulate_timing(trace, "recorded", cache=policy, prefetch=prefetch, cost=fast)
         assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
         assert result.cache["prefetch_issued"] == stats["prefetch_issued"]
+    if policy == "lru":  # the planner's per-layer replays take such a trace (layer_trace kept predicted_from)
+        assert ec.make_plan(trace, 28).capacity == 28
 
 
 def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):

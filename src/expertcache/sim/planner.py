@@ -67,6 +67,7 @@ def layer_trace(trace: Trace, layer: int) -> Trace:
 
     return replace(
         trace, experts=one(trace.experts), weights=one(trace.weights), predicted=one(trace.predicted),
+        predicted_from=None,  # predictions of one layer from others: nothing within one layer
         source=f"{trace.source} layer {layer}",
     )  # fmt: skip
 
