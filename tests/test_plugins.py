@@ -140,3 +140,24 @@ def test_registering_the_same_class_twice_is_no_error(plugin):
     assert ec.register_policy(mru) is mru
     with pytest.raises(ExpertcacheError, match="'users-mru' is taken"):
         ec.register_policy(type("Other", (mru,), {"name": "users-mru"}))
+
+
+def test_a_miss_path_of_ones_own_is_taken_by_name(monkeypatch):
+    from expertcache.miss.host import Host
+    from expertcache.miss.registry import MISS_PATHS
+
+    class MyHost(Host):
+        """The host path under a name of the user's own."""
+
+        name = "users-host"
+
+    monkeypatch.delitem(MISS_PATHS, "users-host", raising=False)
+    assert ec.register_miss(MyHost) is MyHost
+    try:
+        trace = ec.default_trace()
+        mine, theirs = (ec.simulate_timing(trace, 24, miss=m) for m in ("users-host", "host"))
+        assert (mine.hits, mine.misses, mine.tpot_s) == (theirs.hits, theirs.misses, theirs.tpot_s)
+        with pytest.raises(ExpertcacheError, match="predictor name 'recorded' is taken"):
+            ec.register_predictor(type("Rec", (ec.PREDICTORS["eam"],), {"name": "recorded"}))
+    finally:
+        MISS_PATHS.pop("users-host", None)

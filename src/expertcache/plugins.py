@@ -63,7 +63,8 @@ def register_predictor(cls) -> type:
     from expertcache.predict.base import Predictor
     from expertcache.predict.registry import PREDICTORS
 
-    _check(cls, Predictor, "predictor", PREDICTORS, "Predictor (expertcache.predict.base)", ("none", "auto"))
+    reserved = ("none", "auto", "recorded")  # a prefetch setting, not a predictor
+    _check(cls, Predictor, "predictor", PREDICTORS, "Predictor (expertcache.predict.base)", reserved)
     PREDICTORS.register(cls.name, cls)
     return cls
 
