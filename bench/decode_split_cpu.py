@@ -33,8 +33,15 @@ import sys
 import time
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Its refusals in one line (no usage block), as the command line's are."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--quantize-dense", default=None)
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. float32 (default: the checkpoint's)")

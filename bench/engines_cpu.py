@@ -402,6 +402,33 @@ def expertcache_spec(spec: str, extra: dict) -> tuple[str, str, dict, str]:
     return memory, tier, {**extra, **own_args}, name
 
 
+def check_spec(spec: str, extra: dict) -> None:
+    """A ``--expertcache`` spec's memory (a share or a size), tier and ``model=`` as ``load`` would refuse
+    them, but before any engine loads (an ExpertcacheError, one line)."""
+    from expertcache.errors import ExpertcacheError
+    from expertcache.units import parse_size
+
+    memory, tier, kwargs, _ = expertcache_spec(spec, extra)
+    text = memory.strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ExpertcacheError(
+                f"--expertcache {spec}: expert memory {memory!r} is not a share in (0%, 100%]"
+            )
+    else:
+        parse_size(text, f"--expertcache {spec}: expert memory")
+    tiers = ("host", "disk", "mapped")
+    if tier not in tiers:
+        raise ExpertcacheError(f"--expertcache {spec}: slow tier {tier!r} is not one of {', '.join(tiers)}")
+    model = kwargs.get("model")
+    if model is not None and not (Path(str(model)) / "config.json").is_file():
+        raise ExpertcacheError(f"--expertcache {spec}: model={model}: no checkpoint there (no config.json)")
+
+
 def evict_inputs(args: argparse.Namespace, extra: dict) -> list[Path]:
     """Drop the files this run reads (the checkpoint, its GGUFs, each spec's ``model=``) from the page
     cache: a page already cached stays charged to the cgroup that first read it, so a run in a fresh
@@ -498,6 +525,13 @@ def build_checkpoint(config_dir: Path, out: Path, layers: int | None, tokenizer:
     return out
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Its refusals in one line (no usage block), as the command line's are."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_extra(pairs: list[str], where: str = "--expertcache-args") -> dict:
     extra = {}
     for pair in pairs:
@@ -553,7 +587,7 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="the HF checkpoint (random weights: see --build)")
     p.add_argument(
         "--build", type=Path, metavar="CONFIG_DIR", help="build --model from this config.json, then exit"
@@ -620,6 +654,8 @@ def main() -> int:
         (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
         log(f"in memory cgroup {cgroup.path} ({limit} bytes, no swap)")
     extra = parse_extra(args.expertcache_args)
+    for spec in args.expertcache:  # each spec's memory and tier checked before anything loads
+        check_spec(spec, extra)
     if cgroup is not None:  # the files' pages charged to this group as it reads them, not to whoever did
         evicted = evict_inputs(args, extra)
         log(f"evicted {len(evicted)} files of the runs from the page cache")
@@ -684,7 +720,13 @@ def main() -> int:
                 log(f"loading {name}")
                 engines.append(ExpertcacheEngine(spec, args.model, pad, extra))
         if not engines:  # nothing selected, or nothing that started: what was skipped says why
-            why = "; ".join(notes) or f"--only {' '.join(args.only or [])} selects none of the engines"
+            why = (
+                "; ".join(
+                    ([f"--only {' '.join(args.only)} matches no engine asked for"] if args.only else [])
+                    + notes
+                )
+                or "no engine was asked for"
+            )
             raise SystemExit(f"engines_cpu: error: no engine to run ({why})")
         cold = {}
         for e in engines:

@@ -170,6 +170,12 @@ def test_a_random_policys_seed_is_recorded_and_a_replay_with_another_is_said(tmp
     assert (row["hits"], row["misses"]) == (stats["hits"], stats["misses"]) and "seed" not in err
     assert main(["timing", "--trace", str(path), "--policy", "random"]) == 0
     assert "its policy drew at random with seed 3 (--seed 3)" in capsys.readouterr().err
+    assert main(["timing", "--trace", str(path), "--policy", "random", "--seed", "3", "--json"]) == 0
+    out, err = capsys.readouterr()  # the note said seed 3 was another seed
+    assert "seed" not in err and (json.loads(out)["hits"], json.loads(out)["misses"]) == (
+        stats["hits"],
+        stats["misses"],
+    )
     with pytest.warns(ExpertcacheWarning, match="drew at random with seed 3, these replays with seed 0"):
         ec.simulate(path, ["random"], [28])
     result = ec.simulate_timing(path, "recorded", cache=CacheConfig("random", seed=3))

@@ -28,6 +28,7 @@ def load_plugins(modules: str | None = None) -> list[str]:
     process -> the names imported now. A module that cannot be imported is one ExpertcacheError naming it."""
     text = os.environ.get(ENV, "") if modules is None else modules
     names = [m.strip() for m in text.split(",") if m.strip()]
+    where = ENV if modules is None else "load_plugins"
     done = []
     for name in names:
         if name in _loaded:
@@ -35,12 +36,12 @@ def load_plugins(modules: str | None = None) -> list[str]:
         try:
             importlib.import_module(name)
         except ExpertcacheError as e:  # a registration refused: its own words
-            raise ExpertcacheError(f"plugin {name} ({ENV}): {e}") from None
+            raise ExpertcacheError(f"plugin {name} ({where}): {e}") from None
         except Exception as e:  # noqa: BLE001 (the user's module: any error is theirs, said in one line)
             missing = isinstance(e, ModuleNotFoundError) and e.name in (name, name.partition(".")[0])
             what = first_line(e) if missing else f"{type(e).__name__}: {first_line(e)}"
             hint = " (is its folder on PYTHONPATH?)" if missing else ""
-            raise ExpertcacheError(f"plugin {name} ({ENV}) cannot be imported: {what}{hint}") from None
+            raise ExpertcacheError(f"plugin {name} ({where}) cannot be imported: {what}{hint}") from None
         _loaded.add(name)
         done.append(name)
     return done

@@ -15,6 +15,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from expertcache import __version__
@@ -990,8 +991,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         print("note: priced by the costs the run decided by (measured at its load; --cost gives others)",
               file=sys.stderr)  # fmt: skip
     if plan is None:
+        seeded = replace(cache, seed=args.seed or 0)  # the seed the replay draws with (set below)
         for note in replay_differences(
-            trace, cache, prefetch, cost_given=bool(args.cost or flags), miss=miss
+            trace, seeded, prefetch, cost_given=bool(args.cost or flags), miss=miss
         ):
             print(f"note: {note}", file=sys.stderr)
     predictor_data = args.predictor
@@ -1795,12 +1797,21 @@ def _module_doc(cls) -> str | None:
     return getattr(sys.modules.get(cls.__module__), "__doc__", None)
 
 
+def _listed(cls) -> str:
+    """A policy's or miss path's line: the package's own by their module's docstring (one module each),
+    a user's (``plugins``: several in one module, perhaps) by their class's first."""
+    if cls.__module__.startswith("expertcache."):
+        return _doc_line(_module_doc(cls), cls.__doc__)
+    return _doc_line(cls.__doc__, _module_doc(cls))
+
+
 def _cmd_policies(args: argparse.Namespace) -> int:
     for name in POLICIES:
         cls = policy_class(name)
-        doc = _doc_line(_module_doc(cls), cls.__doc__)
+        doc = _listed(cls)
         kind = "offline" if cls.offline else "online"
-        print(f"{name:13s} {kind:7s} {'per-layer split of ' if name.endswith('-dist') else ''}{doc}")
+        split = isinstance(POLICIES[name], partial)  # a -dist form: one inner policy per layer
+        print(f"{name:13s} {kind:7s} {'per-layer split of ' if split else ''}{doc}")
     return 0
 
 
@@ -1808,7 +1819,7 @@ def _cmd_misses(args: argparse.Namespace) -> int:
     from expertcache.miss.registry import MISS_PATHS, parameters
 
     for name, cls in MISS_PATHS.items():
-        doc = _doc_line(_module_doc(cls), cls.__doc__)
+        doc = _listed(cls)
         if cls.__module__.endswith(".base"):
             doc = "fetch the whole expert at full precision (the default)."
         kind = "lossy" if cls.lossy else "exact"

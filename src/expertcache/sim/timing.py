@@ -550,8 +550,14 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     if unknown:  # run_timing's own TypeError named run_timing
         hint = did_you_mean(unknown[0], takes)
         raise ExpertcacheError(f"simulate_timing got an unknown argument {unknown[0]!r}{hint}")
-    result = run_timing(*args, **kwargs)
+    given = inspect.signature(run_timing).bind(*args, **kwargs).arguments
+    trace = given["trace"] = as_trace(given["trace"], replay=True)  # loaded once, for the notes too
+    result = run_timing(**given)
     warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them
+    # and what of a recorded run this replay leaves out, as `timing` notes it (its own seed, prefetching)
+    cache, pf = as_config(given.get("cache"), CacheConfig), as_config(given.get("prefetch"), PrefetchConfig)
+    miss = as_config(given.get("miss"), MissConfig)
+    warn_notes(replay_differences(trace, cache, pf, given.get("cost") is not None, miss))
     return result
 
 

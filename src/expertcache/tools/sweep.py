@@ -124,7 +124,7 @@ def _named_by(grid: Grid):
         yield
     except ExpertcacheError as exc:
         text = str(exc)
-        if grid.source is None or text.startswith(f"{grid.source}"):
+        if grid.source is None or text.startswith((f"{grid.source}", "--policy ")):  # (a flag's own)
             raise
         text = text.replace(
             "(--predictor TRACE.npz)", "(--predictor TRACE.npz, or predictor: in the grid's timing)"
@@ -261,7 +261,12 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                                f"given for its {L} layers")  # fmt: skip
                 p.skipped += len(grid.seeds) * sum(len(caps_by_order[o]) * each[o] for o in grid.orders)
                 continue
-            _check_policy(name, _files_from(name, params, base), t.trace)
+            try:
+                _check_policy(name, _files_from(name, params, base), t.trace)
+            except ExpertcacheError as e:  # a --policy of the command line is no grid file's (_named_by)
+                if grid.source is None or grid.policy_base == grid.base:
+                    raise
+                raise ExpertcacheError(f"--policy {spec}: {e}") from None
             seeds = grid.seeds if policy_class(name).seeded else grid.seeds[:1]
             note = (f"note: {_spec(name, params)} draws no random numbers: its cells run once, with seed "
                     f"{seeds[0]} (seeds change only random and marking)")  # fmt: skip
