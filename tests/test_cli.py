@@ -130,7 +130,10 @@ def test_sim_s_default_capacities_start_at_top_k_and_a_range_s_lower_ones_are_le
     assert code == 0 and [r["capacity"] for r in json.loads(out)] == [14, 17, 20]  # 23-29 unsaid
     assert "note: capacity 14:30:3: left out 23:29:3 (above all 20 experts)" in err
     code, _, err = run(capsys, "sim", str(path), "--policy", "lru", "--capacity", "21:30")
-    assert code == 2 and err.endswith("capacity 21:30 selects no capacity of the trace's 20 experts\n")
+    assert (
+        code == 2
+        and err == "expertcache: error: capacity 21:30 selects no capacity of the trace's 20 experts\n"
+    )
 
 
 def test_sim_dist_policy_skips_capacities_below_its_minimum(capsys, trace_file):

@@ -1644,6 +1644,7 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
     room = min_room(order, trace.top_k)
     why = f"in layer order a token's {trace.top_k} experts of a layer must be resident together"
     caps: list[int] = []
+    notes: list[str] = []  # said once some capacity is left to run
     for item in items:
         got = capacity_items(item, total, room)
         if any(isinstance(n, str) for n in got):
@@ -1663,20 +1664,18 @@ def _capacities(items: Sequence[str], trace: Trace, order: str) -> list[int]:
             out = [n for n in got if not room <= n <= total]
             if out:
                 bound = f"below top-k {trace.top_k}" if out[0] < room else f"above all {total} experts"
-                print(
-                    f"note: capacity {item}: left out {', '.join(map(str, out))} ({bound})", file=sys.stderr
-                )
+                notes.append(f"note: capacity {item}: left out {', '.join(map(str, out))} ({bound})")
             beyond = capacity_beyond(item, total)  # capacity_items cut the range there
             if beyond is not None:
-                print(
-                    f"note: capacity {item}: left out {beyond} (above all {total} experts)", file=sys.stderr
-                )
+                notes.append(f"note: capacity {item}: left out {beyond} (above all {total} experts)")
             got = [n for n in got if room <= n <= total]
         caps += got
-    if not caps:
+    if not caps:  # the one line (what each range left out is all of it)
         raise ExpertcacheError(
             f"capacity {' '.join(items)} selects no capacity of the trace's {total} experts"
         )
+    for note in notes:
+        print(note, file=sys.stderr)
     return list(dict.fromkeys(caps))
 
 
