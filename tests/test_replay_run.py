@@ -109,6 +109,11 @@ def test_an_adaptive_runs_predictions_replay_at_the_layers_it_made_them(tmp_path
         assert result.cache["prefetch_issued"] == stats["prefetch_issued"]
     if policy == "lru":  # the planner's per-layer replays take such a trace (layer_trace kept predicted_from)
         assert ec.make_plan(trace, 28).capacity == 28
+        from dataclasses import replace
+
+        older = replace(trace, predicted_from=None)  # a threaded run's, or an older version's: said
+        with pytest.warns(ExpertcacheWarning, match="without the layers it made them at .* approximate"):
+            ec.simulate_timing(older, "recorded", prefetch="recorded", cost=fast)
 
 
 def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):

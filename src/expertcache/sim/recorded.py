@@ -123,5 +123,12 @@ def make_sim_predictor(
     # where its predictions were made: the start of each step (trace-based ones), or after a router (those
     # of the model's gate inputs); a predictor unknown here (the user's own) as the run recorded it
     needs_model = original.needs_model if original is not None else trace.meta.get("predictor_needs_model")
-    return Recorded(ctx, trace.predicted, bool(needs_model) if needs_model is not None else True,
-                    trace.predicted_from)  # fmt: skip
+    replayed = Recorded(ctx, trace.predicted, bool(needs_model) if needs_model is not None else True,
+                        trace.predicted_from)  # fmt: skip
+    if original is not None and original.adaptive and trace.predicted_from is None:
+        replayed.note = (
+            f"{trace.source} holds {recorded}'s predictions without the layers it made them at (its "
+            "predictor ran on a thread of its own, or an older expertcache recorded it): replayed as a "
+            "window predictor's, so the counts approximate the run's"
+        )
+    return replayed
