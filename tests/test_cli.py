@@ -16,7 +16,7 @@ from cli_fixtures import exit_code
 from expertcache.cli import main
 from expertcache.errors import ExpertcacheError
 from expertcache.policy import POLICIES
-from expertcache.trace import load_trace, synthesize
+from expertcache.trace import Trace, load_trace, synthesize
 from expertcache.trace.default import default_trace
 from expertcache.trace.stats import summary
 
@@ -220,6 +220,9 @@ def test_trace_synth_then_info(capsys, tmp_path):
     assert t.experts.shape == (500, 3, 2) and t.num_experts == 6
     code, out, _ = run(capsys, "trace", "info", str(path))
     assert code == 0 and "T=500" in out and "entropy" in out
+    bare = tmp_path / "bare.npz"
+    Trace(load_trace(path).experts, 6).save(bare)  # no phases: the trace does not say (it said 0)
+    assert "sequences   - (prefill tokens: -)" in run(capsys, "trace", "info", str(bare))[1]
     code, out, _ = run(capsys, "trace", "info", str(path), "--json")
     info = json.loads(out)
     assert info["tokens"] == 500 and len(info["entropy_bits"]) == 3

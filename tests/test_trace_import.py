@@ -85,6 +85,15 @@ def test_jsonl_without_request_ids_splits_where_token_idx_goes_back(tmp_path):
     assert trace.seq_id.tolist() == [0, 0, 0, 1, 1]
 
 
+def test_a_phase_is_prefill_or_decode_by_either_name(tmp_path):
+    records = [
+        {"req_id": "a", "token_idx": i, "layer": 0, "topk_ids": [1, 2], "phase": phase}
+        for i, phase in enumerate(["prompt", "Prefill", "generate", "decode", "decoding", "generation"])
+    ]
+    trace, _ = import_trace(_jsonl(tmp_path / "p.jsonl", records))
+    assert trace.is_prefill.tolist() == [1, 1, 0, 0, 0, 0]
+
+
 def test_gaps_are_unknown_entries(tmp_path):
     records = _routes("a", 2, 3, 5)
     del records[4]  # token 1, layer 1
@@ -160,6 +169,10 @@ def test_torch_tensors_read_weights_only(tmp_path, capsys):
         (
             '{"token_idx": 0, "layer": 0, "topk_ids": [1], "is_prefill": "maybe"}\n',
             "'is_prefill' must be 1, 0",
+        ),
+        (  # was taken as "not said" (no is_prefill at all), or as unknown (-1), at exit 0
+            '{"token_idx": 0, "layer": 0, "topk_ids": [1], "phase": "warmup"}\n',
+            "'phase' must be prefill or decode, or prompt or generate, got 'warmup'",
         ),
     ],
 )

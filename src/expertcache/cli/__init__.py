@@ -1695,7 +1695,8 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     print(f"trace       {info['source']}")
     print(f"shape       T={info['tokens']} tokens, L={info['layers']} layers, E={info['experts']} experts, "
           f"K={info['top_k']}")  # fmt: skip
-    print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {info['prefill_tokens'] or 0})")
+    prefill = info["prefill_tokens"]  # None: the trace does not say which tokens are the prompt's
+    print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {'-' if prefill is None else prefill})")
     print(f"unknown     {info['unknown_entries']} entries")
     if info["step_shape"] is not None:
         st = info["step_shape"]

@@ -4,9 +4,9 @@ Both formats hold one record per (request, token, layer):
 
 - **JSON lines** (``.jsonl``), as vLLM routing loggers write them: ``{"req_id": "r1", "token_idx": 0,
   "layer": 3, "topk_ids": [5, 9], "topk_weights": [0.6, 0.4]}``. ``req_id`` and ``topk_weights`` are
-  optional; ``is_prefill`` (or ``phase``: ``"prefill"``/``"decode"``) and ``token_id`` are kept when
-  present. Lines without ``layer`` (a logger's ``{"type": "meta", ...}`` header) are metadata: their
-  fields go to the trace's metadata.
+  optional; ``is_prefill`` (or ``phase``: ``"prefill"``/``"decode"``, or ``"prompt"``/``"generate"``; any
+  other value is refused) and ``token_id`` are kept when present. Lines without ``layer`` (a logger's
+  ``{"type": "meta", ...}`` header) are metadata: their fields go to the trace's metadata.
 - **CSV** (``.csv``), one row per token and layer, with a header: ``token_idx``, ``layer``, the experts as
   ``topk_ids`` (ids separated by spaces, ``;`` or ``|``) or as ``expert_0``, ``expert_1``, ..., and
   optionally ``req_id``, ``topk_weights`` / ``weight_0``, ..., ``is_prefill``, ``token_id``.
@@ -254,8 +254,19 @@ def _prefill(record: dict, where: str) -> int | None:
                 f"{where}: 'is_prefill' must be 1, 0, true, false or -1, got {record['is_prefill']!r}"
             )
         return value
-    phase = str(record.get("phase", "")).lower()
-    return {"prefill": 1, "decode": 0}.get(phase)
+    if "phase" not in record or record["phase"] is None or not str(record["phase"]).strip():
+        return None
+    phase = str(record["phase"]).strip().lower()
+    value = _PHASES.get(phase)
+    if value is None:  # not taken for "unknown" in silence
+        raise TraceError(
+            f"{where}: 'phase' must be prefill or decode, or prompt or generate, got {record['phase']!r}"
+        )
+    return value
+
+
+# a record's phase as engines name it: the prompt's tokens, or generated ones
+_PHASES = {"prefill": 1, "prompt": 1, "decode": 0, "decoding": 0, "generate": 0, "generation": 0}
 
 
 def _jsonl(path: Path, rows: _Rows) -> None:
