@@ -102,6 +102,19 @@ def test_gaps_are_unknown_entries(tmp_path):
     assert trace.weights[1, 1].tolist() == [0, 0]  # an unknown entry's weight reads as 0
 
 
+def test_a_csv_s_first_line_is_its_header_and_its_every_column_is_read_or_said(tmp_path):
+    """Values on the first line were "the header names 0 twice"; a column the importer does not read was
+    dropped without a word (JSON lines' fields were noted); a request_id column was not read at all."""
+    bare = tmp_path / "bare.csv"
+    bare.write_text("0,0,1 2\n1,0,1 3\n")
+    with pytest.raises(TraceError, match="the first line holds values, not column names"):
+        import_trace(bare)
+    named = tmp_path / "named.csv"
+    named.write_text("request_id,token_idx,layer,topk_ids,extra\na,0,0,1 2,x\nb,0,0,1 3,y\n")
+    trace, notes = import_trace(named, num_experts=4)
+    assert trace.seq_id.tolist() == [0, 1] and notes == ["ignored the field 'extra' (first at line 1)"]
+
+
 def test_csv_both_layouts(tmp_path):
     a = tmp_path / "a.csv"
     a.write_text(

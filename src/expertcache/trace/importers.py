@@ -309,6 +309,11 @@ def _csv(path: Path, rows: _Rows) -> None:
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark (Excel's) is dropped
         reader = csv.DictReader(f)
         head = reader.fieldnames or []
+        if head and all(re.fullmatch(r"[-\d\s.;|]*", c) for c in head):  # a row of values, not of names
+            raise TraceError(
+                f"{path}: the first line holds values, not column names: a CSV routing log starts with a "
+                "header (token_idx,layer,topk_ids, ...)"
+            )
         twice = sorted({c for c in head if head.count(c) > 1})
         if twice:  # DictReader keeps the last column of a name: the other would be lost in silence
             raise TraceError(f"{path}: the header names {', '.join(twice)} twice")
@@ -321,6 +326,10 @@ def _csv(path: Path, rows: _Rows) -> None:
             raise TraceError(
                 f"{path}: the header has no {', '.join(missing)} (it has {', '.join(head) or 'nothing'})"
             )
+        read = {"topk_weights", *experts, *weights, *(f for f in JSONL_FIELDS if f != "type")}
+        for column in head:  # a column the importer does not read is noted, as a JSONL field is
+            if column not in read:
+                rows.unknown_fields.setdefault(column, f"{path}: line 1")
         for n, rec in enumerate(reader, 2):
             where = f"{path}: line {n}"
             if None in rec or None in rec.values():  # more fields than the header, or fewer (a cut row)
@@ -340,7 +349,7 @@ def _csv(path: Path, rows: _Rows) -> None:
                 w = None if w is None else [float(x) for x in w]
             except ValueError:
                 raise TraceError(f"{where}: weights must be numbers") from None
-            req = rec.get("req_id") if "req_id" in head else None
+            req = rec.get("req_id", rec.get("request_id"))  # as a JSONL record names it
             rows.add(
                 where,
                 req,
