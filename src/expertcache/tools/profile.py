@@ -231,10 +231,10 @@ def fitted_overheads(
 def _fit_submit(cost: CostModel, trace, tpot: float) -> tuple[float, float, float]:
     """The ``submit_s`` at which the timing model's TPOT of ``trace`` (replayed at the run's own cache)
     is the run's ``tpot``: (it, the model's TPOT without it, with it)."""
-    from expertcache.sim.timing import RECORDED, simulate_timing
+    from expertcache.sim.timing import RECORDED, run_timing
 
-    def model_tpot(submit: float) -> float:
-        return simulate_timing(trace, RECORDED, cost=dataclasses.replace(cost, submit_s=submit)).tpot_s or 0.0
+    def model_tpot(submit: float) -> float:  # the fit's own replays: no notes to the caller (run_timing)
+        return run_timing(trace, RECORDED, cost=dataclasses.replace(cost, submit_s=submit)).tpot_s or 0.0
 
     # the model's TPOT grows with submit_s, nearly linearly (waits that overlap make it not quite): a few
     # secant steps from 0 and 50 us
