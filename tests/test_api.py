@@ -618,3 +618,13 @@ def test_a_model_or_bits_of_the_wrong_type_is_named_before_any_work(tmp_path):
     with pytest.raises(ExpertcacheError, match="bits must be a whole number, got '8'"):
         write_checkpoint(None, "8", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_configurations_are_at_the_top_of_the_package():
+    """README: the configurations engine and replays share are ``ec.<Name>``, as their notes write them."""
+    from expertcache import config
+
+    for name in ("CacheConfig", "PrefetchConfig", "MissConfig", "HostConfig", "LinkConfig", "SamplingConfig",
+                 "ServeConfig"):  # fmt: skip
+        assert getattr(ec, name) is getattr(config, name) and name in ec.__all__
+    assert ec.PrefetchConfig("recorded", deterministic=True).when == "always"

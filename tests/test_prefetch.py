@@ -818,8 +818,9 @@ def test_deterministic_refuses_what_follows_measured_times():
 
 def test_a_deterministic_run_s_prefetches_replay_exactly_given_its_link(ckpt, capsys, tmp_path):
     """The README's claim: a run with a predictor always on (``--deterministic``) replays through
-    ``timing --prefetch recorded`` to its own hits, misses and prefetches, given the run's link (a CPU's
-    copies land at once: an instant link); the default cost model's PCIe link leaves some in flight."""
+    ``timing --prefetch recorded --deterministic`` to its own hits, misses and prefetches on any link, as
+    it does given the run's link (a CPU's copies land at once: an instant link); the default cost model's
+    PCIe link without ``--deterministic`` leaves some in flight."""
     path = ckpt("mixtral")
     trace = tmp_path / "run.npz"
     argv = ["generate", "--model", str(path), "--prompt", "a b c d e f", "--max-new-tokens", "12", "--device",
@@ -830,10 +831,11 @@ def test_a_deterministic_run_s_prefetches_replay_exactly_given_its_link(ckpt, ca
     assert run["prefetch_issued"] > 0 and run["misses"] > 0
     replay = ["timing", "--trace", str(trace), "--prefetch", "recorded", "--policy", "lru",
               "--capacity", str(run["capacity_experts"]), "--json"]  # fmt: skip
-    assert main([*replay, "--link-bandwidth", "1000TB/s", "--link-latency", "0us"]) == 0
-    got = json.loads(capsys.readouterr().out)
     keys = ("hits", "misses", "prefetch_issued", "prefetch_used", "prefetch_cancelled")
-    assert {k: got[k] for k in keys} == {k: run[k] for k in keys}
+    for link in (["--link-bandwidth", "1000TB/s", "--link-latency", "0us"], ["--deterministic"]):
+        assert main([*replay, *link]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert {k: got[k] for k in keys} == {k: run[k] for k in keys}
 
 
 def test_predictor_accuracy_refuses_a_predictor_file_nothing_reads(capsys, tmp_path):

@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from trace_fixtures import prefix
 
 import expertcache as ec
@@ -114,6 +116,52 @@ def test_an_adaptive_runs_predictions_replay_at_the_layers_it_made_them(tmp_path
         older = replace(trace, predicted_from=None)  # a threaded run's, or an older version's: said
         with pytest.warns(ExpertcacheWarning, match="without the layers it made them at .* approximate"):
             ec.simulate_timing(older, "recorded", prefetch="recorded", cost=fast)
+
+
+ONLINE_POLICIES = ["lru", "fifo", "lfu", "random", "marking", "llru", "lcp", "eam", "mrs", "tlfu", "hobbit",
+                   "lru-dist", "tlfu-dist"]  # fmt: skip
+MISS_PATHS = ["fetch", "split", "batch", "hybrid", "host", "placement", "hobbit:bits=8"]
+COUNTS = ("hits", "misses", "prefetch_issued", "prefetch_used", "prefetch_cancelled", "host_computed",
+          "low_precision", "misses_by_layer")  # fmt: skip
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(ONLINE_POLICIES),
+    predictor=st.sampled_from(["none", "next-gate", "window", "adaptive", "learned"]),
+    miss=st.sampled_from(MISS_PATHS),
+    share=st.sampled_from(["20%", "30%", "60%"]),
+    host=st.sampled_from([None, None, "40%", "70%"]),
+    limit=st.sampled_from([None, None, 1]),
+)
+def test_property_a_deterministic_run_replays_to_its_own_counts(policy, predictor, miss, share, host, limit):
+    """Design in the simulator, deploy in the engine: a deterministic run (every transfer landing before
+    the cache's next decision) replays through ``timing --deterministic`` to every count the engine kept,
+    whatever its policy, predictor, miss path, budget and host level, on the run's own costs. The replay
+    advised before this (an instant link) changed a cost-based path's choices: hybrid computed 0 experts
+    on the host in it, 9 in the run."""
+    if miss == "hobbit:bits=8":
+        from expertcache.tools.quantize import quantize_model
+
+        quantize_model(None, bits=(8,), progress=False)  # into the test session's own cache
+    host = host if miss == "fetch" else None  # a host level serves the fetch path
+    limit = None if predictor == "none" else limit
+    kw = dict(policy=policy, miss=miss, host_memory=host)
+    pf = PrefetchConfig(predictor, limit=limit, deterministic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(expert_memory=share, prefetch=pf, **kw) as model:
+            model.generate_text(PROMPT, 12)
+            stats, trace = model.stats, model.trace()
+        replayed = PrefetchConfig("none" if predictor == "none" else "recorded", deterministic=True)
+        result = ec.simulate_timing(trace, "recorded", cache=policy, prefetch=replayed, miss=miss, host=host)
+    got = {"hits": result.hits, "misses": result.misses, **result.cache}
+    assert stats["misses"] > 0
+    for key in COUNTS:
+        if key in stats:
+            assert got[key] == stats[key], (key, policy, predictor, miss, share, host, limit)
+    if host is not None:
+        assert got["host_misses"] == stats["host_misses"]
 
 
 def test_a_run_of_the_users_own_predictor_replays_where_it_predicted(tmp_path):
@@ -369,18 +417,21 @@ def test_quantize_out_into_the_engines_own_place_says_nothing_of_moving_them(cap
     assert f"not in {tmp_path}: move the files there" in capsys.readouterr().err
 
 
-def test_a_deterministic_prefetching_run_replays_with_an_instant_link_as_sim_says(tmp_path, capsys):
+def test_a_deterministic_prefetching_run_replays_settled_as_sim_says(tmp_path, capsys):
     """The engine settles each transfer as it is submitted, so it cancels nothing; the suggested replay
-    on the default link cancelled queued prefetches, one hit off (155/78 against 154/79)."""
+    on the default link cancelled queued prefetches, one hit off (155/78 against 154/79). The replay
+    settles its transfers too (``--deterministic``), on any link."""
     kw = dict(prefetch="learned", prefetch_limit=3, deterministic=True)
     stats, path = _run(tmp_path, "det", new_tokens=16, **kw)
     assert ec.load_trace(path).meta["deterministic"] is True
     assert main(["sim", str(path), "--policy", "lru", "--capacity", "28"]) == 0
     said = capsys.readouterr().err.split("'expertcache timing ")[1].split("'")[0]
-    assert "--link-bandwidth inf --link-latency 0us" in said
-    assert main(["timing", *said.split(), "--json"]) == 0
-    replay = json.loads(capsys.readouterr().out)
-    assert (replay["hits"], replay["misses"]) == (stats["hits"], stats["misses"])
+    assert said.endswith("--prefetch recorded --deterministic")
+    for link in ([], ["--link-bandwidth", "2GB/s"]):
+        assert main(["timing", *said.split(), *link, "--json"]) == 0
+        replay = json.loads(capsys.readouterr().out)
+        assert (replay["hits"], replay["misses"]) == (stats["hits"], stats["misses"])
+        assert replay["prefetch_cancelled"] == 0 and replay["prefetch_issued"] == stats["prefetch_issued"]
     assert main(["timing", "--trace", str(path), "--prefetch", "recorded"]) == 0  # the default link: said
     assert "it was deterministic, every transfer landing before the next decision" in capsys.readouterr().err
 

@@ -992,6 +992,23 @@ def test_staging_reads_run_on_the_disk_beside_the_link_and_a_transfer_too_early_
     assert late.done_at == late.submitted and link.disk_reads == 4  # ... and the staging read does nothing
 
 
+def test_a_settled_link_waits_for_each_transfer_and_staging_read_as_the_deterministic_engine_does():
+    """``settle`` (a deterministic run, the engine's ``SlotTransport``): compute waits for each submitted
+    transfer and staging read at once (stall), nothing is in flight at the next decision, and a cancel
+    finds nothing to cancel."""
+    from expertcache.cache.transfers import SPECULATIVE
+
+    link = VirtualLink([1.0], read_s=10.0, settle=True)
+    link.host_moved((0, 1), None)
+    staged = link.stage((0, 1))
+    assert link.now == 10.0 and link.stall_s == 10.0 and staged.done_at == 10.0
+    prefetch = link.submit((0, 1), None, SPECULATIVE)  # read by then: the link only
+    assert link.now == 11.0 and link.stall_s == 11.0 and link.poll(prefetch) == 1
+    assert link.started(prefetch) and not link.cancel(prefetch) and not prefetch.cancelled
+    link.advance(2.0)
+    assert link.now == 13.0 and link.stall_s == 11.0
+
+
 def test_the_timing_model_stages_predicted_experts_and_a_perfect_predictor_gains():
     from expertcache.config import PrefetchConfig
     from expertcache.costs import CostModel

@@ -2,7 +2,15 @@
 
 __version__ = "0.1.0"
 
-from expertcache.config import HostConfig  # noqa: E402
+from expertcache.config import (  # noqa: E402
+    CacheConfig,
+    HostConfig,
+    LinkConfig,
+    MissConfig,
+    PrefetchConfig,
+    SamplingConfig,
+    ServeConfig,
+)
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, PolicyError, TraceError  # noqa: E402
 from expertcache.plan import Plan  # noqa: E402
 from expertcache.plugins import load_plugins, register_miss, register_policy, register_predictor  # noqa: E402
@@ -45,18 +53,24 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CacheConfig",
     "CostModel",
     "OffloadedModel",
     "POLICIES",
     "PREDICTORS",
     "Plan",
     "PredictContext",
+    "PrefetchConfig",
     "ExpertcacheError",
     "ExpertcacheWarning",
     "HostConfig",
+    "LinkConfig",
+    "MissConfig",
     "PolicyContext",
     "PolicyError",
     "Trace",
+    "SamplingConfig",
+    "ServeConfig",
     "TraceError",
     "__version__",
     "batch_requests",

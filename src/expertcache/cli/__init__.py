@@ -315,6 +315,11 @@ def _build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--miss", metavar="NAME[:k=v,...]", help="what to do on a miss (default fetch)")
     tm.add_argument("--no-preemption", action="store_true", help="keep a layer's unchosen prefetches")
     tm.add_argument("--no-reorder", action="store_true", help="compute experts in the router's order")
+    tm.add_argument(
+        "--deterministic", action="store_true",
+        help="every transfer lands before the cache's next decision, compute waiting for it, as in generate "
+        "--deterministic: replays such a run's counts on any link",
+    )  # fmt: skip
     _add_host_level(tm)
     _add_costs(tm)
     tm.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
@@ -965,6 +970,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "preemption": not args.no_preemption,
         "reorder": not args.no_reorder,
         "when": args.prefetch_when,
+        "deterministic": args.deterministic,
     }
     if plan is not None:
         prefetch, miss = plan.prefetch_config(**options), plan.miss_config()
@@ -984,17 +990,18 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         capacity = _capacity(args, cost, trace)
     from expertcache.sim.timing import recorded_costs, replay_differences
 
-    flags = any(getattr(args, f[2:].replace("-", "_")) for f, *_ in _TIMING_COST_FLAGS)
+    flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
     own = recorded_costs(trace) if planned is None and not args.cost else None
     if own is not None:  # a run's replay, at its own budget or another: priced as its miss path decided
         cost = _cost_from_args(args, prefetch, own)
-        print("note: priced by the costs the run decided by (measured at its load; --cost gives others)",
-              file=sys.stderr)  # fmt: skip
+        over = f", {' '.join(flags)} given over them" if flags else ""
+        print(
+            f"note: priced by the costs the run decided by (measured at its load{over}; --cost gives others)",
+            file=sys.stderr,
+        )
     if plan is None:
         seeded = replace(cache, seed=args.seed or 0)  # the seed the replay draws with (set below)
-        for note in replay_differences(
-            trace, seeded, prefetch, cost_given=bool(args.cost or flags), miss=miss
-        ):
+        for note in replay_differences(trace, seeded, prefetch, miss=miss):
             print(f"note: {note}", file=sys.stderr)
     predictor_data = args.predictor
     if predictor_data is None and plan is not None and plan.predictor_trace() is not None:

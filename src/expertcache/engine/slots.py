@@ -163,11 +163,15 @@ class SlotTransport:
         thread of its own: the disk reads while the link moves other experts (MoE-Infinity's pipeline)."""
         slot = self.targets[(FULL, None)].source.slot_of[key]
         handle = self.stage_worker.submit(key, slot, SPECULATIVE, STAGE_PART)
-        if self.settle:  # deterministic: read before the next decision, whose pins it would change
+        if self.settle:  # deterministic: read before the next decision, whose pins it would change (stall,
+            start = time.perf_counter()  # as the timing model's settled link counts it)
             try:
                 self.stage_worker.wait(handle)
             except Exception:  # noqa: BLE001 (kept in the handle: its read failed, the next transfer reads)
                 pass
+            waited = time.perf_counter() - start
+            self.stall_s += waited
+            self.stall_by_phase[self.phase] += waited
         return handle
 
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:

@@ -133,10 +133,11 @@ def replay_notes(
     if prefetched:
         did.insert(0, prefetched)
         undone.insert(0, "do not prefetch")
-        flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
-        if meta.get("deterministic"):  # its transfers landed before each decision: an instant link's counts
-            flags += " --link-bandwidth inf --link-latency 0us"
-            args += ", cost={'link_bandwidth': 'inf', 'link_latency': 0}"
+        if meta.get("deterministic"):  # its transfers landed before each decision: so do the replay's
+            flags += " --prefetch recorded --deterministic"
+            args += ", prefetch=PrefetchConfig('recorded', deterministic=True)"
+        else:
+            flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
     capacity = meta.get("capacity", "N")
     given = repr(RECORDED) if recorded else "capacity" if capacity == "N" else capacity
     note = (
@@ -150,7 +151,7 @@ def replay_notes(
         )
         + " replays it"
         + (" at the run's own cache parts" if recorded else "")
-        + (" (an instant link: the run was deterministic)" * bool(prefetched and meta.get("deterministic")))
+        + (" (each transfer settled, as in the run)" * bool(prefetched and meta.get("deterministic")))
     )
     if other_miss and _decides_by_costs(miss):
         note += (

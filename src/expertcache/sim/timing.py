@@ -266,7 +266,7 @@ def recorded_costs(trace: Trace) -> CostModel | None:
 
 
 def replay_differences(
-    trace: Trace, cache: CacheConfig, pf: PrefetchConfig, cost_given: bool, miss: MissConfig | None = None
+    trace: Trace, cache: CacheConfig, pf: PrefetchConfig, miss: MissConfig | None = None
 ) -> list[str]:
     """What a replay of an engine's recorded run (``trace``) leaves out of the run, each with what
     replays it: its miss path (where ``miss`` is given), its policy, its static profile, its prefetching,
@@ -297,11 +297,11 @@ def replay_differences(
             + option("--prefetch recorded", "prefetch='recorded'")
             + ")"
         )
-    if meta.get("deterministic") and pf.predictor == "recorded" and not cost_given:
+    if meta.get("deterministic") and pf.predictor == "recorded" and not pf.deterministic:
         out.append(
-            "it was deterministic, every transfer landing before the next decision (an instant link, "
-            + option("--link-bandwidth inf --link-latency 0us", "cost={'link_bandwidth': 'inf', ...}")
-            + ", replays its counts)"
+            "it was deterministic, every transfer landing before the next decision ("
+            + option("--deterministic", "PrefetchConfig('recorded', deterministic=True)")
+            + " replays its counts on any link)"
         )
     return [f"this replay is not the recorded run's: {'; '.join(out)}"] if out else []
 
@@ -478,6 +478,7 @@ def _run_timing(
     link = VirtualLink(
         cost.chunk_times(), cost.chunk_sizes(), wake_s=cost.wake_s, submit_s=cost.submit_s, parts=plans,
         whole=whole, read_s=cost.disk_read_s if level is not None else None, demote_s=cost.demote_s,
+        settle=pf.deterministic,
     )  # fmt: skip
     spec = pf.predictor_object or pf.predictor
     pred = make_sim_predictor(spec, trace, pf.window, cache_cfg.seed, predictor_trace)
@@ -557,7 +558,7 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     # and what of a recorded run this replay leaves out, as `timing` notes it (its own seed, prefetching)
     cache, pf = as_config(given.get("cache"), CacheConfig), as_config(given.get("prefetch"), PrefetchConfig)
     miss = as_config(given.get("miss"), MissConfig)
-    warn_notes(replay_differences(trace, cache, pf, given.get("cost") is not None, miss))
+    warn_notes(replay_differences(trace, cache, pf, miss))
     return result
 
 

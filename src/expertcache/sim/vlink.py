@@ -58,6 +58,7 @@ class VirtualLink:
         whole: dict[object, tuple[Sequence[float], Sequence[int]]] | None = None,
         read_s: float | None = None,
         demote_s: float = 0.0,
+        settle: bool = False,
     ) -> None:
         """``chunk_s`` / ``chunk_bytes``: each chunk of a whole expert; ``parts``: the same for other
         parts, keyed by part name, or by (part, layer) for parts whose size differs by layer. ``whole``:
@@ -68,7 +69,10 @@ class VirtualLink:
         worker reads each chunk, then copies it, on one thread: a demand transfer goes between two).
         ``demote_s``: compute time spent copying a device victim down into an exclusive host level (the
         engine's copy on a CPU; its link time is free: a GPU's link is full duplex, and its copy down runs
-        on a stream of its own)."""
+        on a stream of its own). ``settle``: a deterministic run's link (``PrefetchConfig.deterministic``,
+        the engine's ``SlotTransport``): compute waits for each transfer and staging read as it is submitted
+        (stall), so nothing is in flight, and nothing can be cancelled, at the cache's next decision."""
+        self.settle = bool(settle)
         self.plans = self._plans({FULL: (chunk_s, chunk_bytes), **(parts or {})})
         self.whole = self._plans(whole) if whole is not None else self.plans
         self.wake_s = float(wake_s)  # compute resumes this long after a waited-for transfer lands
@@ -131,10 +135,14 @@ class VirtualLink:
         heapq.heappush(self._heap, (priority, t.seq, t))
         self.transfers += 1
         self._run(self.now)
+        if self.settle:
+            self.wait(t)
         return t
 
     def cancel(self, handle: VTransfer) -> bool:
         self._run(self.now)
+        if self.settle:
+            return False
         if handle.cancelled:
             return True
         if handle.done_at is not None or (handle is self.current and self.free_at > self.now):
@@ -158,7 +166,7 @@ class VirtualLink:
 
     def started(self, handle: VTransfer) -> bool:
         self._run(self.now)
-        return handle.moved > 0
+        return self.settle or handle.moved > 0
 
     def wait(self, handle: VTransfer) -> None:
         """Compute blocks until the transfer has arrived: the link runs on (nothing new is submitted
@@ -196,6 +204,13 @@ class VirtualLink:
         t = VTransfer(key, SPECULATIVE, next(self._seq), self.now, [(0.0, 0)], STAGE)
         self._disk_queue.append(t)
         self._run(self.now)
+        if self.settle:  # the read ends before the next decision, whose pins it would change: stall
+            while t.done_at is None:
+                self._reads_before(max(self.disk_free_at, t.submitted), inclusive=True)
+            if t.done_at > self.now:
+                self.stall_s += t.done_at - self.now
+                self.now = t.done_at
+                self._run(self.now)
         return t
 
     def host_moved(self, entered: Key | None, left: Key | None, read: bool = True) -> None:
