@@ -47,6 +47,7 @@ def plugin(tmp_path, monkeypatch):
     assert load_plugins("users_plugin") == ["users_plugin"]
     yield tmp_path
     POLICIES.pop("users-mru", None)
+    POLICIES.pop("users-mru-dist", None)
     PREDICTORS._paths.pop("users-last-step", None)
     PREDICTORS._loaded.pop("users-last-step", None)
     _loaded.discard("users_plugin")
@@ -72,6 +73,51 @@ def test_a_plugins_policy_runs_alike_in_the_engine_the_simulator_and_the_command
                  "32", "--jobs", "2", "--json")  # fmt: skip
     assert swept.returncode == 0, swept.stderr
     assert {r["policy"] for r in json.loads(swept.stdout)} == {"users-mru", "lru"}
+
+
+def test_a_plugins_policy_has_a_per_layer_split_the_planner_lays_out(plugin, capsys):
+    """A user's policy had no -dist form, so the planner refused it ("a policy with a -dist form");
+    registered, NAME-dist is the package's Dist over it, planned, run and replayed as the package's own."""
+    from functools import partial
+
+    from expertcache.policy.dist import Dist
+
+    split = POLICIES["users-mru-dist"]
+    assert (
+        isinstance(split, partial) and split.func is Dist and split.keywords["inner"] is POLICIES["users-mru"]
+    )
+    trace = ec.default_trace()
+    plan = ec.make_plan(trace, "30%", policy="users-mru", methods=["uniform"])
+    assert plan.policy_spec == "users-mru-dist:budgets=5/5/5/5/4/4"
+    layered = ec.simulate(trace, [plan.policy_spec], [28])[0]
+    with ec.load(expert_memory="30%", policy="users-mru-dist:budgets=5/5/5/5/4/4", prefetch="none") as model:
+        model.generate_text("def read_config(path):", 16)
+        stats, run = model.stats, model.trace()
+    (row,) = ec.simulate(run, ["users-mru-dist:budgets=5/5/5/5/4/4"], [28])
+    assert (row.hits, row.misses) == (stats["hits"], stats["misses"]) and layered.misses > 0
+    listed = _cli(plugin, "policies")
+    assert "users-mru-dist online  per-layer split of users-mru: A most-recently-used" in listed.stdout
+
+
+def test_a_policy_registered_without_its_split_or_whose_split_name_is_taken():
+    from expertcache.policy.lru import LRU
+
+    alone = type("Alone", (LRU,), {"name": "users-alone"})
+    try:
+        assert ec.register_policy(dist=False)(alone) is alone
+        assert "users-alone" in POLICIES and "users-alone-dist" not in POLICIES
+        clash = type("Clash", (LRU,), {"name": "lru-x"})
+        POLICIES["lru-x-dist"] = POLICIES["lru-dist"]
+        with pytest.raises(
+            ExpertcacheError, match="'lru-x-dist', Clash's per-layer split, is taken: .*dist=False"
+        ):
+            ec.register_policy(clash)
+        assert "lru-x" not in POLICIES
+        with pytest.raises(ExpertcacheError, match="dist must be True or False, got 'no'"):
+            ec.register_policy(alone, dist="no")
+    finally:
+        for name in ("users-alone", "lru-x", "lru-x-dist"):
+            POLICIES.pop(name, None)
 
 
 def test_a_plugins_predictor_runs_in_the_engine_and_its_run_replays(plugin):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from functools import partial
 
 from expertcache.errors import ExpertcacheError, first_line
 
@@ -47,14 +48,29 @@ def load_plugins(modules: str | None = None) -> list[str]:
     return done
 
 
-def register_policy(cls) -> type:
-    """Register an eviction policy class (a ``policy.base.Policy`` subclass) under its ``name``; usable
-    as a decorator."""
+def register_policy(cls=None, *, dist: bool = True):
+    """Register an eviction policy class (a ``policy.base.Policy`` subclass) under its ``name``, and its
+    per-layer split under ``NAME-dist`` as the package's policies have one (a budget a layer, each layer's
+    keys under a policy of their own: what the planner lays out; ``dist=False``: not); usable as a
+    decorator, ``@register_policy`` or ``@register_policy(dist=False)``."""
+    if cls is None:
+        return lambda c: register_policy(c, dist=dist)
     from expertcache.policy.base import Policy
+    from expertcache.policy.dist import Dist
     from expertcache.policy.registry import POLICIES
 
+    if not isinstance(dist, bool):
+        raise ExpertcacheError(f"register_policy's dist must be True or False, got {dist!r}")
     _check(cls, Policy, "policy", POLICIES, "Policy (expertcache.policy.base)")
+    split = f"{cls.name}-dist" if dist and not cls.name.endswith("-dist") else None
+    if split is not None and split in POLICIES and _identity(POLICIES[split]) != _identity(cls):
+        raise ExpertcacheError(
+            f"policy name {split!r}, {cls.__qualname__}'s per-layer split, is taken: give {cls.__qualname__} "
+            "another name, or register it with dist=False"
+        )
     POLICIES[cls.name] = cls
+    if split is not None:
+        POLICIES[split] = partial(Dist, inner=cls)
     return cls
 
 
@@ -99,5 +115,6 @@ def _check(cls, base: type, kind: str, registry, base_name: str, reserved: tuple
 
 def _identity(cls) -> tuple[str, str]:
     """The same class imported again (a module run twice) registers again; another class does not."""
-    cls = getattr(cls, "func", cls)  # a -dist policy's partial
+    if isinstance(cls, partial):  # a -dist policy's: the policy it splits
+        cls = cls.keywords.get("inner", cls.func)
     return getattr(cls, "__module__", ""), getattr(cls, "__qualname__", repr(cls))

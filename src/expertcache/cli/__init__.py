@@ -1817,8 +1817,11 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         cls = policy_class(name)
         doc = _listed(cls)
         kind = "offline" if cls.offline else "online"
-        split = isinstance(POLICIES[name], partial)  # a -dist form: one inner policy per layer
-        print(f"{name:13s} {kind:7s} {'per-layer split of ' if split else ''}{doc}")
+        split = ""
+        if isinstance(POLICIES[name], partial):  # a -dist form: one inner policy per layer
+            own = cls.__module__.startswith("expertcache.")  # its line names it; a user's may not
+            split = "per-layer split of " + ("" if own else f"{cls.name}: ")
+        print(f"{name:13s} {kind:7s} {split}{doc}")
     return 0
 
 
