@@ -210,6 +210,9 @@ def test_unknown_name_and_bad_values_rejected() -> None:
     ctx = PolicyContext(capacity=4, num_layers=2, num_experts=4)
     with pytest.raises(PolicyError, match="unknown policy"):
         make_policy("belady", ctx)
+    for name in ("eam-dist", "reuse-dist"):  # README said every policy had one; now said why not
+        with pytest.raises(PolicyError, match=f"{name[:-5]} has no per-layer split .* lru-dist, fifo-dist"):
+            make_policy(name, ctx)
     with pytest.raises(PolicyError):
         make_policy("lcp", ctx, rho="high")  # wrong type
     with pytest.raises(PolicyError):

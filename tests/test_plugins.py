@@ -106,6 +106,8 @@ def test_a_policy_registered_without_its_split_or_whose_split_name_is_taken():
     try:
         assert ec.register_policy(dist=False)(alone) is alone
         assert "users-alone" in POLICIES and "users-alone-dist" not in POLICIES
+        with pytest.raises(ExpertcacheError, match="users-alone has no per-layer split"):
+            ec.simulate(ec.default_trace(), ["users-alone-dist"], [24])
         clash = type("Clash", (LRU,), {"name": "lru-x"})
         POLICIES["lru-x-dist"] = POLICIES["lru-dist"]
         with pytest.raises(
@@ -205,3 +207,78 @@ def test_a_miss_path_of_ones_own_is_taken_by_name(monkeypatch):
             ec.register_predictor(type("Rec", (ec.PREDICTORS["eam"],), {"name": "recorded"}))
     finally:
         MISS_PATHS.pop("users-host", None)
+
+
+def test_a_policy_that_says_none_when_full_is_taken_as_no_victim_not_as_room(plugin):
+    """The documented MRU returned None when every resident key was pinned, and the cache read None as
+    room: the timing model overfilled the cache (at 2 experts, 1337 misses where 21817 is right) and the
+    engine failed with a KeyError. A None from a full cache is now the policy's ``no_victim``, in the
+    simulator, the timing model and the engine alike, as the package's own policies raise it."""
+    from user_classes import MRU
+
+    from expertcache.errors import PolicyError
+    from expertcache.policy.base import PolicyContext, no_victim
+
+    class Raising(MRU):
+        name = "users-mru-raising"
+
+        def victim(self, incoming, pinned):
+            got = super().victim(incoming, pinned)
+            if got is None and len(self.keys) >= self.capacity:
+                raise no_victim(self, incoming)
+            return got
+
+    ec.register_policy(Raising)
+    try:
+        trace = ec.default_trace()
+        runs = [
+            ec.simulate_timing(trace, 2, cache=name, prefetch="oracle")
+            for name in ("users-mru", Raising.name)
+        ]
+        assert [(r.misses, r.cache["prefetch_skipped"]) for r in runs] == [(21817, 20480)] * 2
+        split = ec.make_policy(
+            "users-mru-dist:budgets=2/1", PolicyContext(capacity=3, num_layers=2, num_experts=4)
+        )
+        for key in ((0, 0), (0, 1)):
+            split.on_insert(key)
+        with pytest.raises(PolicyError, match="no evictable expert for \\(0, 2\\)"):
+            split.victim((0, 2), {(0, 0), (0, 1)})
+        assert split.victim((1, 0), set()) is None  # layer 1 has room
+        pf = ec.PrefetchConfig("next-gate", deterministic=True)
+        with ec.load(expert_memory="10%", policy="users-mru", prefetch=pf) as model:
+            model.generate_text("def read_config(path):", 24)  # a KeyError before
+            stats, run = model.stats, model.trace()
+        assert stats["prefetch_skipped"] > 0
+        again = ec.PrefetchConfig("recorded", deterministic=True)
+        replayed = ec.simulate_timing(run, "recorded", cache="users-mru", prefetch=again)
+        assert (replayed.hits, replayed.misses) == (stats["hits"], stats["misses"])
+    finally:
+        POLICIES.pop(Raising.name, None)
+        POLICIES.pop(f"{Raising.name}-dist", None)
+
+
+@pytest.mark.parametrize("bad", [[16], [-1, 4], [2.0]])
+def test_a_predictor_that_names_no_expert_is_one_clear_error_in_the_simulator_and_the_engine(bad):
+    """A user's predictor returning expert 16 of 16 'prefetched' experts that do not exist in the timing
+    model (issued 8196, used 0, at exit 0) and was an IndexError in the engine."""
+    from user_classes import LastStep
+
+    from expertcache.predict.base import PredictContext
+
+    class Wrong(LastStep):
+        name = "users-wrong"
+
+        def _predict(self, source, target, gate_input):
+            return list(bad)
+
+    message = (
+        r"predictor users-wrong predicted experts \[.*\] for layer \d+: layers are whole numbers 0\.\.5, "
+    )
+    message += r"experts 0\.\.15"
+    with pytest.raises(ExpertcacheError, match=message):
+        ec.simulate_timing(
+            ec.default_trace(), 24, prefetch=ec.PrefetchConfig(Wrong(PredictContext(6, 16, 2)))
+        )
+    pf = ec.PrefetchConfig(Wrong(PredictContext(6, 16, 2)), deterministic=True)
+    with ec.load(expert_memory="30%", prefetch=pf) as model, pytest.raises(ExpertcacheError, match=message):
+        model.generate_text("def read_config(path):", 4)

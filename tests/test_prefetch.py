@@ -619,9 +619,12 @@ def test_transfers_move_in_chunks_only_where_something_speculative_can_be_waited
     path = ckpt("mixtral")
     with engine_load(path, 4) as model:
         assert model.chunk_bytes is None and model.stats["chunking"] is None
-    with engine_load(path, 4, miss="hybrid") as model:  # background fills: chunking is decided
+    with engine_load(path, 4, miss="host:fill=1") as model:  # background fills: chunking is decided
         assert "measured" in model.stats["chunking"]
-    with engine_load(path, 4, miss="split:theta=0.5") as model:  # no whole-expert slot to measure in
+    for miss in ("hybrid", "split:theta=0.5"):  # every transfer a demand one: whole
+        with engine_load(path, 4, miss=miss) as model:
+            assert model.chunk_bytes is None and model.stats["chunking"] is None
+    with engine_load(path, 4, miss="split:theta=0.5", prefetch="next-gate") as model:  # no whole-expert slot
         assert model.chunk_bytes == -(-model.layout.nbytes // 3) and "thirds" in model.stats["chunking"]
     # where chunks pay: an expert's data takes more than 5 chunk latencies (here the emulated link's)
     with engine_load(path, 4, prefetch="next-gate", link_bandwidth="1MB/s", link_latency="1us") as model:

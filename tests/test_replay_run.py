@@ -522,3 +522,24 @@ def test_a_plan_priced_with_submit_s_says_it_favours_computing_on_the_host():
         warnings.simplefilter("error", ExpertcacheWarning)
         ec.make_plan(trace, 24, cost={"submit_s": "300us"}, misses=["fetch"])  # nothing on the host
         ec.make_plan(trace, 24, misses=["fetch", "host"])  # nothing charged to transfers
+
+
+def test_generate_decides_by_the_costs_given_and_its_run_replays_by_them(tmp_path, capsys):
+    """A cost-based path's run repeats given its costs: the note said load(costs=...), which the command
+    line had no flag for; --cost gives them (a cost model or a profile), and is refused where no miss
+    path decides by costs."""
+    cost = tmp_path / "c.json"
+    cost.write_text(
+        json.dumps({"link_bandwidth": "10GB/s", "host_expert_s": "30us", "expert_bytes": "180KiB"})
+    )
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "8", "--expert-memory", "30%", "--miss",
+            "host", "--cost", str(cost), "--prefetch", "none", "--json", "--quiet"]  # fmt: skip
+    runs = []
+    for i in range(2):
+        assert main([*argv, "--record-trace", str(tmp_path / f"r{i}.npz")]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["host_computed"] == runs[1]["host_computed"] > 0 and runs[0]["misses"] == runs[1]["misses"]
+    recorded = json.loads(ec.load_trace(tmp_path / "r0.npz").meta["costs"])
+    assert recorded["host_expert_s"] == pytest.approx(30e-6) and recorded["link_bandwidth"] == 10e9
+    assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--cost", str(cost)]) == 2
+    assert "--cost changes nothing here: miss path fetch decides by no costs" in capsys.readouterr().err

@@ -143,7 +143,7 @@ class CostModel:
         (``transfer``, default a whole expert) and computing it on the device. A tie goes to the device:
         on a CPU-only machine the two are the same measurement plus the same read, and which side of a
         rounding error a sum falls on must not decide (it flipped per run and per token count)."""
-        device = (self.transfer_time() if transfer is None else transfer) + self.expert(tokens)
+        device = (self.demand_transfer_time() if transfer is None else transfer) + self.expert(tokens)
         host = self.host_expert(tokens)
         return host < device and not math.isclose(host, device, rel_tol=1e-9)
 
@@ -166,6 +166,13 @@ class CostModel:
     def transfer_time(self, nbytes: int | None = None) -> float:
         """Link seconds of a whole transfer of ``nbytes`` (default: one expert), all its chunks."""
         return sum(self.chunk_times(nbytes))
+
+    def demand_transfer_time(self, nbytes: int | None = None) -> float:
+        """Link seconds of a demand transfer of ``nbytes`` (default: one expert): one chunk, latency +
+        bytes / bandwidth, as the engine and the timing model move it (nothing speculative for it to let
+        pass); what a miss path pricing a fetch against the host weighs."""
+        nbytes = self.expert_bytes if nbytes is None else int(nbytes)
+        return self.link_latency + nbytes / self.link_bandwidth
 
     @property
     def transfer_s(self) -> float:
@@ -394,7 +401,7 @@ def host_reads_of(profile: dict, cost: CostModel) -> CostModel:
     with host compute at 216 ms a token, read-free, and measured 626-880 ms, against fetching's 436-491."""
     if cost.host_read_s or read_tier_link(profile) is None:
         return cost
-    return replace(cost, host_read_s=cost.transfer_time())
+    return replace(cost, host_read_s=cost.demand_transfer_time())
 
 
 def read_tier_link(profile: dict) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from expertcache.errors import PolicyError
-from expertcache.policy.base import Key, Policy
+from expertcache.policy.base import Key, Policy, no_victim
 
 _SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
 
@@ -61,6 +61,10 @@ class Residency:
         """Make a missing key resident, evicting the policy's victim (never one in ``pinned``); return
         the victim. Raises PolicyError, with nothing changed, when every candidate is pinned."""
         victim = self.policy.victim(key, pinned)
+        if victim is None and len(self.resident) >= self.policy.capacity:
+            # full, and nothing to evict: every candidate pinned (a policy that says None rather than
+            # raising ``no_victim``, as the documented example once did, would overfill the cache)
+            raise no_victim(self.policy, key)
         if victim is not None:
             self.resident.remove(victim)
             self.policy.on_evict(victim)

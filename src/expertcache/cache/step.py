@@ -29,6 +29,7 @@ from expertcache.cache.expert_cache import ExpertCache, LayerWork
 from expertcache.cache.governor import LinkCounts, PrefetchGovernor
 from expertcache.cache.needs import LayerNeeds, needs_of  # noqa: F401 (needs_of re-exported)
 from expertcache.cache.recorder import Recorder
+from expertcache.errors import ExpertcacheError
 from expertcache.policy.base import Clock
 
 Predictions = dict[int, list[int]]
@@ -85,6 +86,7 @@ class StepDriver:
         governor: PrefetchGovernor | None = None,
     ) -> None:
         self.cache, self.num_layers = cache, num_layers
+        self.num_experts = cache.policy.ctx.num_experts
         self.predictor, self.recorder, self.governor = predictor, recorder, governor
         self.predicting = predictor is not None  # in this step
         self.shadow = False  # in this step, predictions are only scored (the governor's warm-up)
@@ -173,6 +175,7 @@ class StepDriver:
         predictor inline); an adaptive predictor's are recorded as made, before the walk, so that a
         replay walks them at the same layers over its own cache."""
         for predictions in batches:
+            self._check(predictions)
             if after >= 0:  # layers already computed need nothing any more
                 predictions = {t: r for t, r in predictions.items() if t > after}
             if getattr(self.predictor, "adaptive", False):
@@ -188,6 +191,21 @@ class StepDriver:
                 self.recorder.predict(predictions)
             self.cache.prefetch(predictions, current)
 
+    def _check(self, predictions: Predictions) -> None:
+        """One clear error for a prediction that names no expert of the model (a user's predictor's ids
+        out of range went to the simulator as experts that do not exist, and to the engine's slot tables
+        as an IndexError)."""
+        L, E = self.num_layers, self.num_experts
+        for target, ranked in predictions.items():
+            if _index(target, L) and all(_index(e, E) for e in ranked):
+                continue
+            inner = getattr(self.predictor, "predictor", self.predictor)
+            name = getattr(inner, "name", type(inner).__name__)
+            raise ExpertcacheError(
+                f"predictor {name} predicted experts {list(ranked)!r} for layer {target!r}: layers are whole "
+                f"numbers 0..{L - 1}, experts 0..{E - 1}"
+            )
+
     def _up_to_first_miss(self, predictions: Predictions) -> Predictions:
         """HOBBIT's layer-adaptive walk: the target layers in order, up to the first one whose predicted
         experts are not all present already (those are cached: nothing to move for them)."""
@@ -201,3 +219,8 @@ class StepDriver:
     def close(self) -> None:
         if self.predictor is not None:
             self.predictor.close()
+
+
+def _index(value: object, size: int) -> bool:
+    """Whether ``value`` is a whole number in 0..size-1 (numpy's integers too, not True or False)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and 0 <= value < size

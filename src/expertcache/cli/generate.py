@@ -158,6 +158,11 @@ def add_model_args(p) -> None:
         "--miss", metavar="NAME[:k=v,...]",
         help="what to do on a miss: fetch (default), host, hybrid, placement, ... (expertcache misses)",
     )  # fmt: skip
+    p.add_argument(
+        "--cost", metavar="FILE.json",
+        help="the costs a cost-based miss path (host, hybrid, batch) decides by: a cost model or a profile "
+        "(expertcache profile); default: measured at load, which differ from run to run",
+    )  # fmt: skip
     add_prefetch_args(p)
 
 
@@ -269,6 +274,17 @@ def load_model(args, record: bool = True):
     host = HostConfig(
         args.host_memory, args.host_policy or "lru", exclusive=args.host_exclusive, stage=args.host_stage
     )
+    costs = None
+    if args.cost:
+        from expertcache.costs import CostModel
+        from expertcache.miss.registry import miss_class
+
+        if not miss_class(miss.name).needs_costs:
+            raise ExpertcacheError(
+                f"--cost changes nothing here: miss path {miss.name} decides by no costs (host, hybrid and "
+                "batch do)"
+            )
+        costs = CostModel.load(args.cost)
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
 
@@ -279,7 +295,7 @@ def load_model(args, record: bool = True):
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,
             kernel=args.kernel, quantize_dense=args.quantize_dense, host=host if host.enabled else None,
-            attention=args.attention,
+            attention=args.attention, **({"costs": costs} if costs is not None else {}),
         )  # fmt: skip
     for note in model.notes:  # what the engine adjusted, e.g. expert memory capped at all experts
         _err(f"note: {note}", args)

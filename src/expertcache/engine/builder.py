@@ -318,8 +318,8 @@ class Builder:
         self.pool = next(iter(self.targets.values())).pool
         # prefetching only while it pays has nothing to do when every expert is resident from the start
         idle = prefetch.governed and self.whole
-        chunked = prefetch.chunked(background=miss.name != "fetch") and not idle
-        if (note := prefetch.idle_chunking_note(background=miss.name != "fetch")) is not None:
+        chunked = prefetch.chunked(background=self.miss.fills()) and not idle
+        if (note := prefetch.idle_chunking_note(background=self.miss.fills())) is not None:
             self.notes.append(note)
         self.worker = TransferWorker(link=self.link, parts=self.targets)
         stager = None  # a host level's staging reads: a worker of their own, beside the link's
@@ -346,7 +346,9 @@ class Builder:
             if prefetch.deterministic:
                 self.notes.append(
                     f"miss path {self.miss.name} decides by costs measured at load, which differ from run to "
-                    "run: give them (load(costs=CostModel.load(PROFILE.json))) for a run that repeats"
+                    "run: give them ("
+                    + option("--cost PROFILE.json", "load(costs=CostModel.load('PROFILE.json'))")
+                    + ") for a run that repeats"
                 )
         self.measured_costs = self.miss.needs_costs and costs is None
         self.costs = self.miss.ctx.costs

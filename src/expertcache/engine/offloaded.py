@@ -220,9 +220,13 @@ class OffloadedModel:
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
-            "prefetch_late", "prefetch_cancelled", "shadow_guesses", "shadow_hits", "filled",
+            "prefetch_late", "prefetch_cancelled", "prefetch_skipped", "shadow_guesses", "shadow_hits",
+            "filled", "retried_chunks", "requests", "prefill_misses", "decode_misses", "steps",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
+        delta["misses_by_layer"] = [
+            b - a for a, b in zip(before["misses_by_layer"], after["misses_by_layer"], strict=True)
+        ]
         # the prediction quality of this generation's steps (ratios of counts, not of the totals')
         now = self.cache.stats.prediction_counts()
         delta.update(prediction_quality(*(b - a for a, b in zip(predicted, now, strict=True))))
@@ -430,6 +434,7 @@ class OffloadedModel:
             "miss": self.miss.describe(), "capacities": json.dumps(self.capacities),
             "memory": self.memory_experts,
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
+            "device": self.device.type,  # a CPU's copies land almost at once: its replay is nearly settled
         }  # fmt: skip
         if policy_class(self.cache_config.name).seeded:  # what it drew from: a replay needs the same
             meta["policy_seed"] = self.cache_config.seed

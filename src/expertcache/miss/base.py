@@ -139,6 +139,12 @@ class MissPath:
         """Layers whose experts never enter the cache (always computed on the host)."""
         return frozenset()
 
+    def fills(self) -> bool:
+        """Whether the path moves experts into the cache in the background (``ON_HOST_FILL``: computed on
+        the host now, filled for later steps): speculative transfers, which move in chunks as a
+        predictor's do. Every other transfer a path asks for is a demand one, moved whole."""
+        return False
+
     def preloads(self) -> bool:
         """Whether, with an expert memory that holds every expert, filling it at load is this path's
         answer too: every expert then a hit, computed from its slot (nothing to offload). True for a

@@ -94,7 +94,7 @@ class Batch(MissPath):
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:
         c = self.costs()
-        transfer = c.transfer_time()
+        transfer = c.demand_transfer_time()  # a fetched or streamed miss moves whole
         streaming = [view.present(STREAM, n.key) for n in needs]  # already in the buffer: no transfer
         asked = [n.key for n, s in zip(needs, streaming, strict=True) if not s]
         admitted = dict(zip(asked, view.admits(FULL, asked), strict=True))

@@ -43,8 +43,11 @@ class Host(MissPath):
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:
         c = self.costs()
-        transfer = c.transfer_time()
+        transfer = c.demand_transfer_time()  # a fetched miss moves whole
         return [self.on_host if c.host_pays(n.tokens, transfer) else FETCH for n in needs]
+
+    def fills(self) -> bool:
+        return self.on_host is ON_HOST_FILL
 
     def describe(self) -> str:
         return "host:fill=1" if self.on_host is ON_HOST_FILL else "host"

@@ -37,7 +37,7 @@ def makespan_split(
     """HybriMoE's greedy schedule of a layer's missing ``needs`` beside its cached ``hits``: for each need,
     whether it runs on the host (else on the device, over the link unless ``moved`` says it needs no
     transfer: already in a buffer)."""
-    transfer = c.transfer_time()
+    transfer = c.demand_transfer_time()  # a fetched miss moves whole
     device = sum(c.expert(n.tokens) for n in hits)  # busy with the cached experts first
     host = link = 0.0
     order = sorted(range(len(needs)), key=lambda i: needs[i].tokens)  # lightest first

@@ -12,7 +12,7 @@ from collections.abc import Container, Sequence
 from dataclasses import replace
 
 from expertcache.errors import PolicyError
-from expertcache.policy.base import Key, Policy, PolicyContext
+from expertcache.policy.base import Key, Policy, PolicyContext, no_victim
 
 
 def uniform_budgets(capacity: int, num_layers: int) -> list[int]:
@@ -103,7 +103,11 @@ class Dist(Policy):
         self.layers[key[0]].on_evict(key)
 
     def victim(self, incoming: Key, pinned: Container[Key]) -> Key | None:
-        return self.layers[incoming[0]].victim(incoming, pinned)
+        layer = self.layers[incoming[0]]
+        victim = layer.victim(incoming, pinned)
+        if victim is None and len(layer) >= self.budgets[incoming[0]]:  # full: None is not room
+            raise no_victim(self, incoming)
+        return victim
 
 
 def _by_layer(keys: Sequence[Key]) -> dict[int, list[int]]:

@@ -173,4 +173,11 @@ def _lookup(name: str) -> PolicyFactory:
     try:
         return POLICIES[name]
     except KeyError:
+        base = name[: -len("-dist")] if isinstance(name, str) and name.endswith("-dist") else None
+        if base in POLICIES:  # eam, reuse, a user's registered with dist=False
+            raise PolicyError(
+                f"unknown policy {name!r}: {base} has no per-layer split (it decides over every layer's "
+                "experts at once, docs/POLICIES.md); give it the whole cache, or choose a policy with one: "
+                + ", ".join(n for n in POLICIES if n.endswith("-dist"))
+            ) from None
         raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -46,8 +46,10 @@ class Window(NextGate):
 
 
 class Adaptive(NextGate):
-    """HOBBIT's layer-adaptive prefetch: the next p layers' routers on this gate input, walked forward
-    while their predicted experts are already cached, up to the first layer with a miss (default p = 3)."""
+    """HOBBIT's layer-adaptive prefetch: the next p layers' routers on this gate input (default p = 3).
+
+    Their predictions are walked forward while their experts are already cached, up to the first layer
+    with a miss."""
 
     name = "adaptive"
     default_window = 3

@@ -73,7 +73,7 @@ def step_bounds(
     if room:
         top = np.argsort(-uses, axis=1, kind="stable")[:, :room]
         resident[np.arange(L)[:, None], top] = True
-    transfer = cost.transfer_time()
+    transfer = cost.demand_transfer_time()  # each needed expert moved once, whole
     starts = step_starts(trace)
     ends = np.r_[starts[1:], trace.num_tokens]
     stream, static = np.zeros(len(starts)), np.zeros(len(starts))

@@ -17,7 +17,7 @@ from expertcache.policy.registry import fixed_capacity, min_capacity, parse_poli
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
-from expertcache.sim.timing import RECORDED
+from expertcache.sim.timing import RECORDED, unsettled
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capacity_beyond, capacity_items, true_or_false, whole_number
@@ -153,6 +153,8 @@ def replay_notes(
         + (" at the run's own cache parts" if recorded else "")
         + (" (each transfer settled, as in the run)" * bool(prefetched and meta.get("deterministic")))
     )
+    if prefetched and meta.get("deterministic") is False:
+        note += "; " + unsettled(meta)
     if other_miss and _decides_by_costs(miss):
         note += (
             ", its decisions priced by the costs the run decided by, which the trace holds"

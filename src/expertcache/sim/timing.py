@@ -253,6 +253,17 @@ def _canonical(
     return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
 
 
+def unsettled(meta: dict) -> str:
+    """What a replay of a run that prefetched without ``--deterministic`` cannot know, and on a CPU (its
+    copies land almost at once) the replay that comes nearest."""
+    out = "the run was not deterministic: its counts followed when its transfers landed, which no replay"
+    out += " knows"
+    if meta.get("device") == "cpu":
+        settled = option("--deterministic", "PrefetchConfig('recorded', deterministic=True)")
+        out += f" (on a CPU, where copies land almost at once, adding {settled} comes nearest)"
+    return out
+
+
 RECORDED = "recorded"  # a capacity: the recorded run's own, each cache part as the engine held it
 
 
@@ -303,7 +314,10 @@ def replay_differences(
             + option("--deterministic", "PrefetchConfig('recorded', deterministic=True)")
             + " replays its counts on any link)"
         )
-    return [f"this replay is not the recorded run's: {'; '.join(out)}"] if out else []
+    said = [f"this replay is not the recorded run's: {'; '.join(out)}"] if out else []
+    if meta.get("deterministic") is False and pf.predictor == "recorded" and not pf.deterministic:
+        said.append(unsettled(meta))
+    return said
 
 
 def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tuple[int, dict[str, object]]:
@@ -412,14 +426,14 @@ def _run_timing(
         )
     # the engine's rule: nothing speculative for a demand miss to pass, no chunks (auto's, or a size given,
     # which the note says changes nothing); the cost line says every transfer moves whole
-    background = miss_cfg.name != "fetch"
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    background = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params).fills()
     idle_chunks = pf.idle_chunking_note(background=background)
     unchunked = (cost.chunk_bytes == AUTO and not pf.chunked(background=background)) or (
         idle_chunks is not None and cost.chunk_bytes is not None
     )
     if unchunked:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
-    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     check_dense_layers(cost, L)
     check_capacity(capacity, "layer", K)
     capped = []
