@@ -543,3 +543,39 @@ def test_generate_decides_by_the_costs_given_and_its_run_replays_by_them(tmp_pat
     assert recorded["host_expert_s"] == pytest.approx(30e-6) and recorded["link_bandwidth"] == 10e9
     assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--cost", str(cost)]) == 2
     assert "--cost changes nothing here: miss path fetch decides by no costs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("exclusive", "prefetch"), [(False, "next-gate"), (True, "none")])
+def test_sim_names_the_host_level_in_the_replay_it_suggests(tmp_path, capsys, exclusive, prefetch):
+    """sim's replay command left out a run's host level (timing then named it in a second note), and a
+    run without prefetching got no word of it: the command sim prints now replays the host level's counts
+    too, in the command line's flags and in Python's arguments alike."""
+    kw = dict(
+        host_memory="50%", host_exclusive=exclusive, prefetch=PrefetchConfig(prefetch, deterministic=True)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(expert_memory="20%", **kw) as model:
+            model.generate_text(PROMPT, 16)
+            stats = model.stats
+            path = tmp_path / "run.npz"
+            model.save_trace(path)
+    assert main(["sim", str(path), "--policy", "lru", "--capacity", "19"]) == 0
+    said = capsys.readouterr().err.split("'expertcache timing ")[1].split("'")[0]
+    assert "--host-capacity" in said and ("--host-exclusive" in said) == exclusive
+    assert main(["timing", *said.split(), "--json"]) == 0
+    out, err = capsys.readouterr()
+    replay = json.loads(out)
+    keys = ("hits", "misses", "host_hits", "host_misses")
+    assert {k: replay[k] for k in keys} == {k: stats[k] for k in keys} and "leaves out" not in err
+    with pytest.warns(ExpertcacheWarning) as told:
+        ec.simulate(ec.load_trace(path), ["lru"], [19])
+    python = next(str(w.message) for w in told if "simulate_timing(" in str(w.message))
+    call = python.split("simulate_timing(trace, ")[1].rsplit(") replays", 1)[0]
+    trace = ec.load_trace(path)
+    got = eval(f"ec.simulate_timing(trace, {call})", {**vars(ec), "ec": ec, "trace": trace})  # noqa: S307
+    assert (got.hits, got.misses, got.cache["host_misses"]) == (
+        stats["hits"],
+        stats["misses"],
+        stats["host_misses"],
+    )

@@ -1026,14 +1026,9 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         host, host_capacity = _host_level(args), args.host_capacity
         recorded = trace.meta.get("host_capacity")
         if recorded is not None and host is None and host_capacity is None:  # the run had a host level
-            from expertcache.cache.tiers import exclusive_reserve
+            from expertcache.sim.timing import host_level_replay
 
-            exclusive = bool(trace.meta.get("host_exclusive"))  # its memory holds a reserve beside them
-            given = int(recorded) + (exclusive_reserve(trace.top_k) if exclusive else 0)
-            how = f"--host-capacity {given} --host-policy {trace.meta.get('host_policy', 'lru')}"
-            how += " --host-exclusive" if exclusive else ""
-            how += f" --host-stage {stage}" if (stage := trace.meta.get("host_stage")) else ""
-            how += " --prefetch recorded" if stage and prefetch.predictor == "none" else ""  # stages need one
+            how = host_level_replay(trace.meta, trace.top_k, prefetch.predictor != "none")[0]
             print(f"note: the run had a host level of {recorded} experts, which this replay leaves out: "
                   f"{how} replays it", file=sys.stderr)  # fmt: skip
         if host_capacity is not None and host.exclusive and host_capacity >= 1:

@@ -17,7 +17,7 @@ from expertcache.policy.registry import fixed_capacity, min_capacity, parse_poli
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
-from expertcache.sim.timing import RECORDED, unsettled
+from expertcache.sim.timing import RECORDED, host_level_replay, unsettled
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capacity_beyond, capacity_items, true_or_false, whole_number
@@ -106,12 +106,24 @@ def replay_notes(
             f"this run's policy {policy} ranked experts by the use of {profile}; these replays rank by "
             f"{name}'s own unless given it: " + option(f"--profile {profile}", f"profile={str(profile)!r}")
         )
+    level = host_level_replay(meta, trace.top_k, bool(prefetched))  # a host level below, which sim has not
     if not other_miss and not prefetched:
         if policies is not None and _other_policy(str(policy), policies):  # its counts are its policy's
             notes.append(
                 f"this run's policy was {policy}, which these replays do not run: "
                 + option(f"--policy {policy}", f"policies=[{policy!r}]")
                 + " replays it"
+            )
+        if level is not None:
+            named = f" --policy {policy}" if policy not in ("lru", "POLICY") else ""
+            notes.append(
+                f"this run had a host level of {meta['host_capacity']} experts below its expert memory, "
+                "which these replays leave out (their counts are the expert memory's): "
+                + option(
+                    f"'expertcache timing --trace {name}{named} {level[0]}'",
+                    f"simulate_timing(trace, 'recorded', cache={policy!r}, {level[1]})",
+                )
+                + " replays its host level too"
             )
         return notes
     recorded = "capacities" in meta  # an engine's run: timing replays its own cache parts
@@ -138,6 +150,8 @@ def replay_notes(
             args += ", prefetch=PrefetchConfig('recorded', deterministic=True)"
         else:
             flags, args = f"{flags} --prefetch recorded", f"{args}, prefetch='recorded'"
+    if level is not None:
+        flags, args = f"{flags} {level[0]}", f"{args}, {level[1]}"
     capacity = meta.get("capacity", "N")
     given = repr(RECORDED) if recorded else "capacity" if capacity == "N" else capacity
     note = (

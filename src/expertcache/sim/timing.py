@@ -264,6 +264,31 @@ def unsettled(meta: dict) -> str:
     return out
 
 
+def host_level_replay(meta: dict, top_k: int, prefetching: bool) -> tuple[str, str] | None:
+    """The options that replay a recorded run's host level (``cache.tiers``), as the command line's flags
+    and as ``simulate_timing``'s arguments, or None where the run had none. On the command line
+    ``--host-capacity`` is the level's memory in experts (an exclusive one's reserve included), in Python
+    ``host_capacity`` the experts it holds, as the run's stats give them; ``prefetching``: the replay
+    prefetches already (a staging level needs predictions)."""
+    recorded = meta.get("host_capacity")
+    if recorded is None:
+        return None
+    from expertcache.cache.tiers import exclusive_reserve
+
+    exclusive = bool(meta.get("host_exclusive"))  # its memory holds a reserve beside them
+    given = int(recorded) + (exclusive_reserve(top_k) if exclusive else 0)
+    policy, stage = meta.get("host_policy", "lru"), meta.get("host_stage") or 0
+    flags = f"--host-capacity {given} --host-policy {policy}"
+    flags += " --host-exclusive" if exclusive else ""
+    flags += f" --host-stage {stage}" if stage else ""
+    flags += " --prefetch recorded" if stage and not prefetching else ""  # stages need predictions
+    host = f"HostConfig(None, {policy!r}" + (", exclusive=True" if exclusive else "")
+    host += f", stage={stage})" if stage else ")"
+    args = f"host={host}, host_capacity={int(recorded)}"
+    args += ", prefetch='recorded'" if stage and not prefetching else ""
+    return flags, args
+
+
 RECORDED = "recorded"  # a capacity: the recorded run's own, each cache part as the engine held it
 
 
