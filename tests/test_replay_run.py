@@ -579,3 +579,31 @@ def test_sim_names_the_host_level_in_the_replay_it_suggests(tmp_path, capsys, ex
         stats["misses"],
         stats["host_misses"],
     )
+
+
+def test_a_plan_of_a_cost_based_path_runs_by_the_costs_it_was_planned_with(tmp_path):
+    """generate --plan of a plan made from a profile measured the costs again at load, so hybrid's host or
+    fetch choices were not the planned ones and differed from run to run; the plan's costs now decide
+    (said), unless --cost gives others."""
+    cost = {"link_bandwidth": "1GB/s", "host_expert_s": "50us", "expert_bytes": 184320, "expert_s": "20us"}
+    plan = ec.make_plan(prefix(400), "30%", cost=cost, misses=["hybrid"], methods=["shared"])
+    assert plan.miss == "hybrid"
+    plan_file = tmp_path / "plan.json"
+    plan.save(plan_file)
+    runs = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always", ExpertcacheWarning)
+            with ec.load(plan=plan_file) as model:
+                model.generate_text(PROMPT, 8)
+                runs.append((model.stats, model.trace()))
+        assert any("decides by the costs the plan was made with" in str(w.message) for w in told)
+    (stats, trace), (again, _) = runs
+    assert stats["costs"] == CostModelOf(cost) and not any("measured" in v for v in stats["varies_by"])
+    assert stats["host_computed"] == again["host_computed"] > 0 and stats["misses"] == again["misses"]
+    replay = ec.simulate_timing(trace, "recorded", miss="hybrid")
+    assert (replay.misses, replay.cache["host_computed"]) == (stats["misses"], stats["host_computed"])
+
+
+def CostModelOf(fields: dict) -> dict:  # noqa: N802 (reads as the model it builds)
+    return ec.CostModel.from_dict(fields).to_dict()

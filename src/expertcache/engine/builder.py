@@ -257,6 +257,15 @@ class Builder:
                     f"{self.layout.nbytes} (another model of its shape, or another dtype): its predicted "
                     "times are not this model's ('expertcache profile' measures this one)"
                 )
+            planned = plan.source.get("cost")
+            own = isinstance(planned, dict) and planned != CostModel().to_dict()
+            own = own and priced == self.layout.nbytes  # measured for this model (a profile), not defaults
+            if costs is None and own and miss_class(miss.name).needs_costs:  # decide as it was planned
+                costs = CostModel.from_dict(planned)
+                self.notes.append(
+                    f"miss path {miss.name} decides by the costs the plan was made with (its profile's), as "
+                    "the planner's runs did; " + option("--cost", "costs") + " gives others"
+                )
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
         )
