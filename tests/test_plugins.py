@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import expertcache as ec
@@ -282,3 +283,46 @@ def test_a_predictor_that_names_no_expert_is_one_clear_error_in_the_simulator_an
     pf = ec.PrefetchConfig(Wrong(PredictContext(6, 16, 2)), deterministic=True)
     with ec.load(expert_memory="30%", prefetch=pf) as model, pytest.raises(ExpertcacheError, match=message):
         model.generate_text("def read_config(path):", 4)
+
+
+def test_a_sloppy_policy_or_predictor_is_one_line_or_taken_as_meant(plugin):
+    """A victim that is not resident (on_evict that forgot the key) or is pinned was a KeyError in the
+    cache; a predictor ranking with numpy failed on its truth value."""
+    from user_classes import MRU, LastStep
+
+    from expertcache.errors import PolicyError
+    from expertcache.predict.base import PredictContext
+
+    class Forgetful(MRU):
+        name = "users-forgetful"
+
+        def on_evict(self, key):
+            pass  # the key stays in its list: a later victim is no longer resident
+
+    class Pinning(MRU):
+        name = "users-pinning"
+
+        def victim(self, incoming, pinned):
+            return next(reversed(self.keys)) if len(self.keys) >= self.capacity else None  # in use
+
+    class Numpy(LastStep):
+        name = "users-numpy"
+
+        def _predict(self, source, target, gate_input):
+            return np.asarray([1, 2])
+
+    for cls, why in ((Forgetful, "which is not resident"), (Pinning, "which is pinned")):
+        ec.register_policy(cls, dist=False)
+        try:
+            with pytest.raises(
+                PolicyError, match=rf"{cls.name}: victim\(\) chose \(\d+, \d+\) for .*, {why}"
+            ):
+                ec.simulate(ec.default_trace(), [cls.name], [4])
+        finally:
+            POLICIES.pop(cls.name, None)
+    got = ec.simulate_timing(
+        ec.default_trace(), 24, prefetch=ec.PrefetchConfig(Numpy(PredictContext(6, 16, 2)))
+    )
+    assert got.cache["prefetch_issued"] > 0
+    with pytest.raises(ExpertcacheError, match="'BadName' is not a name commands can take"):
+        ec.register_policy(type("Bad", (MRU,), {"name": "BadName"}))

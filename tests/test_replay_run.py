@@ -607,3 +607,58 @@ def test_a_plan_of_a_cost_based_path_runs_by_the_costs_it_was_planned_with(tmp_p
 
 def CostModelOf(fields: dict) -> dict:  # noqa: N802 (reads as the model it builds)
     return ec.CostModel.from_dict(fields).to_dict()
+
+
+def test_a_cost_based_runs_replay_counts_bytes_in_its_own_experts_and_says_where_its_costs_came_from(
+    tmp_path, capsys
+):
+    """timing --expert-memory 1GB of a run with recorded costs counted 336 MiB experts (2 of them, the
+    default cost model's) beside a cost line of 0.2 MiB; --chunk-size was checked against them too; and
+    the note said the costs were measured at load when --cost had given them."""
+    cost = tmp_path / "c.json"
+    cost.write_text(json.dumps({"host_expert_s": "30us", "expert_bytes": 184320}))
+    trace = tmp_path / "r.npz"
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--expert-memory", "30%", "--miss",
+            "hybrid", "--cost", str(cost), "--prefetch", "none", "--quiet",
+            "--record-trace", str(trace)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert (
+        main(["timing", "--trace", str(trace), "--miss", "hybrid", "--expert-memory", "1GB", "--json"]) == 0
+    )
+    out, err = capsys.readouterr()
+    assert json.loads(out)["capacity"] == 96 and "(given to it; --cost gives others)" in err
+    assert main(["timing", "--trace", str(trace), "--miss", "hybrid", "--chunk-size", "60kB"]) == 0
+    assert "expert 0.2 MiB in 1 chunk" in capsys.readouterr().out
+
+
+def test_the_python_replay_of_a_run_with_a_host_level_says_it_leaves_it_out(tmp_path):
+    stats, path = _run(tmp_path, "host", prefetch="none", host_memory="50%")
+    with pytest.warns(
+        ExpertcacheWarning, match=r"host level of \d+ experts, which this replay leaves out: host="
+    ):
+        ec.simulate_timing(path, "recorded")
+    trace = ec.load_trace(path)
+    got = ec.simulate_timing(
+        trace, "recorded", host=ec.HostConfig(None, "lru"), host_capacity=trace.meta["host_capacity"]
+    )
+    assert got.cache["host_misses"] == stats["host_misses"]
+
+
+def test_a_cost_based_runs_summary_names_what_repeats_it_and_a_cost_file_of_other_experts_is_said(
+    tmp_path, capsys
+):
+    """A deterministic host run without --cost was told '--deterministic repeats the run' (given
+    already: only --cost would); a cost file pricing the default 336 MiB experts decided for those, unsaid."""
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--expert-memory", "30%", "--miss",
+            "host", "--prefetch", "next-gate"]  # fmt: skip
+    assert main([*argv, "--deterministic"]) == 0
+    assert "(--cost PROFILE.json repeats the run)" in capsys.readouterr().err
+    assert main(argv) == 0
+    assert "(--deterministic and --cost PROFILE.json repeat the run)" in capsys.readouterr().err
+    cost = tmp_path / "c.json"
+    cost.write_text(json.dumps({"host_expert_s": "1ms"}))
+    assert main([*argv, "--cost", str(cost)]) == 0
+    assert (
+        "the costs given price experts of 352321536 bytes; embedded's are 184320" in capsys.readouterr().err
+    )

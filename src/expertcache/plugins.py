@@ -101,7 +101,12 @@ def _check(cls, base: type, kind: str, registry, base_name: str, reserved: tuple
     if not (isinstance(cls, type) and issubclass(cls, base)) or cls is base:
         raise ExpertcacheError(f"a {kind} to register is a subclass of {base_name}, got {cls!r}")
     name = cls.__dict__.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if isinstance(name, str) and not _NAME.fullmatch(name):
+        raise ExpertcacheError(
+            f"{kind} {cls.__qualname__}: {name!r} is not a name commands can take (lower-case letters, "
+            "digits, '.', '_' or '-', beginning with a letter or digit)"
+        )
+    if not isinstance(name, str):
         inherited = getattr(cls, "name", None)
         why = f" (it inherits {inherited!r})" if isinstance(inherited, str) and name is None else ""
         raise ExpertcacheError(

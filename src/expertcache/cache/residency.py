@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from expertcache.errors import PolicyError
-from expertcache.policy.base import Key, Policy, no_victim
+from expertcache.policy.base import Key, Policy
 
 _SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
 
@@ -62,9 +62,16 @@ class Residency:
         the victim. Raises PolicyError, with nothing changed, when every candidate is pinned."""
         victim = self.policy.victim(key, pinned)
         if victim is None and len(self.resident) >= self.policy.capacity:
-            # full, and nothing to evict: every candidate pinned (a policy that says None rather than
-            # raising ``no_victim``, as the documented example once did, would overfill the cache)
-            raise no_victim(self.policy, key)
+            # full, and nothing to evict: a policy that says None rather than raising ``no_victim`` (as
+            # the documented example once did) would overfill the cache
+            raise PolicyError(
+                f"{self.policy.name}: no victim for {key} with the cache full ({self.policy.capacity} "
+                "experts): victim() returns None only while there is room, and raises no_victim when every "
+                "key is pinned"
+            )
+        if victim is not None and (victim not in self.resident or victim in pinned):
+            why = "not resident" if victim not in self.resident else "pinned (in use, or moving)"
+            raise PolicyError(f"{self.policy.name}: victim() chose {victim!r} for {key}, which is {why}")
         if victim is not None:
             self.resident.remove(victim)
             self.policy.on_evict(victim)

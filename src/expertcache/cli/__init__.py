@@ -981,24 +981,27 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         miss = MissConfig(args.miss or "fetch")
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
-    cost = _cost_from_args(args, prefetch, CostModel.from_dict(planned) if planned else None)
+    from expertcache.sim.timing import recorded_costs, replay_differences
+
+    # a run's replay, at its own budget or another, is priced as its miss path decided: its costs are the
+    # base of everything below (an expert memory in bytes counts its experts, a chunk size cuts them)
+    own = recorded_costs(trace) if planned is None and not args.cost else None
+    base = own if own is not None else CostModel.from_dict(planned) if planned else None
+    cost = _cost_from_args(args, prefetch, base)
+    if own is not None:
+        flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
+        over = f", {' '.join(flags)} given over them" if flags else ""
+        how = "measured at its load" if trace.meta.get("costs_measured", True) else "given to it"
+        print(
+            f"note: priced by the costs the run decided by ({how}{over}; --cost gives others)",
+            file=sys.stderr,
+        )
     if plan is not None:
         capacity = plan.capacity
     elif args.capacity is None and not args.expert_memory and "capacities" in trace.meta:
         capacity = _run_capacity(trace, miss, cost) or _capacity(args, cost, trace)
     else:
         capacity = _capacity(args, cost, trace)
-    from expertcache.sim.timing import recorded_costs, replay_differences
-
-    flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
-    own = recorded_costs(trace) if planned is None and not args.cost else None
-    if own is not None:  # a run's replay, at its own budget or another: priced as its miss path decided
-        cost = _cost_from_args(args, prefetch, own)
-        over = f", {' '.join(flags)} given over them" if flags else ""
-        print(
-            f"note: priced by the costs the run decided by (measured at its load{over}; --cost gives others)",
-            file=sys.stderr,
-        )
     if plan is None:
         seeded = replace(cache, seed=args.seed or 0)  # the seed the replay draws with (set below)
         for note in replay_differences(trace, seeded, prefetch, miss=miss):

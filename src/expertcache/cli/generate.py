@@ -550,7 +550,10 @@ def summary(out: dict) -> str:
                      "far)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
-        lines.append(f"not repeatable: follows {', '.join(varies)} (--deterministic repeats the run)")
+        fixes = [] if out.get("deterministic") else ["--deterministic"]  # what each of them needs
+        fixes += ["--cost PROFILE.json"] if any("measured at load" in v for v in varies) else []
+        verb = "repeats" if len(fixes) == 1 else "repeat"
+        lines.append(f"not repeatable: follows {', '.join(varies)} ({' and '.join(fixes)} {verb} the run)")
     elif out.get("deterministic"):
         lines.append("repeatable (--deterministic): transfers landed before each decision")
     if out.get("seed") is not None:

@@ -263,9 +263,16 @@ class Builder:
             if costs is None and own and miss_class(miss.name).needs_costs:  # decide as it was planned
                 costs = CostModel.from_dict(planned)
                 self.notes.append(
-                    f"miss path {miss.name} decides by the costs the plan was made with (its profile's), as "
-                    "the planner's runs did; " + option("--cost", "costs") + " gives others"
+                    f"miss path {miss.name} decides by the costs the plan was made with, as the planner's "
+                    "runs did; " + option("--cost", "costs") + " gives others"
                 )
+        other = costs is not None and costs.expert_bytes != self.layout.nbytes
+        if other and miss_class(miss.name).needs_costs:
+            self.notes.append(
+                f"the costs given price experts of {costs.expert_bytes} bytes; {model_label(self.path)}'s "
+                f"are {self.layout.nbytes}: miss path {miss.name} decides as for those (a profile of this "
+                "model, or expert_bytes in the cost file, prices these)"
+            )
         self.miss = miss_class(miss.name)(
             MissContext(self.num_layers, self.num_experts, self.top_k, costs=costs), **miss.params
         )

@@ -444,6 +444,7 @@ class OffloadedModel:
             meta["profile"] = str(where.resolve() if where.is_file() else where)
         if self.costs is not None and self.miss.needs_costs:  # what a cost-based path decided by
             meta["costs"] = json.dumps(self.costs.to_dict())
+            meta["costs_measured"] = bool(self._measured_costs)  # or given (--cost, a plan's)
         if self.predictor is not None:
             meta.update(predictor=self.prefetch, window=self.predictor.window)
             # where it predicted (a layer's router or the step's start): a replay of a predictor it does

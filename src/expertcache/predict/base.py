@@ -124,7 +124,9 @@ class Predictor(ABC):
         out = {}
         for target in targets:
             ranked = self._predict(source, target, gate_input)
-            if ranked:
+            if isinstance(ranked, np.ndarray):  # a user's predictor may rank with numpy
+                ranked = ranked.tolist()
+            if ranked is not None and len(ranked):
                 out[target] = ranked
         return out
 

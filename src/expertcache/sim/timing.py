@@ -598,6 +598,12 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     cache, pf = as_config(given.get("cache"), CacheConfig), as_config(given.get("prefetch"), PrefetchConfig)
     miss = as_config(given.get("miss"), MissConfig)
     warn_notes(replay_differences(trace, cache, pf, miss))
+    level = host_level_replay(trace.meta, trace.top_k, pf.predictor != "none")
+    if level is not None and given.get("host") is None and given.get("host_capacity") is None:
+        warn_notes([
+            f"the run had a host level of {trace.meta['host_capacity']} experts, which this replay leaves "
+            f"out: {level[1]} replays it"
+        ])  # fmt: skip
     return result
 
 
