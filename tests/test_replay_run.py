@@ -22,11 +22,11 @@ from expertcache.errors import ExpertcacheError, ExpertcacheWarning
 PROMPT = "def read_config(path):"
 
 
-def _run(tmp_path, name, new_tokens=12, **kwargs):
-    """An engine run of the embedded model at 30 %, its stats and its trace's file."""
+def _run(tmp_path, name, new_tokens=12, memory="30%", **kwargs):
+    """An engine run of the embedded model (at 30 %), its stats and its trace's file."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExpertcacheWarning)
-        with ec.load(expert_memory="30%", **kwargs) as model:
+        with ec.load(expert_memory=memory, **kwargs) as model:
             model.generate_text(PROMPT, new_tokens)
             stats = model.stats
             path = tmp_path / f"{name}.npz"
@@ -358,13 +358,7 @@ def test_a_runs_host_level_is_named_with_the_flags_that_replay_it(tmp_path, caps
     """timing on a three-tier run's trace replayed the expert memory alone, without a word of its host
     level; the flags it now names (an exclusive level's memory holds its reserve too) replay it."""
     kw = dict(prefetch="none", host_memory="30%", host_policy="lfu", host_exclusive=exclusive)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExpertcacheWarning)
-        with ec.load(expert_memory="10%", **kw) as model:
-            model.generate_text(PROMPT, 12)
-            stats = model.stats
-            path = tmp_path / "tiers.npz"
-            model.save_trace(path)
+    stats, path = _run(tmp_path, "tiers", 12, "10%", **kw)
     assert main(["timing", "--trace", str(path)]) == 0
     err = capsys.readouterr().err
     said = err.split("which this replay leaves out: ")[1].split(" replays it")[0]
@@ -553,13 +547,7 @@ def test_sim_names_the_host_level_in_the_replay_it_suggests(tmp_path, capsys, ex
     kw = dict(
         host_memory="50%", host_exclusive=exclusive, prefetch=PrefetchConfig(prefetch, deterministic=True)
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExpertcacheWarning)
-        with ec.load(expert_memory="20%", **kw) as model:
-            model.generate_text(PROMPT, 16)
-            stats = model.stats
-            path = tmp_path / "run.npz"
-            model.save_trace(path)
+    stats, path = _run(tmp_path, "run", 16, "20%", **kw)
     assert main(["sim", str(path), "--policy", "lru", "--capacity", "19"]) == 0
     said = capsys.readouterr().err.split("'expertcache timing ")[1].split("'")[0]
     assert "--host-capacity" in said and ("--host-exclusive" in said) == exclusive
