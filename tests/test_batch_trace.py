@@ -189,7 +189,7 @@ def test_more_users_need_more_distinct_experts_a_step_and_lru_loses_its_hits():
     ("kwargs", "message"),
     [
         ({"concurrency": 0}, "concurrency must be at least 1"),
-        ({"concurrency": 4, "batch_tokens": 3}, "batch_tokens 3 is below the concurrency 4"),
+        ({"concurrency": 4, "batch_tokens": 3}, "batch_tokens 3 is below concurrency 4"),
         ({"concurrency": 2, "stagger": -1}, "stagger must be at least 0"),
         ({"concurrency": 2, "requests": 0}, "requests must be at least 1"),
         ({"concurrency": 10**9}, "would make a trace of about 8,000,000,000 tokens, more than 20,000,000"),

@@ -650,3 +650,21 @@ def test_a_cost_based_runs_summary_names_what_repeats_it_and_a_cost_file_of_othe
     assert (
         "the costs given price experts of 352321536 bytes; embedded's are 184320" in capsys.readouterr().err
     )
+
+
+def test_a_recorded_run_batched_again_is_another_workload_without_the_runs_own_record(tmp_path, capsys):
+    """trace batch of a served (prefetching) run kept the run's cache, policy and predictor in its meta
+    and dropped its predictions: timing replayed the new steps at the run's cache and said the run 'did
+    not prefetch'. The batched trace keeps the model's description and the routing alone."""
+    stats, path = _run(tmp_path, "run", prefetch=PrefetchConfig("next-gate", deterministic=True))
+    assert stats["prefetch_issued"] > 0
+    out = tmp_path / "b.npz"
+    assert main(["trace", "batch", str(path), "-c", "1", "--requests", "1", "-o", str(out)]) == 0
+    assert "1 request, 1 at a time" in capsys.readouterr().err
+    batched = ec.load_trace(out)
+    assert "capacities" not in batched.meta and "predictor" not in batched.meta
+    assert batched.meta["expert_bytes"] == stats["expert_bytes"]
+    assert main(["timing", "--trace", str(out), "--prefetch", "recorded"]) == 2
+    assert "a batched trace (trace batch) holds none" in capsys.readouterr().err
+    assert main(["trace", "batch", str(path), "-c", "4", "--max-batch-tokens", "2", "-o", str(out)]) == 2
+    assert "--batch-tokens 2 is below --concurrency 4" in capsys.readouterr().err

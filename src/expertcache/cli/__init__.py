@@ -457,11 +457,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="requests in all, the trace's replayed in turn (default: the trace's, or 2N if more)",
     )
     bat.add_argument(
-        "--batch-tokens",
+        "--batch-tokens", "--max-batch-tokens",
         type=int,
         metavar="N",
-        help="tokens a step computes at most; prompts join in chunks (default: no cap)",
-    )
+        help="tokens a step computes at most, as serve's --max-batch-tokens; prompts join in chunks "
+        "(default: no cap)",
+    )  # fmt: skip
     bat.add_argument("--stagger", type=int, default=1, metavar="STEPS",
                      help="steps between the clients' first requests (default 1)")  # fmt: skip
     bat.add_argument("--schedule", default="fifo", metavar="{fifo,prompts-first}",
@@ -1756,7 +1757,8 @@ def _cmd_trace_batch(args: argparse.Namespace) -> int:
     if "mean_step_requests" in shape:  # ramp-up, drain and the step's token cap run fewer than asked
         mean, most = shape["mean_step_requests"], shape["max_step_requests"]
         achieved = f" (achieved: {mean:.1f} a step on average, {most} at most)"
-    print(f"wrote {args.out}: {trace.meta['batched_requests']} requests, {args.concurrency} at a time"
+    n = trace.meta["batched_requests"]
+    print(f"wrote {args.out}: {n} request{'s' * (n != 1)}, {args.concurrency} at a time"
           f"{achieved}: {shape['steps']} steps of {shape['mean_step_tokens']:.1f} tokens on average, "
           f"{shape['mean_step_experts']:.1f} of {trace.num_experts} experts a layer a step",
           file=sys.stderr)  # fmt: skip

@@ -216,7 +216,8 @@ def _layout(args: argparse.Namespace) -> tuple[int, str, str | None]:
     batch_tokens = given(args.max_batch_tokens, planned_tokens)
     schedule = given(args.schedule, made["schedule"])
     laid = f"steps of at most {planned_tokens} tokens, {made['schedule']}"
-    laid += f", {made['concurrency']} requests at a time"
+    laid += f", for {made['concurrency']} requests at a time (the server takes as many as come, up to "
+    laid += "--max-queue)"
     note = None
     if (batch_tokens, schedule) != (planned_tokens, made["schedule"]):
         note = (

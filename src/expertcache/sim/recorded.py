@@ -103,9 +103,15 @@ def make_sim_predictor(
     if trace.predicted is None or (spec != Recorded.name and recorded != spec):
         has = f"those of {recorded!r}" if trace.predicted is not None else "none"
         if spec == Recorded.name:  # nothing to replay: the run did not prefetch
+            why = (
+                "a batched trace (trace batch) holds none: the steps it lays out are not the ones its run "
+                "predicted in; replay it without prefetching, or with a predictor the simulator runs"
+                if "batched_from" in trace.meta
+                else "its run did not prefetch: replay it without prefetching"
+            )
             raise PredictorError(
                 f"{trace.source}: prefetch 'recorded' replays the predictions an engine recorded into the "
-                "trace, and this trace has none (its run did not prefetch: replay it without prefetching)"
+                f"trace, and this trace has none ({why})"
             )
         raise PredictorError(
             f"{trace.source}: predictor {spec!r} needs the model's gate inputs, so the simulator replays "

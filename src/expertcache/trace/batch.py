@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError, TraceError
+from expertcache.errors import ExpertcacheError, TraceError, option
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import whole_number
 
@@ -57,6 +57,15 @@ def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
 MAX_TOKENS = 20_000_000  # a batched trace's tokens at most: built step by step, request by request, in lists
 
 
+# what an engine's run records of itself (``OffloadedModel.trace``): its cache, its policy and what it ranked
+# or drew by, its miss path and costs, its predictor, its host level; a batched trace is another workload
+RUN_META = frozenset({
+    "capacity", "capacities", "memory", "policy", "policy_seed", "profile", "miss", "costs", "costs_measured",
+    "predictor", "window", "predictor_needs_model", "deterministic", "prefetch_limit", "device",
+    "host_capacity", "host_policy", "host_exclusive", "host_stage",
+})  # fmt: skip
+
+
 def batch_requests(
     trace: Trace,
     concurrency: int,
@@ -72,23 +81,25 @@ def batch_requests(
     if schedule not in SCHEDULES:
         raise TraceError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     trace = as_trace(trace)
+    named = {k: option(f"--{k.replace('_', '-')}", k) for k in ("concurrency", "stagger", "requests")}
+    named["batch_tokens"] = option("--batch-tokens", "batch_tokens")
     try:
-        whole_number(concurrency, "concurrency")
-        whole_number(stagger, "stagger", 0)
+        whole_number(concurrency, named["concurrency"])
+        whole_number(stagger, named["stagger"], 0)
         for name, value in (("requests", requests), ("batch_tokens", batch_tokens)):
             if value is not None:
-                whole_number(value, name)
+                whole_number(value, named[name])
     except ExpertcacheError as e:
         raise TraceError(str(e)) from None
     if batch_tokens is not None and batch_tokens < concurrency:
         raise TraceError(
-            f"batch_tokens {batch_tokens} is below the concurrency {concurrency}: a step must hold the "
-            "next token of every running request"
+            f"{named['batch_tokens']} {batch_tokens} is below {named['concurrency']} {concurrency}: a step "
+            "must hold the next token of every running request"
         )
     pool = requests_of(trace)
     total = requests if requests is not None else max(len(pool), 2 * concurrency)
     if total < 1:
-        raise TraceError(f"requests must be at least 1, got {total}")
+        raise TraceError(f"{named['requests']} must be at least 1, got {total}")
     tokens = total * sum(len(r) for r, _ in pool) / len(pool)  # the batched trace's, about
     if tokens > MAX_TOKENS:  # found out at once, not by running out of memory (a step per client each)
         raise TraceError(
@@ -137,9 +148,11 @@ def batch_requests(
             ready[client_of.pop(r[0])] = step + 1
         step += 1
     index = np.concatenate(rows_out)
-    meta = {  # per-token metadata (a token's position, say) follows its token
+    meta = {  # per-token metadata (a token's position, say) follows its token; a recorded run's own
+        # (its cache, policy, predictor, costs) does not describe the new steps, and would be replayed
         k: v[index] if isinstance(v, np.ndarray) and v.ndim and len(v) == trace.num_tokens else v
         for k, v in trace.meta.items()
+        if k not in RUN_META
     }
     meta.update(
         batched_from=trace.source, concurrency=concurrency, batched_requests=total, stagger=stagger,
