@@ -52,6 +52,16 @@ from expertcache.units import capped_capacity, format_bytes, one_capacity
 from expertcache.workers import map_in_processes
 
 
+def _summary(t: np.ndarray | None) -> dict[str, float] | None:
+    """Per-request figures summed up: how many, mean, median, p99, most (None: none)."""
+    if t is None or not len(t):
+        return None
+    return {
+        "requests": len(t), "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)),
+        "p99_s": float(np.percentile(t, 99)), "max_s": float(t.max()),
+    }  # fmt: skip
+
+
 @dataclass
 class TimingResult:
     """Virtual times of one run; lists indexed [decode, prefill]."""
@@ -84,6 +94,8 @@ class TimingResult:
     # a batched trace (``step_id``): each request's time from its first step's start to its first token
     # (the end of the step of its last prompt token), in the trace's request order; None otherwise
     request_ttft_s: np.ndarray | None = field(default=None, repr=False)
+    # ... and each request's time per output token after its first (``request_tpots``)
+    request_tpot_s: np.ndarray | None = field(default=None, repr=False)
     whole_transfers: bool = False  # the cost model's auto chunks dropped: no prefetch for a miss to pass
 
     def __repr__(self) -> str:
@@ -107,13 +119,13 @@ class TimingResult:
     @property
     def request_ttfts(self) -> dict[str, float] | None:
         """A batched trace's time to first token per request: mean, median, p99 and how many."""
-        t = self.request_ttft_s
-        if t is None or not len(t):
-            return None
-        return {
-            "requests": len(t), "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)),
-            "p99_s": float(np.percentile(t, 99)), "max_s": float(t.max()),
-        }  # fmt: skip
+        return _summary(self.request_ttft_s)
+
+    @property
+    def request_tpots(self) -> dict[str, float] | None:
+        """A batched trace's time per output token per request (after its first): mean, median, p99, how
+        many. TPOT is the mean pure-decode step; a request's tokens may come in steps that prefill others."""
+        return _summary(self.request_tpot_s)
 
     @property
     def tpot_s(self) -> float | None:
@@ -146,6 +158,7 @@ class TimingResult:
             "chunks_per_expert": len(self.cost.chunk_sizes()),
             "tokens": self.tokens,
             "ttft_requests": self.request_ttfts,
+            "tpot_requests": self.request_tpots,
             "prefill_steps": self.steps[1],
             "decode_steps": self.steps[0],
             "ttft_s": self.ttft_s,
@@ -574,6 +587,7 @@ def _run_timing(
         notes=([pred.note] if pred is not None and pred.note else []) + notes,
         host_busy_s=link.host_busy_s,
         request_ttft_s=None if bounds is None else request_ttfts(trace, schedule.round_token, bounds),
+        request_tpot_s=None if bounds is None else request_tpots(trace, schedule.round_token, bounds),
         whole_transfers=unchunked,
     )
 
@@ -622,6 +636,27 @@ def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> 
     has = last >= 0
     order = np.argsort(first[has], kind="stable")  # in the order the requests began
     return (bounds[step[last[has]] + 1] - bounds[step[first[has]]])[order]
+
+
+def request_tpots(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each request's time per output token after its first, in a replay timed as ``request_ttfts``'s:
+    from the end of the step of its last prompt token (its first token) to the end of the step of its last
+    generated token, over its generated tokens in the trace (a request generates one more than the trace
+    holds: the last is not fed back). Requests without a prompt token or a generated one are left out."""
+    tokens = np.arange(trace.num_tokens)
+    step = np.searchsorted(round_token, tokens, side="right") - 1
+    seq, prompt = token_seq(trace), token_prefill(trace)
+    decode = trace.is_prefill == 0 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
+    ids, first = np.unique(seq, return_index=True)
+    last_prompt, last_decode = np.full(len(ids), -1), np.full(len(ids), -1)
+    np.maximum.at(last_prompt, np.searchsorted(ids, seq[prompt]), tokens[prompt])
+    where = np.searchsorted(ids, seq[decode])
+    np.maximum.at(last_decode, where, tokens[decode])
+    count = np.bincount(where, minlength=len(ids))
+    has = (last_prompt >= 0) & (last_decode >= 0)
+    order = np.argsort(first[has], kind="stable")
+    span = bounds[step[last_decode[has]] + 1] - bounds[step[last_prompt[has]] + 1]
+    return (span / count[has])[order]
 
 
 def _given_capacities(given: object, path: MissPath, num_layers: int) -> dict[str, object]:
@@ -837,7 +872,13 @@ def format_timing(result: TimingResult) -> str:
             if (q := r.request_ttfts) and not math.isclose(q["mean_s"], r.ttft_s or 0.0, rel_tol=0.01)
             else ""  # a prompt a step: the mean prefill step is each request's time to first token
         ),
-        f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)",
+        f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)"
+        + (
+            f"; a request's, between its tokens: mean {ms(q['mean_s'])}, p99 {ms(q['p99_s'])} over "
+            f"{q['requests']} requests"
+            if (q := r.request_tpots) and not math.isclose(q["mean_s"], r.tpot_s or 0.0, rel_tol=0.01)
+            else ""  # one request at a time: its decode steps are its tokens
+        ),
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "
         f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s:.3f} s, "
