@@ -841,20 +841,16 @@ def main() -> int:
         (cgroup.path.parent / "cgroup.procs").write_text(str(os.getpid()))
         cgroup.remove()
     print(table(results))
-    perf = [
-        f"{n}: prefill {lp['prefill_ms']:.0f} ms, decode {lp['decode_ms_per_token']:.1f} ms/token"
-        for n, r in results["engines"].items()
-        if (lp := r.get("llama_perf"))
-    ]
-    if perf:
-        print("\nllama.cpp's own perf counters (medians): " + "; ".join(perf))
-    q8 = [
-        f"{n} {v['median']:.2f}x [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"
-        for n, r in results["engines"].items()
-        if (v := r.get("tpot_vs_q8_0"))
-    ]
-    if q8:
-        print("\nTPOT / llama.cpp q8_0's in the same round, median [range]: " + "; ".join(q8))
+    for key, title, show in (
+        ("llama_perf", "llama.cpp's own perf counters (medians)",
+         lambda n, v: f"{n}: prefill {v['prefill_ms']:.0f} ms, decode {v['decode_ms_per_token']:.1f} "
+                      "ms/token"),
+        ("tpot_vs_q8_0", "TPOT / llama.cpp q8_0's in the same round, median [range]",
+         lambda n, v: f"{n} {v['median']:.2f}x [{v['range'][0]:.2f}-{v['range'][1]:.2f}]"),
+    ):  # fmt: skip
+        rows = [show(n, v) for n, r in results["engines"].items() if (v := r.get(key))]
+        if rows:
+            print(f"\n{title}: " + "; ".join(rows))
     if ref:
         print(
             f"\nTransformers eager's greedy tokens: {results['eager_distinct_tokens']} distinct of "

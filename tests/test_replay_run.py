@@ -587,14 +587,11 @@ def test_a_plan_of_a_cost_based_path_runs_by_the_costs_it_was_planned_with(tmp_p
                 runs.append((model.stats, model.trace()))
         assert any("decides by the costs the plan was made with" in str(w.message) for w in told)
     (stats, trace), (again, _) = runs
-    assert stats["costs"] == CostModelOf(cost) and not any("measured" in v for v in stats["varies_by"])
+    assert stats["costs"] == ec.CostModel.from_dict(cost).to_dict()
+    assert not any("measured" in v for v in stats["varies_by"])
     assert stats["host_computed"] == again["host_computed"] > 0 and stats["misses"] == again["misses"]
     replay = ec.simulate_timing(trace, "recorded", miss="hybrid")
     assert (replay.misses, replay.cache["host_computed"]) == (stats["misses"], stats["host_computed"])
-
-
-def CostModelOf(fields: dict) -> dict:  # noqa: N802 (reads as the model it builds)
-    return ec.CostModel.from_dict(fields).to_dict()
 
 
 def test_a_cost_based_runs_replay_counts_bytes_in_its_own_experts_and_says_where_its_costs_came_from(

@@ -465,20 +465,21 @@ def _run_timing(
     # the engine's rule: nothing speculative for a demand miss to pass, no chunks (auto's, or a size given,
     # which the note says changes nothing); the cost line says every transfer moves whole
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    background = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params).fills()
+    path = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params)
+    background = path.fills()
     idle_chunks = pf.idle_chunking_note(background=background)
     unchunked = (cost.chunk_bytes == AUTO and not pf.chunked(background=background)) or (
         idle_chunks is not None and cost.chunk_bytes is not None
     )
     if unchunked:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
+        path.ctx = replace(path.ctx, costs=cost)
     check_dense_layers(cost, L)
     check_capacity(capacity, "layer", K)
     capped = []
     if not capacities:  # as the engine caps an expert memory beyond every expert
         capacity, capped = capped_capacity(capacity, L * E)
     schedule = build_schedule(trace, "layer")
-    path = miss_class(miss_cfg.name)(MissContext(L, E, K, costs=cost), **miss_cfg.params)
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
     if capacities is not None:
         capacities = _given_capacities(capacities, path, L)
