@@ -487,6 +487,39 @@ def test_serve_lays_out_its_steps_as_a_batched_plan_was_made(tmp_path, capsys):
     assert _layout(Namespace(plan=None, max_batch_tokens=0, schedule=None))[0] == 0  # refused by ServeConfig
 
 
+def test_serve_lays_out_its_steps_as_the_server_whose_trace_a_plan_was_made_on(tmp_path, capsys):
+    """A plan made on a served run's trace (``serve --record-trace``, which records the server's
+    --max-batch-tokens and --schedule) serves so again; ``trace batch`` of such a trace, another
+    workload, does not keep them."""
+    from argparse import Namespace
+
+    from expertcache.cli.serve import _layout
+    from expertcache.trace import load_trace
+    from expertcache.trace.batch import RUN_META
+
+    made = batch_requests(prefix(256), 4, batch_tokens=64, schedule="prompts-first")
+    layout = {"served_batch_tokens": 64, "served_schedule": "prompts-first"}  # as serve writes them
+    made_so = ("batched_from", "concurrency", "batched_requests")  # what trace batch writes, not serve
+    meta = {k: v for k, v in made.meta.items() if k not in made_so}
+    recorded = tmp_path / "served.npz"
+    replace(made, meta={**meta, **layout}, source="served").save(recorded)
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--trace", str(recorded), "--expert-memory", "25%", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    served = json.loads(plan.read_text())["source"]["served"]
+    assert served == {"batch_tokens": 64, "schedule": "prompts-first"}
+    tokens, schedule, note = _layout(Namespace(plan=str(plan), max_batch_tokens=None, schedule=None))
+    assert (tokens, schedule) == (64, "prompts-first")
+    assert note == (
+        "note: serving as the plan was made: steps of at most 64 tokens, prompts-first, as the server whose "
+        "trace it was made on (--max-batch-tokens and --schedule give others)"
+    )
+    assert set(layout) <= RUN_META
+    again = tmp_path / "again.npz"
+    assert main(["trace", "batch", str(recorded), "--concurrency", "2", "-o", str(again)]) == 0
+    assert not set(layout) & set(load_trace(again).meta)
+
+
 def test_a_plan_made_on_a_batched_file_replays_it_without_a_word(tmp_path, capsys):
     """A plan made on `trace batch`'s output (the README's workflow) was re-served from the trace it came
     from, then said to be another workload; on its own file too, which holds the same routing."""
@@ -500,3 +533,66 @@ def test_a_plan_made_on_a_batched_file_replays_it_without_a_word(tmp_path, capsy
         assert main(["timing", "--plan", str(plan), *extra, "--json"]) == 0
         out, err = capsys.readouterr()
         assert "not the plan's prediction" not in err and json.loads(out)["tpot_s"] == pytest.approx(want)
+
+
+def test_plan_on_a_batched_trace_chooses_by_what_a_request_sees():
+    """On a batched trace the planner ranks by a request's own figures (its time between its tokens,
+    to its first token, their tails) or by tokens a second, not by the mean pure-decode step: here
+    knapsack's decode steps are the shorter, yet its requests wait longer between their tokens (they
+    come in steps that also prefill others), and the plan takes uniform."""
+    from expertcache.plan import OBJECTIVES
+    from expertcache.sim.planner import format_plan, is_batched, make_plan, objective_key
+
+    served = batch_requests(default_trace(), 16, batch_tokens=32)
+    assert is_batched(served) and not is_batched(default_trace())
+    by_objective = {
+        o: make_plan(served, 24, misses=("hybrid",), methods=("uniform", "knapsack"), objective=o)
+        for o in OBJECTIVES
+    }
+    plan = by_objective["tpot"]
+    rows = {c["method"]: c for c in plan.candidates}
+    assert rows["knapsack"]["tpot_s"] < rows["uniform"]["tpot_s"]  # the steps alone would take knapsack
+    assert rows["uniform"]["request_tpot_s"] < rows["knapsack"]["request_tpot_s"]
+    assert plan.method == "uniform" and plan.source["batched_steps"] is True
+    for objective, plan in by_objective.items():
+        key = objective_key(objective, True)
+        figures = [c[key] for c in plan.candidates]
+        assert None not in figures
+        assert plan.predicted[key] == (max if objective == "throughput" else min)(figures), objective
+        text = format_plan(plan)
+        assert "TPOT, TTFT: a request's own" in text
+        assert ("chosen: " if objective == "tpot" else f"chosen by {objective}: ") in text
+        if objective in ("tpot-p99", "ttft-p99", "throughput"):  # its figure has a column of its own
+            head = {"tpot-p99": "TPOT p99 ms", "ttft-p99": "TTFT p99 ms", "throughput": "tok/s"}[objective]
+            assert head in text
+            chosen = next(line for line in text.splitlines() if line.startswith("* "))
+            value = plan.predicted[key]
+            assert (f"{value:.1f}" if objective == "throughput" else f"{value * 1e3:.3f}") in chosen
+    uniform = {c["method"]: c for c in by_objective["tpot"].candidates}["uniform"]
+    run = simulate_timing(served, 24, cache="lru-dist:budgets=4/4/4/4/4/4", miss="hybrid")
+    assert uniform["request_tpot_s"] == run.request_tpots["mean_s"] <= run.request_tpots["p99_s"]
+    assert uniform["tokens_per_s"] == pytest.approx(served.num_tokens / run.total_s, rel=1e-12)
+
+
+def test_plan_objectives_one_request_at_a_time_and_a_trace_that_cannot_say(tmp_path, capsys):
+    """One request at a time TPOT and TTFT are the steps' (which are its tokens); the tails are the
+    requests' own on any trace; an objective the trace has nothing to measure on is one line, exit 2."""
+    from expertcache.errors import ExpertcacheError
+    from expertcache.sim.planner import make_plan
+    from expertcache.trace import Trace
+
+    trace = prefix(600)
+    tail = make_plan(trace, 24, methods=("uniform", "shared"), objective="ttft-p99")
+    assert "batched_steps" not in tail.source
+    assert tail.predicted["request_ttft_p99_s"] == min(c["request_ttft_p99_s"] for c in tail.candidates)
+    plain = make_plan(trace, 24, methods=("uniform", "shared"), objective="ttft")
+    assert plain.predicted["ttft_s"] == min(c["ttft_s"] for c in plain.candidates)
+    decode_only = Trace(experts=trace.experts, num_experts=trace.num_experts, source="decode-only")
+
+    for objective, words in (("ttft", "no prefill step"), ("tpot-p99", "no request with a prompt token")):
+        with pytest.raises(ExpertcacheError, match=f"objective {objective} ranks by .*{words}"):
+            make_plan(decode_only, 24, methods=("uniform",), objective=objective)
+    path = prefix_file(tmp_path, 200)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--trace", path, "--expert-memory", "25%", "--objective", "fastest"])
+    assert exit_.value.code == 2 and "argument --objective: invalid choice" in capsys.readouterr().err

@@ -291,6 +291,7 @@ def test_sigterm_ends_streams_with_an_error_and_exits_0_without_a_traceback(serv
     trace = load_trace(log.parent / "served.npz")  # --record-trace: written as the server stopped
     assert f"trace of {trace.num_tokens} tokens written to" in text
     assert trace.step_id is not None and (trace.is_prefill == 1).any() and (trace.is_prefill == 0).any()
+    assert (trace.meta["served_batch_tokens"], trace.meta["served_schedule"]) == (512, "fifo")  # its layout
     # the server did not wait for the two generations in flight: each stopped short of its 250 tokens
     # (counted in the trace, not on a clock: a busy machine's shutdown is slow, not wrong)
     last_two = np.unique(trace.seq_id)[-2:]

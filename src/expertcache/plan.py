@@ -24,7 +24,7 @@ from expertcache.policy.registry import is_offline
 FORMAT = "expertcache-plan"
 VERSION = 1
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")  # how the planner laid the budgets out
-OBJECTIVES = ("tpot", "ttft")  # what it minimised
+OBJECTIVES = ("tpot", "ttft", "tpot-p99", "ttft-p99", "throughput")  # what it chose by (sim.planner)
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,18 @@ class Plan:
         the trace it was made from and ``batch_requests``' arguments; None for another trace."""
         batched = self.source.get("batched")
         return batched if isinstance(batched, dict) else None
+
+    def serving(self) -> dict | None:
+        """How the steps of the plan's trace were laid out where they served several requests at once:
+        ``batch_tokens`` (None: the server's default) and ``schedule``, with ``concurrency`` where the
+        trace was made by serving a trace N at a time (``batched``), or without it where it was recorded
+        by a server (``serve --record-trace``); None for another trace. ``serve --plan`` lays its steps
+        out so."""
+        made = self.batched()
+        if made is not None:
+            return made
+        served = self.source.get("served")
+        return served if isinstance(served, dict) else None
 
     def served_trace(self):
         """The plan's trace of requests served N at a time, made again from the trace it was made from

@@ -362,7 +362,13 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--predictor", metavar="TRACE.npz", help="a recorded trace for token and eam to learn from"
     )
-    pl.add_argument("--objective", choices=OBJECTIVES, default="tpot", help="what to minimise (default tpot)")
+    pl.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="tpot",
+        help="what to choose by: tpot (default) or ttft, a request's own on a batched trace; tpot-p99, "
+        "ttft-p99: the requests' 99th percentile; throughput: tokens a second",
+    )
     _add_concurrency(pl)
     _add_costs(pl)
     pl.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")

@@ -191,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stopped = run(model, name, config)
     finally:
         if args.record_trace:
-            _save_trace(model, args.record_trace, stopped)
+            _save_trace(model, args.record_trace, stopped, config)
         if stopped:
             model.close()
         else:  # closing the engine under a loop still computing would fail inside it
@@ -205,7 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _layout(args: argparse.Namespace) -> tuple[int, str, str | None]:
     """The steps' size cap and schedule: as given, else as a ``--plan`` made for requests served N at a
     time laid them out, else the defaults; and a note where a plan made so is taken or not followed."""
-    made = load_plan(args).batched() if str(getattr(args, "plan", None) or "").strip() else None
+    made = load_plan(args).serving() if str(getattr(args, "plan", None) or "").strip() else None
 
     def given(value, otherwise):  # a value given (0 or "" too: refused by ServeConfig), or the other
         return otherwise if value is None else value
@@ -216,8 +216,11 @@ def _layout(args: argparse.Namespace) -> tuple[int, str, str | None]:
     batch_tokens = given(args.max_batch_tokens, planned_tokens)
     schedule = given(args.schedule, made["schedule"])
     laid = f"steps of at most {planned_tokens} tokens, {made['schedule']}"
-    laid += f", for {made['concurrency']} requests at a time (the server takes as many as come, up to "
-    laid += "--max-queue)"
+    if made.get("concurrency") is not None:
+        laid += f", for {made['concurrency']} requests at a time (the server takes as many as come, up "
+        laid += "to --max-queue)"
+    else:  # a plan made on a served run's trace: as that server laid its steps out
+        laid += ", as the server whose trace it was made on"
     note = None
     if (batch_tokens, schedule) != (planned_tokens, made["schedule"]):
         note = (
@@ -263,8 +266,9 @@ def lossy_note(stats: dict, lossy_path: bool) -> str | None:
     )
 
 
-def _save_trace(model, path: str, stopped: bool) -> None:
-    """The served steps' routing, written as the server stops (a step still running is left out)."""
+def _save_trace(model, path: str, stopped: bool, config) -> None:
+    """The served steps' routing, written as the server stops (a step still running is left out), with
+    how the server laid its steps out (``SERVED_LAYOUT``: a plan made on the trace serves so again)."""
     if not stopped:
         print(f"note: the generation loop was still running; {path} not written", file=sys.stderr)
         return
@@ -273,6 +277,8 @@ def _save_trace(model, path: str, stopped: bool) -> None:
     except ExpertcacheError as exc:  # nothing was served
         print(f"note: {exc}; {path} not written", file=sys.stderr)
         return
+    layout = {"served_batch_tokens": int(config.batch_tokens), "served_schedule": str(config.schedule)}
+    trace = dataclasses.replace(trace, meta={**trace.meta, **layout})
     trace.save(path)
     print(f"trace of {trace.num_tokens} tokens written to {path}", file=sys.stderr)
 

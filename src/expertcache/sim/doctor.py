@@ -34,7 +34,7 @@ from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.paths import output_file
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
-from expertcache.sim.planner import check_layout_policy, layer_curves, make_plan
+from expertcache.sim.planner import check_layout_policy, is_batched, layer_curves, make_plan, objective_key
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.stats import step_shape
 from expertcache.trace.trace import Trace, as_trace
@@ -229,11 +229,12 @@ def _diagnose(
         "lru_miss_ratio": at["lru"].miss_ratio,
         "opt_miss_ratio": at["opt"].miss_ratio,
         "predictors": predict,
-        "tpot_s": {
-            "all_resident": resident.tpot_s,
-            "on_demand": on_demand.tpot_s,  # under the policy given (lru by default), every miss fetched
-            "plan": plan.predicted["tpot_s"],
+        "tpot_s": {  # on a batched trace a request's own, its mean time between its tokens (as plan's)
+            "all_resident": _tpot(resident, batched),
+            "on_demand": _tpot(on_demand, batched),  # under the policy given (lru by default), fetched
+            "plan": plan.predicted[objective_key("tpot", batched)],
         },
+        "tpot_of": "request" if batched else "step",
         "plan": plan.describe(),
         "plan_misses": list(misses),
         "transfer_saved_by_lru": saved,
@@ -250,7 +251,12 @@ def _diagnose(
 def _is_batched(trace: Trace, shape: dict | None) -> bool:
     """Steps of several tokens (``shape``: the trace's ``step_shape``), from several requests: the doctor
     says what a batched step asks."""
-    return shape is not None and shape["mean_step_tokens"] > 1 and not _one_request_a_step(trace)
+    return shape is not None and shape["mean_step_tokens"] > 1 and is_batched(trace)
+
+
+def _tpot(r, batched: bool) -> float | None:
+    """A run's TPOT as the planner ranks by it: a request's own on a batched trace, else the decode step."""
+    return (r.request_tpots or {}).get("mean_s") if batched else r.tpot_s
 
 
 def _batched(
@@ -268,7 +274,7 @@ def _batched(
         "batch_miss_work_s": work,
         "best_reference_s": best,
         "batch_vs_best": work / best if best else None,
-        "batch_tpot_s": res.tpot_s,
+        "batch_tpot_s": _tpot(res, True),
         "batch_ttft_s": res.ttft_s,
     }
 
@@ -320,15 +326,6 @@ def _levels(
             "bound": max(busy, key=busy.get),
         }  # fmt: skip
     return out
-
-
-def _one_request_a_step(trace: Trace) -> bool:
-    """Every step serves one request (a prompt step's tokens are one request's): not a batch."""
-    if trace.seq_id is None:
-        return True
-    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
-    seq = trace.seq_id.astype(np.int64)
-    return bool((np.maximum.reduceat(seq, starts) == np.minimum.reduceat(seq, starts)).all())
 
 
 def verdict(r: dict[str, object]) -> list[str]:
@@ -433,8 +430,9 @@ def verdict(r: dict[str, object]) -> list[str]:
     over = " over the host level" if lv is not None and "unused" not in lv else ""
     if t["on_demand"] and t["plan"] and t["all_resident"]:
         named = "LRU" if r["policy"] == "lru" else r["policy"]
+        own = " (a request's, between its tokens)" if r.get("tpot_of") == "request" else ""
         out.append(
-            f"predicted TPOT: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
+            f"predicted TPOT{own}: {1e3 * t['plan']:.3f} ms with the plan ({r['plan']}), "
             f"{1e3 * t['on_demand']:.3f} ms on-demand {named}{over}, "
             f"{1e3 * t['all_resident']:.3f} ms all resident"
         )

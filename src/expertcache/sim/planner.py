@@ -152,7 +152,8 @@ def layouts(
             out[method] = uniform_budgets(capacity, L)
         elif method == "knapsack":
             both = layer_curves(trace, policy) if curves is None else curves
-            phase = both[0 if objective == "tpot" else 1]
+            weighed = objective_phase(objective)
+            phase = both.sum(axis=0) if weighed is None else both[weighed]
             if not phase[:, K:].any():  # the phase has no request: all phases
                 phase = both.sum(axis=0)
             out[method] = knapsack(phase, capacity, K)
@@ -510,10 +511,18 @@ def make_plan(
             if all(m in LAYOUT_METHODS for m in methods) else
             f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
         )  # fmt: skip
-    key = f"{objective}_s"
+    key = objective_key(objective, is_batched(trace))
+    if all(c[key] is None for c in candidates):
+        raise ExpertcacheError(
+            f"objective {objective} ranks by {OBJECTIVE_WORDS[objective]}, and this trace has no "
+            + ("decode step" if key == "tpot_s" else "prefill step" if key == "ttft_s" else
+               "request with a prompt token" + (" and a generated one" if "tpot" in key else ""))
+            + " to measure it on (its tokens' is_prefill and seq_id say which)"
+        )  # fmt: skip
+    sign = -1 if objective == "throughput" else 1
     # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
     # disk read time)
-    best = min(candidates, key=lambda c: (_value(c[key]), c["misses"], c.get("host_misses") or 0))
+    best = min(candidates, key=lambda c: (_value(c[key], sign), c["misses"], c.get("host_misses") or 0))
     hx = bool(best["host_exclusive"])
     best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"], exclusive=hx)
     host_capacity = host_caps.get(hx)
@@ -529,7 +538,9 @@ def make_plan(
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
         source={
             "trace": _path_of(trace), "tokens": trace.num_tokens, "digest": trace.digest(),
+            **({"batched_steps": True} if is_batched(trace) else {}),
             **({"batched": batched} if (batched := _batched_from(trace)) is not None else {}),
+            **({"served": served} if (served := _served_from(trace)) is not None else {}),
             "cost": cost.to_dict(), "skipped": skipped, "notes": level_notes,
             **({"slow_tier": slow_tier} if slow_tier is not None else {}),
             **(
@@ -567,6 +578,15 @@ def _batched_from(trace: Trace) -> dict | None:
     }  # fmt: skip
 
 
+def _served_from(trace: Trace) -> dict | None:
+    """How a server laid out the steps of a trace it recorded (``serve --record-trace``): its
+    ``--max-batch-tokens`` and ``--schedule``; None for another trace."""
+    meta = trace.meta
+    if "served_schedule" not in meta or trace.step_id is None:
+        return None
+    return {"batch_tokens": int(meta["served_batch_tokens"]), "schedule": str(meta["served_schedule"])}
+
+
 def _path_of(trace: Trace) -> str:
     """Where a trace was read from, whole (a plan run elsewhere finds it), or its source as it is."""
     source = Path(trace.source)
@@ -597,24 +617,78 @@ def _parts(miss: str, layers: int, experts: int, top_k: int, cost: CostModel) ->
     return len(make_miss(miss, MissContext(layers, experts, top_k, costs=cost)).parts())
 
 
-_FIGURES = ("tpot_s", "ttft_s", "stall_s", "misses", "requests", "host_misses", "disk_read_s")
+_FIGURES = (
+    "tpot_s", "ttft_s", "stall_s", "misses", "requests", "host_misses", "disk_read_s", "tokens_per_s",
+    "request_tpot_s", "request_tpot_p99_s", "request_ttft_s", "request_ttft_p99_s",
+)  # fmt: skip
 
 
 def _figures(r) -> dict[str, object]:
+    """A candidate's figures: the mean decode and prefill steps (``tpot_s``, ``ttft_s``), the requests'
+    own times (``request_...``: the mean and p99 over the trace's requests of each one's time between its
+    tokens and to its first token; None where the trace has no such request), tokens a second over the
+    whole trace, and the counts."""
+    tpots, ttfts = r.request_tpots or {}, r.request_ttfts or {}
     out = {
         "tpot_s": r.tpot_s,
         "ttft_s": r.ttft_s,
         "stall_s": r.stall_s,
         "misses": r.misses,
         "requests": r.requests,
+        "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+        "request_tpot_s": tpots.get("mean_s"),
+        "request_tpot_p99_s": tpots.get("p99_s"),
+        "request_ttft_s": ttfts.get("mean_s"),
+        "request_ttft_p99_s": ttfts.get("p99_s"),
     }
     if "host_misses" in r.cache:  # with a host level: its misses, and the disk's time reading them
         out.update(host_misses=r.cache["host_misses"], disk_read_s=r.cache["disk_read_s"])
     return out
 
 
-def _value(x: float | None) -> float:
-    return float("inf") if x is None else x
+def objective_key(objective: str, batched: bool) -> str:
+    """The candidates' figure an objective ranks by (the lowest wins; ``throughput`` ranks by
+    ``tokens_per_s``, the highest). On a batched trace (steps that serve several requests) ``tpot`` and
+    ``ttft`` are a request's own, its mean time between its tokens and to its first token over the
+    trace's requests (a pure decode step is not what a request sees between its tokens there, where most
+    of its tokens come in steps that also prefill others); one request at a time, the mean decode and
+    prefill steps, which are its tokens. The ``-p99`` objectives are the requests' 99th percentile on
+    any trace."""
+    if objective == "throughput":
+        return "tokens_per_s"
+    if objective.endswith("-p99"):
+        return f"request_{objective.removesuffix('-p99')}_p99_s"
+    return f"request_{objective}_s" if batched else f"{objective}_s"
+
+
+def objective_phase(objective: str) -> int | None:
+    """The phase whose misses an objective weighs most (0 decode, 1 prefill; None: both), as the
+    knapsack layout minimises them."""
+    return None if objective == "throughput" else 0 if objective.startswith("tpot") else 1
+
+
+OBJECTIVE_WORDS = {
+    "tpot": "a request's time between its tokens",
+    "ttft": "a request's time to its first token",
+    "tpot-p99": "the 99th percentile over the requests of the time between a request's tokens",
+    "ttft-p99": "the 99th percentile over the requests of the time to a request's first token",
+    "throughput": "tokens a second over the whole trace",
+}
+
+
+def _value(x: float | None, sign: int = 1) -> float:
+    return float("inf") if x is None else sign * x
+
+
+def is_batched(trace: Trace) -> bool:
+    """Steps recorded or laid out (``step_id``) that serve several requests at once, some of them: a
+    served or ``trace batch`` trace, whose requests' own times are not its steps'."""
+    if trace.step_id is None or trace.seq_id is None:
+        return False
+    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
+    seq = trace.seq_id.astype(np.int64)
+    firsts = np.maximum.reduceat(seq, starts) != np.minimum.reduceat(seq, starts)
+    return bool(firsts.any())
 
 
 def format_plan(plan: Plan) -> str:
@@ -623,10 +697,29 @@ def format_plan(plan: Plan) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.3f}"
 
+    batched = bool(plan.source.get("batched_steps"))
+    tpot, ttft = ("request_tpot_s", "request_ttft_s") if batched else ("tpot_s", "ttft_s")
+    extra = {"tpot-p99": "TPOT p99", "ttft-p99": "TTFT p99", "throughput": "tok/s"}.get(plan.objective)
+    extra_key = objective_key(plan.objective, batched)
+
+    def cols(c: dict) -> str:  # the times, and the objective's own figure where it has a column
+        out = f"{ms(c.get(tpot)):>10}{ms(c.get(ttft)):>10}"
+        if extra is not None:
+            v = c.get(extra_key)
+            out += f"{'-' if v is None else f'{v:.1f}' if extra == 'tok/s' else ms(v):>12}"
+        return out
+
     cost = plan.source.get("cost")
     rows = [] if cost is None else [f"cost: {CostModel.from_dict(cost).describe()}"]
+    if batched:  # what the columns are, where steps are not a request's own times
+        rows.append(
+            "TPOT, TTFT: a request's own, the mean over the trace's requests of its time between its tokens "
+            "and to its first token (timing --plan gives the steps' too)"
+        )
     rows += [
-        f"{'':2}{'method':10}{'miss':20}{'prefetch':12}{'TPOT ms':>10}{'TTFT ms':>10}{'misses':>9}  budgets"
+        f"{'':2}{'method':10}{'miss':20}{'prefetch':12}{'TPOT ms':>10}{'TTFT ms':>10}"
+        + ("" if extra is None else f"{extra + (' ms' if extra != 'tok/s' else ''):>12}")
+        + f"{'misses':>9}  budgets"
     ]
     notes = []
     for c in plan.candidates:
@@ -647,8 +740,8 @@ def format_plan(plan: Plan) -> str:
             reads = f"{c['host_misses']} misses, {c['disk_read_s']:.3f} s of reads"
             budgets += f"; host {c['host_policy']}{kind}: {reads}"
         rows.append(
-            f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{ms(c['tpot_s']):>10}"
-            f"{ms(c['ttft_s']):>10}{c['misses']:>9}  {budgets}"
+            f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{cols(c)}"
+            f"{c['misses']:>9}  {budgets}"
         )
     b = plan.lower_bound
     # OPT on demand bounds fetching on demand; a predictor's prefetches move experts before they are
@@ -663,11 +756,12 @@ def format_plan(plan: Plan) -> str:
         else "shared: Belady's choice, serving a step's experts together: not a bound here (a batched "
         "trace's steps need more than the layer's share at once)"
     )
-    times = f"{ms(b['tpot_s']):>10}{ms(b['ttft_s']):>10}"
+    times = cols(b)
     rows.append(f"  {'opt':10}{'fetch':20}{'none':12}{times}{b['misses']:>9}  {what}")
     rows += notes
     rows += [f"left out: {line}" for line in plan.source.get("skipped", [])]
+    by = "" if plan.objective == "tpot" else f" by {plan.objective}"
     rows.append(
-        f"chosen: {plan.describe()}" + (f"; lossy: {', '.join(plan.lossy)}" if plan.lossy else "; exact")
+        f"chosen{by}: {plan.describe()}" + (f"; lossy: {', '.join(plan.lossy)}" if plan.lossy else "; exact")
     )
     return "\n".join(rows)

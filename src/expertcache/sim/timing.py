@@ -548,18 +548,16 @@ def _run_timing(
     xcache, governor = driver.cache, driver.governor
     run = _Run(trace, schedule, cost, driver, link, {s.name: s for s in path.parts()}, pred)
     steps, times, stalls, host = [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
-    bounds = np.empty(schedule.num_rounds + 1) if trace.step_id is not None else None  # each step's start
+    bounds = np.empty(schedule.num_rounds + 1)  # each step's start, and the last one's end
     for r, prefill in enumerate(schedule.round_prefill.tolist()):
         t0, s0, h0 = link.now, link.stall_s, link.host_wait_s
-        if bounds is not None:
-            bounds[r] = t0
+        bounds[r] = t0
         run.step(r, prefill)
         steps[prefill] += 1
         times[prefill] += link.now - t0
         stalls[prefill] += link.stall_s - s0
         host[prefill] += link.host_wait_s - h0
-    if bounds is not None:
-        bounds[-1] = link.now
+    bounds[-1] = link.now
     st = xcache.stats
     return TimingResult(
         policy=xcache.policy.name,
@@ -587,8 +585,8 @@ def _run_timing(
         governor=None if governor is None else governor.summary(),
         notes=([pred.note] if pred is not None and pred.note else []) + notes,
         host_busy_s=link.host_busy_s,
-        request_ttft_s=None if bounds is None else request_ttfts(trace, schedule.round_token, bounds),
-        request_tpot_s=None if bounds is None else request_tpots(trace, schedule.round_token, bounds),
+        request_ttft_s=request_ttfts(trace, schedule.round_token, bounds),
+        request_tpot_s=request_tpots(trace, schedule.round_token, bounds),
         whole_transfers=unchunked,
     )
 

@@ -62,7 +62,7 @@ MAX_TOKENS = 20_000_000  # a batched trace's tokens at most: built step by step,
 RUN_META = frozenset({
     "capacity", "capacities", "memory", "policy", "policy_seed", "profile", "miss", "costs", "costs_measured",
     "predictor", "window", "predictor_needs_model", "deterministic", "prefetch_limit", "device",
-    "host_capacity", "host_policy", "host_exclusive", "host_stage",
+    "host_capacity", "host_policy", "host_exclusive", "host_stage", "served_batch_tokens", "served_schedule",
 })  # fmt: skip
 
 
