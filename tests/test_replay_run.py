@@ -665,3 +665,36 @@ def test_a_recorded_run_batched_again_is_another_workload_without_the_runs_own_r
     assert "a batched trace (trace batch) holds none" in capsys.readouterr().err
     assert main(["trace", "batch", str(path), "-c", "4", "--max-batch-tokens", "2", "-o", str(out)]) == 2
     assert "--batch-tokens 2 is below --concurrency 4" in capsys.readouterr().err
+
+
+def test_a_deterministic_plan_runs_to_its_predicted_counts(tmp_path, capsys):
+    """A plan with a predictor was timed on the cost model's link and run on the engine's, which lands
+    transfers at other moments: 139 misses predicted, 141 run. ``plan --deterministic`` times every
+    candidate settled, records it, and every run of the plan (generate, timing, the API) is settled too:
+    the counts are the plan's."""
+    _, made_on = _run(tmp_path, "made-on", new_tokens=24, prefetch="none")
+    _, learned = _run(tmp_path, "learned", new_tokens=24, prefetch="none")
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", "--trace", str(made_on), "--capacity", "24", "--prefetch", "token", "--predictor",
+            str(learned), "--method", "uniform", "--deterministic", "-o", str(plan_file)]  # fmt: skip
+    assert main(argv) == 0
+    assert "prefetch token, deterministic; exact" in capsys.readouterr().out
+    plan = ec.Plan.load(plan_file)
+    assert plan.deterministic is True and plan.candidates[0]["deterministic"] is True
+    generate = ["generate", "--plan", str(plan_file), "--prompt", PROMPT, "--max-new-tokens", "24", "--json"]
+    assert main(generate) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["deterministic"] is True and run["misses"] == plan.predicted["misses"]
+    assert run["hits"] + run["misses"] == plan.predicted["requests"]
+    assert main(["timing", "--plan", str(plan_file), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["misses"] == plan.predicted["misses"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        with ec.load(plan=plan_file) as model:  # the API runs it settled too, whatever it is given
+            assert model.prefetch_config_.deterministic
+            model.generate_text(PROMPT, 24)
+            assert model.stats["misses"] == plan.predicted["misses"]
+        with ec.load(plan=plan_file, prefetch=PrefetchConfig("token", data=learned)) as model:
+            assert model.prefetch_config_.deterministic
+    with pytest.raises(ExpertcacheError, match="plan: deterministic must be true or false"):
+        ec.Plan.from_dict({**plan.to_dict(), "deterministic": "yes"})

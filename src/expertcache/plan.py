@@ -49,6 +49,7 @@ class Plan:
     host_capacity: int | None = None  # a host level of this many experts (``cache.tiers``), or none
     host_policy: str | None = None  # its policy
     host_exclusive: bool = False  # exclusive of the expert memory (its memory then holds a reserve too)
+    deterministic: bool = False  # planned on a settled link: a run of it is deterministic (its counts)
     file: str | None = field(default=None, compare=False)  # the file it was read from (not written)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class Plan:
                 raise ExpertcacheError(
                     f"plan: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}"
                 )
+        if not isinstance(self.deterministic, bool):
+            raise ExpertcacheError(f"plan: deterministic must be true or false, got {self.deterministic!r}")
         for name in ("predicted", "lower_bound", "source"):  # read with .get() by the engine and timing
             if not isinstance(getattr(self, name), dict):
                 raise ExpertcacheError(f"plan: {name} must be an object, got {getattr(self, name)!r}")
@@ -223,6 +226,10 @@ class Plan:
         return MissConfig(self.miss)
 
     def prefetch_config(self, **options: object) -> PrefetchConfig:
+        """The plan's predictor and window with ``options`` (``PrefetchConfig``'s); a plan made
+        ``deterministic`` runs so whatever ``options`` say (its predicted counts are a settled run's)."""
+        if self.deterministic:
+            options["deterministic"] = True
         return PrefetchConfig(self.prefetch, window=self.window, **options)
 
     @property
@@ -251,7 +258,11 @@ class Plan:
             else f", host level {self.host_policy} ({self.host_capacity} experts"
             + (", exclusive)" if self.host_exclusive else ")")
         )
-        return f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}{host}"
+        settled = ", deterministic" if self.deterministic else ""
+        return (
+            f"{self.method}: {self.policy} {layout} ({self.capacity} experts), miss {self.miss}{pf}{host}"
+            f"{settled}"
+        )
 
     # ------------------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, object]:

@@ -370,6 +370,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "ttft-p99: the requests' 99th percentile; throughput: tokens a second",
     )
     _add_concurrency(pl)
+    pl.add_argument(
+        "--deterministic", action="store_true",
+        help="time every candidate as generate --deterministic runs (each transfer lands before the next "
+        "decision), and run the plan so: its counts are then the engine's",
+    )  # fmt: skip
     _add_costs(pl)
     pl.add_argument("--seed", type=int, help="seed of randomized policies (default 0)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -1301,7 +1306,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
         objective=args.objective, seed=seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
-        slow_tier=profile_tier(args.cost) if args.cost else None,
+        slow_tier=profile_tier(args.cost) if args.cost else None, deterministic=args.deterministic,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)

@@ -651,6 +651,9 @@ def load(
         miss = plan.miss_config()
         if not isinstance(prefetch, PrefetchConfig):
             prefetch, window = plan.prefetch, plan.window
+        elif plan.deterministic and not prefetch.deterministic:  # planned settled: run so
+            prefetch = dataclasses.replace(prefetch, deterministic=True)
+        deterministic = deterministic or plan.deterministic
     cache = policy if isinstance(policy, CacheConfig) else CacheConfig(policy, seed=seed, profile=profile)
     if isinstance(prefetch, PrefetchConfig):
         pf = prefetch

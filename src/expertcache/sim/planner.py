@@ -315,6 +315,7 @@ def make_plan(
     host_policies: Sequence[str] = HOST_POLICIES,
     jobs: int = 1,
     slow_tier: str | None = None,
+    deterministic: bool = False,
 ) -> Plan:
     """Lay ``capacity`` experts out by every method, run each with each miss path and predictor through
     the timing model, and return the best as a ``Plan`` (every candidate's figures inside). ``methods``
@@ -328,7 +329,9 @@ def make_plan(
     its file, ``capacity`` experts or a share of all ("25%"); a list argument may be one name. ``jobs``:
     worker processes that run the candidates side by side first (``sim.timing.warm_runs``; the same
     plan). ``slow_tier``: the tier the costs were measured on (a profile's own, read from its file when
-    ``cost`` is one), recorded in the plan: a run of it takes that tier."""
+    ``cost`` is one), recorded in the plan: a run of it takes that tier. ``deterministic``: every
+    candidate runs on a settled link (``PrefetchConfig(deterministic=True)``: each transfer lands before
+    the next decision), and so does every run of the plan, whose counts are then the predicted ones."""
     if slow_tier is None and isinstance(cost, str | os.PathLike):
         slow_tier = profile_tier(cost)
     trace = as_trace(trace, replay=True)
@@ -439,7 +442,11 @@ def make_plan(
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if capacity < K:
         raise ExpertcacheError(f"a cache of {capacity} experts: the planner needs top-k ({K}) at least")
+    if not isinstance(deterministic, bool):
+        raise ExpertcacheError(f"deterministic: true or false, got {deterministic!r}")
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
+    if deterministic:  # each settled (a config given with its own `when` keeps it: "pays" is refused)
+        prefetch_cfgs = [p if p.deterministic else _settled(p) for p in prefetch_cfgs]
     fits = L * K <= capacity <= L * E
     need = ("knapsack" in methods and fits) or ("moepic" in methods and L > 1 and capacity > K)
     curves = layer_curves(trace, name) if need else None  # one replay of each layer, shared
@@ -484,7 +491,7 @@ def make_plan(
             for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
                 hp = None if host is None else host.policy
                 hx = host is not None and host.exclusive
-                cell = (spec, miss, pf.predictor, pf.window, hp, hx)
+                cell = (spec, miss, pf.predictor, pf.window, pf.deterministic, hp, hx)
                 if cell in seen:  # another method laid the budget out the same way
                     figures = {**seen[cell], "same_as": seen[cell]["method"]}
                 else:
@@ -501,7 +508,8 @@ def make_plan(
                     figures = seen[cell] = {"method": method, **_figures(r)}
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
-                     "window": pf.window, "host_policy": hp, "host_exclusive": hx}
+                     "window": pf.window, "host_policy": hp, "host_exclusive": hx,
+                     **({"deterministic": True} if pf.deterministic else {})}
                 )  # fmt: skip
     skipped = list(dict.fromkeys(skipped))  # once each: some are found once a method
     if not candidates:
@@ -536,6 +544,7 @@ def make_plan(
         predicted={k: best[k] for k in _FIGURES if k in best}, candidates=tuple(candidates),
         lower_bound={"method": "opt (shared, on demand)", **_figures(bound)},
         host_capacity=host_capacity, host_policy=best["host_policy"], host_exclusive=hx,
+        deterministic=bool(best.get("deterministic")),
         source={
             "trace": _path_of(trace), "tokens": trace.num_tokens, "digest": trace.digest(),
             **({"batched_steps": True} if is_batched(trace) else {}),
@@ -550,6 +559,12 @@ def make_plan(
             ),
         },
     )  # fmt: skip
+
+
+def _settled(pf: PrefetchConfig) -> PrefetchConfig:
+    """``pf`` as a deterministic run takes it (``PrefetchConfig(deterministic=True)``; its ``when``
+    derived again, where "always": "pays" is refused in one line, as a deterministic run refuses it)."""
+    return replace(pf, deterministic=True, when=None if pf.when == "always" else pf.when)
 
 
 def _computes_on_host(name: str) -> bool:
