@@ -19,8 +19,9 @@ from trace_fixtures import prefix, prefix_file
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
+from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel
-from expertcache.errors import PolicyError
+from expertcache.errors import ExpertcacheWarning, PolicyError
 from expertcache.miss import FETCH, FULL, ON_HOST, MissContext, MissPathError, Need, make_miss
 from expertcache.miss.base import ON_HOST_FILL
 from expertcache.miss.batch import STREAM, STREAMED
@@ -596,3 +597,71 @@ def test_plan_objectives_one_request_at_a_time_and_a_trace_that_cannot_say(tmp_p
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--trace", path, "--expert-memory", "25%", "--objective", "fastest"])
     assert exit_.value.code == 2 and "argument --objective: invalid choice" in capsys.readouterr().err
+
+
+def test_a_new_users_trial_of_the_serving_planner(tmp_path, capsys, monkeypatch):
+    """Trial 26: a plan chose prefetch oracle, which generate then refused; a chunked prompt's TTFT was
+    one step's; trace batch kept a relative source (a plan made elsewhere replayed another file); two
+    windows' rows were both marked chosen; timing hid the per-request figures a plan was chosen by; a
+    hand-edited plan's layout was refused naming options never given; a window past the model went
+    without the note timing gives."""
+    import dataclasses
+
+    from expertcache.errors import ExpertcacheError
+    from expertcache.plan import Plan
+    from expertcache.sim.planner import format_plan, make_plan
+
+    short = prefix(256)
+    # a predictor no engine runs: compared, not chosen; alone: refused
+    plan = make_plan(short, 48, prefetches=("none", "oracle"), methods=("shared",))
+    assert plan.prefetch == "none" and any(c.get("sim_only") for c in plan.candidates)
+    assert "prefetch oracle: compared, not chosen" in format_plan(plan)
+    with pytest.raises(ExpertcacheError, match="no candidate an engine can run: prefetch oracle"):
+        make_plan(short, 48, prefetches=("oracle",), methods=("shared",))
+    # recorded predictions of an engine's predictor: the plan names that predictor
+    recorded = dataclasses.replace(
+        short, predicted=short.experts.copy(), meta={**short.meta, "predictor": "next-gate", "window": 1}
+    )
+    named = make_plan(recorded, 48, prefetches=("recorded",), methods=("shared",))
+    assert (named.prefetch, named.window) == ("next-gate", 1)
+    # one request at a time, prompts chunked: TTFT is a request's own, not one step's
+    chunked = batch_requests(short, 1, batch_tokens=4)
+    plan = make_plan(chunked, 24, methods=("shared", "uniform"), objective="ttft")
+    assert plan.predicted["request_ttft_s"] > 3 * plan.predicted["ttft_s"]
+    assert plan.predicted["request_ttft_s"] == min(c["request_ttft_s"] for c in plan.candidates)
+    row = next(line for line in format_plan(plan).splitlines() if line.startswith("* "))
+    assert f"{plan.predicted['request_ttft_s'] * 1e3:.3f}" in row
+    # trace batch of a file named relative to the folder it ran in keeps its whole path
+    monkeypatch.chdir(tmp_path)
+    prefix_file(tmp_path, 256)
+    assert main(["trace", "batch", "prefix256.npz", "--concurrency", "4", "-o", "b.npz"]) == 0
+    capsys.readouterr()
+    from expertcache.trace import load_trace
+
+    assert load_trace(tmp_path / "b.npz").meta["batched_from"] == str((tmp_path / "prefix256.npz").resolve())
+    # windows: a row each, one chosen, named in the last line; a window past the model is noted
+    windows = [PrefetchConfig("eam", window=w) for w in (1, 2)]
+    plan = make_plan(short, 48, prefetches=windows, methods=("shared",))
+    text = format_plan(plan)
+    assert sum(line.startswith("* ") for line in text.splitlines()) == 1
+    assert "eam w1" in text and "eam w2" in text and f"prefetch eam (window {plan.window})" in text
+    with pytest.warns(ExpertcacheWarning, match="window 9 reaches past a 6-layer model"):
+        far = make_plan(short, 48, prefetches=[PrefetchConfig("eam", window=9)], methods=("shared",))
+    assert any("window 9 reaches past" in n for n in far.source["notes"])
+    # timing prints a request's figures wherever a trace holds several requests
+    assert main(["timing", "--trace", str(tmp_path / "b.npz"), "--expert-memory", "25%"]) == 0
+    out = capsys.readouterr().out
+    assert "a request's, between its tokens: mean" in out and "a request's, from its first step" in out
+    # a hand-edited plan's layout: named in the plan's terms
+    made = make_plan(batch_requests(short, 4), 24, methods=("shared",)).to_dict()
+    for where, value, words in (
+        ("batched", {**made["source"]["batched"], "concurrency": 0}, "source.batched.concurrency must be"),
+        ("batched", {**made["source"]["batched"], "batch_tokens": 2}, "batched.batch_tokens 2 is below"),
+        ("served", {"batch_tokens": 64, "schedule": "lifo"}, "source.served.schedule must be one of"),
+    ):
+        bad = {**made, "source": {**made["source"], where: value}}
+        with pytest.raises(ExpertcacheError, match=words):
+            Plan.from_dict(bad)
+    assert main(["plan", "--trace", str(tmp_path / "prefix256.npz"), "--concurrency", "4", "--schedule",
+                 "lifo", "--capacity", "24"]) == 2  # fmt: skip
+    assert "--schedule must be one of fifo, prompts-first" in capsys.readouterr().err

@@ -198,7 +198,9 @@ def test_a_requests_time_per_token_spans_its_steps_after_its_first_token():
         q["mean_s"] > 1.3 * chunked.tpot_s and q["requests"] == 32 and chunked.to_dict()["tpot_requests"] == q
     )
     assert "a request's, between its tokens: mean" in format_timing(chunked)
-    assert "between its tokens" not in format_timing(one)
+    assert f"p99 {1e3 * one.request_tpots['p99_s']:.3f} ms over 16 requests" in format_timing(one)  # the tail
+    single = simulate_timing(batch_requests(default_trace(), 1, requests=1), capacity=24)  # one request:
+    assert "between its tokens" not in format_timing(single)  # its decode steps are its tokens
 
 
 def test_more_users_need_more_distinct_experts_a_step_and_lru_loses_its_hits():

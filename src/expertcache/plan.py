@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from expertcache.cache.tiers import exclusive_reserve
-from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
+from expertcache.config import SCHEDULES, CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.errors import ExpertcacheError, did_you_mean
 from expertcache.miss.registry import miss_class
 from expertcache.paths import not_json_kind, write_output
@@ -25,6 +25,44 @@ FORMAT = "expertcache-plan"
 VERSION = 1
 METHODS = ("shared", "uniform", "knapsack", "fate", "moepic")  # how the planner laid the budgets out
 OBJECTIVES = ("tpot", "ttft", "tpot-p99", "ttft-p99", "throughput")  # what it chose by (sim.planner)
+
+
+def _check_layout(source: dict) -> None:
+    """How a plan's trace laid its steps out (``source.batched``: ``trace batch``'s recipe;
+    ``source.served``: a server's layout), checked as read: ``timing`` and ``serve`` follow them, and a
+    bad value would otherwise be refused naming options the user never gave."""
+    for name, fields in (
+        ("batched", ("trace", "concurrency", "requests", "stagger", "schedule", "batch_tokens")),
+        ("served", ("batch_tokens", "schedule")),
+    ):
+        how = source.get(name)
+        if how is None:
+            continue
+        where = f"plan: source.{name}"
+        if name == "batched" and isinstance(how, dict):  # an older plan's: the defaults it was made with
+            how = source[name] = {"stagger": 1, "schedule": "fifo", "batch_tokens": None, **how}
+        if not isinstance(how, dict) or set(how) != set(fields):
+            raise ExpertcacheError(f"{where} must be an object of {', '.join(fields)}, got {how!r}")
+        least = {"concurrency": 1, "requests": 1, "stagger": 0, "batch_tokens": 1}
+        for key, low in least.items():
+            value = how.get(key)
+            if key not in how or (value is None and key == "batch_tokens" and name == "batched"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ExpertcacheError(
+                    f"{where}.{key} must be a whole number of at least {low}, got {value!r}"
+                )
+        if name == "batched" and how["batch_tokens"] is not None and how["batch_tokens"] < how["concurrency"]:
+            raise ExpertcacheError(
+                f"{where}.batch_tokens {how['batch_tokens']} is below its concurrency "
+                f"{how['concurrency']}: a step must hold the next token of every running request"
+            )
+        if how["schedule"] not in SCHEDULES:
+            raise ExpertcacheError(
+                f"{where}.schedule must be one of {', '.join(SCHEDULES)}, got {how['schedule']!r}"
+            )
+        if name == "batched" and not isinstance(how["trace"], str):
+            raise ExpertcacheError(f"{where}.trace must be a file's path, got {how['trace']!r}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +109,7 @@ class Plan:
         for name in ("predicted", "lower_bound", "source"):  # read with .get() by the engine and timing
             if not isinstance(getattr(self, name), dict):
                 raise ExpertcacheError(f"plan: {name} must be an object, got {getattr(self, name)!r}")
+        _check_layout(self.source)
         if self.top_k > self.experts:
             raise ExpertcacheError(
                 f"plan: top_k {self.top_k} is more than the {self.experts} experts a layer has"
@@ -252,6 +291,8 @@ class Plan:
         if self.budgets is None and "/" in self.miss:  # a miss path laid out per layer (moepic's split)
             layout = "per-layer split"
         pf = "" if self.prefetch == "none" else f", prefetch {self.prefetch}"
+        if self.window is not None and self.prefetch != "none":
+            pf += f" (window {self.window})"
         host = (
             ""
             if self.host_capacity is None

@@ -45,7 +45,7 @@ from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
-from expertcache.predict.registry import trace_readers
+from expertcache.predict.registry import PREDICTORS, predictor_class, trace_readers
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.trace import Trace, as_trace
@@ -445,6 +445,7 @@ def make_plan(
     if not isinstance(deterministic, bool):
         raise ExpertcacheError(f"deterministic: true or false, got {deterministic!r}")
     prefetch_cfgs = [p if isinstance(p, PrefetchConfig) else PrefetchConfig(p) for p in prefetches]
+    prefetch_cfgs = list(dict.fromkeys(_as_recorded(p, trace) for p in prefetch_cfgs))
     if deterministic:  # each settled (a config given with its own `when` keeps it: "pays" is refused)
         prefetch_cfgs = [p if p.deterministic else _settled(p) for p in prefetch_cfgs]
     fits = L * K <= capacity <= L * E
@@ -485,7 +486,7 @@ def make_plan(
             for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs)
         ]
         warm_runs(cells_run, jobs)
-        candidates, seen = [], {}
+        candidates, seen, run_notes = [], {}, []
         for method, budgets, cell_misses in cells:
             spec = spec_of(budgets)
             for miss, pf, host in itertools.product(cell_misses, prefetch_cfgs, host_cfgs):
@@ -506,12 +507,17 @@ def make_plan(
                         skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
                         continue
                     figures = seen[cell] = {"method": method, **_figures(r)}
+                    run_notes += r.notes  # what a run adjusted (a window cut to the model), once each
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
                      "window": pf.window, "host_policy": hp, "host_exclusive": hx,
-                     **({"deterministic": True} if pf.deterministic else {})}
+                     **({"deterministic": True} if pf.deterministic else {}),
+                     **({"sim_only": True} if _sim_only(pf.predictor) else {})}
                 )  # fmt: skip
     skipped = list(dict.fromkeys(skipped))  # once each: some are found once a method
+    run_notes = [n for n in dict.fromkeys(run_notes) if n not in level_notes]
+    warn_notes(run_notes)
+    level_notes = level_notes + run_notes
     if not candidates:
         raise ExpertcacheError(
             f"no method could lay out {capacity} experts over {L} layers (a per-layer layout needs "
@@ -520,6 +526,16 @@ def make_plan(
             f"nothing to compare: {'; '.join(skipped) or 'no method and miss path left'}"
         )  # fmt: skip
     key = objective_key(objective, is_batched(trace))
+    if key == "request_ttft_s" and all(c[key] is None for c in candidates):  # no request: the steps'
+        key = "ttft_s"
+    runnable = [c for c in candidates if not c.get("sim_only")]
+    if not runnable:
+        raise ExpertcacheError(
+            "no candidate an engine can run: prefetch "
+            + ", ".join(dict.fromkeys(c["prefetch"] for c in candidates))
+            + " needs the future or the trace's own recording (simulator only); add --prefetch none or "
+            "a predictor of the engine's"
+        )
     if all(c[key] is None for c in candidates):
         raise ExpertcacheError(
             f"objective {objective} ranks by {OBJECTIVE_WORDS[objective]}, and this trace has no "
@@ -530,7 +546,13 @@ def make_plan(
     sign = -1 if objective == "throughput" else 1
     # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
     # disk read time)
-    best = min(candidates, key=lambda c: (_value(c[key], sign), c["misses"], c.get("host_misses") or 0))
+    best = min(runnable, key=lambda c: (_value(c[key], sign), c["misses"], c.get("host_misses") or 0))
+    if len(runnable) < len(candidates):  # as OPT's row: a bound to compare, not a plan to run
+        skipped.append(
+            "prefetch "
+            + ", ".join(dict.fromkeys(c["prefetch"] for c in candidates if c.get("sim_only")))
+            + ": compared, not chosen: the engine cannot run it (simulator only)"
+        )
     hx = bool(best["host_exclusive"])
     best_host = None if best["host_policy"] is None else HostConfig(None, best["host_policy"], exclusive=hx)
     host_capacity = host_caps.get(hx)
@@ -559,6 +581,24 @@ def make_plan(
             ),
         },
     )  # fmt: skip
+
+
+def _sim_only(predictor: str) -> bool:
+    """A predictor no engine runs: one that reads the future (``oracle``), or ``recorded`` (a trace's
+    own predictions, of a predictor not known here)."""
+    return predictor == "recorded" or (predictor in PREDICTORS and predictor_class(predictor).sim_only)
+
+
+def _as_recorded(pf: PrefetchConfig, trace: Trace) -> PrefetchConfig:
+    """``recorded`` as the predictor that recorded the trace's predictions, where the engine has it: the
+    simulator replays those predictions by its name too, and a plan names what an engine runs."""
+    made_by = trace.meta.get("predictor")
+    if pf.predictor != "recorded" or not isinstance(made_by, str) or made_by not in PREDICTORS:
+        return pf
+    if predictor_class(made_by).sim_only:
+        return pf
+    window = pf.window if pf.window is not None else trace.meta.get("window")
+    return replace(pf, predictor=made_by, window=None if window is None else int(window))
 
 
 def _settled(pf: PrefetchConfig) -> PrefetchConfig:
@@ -666,14 +706,15 @@ def objective_key(objective: str, batched: bool) -> str:
     ``tokens_per_s``, the highest). On a batched trace (steps that serve several requests) ``tpot`` and
     ``ttft`` are a request's own, its mean time between its tokens and to its first token over the
     trace's requests (a pure decode step is not what a request sees between its tokens there, where most
-    of its tokens come in steps that also prefill others); one request at a time, the mean decode and
-    prefill steps, which are its tokens. The ``-p99`` objectives are the requests' 99th percentile on
-    any trace."""
+    of its tokens come in steps that also prefill others); one request at a time, ``tpot`` is the mean
+    decode step (each is a token of the request) and ``ttft`` still a request's own (its prefill step,
+    or its steps where a prompt is chunked). The ``-p99`` objectives are the requests' 99th percentile
+    on any trace."""
     if objective == "throughput":
         return "tokens_per_s"
     if objective.endswith("-p99"):
         return f"request_{objective.removesuffix('-p99')}_p99_s"
-    return f"request_{objective}_s" if batched else f"{objective}_s"
+    return f"request_{objective}_s" if batched or objective == "ttft" else f"{objective}_s"
 
 
 def objective_phase(objective: str) -> int | None:
@@ -706,6 +747,12 @@ def is_batched(trace: Trace) -> bool:
     return bool(firsts.any())
 
 
+def _prefetch(c: dict) -> str:
+    """A candidate's predictor, with its window where one was given (``--window`` repeated compares
+    several)."""
+    return c["prefetch"] if c.get("window") is None else f"{c['prefetch']} w{c['window']}"
+
+
 def format_plan(plan: Plan) -> str:
     """The candidates side by side, the chosen one marked, and the lower bound (what ``plan`` prints)."""
 
@@ -713,12 +760,13 @@ def format_plan(plan: Plan) -> str:
         return "-" if x is None else f"{x * 1e3:.3f}"
 
     batched = bool(plan.source.get("batched_steps"))
-    tpot, ttft = ("request_tpot_s", "request_ttft_s") if batched else ("tpot_s", "ttft_s")
+    tpot = "request_tpot_s" if batched else "tpot_s"
     extra = {"tpot-p99": "TPOT p99", "ttft-p99": "TTFT p99", "throughput": "tok/s"}.get(plan.objective)
     extra_key = objective_key(plan.objective, batched)
 
     def cols(c: dict) -> str:  # the times, and the objective's own figure where it has a column
-        out = f"{ms(c.get(tpot)):>10}{ms(c.get(ttft)):>10}"
+        first = c.get("request_ttft_s")  # a request's own (the prefill step where a prompt takes one)
+        out = f"{ms(c.get(tpot)):>10}{ms(c.get('ttft_s') if first is None else first):>10}"
         if extra is not None:
             v = c.get(extra_key)
             out += f"{'-' if v is None else f'{v:.1f}' if extra == 'tok/s' else ms(v):>12}"
@@ -732,7 +780,7 @@ def format_plan(plan: Plan) -> str:
             "and to its first token (timing --plan gives the steps' too)"
         )
     rows += [
-        f"{'':2}{'method':10}{'miss':20}{'prefetch':12}{'TPOT ms':>10}{'TTFT ms':>10}"
+        f"{'':2}{'method':10}{'miss':20}{'prefetch':14}{'TPOT ms':>10}{'TTFT ms':>10}"
         + ("" if extra is None else f"{extra + (' ms' if extra != 'tok/s' else ''):>12}")
         + f"{'misses':>9}  budgets"
     ]
@@ -741,7 +789,7 @@ def format_plan(plan: Plan) -> str:
         chosen = (
             c["method"] == plan.method and c["miss"] == plan.miss and c["prefetch"] == plan.prefetch
             and (c["budgets"] is None) == (plan.budgets is None) and c.get("host_policy") == plan.host_policy
-            and bool(c.get("host_exclusive")) == bool(plan.host_exclusive)
+            and bool(c.get("host_exclusive")) == bool(plan.host_exclusive) and c.get("window") == plan.window
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
         miss = c["miss"]
@@ -755,7 +803,7 @@ def format_plan(plan: Plan) -> str:
             reads = f"{c['host_misses']} misses, {c['disk_read_s']:.3f} s of reads"
             budgets += f"; host {c['host_policy']}{kind}: {reads}"
         rows.append(
-            f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{c['prefetch']:12}{cols(c)}"
+            f"{'* ' if chosen else '  '}{c['method']:10}{miss:20}{_prefetch(c):14}{cols(c)}"
             f"{c['misses']:>9}  {budgets}"
         )
     b = plan.lower_bound
@@ -772,7 +820,7 @@ def format_plan(plan: Plan) -> str:
         "trace's steps need more than the layer's share at once)"
     )
     times = cols(b)
-    rows.append(f"  {'opt':10}{'fetch':20}{'none':12}{times}{b['misses']:>9}  {what}")
+    rows.append(f"  {'opt':10}{'fetch':20}{'none':14}{times}{b['misses']:>9}  {what}")
     rows += notes
     rows += [f"left out: {line}" for line in plan.source.get("skipped", [])]
     by = "" if plan.objective == "tpot" else f" by {plan.objective}"

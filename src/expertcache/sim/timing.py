@@ -868,15 +868,17 @@ def format_timing(result: TimingResult) -> str:
         + (
             f"; a request's, from its first step to its first token: mean {ms(q['mean_s'])}, p99 "
             f"{ms(q['p99_s'])} over {q['requests']} requests"
-            if (q := r.request_ttfts) and not math.isclose(q["mean_s"], r.ttft_s or 0.0, rel_tol=0.01)
-            else ""  # a prompt a step: the mean prefill step is each request's time to first token
+            if (q := r.request_ttfts)
+            and (q["requests"] > 1 or not math.isclose(q["mean_s"], r.ttft_s or 0.0, rel_tol=0.01))
+            else ""  # one request's prompt in one step: that step is its time to first token
         ),
         f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)"
         + (
             f"; a request's, between its tokens: mean {ms(q['mean_s'])}, p99 {ms(q['p99_s'])} over "
             f"{q['requests']} requests"
-            if (q := r.request_tpots) and not math.isclose(q["mean_s"], r.tpot_s or 0.0, rel_tol=0.01)
-            else ""  # one request at a time: its decode steps are its tokens
+            if (q := r.request_tpots)
+            and (q["requests"] > 1 or not math.isclose(q["mean_s"], r.tpot_s or 0.0, rel_tol=0.01))
+            else ""  # one request: its decode steps are its tokens
         ),
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "

@@ -21,6 +21,8 @@ else ran in the step (true of the model, which computes each token alone, up to 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from expertcache.errors import ExpertcacheError, TraceError, option
@@ -79,7 +81,9 @@ def batch_requests(
     at most (default: no cap; a prompt then joins whole), clients starting ``stagger`` steps apart, steps
     laid out by ``schedule`` (``SCHEDULES``)."""
     if schedule not in SCHEDULES:
-        raise TraceError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        raise TraceError(
+            f"{option('--schedule', 'schedule')} must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+        )
     trace = as_trace(trace)
     named = {k: option(f"--{k.replace('_', '-')}", k) for k in ("concurrency", "stagger", "requests")}
     named["batch_tokens"] = option("--batch-tokens", "batch_tokens")
@@ -154,9 +158,10 @@ def batch_requests(
         for k, v in trace.meta.items()
         if k not in RUN_META
     }
+    source = Path(trace.source)  # whole: a plan made on the batched file finds it from any folder
     meta.update(
-        batched_from=trace.source, concurrency=concurrency, batched_requests=total, stagger=stagger,
-        schedule=schedule,
+        batched_from=str(source.resolve()) if source.is_file() else trace.source, concurrency=concurrency,
+        batched_requests=total, stagger=stagger, schedule=schedule,
     )  # fmt: skip
     if batch_tokens is not None:
         meta["batch_tokens"] = batch_tokens
