@@ -268,7 +268,8 @@ def lossy_note(stats: dict, lossy_path: bool) -> str | None:
 
 def _save_trace(model, path: str, stopped: bool, config) -> None:
     """The served steps' routing, written as the server stops (a step still running is left out), with
-    how the server laid its steps out (``SERVED_LAYOUT``: a plan made on the trace serves so again)."""
+    how the server laid its steps out (meta ``served_batch_tokens``, ``served_schedule``: a plan made on the
+    trace serves so again)."""
     if not stopped:
         print(f"note: the generation loop was still running; {path} not written", file=sys.stderr)
         return

@@ -790,6 +790,7 @@ def format_plan(plan: Plan) -> str:
             c["method"] == plan.method and c["miss"] == plan.miss and c["prefetch"] == plan.prefetch
             and (c["budgets"] is None) == (plan.budgets is None) and c.get("host_policy") == plan.host_policy
             and bool(c.get("host_exclusive")) == bool(plan.host_exclusive) and c.get("window") == plan.window
+            and bool(c.get("deterministic")) == plan.deterministic
         )  # fmt: skip
         budgets = "shared" if c["budgets"] is None else "/".join(map(str, c["budgets"]))
         miss = c["miss"]
