@@ -687,7 +687,12 @@ def test_a_deterministic_plan_runs_to_its_predicted_counts(tmp_path, capsys):
     assert run["deterministic"] is True and run["misses"] == plan.predicted["misses"]
     assert run["hits"] + run["misses"] == plan.predicted["requests"]
     assert main(["timing", "--plan", str(plan_file), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["misses"] == plan.predicted["misses"]
+    timed = json.loads(capsys.readouterr().out)
+    assert timed["misses"] == plan.predicted["misses"] and timed["deterministic"] is True
+    assert main(["timing", "--plan", str(plan_file), "--prefetch-limit", "1"]) == 0  # a variant: said
+    out, err = capsys.readouterr()
+    assert "| deterministic (each transfer landed before the next decision)" in out
+    assert "note: --prefetch-limit beside --plan: the plan was timed without it" in err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExpertcacheWarning)
         with ec.load(plan=plan_file) as model:  # the API runs it settled too, whatever it is given
@@ -698,3 +703,12 @@ def test_a_deterministic_plan_runs_to_its_predicted_counts(tmp_path, capsys):
             assert model.prefetch_config_.deterministic
     with pytest.raises(ExpertcacheError, match="plan: deterministic must be true or false"):
         ec.Plan.from_dict({**plan.to_dict(), "deterministic": "yes"})
+    # settled, windows tie to the last bits of a sum: the first given is chosen, not the noise's pick
+    windows = [PrefetchConfig("token", window=w, data=learned) for w in (1, 2, 3)]
+    with warnings.catch_warnings():  # the two runs' routing is the same: an in-sample plan, said
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        tied = ec.make_plan(ec.load_trace(made_on), 24, prefetches=windows, methods=("uniform",),
+                            predictor_trace=ec.load_trace(learned), deterministic=True)  # fmt: skip
+    rows = {c["window"]: c for c in tied.candidates}
+    assert len({(f"{c['tpot_s']:.9g}", c["misses"]) for c in rows.values()}) == 1  # settled, all alike
+    assert tied.window == 1

@@ -22,7 +22,7 @@ from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
-from expertcache.cli.util import check_outputs, output_option, quiet_transformers, why
+from expertcache.cli.util import beside_plan, check_outputs, output_option, quiet_transformers, why
 from expertcache.config import CHECKPOINT_DTYPES, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
@@ -985,6 +985,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         "deterministic": args.deterministic,
     }
     if plan is not None:
+        if (note := beside_plan(args)) is not None:
+            print(note, file=sys.stderr)
         prefetch, miss = plan.prefetch_config(**options), plan.miss_config()
         cache = plan.cache_config(profile=args.profile)
     else:
@@ -1308,8 +1310,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         objective=args.objective, seed=seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
         slow_tier=profile_tier(args.cost) if args.cost else None, deterministic=args.deterministic,
     )  # fmt: skip
-    _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
-    _note_profile_links(args, host)
+    _note_profile_links(args, host)  # free host-level reads: among the plan's notes, from its runs
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     if policy_class(parse_policy(args.policy)[0]).needs_profile:  # it ranks by usage, which the plan lacks

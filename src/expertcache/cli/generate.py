@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from expertcache.cli.util import output_option, quiet_transformers, startup_gc
+from expertcache.cli.util import beside_plan, output_option, quiet_transformers, startup_gc
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
@@ -258,6 +258,8 @@ def load_model(args, record: bool = True):
     plan = None
     if args.plan:
         plan = load_plan(args)
+        if (note := beside_plan(args)) is not None:
+            print(note, file=sys.stderr)
         cache = plan.cache_config(profile=args.profile)  # a static plan's usage profile
         miss, prefetch = plan.miss_config(), plan.prefetch_config(**options)
         plan.refuse_host([f"--{f.replace('_', '-')}" for f in HOST_FLAGS if getattr(args, f)])

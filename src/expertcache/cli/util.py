@@ -12,6 +12,26 @@ from contextlib import contextmanager
 from expertcache.errors import ExpertcacheError
 
 
+def beside_plan(args) -> str | None:
+    """A note where options that change how a plan's predictor prefetches come beside ``--plan``: the
+    plan was timed without them, so a run's counts and times are not its prediction (they are taken,
+    as a variant of the plan; --window, which names the predictor's reach, is refused instead)."""
+    flags = (
+        ("--prefetch-limit", getattr(args, "prefetch_limit", None) is not None),
+        ("--no-preemption", bool(getattr(args, "no_preemption", False))),
+        ("--no-reorder", bool(getattr(args, "no_reorder", False))),
+        ("--no-chunking", bool(getattr(args, "no_chunking", False))),
+        ("--chunk-size", getattr(args, "chunk_size", None) is not None),
+    )
+    given = [flag for flag, on in flags if on]
+    if not getattr(args, "plan", None) or not given:
+        return None
+    return (
+        f"note: {', '.join(given)} beside --plan: the plan was timed without "
+        f"{'it' if len(given) == 1 else 'them'}, so this run's counts and times are not its prediction"
+    )
+
+
 def quiet_transformers() -> None:
     """One line per problem: transformers' advice and progress bars stay out of the output."""
     from transformers.utils import logging as hf_logging

@@ -546,6 +546,7 @@ def make_plan(
     sign = -1 if objective == "throughput" else 1
     # the first of equals: fewer misses, then fewer host-level misses (which cost nothing without a
     # disk read time)
+    # the first of equals (by 9 digits: a sum's last bits are not a difference), in the order given
     best = min(runnable, key=lambda c: (_value(c[key], sign), c["misses"], c.get("host_misses") or 0))
     if len(runnable) < len(candidates):  # as OPT's row: a bound to compare, not a plan to run
         skipped.append(
@@ -733,7 +734,7 @@ OBJECTIVE_WORDS = {
 
 
 def _value(x: float | None, sign: int = 1) -> float:
-    return float("inf") if x is None else sign * x
+    return float("inf") if x is None else sign * float(f"{x:.9g}")
 
 
 def is_batched(trace: Trace) -> bool:

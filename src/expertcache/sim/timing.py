@@ -97,6 +97,7 @@ class TimingResult:
     # ... and each request's time per output token after its first (``request_tpots``)
     request_tpot_s: np.ndarray | None = field(default=None, repr=False)
     whole_transfers: bool = False  # the cost model's auto chunks dropped: no prefetch for a miss to pass
+    deterministic: bool = False  # on a settled link (``PrefetchConfig(deterministic=True)``)
 
     def __repr__(self) -> str:
         ms = lambda s: "-" if s is None else f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"  # noqa: E731
@@ -159,6 +160,7 @@ class TimingResult:
             "tokens": self.tokens,
             "ttft_requests": self.request_ttfts,
             "tpot_requests": self.request_tpots,
+            "deterministic": self.deterministic,
             "prefill_steps": self.steps[1],
             "decode_steps": self.steps[0],
             "ttft_s": self.ttft_s,
@@ -588,6 +590,7 @@ def _run_timing(
         request_ttft_s=request_ttfts(trace, schedule.round_token, bounds),
         request_tpot_s=request_tpots(trace, schedule.round_token, bounds),
         whole_transfers=unchunked,
+        deterministic=pf.deterministic,
     )
 
 
@@ -858,7 +861,8 @@ def format_timing(result: TimingResult) -> str:
     rate = f"{r.tokens / r.total_s:.1f} tok/s" if r.total_s else "-"
     lines = [
         f"cache      {r.policy}{params}, {r.capacity} experts | miss {r.miss} | prefetch {prefetch} | "
-        f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}",
+        f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}"
+        + (" | deterministic (each transfer landed before the next decision)" if r.deterministic else ""),
         "cost       "
         + r.cost.describe().replace(  # said where the chunks are, since doctor and plan show the model's
             " in 1 chunk:",
