@@ -173,7 +173,7 @@ def _diagnose(
     free = CostModel.from_dict({"link_bandwidth": math.inf, "link_latency": 0.0}, cost)
     predictors = ("eam", "recorded") if trace.predicted is not None else ("eam",)
     shape = step_shape(trace)
-    batched = _is_batched(trace, shape)
+    batched = is_batched(trace)  # steps of several requests (``shape`` is then a step shape)
     levels = [] if level is None else _level_runs(trace, capacity, host, host_capacity, K)
     warm_runs(  # the runs below, side by side (each is then taken from the shared runs)
         [
@@ -246,12 +246,6 @@ def _diagnose(
     }
     report["verdict"] = verdict(report)
     return report
-
-
-def _is_batched(trace: Trace, shape: dict | None) -> bool:
-    """Steps of several tokens (``shape``: the trace's ``step_shape``), from several requests: the doctor
-    says what a batched step asks."""
-    return shape is not None and shape["mean_step_tokens"] > 1 and is_batched(trace)
 
 
 def _tpot(r, batched: bool) -> float | None:

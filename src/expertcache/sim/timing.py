@@ -852,6 +852,15 @@ def format_timing(result: TimingResult) -> str:
     def ms(seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
+    def own(q: dict | None, step_s: float | None, what: str) -> str:
+        """A request's own figure beside the step's, where the trace holds several requests or it differs
+        (one request whose prompt takes one step: that step is its time to first token, its decode steps
+        its tokens)."""
+        if not q or (q["requests"] == 1 and math.isclose(q["mean_s"], step_s or 0.0, rel_tol=0.01)):
+            return ""
+        n = q["requests"]
+        return f"; a request's, {what}: mean {ms(q['mean_s'])}, p99 {ms(q['p99_s'])} over {n} requests"
+
     spell = lambda v: "/".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731  as --policy takes it
     params = ":" + ",".join(f"{k}={spell(v)}" for k, v in r.params.items()) if r.params else ""
     prefetch = "none" if r.predictor is None else f"{r.predictor} (window {r.window})"
@@ -869,21 +878,9 @@ def format_timing(result: TimingResult) -> str:
             " in 1 chunk (nothing prefetched to pass):" if r.whole_transfers else " in 1 chunk:",
         ),
         f"TTFT       {ms(r.ttft_s)} (mean of {r.steps[1]} prefill steps)"
-        + (
-            f"; a request's, from its first step to its first token: mean {ms(q['mean_s'])}, p99 "
-            f"{ms(q['p99_s'])} over {q['requests']} requests"
-            if (q := r.request_ttfts)
-            and (q["requests"] > 1 or not math.isclose(q["mean_s"], r.ttft_s or 0.0, rel_tol=0.01))
-            else ""  # one request's prompt in one step: that step is its time to first token
-        ),
+        + own(r.request_ttfts, r.ttft_s, "from its first step to its first token"),
         f"TPOT       {ms(r.tpot_s)} (mean of {r.steps[0]} decode steps)"
-        + (
-            f"; a request's, between its tokens: mean {ms(q['mean_s'])}, p99 {ms(q['p99_s'])} over "
-            f"{q['requests']} requests"
-            if (q := r.request_tpots)
-            and (q["requests"] > 1 or not math.isclose(q["mean_s"], r.tpot_s or 0.0, rel_tol=0.01))
-            else ""  # one request: its decode steps are its tokens
-        ),
+        + own(r.request_tpots, r.tpot_s, "between its tokens"),
         f"total      {r.total_s:.3f} s for {r.tokens} tokens, {rate}",
         f"stall      {r.stall_s:.3f} s (prefill {r.stall_by_phase[1]:.3f} s, decode "
         f"{r.stall_by_phase[0]:.3f} s) | link busy {r.link_busy_s:.3f} s, "
