@@ -27,7 +27,8 @@
 #           attention on a GPU (sdpa_no_cudnn) and transformers' own sdpa; 5 minutes at most
 #   exact-grouped  the engine's exactness tests with the grouped kernel against transformers' grouped_mm
 #           on the GPU (EXPERTCACHE_TEST_KERNEL=grouped), stopping at the first failure, with the failure's
-#           figures; 3 minutes at most
+#           figures, then bench/grouped_exact_gpu.py (each engine kernel against each of transformers'
+#           implementations, whole tiny models at three budgets); 5 minutes at most
 #
 # Results (JSON and logs) go to OUT. Needs python3 with torch, transformers and expertcache importable (an
 # install of this repository, or PYTHONPATH=src:bench; `serve` also needs fastapi, uvicorn, sse-starlette
@@ -152,6 +153,9 @@ for part in "$@"; do
         -p no:cacheprovider tests/test_engine.py -k "exact or equal" >"$OUT/exact_grouped.log" 2>&1
       stamp "exact-grouped rc $?"
       grep -E "^(FAILED|ERROR|E )|[0-9]+ (passed|failed)" "$OUT/exact_grouped.log" | head -30
+      # which of transformers' implementations each engine kernel equals, model against model
+      timeout 120 python3 bench/grouped_exact_gpu.py --out "$OUT/grouped_exact_gpu.json" 2>&1 \
+        | grep -v -E "^(Loading|Writing)" | tee "$OUT/grouped_exact.log"
       ;;
   esac
 done

@@ -36,6 +36,7 @@ def _own_cpus() -> None:
 _own_cpus()
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (``-p no:xdist``) knows no such hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker for each CPU this process may use (``taskset``, a container's cpuset), at most
     ``--maxprocesses``. pytest-xdist's own count is the machine's cores where psutil is installed (it is,

@@ -188,7 +188,11 @@ def test_a_packed_checkpoint_runs_the_same_at_any_budget_tier_and_miss_path(bits
             got = greedy(model, IDS)
             moved = model.stats["bytes_transferred"]
         assert got[0].tolist() == want[0].tolist(), kwargs
-        assert torch.equal(got[1], want[1]), kwargs
+        if kwargs.get("miss") == "host" and engine_fixtures.DEVICE != "cpu":  # the host's loops, the GPU's
+            top = float((got[1] - want[1]).abs().max())  # kernels: each sums in its own order
+            assert top <= 1e-5 * float(want[1].abs().max()), (kwargs, top)
+        else:
+            assert torch.equal(got[1], want[1]), kwargs
         assert moved % full == 0  # whole packed experts move
     # against transformers running the dequantised model: close, the same tokens
     ref = greedy(_dequantised_reference(path, tmp_path), IDS)
@@ -220,7 +224,7 @@ def test_serve_says_what_makes_its_model_lossy(packed_ckpts):
         note = lossy_note(model.stats, model.miss.lossy)
     assert note.startswith("note: lossy, not the full-precision model's outputs: experts packed (int4-g64, ")
     assert "dense layers int8" in note and "miss path" not in note
-    with engine_load(DEFAULT_MODEL, kernel="compiled") as model:  # not bit-equal: said, as generate says it
+    with engine_load(DEFAULT_MODEL, kernel="compiled", device="cpu") as model:  # not bit-equal: said
         note = lossy_note(model.stats, model.miss.lossy)
     assert ": the compiled kernel (its sums in another order) (expertcache quality with" in note
 
@@ -455,7 +459,7 @@ def test_the_packed_loops_run_on_torch_s_threads_in_the_thread_that_generates(tm
         "from expertcache.tools.quantize import write_checkpoint\n"
         f"write_checkpoint(None, 8, {str(tmp_path / 'int8')!r}, progress=False)\n"
         "torch.set_num_threads(1)\n"
-        f"model = load({str(tmp_path / 'int8')!r}, expert_memory='30%')\n"
+        f"model = load({str(tmp_path / 'int8')!r}, expert_memory='30%', device='cpu')\n"  # on a GPU: Triton's
         "from expertcache.jit import numba\n"
         "seen = []\n"
         "def run():\n"

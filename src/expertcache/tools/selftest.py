@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from expertcache.costs import CostModel
-from expertcache.engine.families import FAMILIES, family_of
+from expertcache.engine.families import FAMILIES, Shape, family_of
 from expertcache.engine.offloaded import resolve_device
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, first_line
 from expertcache.miss.registry import parse_miss
@@ -49,6 +49,7 @@ from expertcache.tools.tiny import (
     PROMPT,
     PROMPT_B,
     SPECS,
+    TINY_HEADS,
     TOP_K,
     make_tiny,
     make_tokenizer,
@@ -79,9 +80,10 @@ MISSES: dict[str, tuple[str, ...]] = {
 PREFETCHES = ("none", "next-gate", "window", "adaptive", "learned", "token", "eam")
 ONLINE = tuple(name for name in POLICIES if not is_offline(name))
 CLOSE_ATOL = 1e-5
-# bf16 attention on CUDA (cuDNN) fails on the tiny MLA heads (rotary and plain parts of 4 dims each,
-# misaligned): deepseek's bf16 models get heads of 16 dims; real checkpoints' heads are far larger
-BF16_SHAPES: dict[str, dict[str, int]] = {"deepseek_v2": {"hidden": 64}, "deepseek_v3": {"hidden": 64}}
+# bf16 attention on CUDA fails on the tiny MLA heads (rotary and plain parts of 4 dims each: "misaligned
+# address", with cuDNN and with the memory-efficient kernel alike): every family with MLA attention gets
+# heads of 16 dims in bf16 (``_shapes``); real checkpoints' heads are far larger
+MLA_BF16_SHAPE: dict[str, int] = {"hidden": 64}
 # figures that send some misses to the host and others over the link, whatever this machine measures
 COSTS = CostModel(
     expert_s=1e-3, expert_token_s=1e-4, host_expert_s=2e-3, host_expert_token_s=1e-3,
@@ -553,7 +555,15 @@ class Models:
 
 
 def _shapes(family: str, dtype: str) -> dict[str, int]:
-    return BF16_SHAPES.get(family, {}) if dtype == "bfloat16" else {}
+    return MLA_BF16_SHAPE if dtype == "bfloat16" and has_mla(family) else {}
+
+
+def has_mla(family: str) -> bool:
+    """Whether the family's tiny model has DeepSeek's latent attention (a rotary part of its own, whose
+    tiny heads bf16 attention on CUDA cannot align), read from its config as ``tools.tiny`` builds it."""
+    t = SPECS[family]
+    shape = Shape(t["experts"], TOP_K, t["intermediate"], t["hidden"], TINY_HEADS, t["layers"])
+    return bool(FAMILIES[family].config(shape).get("qk_rope_head_dim"))
 
 
 def _num(x: float) -> str:

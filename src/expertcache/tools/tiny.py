@@ -13,6 +13,7 @@ from pathlib import Path
 from expertcache.engine.families import FAMILIES
 
 TOP_K = 2
+TINY_HEADS = 4  # attention heads of every tiny model
 PROMPT = [5, 17, 42, 99, 120, 7, 250, 33]  # 8 token ids below the tiny vocabulary's 300
 PROMPT_B = [61, 3, 200, 148, 9]  # a shorter second prompt (left-padded in a batch)
 
@@ -63,5 +64,5 @@ def make_tiny(out: str | Path, family: str, tokenizer: str | Path, **overrides: 
     """The family's tiny checkpoint (``SPECS``, top-2, 4 heads, seed 0; ``overrides`` change any of it)."""
     from expertcache.engine.random_checkpoint import make_checkpoint
 
-    kwargs = {**SPECS[family], "top_k": TOP_K, "heads": 4, "seed": 0, **overrides}
+    kwargs = {**SPECS[family], "top_k": TOP_K, "heads": TINY_HEADS, "seed": 0, **overrides}
     return make_checkpoint(out, family, tokenizer=tokenizer, **kwargs)
