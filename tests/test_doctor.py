@@ -166,3 +166,58 @@ def test_the_doctors_on_demand_figure_is_named_by_its_policy(capsys):
     assert " ms on-demand lfu" in out and "on-demand LRU" not in out
     assert main(["doctor", "--expert-memory", "25%", "--json"]) == 0
     assert "on_demand" in json.loads(capsys.readouterr().out)["tpot_s"]
+
+
+def test_the_doctor_says_what_budget_the_workload_needs(capsys):
+    """Issue 31 part 4: doctor says what budget serves the workload, not only how the one given does: a
+    ladder of budgets (12.5 to 75 % and the one given), each under the better of the paths the plan may
+    use, against every expert resident, and the smallest within ``within``."""
+    from expertcache.sim.timing import run_timing
+
+    trace = synthesize("sticky", tokens=400, layers=4, experts=8, top_k=2, seed=2, sequences=2, prompt_len=8)
+    cost = {"link_bandwidth": 400e9}
+    r = diagnose(trace, 8, cost, misses=("fetch", "host"))
+    b = r["budgets"]
+    caps = [row["capacity"] for row in b["rows"]]
+    assert caps == sorted(caps) == [4, 8, 16, 24, 32] and b["within"] == 1.25  # 12.5 % of 32 is 4
+    assert [row["given"] for row in b["rows"]] == [False, True, False, False, False]
+    last = b["rows"][-1]
+    assert (
+        last["share"] == 1.0 and last["vs_resident"] == 1.0 and last["tpot_s"] == r["tpot_s"]["all_resident"]
+    )
+    for row in b["rows"][:-1]:  # each the better of its paths, by the timing model's own run
+        times = [
+            run_timing(trace, row["capacity"], cache="lru", miss=m, cost=cost).tpot_s
+            for m in ("fetch", "host")
+        ]
+        assert row["tpot_s"] == min(times) and row["miss"] == ("fetch", "host")[times.index(min(times))]
+        assert row["vs_resident"] == pytest.approx(row["tpot_s"] / last["tpot_s"])
+    first = next(row for row in b["rows"] if row["vs_resident"] <= 1.25)
+    assert b["enough"] == first
+    line = next(v for v in r["verdict"] if v.startswith("budget for this workload"))
+    assert "(this budget)" in line and "within 1.25x of all resident" in line
+    # a factor every rung meets: the smallest budget is enough; none but all experts: said so
+    assert diagnose(trace, 8, cost, within=1e9)["budgets"]["enough"]["capacity"] == 4
+    slow = diagnose(trace, 8, within=1.0001)  # PCIe 4 and a 336 MiB expert: nothing comes near
+    assert slow["budgets"]["enough"]["capacity"] == 32
+    assert any(v.startswith("budget for this workload: no budget below all experts") for v in slow["verdict"])
+    for bad in (1, 0.5, float("nan"), "x", True):
+        with pytest.raises(ExpertcacheError, match="within must be a factor above 1"):
+            diagnose(trace, 8, within=bad)
+    assert main(["doctor", "--within", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--within must be a factor above 1" in err and err.count("\n") == 1
+
+
+def test_on_a_batched_trace_the_ladder_weighs_tlfu_with_batch_and_a_request_s_own_tpot():
+    trace = synthesize("sticky", tokens=600, layers=4, experts=8, top_k=2, seed=4, sequences=6, prompt_len=10)
+    from expertcache.trace.batch import batch_requests
+
+    served = batch_requests(trace, 4, batch_tokens=16)
+    r = diagnose(served, 8)
+    assert r["tpot_of"] == "request"
+    rows = r["budgets"]["rows"]
+    assert {row["policy"] for row in rows[:-1]} <= {"lru", "tlfu"} and rows[-1]["tpot_s"] == r["tpot_s"][
+        "all_resident"
+    ]
+    assert any(v.startswith("budget for this workload") and "a request's TPOT" in v for v in r["verdict"])

@@ -408,6 +408,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_costs(dr)
     _add_concurrency(dr)
+    dr.add_argument(
+        "--within", type=float, default=1.25, metavar="X",
+        help="a budget is enough when its predicted TPOT is within X of every expert resident (default 1.25)",
+    )  # fmt: skip
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
     output_option(dr, "plot", "plot")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1187,7 +1191,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis
+    from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis, within_factor
 
     _check_cost_flags(args)
     _check_jobs(args)
@@ -1199,6 +1203,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ExpertcacheError("--max-new-tokens is for recording a trace (--prompts, with --model or not)")
     if args.window_tokens < 1:
         raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
+    within_factor(args.within)  # before a trace is recorded or batched
     _check_concurrency(args)
     if args.prompts:  # recorded from --model, or the embedded model
         if args.trace != "default":
@@ -1214,7 +1219,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
-        host_capacity=args.host_capacity, jobs=args.jobs,
+        host_capacity=args.host_capacity, jobs=args.jobs, within=args.within,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     _note_profile_links(args, host)

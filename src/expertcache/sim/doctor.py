@@ -16,6 +16,10 @@ From a routing trace, before any tuning:
 - for a batched trace (many users in one step: ``serve --record-trace``, ``trace batch``): the steps'
   shape, the token-weighted policy's miss ratio (``tlfu``) beside LRU's, and the ``batch`` miss path's
   miss work against the better of the two per-step references (``sim.bounds``);
+- what budget the workload needs: the predicted TPOT (a request's own on a batched trace) at a ladder of
+  budgets (``BUDGET_SHARES`` of all experts and the one given), each under the better of the paths the
+  plan may use (and ``tlfu`` with ``batch`` on a batched trace), and the smallest budget within
+  ``within`` (1.25x) of every expert resident;
 
 and a verdict in words. Torch-free.
 """
@@ -41,6 +45,8 @@ from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capped_capacity, one_capacity, whole_number
 
 LOCAL_SRP = 0.40  # below: routing is not local (Qwen1.5-MoE ~0.31-0.38 at m=16, Mixtral ~0.49)
+BUDGET_SHARES = (0.125, 0.25, 0.5, 0.75)  # the budgets timed beside the one given (and all resident)
+WITHIN = 1.25  # a budget is enough when its predicted TPOT is within this of every expert resident
 
 
 def window_counts(trace: Trace, m: int) -> np.ndarray:
@@ -135,17 +141,22 @@ def diagnose(
     host: HostConfig | None = None,
     host_capacity: int | None = None,
     jobs: int = 1,
+    within: float = WITHIN,
 ) -> dict[str, object]:
     """Everything ``expertcache doctor`` reports, as one JSON-ready dict (see the module). ``host`` and
     ``host_capacity``: a host level below the cache (``cache.tiers``), and which level bounds the step.
     ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%"). ``jobs``:
-    worker processes for the timing model's runs, which do not depend on each other (the same report)."""
+    worker processes for the timing model's runs, which do not depend on each other (the same report).
+    ``within``: how close to every expert resident a budget's predicted TPOT must come for the report's
+    ``budgets`` to call it enough (a factor above 1)."""
     with shared_runs():  # the on-demand run and the host levels' are among the plan's candidates
-        return _diagnose(trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs)
+        return _diagnose(
+            trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs, within
+        )
 
 
 def _diagnose(
-    trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs
+    trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs, within
 ) -> dict[str, object]:
     trace = as_trace(trace, replay=True)
     capacity, capped = capped_capacity(
@@ -158,6 +169,7 @@ def _diagnose(
     check_layout_policy(policy, "doctor draws the per-layer curves of, and plans with,")
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
     jobs = whole_number(jobs, option("--jobs", "jobs"))
+    within = within_factor(within)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     level = host_level_of(host, host_capacity, L * E, cost.expert_bytes, K, capacity)
     tiers = {}  # the host level, for the plan and the on-demand run too
@@ -175,8 +187,10 @@ def _diagnose(
     shape = step_shape(trace)
     batched = is_batched(trace)  # steps of several requests (``shape`` is then a step shape)
     levels = [] if level is None else _level_runs(trace, capacity, host, host_capacity, K)
+    ladder = _ladder(trace, capacity, cost, policy, misses, tiers, batched)
     warm_runs(  # the runs below, side by side (each is then taken from the shared runs)
         [
+            *ladder,
             *(dict(trace=trace, capacity=capacity, prefetch=name, cost=cost) for name in predictors),
             dict(trace=trace, capacity=L * E, cost=free),
             dict(trace=trace, capacity=capacity, cache=policy, cost=cost, **tiers),
@@ -242,10 +256,71 @@ def _diagnose(
         "levels": None
         if level is None
         else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels),
+        "budgets": _budgets(ladder, capacity, L * E, _tpot(resident, batched), batched, within),
         "notes": capped + ([] if level is None else level[2]),  # the host level's size, as timing notes it
     }
     report["verdict"] = verdict(report)
     return report
+
+
+def within_factor(within: object) -> float:
+    """``within`` checked: a finite number above 1 (how close to every expert resident is enough)."""
+    try:
+        value = float(within)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(within, bool) or not math.isfinite(value) or value <= 1:
+        raise ExpertcacheError(
+            f"{option('--within', 'within')} must be a factor above 1 (1.25: within 1.25x of every expert "
+            f"resident), got {within!r}"
+        )
+    return value
+
+
+def _ladder(trace: Trace, capacity: int, cost, policy: str, misses, tiers: dict, batched: bool) -> list:
+    """The timing runs of the budget ladder: each budget below all resident (``BUDGET_SHARES`` of the
+    experts and the one given, at least a layer's top-k) under each path the plan may use on demand (the
+    policy given with each miss path; over a host level, fetching only, the one path it serves; ``tlfu``
+    with ``batch`` besides on a batched trace)."""
+    total = trace.num_layers * trace.num_experts
+    caps = {max(trace.top_k, round(share * total)) for share in BUDGET_SHARES} | {capacity}
+    paths = [(policy, "fetch")] if tiers else [(policy, m) for m in dict.fromkeys(misses)]
+    if batched and not tiers and ("tlfu", "batch") not in paths:
+        paths.append(("tlfu", "batch"))
+    return [
+        dict(trace=trace, capacity=c, cache=p, miss=m, cost=cost, **tiers)
+        for c in sorted(caps)
+        if c < total
+        for p, m in paths
+    ]
+
+
+def _budgets(ladder: list, capacity: int, total: int, resident: float | None, batched: bool, within: float):
+    """The budget ladder's report: each budget's best predicted TPOT (a request's on a batched trace),
+    tokens a second and path, against every expert resident, and the smallest budget within ``within``
+    of it (all experts where none is). A path that cannot run at a budget (too small for it) is left out."""
+    best: dict[int, dict] = {}
+    for args in ladder:
+        try:
+            r = run_timing(**args)
+        except ExpertcacheError:
+            continue
+        tpot = _tpot(r, batched)
+        c = args["capacity"]
+        if tpot is not None and (c not in best or tpot < best[c]["tpot_s"]):
+            best[c] = {
+                "capacity": c, "share": c / total, "tpot_s": tpot,
+                "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+                "policy": args["cache"], "miss": args["miss"],
+                "vs_resident": tpot / resident if resident else None, "given": c == capacity,
+            }  # fmt: skip
+    rows = [best[c] for c in sorted(best)]
+    rows.append({"capacity": total, "share": 1.0, "tpot_s": resident, "policy": None, "miss": None,
+                 "vs_resident": 1.0, "given": capacity >= total})  # fmt: skip
+    enough = next(
+        (row for row in rows if row["vs_resident"] is not None and row["vs_resident"] <= within), None
+    )
+    return {"within": within, "rows": rows, "enough": enough}
 
 
 def _tpot(r, batched: bool) -> float | None:
@@ -420,6 +495,26 @@ def verdict(r: dict[str, object]) -> list[str]:
             + option("`plan`", "make_plan")
             + " compares other host policies too"
         )
+    bud = r.get("budgets")
+    if bud is not None and bud["enough"] is not None and bud["rows"][-1]["tpot_s"]:
+        own = "a request's TPOT" if r.get("tpot_of") == "request" else "TPOT"
+        e, resident = bud["enough"], bud["rows"][-1]["tpot_s"]
+        goal = f"{own} within {bud['within']:g}x of all resident ({1e3 * resident:.3f} ms)"
+        if e["policy"] is not None:
+            said = (
+                f"{_share(e['share'])} of the experts ({e['capacity']}; {e['policy']} with {e['miss']}: "
+                f"{1e3 * e['tpot_s']:.3f} ms) brings {goal}"
+            )
+        else:
+            said = f"no budget below all experts brings {goal}"
+        ladder = ", ".join(
+            f"{_share(row['share'])} {row['vs_resident']:.2f}x" + (" (this budget)" if row["given"] else "")
+            for row in bud["rows"][:-1]
+        )
+        out.append(
+            f"budget for this workload: {said}"
+            + (f"; by budget, the better path's: {ladder}" if ladder else "")
+        )
     t = r["tpot_s"]
     over = " over the host level" if lv is not None and "unused" not in lv else ""
     if t["on_demand"] and t["plan"] and t["all_resident"]:
@@ -431,6 +526,10 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{1e3 * t['all_resident']:.3f} ms all resident"
         )
     return out
+
+
+def _share(x: float) -> str:
+    return f"{100 * x:.1f}".rstrip("0").rstrip(".") + " %"
 
 
 def format_diagnosis(r: dict[str, object]) -> str:
