@@ -196,10 +196,11 @@ def test_the_doctor_says_what_budget_the_workload_needs(capsys):
     assert b["enough"] == first
     line = next(v for v in r["verdict"] if v.startswith("budget for this workload"))
     assert "(this budget)" in line and "within 1.25x of all resident" in line
+    assert f"{first['policy']}/{first['miss']}" in line and last["tokens_per_s"] > 0 and b["skipped"] == []
     # a factor every rung meets: the smallest budget is enough; none but all experts: said so
     assert diagnose(trace, 8, cost, within=1e9)["budgets"]["enough"]["capacity"] == 4
-    slow = diagnose(trace, 8, within=1.0001)  # PCIe 4 and a 336 MiB expert: nothing comes near
-    assert slow["budgets"]["enough"]["capacity"] == 32
+    slow = diagnose(trace, 8, within="1.0001x")  # PCIe 4 and a 336 MiB expert: nothing comes near
+    assert slow["budgets"]["enough"] is None and slow["budgets"]["within"] == 1.0001
     assert any(v.startswith("budget for this workload: no budget below all experts") for v in slow["verdict"])
     for bad in (1, 0.5, float("nan"), "x", True):
         with pytest.raises(ExpertcacheError, match="within must be a factor above 1"):
@@ -221,3 +222,36 @@ def test_on_a_batched_trace_the_ladder_weighs_tlfu_with_batch_and_a_request_s_ow
         "all_resident"
     ]
     assert any(v.startswith("budget for this workload") and "a request's TPOT" in v for v in r["verdict"])
+
+
+def test_the_ladder_weighs_both_host_levels_and_says_which_budgets_it_could_not_time(capsys):
+    """A new user's trial: over a host level the ladder priced the inclusive level only, and said no
+    budget was enough where the exclusive one (which the plan weighs) was; a budget too small for the
+    batch path ended the report (and a rung a path cannot run at vanished from the text in silence)."""
+    trace = synthesize("sticky", tokens=400, layers=4, experts=8, top_k=2, seed=2, sequences=4, prompt_len=8)
+    from expertcache.trace.batch import batch_requests
+
+    served = batch_requests(trace, 4, batch_tokens=16)
+    cost = {"link_bandwidth": 400e9, "disk_read_s": 5e-3}
+    r = diagnose(served, 8, cost, host_capacity=20)
+    rows = r["budgets"]["rows"]
+    assert {row["host_level"] for row in rows[:-1]} <= {"inclusive", "exclusive"} and rows[-1][
+        "host_level"
+    ] is None
+    given = next(row for row in rows if row["given"])
+    levels = [
+        r["levels"][name]["tpot_s"] for name in ("inclusive", "exclusive")
+    ]  # a request's, as the ladder's
+    assert r["tpot_of"] == "request" and given["tpot_s"] == min(levels)
+    assert given["host_level"] == ("inclusive", "exclusive")[levels.index(min(levels))]
+    # the batch path needs more than a layer's top-k: at 2 experts it is said, not raised
+    tiny = diagnose(served, 2, cost)
+    assert "batch_error" in tiny["batch"]
+    assert any("the batch miss path cannot run at this budget" in v for v in tiny["verdict"])
+    # a rung no path can run at is listed, with why
+    split = diagnose(trace, 24, cost, misses=("split:buffer=16",))  # 16 bottoms: more than 4 or 8 experts
+    skipped = split["budgets"]["skipped"]
+    assert [x["capacity"] for x in skipped] == [4, 8] and all("slot(s)" in x["reason"] for x in skipped)
+    assert [row["capacity"] for row in split["budgets"]["rows"]] == [16, 24, 32]
+    line = next(v for v in split["verdict"] if v.startswith("budget for this workload"))
+    assert "not timed: " in line

@@ -409,7 +409,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_costs(dr)
     _add_concurrency(dr)
     dr.add_argument(
-        "--within", type=float, default=1.25, metavar="X",
+        "--within", default="1.25", metavar="X",
         help="a budget is enough when its predicted TPOT is within X of every expert resident (default 1.25)",
     )  # fmt: skip
     dr.add_argument("--plot", metavar="FILE.png", help="write the hit-rate curves")
@@ -1203,7 +1203,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         raise ExpertcacheError("--max-new-tokens is for recording a trace (--prompts, with --model or not)")
     if args.window_tokens < 1:
         raise ExpertcacheError(f"--window-tokens must be at least 1, got {args.window_tokens}")
-    within_factor(args.within)  # before a trace is recorded or batched
+    args.within = within_factor(args.within)  # before a trace is recorded or batched
     _check_concurrency(args)
     if args.prompts:  # recorded from --model, or the embedded model
         if args.trace != "default":
@@ -1453,6 +1453,10 @@ def _check_concurrency(args: argparse.Namespace) -> None:
             raise ExpertcacheError(
                 f"--{flag.replace('_', '-')} lays out the steps of --concurrency N: give --concurrency"
             )
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        raise ExpertcacheError(
+            f"--max-batch-tokens must be at least 1 token a step, got {args.max_batch_tokens}"
+        )
     if args.max_batch_tokens is not None and args.max_batch_tokens < args.concurrency:
         raise ExpertcacheError(
             f"--max-batch-tokens {args.max_batch_tokens} is below --concurrency {args.concurrency}: the "

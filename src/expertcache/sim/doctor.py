@@ -187,7 +187,16 @@ def _diagnose(
     shape = step_shape(trace)
     batched = is_batched(trace)  # steps of several requests (``shape`` is then a step shape)
     levels = [] if level is None else _level_runs(trace, capacity, host, host_capacity, K)
-    ladder = _ladder(trace, capacity, cost, policy, misses, tiers, batched)
+    ladder = _ladder(
+        trace,
+        capacity,
+        cost,
+        policy,
+        misses,
+        host if tiers else None,
+        host_capacity if tiers else None,
+        batched,
+    )
     warm_runs(  # the runs below, side by side (each is then taken from the shared runs)
         [
             *ladder,
@@ -255,8 +264,8 @@ def _diagnose(
         "batch": _batched(trace, shape, schedule, capacity, cost, at["lru"].miss_ratio) if batched else None,
         "levels": None
         if level is None
-        else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels),
-        "budgets": _budgets(ladder, capacity, L * E, _tpot(resident, batched), batched, within),
+        else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels, batched),
+        "budgets": _budgets(ladder, capacity, L * E, resident, batched, within),
         "notes": capped + ([] if level is None else level[2]),  # the host level's size, as timing notes it
     }
     report["verdict"] = verdict(report)
@@ -264,9 +273,10 @@ def _diagnose(
 
 
 def within_factor(within: object) -> float:
-    """``within`` checked: a finite number above 1 (how close to every expert resident is enough)."""
+    """``within`` checked: a finite number above 1 (how close to every expert resident is enough), or
+    its text with an ``x`` (``"1.25x"``, as the report writes it)."""
     try:
-        value = float(within)
+        value = float(within.strip().removesuffix("x") if isinstance(within, str) else within)
     except (TypeError, ValueError):
         value = math.nan
     if isinstance(within, bool) or not math.isfinite(value) or value <= 1:
@@ -277,50 +287,76 @@ def within_factor(within: object) -> float:
     return value
 
 
-def _ladder(trace: Trace, capacity: int, cost, policy: str, misses, tiers: dict, batched: bool) -> list:
+def _ladder(
+    trace: Trace, capacity: int, cost, policy: str, misses, host, host_capacity, batched: bool
+) -> list:
     """The timing runs of the budget ladder: each budget below all resident (``BUDGET_SHARES`` of the
-    experts and the one given, at least a layer's top-k) under each path the plan may use on demand (the
-    policy given with each miss path; over a host level, fetching only, the one path it serves; ``tlfu``
-    with ``batch`` besides on a batched trace)."""
+    experts and the one given, at least a layer's top-k) under each path the plan may use on demand: the
+    policy given with each miss path; ``tlfu`` with ``batch`` besides on a batched trace; over a host
+    level, fetching (the one path it serves) over it inclusive and exclusive in the same memory, as the
+    plan weighs both."""
     total = trace.num_layers * trace.num_experts
-    caps = {max(trace.top_k, round(share * total)) for share in BUDGET_SHARES} | {capacity}
-    paths = [(policy, "fetch")] if tiers else [(policy, m) for m in dict.fromkeys(misses)]
-    if batched and not tiers and ("tlfu", "batch") not in paths:
+    caps = sorted(
+        c for c in {max(trace.top_k, round(s * total)) for s in BUDGET_SHARES} | {capacity} if c < total
+    )
+    if host_capacity is not None:
+        exclusive = level_experts(host_capacity, True, trace.top_k)
+        levels = [(HostConfig(None, host.policy), host_capacity)]
+        levels += [(HostConfig(None, host.policy, True), exclusive)] if exclusive >= 1 else []
+        return [
+            dict(trace=trace, capacity=c, cache=policy, miss="fetch", cost=cost, host=cfg, host_capacity=n)
+            for c in caps
+            for cfg, n in levels
+        ]
+    paths = [(policy, m) for m in dict.fromkeys(misses)]
+    if batched and ("tlfu", "batch") not in paths:
         paths.append(("tlfu", "batch"))
-    return [
-        dict(trace=trace, capacity=c, cache=p, miss=m, cost=cost, **tiers)
-        for c in sorted(caps)
-        if c < total
-        for p, m in paths
-    ]
+    return [dict(trace=trace, capacity=c, cache=p, miss=m, cost=cost) for c in caps for p, m in paths]
 
 
-def _budgets(ladder: list, capacity: int, total: int, resident: float | None, batched: bool, within: float):
+def _budgets(ladder: list, capacity: int, total: int, resident, batched: bool, within: float) -> dict:
     """The budget ladder's report: each budget's best predicted TPOT (a request's on a batched trace),
-    tokens a second and path, against every expert resident, and the smallest budget within ``within``
-    of it (all experts where none is). A path that cannot run at a budget (too small for it) is left out."""
+    tokens a second (every token of the trace, prompts too, as ``timing`` counts them) and path, against
+    ``resident`` (the run with every expert resident); the smallest budget within ``within`` of it (None
+    where none below all experts is); and the budgets no path could run at, with why (too small for it)."""
     best: dict[int, dict] = {}
+    why: dict[int, str] = {}
     for args in ladder:
+        c = args["capacity"]
         try:
             r = run_timing(**args)
-        except ExpertcacheError:
+        except ExpertcacheError as exc:
+            why.setdefault(c, str(exc))
             continue
         tpot = _tpot(r, batched)
-        c = args["capacity"]
+        level = args.get("host")
         if tpot is not None and (c not in best or tpot < best[c]["tpot_s"]):
             best[c] = {
-                "capacity": c, "share": c / total, "tpot_s": tpot,
-                "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+                "capacity": c, "share": c / total, "tpot_s": tpot, "tokens_per_s": _tokens_per_s(r),
                 "policy": args["cache"], "miss": args["miss"],
-                "vs_resident": tpot / resident if resident else None, "given": c == capacity,
+                "host_level": None if level is None else "exclusive" if level.exclusive else "inclusive",
+                "vs_resident": None, "given": c == capacity,
             }  # fmt: skip
     rows = [best[c] for c in sorted(best)]
-    rows.append({"capacity": total, "share": 1.0, "tpot_s": resident, "policy": None, "miss": None,
-                 "vs_resident": 1.0, "given": capacity >= total})  # fmt: skip
+    top = _tpot(resident, batched)
+    rows.append({"capacity": total, "share": 1.0, "tpot_s": top, "tokens_per_s": _tokens_per_s(resident),
+                 "policy": None, "miss": None, "host_level": None, "vs_resident": None,
+                 "given": capacity >= total})  # fmt: skip
+    for row in rows:
+        row["vs_resident"] = row["tpot_s"] / top if top and row["tpot_s"] is not None else None
     enough = next(
-        (row for row in rows if row["vs_resident"] is not None and row["vs_resident"] <= within), None
+        (row for row in rows[:-1] if row["vs_resident"] is not None and row["vs_resident"] <= within), None
     )
-    return {"within": within, "rows": rows, "enough": enough}
+    skipped = [
+        {"capacity": c, "share": c / total, "given": c == capacity, "reason": reason}
+        for c, reason in sorted(why.items())
+        if c not in best
+    ]
+    return {"within": within, "rows": rows, "enough": enough, "skipped": skipped}
+
+
+def _tokens_per_s(r) -> float | None:
+    return r.tokens / r.total_s if r.total_s else None
 
 
 def _tpot(r, batched: bool) -> float | None:
@@ -334,7 +370,12 @@ def _batched(
     """A batched trace's steps (``shape``: its ``step_shape``), and what token weighting does for them."""
     tlfu = run_policy(schedule, "tlfu", [capacity])[0].miss_ratio
     best = float(step_bounds(trace, capacity, cost).best_s.sum())
-    res = run_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
+    try:
+        res = run_timing(trace, capacity, cache="tlfu", miss="batch", cost=cost)
+    except ExpertcacheError as exc:  # a budget too small for its parts: said, the report goes on
+        return {**shape, "lru_miss_ratio": lru, "tlfu_miss_ratio": tlfu, "batch_error": str(exc),
+                "batch_miss_work_s": None, "best_reference_s": best, "batch_vs_best": None,
+                "batch_tpot_s": None, "batch_ttft_s": None}  # fmt: skip
     work = res.link_busy_s + res.host_busy_s
     return {
         **shape,
@@ -361,7 +402,15 @@ def _level_runs(trace: Trace, capacity: int, host, host_capacity: int, top_k: in
 
 
 def _levels(
-    trace: Trace, capacity: int, cost: CostModel, policy: str, host, host_capacity: int, top_k: int, runs
+    trace: Trace,
+    capacity: int,
+    cost: CostModel,
+    policy: str,
+    host,
+    host_capacity: int,
+    top_k: int,
+    runs,
+    batched: bool = False,
 ) -> dict:
     """Three tiers: each level's misses and the time it keeps busy, on demand under ``policy``, for the
     levels of ``_level_runs``; the level that bounds the step is the busiest of the computation (the step
@@ -390,7 +439,7 @@ def _levels(
         }
         out[name] = {
             "host_capacity": experts,
-            "tpot_s": r.tpot_s, "device_misses": r.misses, "host_misses": r.cache["host_misses"],
+            "tpot_s": _tpot(r, batched), "device_misses": r.misses, "host_misses": r.cache["host_misses"],
             "host_miss_ratio": r.cache["host_miss_ratio"], "busy_s": busy, "total_s": r.total_s,
             "bound": max(busy, key=busy.get),
         }  # fmt: skip
@@ -439,7 +488,15 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{r['capacity_per_layer_in_active']:.1f}x"
         )
     b = r.get("batch")
-    if b is not None and b["batch_vs_best"] is None:  # every expert fits: nothing misses, nothing to split
+    if b is not None and b.get("batch_error"):
+        out.append(
+            f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
+            f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer: LRU misses "
+            f"{100 * b['lru_miss_ratio']:.0f} % of them, token-weighted frequency (tlfu) "
+            f"{100 * b['tlfu_miss_ratio']:.0f} %; the batch miss path cannot run at this budget "
+            f"({b['batch_error']})"
+        )
+    elif b is not None and b["batch_vs_best"] is None:  # every expert fits: nothing misses, nothing to split
         out.append(
             f"a step serves {b['mean_step_tokens']:.1f} tokens on average and needs "
             f"{b['mean_step_experts']:.1f} of {r['shape']['experts']} experts a layer; at this budget every "
@@ -471,6 +528,7 @@ def verdict(r: dict[str, object]) -> list[str]:
                 else ")" + advice
             )
         )
+    own_tpot = "a request's TPOT" if r.get("tpot_of") == "request" else "TPOT"
     lv = r.get("levels")
     if lv is not None and "unused" in lv:
         out.append(lv["unused"])
@@ -485,7 +543,8 @@ def verdict(r: dict[str, object]) -> list[str]:
                 f"an exclusive host level in the same memory ({exc['host_capacity']} experts, "
                 + option("--host-exclusive", "HostConfig(exclusive=True)")
                 + f") would read {exc['host_misses']} experts from the disk instead of "
-                f"{inc['host_misses']} (TPOT {1e3 * exc['tpot_s']:.3f} against {1e3 * inc['tpot_s']:.3f} ms)"
+                f"{inc['host_misses']} ({own_tpot} {1e3 * exc['tpot_s']:.3f} against "
+                f"{1e3 * inc['tpot_s']:.3f} ms)"
                 if "error" not in exc
                 else f"an exclusive host level does not fit that memory ({exc['error']})"
             )
@@ -496,24 +555,28 @@ def verdict(r: dict[str, object]) -> list[str]:
             + " compares other host policies too"
         )
     bud = r.get("budgets")
-    if bud is not None and bud["enough"] is not None and bud["rows"][-1]["tpot_s"]:
-        own = "a request's TPOT" if r.get("tpot_of") == "request" else "TPOT"
-        e, resident = bud["enough"], bud["rows"][-1]["tpot_s"]
-        goal = f"{own} within {bud['within']:g}x of all resident ({1e3 * resident:.3f} ms)"
-        if e["policy"] is not None:
-            said = (
-                f"{_share(e['share'])} of the experts ({e['capacity']}; {e['policy']} with {e['miss']}: "
-                f"{1e3 * e['tpot_s']:.3f} ms) brings {goal}"
-            )
+    resident = None if bud is None else bud["rows"][-1]["tpot_s"]
+    if resident:
+        e, within = bud["enough"], bud["within"]
+        goal = f"{own_tpot} within {within:g}x of all resident ({1e3 * resident:.3f} ms)"
+        if e is not None:
+            at = f"{e['capacity']}; {_path(e)}: {1e3 * e['tpot_s']:.3f} ms"
+            said = f"{_share(e['share'])} of the experts ({at}) brings {goal}"
         else:
             said = f"no budget below all experts brings {goal}"
-        ladder = ", ".join(
-            f"{_share(row['share'])} {row['vs_resident']:.2f}x" + (" (this budget)" if row["given"] else "")
+        rungs = [
+            f"{_share(row['share'])} {_factor(row['vs_resident'])} {_path(row)}"
+            + (" (this budget)" if row["given"] else "")
             for row in bud["rows"][:-1]
-        )
+        ] + (["100 % (this budget)"] if bud["rows"][-1]["given"] else [])
+        left = [
+            f"{_share(x['share'])}{' (this budget)' if x['given'] else ''}: {x['reason']}"
+            for x in bud["skipped"]
+        ]
         out.append(
             f"budget for this workload: {said}"
-            + (f"; by budget, the better path's: {ladder}" if ladder else "")
+            + (f"; by budget, against all resident: {', '.join(rungs)}" if rungs else "")
+            + (f"; not timed: {'; '.join(left)}" if left else "")
         )
     t = r["tpot_s"]
     over = " over the host level" if lv is not None and "unused" not in lv else ""
@@ -526,6 +589,17 @@ def verdict(r: dict[str, object]) -> list[str]:
             f"{1e3 * t['all_resident']:.3f} ms all resident"
         )
     return out
+
+
+def _path(row: dict) -> str:
+    """A ladder row's path: ``tlfu/batch``, ``lru/fetch``, ``lru/fetch over an exclusive host level``."""
+    level = row.get("host_level")
+    return f"{row['policy']}/{row['miss']}" + (f" over an {level} host level" if level else "")
+
+
+def _factor(x: float | None) -> str:
+    """A TPOT against all resident, with the digits a threshold like 1.04 needs to be read against it."""
+    return "-" if x is None else f"{x:.3f}x" if x < 10 else f"{x:.1f}x"
 
 
 def _share(x: float) -> str:
@@ -545,7 +619,7 @@ def format_diagnosis(r: dict[str, object]) -> str:
     lines = [
         f"trace        {head}",
         f"cost         {CostModel.from_dict(r['cost']).describe()}",
-        f"budget       {r['capacity']} experts ({100 * r['capacity_share']:.0f} %), "
+        f"budget       {r['capacity']} experts ({_share(r['capacity_share'])}), "
         f"{r['capacity_per_layer_in_active']:.1f}x the active per layer",
         f"{'SRP(' + str(c['m']) + ')':13}{c['srp']:.3f} (alpha {c['alpha']:.2f}); per layer "
         + " ".join("-" if x is None else f"{x:.2f}" for x in c["per_layer"]),

@@ -268,14 +268,21 @@ def moepic_config(
 
 
 def moepic_miss(
-    trace: Trace, capacity: int, cost: CostModel, policy: str = "lru", curves: np.ndarray | None = None
+    trace: Trace,
+    capacity: int,
+    cost: CostModel,
+    policy: str = "lru",
+    curves: np.ndarray | None = None,
+    buffer: int | None = None,
 ) -> str:
-    """The split miss path MoEpic's configurator chooses: per-layer theta and budget weights."""
+    """The split miss path MoEpic's configurator chooses: per-layer theta and budget weights; ``buffer``
+    (bottom segments, the split path's parameter, where the user gave one) is kept as given."""
     budgets, thetas, _ = moepic_config(trace, capacity - trace.top_k, cost, policy, curves=curves)  # buffer
     theta = "/".join(f"{min(max(t, THETA[0]), THETA[1]):.2f}" for t in thetas)
     weights = "/".join(f"{max(b, 1e-3):.3f}" for b in budgets)
     even = len(set(f"{b:.3f}" for b in budgets)) == 1
-    return f"split:theta={theta}" + ("" if even else f",weights={weights}")
+    kept = "" if buffer is None else f",buffer={buffer}"
+    return f"split:theta={theta}" + ("" if even else f",weights={weights}") + kept
 
 
 def _host_room(policy: str, num_layers: int, top_k: int) -> int:
@@ -462,9 +469,13 @@ def make_plan(
         if m not in one_part and len(laid) > ("shared" in laid):
             skipped.append(f"{m} with per-layer budgets: it has several cache parts (shared cache only)")
     cells = [(m, b, plain if b is None else one_part) for m, b in laid.items()]
-    if "moepic" in methods:  # its layout is a split miss path's
+    if "moepic" in methods:  # its layout is a split miss path's, with the buffer of the split path given
+        buffers = [parse_miss(m)[1].get("buffer") for m in misses if parse_miss(m)[0] == "split"]
         if L > 1 and capacity > K:
-            cells.append(("moepic", None, [moepic_miss(trace, capacity, cost, name, curves)]))
+            cells += [
+                ("moepic", None, [moepic_miss(trace, capacity, cost, name, curves, buffer)])
+                for buffer in dict.fromkeys(buffers or [None])
+            ]
         else:
             skipped.append(f"moepic: needs more than one layer and more than top-{K} experts")
 
