@@ -565,7 +565,9 @@ def test_qwen3_vl_moe_s_head_is_untied_its_packed_checkpoint_runs_and_its_transp
         load(other, progress=False)
 
 
-def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_fits_its_tokenizer(tmp_path):
+def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_fits_its_tokenizer(
+    tmp_path, monkeypatch
+):
     """``model synth``'s checkpoints run: a family's layers before its first MoE one and a hybrid's
     attention layer need layers (one line when too few, before anything is written); Gemma 4's per-layer
     inputs are sized to the tokenizer's vocabulary (the embedded model's 4096 tokens here)."""
@@ -584,8 +586,22 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
         ):
             make_checkpoint(tmp_path / family, family, layers=layers, hidden=32, experts=4, intermediate=32)
         assert not (tmp_path / family).exists()
-    with pytest.raises(ExpertcacheError, match=r"^qwen3_moe: transformers refuses these sizes \(.*head_dim"):
-        make_checkpoint(tmp_path / "odd", "qwen3_moe", hidden=36, heads=4, experts=4, intermediate=32)
+    # a head of an odd size: refused before transformers (which refuses it for some families only, and
+    # for the others writes a model its rotary embeddings then fail on)
+    for family in ("qwen3_moe", "mixtral"):
+        with pytest.raises(ExpertcacheError, match=r"^hidden 36 over heads 4 is 9 values a head: rotary"):
+            make_checkpoint(tmp_path / "odd", family, hidden=36, heads=4, experts=4, intermediate=32)
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise ValueError("head_dim must divide hidden_size")
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", refuse)  # transformers' own check, wrapped
+    with pytest.raises(
+        ExpertcacheError, match=r"^qwen3_moe: transformers refuses these sizes \(head_dim must"
+    ):
+        make_checkpoint(tmp_path / "odd", "qwen3_moe", hidden=32, heads=4, experts=4, intermediate=32)
+    monkeypatch.undo()
     for kwargs, needle in (
         (dict(hidden="64"), "hidden must be a whole number, got '64'"),
         (dict(heads=0), "heads must be at least 1, got 0"),

@@ -483,3 +483,79 @@ def test_quantize_of_a_model_without_a_tokenizer_does_not_say_to_run_what_cannot
     assert main(["quantize", str(bare), "--bits", "8", "--checkpoint", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
     assert "run it with" not in out and "it has no tokenizer, as the model had none" in out
+
+
+def test_a_new_user_s_quantisation_trial_gets_one_line_and_copies_where_they_can_be_made(tmp_path, capsys):
+    """Trial 29: ``--format mxfp4`` of a model whose rows are not blocks of 32 raised a traceback; a
+    packed config's group that is not a whole number raised one in every command, and an int8 config with
+    a group named an option never given; HOBBIT's int8 copies were refused for a shape whose element count
+    a group of 64 does not divide (int8 has no groups) and its int4 copies for a partial group the packed
+    checkpoint takes; ``--group 4096`` on 64 columns was written as ``int4-g4096``; a synthetic model with
+    an odd head size was written and then crashed generate; a folder without a tokenizer said its prompt
+    had no tokens."""
+    from expertcache.cli import main
+    from expertcache.engine import load
+    from expertcache.engine.random_checkpoint import make_checkpoint
+
+    def one_line(argv: list[str], words: str) -> None:
+        capsys.readouterr()  # the models' writing before
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+    gpt = make_checkpoint(tmp_path / "gpt", "gpt_oss", hidden=64, intermediate=40, layers=2, experts=4)
+    one_line(
+        ["quantize", str(gpt), "--format", "mxfp4", "--checkpoint", str(tmp_path / "mx")],
+        "mxfp4 scales blocks of 32 of a matrix's inputs",
+    )
+    assert not (tmp_path / "mx").exists()
+    # HOBBIT's copies in the packed formats: no group over a matrix's elements to divide
+    odd = make_checkpoint(
+        tmp_path / "odd", "mixtral", hidden=52, intermediate=34, heads=2, layers=2, experts=4
+    )
+    assert main(["quantize", str(odd), "--bits", "8", "4"]) == 0
+    capsys.readouterr()
+    with load(odd, "50%", miss="hobbit:bits=8", progress=False) as model:
+        assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+    one_line(
+        ["quantize", str(odd), "--bits", "4", "--group", "4096", "--checkpoint", str(tmp_path / "g")],
+        "--group 4096 is more than the 52 input columns",
+    )
+    # a packed checkpoint's own record: what is wrong with it, not with an option
+    packed = tmp_path / "q4"
+    write_checkpoint(odd, 4, packed)
+    cfg = json.loads((packed / "config.json").read_text())
+    for group, words in [("abc", "group is not a whole number"), ([64], "group is not a whole number")]:
+        cfg["expertcache_experts"]["group"] = group
+        (packed / "config.json").write_text(json.dumps(cfg))
+        one_line(["model", "info", str(packed)], words)
+    cfg["expertcache_experts"].update(format="int8", group=64)
+    (packed / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ExpertcacheError, match="q4: config's expertcache_experts: int8 .* group applies"
+    ) as e:
+        load(packed, progress=False)
+    assert "--group" not in str(e.value)
+    # sizes synth can write are sizes generate can run
+    one_line(
+        [
+            "model",
+            "synth",
+            "--family",
+            "mixtral",
+            "-o",
+            str(tmp_path / "h25"),
+            "--hidden",
+            "50",
+            "--heads",
+            "2",
+        ],
+        "25 values a head: rotary position embeddings need an even number",
+    )
+    # no tokenizer files: said, whatever transformers would build from the config alone
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    q3 = make_checkpoint(tmp_path / "q3", "qwen3_moe", layers=2)
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((q3 / name).read_bytes())
+    one_line(["generate", "--model", str(bare), "--prompt", "hello world"], "no tokenizer beside the weights")

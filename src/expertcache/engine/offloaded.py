@@ -523,14 +523,16 @@ def load_tokenizer(path: Path):
     model saved without its tokenizer: what to save)."""
     from transformers import AutoTokenizer
 
+    # without one of its files transformers may still build an empty tokenizer from the config alone
+    # (qwen3_moe's, olmoe's), whose every prompt has no tokens: the missing files are what to say
+    if not has_tokenizer(path):
+        raise ExpertcacheError(
+            f"{path}: no tokenizer beside the weights (no {', '.join(TOKENIZER_FILES)}): save the "
+            "model's tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        if not has_tokenizer(path):
-            raise ExpertcacheError(
-                f"{path}: no tokenizer beside the weights (no {', '.join(TOKENIZER_FILES)}): save the "
-                "model's tokenizer into the folder too (tokenizer.save_pretrained(FOLDER))"
-            ) from None
         raise ExpertcacheError(f"{path}: no usable tokenizer ({first_line(exc).rstrip(',;: ')})") from None
 
 

@@ -316,7 +316,15 @@ def from_config(
         raise ExpertcacheError(
             f"packed experts in format {fmt!r}: this expertcache runs {', '.join(OWN)} (upgrade it?)"
         )
-    group = check_format(fmt, int(entry.get("group") or 0) or None)
+    group = entry.get("group") or None
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+        raise ExpertcacheError(
+            f"config's {CONFIG_KEY}.group is not a whole number of columns a scale: {entry['group']!r}"
+        )
+    try:
+        group = check_format(fmt, group)
+    except ExpertcacheError as exc:  # the config's own record, not an option the user gave
+        raise ExpertcacheError(f"config's {CONFIG_KEY}: {str(exc).replace('--group', 'group')}") from None
     packed = Packed(fmt, group, dict(shapes), dtype, transposed)
     packed.check_shapes()
     return packed

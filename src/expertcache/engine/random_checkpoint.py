@@ -105,6 +105,11 @@ def make_checkpoint(
         max_shard_size = whole_number(max_shard_size, "max_shard_size")
     if hidden % heads:
         raise ExpertcacheError(f"hidden {hidden} is not a multiple of heads {heads}")
+    if (hidden // heads) % 2:  # rotary embeddings turn pairs of a head's values (transformers fails later)
+        raise ExpertcacheError(
+            f"hidden {hidden} over heads {heads} is {hidden // heads} values a head: rotary position "
+            "embeddings need an even number"
+        )
     if not 1 <= top_k <= experts:
         raise ExpertcacheError(f"top_k must be in 1..{experts}, got {top_k}")
     from expertcache.engine.offloaded import DEFAULT_MODEL

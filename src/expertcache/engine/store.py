@@ -813,6 +813,7 @@ class ExpertStore:
         if rows != want[0]:
             keys = " + ".join(k for k, _ in srcs)
             raise ExpertcacheError(
-                f"{self.ckpt.path}: {keys} give {rows} rows for {name}, where config.json gives {want[0]} "
+                f"{self.ckpt.path}: {keys} give {rows} for the first dimension of {name} (an expert's), "
+                f"where config.json gives {want[0]} "
                 "(by its shapes, and its experts' packed format if any): the weights and the config disagree"
             )

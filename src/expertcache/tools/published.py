@@ -109,6 +109,15 @@ def write_published(
             f"fp8 checkpoints store experts one by one; {sk.family.name} stores them fused (transformers "
             "5.24 would drop their scales): write --bits 8 for expertcache's int8"
         )
+    if fmt == "mxfp4":  # blocks of 32 along each matrix's input: every input size a multiple of 32
+        ckpt, experts = sk.store.ckpt, sk.store.expert_keys()
+        for key in ckpt:
+            shape = ckpt.shape(key)
+            if key in experts and len(shape) == 3 and shape[1] % 32:
+                raise ExpertcacheError(
+                    f"mxfp4 scales blocks of 32 of a matrix's inputs; {key} of shape {list(shape)} has "
+                    f"{shape[1]} a row: write --bits 4 or --bits 8 for expertcache's int4 or int8"
+                )
     with output_dir(target, f"the {fmt} checkpoint") as target:  # removed if the writing fails
         copy_small_files(path, target)
         ckpt, experts = sk.store.ckpt, sk.store.expert_keys()

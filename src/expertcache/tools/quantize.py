@@ -26,7 +26,7 @@ import torch
 
 from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.engine.packed import SOURCE_KEY, Packed, describe_format, require_gate
+from expertcache.engine.packed import DEFAULT_GROUP, SOURCE_KEY, Packed, describe_format, require_gate
 from expertcache.engine.quantized import (
     BITS,
     FORMAT,
@@ -166,10 +166,14 @@ def quantize_model(
     require_gate(sk.shapes)
     layout = SlotLayout.of(sk.shapes, sk.dtype)
     transposed = bool(sk.experts[0].is_transposed)
-    for name in MATRICES:
+    for name in MATRICES:  # HQQ's groups run over a matrix's elements; the packed formats' scales do not
         shape = layout.shapes[layout.names.index(name)]
-        if (shape[0] * shape[1]) % group:
-            raise ExpertcacheError(f"{name} of shape {list(shape)} does not split into groups of {group}")
+        if any(b not in PACKED_BITS for b in bits) and (shape[0] * shape[1]) % group:
+            hqq = ", ".join(f"int{b}" for b in bits if b not in PACKED_BITS)
+            raise ExpertcacheError(
+                f"{name} of shape {list(shape)} does not split into groups of {group} ({hqq}: HQQ's groups "
+                "of a matrix's elements)"
+            )
     fp = fingerprint(path)  # read once: it samples every weight file
     folder = destination(path, out, fp)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,6 +194,7 @@ def quantize_model(
         if b in PACKED_BITS:
             packed = Packed(f"int{b}", 0 if b == 8 else group, sk.shapes, sk.dtype, transposed)
             packed.check_shapes()
+            _group_within_a_row(packed)
         for key in items:
             sk.store.read(key, scratch)
             if packed is not None:
@@ -328,6 +333,7 @@ def write_checkpoint(
     path, target, sk = full_precision_source(model, out, "packed")
     packed = Packed(fmt, group, sk.shapes, sk.dtype, bool(sk.experts[0].is_transposed))
     packed.check_shapes()
+    _group_within_a_row(packed)
     with output_dir(target, "the packed checkpoint") as target:  # removed if the writing fails
         copy_small_files(path, target)
         config = json.loads((path / "config.json").read_text())
@@ -379,3 +385,21 @@ def write_checkpoint(
         log(f"{record['format']}: {len(keys)} experts, {layout.nbytes} bytes each ({share:.1%} of "
             f"{full.nbytes}) -> {target} ({record['seconds']} s)")  # fmt: skip
     return record
+
+
+def _group_within_a_row(packed: Packed) -> None:
+    """An int4 group above the default and longer than every matrix's rows would be written as one scale
+    a row under a name (``int4-g4096``) that says otherwise: one line instead, before any work. (The
+    default group on a model of narrower rows, a tiny one's, is one scale a row as well: not asked for.)"""
+    if packed.format != "int4":
+        return
+    widest = max(packed.matrix(name)[1] for name in MATRICES)
+    if packed.group > max(widest, DEFAULT_GROUP):
+        raise ExpertcacheError(
+            f"--group {packed.group} is more than the {widest} input columns of this model's widest expert "
+            f"matrix (one scale a row whatever the group): give --group {_pow2_at_most(widest)} or less"
+        )
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
