@@ -395,9 +395,11 @@ def _group_within_a_row(packed: Packed) -> None:
         return
     widest = max(packed.matrix(name)[1] for name in MATRICES)
     if packed.group > max(widest, DEFAULT_GROUP):
+        flag = option("--group", "group")
         raise ExpertcacheError(
-            f"--group {packed.group} is more than the {widest} input columns of this model's widest expert "
-            f"matrix (one scale a row whatever the group): give --group {_pow2_at_most(widest)} or less"
+            f"{flag} {packed.group} is more than the {widest} input columns of this model's widest expert "
+            f"matrix (one scale a row whatever the group): give {flag} "
+            f"{max(_pow2_at_most(widest), DEFAULT_GROUP)} or less"
         )
 
 
