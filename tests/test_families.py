@@ -586,6 +586,12 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
         ):
             make_checkpoint(tmp_path / family, family, layers=layers, hidden=32, experts=4, intermediate=32)
         assert not (tmp_path / family).exists()
+    # model_type is lower case: "Mixtral" can only mean one family; a typo gets the nearest
+    assert make_checkpoint(
+        tmp_path / "cased", "Mixtral", layers=2, hidden=32, experts=4, intermediate=32
+    ).is_dir()
+    with pytest.raises(ExpertcacheError, match=r"^unsupported family 'mixtrl' \(did you mean 'mixtral'\?\)"):
+        make_checkpoint(tmp_path / "typo", "mixtrl")
     # a head of an odd size: refused before transformers (which refuses it for some families only, and
     # for the others writes a model its rotary embeddings then fail on)
     for family in ("qwen3_moe", "mixtral"):

@@ -333,8 +333,15 @@ def test_selftest_runs_the_families_asked_for(capsys):
     assert main(["selftest", "--quick", "--family", "olmoe", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["checks"] and {c["family"] for c in report["checks"]} == {"olmoe"}
-    assert main(["selftest", "--family", "mixtrall"]) == 2  # the families there are, listed
-    assert "unsupported architecture 'mixtrall'; supported: " in capsys.readouterr().err
+    assert (
+        main(["selftest", "--family", "mixtrall"]) == 2
+    )  # the families there are, listed, the nearest named
+    assert (
+        "unsupported architecture 'mixtrall' (did you mean 'mixtral'?); supported: "
+        in capsys.readouterr().err
+    )
+    assert main(["selftest", "--quick", "--family", "OLMoE", "--json"]) == 0  # model_type is lower case
+    assert {c["family"] for c in json.loads(capsys.readouterr().out)["checks"]} == {"olmoe"}
     assert main(["selftest", "--family", "dbrx"]) == 2  # why it does not run
     assert (
         "selftest --family dbrx: unsupported architecture 'dbrx': its experts are" in capsys.readouterr().err

@@ -15,6 +15,7 @@ required, so a forgotten one fails at import.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -1125,7 +1126,9 @@ def family_of(model_type: str) -> Family:
             f"{model_type!r} is not a mixture-of-experts model (transformers' {model_type} has no routed "
             f"experts): expertcache offloads experts; {supported}"
         )
-    raise ExpertcacheError(f"unsupported architecture {model_type!r}; {supported}")
+    near = difflib.get_close_matches(str(model_type), [*FAMILIES, *(str(k) for k in NOT_SUPPORTED)], n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ExpertcacheError(f"unsupported architecture {model_type!r}{hint}; {supported}")
 
 
 def _dense(model_type: str) -> bool:

@@ -7,6 +7,7 @@ checkpoint (default: the embedded model), so the result works with ``expertcache
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from pathlib import Path
@@ -79,8 +80,14 @@ def make_checkpoint(
 
     from expertcache.engine.causal import causal_lm_class
 
+    if isinstance(family, str) and family not in FAMILIES and family.lower() in FAMILIES:
+        family = family.lower()  # model_type is lower case; "Mixtral" can only mean one family
     if family not in FAMILIES:
-        raise ExpertcacheError(f"unsupported family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
+        near = difflib.get_close_matches(str(family), FAMILIES, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ExpertcacheError(
+            f"unsupported family {family!r}{hint}; supported: {', '.join(sorted(FAMILIES))}"
+        )
     sizes = dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k, intermediate=intermediate,
                  heads=heads, max_positions=max_positions)  # fmt: skip
     hidden, layers, experts, top_k, intermediate, heads, max_positions = (

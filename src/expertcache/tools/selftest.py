@@ -247,6 +247,8 @@ def selftest(
     if families is not None:
         if isinstance(families, str) or not families:
             raise ExpertcacheError(f"families: a list of family names, got {families!r}")
+        # model_type is lower case; "Mixtral" can only mean one family (as model synth reads it)
+        families = [f.lower() if isinstance(f, str) and f.lower() in FAMILIES else f for f in families]
         for name in families:
             if name not in FAMILIES:  # why it does not run, or that it is dense, and the families there are
                 try:
