@@ -222,6 +222,11 @@ def test_on_a_batched_trace_the_ladder_weighs_tlfu_with_batch_and_a_request_s_ow
         "all_resident"
     ]
     assert any(v.startswith("budget for this workload") and "a request's TPOT" in v for v in r["verdict"])
+    # on a link far slower than the host the batch path's fills make more memory slower; without them
+    # every miss is on the host, whatever the budget: the ladder weighs both
+    slow = diagnose(served, 8, {"link_bandwidth": 1e6})
+    assert {row["miss"] for row in slow["budgets"]["rows"][:-1]} == {"batch:fill=0"}
+    assert len({round(row["tpot_s"], 9) for row in slow["budgets"]["rows"][:-1]}) == 1
 
 
 def test_the_ladder_weighs_both_host_levels_and_says_which_budgets_it_could_not_time(capsys):

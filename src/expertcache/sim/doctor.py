@@ -309,8 +309,9 @@ def _ladder(
             for cfg, n in levels
         ]
     paths = [(policy, m) for m in dict.fromkeys(misses)]
-    if batched and ("tlfu", "batch") not in paths:
-        paths.append(("tlfu", "batch"))
+    if batched:  # the batch path, with its background fills and without (on a link far slower than the
+        # host the fills of a larger cache keep it busy, and later steps wait for them)
+        paths += [p for p in (("tlfu", "batch"), ("tlfu", "batch:fill=0")) if p not in paths]
     return [dict(trace=trace, capacity=c, cache=p, miss=m, cost=cost) for c in caps for p, m in paths]
 
 
