@@ -15,11 +15,10 @@ required, so a forgotten one fails at import.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -1126,8 +1125,7 @@ def family_of(model_type: str) -> Family:
             f"{model_type!r} is not a mixture-of-experts model (transformers' {model_type} has no routed "
             f"experts): expertcache offloads experts; {supported}"
         )
-    near = difflib.get_close_matches(str(model_type), [*FAMILIES, *(str(k) for k in NOT_SUPPORTED)], n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    hint = did_you_mean(repr(model_type), map(repr, [*FAMILIES, *NOT_SUPPORTED]), n=1)  # quoted as named
     raise ExpertcacheError(f"unsupported architecture {model_type!r}{hint}; {supported}")
 
 

@@ -7,7 +7,6 @@ checkpoint (default: the embedded model), so the result works with ``expertcache
 
 from __future__ import annotations
 
-import difflib
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from expertcache.config import CHECKPOINT_DTYPES
 from expertcache.engine.families import FAMILIES, Shape
-from expertcache.errors import ExpertcacheError, first_line
+from expertcache.errors import ExpertcacheError, did_you_mean, first_line
 from expertcache.paths import as_umask_allows, writable_dir
 from expertcache.units import whole_number
 
@@ -83,8 +82,7 @@ def make_checkpoint(
     if isinstance(family, str) and family not in FAMILIES and family.lower() in FAMILIES:
         family = family.lower()  # model_type is lower case; "Mixtral" can only mean one family
     if family not in FAMILIES:
-        near = difflib.get_close_matches(str(family), FAMILIES, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        hint = did_you_mean(repr(family), map(repr, FAMILIES), n=1)  # quoted as the message names it
         raise ExpertcacheError(
             f"unsupported family {family!r}{hint}; supported: {', '.join(sorted(FAMILIES))}"
         )

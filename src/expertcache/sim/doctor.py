@@ -333,14 +333,14 @@ def _budgets(ladder: list, capacity: int, total: int, resident, batched: bool, w
         level = args.get("host")
         if tpot is not None and (c not in best or tpot < best[c]["tpot_s"]):
             best[c] = {
-                "capacity": c, "share": c / total, "tpot_s": tpot, "tokens_per_s": _tokens_per_s(r),
+                "capacity": c, "share": c / total, "tpot_s": tpot, "tokens_per_s": r.tokens_per_s,
                 "policy": args["cache"], "miss": args["miss"],
                 "host_level": None if level is None else "exclusive" if level.exclusive else "inclusive",
                 "vs_resident": None, "given": c == capacity,
             }  # fmt: skip
     rows = [best[c] for c in sorted(best)]
     top = _tpot(resident, batched)
-    rows.append({"capacity": total, "share": 1.0, "tpot_s": top, "tokens_per_s": _tokens_per_s(resident),
+    rows.append({"capacity": total, "share": 1.0, "tpot_s": top, "tokens_per_s": resident.tokens_per_s,
                  "policy": None, "miss": None, "host_level": None, "vs_resident": None,
                  "given": capacity >= total})  # fmt: skip
     for row in rows:
@@ -354,10 +354,6 @@ def _budgets(ladder: list, capacity: int, total: int, resident, batched: bool, w
         if c not in best
     ]
     return {"within": within, "rows": rows, "enough": enough, "skipped": skipped}
-
-
-def _tokens_per_s(r) -> float | None:
-    return r.tokens / r.total_s if r.total_s else None
 
 
 def _tpot(r, batched: bool) -> float | None:

@@ -702,7 +702,7 @@ def _figures(r) -> dict[str, object]:
         "stall_s": r.stall_s,
         "misses": r.misses,
         "requests": r.requests,
-        "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+        "tokens_per_s": r.tokens_per_s,
         "request_tpot_s": tpots.get("mean_s"),
         "request_tpot_p99_s": tpots.get("p99_s"),
         "request_ttft_s": ttfts.get("mean_s"),

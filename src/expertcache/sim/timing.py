@@ -118,6 +118,11 @@ class TimingResult:
         return self.step_time_s[1] / self.steps[1] if self.steps[1] else None
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Every token of the trace (prompts too) over the run's whole time."""
+        return self.tokens / self.total_s if self.total_s else None
+
+    @property
     def request_ttfts(self) -> dict[str, float] | None:
         """A batched trace's time to first token per request: mean, median, p99 and how many."""
         return _summary(self.request_ttft_s)
@@ -166,7 +171,7 @@ class TimingResult:
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
             "total_s": self.total_s,
-            "tokens_per_s": self.tokens / self.total_s if self.total_s else None,
+            "tokens_per_s": self.tokens_per_s,
             "stall_s": self.stall_s,
             "prefill_stall_s": self.stall_by_phase[1],
             "decode_stall_s": self.stall_by_phase[0],
@@ -867,7 +872,7 @@ def format_timing(result: TimingResult) -> str:
     if r.governor is not None:
         prefetch += f", {describe(r.governor)}"
     onoff = {True: "on", False: "off"}
-    rate = f"{r.tokens / r.total_s:.1f} tok/s" if r.total_s else "-"
+    rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f} tok/s"
     lines = [
         f"cache      {r.policy}{params}, {r.capacity} experts | miss {r.miss} | prefetch {prefetch} | "
         f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}"

@@ -429,7 +429,7 @@ def _timing_task(task, trace, schedule, params, predictor) -> tuple[list[dict], 
         "tpot_ms": ms(r.tpot_s),
         "stall_s": r.stall_s,
         "total_s": r.total_s,
-        "tokens_per_s": r.tokens / r.total_s if r.total_s else None,
+        "tokens_per_s": r.tokens_per_s,
         "bytes_moved": r.bytes_moved,
         "transfers": r.transfers,
     }
