@@ -242,6 +242,8 @@ async def phase(
         # new connection), what a server sees once the load runs
         "ttft_p99_later_s": pct("ttft_s", 0.99, [r for r in ok if not r.get("first")]),
         "tpot_p50_s": pct("tpot_s", 0.5), "tpot_p99_s": pct("tpot_s", 0.99),
+        # the mean over requests of each one's TPOT: what the timing model's request TPOT predicts
+        "tpot_mean_s": statistics.mean(t) if (t := [r["tpot_s"] for r in ok if r.get("tpot_s")]) else None,
         **server_ttft(before, after),
         "cache_hits": hits, "cache_misses": misses,
         "hit_ratio": hits / (hits + misses) if hits + misses else None,

@@ -252,10 +252,17 @@ def test_fit_overheads_fits_submit_s_on_a_run_and_the_fitted_model_matches_its_t
     assert data["cost"]["submit_s"] == fit["submit_s"] and "submit_s" in data["measured"]
     if fit["submit_s"] > 0:  # fitted: the model's TPOT of the run is the run's
         assert fit["model"]["tpot_s"] == pytest.approx(fit["engine"]["tpot_s"], rel=0.02)
+    # the engine's own work an expert computed on the host, fitted on a run computing every one there
+    host = fit["host"]
+    assert host["miss"] == "placement" and host["host_computed"] > 0 and host["misses"] > 0
+    assert data["cost"]["host_submit_s"] == fit["host_submit_s"] == host["value"] >= 0
+    assert "host_submit_s" in data["measured"]
+    if host["value"] > 0:
+        assert host["model"]["tpot_s"] == pytest.approx(host["engine"]["tpot_s"], rel=0.02)
     for declared in (["--device-bandwidth", "25GB/s"], ["--dense-time", "0.05ms"]):  # another's figures
         assert main([*argv, "--fit-overheads", *declared]) == 2
         assert "declared are another's: fit on the machine itself" in capsys.readouterr().err
-    assert main(argv) == 0 and "--fit-overheads fits submit_s on a run" in capsys.readouterr().out
+    assert main(argv) == 0 and "--fit-overheads fits the first two on runs" in capsys.readouterr().out
 
 
 def test_a_fit_on_a_busy_machine_is_said_and_an_impossible_one_fits_nothing(ckpt, monkeypatch):
@@ -277,8 +284,11 @@ def test_a_fit_on_a_busy_machine_is_said_and_an_impossible_one_fits_nothing(ckpt
 
     monkeypatch.setattr(OffloadedModel, "generate_text", quick_at_50)
     data = profile(ckpt("mixtral"), device="cpu", steps=4, fit_overheads=True)
-    assert len(calls) == 2 and data["how"]["fit"]["submit_s"] == 0 == data["cost"]["submit_s"]
-    assert any("quicker than all resident" in u and "nothing fitted" in u for u in data["how"]["unsteady"])
+    fit, cost, unsteady = data["how"]["fit"], data["cost"], data["how"]["unsteady"]
+    assert len(calls) == 4  # two runs at 50 % fetching, two with every expert on the host
+    assert fit["submit_s"] == 0 == cost["submit_s"] and fit["host_submit_s"] == 0 == cost["host_submit_s"]
+    for field in ("submit_s", "host_submit_s"):
+        assert any("quicker than all resident" in u and f": {field} not fitted" in u for u in unsteady)
 
 
 def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():

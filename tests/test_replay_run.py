@@ -516,6 +516,10 @@ def test_a_plan_priced_with_submit_s_says_it_favours_computing_on_the_host():
         warnings.simplefilter("error", ExpertcacheWarning)
         ec.make_plan(trace, 24, cost={"submit_s": "300us"}, misses=["fetch"])  # nothing on the host
         ec.make_plan(trace, 24, misses=["fetch", "host"])  # nothing charged to transfers
+        # both priced (profile --fit-overheads fits host_submit_s beside submit_s): nothing favoured
+        ec.make_plan(
+            trace, 24, cost={"submit_s": "300us", "host_submit_s": "100us"}, misses=["fetch", "host"]
+        )
 
 
 def test_generate_decides_by_the_costs_given_and_its_run_replays_by_them(tmp_path, capsys):
@@ -537,6 +541,24 @@ def test_generate_decides_by_the_costs_given_and_its_run_replays_by_them(tmp_pat
     assert recorded["host_expert_s"] == pytest.approx(30e-6) and recorded["link_bandwidth"] == 10e9
     assert main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--cost", str(cost)]) == 2
     assert "--cost changes nothing here: miss path fetch decides by no costs" in capsys.readouterr().err
+    # an emulated link prices the transfers the path weighs, over the file's link, as timing takes the flag:
+    # the host's 1 ms loses to a transfer at 10 GB/s and its computation (0.39 ms), and wins against one at
+    # 10 MB/s (18 ms); the path weighed the file's link while each transfer took the emulated one's time
+    cost.write_text(
+        json.dumps({"link_bandwidth": "10GB/s", "host_expert_s": "1ms", "expert_bytes": "180KiB"})
+    )
+    got = {}
+    for link in ([], ["--link-bandwidth", "10MB/s", "--link-latency", "5us"]):
+        loud = [a for a in argv if a != "--quiet"]  # notes on stderr
+        assert main([*loud, *link, "--record-trace", str(tmp_path / "link.npz")]) == 0
+        out, err = capsys.readouterr()
+        got[bool(link)] = json.loads(out)["host_computed"]
+        said = "prices transfers at the emulated link (--link-bandwidth and --link-latency)" in err
+        assert said == bool(link)
+    assert got == {False: 0, True: got[True]} and got[True] > 0
+    recorded = json.loads(ec.load_trace(tmp_path / "link.npz").meta["costs"])
+    assert recorded["link_bandwidth"] == 10e6 and recorded["link_latency"] == pytest.approx(5e-6)
+    assert recorded["host_expert_s"] == pytest.approx(1e-3)  # the rest is the file's
 
 
 @pytest.mark.parametrize(("exclusive", "prefetch"), [(False, "next-gate"), (True, "none")])

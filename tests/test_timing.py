@@ -826,3 +826,21 @@ def test_a_cost_based_path_prices_a_fetch_as_the_link_moves_it_whole(miss):
         assert runs[0].cache["host_computed"] == 0
         filling = simulate_timing(trace, 24, miss="host:fill=1", cost=cost)  # fills move speculatively
         assert "in 3 chunks" in format_timing(filling)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_each_host_expert_costs_the_compute_thread_host_submit_s(parallel, capsys):
+    """The engine's own work an expert computed on the host (its tokens handed over, its output placed) was
+    priced nowhere: a profile's host path came out 4x too cheap on a 2-core CPU, and the doctor's budget
+    ladder named 12.5 % of the experts enough for a server that ran 1.7x slower there."""
+    trace = prefix(300)
+    base = {"host_parallel": parallel, "host_expert_s": "20us", "host_expert_token_s": 0}
+    plain = simulate_timing(trace, 24, miss="placement", cost=base)
+    charged = simulate_timing(trace, 24, miss="placement", cost={**base, "host_submit_s": "100us"})
+    computed = plain.cache["host_computed"]
+    assert computed == charged.cache["host_computed"] > trace.num_tokens  # every expert of every step
+    assert charged.total_s - plain.total_s == pytest.approx(computed * 100e-6)
+    assert main(["timing", "--miss", "placement", "--capacity", "24", "--host-issue-time", "100us"]) == 0
+    assert "+ issue 100 us" in capsys.readouterr().out
+    assert exit_code(["timing", "--host-issue-time", "abc"]) == 2
+    assert "--host-issue-time" in capsys.readouterr().err

@@ -58,6 +58,9 @@ class CostModel:
     chunk_bytes: int | None | str = AUTO  # at most this per chunk; None: one chunk per expert
     wake_s: float = 0.0  # compute resumes this long after a transfer it waited for lands (thread wake-up)
     submit_s: float = 0.0  # compute time the engine spends issuing one transfer (bookkeeping, hand-off)
+    # compute time the engine spends on one expert computed on the host, beyond its read and computation
+    # (its tokens gathered and handed over, its output weighted and placed): a host expert's submit_s
+    host_submit_s: float = 0.0
     host_expert_s: float = 5.06e-3  # a: an expert's fixed time computed on the host (reading its weights)
     host_expert_token_s: float = 63e-6  # b: its host time per token
     # r: reading the expert into host memory before the host computes it, at every use (a host-computed
@@ -140,11 +143,13 @@ class CostModel:
 
     def host_pays(self, tokens: int, transfer: float | None = None) -> bool:
         """Fiddler's rule: computing the expert's ``tokens`` on the host takes less than moving it
-        (``transfer``, default a whole expert) and computing it on the device. A tie goes to the device:
+        (``transfer``, default a whole expert) and computing it on the device, each with the engine's own
+        work for it (``host_submit_s``, ``submit_s``). A tie goes to the device:
         on a CPU-only machine the two are the same measurement plus the same read, and which side of a
         rounding error a sum falls on must not decide (it flipped per run and per token count)."""
-        device = (self.demand_transfer_time() if transfer is None else transfer) + self.expert(tokens)
-        host = self.host_expert(tokens)
+        moved = self.demand_transfer_time() if transfer is None else transfer
+        device = moved + self.expert(tokens) + self.submit_s
+        host = self.host_expert(tokens) + self.host_submit_s
         return host < device and not math.isclose(host, device, rel_tol=1e-9)
 
     def chunk_sizes(self, nbytes: int | None = None) -> list[int]:
@@ -295,6 +300,7 @@ class CostModel:
             + (f" | issue {self.submit_s * 1e6:g} us/transfer" if self.submit_s else "")
             + f" | host expert {self.host_expert_s * 1e3:g} ms + {self.host_expert_token_s * 1e6:g} us/token"
             + (f" + read {self.host_read_s * 1e3:g} ms" if self.host_read_s else "")
+            + (f" + issue {self.host_submit_s * 1e6:g} us" if self.host_submit_s else "")
             + ("" if self.host_parallel else " (inline)")
             + (f" | dequant {self.dequant_s * 1e6:g} us" if self.dequant_s else "")
             + (f" | disk read {self.disk_read_s * 1e3:g} ms" if self.disk_read_s else "")
@@ -303,7 +309,7 @@ class CostModel:
 
 
 _TIMES = (
-    "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s",
+    "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s", "host_submit_s",
     "host_expert_s", "host_expert_token_s", "host_read_s", "disk_read_s", "demote_s", "dequant_s",
 )  # fmt: skip
 

@@ -897,6 +897,12 @@ _TIMING_COST_FLAGS = (
     ("--wake-time", "TIME", "compute resumes this long after a transfer it waited for (default 0)"),
     ("--issue-time", "TIME", "compute time spent issuing one transfer (default 0)"),
     (
+        "--host-issue-time",
+        "TIME",
+        "compute time the engine spends on each expert computed on the host beyond its computation: its "
+        "tokens handed over, its output placed (default 0)",
+    ),
+    (
         "--disk-time",
         "TIME",
         "with --host-memory or --host-capacity: reading one expert from the disk, a host-level miss "
@@ -1150,6 +1156,7 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
         "chunk_bytes": prefetch.chunk_bytes if prefetch is not None else None,
         "wake_s": args.wake_time,
         "submit_s": args.issue_time,
+        "host_submit_s": args.host_issue_time,
         "dequant_s": args.dequant_time,
         "disk_read_s": getattr(args, "disk_time", None),
         "demote_s": getattr(args, "demote_time", None),

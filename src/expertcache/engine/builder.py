@@ -266,6 +266,8 @@ class Builder:
                     f"miss path {miss.name} decides by the costs the plan was made with, as the planner's "
                     "runs did; " + option("--cost", "costs") + " gives others"
                 )
+        if costs is not None and link.emulated and miss_class(miss.name).needs_costs:
+            costs = self._emulated_link_costs(costs, link, miss.name)
         other = costs is not None and costs.expert_bytes != self.layout.nbytes
         if other and miss_class(miss.name).needs_costs:
             self.notes.append(
@@ -685,6 +687,25 @@ class Builder:
                     + (" (a number is bytes; a share of all experts is a string, '25%')" * bytes_given)
                 )
         return budget
+
+    def _emulated_link_costs(self, costs: CostModel, link: LinkConfig, miss: str) -> CostModel:
+        """The costs a cost-based path decides by under an emulated link: the link's bandwidth (and its
+        latency, where given) over the costs given, as ``timing``, ``plan`` and ``doctor`` take the same
+        flags over a cost file. The path priced transfers at the file's link (a profile's measured copy,
+        6 GB/s) while each took the emulated 1 GB/s, and took other decisions than the doctor had timed."""
+        over: dict[str, float] = {}
+        if link.bandwidth is not None and link.bandwidth_Bps != costs.link_bandwidth:
+            over["link_bandwidth"] = link.bandwidth_Bps
+        if link.latency_s > 0 and link.latency_s != costs.link_latency:
+            over["link_latency"] = link.latency_s
+        if not over:
+            return costs
+        flags = " and ".join(option(f"--{k.replace('_', '-')}", k) for k in over)
+        self.notes.append(
+            f"miss path {miss} prices transfers at the emulated link ({flags}) over the costs given, as "
+            "timing, plan and doctor do with the same flags"
+        )
+        return dataclasses.replace(costs, **over)
 
     def _host_level(self, host: HostConfig | None):
         """The host level's decisions (``cache.tiers``), where there is one."""

@@ -428,11 +428,12 @@ def make_plan(
         misses = [m for m in misses if parse_miss(m)[0] == "fetch"]
     misses = expand_misses(misses, trace.num_layers)
     on_host = sorted({parse_miss(m)[0] for m in misses if _computes_on_host(parse_miss(m)[0])})
-    if cost.submit_s > 0 and on_host:  # the engine's own work a transfer is priced, a host expert's is not
+    if cost.submit_s > 0 and not cost.host_submit_s and on_host:  # a transfer's own work priced, a host's not
         favoured = [
             f"the cost model charges each transfer submit_s ({cost.submit_s * 1e6:.0f} us of the engine's "
-            f"own work) and an expert computed on the host nothing of the kind: {', '.join(on_host)} "
-            "candidates are favoured against fetch by up to that much a miss"
+            f"own work) and an expert computed on the host nothing of the kind (host_submit_s 0): "
+            f"{', '.join(on_host)} candidates are favoured against fetch by up to that much a miss "
+            "(profile --fit-overheads fits both)"
         ]
         warn_notes(favoured)
         level_notes += favoured

@@ -836,6 +836,8 @@ class _Run:
             work = driver.layer(layer, block[:, layer, :], None if weights is None else weights[:, layer, :])
             host_s = sum(cost.host_expert(need.tokens) for need in work.host)  # one after another
             link.host_busy_s += host_s
+            if work.host and cost.host_submit_s:  # the compute thread hands over tokens, places outputs
+                link.advance(cost.host_submit_s * len(work.host))
             host_end = link.now + host_s  # beside the device, from when the router has chosen
             if e - s == 1:  # one token (its experts distinct: ``Trace`` checks it): each computes it once
                 for _, part in work.units():  # lazily: wait, compute, ...

@@ -29,9 +29,10 @@ import dataclasses
 import datetime
 import os
 import platform
+import warnings
 
 from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, PROFILE_VERSION, CostModel
-from expertcache.errors import ExpertcacheError, option
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
 from expertcache.units import parse_duration, parse_rate, whole_number
 
 DEVICE_FIELDS = ("link_bandwidth", "link_latency", "expert_s", "expert_token_s", "dense_s", "step_s")
@@ -139,7 +140,7 @@ def profile(
     # step_s is 0: the rest of a step is measured (or declared) as dense_s; host_read_s is measured on the
     # disk and mapped tiers (calibrate: one expert read into memory), 0 elsewhere (reading a profile
     # without it gives it the tier's transfer: costs.host_reads_of)
-    skip = ("chunk_bytes", "step_s", "wake_s") + (() if fit else ("submit_s",))
+    skip = ("chunk_bytes", "step_s", "wake_s") + (() if fit else ("submit_s", "host_submit_s"))
     skip += () if cost.host_read_s else ("host_read_s",)
     if not cost.disk_read_s:  # measured on the disk tier (and with a host level) only
         skip += ("disk_read_s",)
@@ -186,57 +187,79 @@ UNSTEADY = 1.5  # two calibrations this far apart: the machine was busy, say so
 
 FIT_BUDGET = "50%"  # the expert memory of the run the overheads are fitted on (misses and hits both)
 FIT_TOKENS = 32
+HOST_FIT_MISS = "placement"  # every layer's experts on the host: the run that fits host_submit_s
 
 
 def fitted_overheads(
     path, cost: CostModel, resident_step_s: float, **load_options
 ) -> tuple[CostModel, dict[str, object]]:
-    """``cost`` with ``submit_s``, the engine's own work a transfer (its bookkeeping, the hand-off to its
-    worker, the wake-up after a wait), fitted on runs of the engine at ``FIT_BUDGET`` on this machine:
-    the timing model's decode TPOT grows with it, so a few secant steps match the model's TPOT of a run,
-    replayed at its own cache, to the run's. Fitted on each of two runs, the smaller kept (noise only adds
-    time); where the two disagree by more than ``UNSTEADY``x, or a run with misses decoded faster than
-    the all-resident step (``resident_step_s``) did, the machine was busy: said in ``unsteady`` (and
-    nothing is fitted in the second case). ``wake_s`` stays 0: fitted beside it on TPOT and stall a token
-    (``bench/validate_timing.py``'s 2 x 2 solve), the pair predicted a 25 % run 24 % high on the 2-core
-    VM, this one 2-8 % high and a 50 % run 3-13 % low, where a profile without it is 22-27 % low."""
+    """``cost`` with the engine's own overheads fitted on runs of it on this machine: ``submit_s``, its
+    work a transfer (its bookkeeping, the hand-off to its worker, the wake-up after a wait), on runs at
+    ``FIT_BUDGET`` (every miss fetched); then ``host_submit_s``, its work an expert computed on the host
+    (the expert's tokens gathered and handed over, its output weighted and placed), on runs with every
+    layer's experts on the host (``placement``). The timing model's decode TPOT grows with each, so a few
+    secant steps match the model's TPOT of a run, replayed at its own cache, to the run's. Each is fitted
+    on two runs, the smaller kept (noise only adds time); where the two disagree by more than
+    ``UNSTEADY``x, or a run decoded faster than the all-resident step (``resident_step_s``), the machine
+    was busy: said in ``unsteady`` (and that figure is not fitted in the second case). ``wake_s`` stays 0:
+    fitted beside ``submit_s`` on TPOT and stall a token (``bench/validate_timing.py``'s 2 x 2 solve), the
+    pair predicted a 25 % run 24 % high on the 2-core VM, this one 2-8 % high and a 50 % run 3-13 % low,
+    where a profile without it is 22-27 % low."""
     from expertcache.engine.offloaded import load
 
-    runs = []
-    for _ in range(2):
-        with load(path, FIT_BUDGET, prefetch="none", costs=cost, progress=False, **load_options) as m:
-            g = m.generate_text(PROMPT, FIT_TOKENS, min_new_tokens=FIT_TOKENS)
-            runs.append((g.tpot_s, m.trace(), g.stats["misses"]))
-    fits = [_fit_submit(cost, trace, tpot) for tpot, trace, _ in runs]
-    keep = min(range(2), key=lambda i: fits[i][0])
-    submit, base, matched = fits[keep]
-    tpot, _, misses = runs[keep]
-    unsteady = []
-    if min(r[0] for r in runs) < 0.9 * resident_step_s:  # fewer experts resident, yet quicker: not so
-        unsteady.append(
-            f"decode step at {FIT_BUDGET} {1e3 * min(r[0] for r in runs):.3g} ms, quicker than all resident "
-            f"({1e3 * resident_step_s:.3g} ms): nothing fitted"
-        )
-        submit, matched = 0.0, base
-    elif min(f[0] for f in fits) > 0 and max(f[0] for f in fits) / min(f[0] for f in fits) > UNSTEADY:
-        unsteady.append(f"submit_s fitted {fits[0][0] * 1e6:.0f} and {fits[1][0] * 1e6:.0f} us")
+    unsteady: list[str] = []
+
+    def fitted(field: str, budget: str, miss: str, base: CostModel) -> dict[str, object]:
+        runs = []
+        for _ in range(2):
+            with warnings.catch_warnings():  # the fit's own runs: their notes (an unused expert memory under
+                warnings.simplefilter("ignore", ExpertcacheWarning)  # placement) are not the caller's
+                with load(
+                    path, budget, prefetch="none", miss=miss, costs=base, progress=False, **load_options
+                ) as m:
+                    g = m.generate_text(PROMPT, FIT_TOKENS, min_new_tokens=FIT_TOKENS)
+                    runs.append((g.tpot_s, m.trace(), g.stats["misses"], g.stats.get("host_computed", 0)))
+        fits = [_fit_overhead(base, field, trace, tpot, miss) for tpot, trace, *_ in runs]
+        keep = min(range(2), key=lambda i: fits[i][0])
+        value, unfitted, matched = fits[keep]
+        tpot, _, misses, hosted = runs[keep]
+        quickest = min(r[0] for r in runs)
+        if quickest < 0.9 * resident_step_s:  # fewer experts resident, yet quicker: not so
+            unsteady.append(
+                f"decode step at {budget} under {miss} {1e3 * quickest:.3g} ms, quicker than all resident "
+                f"({1e3 * resident_step_s:.3g} ms): {field} not fitted"
+            )
+            value, matched = 0.0, unfitted
+        elif min(f[0] for f in fits) > 0 and max(f[0] for f in fits) / min(f[0] for f in fits) > UNSTEADY:
+            unsteady.append(f"{field} fitted {fits[0][0] * 1e6:.0f} and {fits[1][0] * 1e6:.0f} us")
+        return {
+            "value": value, "budget": budget, "miss": miss, "misses": misses, "host_computed": hosted,
+            "engine": {"tpot_s": tpot}, "model": {"tpot_s": matched, "tpot_unfitted_s": unfitted},
+        }  # fmt: skip
+
+    transfer = fitted("submit_s", FIT_BUDGET, "fetch", cost)
+    cost = dataclasses.replace(cost, submit_s=transfer["value"], wake_s=0.0)
+    host = fitted("host_submit_s", "100%", HOST_FIT_MISS, cost)
+    cost = dataclasses.replace(cost, host_submit_s=host["value"])
     fit = {
-        "budget": FIT_BUDGET, "tokens": FIT_TOKENS, "submit_s": submit, "wake_s": 0.0, "misses": misses,
-        "engine": {"tpot_s": tpot}, "model": {"tpot_s": matched, "tpot_unfitted_s": base},
-        "unsteady": unsteady,
+        "budget": FIT_BUDGET, "tokens": FIT_TOKENS, "submit_s": transfer["value"], "wake_s": 0.0,
+        "misses": transfer["misses"], "engine": transfer["engine"], "model": transfer["model"],
+        "host_submit_s": host["value"], "host": host, "unsteady": unsteady,
     }  # fmt: skip
-    return dataclasses.replace(cost, submit_s=submit, wake_s=0.0), fit
+    return cost, fit
 
 
-def _fit_submit(cost: CostModel, trace, tpot: float) -> tuple[float, float, float]:
-    """The ``submit_s`` at which the timing model's TPOT of ``trace`` (replayed at the run's own cache)
-    is the run's ``tpot``: (it, the model's TPOT without it, with it)."""
+def _fit_overhead(cost: CostModel, field: str, trace, tpot: float, miss: str) -> tuple[float, float, float]:
+    """The value of ``field`` (``submit_s`` or ``host_submit_s``) at which the timing model's TPOT of
+    ``trace`` (replayed at the run's own cache and miss path) is the run's ``tpot``: (it, the model's TPOT
+    with it at 0, with it)."""
     from expertcache.sim.timing import RECORDED, run_timing
 
-    def model_tpot(submit: float) -> float:  # the fit's own replays: no notes to the caller (run_timing)
-        return run_timing(trace, RECORDED, cost=dataclasses.replace(cost, submit_s=submit)).tpot_s or 0.0
+    def model_tpot(value: float) -> float:  # the fit's own replays: no notes to the caller (run_timing)
+        changed = dataclasses.replace(cost, **{field: value})
+        return run_timing(trace, RECORDED, miss=miss, cost=changed).tpot_s or 0.0
 
-    # the model's TPOT grows with submit_s, nearly linearly (waits that overlap make it not quite): a few
+    # the model's TPOT grows with either, nearly linearly (waits that overlap make it not quite): a few
     # secant steps from 0 and 50 us
     base = model_tpot(0.0)
     points = [(0.0, base), (50e-6, model_tpot(50e-6))]
@@ -384,9 +407,17 @@ def format_profile(data: dict[str, object]) -> str:
             f"fitted     submit_s {fit['submit_s'] * 1e6:.0f} us on a run at {fit['budget']} "
             f"({fit['misses']} misses): TPOT {fit['engine']['tpot_s'] * 1e3:.3f} ms run, "
             f"{fit['model']['tpot_unfitted_s'] * 1e3:.3f} ms by the model without it"
+            + (
+                f"; host_submit_s {fit['host_submit_s'] * 1e6:.0f} us on a run with every expert on the host "
+                f"({h['host_computed']} computed there): TPOT {h['engine']['tpot_s'] * 1e3:.3f} ms run, "
+                f"{h['model']['tpot_unfitted_s'] * 1e3:.3f} ms by the model without it"
+                if (h := fit.get("host"))
+                else ""
+            )
             if (fit := data["how"].get("fit"))
-            else "not here   submit_s, wake_s: the engine's bookkeeping a transfer and its wake-up after one "
-            "(0: a plan under misses comes out optimistic on a CPU; --fit-overheads fits submit_s on a run)"
+            else "not here   submit_s, host_submit_s, wake_s: the engine's own work a transfer and an expert "
+            "computed on the host, and its wake-up after a transfer (0: a plan under misses comes out "
+            "optimistic on a CPU; --fit-overheads fits the first two on runs)"
         ),
         "precisions "
         + (
