@@ -326,3 +326,79 @@ def test_a_sloppy_policy_or_predictor_is_one_line_or_taken_as_meant(plugin):
     assert got.cache["prefetch_issued"] > 0
     with pytest.raises(ExpertcacheError, match="'BadName' is not a name commands can take"):
         ec.register_policy(type("Bad", (MRU,), {"name": "BadName"}))
+
+
+def test_a_wrong_victim_is_an_error_on_a_prefetch_and_in_a_host_level_too(plugin):
+    """A victim that is not resident was one clear error on a demand miss, and on a prefetch or in a host
+    level the same choice was counted as 'nothing evictable': the prefetch skipped or the miss read
+    straight through, exit 0, and the broken policy's counts beat LRU's (a new user's trial)."""
+    from user_classes import MRU
+
+    from expertcache.config import HostConfig
+    from expertcache.errors import PolicyError
+
+    class WrongForPrefetch(MRU):
+        name = "users-wrong-for-prefetch"
+
+        def victim(self, incoming, pinned):
+            got = super().victim(incoming, pinned)
+            return (99, 99) if got is not None and incoming[0] != self.clock.layer else got  # a later layer's
+
+    class Forgetful(MRU):
+        name = "users-forgetful-host"
+
+        def on_evict(self, key):
+            pass  # a later victim is no longer resident
+
+    for cls in (WrongForPrefetch, Forgetful):
+        ec.register_policy(cls, dist=False)
+    try:
+        trace = ec.default_trace()
+        assert ec.simulate_timing(trace, 24, cache=WrongForPrefetch.name).misses > 0  # demands: right
+        with pytest.raises(PolicyError, match=r"victim\(\) chose \(99, 99\) .* which is not resident"):
+            ec.simulate_timing(trace, 24, cache=WrongForPrefetch.name, prefetch="oracle")
+        with pytest.raises(PolicyError, match=r"users-forgetful-host: victim\(\) chose .* not resident"):
+            ec.simulate_timing(trace, 8, host=HostConfig("30%", Forgetful.name))
+        with pytest.raises(PolicyError, match=r"users-forgetful-host: victim\(\) chose .* not resident"):
+            with ec.load(expert_memory="10%", host_memory="30%", host_policy=Forgetful.name) as model:
+                model.generate_text("def read_config(path):", 16)
+    finally:
+        for cls in (WrongForPrefetch, Forgetful):
+            POLICIES.pop(cls.name, None)
+
+
+def test_a_plugins_own_check_of_a_parameter_is_one_line(plugin, tmp_path):
+    """A ValueError from a plugin's __init__ (its own check of a parameter) was a traceback and exit 1."""
+    (tmp_path / "checking.py").write_text(
+        textwrap.dedent("""
+        import expertcache
+        from user_classes import MRU
+
+        @expertcache.register_policy
+        class Checked(MRU):
+            name = "users-checked"
+
+            def __init__(self, ctx, half_life=8):
+                super().__init__(ctx)
+                if half_life <= 0:
+                    raise ValueError(f"half_life must be positive, got {half_life}")
+    """)
+    )
+    done = _cli(tmp_path, "sim", "default", "--policy", "users-checked:half_life=-1", "--capacity", "24",
+                plugins="checking")  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "users-checked" in done.stderr and "half_life must be positive, got -1" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_an_unknown_policy_in_python_with_plugins_named_for_the_commands_says_how_to_load_them(monkeypatch):
+    """EXPERTCACHE_PLUGINS set, a notebook's simulate() said only 'unknown policy' (a new user's trial)."""
+    monkeypatch.setenv("EXPERTCACHE_PLUGINS", "users_never_imported")
+    with pytest.raises(
+        ExpertcacheError, match=r"unknown policy 'lruu' \(did you mean lru or llru\?\) .*load_plugins"
+    ):
+        ec.simulate(ec.default_trace(), ["lruu"], [24])
+    monkeypatch.setenv("EXPERTCACHE_PLUGINS", "json")  # imported: the commands would have it
+    with pytest.raises(ExpertcacheError) as got:
+        ec.simulate(ec.default_trace(), ["lruu"], [24])
+    assert "load_plugins" not in str(got.value)

@@ -13,6 +13,13 @@ class PolicyError(ExpertcacheError):
     """An unknown policy name, bad policy parameters, or a capacity the policy cannot work with."""
 
 
+class NoVictim(PolicyError):
+    """A full cache whose every evictable key is pinned (``policy.base.no_victim``, or a policy's None
+    from a full cache): a prefetch or a background fill is skipped, a host level's miss read straight
+    through, a demand waits for transfers. Any other ``PolicyError`` of a policy's choice (a victim not
+    resident, or pinned) is the policy's fault and goes to the caller."""
+
+
 class ExpertcacheWarning(UserWarning):
     """A result the Python API returns that is not what it may look like (a replay of a run that
     prefetched, without its prefetches); the CLI says the same in a note on stderr."""

@@ -41,7 +41,7 @@ from expertcache.cache.needs import LayerNeeds
 from expertcache.cache.residency import Residency
 from expertcache.cache.stats import CacheStats
 from expertcache.cache.transfers import DEMAND, FAILED, READY, SPECULATIVE, Transport
-from expertcache.errors import PolicyError
+from expertcache.errors import NoVictim, PolicyError
 from expertcache.miss.base import DEVICE, FETCH, HOST, SKIP, MissPath, Need, Route
 from expertcache.policy.base import Key
 
@@ -126,7 +126,7 @@ class ExpertCache:
                         continue
                     try:
                         victim = parts[part].insert(key, _Pins(part, current, self.inflight, self.spec))
-                    except PolicyError:
+                    except NoVictim:  # every key pinned: skipped (a victim of the policy's fault is raised)
                         stats.skipped_prefetches[target] += 1
                         left.append(key)
                         continue
@@ -237,7 +237,7 @@ class ExpertCache:
                     continue
                 try:
                     victim = self.parts[part].insert(key, _Pins(part, current, self.inflight, self.spec))
-                except PolicyError:
+                except NoVictim:
                     continue
                 self.inflight[(part, key)] = self.transport.submit(key, victim, SPECULATIVE, part)
                 self.stats.filled[layer] += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
-from expertcache.errors import PolicyError
+from expertcache.errors import NoVictim, PolicyError
 from expertcache.policy.base import Key, Policy
 
 _SET_PIN_THRESHOLD = 8  # larger chunks are pinned through a set rather than a tuple scan
@@ -59,12 +59,14 @@ class Residency:
 
     def insert(self, key: Key, pinned: Container[Key]) -> Key | None:
         """Make a missing key resident, evicting the policy's victim (never one in ``pinned``); return
-        the victim. Raises PolicyError, with nothing changed, when every candidate is pinned."""
+        the victim. Raises ``NoVictim``, with nothing changed, when every candidate is pinned (the policy
+        says so, or returns None with the cache full), and ``PolicyError`` when it chose wrong (a victim
+        not resident or pinned): a prefetch skipped for that hid a broken policy."""
         victim = self.policy.victim(key, pinned)
         if victim is None and len(self.resident) >= self.policy.capacity:
             # full, and nothing to evict: a policy that says None rather than raising ``no_victim`` (as
             # the documented example once did) would overfill the cache
-            raise PolicyError(
+            raise NoVictim(
                 f"{self.policy.name}: no victim for {key} with the cache full ({self.policy.capacity} "
                 "experts): victim() returns None only while there is room, and raises no_victim when every "
                 "key is pinned"
@@ -106,7 +108,7 @@ class Residency:
                 continue
             try:
                 victim = self.insert(key, pinned)
-            except PolicyError:
+            except NoVictim:
                 if make_room is None:
                     raise
                 make_room()

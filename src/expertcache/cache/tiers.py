@@ -43,7 +43,7 @@ import numpy as np
 
 from expertcache.cache.residency import Residency
 from expertcache.cache.transfers import PENDING
-from expertcache.errors import PolicyError
+from expertcache.errors import NoVictim
 from expertcache.miss.base import FULL
 from expertcache.policy.base import Key, Policy
 
@@ -167,7 +167,7 @@ class HostLevel:
         pinned (``counted``: a request's miss, read straight through: ``bypassed``)."""
         try:
             victim = self.residency.insert(key, pinned)
-        except PolicyError:
+        except NoVictim:  # every key pinned: read straight through (any other choice is the policy's fault)
             if counted:
                 self.stats.bypassed += 1
             return (None, None, read)

@@ -23,7 +23,7 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from expertcache.errors import PolicyError
+from expertcache.errors import NoVictim, PolicyError
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -147,8 +147,8 @@ class Policy(ABC):
         """The resident key to evict so that ``incoming`` fits, never one in ``pinned``; None if it fits."""
 
 
-def no_victim(policy: Policy, incoming: Key) -> PolicyError:
+def no_victim(policy: Policy, incoming: Key) -> NoVictim:
     """The error for a cache whose every resident key is pinned (the caller over-committed)."""
-    return PolicyError(
+    return NoVictim(
         f"{policy.name}: no evictable expert for {incoming} (capacity {policy.capacity}, all pinned)"
     )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from functools import partial
 
-from expertcache.errors import PolicyError, option
+from expertcache.errors import PolicyError, did_you_mean, option
 from expertcache.policy.base import Policy, PolicyContext
 from expertcache.policy.dist import Dist
 from expertcache.policy.eam import EAM
@@ -125,7 +127,7 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
         params = {**params, "budgets": parsed}
     try:
         return factory(ctx, **params)
-    except TypeError as e:  # a parameter of the wrong type
+    except (TypeError, ValueError) as e:  # a parameter of the wrong type; a plugin's own check refused it
         raise PolicyError(f"policy {name!r}: bad parameters {params}: {e}") from None
 
 
@@ -180,4 +182,11 @@ def _lookup(name: str) -> PolicyFactory:
                 "experts at once, docs/POLICIES.md); give it the whole cache, or choose a policy with one: "
                 + ", ".join(n for n in POLICIES if n.endswith("-dist"))
             ) from None
-        raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+        hint = did_you_mean(name, POLICIES) if isinstance(name, str) else ""
+        named = [m.strip() for m in os.environ.get("EXPERTCACHE_PLUGINS", "").split(",") if m.strip()]
+        if any(m not in sys.modules for m in named):  # read by the commands; Python imports plugins itself
+            hint += (
+                " (EXPERTCACHE_PLUGINS is read by the commands; in Python, expertcache.load_plugins() "
+                "imports the modules it names)"
+            )
+        raise PolicyError(f"unknown policy {name!r}{hint}; choose from {', '.join(POLICIES)}") from None
