@@ -20,7 +20,9 @@ figures against the server they advise, on this machine, with an emulated link s
    tokens a second and hits. The rungs alternate in order every other round of ``--rounds``.
 5. The summary, per profile: each rung's measured TPOT against the 100 % server's (a ratio, and a
    difference, paired within a round; median and range over rounds) beside the ladder's prediction, and
-   whether the budget the doctor names is within ``--within`` of all resident as served.
+   whether the budget the doctor names is within ``--within`` of all resident as served; and the default
+   path (``lru``, ``fetch``) at each budget, served and predicted (``timing``), beside the ladder's choice
+   (``--no-fetch`` leaves it out).
 
     PYTHONPATH=bench .venv/bin/python bench/ladder_served.py [--clients 4] [--link-bandwidth 1GB/s] \\
         [--rounds 2] [--out bench/results/ladder_served.json]
@@ -118,6 +120,8 @@ def main() -> int:
     p.add_argument("--warm", type=at_least(0.0, float), default=5.0, help="uncounted seconds a server (5)")
     p.add_argument("--duration", type=at_least(1.0, float), default=30.0, help="counted seconds (30)")
     p.add_argument("--rounds", type=at_least(1), default=2, help="rounds over the rungs (default 2)")
+    p.add_argument("--no-fetch", dest="fetch", action="store_false", help="leave out lru/fetch, the default "
+                   "path, served and predicted at each budget beside the ladder's choice")  # fmt: skip
     p.add_argument(
         "--keep",
         metavar="DIR",
@@ -177,6 +181,16 @@ def main() -> int:
         return " ".join(x for x in c[1:] if x) + (f" (--cost {c[0]} profile)" if c[0] else "")
 
     configs = list(dict.fromkeys(config(n, r) for n, ladder in ladders.items() for r in ladder["rows"]))
+    shares = [share_text(r["share"]) for r in ladders["plain"]["rows"] if r["share"] < 1]
+    if args.fetch:  # the default path beside the ladder's choice, at each budget: served and predicted
+        configs += [(None, share, "lru", "fetch") for share in shares]
+    predicted_fetch: dict[str, dict[str, float]] = {name: {} for name in profiles}
+    for name, profile in profiles.items():
+        for share in shares if args.fetch else ():
+            cmd = cli("timing", "--trace", str(trace), "--cost", str(profile), *link, "--expert-memory",
+                      share, "--policy", "lru", "--miss", "fetch", "--json")  # fmt: skip
+            got = json.loads(run(cmd))
+            predicted_fetch[name][share] = (got["tpot_requests"] or {}).get("mean_s") or got["tpot_s"]
     runs: dict[str, list[dict]] = {label(c): [] for c in configs}
     for r in range(args.rounds):
         for c in configs if r % 2 == 0 else configs[::-1]:
@@ -213,7 +227,21 @@ def main() -> int:
             ]
             verdict = {"budget": share_text(enough["share"]), "served_vs_resident": got,
                        "within": got is not None and got <= within}  # fmt: skip
-        summary[name] = {"doctor_command": commands[name], "rows": rows, "doctor_names": verdict}
+        fetch = []
+        for share in shares if args.fetch else ():
+            mine = runs[label((None, share, "lru", "fetch"))]
+            resident = ladder["rows"][-1]["tpot_s"]
+            fetch.append({
+                "budget": share, "policy": "lru", "miss": "fetch",
+                "predicted_tpot_s": predicted_fetch[name][share],
+                "predicted_vs_resident": predicted_fetch[name][share] / resident,
+                "served_tpot_s": spread([x["tpot_mean_s"] for x in mine]),
+                "served_vs_resident": spread(
+                    [a["tpot_mean_s"] / b["tpot_mean_s"] for a, b in zip(mine, runs[full], strict=True)]),
+                "served_hit_ratio": spread([x["hit_ratio"] for x in mine]),
+            })  # fmt: skip
+        summary[name] = {"doctor_command": commands[name], "rows": rows, "doctor_names": verdict,
+                         "lru_fetch": fetch}  # fmt: skip
     fit = data["how"]["fit"]
     result = {
         "provenance": provenance(), "clients": args.clients, "tokens": args.tokens,
