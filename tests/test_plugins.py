@@ -359,9 +359,9 @@ def test_a_wrong_victim_is_an_error_on_a_prefetch_and_in_a_host_level_too(plugin
             ec.simulate_timing(trace, 24, cache=WrongForPrefetch.name, prefetch="oracle")
         with pytest.raises(PolicyError, match=r"users-forgetful-host: victim\(\) chose .* not resident"):
             ec.simulate_timing(trace, 8, host=HostConfig("30%", Forgetful.name))
-        with pytest.raises(PolicyError, match=r"users-forgetful-host: victim\(\) chose .* not resident"):
-            with ec.load(expert_memory="10%", host_memory="30%", host_policy=Forgetful.name) as model:
-                model.generate_text("def read_config(path):", 16)
+        wrong = pytest.raises(PolicyError, match=r"users-forgetful-host: victim\(\) chose .* not resident")
+        with wrong, ec.load(expert_memory="10%", host_memory="30%", host_policy=Forgetful.name) as model:
+            model.generate_text("def read_config(path):", 16)
     finally:
         for cls in (WrongForPrefetch, Forgetful):
             POLICIES.pop(cls.name, None)

@@ -166,6 +166,14 @@ def _diagnose(
     if isinstance(misses, str):
         misses = (misses,)
     cost = as_cost(cost, trace)
+    unpriced = []
+    if not cost.host_parallel and not cost.submit_s and not cost.host_submit_s:  # a CPU's, the engine's work
+        unpriced = [  # a miss at 0: checked against the server (BENCHMARKS.md), 12.5 % named, served 1.6x
+            "these costs are a CPU's and price none of the engine's own work a miss (submit_s, host_submit_s "
+            "0): the predicted TPOT under misses comes out optimistic, and the budget named low (profile "
+            "--fit-overheads fits both; --issue-time and --host-issue-time declare them)"
+        ]
+        warn_notes(unpriced)  # also in the report's notes; the command line prints them
     check_layout_policy(policy, "doctor draws the per-layer curves of, and plans with,")
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
     jobs = whole_number(jobs, option("--jobs", "jobs"))
@@ -266,7 +274,7 @@ def _diagnose(
         if level is None
         else _levels(trace, capacity, cost, policy, host, host_capacity, K, levels, batched),
         "budgets": _budgets(ladder, capacity, L * E, resident, batched, within),
-        "notes": capped + ([] if level is None else level[2]),  # the host level's size, as timing notes it
+        "notes": capped + ([] if level is None else level[2]) + unpriced,  # the host level's size, as timing
     }
     report["verdict"] = verdict(report)
     return report
