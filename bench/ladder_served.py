@@ -43,6 +43,10 @@ from pathlib import Path
 from provenance import at_least, fail, provenance, results_out, write_json
 from serve_load import _prompts, free_port, phase, start_server, stop_server
 
+from expertcache.errors import ExpertcacheError, command_line
+from expertcache.sim.doctor import within_factor
+from expertcache.units import parse_duration, parse_rate
+
 COST_BASED = ("host", "hybrid", "batch")  # miss paths that decide by costs (take --cost)
 
 
@@ -136,6 +140,13 @@ def main() -> int:
         ends = []
     if len(ends) not in (1, 2) or min(ends) < 1 or ends[0] > ends[-1]:
         fail(p.prog, f"--tokens {args.tokens!r}: max_tokens, at least 1, or a range A-B with 1 <= A <= B")
+    try:  # every value checked before the minutes of work, named by its flag
+        with command_line():
+            parse_rate(args.link_bandwidth, "--link-bandwidth")
+            parse_duration(args.link_latency, "--link-latency")
+            within = within_factor(args.within)
+    except ExpertcacheError as exc:
+        fail(p.prog, str(exc))
     out = results_out(p, args, "ladder_served.json")
     args.tokens = (ends[0], ends[-1])
     prompts = _prompts()
@@ -200,7 +211,6 @@ def main() -> int:
             print(f"  tpot mean {got['tpot_mean_s']}, {got['tokens_per_s']:.1f} tok/s, "
                   f"hits {got['hit_ratio']}", file=sys.stderr, flush=True)  # fmt: skip
     full = label((None, "100%", None, None))
-    within = float(args.within.rstrip("x"))
     summary: dict[str, object] = {}
     for name, ladder in ladders.items():
         rows = []

@@ -208,8 +208,9 @@ def fitted_overheads(
     disagree by more than ``UNSTEADY``x, or a run decoded faster than its all-resident pair, the machine
     was busy: said in ``unsteady``. ``wake_s`` stays 0: fitted beside ``submit_s`` on TPOT and
     stall a token (``bench/validate_timing.py``'s 2 x 2 solve), the pair predicted a 25 % run 24 % high on
-    the 2-core VM, this one 2-8 % high and a 50 % run 3-13 % low, where a profile without it is 22-27 %
-    low. ``resident_step_s`` (the profile's own all-resident step) is kept for the record."""
+    the 2-core VM, ``submit_s`` alone (fitted before the runs were paired) 2-8 % high and a 50 % run 3-13 %
+    low, where a profile without it is 22-27 % low. ``resident_step_s`` (the profile's own all-resident
+    step) is kept for the record."""
     from expertcache.engine.offloaded import load
 
     unsteady: list[str] = []
