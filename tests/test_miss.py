@@ -88,26 +88,24 @@ class TestHost:
         routes = path.decide(0, [need(0, 1), need(1, 2), need(2, 3), need(3, 40)], _View())
         assert routes == [ON_HOST, ON_HOST, FETCH, FETCH]
 
-    def test_the_engines_own_work_for_each_side_weighs_in(self):
-        """The rule weighed a host expert's computation against a fetch's and priced neither side's engine
-        work: on a 2-core CPU about 100 us a host expert (its tokens handed over, its output placed), more
-        than a small expert's computation, so the timing model's host path came out far too cheap."""
-        needs = [need(0, 1), need(1, 2)]  # host 3 and 4 ms against 4.1 and 4.2 ms: both on the host
-        for extra, want in (
-            ({}, [ON_HOST, ON_HOST]),
-            ({"host_submit_s": 0.5e-3}, [ON_HOST, FETCH]),  # 3.5 < 4.1; 4.5 > 4.2
-            ({"host_submit_s": 1.5e-3}, [FETCH, FETCH]),
-            ({"host_submit_s": 1.5e-3, "submit_s": 1e-3}, [ON_HOST, FETCH]),  # 4.5 < 5.1; 5.5 > 5.2
+    def test_the_engines_own_work_prices_the_time_not_the_choice(self):
+        """Weighed in the rule, two fitted overheads of the same order (a fetch's submit_s, a host
+        expert's host_submit_s), noisy from one profile to the next, decided between re-reading every
+        miss from the disk and caching it: 2x the TPOT on the disk tier (a new user's trial). They price
+        the time (the timing model, the planner), and the choice stays Fiddler's."""
+        needs = [need(0, 1), need(1, 2), need(2, 3)]
+        plain = make_miss("host", MissContext(2, 8, 2, costs=COSTS)).decide(0, needs, _View())
+        for extra in (
+            {"host_submit_s": 1.5e-3},
+            {"submit_s": 1e-3},
+            {"host_submit_s": 5e-3, "submit_s": 1e-6},
         ):
-            path = make_miss("host", MissContext(2, 8, 2, costs=CostModel.from_dict(extra, COSTS)))
-            assert path.decide(0, needs, _View()) == want, extra
-        for miss in ("hybrid", "batch"):  # the same work on the device's timeline in HybriMoE's schedule
-            cheap, dear = (CostModel.from_dict({"host_submit_s": v}, COSTS) for v in (0.0, 5e-3))
-            got = [
-                make_miss(miss, MissContext(2, 8, 2, costs=c)).decide(0, [need(0)], _View())
-                for c in (cheap, dear)
-            ]
-            assert got[0][0].where == "host" and got[1][0].where == "device", miss
+            costs = CostModel.from_dict(extra, COSTS)
+            for miss in ("host", "hybrid", "batch"):
+                path = make_miss(miss, MissContext(2, 8, 2, costs=costs))
+                base = make_miss(miss, MissContext(2, 8, 2, costs=COSTS))
+                assert path.decide(0, needs, _View()) == base.decide(0, needs, _View()), (miss, extra)
+        assert plain == [ON_HOST, ON_HOST, FETCH]
 
     def test_fill_also_moves_the_host_expert_in_the_background(self):
         path = make_miss("host:fill=1", MissContext(2, 8, 2, costs=COSTS))

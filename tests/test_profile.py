@@ -296,6 +296,11 @@ def test_a_fit_on_a_busy_machine_is_said_and_an_impossible_one_fits_nothing(ckpt
     assert fit["submit_s"] == 0 == cost["submit_s"] and fit["host_submit_s"] == 0 == cost["host_submit_s"]
     for field in ("submit_s", "host_submit_s"):
         assert any("quicker than all resident" in u and f": {field} not fitted" in u for u in unsteady)
+        assert field not in data["measured"]  # 0 taken, not a measurement
+    assert not fit["transfer"]["fitted"] and not fit["host"]["fitted"]
+    from expertcache.tools.profile import format_profile
+
+    assert format_profile(data).count("not fitted (a run quicker than its all-resident pair") == 2
 
 
 def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():

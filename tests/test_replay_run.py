@@ -441,6 +441,8 @@ def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by
     assert main(["timing", "--trace", str(path), "--miss", trace.meta["miss"], "--json"]) == 0
     out, err = capsys.readouterr()
     assert ("priced by the costs the run decided by" in err) == (miss == "host")
+    # costs measured at load are the path's (an expert, a transfer, the host), never the step's rest: said
+    assert ("its dense and step times are not among them" in err) == (miss == "host")
     replay = json.loads(out)
     assert (replay["hits"], replay["misses"], replay["host_computed"]) == (
         stats["hits"], stats["misses"], stats["host_computed"]
@@ -559,6 +561,32 @@ def test_generate_decides_by_the_costs_given_and_its_run_replays_by_them(tmp_pat
     recorded = json.loads(ec.load_trace(tmp_path / "link.npz").meta["costs"])
     assert recorded["link_bandwidth"] == 10e6 and recorded["link_latency"] == pytest.approx(5e-6)
     assert recorded["host_expert_s"] == pytest.approx(1e-3)  # the rest is the file's
+
+
+def test_generate_refuses_a_profile_of_another_model_and_names_one_of_another_tier(tmp_path, capsys):
+    """timing, plan and doctor refused a profile of another model's shape, and generate and serve ran it
+    in silence; a profile of another slow tier (no host read) sent every miss to the host, unsaid (a new
+    user's trial)."""
+    from expertcache.costs import PROFILE_FORMAT, PROFILE_VERSION
+
+    def profile(path, layers, tier):
+        shape = {"name": "embedded", "layers": layers, "experts": 16, "top_k": 2, "expert_bytes": 184320}
+        cost = {"host_expert_s": "30us", "expert_bytes": 184320, "host_parallel": False}
+        path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": shape,
+                                    "cost": cost, "how": {"slow_tier": tier}}))  # fmt: skip
+        return str(path)
+
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--expert-memory", "30%", "--miss",
+            "host", "--prefetch", "none", "--slow-tier", "disk"]  # fmt: skip
+    assert main([*argv, "--cost", profile(tmp_path / "seven.json", 7, "disk")]) == 2
+    err = capsys.readouterr().err
+    assert "seven.json is for embedded (7 MoE layers x 16 experts, top-2); embedded has 6 x 16" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main([*argv, "--cost", profile(tmp_path / "host.json", 6, "host")]) == 0
+    err = capsys.readouterr().err
+    assert "were measured on the host slow tier, and this runs on disk" in err and "--slow-tier host" in err
+    assert main([*argv, "--cost", profile(tmp_path / "disk.json", 6, "disk")]) == 0
+    assert "slow tier, and this runs on" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("exclusive", "prefetch"), [(False, "next-gate"), (True, "none")])

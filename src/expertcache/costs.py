@@ -143,13 +143,14 @@ class CostModel:
 
     def host_pays(self, tokens: int, transfer: float | None = None) -> bool:
         """Fiddler's rule: computing the expert's ``tokens`` on the host takes less than moving it
-        (``transfer``, default a whole expert) and computing it on the device, each with the engine's own
-        work for it (``host_submit_s``, ``submit_s``). A tie goes to the device:
+        (``transfer``, default a whole expert) and computing it on the device. A tie goes to the device:
         on a CPU-only machine the two are the same measurement plus the same read, and which side of a
-        rounding error a sum falls on must not decide (it flipped per run and per token count)."""
-        moved = self.demand_transfer_time() if transfer is None else transfer
-        device = moved + self.expert(tokens) + self.submit_s
-        host = self.host_expert(tokens) + self.host_submit_s
+        rounding error a sum falls on must not decide (it flipped per run and per token count). The
+        engine's own work for either (``submit_s``, ``host_submit_s``) prices the time, not this choice:
+        two fitted figures of the same order and noisy, weighed here, decided between re-reading every miss
+        from the disk and caching it (a new user's trial: 2x the TPOT on the disk tier)."""
+        device = (self.demand_transfer_time() if transfer is None else transfer) + self.expert(tokens)
+        host = self.host_expert(tokens)
         return host < device and not math.isclose(host, device, rel_tol=1e-9)
 
     def chunk_sizes(self, nbytes: int | None = None) -> list[int]:

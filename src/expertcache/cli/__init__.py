@@ -429,7 +429,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps timed (default 16)")
     pr.add_argument(
         "--fit-overheads", action="store_true",
-        help="also fit submit_s, the engine's own work a transfer, on two runs at 50%% here (wake_s stays 0)",
+        help="also fit the engine's own work a transfer (submit_s, on runs at 50%%) and an expert "
+        "computed on the host (host_submit_s, on runs computing every expert there), each run against "
+        "an all-resident one just before it, the median of three kept (wake_s stays 0)",
     )  # fmt: skip
     pr.add_argument("--device-bandwidth", metavar="RATE", help="declare the host -> device link, e.g. 25GB/s")
     pr.add_argument("--device-latency", metavar="TIME", help="declare its latency per chunk, e.g. 20us")
@@ -1015,9 +1017,16 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     if own is not None:
         flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
         over = f", {' '.join(flags)} given over them" if flags else ""
-        how = "measured at its load" if trace.meta.get("costs_measured", True) else "given to it"
+        measured = trace.meta.get("costs_measured", True)
+        how = "measured at its load" if measured else "given to it"
+        # the load measures what the path decides by (an expert, a transfer, the host), not the rest of a step
+        rest = "" if not measured or args.dense_time or args.step_time else (
+            "; its dense and step times are not among them: the defaults, a GPU's 0.25 ms a layer and "
+            "0.5 ms a step (a profile of this machine, --cost, or --dense-time and --step-time give them), "
+            "so its counts are the run's and its times are not"
+        )  # fmt: skip
         print(
-            f"note: priced by the costs the run decided by ({how}{over}; --cost gives others)",
+            f"note: priced by the costs the run decided by ({how}{over}; --cost gives others){rest}",
             file=sys.stderr,
         )
     if plan is not None:

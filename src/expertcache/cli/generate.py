@@ -286,7 +286,8 @@ def load_model(args, record: bool = True):
                 f"--cost changes nothing here: miss path {miss.name} decides by no costs (host, hybrid and "
                 "batch do)"
             )
-        costs = CostModel.load(args.cost)
+        CostModel.load(args.cost)  # read and checked before any work; the engine checks its shape and tier
+        costs = args.cost
     with startup_gc(getattr(args, "whole_process", False)):  # start-up: see startup_gc
         from expertcache.engine.offloaded import load
 

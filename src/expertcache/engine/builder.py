@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
-from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, chunks_pay
+from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, chunks_pay, profile_tier
 from expertcache.engine.dense import DenseReport, check_dense_format
 from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
@@ -184,6 +185,9 @@ class Builder:
     ) -> None:
         for name, value in (("record", record), ("download", download), ("warmup", warmup)):
             true_or_false(value, name)
+        measured_on = None  # a profile's path: its model's shape and its slow tier, checked below
+        if isinstance(costs, str | os.PathLike):
+            measured_on = (costs, CostModel.load_profile(costs)[1], profile_tier(costs))
         costs = None if costs is None else as_cost(costs)  # a dict or a profile's path, as simulate_timing's
         self.path = resolve_model(path, download)
         self.plan = plan
@@ -219,6 +223,15 @@ class Builder:
         )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
+        if measured_on is not None and measured_on[1] is not None:  # as timing, plan and doctor refuse it
+            cost_path, shape, _ = measured_on
+            want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
+            if want != (self.num_layers, self.num_experts, self.top_k):
+                raise ExpertcacheError(
+                    f"profile {cost_path} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x "
+                    f"{want[1]} experts, top-{want[2]}); {model_label(self.path)} has {self.num_layers} x "
+                    f"{self.num_experts}, top-{self.top_k}: profile this model ('expertcache profile')"
+                )
         beyond = layers_beyond(sk.store.ckpt, sk.config)
         if beyond:  # a config.json of 3 layers over weights of 6 ran another model without a word
             self.notes.append(
@@ -299,6 +312,13 @@ class Builder:
         self.spare_slots = self._spare_slots(host)
         self._check_fits(slow_tier)
         self.tier = self._tier(sk, slow_tier, show)
+        if measured_on is not None and measured_on[2] not in (None, self.tier.name) and self.miss.needs_costs:
+            theirs = measured_on[2]
+            self.notes.append(
+                f"the costs given ({measured_on[0]}) were measured on the {theirs} slow tier, and this runs "
+                f"on {self.tier.name}: miss path {self.miss.name} decides by another tier's reads and "
+                f"transfers ({option('--slow-tier ' + theirs, f'slow_tier={theirs!r}')} runs on theirs)"
+            )
         self.weight_files = sorted({Path(f) for f in sk.store.ckpt.files.values()})  # for stats' memory
         # nothing to offload (every expert fits, and the miss path would keep them all: fetch, host,
         # hybrid): every slot is filled at load

@@ -47,22 +47,17 @@ def makespan_split(
     end = max if c.host_parallel else lambda a, b: a + b
     while lo <= hi:
         light, heavy = needs[order[lo]], needs[order[hi]]
-        # the engine's own work for each, on the device's thread: a host expert's tokens handed over and
-        # its output placed (``host_submit_s``), a transfer issued (``submit_s``)
-        to_host = end(host + c.host_expert(light.tokens), device + c.host_submit_s)
-        moves = moved is None or not moved[order[hi]]
-        arrive = link + (transfer if moves else 0.0)
-        issued = device + (c.submit_s if moves else 0.0)
-        fetched = end(host, max(issued, arrive) + c.expert(heavy.tokens))
+        to_host = end(host + c.host_expert(light.tokens), device)
+        arrive = link + (transfer if moved is None or not moved[order[hi]] else 0.0)
+        fetched = end(host, max(device, arrive) + c.expert(heavy.tokens))
         # a tie goes to the device, as in Fiddler's rule (``CostModel.host_pays``): a fetched expert enters
         # the cache and later steps hit it; on a CPU-only machine reading from the disk the two are the same
         # read and the same computation, and a tie sent every miss to the host (the cache stayed empty)
         if to_host < fetched and not math.isclose(to_host, fetched, rel_tol=1e-9):
             on_host[order[lo]] = True
             host += c.host_expert(light.tokens)
-            device += c.host_submit_s
             lo += 1
         else:
-            link, device = arrive, max(issued, arrive) + c.expert(heavy.tokens)
+            link, device = arrive, max(device, arrive) + c.expert(heavy.tokens)
             hi -= 1
     return on_host

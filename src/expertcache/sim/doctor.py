@@ -167,10 +167,13 @@ def _diagnose(
         misses = (misses,)
     cost = as_cost(cost, trace)
     unpriced = []
-    if not cost.host_parallel and not cost.submit_s and not cost.host_submit_s:  # a CPU's, the engine's work
-        unpriced = [  # a miss at 0: checked against the server (BENCHMARKS.md), 12.5 % named, served 1.6x
-            "these costs are a CPU's and price none of the engine's own work a miss (submit_s, host_submit_s "
-            "0): the predicted TPOT under misses comes out optimistic, and the budget named low (profile "
+    zero = [f for f in ("submit_s", "host_submit_s") if not getattr(cost, f)]
+    if not cost.host_parallel and zero:  # a CPU's costs, the engine's own work a miss at 0: checked against
+        what = {"submit_s": "a transfer", "host_submit_s": "an expert computed on the host"}  # the server,
+        unpriced = [  # 12.5 % named enough, served 1.86x (BENCHMARKS.md)
+            f"these costs are a CPU's and price none of the engine's own work for "
+            f"{' or '.join(what[f] for f in zero)} ({', '.join(zero)} 0): where that work is not small the "
+            "predicted TPOT under misses comes out optimistic, and the budget named low (profile "
             "--fit-overheads fits both; --issue-time and --host-issue-time declare them)"
         ]
         warn_notes(unpriced)  # also in the report's notes; the command line prints them

@@ -141,6 +141,10 @@ def profile(
     # disk and mapped tiers (calibrate: one expert read into memory), 0 elsewhere (reading a profile
     # without it gives it the tier's transfer: costs.host_reads_of)
     skip = ("chunk_bytes", "step_s", "wake_s") + (() if fit else ("submit_s", "host_submit_s"))
+    if fit:  # a figure a busy machine left at 0 is not a measurement
+        skip += tuple(
+            f for f, part in (("submit_s", "transfer"), ("host_submit_s", "host")) if not fit[part]["fitted"]
+        )
     skip += () if cost.host_read_s else ("host_read_s",)
     if not cost.disk_read_s:  # measured on the disk tier (and with a host level) only
         skip += ("disk_read_s",)
@@ -246,10 +250,11 @@ def fitted_overheads(
                 f"{field} fitted {', '.join(f'{v * 1e6:.0f}' for v in values)} us (the median kept)"
             )
         return {
-            "value": value, "budget": budget, "miss": miss, "misses": target[2], "host_computed": target[3],
+            "value": value, "fitted": not (quicker and value == 0), "budget": budget, "miss": miss,
+            "misses": target[2], "host_computed": target[3],
             "engine": {"tpot_s": target[0], "resident_tpot_s": resident[0]},
             "model": {"tpot_s": matched, "tpot_unfitted_s": unfitted, "resident_tpot_s": floors[keep]},
-            "fitted": values,
+            "pairs": values,
         }  # fmt: skip
 
     transfer = fitted("submit_s", FIT_BUDGET, "fetch", cost)
@@ -259,7 +264,8 @@ def fitted_overheads(
     fit = {
         "budget": FIT_BUDGET, "tokens": FIT_TOKENS, "submit_s": transfer["value"], "wake_s": 0.0,
         "misses": transfer["misses"], "engine": transfer["engine"], "model": transfer["model"],
-        "host_submit_s": host["value"], "host": host, "resident_step_s": resident_step_s,
+        "host_submit_s": host["value"], "host": host, "transfer": transfer,
+        "resident_step_s": resident_step_s,
         "unsteady": unsteady,
     }  # fmt: skip
     return cost, fit
@@ -403,6 +409,13 @@ def low_precision_costs(m, module, full_s: float) -> dict[str, dict[str, float]]
     return out
 
 
+def _figure(fit: dict, part: str, field: str) -> str:
+    """A fitted figure, or that a busy machine left it unfitted (0 taken, not listed as measured)."""
+    if not fit.get(part, {}).get("fitted", True):
+        return "not fitted (a run quicker than its all-resident pair: the machine was busy; 0 taken)"
+    return f"{fit[field] * 1e6:.0f} us"
+
+
 def _above(fit: dict) -> str:
     """A fitted run's TPOT above its all-resident pair's, the engine's and the model's without the figure."""
     engine, model = fit["engine"], fit["model"]
@@ -441,18 +454,20 @@ def format_profile(data: dict[str, object]) -> str:
         f"measured   {', '.join(data['measured'])}",
         f"declared   {', '.join(data['declared']) or 'nothing'}",
         (
-            f"fitted     submit_s {fit['submit_s'] * 1e6:.0f} us on a run at {fit['budget']} "
+            f"fitted     submit_s {_figure(fit, 'transfer', 'submit_s')} on runs at {fit['budget']} "
             f"({fit['misses']} misses){_above(fit)}"
             + (
-                f"; host_submit_s {fit['host_submit_s'] * 1e6:.0f} us on a run with every expert on the host "
-                f"({h['host_computed']} computed there){_above(h)}"
+                f"; host_submit_s {_figure(fit, 'host', 'host_submit_s')} on runs with every expert on the "
+                f"host ({h['host_computed']} computed there){_above(h)}"
                 if (h := fit.get("host"))
                 else ""
             )
             if (fit := data["how"].get("fit"))
             else "not here   submit_s, host_submit_s, wake_s: the engine's own work a transfer and an expert "
             "computed on the host, and its wake-up after a transfer (0: a plan under misses comes out "
-            "optimistic on a CPU; --fit-overheads fits the first two on runs)"
+            "optimistic on a CPU"
+            + ("" if data["declared"] else "; --fit-overheads fits the first two on runs")
+            + ")"
         ),
         "precisions "
         + (
