@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 
 from provenance import at_least, fail, provenance, results_out, write_json
-from serve_load import _prompts, free_port, phase, start_server, stop_server
+from serve_load import _prompts, free_port, phase, server_command, start_server, stop_server, token_range
 
 from expertcache.errors import ExpertcacheError, command_line
 from expertcache.sim.doctor import within_factor
@@ -65,12 +65,12 @@ def run(cmd: list[str]) -> str:
 
 def server(args, port: int, cost: Path | None, memory: str, policy: str | None, miss: str | None,
            record: Path | None = None):  # fmt: skip
-    cmd = cli("serve", "--port", str(port), "--device", "cpu", "--slow-tier", "mapped", "--expert-memory",
-              memory, "--max-queue", str(max(64, args.clients)), "--served-model-name", "embedded", "--quiet",
-              "--link-bandwidth", args.link_bandwidth, "--link-latency", args.link_latency)  # fmt: skip
-    for flag, value in (("model", args.model), ("dtype", args.dtype), ("policy", policy), ("miss", miss)):
-        if value:
-            cmd += [f"--{flag}", value]
+    """serve_load.py's server at ``memory:policy:miss``, on the mapped tier, with the emulated link."""
+    on = argparse.Namespace(slow_tier="mapped", device="cpu", clients=[args.clients], model=args.model,
+                            dtype=args.dtype, policy=None, miss=None, schedule=None, attention=None,
+                            kernel=None)  # fmt: skip
+    cmd = server_command(on, port, ":".join([memory, policy or "", miss or ""]).rstrip(":"))
+    cmd += ["--link-bandwidth", args.link_bandwidth, "--link-latency", args.link_latency]
     if cost is not None:  # a cost-based path decides by the profile its ladder was timed with
         cmd += ["--cost", str(cost)]
     if record is not None:
@@ -134,11 +134,8 @@ def main() -> int:
     p.add_argument("--out", help="results JSON (default bench/results/ladder_served.json for the "
                    "documented run, else the temporary folder)")  # fmt: skip
     args = p.parse_args()
-    try:
-        ends = [int(n) for n in args.tokens.split("-")] if args.tokens.count("-") <= 1 else []
-    except ValueError:
-        ends = []
-    if len(ends) not in (1, 2) or min(ends) < 1 or ends[0] > ends[-1]:
+    tokens = token_range(args.tokens)
+    if tokens is None:
         fail(p.prog, f"--tokens {args.tokens!r}: max_tokens, at least 1, or a range A-B with 1 <= A <= B")
     try:  # every value checked before the minutes of work, named by its flag
         with command_line():
@@ -148,7 +145,7 @@ def main() -> int:
     except ExpertcacheError as exc:
         fail(p.prog, str(exc))
     out = results_out(p, args, "ladder_served.json")
-    args.tokens = (ends[0], ends[-1])
+    args.tokens = tokens
     prompts = _prompts()
     if args.keep and not Path(args.keep).is_dir():
         fail(p.prog, f"--keep {args.keep}: not a folder")

@@ -572,13 +572,10 @@ def check_args(args: argparse.Namespace) -> None:
             refuse(f"--{name.replace('_', '-')} {value}: seconds, {'more than' if strict else 'at least'} 0")
     if args.rounds < 1:
         refuse(f"--rounds {args.rounds}: at least 1")
-    try:
-        ends = [int(n) for n in args.tokens.split("-")] if args.tokens.count("-") <= 1 else []
-    except ValueError:
-        ends = []
-    if len(ends) not in (1, 2) or min(ends) < 1 or ends[0] > ends[-1]:
+    tokens = token_range(args.tokens)
+    if tokens is None:
         refuse(f"--tokens {args.tokens!r}: max_tokens, at least 1, or a range A-B with 1 <= A <= B (16-48)")
-    args.tokens = (ends[0], ends[-1])
+    args.tokens = tokens
     if args.slowloris < 0:
         refuse(f"--slowloris {args.slowloris}: a number of connections, 0 or more")
     for name in ("bad_share", "leave_share"):
@@ -595,6 +592,17 @@ def check_args(args: argparse.Namespace) -> None:
         parent = out.resolve().parent
         if out.is_dir() or not parent.is_dir() or not os.access(out if out.exists() else parent, os.W_OK):
             refuse(f"--out {args.out}: cannot write a file there")
+
+
+def token_range(text: str) -> tuple[int, int] | None:
+    """``--tokens``: N or A-B (1 <= A <= B) as (A, B), N as (N, N); None for anything else."""
+    try:
+        ends = [int(n) for n in text.split("-")] if text.count("-") <= 1 else []
+    except ValueError:
+        return None
+    if len(ends) not in (1, 2) or min(ends) < 1 or ends[0] > ends[-1]:
+        return None
+    return ends[0], ends[-1]
 
 
 def check_config(config: str, args: argparse.Namespace) -> None:

@@ -359,17 +359,26 @@ def check_low_precision(path: str | os.PathLike, shape: dict | None, misses) -> 
         )
 
 
-def check_shape(path: str | os.PathLike, shape: dict | None, trace) -> None:
+def check_shape(
+    path: str | os.PathLike,
+    shape: dict | None,
+    trace=None,
+    have: tuple | None = None,
+    what: str = "",
+    hint="",
+) -> None:
     """A profile (``path``, its model ``shape``) measured for another model's shape than ``trace``'s
-    (layers, experts, top-k) is refused in one line: its expert size and times are another model's."""
+    (or ``have``: layers, experts, top-k of ``what``, a model) is refused in one line: its expert size and
+    times are another model's."""
     if shape is None:  # a plain cost model: no shape to hold it to
         return
-    have = (trace.num_layers, trace.num_experts, trace.top_k)
+    if trace is not None:
+        have, what = (trace.num_layers, trace.num_experts, trace.top_k), f"trace {trace.source}"
     want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
     if have != want:
         raise ExpertcacheError(
             f"profile {path} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x {want[1]} "
-            f"experts, top-{want[2]}); trace {trace.source} has {have[0]} x {have[1]}, top-{have[2]}"
+            f"experts, top-{want[2]}); {what} has {have[0]} x {have[1]}, top-{have[2]}{hint}"
         )
 
 

@@ -29,7 +29,7 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
-from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, chunks_pay, profile_tier
+from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, check_shape, chunks_pay, profile_tier
 from expertcache.engine.dense import DenseReport, check_dense_format
 from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
@@ -187,8 +187,9 @@ class Builder:
             true_or_false(value, name)
         measured_on = None  # a profile's path: its model's shape and its slow tier, checked below
         if isinstance(costs, str | os.PathLike):
-            measured_on = (costs, CostModel.load_profile(costs)[1], profile_tier(costs))
-        costs = None if costs is None else as_cost(costs)  # a dict or a profile's path, as simulate_timing's
+            path_given, (costs, shape) = costs, CostModel.load_profile(costs)
+            measured_on = (path_given, shape, profile_tier(path_given))
+        costs = None if costs is None else as_cost(costs)  # a dict, as simulate_timing's
         self.path = resolve_model(path, download)
         self.plan = plan
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
@@ -223,15 +224,10 @@ class Builder:
         )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
-        if measured_on is not None and measured_on[1] is not None:  # as timing, plan and doctor refuse it
-            cost_path, shape, _ = measured_on
-            want = (shape.get("layers"), shape.get("experts"), shape.get("top_k"))
-            if want != (self.num_layers, self.num_experts, self.top_k):
-                raise ExpertcacheError(
-                    f"profile {cost_path} is for {shape.get('name', 'a model')} ({want[0]} MoE layers x "
-                    f"{want[1]} experts, top-{want[2]}); {model_label(self.path)} has {self.num_layers} x "
-                    f"{self.num_experts}, top-{self.top_k}: profile this model ('expertcache profile')"
-                )
+        if measured_on is not None:  # as timing, plan and doctor refuse it
+            have = (self.num_layers, self.num_experts, self.top_k)
+            hint = ": profile this model ('expertcache profile')"
+            check_shape(measured_on[0], measured_on[1], have=have, what=model_label(self.path), hint=hint)
         beyond = layers_beyond(sk.store.ckpt, sk.config)
         if beyond:  # a config.json of 3 layers over weights of 6 ran another model without a word
             self.notes.append(
