@@ -267,8 +267,11 @@ def test_a_cpus_costs_without_the_engines_own_work_a_miss_are_said_to_be_optimis
     resident and named 12.5 % enough; the server it advised ran 1.6x there (bench/ladder_served.py)."""
     trace = synthesize("zipf", tokens=64, layers=2, experts=8, top_k=2, seed=1)
     cpu = {"host_parallel": False, "expert_bytes": "180KiB", "host_expert_s": "30us"}
-    with pytest.warns(UserWarning, match="price none of the engine's own work for a transfer or an expert"):
+    with pytest.warns(
+        UserWarning, match="price none of the engine's own work for a transfer or an expert"
+    ) as rec:
         report = diagnose(trace, 4, cost=cpu)
+    assert sum("own work" in str(w.message) for w in rec) == 1  # its plan's and its runs' notes not again
     assert any("(submit_s, host_submit_s 0)" in n for n in report["notes"])
     # one of the two left at 0 (a profile whose fit a busy machine left unfitted) is said too
     for priced, said in (

@@ -468,3 +468,29 @@ def test_an_empty_list_is_said_to_be_empty(empty):
     (what,) = empty
     with pytest.raises(ExpertcacheError, match=f"{what} is empty"):
         make_plan(default_trace(), 24, **empty)
+
+
+def test_a_plan_on_a_cpus_costs_says_what_of_the_engines_own_work_they_leave_unpriced():
+    """Each transfer priced and no host expert favours the host's paths, said as such; none of it priced
+    (a plain CPU profile) makes every candidate optimistic, said once, not once a run of the search."""
+    trace = synthesize("zipf", tokens=64, layers=2, experts=8, top_k=2, seed=1)
+    cpu = {"host_parallel": False, "expert_bytes": "180KiB", "host_expert_s": "30us"}
+    with pytest.warns(UserWarning) as record:
+        plan = make_plan(
+            trace, 6, {**cpu, "submit_s": "50us"}, misses=("fetch", "host"), methods=("uniform",)
+        )
+    assert any("favoured against fetch" in n for n in plan.source["notes"])
+    assert not any("price none" in str(w.message) for w in record)
+    with pytest.warns(UserWarning) as record:
+        plan = make_plan(trace, 6, cpu, misses=("fetch", "host"), methods=("uniform",))
+    said = [n for n in plan.source["notes"] if "price none of the engine's own work" in n]
+    assert len(said) == 1 and "(submit_s, host_submit_s 0)" in said[0]
+    assert sum("price none" in str(w.message) for w in record) == 1
+    fetch_only = make_plan(trace, 6, cpu, misses=("fetch",), methods=("uniform",)).source["notes"]
+    assert [n for n in fetch_only if "own work" in n] == [
+        said[0]
+        .replace(" or an expert computed on the host (submit_s, host_submit_s 0)", " (submit_s 0)")
+        .replace(
+            "fits both; --issue-time and --host-issue-time declare them", "fits it; --issue-time declares it"
+        )
+    ]

@@ -844,3 +844,28 @@ def test_each_host_expert_costs_the_compute_thread_host_submit_s(parallel, capsy
     assert "+ issue 100 us" in capsys.readouterr().out
     assert exit_code(["timing", "--host-issue-time", "abc"]) == 2
     assert "--host-issue-time" in capsys.readouterr().err
+
+
+def test_a_cpus_costs_that_leave_the_engines_own_work_unpriced_are_said_to(tmp_path, capsys):
+    """A new user's trial: only the doctor said that a plain CPU profile (no fitted overheads) predicts
+    misses too cheaply; `timing` on the same profile said nothing. It names what the run paid for and left
+    unpriced, and nothing where the costs price it or are a GPU's."""
+    trace = prefix(300)
+    cpu = {"host_parallel": False, "host_expert_s": "20us"}
+    said = {
+        "fetch": "(submit_s 0)",
+        "placement": "(host_submit_s 0)",  # every expert computed on the host, none moved
+    }
+    for miss, what in said.items():
+        with pytest.warns(UserWarning, match="own work") as record:
+            result = simulate_timing(trace, 24, miss=miss, cost=cpu)
+        assert [n for n in result.notes if "own work" in n] == [str(w.message) for w in record if "own" in
+                                                              str(w.message)]  # fmt: skip
+        assert any(what in n and "optimistic" in n for n in result.notes), (miss, result.notes)
+    for priced in ({"submit_s": "50us"}, {"host_parallel": True}):
+        assert not any("own work" in n for n in simulate_timing(trace, 24, cost={**cpu, **priced}).notes)
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(cpu))
+    assert main(["timing", "--capacity", "24", "--cost", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("own work") == 1 and "--issue-time declares it" in err

@@ -153,6 +153,30 @@ class CostModel:
         host = self.host_expert(tokens)
         return host < device and not math.isclose(host, device, rel_tol=1e-9)
 
+    def unpriced_work(self, transfers: bool = True, host: bool = True, budget: bool = False) -> str | None:
+        """A note where these are a CPU's costs (``host_parallel`` False) and leave at 0 the engine's own
+        work for what the prediction pays: ``transfers`` (``submit_s``), experts computed on the host
+        (``host_submit_s``); None where nothing is unpriced. ``budget``: the note says a budget named from
+        the prediction comes out low too (the doctor's). On the 2-core CPU that work was 20-190 us a
+        miss, and a doctor's ladder without it named 12.5 % for a server that ran 1.86x there
+        (BENCHMARKS.md, the doctor's budget ladder against the server)."""
+        asked = (
+            ("submit_s", "a transfer", "--issue-time", transfers),
+            ("host_submit_s", "an expert computed on the host", "--host-issue-time", host),
+        )
+        zero = [a[:3] for a in asked if a[3] and not getattr(self, a[0])]
+        if self.host_parallel or not zero:
+            return None
+        names, whats, flags = zip(*zero, strict=True)
+        it = "them" if len(zero) == 2 else "it"
+        return (
+            f"{UNPRICED_WORK} for {' or '.join(whats)} ({', '.join(names)} 0): where that work is not small "
+            "the predicted TPOT under misses comes out optimistic"
+            + (", and the budget named low" if budget else "")
+            + f" (profile --fit-overheads fits {'both' if len(zero) == 2 else 'it'}; {' and '.join(flags)} "
+            f"declare{'' if len(zero) == 2 else 's'} {it})"
+        )
+
     def chunk_sizes(self, nbytes: int | None = None) -> list[int]:
         """Bytes of each chunk of a transfer of ``nbytes`` (default: one whole expert). Chunks are at most
         ``chunk_bytes`` (auto: a third of a whole expert, its three matrices, where ``chunks_pay`` says so
@@ -308,6 +332,9 @@ class CostModel:
             + (f" | copy down {self.demote_s * 1e6:g} us" if self.demote_s else "")
         )
 
+
+# the start of ``CostModel.unpriced_work``'s note: a plan says it once, not once a run of its search
+UNPRICED_WORK = "these costs are a CPU's and price none of the engine's own work"
 
 _TIMES = (
     "expert_s", "expert_token_s", "step_s", "link_latency", "wake_s", "submit_s", "host_submit_s",

@@ -27,13 +27,15 @@ and a verdict in words. Torch-free.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
-from expertcache.costs import CostModel, as_cost
+from expertcache.costs import UNPRICED_WORK, CostModel, as_cost
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.paths import output_file
 from expertcache.sim.bounds import step_bounds
@@ -166,16 +168,9 @@ def _diagnose(
     if isinstance(misses, str):
         misses = (misses,)
     cost = as_cost(cost, trace)
-    unpriced = []
-    zero = [f for f in ("submit_s", "host_submit_s") if not getattr(cost, f)]
-    if not cost.host_parallel and zero:  # a CPU's costs, the engine's own work a miss at 0: checked against
-        what = {"submit_s": "a transfer", "host_submit_s": "an expert computed on the host"}  # the server,
-        unpriced = [  # 12.5 % named enough, served 1.86x (BENCHMARKS.md)
-            f"these costs are a CPU's and price none of the engine's own work for "
-            f"{' or '.join(what[f] for f in zero)} ({', '.join(zero)} 0): where that work is not small the "
-            "predicted TPOT under misses comes out optimistic, and the budget named low (profile "
-            "--fit-overheads fits both; --issue-time and --host-issue-time declare them)"
-        ]
+    # a CPU's costs, the engine's own work a miss at 0: checked against the server, 12.5 % named enough,
+    unpriced = [n for n in [cost.unpriced_work(budget=True)] if n]  # served 1.86x (BENCHMARKS.md)
+    if unpriced:
         warn_notes(unpriced)  # also in the report's notes; the command line prints them
     check_layout_policy(policy, "doctor draws the per-layer curves of, and plans with,")
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
@@ -243,7 +238,9 @@ def _diagnose(
         r = run_timing(trace, capacity, prefetch=name, cost=cost)
         predict[name] = {"accuracy": r.cache.get("accuracy"), "goodpred": r.cache.get("goodpred")}
     hosts = {} if not tiers else {**tiers, "host_policies": (tiers["host"].policy,)}
-    plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, jobs=jobs, **hosts)
+    with warnings.catch_warnings():  # the plan's note on the costs is the report's own, said once
+        warnings.filterwarnings("ignore", message=re.escape(UNPRICED_WORK))
+        plan = make_plan(trace, capacity, cost, policy=policy, misses=misses, jobs=jobs, **hosts)
     resident = run_timing(trace, L * E, cost=free)
     on_demand = run_timing(trace, capacity, cache=policy, cost=cost, **tiers)
     saved = 1 - at["lru"].miss_ratio  # without a cache every request is a transfer

@@ -39,7 +39,7 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
+from expertcache.costs import UNPRICED_WORK, CostModel, as_cost, check_dense_layers, profile_tier
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
@@ -437,6 +437,9 @@ def make_plan(
         ]
         warn_notes(favoured)
         level_notes += favoured
+    elif unpriced := cost.unpriced_work(host=bool(on_host)):  # none of it priced (a plain CPU profile)
+        warn_notes([unpriced])
+        level_notes.append(unpriced)
     split_asked = any(parse_miss(m)[0] == "split" for m in misses)
     if methods is None:
         methods = [*LAYOUT_METHODS, *(["moepic"] if split_asked else [])]
@@ -519,7 +522,8 @@ def make_plan(
                         skipped.append(f"{method} ({miss}): {exc}")  # its rounded budgets did not fit
                         continue
                     figures = seen[cell] = {"method": method, **_figures(r)}
-                    run_notes += r.notes  # what a run adjusted (a window cut to the model), once each
+                    # what a run adjusted (a window cut to the model), once each; the costs' own, once
+                    run_notes += [n for n in r.notes if not n.startswith(UNPRICED_WORK)]
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
                      "window": pf.window, "host_policy": hp, "host_exclusive": hx,

@@ -566,6 +566,8 @@ def _run_timing(
         host[prefill] += link.host_wait_s - h0
     bounds[-1] = link.now
     st = xcache.stats
+    unpriced = cost.unpriced_work(transfers=link.transfers > 0, host=bool(st.host.sum()))
+    notes += [unpriced] if unpriced else []
     return TimingResult(
         policy=xcache.policy.name,
         capacity=capacity,
