@@ -283,6 +283,33 @@ def test_ctrl_c_keeps_the_trace_of_what_was_generated(capsys, ckpt, tmp_path, mo
     assert load_trace(out_file).num_tokens >= 2
 
 
+@pytest.mark.parametrize("steps", [0, 2])
+def test_a_failed_run_says_what_became_of_its_trace_after_the_error(
+    capsys, ckpt, tmp_path, monkeypatch, steps
+):
+    """A new user's trial: a policy that failed at the first step printed "no trace written" before the
+    error that explained why; the error comes first, then what was kept of the steps before it."""
+    from expertcache.engine.offloaded import OffloadedModel
+
+    original = OffloadedModel.generate_text
+
+    def failing(self, prompt, max_new_tokens=32, *a, **kw):
+        if steps:
+            original(self, prompt, steps, *a, **kw)
+        raise ExpertcacheError("policy broken: its victim is not resident")
+
+    monkeypatch.setattr(OffloadedModel, "generate_text", failing)
+    out_file = tmp_path / "t.npz"
+    code, out, err = gen(capsys, ckpt("mixtral"), "--prompt", "hello", "--record-trace", str(out_file))
+    lines = [line for line in err.splitlines() if line.startswith("expertcache:")]
+    assert code == 2 and lines[0] == "expertcache: error: policy broken: its victim is not resident", err
+    if steps:
+        assert lines[1] == f"expertcache: trace written to {out_file} (the steps before the run stopped)"
+        assert load_trace(out_file).num_tokens >= steps
+    else:
+        assert lines[1].startswith("expertcache: no trace written: ") and not out_file.exists()
+
+
 def test_a_step_cut_off_before_its_last_layer_is_left_out_of_the_trace():
     rec = Recorder(num_layers=2, num_experts=4, top_k=1)
     for layers in (2, 1):  # the second step stops after one layer

@@ -163,10 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except ExpertcacheError as e:
         print(f"expertcache: error: {e}", file=sys.stderr)
+        _print_notes(e)
         return 2
-    except MemoryError:  # an allocation far beyond the machine (a huge synthetic trace, say)
+    except MemoryError as e:  # an allocation far beyond the machine (a huge synthetic trace, say)
         print("expertcache: error: out of memory: the input asks for more than this machine has",
               file=sys.stderr)  # fmt: skip
+        _print_notes(e)
         return 2
     except KeyboardInterrupt:
         print("expertcache: interrupted", file=sys.stderr)
@@ -178,9 +180,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         stdout = _stdout_failed(e)
         where = f"{e.filename}: " if e.filename else "standard output: " if stdout else ""
         print(f"expertcache: error: {where}cannot write: {why(e)}", file=sys.stderr)
+        _print_notes(e)
         if stdout:
             _drop_stdout()
         return 2
+
+
+def _print_notes(e: BaseException) -> None:
+    """What a command did about its failure (a trace of the steps before it kept), after the error."""
+    for note in getattr(e, "__notes__", ()):
+        print(f"expertcache: {note}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -368,16 +368,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     except KeyboardInterrupt:
         _err("expertcache: interrupted", args)
+        if not saved:  # keep what was recorded, said after what stopped it
+            _keep_trace(model, args)
         return 130
+    except BaseException as exc:
+        # the same, said after the error (the command line prints the exception's notes)
+        if not saved and (note := _keep_trace(model, args, say=False)):
+            exc.add_note(note)
+        raise
     finally:
-        try:
-            if not saved:  # interrupted or failed: keep what was recorded
-                try:
-                    _save_trace(model, args)
-                except ExpertcacheError as exc:
-                    print(f"expertcache: no trace written: {exc}", file=sys.stderr)
-        finally:
-            model.close()
+        model.close()
+
+
+def _keep_trace(model, args, say: bool = True) -> str | None:
+    """What a run that failed or was interrupted recorded, written where --record-trace says: the line
+    that tells how it went, printed (``say``) or returned for the failure's own message to follow."""
+    if not args.record_trace:
+        return None
+    try:
+        model.save_trace(args.record_trace)
+        line = f"trace written to {args.record_trace} (the steps before the run stopped)"
+    except ExpertcacheError as exc:
+        line = f"no trace written: {exc}"
+    if say:
+        _err(f"expertcache: {line}", args)
+    return line if not args.quiet else None
 
 
 def _save_trace(model, args) -> None:
