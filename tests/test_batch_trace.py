@@ -327,3 +327,16 @@ def test_step_bounds_takes_its_arguments_as_simulate_timing_does():
     for bad, message in ((-1, "at least 0"), ("lots", "lots")):
         with pytest.raises(ExpertcacheError, match=message):
             step_bounds(trace, bad)
+
+
+def test_a_trace_served_already_is_said_to_be_laid_out_again():
+    """A new user's trial: `doctor --concurrency 4` on a trace the server recorded replaced the served
+    steps with its own without a word."""
+    from expertcache.trace.batch import is_batched
+
+    trace = synthesize("zipf", tokens=64, layers=2, experts=8, top_k=2, seed=1, sequences=4, prompt_len=4)
+    served = batch_requests(trace, 2)
+    assert is_batched(served) and not is_batched(trace)
+    with pytest.warns(UserWarning, match="is served already .* laid out again here, 3 at a time"):
+        again = batch_requests(served, 3)
+    assert is_batched(again)

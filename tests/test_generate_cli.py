@@ -658,3 +658,21 @@ def test_generate_does_not_import_hqq_and_transformers_still_finds_it():
     done = subprocess.run([sys.executable, "-c", used], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]  # the stand-in imports hqq when first used
+
+
+def test_trace_info_says_how_a_recorded_run_was_laid_out(capsys, ckpt, tmp_path):
+    """A new user's idea: `trace info` on a trace the engine recorded gave routing statistics alone, where
+    the run's policy, miss path, budget and prefetch are what a replay must repeat."""
+    out_file = tmp_path / "t.npz"
+    argv = ("--prompt", "hello", "--record-trace", str(out_file), "--expert-memory", "50%", "--policy", "lfu")
+    assert gen(capsys, ckpt("mixtral"), *argv, "--prefetch", "none")[0] == 0
+    assert main(["trace", "info", str(out_file)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recorded"))
+    assert "on cpu" in line and "policy lfu, miss fetch, no prefetch" in line
+    assert main(["trace", "info", str(out_file), "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["recorded"]
+    assert run["policy"] == "lfu" and run["capacities"] == {"full": run["capacity"]}
+    synthetic = tmp_path / "s.npz"
+    assert main(["trace", "synth", "--kind", "zipf", "--tokens", "8", "-o", str(synthetic)]) == 0
+    assert main(["trace", "info", str(synthetic), "--json"]) == 0
+    assert "recorded" not in json.loads(capsys.readouterr().out)

@@ -284,6 +284,13 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
                           ("steps_by_phase", "steps"), ("step_tokens_by_phase", "tokens")):  # fmt: skip
             assert float(_metric(metrics, f'expertcache_{name}_total{{phase="{phase}"}}')) == counts[key]
     assert sum(c["misses"] for c in stats["phases"].values()) == stats["misses"]
+    # each part's demand transfers (a new user's trial: batch's misses did not add up to the bytes moved)
+    for part, count in stats["part_misses"].items():
+        assert float(_metric(metrics, f'expertcache_cache_part_transfers_total{{part="{part}"}}')) == count
+    moved = sum(stats["part_misses"].values()) + stats["prefetch_issued"] + stats["filled"]
+    assert stats["bytes_transferred"] == moved * stats["expert_bytes"]
+    assert float(_metric(metrics, "expertcache_cache_prefetch_accuracy")) == stats["accuracy"]
+    assert "# HELP expertcache_cache_prefetch_accuracy ProMoE's accuracy" in metrics
 
 
 def test_a_request_paused_for_kv_space_is_not_a_prompt_again(make_ckpt):
@@ -635,10 +642,28 @@ def test_a_key_given_twice_is_refused_not_guessed(served):
         assert (
             r.status_code == 400 and err["message"] == f"the body gives {key!r} twice" and err["param"] == key
         )
+        assert r.content.startswith(b'{"error":{"message":')  # written as every other error (a trial)
     assert (
         http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
         == 200
     )
+
+
+def test_a_body_nested_too_deep_and_two_different_limits_are_named(served):
+    """A new user's trial: a body nested 100 000 deep got Starlette's "There was an error parsing the
+    body"; max_tokens and max_completion_tokens that differ named no field."""
+    model, http, client = served
+    deep = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = http.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the body is not valid JSON (nested deeper than this server reads)"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "max_completion_tokens": 3})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert err["message"] == "max_completion_tokens: differs from max_tokens (2): give one of them"
+    r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "max_completion_tokens": 2})
+    assert r.status_code == 200
 
 
 def test_a_client_that_leaves_cancels_its_request(served):
@@ -910,6 +935,36 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0]
+
+
+def test_a_port_taken_while_the_model_loaded_is_one_line_and_exit_2(make_ckpt, capsys, monkeypatch):
+    """A new user's trial: two servers started together on one port both found it free; the second
+    loaded its model, then exited 3 with uvicorn's error and transformers' warning about a loop that never
+    ran. It is now the one line and exit 2 of every error, after uvicorn's own log line."""
+    import logging
+
+    from expertcache.cli import serve as cli_serve
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(cli_serve, "_check_port", lambda host, port: None)  # free when checked
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("ContinuousBatchingLogger").addHandler(handler)
+        try:
+            busy.listen()  # taken as the model loads
+            code = main(
+                ["serve", "--model", str(make_ckpt("mixtral")), "--device", "cpu", "--port", str(port)]
+            )
+        finally:
+            logging.getLogger("ContinuousBatchingLogger").removeHandler(handler)
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"expertcache: error: cannot listen on 127.0.0.1:{port}"
+    )
+    assert not any("not initialized" in m for m in seen), seen
 
 
 class _Shapes:

@@ -1740,7 +1740,11 @@ def _trace(name: str) -> Trace:
 
 
 def _cmd_trace_info(args: argparse.Namespace) -> int:
-    info = summary(_trace(args.file))
+    trace = _trace(args.file)
+    info = summary(trace)
+    run = _recorded_run(trace.meta)  # a trace the engine recorded: how its run was laid out
+    if run:
+        info["recorded"] = run
     if args.json:
         print(json.dumps(info))
         return 0
@@ -1750,6 +1754,8 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     prefill = info["prefill_tokens"]  # None: the trace does not say which tokens are the prompt's
     print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {'-' if prefill is None else prefill})")
     print(f"unknown     {info['unknown_entries']} entries")
+    if run:
+        print(f"recorded    {_describe_recorded(run)}")
     if info["step_shape"] is not None:
         st = info["step_shape"]
         print(f"steps       {st['steps']} forward steps of {st['mean_step_tokens']:.1f} tokens on average "
@@ -1771,6 +1777,50 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     if any(h is None for h in info["entropy_bits"]):
         print("-: a layer without a known expert (the trace's -1 entries)", file=sys.stderr)
     return 0
+
+
+# what the engine writes into a trace it records (``OffloadedModel.trace``, a server's layout), in order
+_RECORDED = ("model", "device", "memory", "capacity", "policy", "policy_seed", "miss", "capacities",
+             "costs_measured", "predictor", "window", "prefetch_limit", "deterministic", "host_capacity",
+             "host_policy", "host_exclusive", "host_stage", "served_batch_tokens", "served_schedule",
+             "profile")  # fmt: skip
+
+
+def _recorded_run(meta: dict) -> dict:
+    """The run a trace the engine recorded comes from (its meta: plain values, the capacities parsed);
+    empty for a trace of another kind."""
+    if "policy" not in meta or "capacity" not in meta:
+        return {}
+    run = {k: meta[k] for k in _RECORDED if k in meta}
+    if isinstance(run.get("capacities"), str):
+        try:
+            run["capacities"] = json.loads(run["capacities"])
+        except ValueError:
+            pass
+    return run
+
+
+def _describe_recorded(run: dict) -> str:
+    where = f"{run.get('model', 'a model')}" + (f" on {run['device']}" if "device" in run else "")
+    parts = [where, f"{run['capacity']} experts cached"]
+    caps = run.get("capacities")
+    if isinstance(caps, dict) and len(caps) > 1:
+        parts[-1] += " (" + ", ".join(f"{p} {n}" for p, n in caps.items()) + ")"
+    parts += [f"policy {run['policy']}", f"miss {run.get('miss', 'fetch')}"]
+    if "predictor" in run:
+        pf = f"prefetch {run['predictor']} (window {run.get('window')}"
+        pf += f", limit {run['prefetch_limit']}" if "prefetch_limit" in run else ""
+        parts.append(pf + (", deterministic)" if run.get("deterministic") else ")"))
+    else:
+        parts.append("no prefetch")
+    if "host_capacity" in run:
+        kind = "exclusive" if run.get("host_exclusive") else "inclusive"
+        parts.append(f"host level {run['host_capacity']} experts ({run.get('host_policy')}, {kind})")
+    if "served_batch_tokens" in run:
+        parts.append(
+            f"served in steps of at most {run['served_batch_tokens']} tokens, {run.get('served_schedule')}"
+        )
+    return ", ".join(parts)
 
 
 def _cmd_trace_synth(args: argparse.Namespace) -> int:

@@ -237,8 +237,10 @@ def describe_run(model) -> str:
     from expertcache.engine.hub import model_label
 
     total = model.num_layers * model.num_experts
+    held = model.stats["parts"]  # a path's other parts beside the cache (batch's stream buffer)
+    beside = "".join(f" + {p} {d['slots']} slots" for p, d in held.items() if p != "full" and len(held) > 1)
     parts = [
-        f"{model_label(model.path)} on {model.device}: {model.capacity} of {total} experts",
+        f"{model_label(model.path)} on {model.device}: {model.capacity} of {total} experts{beside}",
         f"policy {model.cache_config.policy}", f"miss {model.miss.describe()}", f"prefetch {model.prefetch}",
     ]  # fmt: skip
     if model.plan is not None:

@@ -72,7 +72,7 @@ class Batch(MissPath):
         """The stream buffer (``buffer`` slots at most, a quarter of the memory at most, and what the cache
         leaves over a token's experts; one at least), the rest to the cache: top-k + 1 slots at least."""
         slots, k = budget // slot_bytes[FULL], self.ctx.top_k
-        buffer = max(1, min(self.buffer, slots - k, slots // 4))
+        buffer = self.granted = max(1, min(self.buffer, slots - k, slots // 4))
         return {STREAM: buffer, FULL: max(0, slots - buffer)}
 
     def capacity_notes(self, capacities: dict[str, object]) -> list[str]:
@@ -116,4 +116,5 @@ class Batch(MissPath):
     def describe(self) -> str:
         fill = "" if self.fill else ",fill=0"
         split = "" if self.split == "each" else f",split={self.split}"
-        return f"batch:buffer={self.buffer}{fill}{split}"
+        # the buffer laid out (a memory's quarter at most), where one was: what ran, and replays the same
+        return f"batch:buffer={getattr(self, 'granted', self.buffer)}{fill}{split}"

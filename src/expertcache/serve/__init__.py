@@ -6,6 +6,7 @@ import logging
 import signal
 
 from expertcache.config import ServeConfig
+from expertcache.errors import ExpertcacheError
 
 
 def run(model, name: str, config: ServeConfig | None = None) -> bool:
@@ -45,7 +46,11 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
             import asyncio
 
             quiet_accept_errors(asyncio.get_running_loop())
-            await super().startup(sockets)
+            try:
+                await super().startup(sockets)
+            except SystemExit:  # uvicorn's own exit: the application did not start, or no socket
+                self.failed = "application" if self.lifespan.should_exit else "listen"
+                raise
 
     protocol = guarded_protocol(cap, config.header_timeout_s, linger=config.body_timeout_s)
     uv = uvicorn.Config(
@@ -54,7 +59,19 @@ def run(model, name: str, config: ServeConfig | None = None) -> bool:
         server_header=False,
     )  # fmt: skip
     logging.getLogger("uvicorn.access").addFilter(_no_query)
-    Server(uv).run()
+    server = Server(uv)
+    try:
+        server.run()
+    except SystemExit:  # one line and exit 2, as every error, not uvicorn's exit 3 (it logged why above)
+        failed = getattr(server, "failed", None)
+        if failed == "listen":  # the port was checked free before the model loaded: taken since?
+            raise ExpertcacheError(
+                f"cannot listen on {config.host}:{config.port} (uvicorn's error above): it was free before "
+                "the model loaded, so another process has taken it since"
+            ) from None
+        if failed == "application":
+            raise ExpertcacheError("the server's application did not start (its error above)") from None
+        raise
     return getattr(app.state, "loop_stopped", True)
 
 

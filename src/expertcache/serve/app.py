@@ -137,6 +137,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
         if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing"
             at = f"byte 0x{cause.object[cause.start]:02x} at {cause.start}"
             return _error(ApiError(400, f"the body is not valid JSON (not UTF-8 text: {at})"))
+        if exc.status_code == 400 and isinstance(cause, RecursionError):  # FastAPI's "error parsing" too
+            return _error(ApiError(400, "the body is not valid JSON (nested deeper than this server reads)"))
         return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     @app.head("/health", include_in_schema=False)  # load balancers check with HEAD

@@ -57,6 +57,11 @@ RESTART_WINDOW = 60.0
 log = logging.getLogger("expertcache.serve")
 
 
+def _unstarted(record: logging.LogRecord) -> bool:
+    """transformers' warning that a loop stopped before it made its batch processor, left out."""
+    return "Batch processor was not initialized" not in record.getMessage()
+
+
 class QueueFull(ExpertcacheError):
     """More requests are waiting or running than the server takes (HTTP 503)."""
 
@@ -339,10 +344,16 @@ class Batcher:
 
     def _stop_loop(self, timeout: float) -> bool:
         manager = self.manager
+        quiet = manager.batch_processor is None  # stopped as it started (a server that could not listen):
+        if quiet:  # transformers warns that its processor was not made yet, which is no news here
+            logging.getLogger("ContinuousBatchingLogger").addFilter(_unstarted)
         try:
             manager.stop(block=True, timeout=timeout, hard_stop=True)
         except Exception as exc:
             log.warning("stopping the generation loop: %s", exc)
+        finally:
+            if quiet:
+                logging.getLogger("ContinuousBatchingLogger").removeFilter(_unstarted)
         return not manager.is_running()
 
     # ------------------------------------------------------------------------------ results

@@ -164,7 +164,9 @@ def error_object(message: str, kind: str, code: str | None = None, param: str | 
 
 async def send_error(send, status: int, message: str, kind: str, code=None, param=None, close=False) -> None:
     """OpenAI's JSON error object as a whole response, sent at the ASGI level."""
-    body = json.dumps(error_object(message, kind, code, param)).encode()
+    # as the routes' JSONResponse writes it (Starlette's separators, text as UTF-8)
+    body = json.dumps(error_object(message, kind, code, param), separators=(",", ":"), ensure_ascii=False)
+    body = body.encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 503:
         headers.append((b"retry-after", b"1"))

@@ -137,7 +137,22 @@ class _CacheCollector:
             yield GaugeMetricFamily(
                 h + "capacity_experts", "experts the host level holds", value=s["host_capacity"]
             )
-        yield GaugeMetricFamily(p + "prefetch_accuracy", "share of prefetches used", value=s["accuracy"])
+        # ProMoE's measures of the prediction (the share of prefetches used is prefetch_used / issued)
+        for name, key, what in (
+            ("accuracy", "accuracy", "ProMoE's accuracy: the share of chosen experts that were predicted"),
+            ("fetchrate", "fetchrate", "ProMoE's fetchrate: of the predicted experts chosen, those resident"),
+            ("goodpred", "goodpred", "ProMoE's goodpred: accuracy x fetchrate"),
+        ):
+            yield GaugeMetricFamily(p + "prefetch_" + name, what, value=float(s[key]))
+        moved = CounterMetricFamily(
+            p + "part_transfers",
+            "demand transfers into each part of the cache (batch: full, and its stream buffer, where an "
+            "expert already in the buffer moves nothing; misses count the full part's)",
+            labels=["part"],
+        )
+        for part, count in s["part_misses"].items():
+            moved.add_metric([part], float(count))
+        yield moved
         mem = s.get("memory") or {}
         for name, key, what in (
             ("resident_bytes", "rss", "the server's resident memory (VmRSS)"),

@@ -240,7 +240,11 @@ class ChatRequest(Sampling):
     def _one_limit(self):
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens differ: give one of them")
+            raise PydanticCustomError(
+                "two_limits",
+                "differs from max_tokens ({max_tokens}): give one of them",
+                {"fields": "max_completion_tokens", "max_tokens": self.max_tokens},
+            )
         return self
 
     @property

@@ -48,6 +48,7 @@ from expertcache.policy.registry import POLICIES, is_offline, min_capacity, pars
 from expertcache.predict.registry import PREDICTORS, predictor_class, trace_readers
 from expertcache.sim.curves import run_policy
 from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
+from expertcache.trace.batch import is_batched
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capped_capacity, one_capacity, whole_number
 
@@ -751,17 +752,6 @@ OBJECTIVE_WORDS = {
 
 def _value(x: float | None, sign: int = 1) -> float:
     return float("inf") if x is None else sign * float(f"{x:.9g}")
-
-
-def is_batched(trace: Trace) -> bool:
-    """Steps recorded or laid out (``step_id``) that serve several requests at once, some of them: a
-    served or ``trace batch`` trace, whose requests' own times are not its steps'."""
-    if trace.step_id is None or trace.seq_id is None:
-        return False
-    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
-    seq = trace.seq_id.astype(np.int64)
-    firsts = np.maximum.reduceat(seq, starts) != np.minimum.reduceat(seq, starts)
-    return bool(firsts.any())
 
 
 def _prefetch(c: dict) -> str:

@@ -913,7 +913,8 @@ def format_timing(result: TimingResult) -> str:
             f"{pf['disk_reads']}, {pf['disk_read_s']:.3f} s"
         )
     if r.miss != "fetch":
-        parts = ", ".join(f"{p} {n}" for p, n in r.capacities.items())
+        moved = pf.get("part_misses", {})  # a part's slots (its capacity) and its demand transfers
+        parts = ", ".join(f"{p} {n} slots, {moved.get(p, 0)} moved" for p, n in r.capacities.items())
         lines.append(
             f"misses     host {pf['host_computed']} | low precision {pf['low_precision']} | skipped "
             f"{pf['skipped']} | host wait {r.host_wait_s:.3f} s | parts {parts}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError, TraceError, option
+from expertcache.errors import ExpertcacheError, TraceError, option, warn_notes
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import whole_number
 
@@ -68,6 +68,17 @@ RUN_META = frozenset({
 })  # fmt: skip
 
 
+def is_batched(trace: Trace) -> bool:
+    """Steps recorded or laid out (``step_id``) that serve several requests at once, some of them: a
+    served or ``trace batch`` trace, whose requests' own times are not its steps'."""
+    if trace.step_id is None or trace.seq_id is None:
+        return False
+    starts = np.flatnonzero(np.r_[True, trace.step_id[1:] != trace.step_id[:-1]])
+    seq = trace.seq_id.astype(np.int64)
+    firsts = np.maximum.reduceat(seq, starts) != np.minimum.reduceat(seq, starts)
+    return bool(firsts.any())
+
+
 def batch_requests(
     trace: Trace,
     concurrency: int,
@@ -100,6 +111,11 @@ def batch_requests(
             f"{named['batch_tokens']} {batch_tokens} is below {named['concurrency']} {concurrency}: a step "
             "must hold the next token of every running request"
         )
+    if is_batched(trace):  # a served run's steps (or another batch's): laid out again, said so
+        warn_notes([
+            f"{trace.source} is served already (its steps hold several requests each); its requests are "
+            f"laid out again here, {concurrency} at a time, in place of its own steps"
+        ])  # fmt: skip
     pool = requests_of(trace)
     total = requests if requests is not None else max(len(pool), 2 * concurrency)
     if total < 1:
