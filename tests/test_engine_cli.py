@@ -267,6 +267,7 @@ def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
         (["--max-new-tokens", "-3"], "at least 1"),
         (["--link-bandwidth", "fast"], "link bandwidth 'fast'"),
         (["--link-bandwidth", "0GB/s"], "must be positive"),
+        (["--link-bandwidth", "16B/s"], "below 1 MB/s an expert's transfer takes minutes to days"),
         (["--link-bandwidth", "1GB/s", "--link-latency", "soon"], "link latency 'soon'"),
         (["--device", "cuda"], "CUDA") if not torch.cuda.is_available() else (["--dtype", "x"], "dtype"),
         (["--dtype", "int8"], "not a compute dtype"),

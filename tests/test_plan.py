@@ -494,3 +494,19 @@ def test_a_plan_on_a_cpus_costs_says_what_of_the_engines_own_work_they_leave_unp
             "fits both; --issue-time and --host-issue-time declare them", "fits it; --issue-time declares it"
         )
     ]
+
+
+def test_a_plan_on_a_trace_recorded_with_a_host_level_does_not_call_its_own_candidates_a_replay():
+    """A new user's trial: plan, which weighs inclusive and exclusive host levels both, said "the trace was
+    recorded with an inclusive host level; this replay's is exclusive" of its own exclusive candidates."""
+    import dataclasses
+
+    from expertcache.config import HostConfig
+
+    trace = synthesize("zipf", tokens=64, layers=2, experts=8, top_k=2, seed=1)
+    trace = dataclasses.replace(trace, meta={**trace.meta, "host_exclusive": False, "host_capacity": 10})
+    plan = make_plan(trace, 6, {"disk_read_s": "1ms"}, methods=("uniform",), host=HostConfig(None, "lru"),
+                     host_capacity=12)  # fmt: skip
+    kinds = {c["host_exclusive"] for c in plan.candidates}
+    assert kinds == {False, True}
+    assert not any("recorded with" in n for n in plan.source["notes"])

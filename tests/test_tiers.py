@@ -935,6 +935,35 @@ def test_a_profile_of_the_disk_tier_under_a_host_level_is_noted(command, short_t
     assert "note:" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["timing", "plan", "doctor"])
+def test_a_cpus_profile_of_the_disk_tier_prices_a_host_levels_link_at_its_copy(
+    command, short_trace, tmp_path, capsys
+):
+    """A new user's trial: a CPU's profile of the disk tier under a host level priced each host hit as a
+    disk read, and doctor called the step bound by the link, where the same profile had measured the copy
+    in memory (copy down) that a host hit costs on a CPU. The link is now priced at that copy."""
+    from expertcache.cli import main
+
+    prof = tmp_path / "prof.json"
+    costs = {"link_bandwidth": "100MB/s", "link_latency": "20us", "disk_read_s": "2ms", "demote_s": "100us",
+             "host_parallel": False, "expert_bytes": 184320}  # fmt: skip
+    prof.write_text(json.dumps({
+        "format": "expertcache-profile", "version": 1, "cost": costs,
+        "model": {"name": "embedded", "layers": 6, "experts": 16, "top_k": 2},
+        "measured": ["link_bandwidth", "link_latency", "disk_read_s", "demote_s"],
+        "how": {"slow_tier": "disk", "link": "disk -> cpu"},
+    }))  # fmt: skip
+    argv = [command, "--trace", short_trace, "--cost", str(prof), "--capacity", "24", "--host-capacity", "60"]
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "priced at its copy of one expert in memory (100 us: 1.84 GB/s" in err
+    if command == "timing":  # the replay ran on the copy's link
+        cost = json.loads(out)["cost"]
+        assert cost["link_bandwidth"] == pytest.approx(184320 / 100e-6) and cost["link_latency"] == 0
+    assert main([*argv, "--link-bandwidth", "20GB/s"]) == 0  # given: taken as given
+    assert "copy of one expert" not in capsys.readouterr().err
+
+
 def test_timing_runs_a_plan_s_host_level_and_refuses_another_beside_it(short_trace, tmp_path):
     def cli(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True)

@@ -869,3 +869,38 @@ def test_a_cpus_costs_that_leave_the_engines_own_work_unpriced_are_said_to(tmp_p
     assert main(["timing", "--capacity", "24", "--cost", str(path)]) == 0
     err = capsys.readouterr().err
     assert err.count("own work") == 1 and "--issue-time declares it" in err
+
+
+def test_a_recorded_runs_expert_size_counts_a_byte_budget_without_a_profile(tmp_path, capsys):
+    """A new user's trial: `timing --trace RUN.npz --expert-memory 144MiB` on a run of 3 MiB experts was
+    refused ("holds no expert of 336.0 MiB"), the default cost model's Mixtral expert, and its TTFT came out
+    13x the run's. The run's own expert size now counts the budget, said in a note."""
+    import dataclasses
+
+    from expertcache.trace import synthesize
+
+    trace = synthesize("zipf", tokens=48, layers=2, experts=8, top_k=2, seed=1)
+    path = tmp_path / "run.npz"
+    dataclasses.replace(trace, meta={**trace.meta, "expert_bytes": 184320}).save(path)
+    for command in (["timing"], ["plan"], ["doctor"]):
+        assert main([*command, "--trace", str(path), "--expert-memory", "1MiB", "--json"]) == 0, command
+        err = capsys.readouterr().err
+        assert "with the run's experts of 180.0 KiB (the trace's expert_bytes)" in err, command
+    assert main(["timing", "--trace", str(path), "--expert-memory", "1MiB"]) == 0
+    assert "lru, 5 experts" in capsys.readouterr().out  # 1 MiB of 180 KiB experts
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"expert_bytes": "100KiB"}))
+    assert main(["timing", "--trace", str(path), "--expert-memory", "1MiB", "--cost", str(cost)]) == 0
+    out, err = capsys.readouterr()
+    assert "lru, 10 experts" in out and "expert_bytes" not in err  # a cost file given: its size
+
+
+def test_a_configs_field_given_to_simulate_timing_names_its_config():
+    """A new user's trial: simulate_timing(..., deterministic=True) said only "unknown argument"."""
+    trace = prefix(50)
+    with pytest.raises(ExpertcacheError, match=r"deterministic is PrefetchConfig's: prefetch=PrefetchConfig"):
+        simulate_timing(trace, 24, deterministic=True)
+    with pytest.raises(
+        ExpertcacheError, match=r"seed is CacheConfig's: cache=CacheConfig\(\.\.\., seed=\.\.\.\)"
+    ):
+        simulate_timing(trace, 24, seed=3)

@@ -219,6 +219,9 @@ class PrefetchConfig:
         return self.chunking and (self.enabled or background or self.chunk_bytes is not None)
 
 
+SLOWEST_LINK = 1e6  # bytes a second: an emulated link slower is a unit's mistake (B/s for GB/s)
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     """An emulated slow-tier link: bandwidth (``16GB/s``; None: unbounded) and latency per transfer
@@ -232,6 +235,11 @@ class LinkConfig:
     def __post_init__(self) -> None:
         lat = parse_duration(self.latency if self.latency is not None else 0, "link latency")
         bw = math.inf if self.bandwidth is None else parse_rate(self.bandwidth, "link bandwidth")
+        if bw < SLOWEST_LINK:  # 1B/s for 1GB/s: an expert's transfer would take days, the run would hang
+            raise ExpertcacheError(
+                f"link bandwidth {self.bandwidth}: below {SLOWEST_LINK / 1e6:g} MB/s an expert's transfer "
+                "takes minutes to days; give the rate meant (16GB/s, 200MB/s)"
+            )
         _set(self, bandwidth_Bps=bw, latency_s=lat)
 
     @property

@@ -1022,7 +1022,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     # base of everything below (an expert memory in bytes counts its experts, a chunk size cuts them)
     own = recorded_costs(trace) if planned is None and not args.cost else None
     base = own if own is not None else CostModel.from_dict(planned) if planned else None
-    cost = _cost_from_args(args, prefetch, base)
+    cost = _cost_from_args(args, prefetch, base, trace)
     if own is not None:
         flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
         over = f", {' '.join(flags)} given over them" if flags else ""
@@ -1081,7 +1081,11 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             from expertcache.cache.tiers import exclusive_reserve, level_experts
 
             reserve = exclusive_reserve(trace.top_k)
-            held = level_experts(min(host_capacity, trace.num_layers * trace.num_experts), True, trace.top_k)
+            total = trace.num_layers * trace.num_experts
+            if host_capacity > total:  # as an inclusive level's, and the engine's, are said
+                print(f"note: a host level of {host_capacity} experts is more than all {total}; capped at "
+                      f"{total}", file=sys.stderr)  # fmt: skip
+            held = level_experts(min(host_capacity, total), True, trace.top_k)
             if 1 <= held < trace.top_k:  # the policy's own message would name the held experts alone
                 raise ExpertcacheError(
                     f"--host-capacity {host_capacity} with --host-exclusive: an exclusive level keeps "
@@ -1104,6 +1108,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             )
         raise ExpertcacheError("--demote-time is an exclusive host level's cost: give --host-exclusive")
     cache = replace(cache, seed=_seed(args, [cache.policy, host.policy if host is not None else None]))
+    cost, link_notes = _profile_links(args, host, cost)
     result = simulate_timing(
         trace, capacity, cache=cache, prefetch=prefetch, miss=miss, cost=cost,
         predictor_trace=predictor_trace, host=host, host_capacity=host_capacity,
@@ -1117,7 +1122,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         if getattr(args, flag) and not result.cache.get(count):
             print(f"note: --{flag.replace('_', '-')} changes nothing here: {what} (miss {result.miss})",
                   file=sys.stderr)  # fmt: skip
-    _note_profile_links(args, host)
+    for note in link_notes:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps({"trace": trace.source, **result.to_dict()}))
     else:
@@ -1151,10 +1157,21 @@ def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
     return RECORDED
 
 
-def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None):
+def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=None):
     """The cost model of ``timing``, ``plan`` and ``doctor``: ``--cost`` (or ``base``: a plan's) overridden
-    by the cost flags."""
+    by the cost flags. Without either, on a ``trace`` the engine recorded: the default costs with the
+    run's expert size (a byte budget counts the run's experts), said in a note."""
     from expertcache.costs import CostModel
+
+    recorded = None if trace is None else trace.meta.get("expert_bytes")
+    if recorded and not args.cost and base is None and args.expert_bytes is None:
+        base = CostModel(expert_bytes=int(recorded))
+        print(
+            f"note: priced by the default costs (a Mixtral-8x7B expert's times, over PCIe 4 to a GPU) with "
+            f"the run's experts of {int(recorded) / 2**10:.1f} KiB (the trace's expert_bytes): a profile of "
+            "this machine and model (expertcache profile, then --cost) prices the run",
+            file=sys.stderr,
+        )
 
     split = {k: v.split(",") for k in ("dense_time", "expert_time", "host_time") if (v := getattr(args, k))}
     for flag in ("expert_time", "host_time"):
@@ -1237,17 +1254,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     else:
         trace = _trace(args.trace)
     _check_profile(args, trace)
-    cost = _cost_from_args(args)
+    cost = _cost_from_args(args, trace=trace)
     capacity = _capacity(args, cost, trace)  # the budget checked before the requests are batched
     trace = _served(trace, args)
     host = _host_level(args)
+    cost, link_notes = _profile_links(args, host, cost)
     report = diagnose(
         trace, capacity, cost, window_tokens=args.window_tokens, policy=args.policy,
         misses=tuple(dict.fromkeys(args.miss or ["fetch"])), host=host,
         host_capacity=args.host_capacity, jobs=args.jobs, within=args.within,
     )  # fmt: skip
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
-    _note_profile_links(args, host)
+    for note in link_notes:
+        print(note, file=sys.stderr)
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     if args.plot:
@@ -1316,7 +1335,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 _not_the_input(args.out, given)
     raw = _trace(args.trace)
     _check_profile(args, raw)
-    cost = _cost_from_args(args)
+    cost = _cost_from_args(args, trace=raw)
     capacity = _capacity(args, cost, raw)  # the budget checked before the requests are batched
     trace = _served(raw, args)
     windows = list(dict.fromkeys(args.window or [None]))
@@ -1334,13 +1353,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.host_policy:
         hosts["host_policies"] = list(dict.fromkeys(args.host_policy))
     seed = _seed(args, [args.policy, *(hosts.get("host_policies") or [])])
+    cost, link_notes = _profile_links(args, host, cost)
     plan = make_plan(
         trace, capacity, cost, policy=args.policy, misses=list(dict.fromkeys(args.miss or ["fetch"])),
         prefetches=prefetches, methods=list(dict.fromkeys(args.method)) if args.method else None,
         objective=args.objective, seed=seed, predictor_trace=predictor_trace, jobs=args.jobs, **hosts,
         slow_tier=profile_tier(args.cost) if args.cost else None, deterministic=args.deterministic,
     )  # fmt: skip
-    _note_profile_links(args, host)  # free host-level reads: among the plan's notes, from its runs
+    for note in link_notes:  # free host-level reads: among the plan's notes, from its runs
+        print(note, file=sys.stderr)
     for note in plan.source.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     if policy_class(parse_policy(args.policy)[0]).needs_profile:  # it ranks by usage, which the plan lacks
@@ -1385,35 +1406,48 @@ def _experts_count(text: str) -> int:
         ) from None
 
 
-def _note_profile_links(args: argparse.Namespace, host) -> None:
+def _profile_links(args: argparse.Namespace, host, cost):
     """``timing``, ``plan`` and ``doctor`` with ``--cost PROFILE.json``: what a profile measured that a host
-    level or ``--expert-bytes`` changes the meaning of, in a note each."""
+    level or ``--expert-bytes`` changes the meaning of. Returns the costs to run with and the notes to say
+    once the run is done. A CPU's profile of a tier it reads (disk, mapped) measured the link as that read;
+    with a host level the link is the copy from the host cache into the expert memory, which the same
+    profile measured as its copy down (``demote_s``, one expert copied in memory): priced at that."""
     if not args.cost:
-        return
-    from expertcache.costs import PROFILE_FORMAT, read_tier_link
+        return cost, []
+    from expertcache.costs import PROFILE_FORMAT, CostModel, read_tier_link
 
     try:
         profile = json.loads(Path(args.cost).read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
-        return  # CostModel.load has read it already, or said why it could not
+        return cost, []  # CostModel.load has read it already, or said why it could not
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
-        return  # a plain cost file: its figures are what they say
+        return cost, []  # a plain cost file: its figures are what they say
     tier, how = read_tier_link(profile), profile.get("how") or {}
     measured = profile.get("measured") if isinstance(profile.get("measured"), list) else []
+    notes = []
     if host is not None and tier is not None and not args.link_bandwidth:
-        print(
-            f"note: {args.cost} measured the link reading the {tier} tier ({how.get('link')}); with a host "
-            "level the link is the copy from the host cache into the expert memory, and a host hit pays "
-            "that read here: give --link-bandwidth for the copy (expertcache profile --slow-tier host "
-            "measures it)",
-            file=sys.stderr,
-        )
+        if not cost.host_parallel and cost.demote_s > 0 and "demote_s" in measured:  # a CPU's copy
+            rate = cost.expert_bytes / cost.demote_s
+            cost = CostModel.from_dict({"link_bandwidth": rate, "link_latency": 0.0}, cost)
+            notes.append(
+                f"note: {args.cost} measured the link reading the {tier} tier ({how.get('link')}); with a "
+                f"host level the link is the copy from the host cache into the expert memory, priced at its "
+                f"copy of one expert in memory ({cost.demote_s * 1e6:.0f} us: {rate / 1e9:.3g} GB/s; "
+                "--link-bandwidth gives another)"
+            )
+        else:
+            notes.append(
+                f"note: {args.cost} measured the link reading the {tier} tier ({how.get('link')}); with a "
+                "host level the link is the copy from the host cache into the expert memory, and a host hit "
+                "pays that read here: give --link-bandwidth for the copy (expertcache profile --slow-tier "
+                "host measures it)"
+            )
     if args.expert_bytes and "disk_read_s" in measured and getattr(args, "disk_time", None) is None:
-        print(
+        notes.append(
             f"note: --expert-bytes rescales the link's time, not the disk read {args.cost} measured for its "
-            "experts: give --disk-time for experts of this size",
-            file=sys.stderr,
+            "experts: give --disk-time for experts of this size"
         )
+    return cost, notes
 
 
 def _note_free_reads(host, cost) -> None:

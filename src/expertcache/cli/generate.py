@@ -518,14 +518,16 @@ def summary(out: dict) -> str:
         share = f" ({missed / req:.0%})" if req else ""
         more = "".join(
             f" | {word} {out[key]}"
-            for word, key in (("bypassed", "host_bypassed"), ("staged", "host_staged"),
-                              ("demoted", "host_demoted"), ("waits for a slot", "host_slot_waits"))
+            for word, key in (("evicted", "host_evicted"), ("bypassed", "host_bypassed"),
+                              ("staged", "host_staged"), ("demoted", "host_demoted"),
+                              ("returned", "host_returned"), ("dropped", "host_dropped"),
+                              ("waits for a slot", "host_slot_waits"))
             if out.get(key)
-        )  # fmt: skip
+        )  # the order of timing's line  # fmt: skip
         lines.append(
             f"host level {out['host_capacity']} experts ({out['host_policy']}"
             f"{', exclusive' if out.get('host_exclusive') else ''}, "
-            f"{format_bytes(out['host_memory_bytes'])}, over the {out['host_over']}) | hits "
+            f"{format_bytes(out['host_memory_bytes'])}, over the {out['host_over']}) | {req} requests | hits "
             f"{out['host_hits']} | misses {missed}{share}{more} | disk reads {out['disk_reads']} in "
             f"{out['disk_read_s'] * 1e3:.1f} ms"
         )

@@ -238,11 +238,13 @@ class OffloadedModel:
                      memory=resident_memory(self._weight_files))  # fmt: skip
         if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
             level = ("host_requests", "host_hits", "host_misses", "host_evicted", "host_bypassed",
-                     "host_staged", "host_demoted", "host_slot_waits", "host_slot_wait_s", "disk_reads",
-                     "disk_read_s", "disk_read_errors")  # fmt: skip
+                     "host_staged", "host_demoted", "host_returned", "host_dropped", "host_slot_waits",
+                     "host_slot_wait_s", "disk_reads", "disk_read_s", "disk_read_errors")  # fmt: skip
             delta.update({k: after[k] - before[k] for k in level})
-            delta.update({k: after[k] for k in ("host_capacity", "host_memory_bytes", "host_policy",
-                                                "host_exclusive", "host_over")})  # fmt: skip
+            # the level as laid out: an exclusive one's reserve is beyond its capacity (a replay's
+            # --host-capacity is its memory in experts, capacity + reserve)
+            delta.update({k: after[k] for k in ("host_capacity", "host_reserve", "host_memory_bytes",
+                                                "host_policy", "host_exclusive", "host_over")})  # fmt: skip
         eos = gen.eos_ids(self.model, tok)
         out, width = run["output"], ids.shape[1]
         rows = [

@@ -47,7 +47,7 @@ from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import POLICIES, is_offline, min_capacity, parse_policy
 from expertcache.predict.registry import PREDICTORS, predictor_class, trace_readers
 from expertcache.sim.curves import run_policy
-from expertcache.sim.timing import host_level_of, run_timing, shared_runs, warm_runs
+from expertcache.sim.timing import RECORDED_LEVEL, host_level_of, run_timing, shared_runs, warm_runs
 from expertcache.trace.batch import is_batched
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capped_capacity, one_capacity, whole_number
@@ -524,7 +524,7 @@ def make_plan(
                         continue
                     figures = seen[cell] = {"method": method, **_figures(r)}
                     # what a run adjusted (a window cut to the model), once each; the costs' own, once
-                    run_notes += [n for n in r.notes if not n.startswith(UNPRICED_WORK)]
+                    run_notes += [n for n in r.notes if not n.startswith((UNPRICED_WORK, RECORDED_LEVEL))]
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
                      "window": pf.window, "host_policy": hp, "host_exclusive": hx,

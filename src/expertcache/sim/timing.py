@@ -22,7 +22,7 @@ import inspect
 import json
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capped_capacity, format_bytes, one_capacity
 from expertcache.workers import map_in_processes
+
+# a replay's note where its host level is not the recorded run's kind (a plan, which runs both, drops it)
+RECORDED_LEVEL = "the trace was recorded with"
 
 
 def _summary(t: np.ndarray | None) -> dict[str, float] | None:
@@ -514,7 +517,7 @@ def _run_timing(
         if recorded is not None and bool(recorded) != host_cfg.exclusive:  # a replay of a run, not its level
             kind = {True: "an exclusive", False: "an inclusive"}
             notes.append(
-                f"the trace was recorded with {kind[bool(recorded)]} host level; this replay's is "
+                f"{RECORDED_LEVEL} {kind[bool(recorded)]} host level; this replay's is "
                 f"{kind[host_cfg.exclusive].split()[1]}"
             )
         if miss_cfg.name != "fetch":
@@ -612,6 +615,10 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     unknown = [k for k in kwargs if k not in takes]
     if unknown:  # run_timing's own TypeError named run_timing
         hint = did_you_mean(unknown[0], takes)
+        for arg, config in (("prefetch", PrefetchConfig), ("cache", CacheConfig), ("miss", MissConfig)):
+            name = config.__name__
+            if unknown[0] in {f.name for f in fields(config)}:  # a field of a config it takes
+                hint = f" ({unknown[0]} is {name}'s: {arg}={name}(..., {unknown[0]}=...))"
         raise ExpertcacheError(f"simulate_timing got an unknown argument {unknown[0]!r}{hint}")
     given = inspect.signature(run_timing).bind(*args, **kwargs).arguments
     trace = given["trace"] = as_trace(given["trace"], replay=True)  # loaded once, for the notes too
