@@ -340,3 +340,16 @@ def test_a_trace_served_already_is_said_to_be_laid_out_again():
     with pytest.warns(UserWarning, match="is served already .* laid out again here, 3 at a time"):
         again = batch_requests(served, 3)
     assert is_batched(again)
+
+
+def test_sim_compares_tlfu_by_default_on_steps_of_several_requests(tmp_path, capsys):
+    """A new user's idea: `sim` on a served trace left out tlfu, the policy made for such steps."""
+    trace = synthesize("zipf", tokens=64, layers=2, experts=8, top_k=2, seed=1, sequences=4, prompt_len=4)
+    served, plain = tmp_path / "served.npz", tmp_path / "plain.npz"
+    batch_requests(trace, 2).save(served)
+    trace.save(plain)
+    assert main(["sim", str(served), "--capacity", "6", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "tlfu" in [r["policy"] for r in json.loads(out)] and "the default policies and tlfu" in err
+    assert main(["sim", str(plain), "--capacity", "6", "--json"]) == 0
+    assert "tlfu" not in [r["policy"] for r in json.loads(capsys.readouterr().out)]

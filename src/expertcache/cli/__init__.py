@@ -724,7 +724,13 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     step = max(1, keys // DEFAULT_STEPS)
     start = step * -(-min_room(args.order, trace.top_k) // step)  # the default range's first that fits
     caps = _capacities(args.capacity or [f"{start}:{keys}:{step}"], trace, args.order)
-    policies = args.policy or DEFAULT_POLICIES
+    from expertcache.trace.batch import is_batched
+
+    policies = asked = args.policy or DEFAULT_POLICIES
+    if not args.policy and is_batched(trace):  # steps of many requests: the policy made for them too
+        policies = asked = (*DEFAULT_POLICIES, "tlfu")
+        print("note: steps of several requests: the default policies and tlfu (token-weighted, made for "
+              "them)", file=sys.stderr)  # fmt: skip
     _check_jobs(args)
     for c in caps:
         check_capacity(c, args.order, trace.top_k)
@@ -738,7 +744,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             trace, policies, caps, args.order, seed, len(caps) > 1, args.jobs, profile=args.profile
         )
     # once the replays ran: a policy refused is then the one line
-    _note_replays(trace, args.trace, bool(args.profile), args.policy or DEFAULT_POLICIES, seed)
+    _note_replays(trace, args.trace, bool(args.profile), asked, seed)
     if args.json:
         if args.per_layer:
             print("note: --per-layer changes nothing with --json: its objects always hold the layers",
