@@ -751,6 +751,7 @@ def test_lengths_are_checked_against_the_kv_cache_and_the_default_fits(make_ckpt
     try:
         with TestClient(create_app(model, "tiny", ServeConfig(kv_tokens=200)), base_url=BASE) as http:
             assert http.app.state.batcher.kv_tokens == 256  # whole pages
+            assert float(_metric(http.get("/metrics").text, "expertcache_kv_cache_tokens")) == 256
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x " * 40, "max_tokens": 250})
             err = r.json()["error"]
             assert r.status_code == 400 and err["code"] == "context_length_exceeded"

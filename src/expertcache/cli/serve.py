@@ -178,7 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if layout_note:
         print(layout_note, file=sys.stderr)
     if not args.quiet:  # what runs, as a plan or the options chose it
-        print(f"serving {describe_run(model)}", file=sys.stderr)
+        kv = f", KV cache {kv_tokens} tokens" if kv_tokens else ""
+        print(f"serving {describe_run(model)}{kv}", file=sys.stderr)
     note = lossy_note(model.stats, model.miss.lossy)
     if note:
         print(note, file=sys.stderr)

@@ -74,6 +74,8 @@ def create_app(model, name: str, config: ServeConfig | None = None) -> FastAPI:
             model, config.max_queue, metrics, config.kv_tokens, config.batch_tokens, config.schedule
         )
         state["batcher"] = app.state.batcher = batcher
+        if batcher.kv_tokens:  # the KV cache's room in tokens, in whole pages (sized to what fits)
+            metrics.kv_size(batcher.kv_tokens)
         yield
         state.pop("batcher")
         app.state.loop_stopped = batcher.close()

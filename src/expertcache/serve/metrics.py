@@ -41,6 +41,10 @@ class Metrics:
         self.queue = Gauge(p + "requests_in_flight", "requests running or waiting in the batch", registry=r)
         r.register(_CacheCollector(model))
 
+    def kv_size(self, tokens: int) -> None:
+        """The KV cache's size in tokens, where the server knows it (it sizes it to what fits)."""
+        Gauge("expertcache_kv_cache_tokens", "tokens the KV cache holds", registry=self.registry).set(tokens)
+
     # called by the batcher (its thread) and the app
     def queued(self, n: int) -> None:
         self.queue.set(n)
