@@ -202,16 +202,28 @@ def test_two_calibrations_that_disagree_are_said_and_the_quieter_is_kept():
     busy = CostModel(expert_s=1e-4, expert_token_s=2e-3)
     for a, b in ((quiet, busy), (busy, quiet)):
         kept, unsteady = _steadier(a, b)
-        assert kept is quiet and [u.split(" ms")[0].rsplit(" ", 3)[0] for u in unsteady] == [
+        assert kept == quiet and [u.split(" ms")[0].rsplit(" ", 3)[0] for u in unsteady] == [
             "expert, 1 token",
             "expert, 16 tokens",
         ]
     kept, unsteady = _steadier(quiet, CostModel(expert_s=1.1e-4, expert_token_s=2e-6))
-    assert kept is quiet and unsteady == []
+    assert kept == quiet and unsteady == []
     # a copy down of 7994 us in one run against 74-88 us in others went unsaid
     calm, busy = CostModel(demote_s=8e-5, disk_read_s=2e-3), CostModel(demote_s=8e-3, disk_read_s=2e-3)
     kept, unsteady = _steadier(busy, calm)
-    assert kept is calm and [u.split(" ")[0:2] for u in unsteady] == [["copy", "down"]]
+    assert kept == calm and [u.split(" ")[0:2] for u in unsteady] == [["copy", "down"]]
+    # each measurement's quicker run, not one whole calibration: the quieter disk read and the quieter
+    # expert came from different runs (the whole run with the less total time kept the slower expert)
+    one = CostModel(expert_s=3e-4, expert_token_s=2e-6, disk_read_s=2e-3, host_read_s=2e-3, demote_s=1e-4)
+    two = CostModel(expert_s=1e-4, expert_token_s=2e-6, disk_read_s=3e-3, host_read_s=3e-3, demote_s=2e-4)
+    kept, _ = _steadier(one, two)
+    assert (kept.expert_s, kept.disk_read_s, kept.host_read_s, kept.demote_s) == (1e-4, 2e-3, 2e-3, 1e-4)
+    # on a CPU the host computes as the device: one measurement, taken whole from the same run
+    cpu = {"host_parallel": False}
+    one = CostModel(expert_s=3e-4, host_expert_s=3e-4, host_expert_token_s=1e-6, **cpu)
+    two = CostModel(expert_s=1e-4, host_expert_s=1e-4, host_expert_token_s=5e-6, **cpu)
+    kept, _ = _steadier(one, two)
+    assert (kept.expert_s, kept.host_expert_s, kept.host_expert_token_s) == (1e-4, 1e-4, 5e-6)
 
 
 def test_a_decode_step_measured_twice_keeps_the_quicker_and_says_when_they_disagree(

@@ -1229,8 +1229,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if data["how"]["unsteady"]:
         figures = "; ".join(data["how"]["unsteady"])
-        print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quieter is kept, "
-              "profile again when it is quiet", file=sys.stderr)  # fmt: skip
+        print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quicker of each is "
+              "kept, profile again when it is quiet", file=sys.stderr)  # fmt: skip
     print(json.dumps(data) if args.json else format_profile(data), flush=True)  # kept if -o cannot be written
     if args.out:
         write_output(args.out, json.dumps(data, indent=1) + "\n", "profile")

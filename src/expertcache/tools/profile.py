@@ -169,7 +169,8 @@ def profile(
             "link": "declared" if "link_bandwidth" in declared else f"{tier} -> {dev}, one expert in chunks",
             "decode_step_s": per_step,
             "steps": steps,
-            # two calibrations, the quieter kept; where they disagreed by more than UNSTEADY, which
+            # two calibrations, each measurement's quicker kept; where they disagreed by more than
+            # UNSTEADY, which
             "calibrations": 2,
             "unsteady": unsteady,
             "torch_threads": torch.get_num_threads(),
@@ -304,9 +305,12 @@ def _fit_overhead(cost: CostModel, field: str, trace, tpot: float, miss: str) ->
 
 
 def _steadier(a: CostModel, b: CostModel) -> tuple[CostModel, list[str]]:
-    """The calibration of the two that took less time (noise only adds), and the figures on which they
-    disagree by more than ``UNSTEADY``x: a machine busy with something else (a new user's profile on a
-    busy 2-core VM gave 2131 us a token for the expert one run and 1.9 us the next)."""
+    """Of two calibrations, each measurement's quicker one (noise only adds), and the figures on which
+    they disagree by more than ``UNSTEADY``x: a machine busy with something else (a new user's profile on a
+    busy 2-core VM gave 2131 us a token for the expert one run and 1.9 us the next). A measurement's
+    figures are taken together (an expert's fixed and per-token times, the link's rate and latency, the
+    reads of the host path and the disk tier); on a CPU the host's computation is the device's one
+    measurement (``calibrate``), taken with it."""
     figures = {
         "expert, 1 token": lambda c: c.expert(1),
         "expert, 16 tokens": lambda c: c.expert(16),
@@ -320,8 +324,17 @@ def _steadier(a: CostModel, b: CostModel) -> tuple[CostModel, list[str]]:
         x, y = of(a), of(b)
         if min(x, y) > 0 and max(x, y) / min(x, y) > UNSTEADY:
             unsteady.append(f"{name} {1e3 * x:.3g} and {1e3 * y:.3g} ms")
-    total = lambda c: sum(of(c) for of in figures.values())  # noqa: E731
-    return (a if total(a) <= total(b) else b), unsteady
+    compute = ("expert_s", "expert_token_s")
+    host = ("host_expert_s", "host_expert_token_s")
+    measurements = [  # the fields of one measurement, and the time that says which run was quieter
+        (compute + (() if a.host_parallel else host), lambda c: c.expert(1) + c.expert(16)),
+        (host if a.host_parallel else (), lambda c: c.host_expert_s + c.host_expert_token_s),
+        (("host_read_s", "disk_read_s"), lambda c: c.host_read_s + c.disk_read_s),
+        (("link_bandwidth", "link_latency"), lambda c: c.transfer_time()),
+        (("demote_s",), lambda c: c.demote_s),
+    ]
+    kept = {f: getattr(a if of(a) <= of(b) else b, f) for fields, of in measurements for f in fields}
+    return dataclasses.replace(a, **kept), unsteady
 
 
 def _check_shape(path, shape: dict) -> None:
@@ -500,6 +513,6 @@ def format_profile(data: dict[str, object]) -> str:
         lines.append(
             "unsteady   two calibrations disagreed ("
             + "; ".join(data["how"]["unsteady"])
-            + "): the machine was busy; the quieter one is kept, profile again when it is quiet"
+            + "): the machine was busy; the quicker of each is kept, profile again when it is quiet"
         )
     return "\n".join(lines)
