@@ -538,7 +538,9 @@ def summary(out: dict) -> str:
         lines.append(
             f"memory: resident {b(mem['rss'])} ({b(mem['rss_anon'])} anonymous, {b(mem['rss_file'])} mapped "
             f"files with the libraries{shared}) | expert slots {b(out['expert_memory_bytes'])} | "
-            f"slow tier {out['slow_tier']}" + ("" if cached is None else f" | checkpoint cached {b(cached)}")
+            + (f"host cache {b(out['host_memory_bytes'])} | " if "host_memory_bytes" in out else "")
+            + f"slow tier {out['slow_tier']}"
+            + ("" if cached is None else f" | checkpoint cached {b(cached)}")
         )
     gov = out.get("prefetch_governor") or {}
     if out["prefetch"] != "none" and gov.get("state") != "idle":
