@@ -510,3 +510,23 @@ def test_a_plan_on_a_trace_recorded_with_a_host_level_does_not_call_its_own_cand
     kinds = {c["host_exclusive"] for c in plan.candidates}
     assert kinds == {False, True}
     assert not any("recorded with" in n for n in plan.source["notes"])
+
+
+def test_a_plans_cold_eam_runs_cold_in_the_engine_as_it_was_priced(tmp_path, capsys):
+    """A new user's trial: `plan --prefetch eam` priced eam learning from nothing, and `generate --plan`
+    ran it warm from the embedded model's own trace (the engine's default there), so the run did not
+    replay to the plan's prediction. It runs as planned now, said in a note."""
+    plan, run = tmp_path / "plan.json", tmp_path / "run.npz"
+    argv = ["plan", "--expert-memory", "25%", "--prefetch", "eam", "--deterministic", "--method", "uniform"]
+    assert main([*argv, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--plan", str(plan), "--prompt", "def add(", "--max-new-tokens", "12",
+                 "--record-trace", str(run), "--json"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    ran = json.loads(out)
+    assert "prefetch eam starts with nothing learned, as the plan priced it" in err
+    assert main(["timing", "--plan", str(plan), "--trace", str(run), "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    for key in ("hits", "misses", "prefetch_issued", "prefetch_used"):
+        assert ran[key] == replayed[key], key
+    assert ran["prefetch_issued"] > 0

@@ -192,6 +192,7 @@ class Builder:
         costs = None if costs is None else as_cost(costs)  # a dict, as simulate_timing's
         self.path = resolve_model(path, download)
         self.plan = plan
+        self.planned_cold = False  # a plan's eam priced learning from nothing: no warm start (_plans_data)
         self.notes: list[str] = []  # one line each, for the user: what was adjusted and why
         self.cache_config = cache = cache or CacheConfig()
         prefetch = prefetch or PrefetchConfig(AUTO)
@@ -485,7 +486,18 @@ class Builder:
         """A plan whose predictor learned from a recorded trace (token, eam) runs with that trace, as it
         was planned (the embedded model's own trace would predict otherwise), unless given another."""
         path = plan.predictor_trace()
-        if path is None or prefetch.data is not None or prefetch.predictor != plan.prefetch:
+        if prefetch.data is not None or prefetch.predictor != plan.prefetch:
+            return prefetch
+        if path is None:  # planned learning from nothing (eam cold): run so, not warm from another trace
+            from expertcache.predict.registry import trace_readers
+
+            if trace_readers([plan.prefetch]):
+                self.planned_cold = True
+                self.notes.append(
+                    f"prefetch {plan.prefetch} starts with nothing learned, as the plan priced it (planned "
+                    f"without {option('--predictor TRACE.npz', 'predictor_trace')}; give "
+                    f"{option('--predictor', 'predictor')} to start it from a recorded trace)"
+                )
             return prefetch
         if not Path(path).is_file():
             raise ExpertcacheError(
@@ -894,7 +906,7 @@ class Builder:
                     f"{option(f'--predictor {source}', f'predictor={source!r}')} is {given}: prefetch {name} "
                     f"reads {wants}"
                 )
-        if trace is None and source is None and self.path == DEFAULT_MODEL:
+        if trace is None and source is None and self.path == DEFAULT_MODEL and not self.planned_cold:
             trace = default_trace()  # token's table and eam's warm start on the embedded model
         if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
             raise ExpertcacheError(
