@@ -327,3 +327,33 @@ def test_a_fit_held_at_zero_is_the_best_fit_with_it_at_zero():
     a, b = fit_linear([(1, 0.0001), (16, 0.01)])  # a free intercept below 0: the line through the origin
     assert a == 0.0 and b == pytest.approx((0.0001 + 16 * 0.01) / (1 + 16 * 16))
     assert fit_linear([(1, 0.001), (16, 0.0032)]) == pytest.approx((0.001 - 0.0022 / 15, 0.0022 / 15))
+
+
+def test_an_expert_calibrated_slower_than_the_whole_step_is_calibrated_again(ckpt, monkeypatch):
+    """A new user's profile on a busy 2-core VM: the first 2-6 calls of an expert took about 30 ms each
+    (torch's threads starting), then 45 us; both calibrations fell in that start, agreed, and the profile
+    wrote the expert 1000x too slow and the dense time 0, unsaid. A decode step's experts slower than the
+    whole step now calibrate again, and are said where they still are."""
+    import dataclasses
+
+    from expertcache.engine import calibrate as cal
+    from expertcache.tools import profile as prof
+
+    real, calls = cal.calibrate, []
+
+    def starting(m, module):
+        got = real(m, module)
+        calls.append(got)
+        if len(calls) <= 2:  # the process's start: every expert slower than any decode step here
+            return dataclasses.replace(got, expert_s=10.0, expert_token_s=0.0)
+        return dataclasses.replace(got, expert_s=1e-9, expert_token_s=0.0)  # warm (the figures chosen)
+
+    monkeypatch.setattr(cal, "calibrate", starting)
+    data = prof.profile(ckpt("mixtral"), device="cpu", steps=4)
+    assert len(calls) == 4 and data["cost"]["expert_s"] == 1e-9 and data["cost"]["dense_s"] > 0
+    assert not any(u.startswith("the experts of a decode step") for u in data["how"]["unsteady"])
+    monkeypatch.setattr(
+        cal, "calibrate", lambda m, module: dataclasses.replace(real(m, module), expert_s=10.0)
+    )
+    data = prof.profile(ckpt("mixtral"), device="cpu", steps=4)  # slow every time: said
+    assert any(u.startswith("the experts of a decode step") for u in data["how"]["unsteady"])
