@@ -350,6 +350,11 @@ BAD_INPUTS = [
     (["sim", "--policy", "lru", "{trace}"], "looks like a trace: give it first, before --policy"),
     (["sim", "--capacity", "25%", "{trace}"], "looks like a trace: give it first, before --capacity"),
     (["sim", "{junk}"], "not a readable .npz"),
+    (
+        ["timing", "--capacity", "25%"],
+        "is not a whole number of experts (a share or a size of memory: --expert-memory 25%)",
+    ),
+    (["sim", "--policy", "lru", "--capacity", "24", "--seed", "-3"], "--seed must be at least 0, got -3"),
     (["sim", "{trace}", "--capacity", "0"], "a capacity is at least 1 expert"),
     (["sim", "{trace}", "--capacity", "1"], "below top-k 2"),
     (["sim", "{trace}", "--policy", "nope"], "unknown policy 'nope'"),

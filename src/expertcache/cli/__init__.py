@@ -1386,6 +1386,8 @@ def _seed(args: argparse.Namespace, policies: Sequence[str | None]) -> int:
     there changes nothing, and is not taken in silence."""
     if args.seed is None:
         return 0
+    if args.seed < 0:  # the one line, before any note about it
+        raise ExpertcacheError(f"--seed must be at least 0, got {args.seed}")
     names = list(dict.fromkeys(parse_policy(p)[0] for p in policies if p))
     if not any(policy_class(n).seeded for n in names):
         drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
@@ -1402,13 +1404,14 @@ def _given(args: argparse.Namespace, *dests: str) -> list[str]:
     return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d)]
 
 
-def _experts_count(text: str) -> int:
-    """``--host-capacity``: a whole number of experts (a share or a size is ``--host-memory``'s)."""
+def _experts_count(text: str, memory: str = "--host-memory") -> int:
+    """``--host-capacity`` (``--capacity``): a whole number of experts (a share or a size is ``memory``'s)."""
     try:
         return int(text)
     except ValueError:
+        meant = f"{memory} {text}" if text.strip().endswith(("%", "B")) else memory  # a share or a size
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number of experts (a share or a size of memory: --host-memory)"
+            f"{text!r} is not a whole number of experts (a share or a size of memory: {meant})"
         ) from None
 
 
@@ -1655,7 +1658,10 @@ def _host_level(args: argparse.Namespace):
 def _add_budget(p: argparse.ArgumentParser, default: str) -> None:
     """``--capacity`` or ``--expert-memory`` (``default`` when neither is given), as ``_capacity`` reads."""
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--capacity", type=int, metavar="N", help="experts the cache holds (at least 1)")
+    size.add_argument(
+        "--capacity", type=partial(_experts_count, memory="--expert-memory"), metavar="N",
+        help="experts the cache holds (at least 1)",
+    )  # fmt: skip
     shown = default.replace("%", "%%")  # argparse formats help with %
     size.add_argument(
         "--expert-memory", metavar="X", help=f"bytes (6GiB) or a share of all experts (default {shown})"
