@@ -355,6 +355,11 @@ BAD_INPUTS = [
         "is not a whole number of experts (a share or a size of memory: --expert-memory 25%)",
     ),
     (["sim", "--policy", "lru", "--capacity", "24", "--seed", "-3"], "--seed must be at least 0, got -3"),
+    (["trace", "synth", "--kind", "zipf", "-o", "{out}", "--top-k", "100"], "--top-k must be in 1..8"),
+    (
+        ["trace", "synth", "--kind", "zipf", "-o", "{out}", "--stickiness", "0.5"],
+        "does not take --stickiness; it takes --tokens, --layers, --experts, --top-k",
+    ),
     (["sim", "{trace}", "--capacity", "0"], "a capacity is at least 1 expert"),
     (["sim", "{trace}", "--capacity", "1"], "below top-k 2"),
     (["sim", "{trace}", "--policy", "nope"], "unknown policy 'nope'"),
@@ -387,7 +392,7 @@ BAD_INPUTS = [
     (["trace", "info", "{missing}"], "no such trace file"),
     (["trace", "info", "{badshape}"], "must have 3 dimensions"),
     (["trace", "synth", "--kind", "zipf", "--experts", "0", "-o", "{out}"], "experts must be at least 1"),
-    (["trace", "synth", "--kind", "cyclic", "--a", "1", "-o", "{out}"], "does not take a"),
+    (["trace", "synth", "--kind", "cyclic", "--a", "1", "-o", "{out}"], "does not take --a"),
     (["trace", "synth", "--kind", "zipf", "-o", "/nonexistent/dir/x.npz"], "cannot write the trace"),
     (["frobnicate"], "invalid choice"),
 ]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, option
 from expertcache.trace.trace import Trace
 
 
@@ -72,7 +72,7 @@ def sticky(
 ) -> Trace:
     """Zipf routing where each layer repeats the previous token's experts with probability stickiness."""
     if not 0.0 <= stickiness <= 1.0:
-        raise ExpertcacheError(f"stickiness must be in [0, 1], got {stickiness}")
+        raise ExpertcacheError(f"{_p('stickiness')} must be in [0, 1], got {stickiness}")
     rng, fresh = _seeded_draws(seed, tokens, layers, experts, top_k, a, b)  # [T, L, K]
     keep = rng.random((tokens, layers)) < stickiness  # [T, L]
     keep[0] = False
@@ -95,7 +95,7 @@ def partition(tokens: int = 1_000, layers: int = 4, experts: int = 4, layer: int
     """The LLRU paper Thm 3.1: one layer cycles through all its experts, every other layer uses expert 0."""
     _check_shape(tokens, layers, experts, 1)
     if not 0 <= layer < layers:
-        raise ExpertcacheError(f"layer must be in 0..{layers - 1}, got {layer}")
+        raise ExpertcacheError(f"{_p('layer')} must be in 0..{layers - 1}, got {layer}")
     ex = np.zeros((tokens, layers, 1), dtype=np.int16)
     ex[:, layer, 0] = np.arange(tokens) % experts
     return _finish(ex, experts, 1, 0, {"generator": "partition", "layer": layer})
@@ -110,6 +110,11 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
 }
 
 
+def _p(name: str) -> str:
+    """A parameter as the message's reader gave it: ``trace synth``'s flag, or the keyword."""
+    return option(f"--{name.replace('_', '-')}", name)
+
+
 def synthesize(kind: str, **params: object) -> Trace:
     """Build a synthetic trace by generator name; unknown names or parameters are errors."""
     if kind not in GENERATORS:
@@ -119,7 +124,8 @@ def synthesize(kind: str, **params: object) -> Trace:
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ExpertcacheError(
-            f"trace kind {kind!r} does not take {', '.join(unknown)}; it takes {', '.join(accepted)}"
+            f"trace kind {kind!r} does not take {', '.join(map(_p, unknown))}; it takes "
+            f"{', '.join(map(_p, accepted))}"
         )
     for key, value in params.items():  # by the default's type: a whole number, or any real one
         whole = isinstance(accepted[key].default, int)
@@ -144,7 +150,9 @@ def _seeded_draws(
     """Check the parameters, then draw Zipf routing from a fresh seeded generator. -> (rng, [T, L, K])"""
     _check_shape(t, layers, experts, k)
     if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b <= -1:
-        raise ExpertcacheError(f"zipf routing needs finite a >= 0 and b > -1, got a={a}, b={b}")
+        raise ExpertcacheError(
+            f"zipf routing needs finite {_p('a')} >= 0 and {_p('b')} > -1, got a={a}, b={b}"
+        )
     rng = np.random.default_rng(seed)
     return rng, _zipf_draws(rng, t, layers, experts, k, a, b)
 
@@ -172,11 +180,11 @@ MAX_TRACE_BYTES = 4 * 2**30  # a synthetic trace's expert ids (its generator nee
 def _check_shape(tokens: int, layers: int, experts: int, top_k: int) -> None:
     for name, value in (("tokens", tokens), ("layers", layers), ("experts", experts)):
         if value < 1:
-            raise ExpertcacheError(f"{name} must be at least 1, got {value}")
+            raise ExpertcacheError(f"{_p(name)} must be at least 1, got {value}")
     if not 1 <= top_k <= experts:
-        raise ExpertcacheError(f"top_k must be in 1..experts ({experts}), got {top_k}")
+        raise ExpertcacheError(f"{_p('top_k')} must be in 1..{experts} (the experts), got {top_k}")
     if experts > np.iinfo(np.int16).max:
-        raise ExpertcacheError(f"experts must be at most 32767, got {experts}")
+        raise ExpertcacheError(f"{_p('experts')} must be at most 32767, got {experts}")
     need = tokens * layers * top_k * 2  # the int16 expert ids alone, before weights and working arrays
     if need > MAX_TRACE_BYTES:
         raise ExpertcacheError(
@@ -188,9 +196,9 @@ def _check_shape(tokens: int, layers: int, experts: int, top_k: int) -> None:
 def _finish(ex: np.ndarray, experts: int, sequences: int, prompt_len: int, meta: dict[str, object]) -> Trace:
     t = ex.shape[0]
     if not 1 <= sequences <= t:
-        raise ExpertcacheError(f"sequences must be in 1..tokens ({t}), got {sequences}")
+        raise ExpertcacheError(f"{_p('sequences')} must be in 1..{t} (the tokens), got {sequences}")
     if prompt_len < 0:
-        raise ExpertcacheError(f"prompt_len must be >= 0, got {prompt_len}")
+        raise ExpertcacheError(f"{_p('prompt_len')} must be >= 0, got {prompt_len}")
     seq_id = (np.arange(t) * sequences // t).astype(np.int32)  # contiguous, near-equal sequences
     shortest = int(np.bincount(seq_id).min())
     if prompt_len >= shortest:
