@@ -102,6 +102,25 @@ def test_gaps_are_unknown_entries(tmp_path):
     assert trace.weights[1, 1].tolist() == [0, 0]  # an unknown entry's weight reads as 0
 
 
+def test_a_sampled_log_s_skipped_tokens_and_layers_are_said(tmp_path):
+    """A new user's trial: records of tokens 0 and 5, of layers 0 and 5, became adjacent tokens and layers
+    without a word, which changes what "the next token" and "a layer ahead" mean."""
+    records = [r for r in _routes("a", 6, 6, 1) if r["token_idx"] in (0, 5) and r["layer"] in (0, 5)]
+    trace, notes = import_trace(_jsonl(tmp_path / "r.jsonl", records))
+    assert (trace.num_tokens, trace.num_layers) == (2, 2) and trace.meta["layer_ids"].tolist() == [0, 5]
+    assert any(n.startswith("the layers logged (0, 5) skip some ids") for n in notes)
+    assert any(
+        n.startswith("1 gap(s) in the token indices (the first: request 'a', token 0 then 5)") for n in notes
+    )
+    whole = [r for r in _routes("a", 2, 3, 1)]
+    assert import_trace(_jsonl(tmp_path / "w.jsonl", whole))[1] == []  # nothing skipped: nothing said
+    both = tmp_path / "both.csv"  # expert_N beside topk_ids: topk_ids read, expert_N said to be ignored
+    both.write_text("token_idx,layer,topk_ids,expert_0\n0,0,1 2,3\n1,0,2 3,3\n")
+    trace, notes = import_trace(both, num_experts=4)
+    assert trace.experts[:, 0].tolist() == [[1, 2], [2, 3]]
+    assert notes == ["ignored the field 'expert_0' (first at line 1)"]
+
+
 def test_a_csv_s_first_line_is_its_header_and_its_every_column_is_read_or_said(tmp_path):
     """Values on the first line were "the header names 0 twice"; a column the importer does not read was
     dropped without a word (JSON lines' fields were noted); a request_id column was not read at all."""

@@ -13,14 +13,15 @@ Both formats hold one record per (request, token, layer):
 
 Tokens are ordered by request (in order of first appearance) and ``token_idx``; layers are numbered in
 order of their ids (kept as the ``layer_ids`` metadata). Without ``req_id`` a request ends where
-``token_idx`` goes back. A (token, layer) a log does not hold is unknown (expert -1). Top-k is the widest
-record's: a record with fewer ids keeps its missing slots unknown (-1), and a note counts such records and
-names the first (a truncated row shows there). An expert named twice in one record is refused: a router
-picks an expert at most once per token. Records with ``topk_weights`` and records without are refused
-together. Leading profiling rows are left out and reported: vLLM runs a dummy batch through the model
-before serving, which loggers record first. A leading request counts as profiling when its ``req_id`` says
-so (``dummy``, ``profile``, ``warmup``) or, without ids, when every token of it routes identically in every
-layer (dummy inputs are one repeated token).
+``token_idx`` goes back. A log that skips token indices or layer ids (a sampled one) is laid out as
+logged, one after another, with a note. A (token, layer) a log does not hold is unknown (expert -1). Top-k
+is the widest record's: a record with fewer ids keeps its missing slots unknown (-1), and a note counts
+such records and names the first (a truncated row shows there). An expert named twice in one record is
+refused: a router picks an expert at most once per token. Records with ``topk_weights`` and records
+without are refused together. Leading profiling rows are left out and reported: vLLM runs a dummy batch
+through the model before serving, which loggers record first. A leading request counts as profiling when
+its ``req_id`` says so (``dummy``, ``profile``, ``warmup``) or, without ids, when every token of it routes
+identically in every layer (dummy inputs are one repeated token).
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ class _Rows:
                 self._mixed_weights(routes, requests[0] if profiling and not skip_profiling else None)
             )
         layers = sorted({k[2] for k, _ in routes})
+        if len(layers) > 1 and layers[-1] - layers[0] + 1 != len(layers):  # a sampled log: said, not hidden
+            shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+            notes.append(
+                f"the layers logged ({shown}) skip some ids: the trace's {len(layers)} layers are these, "
+                "numbered in order (layer_ids keeps them), so a layer ahead is the next one logged"
+            )
         col = {lid: i for i, lid in enumerate(layers)}
         k = max(len(v[0]) for _, v in routes)
         short = [(key, v[2]) for key, v in routes if len(v[0]) < k]
@@ -152,6 +159,16 @@ class _Rows:
             if r in by_request:
                 by_request[r].append(t)
         tokens = [(r, t) for r in requests for t in sorted(by_request[r])]
+        gaps = [
+            (r, a, b) for (r, a), (q, b) in zip(tokens, tokens[1:], strict=False) if q == r and b != a + 1
+        ]
+        if gaps:  # a sampled log: its tokens laid out one after another, said
+            r, a, b = gaps[0]
+            whose = f"request {r!r}, " if self.has_ids else ""
+            notes.append(
+                f"{len(gaps)} gap(s) in the token indices (the first: {whose}token {a} then {b}): the "
+                "tokens logged are laid out one after another, so the next token is the next one logged"
+            )
         row = {rt: i for i, rt in enumerate(tokens)}
         ex = np.full((len(tokens), len(layers), k), -1, dtype=np.int64)
         wt = np.full(ex.shape, np.nan, dtype=np.float32) if all(weighted) else None
@@ -327,6 +344,10 @@ def _csv(path: Path, rows: _Rows) -> None:
                 f"{path}: the header has no {', '.join(missing)} (it has {', '.join(head) or 'nothing'})"
             )
         read = {"topk_weights", *experts, *weights, *(f for f in JSONL_FIELDS if f != "type")}
+        if "topk_ids" in head:  # topk_ids is read: expert_N beside it are not (nor weight_N beside weights)
+            read -= set(experts)
+        if "topk_weights" in head:
+            read -= set(weights)
         for column in head:  # a column the importer does not read is noted, as a JSONL field is
             if column not in read:
                 rows.unknown_fields.setdefault(column, f"{path}: line 1")
