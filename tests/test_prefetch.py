@@ -192,6 +192,13 @@ def test_accuracy_fetchrate_goodpred_counts():
     s = pro.stats.to_dict()
     assert pro.stats.actual[1] == 2 and pro.stats.correct[1] == 1 and pro.stats.in_time[1] == 1
     assert s["accuracy"] == 0.5 and s["fetchrate"] == 1.0 and s["goodpred"] == 0.5
+    # nothing predicted: nothing measured, overall as per layer (a new user read 0.0 as "always wrong")
+    from expertcache.cache.stats import prediction_quality
+
+    zero = np.zeros(3, dtype=np.int64)
+    quality = prediction_quality(zero, zero, zero)
+    assert quality["accuracy"] is quality["fetchrate"] is quality["goodpred"] is None
+    assert quality["accuracy_by_layer"] == [None, None, None]
 
 
 # ------------------------------------------------------------------------- engine exactness

@@ -77,8 +77,8 @@ def prediction_quality(correct: np.ndarray, actual: np.ndarray, in_time: np.ndar
     """ProMoE's accuracy, fetch rate and good prediction rate, overall and per layer, from the counts
     per layer (the module docstring)."""
 
-    def ratio(a: np.ndarray, b: np.ndarray) -> float:
-        return float(a.sum() / b.sum()) if b.sum() else 0.0
+    def ratio(a: np.ndarray, b: np.ndarray) -> float | None:  # None: nothing to measure (as per layer)
+        return float(a.sum() / b.sum()) if b.sum() else None
 
     return {
         "accuracy": ratio(correct, actual),

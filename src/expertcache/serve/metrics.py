@@ -7,6 +7,8 @@ scrape by a custom collector, so serving pays nothing for them between scrapes.
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -147,7 +149,8 @@ class _CacheCollector:
             ("fetchrate", "fetchrate", "ProMoE's fetchrate: of the predicted experts chosen, those resident"),
             ("goodpred", "goodpred", "ProMoE's goodpred: accuracy x fetchrate"),
         ):
-            yield GaugeMetricFamily(p + "prefetch_" + name, what, value=float(s[key]))
+            value = math.nan if s[key] is None else float(s[key])  # NaN: nothing predicted yet
+            yield GaugeMetricFamily(p + "prefetch_" + name, what, value=value)
         moved = CounterMetricFamily(
             p + "part_transfers",
             "demand transfers into each part of the cache (batch: full, and its stream buffer, where an "

@@ -931,7 +931,10 @@ def format_timing(result: TimingResult) -> str:
             f"prefetch   issued {pf['prefetch_issued']} | used {pf['prefetch_used']} | late "
             f"{pf['prefetch_late']} | cancelled {pf['prefetch_cancelled']} | skipped "
             f"{pf['prefetch_skipped']}",
-            f"quality    accuracy {pf['accuracy']:.3f} | fetchrate {pf['fetchrate']:.3f} | "
-            f"goodpred {pf['goodpred']:.3f}",
+            "quality    "
+            + " | ".join(
+                f"{k} {'-' if pf[k] is None else format(pf[k], '.3f')}"
+                for k in ("accuracy", "fetchrate", "goodpred")
+            ),
         ]
     return "\n".join(lines)
