@@ -626,3 +626,22 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
     with load(path, expert_memory="50%", progress=False) as model:
         out = model.generate(torch.tensor([[4000, 17, 3999, 1024]]), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 7)
+
+
+def test_a_synthesized_models_first_position_is_not_all_zero(tmp_path):
+    """A new user's trial: the tokenizer's padding token is its BOS, transformers leaves the padding row
+    of the input embedding at 0, so every random model gave the first position all-zero logits, and
+    `quality` counted it as bit-identical and agreeing between two unrelated models."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from expertcache.engine.random_checkpoint import make_checkpoint
+
+    out = make_checkpoint(tmp_path / "m", "mixtral", layers=2, hidden=32, experts=4, intermediate=32)
+    weights = {}
+    for f in out.glob("*.safetensors"):
+        weights.update(load_file(f))
+    emb = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
+    pad = json.loads((out / "config.json").read_text())["pad_token_id"]
+    assert emb[pad].abs().sum() > 0 and emb[pad].std() == pytest.approx(emb[pad + 1].std(), rel=0.5)

@@ -29,6 +29,21 @@ _CHECKPOINT_FILES = (
 MARK = "expertcache-random.json"  # what a random checkpoint was made with; only such a folder is replaced
 
 
+def _draw_padding_row(model, pad: int | None) -> None:
+    """The input embedding's row of the padding token drawn as the others are: transformers leaves it at
+    0, and where the tokenizer's padding token is its BOS as well (the embedded model's, Granite's), every
+    random model then gave the first position all-zero logits, which `quality` counted as bit-identical
+    and agreeing between any two models (a new user's trial). Padded positions are masked: no output
+    changes but the first position's."""
+    emb = model.get_input_embeddings()
+    if pad is None or emb is None or not 0 <= pad < emb.weight.shape[0]:
+        return
+    with torch.no_grad():
+        row, others = emb.weight[pad], emb.weight[pad + 1 if pad + 1 < emb.weight.shape[0] else pad - 1]
+        if not row.any():
+            row.normal_(0.0, float(others.float().std()) or 0.02)
+
+
 def _prepare_out(out: Path, tok_dir: Path) -> None:
     """Refuse an output folder that is a file, holds anything but a random checkpoint written here before
     (which is replaced: a user's own checkpoint, or one ``quantize`` wrote, is never overwritten), or is
@@ -158,6 +173,7 @@ def make_checkpoint(
         raise ExpertcacheError(f"{family}: transformers refuses these sizes ({first_line(exc)})") from None
     torch.manual_seed(seed)
     model = causal_lm_class(config).from_config(config, dtype=getattr(torch, dtype))
+    _draw_padding_row(model, tok.pad_token_id)
     out = Path(out)
     _clear_checkpoint(out)
     writable_dir(out, "the checkpoint")  # the folder is made, its parent must exist
