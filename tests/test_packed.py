@@ -215,7 +215,7 @@ def test_a_packed_checkpoint_costs_little_accuracy(packed_ckpts):
 
 def test_serve_says_what_makes_its_model_lossy(packed_ckpts):
     """serve prints one note at start (a new user found generate saying it and serve silent)."""
-    from expertcache.cli.serve import lossy_note
+    from expertcache.cli.util import lossy_note
     from expertcache.engine.hub import DEFAULT_MODEL
 
     with engine_load(DEFAULT_MODEL) as model:
@@ -559,3 +559,22 @@ def test_a_new_user_s_quantisation_trial_gets_one_line_and_copies_where_they_can
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((q3 / name).read_bytes())
     one_line(["generate", "--model", str(bare), "--prompt", "hello world"], "no tokenizer beside the weights")
+
+
+def test_batch_generate_and_chat_say_a_packed_model_is_lossy(packed_ckpts, tmp_path, capsys, monkeypatch):
+    """A new user's trial: `serve` and a single prompt's `generate` said a packed model's outputs are not
+    the full-precision model's; `generate --prompts` and `chat` said nothing."""
+    import io
+    import sys
+
+    from expertcache.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    argv = ["--model", str(packed_ckpts[8]), "--max-new-tokens", "2", "--device", "cpu"]
+    assert main(["generate", "--prompts", str(prompts), *argv]) == 0
+    said = "note: lossy, not the full-precision model's outputs: experts packed (int8"
+    assert capsys.readouterr().err.count(said) == 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", *argv]) == 0
+    assert capsys.readouterr().err.count(said) == 1

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from expertcache.cli.util import beside_plan, output_option, quiet_transformers, startup_gc
+from expertcache.cli.util import beside_plan, lossy_note, output_option, quiet_transformers, startup_gc
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
@@ -360,6 +360,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if items is None:
             out = _generate_one(model, prompt, args, sampling)
         else:
+            if note := lossy_note(model.stats, model.miss.lossy):  # a batch's summary is per batch: once here
+                _err(note, args)
             _generate_many(model, items, args, sampling)
         saved = True  # tried once, whatever comes of it
         _save_trace(model, args)
@@ -683,6 +685,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         total = model.num_layers * model.num_experts
         _err(f"chat with {model_label(model.path)} ({model.capacity}/{total} experts cached); "
              f"commands: {CHAT_COMMANDS}", args)  # fmt: skip
+        if note := lossy_note(model.stats, model.miss.lossy):  # as serve says it: not the model's outputs
+            _err(note, args)
         _chat_loop(model, args, sampling, system, tty)
     except KeyboardInterrupt:  # at the prompt, or a second one in a reply: the chat ends, as any command
         print(file=sys.stderr)

@@ -8,7 +8,7 @@ import os
 import sys
 
 from expertcache.cli.generate import add_model_args, load_model, load_plan
-from expertcache.cli.util import output_option
+from expertcache.cli.util import lossy_note, output_option
 from expertcache.config import SCHEDULES, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError
 
@@ -247,26 +247,6 @@ def describe_run(model) -> str:
     if model.plan is not None:
         parts.append(f"from plan {model.plan.file or ''}".rstrip())
     return ", ".join(parts)
-
-
-def lossy_note(stats: dict, lossy_path: bool) -> str | None:
-    """What makes a served model's outputs not the full-precision model's, in one note (None: exact)."""
-    if not stats["lossy"]:
-        return None
-    why = []
-    if stats["experts_lossy"]:
-        made = f", made from {stats['made_from']}" if stats["made_from"] else ""
-        why.append(f"experts packed ({stats['expert_format']}{made})")
-    if stats["dense"]:
-        why.append(f"dense layers {stats['dense']['format']}")
-    if lossy_path:
-        why.append(f"miss path {stats['miss']}")
-    if stats.get("kernel") == "compiled":
-        why.append("the compiled kernel (its sums in another order)")
-    return (
-        f"note: lossy, not the full-precision model's outputs: {', '.join(why)} (expertcache quality with "
-        "the same options says how far)"
-    )
 
 
 def _save_trace(model, path: str, stopped: bool, config) -> None:

@@ -129,3 +129,23 @@ def check_outputs(args) -> None:
         if value is None:
             continue
         (check_writable_dir if folder else check_writable)(str(value), what)
+
+
+def lossy_note(stats: dict, lossy_path: bool) -> str | None:
+    """What makes a served model's outputs not the full-precision model's, in one note (None: exact)."""
+    if not stats["lossy"]:
+        return None
+    why = []
+    if stats["experts_lossy"]:
+        made = f", made from {stats['made_from']}" if stats["made_from"] else ""
+        why.append(f"experts packed ({stats['expert_format']}{made})")
+    if stats["dense"]:
+        why.append(f"dense layers {stats['dense']['format']}")
+    if lossy_path:
+        why.append(f"miss path {stats['miss']}")
+    if stats.get("kernel") == "compiled":
+        why.append("the compiled kernel (its sums in another order)")
+    return (
+        f"note: lossy, not the full-precision model's outputs: {', '.join(why)} (expertcache quality with "
+        "the same options says how far)"
+    )
