@@ -239,7 +239,7 @@ def test_generate_bad_checkpoint(capsys, bad_ckpt, kind, message):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--expert-memory", "1kB"], "needs at least 2"),
+        (["--expert-memory", "1kB"], r"needs at least 2 \([0-9.]+ KiB, [0-9]+B\)"),
         (["--expert-memory", "12 parsecs"], "is not a size"),
         (["--expert-memory", "150%"], r"must be a share in \(0%, 100%\]"),
         (["--policy", "nope"], "unknown policy 'nope'"),

@@ -592,6 +592,11 @@ def test_a_random_checkpoint_too_shallow_for_its_family_is_refused_and_gemma4_s_
     ).is_dir()
     with pytest.raises(ExpertcacheError, match=r"^unsupported family 'mixtrl' \(did you mean 'mixtral'\?\)"):
         make_checkpoint(tmp_path / "typo", "mixtrl")
+    # a family transformers has and the engine cannot run: its reason, as model info gives it
+    with pytest.raises(
+        ExpertcacheError, match=r"^unsupported family 'llama4': Llama 4's MoE block .*not supported\)$"
+    ):
+        make_checkpoint(tmp_path / "l4", "llama4")
     # a head of an odd size: refused before transformers (which refuses it for some families only, and
     # for the others writes a model its rotary embeddings then fail on)
     for family in ("qwen3_moe", "mixtral"):

@@ -711,7 +711,8 @@ class Builder:
                 bytes_given = isinstance(expert_memory, int | float) and not isinstance(expert_memory, bool)
                 raise ExpertcacheError(
                     f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
-                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}): {why}"
+                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}, "
+                    f"{need * slot}B): {why}"
                     + (" (a number is bytes; a share of all experts is a string, '25%')" * bytes_given)
                 )
         return budget

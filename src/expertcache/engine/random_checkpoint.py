@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from expertcache.config import CHECKPOINT_DTYPES
-from expertcache.engine.families import FAMILIES, Shape
+from expertcache.engine.families import FAMILIES, NOT_SUPPORTED, Shape
 from expertcache.errors import ExpertcacheError, did_you_mean, first_line
 from expertcache.paths import as_umask_allows, writable_dir
 from expertcache.units import whole_number
@@ -96,6 +96,10 @@ def make_checkpoint(
 
     if isinstance(family, str) and family not in FAMILIES and family.lower() in FAMILIES:
         family = family.lower()  # model_type is lower case; "Mixtral" can only mean one family
+    if family in NOT_SUPPORTED:  # a family transformers has that the engine cannot run: why, as model info
+        raise ExpertcacheError(
+            f"unsupported family {family!r}: {NOT_SUPPORTED[family]} (docs/ENGINE.md, families not supported)"
+        )
     if family not in FAMILIES:
         hint = did_you_mean(repr(family), map(repr, FAMILIES), n=1)  # quoted as the message names it
         raise ExpertcacheError(
