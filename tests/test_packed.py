@@ -415,7 +415,7 @@ def test_quality_refuses_a_reference_that_cannot_stand_for_the_packed_model(tmp_
     assert main(["quantize", str(src), "--bits", "4"]) == 0  # hobbit's copies, beside it
     capsys.readouterr()
     code, out = quality()
-    assert code == 0 and "top-1 agreement" in out.out and f"on {src}:" in out.out  # the reference named
+    assert code == 0 and "top-1 agreement" in out.out and f"on {src} (lossy):" in out.out  # named, and lossy
     twin = tmp_path / "twin"  # the same shapes, other weights: allowed when named, and said
     synth(twin, seed=3)
     code, out = quality("--reference-model", str(twin))

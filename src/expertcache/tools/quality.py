@@ -380,6 +380,7 @@ def format_quality(r: dict[str, object]) -> str:
         + (f"in {r['dtype']}, " if r.get("dtype") else "")
         + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}"
         + (f" on {r['reference_model']}" if r.get("reference_model") else "")
+        + (" (lossy)" if r.get("lossy") else " (exact)" if "lossy" in r else "")  # as the JSON's flag
         + ": "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
