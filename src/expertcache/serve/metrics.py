@@ -44,8 +44,13 @@ class Metrics:
         r.register(_CacheCollector(model))
 
     def kv_size(self, tokens: int) -> None:
-        """The KV cache's size in tokens, where the server knows it (it sizes it to what fits)."""
-        Gauge("expertcache_kv_cache_tokens", "tokens the KV cache holds", registry=self.registry).set(tokens)
+        """The KV cache's size in tokens, where the server knows it (it sizes it to what fits); made once,
+        set at each start of the app."""
+        if getattr(self, "kv", None) is None:
+            self.kv = Gauge(
+                "expertcache_kv_cache_tokens", "tokens the KV cache holds", registry=self.registry
+            )
+        self.kv.set(tokens)
 
     # called by the batcher (its thread) and the app
     def queued(self, n: int) -> None:
