@@ -271,8 +271,8 @@ def build_skeleton(
 
     def stored_dtype(name: str, suffix: str = ""):
         key = first[name][0][0] + suffix
-        if key not in ckpt:
-            raise ExpertcacheError(f"{path}: checkpoint lacks expert tensor {key}")
+        if key not in ckpt:  # the checkpoint named once, by the message below that wraps this one
+            raise ExpertcacheError(f"checkpoint lacks expert tensor {key}")
         return ckpt.dtype(key)
 
     try:
