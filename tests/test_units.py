@@ -182,5 +182,14 @@ def test_capacity_for():
     for bad, msg in [("150%", "share"), ("0%", "share"), ("-3%", "share"), ("x%", "percentage")]:
         with pytest.raises(ExpertcacheError, match=msg):
             capacity_for(bad, 100, 50)
+    # a percentage's number is written as a size's: Python's float also read these (a new user's trial:
+    # "--host-memory 1e-9%" was a percentage where "1e7B" is not a size; "5_0%" read as 50 %)
+    from expertcache.config import HostConfig
+
+    for bad in ("1e-9%", "5_0%", "inf%", "nan%"):
+        with pytest.raises(ExpertcacheError, match="is not a percentage"):
+            capacity_for(bad, 100, 50)
+        with pytest.raises(ExpertcacheError, match=f"host memory '{bad}' is not a percentage"):
+            HostConfig(bad)
     with pytest.raises(ExpertcacheError, match="unknown unit 'parsecs'"):
         capacity_for("12 parsecs", 100, 50)

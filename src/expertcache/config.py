@@ -17,7 +17,7 @@ from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.base import PredictorError
 from expertcache.predict.registry import predictor_class
 from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (``serve.scheduling``)
-from expertcache.units import parse_duration, parse_rate, parse_size, true_or_false
+from expertcache.units import parse_duration, parse_rate, parse_share, parse_size, true_or_false
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
@@ -311,12 +311,7 @@ class HostConfig:
         if self.memory is not None:
             text = str(self.memory).strip()
             if text.endswith("%"):
-                try:
-                    share = float(text[:-1])
-                except ValueError:
-                    raise ExpertcacheError(f"host memory {self.memory!r} is not a percentage") from None
-                if not 0 < share <= 100:
-                    raise ExpertcacheError(f"host memory {self.memory!r} must be a share in (0%, 100%]")
+                parse_share(self.memory, "host memory")
             else:
                 parse_size(self.memory, "host memory")
         _set(self, name=name, params=params)
@@ -329,7 +324,7 @@ class HostConfig:
         """The host level's bytes, for experts that take ``total`` bytes in all (capped at it)."""
         text = str(self.memory).strip()
         got = (
-            round(total * float(text[:-1]) / 100)
+            round(total * parse_share(text, "host memory") / 100)
             if text.endswith("%")
             else int(parse_size(self.memory, "host memory"))
         )

@@ -24,6 +24,7 @@ BYTE_UNITS: dict[str, int] = {p + "B": f for p, (f, _) in _PREFIXES.items()}
 BIT_UNITS: dict[str, float] = {p + s: f / 8 for p, (f, _) in _PREFIXES.items() for s in ("b", "bit")}
 """Every bit spelling (rates only) and the bytes it stands for: ``Gb/s`` is 0.125 ``GB/s``."""
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SHARE = re.compile(r"^\s*-?[0-9]*\.?[0-9]+\s*$")  # a percentage's number, as a size's
 _DURATION = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$")
 
 
@@ -123,16 +124,28 @@ def _need_unit(text: object, number: str, unit: str | None, what: str, units: tu
         raise ExpertcacheError(f"{what} {text!r} needs a unit: {', '.join(choices[:-1])} or {choices[-1]}")
 
 
+def _share(text: str) -> float | None:
+    """A percentage's number as a size's is written (``25``, ``12.5``), or None: not ``1e-9``, ``5_0`` or
+    ``inf``, which Python's float reads and a size's grammar does not."""
+    return float(text) if _SHARE.match(text) else None
+
+
+def parse_share(text: str, what: str) -> float:
+    """A share of all experts, ``25%`` -> 25.0: in (0%, 100%], written as a size's number is. The one
+    reading of a percentage budget (an expert memory, a host level's memory)."""
+    share = _share(str(text).strip().removesuffix("%"))
+    if share is None:
+        raise ExpertcacheError(f"{what} {text!r} is not a percentage")
+    if not 0 < share <= 100:
+        raise ExpertcacheError(f"{what} {text!r} must be a share in (0%, 100%]")
+    return share
+
+
 def capacity_for(budget: str | int | float, expert_bytes: int, total_experts: int) -> int:
     """How many experts a budget holds: bytes (``6GiB``) or a share of all experts (``30%``)."""
     text = str(budget).strip()
     if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            raise ExpertcacheError(f"expert memory {budget!r} is not a percentage") from None
-        if not 0 < share <= 100:
-            raise ExpertcacheError(f"expert memory {budget!r} must be a share in (0%, 100%]")
+        share = parse_share(budget, "expert memory")
         return min(total_experts, math.floor(total_experts * share / 100 + 1e-9))
     return min(total_experts, int(parse_size(budget, "expert memory") // expert_bytes))
 
@@ -146,9 +159,8 @@ def capacity_items(item: str | int, total: int, low: int) -> list[int | str]:
     if text == "all":
         return list(range(low, total + 1))
     if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
+        share = _share(text[:-1])
+        if share is None:
             raise ExpertcacheError(f"capacity {item!r} is not a share of all experts (25%)") from None
         if not 0 < share <= 100:
             raise ExpertcacheError(f"capacity {item!r}: a share is in (0%, 100%]")

@@ -77,7 +77,7 @@ from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor, predictor_class
 from expertcache.trace.default import default_trace
 from expertcache.trace.trace import Trace, load_trace
-from expertcache.units import format_bytes, parse_size, true_or_false
+from expertcache.units import format_bytes, parse_share, parse_size, true_or_false
 
 WARMUP_TOKENS = 32  # the prompt of the warm-up generation at load (every expert resident)
 
@@ -677,13 +677,7 @@ class Builder:
         text = str(expert_memory).strip()
         total = self.num_layers * self.num_experts * self.layout.slot_bytes
         if text.endswith("%"):
-            try:
-                share = float(text[:-1])
-            except ValueError:
-                raise ExpertcacheError(f"expert memory {expert_memory!r} is not a percentage") from None
-            if not 0 < share <= 100:
-                raise ExpertcacheError(f"expert memory {expert_memory!r} must be a share in (0%, 100%]")
-            budget = round(total * share / 100)
+            budget = round(total * parse_share(expert_memory, "expert memory") / 100)
         else:
             number = isinstance(expert_memory, int | float) and not isinstance(expert_memory, bool)
             if number and (not math.isfinite(expert_memory) or expert_memory != int(expert_memory)):
