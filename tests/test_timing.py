@@ -904,3 +904,21 @@ def test_a_configs_field_given_to_simulate_timing_names_its_config():
         ExpertcacheError, match=r"seed is CacheConfig's: cache=CacheConfig\(\.\.\., seed=\.\.\.\)"
     ):
         simulate_timing(trace, 24, seed=3)
+
+
+def test_a_predictor_replayed_by_name_from_a_run_that_predicted_in_some_steps_says_so():
+    """A new user's trial: `timing --prefetch learned` on a run the governor held off in 108 of 120 steps
+    replayed its 12 steps' predictions as if learned had run always on, without a word."""
+    import dataclasses
+
+    from expertcache.trace import synthesize
+
+    trace = synthesize("zipf", tokens=40, layers=3, experts=8, top_k=2, seed=1)
+    predicted = trace.experts.astype(np.int16)  # [T, L, K]: every guess right
+    some = predicted.copy()
+    some[10:] = -1  # predicted in the first 10 steps alone
+    meta = {**trace.meta, "predictor": "next-gate", "window": 1}
+    for held, said in ((some, True), (predicted, False)):
+        run = dataclasses.replace(trace, predicted=held, meta=meta)
+        notes = simulate_timing(run, 8, prefetch="next-gate").notes
+        assert any("predictions for 10 of 40 steps" in n for n in notes) == said, notes

@@ -131,10 +131,22 @@ def make_sim_predictor(
     needs_model = original.needs_model if original is not None else trace.meta.get("predictor_needs_model")
     replayed = Recorded(ctx, trace.predicted, bool(needs_model) if needs_model is not None else True,
                         trace.predicted_from)  # fmt: skip
+    notes = []
+    if spec != Recorded.name:  # asked by name: where the run predicted in some steps only, said
+        steps = trace.step_id if trace.step_id is not None else np.arange(trace.num_tokens)
+        made = (trace.predicted >= 0).reshape(trace.num_tokens, -1).any(axis=1)
+        some, every = len(np.unique(steps[made])), len(np.unique(steps))
+        if some < every:
+            notes.append(
+                f"{trace.source} holds {recorded}'s predictions for {some} of {every} steps (its run "
+                f"predicted in those alone: the prefetch governor's, or a predictor that came late): the "
+                f"replay prefetches in those steps alone, not in every one"
+            )
     if original is not None and original.adaptive and trace.predicted_from is None:
-        replayed.note = (
+        notes.append(
             f"{trace.source} holds {recorded}'s predictions without the layers it made them at (its "
             "predictor ran on a thread of its own, or an older expertcache recorded it): replayed as a "
             "window predictor's, so the counts approximate the run's"
         )
+    replayed.note = "; ".join(notes) or replayed.note
     return replayed
