@@ -355,9 +355,16 @@ class TestCli:
                 "--window", "1", "2", "--epochs", "1", "--hidden", "8", "--max-new-tokens", "3",
                 "--json"]  # fmt: skip
         assert main(argv) == 0
-        report = json.loads(capsys.readouterr().out)
+        got = capsys.readouterr()
+        report = json.loads(got.out)
         assert sorted(report["windows"]) == ["1", "2"]
         assert (out / "window-2" / CONFIG).is_file()
+        # --json keeps stderr to the notes: one for each window whose predictor scores below skipping (a
+        # new user's trial: with --json the note was lost), and no progress lines
+        below = [k for k, r in report["windows"].items() if r["learned"] < r["skip"]]
+        lines = [line for line in got.err.splitlines() if line.strip()]
+        assert all(line.startswith("note:") for line in lines), lines
+        assert len(lines) == len(below)
 
     @pytest.mark.parametrize(
         "extra, match",

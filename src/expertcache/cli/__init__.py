@@ -2062,6 +2062,16 @@ def _cmd_train_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _notes_only(json_out: bool):
+    """A tool's log: every line on stderr, or (``--json``) its notes alone, not its progress."""
+
+    def log(line: str) -> None:
+        if not json_out or line.startswith("note:"):
+            print(line, file=sys.stderr, flush=True)
+
+    return log
+
+
 def _cmd_train_predictor(args: argparse.Namespace) -> int:
     from expertcache.tools.train_predictor import format_report, train_predictor
 
@@ -2075,7 +2085,7 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
         args.prompts,
         windows[0] if len(windows) == 1 else windows,
         seed=args.seed,
-        log=None if args.json else lambda line: print(line, file=sys.stderr, flush=True),
+        log=_notes_only(args.json),  # --json: stderr keeps the notes (below skip prediction), not progress
         progress=not args.json and sys.stderr.isatty(),
         force=args.force,
         **opts,
