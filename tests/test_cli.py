@@ -355,6 +355,10 @@ BAD_INPUTS = [
         "is not a whole number of experts (a share or a size of memory: --expert-memory 25%)",
     ),
     (["sim", "--policy", "lru", "--capacity", "24", "--seed", "-3"], "--seed must be at least 0, got -3"),
+    (
+        ["predictor-accuracy", "--predictors", "bogus"],
+        "choose from next-gate, window, adaptive, learned, token, eam",
+    ),
     (["trace", "synth", "--kind", "zipf", "-o", "{out}", "--top-k", "100"], "--top-k must be in 1..8"),
     (
         ["trace", "synth", "--kind", "zipf", "-o", "{out}", "--stickiness", "0.5"],

@@ -2213,7 +2213,12 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
 
     quiet_transformers()
     names = [n.strip().lower() for n in args.predictors]
+    from expertcache.predict.registry import PREDICTORS
+
     for name in names:
+        if name not in PREDICTORS:  # the ones this command scores: those that run on the model alone
+            scored = [n for n in PREDICTORS if not PREDICTORS[n].sim_only]
+            raise ExpertcacheError(f"unknown predictor {name!r}; choose from {', '.join(scored)}")
         if predictor_class(name).sim_only:
             raise ExpertcacheError(f"predictor {name} needs the future; it is exact by definition")
     if min(args.window) < 1:
