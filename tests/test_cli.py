@@ -355,10 +355,6 @@ BAD_INPUTS = [
         "is not a whole number of experts (a share or a size of memory: --expert-memory 25%)",
     ),
     (["sim", "--policy", "lru", "--capacity", "24", "--seed", "-3"], "--seed must be at least 0, got -3"),
-    (
-        ["predictor-accuracy", "--predictors", "bogus"],
-        "choose from next-gate, window, adaptive, learned, token, eam",
-    ),
     (["trace", "synth", "--kind", "zipf", "-o", "{out}", "--top-k", "100"], "--top-k must be in 1..8"),
     (
         ["trace", "synth", "--kind", "zipf", "-o", "{out}", "--stickiness", "0.5"],
@@ -747,3 +743,9 @@ def test_the_listings_take_a_class_without_a_docstring(capsys, monkeypatch):
     bare.__doc__ = "The user's own LRU.\n\nMore."
     code, out, _ = run(capsys, "policies")
     assert "bare          online  The user's own LRU." in out.splitlines()
+
+
+def test_predictor_accuracy_lists_the_predictors_it_scores(capsys):
+    """A new user's trial: its list of choices named oracle, which it then refused (it needs the future)."""
+    code, _, err = run(capsys, "predictor-accuracy", "--predictors", "bogus")
+    assert code == 2 and err.rstrip().endswith("choose from next-gate, window, adaptive, learned, token, eam")
