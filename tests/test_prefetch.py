@@ -858,3 +858,17 @@ def test_predictor_accuracy_refuses_a_predictor_file_nothing_reads(capsys, tmp_p
         assert main(["predictor-accuracy", "--predictors", "next-gate", "--predictor", path]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
+
+
+def test_a_trace_predictor_on_the_embedded_model_says_what_it_learns_from():
+    """A new user's trial: `generate --prefetch token` on the embedded model learned from its own
+    recorded trace without a word, where `predictor-accuracy --predictors token` asks for a trace."""
+    from expertcache.engine import load
+    from expertcache.engine.hub import DEFAULT_MODEL
+
+    for name in ("token", "eam"):
+        with load(DEFAULT_MODEL, "50%", device="cpu", prefetch=name, progress=False) as model:
+            said = f"prefetch {name} learns from the embedded model's own"
+            assert any(n.startswith(said) for n in model.notes)
+    with load(DEFAULT_MODEL, "50%", device="cpu", prefetch="next-gate", progress=False) as model:
+        assert not any("learns from" in n for n in model.notes)

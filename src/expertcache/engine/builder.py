@@ -903,6 +903,11 @@ class Builder:
                 )
         if trace is None and source is None and self.path == DEFAULT_MODEL and not self.planned_cold:
             trace = default_trace()  # token's table and eam's warm start on the embedded model
+            if predictor_class(self.prefetch).reads == "trace":  # said: predictor-accuracy asks for one
+                self.notes.append(
+                    f"prefetch {self.prefetch} learns from the embedded model's own recorded trace (give "
+                    f"{option('--predictor TRACE.npz', 'predictor=TRACE')} for another)"
+                )
         if trace is not None and (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
             raise ExpertcacheError(
                 f"predictor trace has {trace.num_layers} layers x {trace.num_experts} experts, the model "
