@@ -42,11 +42,12 @@ class Metrics:
         )
         self.queue = Gauge(p + "requests_in_flight", "requests running or waiting in the batch", registry=r)
         r.register(_CacheCollector(model))
+        self.kv: Gauge | None = None  # the KV cache's size, where the server knows it (``kv_size``)
 
     def kv_size(self, tokens: int) -> None:
         """The KV cache's size in tokens, where the server knows it (it sizes it to what fits); made once,
         set at each start of the app."""
-        if getattr(self, "kv", None) is None:
+        if self.kv is None:
             self.kv = Gauge(
                 "expertcache_kv_cache_tokens", "tokens the KV cache holds", registry=self.registry
             )

@@ -170,8 +170,7 @@ def _diagnose(
     cost = as_cost(cost, trace)
     # a CPU's costs, the engine's own work a miss at 0: checked against the server, 12.5 % named enough,
     unpriced = [n for n in [cost.unpriced_work(budget=True)] if n]  # served 1.86x (BENCHMARKS.md)
-    if unpriced:
-        warn_notes(unpriced)  # also in the report's notes; the command line prints them
+    warn_notes(unpriced)  # also in the report's notes; the command line prints them
     check_layout_policy(policy, "doctor draws the per-layer curves of, and plans with,")
     window_tokens = whole_number(window_tokens, option("--window-tokens", "window_tokens"))
     jobs = whole_number(jobs, option("--jobs", "jobs"))

@@ -39,7 +39,7 @@ import numpy as np
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
-from expertcache.costs import UNPRICED_WORK, CostModel, as_cost, check_dense_layers, profile_tier
+from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
 from expertcache.errors import ExpertcacheError, option, warn_notes
 from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
@@ -524,7 +524,7 @@ def make_plan(
                         continue
                     figures = seen[cell] = {"method": method, **_figures(r)}
                     # what a run adjusted (a window cut to the model), once each; the costs' own, once
-                    run_notes += [n for n in r.notes if not n.startswith((UNPRICED_WORK, RECORDED_LEVEL))]
+                    run_notes += [n for n in r.notes if not n.startswith(RECORDED_LEVEL)]
                 candidates.append(
                     {**figures, "method": method, "budgets": budgets, "miss": miss, "prefetch": pf.predictor,
                      "window": pf.window, "host_policy": hp, "host_exclusive": hx,

@@ -569,8 +569,6 @@ def _run_timing(
         host[prefill] += link.host_wait_s - h0
     bounds[-1] = link.now
     st = xcache.stats
-    unpriced = cost.unpriced_work(transfers=link.transfers > 0, host=bool(st.host.sum()))
-    notes += [unpriced] if unpriced else []
     return TimingResult(
         policy=xcache.policy.name,
         capacity=capacity,
@@ -623,6 +621,9 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     given = inspect.signature(run_timing).bind(*args, **kwargs).arguments
     trace = given["trace"] = as_trace(given["trace"], replay=True)  # loaded once, for the notes too
     result = run_timing(**given)
+    # the costs' own gap, for a replay asked for (plan and doctor, which run many, say it once themselves)
+    unpriced = result.cost.unpriced_work(result.transfers > 0, bool(result.cache["host_computed"]))
+    result.notes += [unpriced] if unpriced else []
     warn_notes(result.notes)  # the API's caller hears what was adjusted; the command line prints them
     # and what of a recorded run this replay leaves out, as `timing` notes it (its own seed, prefetching)
     cache, pf = as_config(given.get("cache"), CacheConfig), as_config(given.get("prefetch"), PrefetchConfig)
