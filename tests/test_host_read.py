@@ -109,3 +109,27 @@ def test_costs_measured_at_load_price_the_hosts_read_on_the_disk_tier_only(make_
         assert disk.costs.host_read_s > 0
     with engine_load(path, expert_memory="50%", miss="host", slow_tier="host") as host:
         assert host.costs.host_read_s == 0
+
+
+@pytest.mark.parametrize("tier", ["disk", "mapped"])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])  # the checkpoint's (a copy plan), converted (none)
+def test_the_hosts_read_gives_each_experts_bytes_whichever_way_it_reads(make_ckpt, tier, dtype):
+    """``DiskTier.host_views`` reads a whole expert by the store's copy plan where there is one (one read
+    per run of its bytes, as a transfer reads: 19 against 58 us tensor by tensor for the embedded model's
+    expert), tensor by tensor where there is none (a dtype conversion): the same values either way."""
+    import torch
+
+    from expertcache.engine.memory import SlotPool
+
+    path = make_ckpt("mixtral")  # w1 and w3 apart in the checkpoint, one gate_up_proj in a slot
+    with engine_fixtures.engine_load(path, expert_memory="50%", miss="host", slow_tier=tier, dtype=dtype) as m:
+        tier_, store = m.tier, m.tier.store
+        whole = m.layout.chunks(None)[0]
+        assert (store.copy_plan((0, 0), whole, m.layout) is None) == (dtype is not None)
+        want = SlotPool(m.layout, 1, torch.device("cpu")).views[0]
+        read = tier_.reader()
+        for key in [(layer, e) for layer in range(m.num_layers) for e in range(m.num_experts)]:
+            store.read(key, want)
+            for got in (tier_.host_views(key), read(key)):
+                for name in want:
+                    assert torch.equal(got[name], want[name]), (key, name)
