@@ -122,7 +122,8 @@ def test_the_hosts_read_gives_each_experts_bytes_whichever_way_it_reads(make_ckp
     from expertcache.engine.memory import SlotPool
 
     path = make_ckpt("mixtral")  # w1 and w3 apart in the checkpoint, one gate_up_proj in a slot
-    with engine_fixtures.engine_load(path, expert_memory="50%", miss="host", slow_tier=tier, dtype=dtype) as m:
+    load = engine_fixtures.engine_load
+    with load(path, expert_memory="50%", miss="host", slow_tier=tier, dtype=dtype) as m:
         tier_, store = m.tier, m.tier.store
         whole = m.layout.chunks(None)[0]
         assert (store.copy_plan((0, 0), whole, m.layout) is None) == (dtype is not None)
