@@ -400,10 +400,14 @@ class Engine:
         ref_order = None if ref is None else ref.numpy()
         ids_in_order = None if ref is None else flat_index[ref_order]  # each pair's expert, in that order
 
+        found: dict[int, np.ndarray] = {}  # an expert alone asks twice: its tokens, then its rows
+
         def pairs_of(expert: int) -> np.ndarray:
-            if ref_order is None:
-                return np.flatnonzero(flat_index == expert)
-            return ref_order[ids_in_order == expert]
+            got = found.get(expert)
+            if got is None:
+                mine = flat_index == expert if ref_order is None else ids_in_order == expert
+                got = found[expert] = np.flatnonzero(mine) if ref_order is None else ref_order[mine]
+            return got
 
         def alone(expert: int, out: torch.Tensor) -> None:
             """An expert computed alone: its output on each of its pairs, weighted, into their rows."""
