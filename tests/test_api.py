@@ -434,9 +434,9 @@ def test_simulate_timing_warns_its_notes_and_sums_itself_up_in_one_line(short):
 def test_sampling_settings_are_checked_when_made():
     from expertcache.config import SamplingConfig
 
-    with pytest.raises(ExpertcacheError, match="top-p must be a number, got '0.9'"):
+    with pytest.raises(ExpertcacheError, match="top_p must be a number, got '0.9'"):
         SamplingConfig(temperature=0.5, top_p="0.9")
-    with pytest.raises(ExpertcacheError, match="top-k must be a whole number, got 2.5"):
+    with pytest.raises(ExpertcacheError, match="top_k must be a whole number, got 2.5"):
         SamplingConfig(temperature=0.5, top_k=2.5)
     with pytest.raises(ExpertcacheError, match="temperature must be a number >= 0"):
         SamplingConfig(temperature="0.5")

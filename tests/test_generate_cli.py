@@ -161,13 +161,13 @@ def test_sampling_repeats_with_a_seed_and_reports_a_drawn_one(ckpt):
 @pytest.mark.parametrize(
     "extra, words",
     [
-        (["--top-p", "0.9"], "top-p is for sampling"),
-        (["--seed", "3"], "seed is for sampling"),
+        (["--top-p", "0.9"], "--top-p is for sampling: give --temperature > 0"),
+        (["--seed", "3"], "--seed is for sampling"),
         (["--temperature", "-1"], "temperature must be"),
-        (["--temperature", "1", "--top-p", "1.5"], r"top-p must be in \(0, 1\]"),
-        (["--temperature", "1", "--top-k", "0"], "top-k must be at least 1"),
+        (["--temperature", "1", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
+        (["--temperature", "1", "--top-k", "0"], "--top-k must be at least 1"),
         (["--temperature", "1", "--top-k", "100000"], "top-k 100000 is more than the vocabulary's"),
-        (["--repetition-penalty", "0"], "repetition penalty must be > 0"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
         (["--stop", ""], "stop strings must be non-empty"),
         (["--batch-size", "4"], "--batch-size is for --prompts FILE"),  # not ignored (a new user's)
         (["--chat-template", "x.jinja"], "--chat-template needs --chat"),
@@ -676,3 +676,20 @@ def test_trace_info_says_how_a_recorded_run_was_laid_out(capsys, ckpt, tmp_path)
     assert main(["trace", "synth", "--kind", "zipf", "--tokens", "8", "-o", str(synthetic)]) == 0
     assert main(["trace", "info", str(synthetic), "--json"]) == 0
     assert "recorded" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_transfers_by_part_say_which_are_on_demand_and_which_prefetched(capsys, ckpt):
+    """A split expert's parts moved on demand and by prefetches: the stderr table names both, so that the
+    counts times the parts' bytes add up to the bytes moved (it named the demand ones "transfers")."""
+    path = ckpt("mixtral")
+    run = ("--prompt", "hello there", "--expert-memory", "50%", "--miss", "split:theta=0.3", "--prefetch",
+           "next-gate", "--deterministic")  # fmt: skip
+    code, out, err = gen(capsys, path, *run, "--json", new=8)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["part_misses"] and got["part_prefetches"], got
+    code, _, err = gen(capsys, path, *run, new=8)
+    assert code == 0, err
+    demand = ", ".join(f"{p} {n}" for p, n in got["part_misses"].items())
+    ahead = ", ".join(f"{p} {n}" for p, n in got["part_prefetches"].items())
+    assert f"transfers by part on demand: {demand}, prefetched: {ahead}" in err, err

@@ -287,6 +287,18 @@ def test_split_gives_the_reference_tokens_at_the_minimum_budget(family, prefetch
         assert_close_tokens(greedy(model, IDS), reference(path, IDS))
         stats = model.stats
     assert stats["part_misses"]["bottom"] >= stats["part_misses"]["top"] > 0
+    # every part's transfers, on demand and prefetched, times its bytes: the bytes moved, less what a
+    # prefetch cancelled before it arrived had not moved yet
+    if prefetch == "none":
+        assert not stats["part_prefetches"]
+    moved, size = 0, set()
+    for part, spec in stats["parts"].items():
+        count = stats["part_misses"].get(part, 0) + stats["part_prefetches"].get(part, 0)
+        moved += count * spec["transfer_bytes"]
+        size.add(spec["transfer_bytes"])
+    assert moved - stats["prefetch_cancelled"] * max(size) <= stats["bytes_transferred"] <= moved
+    if not stats["prefetch_cancelled"]:
+        assert moved == stats["bytes_transferred"]
 
 
 @pytest.mark.parametrize("family", PATH_FAMILIES)

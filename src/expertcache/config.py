@@ -349,6 +349,11 @@ class MissConfig:
         _set(self, name=name, params=params)
 
 
+def _flag(name: str) -> str:
+    """A sampling option as a message names it: ``--top-p`` on the command line, ``top_p`` in Python."""
+    return option("--" + name.replace("_", "-"), name)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen: greedy (``temperature`` 0, the default: the offloaded model's tokens equal
@@ -371,24 +376,23 @@ class SamplingConfig:
             numeric = isinstance(v, int) if kind == "int" else isinstance(v, int | float)
             if v is not None and (isinstance(v, bool) or not numeric):
                 what = "a whole number" if kind == "int" else kind
-                raise ExpertcacheError(f"{name.replace('_', '-')} must be {what}, got {v!r}")
+                raise ExpertcacheError(f"{_flag(name)} must be {what}, got {v!r}")
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ExpertcacheError(f"temperature must be a number >= 0 (0: greedy), got {t!r}")
+            raise ExpertcacheError(f"{_flag('temperature')} must be a number >= 0 (0: greedy), got {t!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ExpertcacheError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise ExpertcacheError(f"{_flag('top_p')} must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
-            raise ExpertcacheError(f"top-k must be at least 1, got {self.top_k}")
+            raise ExpertcacheError(f"{_flag('top_k')} must be at least 1, got {self.top_k}")
         for name in ("top_p", "top_k", "seed"):
             if t == 0 and getattr(self, name) is not None:
-                flag = name.replace("_", "-")
                 raise ExpertcacheError(
-                    f"{flag} is for sampling: give a temperature > 0 too (greedy ignores it)"
+                    f"{_flag(name)} is for sampling: give {_flag('temperature')} > 0 too (greedy ignores it)"
                 )
         rp = self.repetition_penalty
         if rp is not None and (not math.isfinite(rp) or rp <= 0):
-            raise ExpertcacheError(f"repetition penalty must be > 0 (1: none), got {rp}")
+            raise ExpertcacheError(f"{_flag('repetition_penalty')} must be > 0 (1: none), got {rp}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ExpertcacheError(f"seed must be in 0 .. 2**63-1, got {self.seed}")
+            raise ExpertcacheError(f"{_flag('seed')} must be in 0 .. 2**63-1, got {self.seed}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ExpertcacheError(f"stop strings must be non-empty text, got {list(stop)!r}")

@@ -133,6 +133,7 @@ class ExpertCache:
                     self.inflight[(part, key)] = self.transport.submit(key, victim, SPECULATIVE, part)
                     waiting[(part, key)] = None
                     stats.issued[target] += 1
+                    stats.part_prefetches[part] = stats.part_prefetches.get(part, 0) + 1
                     queued += 1
             if staging:
                 more = [(target, e) for e in ranked[self.limit : self.limit + staging]]

@@ -34,6 +34,7 @@ class CacheStats:
         for name in _LAYERED:
             setattr(self, name, np.zeros(num_layers, dtype=np.int64))
         self.part_misses: dict[str, int] = {}  # demand transfers of each part
+        self.part_prefetches: dict[str, int] = {}  # speculative transfers of each part (prefetches)
         self.shadow_guesses = 0  # predicted in shadow, not present: what prefetching would have moved
         self.shadow_hits = 0  # of those, chosen by the router (and still missing then)
 
@@ -57,6 +58,7 @@ class CacheStats:
             "skipped": int(self.skipped.sum()),
             "filled": int(self.filled.sum()),
             "part_misses": dict(self.part_misses),
+            "part_prefetches": dict(self.part_prefetches),
             "prefetch_issued": int(self.issued.sum()),
             "prefetch_used": int(self.used.sum()),
             "prefetch_late": int(self.late.sum()),

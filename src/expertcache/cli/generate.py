@@ -601,9 +601,13 @@ def miss_work(out: dict) -> str:
         if slots:  # a cost-based path that judged every miss cheaper on the host, and nothing fills the cache
             fill = " (host:fill=1 moves experts in after computing)" if str(out.get("miss")) == "host" else ""
             words.append(f"the cache's {slots} slots stayed empty{fill}")
-    parts = out.get("part_misses") or {}
-    if len(parts) > 1 or (parts and "full" not in parts):  # split experts, low-precision copies
-        words.append("transfers by part: " + ", ".join(f"{p} {n}" for p, n in parts.items()))
+    parts, ahead = out.get("part_misses") or {}, out.get("part_prefetches") or {}
+    named = {**parts, **ahead}
+    if len(named) > 1 or (named and "full" not in named):  # split experts, low-precision copies
+        demand = ", ".join(f"{p} {n}" for p, n in parts.items()) or "none"
+        words.append(f"transfers by part on demand: {demand}")
+        if ahead:  # prefetches move parts too: the two lines add up to the bytes moved
+            words.append("prefetched: " + ", ".join(f"{p} {n}" for p, n in ahead.items()))
     return ", ".join(words)
 
 

@@ -230,10 +230,9 @@ class OffloadedModel:
         # the prediction quality of this generation's steps (ratios of counts, not of the totals')
         now = self.cache.stats.prediction_counts()
         delta.update(prediction_quality(*(b - a for a, b in zip(predicted, now, strict=True))))
-        parts = before["part_misses"]
-        delta["part_misses"] = {
-            p: n - parts.get(p, 0) for p, n in after["part_misses"].items() if n > parts.get(p, 0)
-        }
+        for name in ("part_misses", "part_prefetches"):
+            parts = before[name]
+            delta[name] = {p: n - parts.get(p, 0) for p, n in after[name].items() if n > parts.get(p, 0)}
         delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],
                      memory=resident_memory(self._weight_files))  # fmt: skip
         if "host_requests" in after:  # the host level's work in this generation (``cache.tiers``)
@@ -305,6 +304,7 @@ class OffloadedModel:
             "experts_lossy": self._experts_lossy,
             "dense": None if self.dense is None else self.dense.to_dict(),
             "parts": {name: {"slots": self.capacities[name], "slot_bytes": p.slot_bytes(),
+                             "transfer_bytes": p.transfer_bytes(),
                              **({"copies": p.copies} if p.copies else {})}
                       for name, p in self.parts.items()},
             "device": str(self.device),

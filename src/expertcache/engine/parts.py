@@ -69,6 +69,14 @@ class EnginePart:
         sizes = [self.layouts[layer].slot_bytes for layer in sorted(self.layouts)]
         return max(sizes) if self.spec.shared else sizes
 
+    def transfer_bytes(self) -> int | list[int]:
+        """Bytes one transfer of the part moves (a slot's, less its alignment): one figure, or one per
+        layer where they differ by layer."""
+        sizes = {layer: layout.nbytes for layer, layout in self.layouts.items()}
+        if None in sizes or len(set(sizes.values())) == 1:
+            return next(iter(sizes.values()))
+        return [sizes[layer] for layer in sorted(sizes)]
+
     def largest(self) -> SlotLayout:
         """The layout with the largest slot (a shared pool's)."""
         return max(self.layouts.values(), key=lambda layout: layout.slot_bytes)

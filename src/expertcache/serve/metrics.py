@@ -166,6 +166,11 @@ class _CacheCollector:
         for part, count in s["part_misses"].items():
             moved.add_metric([part], float(count))
         yield moved
+        what = "speculative transfers (prefetches) into each part of the cache"
+        ahead = CounterMetricFamily(p + "part_prefetches", what, labels=["part"])
+        for part, count in s.get("part_prefetches", {}).items():
+            ahead.add_metric([part], float(count))
+        yield ahead
         mem = s.get("memory") or {}
         for name, key, what in (
             ("resident_bytes", "rss", "the server's resident memory (VmRSS)"),
