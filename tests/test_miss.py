@@ -409,6 +409,26 @@ def test_recorded_trace_replays_to_the_engine_counts(family, miss, policy, ckpt)
             assert stats[key] == sim.cache[key], (miss, policy, cap, key)
 
 
+@pytest.mark.parametrize("share", ["30%", "45%"])
+def test_a_budget_in_memory_splits_between_parts_as_the_engines_does(share, ckpt):
+    """``split`` shares the expert memory between its parts in bytes. The timing model given the same
+    memory (a share, or the engine's bytes) splits the same bytes, not the whole experts they hold: at 30 %
+    of the embedded model, 28.8 experts' memory gave the engine 86 top slots and the timing model 83."""
+    path = ckpt("mixtral")
+    miss = "split:theta=0.3"
+    with engine_load(path, expert_memory=share, miss=miss, costs=COSTS) as model:
+        greedy(model, IDS)
+        trace, stats, budget = model.trace(), model.stats, model.budget
+        whole = budget / model.layout.slot_bytes
+    assert whole != int(whole)  # the memory holds part of an expert more: the case in question
+    cost = CostModel.from_dict({"expert_bytes": model.layout.nbytes}, COSTS)  # priced at the model's bytes
+    for given in (share, f"{budget}B"):
+        sim = simulate_timing(trace, given, miss=miss, cost=cost)
+        assert sim.capacities == {p: s["slots"] for p, s in stats["parts"].items()}, given
+        for key in ("requests", "hits", "misses", "part_misses"):
+            assert stats[key] == sim.cache[key], (given, key)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------

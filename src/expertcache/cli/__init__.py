@@ -1050,6 +1050,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         capacity = _run_capacity(trace, miss, cost) or _capacity(args, cost, trace)
     else:
         capacity = _capacity(args, cost, trace)
+        if args.capacity is None:  # the memory itself, which a path of several parts splits in bytes
+            capacity = args.expert_memory or args.default_expert_memory
     if plan is None:
         seeded = replace(cache, seed=args.seed or 0)  # the seed the replay draws with (set below)
         for note in replay_differences(trace, seeded, prefetch, miss=miss):

@@ -48,7 +48,7 @@ from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import capped_capacity, format_bytes, one_capacity
+from expertcache.units import capped_capacity, format_bytes, one_capacity, parse_share, parse_size
 from expertcache.workers import map_in_processes
 
 # a replay's note where its host level is not the recorded run's kind (a plan, which runs both, drops it)
@@ -223,9 +223,10 @@ def run_timing(
     host_capacity: int | None = None,
 ) -> TimingResult:
     """Replay ``trace`` (a ``Trace`` or its file) step by step in layer order through a cache of
-    ``capacity`` experts' worth of memory (or "25%": a share of all experts), shared among the miss
-    path's parts, under ``cache`` (a policy spec or a ``CacheConfig``), prefetching as ``prefetch`` says
-    (a predictor name or a ``PrefetchConfig``), serving misses by ``miss`` (a miss path spec or a
+    ``capacity`` experts' worth of memory (or "25%": a share of all experts' bytes; or bytes, "5MiB"),
+    shared among the miss path's parts as the engine shares its expert memory, under ``cache`` (a
+    policy spec or a ``CacheConfig``), prefetching as ``prefetch`` says (a predictor name or a
+    ``PrefetchConfig``), serving misses by ``miss`` (a miss path spec or a
     ``MissConfig``), timed by ``cost`` (None: the costs an engine's recorded run decided by, where it
     recorded any (a cost-based miss path's), else the default model). Trace-based predictors learn from
     ``predictor_trace`` (``token`` requires one; it must be another run than the simulated one).
@@ -265,7 +266,7 @@ def _canonical(
             raise ExpertcacheError(f"capacity {RECORDED!r} is the run's own capacities: leave out capacities")
         capacity, capacities = recorded_capacities(trace, miss_cfg, cost)
         capacity = max(trace.top_k, capacity)  # a run whose experts were all on the host held none
-    capacity = one_capacity(capacity, trace.num_layers * trace.num_experts)
+    capacity, memory = _memory(capacity, trace.num_layers * trace.num_experts, cost.expert_bytes)
     limit = trace.meta.get("prefetch_limit")  # an engine's --prefetch-limit (a whole number: else none)
     if pf.predictor == "recorded" and pf.limit is None and isinstance(limit, int) and limit >= 1:
         pf = replace(pf, limit=limit)  # as the run prefetched; said in its notes
@@ -273,7 +274,30 @@ def _canonical(
         raise ExpertcacheError(
             f"predictor_trace: prefetch {pf.predictor} reads no recorded trace (token and eam do)"
         )
-    return trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity
+    args = (trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity)
+    return *args, memory
+
+
+def _memory(capacity: int | str, total: int, expert_bytes: int) -> tuple[int, int | None]:
+    """The cache's whole experts, and for a capacity given as memory (a share of all experts, "30%", or
+    bytes, "5MiB") its bytes: a path of several parts (``split``) splits those between them, as the engine
+    splits its expert memory (28.8 experts' memory gave the engine's top part 86 slots where 28 whole
+    experts' gave 83). None: whole experts, each ``expert_bytes``."""
+    text = capacity.strip() if isinstance(capacity, str) else None
+    if text is None or text.isdigit():
+        return one_capacity(capacity, total), None
+    if text.endswith("%"):
+        experts = one_capacity(capacity, total)
+        return experts, round(total * expert_bytes * parse_share(text, "capacity") / 100)
+    if not text[:1].isdigit():  # a word: refused as a capacity says
+        return one_capacity(capacity, total), None
+    size = int(parse_size(text, "expert memory"))
+    experts = min(total, size // expert_bytes)
+    if experts < 1:
+        raise ExpertcacheError(
+            f"expert memory {text} holds no expert of {format_bytes(expert_bytes)} (the cost model's size)"
+        )
+    return experts, min(size, total * expert_bytes)
 
 
 def unsettled(meta: dict) -> str:
@@ -398,12 +422,24 @@ def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tupl
 def _key(args: tuple) -> tuple[tuple, tuple]:
     """A run's key in ``shared_runs``, and the objects it names by their ids (kept with the result, so
     that no other object takes an id meanwhile)."""
-    trace, capacity, cache_cfg, pf, miss_cfg, cost, predictor_trace, capacities, host, host_capacity = args
+    (
+        trace,
+        capacity,
+        cache_cfg,
+        pf,
+        miss_cfg,
+        cost,
+        predictor_trace,
+        capacities,
+        host,
+        host_capacity,
+        memory,
+    ) = args
     held = (trace, predictor_trace, pf.predictor_object)
     return (
         *map(id, held),
         capacity,
-        repr((cache_cfg, pf, miss_cfg, cost, capacities, host, host_capacity)),
+        repr((cache_cfg, pf, miss_cfg, cost, capacities, host, host_capacity, memory)),
     ), held
 
 
@@ -464,6 +500,7 @@ def _run_timing(
     capacities: dict[str, object] | None,
     host: HostConfig | str | None,
     host_capacity: int | None,
+    memory: int | None = None,
 ) -> TimingResult:
     if pf.predictor == AUTO_PREFETCH:
         raise ExpertcacheError(
@@ -493,7 +530,8 @@ def _run_timing(
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
     if capacities is not None:
         capacities = _given_capacities(capacities, path, L)
-    caps = capacities or part_capacities(path, capacity * cost.expert_bytes, part_bytes, K)
+    budget = capacity * cost.expert_bytes if memory is None or capped else memory  # bytes, as the engine's
+    caps = capacities or part_capacities(path, budget, part_bytes, K)
     clock = Clock()
     ctx = PolicyContext(
         capacity=max(1, capacity), num_layers=L, num_experts=E, top_k=K, clock=clock, seed=cache_cfg.seed,
