@@ -285,3 +285,57 @@ def test_a_log_s_unknown_fields_and_disagreeing_layers_are_said(tmp_path):
     assert trace.weights is None
     assert "ignored the field 'topk_weight' (did you mean topk_weights" in notes[0] and "line 1" in notes[0]
     assert notes[1] == "line 2: is_prefill 0 where another layer said 1: the last record's is kept"
+
+
+bad_ckpt = engine_fixtures.bad_ckpt
+
+
+def _nan_copy(src: Path, dst: Path) -> Path:
+    """``src`` with every expert weight NaN."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (file,) = dst.glob("*.safetensors")
+    tensors = load_file(str(file))
+    save_file({k: (v.fill_(float("nan")) if "experts" in k else v) for k, v in tensors.items()}, str(file),
+              {"format": "pt"})  # fmt: skip
+    return dst
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("truncated", "cannot read safetensors file"),
+        ("bad_json", "config.json: not valid JSON"),
+        ("missing_expert", "transformers cannot load this checkpoint (a weight is missing"),
+        ("nan", "not finite"),
+    ],
+)
+def test_the_tools_that_run_transformers_refuse_a_broken_checkpoint_in_one_line(
+    kind, words, ckpt, bad_ckpt, tmp_path, capsys
+):
+    """``quality --reference-model`` and ``train-predictor`` load the checkpoint with transformers: a
+    truncated file, broken JSON or a missing tensor ended in its traceback (exit 1), and NaN weights gave a
+    perplexity of NaN and "+nan%" (exit 0) or a "perfect" predictor of NaN hidden states."""
+    good = ckpt("mixtral")
+    bad = _nan_copy(good, tmp_path / "nan") if kind == "nan" else bad_ckpt(kind)
+    err = _err(capsys, ["quality", "--model", str(good), "--reference-model", str(bad), "--tokens", "8"])
+    assert words in err, err
+    out = tmp_path / "predictor"
+    assert main(["train-predictor", "--model", str(bad), "--out", str(out), "--window", "1", "--epochs", "1",
+                 "--max-new-tokens", "2"]) == 2  # fmt: skip
+    err = capsys.readouterr().err  # NaN is found as the routing is captured, after the line saying so
+    assert "Traceback" not in err and words in err.splitlines()[-1] and not out.exists(), err
+
+
+def test_a_config_routing_to_more_experts_than_a_layer_has_is_refused(ckpt, tmp_path, capsys):
+    """top-k 99 of 8 experts: ``model info`` printed a minimum expert memory above all experts', and
+    ``generate`` asked for a budget no setting could give."""
+    bad = tmp_path / "topk"
+    shutil.copytree(ckpt("mixtral"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_experts_per_tok"] = cfg["num_local_experts"] + 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    for argv in (["model", "info", str(bad)], ["generate", "--model", str(bad), "--prompt", "hi"]):
+        err = _err(capsys, argv)
+        assert f"num_experts_per_tok {cfg['num_local_experts'] + 1} routes each token to more experts" in err

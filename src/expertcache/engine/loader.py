@@ -56,6 +56,31 @@ class Skeleton:
         return self.packed.layout() if self.packed is not None else SlotLayout.of(self.shapes, self.dtype)
 
 
+TOP_K_NAMES = ("num_experts_per_tok", "top_k", "top_k_experts", "moe_topk")  # what families call it
+_EXPERTS_NAMES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def config_top_k(config) -> int:
+    """The experts a token is routed to, as the config names it (0: not found)."""
+    return next((int(v) for a in TOP_K_NAMES if (v := getattr(config, a, 0))), 0)
+
+
+def _check_routing(config, cfg_file: Path) -> None:
+    """One line for a config that routes each token to more experts than a layer has (top-k 99 of 8 was
+    refused later as a budget no setting could meet, or crashed transformers)."""
+    top = next(
+        ((a, v) for a in TOP_K_NAMES if isinstance(v := getattr(config, a, None), int) and v > 0), None
+    )
+    count = next(
+        ((a, v) for a in _EXPERTS_NAMES if isinstance(v := getattr(config, a, None), int) and v > 0), None
+    )
+    if top is not None and count is not None and top[1] > count[1]:
+        raise ExpertcacheError(
+            f"{cfg_file}: {top[0]} {top[1]} routes each token to more experts than a layer has "
+            f"({count[0]} {count[1]})"
+        )
+
+
 def read_config(path: str | Path):
     """The checkpoint's transformers config, with one-line errors for a missing or broken one; for an
     image-text checkpoint whose text model is a supported family, the text model's config (with the
@@ -91,6 +116,7 @@ def read_config(path: str | Path):
     except Exception as exc:
         raise ExpertcacheError(f"{cfg_file}: cannot build the config ({first_line(exc)})") from None
     if model_type in FAMILIES:
+        _check_routing(config, cfg_file)
         return config
     text = config.get_text_config()  # an image-text checkpoint: its text model is what the engine runs
     # the class's own type: a config.json's text_config can name another one, which the class keeps
@@ -101,6 +127,7 @@ def read_config(path: str | Path):
         except ExpertcacheError as exc:
             raise ExpertcacheError(f"{model_type}: its text model: {exc}") from None
     text.model_type = text_type  # what it is built as, whatever config.json's text_config names
+    _check_routing(text, cfg_file)
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(config, "dtype", None)
     for name in ("quantization_config", CONFIG_KEY):  # the checkpoint's packing, kept at the top level
@@ -293,8 +320,7 @@ def build_skeleton(
         tied = model.get_output_embeddings() if getattr(config, "tie_word_embeddings", False) else None
         stored = {f"{name}.weight" for name, m in dense_linears(model) if m is not tied}
     _load_dense(model, ckpt, family, store.expert_keys(), dtype, progress, packed, stored)
-    names = ("num_experts_per_tok", "top_k", "top_k_experts", "moe_topk")  # what families call it
-    top_k = next((int(v) for a in names if (v := getattr(config, a, 0))), 0)
+    top_k = config_top_k(config)
     model.eval()
     return Skeleton(model, config, family, experts, store, num_experts, top_k, shapes, dtype, packed)
 
@@ -499,11 +525,20 @@ def load_reference(
     if experts == "grouped_mm" and dtype == torch.float64:
         raise ExpertcacheError("transformers' grouped_mm experts do not compute in float64: use eager")
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
+    Checkpoint(path)  # its files' headers: a truncated or corrupt one in one line, as the engine says it
     with _attention_refused(config, attention):
-        model = cls.from_pretrained(
-            str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention),
-            **_dequantized(config),
-        )  # fmt: skip
+        try:
+            model = cls.from_pretrained(
+                str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention),
+                **_dequantized(config),
+            )  # fmt: skip
+        except ExpertcacheError:
+            raise
+        except Exception as exc:  # transformers' own errors, a traceback deep in its loading
+            why = first_line(exc)
+            if "ignore_mismatched_sizes" in why:  # its report of the tensors is logged, not in the error
+                why = "a weight is missing from the checkpoint, or of another shape than config.json gives"
+            raise ExpertcacheError(f"{path}: transformers cannot load this checkpoint ({why})") from None
     default_attention(model, attention, device)
     if chosen is None:
         from expertcache.engine.kernels import not_grouped

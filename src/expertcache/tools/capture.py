@@ -142,6 +142,13 @@ def capture(
         finally:
             rec.remove()
         parts.append(_assemble(rec.calls, out[0].cpu().numpy(), ids.shape[1], seq, step0))
+        if not (np.isfinite(parts[-1].gate_input).all() and np.isfinite(parts[-1].logits).all()):
+            # a router given NaN picks the same experts every time: a "perfect" predictor was trained on it
+            raise ExpertcacheError(
+                "the model's hidden states are not finite (NaN or infinite) at its routers: the "
+                "checkpoint's weights or config.json hold a NaN or an infinity, or the dtype overflows "
+                "(try --dtype float32)"
+            )
         step0 = int(parts[-1].step[-1]) + 1
     return Captured(*(np.concatenate([getattr(p, n) for p in parts]) for n in _ARRAYS))
 

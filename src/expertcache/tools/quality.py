@@ -87,7 +87,13 @@ class Reference:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         key = tuple(ids.tolist())
         if key not in self._done:
-            self._done[key] = _stream(self.model, ids)
+            logits = _stream(self.model, ids)
+            if not torch.isfinite(logits).all():  # a perplexity of NaN, "+nan%" and JSON's NaN were printed
+                raise ExpertcacheError(
+                    f"the reference's outputs are not finite (NaN or infinite logits): {self.path}'s weights "
+                    "or config.json hold a NaN or an infinity, or the dtype overflows (try --dtype float32)"
+                )
+            self._done[key] = logits
         return self._done[key]
 
 
@@ -341,7 +347,10 @@ def _check_reference(model, path: Path) -> None:
     """One line where the reference cannot stand for ``model``: packed, or of another shape."""
     import json
 
+    from expertcache.engine.loader import read_config
     from expertcache.engine.packed import CONFIG_KEY
+
+    read_config(path)  # its config.json read as the engine reads one (broken JSON in one line)
 
     theirs = json.loads((path / "config.json").read_text())
     mine = json.loads((model.path / "config.json").read_text()) if model.path is not None else {}
