@@ -137,8 +137,13 @@ def test_moepic_runs_with_a_split_miss_path_and_layouts_with_one_part_paths():
     rows = {(c["method"], c["miss"].split(":")[0]) for c in plan.candidates}
     assert ("moepic", "split") in rows and ("shared", "hobbit") in rows
     assert ("uniform", "hobbit") not in rows and ("uniform", "split") not in rows  # several cache parts
-    assert not any(c["miss"] == "split:theta=0.5" for c in plan.candidates)  # moepic's own split instead
+    # a split given with its theta is compared as given, beside moepic's layout (it was dropped unread)
+    assert ("shared", "split:theta=0.5") in {(c["method"], c["miss"]) for c in plan.candidates}
     assert any("hobbit with per-layer budgets" in line for line in plan.source["skipped"])
+    bare = make_plan(TRACE, 16, misses=("split:buffer=2",))  # without theta: moepic's to lay out
+    assert {c["method"] for c in bare.candidates if c["miss"].startswith("split")} == {"moepic"}
+    with pytest.raises(ExpertcacheError, match="theta must be a fraction"):
+        make_plan(TRACE, 16, misses=("split:theta=2",))
     small = make_plan(TRACE, 6)  # below top-2 in each of 4 layers: the shared cache alone, said so
     assert {c["method"] for c in small.candidates} == {"shared"}
     assert any("needs 8 experts" in line for line in small.source["skipped"])

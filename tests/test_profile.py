@@ -97,6 +97,25 @@ def test_declared_figures_replace_measured_ones(ckpt, tmp_path, capsys):
     assert CostModel.load(link).host_parallel is False and CostModel.load(link).link_bandwidth == 1e9
 
 
+def test_a_device_profile_declares_only_the_figures_it_gives(ckpt, tmp_path, capsys):
+    """A file of one field declared five, the other four the default model's (a Mixtral expert over PCIe)
+    in place of this machine's measurements; a file of none declared them all."""
+    one, none = tmp_path / "one.json", tmp_path / "none.json"
+    one.write_text(json.dumps({"link_bandwidth": "16GB/s"}))
+    none.write_text("{}")
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", str(ckpt("mixtral")), "--device", "cpu", "--steps", "2", "-o", str(out)]
+    assert main([*argv, "--device-profile", str(one)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    assert set(data["declared"]) == {"link_bandwidth", "link_latency"}  # the latency: the link's default
+    assert {"expert_s", "dense_s"} <= set(data["measured"]) and data["cost"]["link_bandwidth"] == 16e9
+    assert data["cost"]["expert_s"] != CostModel().expert_s
+    out.unlink()
+    assert main([*argv, "--device-profile", str(none)]) == 2
+    assert "gives none of the device's figures" in capsys.readouterr().err and not out.exists()
+
+
 def test_a_device_profile_of_another_model_is_refused(ckpt, make_ckpt, tmp_path, capsys):
     other = tmp_path / "other.json"
     argv = [

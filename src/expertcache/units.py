@@ -53,6 +53,11 @@ def _unit_factor(text: object, number: str, unit: str, what: str, *, bits: bool,
     known = [u for u in (*BYTE_UNITS, *(BIT_UNITS if bits else ())) if u.lower() in stems and u != "B"]
     if known:
         choices = [f"{number}{u}{rate} ({_meaning(u)}{rate})" for u in known]
+        if len(choices) == 1:  # one spelling it could mean ("ambiguous; write  or 5MiB" was printed)
+            time = " (a duration's, not a size's)" if unit in ("s", "ms", "us", "ns") else ""
+            raise ExpertcacheError(
+                f"{what} {text!r}: unit {unit!r} is not one this reads{time}; write {choices[0]}"
+            )
         raise ExpertcacheError(
             f"{what} {text!r}: unit {unit!r} is ambiguous; write {', '.join(choices[:-1])} or {choices[-1]}"
         )

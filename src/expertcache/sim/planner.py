@@ -468,14 +468,17 @@ def make_plan(
         f"{m}: a per-layer layout needs {L * K} experts (top-{K} in each of {L} layers), not {capacity}"
         for m in methods if m in LAYOUT_METHODS and m not in laid
     ]  # fmt: skip
-    plain = [m for m in misses if parse_miss(m)[0] != "split"] if "moepic" in methods else list(misses)
+    # moepic lays out a split path's thetas itself: a split given without them is its; one given with them is
+    # compared as given (its theta was dropped unread: split:theta=2 was planned without a word)
+    laid_out = [m for m in misses if parse_miss(m)[0] == "split" and "theta" not in parse_miss(m)[1]]
+    plain = [m for m in misses if m not in laid_out] if "moepic" in methods else list(misses)
     one_part = [m for m in plain if _parts(m, L, E, K, cost) == 1]  # what -dist budgets can hold
     for m in plain:
         if m not in one_part and len(laid) > ("shared" in laid):
             skipped.append(f"{m} with per-layer budgets: it has several cache parts (shared cache only)")
     cells = [(m, b, plain if b is None else one_part) for m, b in laid.items()]
     if "moepic" in methods:  # its layout is a split miss path's, with the buffer of the split path given
-        buffers = [parse_miss(m)[1].get("buffer") for m in misses if parse_miss(m)[0] == "split"]
+        buffers = [parse_miss(m)[1].get("buffer") for m in laid_out]
         if L > 1 and capacity > K:
             cells += [
                 ("moepic", None, [moepic_miss(trace, capacity, cost, name, curves, buffer)])

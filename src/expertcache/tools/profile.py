@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import warnings
+from pathlib import Path
 
 from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, PROFILE_VERSION, CostModel
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
@@ -50,8 +52,15 @@ def declared_fields(
     out: dict[str, object] = {}
     if device_profile:
         cost, _ = CostModel.load_profile(device_profile)  # its shape is checked against the model's
-        data = cost.to_dict()
-        out.update({k: data[k] for k in DEVICE_FIELDS})
+        data, given = cost.to_dict(), _given_fields(device_profile)
+        # the figures the file gives: the rest stay this machine's (a file of one field declared five, the
+        # others the default model's, a Mixtral expert over PCIe)
+        out.update({k: data[k] for k in DEVICE_FIELDS if k in given})
+        if not out:
+            raise ExpertcacheError(
+                f"--device-profile {device_profile} gives none of the device's figures "
+                f"({', '.join(DEVICE_FIELDS)})"
+            )
     if device_bandwidth:
         out["link_bandwidth"] = parse_rate(device_bandwidth, "--device-bandwidth")
     if device_latency:
@@ -68,6 +77,14 @@ def declared_fields(
     if "link_bandwidth" in out and "link_latency" not in out:  # a declared link: the default latency
         out["link_latency"] = CostModel().link_latency  # listed as declared: 20 us, the model's default
     return out
+
+
+def _given_fields(path: str) -> set[str]:
+    """The cost fields a file gives: a profile's measured and declared ones, a cost model's own keys."""
+    data = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # read and checked by load_profile
+    if data.get("format") == PROFILE_FORMAT:
+        return {*data.get("measured", ()), *data.get("declared", ())}
+    return set(data)
 
 
 def profile(
