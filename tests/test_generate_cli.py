@@ -693,3 +693,26 @@ def test_the_transfers_by_part_say_which_are_on_demand_and_which_prefetched(caps
     demand = ", ".join(f"{p} {n}" for p, n in got["part_misses"].items())
     ahead = ", ".join(f"{p} {n}" for p, n in got["part_prefetches"].items())
     assert f"transfers by part on demand: {demand}, prefetched: {ahead}" in err, err
+
+
+def test_a_randomized_policy_is_seeded_by_policy_seed_and_replays_with_that_seed(capsys, ckpt, tmp_path):
+    """``--seed`` is the sampling seed, so a randomized policy in the engine always drew with seed 0 from the
+    command line; ``--policy-seed`` seeds it, and the simulator given that seed makes the same decisions."""
+    from expertcache.sim.simulate import simulate
+
+    path = ckpt("mixtral")
+    got = {}
+    for seed in (0, 7):
+        trace = tmp_path / f"r{seed}.npz"
+        code, out, err = gen(capsys, path, "--prompt", "hello there", "--expert-memory", "50%", "--policy",
+                             "random", "--policy-seed", str(seed), "--prefetch", "none", "--record-trace",
+                             str(trace), "--json", new=8)  # fmt: skip
+        assert code == 0, err
+        got[seed] = json.loads(out)
+        (sim,) = simulate(trace, ["random"], [got[seed]["capacity_experts"]], seed=seed)
+        assert (sim.hits, sim.misses) == (got[seed]["hits"], got[seed]["misses"])
+    code, _, err = gen(capsys, path, "--prompt", "hi", "--policy-seed", "3", new=2)
+    assert code == 0 and "--policy-seed 3 changes nothing here: lru draws nothing at random" in err
+    assert one_line_error(*gen(capsys, path, "--prompt", "hi", "--policy-seed", "-1")).endswith(
+        "--policy-seed must be at least 0, got -1"
+    )

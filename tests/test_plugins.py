@@ -107,7 +107,10 @@ def test_a_policy_registered_without_its_split_or_whose_split_name_is_taken():
     try:
         assert ec.register_policy(dist=False)(alone) is alone
         assert "users-alone" in POLICIES and "users-alone-dist" not in POLICIES
-        with pytest.raises(ExpertcacheError, match="users-alone has no per-layer split"):
+        # its reason is the registration's, not eam's ("it decides over every layer's experts at once")
+        with pytest.raises(
+            ExpertcacheError, match=r"users-alone has no per-layer split \(it was registered "
+        ):
             ec.simulate(ec.default_trace(), ["users-alone-dist"], [24])
         clash = type("Clash", (LRU,), {"name": "lru-x"})
         POLICIES["lru-x-dist"] = POLICIES["lru-dist"]
@@ -120,6 +123,35 @@ def test_a_policy_registered_without_its_split_or_whose_split_name_is_taken():
             ec.register_policy(alone, dist="no")
     finally:
         for name in ("users-alone", "lru-x", "lru-x-dist"):
+            POLICIES.pop(name, None)
+
+
+def test_a_plugins_own_refusal_names_it_and_a_policy_of_any_keyword_takes_them():
+    """A plugin's PolicyError from its __init__ came without the policy's name (the package's own name
+    themselves); a policy taking ``**kwargs`` was said to take a parameter ``kw`` and refused every one."""
+    from expertcache.errors import PolicyError
+    from expertcache.policy.lru import LRU
+
+    def picky(self, ctx, mode=1):
+        if mode not in (1, 2):
+            raise PolicyError(f"mode must be 1 or 2, got {mode!r}")
+        LRU.__init__(self, ctx)
+
+    def anything(self, ctx, **kw):
+        self.kw = kw
+        LRU.__init__(self, ctx)
+
+    mode = type("Mode", (LRU,), {"name": "users-mode", "__init__": picky})
+    free = type("Free", (LRU,), {"name": "users-free", "__init__": anything})
+    try:
+        ec.register_policy(mode), ec.register_policy(free)
+        with pytest.raises(ExpertcacheError, match="policy 'users-mode': mode must be 1 or 2, got 3"):
+            ec.simulate(ec.default_trace(), ["users-mode:mode=3"], [24])
+        (got,) = ec.simulate(ec.default_trace(), ["users-free:a=1,b=2"], [24])
+        (lru,) = ec.simulate(ec.default_trace(), ["lru"], [24])
+        assert got.misses == lru.misses
+    finally:
+        for name in ("users-mode", "users-mode-dist", "users-free", "users-free-dist"):
             POLICIES.pop(name, None)
 
 

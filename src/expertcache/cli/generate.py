@@ -107,6 +107,12 @@ def add_model_args(p) -> None:
         help="run a plan (expertcache plan): its expert memory, policy and budgets, miss path, predictor",
     )  # fmt: skip
     p.add_argument("--profile", metavar="TRACE.npz", help="usage profile for the static policies")
+    p.add_argument(
+        "--policy-seed",
+        type=int,
+        metavar="N",
+        help="seed of a randomized policy (random, marking; default 0)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
     p.add_argument(
         "--dtype",
@@ -245,6 +251,25 @@ def load_plan(args):
     return Plan.load(args.plan)
 
 
+def _policy_seed(args, cache):
+    """``--policy-seed`` in the cache's config (the sampling seed is ``--seed``), with a note where the
+    policy draws nothing at random: a seed given there changes nothing, and is not taken in silence."""
+    import dataclasses
+
+    from expertcache.policy.registry import POLICIES, policy_class
+
+    seed = getattr(args, "policy_seed", None)
+    if seed is None:
+        return cache
+    if seed < 0:
+        raise ExpertcacheError(f"--policy-seed must be at least 0, got {seed}")
+    if not policy_class(cache.name).seeded:
+        drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
+        print(f"note: --policy-seed {seed} changes nothing here: {cache.name} draws nothing at random "
+              f"(only {drawing} do)", file=sys.stderr)  # fmt: skip
+    return dataclasses.replace(cache, seed=seed)
+
+
 def load_model(args, record: bool = True):
     """The offloaded model the options describe; the options are checked before torch is imported.
     ``record``: keep the routing (for ``--record-trace``); a server keeps none (it would grow forever)."""
@@ -267,6 +292,7 @@ def load_model(args, record: bool = True):
         cache = CacheConfig(args.policy or "lru", profile=args.profile)
         miss = MissConfig(args.miss or "fetch")
         prefetch = PrefetchConfig(args.prefetch or AUTO, window=args.window, **options)
+    cache = _policy_seed(args, cache)
     LinkConfig(args.link_bandwidth, args.link_latency)
     for flag in HOST_FLAGS[1:]:
         if getattr(args, flag) and args.host_memory is None:

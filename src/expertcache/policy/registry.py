@@ -129,6 +129,11 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
         return factory(ctx, **params)
     except (TypeError, ValueError) as e:  # a parameter of the wrong type; a plugin's own check refused it
         raise PolicyError(f"policy {name!r}: bad parameters {params}: {e}") from None
+    except PolicyError as e:  # the policy's own message: named, as the package's policies name themselves
+        base = name.removesuffix("-dist")
+        if str(e).startswith((f"{base}:", f"{name}:", f"policy {name!r}", f"policy {base!r}")):
+            raise
+        raise PolicyError(f"policy {name!r}: {e}") from None
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
@@ -156,16 +161,22 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
 
 def _check_parameters(name: str, params: dict[str, object]) -> None:
     allowed = _parameters(name)
+    if allowed is None:  # the class takes any keyword (``**kwargs``): its own __init__ says what it refuses
+        return
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         takes = ", ".join(allowed) if allowed else "no parameters"
         raise PolicyError(f"policy {name!r} does not take {', '.join(unknown)} (it takes {takes})")
 
 
-def _parameters(name: str) -> list[str]:
+def _parameters(name: str) -> list[str] | None:
+    """The parameters the policy takes by name; None where it takes any keyword (``**kwargs``)."""
     factory = _lookup(name)
     cls = policy_class(name)
-    names = [p for p in inspect.signature(cls).parameters if p != "ctx"]
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    names = [p for p in params if p != "ctx"]
     if isinstance(factory, partial):
         names = ["budgets", *names]
     return names
@@ -177,10 +188,15 @@ def _lookup(name: str) -> PolicyFactory:
     except KeyError:
         base = name[: -len("-dist")] if isinstance(name, str) and name.endswith("-dist") else None
         if base in POLICIES:  # eam, reuse, a user's registered with dist=False
+            own = policy_class(base).__module__.startswith("expertcache.")
+            why = (
+                "it decides over every layer's experts at once, docs/POLICIES.md"
+                if own
+                else "it was registered with register_policy(..., dist=False)"
+            )
             raise PolicyError(
-                f"unknown policy {name!r}: {base} has no per-layer split (it decides over every layer's "
-                "experts at once, docs/POLICIES.md); give it the whole cache, or choose a policy with one: "
-                + ", ".join(n for n in POLICIES if n.endswith("-dist"))
+                f"unknown policy {name!r}: {base} has no per-layer split ({why}); give it the whole cache, "
+                "or choose a policy with one: " + ", ".join(n for n in POLICIES if n.endswith("-dist"))
             ) from None
         hint = did_you_mean(name, POLICIES) if isinstance(name, str) else ""
         named = [m.strip() for m in os.environ.get("EXPERTCACHE_PLUGINS", "").split(",") if m.strip()]
