@@ -628,3 +628,22 @@ def test_the_configurations_are_at_the_top_of_the_package():
                  "ServeConfig"):  # fmt: skip
         assert getattr(ec, name) is getattr(config, name) and name in ec.__all__
     assert ec.PrefetchConfig("recorded", deterministic=True).when == "always"
+
+
+def test_replay_and_run_policy_take_specs_shares_and_say_capacities_beyond_every_expert():
+    """``simulate`` takes ``"lcp:rho=0.5"`` and ``"25%"``; the replays below it refused both ("unknown
+    policy 'lcp:rho=0.5'"), and gave rows "at 500 experts" of a trace of 96 without a word."""
+    trace = ec.default_trace()
+    schedule = ec.build_schedule(trace, "layer")
+    quarter = trace.num_keys // 4
+    assert (
+        ec.replay(schedule, "lcp:rho=0.5", "25%").misses
+        == ec.replay(schedule, "lcp", quarter, rho=0.5).misses
+    )
+    (by_spec,) = ec.run_policy(schedule, "lcp:rho=0.5", ["25%"])
+    assert by_spec.capacity == quarter and by_spec.params == {"rho": 0.5}
+    with pytest.raises(ExpertcacheError, match="rho given in the spec and as a keyword"):
+        ec.replay(schedule, "lcp:rho=0.5", 24, rho=0.3)
+    with pytest.warns(ec.ExpertcacheWarning, match=f"capacity 500 is more than all {trace.num_keys} experts"):
+        (beyond,) = ec.run_policy(schedule, "lru", [500])
+    assert beyond.misses == ec.replay(schedule, "lru", trace.num_keys).misses

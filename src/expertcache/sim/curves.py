@@ -10,7 +10,7 @@ import numpy as np
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError
 from expertcache.policy.registry import capacity_reason, min_capacity, policy_class
-from expertcache.sim.replay import SimResult, check_schedule, replay
+from expertcache.sim.replay import SimResult, check_schedule, replay, schedule_capacities, spec_and_params
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
 
@@ -72,7 +72,8 @@ def run_policy(
         raise ExpertcacheError(f"run_policy's capacities is a list of whole numbers, got {capacities!r}")
     if params is not None and not isinstance(params, dict):
         raise ExpertcacheError(f"run_policy's params is a dict of the policy's parameters, got {params!r}")
-    params = params or {}
+    name, params = spec_and_params(name, params or {})
+    capacities = schedule_capacities(schedule, capacities)
     low = min_capacity(name, schedule.num_layers, params, schedule.min_room)
     for c in capacities:
         check_capacity(c, schedule.order, schedule.top_k)

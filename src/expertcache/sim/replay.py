@@ -8,9 +8,10 @@ import numpy as np
 
 from expertcache.cache.residency import Residency
 from expertcache.cache.schedule import Schedule, check_capacity
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, warn_notes
 from expertcache.policy.base import Clock, Policy, PolicyContext
-from expertcache.policy.registry import make_policy, policy_class
+from expertcache.policy.registry import make_policy, parse_policy, policy_class
+from expertcache.units import one_capacity
 
 
 @dataclass
@@ -110,6 +111,32 @@ def policy_for(schedule: Schedule, name: str, capacity: int, seed: int = 0, **pa
     return make_policy(name, ctx, **params)
 
 
+def spec_and_params(name: str, params: dict[str, object]) -> tuple[str, dict[str, object]]:
+    """A policy given as a spec (``"lcp:rho=0.5"``) as its name and parameters, joined with ``params``
+    (a parameter given both ways is refused)."""
+    if not isinstance(name, str) or ":" not in name:
+        return name, params
+    name, given = parse_policy(name)
+    twice = sorted(set(given) & set(params))
+    if twice:
+        raise ExpertcacheError(f"policy {name!r}: {', '.join(twice)} given in the spec and as a keyword")
+    return name, {**given, **params}
+
+
+def schedule_capacities(schedule: Schedule, capacities) -> list[int]:
+    """Capacities as whole experts, a share of all (``"25%"``) taken as ``simulate`` takes it; those beyond
+    every expert said in a warning (they hold them all: their counts are all experts')."""
+    total = schedule.num_layers * schedule.num_experts
+    out = [one_capacity(c, total) if isinstance(c, str) else c for c in capacities]
+    beyond = [c for c in out if isinstance(c, int) and not isinstance(c, bool) and c > total]
+    if beyond:
+        shown = ", ".join(map(str, beyond[:3])) + (", ..." if len(beyond) > 3 else "")
+        one = len(beyond) == 1
+        what = f"capacity {shown} is" if one else f"capacities {shown} are"
+        warn_notes([f"{what} more than all {total} experts: {'it holds' if one else 'each holds'} them all"])
+    return out
+
+
 def check_schedule(schedule: object, who: str) -> None:
     """``who`` replays a ``Schedule`` (``build_schedule(trace, order)``), not a trace or its file."""
     if not isinstance(schedule, Schedule):
@@ -121,6 +148,8 @@ def check_schedule(schedule: object, who: str) -> None:
 def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
     """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
     check_schedule(schedule, "replay")
+    name, params = spec_and_params(name, params)
+    (capacity,) = schedule_capacities(schedule, [capacity])
     check_capacity(capacity, schedule.order, schedule.top_k)
     capacity = int(capacity)
     policy = policy_for(schedule, name, capacity, seed, **params)

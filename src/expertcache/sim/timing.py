@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 
@@ -289,7 +290,7 @@ def _memory(capacity: int | str, total: int, expert_bytes: int) -> tuple[int, in
     if text.endswith("%"):
         experts = one_capacity(capacity, total)
         return experts, round(total * expert_bytes * parse_share(text, "capacity") / 100)
-    if not text[:1].isdigit():  # a word: refused as a capacity says
+    if not re.fullmatch(r"[0-9.]+\s*[A-Za-z]+", text):  # a word, a range: refused as a capacity says
         return one_capacity(capacity, total), None
     size = int(parse_size(text, "expert memory"))
     experts = min(total, size // expert_bytes)
