@@ -647,3 +647,32 @@ def test_replay_and_run_policy_take_specs_shares_and_say_capacities_beyond_every
     with pytest.warns(ec.ExpertcacheWarning, match=f"capacity 500 is more than all {trace.num_keys} experts"):
         (beyond,) = ec.run_policy(schedule, "lru", [500])
     assert beyond.misses == ec.replay(schedule, "lru", trace.num_keys).misses
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda t: ec.simulate(t, polices=["lru"]),
+            "simulate got an unknown argument 'polices' (did you mean policies",
+        ),
+        (
+            lambda t: ec.make_plan(t, 24, polcy="lru"),
+            "make_plan got an unknown argument 'polcy' (did you mean policy",
+        ),
+        (
+            lambda t: ec.diagnose(t, capacty=24),
+            "diagnose got an unknown argument 'capacty' (did you mean capacity",
+        ),
+        (
+            lambda t: ec.batch_requests(t, concurency=4),
+            "got an unknown argument 'concurency' (did you mean concurrency",
+        ),
+        (lambda t: ec.run_policy(ec.build_schedule(t, "layer"), "lru", [24], sed=1), "(did you mean seed"),
+    ],
+)
+def test_a_misspelt_keyword_of_the_trace_functions_is_one_error_naming_the_one_meant(call, words):
+    """make_plan, diagnose, simulate, batch_requests and run_policy raised Python's TypeError, naming no
+    alternative; load, simulate_timing and sweep said what was meant."""
+    with pytest.raises(ExpertcacheError, match=re.escape(words)):
+        call(ec.default_trace())

@@ -42,6 +42,30 @@ def did_you_mean(name: str, choices, n: int = 2) -> str:
     return f" (did you mean {' or '.join(near)}?)" if near else ""
 
 
+def arguments_checked(func):
+    """``func``, its caller's misspelt keyword refused in one ``ExpertcacheError`` naming what it meant
+    (Python's ``TypeError`` named no alternative), as ``load`` and ``simulate_timing`` refuse theirs."""
+    import functools
+    import inspect
+
+    params = inspect.signature(func).parameters.values()
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return func
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        unknown = [k for k in kwargs if k not in takes]
+        if unknown:
+            name = unknown[0]
+            raise ExpertcacheError(
+                f"{func.__name__} got an unknown argument {name!r}{did_you_mean(name, takes)}"
+            )
+        return func(*args, **kwargs)
+
+    return checked
+
+
 def say_notes(notes: list[str]) -> None:
     """Notes where the caller hears them: on stderr under the command line, else as ``warn_notes``."""
     if _command_line[0]:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from expertcache.cache.schedule import Schedule, check_capacity
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, arguments_checked
 from expertcache.policy.registry import capacity_reason, min_capacity, policy_class
 from expertcache.sim.replay import SimResult, check_schedule, replay, schedule_capacities, spec_and_params
 from expertcache.sim.stack import lru_depths, opt_depths
@@ -54,6 +54,7 @@ def all_capacities(schedule: Schedule) -> list[int]:
     return list(range(low, schedule.num_layers * schedule.num_experts + 1))
 
 
+@arguments_checked
 def run_policy(
     schedule: Schedule,
     name: str,

@@ -36,7 +36,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.config import HostConfig
 from expertcache.costs import UNPRICED_WORK, CostModel, as_cost
-from expertcache.errors import ExpertcacheError, option, warn_notes
+from expertcache.errors import ExpertcacheError, arguments_checked, option, warn_notes
 from expertcache.paths import output_file
 from expertcache.sim.bounds import step_bounds
 from expertcache.sim.curves import run_policy
@@ -132,6 +132,7 @@ def knee(xs: list[float], ys: list[float]) -> float | None:
     return float(x[int(np.argmax(above))])
 
 
+@arguments_checked
 def diagnose(
     trace: Trace | str,
     capacity: int | str,

@@ -40,7 +40,7 @@ from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
 from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
-from expertcache.errors import ExpertcacheError, option, warn_notes
+from expertcache.errors import ExpertcacheError, arguments_checked, option, warn_notes
 from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.plan import METHODS, OBJECTIVES, Plan
 from expertcache.policy.dist import uniform_budgets
@@ -306,6 +306,7 @@ def check_layout_policy(policy: str, who: str) -> str:
     return name
 
 
+@arguments_checked
 def make_plan(
     trace: Trace | str,
     capacity: int | str,

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule, usage_profile, with_profile
-from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, arguments_checked, option
 from expertcache.miss.registry import miss_class
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy, policy_class
@@ -25,6 +25,7 @@ from expertcache.units import capacity_beyond, capacity_items, true_or_false, wh
 DEFAULT_POLICIES = ("opt", "lru", "lru-dist", "llru", "lcp", "lfu", "marking", "fifo", "static")
 
 
+@arguments_checked
 def simulate(
     trace: Trace | str,
     policies: Sequence[str] = DEFAULT_POLICIES,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.errors import ExpertcacheError, TraceError, option, warn_notes
+from expertcache.errors import ExpertcacheError, TraceError, arguments_checked, option, warn_notes
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import whole_number
 
@@ -79,6 +79,7 @@ def is_batched(trace: Trace) -> bool:
     return bool(firsts.any())
 
 
+@arguments_checked
 def batch_requests(
     trace: Trace,
     concurrency: int,
