@@ -350,11 +350,16 @@ BAD_INPUTS = [
     (["sim", "--policy", "lru", "{trace}"], "looks like a trace: give it first, before --policy"),
     (["sim", "--capacity", "25%", "{trace}"], "looks like a trace: give it first, before --capacity"),
     (["sim", "{junk}"], "not a readable .npz"),
+    (["sim", "/dev/null"], "/dev/null: not a regular file"),  # it was "no such trace file"
     (
         ["timing", "--capacity", "25%"],
         "is not a whole number of experts (a share or a size of memory: --expert-memory 25%)",
     ),
     (["sim", "--policy", "lru", "--capacity", "24", "--seed", "-3"], "--seed must be at least 0, got -3"),
+    (
+        ["timing", "--capacity", "24", "--expert-bytes", "0"],
+        "--expert-bytes must be at least 1 byte, got '0'",
+    ),
     (["trace", "synth", "--kind", "zipf", "-o", "{out}", "--top-k", "100"], "--top-k must be in 1..8"),
     (
         ["trace", "synth", "--kind", "zipf", "-o", "{out}", "--stickiness", "0.5"],

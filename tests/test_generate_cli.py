@@ -716,3 +716,13 @@ def test_a_randomized_policy_is_seeded_by_policy_seed_and_replays_with_that_seed
     assert one_line_error(*gen(capsys, path, "--prompt", "hi", "--policy-seed", "-1")).endswith(
         "--policy-seed must be at least 0, got -1"
     )
+
+
+def test_a_chunk_size_the_timing_model_could_not_replay_is_refused(capsys, ckpt):
+    """``--chunk-size 1B`` ran (an expert in as many chunks as it has bytes), and ``timing`` then refused to
+    replay the run at the same size: both hold to the timing model's most chunks an expert."""
+    from expertcache.costs import MAX_CHUNKS
+
+    line = one_line_error(*gen(capsys, ckpt("mixtral"), "--prompt", "hi", "--expert-memory", "50%",
+                               "--prefetch", "next-gate", "--chunk-size", "1B"))  # fmt: skip
+    assert "--chunk-size 1 B cuts an expert of" in line and f"at most {MAX_CHUNKS}" in line

@@ -982,3 +982,20 @@ def test_a_grid_of_the_wrong_type_is_named():
 
     with pytest.raises(ExpertcacheError, match="sweep's grid is a Grid, a YAML or TOML file, or None, got 5"):
         sweep(5)
+
+
+def test_a_resumed_results_file_with_a_bad_cell_names_its_row_and_column(tmp_path, traces):
+    """A resumed CSV holding 'abc' among the misses said Python's "invalid literal for int() with base
+    10", naming no column."""
+    grid = {**GRID, "traces": [str(traces[0])]}
+    out = tmp_path / "r.csv"
+    quiet(out=out, **grid)
+    lines = out.read_text().splitlines()
+    names = lines[0].split(",")
+    cells = lines[1].split(",")
+    cells[names.index("misses")] = "abc"
+    out.write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    with pytest.raises(
+        expertcache.ExpertcacheError, match=r"row 2, column misses: 'abc' is not a whole number"
+    ):
+        quiet(out=out, resume=True, **grid)

@@ -1481,7 +1481,9 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
-                parsers.get(meta, parse_duration)(piece, flag)
+                got = parsers.get(meta, parse_duration)(piece, flag)
+                if meta == "SIZE" and got < 1:  # the cost model's own message named its field, not the flag
+                    raise ExpertcacheError(f"{flag} must be at least 1 byte, got {value!r}")
 
 
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:

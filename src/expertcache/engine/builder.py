@@ -29,7 +29,15 @@ from expertcache.cache.step import InlinePredictor, StepDriver
 from expertcache.cache.tiers import HOST_LEVEL_UNUSED, level_experts
 from expertcache.cache.transfers import DEMAND
 from expertcache.config import AUTO, CacheConfig, HostConfig, LinkConfig, MissConfig, PrefetchConfig
-from expertcache.costs import AUTO_CHUNKS, CostModel, as_cost, check_shape, chunks_pay, profile_tier
+from expertcache.costs import (
+    AUTO_CHUNKS,
+    MAX_CHUNKS,
+    CostModel,
+    as_cost,
+    check_shape,
+    chunks_pay,
+    profile_tier,
+)
 from expertcache.engine.dense import DenseReport, check_dense_format
 from expertcache.engine.dense import quantize_dense as quantize_dense_weights
 from expertcache.engine.families import Family
@@ -836,7 +844,14 @@ class Builder:
         third = -(-self.layout.nbytes // AUTO_CHUNKS)  # an expert's three matrices
         full = (FULL, None)
         if prefetch.chunk_bytes is not None:
-            return {"chunk_bytes": prefetch.chunk_bytes, "why": "given (--chunk-size)"}
+            size, most = prefetch.chunk_bytes, MAX_CHUNKS  # the timing model's limit: a run it can replay
+            if -(-self.layout.nbytes // size) > most:
+                raise ExpertcacheError(
+                    f"{option('--chunk-size', 'chunk_size')} {size} B cuts an expert of {self.layout.nbytes} "
+                    f"bytes into {-(-self.layout.nbytes // size)} chunks; at most {most} (chunks of at least "
+                    f"{-(-self.layout.nbytes // most)} bytes)"
+                )
+            return {"chunk_bytes": size, "why": "given (--chunk-size)"}
         if self.link is not None:
             data, latency, source = self.layout.nbytes / self.link.bandwidth, self.link.latency, "link"
         elif full in self.targets and self.targets[full].layouts is None and len(self.targets[full].pool):

@@ -239,10 +239,18 @@ class Results:
             if not isinstance(row, dict) or list(row) != self.names:
                 got = list(row) if isinstance(row, dict) else []
                 raise ExpertcacheError(_other_columns(path, got, self.names, f"row {i}"))
-            try:
-                out.append({name: _value(row[name], kind) for name, kind in self.cols})
-            except (TypeError, ValueError) as e:
-                raise ExpertcacheError(f"{path}: row {i}: {first_line(e)}") from None
+            typed = {}
+            for name, kind in self.cols:
+                try:
+                    typed[name] = _value(row[name], kind)
+                except (TypeError, ValueError):  # Python's "invalid literal for int()" named no column
+                    what = {"int": "a whole number", "float": "a number", "bool": "true or false"}.get(
+                        kind.rstrip("?"), kind
+                    )
+                    raise ExpertcacheError(
+                        f"{path}: row {i}, column {name}: {row[name]!r} is not {what}"
+                    ) from None
+            out.append(typed)
         return out
 
 

@@ -175,7 +175,12 @@ def load_trace(path: str | Path) -> Trace:
     if path.is_dir():
         raise TraceError(f"{path}: a directory, not a trace file (.npz)")
     if not path.is_file():
-        raise TraceError(f"{path}: no such trace file")
+        what = (
+            "not a regular file (a device, a pipe), not a trace file (.npz)"
+            if path.exists()
+            else "no such trace file"
+        )
+        raise TraceError(f"{path}: {what}")
     if not zipfile.is_zipfile(path):
         raise TraceError(f"{path}: not a readable .npz trace (not a zip archive)")
     try:
