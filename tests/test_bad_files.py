@@ -115,6 +115,10 @@ def test_routing_logs_with_a_repeated_column_an_odd_request_or_header_are_named(
     synthesize("zipf", tokens=20, layers=2, experts=4, top_k=2).save(trace)
     with pytest.raises(ExpertcacheError, match=r"already a trace \(\.npz\)"):
         import_trace(trace)
+    junk = tmp_path / "junk.npz"  # named .npz, and no trace: not called one
+    junk.write_text("junk")
+    with pytest.raises(ExpertcacheError, match="not a readable .npz trace"):
+        import_trace(junk)
 
 
 def test_a_plan_with_fields_of_the_wrong_kind_is_refused(tmp_path, capsys):

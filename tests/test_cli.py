@@ -754,3 +754,13 @@ def test_predictor_accuracy_lists_the_predictors_it_scores(capsys):
     """A new user's trial: its list of choices named oracle, which it then refused (it needs the future)."""
     code, _, err = run(capsys, "predictor-accuracy", "--predictors", "bogus")
     assert code == 2 and err.rstrip().endswith("choose from next-gate, window, adaptive, learned, token, eam")
+
+
+def test_a_policy_given_twice_is_compared_once_with_a_note(capsys, trace_file):
+    """``--policy lru --policy lru:`` printed two equal rows."""
+    code, out, err = run(capsys, "sim", str(trace_file), "--policy", "lru", "--policy", "lru:", "--policy",
+                         "lcp:rho=0.5", "--policy", "lcp:rho=0.50", "--capacity", "8", "--json")  # fmt: skip
+    assert code == 0, err
+    assert [r["policy"] for r in json.loads(out)] == ["lru", "lcp"]
+    assert "note: --policy lru: is --policy lru again: compared once" in err
+    assert "note: --policy lcp:rho=0.50 is --policy lcp:rho=0.5 again" in err

@@ -726,7 +726,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     caps = _capacities(args.capacity or [f"{start}:{keys}:{step}"], trace, args.order)
     from expertcache.trace.batch import is_batched
 
-    policies = asked = args.policy or DEFAULT_POLICIES
+    policies = asked = _distinct_policies(args.policy) or DEFAULT_POLICIES
     if not args.policy and is_batched(trace):  # steps of many requests: the policy made for them too
         policies = asked = (*DEFAULT_POLICIES, "tlfu")
         print("note: steps of several requests: the default policies and tlfu (token-weighted, made for "
@@ -1381,6 +1381,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _distinct_policies(specs: Sequence[str] | None) -> list[str]:
+    """``--policy`` given more than once, each spelling of one policy and its parameters compared once
+    (``lru`` and ``lru:`` gave two equal rows), with a note."""
+    seen: dict[tuple, str] = {}
+    for spec in specs or ():
+        name, params = parse_policy(spec)
+        key = (name, tuple(sorted((k, repr(v)) for k, v in params.items())))
+        if key in seen:
+            print(f"note: --policy {spec} is --policy {seen[key]} again: compared once", file=sys.stderr)
+        else:
+            seen[key] = spec
+    return list(seen.values())
 
 
 def _seed(args: argparse.Namespace, policies: Sequence[str | None]) -> int:

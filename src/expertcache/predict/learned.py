@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from expertcache.errors import option
 from expertcache.paths import save_tensors
 from expertcache.predict.base import PredictContext, Predictor, PredictorError, rank_union
 
@@ -188,7 +189,11 @@ def resolve_directory(path: str | Path | None, window: int | None) -> Path:
     k = Learned.default_window if window is None else window
     if k not in trained:
         have = ", ".join(map(str, trained))
-        raise PredictorError(f"{root}: no predictor trained for window {k} (trained: {have})")
+        raise PredictorError(
+            f"{root}: no predictor trained for window {k} (trained: {have}); give "
+            + option("--window", "window")
+            + " as one of those, or train one (expertcache train-predictor)"
+        )
     return root / f"window-{k}"
 
 

@@ -402,6 +402,9 @@ def import_trace(
     if path.is_dir():
         raise TraceError(f"{path}: a folder, not a routing log")
     if path.suffix.lower() == ".npz":
+        from expertcache.trace.trace import load_trace
+
+        load_trace(path)  # a file named .npz that is no trace is said to be none (it was called one)
         raise TraceError(f"{path}: already a trace (.npz): give it to the commands as it is")
     if fmt not in FORMATS:
         formats = " or ".join(FORMATS)
