@@ -676,3 +676,20 @@ def test_a_misspelt_keyword_of_the_trace_functions_is_one_error_naming_the_one_m
     alternative; load, simulate_timing and sweep said what was meant."""
     with pytest.raises(ExpertcacheError, match=re.escape(words)):
         call(ec.default_trace())
+
+
+def test_reprs_say_what_an_object_is_in_a_line():
+    """A Schedule printed every group (1,710 characters for the embedded trace in flat order); a
+    PrefetchConfig of a predictor object looked like a registered name; policies and predictors printed
+    as objects at addresses."""
+    from expertcache.policy.base import Clock
+
+    schedule = ec.build_schedule(ec.default_trace(), "flat")
+    assert len(repr(schedule)) < 200 and "flat order" in repr(schedule)
+    policy = ec.make_policy(
+        "lru", ec.PolicyContext(capacity=8, num_layers=2, num_experts=8, top_k=2, clock=Clock())
+    )
+    assert repr(policy) == "<LRU policy 'lru': 0 of 8 keys>"
+    predictor = ec.make_predictor("eam", ec.PredictContext(num_layers=4, num_experts=8, top_k=2))
+    assert repr(predictor) == "<Eam predictor 'eam', window 1>"
+    assert repr(ec.PrefetchConfig(predictor)).startswith("PrefetchConfig(predictor=<Eam predictor 'eam'")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from expertcache.errors import ExpertcacheError, option
 from expertcache.miss.registry import parse_miss
@@ -96,6 +96,12 @@ class PrefetchConfig:
     deterministic: bool = False
     chunk_bytes: int | None = field(init=False, repr=False)
     predictor_object: object = field(init=False, repr=False, compare=False)
+
+    def __repr__(self) -> str:  # a predictor given as an object shown as one, not as a registered name
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr]
+        if self.predictor_object is not None:
+            shown[0] = f"predictor={self.predictor_object!r}"
+        return f"PrefetchConfig({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         for value, flag, arg in _SWITCHES:

@@ -51,6 +51,14 @@ class Schedule:
     layer_requests: np.ndarray  # int64 [2, L]: requests per phase (row 0 decode, row 1 prefill) and layer
     trace: Trace | None = field(default=None, repr=False)  # the routing it came from (for group_scores)
 
+    def __repr__(self) -> str:  # the dataclass's printed every group (1,710 characters for a small trace)
+        source = "" if self.trace is None else f" of {self.trace.source}"
+        shape = f"{self.num_layers} layers x {self.num_experts} experts, top-{self.top_k}"
+        return (
+            f"<Schedule{source}, {self.order} order: {self.num_rounds} rounds, {len(self.req_key)} requests "
+            f"in {self.num_groups} groups, {shape}>"
+        )
+
     @cached_property
     def groups(self) -> list[tuple[Key, ...]]:
         """Every request group's keys in service order, for the reference replay (built on first use:

@@ -99,6 +99,13 @@ class Policy(ABC):
         """How many experts of ``layer`` can be resident at once (a group larger than this is split)."""
         return self.capacity
 
+    def __repr__(self) -> str:
+        try:
+            held = f"{len(self)} of {self.capacity} keys"
+        except Exception:  # a policy whose own state is not set up yet (a subclass's __init__ failing)
+            held = f"capacity {getattr(self, 'capacity', '?')}"
+        return f"<{type(self).__name__} policy {getattr(self, 'name', '?')!r}: {held}>"
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of resident keys the policy tracks."""

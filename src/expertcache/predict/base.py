@@ -72,6 +72,10 @@ class Predictor(ABC):
     trained: ClassVar[bool] = False  # reads a predictor trained for the model (the embedded one's bundled)
     reads: ClassVar[str | None] = None  # the data it takes (--predictor): "trace" (recorded), "directory"
 
+    def __repr__(self) -> str:
+        name, window = getattr(self, "name", "?"), getattr(self, "window", "?")
+        return f"<{type(self).__name__} predictor {name!r}, window {window}>"
+
     def __init__(self, ctx: PredictContext) -> None:
         self.ctx = ctx
         self.window = ctx.window if ctx.window is not None else self.default_window

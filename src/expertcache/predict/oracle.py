@@ -14,7 +14,7 @@ from expertcache.predict.base import Predictor, PredictorError
 
 
 class Oracle(Predictor):
-    """The step's true experts of each target layer, read from the simulator's ``future``."""
+    """The step's true experts of each target layer, read from the simulator's requests to come."""
 
     name = "oracle"
     sim_only = True

@@ -16,7 +16,10 @@ from expertcache.units import one_capacity
 
 @dataclass
 class SimResult:
-    """Requests and misses of one (policy, capacity, order) run, in total, per layer and per phase."""
+    """Requests and misses of one (policy, capacity, order) run, in total, per layer and per phase.
+
+    ``layer_requests`` and ``layer_misses`` are [2, L] arrays by phase and layer: row 0 the decode steps,
+    row 1 the prefill steps (their sum over rows is a layer's, as ``to_dict()["layers"]`` gives it)."""
 
     policy: str
     capacity: int

@@ -62,7 +62,7 @@ def simulate(
                 f"{', '.join(names)} ranks by one"
             )
         ranked = usage_profile(profile, trace)
-    for note in replay_notes(trace, profiled=profile is not None, policies=names, seed=seed):
+    for note in replay_notes(trace, trace.source, profiled=profile is not None, policies=names, seed=seed):
         warnings.warn(note, ExpertcacheWarning, stacklevel=2)
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs, ranked)
