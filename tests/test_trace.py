@@ -637,3 +637,19 @@ def test_a_trace_is_made_of_whole_numbers_and_its_ids_are_not_wrapped() -> None:
         with pytest.raises(ExpertcacheError, match=re.escape(words)):
             Trace(ex, **kwargs)
     assert Trace(ex, np.int64(4)).num_experts == 4
+
+
+def test_select_takes_some_tokens_with_every_per_token_array_and_refuses_what_is_not_a_selection():
+    """The docs' train-on-half / test-on-half recipes needed a Trace rebuilt by hand from its arrays."""
+    import expertcache as ec
+    from expertcache.errors import TraceError
+
+    trace = ec.default_trace()
+    first, rest = trace.select(trace.seq_id < 8), trace.select(trace.seq_id >= 8)
+    assert first.num_tokens + rest.num_tokens == trace.num_tokens
+    assert (first.experts == trace.experts[trace.seq_id < 8]).all()
+    assert (first.is_prefill == trace.is_prefill[trace.seq_id < 8]).all() and first.meta == trace.meta
+    assert trace.select([0, 5, 9]).token_id.tolist() == trace.token_id[[0, 5, 9]].tolist()
+    for bad in ([3, 1], [0, trace.num_tokens], trace.seq_id[:5] < 8, ["a"]):
+        with pytest.raises(TraceError, match="select: "):
+            trace.select(bad)

@@ -113,6 +113,35 @@ class Trace:
             h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
         return h.hexdigest()[:16]
 
+    def select(self, tokens) -> Trace:
+        """The trace of some of its tokens, in time order: a boolean mask of every token
+        (``trace.seq_id < 8``: a training half, the other half to test on) or increasing token indices.
+        Every per-token array comes along, and the metadata (a recorded run's: the selection is part of
+        that run)."""
+        index = np.asarray(tokens)
+        if index.dtype == bool:
+            if index.shape != (self.num_tokens,):
+                raise TraceError(
+                    f"select: a mask of every token ({self.num_tokens}), got shape {index.shape}"
+                )
+            index = np.flatnonzero(index)
+        elif index.dtype.kind not in "iu" or index.ndim != 1:
+            raise TraceError("select: a boolean mask of the tokens or a list of token indices")
+        elif index.size and (
+            index.min() < 0 or index.max() >= self.num_tokens or (np.diff(index) <= 0).any()
+        ):
+            raise TraceError(f"select: token indices increasing, in 0 .. {self.num_tokens - 1}")
+        arrays = {
+            name: None if getattr(self, name) is None else getattr(self, name)[index] for name in _OPTIONAL
+        }
+        return Trace(
+            self.experts[index],
+            self.num_experts,
+            **arrays,
+            meta=dict(self.meta),
+            source=f"{self.source} (selected)",
+        )
+
     @property
     def num_keys(self) -> int:
         """How many distinct (layer, expert) pages the model has: L * E."""
