@@ -373,6 +373,11 @@ def test_quality_reports_what_the_compiled_kernel_costs(ckpt):
     other = measure(ckpt("mixtral"), "fetch", "100%", texts=texts, tokens=40, kernel="eager",
                     reference_implementation="grouped_mm")  # fmt: skip
     assert other["reference"] == "transformers grouped_mm" and other["tokens"] == eager["tokens"]
+    # an exact path against another implementation than its kernel's: not "exact" alone (last bits differ)
+    assert "(exact)" in format_quality(eager)
+    assert "(exact path; kernel eager rounds as transformers eager, not as this reference)" in format_quality(
+        other
+    )
 
 
 def test_quality_in_float64_measures_against_eager(ckpt):

@@ -161,9 +161,9 @@ def measure(
         from expertcache.engine.kernels import default_kernel
         from expertcache.engine.loader import in_dtype
 
-        impl = reference_implementation or in_dtype(
-            model.kernel.reference or default_kernel(device).reference, model.dtype
-        )
+        # the implementation the kernel computes as, bit for bit (the compiled kernel: as none; the default's)
+        matched = in_dtype(model.kernel.reference or default_kernel(device).reference, model.dtype)
+        impl = reference_implementation or matched
         if reference is not None and reference.experts != impl:
             raise ExpertcacheError(f"the reference given runs transformers {reference.experts}, not {impl}")
         ran = model.stats["attention"]  # the default resolved: sdpa (on a GPU sdpa_no_cudnn), or eager
@@ -218,6 +218,8 @@ def measure(
             "lossy": model.stats["lossy"] or _other_checkpoint(model, ref.path),
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
+            # the kernel rounds as this implementation: against another one, last bits differ however exact
+            "kernel_computes_as": matched,
             "policy": policy,
             "expert_memory": expert_memory,
             "tokens": count,
@@ -382,6 +384,15 @@ def _lossy_path(miss: str) -> bool:
         return True  # not one of ours: say what it did
 
 
+def _exact(r: dict[str, object]) -> str:
+    """An exact path's label; against an implementation other than the one its kernel computes as (eager
+    against grouped), that its last bits may still differ (it read "exact" alone)."""
+    computes_as = r.get("kernel_computes_as")
+    if computes_as is None or f"transformers {computes_as}" == r.get("reference"):
+        return " (exact)"
+    return f" (exact path; kernel {r['kernel']} rounds as transformers {computes_as}, not as this reference)"
+
+
 def format_quality(r: dict[str, object]) -> str:
     return (
         f"{r['miss']} ({r['policy']}, {r['expert_memory']}), {r['expert_format']} experts, "
@@ -389,7 +400,7 @@ def format_quality(r: dict[str, object]) -> str:
         + (f"in {r['dtype']}, " if r.get("dtype") else "")
         + f"kernel {r['kernel']}, attention {r.get('attention')}, against {r['reference']}"
         + (f" on {r['reference_model']}" if r.get("reference_model") else "")
-        + (" (lossy)" if r.get("lossy") else " (exact)" if "lossy" in r else "")  # as the JSON's flag
+        + (" (lossy)" if r.get("lossy") else _exact(r) if "lossy" in r else "")  # as the JSON's flag
         + ": "
         f"perplexity {r['perplexity']:.3f} against {r['perplexity_reference']:.3f} "
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
