@@ -872,3 +872,17 @@ def test_a_trace_predictor_on_the_embedded_model_says_what_it_learns_from():
             assert any(n.startswith(said) for n in model.notes)
     with load(DEFAULT_MODEL, "50%", device="cpu", prefetch="next-gate", progress=False) as model:
         assert not any("learns from" in n for n in model.notes)
+
+
+@pytest.mark.parametrize("predictor", ["oracle", "eam"])
+def test_every_prefetch_is_used_cancelled_or_unused(predictor):
+    """``prefetch_unused``: the prefetches that landed and were not chosen by their layer (a trial asked
+    what became of the rest of them): issued = used + cancelled + unused, in the timing model's counts."""
+    from expertcache.sim.timing import simulate_timing
+    from expertcache.trace.default import default_trace
+
+    trace = default_trace()
+    r = simulate_timing(trace.select(range(600)), 24, prefetch=predictor).cache
+    assert r["prefetch_issued"] > 0 and r["prefetch_unused"] >= 0
+    assert r["prefetch_issued"] == r["prefetch_used"] + r["prefetch_cancelled"] + r["prefetch_unused"]
+    assert (r["prefetch_unused"] > 0) == (predictor != "oracle")  # the oracle names the chosen experts

@@ -63,6 +63,8 @@ class CacheStats:
             "prefetch_used": int(self.used.sum()),
             "prefetch_late": int(self.late.sum()),
             "prefetch_cancelled": int(self.cancelled.sum()),
+            # landed and not chosen by the layer they were for (a later step may still hit them)
+            "prefetch_unused": int(self.issued.sum() - self.used.sum() - self.cancelled.sum()),
             "prefetch_skipped": int(self.skipped_prefetches.sum()),
             "shadow_guesses": self.shadow_guesses,
             "shadow_hits": self.shadow_hits,
