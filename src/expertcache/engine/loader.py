@@ -526,19 +526,19 @@ def load_reference(
         raise ExpertcacheError("transformers' grouped_mm experts do not compute in float64: use eager")
     cls = reference_class(AutoConfig.from_pretrained(str(path)))
     Checkpoint(path)  # its files' headers: a truncated or corrupt one in one line, as the engine says it
-    with _attention_refused(config, attention):
-        try:
+    try:
+        with _attention_refused(config, attention):  # an attention the family lacks: its own line first
             model = cls.from_pretrained(
                 str(path), experts_implementation=experts, dtype=dtype, **_attention_kwargs(attention),
                 **_dequantized(config),
             )  # fmt: skip
-        except ExpertcacheError:
-            raise
-        except Exception as exc:  # transformers' own errors, a traceback deep in its loading
-            why = first_line(exc)
-            if "ignore_mismatched_sizes" in why:  # its report of the tensors is logged, not in the error
-                why = "a weight is missing from the checkpoint, or of another shape than config.json gives"
-            raise ExpertcacheError(f"{path}: transformers cannot load this checkpoint ({why})") from None
+    except ExpertcacheError:
+        raise
+    except Exception as exc:  # transformers' own errors, a traceback deep in its loading
+        why = first_line(exc)
+        if "ignore_mismatched_sizes" in why:  # its report of the tensors is logged, not in the error
+            why = "a weight is missing from the checkpoint, or of another shape than config.json gives"
+        raise ExpertcacheError(f"{path}: transformers cannot load this checkpoint ({why})") from None
     default_attention(model, attention, device)
     if chosen is None:
         from expertcache.engine.kernels import not_grouped
