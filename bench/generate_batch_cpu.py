@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from provenance import ROOT, provenance, write_json
+from provenance import provenance, results_out, write_json
 
 from expertcache.engine import load
 from expertcache.engine.hub import DEFAULT_MODEL
@@ -88,8 +88,11 @@ def main() -> int:
     p.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate_batch_cpu.json"))
+    p.add_argument(
+        "--out", help="results file (default: bench/results/generate_batch_cpu.json for the documented run)"
+    )
     args = p.parse_args()
+    args.out = str(results_out(p, args, "generate_batch_cpu.json", at_least=("repeats",)))
     torch.set_num_threads(1)
     prompts = [t[:60] for t in heldout_texts(PROMPTS)]
     rows = []

@@ -126,6 +126,34 @@ def at_least(low: int | float, kind=int):
     return parse
 
 
+def documented_run(parser, args, skip: tuple[str, ...] = (), at_least: tuple[str, ...] = ()) -> bool:
+    """Whether every option but those in ``skip`` is at its default (those in ``at_least`` at it or more):
+    the run the committed results are of."""
+
+    def documented(key: str) -> bool:
+        value, default = getattr(args, key), parser.get_default(key)
+        return value >= default if key in at_least else value == default
+
+    return all(documented(k) for k in vars(args) if k not in skip)
+
+
+def figure_dirs(parser, args) -> None:
+    """``--out`` (the results' folder) and ``--img`` (the plots') of a figure's bench, where not given: the
+    committed ``bench/results`` and ``docs/img`` for the documented run, the temporary directory for any
+    other, said: a shrunk run replaced the committed figures in silence."""
+    if args.out is not None and args.img is not None:
+        return
+    full = documented_run(parser, args, ("out", "img"))
+    temp = Path(tempfile.gettempdir()) / Path(parser.prog).stem
+    if args.out is None:
+        args.out = ROOT / "bench" / "results" if full else temp
+    if args.img is None:
+        args.img = ROOT / "docs" / "img" if full else temp / "img"
+    if not full:
+        print(f"note: options other than the documented run's: the results and plots go to {args.out} and "
+              f"{args.img} (--out DIR and --img DIR write them elsewhere)", file=sys.stderr)  # fmt: skip
+
+
 def results_out(parser, args, name: str, at_least: tuple[str, ...] = (), modes: tuple[str, ...] = ()) -> Path:
     """Where a benchmark writes its results, decided and checked writable before any work: ``--out`` as
     given; else ``bench/results/NAME`` for the documented run (every option at its default; those named
@@ -134,17 +162,14 @@ def results_out(parser, args, name: str, at_least: tuple[str, ...] = (), modes: 
     replaces the committed results in silence."""
     out = args.out
     if out is None:
-
-        def documented(key: str) -> bool:
-            value, default = getattr(args, key), parser.get_default(key)
-            return value >= default if key in at_least else value == default
-
-        full = all(documented(k) for k in vars(args) if k != "out" and k not in modes)
+        full = documented_run(parser, args, ("out", *modes), at_least)
         out = ROOT / "bench" / "results" / name if full else Path(tempfile.gettempdir()) / name
         if not full:
             print(f"note: options other than the documented run's: the results go to {out} (--out FILE "
                   "writes them elsewhere)", file=sys.stderr)  # fmt: skip
     out = Path(out)
+    if out.is_dir():  # found only when the results were written, after all the work
+        fail(parser.prog, f"--out {out}: a folder; give the results file's path")
     if not out.parent.is_dir():
         fail(parser.prog, f"--out {out}: the folder {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):

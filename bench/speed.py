@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from provenance import provenance, write_json
+from provenance import provenance, results_out, write_json
 
 from expertcache.sim import all_capacities, build_schedule, replay, run_policy
 from expertcache.trace import synthesize
@@ -27,8 +27,11 @@ def main() -> None:
     ap.add_argument("--capacities", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", default="layer")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/speed.json"))
+    ap.add_argument(
+        "--out", type=Path, help="results file (default: bench/results/speed.json for the documented run)"
+    )
     args = ap.parse_args()
+    args.out = results_out(ap, args, "speed.json")  # a shrunk run's elsewhere, said
 
     t0 = time.perf_counter()
     trace = synthesize(
