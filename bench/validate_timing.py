@@ -283,8 +283,8 @@ def main() -> None:
         }
         row = {"budget": budget, "predictor": name, "miss": miss, "capacity": capacity, "engine": eng,
                    "sim": sim}  # fmt: skip
-        # the configuration the overheads were fitted on, in a run of its own: the fit's run (eng0) is not this
-        # one (it was labelled "fitted on this run": its error measured run-to-run noise as the fit's)
+        # the configuration the overheads were fitted on, in a run of its own: the fit's run (eng0) is not
+        # this one (it was labelled "fitted on this run": its error held the run-to-run noise too)
         row["fit_configuration"] = budget == args.fit_on and name == "none" and miss == "fetch"
         if row["fit_configuration"]:
             row["fit_run"] = eng0

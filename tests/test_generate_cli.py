@@ -726,3 +726,29 @@ def test_a_chunk_size_the_timing_model_could_not_replay_is_refused(capsys, ckpt)
     line = one_line_error(*gen(capsys, ckpt("mixtral"), "--prompt", "hi", "--expert-memory", "50%",
                                "--prefetch", "next-gate", "--chunk-size", "1B"))  # fmt: skip
     assert "--chunk-size 1 B cuts an expert of" in line and f"at most {MAX_CHUNKS}" in line
+
+
+def test_a_sampled_prompts_run_draws_one_seed_and_each_batch_its_own(capsys, ckpt, tmp_path):
+    """Every batch was reseeded with the same --seed (a prompt listed twice in two batches was sampled twice
+    alike), without --seed each batch drew and reported its own seed (the run could not be repeated), and
+    the run's seed was never said on stderr."""
+    path = ckpt("mixtral")
+    prompts = tmp_path / "same.txt"
+    prompts.write_text("hello there\n" * 4)
+    argv = ("--prompts", str(prompts), "--temperature", "1.5", "--batch-size", "1")
+    code, out, err = gen(capsys, path, *argv, new=6)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    seed = rows[0]["seed"]
+    assert f"sampled with seed {seed} (--seed {seed} repeats the run; batch b draws with seed + b)" in err
+    assert [r["seed"] for r in rows] == [seed + i for i in range(4)]
+    assert len({tuple(r["tokens"]) for r in rows}) > 1  # four draws, not one drawn four times
+    code, again, _ = gen(capsys, path, *argv, "--seed", str(seed), new=6)
+    assert [json.loads(line)["tokens"] for line in again.splitlines()] == [r["tokens"] for r in rows]
+    from expertcache.config import SamplingConfig
+
+    with engine_load(path) as model:  # generate_text given more prompts than batch_size: the same rule
+        many = model.generate_text(
+            ["hello there"] * 3, 6, sampling=SamplingConfig(temperature=1.5), batch_size=1
+        )
+    assert [g.seed for g in many] == [many[0].seed + i for i in range(3)]

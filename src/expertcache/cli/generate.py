@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import secrets
 import sys
 import time
 
@@ -495,13 +496,20 @@ def _check_lengths(model, items, args) -> None:
 
 
 def _generate_many(model, items, args, sampling) -> None:
+    from expertcache.engine.offloaded import batch_seed
+
     _check_lengths(model, items, args)
+    if not sampling.greedy:  # one seed for the run, said: batch b samples with seed + b
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbelow(2**31))
+        more = "; batch b draws with seed + b" if len(items) > args.batch_size else ""
+        _err(f"sampled with seed {sampling.seed} (--seed {sampling.seed} repeats the run{more})", args)
     done, start = 0, time.perf_counter()
     for b in range(0, len(items), args.batch_size):
         batch = items[b : b + args.batch_size]
         results = model.generate_text(
-            [it.prompt for it in batch], max_new_tokens=args.max_new_tokens, sampling=sampling,
-            chat=args.chat, batch_size=len(batch),
+            [it.prompt for it in batch], max_new_tokens=args.max_new_tokens,
+            sampling=batch_seed(sampling, b // args.batch_size), chat=args.chat, batch_size=len(batch),
         )  # fmt: skip
         for it, g in zip(batch, results, strict=True):
             print(json.dumps({"id": it.id, "batch": b // args.batch_size, **g.to_dict()}), flush=True)

@@ -49,6 +49,17 @@ def default_model_path() -> Path:
     return DEFAULT_MODEL
 
 
+def batch_seed(sampling: SamplingConfig, batch: int) -> SamplingConfig:
+    """Batch ``batch``'s sampling of a run of several: seed + batch, so that one seed repeats the whole run
+    and each batch draws its own (every batch was reseeded with the same seed: a prompt listed twice, in two
+    batches, was sampled twice alike)."""
+    if sampling.greedy or sampling.seed is None or batch == 0:
+        return sampling
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=(sampling.seed + batch) % 2**63)
+
+
 class OffloadedModel:
     """A causal LM whose experts stream through a bounded cache; use like a transformers model.
 
@@ -181,10 +192,15 @@ class OffloadedModel:
             raise ExpertcacheError("streaming is for one prompt at a time")
         texts = [gen.render(self.tokenizer, p, chat, f"prompt {i + 1}" if not one else "the prompt")
                  for i, p in enumerate(prompts)]  # fmt: skip
+        if not sampling.greedy and sampling.seed is None and len(texts) > batch_size:
+            import dataclasses
+            import secrets
+
+            sampling = dataclasses.replace(sampling, seed=secrets.randbelow(2**31))  # one for the call
         results: list[Generation] = []
-        for start in range(0, len(texts), batch_size):
+        for i, start in enumerate(range(0, len(texts), batch_size)):
             results += self._generate_batch(texts[start : start + batch_size], max_new_tokens, streamer,
-                                            sampling, chat, kwargs)  # fmt: skip
+                                            batch_seed(sampling, i), chat, kwargs)  # fmt: skip
         return results[0] if one else results
 
     def _generate_batch(self, texts, max_new_tokens, streamer, sampling, chat, kwargs) -> list[Generation]:
