@@ -752,3 +752,12 @@ def test_a_sampled_prompts_run_draws_one_seed_and_each_batch_its_own(capsys, ckp
             ["hello there"] * 3, 6, sampling=SamplingConfig(temperature=1.5), batch_size=1
         )
     assert [g.seed for g in many] == [many[0].seed + i for i in range(3)]
+
+
+def test_one_new_token_has_no_tpot_not_a_tpot_of_zero(capsys, ckpt):
+    """A generation of one token (max 1, or an end at once) reported TPOT 0.0 ms: no decode step to time."""
+    path = ckpt("mixtral")
+    code, out, err = gen(capsys, path, "--prompt", "hello", "--json", new=1)
+    assert code == 0 and json.loads(out)["tpot_s"] is None, (out, err)
+    code, _, err = gen(capsys, path, "--prompt", "hello", new=1)
+    assert code == 0 and "TPOT - (one new token)" in err, err

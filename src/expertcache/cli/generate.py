@@ -540,8 +540,9 @@ def summary(out: dict) -> str:
     """The cache's work and the timings of one generation, for stderr."""
     lines = [
         f"---\n{out['prompt_tokens']} prompt + {out['new_tokens']} new tokens ({out['finish_reason']}) | "
-        f"TTFT {out['ttft_s'] * 1e3:.1f} ms | TPOT {out['tpot_s'] * 1e3:.1f} ms | "
-        f"{out['tokens_per_s']:.1f} tok/s"
+        f"TTFT {out['ttft_s'] * 1e3:.1f} ms | "
+        + ("TPOT - (one new token) | " if out["tpot_s"] is None else f"TPOT {out['tpot_s'] * 1e3:.1f} ms | ")
+        + f"{out['tokens_per_s']:.1f} tok/s"
         + "".join(f" | {out[k]} {k}" for k in ("kernel", "attention") if out.get(k)),
         f"cache {_held(out)} ({out['policy']}, {out['device']}"
         f"{'' if out['miss'] == 'fetch' else ', miss ' + str(out['miss'])}) | hits {out['hits']} | "

@@ -56,7 +56,7 @@ class Generation:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": len(self.tokens),
             "ttft_s": self.ttft_s,
-            "tpot_s": self.tpot_s,
+            "tpot_s": self.tpot_s if len(self.tokens) > 1 else None,  # no decode step: none to time, not 0
             "tokens_per_s": self.tokens_per_s,
             "total_s": self.total_s,
             "seed": self.seed,
