@@ -211,6 +211,9 @@ def test_chat_mode_needs_a_template_and_uses_the_one_given(capsys, ckpt, tmp_pat
         want = model.generate_text("user: hi\nassistant:", 4)
         convo = model.generate_text([{"role": "user", "content": "hi"}], 4, chat=True)
     assert json.loads(out)["tokens"] == want.tokens == convo.tokens
+    # --echo prints what the model saw, the conversation through the template (it printed "hi" alone)
+    code, out, err = gen(capsys, path, "--prompt", "hi", "--chat", "--chat-template", str(template), "--echo")
+    assert code == 0 and out.startswith("user: hi\nassistant:") and out.endswith(want.text + "\n"), (out, err)
 
 
 def test_the_embedded_model_has_a_plain_chat_template():

@@ -457,8 +457,13 @@ def _messages(text: str) -> str | list:
 
 def _generate_one(model, prompt, args, sampling) -> dict:
     streamer = None
-    if args.echo and not args.json:
-        print(prompt if isinstance(prompt, str) else json.dumps(prompt), end="", flush=True)
+    if args.echo and not args.json:  # what the model saw: with --chat, the conversation through the template
+        if args.chat:
+            from expertcache.engine.generation import render
+
+            print(render(model.tokenizer, prompt, True), end="", flush=True)
+        else:
+            print(prompt, end="", flush=True)
     if args.stream and args.json:
         streamer = _JsonLines(model.tokenizer)
     elif not args.json:  # text streams as it comes
