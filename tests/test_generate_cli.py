@@ -121,6 +121,9 @@ def test_prompts_from_stdin_and_from_a_file(capsys, ckpt, tmp_path, monkeypatch)
     code, out, err = gen(capsys, path, "--prompt", "-", "--json")
     assert code == 0, err
     assert json.loads(out)["tokens"] == want
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello world\r\n"))  # a Windows line end, as --prompts
+    code, out, err = gen(capsys, path, "--prompt", "-", "--json")  # reads its lines (the \r was kept)
+    assert code == 0 and json.loads(out)["tokens"] == want, err
     f = tmp_path / "prompt.txt"
     f.write_text("hello world")
     code, out, err = gen(capsys, path, "--prompt-file", str(f), "--json", "--echo")

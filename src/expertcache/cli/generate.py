@@ -181,7 +181,10 @@ def _add_sampling_args(p) -> None:
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest (default: all)")
     p.add_argument("--seed", type=int, metavar="N", help="sampling seed (default: a fresh one, reported)")
     p.add_argument("--repetition-penalty", type=float, metavar="R", help="e.g. 1.1 (default: none)")
-    p.add_argument("--stop", action="append", metavar="TEXT", help="end the text at TEXT (repeatable)")
+    p.add_argument(
+        "--stop", action="append", metavar="TEXT",
+        help="end the text at TEXT (repeatable), taken as written: a newline is the shell's $'\\n', not \\n",
+    )  # fmt: skip
 
 
 def add_prefetch_args(p: argparse.ArgumentParser) -> None:
@@ -373,8 +376,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_items(items, args)
     else:
         prompt = args.prompt if args.prompt not in (None, "-") else read_text(args.prompt_file or "-")
-        if args.prompt is None or args.prompt == "-":  # a file's or a pipe's last newline ends it
-            prompt = prompt.removesuffix("\n")
+        if args.prompt is None or args.prompt == "-":  # a file's or a pipe's last newline ends it, CRLF too
+            prompt = prompt.removesuffix("\n").removesuffix("\r")  # (as --prompts reads its lines)
         if not prompt:
             raise ExpertcacheError("the prompt is empty")
         if args.chat:
@@ -832,7 +835,7 @@ def _read_turn(tty: bool, ended: list[bool] | None = None) -> str | None:
             ended[0] = True
             return "\n".join(parts) if parts else None
         line = raw.decode("utf-8", errors="replace")  # a stray byte is not worth ending the conversation
-        line = line.rstrip("\n")
+        line = line.rstrip("\n").removesuffix("\r")  # a Windows line end too
         if not line.endswith("\\"):
             return "\n".join([*parts, line])
         parts.append(line[:-1])
