@@ -775,7 +775,7 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
                     streamer=_text_out(model.tokenizer, sampling.stop), stopping_criteria=[halt],
                 )  # fmt: skip
         except ExpertcacheError as exc:  # this turn only: the conversation and the warm cache go on
-            print(f"expertcache: error: {exc}", file=sys.stderr)
+            print(f"turn dropped: {exc} (the conversation goes on without it)", file=sys.stderr)
             continue
         sys.stdout.flush()
         if dropped:
