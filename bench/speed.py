@@ -13,12 +13,32 @@ import argparse
 import time
 from pathlib import Path
 
-from provenance import provenance, results_out, write_json
+from provenance import fail, provenance, results_out, write_json
 
 from expertcache.sim import all_capacities, build_schedule, replay, run_policy
 from expertcache.trace import synthesize
 
 POLICIES = ("lru", "fifo", "llru", "lfu", "lcp", "random", "marking", "static", "opt", "lru-dist", "opt-dist")
+
+
+def _check(ap, args) -> None:
+    """Bad options in one line, exit 2, before the work (they ended in tracebacks)."""
+    from expertcache.cache.schedule import ORDERS
+    from expertcache.errors import ExpertcacheError
+    from expertcache.policy.registry import parse_policy
+
+    if args.tokens < 1 or min(args.capacities) < 1:
+        fail(
+            ap.prog,
+            f"--tokens and --capacities take whole numbers >= 1, got {args.tokens}, {args.capacities}",
+        )
+    if args.order not in ORDERS:
+        fail(ap.prog, f"--order {args.order!r}: one of {', '.join(ORDERS)}")
+    try:
+        for policy in args.policies:
+            parse_policy(policy)
+    except ExpertcacheError as exc:
+        fail(ap.prog, str(exc))
 
 
 def main() -> None:
@@ -31,6 +51,7 @@ def main() -> None:
         "--out", type=Path, help="results file (default: bench/results/speed.json for the documented run)"
     )
     args = ap.parse_args()
+    _check(ap, args)
     args.out = results_out(ap, args, "speed.json")  # a shrunk run's elsewhere, said
 
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from provenance import at_least, provenance, results_out, write_json
+from provenance import at_least, fail, provenance, results_out, write_json
 
 from expertcache.config import PrefetchConfig
 from expertcache.costs import CostModel, fit_linear
@@ -229,6 +229,24 @@ def run_sim(trace, args, cost, capacity, predictor, window, miss: str = "fetch")
     }
 
 
+def _check(ap, args) -> None:
+    """Every budget, miss path and predictor named, checked as the engine will read them: one line, exit 2."""
+    from expertcache.config import MissConfig
+    from expertcache.errors import ExpertcacheError
+    from expertcache.units import parse_share
+
+    try:
+        for budget in {*args.budgets, *args.miss_budgets, args.fit_on}:
+            if not str(budget).endswith("%") or not 0 < parse_share(budget, "budget") <= 100:
+                raise ExpertcacheError(f"budget {budget!r}: a share of all experts in (0%, 100%]")
+        for miss in args.miss:
+            MissConfig(miss)
+        for name in args.predictors:
+            PrefetchConfig("none" if name == "none" else name)
+    except ExpertcacheError as exc:
+        fail(ap.prog, str(exc))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
@@ -264,6 +282,7 @@ def main() -> None:
 
         args.warmup_tokens = 8
         _Replay.trace, _ = replay_trace(Path(args.model), args)
+    _check(ap, args)  # before the calibration: a bad miss path or budget ended in a traceback after it
     cost, calib = calibrate(args.model, args)
     eng0, trace0, cap0, _ = run_engine(args.model, args, cost, args.fit_on, None, None)
     cost, fit = fit_overheads(eng0, trace0, args, cost, cap0)
