@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import at_least, fail, provenance, results_out, write_json  # noqa: E402
+from provenance import SHARED, at_least, fail, provenance, results_out, write_json  # noqa: E402
 
 from expertcache.cache.schedule import build_schedule  # noqa: E402
 from expertcache.costs import CostModel  # noqa: E402
@@ -39,7 +39,7 @@ from expertcache.trace.batch import batch_requests  # noqa: E402
 from expertcache.trace.default import default_trace  # noqa: E402
 from expertcache.trace.stats import step_shape  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+QWEN_TRACE = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 EXPERT_BYTES = {"qwen15": 3 * 2048 * 1408 * 2, "embedded": 184_320}
 PATHS = (
     ("fetch", "lru"),
@@ -79,10 +79,10 @@ def main() -> int:
     except ExpertcacheError as exc:
         fail(ap.prog, str(exc))
     traces = {"embedded": default_trace()}
-    if SHARED.exists():
-        traces["qwen15"] = load_trace(SHARED)
+    if QWEN_TRACE.exists():
+        traces["qwen15"] = load_trace(QWEN_TRACE)
     else:  # the table in docs/BENCHMARKS.md has its rows: a run without them is not that table
-        print(f"note: {SHARED} not found: the Qwen1.5-MoE rows are left out", file=sys.stderr)
+        print(f"note: {QWEN_TRACE} not found: the Qwen1.5-MoE rows are left out", file=sys.stderr)
     rows = []
     for name, src in traces.items():
         cost = given if given is not None else scaled(EXPERT_BYTES[name])

@@ -90,7 +90,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import ROOT, portable_text, provenance, write_json
+from provenance import ROOT, SHARED, portable_text, provenance, write_json
 
 from expertcache.config import MissConfig
 from expertcache.costs import CostModel
@@ -349,7 +349,7 @@ def find_trace(args, L: int, E: int, K: int) -> tuple[Trace, str]:
             sequences=6, prompt_len=60,
         )  # fmt: skip
         return tr, "synthetic sticky Zipf (a=1, stickiness 0.3, 6 requests of 60 prompt + 130 tokens)"
-    shared = [ROOT.parent / "shared" / "traces", ROOT / "shared" / "traces"]  # beside the repo, or inside
+    shared = [SHARED / "traces", ROOT / "shared" / "traces"]  # beside the repo, or inside
     found = [f for d in shared for f in sorted(d.glob("*.npz"))]
     for f in found:
         tr = load_trace(f)

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from provenance import ROOT, notes_as_lines, provenance, results_out, write_json
+from provenance import ROOT, SHARED, notes_as_lines, provenance, results_out, write_json
 
 from expertcache.config import HostConfig
 from expertcache.sim import build_schedule, replay
@@ -32,7 +32,7 @@ SHARES = ((0.10, 0.30), (0.25, 0.50), (0.10, 0.60))  # (device, host) shares of 
 
 def traces() -> dict[str, object]:
     out = {}
-    shared = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+    shared = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
     if shared.is_file():
         out["qwen1.5-moe (shared, real)"] = load_trace(shared)
     else:

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import ROOT, provenance, write_json
+from provenance import ROOT, SHARED, provenance, write_json
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.costs import CostModel
@@ -70,7 +70,7 @@ SHAPES: dict[str, dict[str, object]] = {
         shared_ffn=5632, qkv_bias=True,
     ),
 }  # fmt: skip
-QWEN_TRACE = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+QWEN_TRACE = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 MIXTRAL_TRACE = dict(a=1.0, stickiness=0.3, sequences=6, prompt_len=60, generated=128)
 QUICK_REQUESTS = 2  # --quick: the first requests of each trace
 

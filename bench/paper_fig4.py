@@ -33,7 +33,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import ROOT, figure_dirs, provenance, write_json  # noqa: E402
+from provenance import SHARED, figure_dirs, provenance, write_json  # noqa: E402
 
 from expertcache.cache.schedule import Schedule  # noqa: E402
 from expertcache.errors import ExpertcacheError  # noqa: E402
@@ -41,7 +41,7 @@ from expertcache.policy.registry import is_offline  # noqa: E402
 from expertcache.sim import build_schedule, run_policy  # noqa: E402
 from expertcache.trace import Trace, load_trace  # noqa: E402
 
-DEFAULT_TRACE = str(ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz")
+DEFAULT_TRACE = str(SHARED / "traces" / "qwen15_moe_a27b_chat.npz")
 CURVE_POLICIES = ["opt", "lru", "lru-dist", "marking", "llru", "lfu", "lcp"]
 SUMMARY_POLICIES = ["marking", "lru", "lru-dist", "llru", "lfu", "lcp", "opt-dist"]
 STYLE = {

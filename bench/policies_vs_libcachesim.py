@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import ROOT, at_least, provenance, results_out, write_json
+from provenance import SHARED, at_least, provenance, results_out, write_json
 from sim_vs_libcachesim import write_oracle_general
 
 from expertcache.cache.schedule import build_schedule
@@ -47,7 +47,7 @@ from expertcache.tools.train_policy import train_policy, write_weights
 from expertcache.trace import Trace, load_trace
 from expertcache.trace.default import default_trace
 
-QWEN = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+QWEN = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 SHARES = (0.10, 0.25, 0.50, 0.75)
 ORDERS = ("flat", "layer")
 LCS = ["ARC", "Cacheus", "Clock", "Clock2QPlus", "ClockPro", "FIFO", "GDSF", "GLCache",

@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# the shared data (``traces/``, ``models/``): beside the repository, or where EXPERTCACHE_SHARED says (a
+# clone elsewhere quietly dropped the rows of the real trace)
+SHARED = Path(os.environ.get("EXPERTCACHE_SHARED") or ROOT.parent / "shared")
 
 
 def git_state() -> dict[str, object]:

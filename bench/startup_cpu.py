@@ -40,12 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_json
+from provenance import ROOT, SHARED, provenance, write_json
 
 ENGINE, NO_WARMUP, QUARTER, HF = "engine 100%", "engine 100% no warm-up", "engine 25% disk", "transformers"
 BEFORE = "before: "
 VARIANTS = (ENGINE, NO_WARMUP, QUARTER, HF)
-SHARED_TOKENIZER = ROOT.parent / "shared" / "models" / "granite-3.1-1b-a400m"
+SHARED_TOKENIZER = SHARED / "models" / "granite-3.1-1b-a400m"
 
 
 def log(msg: str) -> None:

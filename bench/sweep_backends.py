@@ -17,11 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_json
+from provenance import ROOT, SHARED, provenance, write_json
 
 from expertcache.trace import synthesize
 
-QWEN = ROOT.parent / "shared" / "traces" / "qwen15_moe_a27b_chat.npz"
+QWEN = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 SHARES = ["5%", "10%", "20%", "30%", "40%", "50%", "75%", "100%"]
 POLICIES = ["opt", "lru", "fifo", "llru", "lcp"]
 
