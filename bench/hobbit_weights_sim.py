@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 
 from miss_projection import hobbit_weights
-from provenance import provenance, write_json
+from provenance import provenance, results_out, write_json
 
 from expertcache.costs import CostModel
 from expertcache.sim.timing import simulate_timing
@@ -48,6 +48,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    if args.out is not None:  # checked before the work (a folder that is not there failed after it)
+        args.out = results_out(ap, args, "hobbit_weights_sim.json")
     # engine_gpu.find_trace's for --shape mixtral-8x7b --layers 4 (that script imports torch; this one
     # runs the timing model alone)
     spec = dict(a=1.0, stickiness=0.3, seed=0, sequences=6, prompt_len=60)
