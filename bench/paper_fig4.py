@@ -33,7 +33,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import SHARED, figure_dirs, provenance, write_json  # noqa: E402
+from provenance import SHARED, figure_args, provenance, write_json  # noqa: E402
 
 from expertcache.cache.schedule import Schedule  # noqa: E402
 from expertcache.errors import ExpertcacheError  # noqa: E402
@@ -266,15 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--summary-policies", nargs="+", default=SUMMARY_POLICIES)
     p.add_argument("--seeds", type=int, default=10, help="seeds of randomized policies in the summary")
     p.add_argument("--jobs", type=int, default=1, help="processes for the replays of one policy's curve")
-    p.add_argument(
-        "--out", type=Path, help="directory for fig4.json (default: bench/results for the documented run)"
-    )
-    p.add_argument(
-        "--img", type=Path, help="directory for the plots (default: docs/img for the documented run)"
-    )
-    args = p.parse_args(argv)
-    figure_dirs(p, args)  # a shrunk run's figures go elsewhere, said
-    return args
+    return figure_args(p, argv, "fig4.json")  # a shrunk run's figures go elsewhere, said
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import figure_dirs, provenance, write_json  # noqa: E402
+from provenance import figure_args, provenance, write_json  # noqa: E402
 
 from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.sim import build_schedule, replay  # noqa: E402
@@ -245,15 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--check-a", type=float, nargs="+", default=[0.0, 2.0, 4.0, 6.0, 8.0])
     g.add_argument("--check-tokens", type=int, nargs="+", default=[1000, 2000, 5000, 10000, 20000])
     g.add_argument("--check-seeds", type=int, default=3)
-    p.add_argument(
-        "--out", type=Path, help="directory for fig6.json (default: bench/results for the documented run)"
-    )
-    p.add_argument(
-        "--img", type=Path, help="directory for the plots (default: docs/img for the documented run)"
-    )
-    args = p.parse_args(argv)
-    figure_dirs(p, args)  # a shrunk run's figures go elsewhere, said
-    return args
+    return figure_args(p, argv, "fig6.json")  # a shrunk run's figures go elsewhere, said
 
 
 def main(argv: list[str] | None = None) -> int:

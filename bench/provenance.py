@@ -140,12 +140,17 @@ def documented_run(parser, args, skip: tuple[str, ...] = (), at_least: tuple[str
     return all(documented(k) for k in vars(args) if k not in skip)
 
 
-def figure_dirs(parser, args) -> None:
-    """``--out`` (the results' folder) and ``--img`` (the plots') of a figure's bench, where not given: the
-    committed ``bench/results`` and ``docs/img`` for the documented run, the temporary directory for any
-    other, said: a shrunk run replaced the committed figures in silence."""
+def figure_args(parser, argv, name: str):
+    """A figure's bench's arguments, with ``--out`` (the folder of its ``name`` results) and ``--img`` (its
+    plots'): where not given, the committed ``bench/results`` and ``docs/img`` for the documented run, the
+    temporary directory for any other, said: a shrunk run replaced the committed figures in silence."""
+    parser.add_argument(
+        "--out", type=Path, help=f"folder for {name} (default: bench/results, documented run)"
+    )
+    parser.add_argument("--img", type=Path, help="folder for the plots (default: docs/img, documented run)")
+    args = parser.parse_args(argv)
     if args.out is not None and args.img is not None:
-        return
+        return args
     full = documented_run(parser, args, ("out", "img"))
     temp = Path(tempfile.gettempdir()) / Path(parser.prog).stem
     if args.out is None:
@@ -155,6 +160,7 @@ def figure_dirs(parser, args) -> None:
     if not full:
         print(f"note: options other than the documented run's: the results and plots go to {args.out} and "
               f"{args.img} (--out DIR and --img DIR write them elsewhere)", file=sys.stderr)  # fmt: skip
+    return args
 
 
 def results_out(parser, args, name: str, at_least: tuple[str, ...] = (), modes: tuple[str, ...] = ()) -> Path:
