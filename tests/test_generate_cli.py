@@ -96,6 +96,14 @@ def test_generate_prompts_file_writes_json_lines_in_order(capsys, ckpt, tmp_path
         want = model.generate_text(["hello world", "the quick\nbrown fox"], max_new_tokens=4, batch_size=1)
     assert [r["tokens"] for r in rows] == [g.tokens for g in want]
     assert "2/2 prompts done" in err and "host level" not in err
+    # each batch's line has the timings and the bytes a single generation's table has (it had neither)
+    assert re.search(
+        r"batch 1: 1 prompt\(s\), \d+ new tokens .* TTFT [\d.]+ ms \| TPOT [\d.]+ ms \| .* moved ", err
+    )
+    code, out, _ = gen(capsys, path, "--prompts", str(plain), "--record-trace", str(tmp_path / "t.npz"))
+    assert code == 0 and all(
+        json.loads(line)["trace"] == str(tmp_path / "t.npz") for line in out.splitlines()
+    )
     code, out, err = gen(
         capsys, path, "--prompts", str(plain), "--expert-memory", "40%", "--host-memory", "60%"
     )

@@ -520,16 +520,22 @@ def _generate_many(model, items, args, sampling) -> None:
             sampling=batch_seed(sampling, b // args.batch_size), chat=args.chat, batch_size=len(batch),
         )  # fmt: skip
         for it, g in zip(batch, results, strict=True):
-            print(json.dumps({"id": it.id, "batch": b // args.batch_size, **g.to_dict()}), flush=True)
+            row = {"id": it.id, "batch": b // args.batch_size, **g.to_dict()}
+            if args.record_trace:  # as a single generation's JSON names it
+                row["trace"] = args.record_trace
+            print(json.dumps(row), flush=True)
         done += len(batch)
         r = results[0]
         host = (  # three tiers: the host level's part of the batch's misses
             f" | host level hits {r.stats['host_hits']}, misses {r.stats['host_misses']}"
             if "host_requests" in r.stats else ""
         )  # fmt: skip
+        tpot = "-" if r.to_dict()["tpot_s"] is None else f"{r.tpot_s * 1e3:.1f} ms"
         _err(f"batch {b // args.batch_size}: {len(batch)} prompt(s), {sum(len(g.tokens) for g in results)} "
-             f"new tokens in {r.total_s:.2f} s ({r.tokens_per_s:.1f} tok/s) | hits {r.stats['hits']} | "
-             f"misses {r.stats['misses']}{host} | {done}/{len(items)} prompts done", args)  # fmt: skip
+             f"new tokens in {r.total_s:.2f} s ({r.tokens_per_s:.1f} tok/s) | TTFT {r.ttft_s * 1e3:.1f} ms | "
+             f"TPOT {tpot} | hits {r.stats['hits']} | misses {r.stats['misses']}{host} | moved "
+             f"{r.stats['bytes_transferred'] / 2**20:.1f} MiB | stall {r.stats['stall_s'] * 1e3:.1f} ms | "
+             f"{done}/{len(items)} prompts done", args)  # fmt: skip
     _err(f"{len(items)} prompts in {time.perf_counter() - start:.1f} s", args)
 
 
