@@ -22,7 +22,14 @@ from expertcache import __version__
 from expertcache.cache.schedule import ORDERS, check_capacity, min_room
 from expertcache.cli import generate as cli_generate
 from expertcache.cli import serve as cli_serve
-from expertcache.cli.util import beside_plan, check_outputs, output_option, quiet_transformers, why
+from expertcache.cli.util import (
+    beside_plan,
+    check_outputs,
+    output_option,
+    quiet_transformers,
+    unseeded_note,
+    why,
+)
 from expertcache.config import CHECKPOINT_DTYPES, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
@@ -1404,14 +1411,9 @@ def _seed(args: argparse.Namespace, policies: Sequence[str | None]) -> int:
         return 0
     if args.seed < 0:  # the one line, before any note about it
         raise ExpertcacheError(f"--seed must be at least 0, got {args.seed}")
-    names = list(dict.fromkeys(parse_policy(p)[0] for p in policies if p))
-    if not any(policy_class(n).seeded for n in names):
-        drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
-        print(
-            f"note: --seed {args.seed} changes nothing here: {', '.join(names)} "
-            f"{'draws' if len(names) == 1 else 'draw'} nothing at random (only {drawing} do)",
-            file=sys.stderr,
-        )
+    note = unseeded_note("--seed", args.seed, list(dict.fromkeys(parse_policy(p)[0] for p in policies if p)))
+    if note is not None:
+        print(note, file=sys.stderr)
     return args.seed
 
 

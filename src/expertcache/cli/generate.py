@@ -14,7 +14,14 @@ import secrets
 import sys
 import time
 
-from expertcache.cli.util import beside_plan, lossy_note, output_option, quiet_transformers, startup_gc
+from expertcache.cli.util import (
+    beside_plan,
+    lossy_note,
+    output_option,
+    quiet_transformers,
+    startup_gc,
+    unseeded_note,
+)
 from expertcache.errors import ExpertcacheError
 from expertcache.units import format_bytes
 
@@ -258,19 +265,14 @@ def load_plan(args):
 def _policy_seed(args, cache):
     """``--policy-seed`` in the cache's config (the sampling seed is ``--seed``), with a note where the
     policy draws nothing at random: a seed given there changes nothing, and is not taken in silence."""
-    import dataclasses
-
-    from expertcache.policy.registry import POLICIES, policy_class
-
     seed = getattr(args, "policy_seed", None)
     if seed is None:
         return cache
     if seed < 0:
         raise ExpertcacheError(f"--policy-seed must be at least 0, got {seed}")
-    if not policy_class(cache.name).seeded:
-        drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
-        print(f"note: --policy-seed {seed} changes nothing here: {cache.name} draws nothing at random "
-              f"(only {drawing} do)", file=sys.stderr)  # fmt: skip
+    note = unseeded_note("--policy-seed", seed, [cache.name])
+    if note is not None:
+        print(note, file=sys.stderr)
     return dataclasses.replace(cache, seed=seed)
 
 

@@ -131,6 +131,19 @@ def check_outputs(args) -> None:
         (check_writable_dir if folder else check_writable)(str(value), what)
 
 
+def unseeded_note(flag: str, seed: int, names: list[str]) -> str | None:
+    """The note where a seed is given and no policy of ``names`` draws at random: it changes nothing, and
+    is not taken in silence (sim's ``--seed``, generate's ``--policy-seed``)."""
+    from expertcache.policy.registry import POLICIES, policy_class
+
+    if any(policy_class(n).seeded for n in names):
+        return None
+    drawing = ", ".join(n for n in POLICIES if policy_class(n).seeded)
+    draws = "draws" if len(names) == 1 else "draw"
+    who = ", ".join(names)
+    return f"note: {flag} {seed} changes nothing here: {who} {draws} nothing at random (only {drawing} do)"
+
+
 def lossy_note(stats: dict, lossy_path: bool) -> str | None:
     """What makes a served model's outputs not the full-precision model's, in one note (None: exact)."""
     if not stats["lossy"]:

@@ -109,12 +109,7 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
             f"make_policy needs a PolicyContext (capacity, num_layers, num_experts, top_k, ...), got "
             f"{type(ctx).__name__}"
         )
-    if isinstance(name, str) and ":" in name:
-        name, given = parse_policy(name)
-        twice = sorted(set(given) & set(params))
-        if twice:
-            raise PolicyError(f"policy {name!r}: {', '.join(twice)} given in the spec and as a keyword")
-        params = {**given, **params}
+    name, params = spec_and_params(name, params)
     factory = _lookup(name)
     _check_parameters(name, params)
     budgets = params.get("budgets")
@@ -134,6 +129,18 @@ def make_policy(name: str, ctx: PolicyContext, **params: object) -> Policy:
         if str(e).startswith((f"{base}:", f"{name}:", f"policy {name!r}", f"policy {base!r}")):
             raise
         raise PolicyError(f"policy {name!r}: {e}") from None
+
+
+def spec_and_params(name: str, params: dict[str, object]) -> tuple[str, dict[str, object]]:
+    """A policy given as a spec (``"lcp:rho=0.5"``) as its name and parameters, joined with ``params``
+    (a parameter given both ways is refused); a bare name as it is."""
+    if not isinstance(name, str) or ":" not in name:
+        return name, params
+    name, given = parse_policy(name)
+    twice = sorted(set(given) & set(params))
+    if twice:
+        raise PolicyError(f"policy {name!r}: {', '.join(twice)} given in the spec and as a keyword")
+    return name, {**given, **params}
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, object]]:

@@ -9,8 +9,8 @@ import numpy as np
 
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError, arguments_checked
-from expertcache.policy.registry import capacity_reason, min_capacity, policy_class
-from expertcache.sim.replay import SimResult, check_schedule, replay, schedule_capacities, spec_and_params
+from expertcache.policy.registry import capacity_reason, min_capacity, policy_class, spec_and_params
+from expertcache.sim.replay import SimResult, check_schedule, replay, schedule_capacities
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
 

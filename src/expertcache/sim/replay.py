@@ -10,7 +10,7 @@ from expertcache.cache.residency import Residency
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError, warn_notes
 from expertcache.policy.base import Clock, Policy, PolicyContext
-from expertcache.policy.registry import make_policy, parse_policy, policy_class
+from expertcache.policy.registry import make_policy, policy_class, spec_and_params
 from expertcache.units import one_capacity
 
 
@@ -112,18 +112,6 @@ def policy_for(schedule: Schedule, name: str, capacity: int, seed: int = 0, **pa
         profile=schedule.profile if cls.needs_profile else None,
     )
     return make_policy(name, ctx, **params)
-
-
-def spec_and_params(name: str, params: dict[str, object]) -> tuple[str, dict[str, object]]:
-    """A policy given as a spec (``"lcp:rho=0.5"``) as its name and parameters, joined with ``params``
-    (a parameter given both ways is refused)."""
-    if not isinstance(name, str) or ":" not in name:
-        return name, params
-    name, given = parse_policy(name)
-    twice = sorted(set(given) & set(params))
-    if twice:
-        raise ExpertcacheError(f"policy {name!r}: {', '.join(twice)} given in the spec and as a keyword")
-    return name, {**given, **params}
 
 
 def schedule_capacities(schedule: Schedule, capacities) -> list[int]:

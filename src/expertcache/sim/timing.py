@@ -49,7 +49,14 @@ from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import capped_capacity, format_bytes, one_capacity, parse_share, parse_size
+from expertcache.units import (
+    capacity_for,
+    capped_capacity,
+    format_bytes,
+    one_capacity,
+    parse_share,
+    parse_size,
+)
 from expertcache.workers import map_in_processes
 
 # a replay's note where its host level is not the recorded run's kind (a plan, which runs both, drops it)
@@ -292,8 +299,7 @@ def _memory(capacity: int | str, total: int, expert_bytes: int) -> tuple[int, in
         return experts, round(total * expert_bytes * parse_share(text, "capacity") / 100)
     if not re.fullmatch(r"[0-9.]+\s*[A-Za-z]+", text):  # a word, a range: refused as a capacity says
         return one_capacity(capacity, total), None
-    size = int(parse_size(text, "expert memory"))
-    experts = min(total, size // expert_bytes)
+    size, experts = int(parse_size(text, "expert memory")), capacity_for(text, expert_bytes, total)
     if experts < 1:
         raise ExpertcacheError(
             f"expert memory {text} holds no expert of {format_bytes(expert_bytes)} (the cost model's size)"
