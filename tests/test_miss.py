@@ -225,24 +225,39 @@ def test_exact_paths_equal_the_reference_above_the_minimum_without_prefetch(fami
 
 
 @pytest.mark.skipif(ON_GPU, reason="the grouped kernel is bit-exact on a CPU (opt-in on a GPU)")
+@pytest.mark.parametrize("link", [None, "20MB/s"], ids=["landed", "moving"])
 @pytest.mark.parametrize("family", [f for f in PATH_FAMILIES if f not in NORMALISED])
-def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(family, ckpt, reference):
+def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(family, link, ckpt, reference):
     """``batch`` under a policy that admits nothing new (``tlfu:margin=1000``) and a host that never pays:
-    misses stream through the buffer, whose pool the grouped kernel computes from as it does the cache's
-    (one call per pool and group, no expert alone), and the output is the reference's bit for bit."""
+    misses stream through the buffer, whose slots follow the cache's in one buffer, and the grouped
+    kernel computes the experts of both in one call (per group as they land over a slow link; no expert
+    alone, no call per pool), for one sequence and a batch of two; the output is the reference's bit for
+    bit."""
     path = ckpt(family)
     slow_host = CostModel(**{**COSTS.__dict__, "host_expert_s": 1.0})
+    n = min(len(engine_fixtures.PROMPT), len(engine_fixtures.PROMPT_B))
+    both = torch.tensor([engine_fixtures.PROMPT[:n], engine_fixtures.PROMPT_B[:n]])
     with engine_load(path, TOP_K + 2, policy="tlfu:margin=1000", miss="batch:fill=0", costs=slow_host,
-                     kernel="grouped") as model:  # fmt: skip
-        engine, alone = model.engine, []
+                     kernel="grouped", link_bandwidth=link) as model:  # fmt: skip
+        engine, alone, pools = model.engine, [], []
         stream = engine.parts["stream"]
         compute = stream.compute
         stream.compute = lambda *args: alone.append(args) or compute(*args)
+        for name in ("_rows", "_one_token"):
+            kernel = getattr(engine, name)
+            spy = lambda module, pool, *a, kernel=kernel: pools.append(pool) or kernel(module, pool, *a)  # noqa: E731
+            setattr(engine, name, spy)
         got = greedy(model, IDS)
+        got_both = greedy(model, both)
         stats = model.stats
     assert set(engine.pools) == {FULL, "stream"}
+    cache, buffer = engine.pools[FULL][0], engine.pools["stream"][0]
+    assert cache.joint is buffer.joint and buffer.offset == cache.num_slots  # one buffer, the cache's first
     assert_exact(got, reference(path, IDS))
+    assert_exact(got_both, reference(path, both))
     assert stats["part_misses"].get("stream", 0) > 0 and stats["host_computed"] == 0 and not alone
+    # every call over the joint pool, or over the cache's alone where the layer's experts were all cached
+    assert {id(p) for p in pools} <= {id(engine._joint), id(cache)} and engine._joint in pools
 
 
 def test_costs_are_measured_at_load_when_not_given(ckpt, reference):

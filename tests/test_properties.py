@@ -571,4 +571,5 @@ def test_needs_of_equals_its_entry_by_entry_definition(tokens: int, top_k: int, 
             assert got == want
             lazy = LayerNeeds(3, index, weights)
             assert lazy.keys_in_order == [n.key for n in got] and len(lazy) == len(got)  # before computing
+            assert lazy.tokens == [n.tokens for n in got]  # counted alone, before the needs
             assert list(lazy) == got and lazy[0:1] == got[0:1]

@@ -748,10 +748,11 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, trace_file, argv, words):
 
 
 @example(policy="lru", miss="fetch", predictor=None, share=0.3, seed=0)  # the shortcut with misses
+@example(policy="tlfu", miss="batch", predictor=None, share=0.6, seed=1)  # a weighing policy's hits
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    policy=st.sampled_from(["lru", "fifo", "lfu", "llru", "mrs"]),
-    miss=st.sampled_from(["fetch", "host", "hobbit", "split"]),
+    policy=st.sampled_from(["lru", "fifo", "lfu", "llru", "mrs", "tlfu"]),
+    miss=st.sampled_from(["fetch", "host", "hobbit", "split", "batch"]),
     predictor=st.sampled_from([None, "oracle", "eam"]),
     share=st.sampled_from([0.3, 0.6, 1.0]),
     seed=st.integers(0, 3),

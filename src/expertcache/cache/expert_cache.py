@@ -160,10 +160,11 @@ class ExpertCache:
     def begin_layer(self, layer: int, needs: Sequence[Need]) -> LayerWork:
         """The router has chosen ``needs`` (distinct experts, first-use order): preempt, route, and queue
         the first chunk's demand transfers. The returned work yields the device units to compute."""
-        keys = needs.keys_in_order if isinstance(needs, LayerNeeds) else [n.key for n in needs]
+        lazy = isinstance(needs, LayerNeeds)
+        keys = needs.keys_in_order if lazy else [n.key for n in needs]
         policy = self.parts[self.primary].policy
         if policy.weighs:  # every expert the layer needs, with its tokens, whatever will serve it
-            policy.on_use(keys, [n.tokens for n in needs])
+            policy.on_use(keys, needs.tokens if lazy else [n.tokens for n in needs])
         spec = self.spec.pop(layer, _NOTHING) if self.spec else _NOTHING
         predicted = self.predicted.pop(layer, None) if self.predicted else None
         guesses = self.shadowed.pop(layer, None) if self.shadowed else None
@@ -192,16 +193,17 @@ class ExpertCache:
 
     def _plain_layer(self, layer: int, needs: Sequence[Need], keys: list[Key]) -> LayerWork | None:
         """``begin_layer`` for a plain layer, served without the routing and admission machinery: nothing
-        moving and nothing prefetched for it, a policy that does not observe requests, its experts in one
-        chunk of a one-part route, and each miss (if any) fetched whole (the ``fetch`` miss path). Every
-        decode step of a model that fits, and most of one that does not: the same counts, policy calls and
-        transfers in the same order as the full path (a property test replays traces both ways). A miss
-        whose transfer has landed by the time ``submit`` returns (copied by the submitting thread) is
-        never in flight. None where that does not apply."""
+        moving and nothing prefetched for it, a policy that does not observe requests (one that weighs its
+        keys has had them in ``on_use``), its experts in one chunk of a one-part route, and each miss (if
+        any) fetched whole (the ``fetch`` miss path). Every decode step of a model that fits, and most of
+        one that does not: the same counts, policy calls and transfers in the same order as the full path
+        (a property test replays traces both ways). A miss whose transfer has landed by the time
+        ``submit`` returns (copied by the submitting thread) is never in flight. None where that does not
+        apply."""
         hit = self.miss.hit(layer)
         primary = self.parts[self.primary]
         policy = primary.policy
-        if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes or policy.weighs:
+        if hit.where != DEVICE or hit.parts != (self.primary,) or policy.observes:  # (``on_use``: above)
             return None
         if len(keys) > policy.room(layer):
             return None

@@ -10,6 +10,7 @@ Shape letters: T tokens of the step, K experts per token.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ class LayerNeeds(Sequence):
     """``needs_of(layer, index, weights)`` as a sequence computed on first use; ``keys_in_order``, the
     distinct experts' keys in first-use order, at once."""
 
-    __slots__ = ("layer", "index", "weights", "keys_in_order", "_needs")
+    __slots__ = ("layer", "index", "weights", "keys_in_order", "_needs", "_tokens")
 
     def __init__(self, layer: int, index: np.ndarray, weights: np.ndarray | None = None) -> None:
         self.layer, self.weights = layer, weights
@@ -34,6 +35,24 @@ class LayerNeeds(Sequence):
         else:
             self.keys_in_order = [(layer, e) for e in _first_use(index).tolist()]
         self._needs: list[Need] | None = None
+        self._tokens: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Each distinct expert's tokens (its routing entries), in first-use order: the ``Need.tokens`` of
+        ``needs``, without the rest of them (a policy that weighs its keys by tokens asks only these)."""
+        if self._tokens is None:
+            if self._needs is not None:
+                self._tokens = [n.tokens for n in self._needs]
+            elif self.index.size <= SMALL:
+                counts = Counter(self.index.ravel().tolist())
+                self._tokens = [counts[e] for _, e in self.keys_in_order]
+            else:
+                flat = self.index.reshape(-1)
+                experts, counts = np.unique(flat[flat >= 0], return_counts=True)
+                firsts = np.array([e for _, e in self.keys_in_order], dtype=experts.dtype)
+                self._tokens = counts[np.searchsorted(experts, firsts)].tolist()
+        return self._tokens
 
     @property
     def needs(self) -> list[Need]:

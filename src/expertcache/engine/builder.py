@@ -663,22 +663,37 @@ class Builder:
         """The slot pools of every part: one for the part, one per layer for a part whose slots differ
         by layer, or one shared by layers of different layouts (slots of the largest). Host pools are
         prefaulted (``SlotPool``): the budget is memory the engine uses, so it is backed at load (unless
-        every slot is about to be filled: ``_preload``)."""
+        every slot is about to be filled: ``_preload``). Pools of the cache's layout (``batch``'s stream
+        buffer) are regions of the cache's buffer, after its slots: the grouped kernel computes experts of
+        both in one call (``SlotPool.regions``)."""
         targets = {}
         bar, fault = _progress("expert memory", show), not self.whole
+        pools, order = [], []  # (part, group, its source, layout, slots) of the pools of one layout each
         for name, part in self.parts.items():
             part.bind(self.tier)
             caps = self.capacities[name]
             if part.per_layer and part.spec.shared:
                 pool = SlotPool(part.largest(), caps, self.device, prefault=fault, progress=bar)
                 targets[(name, None)] = Target(part.source, pool, part.layouts)
+                order.append((name, None))
                 continue
             for group, layout in part.layouts.items():
                 n = caps if group is None else caps[group]
                 n += self.spare_slots if (name, group) == (FULL, None) else 0
+                pools.append((name, group, part.source, layout, n))
+                order.append((name, group))
+        cache = next((p for p in pools if p[:2] == (FULL, None) and p[4]), None)
+        joint = [p for p in pools if cache is not None and p[1] is None and p[3] == cache[3] and p[4]]
+        if len(joint) > 1:
+            whole = SlotPool(cache[3], sum(p[4] for p in joint), self.device, prefault=fault, progress=bar)
+            regions = whole.regions([p[4] for p in joint])
+            for (name, group, source, _, _), pool in zip(joint, regions, strict=True):
+                targets[(name, group)] = Target(source, pool)
+        for name, group, source, layout, n in pools:
+            if (name, group) not in targets:
                 pool = SlotPool(layout, n, self.device, prefault=fault, progress=bar)
-                targets[(name, group)] = Target(part.source, pool)
-        return targets
+                targets[(name, group)] = Target(source, pool)
+        return {pid: targets[pid] for pid in order}
 
     def _budget(self, expert_memory: str | int | float, cache: CacheConfig) -> int:
         """Bytes of expert memory: as given, or a share of all experts at full precision."""

@@ -229,6 +229,8 @@ class StackedPool:
     def __init__(self, pool) -> None:
         layout, buffer = pool.layout, pool.buffer  # [S, slot elements]
         self.layout, self.buffer = layout, buffer
+        # a region of a larger pool (``SlotPool.regions``): that pool, and where this one's slots begin
+        self.joint, self.offset = getattr(pool, "joint", None) or pool, getattr(pool, "offset", 0)
         self.num_slots = buffer.shape[0]
         self.device = buffer.device
         self.tensors: dict[str, torch.Tensor] = {}

@@ -102,6 +102,9 @@ class SlotPool:
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
+        # the pool whose buffer this one's is a part of, from slot ``offset`` (``regions``); None: its own
+        self.joint: SlotPool | None = None
+        self.offset = 0
         try:
             self.buffer = torch.empty(
                 (num_slots, layout.slot_numel), dtype=layout.dtype, device=self.device, pin_memory=pin
@@ -120,6 +123,22 @@ class SlotPool:
 
     def __len__(self) -> int:
         return len(self.views)
+
+    def regions(self, sizes: list[int]) -> list[SlotPool]:
+        """The pool as consecutive pools of ``sizes`` slots, each its own slots' rows of this buffer (the
+        cache's slots and a stream buffer's of one layout: one buffer, so the grouped kernel computes
+        experts of both in one call)."""
+        if sum(sizes) != len(self):
+            raise ValueError(f"regions of {sizes} slots in a pool of {len(self)}")
+        out, start = [], 0
+        for n in sizes:
+            region = SlotPool.__new__(SlotPool)
+            region.layout, region.device = self.layout, self.device
+            region.buffer, region.views = self.buffer[start : start + n], self.views[start : start + n]
+            region.joint, region.offset = self, start
+            out.append(region)
+            start += n
+        return out
 
 
 _MADV_HUGEPAGE = 14  # Linux's madvise advice (asm-generic/mman-common.h)

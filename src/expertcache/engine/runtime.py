@@ -204,6 +204,16 @@ class Engine:
         self._rows = packed_grouped_rows if packed else grouped_rows
         self._loops = self.compiled or packed  # a one-token batch of ready experts in compiled loops
         self._only_full = set(parts) == {FULL}  # every device unit is a whole expert in the stacked pool
+        # pools that are regions of one buffer (the cache's slots, then a stream buffer's: ``SlotPool.
+        # regions``): computed together, one grouped call for the experts of all of them; each part's
+        # first slot in it (None: each pool alone)
+        self._joint: StackedPool | None = None
+        self._offsets: dict[str, int] = {}
+        whole = {id(getattr(pool, "joint", pool)) for pool, _ in self.pools.values()}
+        if len(self.pools) > 1 and len(whole) == 1 and not packed:
+            first = next(iter(self.pools.values()))[0]
+            self._joint = StackedPool(first.joint)
+            self._offsets = {part: pool.offset for part, (pool, _) in self.pools.items()}
         self.num_layers = len(experts)
         self._experts = list(experts)
         for layer, module in enumerate(experts):
@@ -365,10 +375,10 @@ class Engine:
         each (token, expert) pair's weighted output in its row, the rows summed per token."""
         T, K = index.shape
         batches = work.batches()
-        stacked = self.stacked
+        stacked, joint, offsets = self.stacked, self._joint, self._offsets
         if stacked is not None:
-            table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, the sentinel if none
             one = not work.host and not work.skipped and len(work.chunks) == 1
+            chunk0 = work.chunks[0] if one else ()
             if one and (self._only_full or all(parts == (FULL,) for _, parts in work.chunks[0])):
                 # every expert of the layer a whole expert on the device: with nothing moving, all resident
                 first = next(batches) if self.driver.cache.inflight else work.chunks[0]
@@ -377,11 +387,26 @@ class Engine:
                         slots = self.table.host[layer, index[0]].tolist()
                         rows = self._one_token(module, stacked, hidden, slots, top_k_weights)
                     else:  # in transformers' order of the pairs (``kernels.grouped_rows``)
+                        table = self.table.on(hidden.device)[layer]  # [E]: each expert's slot, or none
                         order = reference_order(top_k_index) if self._on_cpu else None
                         rows = self._rows(module, stacked, hidden, table[top_k_index], top_k_weights, order)
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
                 batches = itertools.chain([first], batches)  # the rest as it lands
+            elif one and joint is not None and all(p[0] in offsets and len(p) == 1 for _, p in chunk0):
+                # every expert whole in one of the joint pools (cached, or streamed past the cache)
+                first = next(batches) if self.driver.cache.inflight else work.chunks[0]
+                if len(first) == len(work.chunks[0]):
+                    slots = self._joint_slots(layer, [(key, ps[0]) for key, ps in work.chunks[0]])
+                    if T == 1 and self._on_cpu:
+                        rows = self._one_token(module, joint, hidden, slots[index[0]].tolist(), top_k_weights)
+                    else:
+                        ids = torch.from_numpy(slots).to(hidden.device)[top_k_index]
+                        order = reference_order(top_k_index) if self._on_cpu else None
+                        rows = self._rows(module, joint, hidden, ids, top_k_weights, order)
+                    self.driver.end_layer(layer)
+                    return combine(rows, T, K, hidden.dtype)
+                batches = itertools.chain([first], batches)
         flat_index = index.reshape(-1)
         rows: torch.Tensor | None = None
         device = hidden.device
@@ -421,20 +446,27 @@ class Engine:
         on_host = {need.key[1]: self.host.submit(module, need.key, tokens(need.key[1])) for need in work.host}
         partial: dict[int, dict[str, torch.Tensor]] = {}  # expert -> part -> output (units computed alone)
         pools = self.pools
+        if joint is not None:  # every joint pool's ready experts in one call
+            groups = [(joint, tuple(offsets))]
+        else:  # each pool's ready experts in one call
+            groups = [(pool, (name,)) for name, (pool, _) in pools.items()]
         for batch in batches:
-            for name, (pool, slots_of) in pools.items():  # each pool's ready whole experts in one call
-                whole = [key[1] for key, part in batch if part == name]
-                if not whole:
+            for pool, names in groups:
+                mine = [(key, part) for key, part in batch if part in names]
+                if not mine:
                     continue
-                mine = np.isin(flat_index, whole)
-                flat = np.flatnonzero(mine)
+                flat = np.flatnonzero(np.isin(flat_index, [key[1] for key, _ in mine]))
+                table = None if joint is not None else pools[names[0]][1]
+                slots = self._joint_slots(layer, mine) if table is None else table.host[layer]  # [E]
                 if T == 1 and self._on_cpu:  # one token: its ready experts as decode steps compute them
-                    slots = slots_of.host[layer, flat_index[flat]]
                     weights = top_k_weights.reshape(-1)[torch.from_numpy(flat)]
-                    put(flat, self._one_token(module, pool, hidden, slots, weights))
+                    put(flat, self._one_token(module, pool, hidden, slots[flat_index[flat]], weights))
                 else:  # the group's pairs alone, each a row of its own: not the step's every pair
                     at = torch.from_numpy(flat).to(device)
-                    ids = slots_of.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
+                    if table is None:  # the joint slots, made on the host for these experts
+                        ids = torch.from_numpy(slots[flat_index[flat]]).to(device).unsqueeze(1)
+                    else:
+                        ids = table.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
                     pairs = top_k_weights.reshape(-1)[at].unsqueeze(1)
                     order = None if ref is None else order_among(ref, at)
                     put(flat, self._rows(module, pool, hidden[at // K], ids, pairs, order))
@@ -454,6 +486,16 @@ class Engine:
         if rows is None:  # nothing computed: every expert skipped
             return torch.zeros_like(hidden)
         return combine(rows, T, K, hidden.dtype)
+
+    def _joint_slots(self, layer: int, units) -> np.ndarray:
+        """Each expert's slot in the joint pool [E] for the units (whole experts of the joint pools), the
+        sentinel for the others: the slot of the part each unit is computed from (an expert may be in
+        the cache and in the stream buffer at once)."""
+        slots = np.full(self.table.host.shape[1], self._joint.num_slots, dtype=np.int64)
+        pools, offsets = self.pools, self._offsets
+        for (_, expert), part in units:
+            slots[expert] = pools[part][1].host[layer, expert] + offsets[part]
+        return slots
 
     def close(self) -> None:
         """Stop the threads and detach from the model. Detaching breaks the cycle model -> experts
