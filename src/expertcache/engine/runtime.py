@@ -370,8 +370,8 @@ class Engine:
 
     def _grouped(self, module, layer, hidden, top_k_index, top_k_weights, index, work) -> torch.Tensor:
         """The layer with the grouped kernel: each batch of ready whole experts in one grouped computation
-        per pool (the cache's slots; a stream buffer's), every other unit (host, low precision, a split
-        expert's segments) alone;
+        (over the joint pool where a stream buffer's slots follow the cache's, else one per pool), every
+        other unit (host, low precision, a split expert's segments) alone;
         each (token, expert) pair's weighted output in its row, the rows summed per token."""
         T, K = index.shape
         batches = work.batches()
