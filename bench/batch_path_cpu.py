@@ -11,7 +11,7 @@ after each round's, so the two trees alternate under the same load. Every config
 checked against 100 %'s (``exact``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/batch_path_cpu.py [--prompts 4 16] \\
-        [--rounds 5] [--baseline DIR] [--out FILE.json]
+        [--rounds 5] [--baseline DIR] [--link 1GB/s+20us] [--cost PROFILE.json] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from provenance import ROOT, at_least, fail, provenance, results_out, write_json
 SPECS = ("100%:lru:fetch", "75%:lru:fetch", "75%:tlfu:batch", "25%:lru:fetch", "25%:tlfu:batch")
 
 
-def worker(prompts: int, tokens: int, specs: list[str]) -> dict[str, object]:
+def worker(prompts: int, tokens: int, specs: list[str], link: str, cost: str) -> dict[str, object]:
     """One round in this process: each configuration's seconds a step, tokens, hits and misses."""
     import torch
 
@@ -43,8 +43,13 @@ def worker(prompts: int, tokens: int, specs: list[str]) -> dict[str, object]:
     out = {}
     for spec in specs:
         budget, policy, miss = spec.split(":")
+        kw = {}
+        if link:
+            kw["link_bandwidth"], kw["link_latency"] = link.split("+")
+        if cost and miss in ("host", "hybrid", "batch"):  # the paths that decide by costs
+            kw["costs"] = cost
         with ec.load(expert_memory=budget, policy=policy, miss=miss, slow_tier="mapped", device="cpu",
-                     progress=False) as m:  # fmt: skip
+                     progress=False, **kw) as m:  # fmt: skip
             m.generate_text(texts, max_new_tokens=4, batch_size=prompts)  # warm-up
             before = m.stats
             start = time.perf_counter()
@@ -60,9 +65,11 @@ def worker(prompts: int, tokens: int, specs: list[str]) -> dict[str, object]:
     return out
 
 
-def run_round(tree: Path, prompts: int, tokens: int, specs: list[str]) -> dict[str, object]:
+def run_round(
+    tree: Path, prompts: int, tokens: int, specs: list[str], link: str, cost: str
+) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(ROOT / "bench")])}
-    cmd = [sys.executable, __file__, "--worker", str(prompts), str(tokens), ",".join(specs)]
+    cmd = [sys.executable, __file__, "--worker", str(prompts), str(tokens), ",".join(specs), link, cost]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -71,30 +78,50 @@ def run_round(tree: Path, prompts: int, tokens: int, specs: list[str]) -> dict[s
 
 
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        print(json.dumps(worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","))))
+    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), *sys.argv[5:])))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=at_least(1), nargs="+", default=[4, 16], help="batch sizes")
     p.add_argument("--tokens", type=at_least(2), default=32, help="new tokens a prompt (default 32)")
     p.add_argument("--specs", default=",".join(SPECS), help="BUDGET:POLICY:MISS,... (the first: the base)")
     p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument(
+        "--link", default="", help="an emulated link, BANDWIDTH+LATENCY (as 1GB/s+20us; default none)"
+    )
+    p.add_argument(
+        "--cost", type=Path, help="a profile (expertcache profile) for the paths that decide by costs"
+    )
     p.add_argument("--baseline", type=Path, help="another checkout's root, run alternately with this one")
     p.add_argument("--out", help="results file (default: bench/results/batch_path_cpu.json, documented run)")
     args = p.parse_args()
     specs = args.specs.split(",")
     if any(len(s.split(":")) != 3 for s in specs):
         fail(p.prog, f"--specs {args.specs}: each BUDGET:POLICY:MISS, as 25%:tlfu:batch")
+    if args.link:
+        from expertcache.errors import ExpertcacheError
+        from expertcache.units import parse_duration, parse_rate
+
+        try:
+            bandwidth, latency = args.link.split("+")
+            parse_rate(bandwidth, "--link bandwidth"), parse_duration(latency, "--link latency")
+        except ValueError:
+            fail(p.prog, f"--link {args.link}: BANDWIDTH+LATENCY, as 1GB/s+20us")
+        except ExpertcacheError as exc:
+            fail(p.prog, f"--link {args.link}: {exc}")
+    if args.cost is not None and not args.cost.is_file():
+        fail(p.prog, f"--cost {args.cost}: no such file")
     if args.baseline is not None and not (args.baseline / "src" / "expertcache").is_dir():
         fail(p.prog, f"--baseline {args.baseline}: not a checkout of expertcache (no src/expertcache)")
     args.out = str(results_out(p, args, "batch_path_cpu.json", at_least=("rounds",), modes=("baseline",)))
+    cost = str(args.cost.resolve()) if args.cost else ""
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     rows = []
     for n in args.prompts:
         runs = {name: [] for name in trees}
         for r in range(args.rounds):
             for name, tree in trees.items():
-                runs[name].append(run_round(tree, n, args.tokens, specs))
+                runs[name].append(run_round(tree, n, args.tokens, specs, args.link, cost))
                 print(f"{n} prompts, round {r + 1}, {name}: done", file=sys.stderr, flush=True)
         for name, got in runs.items():
             base = specs[0]
@@ -119,7 +146,7 @@ def main() -> int:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.baseline, capture_output=True, text=True)
         baseline = head.stdout.strip() or None
     result = {"provenance": provenance(), "baseline_commit": baseline, "tokens": args.tokens,
-              "rounds": args.rounds, "rows": rows}  # fmt: skip
+              "rounds": args.rounds, "link": args.link or None, "rows": rows}  # fmt: skip
     write_json(Path(args.out), result)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
