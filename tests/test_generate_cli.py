@@ -254,6 +254,49 @@ def test_chat_command_keeps_a_conversation_on_stdin(capsys, ckpt, tmp_path, monk
     assert out.count("\n") == 3  # one reply a line on stdout, nothing else
 
 
+def test_chat_records_the_conversations_routing_and_it_replays_to_the_same_counts(
+    capsys, ckpt, tmp_path, monkeypatch
+):
+    """``chat --record-trace``: the whole conversation's routing, written when it ends (end of input, or
+    Ctrl-C at the prompt), replayed by the timing model to the chat's own hits and misses; a chat that ends
+    before any turn says it wrote nothing; an unwritable path is refused before the model loads."""
+    from expertcache.sim.timing import simulate_timing
+    from expertcache.trace import load_trace
+
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    chat = ["chat", "--model", str(ckpt("mixtral")), "--device", "cpu", "--max-new-tokens", "3",
+            "--chat-template", str(template), "--expert-memory", "25%", "--prefetch", "none"]  # fmt: skip
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/stats\nagain\n/stats\n"))
+    path = tmp_path / "chat.npz"
+    code, out, err = run(capsys, *chat, "--record-trace", str(path))
+    assert code == 0, err
+    assert f"trace written to {path}" in err
+    *_, last = [line for line in err.splitlines() if line.startswith("hits ")]  # the second /stats
+    hits, misses = (int(last.split()[i]) for i in (1, 4))
+    trace = load_trace(path)
+    assert trace.meta["policy"] == "lru" and len(set(trace.seq_id.tolist())) == 2  # two turns
+    replay = simulate_timing(trace, trace.meta["capacity"], cache="lru").cache
+    assert (replay["hits"], replay["misses"]) == (hits, misses)
+
+    class CtrlC(io.StringIO):  # a turn, then Ctrl-C at the prompt: the chat so far is kept
+        def readline(self, *args):
+            if self.getvalue() and not getattr(self, "done", False):
+                self.done = True
+                return "hello\n"
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdin", CtrlC("x"))
+    path.unlink()
+    code, out, err = run(capsys, *chat, "--record-trace", str(path))
+    assert code == 130 and path.is_file() and f"trace written to {path}" in err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, out, err = run(capsys, *chat, "--record-trace", str(tmp_path / "none.npz"))
+    assert code == 0 and "no trace written" in err and not (tmp_path / "none.npz").exists()
+    code, out, err = run(capsys, *chat, "--record-trace", str(tmp_path / "no" / "such.npz"))
+    assert code == 2 and err.count("\n") == 1 and "trace" in err
+
+
 # ------------------------------------------------------------------------------------ hub ids
 def test_a_hugging_face_id_is_found_in_the_local_cache_and_never_downloaded(ckpt, tmp_path, monkeypatch):
     from huggingface_hub import constants

@@ -75,6 +75,12 @@ def add_parsers(sub) -> None:
     c = sub.add_parser("chat", help="talk to the model; the cache stays warm between turns")
     c.add_argument("--system", metavar="TEXT", help="a system message first")
     c.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per reply (default 128)")
+    c.add_argument(
+        "--record-trace",
+        metavar="FILE.npz",
+        help="write the conversation's routing as a trace when the chat ends",
+    )
+    output_option(c, "record_trace", "trace")
     _add_chat_template(c, None, None)
     _add_common(c)
     c.set_defaults(func=cmd_chat)
@@ -711,7 +717,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = _sampling(args)
-    model = load_model(args)
+    model = load_model(
+        args, record=bool(args.record_trace)
+    )  # a long chat keeps no routing it is not asked for
+    saved = False
     try:
         _chat_template(model, args)
         from expertcache.engine.generation import render
@@ -743,13 +752,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if note := lossy_note(model.stats, model.miss.lossy):  # as serve says it: not the model's outputs
             _err(note, args)
         _chat_loop(model, args, sampling, system, tty)
+        saved = True
+        _chat_trace(model, args)
     except KeyboardInterrupt:  # at the prompt, or a second one in a reply: the chat ends, as any command
         print(file=sys.stderr)
         _err("expertcache: interrupted", args)
+        saved = True
+        _chat_trace(model, args)  # the conversation so far: Ctrl-C at the prompt is how a chat ends
         return 130
+    except BaseException as exc:
+        if not saved and (note := _keep_trace(model, args, say=False)):
+            exc.add_note(note)
+        raise
     finally:
         model.close()
     return 0
+
+
+def _chat_trace(model, args) -> None:
+    """The conversation's routing, written where --record-trace says (nothing said of a chat without a
+    turn: no trace, and why)."""
+    if not args.record_trace:
+        return
+    if not model.driver.recorder.steps:
+        _err(f"no trace written to {args.record_trace}: the chat ended before any turn", args)
+        return
+    _save_trace(model, args)
 
 
 def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
