@@ -496,6 +496,7 @@ OUTPUT_ARGV = {
     ("sweep", "out"): ["sweep", "--out", "{bad}.csv"],
     ("sweep", "plot"): ["sweep", "--plot", "{bad}"],
     ("generate", "record_trace"): ["generate", "--prompt", "x", "--record-trace", "{bad}.npz"],
+    ("chat", "record_trace"): ["chat", "--record-trace", "{bad}.npz"],
 }
 
 
