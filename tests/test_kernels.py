@@ -36,6 +36,9 @@ from expertcache.engine.kernels import (
     decode_rows,
     default_kernel,
     grouped_rows,
+    order_among,
+    order_from_ranks,
+    pair_ranks,
     reference_order,
     resolve_kernel,
 )
@@ -561,3 +564,30 @@ def test_quality_names_its_arguments_and_warns_in_python(ckpt):
         measure(None, "fetch", tokens="32")
     with pytest.warns(ec.ExpertcacheWarning, match="the texts hold .* tokens to predict: measured on those"):
         measure(ckpt("mixtral"), "fetch", "100%", texts=["hello world"], tokens=400)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.integers(1, 24),
+    top_k=st.integers(1, 4),
+    experts=st.integers(1, 10),
+    data=st.data(),
+)
+def test_a_groups_order_from_the_layers_ranks_is_order_among(tokens, top_k, experts, data):
+    """``order_from_ranks`` (the engine's, on the host: the ranks made once a layer) gives the positions
+    ``order_among`` gives, for any subset of a layer's pairs in routing order, repeated experts included."""
+    index = torch.tensor(
+        data.draw(
+            st.lists(
+                st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k),
+                min_size=tokens,
+                max_size=tokens,
+            )
+        )  # fmt: skip
+    )
+    pairs = np.array(
+        sorted(data.draw(st.sets(st.integers(0, tokens * top_k - 1), min_size=1))), dtype=np.int64
+    )
+    perm = reference_order(index)
+    got = order_from_ranks(pair_ranks(perm.numpy()), pairs)
+    assert torch.equal(got, order_among(perm, torch.from_numpy(pairs)))

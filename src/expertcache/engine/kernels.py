@@ -411,6 +411,20 @@ def order_among(perm: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     return torch.argsort(rank[pairs])
 
 
+def pair_ranks(perm: np.ndarray) -> np.ndarray:
+    """Each pair's place in the layer's order ``perm`` (``reference_order``'s, as an array): made once a
+    layer, for ``order_from_ranks`` on each of its groups."""
+    ranks = np.empty_like(perm)
+    ranks[perm] = np.arange(perm.size)
+    return ranks
+
+
+def order_from_ranks(ranks: np.ndarray, pairs: np.ndarray) -> torch.Tensor:
+    """``order_among(perm, pairs)`` from ``pair_ranks(perm)``, on the host: the same positions (the ranks
+    are distinct), without four of torch's calls a group."""
+    return torch.from_numpy(np.argsort(ranks[pairs]))
+
+
 def _mm_groups(x: torch.Tensor, weight: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
     """``grouped_mm(x, weight, offs)`` on a CPU, over the groups that hold rows: torch's CPU kernel runs
     ``mm`` on each group's rows and its weight, one group after another, empty ones included (about 1 us

@@ -34,7 +34,8 @@ from expertcache.engine.kernels import (
     decode_rows,
     follow_torch_threads,
     grouped_rows,
-    order_among,
+    order_from_ranks,
+    pair_ranks,
     reference_order,
 )
 from expertcache.engine.kv import grow
@@ -424,6 +425,7 @@ class Engine:
         ref = reference_order(top_k_index) if self._on_cpu else None  # sorted once a layer
         ref_order = None if ref is None else ref.numpy()
         ids_in_order = None if ref is None else flat_index[ref_order]  # each pair's expert, in that order
+        rank = None  # each pair's place in that order (``kernels.pair_ranks``, made once a layer)
 
         found: dict[int, np.ndarray] = {}  # an expert alone asks twice: its tokens, then its rows
 
@@ -450,12 +452,16 @@ class Engine:
             groups = [(joint, tuple(offsets))]
         else:  # each pool's ready experts in one call
             groups = [(pool, (name,)) for name, (pool, _) in pools.items()]
+        wanted = np.zeros(self.table.host.shape[1], dtype=bool) if groups else None  # the group's experts
         for batch in batches:
             for pool, names in groups:
                 mine = [(key, part) for key, part in batch if part in names]
                 if not mine:
                     continue
-                flat = np.flatnonzero(np.isin(flat_index, [key[1] for key, _ in mine]))
+                experts = [key[1] for key, _ in mine]
+                wanted[experts] = True
+                flat = np.flatnonzero(wanted[flat_index])  # the group's pairs (``np.isin``, in a tenth)
+                wanted[experts] = False
                 table = None if joint is not None else pools[names[0]][1]
                 slots = self._joint_slots(layer, mine) if table is None else table.host[layer]  # [E]
                 if T == 1 and self._on_cpu:  # one token: its ready experts as decode steps compute them
@@ -468,7 +474,10 @@ class Engine:
                     else:
                         ids = table.on(device)[layer][top_k_index].reshape(-1)[at].unsqueeze(1)
                     pairs = top_k_weights.reshape(-1)[at].unsqueeze(1)
-                    order = None if ref is None else order_among(ref, at)
+                    order = None
+                    if ref_order is not None:  # ``order_among(ref, at)``, on the host
+                        rank = pair_ranks(ref_order) if rank is None else rank
+                        order = order_from_ranks(rank, flat)
                     put(flat, self._rows(module, pool, hidden[at // K], ids, pairs, order))
             for key, part in batch:  # an expert's parts may come in different batches
                 if part not in pools:
