@@ -33,6 +33,11 @@ the prefill's dense work (docs/TIMING.md). The limit bounds paths that move whol
 compute on the host or move parts of experts can go below it. ``host wait`` is the compute stream's
 wait for the host's experts over all steps (prefill included), per decode step.
 
+Every option and file is checked before any work (each row replayed on the first tokens of each trace),
+a bad one refused in one line (exit 2). The results go to ``bench/results/miss_projection.json`` for the
+documented run (every option at its default), to the temporary directory for any other (``--quick``:
+``miss_projection.quick.json``), or to ``--out FILE``.
+
     .venv/bin/python bench/miss_projection.py [--quick] [--out bench/results/miss_projection.json]
 """
 
@@ -43,15 +48,15 @@ import dataclasses
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from provenance import ROOT, SHARED, provenance, write_json
+from provenance import ROOT, SHARED, OneLineParser, at_least, fail, provenance, results_out, write_json
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError
 from expertcache.miss.registry import MISS_PATHS
 from expertcache.sim.replay import replay
 from expertcache.sim.timing import simulate_timing
@@ -73,6 +78,7 @@ SHAPES: dict[str, dict[str, object]] = {
 QWEN_TRACE = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 MIXTRAL_TRACE = dict(a=1.0, stickiness=0.3, sequences=6, prompt_len=60, generated=128)
 QUICK_REQUESTS = 2  # --quick: the first requests of each trace
+CHECK_TOKENS = 8  # the rows are tried on this many first tokens of each trace before the work
 
 # (label, miss path spec, cache policy, prefetch): one row each; {first} is the model's placement N
 # (the first N layers on the host, so that the other layers' experts fit in the expert memory)
@@ -358,7 +364,7 @@ def add_machine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--costs", type=Path, default=ROOT / "bench/results/cost_triples_h100.json",
                     help="measured cost triples (device and host compute)")  # fmt: skip
     ap.add_argument("--qwen-trace", type=Path, default=QWEN_TRACE)
-    ap.add_argument("--mixtral-seed", type=int, default=0)
+    ap.add_argument("--mixtral-seed", type=at_least(0), default=0)
     ap.add_argument("--gpu-memory", default="24GiB")
     ap.add_argument("--workspace", default="2GiB", help="activations, KV cache, allocator slack")
     ap.add_argument("--link-bandwidth", default="25GB/s", help="declared: PCIe 4.0 x16, pinned")
@@ -371,36 +377,128 @@ def add_machine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each trace")
 
 
-def resolve_machine_args(args: argparse.Namespace) -> dict:
-    """Parse the machine's figures into ``args`` (bytes, seconds); -> the measured cost triples."""
-    triples = json.loads(args.costs.read_text())
-    args.gpu_memory_bytes = int(parse_size(args.gpu_memory, "GPU memory"))
-    args.workspace_bytes = int(parse_size(args.workspace, "workspace"))
-    args.link_bandwidth_Bps = parse_rate(args.link_bandwidth, "link bandwidth")
-    args.link_latency_s = parse_duration(args.link_latency, "link latency")
-    args.dense_fixed_s = parse_duration(args.dense_fixed, "dense fixed time")
-    args.step_fixed_s = parse_duration(args.step_fixed, "step fixed time")
+def resolve_machine_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Parse the machine's figures into ``args`` (bytes, seconds) and check them, the cost triples, the
+    Qwen trace and each model's expert memory, before any work: a bad one is refused in one line naming
+    it (exit 2). -> the measured cost triples."""
+    try:
+        args.gpu_memory_bytes = int(parse_size(args.gpu_memory, "--gpu-memory"))
+        args.workspace_bytes = int(parse_size(args.workspace, "--workspace"))
+        args.link_bandwidth_Bps = parse_rate(args.link_bandwidth, "--link-bandwidth")
+        args.link_latency_s = parse_duration(args.link_latency, "--link-latency")
+        args.dense_fixed_s = parse_duration(args.dense_fixed, "--dense-fixed")
+        args.step_fixed_s = parse_duration(args.step_fixed, "--step-fixed")
+        if args.weights_bandwidth is not None:
+            args.weights_bandwidth = parse_rate(args.weights_bandwidth, "--weights-bandwidth")
+    except ExpertcacheError as exc:
+        fail(ap.prog, str(exc))
+    triples = read_costs(ap, args)
     if args.weights_bandwidth is None:
         mx = measured(triples, "mixtral-8x7b")
         args.weights_bandwidth = mx["expert_bytes"] / mx["device_a_s"]
-    else:
-        args.weights_bandwidth = parse_rate(args.weights_bandwidth, "weights bandwidth")
+    check_qwen_trace(ap, args)
+    for name in args.models:
+        s, b = SHAPES[name], budget(SHAPES[name], args)
+        if b["capacity_experts"] < s["top_k"]:  # the planner and every miss path need a layer's top-k
+            fail(ap.prog, f"--gpu-memory {args.gpu_memory} less {name}'s dense weights "
+                 f"({b['dense_bytes'] / 2**30:.2f} GiB) and --workspace {args.workspace} holds "
+                 f"{b['capacity_experts']} of its experts; it needs at least top-k {s['top_k']}")  # fmt: skip
+        try:
+            cost_model(s, measured(triples, name), args)
+        except ExpertcacheError as exc:
+            fail(ap.prog, f"{name}'s cost model: {exc}")
     return triples
 
 
+def read_costs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The cost triples of ``--costs``, with the figures of every model run (and of Mixtral, whose
+    expert gives the default weight bandwidth); else one line (exit 2)."""
+    where = f"--costs {args.costs}"
+    if not args.costs.is_file():
+        fail(ap.prog, f"{where}: {'a folder' if args.costs.is_dir() else 'no such file'}")
+    try:
+        triples = json.loads(args.costs.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fail(ap.prog, f"{where}: not a JSON file of cost triples ({exc})")
+    names = [*args.models, *(["mixtral-8x7b"] if args.weights_bandwidth is None else [])]
+    for name in dict.fromkeys(names):
+        try:
+            m = measured(triples, name)
+            triples["provenance"]["date"], triples["provenance"]["git"]["commit"]  # noqa: B018 (recorded)
+            times = [v for k, v in m.items() if k.endswith(("_s", "_per_token"))]
+            positive = m["device_a_s"] > 0 and all(t >= 0 for t in times)
+        except (KeyError, TypeError, IndexError) as exc:
+            fail(ap.prog, f"{where}: not cost triples with {name}'s figures (missing or bad {exc}; "
+                 "bench/cost_triples.py writes them)")  # fmt: skip
+        expert = budget(SHAPES[name], args)["expert_bytes"]
+        if m["expert_bytes"] != expert:
+            fail(ap.prog, f"{where}: {name}'s expert is {m['expert_bytes']} bytes, {expert} by its shape")
+        if not positive:
+            fail(ap.prog, f"{where}: {name}'s compute times are not positive")
+    return triples
+
+
+def check_qwen_trace(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A ``--qwen-trace`` given must be a trace of Qwen1.5-MoE's shape; the default one, absent (no shared
+    data beside this checkout), skips the model with a note, as documented."""
+    if "qwen1.5-moe-a2.7b" not in args.models:
+        return
+    path = args.qwen_trace
+    if not path.is_file() and path == ap.get_default("qwen_trace"):
+        return
+    try:
+        tr = load_trace(path)
+    except ExpertcacheError as exc:
+        fail(ap.prog, f"--qwen-trace: {exc}")
+    s = SHAPES["qwen1.5-moe-a2.7b"]
+    have, want = (tr.num_layers, tr.num_experts, tr.top_k), (s["layers"], s["experts"], s["top_k"])
+    if have != want:
+        fail(ap.prog, "--qwen-trace {}: {} layers x {} experts, top-{}; Qwen1.5-MoE's is {} x {}, top-{}"
+             .format(path, *have, *want))  # fmt: skip
+
+
+def check_paths(ap: argparse.ArgumentParser, args: argparse.Namespace, triples: dict) -> None:
+    """Every row of ``PATHS`` and the limit's OPT, replayed on the first ``CHECK_TOKENS`` tokens of each
+    model's trace (well under a second): a row the machine cannot run (an expert memory too small for a
+    split path's top parts, say) is refused in one line before the work, not after the other rows'
+    minutes."""
+    for name in args.models:
+        s = SHAPES[name]
+        trace, _ = model_trace(name, s, args)
+        if trace is None:  # skipped, said when the work starts
+            continue
+        rows = ("experts", "weights", "seq_id", "is_prefill", "token_id", "step_id", "predicted")
+        cut = {f: getattr(trace, f)[:CHECK_TOKENS] for f in rows if getattr(trace, f) is not None}
+        head = dataclasses.replace(trace, **cut)
+        b = budget(s, args)
+        cost, _ = cost_model(s, measured(triples, name), args)
+        cap, first = b["capacity_experts"], placement_first(b, s)
+        label = "the limit (OPT)"
+        try:
+            replay(build_schedule(head, "layer"), "opt", cap)
+            for label, miss, policy, prefetch in PATHS:
+                label, miss = label.format(first=first), miss.format(first=first)
+                if miss.partition(":")[0] in MISS_PATHS:
+                    simulate_timing(head, cap, cache=policy, prefetch=prefetch, miss=miss, cost=cost)
+        except ExpertcacheError as exc:
+            memory = f"{b['expert_memory_bytes'] / 2**30:.2f} GiB"
+            fail(ap.prog, f"{name} with {cap} experts in {memory} of expert memory (--gpu-memory "
+                 f"{args.gpu_memory}, --workspace {args.workspace}): {label}: {exc}")  # fmt: skip
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     add_machine_args(ap)
     ap.add_argument(
-        "--out", type=Path, default=None, help="default bench/results/miss_projection.json (quick: /tmp)"
-    )
+        "--out", type=Path, default=None,
+        help="default bench/results/miss_projection.json (documented run; other runs: the temp dir)",
+    )  # fmt: skip
     args = ap.parse_args()
-    triples = resolve_machine_args(args)
-    out_path = args.out or (
-        Path(tempfile.gettempdir()) / "miss_projection.quick.json"
-        if args.quick
-        else ROOT / "bench/results/miss_projection.json"
-    )
+    given = argparse.Namespace(**vars(args))  # as parsed: what decides whether this is the documented run
+    triples = resolve_machine_args(ap, args)
+    check_paths(ap, args, triples)
+    name = "miss_projection.quick.json" if args.quick else "miss_projection.json"
+    out_path = results_out(ap, given, name)
     body: dict[str, object] = {
         **provenance(),
         "cost_triples": {
@@ -426,7 +524,6 @@ def main() -> None:
 
     def save(partial: dict[str, object] | None = None) -> None:
         models = [*body["models"], *([partial] if partial is not None else [])]
-        out_path.parent.mkdir(parents=True, exist_ok=True)
         write_json(out_path, {**body, "models": models, "wall_s": time.perf_counter() - t_start})
 
     for name in args.models:

@@ -17,6 +17,9 @@ constrained regime like the paper's Llama-MoE case, and 1152 = 80%, "almost fits
 case), Marking over ``--seeds`` seeds; once on the whole trace and once per request (each request of
 the trace as its own trace, the closest we have to the paper's ten traces).
 
+Every option is checked before any work (the trace's top-k against the summary capacities once it is
+read), a bad one refused in one line (exit 2).
+
     .venv/bin/python bench/paper_fig4.py
     .venv/bin/python bench/paper_fig4.py --orders rounds --step 48
 """
@@ -24,6 +27,7 @@ the trace as its own trace, the closest we have to the paper's ten traces).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,14 +37,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from provenance import SHARED, figure_args, provenance, write_json  # noqa: E402
+from provenance import SHARED, OneLineParser, at_least, fail, figure_args, provenance, write_json  # noqa: E402
 
-from expertcache.cache.schedule import Schedule  # noqa: E402
+from expertcache.cache.schedule import Schedule, min_room  # noqa: E402
 from expertcache.errors import ExpertcacheError  # noqa: E402
-from expertcache.policy.registry import is_offline  # noqa: E402
+from expertcache.policy.registry import is_offline, parse_policy  # noqa: E402
 from expertcache.sim import build_schedule, run_policy  # noqa: E402
 from expertcache.trace import Trace, load_trace  # noqa: E402
 
+PROG = Path(__file__).name
 DEFAULT_TRACE = str(SHARED / "traces" / "qwen15_moe_a27b_chat.npz")
 CURVE_POLICIES = ["opt", "lru", "lru-dist", "marking", "llru", "lfu", "lcp"]
 SUMMARY_POLICIES = ["marking", "lru", "lru-dist", "llru", "lfu", "lcp", "opt-dist"]
@@ -57,11 +62,11 @@ STYLE = {
 
 
 def is_dist(name: str) -> bool:
-    return name.endswith("-dist")
+    return name.partition(":")[0].endswith("-dist")  # a spec's parameters (lcp-dist:rho=0.5) aside
 
 
 def is_randomized(name: str) -> bool:
-    return name.split("-")[0] in ("marking", "random")
+    return name.partition(":")[0].split("-")[0] in ("marking", "random")
 
 
 def capacities(schedule: Schedule, step: int, small: list[int]) -> list[int]:
@@ -214,7 +219,7 @@ def plot_curves(
 
 def plot_summary(summ: dict, policies: list[str], path: Path, seeds: int) -> None:
     """Online policies only (OPT-Dist, an offline bound, would squash the scale; it is in the JSON)."""
-    policies = [p for p in policies if not is_offline(p)]
+    policies = [p for p in policies if not is_offline(parse_policy(p)[0])]
     keys = list(summ)
     ncols = len({s["capacity"] for s in summ.values()})  # one row per order, one column per capacity
     nrows = -(-len(keys) // ncols)
@@ -256,27 +261,64 @@ def plot_summary(summ: dict, policies: list[str], path: Path, seeds: int) -> Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The options, each checked before any work (bad: one line, exit 2); the folders made."""
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    one = at_least(1)
     p.add_argument("--trace", default=DEFAULT_TRACE, help="routing trace (.npz)")
     p.add_argument("--orders", nargs="+", default=["rounds", "layer"], choices=["rounds", "layer", "flat"])
     p.add_argument("--policies", nargs="+", default=CURVE_POLICIES, help="policies of the Fig. 4 curves")
-    p.add_argument("--step", type=int, default=24, help="capacity step of the grid (default: L of the trace)")
-    p.add_argument("--small", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16, 20])
-    p.add_argument("--summary-caps", type=int, nargs="+", default=[240, 480, 1152])
+    p.add_argument("--step", type=one, default=24, help="capacity step of the grid (default: L of the trace)")
+    p.add_argument("--small", type=one, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16, 20])
+    p.add_argument("--summary-caps", type=one, nargs="+", default=[240, 480, 1152])
     p.add_argument("--summary-policies", nargs="+", default=SUMMARY_POLICIES)
-    p.add_argument("--seeds", type=int, default=10, help="seeds of randomized policies in the summary")
-    p.add_argument("--jobs", type=int, default=1, help="processes for the replays of one policy's curve")
-    return figure_args(p, argv, "fig4.json")  # a shrunk run's figures go elsewhere, said
+    p.add_argument("--seeds", type=one, default=10, help="seeds of randomized policies in the summary")
+    p.add_argument("--jobs", type=one, default=1, help="processes for the replays of one policy's curve")
+    args = figure_args(p, argv, "fig4.json", check)  # a shrunk run's figures go elsewhere, said
+    folder("--out", args.out, "fig4.json")
+    folder("--img", args.img, *(f"fig4_{o}.png" for o in args.orders), "fig5_normalized.png")
+    return args
+
+
+def check(args: argparse.Namespace) -> None:
+    """The policies, the trace and the summary capacities (against its top-k), before any work."""
+    for flag, specs in (("--policies", args.policies), ("--summary-policies", args.summary_policies)):
+        for spec in specs:
+            try:
+                parse_policy(spec)
+            except ExpertcacheError as exc:
+                fail(PROG, f"{flag}: {exc}")
+    if "opt" not in args.policies:
+        fail(PROG, "--policies: give opt among them (the curves are compared with OPT's)")
+    if args.trace == DEFAULT_TRACE and not Path(args.trace).is_file():
+        fail(PROG, "the shared Qwen1.5-MoE trace is not beside this checkout (../shared/traces/); give "
+             "--trace FILE")  # fmt: skip
+    try:
+        K = load_trace(args.trace).top_k  # read again by main (a fraction of a second)
+    except ExpertcacheError as exc:
+        fail(PROG, f"--trace: {exc}")
+    for order in args.orders:  # in layer order a token's experts of a layer are resident together
+        low = [c for c in args.summary_caps if c < min_room(order, K)]
+        if low:
+            fail(PROG, f"--summary-caps {low[0]}: below top-k {K} of the trace, the least a capacity is in "
+                 f"{order} order (a token's experts of a layer are resident together)")  # fmt: skip
+
+
+def folder(flag: str, path: Path, *files: str) -> None:
+    """Make the folder ``path`` (of the option ``flag``) now and check that ``files`` can be written in it:
+    refused in one line before the work, not when the results are written after it."""
+    if path.exists() and not path.is_dir():
+        fail(PROG, f"{flag} {path}: not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(PROG, f"{flag} {path}: cannot make the folder ({exc.strerror or exc})")
+    blocked = [f for f in files if (path / f).exists() and not os.access(path / f, os.W_OK)]
+    if not os.access(path, os.W_OK) or blocked:
+        fail(PROG, f"{flag} {path / blocked[0] if blocked else path}: not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.trace == DEFAULT_TRACE and not Path(DEFAULT_TRACE).is_file():
-        raise ExpertcacheError(
-            "the shared Qwen1.5-MoE trace is not beside this checkout (../shared/traces/); give --trace FILE"
-        )
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.img.mkdir(parents=True, exist_ok=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     trace = load_trace(args.trace)
     L, E, K, T = trace.num_layers, trace.num_experts, trace.top_k, trace.num_tokens
@@ -366,5 +408,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except ExpertcacheError as e:  # bad input: one line, as the command line says it
-        print(f"paper_fig4.py: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(PROG, str(e))

@@ -11,6 +11,11 @@ and the limit ``max(all-resident TPOT, OPT's decode transfers per token)`` of pa
 experts (host compute can go below it). The plan is made and scored on the same trace (in-sample);
 ``bench/plan_cpu.py`` measures plans out of sample.
 
+The options and files are checked as ``bench/miss_projection.py`` checks them, before any work. The
+results go to ``bench/results/plan_projection.json`` for the documented run (every option at its
+default), to the temporary directory for any other (``--quick``: ``plan_projection.quick.json``), or to
+``--out FILE``.
+
     .venv/bin/python bench/plan_projection.py [--quick] [--out bench/results/plan_projection.json]
 """
 
@@ -18,28 +23,35 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import miss_projection as mp
-from provenance import ROOT, provenance, write_json
+from provenance import OneLineParser, fail, provenance, results_out, write_json
 
+from expertcache.costs import CostModel
+from expertcache.errors import ExpertcacheError
 from expertcache.sim.planner import format_plan, make_plan
 
 MISSES = ("fetch", "host", "hybrid", "split")  # split: laid out by moepic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     mp.add_machine_args(ap)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    triples = mp.resolve_machine_args(args)
-    out_path = args.out or (
-        Path(tempfile.gettempdir()) / "plan_projection.quick.json" if args.quick
-        else ROOT / "bench/results/plan_projection.json"
+    ap.add_argument(
+        "--out", type=Path, default=None,
+        help="default bench/results/plan_projection.json (documented run; other runs: the temp dir)",
     )  # fmt: skip
+    args = ap.parse_args()
+    given = argparse.Namespace(**vars(args))  # as parsed: what decides whether this is the documented run
+    triples = mp.resolve_machine_args(ap, args)
+    for name in args.models:  # the plan's report reads its cost model back as a cost file is read
+        try:
+            CostModel.from_dict(mp.cost_model(mp.SHAPES[name], mp.measured(triples, name), args)[0].to_dict())
+        except ExpertcacheError as exc:
+            fail(ap.prog, f"{name}'s cost model, as the plan's report reads it back: {exc}")
+    out_path = results_out(ap, given, "plan_projection.quick.json" if args.quick else "plan_projection.json")
     models = []
     for name in args.models:
         s = mp.SHAPES[name]

@@ -20,12 +20,16 @@ tokens compared (they must be equal: eviction never changes outputs), median TPO
 repeats. And each policy's replay time: the Python reference, and what the simulator runs (compiled
 where a kernel exists and pays).
 
+The options (the link's rate and latency as the engine reads them), the engine's command and libCacheSim
+are checked before any work, a bad one refused in one line (exit 2).
+
     PYTHONPATH=bench .venv/bin/python bench/policies_vs_libcachesim.py [--quick] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -35,10 +39,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import SHARED, at_least, provenance, results_out, write_json
+from provenance import SHARED, OneLineParser, at_least, fail, provenance, results_out, write_json
 from sim_vs_libcachesim import write_oracle_general
 
 from expertcache.cache.schedule import build_schedule
+from expertcache.config import LinkConfig
+from expertcache.errors import ExpertcacheError
 from expertcache.policy import POLICIES
 from expertcache.policy.registry import policy_class
 from expertcache.sim.curves import run_policy
@@ -46,6 +52,7 @@ from expertcache.sim.replay import replay
 from expertcache.tools.train_policy import train_policy, write_weights
 from expertcache.trace import Trace, load_trace
 from expertcache.trace.default import default_trace
+from expertcache.units import parse_duration, parse_rate
 
 QWEN = SHARED / "traces" / "qwen15_moe_a27b_chat.npz"
 SHARES = (0.10, 0.25, 0.50, 0.75)
@@ -176,9 +183,29 @@ def evaluate(name: str, tr: Trace, tmp: Path, quick: bool) -> dict:
     return result
 
 
+def engine_exe() -> Path:
+    """The command line the engine runs through (this interpreter's ``expertcache``)."""
+    return Path(sys.executable).parent / "expertcache"
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the engine run and libCacheSim need, checked before the minutes of evaluation they come after:
+    the link as the engine reads it (``generate``'s ``LinkConfig``), the engine's command, libCacheSim."""
+    try:
+        parse_rate(args.link_bandwidth, "--link-bandwidth")
+        parse_duration(args.link_latency, "--link-latency")
+        LinkConfig(args.link_bandwidth, args.link_latency)  # and a rate too slow to be the one meant
+    except ExpertcacheError as exc:
+        fail(ap.prog, str(exc))
+    if not args.quick and not engine_exe().is_file():
+        fail(ap.prog, f"{engine_exe()} not found: the engine run needs expertcache installed (or --quick)")
+    if importlib.util.find_spec("libcachesim") is None:
+        fail(ap.prog, "libcachesim is not installed in this environment (the comparison runs its policies)")
+
+
 def engine_tpot(policies: list[str], repeats: int, bandwidth: str, latency: str, tmp: Path) -> dict:
     """Median TPOT per policy on the embedded model at 25 % with the emulated link; tokens must agree."""
-    exe = str(Path(sys.executable).parent / "expertcache")
+    exe = str(engine_exe())
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(p.replace("\n", "\\n") for p in PROMPTS) + "\n")
     out: dict[str, object] = {}
@@ -229,7 +256,7 @@ def replay_cost(tr: Trace) -> dict[str, dict[str, float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="no folds, no engine run")
     ap.add_argument("--repeats", type=at_least(1), default=3, help="engine runs per policy (default 3)")
     ap.add_argument("--link-bandwidth", default="2GB/s")
@@ -240,6 +267,7 @@ def main() -> int:
         help="default bench/results/policies_vs_libcachesim.json (other runs: the temp dir)",
     )
     args = ap.parse_args()
+    check_args(ap, args)
     args.out = results_out(ap, args, "policies_vs_libcachesim.json", at_least=("repeats",))
     traces = {"embedded": default_trace()}
     if QWEN.is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -113,9 +114,29 @@ def fail(prog: str, message: str) -> None:
     raise SystemExit(2)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that refuses bad input as the command line does: one line naming it (no usage block), exit
+    2; and a value that starts with a minus and a digit (``--workspace -1GiB``) is the option's value, as a
+    plain negative number already is, so that it gets a real message, not "expected one argument"."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(self.prog, message)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        for arg in args:
+            action = self._option_string_actions.get(out[-1]) if out else None
+            takes_one = action is not None and action.nargs is None and action.option_strings
+            if takes_one and re.match(r"-[0-9.]", arg) and not self._negative_number_matcher.match(arg):
+                out[-1] = f"{out[-1]}={arg}"
+            else:
+                out.append(arg)
+        return super().parse_known_args(out, namespace)
+
+
 def at_least(low: int | float, kind=int):
     """An argparse type: a number (``kind``) of at least ``low``, else argparse's one-line error."""
-    import argparse
 
     def parse(text: str):
         try:
@@ -140,15 +161,19 @@ def documented_run(parser, args, skip: tuple[str, ...] = (), at_least: tuple[str
     return all(documented(k) for k in vars(args) if k not in skip)
 
 
-def figure_args(parser, argv, name: str):
+def figure_args(parser, argv, name: str, check=None):
     """A figure's bench's arguments, with ``--out`` (the folder of its ``name`` results) and ``--img`` (its
     plots'): where not given, the committed ``bench/results`` and ``docs/img`` for the documented run, the
-    temporary directory for any other, said: a shrunk run replaced the committed figures in silence."""
+    temporary directory for any other, said: a shrunk run replaced the committed figures in silence.
+    ``check``, if given, is called with the parsed arguments first, to refuse a bad one before anything is
+    said (:func:`fail`)."""
     parser.add_argument(
         "--out", type=Path, help=f"folder for {name} (default: bench/results, documented run)"
     )
     parser.add_argument("--img", type=Path, help="folder for the plots (default: docs/img, documented run)")
     args = parser.parse_args(argv)
+    if check is not None:
+        check(args)
     if args.out is not None and args.img is not None:
         return args
     full = documented_run(parser, args, ("out", "img"))
