@@ -665,3 +665,23 @@ def test_a_new_users_trial_of_the_serving_planner(tmp_path, capsys, monkeypatch)
     assert main(["plan", "--trace", str(tmp_path / "prefix256.npz"), "--concurrency", "4", "--schedule",
                  "lifo", "--capacity", "24"]) == 2  # fmt: skip
     assert "--schedule must be one of fifo, prompts-first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("users,host_factor,share", [(16, 1.0, 0.25), (16, 16.0, 0.25), (4, 16.0, 0.9)])
+def test_batchs_misses_and_bytes_add_up_by_part(users16, users, host_factor, share):
+    """Every miss of ``batch`` is a transfer into the cache or the stream buffer, a host computation, or an
+    expert found in the stream buffer already (``part_reused``: no transfer); the bytes moved are the
+    demand transfers' and the fills' (``part_fills``), each a whole expert (a trial found the re-uses and
+    the fills counted nowhere)."""
+    cost = embedded_costs(host_factor)
+    trace = users16 if users == 16 else batch_requests(default_trace(), users)
+    res = simulate_timing(trace, int(trace.num_keys * share), cache="tlfu", miss="batch", cost=cost)
+    c = res.cache
+    moved = sum(c["part_misses"].values())
+    assert c["misses"] == moved + sum(c["part_reused"].values()) + c["host_computed"]
+    assert sum(c["part_fills"].values()) == c["filled"] and not c["part_prefetches"]
+    assert res.bytes_moved == (moved + c["filled"]) * cost.expert_bytes
+    if share > 0.5:  # misses stream, and at a large budget some are in the buffer from an earlier step
+        assert c["part_reused"].get(STREAM, 0) > 0
+    elif host_factor == 1:  # a fast host: the cold experts computed there, the popular ones filled
+        assert c["host_computed"] > 0 and c["filled"] > 0

@@ -256,6 +256,9 @@ def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(famil
     assert_exact(got, reference(path, IDS))
     assert_exact(got_both, reference(path, both))
     assert stats["part_misses"].get("stream", 0) > 0 and stats["host_computed"] == 0 and not alone
+    moved = sum(stats["part_misses"].values())  # each miss moved into a part, or found in the buffer
+    assert stats["misses"] == moved + sum(stats["part_reused"].values())
+    assert stats["bytes_transferred"] == moved * stats["expert_bytes"]
     # every call over the joint pool, or over the cache's alone where the layer's experts were all cached
     assert {id(p) for p in pools} <= {id(engine._joint), id(cache)} and engine._joint in pools
 

@@ -77,6 +77,7 @@ class ExpertCache:
         self._fetches = type(miss).decide is MissPath.decide  # every miss fetched whole (``_plain_layer``)
         self._scores: dict[Key, float] = {}  # the layer being served: each expert's routing score
         self._current: Sequence[Key] = ()  # the layer being served: its experts (pinned while it is)
+        self._missed: set[Key] = set()  # the layer being served: its experts missing from the primary part
 
     @property
     def residency(self) -> Residency:
@@ -181,6 +182,8 @@ class ExpertCache:
             if work is not None:
                 return work
         self._current = keys
+        primary = self.parts[self.primary]
+        self._missed = {key for key in keys if key not in primary}  # before any is admitted
         routes = self._routes(layer, needs)
         self._account(layer, keys, routes, spec, predicted)
         work = LayerWork(self, layer, needs, routes)
@@ -244,6 +247,7 @@ class ExpertCache:
                     continue
                 self.inflight[(part, key)] = self.transport.submit(key, victim, SPECULATIVE, part)
                 self.stats.filled[layer] += 1
+                self.stats.part_fills[part] = self.stats.part_fills.get(part, 0) + 1
 
     def serve(self, layer: int, experts: Sequence[int]) -> Iterator[Key]:
         """Serve a layer's experts (one token each, weights unknown) and yield each key once its parts
@@ -351,10 +355,15 @@ class ExpertCache:
         def make_room() -> None:
             self._drain({(p, key) for key, ps in chunk for p in ps})
 
+        stats, primary, missed = self.stats, self.primary, self._missed
         for part, residency in self.parts.items():
             keys = [key for key, ps in chunk if part in ps]
             if not keys:
                 continue
+            if part != primary and missed:  # a missed expert's part already there moves nothing
+                reused = sum(key in missed and key in residency for key in keys)
+                if reused:
+                    stats.part_reused[part] = stats.part_reused.get(part, 0) + reused
             pins = _Pins(part, keys, self.inflight, {})
             for key, victim in residency.admit(keys, pins, make_room, self._scores):
                 self.inflight[(part, key)] = self.transport.submit(key, victim, DEMAND, part)

@@ -659,12 +659,17 @@ def miss_work(out: dict) -> str:
             fill = " (host:fill=1 moves experts in after computing)" if str(out.get("miss")) == "host" else ""
             words.append(f"the cache's {slots} slots stayed empty{fill}")
     parts, ahead = out.get("part_misses") or {}, out.get("part_prefetches") or {}
-    named = {**parts, **ahead}
-    if len(named) > 1 or (named and "full" not in named):  # split experts, low-precision copies
+    fills, reused = out.get("part_fills") or {}, out.get("part_reused") or {}
+    named = {**parts, **ahead, **reused}
+    if len(named) > 1 or (named and "full" not in named):  # split experts, low-precision copies, a buffer
         demand = ", ".join(f"{p} {n}" for p, n in parts.items()) or "none"
         words.append(f"transfers by part on demand: {demand}")
-        if ahead:  # prefetches move parts too: the two lines add up to the bytes moved
-            words.append("prefetched: " + ", ".join(f"{p} {n}" for p, n in ahead.items()))
+        # prefetches and fills move parts too: with demand, what moved (less the cancelled prefetches')
+        for what, counts in (("prefetched", ahead), ("filled", fills)):
+            if counts:
+                words.append(f"{what}: " + ", ".join(f"{p} {n}" for p, n in counts.items()))
+        if reused:  # a missed expert whose part was there already: no transfer
+            words.append("missed and found in: " + ", ".join(f"{p} {n}" for p, n in reused.items()))
     return ", ".join(words)
 
 

@@ -98,6 +98,7 @@ class _CacheCollector:
             ("bytes_moved", "bytes_transferred", "bytes moved from the slow tier"),
             ("stall_seconds", "stall_s", "compute time spent waiting for experts"),
             ("host_computed", "host_computed", "missed experts computed on the host"),
+            ("filled", "filled", "host-computed experts moved into the cache in the background"),
             ("prefetch_issued", "prefetch_issued", "experts prefetched"),
             ("prefetch_used", "prefetch_used", "prefetched experts used before eviction"),
             ("prefetch_cancelled", "prefetch_cancelled", "prefetches cancelled (waste avoided)"),
@@ -166,11 +167,15 @@ class _CacheCollector:
         for part, count in s["part_misses"].items():
             moved.add_metric([part], float(count))
         yield moved
-        what = "speculative transfers (prefetches) into each part of the cache"
-        ahead = CounterMetricFamily(p + "part_prefetches", what, labels=["part"])
-        for part, count in s.get("part_prefetches", {}).items():
-            ahead.add_metric([part], float(count))
-        yield ahead
+        for name, what in (
+            ("part_prefetches", "speculative transfers (prefetches) into each part of the cache"),
+            ("part_fills", "host-computed experts moved into each part of the cache in the background"),
+            ("part_reused", "missed experts found in a part other than the cache's own (no transfer)"),
+        ):
+            family = CounterMetricFamily(p + name, what, labels=["part"])
+            for part, count in s.get(name, {}).items():
+                family.add_metric([part], float(count))
+            yield family
         mem = s.get("memory") or {}
         for name, key, what in (
             ("resident_bytes", "rss", "the server's resident memory (VmRSS)"),

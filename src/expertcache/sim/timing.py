@@ -966,8 +966,15 @@ def format_timing(result: TimingResult) -> str:
             f"{pf['disk_reads']}, {pf['disk_read_s']:.3f} s"
         )
     if r.miss != "fetch":
-        moved = pf.get("part_misses", {})  # a part's slots (its capacity) and its demand transfers
-        parts = ", ".join(f"{p} {n} slots, {moved.get(p, 0)} moved" for p, n in r.capacities.items())
+        # a part's slots (its capacity), its demand transfers, fills (moved in after host compute), and
+        # misses found in it already (moved nothing)
+        moved, fills, reused = (pf.get(k, {}) for k in ("part_misses", "part_fills", "part_reused"))
+
+        def part(p: str, n) -> str:
+            extra = "".join(f", {c[p]} {w}" for c, w in ((fills, "filled"), (reused, "reused")) if c.get(p))
+            return f"{p} {n} slots, {moved.get(p, 0)} moved{extra}"
+
+        parts = ", ".join(part(p, n) for p, n in r.capacities.items())
         lines.append(
             f"misses     host {pf['host_computed']} | low precision {pf['low_precision']} | skipped "
             f"{pf['skipped']} | host wait {r.host_wait_s:.3f} s | parts {parts}"
