@@ -431,6 +431,10 @@ def test_the_table_says_when_host_compute_left_the_cache_empty():
     assert miss_work({**out, "hits": 3}) == "102 expert uses computed on the host"
     # hybrid takes no fill: the hint named another path (and hybrid:fill=1 is refused)
     assert miss_work({**out, "miss": "hybrid"}).endswith("the cache's 28 slots stayed empty")
+    # batch without its fills says so too (its default fills; host:fill=0 is host's default, as described)
+    unfilled = miss_work({**out, "miss": "batch:buffer=4,fill=0"})
+    assert unfilled.endswith("stayed empty (batch:fill=1 moves experts in after computing)")
+    assert miss_work({**out, "miss": "batch:buffer=4"}).endswith("the cache's 28 slots stayed empty")
     assert miss_work({"low_precision": 18}) == "18 expert uses at low precision (lossy)"
 
 

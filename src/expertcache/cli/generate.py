@@ -656,7 +656,10 @@ def miss_work(out: dict) -> str:
     if out.get("host_computed") and not out.get("hits") and not out.get("bytes_transferred"):
         slots = out.get("capacity_experts")
         if slots:  # a cost-based path that judged every miss cheaper on the host, and nothing fills the cache
-            fill = " (host:fill=1 moves experts in after computing)" if str(out.get("miss")) == "host" else ""
+            miss = str(out.get("miss") or "")  # as described: host, or batch:buffer=4,fill=0
+            name, _, params = miss.partition(":")
+            unfilled = miss == "host" or (name == "batch" and "fill=0" in params.split(","))
+            fill = f" ({name}:fill=1 moves experts in after computing)" if unfilled else ""
             words.append(f"the cache's {slots} slots stayed empty{fill}")
     parts, ahead = out.get("part_misses") or {}, out.get("part_prefetches") or {}
     fills, reused = out.get("part_fills") or {}, out.get("part_reused") or {}

@@ -8,7 +8,8 @@ each with its own number of tokens. For each missing expert with ``n`` of the st
   on a CPU-only engine the host is the slow tier itself, computing straight from the mapped
   checkpoint, and the cost model says what a read of it costs), on the device otherwise;
 - **whether it enters the cache**: only if the policy admits it (``Policy.admits``: under ``tlfu``, its
-  token-weighted frequency exceeds that of the expert it would evict). Admitted experts computed on the
+  token-weighted frequency exceeds (1 + margin) times that of the expert it would evict: twice, by
+  default). Admitted experts computed on the
   host are also moved into the cache in the background (``fill``); admitted ones computed on the device
   are fetched into it. The others bypass the cache: computed on the host, or **streamed** through a
   small buffer of ``buffer`` slots (a part of the budget, LRU) that never evicts a cached expert. When a

@@ -12,11 +12,12 @@ recently touched); ``ln F + ln 2 * t / half_life`` at the last use ``t`` ranks k
 later time, so the ranking is fixed at each touch (``ScoredPolicy``).
 
 Admission (``admits``, TinyLFU: Einziger, Friedman and Manes, "TinyLFU: A Highly Efficient Cache
-Admission Policy", 2017): a missing expert is worth caching only if its ``F`` exceeds that of the
-resident expert it would evict; the missing experts of a layer are matched, highest ``F`` first,
-against the victims in eviction order. A miss path that asks (``batch``) computes the others elsewhere
-(on the host, or streamed through a small buffer): the bypass of experts whose reuse is too far off
-for the cache. Exact counts (the keys are few: layers x experts), not TinyLFU's sketch.
+Admission Policy", 2017): a missing expert is worth caching only if its ``F`` exceeds ``1 + margin``
+times that of the resident expert it would evict (twice, at the default margin of 1); the missing experts
+of a layer are matched, highest ``F`` first, against the victims in eviction order. A miss path that asks
+(``batch``) computes the others elsewhere (on the host, or streamed through a small buffer): the bypass
+of experts whose reuse is too far off for the cache. Exact counts (the keys are few: layers x experts),
+not TinyLFU's sketch.
 """
 
 from __future__ import annotations
