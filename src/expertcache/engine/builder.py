@@ -379,6 +379,7 @@ class Builder:
         )
         self.policy_ctx = self._policy_context(cache)
         residencies = build_parts(self.miss, self.capacities, cache.policy, self.policy_ctx)
+        self.notes += self.miss.policy_notes(next(iter(residencies.values())).policy, self.capacities)
         self.model = sk.model.to(self.device)
         self.host = HostExperts(self.tier, self.device)
         if self.miss.needs_costs and costs is None:

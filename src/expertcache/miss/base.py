@@ -157,6 +157,10 @@ class MissPath:
         each, for the user (a part smaller than asked for)."""
         return []
 
+    def policy_notes(self, policy, capacities: dict[str, object]) -> list[str]:
+        """What the primary part's policy (built) leaves unused of this path: one line each."""
+        return []
+
     # -- the decisions ----------------------------------------------------------------------------
     def hit(self, layer: int) -> Route:
         """The route of an expert whose primary parts are all present (resident or moving in)."""

@@ -91,6 +91,15 @@ class Batch(MissPath):
             "quarter of the memory, and what the cache leaves over a layer's top-k"
         ]
 
+    def policy_notes(self, policy, capacities: dict[str, object]) -> list[str]:
+        if getattr(policy, "selective", False) or not capacities.get(STREAM):
+            return []
+        return [
+            f"batch: policy {policy.name} admits every expert, so nothing bypasses the cache and the stream "
+            f"buffer's {capacities[STREAM]} slot(s) go unused (a policy that may refuse one, such as tlfu, "
+            "streams; fetch gives the cache them all)"
+        ]
+
     def decide(
         self, layer: int, needs: Sequence[Need], view: CacheView, hits: Sequence[Need] = ()
     ) -> list[Route]:

@@ -88,6 +88,7 @@ class Policy(ABC):
     seeded: ClassVar[bool] = False  # draws from ctx.seed (two seeds, two different runs)
     observes: ClassVar[bool] = False  # wants on_request for every requested group
     weighs: ClassVar[bool] = False  # wants on_use for every layer's experts, with their tokens
+    selective: ClassVar[bool] = False  # ``admits`` may refuse a key (tlfu): a miss path may bypass the cache
     text_params: ClassVar[frozenset[str]] = frozenset()  # parameters that are text (file names), not numbers
 
     def __init__(self, ctx: PolicyContext) -> None:

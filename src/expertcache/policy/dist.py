@@ -42,6 +42,7 @@ class Dist(Policy):
         self.offline = inner.offline
         self.observes = inner.observes
         self.weighs = inner.weighs
+        self.selective = inner.selective
         L = ctx.num_layers
         budgets = list(budgets) if budgets is not None else uniform_budgets(ctx.capacity, L)
         if len(budgets) != L:

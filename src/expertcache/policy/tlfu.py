@@ -34,6 +34,7 @@ from expertcache.policy.scored import ScoredPolicy
 class TLFU(ScoredPolicy):
     name = "tlfu"
     weighs = True
+    selective = True
 
     def __init__(
         self, ctx: PolicyContext, *, half_life: float = 4096, prompt: float = 0.25, margin: float = 1.0

@@ -547,6 +547,7 @@ def _run_timing(
     )  # fmt: skip
     parts = build_parts(path, caps, cache_cfg.policy, ctx)
     level, notes = None, capped + ([] if capacities else path.capacity_notes(caps))
+    notes += path.policy_notes(next(iter(parts.values())).policy, caps)
     if idle_chunks is not None:
         notes.append(idle_chunks)
     if pf.predictor == "recorded" and pf.limit is not None and pf.limit == trace.meta.get("prefetch_limit"):
