@@ -215,6 +215,20 @@ def test_exact_paths_equal_the_reference_at_the_minimum_budget_with_prefetch(fam
     assert stats["requests"] == stats["hits"] + stats["misses"]
 
 
+def test_a_budget_below_batchs_least_names_the_least_that_runs(ckpt):
+    """Below the minimum, the refusal named the cache's least (top-k slots), which ``batch`` then refused
+    for its stream buffer's slot: it names the least that runs, which does."""
+    path = ckpt("mixtral")
+    slot = engine_fixtures._slot_bytes(path)
+    with pytest.raises(ExpertcacheError) as got:
+        engine_load(path, TOP_K, policy="tlfu", miss="batch", costs=COSTS)
+    least = TOP_K + 1
+    assert f"policy tlfu with miss path batch needs at least {least} " in str(got.value)
+    assert f"{least * slot}B" in str(got.value) and "its part(s) stream 1 more" in str(got.value)
+    with engine_load(path, least, policy="tlfu", miss="batch", costs=COSTS) as model:
+        assert model.capacities == {"full": TOP_K, "stream": 1}
+
+
 @pytest.mark.parametrize("family", PATH_FAMILIES)
 @pytest.mark.parametrize("miss", EXACT)
 def test_exact_paths_equal_the_reference_above_the_minimum_without_prefetch(family, miss, ckpt, reference):

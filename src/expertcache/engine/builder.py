@@ -725,11 +725,20 @@ class Builder:
             why = f"a layer's top-{self.top_k} experts must be resident together"
             if fixed_capacity(cache.name, cache.params) is not None:
                 why = f"its budgets sum to {need}"
+            # other parts of whole experts, one pool for every layer (batch's stream buffer), take their
+            # least room out of the same memory: the least that runs, said at once
+            others = [s for s in self.miss.parts()[1:] if s.kind == "full" and s.shared]
+            more = sum(s.min_room or self.top_k for s in others)
+            who = f"policy {cache.name}"
+            if more:
+                who += f" with miss path {self.miss.name}"
+                why += f", and its part(s) {', '.join(s.name for s in others)} {more} more"
+                need += more
             if cap < need and len(self.miss.host_layers()) < self.num_layers:
                 bytes_given = isinstance(expert_memory, int | float) and not isinstance(expert_memory, bool)
                 raise ExpertcacheError(
                     f"expert memory {expert_memory} holds {cap} expert(s) of {format_bytes(slot)}; "
-                    f"policy {cache.name} needs at least {need} ({format_bytes(need * slot)}, "
+                    f"{who} needs at least {need} ({format_bytes(need * slot)}, "
                     f"{need * slot}B): {why}"
                     + (" (a number is bytes; a share of all experts is a string, '25%')" * bytes_given)
                 )
