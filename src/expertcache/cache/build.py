@@ -42,7 +42,7 @@ def part_capacities(
     a part below what it needs is one clear error."""
     caps = miss.capacities(int(budget), slot_bytes)
     for spec in miss.parts():
-        need = top_k if spec.min_room is None else spec.min_room
+        need = spec.least_room(top_k)
         have = caps.get(spec.name, 0)
         have = min(have) if isinstance(have, list) else have
         size = slot_bytes[spec.name]
@@ -70,7 +70,7 @@ def build_parts(
             name, params = _per_layer(name, params, cap)
             cap = sum(cap)
         cap = max(1, cap)
-        need = ctx.top_k if spec.min_room is None else spec.min_room
+        need = spec.least_room(ctx.top_k)
         low = min_capacity(name, ctx.num_layers, params, min_room=need)
         why = capacity_reason(name, params, need)
         if cached and cap < low:

@@ -182,8 +182,9 @@ class ExpertCache:
             if work is not None:
                 return work
         self._current = keys
-        primary = self.parts[self.primary]
-        self._missed = {key for key in keys if key not in primary}  # before any is admitted
+        if len(self.parts) > 1:  # for ``part_reused`` (``admit``): the misses, before any is admitted
+            primary = self.parts[self.primary]
+            self._missed = {key for key in keys if key not in primary}
         routes = self._routes(layer, needs)
         self._account(layer, keys, routes, spec, predicted)
         work = LayerWork(self, layer, needs, routes)

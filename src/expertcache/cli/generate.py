@@ -725,9 +725,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = _sampling(args)
-    model = load_model(
-        args, record=bool(args.record_trace)
-    )  # a long chat keeps no routing it is not asked for
+    # a long chat keeps no routing it is not asked for
+    model = load_model(args, record=bool(args.record_trace))
     saved = False
     try:
         _chat_template(model, args)

@@ -728,7 +728,7 @@ class Builder:
             # other parts of whole experts, one pool for every layer (batch's stream buffer), take their
             # least room out of the same memory: the least that runs, said at once
             others = [s for s in self.miss.parts()[1:] if s.kind == "full" and s.shared]
-            more = sum(s.min_room or self.top_k for s in others)
+            more = sum(s.least_room(self.top_k) for s in others)
             who = f"policy {cache.name}"
             if more:
                 who += f" with miss path {self.miss.name}"

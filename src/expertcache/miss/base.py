@@ -71,6 +71,10 @@ class PartSpec:
     min_room: int | None = None  # slots each layer needs at least (None: top-k)
     shared: bool = False  # one pool for every layer, slots sized for the largest layer's key
 
+    def least_room(self, top_k: int) -> int:
+        """Slots each layer needs at least in this part: ``min_room``, or a token's top-k."""
+        return top_k if self.min_room is None else self.min_room
+
     def bounds(self, layer: int) -> tuple[float, float]:
         segment = self.segment or ((0.0, 1.0),)
         return segment[layer] if len(segment) > 1 else segment[0]
