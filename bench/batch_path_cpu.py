@@ -8,10 +8,12 @@ cache's decisions, the copies, the grouped calls). Each round runs every configu
 warm-up, in a fresh process; ``--baseline DIR`` (another checkout's root, e.g. a ``git worktree`` of an
 earlier commit) runs the same configurations from that checkout's ``src/`` in a process of its own right
 after each round's, so the two trees alternate under the same load. Every configuration's tokens are
-checked against 100 %'s (``exact``).
+checked against 100 %'s (``exact``). ``--texts held-out``: the prompts are the model's held-out texts,
+distinct as a server's clients' are (the default's numbered sentences route much alike: few misses).
 
     OMP_NUM_THREADS=1 PYTHONPATH=bench .venv/bin/python bench/batch_path_cpu.py [--prompts 4 16] \\
-        [--rounds 5] [--baseline DIR] [--link 1GB/s+20us] [--cost PROFILE.json] [--out FILE.json]
+        [--rounds 5] [--baseline DIR] [--link 1GB/s+20us] [--cost PROFILE.json] [--texts held-out] \\
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ from provenance import ROOT, at_least, fail, provenance, results_out, write_json
 SPECS = ("100%:lru:fetch", "75%:lru:fetch", "75%:tlfu:batch", "25%:lru:fetch", "25%:tlfu:batch")
 
 
-def worker(prompts: int, tokens: int, specs: list[str], link: str, cost: str) -> dict[str, object]:
+def worker(
+    prompts: int, tokens: int, specs: list[str], link: str, cost: str, texts: str
+) -> dict[str, object]:
     """One round in this process: each configuration's seconds a step, tokens, hits and misses."""
     import torch
 
     import expertcache as ec
+    from expertcache.tools.quality import heldout_texts
 
     if not Path(ec.__file__).resolve().is_relative_to(Path.cwd().resolve()):
         raise SystemExit(f"expertcache imported from {ec.__file__}, not from this checkout ({Path.cwd()})")
     torch.set_num_threads(1)
-    texts = [f"The story number {i} begins with a quiet morning and" for i in range(prompts)]
+    if texts == "held-out":  # the first 60 characters of the held-out texts, as serve_load.py's clients send
+        texts = [t[:60] for t in heldout_texts(prompts)]
+    else:
+        texts = [f"The story number {i} begins with a quiet morning and" for i in range(prompts)]
     out = {}
     for spec in specs:
         budget, policy, miss = spec.split(":")
@@ -66,10 +74,11 @@ def worker(prompts: int, tokens: int, specs: list[str], link: str, cost: str) ->
 
 
 def run_round(
-    tree: Path, prompts: int, tokens: int, specs: list[str], link: str, cost: str
+    tree: Path, prompts: int, tokens: int, specs: list[str], link: str, cost: str, texts: str
 ) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(ROOT / "bench")])}
     cmd = [sys.executable, __file__, "--worker", str(prompts), str(tokens), ",".join(specs), link, cost]
+    cmd.append(texts)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -78,7 +87,7 @@ def run_round(
 
 
 def main() -> int:
-    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
         print(json.dumps(worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), *sys.argv[5:])))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,6 +100,14 @@ def main() -> int:
     )
     p.add_argument(
         "--cost", type=Path, help="a profile (expertcache profile) for the paths that decide by costs"
+    )
+    p.add_argument(
+        "--texts",
+        choices=("story", "held-out"),
+        default="story",
+        help="the prompts: one sentence numbered "
+        "per prompt (default; their routing much alike), or the model's held-out texts (distinct, as "
+        "serve_load.py's clients send them)",
     )
     p.add_argument("--baseline", type=Path, help="another checkout's root, run alternately with this one")
     p.add_argument("--out", help="results file (default: bench/results/batch_path_cpu.json, documented run)")
@@ -121,7 +138,7 @@ def main() -> int:
         runs = {name: [] for name in trees}
         for r in range(args.rounds):
             for name, tree in trees.items():
-                runs[name].append(run_round(tree, n, args.tokens, specs, args.link, cost))
+                runs[name].append(run_round(tree, n, args.tokens, specs, args.link, cost, args.texts))
                 print(f"{n} prompts, round {r + 1}, {name}: done", file=sys.stderr, flush=True)
         for name, got in runs.items():
             base = specs[0]
@@ -146,7 +163,8 @@ def main() -> int:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.baseline, capture_output=True, text=True)
         baseline = head.stdout.strip() or None
     result = {"provenance": provenance(), "baseline_commit": baseline, "tokens": args.tokens,
-              "rounds": args.rounds, "link": args.link or None, "rows": rows}  # fmt: skip
+              "rounds": args.rounds, "link": args.link or None, "texts": args.texts,
+              "rows": rows}  # fmt: skip
     write_json(Path(args.out), result)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

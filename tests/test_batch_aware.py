@@ -134,6 +134,58 @@ def test_victim_is_the_least_aged_token_frequency(uses, half_life):
             p.on_insert(key)
 
 
+def _admits_by_scan(p, incoming, pinned) -> list[bool]:
+    """TinyLFU's test as ``admits`` documents it, with the victims found by sorting every resident key."""
+    victims = iter(sorted(e for e in p._entry.values() if e[2] not in pinned))
+    free, out = p.capacity - len(p._entry), [False] * len(incoming)
+    for i in sorted(range(len(incoming)), key=lambda i: -p.score(incoming[i])):
+        if free > 0:
+            free, out[i] = free - 1, True
+            continue
+        victim = next(victims, None)
+        if victim is None or p.score(incoming[i]) <= victim[0] + math.log1p(p.margin):
+            break
+        out[i] = True
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(0, 11), st.integers(1, 30)), min_size=1, max_size=5),
+            st.sets(st.integers(0, 11), max_size=4),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    capacity=st.integers(1, 6),
+    margin=st.sampled_from([0.0, 1.0]),
+)
+def test_admission_finds_the_victims_the_way_a_scan_of_every_key_does(steps, capacity, margin):
+    """``admits`` takes the victims from the policy's heap (popping stale entries, putting live ones back)
+    rather than scanning every resident key: the same answers as a scan, and the policy's own victims
+    afterwards unchanged, whatever was pinned."""
+    p = tlfu(capacity, half_life=16.0, margin=margin)
+    for t, (used, pinned_experts) in enumerate(steps):
+        counts = {(0, e): n for e, n in used}
+        use(p, t, counts)
+        keys, pinned = list(counts), {(0, e) for e in pinned_experts}
+        missing = [k for k in keys if k not in p]
+        assert p.admits(missing, pinned) == _admits_by_scan(p, missing, pinned)
+        for key in keys:
+            if key in p:
+                p.on_hit(key)
+                continue
+            if len(p) >= capacity:
+                expect = min((e for e in p._entry.values() if e[2] not in pinned), default=None)
+                if expect is None:  # every resident key pinned: nothing may go
+                    continue
+                assert p.victim(key, pinned) == expect[2]
+                p.on_evict(expect[2])
+            p.on_insert(key)
+
+
 # ------------------------------------------------------------------------------------------------
 # batch alone
 # ------------------------------------------------------------------------------------------------

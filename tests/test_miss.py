@@ -277,6 +277,42 @@ def test_experts_streamed_past_the_cache_run_in_the_grouped_kernel_exactly(famil
     assert {id(p) for p in pools} <= {id(engine._joint), id(cache)} and engine._joint in pools
 
 
+@pytest.mark.skipif(ON_GPU, reason="a CPU engine's layer (host and device one processor)")
+@pytest.mark.parametrize(
+    "miss,link", [("batch:fill=0", None), ("batch", "20MB/s")], ids=["landed", "filling"]
+)
+@pytest.mark.parametrize("family", [f for f in PATH_FAMILIES if f not in NORMALISED])
+def test_a_layers_cached_experts_in_one_call_beside_its_host_experts(family, miss, link, ckpt, reference):
+    """``batch`` under a policy that admits nothing new and a host that always pays: a step of several
+    tokens computes its cached experts in one grouped call over the layer's pairs, the host experts' pairs
+    left out of it, then each host expert on its own pairs (``Engine._ready_and_host``); where an expert
+    the layer computes is still moving into the cache (``fill``, over a slow link), the general way. One
+    sequence and a batch of two, the output the reference's bit for bit."""
+    path = ckpt(family)
+    free_host = CostModel(**{**COSTS.__dict__, "host_expert_s": 0.0, "host_expert_token_s": 0.0})
+    n = min(len(engine_fixtures.PROMPT), len(engine_fixtures.PROMPT_B))
+    both = torch.tensor([engine_fixtures.PROMPT[:n], engine_fixtures.PROMPT_B[:n]])
+    with engine_load(path, TOP_K + 2, policy="tlfu:margin=1000", miss=miss, costs=free_host,
+                     kernel="grouped", link_bandwidth=link) as model:  # fmt: skip
+        engine, taken = model.engine, []
+        ready_and_host = engine._ready_and_host
+
+        def spy(*args):
+            rows = ready_and_host(*args)
+            taken.append(rows is not None)
+            return rows
+
+        engine._ready_and_host = spy
+        got = greedy(model, IDS)
+        got_both = greedy(model, both)
+        stats = model.stats
+    assert_exact(got, reference(path, IDS))
+    assert_exact(got_both, reference(path, both))
+    assert stats["host_computed"] > 0 and any(taken)
+    if link is None:
+        assert all(taken)  # nothing moving: every such layer this way
+
+
 def test_costs_are_measured_at_load_when_not_given(ckpt, reference):
     path = ckpt("mixtral")
     with engine_load(path, TOP_K, miss="hybrid") as model:

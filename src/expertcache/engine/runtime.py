@@ -408,6 +408,11 @@ class Engine:
                     self.driver.end_layer(layer)
                     return combine(rows, T, K, hidden.dtype)
                 batches = itertools.chain([first], batches)
+            elif self._on_cpu and T > 1 and work.host and not work.skipped and len(work.chunks) <= 1:
+                rows = self._ready_and_host(module, layer, hidden, top_k_index, top_k_weights, index, work)
+                if rows is not None:
+                    return combine(rows, T, K, hidden.dtype)
+                batches = work.batches()  # nothing taken from the work: the general way below
         flat_index = index.reshape(-1)
         rows: torch.Tensor | None = None
         device = hidden.device
@@ -495,6 +500,53 @@ class Engine:
         if rows is None:  # nothing computed: every expert skipped
             return torch.zeros_like(hidden)
         return combine(rows, T, K, hidden.dtype)
+
+    def _ready_and_host(self, module, layer, hidden, top_k_index, top_k_weights, index, work):
+        """A CPU's layer of several tokens whose device experts (whole, in the stacked or the joint pool)
+        have all landed, the rest computed on the host (a batch's misses at most budgets under ``batch``,
+        ``host``, ``hybrid``): the device experts in one grouped call over the layer's pairs, the host's
+        pairs last in its order and left out of its groups (``grouped_rows``' sentinel slot), then each
+        host expert's weighted output in its rows. The same rows, bit for bit, as the general way's (one
+        group of the device experts' pairs alone, in the same order; each host expert alone on its pairs
+        in transformers' order) with a tenth of its calls around them. None, having waited for nothing,
+        where it does not apply (an expert not whole in those pools, or still moving)."""
+        units = work.chunks[0] if work.chunks else []
+        stacked, joint, offsets = self.stacked, self._joint, self._offsets
+        if joint is not None and all(ps[0] in offsets and len(ps) == 1 for _, ps in units):
+            pool, slots = joint, self._joint_slots(layer, [(key, ps[0]) for key, ps in units])
+        elif self._only_full or all(ps == (FULL,) for _, ps in units):
+            pool = stacked
+            slots = np.full(self.table.host.shape[1], stacked.num_slots, dtype=np.int64)
+            experts = [key[1] for key, _ in units]
+            slots[experts] = self.table.host[layer, experts]
+        else:
+            return None
+        on_host = [need.key for need in work.host]
+        if (slots[[key[1] for key in on_host]] < pool.num_slots).any():  # an expert in both: not this way
+            return None
+        inflight = self.driver.cache.inflight  # a device expert still moving (or landed, not yet waited
+        if inflight and any((part, key) in inflight for key, parts in units for part in parts):  # for)
+            return None
+        # nothing of the layer's to wait for, its one chunk admitted when the work started
+        K = index.shape[1]
+        flat_index = index.reshape(-1)
+        ref = reference_order(top_k_index).numpy()  # transformers' order of the layer's pairs
+        pair_slots = slots[flat_index]
+        here = pair_slots[ref] < pool.num_slots
+        order = torch.from_numpy(np.concatenate([ref[here], ref[~here]]))
+        ids_in_order = flat_index[ref]
+        host = []
+        for key in on_host:  # each host expert's pairs in that order, and its tokens in it
+            flat = ref[ids_in_order == key[1]]
+            host.append((flat, self.host.submit(module, key, hidden[torch.from_numpy(flat // K)])))
+        rows = self._rows(module, pool, hidden, torch.from_numpy(pair_slots).view(index.shape),
+                          top_k_weights, order)  # fmt: skip
+        self.driver.end_layer(layer)
+        weights = top_k_weights.reshape(-1)
+        for flat, handle in host:
+            at = torch.from_numpy(flat)
+            rows[at] = (self.host.result(handle) * weights[at, None]).to(rows.dtype)
+        return rows
 
     def _joint_slots(self, layer: int, units) -> np.ndarray:
         """Each expert's slot in the joint pool [E] for the units (whole experts of the joint pools), the

@@ -67,17 +67,28 @@ class TLFU(ScoredPolicy):
         free = self.capacity - len(self._entry)
         ranks = self._rank
         order = sorted(range(len(incoming)), key=lambda i: -ranks.get(incoming[i], -math.inf))
-        # the victims in eviction order, as many as there are candidates at most
-        live = (e for e in self._entry.values() if e[2] not in pinned)
-        victims = iter(heapq.nsmallest(len(incoming), live))
         out = [False] * len(incoming)
-        for i in order:
-            if free > 0:
-                free -= 1
+        heap, entry, taken = self._heap, self._entry, []
+        try:
+            for i in order:
+                if free > 0:
+                    free -= 1
+                    out[i] = True
+                    continue
+                # the next victim in eviction order: the heap's next live, unpinned entry (popped, stale
+                # ones dropped as ``victim`` drops them, live ones put back below), not a scan of all
+                victim = None
+                while heap:
+                    top = heapq.heappop(heap)
+                    if entry.get(top[2]) is top:
+                        taken.append(top)
+                        if top[2] not in pinned:
+                            victim = top
+                            break
+                if victim is None or ranks.get(incoming[i], -math.inf) <= victim[0] + self._gap:
+                    break  # the rest rank lower still
                 out[i] = True
-                continue
-            victim = next(victims, None)
-            if victim is None or ranks.get(incoming[i], -math.inf) <= victim[0] + self._gap:
-                break  # the rest rank lower still
-            out[i] = True
+        finally:
+            for e in taken:
+                heapq.heappush(heap, e)
         return out
