@@ -521,9 +521,6 @@ class Engine:
             slots[experts] = self.table.host[layer, experts]
         else:
             return None
-        on_host = [need.key for need in work.host]
-        if (slots[[key[1] for key in on_host]] < pool.num_slots).any():  # an expert in both: not this way
-            return None
         inflight = self.driver.cache.inflight  # a device expert still moving (or landed, not yet waited
         if inflight and any((part, key) in inflight for key, parts in units for part in parts):  # for)
             return None
@@ -536,11 +533,16 @@ class Engine:
         order = torch.from_numpy(np.concatenate([ref[here], ref[~here]]))
         ids_in_order = flat_index[ref]
         host = []
-        for key in on_host:  # each host expert's pairs in that order, and its tokens in it
+        for need in work.host:  # each host expert's pairs in that order, and its tokens in it (a route
+            key = need.key  # sends an expert to the host or to the device, never both: ``LayerWork``)
             flat = ref[ids_in_order == key[1]]
             host.append((flat, self.host.submit(module, key, hidden[torch.from_numpy(flat // K)])))
-        rows = self._rows(module, pool, hidden, torch.from_numpy(pair_slots).view(index.shape),
-                          top_k_weights, order)  # fmt: skip
+        if units:
+            rows = self._rows(module, pool, hidden, torch.from_numpy(pair_slots).view(index.shape),
+                              top_k_weights, order)  # fmt: skip
+        else:  # every expert the host's: no device call, each pair's row the host's (as the general way)
+            kind = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+            rows = torch.zeros(flat_index.size, hidden.shape[-1], dtype=kind, device=hidden.device)
         self.driver.end_layer(layer)
         weights = top_k_weights.reshape(-1)
         for flat, handle in host:
