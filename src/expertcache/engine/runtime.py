@@ -372,7 +372,8 @@ class Engine:
     def _grouped(self, module, layer, hidden, top_k_index, top_k_weights, index, work) -> torch.Tensor:
         """The layer with the grouped kernel: each batch of ready whole experts in one grouped computation
         (over the joint pool where a stream buffer's slots follow the cache's, else one per pool), every
-        other unit (host, low precision, a split expert's segments) alone;
+        other unit (host, low precision, a split expert's segments) alone (on a CPU, a layer of several
+        tokens whose device experts are ready and whose others are the host's: ``_ready_and_host``);
         each (token, expert) pair's weighted output in its row, the rows summed per token."""
         T, K = index.shape
         batches = work.batches()
@@ -508,7 +509,7 @@ class Engine:
         pairs last in its order and left out of its groups (``grouped_rows``' sentinel slot), then each
         host expert's weighted output in its rows. The same rows, bit for bit, as the general way's (one
         group of the device experts' pairs alone, in the same order; each host expert alone on its pairs
-        in transformers' order) with a tenth of its calls around them. None, having waited for nothing,
+        in transformers' order) with far fewer calls around them. None, having waited for nothing,
         where it does not apply (an expert not whole in those pools, or still moving)."""
         units = work.chunks[0] if work.chunks else []
         stacked, joint, offsets = self.stacked, self._joint, self._offsets
