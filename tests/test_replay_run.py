@@ -762,3 +762,19 @@ def test_a_deterministic_plan_runs_to_its_predicted_counts(tmp_path, capsys):
     rows = {c["window"]: c for c in tied.candidates}
     assert len({(f"{c['tpot_s']:.9g}", c["misses"]) for c in rows.values()}) == 1  # settled, all alike
     assert tied.window == 1
+
+
+def test_a_replay_under_the_runs_miss_path_with_other_parameters_says_so(tmp_path, capsys):
+    """A run under ``batch:fill=0`` replayed under ``batch`` (fill=1, a parameter's default) was said to
+    be the run's: only the name was compared. Every parameter is now, a default counting as given, and
+    one left to the path's own rule (``buffer``) taken as the run's."""
+    _, path = _run(tmp_path, "batch", new_tokens=8, memory="50%", policy="tlfu", miss="batch:fill=0",
+                   prefetch="none")  # fmt: skip
+    ran = ec.load_trace(path).meta["miss"]
+    assert ran.startswith("batch:buffer=") and ran.endswith(",fill=0")
+    for spec, said in (("batch", True), ("batch:fill=1", True), ("batch:fill=0", False), (ran, False),
+                       ("batch:fill=0,buffer=1", True), ("batch:fill=0,split=makespan", True)):  # fmt: skip
+        argv = ["timing", "--trace", str(path), "--policy", "tlfu", "--miss", spec, "--json"]
+        assert main(argv) == 0, spec
+        err = capsys.readouterr().err
+        assert (f"it served its misses by miss path {ran} (--miss {ran})" in err) == said, spec

@@ -43,7 +43,7 @@ from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConf
 from expertcache.costs import AUTO, CostModel, as_cost, check_dense_layers, quantized_bytes
 from expertcache.errors import ExpertcacheError, did_you_mean, option, warn_notes
 from expertcache.miss.base import FULL, MissContext, MissPath, PartSpec
-from expertcache.miss.registry import miss_class
+from expertcache.miss.registry import miss_class, parse_miss
 from expertcache.policy.base import Clock, PolicyContext
 from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
@@ -367,7 +367,7 @@ def replay_differences(
         return []
     out = []
     ran = meta.get("miss")
-    if miss is not None and ran is not None and str(ran).partition(":")[0] != miss.name:
+    if miss is not None and ran is not None and _other_miss(str(ran), miss):
         out.append(
             f"it served its misses by miss path {ran} (" + option(f"--miss {ran}", f"miss={ran!r}") + ")"
         )
@@ -397,6 +397,29 @@ def replay_differences(
     if meta.get("deterministic") is False and pf.predictor == "recorded" and not pf.deterministic:
         said.append(unsettled(meta))
     return said
+
+
+def _other_miss(ran: str, miss: MissConfig) -> bool:
+    """Whether ``miss`` is another miss path than the run's ``ran`` (its spec as the engine recorded it):
+    another name, or a parameter that differs, a parameter left out counting as its default. One that
+    either side leaves to the path's own rule (a default of None, as ``batch``'s buffer) is not compared:
+    the recorded spec names what the rule laid out."""
+    try:
+        name, params = parse_miss(ran)
+    except ExpertcacheError:  # a spec of a version that named it otherwise: its name alone
+        return ran.partition(":")[0] != miss.name
+    if name != miss.name:
+        return True
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(miss_class(name)).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    for key in set(params) | set(miss.params):
+        theirs, mine = params.get(key, defaults.get(key)), miss.params.get(key, defaults.get(key))
+        if theirs is not None and mine is not None and theirs != mine:
+            return True
+    return False
 
 
 def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tuple[int, dict[str, object]]:
