@@ -778,3 +778,31 @@ def test_a_replay_under_the_runs_miss_path_with_other_parameters_says_so(tmp_pat
         assert main(argv) == 0, spec
         err = capsys.readouterr().err
         assert (f"it served its misses by miss path {ran} (--miss {ran})" in err) == said, spec
+
+
+def test_a_replay_names_the_runs_miss_path_as_it_ran_and_refuses_a_bad_value_in_one_line(tmp_path, capsys):
+    """From a new user's trial: ``placement:first=2`` ran as ``placement:layers=0/1``, and replays under
+    ``first=3`` or the cost-based default were called the run's; a run with no layer on the host recorded
+    ``placement:layers=``, which no replay could take; ``batch`` leaving its buffer to the rule at a memory
+    that granted fewer slots replayed at the expert memory, not the run's cache; and a refused value
+    (``batch:fill=2``) came after the replay's notes."""
+    _, placed = _run(tmp_path, "placed", new_tokens=6, miss="placement:first=2", prefetch="none")
+    _, none = _run(tmp_path, "none", new_tokens=6, miss="placement:first=0", prefetch="none")
+    _, batch = _run(tmp_path, "batch", new_tokens=6, memory="12%", policy="tlfu", miss="batch:buffer=8",
+                    prefetch="none")  # fmt: skip
+    assert ec.load_trace(placed).meta["miss"] == "placement:layers=0/1"
+    assert ec.load_trace(none).meta["miss"] == "placement:first=0"
+    ran = ec.load_trace(batch).meta["miss"]
+    assert ran.startswith("batch:buffer=") and ran != "batch:buffer=8"  # the slots the memory granted
+    for path, spec, other in ((placed, "placement:first=3", True), (placed, "placement", True),
+                              (placed, "placement:first=2", False), (placed, "placement:layers=0/1", False),
+                              (none, "placement", True), (none, "placement:first=0", False),
+                              (batch, "batch", False), (batch, ran, False)):  # fmt: skip
+        policy = ["--policy", "tlfu"] if path == batch else []
+        assert main(["timing", "--trace", str(path), "--miss", spec, *policy, "--json"]) == 0, spec
+        err = capsys.readouterr().err
+        assert ("it served its misses by miss path" in err) == other, spec
+        assert ("at the recorded run's own cache" in err) == (not other), spec
+    assert main(["timing", "--trace", str(batch), "--policy", "tlfu", "--miss", "batch:fill=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fill is 0 or 1" in err

@@ -1036,6 +1036,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     own = recorded_costs(trace) if planned is None and not args.cost else None
     base = own if own is not None else CostModel.from_dict(planned) if planned else None
     cost = _cost_from_args(args, prefetch, base, trace)
+    _check_miss(miss, trace, cost)  # its values refused in one line, before any note of the replay
     if own is not None:
         flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
         over = f", {' '.join(flags)} given over them" if flags else ""
@@ -1061,7 +1062,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             capacity = args.expert_memory or args.default_expert_memory
     if plan is None:
         seeded = replace(cache, seed=args.seed or 0)  # the seed the replay draws with (set below)
-        for note in replay_differences(trace, seeded, prefetch, miss=miss):
+        for note in replay_differences(trace, seeded, prefetch, miss=miss, cost=cost):
             print(f"note: {note}", file=sys.stderr)
     predictor_data = args.predictor
     if predictor_data is None and plan is not None and plan.predictor_trace() is not None:
@@ -1149,6 +1150,16 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             print(f"plan       {args.plan}: {plan.describe()}; costs: {whose}")
         print(format_timing(result))
     return 0
+
+
+def _check_miss(miss, trace: Trace, cost) -> None:
+    """The miss path built on the trace's shape with the replay's costs: a value it refuses
+    (``batch:fill=2``) raises here, before the notes of the replay."""
+    from expertcache.miss.base import MissContext
+    from expertcache.miss.registry import miss_class
+
+    ctx = MissContext(trace.num_layers, trace.num_experts, trace.top_k, costs=cost)
+    miss_class(miss.name)(ctx, **miss.params)
 
 
 def _run_capacity(trace: Trace, miss, cost) -> int | str | None:

@@ -125,6 +125,10 @@ class MissPath:
     name: ClassVar[str] = "fetch"
     lossy: ClassVar[bool] = False
     needs_costs: ClassVar[bool] = False  # decides by the CostModel (the engine calibrates one)
+    # parameters the path lays out by its own rule from the memory where not given (a stream buffer's
+    # slots): ``describe`` names what was laid out, and a replay of a recorded run that leaves one out
+    # takes the run's
+    laid_out: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: MissContext) -> None:
         self.ctx = ctx

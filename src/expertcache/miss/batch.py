@@ -49,6 +49,7 @@ SPLITS = ("each", "makespan")
 
 class Batch(MissPath):
     name = "batch"
+    laid_out = ("buffer",)
     needs_costs = True
 
     def __init__(

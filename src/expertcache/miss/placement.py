@@ -70,8 +70,6 @@ class Placement(MissPath):
     def describe(self) -> str:
         if len(self._host) == self.ctx.num_layers:
             return "placement:layers=all"
-        return (
-            "placement:layers=" + "/".join(map(str, sorted(self._host)))
-            if self._host
-            else "placement:layers="
-        )
+        if not self._host:  # none on the host: a spec that parses and replays it (``layers=`` did not)
+            return "placement:first=0"
+        return "placement:layers=" + "/".join(map(str, sorted(self._host)))

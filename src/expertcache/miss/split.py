@@ -38,6 +38,7 @@ SPLIT = Route(DEVICE, (TOP, BOTTOM))
 
 class Split(MissPath):
     name = "split"
+    laid_out = ("buffer",)
 
     def __init__(
         self, ctx: MissContext, *, theta: object = 0.5, buffer: int | None = None, weights: object = None

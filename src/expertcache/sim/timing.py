@@ -356,7 +356,11 @@ def recorded_costs(trace: Trace) -> CostModel | None:
 
 
 def replay_differences(
-    trace: Trace, cache: CacheConfig, pf: PrefetchConfig, miss: MissConfig | None = None
+    trace: Trace,
+    cache: CacheConfig,
+    pf: PrefetchConfig,
+    miss: MissConfig | None = None,
+    cost: CostModel | None = None,
 ) -> list[str]:
     """What a replay of an engine's recorded run (``trace``) leaves out of the run, each with what
     replays it: its miss path (where ``miss`` is given), its policy, its static profile, its prefetching,
@@ -367,7 +371,8 @@ def replay_differences(
         return []
     out = []
     ran = meta.get("miss")
-    if miss is not None and ran is not None and _other_miss(str(ran), miss):
+    ctx = None if cost is None else MissContext(trace.num_layers, trace.num_experts, trace.top_k, costs=cost)
+    if miss is not None and ran is not None and _other_miss(str(ran), miss, ctx):
         out.append(
             f"it served its misses by miss path {ran} (" + option(f"--miss {ran}", f"miss={ran!r}") + ")"
         )
@@ -399,23 +404,30 @@ def replay_differences(
     return said
 
 
-def _other_miss(ran: str, miss: MissConfig) -> bool:
-    """Whether ``miss`` is another miss path than the run's ``ran`` (its spec as the engine recorded it):
-    another name, or a parameter that differs, a parameter left out counting as its default. One that
-    either side leaves to the path's own rule (a default of None, as ``batch``'s buffer) is not compared:
-    the recorded spec names what the rule laid out."""
+def _other_miss(ran: str, miss: MissConfig, ctx: MissContext | None = None) -> bool:
+    """Whether ``miss`` is another miss path than the run's ``ran`` (its spec as the engine recorded it,
+    ``describe``'s): with ``ctx`` (the trace's shape and the replay's costs), the replay's path built and
+    described as the engine describes its own (``placement:first=2`` is ``placement:layers=0/1``), else its
+    parameters, one left out counting as its default. A parameter the path lays out by its own rule
+    (``laid_out``: a stream buffer's slots) and the replay leaves out is the run's, not compared."""
     try:
         name, params = parse_miss(ran)
     except ExpertcacheError:  # a spec of a version that named it otherwise: its name alone
         return ran.partition(":")[0] != miss.name
     if name != miss.name:
         return True
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(miss_class(name)).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    for key in set(params) | set(miss.params):
+    cls = miss_class(name)
+    rule = {k for k in cls.laid_out if k not in miss.params}
+    if ctx is not None:
+        try:
+            _, mine = parse_miss(cls(ctx, **miss.params).describe())
+        except ExpertcacheError:  # its values refused (said where it is built): by its parameters below
+            pass
+        else:
+            return any(params.get(k) != mine.get(k) for k in (set(params) | set(mine)) - rule)
+    empty = inspect.Parameter.empty
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not empty}
+    for key in (set(params) | set(miss.params)) - rule:
         theirs, mine = params.get(key, defaults.get(key)), miss.params.get(key, defaults.get(key))
         if theirs is not None and mine is not None and theirs != mine:
             return True
@@ -437,8 +449,9 @@ def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tupl
             + ")"
         ) from None
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    path = miss_class(miss.name)(MissContext(L, E, K, costs=cost), **miss.params)
-    if path.describe() != meta.get("miss", "fetch"):
+    ctx = MissContext(L, E, K, costs=cost)
+    path = miss_class(miss.name)(ctx, **miss.params)
+    if _other_miss(str(meta.get("miss", "fetch")), miss, ctx):
         memory = meta.get("memory")
         raise ExpertcacheError(
             f"capacity {RECORDED!r}: the run served its misses by miss path {meta.get('miss')}, not "
@@ -697,7 +710,7 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     # and what of a recorded run this replay leaves out, as `timing` notes it (its own seed, prefetching)
     cache, pf = as_config(given.get("cache"), CacheConfig), as_config(given.get("prefetch"), PrefetchConfig)
     miss = as_config(given.get("miss"), MissConfig)
-    warn_notes(replay_differences(trace, cache, pf, miss))
+    warn_notes(replay_differences(trace, cache, pf, miss, result.cost))
     level = host_level_replay(trace.meta, trace.top_k, pf.predictor != "none")
     if level is not None and given.get("host") is None and given.get("host_capacity") is None:
         warn_notes([
