@@ -516,7 +516,7 @@ class Engine:
         if joint is not None and all(ps[0] in offsets and len(ps) == 1 for _, ps in units):
             pool, slots = joint, self._joint_slots(layer, [(key, ps[0]) for key, ps in units])
         elif self._only_full or all(ps == (FULL,) for _, ps in units):
-            pool = stacked
+            pool = stacked  # the units' slots alone: a host expert being filled has a slot, its bytes moving
             slots = np.full(self.table.host.shape[1], stacked.num_slots, dtype=np.int64)
             experts = [key[1] for key, _ in units]
             slots[experts] = self.table.host[layer, experts]

@@ -359,20 +359,21 @@ def replay_differences(
     trace: Trace,
     cache: CacheConfig,
     pf: PrefetchConfig,
-    miss: MissConfig | None = None,
-    cost: CostModel | None = None,
+    miss: MissConfig,
+    cost: CostModel,
 ) -> list[str]:
     """What a replay of an engine's recorded run (``trace``) leaves out of the run, each with what
-    replays it: its miss path (where ``miss`` is given), its policy, its static profile, its prefetching,
-    and a deterministic run's instant transfers (its counts are an instant link's; a slower one's timing
-    may cancel prefetches it did not). Empty for a trace no engine recorded."""
+    replays it: its miss path (``miss``, built with the replay's ``cost``), its policy, its static
+    profile, its prefetching, and a deterministic run's instant transfers (its counts are an instant
+    link's; a slower one's timing may cancel prefetches it did not). Empty for a trace no engine
+    recorded."""
     meta = trace.meta
     if "capacities" not in meta:
         return []
     out = []
     ran = meta.get("miss")
-    ctx = None if cost is None else MissContext(trace.num_layers, trace.num_experts, trace.top_k, costs=cost)
-    if miss is not None and ran is not None and _other_miss(str(ran), miss, ctx):
+    ctx = MissContext(trace.num_layers, trace.num_experts, trace.top_k, costs=cost)
+    if ran is not None and _other_miss(str(ran), miss, miss_class(miss.name)(ctx, **miss.params)):
         out.append(
             f"it served its misses by miss path {ran} (" + option(f"--miss {ran}", f"miss={ran!r}") + ")"
         )
@@ -404,34 +405,21 @@ def replay_differences(
     return said
 
 
-def _other_miss(ran: str, miss: MissConfig, ctx: MissContext | None = None) -> bool:
-    """Whether ``miss`` is another miss path than the run's ``ran`` (its spec as the engine recorded it,
-    ``describe``'s): with ``ctx`` (the trace's shape and the replay's costs), the replay's path built and
-    described as the engine describes its own (``placement:first=2`` is ``placement:layers=0/1``), else its
-    parameters, one left out counting as its default. A parameter the path lays out by its own rule
-    (``laid_out``: a stream buffer's slots) and the replay leaves out is the run's, not compared."""
+def _other_miss(ran: str, miss: MissConfig, path: MissPath) -> bool:
+    """Whether the replay's miss path (``miss``, built as ``path`` on the trace's shape with the replay's
+    costs) is another than the run's ``ran`` (its spec as the engine recorded it): the two compared as the
+    engine describes a path (``placement:first=2`` is ``placement:layers=0/1``; a parameter left out is its
+    default). A parameter the path lays out by its own rule (``laid_out``: a stream buffer's slots) and
+    the replay leaves out is the run's, not compared."""
     try:
         name, params = parse_miss(ran)
     except ExpertcacheError:  # a spec of a version that named it otherwise: its name alone
         return ran.partition(":")[0] != miss.name
     if name != miss.name:
         return True
-    cls = miss_class(name)
-    rule = {k for k in cls.laid_out if k not in miss.params}
-    if ctx is not None:
-        try:
-            _, mine = parse_miss(cls(ctx, **miss.params).describe())
-        except ExpertcacheError:  # its values refused (said where it is built): by its parameters below
-            pass
-        else:
-            return any(params.get(k) != mine.get(k) for k in (set(params) | set(mine)) - rule)
-    empty = inspect.Parameter.empty
-    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not empty}
-    for key in (set(params) | set(miss.params)) - rule:
-        theirs, mine = params.get(key, defaults.get(key)), miss.params.get(key, defaults.get(key))
-        if theirs is not None and mine is not None and theirs != mine:
-            return True
-    return False
+    _, mine = parse_miss(path.describe())
+    rule = {k for k in path.laid_out if k not in miss.params}
+    return any(params.get(k) != mine.get(k) for k in (set(params) | set(mine)) - rule)
 
 
 def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tuple[int, dict[str, object]]:
@@ -449,9 +437,8 @@ def recorded_capacities(trace: Trace, miss: MissConfig, cost: CostModel) -> tupl
             + ")"
         ) from None
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    ctx = MissContext(L, E, K, costs=cost)
-    path = miss_class(miss.name)(ctx, **miss.params)
-    if _other_miss(str(meta.get("miss", "fetch")), miss, ctx):
+    path = miss_class(miss.name)(MissContext(L, E, K, costs=cost), **miss.params)
+    if _other_miss(str(meta.get("miss", "fetch")), miss, path):
         memory = meta.get("memory")
         raise ExpertcacheError(
             f"capacity {RECORDED!r}: the run served its misses by miss path {meta.get('miss')}, not "
