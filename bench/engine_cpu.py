@@ -9,7 +9,8 @@ Mixtral-family checkpoint built once into ``--cache-dir`` (a random router degen
 experts, so its routing is replayed from a synthetic sticky-Zipf trace through
 ``expertcache.engine.routing``, identically for every run). For each:
 
-- ``reference``: ``load_reference`` (transformers, experts_implementation="eager", all resident);
+- ``reference``: ``load_reference`` (transformers, all resident, the experts implementation the engine's
+  default kernel is exact against: grouped_mm on a CPU);
 - ``engine``: ``expertcache.engine.load`` at 100% and at each budget x policy, slow tier = the
   memory-mapped checkpoint (``slow_tier="mapped"``, the ``disk`` tier before it dropped pages; on a
   warm page cache each miss is a memcpy);

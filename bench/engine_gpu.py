@@ -11,8 +11,8 @@ tokens that request's decode length (capped by ``--new-tokens``).
 Measured (``--device cuda``, slow tier = pinned host memory):
 
 - host-to-device bandwidth: pinned, 1 GiB copies (and expert-sized copies, one at a time);
-- all-resident TPOT: ``load_reference`` (transformers eager, every weight on the GPU) and the engine
-  at 100%, both with the replayed routing (their tokens are compared);
+- all-resident TPOT: ``load_reference`` (transformers' grouped_mm by default, every weight on the GPU)
+  and the engine at 100%, both with the replayed routing (their tokens are compared);
 - the engine at each budget x policy: a warm-up (``--warmup-tokens`` new tokens of request
   ``--warm-seq``), then request ``--seq`` measured: TTFT, TPOT, tokens/s, decode misses, stall;
 - the limit per decode token at each budget: ``max(all-resident TPOT, OPT decode misses / decode

@@ -27,7 +27,7 @@ Engines (``--only SUBSTR ...`` keeps those whose name contains one of the string
   emits it), so every run still decodes ``--new-tokens`` tokens.
 - ``transformers <impl>``: ``experts_implementation`` ``eager``, ``batched_mm``, ``grouped_mm`` and
   ``default`` (what ``from_pretrained`` picks with no argument; its resolved name is recorded). By
-  default one model is loaded (``engine.loader.load_reference``: eager, every tensor in fresh memory)
+  default one model is loaded (``engine.loader.load_reference``: every tensor in fresh memory)
   and its implementation is switched with ``set_experts_implementation`` before each generation (the
   kernel is looked up at every forward), so the four share one load time and one copy of the
   weights; ``--tf-separate`` loads each with its own ``from_pretrained`` instead (4x the memory).

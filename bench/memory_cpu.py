@@ -7,7 +7,8 @@ top-8, intermediate 512, bf16; 32 experts: 2.5 GB; 64: 4.8 GB), random weights, 
 from a seeded sticky-Zipf trace (a random router routes degenerately). Each configuration runs in a
 process of its own (its own resident memory, page faults and reads), one generation of ``--new-tokens``
 after the prompt (a user's first request: TTFT includes every first use), tokens compared with plain
-transformers':
+transformers' (its default experts implementation, grouped_mm on a CPU, which the engine's default kernel is
+exact against; until 2026-11-29 its eager one, which rounds otherwise):
 
 - ``transformers``: ``from_pretrained`` (bf16 weights used in place from the memory map; the kernel's
   page-cache LRU decides what stays);
@@ -81,7 +82,8 @@ def child(spec: dict) -> dict:
         if spec["kind"] == "accelerate":
             dmap, _, _ = accelerate_device_map(path, spec["share"])
             kw = {"device_map": dmap, "offload_folder": spec["offload"]}
-        model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation="eager", **kw).eval()
+        # its default experts implementation: grouped_mm on a CPU
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
         tok = AutoTokenizer.from_pretrained(str(path))
         load_s = time.perf_counter() - t0
         replay = replay_routing(model, trace)

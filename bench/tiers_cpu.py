@@ -14,8 +14,10 @@ from a seeded sticky-Zipf trace. Each run is a process of its own in a fresh mem
 - ``stack, exclusive`` (``--exclusive``): the stack with the host level exclusive of the slots (a hit moves
   up, the slots' victim is copied down; the same memory, less a reserve of top-k slots for hits in flight);
 
-alternating, ``--repeats`` times. Tokens are compared with plain transformers' (run once, outside the
-cgroup). The prediction: the timing model replays each run's recorded trace at its capacities, with a
+alternating, ``--repeats`` times. Tokens are compared with transformers' (run once, outside the cgroup,
+by ``load_reference``: the experts implementation the engine's default kernel is exact against, grouped_mm
+on a CPU; until 2026-11-29 this compared with eager's, which rounds otherwise, see docs/ENGINE.md).
+The prediction: the timing model replays each run's recorded trace at its capacities, with a
 cost model measured in a separate process (``expertcache profile --slow-tier disk``: compute, dense
 time, and one expert's read from the disk, which becomes ``disk_read_s``) and the emulated link's
 figures (two tiers: a miss is a read timed by the emulated link from its start, so the slower of the two);
@@ -57,9 +59,12 @@ def child(spec: dict) -> dict:
     path, trace = Path(spec["path"]), load_trace(spec["trace"])
     if spec["kind"] == "transformers":
         from engine_cpu import timed_generate
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), experts_implementation="eager").eval()
+        from expertcache.engine.loader import load_reference
+
+        # the reference the engine's default kernel is exact against (grouped_mm on a CPU), weights cloned
+        model = load_reference(path).eval()
         tok = AutoTokenizer.from_pretrained(str(path))
         replay = replay_routing(model, trace)
         run = timed_generate(model, tok, PROMPT, spec["new_tokens"])
