@@ -195,8 +195,10 @@ def main() -> int:
     predicted_fetch: dict[str, dict[str, float]] = {name: {} for name in profiles}
     for name, profile in profiles.items():
         for share in shares if args.fetch else ():
+            # the step time the doctor's ladder takes from the trace's clock
             cmd = cli("timing", "--trace", str(trace), "--cost", str(profile), *link, "--expert-memory",
-                      share, "--policy", "lru", "--miss", "fetch", "--json")  # fmt: skip
+                      share, "--policy", "lru", "--miss", "fetch", "--step-time", "recorded",
+                      "--json")  # fmt: skip
             got = json.loads(run(cmd))
             predicted_fetch[name][share] = (got["tpot_requests"] or {}).get("mean_s") or got["tpot_s"]
     runs: dict[str, list[dict]] = {label(c): [] for c in configs}

@@ -253,7 +253,7 @@ def test_the_finite_check_takes_values_whose_sum_overflows_and_finds_one_nan_or_
 
     from expertcache.engine.runtime import Engine
 
-    check = partial(Engine._finite_logits, SimpleNamespace(step_source=None), None, ())
+    check = partial(Engine._finite_logits, SimpleNamespace(step_source=None))
     big = torch.full((1, 1, 50), torch.finfo(dtype).max, dtype=dtype)
     assert not torch.isfinite(big.sum())
     check(SimpleNamespace(logits=big))  # no error

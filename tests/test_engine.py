@@ -246,9 +246,15 @@ def test_recorded_trace_holds_the_routing_of_every_token(family, ckpt, tmp_path)
     assert np.isfinite(trace.weights).all() and (trace.weights != 0).any()
     from expertcache.trace import load_trace
 
+    # the run's own clock: the prompt's step, then one step a token, each forward after the last
+    assert trace.step_id.tolist() == [0] * len(PROMPT) + list(range(1, NEW))
+    starts, ends = trace.step_start_s[len(PROMPT) - 1 :], trace.step_end_s[len(PROMPT) - 1 :]
+    assert starts[0] == 0 and (ends >= starts).all() and (starts[1:] >= ends[:-1]).all()
     saved = load_trace(tmp_path / "t.npz")
     assert np.array_equal(saved.experts, trace.experts)
     assert np.array_equal(saved.token_id, trace.token_id)
+    assert np.array_equal(saved.step_start_s, trace.step_start_s)  # float64: not rounded on the way
+    assert np.array_equal(saved.step_end_s, trace.step_end_s)
 
 
 def test_trace_of_two_generations_numbers_the_sequences(ckpt):

@@ -5,6 +5,7 @@ found each of these counted otherwise, at exit 0)."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import numpy as np
@@ -710,6 +711,7 @@ def test_a_recorded_run_batched_again_is_another_workload_without_the_runs_own_r
     assert "1 request, 1 at a time" in capsys.readouterr().err
     batched = ec.load_trace(out)
     assert "capacities" not in batched.meta and "predictor" not in batched.meta
+    assert ec.load_trace(path).step_start_s is not None and batched.step_start_s is None  # the run's clock
     assert batched.meta["expert_bytes"] == stats["expert_bytes"]
     assert main(["timing", "--trace", str(out), "--prefetch", "recorded"]) == 2
     assert "a batched trace (trace batch) holds none" in capsys.readouterr().err
@@ -806,3 +808,50 @@ def test_a_replay_names_the_runs_miss_path_as_it_ran_and_refuses_a_bad_value_in_
     assert main(["timing", "--trace", str(batch), "--policy", "tlfu", "--miss", "batch:fill=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "fill is 0 or 1" in err
+
+
+def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp_path, capsys):
+    """A served run's decode steps took 9.2 ms on the 2-core CPU (the embedded model, 4 clients) where the
+    timing model's replay of the run priced 3.8 ms from a profile: the server's own work around the forward
+    and continuous batching's forward, which no profile measures. The engine records each step's wall
+    clock with its routing; the replay states the run's times beside its own, and the difference is the
+    step time (``step_s``) when asked (``--step-time recorded``), by default in doctor."""
+    import dataclasses
+
+    from expertcache.costs import CostModel
+    from expertcache.sim.timing import RECORDED, recorded_step_s, run_timing
+
+    _, path = _run(tmp_path, "clocked", new_tokens=16, prefetch="none")
+    trace = ec.load_trace(path)
+    cost = CostModel(link_bandwidth=math.inf, link_latency=0.0, expert_bytes=trace.meta["expert_bytes"])
+    step, got = recorded_step_s(trace, cost)
+    replay = run_timing(trace, RECORDED, miss="fetch", cost=dataclasses.replace(cost, step_s=0.0))
+    assert got["replayed_decode_step_s"] == pytest.approx(replay.tpot_s) and got["decode_steps"] == 15
+    assert step == pytest.approx(max(0.0, got["recorded_decode_step_s"] - replay.tpot_s))
+    assert replay.recorded["decode_step_s"] == got["recorded_decode_step_s"] > 0
+    if step > 0:  # with it, the replay's decode step is the run's (on a free link nothing overlaps it)
+        timed = run_timing(trace, RECORDED, miss="fetch", cost=dataclasses.replace(cost, step_s=step))
+        assert timed.tpot_s == pytest.approx(got["recorded_decode_step_s"])
+    said = "from the recorded run's own clock: its decode steps took"
+    cli = recorded_step_s(trace, CostModel(expert_bytes=trace.meta["expert_bytes"]))[0]  # the CLI's costs
+    assert main(["timing", "--trace", str(path), "--step-time", "recorded", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert said in err and json.loads(out)["cost"]["step_s"] == pytest.approx(cli)
+    assert json.loads(out)["recorded"]["requests_timed"]
+    assert main(["doctor", "--trace", str(path), "--capacity", "28", "--json"]) == 0  # doctor's default
+    out, err = capsys.readouterr()
+    assert said in err and json.loads(out)["cost"]["step_s"] == pytest.approx(cli)
+    assert main(["doctor", "--trace", str(path), "--capacity", "28", "--step-time", "1ms", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert said not in err and json.loads(out)["cost"]["step_s"] == 0.001  # given: taken
+    # a trace without a clock: the error where asked, nothing by default
+    assert main(["timing", "--step-time", "recorded"]) == 2
+    assert "has no clock of its run" in capsys.readouterr().err
+    assert main(["doctor", "--capacity", "24", "--json"]) == 0
+    assert "clock" not in capsys.readouterr().err
+    # a run the replay cannot repeat: the error where asked, a note by default
+    _, hosted = _run(tmp_path, "hosted", new_tokens=16, prefetch="none", host_memory="50%")
+    assert main(["timing", "--trace", str(hosted), "--step-time", "recorded"]) == 2
+    assert "its run had a host level" in capsys.readouterr().err
+    assert main(["doctor", "--trace", str(hosted), "--capacity", "28", "--json"]) == 0
+    assert "note: the trace's clock is not used (" in capsys.readouterr().err

@@ -268,6 +268,12 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
         sizes.max() <= 12
         and len(sizes) == stats["phases"]["decode"]["steps"] + stats["phases"]["prefill"]["steps"]
     )
+    # the run's own clock, a step at a time: each token carries its step's forward, steps one after another
+    first = np.r_[0, np.cumsum(sizes)[:-1]]
+    starts, ends = trace.step_start_s[first], trace.step_end_s[first]
+    assert (trace.step_start_s == np.repeat(starts, sizes)).all()
+    assert (trace.step_end_s == np.repeat(ends, sizes)).all()
+    assert starts[0] == 0 and (ends >= starts).all() and (starts[1:] >= ends[:-1]).all()
     if miss == "fetch":
         sim = replay(build_schedule(trace, "layer"), policy, model.capacity)
         assert model.cache.stats.requests.tolist() == sim.layer_requests.tolist()
@@ -277,6 +283,11 @@ def test_a_served_run_is_recorded_token_by_token_and_replays_to_the_engines_coun
         for key in ("requests", "hits", "misses", "host_computed", "misses_by_layer", "part_misses"):
             assert stats[key] == timed.cache[key], key
         assert stats["host_computed"] > 0 and stats["part_misses"].get("stream", 0) > 0
+        # the replay states the run's own times beside its own, request by request as it times its own
+        rec = timed.recorded
+        assert rec["requests_timed"] and rec["steps"] == len(sizes)
+        assert rec["ttft_requests"]["requests"] == rec["tpot_requests"]["requests"] == 8
+        assert rec["decode_step_s"] >= rec["decode_forward_s"] > 0
     prompt_tokens = int((trace.is_prefill == 1).sum())
     assert stats["phases"]["prefill"]["tokens"] == prompt_tokens == sum(p for p, _ in usage)
     assert stats["phases"]["decode"]["tokens"] == trace.num_tokens - prompt_tokens

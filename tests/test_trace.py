@@ -653,3 +653,44 @@ def test_select_takes_some_tokens_with_every_per_token_array_and_refuses_what_is
     for bad in ([3, 1], [0, trace.num_tokens], trace.seq_id[:5] < 8, ["a"]):
         with pytest.raises(TraceError, match="select: "):
             trace.select(bad)
+
+
+def test_a_runs_wall_clock_comes_in_pairs_of_finite_times_in_order_and_select_keeps_it(tmp_path, capsys):
+    """A recorded run's clock (``step_start_s``, ``step_end_s``): both or neither, finite, no step ending
+    before it starts; saved and loaded as float64, kept by select, and summed up by trace info."""
+    import expertcache as ec
+    from expertcache.cli import main
+    from expertcache.errors import TraceError
+
+    ex = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]]], dtype=np.int16)  # T=4, L=1, K=2
+    step, prefill = np.array([0, 0, 1, 2]), np.array([1, 1, 0, 0])
+    start, end = np.array([0.0, 0.0, 0.02, 0.031]), np.array([0.015, 0.015, 0.025, 0.036])
+    trace = ec.Trace(ex, 4, step_id=step, is_prefill=prefill, seq_id=np.zeros(4, int), step_start_s=start,
+                     step_end_s=end)  # fmt: skip
+    for bad, words in (({"step_end_s": None}, "'step_start_s' without its pair"),
+                       ({"step_end_s": np.r_[end[:2], 0.01, 0.036]}, "token 2's step ends"),
+                       ({"step_start_s": np.r_[start[:3], np.nan]}, "must be finite"),
+                       ({"step_start_s": start.astype(np.int64)}, "has dtype int64")):  # fmt: skip
+        with pytest.raises(TraceError, match=words):
+            ec.Trace(ex, 4, step_id=step, **{"step_start_s": start, "step_end_s": end, **bad})
+    trace.save(tmp_path / "t.npz")
+    saved = ec.load_trace(tmp_path / "t.npz")
+    assert saved.step_start_s.dtype == np.float64 and np.array_equal(saved.step_end_s, end)
+    assert saved.select([2, 3]).step_start_s.tolist() == [0.02, 0.031]
+    from expertcache.trace.stats import step_walls
+
+    walls = step_walls(saved)
+    assert walls["steps"] == 3 and walls["seconds"] == 0.036
+    assert walls["prefill"]["steps"] == 1 and walls["prefill"]["forward_median_s"] == 0.015
+    assert walls["prefill"]["whole_median_s"] == 0.02  # to the next step's start
+    assert walls["decode"]["forward_median_s"] == pytest.approx(0.005)
+    assert walls["decode"]["whole_median_s"] == pytest.approx(0.008)  # 11 ms; the last step its forward, 5
+    from expertcache.trace.stats import whole_steps
+
+    # a pause of more than 10 medians is idle (no request to run): the median pause instead
+    idle = whole_steps(np.array([0.0, 0.02, 0.5, 0.51]), np.array([0.01, 0.03, 0.505, 0.515]))
+    assert idle == pytest.approx([0.02, 0.02, 0.01, 0.005])  # 0.47 s of pause taken as 0.01
+    assert main(["trace", "info", str(tmp_path / "t.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "wall        3 steps over 0.036 s, the run's own clock; 2 decode steps: forward 5 ms" in out
+    assert ec.default_trace().step_start_s is None  # a trace of another kind has none

@@ -20,6 +20,7 @@ from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (`
 from expertcache.units import parse_duration, parse_rate, parse_share, parse_size, true_or_false
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
+RECORDED_STEP = "recorded"  # a step time: what a recorded run's clock says (``sim.timing.recorded_step_s``)
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
 WHEN = ("always", "pays")  # prefetch in every step, or only while the governor measures that it pays
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # a random checkpoint's weights (model synth)

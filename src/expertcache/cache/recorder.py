@@ -35,8 +35,14 @@ class Recorder:
         experts, weights = np.full((L, t, K), -1, dtype=np.int16), np.zeros((L, t, K), dtype=np.float32)
         self.steps.append(
             {"token_id": token_ids, "phase": phase, "seq": seq, "done": 0, "pred": {}, "from": {},
-             "experts": experts, "weights": weights}
+             "experts": experts, "weights": weights, "wall": None}
         )  # fmt: skip
+
+    def wall(self, start: float, end: float) -> None:
+        """The step's forward ran from ``start`` to ``end`` on the engine's clock (``time.perf_counter``
+        seconds): the recorded run's own times, which ``timing`` and ``trace info`` set beside a replay's."""
+        if self.steps:
+            self.steps[-1]["wall"] = (start, end)
 
     def predict(self, predictions: dict[int, list[int]]) -> None:
         """What the predictor said this step: target layer -> ranked experts."""
@@ -68,6 +74,8 @@ class Recorder:
         steps = self.steps
         if steps and steps[-1]["done"] != (1 << L) - 1:  # interrupted (Ctrl-C) before its last layer: dropped
             steps = steps[:-1]
+        timed = bool(steps) and all(s["wall"] is not None for s in steps)  # every step's, or none
+        origin = steps[0]["wall"][0] if timed else 0.0
         for i, s in enumerate(steps):
             t = len(s["token_id"])
             p = np.full((t, L, K), -1, dtype=np.int16)
@@ -97,8 +105,17 @@ class Recorder:
             step_id=np.concatenate(step),
             predicted=np.concatenate(pred) if self.predicted else None,
             predicted_from=np.concatenate(by_source) if self.reach else None,
+            step_start_s=_walls(steps, 0, origin) if timed else None,
+            step_end_s=_walls(steps, 1, origin) if timed else None,
             meta=dict(meta or {}),
         )
+
+
+def _walls(steps: list[dict[str, object]], which: int, origin: float) -> np.ndarray:
+    """Each token's step's start (``which`` 0) or end (1), seconds from ``origin``, float64 ``[T]``."""
+    return np.concatenate(
+        [np.full(len(s["token_id"]), s["wall"][which] - origin, dtype=np.float64) for s in steps]
+    )
 
 
 def _rows(ranked: list[int], t: int, k: int) -> np.ndarray:

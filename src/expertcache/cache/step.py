@@ -137,6 +137,12 @@ class StepDriver:
         if self.predicting:
             self._prefetch(self._call(self.predictor.begin_step, token_ids, prefill, new_request, future), ())
 
+    def step_wall(self, start: float, end: float) -> None:
+        """The engine's wall clock of the step begun last (its forward's start and end): recorded with its
+        routing (``--record-trace``), never decided on."""
+        if self.recorder is not None:
+            self.recorder.wall(start, end)
+
     def layer(self, layer: int, index: np.ndarray, weights: np.ndarray | None, gate_input=None) -> LayerWork:
         """Layer ``layer`` routed the step's tokens to ``index`` [T, K] with gate ``weights`` [T, K]."""
         clock = self.clock

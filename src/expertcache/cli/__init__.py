@@ -30,7 +30,7 @@ from expertcache.cli.util import (
     unseeded_note,
     why,
 )
-from expertcache.config import CHECKPOINT_DTYPES, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
+from expertcache.config import CHECKPOINT_DTYPES, RECORDED_STEP, REFERENCE_IMPLEMENTATIONS, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, command_line
 from expertcache.paths import write_output
 from expertcache.plugins import load_plugins
@@ -914,7 +914,12 @@ _TIMING_COST_FLAGS = (
         "attention, norms, router: one for all layers, or one per layer (default 0.25ms)",
     ),
     ("--expert-time", "TIME[,PER_TOKEN]", "one expert's compute: fixed, and per token (default 0.35ms,2us)"),
-    ("--step-time", "TIME", "per forward step: embeddings, LM head (default 0.5ms)"),
+    (
+        "--step-time",
+        "TIME",
+        "per forward step: embeddings, LM head (default 0.5ms); 'recorded': what a recorded run's own clock "
+        "says its steps took beyond the model (doctor's default on such a trace)",
+    ),
     ("--host-time", "TIME[,PER_TOKEN]", "an expert on the host: fixed, and per token (default 5.06ms,63us)"),
     ("--dequant-time", "TIME", "device time to expand a low-precision copy (default 0)"),
     ("--expert-bytes", "SIZE", "bytes of one expert (default 336MiB)"),
@@ -1212,7 +1217,7 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=No
         "expert_token_s": split["expert_time"][1] if len(split.get("expert_time", ())) == 2 else None,
         "host_expert_s": split["host_time"][0] if "host_time" in split else None,
         "host_expert_token_s": split["host_time"][1] if len(split.get("host_time", ())) == 2 else None,
-        "step_s": args.step_time,
+        "step_s": None if args.step_time == RECORDED_STEP else args.step_time,
         "expert_bytes": args.expert_bytes,
         "chunk_bytes": prefetch.chunk_bytes if prefetch is not None else None,
         "wake_s": args.wake_time,
@@ -1226,7 +1231,42 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=No
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
     if prefetch is not None and not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
+    asked = args.step_time == RECORDED_STEP
+    if asked or (getattr(args, "clock_by_default", False) and args.step_time is None):
+        cost = _recorded_step(cost, trace, asked)
     return cost
+
+
+def _recorded_step(cost, trace: Trace | None, asked: bool):
+    """``cost`` with its ``step_s`` what ``trace``'s clock says its run spent a step beyond the model
+    (``sim.timing.recorded_step_s``), said in a note. ``asked`` (``--step-time recorded``): a trace that
+    cannot give it is the error; else (doctor's default) a trace without a clock is left as it is, and one
+    whose run cannot be replayed is said in a note."""
+    import dataclasses
+
+    from expertcache.sim.timing import recorded_step_s
+
+    if trace is None:
+        raise ExpertcacheError("--step-time recorded is what a recorded trace's clock says: give --trace")
+    if not asked and trace.step_start_s is None:
+        return cost
+    try:
+        step, got = recorded_step_s(trace, cost)
+    except ExpertcacheError as exc:
+        if asked:
+            raise
+        print(f"note: the trace's clock is not used ({exc}); the step time is the cost model's",
+              file=sys.stderr)  # fmt: skip
+        return cost
+    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+    print(
+        f"note: step time {ms(step)}, from the recorded run's own clock: its decode steps took "
+        f"{ms(got['recorded_decode_step_s'])} on average ({ms(got['recorded_decode_forward_s'])} in the "
+        f"forward), the model's replay of the run {ms(got['replayed_decode_step_s'])} without a step time; "
+        "the rest is priced a step (--step-time gives another)",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(cost, step_s=step)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -1260,6 +1300,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis, within_factor
+
+    args.clock_by_default = True  # a recorded run's clock prices its steps (``_recorded_step``)
 
     _check_cost_flags(args)
     _check_jobs(args)
@@ -1506,6 +1548,8 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
     parsers = {"RATE": parse_rate, "SIZE": parse_size}
     for flag, meta, _ in (*_TIMING_COST_FLAGS, ("--chunk-size", "SIZE", "")):
         value = getattr(args, flag[2:].replace("-", "_"))
+        if flag == "--step-time" and value == RECORDED_STEP:  # what the trace's clock says (_recorded_step)
+            continue
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
                 got = parsers.get(meta, parse_duration)(piece, flag)
@@ -1841,6 +1885,8 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
         if "mean_step_requests" in st:
             print(f"requests    {st['mean_step_requests']:.1f} served together a step on average (at most "
                   f"{st['max_step_requests']})")  # fmt: skip
+    if info["step_walls"] is not None:
+        print(f"wall        {_describe_walls(info['step_walls'])}")
 
     def num(v: float | None, width: int) -> str:  # a layer without known entries: "-"
         return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
@@ -1854,6 +1900,18 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     if any(h is None for h in info["entropy_bits"]):
         print("-: a layer without a known expert (the trace's -1 entries)", file=sys.stderr)
     return 0
+
+
+def _describe_walls(walls: dict) -> str:
+    """A recorded run's own step times, as ``trace info`` prints them (``trace.stats.step_walls``)."""
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.3g} ms"  # noqa: E731
+    said = [
+        f"{walls[phase]['steps']} {phase} step{'s' if walls[phase]['steps'] != 1 else ''}: forward "
+        f"{ms(walls[phase]['forward_median_s'])}, whole step {ms(walls[phase]['whole_median_s'])} (medians)"
+        for phase in ("decode", "prefill")
+        if walls[phase]["steps"]
+    ]
+    return f"{walls['steps']} steps over {walls['seconds']:.3g} s, the run's own clock; " + "; ".join(said)
 
 
 # what the engine writes into a trace it records (``OffloadedModel.trace``, a server's layout), in order

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -241,9 +242,14 @@ class Engine:
         # returning (request id [T], prompt token [T]) for the step about to run, or None (``StepSource``)
         self.step_source: StepSource | None = None
         self._hook = model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
-        self._out_hook = model.register_forward_hook(self._finite_logits)
+        self._out_hook = model.register_forward_hook(self._end_step)
+        self._step_start = 0.0  # the wall clock at the step's start (``time.perf_counter``)
 
-    def _finite_logits(self, module, args, output) -> None:
+    def _end_step(self, module, args, output) -> None:
+        self.driver.step_wall(self._step_start, time.perf_counter())  # recorded with the step's routing
+        self._finite_logits(output)
+
+    def _finite_logits(self, output) -> None:
         """A forward whose logits are NaN or infinite (a checkpoint's NaN weights, or a config's NaN
         epsilon) decodes token 0 for ever: an empty text, exit 0. It is one error instead, at the step it
         happens. Not under the server's continuous batching, whose steps may hold padding rows that attend
@@ -271,6 +277,7 @@ class Engine:
         return keep
 
     def _begin_step(self, module, args, kwargs):
+        self._step_start = time.perf_counter()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise ExpertcacheError("the engine needs input_ids (inputs_embeds alone is not supported)")

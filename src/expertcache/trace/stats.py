@@ -69,6 +69,56 @@ def step_shape(trace: Trace) -> dict[str, float | int] | None:
     return shape
 
 
+def step_bounds(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A recorded run's steps on its wall clock (``step_start_s``, ``step_end_s``): each step's first token
+    (by ``step_id``, else by its start), the steps' starts and the ends of their forwards, seconds from the
+    first; None for a trace without them."""
+    if trace.step_start_s is None or trace.step_end_s is None:
+        return None
+    ids = trace.step_id if trace.step_id is not None else trace.step_start_s
+    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    return first, trace.step_start_s[first], trace.step_end_s[first]
+
+
+IDLE_GAP = 10  # a pause between steps this many times the median one: the run was idle (no request to run)
+
+
+def whole_steps(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Each step's whole time on a run's clock: from its start to the next step's (its forward, then what
+    the run did before the next: a server's sampling, scheduling and streaming), the last step its forward
+    alone. A pause more than ``IDLE_GAP`` times the median pause (a server with no request to run) counts
+    as the median pause: idle time is no step's."""
+    gaps = np.maximum(starts[1:] - ends[:-1], 0.0)
+    if gaps.size:
+        usual = float(np.median(gaps))
+        gaps = np.where(gaps > IDLE_GAP * usual, usual, gaps)
+    return (ends - starts) + np.r_[gaps, 0.0]
+
+
+def step_walls(trace: Trace) -> dict[str, object] | None:
+    """A recorded run's own step times (``step_bounds``), by phase (a step with any prompt token is a
+    prefill step): each step's forward (its start to its end) and its whole time (``whole_steps``), in
+    seconds: median and mean; None without them."""
+    bounds = step_bounds(trace)
+    if bounds is None:
+        return None
+    first, starts, ends = bounds
+    prompt = trace.is_prefill == 1 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
+    prefill = np.logical_or.reduceat(prompt, first)
+    forward, whole = ends - starts, whole_steps(starts, ends)
+    out: dict[str, object] = {"steps": len(first), "seconds": float(ends.max())}
+    for name, phase in (("decode", ~prefill), ("prefill", prefill)):
+        n = int(phase.sum())
+        out[name] = {
+            "steps": n,
+            "forward_median_s": float(np.median(forward[phase])) if n else None,
+            "forward_mean_s": float(forward[phase].mean()) if n else None,
+            "whole_median_s": float(np.median(whole[phase])) if n else None,
+            "whole_mean_s": float(whole[phase].mean()) if n else None,
+        }
+    return out
+
+
 def summary(trace: Trace) -> dict[str, object]:
     """Shape, sequence structure, per-layer entropy and reuse as a JSON-ready dict (``trace``: a
     ``Trace`` or its file)."""
@@ -86,6 +136,7 @@ def summary(trace: Trace) -> dict[str, object]:
         "prefill_tokens": prefill,
         "unknown_entries": int((trace.experts < 0).sum()),
         "step_shape": step_shape(trace),
+        "step_walls": step_walls(trace),
         "max_entropy_bits": float(np.log2(trace.num_experts)),
         "entropy_bits": _or_none(ent.round(4)),
         "mean_entropy_bits": _mean_or_none(ent),

@@ -37,6 +37,8 @@ _OPTIONAL = {
     "step_id": ("iu", np.int32, 1),
     "predicted": ("iu", np.int16, 3),
     "predicted_from": ("iu", np.int16, 4),
+    "step_start_s": ("f", np.float64, 1),
+    "step_end_s": ("f", np.float64, 1),
 }
 _CORE = ("experts", "num_experts", *_OPTIONAL)
 
@@ -54,6 +56,12 @@ class Trace:
     step_id: np.ndarray | None = None  # int32 [T], non-decreasing
     predicted: np.ndarray | None = None  # int16 [T, L, K]: the engine predictor's experts, -1 none
     predicted_from: np.ndarray | None = None  # int16 [T, L, W, K]: layer i's predicted at layer i - d - 1
+    # a recorded run's wall clock: when the forward of each token's step began and ended, seconds from the
+    # recording's first step (float64 [T]; both or neither). The next step's start bounds a step's whole
+    # time (a server's sampling and scheduling come after its forward); on a GPU the end is the host's,
+    # which may run ahead of the device's kernels
+    step_start_s: np.ndarray | None = None
+    step_end_s: np.ndarray | None = None
     meta: dict[str, object] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -296,6 +304,15 @@ def _validate(trace: Trace) -> None:
         value = getattr(trace, name)
         if value is not None and value.size and (value.min() < -1 or value.max() >= trace.num_experts):
             raise TraceError(f"{src}: '{name}' has expert ids outside -1..{trace.num_experts - 1}")
+    starts, ends = trace.step_start_s, trace.step_end_s
+    if (starts is None) != (ends is None):
+        given = "step_start_s" if ends is None else "step_end_s"
+        raise TraceError(f"{src}: '{given}' without its pair (a step's wall clock is its start and its end)")
+    if starts is not None and not (np.isfinite(starts).all() and np.isfinite(ends).all()):
+        raise TraceError(f"{src}: 'step_start_s' and 'step_end_s' must be finite")
+    if starts is not None and (ends < starts).any():
+        tok = int(np.argmax(ends < starts))
+        raise TraceError(f"{src}: token {tok}'s step ends ({ends[tok]} s) before it starts ({starts[tok]} s)")
     if trace.is_prefill is not None and not np.isin(trace.is_prefill, (-1, 0, 1)).all():
         raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
     if trace.seq_id is not None and (trace.seq_id < 0).any():
