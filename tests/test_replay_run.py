@@ -819,7 +819,9 @@ def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp
     import dataclasses
 
     from expertcache.costs import CostModel
-    from expertcache.sim.timing import RECORDED, recorded_step_s, run_timing
+    from expertcache.sim.timing import RECORDED, run_timing
+
+    recorded_step_s = ec.recorded_step_s  # the API's name
 
     _, path = _run(tmp_path, "clocked", new_tokens=16, prefetch="none")
     trace = ec.load_trace(path)

@@ -694,3 +694,21 @@ def test_a_runs_wall_clock_comes_in_pairs_of_finite_times_in_order_and_select_ke
     out = capsys.readouterr().out
     assert "wall        3 steps over 0.036 s, the run's own clock; 2 decode steps: forward 5 ms" in out
     assert ec.default_trace().step_start_s is None  # a trace of another kind has none
+
+
+def test_a_recorders_clock_is_every_steps_from_the_first_or_none():
+    """The engine gives each step its forward's start and end (a provisional end at its start, so a forward
+    that raised keeps the run's clock); a step recorded without one, the trace has none."""
+    from expertcache.cache.recorder import Recorder
+
+    rec = Recorder(num_layers=1, num_experts=4, top_k=2)
+    for tokens, wall in (([1, 2], (10.0, 10.5)), ([3], (11.0, 11.25))):
+        rec.begin(np.array(tokens), len(tokens) > 1, np.zeros(len(tokens), np.int32))
+        rec.wall(wall[0], wall[0])  # provisional, then the forward's end
+        rec.wall(*wall)
+        rec.add(0, np.array([[0, 1]] * len(tokens)), None)
+    trace = rec.trace()
+    assert trace.step_start_s.tolist() == [0.0, 0.0, 1.0] and trace.step_end_s.tolist() == [0.5, 0.5, 1.25]
+    rec.begin(np.array([4]), False, np.zeros(1, np.int32))
+    rec.add(0, np.array([[2, 3]]), None)  # no wall: a driver fed by something other than the engine
+    assert rec.trace().step_start_s is None and rec.trace().step_end_s is None

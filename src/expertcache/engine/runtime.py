@@ -308,6 +308,9 @@ class Engine:
             prompt, first = None, self._seq - rows
         self.transport.phase = int(prefill)
         self.driver.begin_step(flat, prefill, first, seq_ids=seq, prompt=prompt)
+        # a forward that raises never reaches ``_end_step``: its step keeps a forward of no length (the next
+        # step's start bounds it), and the run's clock its other steps
+        self.driver.step_wall(self._step_start, self._step_start)
         return None
 
     def run_experts(self, module, layer, hidden, top_k_index, top_k_weights) -> torch.Tensor:

@@ -48,7 +48,7 @@ from expertcache.policy.base import Clock, PolicyContext
 from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
-from expertcache.trace.stats import step_bounds, step_walls, whole_steps
+from expertcache.trace.stats import clock_steps, step_walls, whole_steps
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import (
     capacity_for,
@@ -720,7 +720,7 @@ def recorded_times(trace: Trace, round_token: np.ndarray) -> dict[str, object] |
     left out) and its forward alone (``trace.stats.step_walls``: medians too), and where the replay's steps
     are the run's (``round_token``), each request's TTFT and TPOT timed as ``request_ttfts`` and
     ``request_tpots`` time a replay's. None for a trace without the clock."""
-    bounds = step_bounds(trace)
+    bounds = clock_steps(trace)
     if bounds is None:
         return None
     first, starts, ends = bounds

@@ -69,7 +69,7 @@ def step_shape(trace: Trace) -> dict[str, float | int] | None:
     return shape
 
 
-def step_bounds(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def clock_steps(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A recorded run's steps on its wall clock (``step_start_s``, ``step_end_s``): each step's first token
     (by ``step_id``, else by its start), the steps' starts and the ends of their forwards, seconds from the
     first; None for a trace without them."""
@@ -96,10 +96,10 @@ def whole_steps(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 
 
 def step_walls(trace: Trace) -> dict[str, object] | None:
-    """A recorded run's own step times (``step_bounds``), by phase (a step with any prompt token is a
+    """A recorded run's own step times (``clock_steps``), by phase (a step with any prompt token is a
     prefill step): each step's forward (its start to its end) and its whole time (``whole_steps``), in
     seconds: median and mean; None without them."""
-    bounds = step_bounds(trace)
+    bounds = clock_steps(trace)
     if bounds is None:
         return None
     first, starts, ends = bounds
