@@ -829,11 +829,11 @@ def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp
     step, got = recorded_step_s(trace, cost)
     replay = run_timing(trace, RECORDED, miss="fetch", cost=dataclasses.replace(cost, step_s=0.0))
     assert got["replayed_decode_step_s"] == pytest.approx(replay.tpot_s) and got["decode_steps"] == 15
-    assert step == pytest.approx(max(0.0, got["recorded_decode_step_s"] - replay.tpot_s))
+    assert step == pytest.approx(max(0.0, got["recorded_decode_step_s"] - replay.tpot_s), abs=1e-7)  # 0.1 us
     assert replay.recorded["decode_step_s"] == got["recorded_decode_step_s"] > 0
     if step > 0:  # with it, the replay's decode step is the run's (on a free link nothing overlaps it)
         timed = run_timing(trace, RECORDED, miss="fetch", cost=dataclasses.replace(cost, step_s=step))
-        assert timed.tpot_s == pytest.approx(got["recorded_decode_step_s"])
+        assert timed.tpot_s == pytest.approx(got["recorded_decode_step_s"], abs=1e-7)
     said = "from the recorded run's own clock: its decode steps took"
     cli = recorded_step_s(trace, CostModel(expert_bytes=trace.meta["expert_bytes"]))[0]  # the CLI's costs
     assert main(["timing", "--trace", str(path), "--step-time", "recorded", "--json"]) == 0
@@ -842,18 +842,34 @@ def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp
     assert json.loads(out)["recorded"]["requests_timed"]
     assert main(["doctor", "--trace", str(path), "--capacity", "28", "--json"]) == 0  # doctor's default
     out, err = capsys.readouterr()
-    assert said in err and json.loads(out)["cost"]["step_s"] == pytest.approx(cli)
+    report = json.loads(out)
+    assert said in err and report["cost"]["step_s"] == pytest.approx(cli)
+    assert report["step_time"]["step_s"] == report["cost"]["step_s"] and said in report["notes"][0]
+    # a cost model that states its own step time keeps it (a profile's 0 is no such statement)
+    stated = tmp_path / "stated.json"
+    stated.write_text(json.dumps({"step_s": "3ms", "expert_bytes": trace.meta["expert_bytes"]}))
+    assert main(["doctor", "--trace", str(path), "--capacity", "28", "--cost", str(stated), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert said not in err and json.loads(out)["cost"]["step_s"] == 0.003
+    # costs far from the machine's (a GPU's expert over PCIe against a CPU's run): none, and said why
+    slow, got = ec.recorded_step_s(trace, CostModel())
+    assert slow == 0.0 and "slower than the run, so these costs are not the machine's" in got["note"]
     assert main(["doctor", "--trace", str(path), "--capacity", "28", "--step-time", "1ms", "--json"]) == 0
     out, err = capsys.readouterr()
     assert said not in err and json.loads(out)["cost"]["step_s"] == 0.001  # given: taken
     # a trace without a clock: the error where asked, nothing by default
     assert main(["timing", "--step-time", "recorded"]) == 2
-    assert "has no clock of its run" in capsys.readouterr().err
+    err = capsys.readouterr().err  # one line, before any note of the costs
+    assert err.startswith("expertcache: error: the embedded trace has no clock of its run")
+    assert err.count("\n") == 1
+    assert main(["timing", "--step-time", "Recorded"]) == 2
+    assert "or 'recorded' (a recorded run's clock)" in capsys.readouterr().err
     assert main(["doctor", "--capacity", "24", "--json"]) == 0
     assert "clock" not in capsys.readouterr().err
     # a run the replay cannot repeat: the error where asked, a note by default
     _, hosted = _run(tmp_path, "hosted", new_tokens=16, prefetch="none", host_memory="50%")
     assert main(["timing", "--trace", str(hosted), "--step-time", "recorded"]) == 2
-    assert "its run had a host level" in capsys.readouterr().err
+    said_host = "its run had a host level, which the step time's replay does not repeat: give --step-time"
+    assert said_host in capsys.readouterr().err
     assert main(["doctor", "--trace", str(hosted), "--capacity", "28", "--json"]) == 0
     assert "note: the trace's clock is not used (" in capsys.readouterr().err

@@ -1042,6 +1042,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     base = own if own is not None else CostModel.from_dict(planned) if planned else None
     cost = _cost_from_args(args, prefetch, base, trace)
     _check_miss(miss, trace, cost)  # its values refused in one line, before any note of the replay
+    _say_step_time(args)
     if own is not None:
         flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
         over = f", {' '.join(flags)} given over them" if flags else ""
@@ -1146,7 +1147,8 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     for note in link_notes:
         print(note, file=sys.stderr)
     if args.json:
-        print(json.dumps({"trace": trace.source, **result.to_dict()}))
+        said = getattr(args, "step_time_from", None)
+        print(json.dumps({"trace": trace.source, **result.to_dict(), "step_time": said}))
     else:
         print(f"trace      {trace.source}: T={trace.num_tokens} L={trace.num_layers} E={trace.num_experts} "
               f"K={trace.top_k}")  # fmt: skip
@@ -1194,6 +1196,13 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=No
     run's expert size (a byte budget counts the run's experts), said in a note."""
     from expertcache.costs import CostModel
 
+    asked = args.step_time == RECORDED_STEP
+    if asked:  # what the clock lacks, before any note on the costs
+        from expertcache.sim.timing import check_clock
+
+        if trace is None:
+            raise ExpertcacheError("--step-time recorded is what a recorded trace's clock says: give --trace")
+        check_clock(trace)
     recorded = None if trace is None else trace.meta.get("expert_bytes")
     if recorded and not args.cost and base is None and args.expert_bytes is None:
         base = CostModel(expert_bytes=int(recorded))
@@ -1231,23 +1240,21 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=No
     cost = CostModel.from_dict({k: v for k, v in fields.items() if v is not None}, base)
     if prefetch is not None and not prefetch.chunking:
         cost = CostModel.from_dict({"chunk_bytes": None}, cost)
-    asked = args.step_time == RECORDED_STEP
     if asked or (getattr(args, "clock_by_default", False) and args.step_time is None):
-        cost = _recorded_step(cost, trace, asked)
+        cost = _recorded_step(args, cost, trace, asked)
     return cost
 
 
-def _recorded_step(cost, trace: Trace | None, asked: bool):
+def _recorded_step(args: argparse.Namespace, cost, trace: Trace, asked: bool):
     """``cost`` with its ``step_s`` what ``trace``'s clock says its run spent a step beyond the model
-    (``sim.timing.recorded_step_s``), said in a note. ``asked`` (``--step-time recorded``): a trace that
-    cannot give it is the error; else (doctor's default) a trace without a clock is left as it is, and one
-    whose run cannot be replayed is said in a note."""
+    (``sim.timing.recorded_step_s``); its figures and note kept in ``args.step_time_from`` for the command
+    to say (``doctor`` among its notes and in its JSON, ``timing`` on stderr and in its JSON). ``asked``
+    (``--step-time recorded``): a trace that cannot give it is the error; else (doctor's default) a trace
+    without a clock is left as it is, and one whose run cannot be replayed is said in a note."""
     import dataclasses
 
     from expertcache.sim.timing import recorded_step_s
 
-    if trace is None:
-        raise ExpertcacheError("--step-time recorded is what a recorded trace's clock says: give --trace")
     if not asked and trace.step_start_s is None:
         return cost
     try:
@@ -1255,18 +1262,30 @@ def _recorded_step(cost, trace: Trace | None, asked: bool):
     except ExpertcacheError as exc:
         if asked:
             raise
-        print(f"note: the trace's clock is not used ({exc}); the step time is the cost model's",
-              file=sys.stderr)  # fmt: skip
+        args.step_time_from = {"note": f"the trace's clock is not used ({exc}); the step time is the costs'"}
         return cost
-    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
-    print(
-        f"note: step time {ms(step)}, from the recorded run's own clock: its decode steps took "
-        f"{ms(got['recorded_decode_step_s'])} on average ({ms(got['recorded_decode_forward_s'])} in the "
-        f"forward), the model's replay of the run {ms(got['replayed_decode_step_s'])} without a step time; "
-        "the rest is priced a step (--step-time gives another)",
-        file=sys.stderr,
-    )
+    got["note"] += " (--step-time gives another)"
+    args.step_time_from = got
     return dataclasses.replace(cost, step_s=step)
+
+
+def _say_step_time(args: argparse.Namespace) -> None:
+    """Where ``--step-time recorded`` took the step time from (``_recorded_step``), on stderr."""
+    said = getattr(args, "step_time_from", None)
+    if said is not None:
+        print(f"note: {said['note']}", file=sys.stderr)
+
+
+def _cost_sets_step(path: str | None) -> bool:
+    """Whether a ``--cost`` file states a step time of its own (a cost model's ``step_s``; a profile
+    measures none: its 0 is the rest of a step counted in ``dense_s``)."""
+    if not path:
+        return False
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return False  # CostModel.load says what is wrong with it
+    return isinstance(data, dict) and "cost" not in data and "step_s" in data
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -1301,7 +1320,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from expertcache.sim.doctor import diagnose, format_diagnosis, plot_diagnosis, within_factor
 
-    args.clock_by_default = True  # a recorded run's clock prices its steps (``_recorded_step``)
+    # a recorded run's clock prices its steps (``_recorded_step``): not the doctor's own recording (one
+    # sequence at a time, not warmed up), nor where a cost model states its own step time
+    args.clock_by_default = not args.prompts and not _cost_sets_step(args.cost)
 
     _check_cost_flags(args)
     _check_jobs(args)
@@ -1335,6 +1356,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     _note_free_reads(host, cost)  # after: a host size it cannot run is the one line
     for note in link_notes:
         print(note, file=sys.stderr)
+    said = getattr(args, "step_time_from", None)
+    if said is not None:  # where its step time came from, among its notes and in its JSON
+        report["notes"].insert(0, said["note"])
+        report["step_time"] = said
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     if args.plot:
@@ -1404,6 +1429,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     raw = _trace(args.trace)
     _check_profile(args, raw)
     cost = _cost_from_args(args, trace=raw)
+    _say_step_time(args)
     capacity = _capacity(args, cost, raw)  # the budget checked before the requests are batched
     trace = _served(raw, args)
     windows = list(dict.fromkeys(args.window or [None]))
@@ -1552,7 +1578,12 @@ def _check_cost_flags(args: argparse.Namespace) -> None:
             continue
         for piece in [] if value is None else value.split(","):
             if not (meta == "RATE" and piece.strip().lower() in ("inf", "infinity")):
-                got = parsers.get(meta, parse_duration)(piece, flag)
+                try:
+                    got = parsers.get(meta, parse_duration)(piece, flag)
+                except ExpertcacheError as exc:
+                    if flag != "--step-time":
+                        raise
+                    raise ExpertcacheError(f"{exc}, or '{RECORDED_STEP}' (a recorded run's clock)") from None
                 if meta == "SIZE" and got < 1:  # the cost model's own message named its field, not the flag
                     raise ExpertcacheError(f"{flag} must be at least 1 byte, got {value!r}")
 

@@ -750,34 +750,59 @@ def recorded_step_s(trace: Trace, cost: CostModel) -> tuple[float, dict[str, obj
     embedded model and 4 clients, 5.4 ms a step, where a profile priced the whole step at 3.8 ms. Returns it
     and the figures it comes from (JSON-ready). One clear error where the trace has no clock, records no
     run, or a run the replay cannot repeat (a usage profile, a host level)."""
+    times = check_clock(trace)
     meta = trace.meta
-    times = recorded_times(trace, np.zeros(0, dtype=np.int64))
-    if times is None:
-        raise ExpertcacheError(
-            f"{trace.source} has no clock of its run (step_start_s, step_end_s: a trace the engine recorded "
-            "since 2026-11-29, with " + option("--record-trace", "model.save_trace") + ")"
-        )
-    if times["decode_step_s"] is None:
-        raise ExpertcacheError(f"{trace.source}: its run has no decode step to time")
-    if "capacities" not in meta or "policy" not in meta or "miss" not in meta:
-        raise ExpertcacheError(f"{trace.source} records no engine run to replay (its policy and miss path)")
-    for key, what in (("profile", "a usage profile"), ("host_capacity", "a host level")):
-        if meta.get(key) is not None:
-            raise ExpertcacheError(
-                f"{trace.source}: its run had {what}, which the step time's replay does not repeat: give "
-                + option("--step-time", "step_s")
-            )
     cache = CacheConfig(str(meta["policy"]), seed=int(meta.get("policy_seed") or 0))
     predicted = trace.predicted is not None
     pf = PrefetchConfig("recorded" if predicted else "none", deterministic=bool(meta.get("deterministic")))
     replay = run_timing(trace, RECORDED, cache=cache, prefetch=pf, miss=str(meta["miss"]),
                         cost=replace(as_cost(cost), step_s=0.0))  # fmt: skip
-    step = max(0.0, times["decode_step_s"] - (replay.tpot_s or 0.0))
+    replayed = replay.tpot_s or 0.0
+    step = round(max(0.0, times["decode_step_s"] - replayed), 7)  # to 0.1 us, not a remainder's digits
+    ms = lambda v: f"{v * 1e3:.3g} ms"  # noqa: E731
+    note = (
+        f"step time {ms(step)}, from the recorded run's own clock: its decode steps took "
+        f"{ms(times['decode_step_s'])} on average ({ms(times['decode_forward_s'])} in the forward), the "
+        f"model's replay of the run under these costs {ms(replayed)} without a step time; the rest is priced "
+        "a step"
+    )
+    if replayed > times["decode_step_s"]:
+        note += (
+            f" (none: the replay is {replayed / times['decode_step_s']:.2g}x slower than the run, so these "
+            "costs are not the machine's that ran it: a profile of it prices the run)"
+        )
     return step, {
         "step_s": step, "recorded_decode_step_s": times["decode_step_s"],
         "recorded_decode_forward_s": times["decode_forward_s"], "replayed_decode_step_s": replay.tpot_s,
-        "decode_steps": times["decode"]["steps"],
+        "decode_steps": times["decode"]["steps"], "note": note,
     }  # fmt: skip
+
+
+def check_clock(trace: Trace) -> dict[str, object]:
+    """What ``recorded_step_s`` needs of ``trace``, each lack one clear error: a clock of its run (the
+    run's own times, ``recorded_times``, returned), a decode step, and an engine run the replay repeats."""
+    from expertcache.trace.default import DEFAULT_TRACE
+
+    name = "the embedded trace" if trace.source == str(DEFAULT_TRACE) else trace.source
+    times = recorded_times(trace, np.zeros(0, dtype=np.int64))
+    if times is None:
+        raise ExpertcacheError(
+            f"{name} has no clock of its run (step_start_s, step_end_s): the engine records one with every "
+            "trace since 2026-11-29 (" + option("--record-trace", "model.save_trace") + "); a trace made "
+            "from another (trace batch, trace import, synthesized) has none: its steps are not a run's"
+        )
+    if times["decode_step_s"] is None:
+        raise ExpertcacheError(f"{name}: its run has no decode step to time")
+    meta = trace.meta
+    if "capacities" not in meta or "policy" not in meta or "miss" not in meta:
+        raise ExpertcacheError(f"{name} records no engine run to replay (its policy and miss path)")
+    for key, what in (("profile", "a usage profile"), ("host_capacity", "a host level")):
+        if meta.get(key) is not None:
+            raise ExpertcacheError(
+                f"{name}: its run had {what}, which the step time's replay does not repeat: give "
+                + option("--step-time TIME", "step_s")
+            )
+    return times
 
 
 def request_ttfts(trace: Trace, round_token: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -1015,7 +1040,8 @@ def _describe_recorded_times(r: TimingResult) -> str:
             continue
         ratio = f", this replay's {mine / step:.2f}x" if mine and step else ""
         said.append(f"a {phase} step {ms(step)} (its forward {ms(rec[f'{phase}_forward_s'])}){ratio}")
-    for what, key in (("TTFT", "ttft_requests"), ("TPOT", "tpot_requests")):
+    for what, key in (("TTFT (from its first step to its first token)", "ttft_requests"),
+                      ("TPOT (between its tokens)", "tpot_requests")):  # fmt: skip
         q = rec.get(key)
         if q:
             said.append(f"a request's {what} mean {ms(q['mean_s'])}, p99 {ms(q['p99_s'])}")

@@ -89,8 +89,8 @@ def whole_steps(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     alone. A pause more than ``IDLE_GAP`` times the median pause (a server with no request to run) counts
     as the median pause: idle time is no step's."""
     gaps = np.maximum(starts[1:] - ends[:-1], 0.0)
-    if gaps.size:
-        usual = float(np.median(gaps))
+    usual = float(np.median(gaps)) if gaps.size else 0.0
+    if usual > 0:
         gaps = np.where(gaps > IDLE_GAP * usual, usual, gaps)
     return (ends - starts) + np.r_[gaps, 0.0]
 
