@@ -353,3 +353,17 @@ def test_sim_compares_tlfu_by_default_on_steps_of_several_requests(tmp_path, cap
     assert "tlfu" in [r["policy"] for r in json.loads(out)] and "the default policies and tlfu" in err
     assert main(["sim", str(plain), "--capacity", "6", "--json"]) == 0
     assert "tlfu" not in [r["policy"] for r in json.loads(capsys.readouterr().out)]
+
+
+def test_a_padded_batchs_left_padding_is_no_requests_and_batching_leaves_it_out():
+    """``generate --prompts`` records a padded batch's left padding (``padding``) among the shorter prompt's
+    rows; a server computes none, so a request laid out by ``trace batch`` is its own tokens only."""
+    ex = np.arange(7 * 2, dtype=np.int16).reshape(7, 1, 2) % 8
+    seq, prefill = np.array([0, 0, 0, 1, 1, 0, 1]), np.array([1, 1, 1, 1, 1, 0, 0])
+    pad = np.array([0, 0, 0, 1, 0, 0, 0])  # request 1: one row of padding, then one prompt token
+    trace = Trace(ex, 8, seq_id=seq, is_prefill=prefill, padding=pad)
+    pool = requests_of(trace)
+    assert [(rows.tolist(), prompt) for rows, prompt in pool] == [([0, 1, 2, 5], 3), ([4, 6], 1)]
+    batched = batch_requests(trace, 2)
+    assert batched.num_tokens == 2 * (4 + 2) and batched.padding is None
+    assert not (batched.experts == ex[3]).all(axis=(1, 2)).any()  # the padding row's routing is not there

@@ -104,6 +104,20 @@ def test_generate_prompts_file_writes_json_lines_in_order(capsys, ckpt, tmp_path
     assert code == 0 and all(
         json.loads(line)["trace"] == str(tmp_path / "t.npz") for line in out.splitlines()
     )
+    # the batch's shorter prompt was padded on the left: its padding is routed (the replay keeps it) and
+    # marked, and trace info counts the prompts' own tokens (it counted the padding among them)
+    from transformers import AutoTokenizer
+
+    from expertcache.trace.stats import summary
+
+    trace = load_trace(tmp_path / "t.npz")
+    enc = AutoTokenizer.from_pretrained(path)
+    lengths = [len(enc(t)["input_ids"]) for t in ("hello world", "the quick\nbrown fox")]
+    pad = abs(lengths[0] - lengths[1])
+    assert pad and int(trace.padding.sum()) == pad and (trace.is_prefill[trace.padding == 1] == 1).all()
+    assert summary(trace)["prefill_tokens"] == sum(lengths)
+    assert main(["trace", "info", str(tmp_path / "t.npz")]) == 0
+    assert f"(prefill tokens: {sum(lengths)}, and {pad} rows of left padding)" in capsys.readouterr().out
     code, out, err = gen(
         capsys, path, "--prompts", str(plain), "--expert-memory", "40%", "--host-memory", "60%"
     )
@@ -751,8 +765,11 @@ def test_the_transfers_by_part_say_which_are_on_demand_and_which_prefetched(caps
     code, _, err = gen(capsys, path, *run, new=8)
     assert code == 0, err
     demand = ", ".join(f"{p} {n}" for p, n in got["part_misses"].items())
-    ahead = ", ".join(f"{p} {n}" for p, n in got["part_prefetches"].items())
+    dropped = got["part_cancelled"]  # a prefetch cancelled before it moved is not among those prefetched
+    ahead = ", ".join(f"{p} {n - dropped.get(p, 0)}" for p, n in got["part_prefetches"].items())
     assert f"transfers by part on demand: {demand}, prefetched: {ahead}" in err, err
+    if dropped:
+        assert "prefetches cancelled: " + ", ".join(f"{p} {n}" for p, n in dropped.items()) in err, err
 
 
 def test_a_randomized_policy_is_seeded_by_policy_seed_and_replays_with_that_seed(capsys, ckpt, tmp_path):

@@ -143,6 +143,9 @@ def test_preemption_drops_unchosen_queued_prefetches_and_promotes_chosen_ones():
     assert tr.handles[2].key == (1, 1) and tr.handles[2].priority == DEMAND
     assert order == [(1, 3), (1, 1)]
     assert pro.stats.cancelled[1] == 1 and pro.stats.used[1] == 1 and pro.stats.misses[0, 1] == 1
+    # counted by part too: the part's prefetches as queued, and of them the one that never moved
+    got = pro.stats.to_dict()
+    assert got["part_prefetches"] == {"full": 2} and got["part_cancelled"] == {"full": 1}
 
 
 def test_without_preemption_stale_prefetches_stay_queued():

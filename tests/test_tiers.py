@@ -829,6 +829,8 @@ def test_doctor_says_which_level_bounds_the_step():
         assert lv["inclusive"]["bound"] == bound and lv["host_capacity"] == 60
         assert lv["exclusive"]["host_misses"] < lv["inclusive"]["host_misses"]
         assert any(f"bound by the {bound}" in line for line in r["verdict"])
+        # the on-demand TPOT's level is the one given, inclusive (a new user's trial read it as exclusive)
+        assert any("on-demand LRU over the inclusive host level (60 experts)" in x for x in r["verdict"])
     assert diagnose(tr, 24)["levels"] is None
     small = diagnose(tr, 24, slow_disk, host=HostConfig(None), host_capacity=2)["levels"]["exclusive"]
     assert small["error"] == "its 2 experts of memory are all kept for hits in flight, a layer's top-2"
@@ -837,7 +839,7 @@ def test_doctor_says_which_level_bounds_the_step():
         every["levels"]["unused"] in every["verdict"]
         and "host level is not used" in every["levels"]["unused"]
     )
-    assert not any("over the host level" in line for line in every["verdict"])
+    assert not any("host level (" in line and "on-demand" in line for line in every["verdict"])
     assert not any("by chance" in line for line in every["verdict"])  # every expert fits: nothing by chance
 
 

@@ -655,6 +655,29 @@ def test_select_takes_some_tokens_with_every_per_token_array_and_refuses_what_is
             trace.select(bad)
 
 
+def test_a_padded_batchs_left_padding_is_marked_saved_selected_and_not_counted_as_prompt(tmp_path):
+    """``padding`` (1: a row of a padded batch's left padding): 0 or 1 only, int8 whether given as bools
+    or integers, kept by save and select; the summary counts the prompts' own tokens apart from it."""
+    import expertcache as ec
+    from expertcache.errors import TraceError
+    from expertcache.trace.stats import summary
+
+    ex = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]]], dtype=np.int16)  # T=4, L=1, K=2
+    prefill, pad = np.array([1, 1, 1, 0]), np.array([True, False, False, False])
+    trace = ec.Trace(ex, 4, is_prefill=prefill, seq_id=np.array([0, 0, 1, 0]), padding=pad)
+    assert trace.padding.dtype == np.int8 and trace.padding.tolist() == [1, 0, 0, 0]
+    with pytest.raises(TraceError, match="'padding' must hold only 0 or 1"):
+        ec.Trace(ex, 4, padding=np.array([0, 2, 0, 0]))
+    with pytest.raises(TraceError, match="'padding' has shape"):
+        ec.Trace(ex, 4, padding=np.zeros(3, np.int8))
+    trace.save(tmp_path / "t.npz")
+    saved = ec.load_trace(tmp_path / "t.npz")
+    assert saved.padding.tolist() == [1, 0, 0, 0] and saved.select([1, 2]).padding.tolist() == [0, 0]
+    got = summary(saved)
+    assert got["prefill_tokens"] == 2 and got["padding_tokens"] == 1
+    assert summary(ec.Trace(ex, 4, is_prefill=prefill))["padding_tokens"] == 0
+
+
 def test_a_runs_wall_clock_comes_in_pairs_of_finite_times_in_order_and_select_keeps_it(tmp_path, capsys):
     """A recorded run's clock (``step_start_s``, ``step_end_s``): both or neither, finite, no step ending
     before it starts; saved and loaded as float64, kept by select, and summed up by trace info."""

@@ -264,8 +264,7 @@ class ExpertCache:
         for pk in spec:
             handle = inflight.get(pk)
             if handle is not None and pk[1] not in chosen and transport.cancel(handle):
-                self._forget(pk)
-                self.stats.cancelled[layer] += 1
+                self._cancelled(pk)
         for key in keys:  # chosen and still moving, whenever it was prefetched: now a demand
             for part in self.parts:
                 handle = inflight.get((part, key))
@@ -404,8 +403,7 @@ class ExpertCache:
         """Drop every queued speculative transfer outside ``keep`` and wait for the rest to land."""
         for pk, handle in list(self.inflight.items()):
             if pk not in keep and self.transport.cancel(handle):
-                self._forget(pk)
-                self.stats.cancelled[pk[1][0]] += 1
+                self._cancelled(pk)
         for pk, handle in list(self.inflight.items()):
             if pk not in keep:
                 try:
@@ -423,6 +421,13 @@ class ExpertCache:
                 del self.inflight[pk]
             elif state == FAILED and pk not in self.demand:
                 self._forget(pk)
+
+    def _cancelled(self, pk: PartKey) -> None:
+        """A queued prefetch the transport dropped before it moved: forgotten and counted."""
+        self._forget(pk)
+        stats, part = self.stats, pk[0]
+        stats.cancelled[pk[1][0]] += 1
+        stats.part_cancelled[part] = stats.part_cancelled.get(part, 0) + 1
 
     def _forget(self, pk: PartKey) -> None:
         """A speculative transfer that will not land: its key leaves the part and its place is freed."""

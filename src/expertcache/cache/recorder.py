@@ -23,10 +23,16 @@ class Recorder:
         self.reach = 0  # the most layers ahead a prediction recorded by source reached (``predict_from``)
 
     def begin(
-        self, token_ids: np.ndarray, prefill: bool, seq: np.ndarray, prompt: np.ndarray | None = None
+        self,
+        token_ids: np.ndarray,
+        prefill: bool,
+        seq: np.ndarray,
+        prompt: np.ndarray | None = None,
+        padding: np.ndarray | None = None,
     ) -> None:
         """A step of ``token_ids`` (rows flattened); ``seq`` gives each token's sequence id, ``prompt``
-        which tokens are prompt tokens (None: all of them if ``prefill``, else none)."""
+        which tokens are prompt tokens (None: all of them if ``prefill``, else none), ``padding`` which
+        rows are a padded batch's left padding (None: none)."""
         if prompt is None:
             phase = np.full(len(token_ids), 1 if prefill else 0, dtype=np.int8)
         else:
@@ -35,7 +41,8 @@ class Recorder:
         experts, weights = np.full((L, t, K), -1, dtype=np.int16), np.zeros((L, t, K), dtype=np.float32)
         self.steps.append(
             {"token_id": token_ids, "phase": phase, "seq": seq, "done": 0, "pred": {}, "from": {},
-             "experts": experts, "weights": weights, "wall": None}
+             "experts": experts, "weights": weights, "wall": None,
+             "padding": None if padding is None or not np.any(padding) else np.asarray(padding, np.int8)}
         )  # fmt: skip
 
     def wall(self, start: float, end: float) -> None:
@@ -76,6 +83,7 @@ class Recorder:
             steps = steps[:-1]
         timed = bool(steps) and all(s["wall"] is not None for s in steps)  # every step's, or none
         origin = steps[0]["wall"][0] if timed else 0.0
+        padded = any(s["padding"] is not None for s in steps)
         for i, s in enumerate(steps):
             t = len(s["token_id"])
             p = np.full((t, L, K), -1, dtype=np.int16)
@@ -107,6 +115,7 @@ class Recorder:
             predicted_from=np.concatenate(by_source) if self.reach else None,
             step_start_s=_walls(steps, 0, origin) if timed else None,
             step_end_s=_walls(steps, 1, origin) if timed else None,
+            padding=_padding(steps) if padded else None,
             meta=dict(meta or {}),
         )
 
@@ -115,6 +124,13 @@ def _walls(steps: list[dict[str, object]], which: int, origin: float) -> np.ndar
     """Each token's step's start (``which`` 0) or end (1), seconds from ``origin``, float64 ``[T]``."""
     return np.concatenate(
         [np.full(len(s["token_id"]), s["wall"][which] - origin, dtype=np.float64) for s in steps]
+    )
+
+
+def _padding(steps: list[dict[str, object]]) -> np.ndarray:
+    """Each token's padding flag (1: left padding), int8 ``[T]``."""
+    return np.concatenate(
+        [np.zeros(len(s["token_id"]), np.int8) if s["padding"] is None else s["padding"] for s in steps]
     )
 
 

@@ -3,10 +3,11 @@
 Per phase and layer (arrays [2, L], row 1 = prefill): ``requests`` (experts the steps needed), ``misses``
 (needed but not present in the primary part: not resident and not moving in), and how the misses were
 served: ``host`` (computed on the host), ``low_precision`` (from a low-precision copy), ``skipped``
-(not computed: lossy). Per part: demand transfers, speculative ones (prefetches) and fills, and
-``part_reused``: missed experts whose part was there already (``batch``'s stream buffer, MoEpic's buffer of
-bottom segments), which moved nothing. Per layer: ``filled``, experts computed on the host
-and moved into the cache in the background for later steps. Per layer (ProMoE's accounting of prefetching):
+(not computed: lossy). Per part: demand transfers, speculative ones (prefetches; ``part_cancelled`` those
+dropped before they moved) and fills, and ``part_reused``: missed experts whose part was there already
+(``batch``'s stream buffer, MoEpic's buffer of bottom segments), which moved nothing. Per layer: ``filled``,
+experts computed on the host and moved into the cache in the background for later steps. Per layer
+(ProMoE's accounting of prefetching):
 speculative transfers ``issued``, ``used`` (their layer then asked for them), ``late`` (still moving
 then), ``cancelled``, ``skipped_prefetches`` (no evictable slot), and the prediction quality: ``actual``
 experts of predicted layer visits, ``correct`` (predicted), ``in_time`` (predicted and resident when
@@ -36,7 +37,8 @@ class CacheStats:
         for name in _LAYERED:
             setattr(self, name, np.zeros(num_layers, dtype=np.int64))
         self.part_misses: dict[str, int] = {}  # demand transfers of each part
-        self.part_prefetches: dict[str, int] = {}  # speculative transfers of each part (prefetches)
+        self.part_prefetches: dict[str, int] = {}  # speculative transfers of each part queued (prefetches)
+        self.part_cancelled: dict[str, int] = {}  # of those, dropped before they moved (``cancelled``)
         self.part_fills: dict[str, int] = {}  # host-computed experts moved into each part in the background
         self.part_reused: dict[str, int] = {}  # missed experts found in a part other than the primary one
         self.shadow_guesses = 0  # predicted in shadow, not present: what prefetching would have moved
@@ -63,6 +65,7 @@ class CacheStats:
             "filled": int(self.filled.sum()),
             "part_misses": dict(self.part_misses),
             "part_prefetches": dict(self.part_prefetches),
+            "part_cancelled": dict(self.part_cancelled),
             "part_fills": dict(self.part_fills),
             "part_reused": dict(self.part_reused),
             "prefetch_issued": int(self.issued.sum()),

@@ -106,12 +106,13 @@ class StepDriver:
         future=None,
         seq_ids: np.ndarray | None = None,
         prompt: np.ndarray | None = None,
+        padding: np.ndarray | None = None,
     ) -> None:
         """A forward step of ``token_ids`` (all rows, flattened) starts; ``seq`` is its first row's
         request (``seq_ids`` each token's, and ``prompt`` which of them are prompt tokens, for the
         recorder: a step of continuous batching mixes requests and phases; ``prefill`` is then whether
-        any token is a prompt token); ``future`` (simulator only) the step's true experts per layer, for
-        the oracle."""
+        any token is a prompt token; ``padding`` which rows are a padded batch's left padding); ``future``
+        (simulator only) the step's true experts per layer, for the oracle."""
         clock = self.clock
         clock.round, clock.token, clock.seq, clock.layer = self.steps, self.tokens, seq, 0
         clock.prefill = bool(prefill)
@@ -127,7 +128,7 @@ class StepDriver:
         if self.recorder is not None:
             if seq_ids is None:
                 seq_ids = np.full(len(token_ids), seq, dtype=np.int32)
-            self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids, prompt)
+            self.recorder.begin(np.asarray(token_ids, dtype=np.int32), prefill, seq_ids, prompt, padding)
         if self.predictor is not None and self.governor is not None:
             t, stats = self.cache.transport, self.cache.stats
             link = LinkCounts(t.busy_s, t.active_s, t.transfers, stats.shadow_guesses, stats.shadow_hits)

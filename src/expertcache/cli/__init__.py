@@ -1904,7 +1904,9 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     print(f"shape       T={info['tokens']} tokens, L={info['layers']} layers, E={info['experts']} experts, "
           f"K={info['top_k']}")  # fmt: skip
     prefill = info["prefill_tokens"]  # None: the trace does not say which tokens are the prompt's
-    print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {'-' if prefill is None else prefill})")
+    pad = f", and {info['padding_tokens']} rows of left padding" if info["padding_tokens"] else ""
+    prefill = "-" if prefill is None else prefill
+    print(f"sequences   {info['sequences'] or '-'} (prefill tokens: {prefill}{pad})")
     print(f"unknown     {info['unknown_entries']} entries")
     if run:
         print(f"recorded    {_describe_recorded(run)}")

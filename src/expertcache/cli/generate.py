@@ -667,10 +667,14 @@ def miss_work(out: dict) -> str:
     if len(named) > 1 or (named and "full" not in named):  # split experts, low-precision copies, a buffer
         demand = ", ".join(f"{p} {n}" for p, n in parts.items()) or "none"
         words.append(f"transfers by part on demand: {demand}")
-        # prefetches and fills move parts too: with demand, what moved (less the cancelled prefetches')
-        for what, counts in (("prefetched", ahead), ("filled", fills)):
+        # prefetches and fills move parts too: with demand, what moved (a cancelled prefetch moved nothing)
+        dropped = out.get("part_cancelled") or {}
+        moved_ahead = {p: n - dropped.get(p, 0) for p, n in ahead.items() if n > dropped.get(p, 0)}
+        for what, counts in (("prefetched", moved_ahead), ("filled", fills)):
             if counts:
                 words.append(f"{what}: " + ", ".join(f"{p} {n}" for p, n in counts.items()))
+        if dropped:
+            words.append("prefetches cancelled: " + ", ".join(f"{p} {n}" for p, n in dropped.items()))
         if reused:  # a missed expert whose part was there already: no transfer
             words.append("missed and found in: " + ", ".join(f"{p} {n}" for p, n in reused.items()))
     return ", ".join(words)

@@ -246,7 +246,7 @@ class OffloadedModel:
         # the prediction quality of this generation's steps (ratios of counts, not of the totals')
         now = self.cache.stats.prediction_counts()
         delta.update(prediction_quality(*(b - a for a, b in zip(predicted, now, strict=True))))
-        for name in ("part_misses", "part_prefetches", "part_fills", "part_reused"):
+        for name in ("part_misses", "part_prefetches", "part_cancelled", "part_fills", "part_reused"):
             parts = before[name]
             delta[name] = {p: n - parts.get(p, 0) for p, n in after[name].items() if n > parts.get(p, 0)}
         delta.update(expert_memory_bytes=after["expert_memory_bytes"], slow_tier=after["slow_tier"],

@@ -295,6 +295,7 @@ class Engine:
         length = getattr(past, "get_seq_length", None)
         paged = past is not None and length is None  # continuous batching's cache
         told = self.step_source() if paged and self.step_source is not None else None
+        padding = None
         if told is not None and len(told[0]) == len(flat):
             seq, prompt = told
             prefill = bool(prompt.any())  # a step holding any prompt token is a prefill step
@@ -306,8 +307,12 @@ class Engine:
                 self._seq += rows
             seq = np.repeat(np.arange(self._seq - rows, self._seq, dtype=np.int32), cols)
             prompt, first = None, self._seq - rows
+            if prefill and self.driver.recorder is not None:  # a padded batch's left padding, for the trace
+                mask = kwargs.get("attention_mask")
+                if isinstance(mask, torch.Tensor) and mask.shape == ids.shape and mask.dim() == 2:
+                    padding = (mask == 0).reshape(-1).to("cpu").numpy()
         self.transport.phase = int(prefill)
-        self.driver.begin_step(flat, prefill, first, seq_ids=seq, prompt=prompt)
+        self.driver.begin_step(flat, prefill, first, seq_ids=seq, prompt=prompt, padding=padding)
         # a forward that raises never reaches ``_end_step``: its step keeps a forward of no length (the next
         # step's start bounds it), and the run's clock its other steps
         self.driver.step_wall(self._step_start, self._step_start)

@@ -168,7 +168,8 @@ class _CacheCollector:
             moved.add_metric([part], float(count))
         yield moved
         for name, what in (
-            ("part_prefetches", "speculative transfers (prefetches) into each part of the cache"),
+            ("part_prefetches", "speculative transfers (prefetches) into each part of the cache, as queued"),
+            ("part_cancelled", "of the part's prefetches, those dropped before they moved"),
             ("part_fills", "host-computed experts moved into each part of the cache in the background"),
             ("part_reused", "missed experts found in a part other than the cache's own (no transfer)"),
         ):

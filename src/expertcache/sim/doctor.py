@@ -584,7 +584,11 @@ def verdict(r: dict[str, object]) -> list[str]:
             + (f"; not timed: {'; '.join(left)}" if left else "")
         )
     t = r["tpot_s"]
-    over = " over the host level" if lv is not None and "unused" not in lv else ""
+    over = (  # the level as given (doctor takes no exclusive one; its twin is compared above)
+        f" over the inclusive host level ({lv['host_capacity']} experts)"
+        if lv is not None and "unused" not in lv
+        else ""
+    )
     if t["on_demand"] and t["plan"] and t["all_resident"]:
         named = "LRU" if r["policy"] == "lru" else r["policy"]
         own = " (a request's, between its tokens)" if r.get("tpot_of") == "request" else ""

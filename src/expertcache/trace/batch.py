@@ -34,7 +34,8 @@ SCHEDULES = ("fifo", "prompts-first")  # which requests a step runs: the server'
 
 def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
     """The trace's requests in order of first appearance: (their token rows, how many are prompt tokens).
-    A request's rows must be its prompt tokens, then its generated tokens."""
+    A request's rows must be its prompt tokens, then its generated tokens; a padded batch's left padding
+    (``padding``) is no request's, and a server computes none: left out."""
     if trace.seq_id is None or trace.is_prefill is None:
         raise TraceError(
             f"{trace.source}: batching needs each token's request and phase ('seq_id' and 'is_prefill')"
@@ -44,7 +45,8 @@ def requests_of(trace: Trace) -> list[tuple[np.ndarray, int]]:
     out = []
     seqs, first = np.unique(trace.seq_id, return_index=True)
     for seq in seqs[np.argsort(first, kind="stable")].tolist():
-        rows = np.flatnonzero(trace.seq_id == seq)
+        own = trace.seq_id == seq
+        rows = np.flatnonzero(own if trace.padding is None else own & (trace.padding == 0))
         phase = trace.is_prefill[rows]
         prompt = int(phase.sum())
         if prompt == 0 or not (phase[:prompt] == 1).all() or (phase[prompt:] == 1).any():

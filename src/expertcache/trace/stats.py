@@ -125,7 +125,8 @@ def summary(trace: Trace) -> dict[str, object]:
     trace = as_trace(trace)
     ent = layer_entropy(trace)
     reuse = reuse_between_tokens(trace)
-    prefill = int((trace.is_prefill == 1).sum()) if trace.is_prefill is not None else None
+    pad = trace.padding == 1 if trace.padding is not None else np.zeros(trace.num_tokens, bool)
+    prefill = int(((trace.is_prefill == 1) & ~pad).sum()) if trace.is_prefill is not None else None
     return {
         "source": trace.source,
         "tokens": trace.num_tokens,
@@ -133,7 +134,8 @@ def summary(trace: Trace) -> dict[str, object]:
         "experts": trace.num_experts,
         "top_k": trace.top_k,
         "sequences": int(np.unique(trace.seq_id).size) if trace.seq_id is not None else None,
-        "prefill_tokens": prefill,
+        "prefill_tokens": prefill,  # the prompts' own tokens: a padded batch's left padding apart
+        "padding_tokens": int(pad.sum()),
         "unknown_entries": int((trace.experts < 0).sum()),
         "step_shape": step_shape(trace),
         "step_walls": step_walls(trace),

@@ -9,8 +9,10 @@ engine's batched steps; without it, steps are derived from ``is_prefill`` and ``
 step's ranked list, read row after row over the step's tokens, -1 padding; meta ``predictor`` and
 ``window`` name it), and for a predictor that predicts a layer from several earlier ones (HOBBIT's
 ``adaptive``) ``predicted_from`` int16 [T, L, W, K] (entry ``d - 1`` of layer ``i``: what it predicted
-for layer i at layer i - d, before the prefetch walked it; the same layout). Other arrays and scalars in
-a file are kept as metadata.
+for layer i at layer i - d, before the prefetch walked it; the same layout); a recorded run's wall clock
+``step_start_s`` and ``step_end_s`` float64 [T]; ``padding`` int8 [T] (1: a row of a padded batch's left
+padding, which the forward routed like a prompt token though no request wrote it). Other arrays and
+scalars in a file are kept as metadata.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _OPTIONAL = {
     "predicted_from": ("iu", np.int16, 4),
     "step_start_s": ("f", np.float64, 1),
     "step_end_s": ("f", np.float64, 1),
+    "padding": ("iub", np.int8, 1),
 }
 _CORE = ("experts", "num_experts", *_OPTIONAL)
 
@@ -62,6 +65,9 @@ class Trace:
     # which may run ahead of the device's kernels
     step_start_s: np.ndarray | None = None
     step_end_s: np.ndarray | None = None
+    # 1 where the row is a padded batch's left padding (routed, computed and cached like a prompt token, so
+    # a replay keeps it; no request's token): int8 [T]
+    padding: np.ndarray | None = None
     meta: dict[str, object] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -315,6 +321,8 @@ def _validate(trace: Trace) -> None:
         raise TraceError(f"{src}: token {tok}'s step ends ({ends[tok]} s) before it starts ({starts[tok]} s)")
     if trace.is_prefill is not None and not np.isin(trace.is_prefill, (-1, 0, 1)).all():
         raise TraceError(f"{src}: 'is_prefill' must hold only -1, 0 or 1")
+    if trace.padding is not None and not np.isin(trace.padding, (0, 1)).all():
+        raise TraceError(f"{src}: 'padding' must hold only 0 or 1")
     if trace.seq_id is not None and (trace.seq_id < 0).any():
         raise TraceError(f"{src}: 'seq_id' must be non-negative")
     if trace.step_id is not None and ((trace.step_id < 0).any() or (np.diff(trace.step_id) < 0).any()):
