@@ -1,5 +1,6 @@
 """A decode step's packed-expert products on a CPU at numba's default vector width and at the core's full
-width (``expertcache.jit``), over a slot pool with and without huge pages (``memory.advise_huge_pages``).
+width (``expertcache.jit``), over a slot pool with and without huge pages (``memory.advise_huge_pages``),
+and without the loops' prefetch hints (``_packed_jit.AHEAD``).
 
     .venv/bin/python bench/packed_width_cpu.py [--threads 2] [--rounds 5] [--out FILE.json]
 
@@ -9,7 +10,9 @@ experts are) of int8 (or int4-g64) experts at Granite-3.1-1B-A400M's shapes (gat
 1024 x 512), then 300 decode steps of 8 random experts, timing ``PackedKernels``' compiled loop alone
 (``_packed_jit.rows_*``) for both projections. ``default`` compiles with the host's features as numba
 picks them (LLVM's tuning for the core: 256-bit vectors on Intel's AVX-512 cores), ``wide`` with
-``-prefer-256-bit`` added, as the package does. Prints the median step's time in microseconds and the
+``-prefer-256-bit`` added, as the package does; ``no prefetch hints`` is the package's case with the
+loops compiled afresh (in a cache folder of its own) with ``AHEAD`` beyond every row, so that they ask
+for nothing ahead, as before the hints. Prints the median step's time in microseconds and the
 weight bytes read per second; ``--out`` also writes JSON.
 """
 
@@ -21,16 +24,20 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
-CASES = {  # name -> (vector width asked, huge pages)
-    "default width, 4 KiB pages": ("default", False),
-    "default width, huge pages": ("default", True),
-    "full width, 4 KiB pages": ("wide", False),
-    "full width, huge pages (the package)": ("wide", True),
+CASES = {  # name -> (vector width asked, huge pages, prefetch hints)
+    "default width, 4 KiB pages": ("default", False, True),
+    "default width, huge pages": ("default", True, True),
+    "full width, 4 KiB pages": ("wide", False, True),
+    "full width, huge pages (the package)": ("wide", True, True),
+    "full width, huge pages, no prefetch hints": ("wide", True, False),
 }
 
 
-def one(fmt: str, huge: bool, pool_gib: float, threads: int, steps: int) -> dict[str, float]:
+def one(
+    fmt: str, huge: bool, pool_gib: float, threads: int, steps: int, hints: bool = True
+) -> dict[str, float]:
     """In this process: the median decode step's compiled-loop time."""
     import time
 
@@ -38,6 +45,9 @@ def one(fmt: str, huge: bool, pool_gib: float, threads: int, steps: int) -> dict
     import torch
 
     from expertcache.engine import _packed_jit
+
+    if not hints:  # read when the loops compile (the parent gave this process a cache folder of its own)
+        _packed_jit.AHEAD = 1 << 62
     from expertcache.engine.memory import advise_huge_pages
     from expertcache.jit import numba, wide_vectors
 
@@ -103,23 +113,29 @@ def main() -> None:
     ap.add_argument("--pool-gib", type=float, default=1.1)
     ap.add_argument("--formats", nargs="+", choices=("int8", "int4"), default=["int8", "int4"])
     ap.add_argument("--out")
-    ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: FORMAT HUGE in this process
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), metavar="CASE",
+                    help="the cases to run, by name (default: all)")  # fmt: skip
+    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # internal: FORMAT HUGE HINTS in this process
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], args.one[1] == "1", args.pool_gib, args.threads, args.steps)))
+        fmt, huge, hints = args.one
+        print(json.dumps(one(fmt, huge == "1", args.pool_gib, args.threads, args.steps, hints == "1")))
         return
     import llvmlite.binding as ll
 
     features = ll.get_host_cpu_features().flatten()
-    results: dict[str, dict[str, list[dict]]] = {f: {c: [] for c in CASES} for f in args.formats}
+    results: dict[str, dict[str, list[dict]]] = {f: {c: [] for c in args.cases} for f in args.formats}
+    fresh = tempfile.mkdtemp(prefix="expertcache-nohints-")  # loops compiled without hints, apart
     for r in range(args.rounds):
         for fmt in args.formats:
-            names = list(CASES)
+            names = list(args.cases)
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotating order
-                width, huge = CASES[name]
+                width, huge, hints = CASES[name]
                 env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
                 if width == "default":
                     env["NUMBA_CPU_FEATURES"] = features  # the host's, as numba takes them by default
+                if not hints:
+                    env["NUMBA_CACHE_DIR"] = fresh  # never the hinted loops' cache (globals are not its key)
                 sizes = [
                     "--threads",
                     str(args.threads),
@@ -128,7 +144,15 @@ def main() -> None:
                     "--pool-gib",
                     str(args.pool_gib),
                 ]
-                cmd = [sys.executable, __file__, "--one", fmt, "1" if huge else "0", *sizes]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    fmt,
+                    "1" if huge else "0",
+                    "1" if hints else "0",
+                    *sizes,
+                ]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 results[fmt][name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"round {r + 1} {fmt} {name}: {results[fmt][name][-1]['us']:.0f} us", file=sys.stderr)
