@@ -29,12 +29,14 @@ Compiled once per machine and cached on disk (``cache=True``); imported only whe
 from __future__ import annotations
 
 import numpy as np
-
 from llvmlite import ir
+
+# isort: off
+from expertcache.jit import numba  # first: it settles numba's target and pool before numba loads
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from expertcache.jit import numba
+# isort: on
 
 BLOCK_ROWS = 64  # output rows a parallel task takes
 # Bytes the int8 loop asks the memory for ahead of the row it reads (``_prefetch``): two of Granite's rows.
