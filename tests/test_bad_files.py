@@ -343,3 +343,17 @@ def test_a_config_routing_to_more_experts_than_a_layer_has_is_refused(ckpt, tmp_
     for argv in (["model", "info", str(bad)], ["generate", "--model", str(bad), "--prompt", "hi"]):
         err = _err(capsys, argv)
         assert f"num_experts_per_tok {cfg['num_local_experts'] + 1} routes each token to more experts" in err
+
+
+def test_quality_refuses_a_text_too_short_to_measure_on(ckpt, tmp_path, capsys):
+    """An empty ``--text`` file measured one token (BOS to EOS) and printed "top-1 agreement 100.00% over
+    1 tokens", exit 0, where ``--tokens 1`` is refused (a new user's trial): one line, exit 2, for an empty
+    text and for a text of too few tokens alike."""
+    path = ckpt("mixtral")
+    empty, word = tmp_path / "empty.txt", tmp_path / "word.txt"
+    empty.write_text("\n")
+    word.write_text("a")
+    err = _err(capsys, ["quality", "--model", str(path), "--expert-memory", "100%", "--text", str(empty)])
+    assert "holds no text to measure on" in err, err
+    err = _err(capsys, ["quality", "--model", str(path), "--expert-memory", "100%", "--text", str(word)])
+    assert "fewer than 2 tokens to predict" in err, err

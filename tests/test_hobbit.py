@@ -161,6 +161,10 @@ def test_quantize_command_prints_the_files(ckpt, capsys, tmp_path):
     assert "note: the engine looks for copies in" in got.err and "expertcache-quant" in got.err
     assert main(["quantize", str(ckpt("olmoe")), "--bits", "8", "--group", "32", "--out", str(tmp_path)]) == 2
     assert "--group applies to int4 and int2 only" in capsys.readouterr().err
+    # an int8 copy has one scale a row: no group in its record (it said 64, a new user's trial)
+    assert main(["quantize", str(ckpt("olmoe")), "--bits", "8", "4", "--out", str(tmp_path), "--json"]) == 0
+    records = {r["bits"]: r for r in json.loads(capsys.readouterr().out)}
+    assert records[8]["group"] is None and records[4]["group"] == 64
 
 
 def test_missing_copies_say_how_to_make_them(ckpt):

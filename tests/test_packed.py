@@ -347,6 +347,13 @@ def test_quantize_checkpoint_and_generate_from_the_cli(tmp_path, capsys):
     assert code == 0
     run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert run["expert_format"] == "int4-g64" and run["kernel"] == "packed" and run["lossy"]
+    assert run["dtype_own"]
+    # in another dtype than the checkpoint's (float32), the quality command it suggests measures in that
+    # dtype (it left --dtype out, and quality would have measured in the checkpoint's: a new user's trial)
+    code = main(["generate", "--model", str(out), "--prompt", "def f(x):", "--max-new-tokens", "2",
+                 "--expert-memory", "40%", "--dtype", "bfloat16"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0 and f"expertcache quality --model {out} --dtype bfloat16 says how far" in err, err
     assert main(["quantize", "--bits", "8", "4", "--checkpoint", str(tmp_path / "two")]) == 2
     assert "give one --bits" in capsys.readouterr().err
 

@@ -2316,6 +2316,8 @@ def _cmd_quality(args: argparse.Namespace) -> int:
             texts = [Path(args.text).read_text(encoding="utf-8-sig")]
         except (OSError, UnicodeDecodeError) as exc:
             raise ExpertcacheError(f"{args.text}: cannot read the text ({exc})") from None
+        if not texts[0].strip():
+            raise ExpertcacheError(f"--text {args.text}: the file holds no text to measure on")
     r = measure(
         args.model, args.miss, args.expert_memory, args.policy, texts, args.tokens, args.device,
         progress=not args.json, prefetch=args.prefetch, prefetch_when=args.prefetch_when or "always",

@@ -620,15 +620,17 @@ def summary(out: dict) -> str:
                      "is exact)")  # fmt: skip
     if out.get("kernel") == "packed" and out.get("experts_as_stored"):  # a published format's checkpoint
         made = (f"; expertcache quantize made it from {out['made_from']}, which it stands for with a loss "
-                f"(expertcache quality --model {out.get('model') or 'DIR'} says how far)"
+                f"(expertcache quality --model {out.get('model') or 'DIR'}"
+                f"{'' if out.get('dtype_own', True) else ' --dtype ' + out['dtype']} says how far)"
                 if out.get("made_from") else "")  # fmt: skip
         lines.append(f"experts read as the checkpoint stores them ({out.get('expert_format')}): its "
                      "weights exactly, summed in float32 (transformers' dequantised forward within "
                      f"rounding){made}")  # fmt: skip
     elif out.get("kernel") == "packed":  # engine.packed: a packed checkpoint, lossy against its source
+        dtype = "" if out.get("dtype_own", True) else f" --dtype {out['dtype']}"  # measured as it ran
         lines.append(f"experts packed ({out.get('expert_format')}): quantised, not the full-precision "
-                     f"model's outputs (expertcache quality --model {out.get('model') or 'DIR'} says how "
-                     "far)")  # fmt: skip
+                     f"model's outputs (expertcache quality --model {out.get('model') or 'DIR'}{dtype} says "
+                     "how far)")  # fmt: skip
     varies = out.get("varies_by")
     if varies:
         fixes = [] if out.get("deterministic") else ["--deterministic"]  # what each of them needs

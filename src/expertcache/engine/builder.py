@@ -124,6 +124,7 @@ class Built:
     config: object  # the checkpoint's transformers config
     family: Family
     dtype: torch.dtype
+    dtype_own: bool  # ``dtype`` is the checkpoint's own (its config's), not another one asked for
     num_layers: int
     num_experts: int
     top_k: int
@@ -232,6 +233,7 @@ class Builder:
             self.path, dtype, progress=show, attention=attention, quantized_dense=dense, device=self.device
         )
         self.config, self.family, self.dtype = sk.config, sk.family, sk.dtype
+        self.dtype_own = sk.dtype == resolve_dtype(None, read_config(self.path))
         self.num_layers, self.num_experts, self.top_k = len(sk.experts), sk.num_experts, sk.top_k
         if measured_on is not None:  # as timing, plan and doctor refuse it
             have = (self.num_layers, self.num_experts, self.top_k)
@@ -253,7 +255,7 @@ class Builder:
             self.dense = quantize_dense_weights(sk.model, quantize_dense, dtype=sk.dtype, siblings=siblings)
             label = model_label(self.path)
             which = "" if label == "embedded" else f" --model {label}"
-            if sk.dtype != resolve_dtype(None, read_config(self.path)):  # another dtype than the checkpoint's
+            if not self.dtype_own:  # another dtype than the checkpoint's: the same in quality
                 which += " --dtype " + str(sk.dtype).removeprefix("torch.")
             self.notes.append(
                 f"{self.dense.describe()}: lossy, not the model's outputs (expertcache quality{which} "

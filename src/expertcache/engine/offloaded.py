@@ -325,6 +325,7 @@ class OffloadedModel:
                       for name, p in self.parts.items()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),  # the modules' compute dtype (``--dtype``)
+            "dtype_own": self.dtype_own,  # the checkpoint's own dtype (else one --dtype asked for)
             "kernel": self.kernel.name,
             "attention": self.attention or getattr(self.model.config, "_attn_implementation", None),
             "preloaded_experts": self.preloaded,

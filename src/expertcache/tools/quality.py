@@ -156,8 +156,10 @@ def measure(
         seqs = [tok(t, return_tensors="pt", truncation=True, max_length=n + 1).input_ids[0]
                 for t, n in zip(texts, share, strict=True) if n > 0]  # fmt: skip
         seqs = [s for s in seqs if s.shape[0] >= 2]
-        if not seqs:
-            raise ExpertcacheError("the texts give no two tokens to measure")
+        if sum(s.shape[0] - 1 for s in seqs) < 2:  # as --tokens: a figure over one token is no measure
+            raise ExpertcacheError(
+                "the texts give fewer than 2 tokens to predict: give a longer text (at least 3 tokens)"
+            )
         from expertcache.engine.kernels import default_kernel
         from expertcache.engine.loader import in_dtype
 

@@ -217,7 +217,7 @@ def quantize_model(
         _write(target, tensors, info, b, group, path, sk.dtype, extra, fp)
         per_expert = sum(t["bytes"] for t in info.values())
         record = {
-            "bits": b, "group": group, "method": method, "path": str(target),
+            "bits": b, "group": None if b == 8 else group, "method": method, "path": str(target),
             "file_bytes": target.stat().st_size, "bytes_per_expert": per_expert,
             "full_bytes_per_expert": layout.nbytes, "experts": len(keys),
             "seconds": round(time.perf_counter() - start, 2),
