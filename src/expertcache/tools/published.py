@@ -99,12 +99,14 @@ def write_published(
         raise ExpertcacheError(f"--format {fmt}: one of {', '.join(FORMATS)}")
     start = time.perf_counter()
     path, target, sk = full_precision_source(model, out, "quantised")
+    fused = any(src.fused for srcs in sk.family.sources.values() for src in srcs)
     if fmt == "mxfp4" and sk.family.name != "gpt_oss":
+        other = ("" if fused else "--format fp8, or ") + "--bits 4 for expertcache's int4"  # not fp8: fused
         raise ExpertcacheError(
             f"mxfp4 is GPT-OSS's layout (transformers reads it for gpt_oss only), not {sk.family.name}'s: "
-            "write --format fp8, or --bits 4 for expertcache's int4"
+            f"write {other}"
         )
-    if fmt == "fp8" and any(src.fused for srcs in sk.family.sources.values() for src in srcs):
+    if fmt == "fp8" and fused:
         raise ExpertcacheError(
             f"fp8 checkpoints store experts one by one; {sk.family.name} stores them fused (transformers "
             "5.24 would drop their scales): write --bits 8 for expertcache's int8"
