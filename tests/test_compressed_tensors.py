@@ -138,6 +138,9 @@ def test_the_engine_reads_what_transformers_reads(family, bits, strategy, dtype,
     assert_same_everywhere(path, IDS, full)
 
 
+KEPT = "model.layers.1.mlp.experts"
+
+
 def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
     from expertcache.engine.offloaded import load
 
@@ -160,6 +163,16 @@ def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
             ),
             "status 'frozen'",
         ),
+        (  # what llm-compressor leaves unquantised where its group does not divide the inputs (a down
+            # projection of 96 inputs, group 64): it said "checkpoint lacks expert tensor ...weight_packed"
+            with_config(
+                good,
+                tmp_path / "kept",
+                quantization_config={**qc, "ignore": [*qc["ignore"], f"{KEPT}.3.down_proj"]},
+            ),  # fmt: skip
+            "keeps some of its experts' projections at full precision (its 'ignore' lists "
+            f"{KEPT}.3.down_proj)",
+        ),
     ]
     for path, words in cases:
         with pytest.raises(ExpertcacheError) as err:
@@ -172,7 +185,9 @@ def test_what_it_does_not_read_gets_one_line(compressed, make_ckpt, tmp_path):
         load(fused)
 
 
-def test_quality_of_a_checkpoint_quantised_elsewhere_runs_against_transformers_own_run(compressed, capsys):
+def test_quality_of_a_checkpoint_quantised_elsewhere_runs_against_transformers_own_run(
+    compressed, capsys, monkeypatch
+):
     """quality --model on a checkpoint another tool quantised (none recorded its full-precision source,
     as downloaded) was refused unless --reference-model named one: it now runs against transformers' own
     (dequantising) run of the checkpoint, and says that this is not the quantisation's cost."""
@@ -183,3 +198,14 @@ def test_quality_of_a_checkpoint_quantised_elsewhere_runs_against_transformers_o
     r = measure(path, "fetch", "100%", texts=texts, tokens=24)
     assert "the reference is transformers' own run of" in capsys.readouterr().err
     assert r["top1_agreement"] == 1.0 and r["logits_max_difference"] < 1e-4
+    # where transformers cannot run the checkpoint itself (5.24 failed on a compressed-tensors checkpoint of
+    # tied embeddings: "Linear has no attribute weight"), the error says what stands in (a new user's trial)
+    import expertcache.tools.quality as quality
+
+    def fails(self, *args, **kwargs):
+        raise ExpertcacheError(f"{path}: transformers cannot load this checkpoint (Linear has no attribute)")
+
+    monkeypatch.setattr(quality.Reference, "__init__", fails)
+    with pytest.raises(ExpertcacheError, match=r"no attribute\); give a full-precision checkpoint of the "
+                       r"model to measure against \(reference_model="):  # fmt: skip
+        measure(path, "fetch", "100%", texts=texts, tokens=24)

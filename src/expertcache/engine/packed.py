@@ -398,6 +398,13 @@ def _compressed_tensors(qc: dict, what: str, shapes, dtype, transposed, stored_d
         raise ExpertcacheError(f"{what} with status {status!r}: this expertcache reads compressed ones")
     if qc.get("kv_cache_scheme"):
         raise ExpertcacheError(f"{what} with a quantised KV cache: this expertcache reads weight-only ones")
+    kept = [n for n in qc.get("ignore") or [] if "experts" in n]  # left at full precision by its writer
+    if kept:  # (llm-compressor leaves a layer whose inputs its group does not divide): one format a part
+        more = f" and {len(kept) - 1} more" if len(kept) > 1 else ""
+        raise ExpertcacheError(
+            f"{what}, but it keeps some of its experts' projections at full precision (its 'ignore' lists "
+            f"{kept[0]}{more}): this expertcache reads checkpoints whose every expert projection is quantised"
+        )
     groups = list((qc.get("config_groups") or {}).values())
     weights = [g.get("weights") or {} for g in groups]
     if not groups or any(w != weights[0] for w in weights):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from expertcache.config import REFERENCE_IMPLEMENTATIONS
-from expertcache.errors import ExpertcacheError, option, say_notes
+from expertcache.errors import ExpertcacheError, first_line, option, say_notes
 from expertcache.units import values_of, whole_number
 
 DEFAULT_TOKENS = 2048  # tokens measured in all, split over the texts
@@ -177,7 +177,19 @@ def measure(
             raise ExpertcacheError(f"the reference given runs in {reference.model.dtype}, not {model.dtype}")
         ref = reference
         if ref is None:
-            ref = Reference(_reference_path(model, reference_model), device, impl, attention, dtype)
+            path = _reference_path(model, reference_model)
+            try:
+                ref = Reference(path, device, impl, attention, dtype)
+            except ExpertcacheError as exc:
+                if reference_model is not None or model.packed is None or path != model.path:
+                    raise
+                # transformers' own run of a checkpoint quantised elsewhere stood for the reference: a
+                # full-precision checkpoint of the model can stand instead (a tied compressed-tensors one
+                # failed in transformers 5.24, with no word of the way round it: a new user's trial)
+                raise ExpertcacheError(
+                    f"{first_line(exc)}; give a full-precision checkpoint of the model to measure against "
+                    f"({option('--reference-model DIR', 'reference_model=')})"
+                ) from None
         nll = {"reference": 0.0, "measured": 0.0}
         count = agree = identical = positions = 0
         largest = 0.0
