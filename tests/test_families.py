@@ -114,6 +114,38 @@ def test_every_moe_model_of_its_own_is_listed_with_why_and_refused_so():
         assert why and "\n" not in why
 
 
+def test_the_text_model_of_a_family_not_supported_is_refused_with_a_reason():
+    """Each text (or thinker) model transformers names for a family of ``NOT_SUPPORTED`` got a bare
+    "unsupported architecture" with a did-you-mean of its parent, itself refused, or for diffusion_gemma_text
+    "not a mixture-of-experts model" (its default config has no experts; a checkpoint's has): a new user's
+    trial. Each now gives its parent and a reason: no causal-LM class, else its parent's."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from expertcache.engine.families import FAMILIES as RUNS
+    from expertcache.engine.families import NOT_SUPPORTED, family_of
+    from expertcache.errors import ExpertcacheError
+
+    texts = {
+        t: p
+        for t in CONFIG_MAPPING_NAMES
+        for p in (t.removesuffix("_text"), t.removesuffix("_thinker"))
+        if p != t and p in NOT_SUPPORTED and t not in RUNS and t not in NOT_SUPPORTED  # llama4_text: its own
+    }
+    assert {"diffusion_gemma_text", "qwen3_omni_moe_thinker", "inkling2_text"} <= set(texts), texts
+    for model_type, parent in texts.items():
+        why = (
+            NOT_SUPPORTED[parent]
+            if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            else "transformers maps it to no causal-LM class"
+        )
+        with pytest.raises(ExpertcacheError) as err:
+            family_of(model_type)
+        assert str(err.value).startswith(
+            f"unsupported architecture '{model_type}', the text model of {parent}: {why} (docs/ENGINE.md"
+        ), err.value
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_record_is_complete(family):
     rec = RECORDS[family]

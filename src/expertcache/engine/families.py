@@ -1120,6 +1120,14 @@ def family_of(model_type: str) -> Family:
             f"unsupported architecture {model_type!r}: {NOT_SUPPORTED[model_type]} (docs/ENGINE.md, families "
             f"not supported); {supported}"
         )
+    for part in ("_text", "_thinker"):  # the text model of an image-text (or audio) family listed above
+        parent = model_type.removesuffix(part)
+        if parent != model_type and parent in NOT_SUPPORTED:
+            why = _text_reason(model_type, parent)
+            raise ExpertcacheError(
+                f"unsupported architecture {model_type!r}, the text model of {parent}: {why} "
+                f"(docs/ENGINE.md, families not supported); {supported}"
+            )
     if _dense(model_type):
         raise ExpertcacheError(
             f"{model_type!r} is not a mixture-of-experts model (transformers' {model_type} has no routed "
@@ -1127,6 +1135,16 @@ def family_of(model_type: str) -> Family:
         )
     hint = did_you_mean(repr(model_type), map(repr, [*FAMILIES, *NOT_SUPPORTED]), n=1)  # quoted as named
     raise ExpertcacheError(f"unsupported architecture {model_type!r}{hint}; {supported}")
+
+
+def _text_reason(model_type: str, parent: str) -> str:
+    """Why the text model of ``parent`` (in ``NOT_SUPPORTED``) does not run: no causal-LM class for it in
+    transformers, else its parent's reason (an image-text family's text model: the same checkpoints)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "transformers maps it to no causal-LM class"
+    return NOT_SUPPORTED[parent]
 
 
 def _dense(model_type: str) -> bool:
