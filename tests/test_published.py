@@ -369,6 +369,16 @@ def test_the_engine_reads_what_transformers_reads(family, fmt, dtype, published,
     # the tokens of transformers' forward, the logits within float32 rounding of it
     want = greedy(ref, IDS)
     info = model_info(path)
+    # the dense layers as stored (fp8: a byte a weight and its scales) beside their dequantised bytes in
+    # memory (dense_bytes: a new user's trial read it as the file's); every tensor's bytes in all
+    from safetensors import safe_open
+
+    files = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            files += sum(h.get_tensor(k).nbytes for k in h.keys())  # noqa: SIM118 (not iterable)
+    assert info["dense_stored_bytes"] + info["all_experts_bytes"] == files
+    assert (info["dense_stored_bytes"] < info["dense_bytes"]) is (fmt == "fp8")
     # torch 2.11's cuDNN attention fails on this tiny MLA's heads in bfloat16 on an H200 ("mha_graph.execute
     # ... is_good()", pytorch#134001; transformers alone too): the eager attention there
     options = {"attention": "eager"} if engine_fixtures.DEVICE != "cpu" and family == "deepseek_v3" else {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -510,7 +511,10 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
     sk = build_skeleton(path)
     layout = sk.layout  # as stored: packed bytes for a packed checkpoint
     total = len(sk.experts) * sk.num_experts
-    dense = stored_bytes(sk.model)
+    dense = stored_bytes(sk.model)  # in memory, in the model's dtype (dequantised where stored quantised)
+    ckpt = sk.store.ckpt
+    sizes = [math.prod(ckpt.shape(k)) * getattr(ckpt.dtype(k), "itemsize", 0) for k in ckpt]
+    stored = sum(sizes) - total * layout.nbytes if all(sizes) else None  # None: a dtype torch lacks
     return {
         "path": str(path),
         "family": sk.family.name,
@@ -522,6 +526,8 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "expert_bytes": layout.nbytes,
         "all_experts_bytes": total * layout.nbytes,
         "dense_bytes": dense,
+        # as the checkpoint stores them (another tool's FP8 or compressed-tensors dense layers: fewer bytes)
+        "dense_stored_bytes": stored if stored is not None and stored != dense else dense,
         "min_expert_memory_bytes": sk.top_k * layout.slot_bytes,
     } | (  # a checkpoint expertcache quantised: the full-precision one it was made from
         {"made_from": source.get("path")} if (source := getattr(sk.config, SOURCE_KEY, None) or {}) else {}
