@@ -515,3 +515,24 @@ def test_quality_refuses_transformers_dequantising_partial_fp8_blocks_otherwise(
         measure(out, "fetch", "100%", tokens=8)
     with pytest.raises(ExpertcacheError, match=why):
         measure(out, "fetch", "100%", tokens=8, reference_model=out)
+
+
+def test_quality_against_the_checkpoint_itself_measures_the_engine_not_the_quantisation(published, capsys):
+    """``quality --reference-model`` naming the checkpoint itself said "lossy" and noted "the figures compare
+    with another model"; a copy without a recorded source said "exact" beside logits not all bit-identical
+    (a new user's trial). Against its own checkpoint the figures are the engine's run of it: not lossy,
+    noted as transformers' own run, and labelled exact weights summed within rounding (the packed kernel
+    sums in float32, transformers dequantises and multiplies)."""
+    from expertcache.tools.quality import format_quality, measure
+
+    path = published("qwen3_moe", "fp8", "bfloat16")
+    texts = ["The quick brown fox jumps over the lazy dog.", "hello world, hello experts, hello cache"]
+    r = measure(path, "fetch", "100%", texts=texts, tokens=24, reference_model=path)
+    err = capsys.readouterr().err
+    assert "the reference is transformers' own run of" in err and "another model" not in err, err
+    assert r["lossy"] is False
+    assert "(exact weights: kernel packed sums them in float32, within rounding of this reference)" in (
+        format_quality(r)
+    )
+    # against the checkpoint it was made from, the quantisation's cost: lossy
+    assert measure(path, "fetch", "100%", texts=texts, tokens=24)["lossy"] is True

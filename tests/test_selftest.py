@@ -209,12 +209,12 @@ def test_default_plan_covers_every_family_policy_predictor_budget_and_exact_path
     for family in FAMILIES:  # every family runs every path
         assert {c.miss for c in cases if c.family == family} == set(st.MISSES)
     # linear in the families (each: the plain path and every miss path), not the cross product of
-    # families, policies, predictors and budgets (18: the further checks, the two attentions' included)
-    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 18
+    # families, policies, predictors and budgets (20: the further checks, the two attentions' included)
+    assert len(cases) <= len(FAMILIES) * (2 + len(st.MISSES)) + 20
     assert any(dict(c.options).get("host_stage") for c in cases)  # three tiers, staging included
     assert any(dict(c.options).get("host_exclusive") for c in cases)  # and an exclusive host level
     assert any(c.dense == "int8" for c in cases)  # dense layers quantised at load
-    assert {c.packing for c in cases} == {None, "fp8", "mxfp4"}  # other tools' layouts
+    assert {c.packing for c in cases} == {None, "fp8", "mxfp4", "int8", "int4"}  # other tools' and our own
     bf16 = [c for c in cases if c.dtype == "bfloat16"]
     assert ({c.family for c in bf16} == set(FAMILIES)) is (device.type == "cuda")
 
@@ -238,6 +238,7 @@ def test_quick_plan_covers_every_family_and_exact_path():
         (st.Case("mixtral", miss="split:theta=0.3/0.7"), CPU, st.CLOSE_ATOL),  # two products and a sum
         (st.Case("mixtral", dtype="bfloat16"), CUDA, None),  # tokens only
         (st.Case("qwen3_moe", packing="fp8"), CPU, st.CLOSE_ATOL),  # the packed kernels' own sums
+        (st.Case("mixtral", packing="int8"), CUDA, 0.0),  # against the engine's own run, all resident
         (st.Case("mixtral", options=(("quantize_dense", "int8"),)), CUDA, 0.0),  # as the reference's
     ],
 )
@@ -247,12 +248,14 @@ def test_tolerance(case, device, atol):
 
 def test_quantised_dense_layers_other_tools_checkpoints_and_an_attention_pass_on_the_cpu(tmp_path):
     """The full plan's checks of ``--quantize-dense`` (against transformers with the same layers
-    quantised, bit for bit), of FP8 and MXFP4 checkpoints (against transformers dequantising them) and of
+    quantised, bit for bit), of FP8 and MXFP4 checkpoints (against transformers dequantising them), of
+    expertcache's own int8 and int4 checkpoints (offloaded against all resident, bit for bit: transformers
+    cannot read them; the self-test did not check them, a new user's trial) and of
     ``--attention sdpa_no_cudnn`` (against transformers loaded with it; on a GPU, where it is the default,
     transformers' own sdpa in bf16 too)."""
     models = st.Models(tmp_path, CPU)
     cases = [c for c in st.plan(CPU) if c.dense or c.packing or c.attention]
-    assert len(cases) == 4
+    assert len(cases) == 6
     for case in cases:
         check = st.run_check(models, case)
         assert check.passed, check.line()

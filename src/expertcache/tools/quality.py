@@ -229,7 +229,7 @@ def measure(
             "reference_dtype": str(ref.model.dtype).removeprefix("torch."),
             # against another checkpoint (the full-precision one a packed checkpoint was made from), the
             # figures measure a loss even where the engine computes this checkpoint's own weights exactly
-            "lossy": model.stats["lossy"] or _other_checkpoint(model, ref.path),
+            "lossy": _lossy_against(model, ref.path),
             "reference_model": str(ref.path),
             "reference": f"transformers {impl}",
             # the kernel rounds as this implementation: against another one, last bits differ however exact
@@ -256,6 +256,13 @@ def measure(
         model.close()
 
 
+_OWN_RUN = (
+    "note: the reference is transformers' own run of {path} (it dequantises the experts): the figures say "
+    "how the engine runs this checkpoint, not what its quantisation costs, which needs the full-precision "
+    "checkpoint (--reference-model DIR)"
+)
+
+
 def _reference_path(model, given: str | Path | None) -> Path:
     """The checkpoint the reference runs: ``given``, else the model's own, else (a packed checkpoint, which
     transformers cannot run) the full-precision one it was made from, as ``expertcache quantize`` recorded
@@ -279,7 +286,9 @@ def _reference_path(model, given: str | Path | None) -> Path:
             )
         _check_reference(model, path)  # one line for a reference that cannot be this model, before any note
         made_from = recorded.get("fingerprint")
-        if model.packed is not None and made_from is not None and made_from != fingerprint(path):
+        if not _other_checkpoint(model, path):  # the checkpoint itself, run by transformers
+            print(_OWN_RUN.format(path=model.path), file=sys.stderr)
+        elif model.packed is not None and made_from is not None and made_from != fingerprint(path):
             print(
                 f"note: --reference-model {given} is not the checkpoint {model.path} was made from (its "
                 f"config or weights differ from {recorded.get('path')}'s when it was): the figures compare "
@@ -296,12 +305,7 @@ def _reference_path(model, given: str | Path | None) -> Path:
                     f"{model.path} has no full-precision checkpoint named, and transformers cannot stand in "
                     f"for one: {partial}; give the full-precision checkpoint (--reference-model DIR)"
                 )
-            print(
-                f"note: the reference is transformers' own run of {model.path} (it dequantises the experts): "
-                "the figures say how the engine runs this checkpoint, not what its quantisation costs, which "
-                "needs the full-precision checkpoint (--reference-model DIR)",
-                file=sys.stderr,
-            )
+            print(_OWN_RUN.format(path=model.path), file=sys.stderr)
             return model.path
         if source is None or not (Path(source) / "config.json").is_file():
             raise ExpertcacheError(
@@ -354,6 +358,16 @@ def _partial_fp8_block(path: Path, packing: dict) -> str | None:
     return None
 
 
+def _lossy_against(model, path: str | Path) -> bool:
+    """Whether the figures against the reference ``path`` measure a loss: against another checkpoint (the
+    full-precision one a packed checkpoint was made from) whatever the engine computes; against the model's
+    own checkpoint (transformers' run of it), only what the engine changes in running it (a lossy miss
+    path, dense layers quantised at load, a kernel that rounds), not how the checkpoint was made."""
+    if _other_checkpoint(model, path):
+        return True
+    return bool(model.miss.lossy or model.dense is not None or model.kernel.rounds)
+
+
 def _other_checkpoint(model, path: str | Path) -> bool:
     """Whether the reference ``path`` is another checkpoint than the model's own."""
     return model.path is None or Path(path).resolve() != Path(model.path).resolve()
@@ -402,6 +416,8 @@ def _exact(r: dict[str, object]) -> str:
     """An exact path's label; against an implementation other than the one its kernel computes as (eager
     against grouped), that its last bits may still differ (it read "exact" alone)."""
     computes_as = r.get("kernel_computes_as")
+    if r.get("kernel") == "packed":  # another tool's quantised weights read as stored: no kernel's sums
+        return " (exact weights: kernel packed sums them in float32, within rounding of this reference)"
     if computes_as is None or f"transformers {computes_as}" == r.get("reference"):
         return " (exact)"
     return f" (exact path; kernel {r['kernel']} rounds as transformers {computes_as}, not as this reference)"

@@ -80,6 +80,7 @@ MISSES: dict[str, tuple[str, ...]] = {
 PREFETCHES = ("none", "next-gate", "window", "adaptive", "learned", "token", "eam")
 ONLINE = tuple(name for name in POLICIES if not is_offline(name))
 CLOSE_ATOL = 1e-5
+OWN_PACKING = {"int8": 8, "int4": 4}  # expertcache's packed checkpoints (``quantize --checkpoint``): bits
 # bf16 attention on CUDA fails on the tiny MLA heads (rotary and plain parts of 4 dims each: "misaligned
 # address", with cuDNN and with the memory-efficient kernel alike): every family with MLA attention gets
 # heads of 16 dims in bf16 (``_shapes``); real checkpoints' heads are far larger
@@ -103,7 +104,10 @@ class Case:
     dtype: str = "float32"
     options: tuple[tuple[str, object], ...] = ()  # further ``load`` keywords (slow_tier, window, ...)
     batch: bool = False  # a left-padded batch of two prompts instead of one prompt
-    packing: str | None = None  # the checkpoint written in another tool's layout ("fp8", "mxfp4") first
+    # the checkpoint written packed first: in another tool's layout ("fp8", "mxfp4"), against transformers
+    # dequantising it, or in expertcache's own ("int8", "int4": ``OWN_PACKING``), which transformers cannot
+    # read, against the engine's own run of it with every expert resident (offloading changes no bit)
+    packing: str | None = None
 
     @property
     def dense(self) -> str | None:
@@ -363,6 +367,8 @@ def _further(device: torch.device) -> list[Case]:
         Case("mixtral", "lru", "half", options=(("quantize_dense", "int8"),)),
         Case("qwen3_moe", "lru", "half", packing="fp8"),
         Case("gpt_oss", "lru", "half", packing="mxfp4"),
+        Case("mixtral", "lru", "min", packing="int8"),
+        Case("qwen3_moe", "lru", "half", prefetch="next-gate", packing="int4"),
         # an exclusive host level: hits' slots read while victims are copied down (a stream of its own on
         # CUDA, whose event the transfer into the slot waits for), over a slow link with prefetching
         Case(
@@ -392,6 +398,8 @@ def tolerance(case: Case, device: torch.device) -> tuple[float | None, str]:
     if case.dtype != "float32":
         return None, "tokens equal"
     computes = COMPUTES[parse_miss(case.miss)[0]]
+    if case.packing in OWN_PACKING:  # against the engine's own run with every expert resident
+        return 0.0, "tokens equal, logits bit-equal to every expert resident"
     # the packed kernels sum an expert's products in their own order, not transformers' dequantised one's
     if computes == "split" or (computes == "host" and device.type != "cpu") or case.packing is not None:
         return CLOSE_ATOL, f"tokens equal, |dlogit| <= {CLOSE_ATOL:g}"
@@ -473,14 +481,19 @@ class Models:
         return self._once(("tokenizer",), lambda: make_tokenizer(self.root / "tokenizer"))
 
     def path(self, family: str, dtype: str = "float32", packing: str | None = None) -> Path:
-        """The family's tiny checkpoint, or (``packing``) the same written in another tool's layout."""
+        """The family's tiny checkpoint, or (``packing``) the same written packed: in another tool's layout,
+        or in expertcache's own (``OWN_PACKING``)."""
         if packing is not None:
             from expertcache.tools.published import write_published
+            from expertcache.tools.quantize import write_checkpoint
 
             out = self.root / f"{family}-{dtype}-{packing}"
 
             def write() -> Path:
-                write_published(self.path(family, dtype), packing, out)
+                if packing in OWN_PACKING:
+                    write_checkpoint(self.path(family, dtype), OWN_PACKING[packing], out, device="cpu")
+                else:
+                    write_published(self.path(family, dtype), packing, out)
                 return out
 
             return self._once(("path", out), write)
@@ -503,6 +516,10 @@ class Models:
         ``attention`` (None: transformers' default, ``sdpa_no_cudnn`` in ``sdpa``'s place on a GPU)."""
         from expertcache.engine.loader import load_reference
 
+        if packing in OWN_PACKING:  # transformers cannot read it: the engine with every expert resident
+            key = ("own", family, dtype, batch, packing)
+            return self._once(key, lambda: self._resident(family, dtype, batch, packing))
+
         def build():
             model = load_reference(self.path(family, dtype, packing), dtype, self.device, attention=attention)
             if dense is not None:
@@ -514,6 +531,13 @@ class Models:
         model = self._once(("eager", family, dtype, packing, dense, attention), build)
         key = ("run", family, dtype, batch, packing, dense, attention)
         return self._once(key, lambda: greedy(model, *prompts(batch)))
+
+    def _resident(self, family: str, dtype: str, batch: bool, packing: str) -> Run:
+        from expertcache.engine import load
+
+        path = self.path(family, dtype, packing)
+        with load(path, "100%", device=self.device, dtype=dtype, progress=False, costs=COSTS) as model:
+            return greedy(model, *prompts(batch))
 
     def slot_bytes(self, family: str, dtype: str, packing: str | None = None) -> int:
         """Bytes of one expert's slot, so that a budget is a whole number of experts."""
