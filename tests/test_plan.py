@@ -256,6 +256,11 @@ def test_a_plan_recorded_on_the_model_runs_in_the_engine_exactly(ckpt, reference
         _load_plan(path, other)
     with pytest.raises(ExpertcacheError, match="leave out policy"):
         _load_plan(path, file, policy="lfu")
+    # a value given that is also load's default was run as the plan's, silently (a new user's trial)
+    given = (("miss", "fetch"), ("policy", "lru"), ("expert_memory", "100%"), ("prefetch", "auto"))
+    for name, value in given:
+        with pytest.raises(ExpertcacheError, match=f"leave out {name}"):
+            _load_plan(path, file, **{name: value})
 
 
 def _load_plan(path: Path, plan, **kwargs):

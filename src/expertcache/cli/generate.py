@@ -331,7 +331,8 @@ def load_model(args, record: bool = True):
 
         quiet_transformers()
         model = load(
-            args.model, expert_memory=args.expert_memory or "100%", policy=cache, prefetch=prefetch,
+            args.model, **({} if plan else {"expert_memory": args.expert_memory or "100%"}), policy=cache,
+            prefetch=prefetch,
             miss=miss, device=args.device, dtype=args.dtype, link_bandwidth=args.link_bandwidth,
             link_latency=args.link_latency, slow_tier=args.slow_tier, download=args.download,
             progress=False if args.quiet else None, record=record, plan=plan, warmup=not args.no_warmup,

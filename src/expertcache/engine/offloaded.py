@@ -561,14 +561,25 @@ def load_tokenizer(path: Path):
         raise ExpertcacheError(f"{path}: no usable tokenizer ({first_line(exc).rstrip(',;: ')})") from None
 
 
+class _Unset(str):
+    """One of ``load``'s defaults that a plan sets: the value itself, marked as not given, so that a value
+    given beside a plan is told from the default (``miss="fetch"`` beside a plan of ``host`` was run as
+    the plan's, silently: a new user's trial)."""
+
+    __slots__ = ()
+
+
+_ALL, _LRU, _FETCH, _AUTO = _Unset("100%"), _Unset("lru"), _Unset("fetch"), _Unset(AUTO)
+
+
 def load(
     path: str | Path | None = None,
-    expert_memory: str | int | float = "100%",
-    policy: str | CacheConfig = "lru",
+    expert_memory: str | int | float = _ALL,
+    policy: str | CacheConfig = _LRU,
     device: str | torch.device | None = None,
     *,
-    miss: str | MissConfig = "fetch",
-    prefetch: str | PrefetchConfig | None = AUTO,
+    miss: str | MissConfig = _FETCH,
+    prefetch: str | PrefetchConfig | None = _AUTO,
     link_bandwidth: str | float | None = None,
     link_latency: str | float = 0.0,
     link: LinkConfig | None = None,
@@ -655,13 +666,6 @@ def load(
         torch.set_num_threads(threads)
     plan = as_plan(plan)
     if plan is not None:
-        defaults = {
-            "expert_memory": "100%",
-            "policy": "lru",
-            "miss": "fetch",
-            "prefetch": AUTO,
-            "window": None,
-        }
         given = {
             "expert_memory": expert_memory,
             "policy": policy,
@@ -669,7 +673,7 @@ def load(
             "prefetch": prefetch,
             "window": window,
         }
-        extra = [k for k, v in given.items() if v != defaults[k] and not _is_plans(v, plan)]
+        extra = [k for k, v in given.items() if not isinstance(v, _Unset | None) and not _is_plans(v, plan)]
         if extra:
             raise ExpertcacheError(
                 f"plan sets the expert memory, policy, miss path and predictor; leave out {extra[0]}"
