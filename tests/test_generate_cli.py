@@ -838,3 +838,57 @@ def test_one_new_token_has_no_tpot_not_a_tpot_of_zero(capsys, ckpt):
     assert code == 0 and json.loads(out)["tpot_s"] is None, (out, err)
     code, _, err = gen(capsys, path, "--prompt", "hello", new=1)
     assert code == 0 and "TPOT - (one new token)" in err, err
+
+
+def test_generate_refuses_ids_it_cannot_run_and_a_failed_step_leaves_no_request(ckpt):
+    """Token ids ``generate`` cannot run failed deep in torch (an IndexError for an id beyond the
+    vocabulary, a RuntimeError for floats or an empty tensor, a 1030-token input ran past a 1024 context
+    with transformers' "reminder"), and a forward that raised left a request of unknown experts in
+    ``trace()`` (a new user's trial): one line each, and no step of a failed forward in the trace."""
+    with engine_load(ckpt("mixtral"), 8) as model:
+        rows = model.model.get_input_embeddings().num_embeddings
+        limit = model.config.max_position_embeddings
+        for ids, words in (
+            (torch.tensor([[1.0, 2.0]]), "token ids must be integers"),
+            (torch.tensor([1, 2]), "a tensor [batch, tokens] with at least one token, got shape [2]"),
+            (torch.zeros(1, 0, dtype=torch.long), "got shape [1, 0]"),
+            (torch.tensor([[5, rows]]), f"token id {rows} is not one of the model's (0 .. {rows - 1})"),
+            (torch.tensor([[-1, 3]]), "token id -1 is not one of the model's"),
+            (
+                torch.ones(1, limit, dtype=torch.long),
+                f"{limit} tokens + 2 new tokens exceed",
+            ),
+        ):
+            with pytest.raises(ExpertcacheError) as err:
+                model.generate(ids, max_new_tokens=2)
+            assert words in str(err.value), err.value
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+        with pytest.raises(IndexError):  # past the check, inside transformers: the step begun, never done
+            model.model.generate(torch.tensor([[1, rows + 5]]), max_new_tokens=2)
+        model.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2)
+        trace = model.trace()
+    assert trace.num_tokens == 2 * (3 + 1) and (trace.experts >= 0).all()
+
+
+def test_generations_from_several_threads_run_one_at_a_time(ckpt):
+    """Two threads' ``generate_text`` on one model broke the recorder's step ("could not broadcast input
+    array") and lost one generation (a new user's trial): they now take turns, each with its own counts."""
+    import threading
+
+    with engine_load(ckpt("mixtral"), 8) as model:
+        alone = model.generate_text(PROMPTS, max_new_tokens=4)
+        got, errors = {}, []
+
+        def run(i: int) -> None:
+            try:
+                got[i] = model.generate_text(PROMPTS, max_new_tokens=4)
+            except Exception as exc:  # noqa: BLE001 (what the test reports)
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert all([g.tokens for g in got[i]] == [g.tokens for g in alone] for i in range(3))

@@ -78,9 +78,9 @@ class Recorder:
     def trace(self, meta: dict[str, object] | None = None) -> Trace:
         L, K = self.num_layers, self.top_k
         ex, wt, tok, pf, seq, step, pred, by_source = [], [], [], [], [], [], [], []
-        steps = self.steps
-        if steps and steps[-1]["done"] != (1 << L) - 1:  # interrupted (Ctrl-C) before its last layer: dropped
-            steps = steps[:-1]
+        # a step interrupted before its last layer (Ctrl-C, or a forward that raised: bad input to generate)
+        # is dropped, wherever it is: the run went on without it (it left a request of unknown experts)
+        steps = [s for s in self.steps if s["done"] == (1 << L) - 1]
         timed = bool(steps) and all(s["wall"] is not None for s in steps)  # every step's, or none
         origin = steps[0]["wall"][0] if timed else 0.0
         padded = any(s["padding"] is not None for s in steps)

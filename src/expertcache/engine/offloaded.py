@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,6 +102,9 @@ class OffloadedModel:
             setattr(self, _PRIVATE.get(field.name, field.name), getattr(built, field.name))
         self._tokenizer = None
         self.closed = False
+        # one generation at a time: a step's routing, its recording and a run's counts are the model's
+        # (two threads' generations at once broke the recorder's step and lost one: a new user's trial)
+        self._turn = threading.RLock()
         # the attention asked for, where its modules run another by name with the same effect (a server's
         # sdpa_no_cudnn: engine.attention.serve_without_cudnn); None: what the modules run
         self.attention: str | None = None
@@ -130,11 +134,12 @@ class OffloadedModel:
 
     def __call__(self, *args, **kwargs):
         self._open()
-        with torch.inference_mode():
+        with self._turn, torch.inference_mode():
             return self.model(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise)."""
+        """``transformers`` ``generate`` on the offloaded model (greedy unless asked otherwise). One
+        generation runs at a time: a call from another thread waits for the one running."""
         self._open()
         given = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         if isinstance(given, str | list | tuple):
@@ -142,9 +147,33 @@ class OffloadedModel:
                 f"generate takes token ids (a tensor [batch, tokens], as transformers' generate), got "
                 f"{type(given).__name__}: give text to generate_text, or ids from encode()"
             )
+        if isinstance(given, torch.Tensor):
+            self._check_ids(given, kwargs.get("max_new_tokens"))
         kwargs.setdefault("do_sample", False)
-        with torch.inference_mode():
+        with self._turn, torch.inference_mode():
             return self.model.generate(*args, **kwargs)
+
+    def _check_ids(self, ids: torch.Tensor, new: object) -> None:
+        """Token ids ``generate`` can run, or one line: integers, ``[batch, tokens]`` with some tokens, each
+        one of the model's, and no more than its context (they failed deep in torch: a new user's trial)."""
+        if ids.dtype in (torch.bool, *_FLOATS) or ids.is_complex():
+            raise ExpertcacheError(f"token ids must be integers, got a tensor of {ids.dtype}")
+        if ids.dim() != 2 or not ids.numel():
+            raise ExpertcacheError(
+                f"token ids: a tensor [batch, tokens] with at least one token, got shape {list(ids.shape)}"
+            )
+        rows = self.model.get_input_embeddings().num_embeddings
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise ExpertcacheError(f"token id {bad} is not one of the model's (0 .. {rows - 1})")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        more = new if isinstance(new, int) and not isinstance(new, bool) else 0
+        if limit is not None and ids.shape[1] + more > limit:
+            raise ExpertcacheError(
+                f"{ids.shape[1]} tokens{f' + {more} new tokens' if more else ''} exceed the model's context "
+                f"of {limit}"
+            )
 
     # ------------------------------------------------------------------------ text in, text out
     def encode(self, prompt: str) -> torch.Tensor:
@@ -205,6 +234,10 @@ class OffloadedModel:
         return results[0] if one else results
 
     def _generate_batch(self, texts, max_new_tokens, streamer, sampling, chat, kwargs) -> list[Generation]:
+        with self._turn:  # the batch's counts, before and after, are its own
+            return self._run_batch(texts, max_new_tokens, streamer, sampling, chat, kwargs)
+
+    def _run_batch(self, texts, max_new_tokens, streamer, sampling, chat, kwargs) -> list[Generation]:
         tok = self.tokenizer
         kwargs = dict(kwargs)
         ids, mask = gen.encode(tok, texts, chat)
@@ -559,6 +592,9 @@ def load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ExpertcacheError(f"{path}: no usable tokenizer ({first_line(exc).rstrip(',;: ')})") from None
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class _Unset(str):
