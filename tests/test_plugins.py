@@ -46,6 +46,9 @@ def plugin(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "users_plugin", raising=False)
     assert load_plugins("users_plugin") == ["users_plugin"]
+    assert load_plugins(["users_plugin"]) == []  # a list of names too (it failed on .split); loaded once
+    with pytest.raises(ExpertcacheError, match="load_plugins: module names"):
+        load_plugins([3])
     yield tmp_path
     POLICIES.pop("users-mru", None)
     POLICIES.pop("users-mru-dist", None)

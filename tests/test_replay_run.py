@@ -854,6 +854,7 @@ def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp
     # costs far from the machine's (a GPU's expert over PCIe against a CPU's run): none, and said why
     slow, got = ec.recorded_step_s(trace, CostModel())
     assert slow == 0.0 and "slower than the run, so these costs are not the machine's" in got["note"]
+    assert ec.recorded_step_s(str(path)) == (slow, got)  # a file and the default costs (a path failed)
     assert main(["doctor", "--trace", str(path), "--capacity", "28", "--step-time", "1ms", "--json"]) == 0
     out, err = capsys.readouterr()
     assert said not in err and json.loads(out)["cost"]["step_s"] == 0.001  # given: taken

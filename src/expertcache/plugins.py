@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from collections.abc import Sequence
 from functools import partial
 
 from expertcache.errors import ExpertcacheError, first_line
@@ -24,10 +25,15 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _loaded: set[str] = set()
 
 
-def load_plugins(modules: str | None = None) -> list[str]:
-    """Import each module of ``modules`` (comma-separated; default: ``EXPERTCACHE_PLUGINS``) once per
-    process -> the names imported now. A module that cannot be imported is one ExpertcacheError naming it."""
+def load_plugins(modules: str | Sequence[str] | None = None) -> list[str]:
+    """Import each module of ``modules`` (comma-separated, or a list of names; default:
+    ``EXPERTCACHE_PLUGINS``) once per process -> the names imported now. A module that cannot be imported
+    is one ExpertcacheError naming it."""
     text = os.environ.get(ENV, "") if modules is None else modules
+    if not isinstance(text, str):  # a list of names (it failed on .split: a new user's trial)
+        if not all(isinstance(m, str) for m in text):
+            raise ExpertcacheError(f"load_plugins: module names (strings), got {modules!r}")
+        text = ",".join(text)
     names = [m.strip() for m in text.split(",") if m.strip()]
     where = ENV if modules is None else "load_plugins"
     done = []

@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -740,7 +741,9 @@ def recorded_times(trace: Trace, round_token: np.ndarray) -> dict[str, object] |
     return out
 
 
-def recorded_step_s(trace: Trace, cost: CostModel) -> tuple[float, dict[str, object]]:
+def recorded_step_s(
+    trace: Trace | str | os.PathLike, cost: CostModel | dict | str | os.PathLike | None = None
+) -> tuple[float, dict[str, object]]:
     """The time a recorded run spent a step beyond what the timing model prices, from the run's own clock:
     the mean of its decode steps (each from its start to the next step's, ``recorded_times``) less the mean
     decode step of the model's replay of that run, under its own configuration (its policy, miss path,
@@ -749,14 +752,16 @@ def recorded_step_s(trace: Trace, cost: CostModel) -> tuple[float, dict[str, obj
     the profile's (continuous batching's attention over its paged cache): on the 2-core CPU with the
     embedded model and 4 clients, 5.4 ms a step, where a profile priced the whole step at 3.8 ms. Returns it
     and the figures it comes from (JSON-ready). One clear error where the trace has no clock, records no
-    run, or a run the replay cannot repeat (a usage profile, a host level)."""
+    run, or a run the replay cannot repeat (a usage profile, a host level). ``trace``: a ``Trace`` or its
+    file; ``cost``: a ``CostModel``, its file or fields (None: the timing model's defaults)."""
+    trace = as_trace(trace)
     times = check_clock(trace)
     meta = trace.meta
     cache = CacheConfig(str(meta["policy"]), seed=int(meta.get("policy_seed") or 0))
     predicted = trace.predicted is not None
     pf = PrefetchConfig("recorded" if predicted else "none", deterministic=bool(meta.get("deterministic")))
     replay = run_timing(trace, RECORDED, cache=cache, prefetch=pf, miss=str(meta["miss"]),
-                        cost=replace(as_cost(cost), step_s=0.0))  # fmt: skip
+                        cost=replace(as_cost(cost, trace), step_s=0.0))  # fmt: skip
     replayed = replay.tpot_s or 0.0
     step = round(max(0.0, times["decode_step_s"] - replayed), 7)  # to 0.1 us, not a remainder's digits
     ms = lambda v: f"{v * 1e3:.3g} ms"  # noqa: E731
