@@ -256,6 +256,9 @@ def test_a_plan_recorded_on_the_model_runs_in_the_engine_exactly(ckpt, reference
         _load_plan(path, other)
     with pytest.raises(ExpertcacheError, match="leave out policy"):
         _load_plan(path, file, policy="lfu")
+    # a slow tier no engine has was kept in the plan, and its run took the disk, unsaid (a new user's trial)
+    with pytest.raises(ExpertcacheError, match="slow_tier must be one of host, disk, mapped, got 'tape'"):
+        make_plan(default_trace(), "25%", slow_tier="tape")
     # a value given that is also load's default was run as the plan's, silently (a new user's trial)
     given = (("miss", "fetch"), ("policy", "lru"), ("expert_memory", "100%"), ("prefetch", "auto"))
     for name, value in given:

@@ -22,6 +22,9 @@ from expertcache.units import parse_duration, parse_rate, parse_share, parse_siz
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
 RECORDED_STEP = "recorded"  # a step time: what a recorded run's clock says (``sim.timing.recorded_step_s``)
 AUTO = "auto"  # the engine's default: the model's best predictor, switched on only while it pays
+# where experts wait (``engine.transfer``): every expert in host memory; the checkpoint read from disk, each
+# expert's pages let go once copied; the checkpoint's memory map, its pages left to the page cache
+SLOW_TIERS = ("host", "disk", "mapped")
 WHEN = ("always", "pays")  # prefetch in every step, or only while the governor measures that it pays
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # a random checkpoint's weights (model synth)
 REFERENCE_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")  # transformers' experts functions (quality)

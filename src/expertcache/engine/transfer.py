@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from expertcache.cache.transfers import DEMAND, SPECULATIVE  # noqa: F401 (re-exported)
+from expertcache.config import SLOW_TIERS  # noqa: F401  (the engine's name of them)
 from expertcache.engine.link import EmulatedLink, tighten_timer_slack
 from expertcache.engine.memory import SlotLayout, SlotPool
 from expertcache.engine.store import ExpertStore, copy_alone, copy_bytes, copy_tensor
@@ -30,10 +31,6 @@ from expertcache.policy.base import Key
 from expertcache.workers import usable_cpus
 
 STAGE_PART = ("stage", None)  # the worker's target of staging reads: the host level's slots (``StackTier``)
-
-# where experts wait: every expert in host memory; the checkpoint read from disk, each expert's pages let
-# go once copied; the checkpoint's memory map, its pages left to the page cache
-SLOW_TIERS = ("host", "disk", "mapped")
 
 
 class DiskTier:

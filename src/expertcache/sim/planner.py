@@ -38,7 +38,7 @@ import numpy as np
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.cache.tiers import level_experts
-from expertcache.config import CacheConfig, HostConfig, MissConfig, PrefetchConfig
+from expertcache.config import SLOW_TIERS, CacheConfig, HostConfig, MissConfig, PrefetchConfig
 from expertcache.costs import CostModel, as_cost, check_dense_layers, profile_tier
 from expertcache.errors import ExpertcacheError, arguments_checked, option, warn_notes
 from expertcache.miss.registry import miss_class, parse_miss
@@ -343,6 +343,8 @@ def make_plan(
     the next decision), and so does every run of the plan, whose counts are then the predicted ones."""
     if slow_tier is None and isinstance(cost, str | os.PathLike):
         slow_tier = profile_tier(cost)
+    if slow_tier is not None and slow_tier not in SLOW_TIERS:  # a run of the plan takes it (tape ran as disk)
+        raise ExpertcacheError(f"slow_tier must be one of {', '.join(SLOW_TIERS)}, got {slow_tier!r}")
     trace = as_trace(trace, replay=True)
     predictor_trace = None if predictor_trace is None else as_trace(predictor_trace, "predictor trace")
     capacity, capped = capped_capacity(
