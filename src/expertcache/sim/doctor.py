@@ -151,7 +151,11 @@ def diagnose(
     ``trace`` is a ``Trace`` or its file, ``capacity`` experts or a share of all ("25%"). ``jobs``:
     worker processes for the timing model's runs, which do not depend on each other (the same report).
     ``within``: how close to every expert resident a budget's predicted TPOT must come for the report's
-    ``budgets`` to call it enough (a factor above 1)."""
+    ``budgets`` to call it enough (a factor above 1). ``expertcache doctor`` on a trace that holds its
+    run's clock prices by default the step time the run spent beyond the model (``--step-time recorded``);
+    here the cost model is taken as given, so the same report is
+    ``diagnose(trace, capacity, dataclasses.replace(cost, step_s=recorded_step_s(trace, cost)[0]))``
+    (``sim.timing.recorded_step_s``)."""
     with shared_runs():  # the on-demand run and the host levels' are among the plan's candidates
         return _diagnose(
             trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs, within
