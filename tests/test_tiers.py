@@ -1146,3 +1146,20 @@ def test_plan_and_doctor_say_why_they_take_no_exclusive_or_staging_flag(command,
     assert err.count("\n") == 1
     assert main([*base, "--host-stage", "2"]) == 2
     assert f"{command} does not weigh staging (leave out --host-stage" in capsys.readouterr().err
+
+
+def test_load_takes_a_host_config_as_host_or_as_host_memory(ckpt):
+    """``load(host_memory=HostConfig(...))`` was refused as "not a size", and ``host=`` was in neither the
+    signature nor the docstring (a new user's trial): both take the level, and options beside it are one
+    line."""
+    from expertcache.engine import load
+
+    path = ckpt("mixtral")
+    level = HostConfig("60%", "lfu")
+    for kw in ({"host": level}, {"host_memory": level}):
+        options = {"device": engine_fixtures.DEVICE, "progress": False, "slow_tier": "disk", **kw}
+        with load(path, "30%", **options) as model:
+            assert model.stats["host_policy"] == "lfu" and model.stats["host_capacity"] > 0
+    with pytest.raises(ExpertcacheError, match="leave out host_policy, host_stage and host_exclusive"):
+        load(path, "30%", progress=False, host_memory=level, host_exclusive=True)
+    assert "``host``, a ``config.HostConfig``" in load.__doc__

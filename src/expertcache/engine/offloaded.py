@@ -686,7 +686,8 @@ def load(
     the checkpoint on disk (pinned host memory on a GPU); ``stats`` then counts its hits and misses;
     ``host_stage`` reads up to that many more predicted experts a layer into it early;
     ``host_exclusive`` makes it hold what the expert memory does not (a hit moves up, the expert memory's
-    victim comes down; ``cache.tiers``). Under a CPU quota (``docker --cpus``, a Kubernetes CPU limit)
+    victim comes down; ``cache.tiers``); or ``host``, a ``config.HostConfig`` of them all (also taken as
+    ``host_memory``). Under a CPU quota (``docker --cpus``, a Kubernetes CPU limit)
     with neither ``OMP_NUM_THREADS`` nor ``NUMBA_NUM_THREADS`` set, torch's threads are lowered to the
     quota, rounded up (``workers.quota_threads``).
     """
@@ -730,6 +731,13 @@ def load(
             chunk_size=chunk_size, preemption=preemption, reorder=reorder, thread=predictor_thread,
             when=prefetch_when, deterministic=deterministic,
         )  # fmt: skip
+    if isinstance(host_memory, HostConfig):  # the whole level given where its size is asked: taken as host=
+        if "host" in options:
+            raise ExpertcacheError("give the host level once: host=HostConfig(...) or host_memory=...")
+        options["host"], host_memory = host_memory, None
+        if host_policy not in (None, "lru") or host_stage or host_exclusive:
+            raise ExpertcacheError("a HostConfig sets the host level's policy, staging and kind: leave out "
+                                   "host_policy, host_stage and host_exclusive")  # fmt: skip
     host_policy = "lru" if host_policy is None else host_policy  # None: the default, as elsewhere
     if not isinstance(host_policy, str):
         raise ExpertcacheError(f"host_policy: a policy's name (lru, lfu:...), got {host_policy!r}")
