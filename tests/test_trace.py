@@ -735,3 +735,14 @@ def test_a_recorders_clock_is_every_steps_from_the_first_or_none():
     rec.begin(np.array([4]), False, np.zeros(1, np.int32))
     rec.add(0, np.array([[2, 3]]), None)  # no wall: a driver fed by something other than the engine
     assert rec.trace().step_start_s is None and rec.trace().step_end_s is None
+
+
+def test_the_api_names_the_embedded_trace_default_as_the_command_line_does():
+    """``simulate("default", ...)`` was refused ("no such trace file") where ``sim default`` and
+    ``sweep(traces=["default"])`` take it (a new user's trial)."""
+    import expertcache as ec
+    from expertcache.trace.default import default_trace
+    from expertcache.trace.trace import as_trace
+
+    assert as_trace("default").digest() == default_trace().digest()
+    assert ec.simulate("default", ["lru"], [24])[0].capacity == 24

@@ -444,3 +444,15 @@ def test_cut_and_overlong_csv_rows_a_byte_order_mark_and_the_input_as_output(tmp
     default_trace().save(batched)
     assert main(["trace", "batch", str(batched), "-c", "4", "-o", str(batched)]) == 2
     assert "is the input itself" in capsys.readouterr().err
+
+
+def test_an_unknown_format_given_in_python_is_named_and_torch_is_sent_to_its_reader(tmp_path):
+    """``import_trace(path, fmt="xml")`` said "give the format" without naming 'xml', and offered
+    ``fmt="torch"``, which it refuses (a new user's trial)."""
+    from expertcache.trace.importers import import_trace
+
+    log = tmp_path / "x.log"
+    log.write_text("a")
+    with pytest.raises(TraceError, match=r"fmt='xml' is not one; give the format \(fmt= jsonl or csv, or "
+                       r"tools.trace_import.import_torch for .pt\)"):  # fmt: skip
+        import_trace(log, fmt="xml")

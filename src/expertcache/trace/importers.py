@@ -408,9 +408,10 @@ def import_trace(
         raise TraceError(f"{path}: already a trace (.npz): give it to the commands as it is")
     if fmt not in FORMATS:
         formats = " or ".join(FORMATS)
-        raise TraceError(
-            f"{path}: give the format ({option('--format', 'fmt=')} {formats}, or torch for .pt)"
-        )
+        flag = option("--format", "fmt=")
+        given = "" if fmt is None else f"{flag}{fmt!r} is not one; "  # the value named, not asked for again
+        torch = option("--format torch for .pt", "tools.trace_import.import_torch for .pt")
+        raise TraceError(f"{path}: {given}give the format ({flag} {formats}, or {torch})")
     whole = isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool)
     if num_experts is not None and (not whole or num_experts < 1):
         raise TraceError(f"num_experts must be a whole number >= 1, got {num_experts!r}")

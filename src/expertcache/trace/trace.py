@@ -192,10 +192,15 @@ def check_save_path(path: object) -> None:
 
 
 def as_trace(trace: Trace | str | Path, what: str = "trace", replay: bool = False) -> Trace:
-    """``trace`` itself, or the trace file it names (``load_trace``): what the API's functions take.
-    ``replay``: a trace to replay, which must hold a known expert (``check_replayable``)."""
+    """``trace`` itself, or the trace file it names (``load_trace``), or ``"default"``: the embedded model's
+    (as the command line names it): what the API's functions take. ``replay``: a trace to replay, which
+    must hold a known expert (``check_replayable``)."""
     if isinstance(trace, Trace):
         got = trace
+    elif isinstance(trace, str) and trace == "default":
+        from expertcache.trace.default import default_trace
+
+        got = default_trace()
     elif isinstance(trace, str | os.PathLike):
         got = load_trace(trace)
     else:
