@@ -693,3 +693,31 @@ def test_reprs_say_what_an_object_is_in_a_line():
     predictor = ec.make_predictor("eam", ec.PredictContext(num_layers=4, num_experts=8, top_k=2))
     assert repr(predictor) == "<Eam predictor 'eam', window 1>"
     assert repr(ec.PrefetchConfig(predictor)).startswith("PrefetchConfig(predictor=<Eam predictor 'eam'")
+
+
+def test_configs_check_their_values_when_made_and_name_python_arguments():
+    """``CacheConfig(seed="a")`` and ``CacheConfig(profile=5)`` were kept until a run, ``ServeConfig
+    (log_level="loud")`` until the server started, and ServeConfig's errors named the command line's flags
+    (``--max-batch-tokens`` for ``batch_tokens``) in Python (a new user's trial)."""
+    import numpy as np
+
+    from expertcache.config import CacheConfig, ServeConfig
+    from expertcache.errors import ExpertcacheError
+
+    assert CacheConfig("lru", seed=np.int64(3)).seed == 3
+    for kw, words in (
+        ({"seed": "a"}, "seed must be a whole number, got 'a'"),
+        ({"seed": True}, "seed must be a whole number, got True"),
+        ({"policy": "static", "profile": 5}, "profile: a trace or its file, got int"),
+    ):
+        with pytest.raises(ExpertcacheError, match=re.escape(words)):
+            CacheConfig(**kw)
+    for kw, words in (
+        ({"log_level": "loud"}, "log_level must be one of critical, error, warning, info, debug, trace"),
+        ({"batch_tokens": 0}, "batch_tokens must be at least 1, got 0"),
+        ({"kv_tokens": 0}, "kv_tokens must be at least 1"),
+        ({"port": 0}, "port must be in 1..65535"),
+    ):
+        with pytest.raises(ExpertcacheError) as err:
+            ServeConfig(**kw)
+        assert words in str(err.value) and "--" not in str(err.value), err.value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field, fields
 
 from expertcache.errors import ExpertcacheError, option
@@ -17,6 +18,7 @@ from expertcache.policy.registry import is_offline, parse_policy, policy_class
 from expertcache.predict.base import PredictorError
 from expertcache.predict.registry import predictor_class
 from expertcache.trace.batch import SCHEDULES  # the server's step scheduling (``serve.scheduling``)
+from expertcache.trace.trace import Trace
 from expertcache.units import parse_duration, parse_rate, parse_share, parse_size, true_or_false
 
 RECORDED = "recorded"  # the timing model's replay of the predictions an engine recorded into a trace
@@ -49,6 +51,15 @@ class CacheConfig:
     def __post_init__(self) -> None:
         name, params = parse_policy(self.policy)
         _set(self, name=name, params=params)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):  # "a" was kept
+            raise ExpertcacheError(
+                f"{option('--policy-seed', 'seed')} must be a whole number, got {self.seed!r}"
+            )
+        _set(self, seed=int(self.seed))
+        if self.profile is not None and not isinstance(self.profile, str | os.PathLike | Trace):
+            raise ExpertcacheError(
+                f"{option('--profile', 'profile')}: a trace or its file, got {type(self.profile).__name__}"
+            )
         if self.profile is not None and not policy_class(name).needs_profile:
             raise ExpertcacheError(
                 f"a usage profile ({option('--profile', 'profile')}) ranks experts for the static policies; "
@@ -439,6 +450,9 @@ _SERVE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {  # ServeConfig's field
 }
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """How ``expertcache serve`` meets its clients: where it listens, who may use it, and the bounds that
@@ -489,36 +503,57 @@ class ServeConfig:
             raise ExpertcacheError(f"ServeConfig allowed_hosts must be names, got {self.allowed_hosts!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ExpertcacheError(
-                "--api-key is empty: give the key clients must send, or leave it out (an empty key would "
-                "leave every endpoint open)"
+                f"{option('--api-key', 'api_key')} is empty: give the key clients must send, or leave it out "
+                "(an empty key would leave every endpoint open)"
             )
         if not 0 < self.port < 65536:
-            raise ExpertcacheError(f"--port must be in 1..65535, got {self.port}")
+            raise ExpertcacheError(f"{option('--port', 'port')} must be in 1..65535, got {self.port}")
         if self.max_queue < 1:
-            raise ExpertcacheError(f"--max-queue must be at least 1, got {self.max_queue}")
+            raise ExpertcacheError(
+                f"{option('--max-queue', 'max_queue')} must be at least 1, got {self.max_queue}"
+            )
         if self.kv_tokens is not None and self.kv_tokens < 1:
-            raise ExpertcacheError(f"--kv-cache-tokens must be at least 1, got {self.kv_tokens}")
+            raise ExpertcacheError(
+                f"{option('--kv-cache-tokens', 'kv_tokens')} must be at least 1, got {self.kv_tokens}"
+            )
         if self.batch_tokens < 1:
-            raise ExpertcacheError(f"--max-batch-tokens must be at least 1, got {self.batch_tokens}")
+            raise ExpertcacheError(
+                f"{option('--max-batch-tokens', 'batch_tokens')} must be at least 1, got {self.batch_tokens}"
+            )
         if self.schedule not in SCHEDULES:
-            raise ExpertcacheError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ExpertcacheError(
+                f"{option('--schedule', 'schedule')} must be one of {', '.join(SCHEDULES)}, got "
+                f"{self.schedule!r}"
+            )
         if self.max_connections is not None and self.max_connections < 1:
-            raise ExpertcacheError(f"--max-connections must be at least 1, got {self.max_connections}")
-        body = parse_size(self.max_body, "--max-body")
+            raise ExpertcacheError(
+                f"{option('--max-connections', 'max_connections')} must be at least 1, got "
+                f"{self.max_connections}"
+            )
+        body = parse_size(self.max_body, option("--max-body", "max_body"))
         if body < 1024:
-            raise ExpertcacheError(f"--max-body must be at least 1KiB, got {self.max_body!r}")
+            raise ExpertcacheError(
+                f"{option('--max-body', 'max_body')} must be at least 1KiB, got {self.max_body!r}"
+            )
         times = {}
         for name in ("header_timeout", "body_timeout", "idle_timeout"):
-            flag = "--" + name.replace("_", "-")
+            flag = option("--" + name.replace("_", "-"), name)
             value = getattr(self, name)
             if str(value).strip().startswith("-"):  # one message for 0 and below: a time longer than 0
                 raise ExpertcacheError(f"{flag} must be longer than 0, got {value!r}")
             times[name + "_s"] = t = parse_duration(value, flag)
             if t <= 0:
                 raise ExpertcacheError(f"{flag} must be longer than 0, got {getattr(self, name)!r}")
+        if self.log_level not in LOG_LEVELS:  # uvicorn's, checked when the server started
+            raise ExpertcacheError(
+                f"ServeConfig log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         hosts = tuple(host_name(h) for h in self.allowed_hosts)
         if any(not h for h in hosts):
-            raise ExpertcacheError(f"--allowed-host needs a host name, got {list(self.allowed_hosts)!r}")
+            raise ExpertcacheError(
+                f"{option('--allowed-host', 'allowed_hosts')} needs a host name, got "
+                f"{list(self.allowed_hosts)!r}"
+            )
         _set(self, max_body_bytes=int(body), allowed_hosts=hosts, **times)
 
     @property
