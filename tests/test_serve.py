@@ -1093,7 +1093,7 @@ def test_serve_config_values_of_the_wrong_type_are_named():
         ),
         ({"allowed_hosts": ("a", 3)}, "ServeConfig allowed_hosts must be names"),
         ({"metrics_open": 1}, "ServeConfig metrics_open must be True or False"),
-        ({"api_key": ""}, "--api-key is empty"),
+        ({"api_key": ""}, "api_key is empty"),  # in Python its name (a new user's trial)
         ({"kv_tokens": "300"}, "ServeConfig kv_tokens must be a whole number or None"),
     ):
         with pytest.raises(ExpertcacheError, match=re.escape(words)):
