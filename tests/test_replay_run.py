@@ -874,3 +874,15 @@ def test_a_recorded_runs_clock_prices_what_the_model_leaves_out_of_its_steps(tmp
     assert said_host in capsys.readouterr().err
     assert main(["doctor", "--trace", str(hosted), "--capacity", "28", "--json"]) == 0
     assert "note: the trace's clock is not used (" in capsys.readouterr().err
+
+
+def test_a_byte_budget_replays_the_runs_experts_where_no_costs_are_given():
+    """``simulate_timing(engine_trace, "5MiB")`` sized the experts at the default cost model's 336 MiB: the
+    run's 28 experts became none ("holds no expert"), where the command line takes the trace's expert size
+    (a new user's trial). The API does as the command line, and says so."""
+    with ec.load(expert_memory="5MiB", progress=False) as model:
+        model.generate_text("def f(x):", 4)
+        trace, held = model.trace(), model.stats["capacity_experts"]
+    with pytest.warns(ExpertcacheWarning, match="with the run's experts of 180.0 KiB"):
+        replayed = ec.simulate_timing(trace, "5MiB")
+    assert replayed.capacity == held

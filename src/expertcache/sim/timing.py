@@ -274,6 +274,15 @@ def _canonical(
     recorded = isinstance(capacity, str) and capacity == RECORDED
     if cost is None:  # a recorded run's own costs, where a cost-based miss path decided by them
         cost = recorded_costs(trace)
+        moved = trace.meta.get("expert_bytes")
+        if cost is None and isinstance(moved, int) and not isinstance(moved, bool) and moved > 0:
+            # else the default's experts of 336 MiB: a byte budget held none of the run's (as the CLI)
+            cost = CostModel(expert_bytes=moved)
+            warn_notes([
+                f"priced by the default costs (a Mixtral-8x7B expert's times, over PCIe 4 to a GPU) with the "
+                f"run's experts of {moved / 2**10:.1f} KiB (the trace's expert_bytes): a profile of this "
+                "machine and model (expertcache.profile, then cost=) prices the run"
+            ])  # fmt: skip
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
     if recorded:
         if capacities is not None:
