@@ -721,3 +721,21 @@ def test_configs_check_their_values_when_made_and_name_python_arguments():
         with pytest.raises(ExpertcacheError) as err:
             ServeConfig(**kw)
         assert words in str(err.value) and "--" not in str(err.value), err.value
+
+
+def test_a_profile_as_expertcache_profile_returns_it_is_a_cost_model():
+    """``make_plan(cost=ec.profile(...))`` was refused ("unknown field(s) cost, date, ..."): the profile
+    object is taken as its file is, its shape checked against the trace (a new user's trial)."""
+    from expertcache.costs import PROFILE_FORMAT, PROFILE_VERSION, as_cost
+
+    trace = ec.default_trace()
+    shape = {"layers": trace.num_layers, "experts": trace.num_experts, "top_k": trace.top_k}
+    prof = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": shape,
+            "cost": {"expert_s": 0.002, "expert_bytes": 184320}, "how": {"slow_tier": "disk"}}  # fmt: skip
+    assert as_cost(prof, trace).expert_s == 0.002
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        plan = ec.make_plan(trace, "25%", cost=prof, methods=("uniform",))
+    assert plan.to_dict()["source"]["slow_tier"] == "disk"
+    with pytest.raises(ExpertcacheError, match="the profile given"):
+        as_cost({**prof, "model": {**shape, "layers": 7}}, trace)

@@ -263,6 +263,12 @@ class CostModel:
             raise ExpertcacheError(f"{path}: not JSON ({first_line(e)})") from None
         if not isinstance(data, dict):
             raise ExpertcacheError(f"{path}: a cost model is a JSON object of fields")
+        return cls.from_data(data, path)
+
+    @classmethod
+    def from_data(cls, data: dict, path: str | os.PathLike) -> tuple[CostModel, dict | None]:
+        """``load_profile`` of a file's object ``data`` (``path`` names it in messages): a cost model's
+        fields, or a profile (``expertcache.profile``'s result) -> the costs and the profile's model shape."""
         shape, profile = None, None
         if isinstance(data.get("format"), str) and data["format"] != PROFILE_FORMAT:  # another file of ours
             what = (
@@ -354,6 +360,11 @@ def as_cost(cost: CostModel | dict | str | os.PathLike | None, trace=None) -> Co
         return CostModel()
     if isinstance(cost, CostModel):
         return cost
+    if isinstance(cost, dict) and cost.get("format") == PROFILE_FORMAT:  # a profile (expertcache.profile's)
+        model, shape = CostModel.from_data(cost, "the profile given")
+        if trace is not None:
+            check_shape("the profile given", shape, trace)
+        return model
     if isinstance(cost, dict):
         return CostModel.from_dict(cost)
     if isinstance(cost, str | os.PathLike):
@@ -409,11 +420,11 @@ def check_shape(
         )
 
 
-def profile_tier(path: str | os.PathLike) -> str | None:
-    """The slow tier a profile (``path``) measured the engine on (``how.slow_tier``: disk, mapped or
-    host), or None (a plain cost model, or a profile without it)."""
+def profile_tier(path: str | os.PathLike | dict) -> str | None:
+    """The slow tier a profile (``path``, or its object) measured the engine on (``how.slow_tier``: disk,
+    mapped or host), or None (a plain cost model, or a profile without it)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+        data = path if isinstance(path, dict) else json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return None
     how = data.get("how") if isinstance(data, dict) and data.get("format") == PROFILE_FORMAT else None

@@ -341,7 +341,7 @@ def make_plan(
     ``cost`` is one), recorded in the plan: a run of it takes that tier. ``deterministic``: every
     candidate runs on a settled link (``PrefetchConfig(deterministic=True)``: each transfer lands before
     the next decision), and so does every run of the plan, whose counts are then the predicted ones."""
-    if slow_tier is None and isinstance(cost, str | os.PathLike):
+    if slow_tier is None and isinstance(cost, str | os.PathLike | dict):
         slow_tier = profile_tier(cost)
     if slow_tier is not None and slow_tier not in SLOW_TIERS:  # a run of the plan takes it (tape ran as disk)
         raise ExpertcacheError(f"slow_tier must be one of {', '.join(SLOW_TIERS)}, got {slow_tier!r}")
