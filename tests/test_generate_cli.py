@@ -892,3 +892,18 @@ def test_generations_from_several_threads_run_one_at_a_time(ckpt):
             t.join()
     assert not errors, errors
     assert all([g.tokens for g in got[i]] == [g.tokens for g in alone] for i in range(3))
+
+
+def test_generate_text_refuses_token_ids_and_streamers_transformers_would_fail_on(ckpt):
+    """``eos_token_id="a"`` failed deep in a step ("new(): invalid data type 'str'"), ``streamer=object()``
+    with an AttributeError (a new user's trial): one line each, before any work."""
+    with engine_load(ckpt("mixtral"), 8) as model:
+        for kw, words in (
+            ({"eos_token_id": "a"}, "eos_token_id must be a token id (a whole number >= 0) or a list"),
+            ({"eos_token_id": [2, "b"]}, "got [2, 'b']"),
+            ({"streamer": object()}, "streamer must be a transformers streamer (put() and end()"),
+        ):
+            with pytest.raises(ExpertcacheError) as err:
+                model.generate_text("hello", 2, **kw)
+            assert words in str(err.value), err.value
+        assert model.generate_text("hello", 2, eos_token_id=[0, 1]).tokens  # a list of ids: taken

@@ -128,6 +128,18 @@ _NOT_HERE = {
 _HARMLESS = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1}  # values that change nothing
 
 
+def check_streamer(streamer: object) -> None:
+    """A streamer transformers can call (``put`` and ``end``), or one line: another object failed deep in
+    the first step (a new user's trial)."""
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
+        raise ExpertcacheError(
+            f"streamer must be a transformers streamer (put() and end(): TextStreamer), got "
+            f"{type(streamer).__name__}"
+        )
+
+
 def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
     """Keyword arguments for transformers' ``generate``: its own parameters, its generation settings
     (``GenerationConfig``'s fields) and the model's forward arguments; anything else (a misspelt name) is
@@ -159,6 +171,13 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
                 f"generate_text got an unknown argument {name!r}{hint}: it takes transformers' generation "
                 "settings"
             )
+        value = kwargs[name]
+        # values transformers takes without a look and fails on deep in a step (a new user's trial)
+        if name.endswith("token_id") and value is not None:
+            ids = value if isinstance(value, list | tuple) else [value]
+            if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ExpertcacheError(f"{name} must be a token id (a whole number >= 0) or a list of them, "
+                                       f"got {value!r}")  # fmt: skip
 
 
 def render(tokenizer, prompt: Prompt, chat: bool, where: str = "the prompt") -> str:

@@ -220,6 +220,7 @@ class OffloadedModel:
             raise ExpertcacheError("no prompts were given")
         if streamer is not None and len(prompts) > 1:
             raise ExpertcacheError("streaming is for one prompt at a time")
+        gen.check_streamer(streamer)
         texts = [gen.render(self.tokenizer, p, chat, f"prompt {i + 1}" if not one else "the prompt")
                  for i, p in enumerate(prompts)]  # fmt: skip
         if not sampling.greedy and sampling.seed is None and len(texts) > batch_size:
