@@ -739,3 +739,14 @@ def test_a_profile_as_expertcache_profile_returns_it_is_a_cost_model():
     assert plan.to_dict()["source"]["slow_tier"] == "disk"
     with pytest.raises(ExpertcacheError, match="the profile given"):
         as_cost({**prof, "model": {**shape, "layers": 7}}, trace)
+
+
+def test_reprs_are_short_and_counted_right():
+    """``repr(Plan)`` printed about 5 KB of candidate rows, and a trace of one sequence said "1 sequences"
+    (a new user's trial)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        plan = ec.make_plan(ec.default_trace(), "25%", methods=("uniform",))
+    assert repr(plan) == f"<Plan {plan.describe()}>" and len(repr(plan)) < 200
+    trace = ec.default_trace()
+    assert ", 1 sequence, " in repr(trace.select(trace.seq_id == 0)) and ", 16 sequences, " in repr(trace)

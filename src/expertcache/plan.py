@@ -286,6 +286,9 @@ class Plan:
                 f"{what} has {have[0]} x {have[1]}, top-{have[2]}"
             )
 
+    def __repr__(self) -> str:  # the dataclass's printed every candidate's figures (kilobytes: a trial)
+        return f"<Plan {self.describe()}{f' ({self.file})' if self.file else ''}>"
+
     def describe(self) -> str:
         layout = "shared" if self.budgets is None else "/".join(map(str, self.budgets))
         if self.budgets is None and "/" in self.miss:  # a miss path laid out per layer (moepic's split)

@@ -101,7 +101,8 @@ class Trace:
             object.__setattr__(self, "weights", np.where(np.isfinite(w), w, np.float32(0)))
 
     def __repr__(self) -> str:
-        seqs = "" if self.seq_id is None else f", {len(np.unique(self.seq_id))} sequences"
+        n = None if self.seq_id is None else len(np.unique(self.seq_id))
+        seqs = "" if n is None else f", {n} sequence{'' if n == 1 else 's'}"
         return (
             f"<Trace {self.source}: {self.num_tokens} tokens{seqs}, {self.num_layers} layers x "
             f"{self.num_experts} experts, top-{self.top_k}>"
