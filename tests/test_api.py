@@ -750,3 +750,21 @@ def test_reprs_are_short_and_counted_right():
     assert repr(plan) == f"<Plan {plan.describe()}>" and len(repr(plan)) < 200
     trace = ec.default_trace()
     assert ", 1 sequence, " in repr(trace.select(trace.seq_id == 0)) and ", 16 sequences, " in repr(trace)
+
+
+def test_warnings_point_at_the_callers_line_however_deep_they_are_made():
+    """The notes of ``simulate``, ``make_plan`` and ``diagnose`` pointed at the package's own lines
+    (``errors.py:64``, ``sim/doctor.py:156``) where ``load``'s pointed at the caller's (a new user's
+    trial): each at the line that called the API."""
+    import inspect
+
+    trace = ec.default_trace()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        ec.simulate(trace, ["lru"], [100000])
+        ec.make_plan(trace, 1000, methods=("uniform",))
+        ec.diagnose(trace, 1000)
+    mine = [w for w in got if issubclass(w.category, ExpertcacheWarning)]
+    assert mine and all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in mine]
+    assert {w.lineno for w in mine} <= {line, line + 1, line + 2}

@@ -78,13 +78,31 @@ def say_notes(notes: list[str]) -> None:
 
 
 def warn_notes(notes: list[str], stacklevel: int = 3) -> None:
-    """A Python caller's notes (what was adjusted, what a result leaves out) as ``ExpertcacheWarning``s;
-    the command line prints them itself, as notes on stderr."""
+    """A Python caller's notes (what was adjusted, what a result leaves out) as ``ExpertcacheWarning``s,
+    each pointing at the caller's line: the first frame outside the package (it pointed at a line of the
+    package's own, ``sim/doctor.py:156``, wherever the note was made deep in it: a new user's trial;
+    ``stacklevel`` where every frame is the package's); the command line prints them itself, as notes
+    on stderr."""
     if not _command_line[0]:
         import warnings
 
+        level = caller_stacklevel(stacklevel)  # counted from warn_notes itself, as warn counts
         for note in notes:
-            warnings.warn(note, ExpertcacheWarning, stacklevel=stacklevel)
+            warnings.warn(note, ExpertcacheWarning, stacklevel=level)
+
+
+def caller_stacklevel(default: int = 2) -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the function that calls this one that points at the
+    first frame outside the package: the user's line, however deep in the package the warning is made
+    (``default`` where every frame is the package's: a command line's)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else default
 
 
 class command_line:

@@ -10,7 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from expertcache.cache.schedule import build_schedule, usage_profile, with_profile
-from expertcache.errors import ExpertcacheError, ExpertcacheWarning, arguments_checked, option
+from expertcache.errors import (
+    ExpertcacheError,
+    ExpertcacheWarning,
+    arguments_checked,
+    caller_stacklevel,
+    option,
+)
 from expertcache.miss.registry import miss_class
 from expertcache.policy.dist import uniform_budgets
 from expertcache.policy.registry import fixed_capacity, min_capacity, parse_policy, policy_class
@@ -63,7 +69,7 @@ def simulate(
             )
         ranked = usage_profile(profile, trace)
     for note in replay_notes(trace, trace.source, profiled=profile is not None, policies=names, seed=seed):
-        warnings.warn(note, ExpertcacheWarning, stacklevel=2)
+        warnings.warn(note, ExpertcacheWarning, stacklevel=caller_stacklevel())
     with fast.plain_pages():  # arrays of 100M requests: see plain_pages
         return _simulate(trace, policies, capacities, order, seed, skip_infeasible, jobs, ranked)
 
@@ -266,14 +272,15 @@ def _capacities(given: Sequence[int | str] | int | str, total: int, room: int = 
                                 (beyond, f"above all {total} experts")):  # fmt: skip
                 if what:
                     warnings.warn(
-                        f"capacity {c}: left out {what} ({bound})", ExpertcacheWarning, stacklevel=4
-                    )
+                        f"capacity {c}: left out {what} ({bound})", ExpertcacheWarning,
+                        stacklevel=caller_stacklevel(),
+                    )  # fmt: skip
             got = [n for n in got if n >= room]
         elif len(got) == 1 and got[0] > total:  # as sim --capacity: capped, and said
             warnings.warn(
                 f"a cache of {got[0]} experts is more than all {total}; capped at {total}",
                 ExpertcacheWarning,
-                stacklevel=4,  # the caller of simulate
+                stacklevel=caller_stacklevel(),  # the user's line that called simulate
             )
             got = [total]
         caps += got
