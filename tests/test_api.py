@@ -768,3 +768,18 @@ def test_warnings_point_at_the_callers_line_however_deep_they_are_made():
     mine = [w for w in got if issubclass(w.category, ExpertcacheWarning)]
     assert mine and all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in mine]
     assert {w.lineno for w in mine} <= {line, line + 1, line + 2}
+
+
+def test_one_capacity_is_refused_in_its_own_grammar():
+    """``make_plan(trace, "5MiB")`` said the capacity "is not experts (24), a range (8:96:8), a share
+    (25%) or all", and refused the range and "all" it offered (a new user's trial)."""
+    trace = ec.default_trace()
+    with pytest.raises(ExpertcacheError) as err:
+        ec.make_plan(trace, "5MiB", methods=("uniform",))
+    assert "is not experts (24) or a share of all experts ('25%'); a size in bytes is the timing" in str(
+        err.value
+    ) and "range" not in str(err.value)
+    with pytest.raises(
+        ExpertcacheError, match=r"'x' is not experts \(24\) or a share of all experts \('25%'\)$"
+    ):
+        ec.diagnose(trace, "x")

@@ -220,6 +220,14 @@ def one_capacity(item: str | int, total: int, what: str = "capacity") -> int:
         )
     if isinstance(item, int) and item < 1:
         raise ExpertcacheError(f"{what} must be at least 1 expert, got {item}")
+    text = str(item).strip()
+    if not (text.isdigit() or text.endswith("%") or ":" in text or text == "all"):  # named as one capacity
+        try:  # (capacity_items' message offered a range and all, refused here: a new user's trial)
+            parse_size(text, what)
+            size = "; a size in bytes is the timing model's (simulate_timing), which prices an expert's bytes"
+        except ExpertcacheError:
+            size = ""
+        raise ExpertcacheError(f"{what} {item!r} is not experts (24) or a share of all experts ('25%'){size}")
     got = capacity_items(item, total, 1)
     if len(got) != 1:
         raise ExpertcacheError(f"{what} {item!r}: one capacity, not a range or all")
