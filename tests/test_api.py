@@ -741,6 +741,16 @@ def test_a_profile_as_expertcache_profile_returns_it_is_a_cost_model():
         as_cost({**prof, "model": {**shape, "layers": 7}}, trace)
 
 
+def test_a_models_repr_gives_its_specs_and_host_level():
+    """The model's repr named the miss path and policy without their parameters, and no host level (a new
+    user's trial)."""
+    with ec.load(expert_memory="30%", miss="split:theta=0.5", policy="lcp", progress=False) as model:
+        assert ", policy lcp, miss split:theta=0.5, cpu>" in repr(model)
+    with ec.load(expert_memory="30%", host_memory="60%", slow_tier="disk", progress=False) as model:
+        assert ", miss fetch, host level 57 experts (lru), cpu>" in repr(model)
+    assert ": closed, " in repr(model)
+
+
 def test_reprs_are_short_and_counted_right():
     """``repr(Plan)`` printed about 5 KB of candidate rows, and a trace of one sequence said "1 sequences"
     (a new user's trial)."""

@@ -112,9 +112,16 @@ class OffloadedModel:
     def __repr__(self) -> str:
         total = self.num_layers * self.num_experts
         state = "closed" if self.closed else f"{self.capacity} of {total} experts"
-        return (
-            f"<OffloadedModel {model_label(self.path)}: {state}, policy {self.cache_config.name}, "
-            f"miss {self.miss_config.name}, {self.device}>"
+        level = None if self.closed else getattr(self.cache.transport, "level", None)
+        host = (  # a host level below the expert memory (cache.tiers): its experts, policy and kind
+            ""
+            if level is None
+            else f", host level {level.policy.capacity} experts ({self.host_config.policy}"
+            + (", exclusive)" if level.exclusive else ")")
+        )
+        return (  # the specs as given, their parameters too (the names alone hid them: a new user's trial)
+            f"<OffloadedModel {model_label(self.path)}: {state}, policy {self.cache_config.policy}, "
+            f"miss {self.miss_config.path}{host}, {self.device}>"
         )
 
     def _open(self) -> None:
