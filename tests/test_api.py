@@ -276,6 +276,9 @@ def test_reprs_are_one_line_summaries(model, trace):
     )
     g = model.generate_text("Hello", 2)
     assert repr(g).startswith(f"<Generation {g.text!r}: 2 tokens (") and "\n" not in repr(g)
+    assert "batch" not in repr(g)
+    # a batch's prompts share its timings and counts: said (each showed them as its own: a trial)
+    assert all(repr(x).endswith(" misses (the batch of 2's)>") for x in model.generate_text(["Hi", "Yo"], 2))
 
 
 def test_a_closed_model_says_so():

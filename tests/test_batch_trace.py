@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from expertcache.cache.schedule import build_schedule
 from expertcache.cli import main
-from expertcache.errors import TraceError
+from expertcache.errors import ExpertcacheWarning, TraceError
 from expertcache.sim.replay import replay
 from expertcache.sim.timing import format_timing, simulate_timing
 from expertcache.trace import Trace, load_trace
@@ -290,6 +290,9 @@ def test_the_two_per_step_references_by_hand():
     assert step_bounds(trace, 4, cost).static_s.sum() == 0  # every expert resident
     assert np.allclose(step_bounds(trace, 0, cost).static_s, [0.012 + 0.011 + 0.011, 0.011 + 0.011])
     assert b.to_dict()["stream_better_steps"] == 2
+    # a capacity beyond every expert is capped, and said as the simulator says it (it was not: a trial)
+    with pytest.warns(ExpertcacheWarning, match="a cache of 1000000 experts is more than all 4; capped at 4"):
+        assert step_bounds(trace, 10**6, cost).static_s.sum() == 0
 
 
 def test_the_timing_model_counts_the_hosts_work_on_misses():

@@ -43,9 +43,12 @@ class Generation:
     def __repr__(self) -> str:
         text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
         hits, misses = self.stats.get("hits", 0), self.stats.get("misses", 0)
+        # a batch's timings and counts are the batch's, each of its prompts the same: said (a trial)
+        shared = f" (the batch of {self.batch_size}'s)" if self.batch_size > 1 else ""
         return (
             f"<Generation {text!r}: {len(self.tokens)} tokens ({self.finish_reason}), "
-            f"TTFT {self.ttft_s * 1e3:.1f} ms, TPOT {self.tpot_s * 1e3:.1f} ms, {hits} hits, {misses} misses>"
+            f"TTFT {self.ttft_s * 1e3:.1f} ms, TPOT {self.tpot_s * 1e3:.1f} ms, {hits} hits, {misses} misses"
+            f"{shared}>"
         )
 
     def to_dict(self) -> dict[str, object]:

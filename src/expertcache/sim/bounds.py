@@ -21,9 +21,9 @@ import numpy as np
 
 from expertcache.cache.schedule import step_starts
 from expertcache.costs import CostModel, as_cost
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, warn_notes
 from expertcache.trace.trace import Trace, as_trace
-from expertcache.units import one_capacity
+from expertcache.units import capped_capacity, one_capacity
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def step_bounds(
 ) -> StepBounds:
     """The stream and static-split miss times of each step of ``trace`` (a ``Trace`` or its file; see the
     module docstring), at a cache of ``capacity`` experts (or a share of all, "25%"; ``capacity // L`` a
-    layer for the static set), under ``cost`` (a ``CostModel``, a dict or file of one, None: the
+    layer for the static set; 0: no cache, every needed expert streamed or computed on the host; more than
+    all experts: capped, and said), under ``cost`` (a ``CostModel``, a dict or file of one, None: the
     defaults), as ``simulate_timing`` takes them."""
     trace = as_trace(trace)
     cost = as_cost(cost, trace)
@@ -63,6 +64,8 @@ def step_bounds(
             raise ExpertcacheError(f"capacity must be at least 0 experts, got {capacity}")
     else:
         capacity = one_capacity(capacity, L * E)
+    capacity, capped = capped_capacity(capacity, L * E)  # said, as the simulator says it (a trial)
+    warn_notes(capped)
     room = min(capacity // L, E)
     ex = trace.experts
     layer_of = np.broadcast_to(np.arange(L)[None, :, None], ex.shape)

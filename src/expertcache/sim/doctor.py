@@ -155,7 +155,10 @@ def diagnose(
     run's clock prices by default the step time the run spent beyond the model (``--step-time recorded``);
     here the cost model is taken as given, so the same report is
     ``diagnose(trace, capacity, dataclasses.replace(cost, step_s=recorded_step_s(trace, cost)[0]))``
-    (``sim.timing.recorded_step_s``)."""
+    (``sim.timing.recorded_step_s``). ``doctor --concurrency N`` diagnoses the trace's requests served N at
+    a time: ``diagnose(batch_requests(trace, N, batch_tokens=max(SERVE_BATCH_TOKENS, N)), capacity)``
+    (``trace.batch``, ``config.SERVE_BATCH_TOKENS``). ``format_diagnosis(report)`` is the command's
+    text."""
     with shared_runs():  # the on-demand run and the host levels' are among the plan's candidates
         return _diagnose(
             trace, capacity, cost, window_tokens, policy, misses, host, host_capacity, jobs, within
