@@ -122,6 +122,12 @@ class Family:
         }
 
     @property
+    def fused(self) -> bool:
+        """Its checkpoints hold each projection's experts in one tensor (GPT-OSS, Granite): a published
+        format that stores experts one by one (FP8, compressed-tensors) is not theirs."""
+        return any(src.fused for srcs in self.sources.values() for src in srcs)
+
+    @property
     def min_layers(self) -> int:
         """The fewest decoder layers a random checkpoint of the family runs with: its layers before the
         first MoE one and one MoE layer, or (``min_tiny``) the tiny model's."""

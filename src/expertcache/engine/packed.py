@@ -382,7 +382,7 @@ def _other_tool(qc, family, shapes, dtype, transposed, stored_dtype) -> Packed:
 
 
 def _one_by_one(family, what: str, method: str) -> None:
-    if any(src.fused for name in MATRICES for src in family.sources[name]):
+    if family.fused:
         raise ExpertcacheError(
             f"{what}: {family.name} stores its experts fused, and {method} checkpoints store them one by one "
             "(transformers 5.24 drops the scales of fused ones too); this expertcache reads them for the "

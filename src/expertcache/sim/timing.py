@@ -49,7 +49,7 @@ from expertcache.policy.base import Clock, PolicyContext
 from expertcache.predict.registry import trace_readers
 from expertcache.sim.recorded import make_sim_predictor
 from expertcache.sim.vlink import VirtualLink
-from expertcache.trace.stats import clock_steps, step_walls, whole_steps
+from expertcache.trace.stats import clock_steps, phase_walls, whole_steps
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import (
     capacity_for,
@@ -734,9 +734,10 @@ def recorded_times(trace: Trace, round_token: np.ndarray) -> dict[str, object] |
     if bounds is None:
         return None
     first, starts, ends = bounds
-    walls = step_walls(trace)
+    whole = whole_steps(starts, ends)
+    walls = phase_walls(trace, first, starts, ends, whole)  # the clock's steps read once, for both
     out: dict[str, object] = {"steps": walls["steps"], "seconds": walls["seconds"]}
-    edges = np.r_[0.0, np.cumsum(whole_steps(starts, ends))]  # step r from edges[r] to edges[r + 1], no idle
+    edges = np.r_[0.0, np.cumsum(whole)]  # step r from edges[r] to edges[r + 1], no idle
     for name in ("decode", "prefill"):
         out[f"{name}_step_s"] = walls[name]["whole_mean_s"]
         out[f"{name}_forward_s"] = walls[name]["forward_mean_s"]

@@ -99,7 +99,7 @@ def write_published(
         raise ExpertcacheError(f"--format {fmt}: one of {', '.join(FORMATS)}")
     start = time.perf_counter()
     path, target, sk = full_precision_source(model, out, "quantised")
-    fused = any(src.fused for srcs in sk.family.sources.values() for src in srcs)
+    fused = sk.family.fused
     if fmt == "mxfp4" and sk.family.name != "gpt_oss":
         other = ("" if fused else "--format fp8, or ") + "--bits 4 for expertcache's int4"  # not fp8: fused
         raise ExpertcacheError(

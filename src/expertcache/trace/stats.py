@@ -103,9 +103,17 @@ def step_walls(trace: Trace) -> dict[str, object] | None:
     if bounds is None:
         return None
     first, starts, ends = bounds
+    return phase_walls(trace, first, starts, ends, whole_steps(starts, ends))
+
+
+def phase_walls(
+    trace: Trace, first: np.ndarray, starts: np.ndarray, ends: np.ndarray, whole: np.ndarray
+) -> dict[str, object]:
+    """``step_walls`` of the steps ``clock_steps`` gave and their ``whole_steps``, for a caller that has
+    them already (``sim.timing.recorded_times``)."""
     prompt = trace.is_prefill == 1 if trace.is_prefill is not None else np.zeros(trace.num_tokens, bool)
     prefill = np.logical_or.reduceat(prompt, first)
-    forward, whole = ends - starts, whole_steps(starts, ends)
+    forward = ends - starts
     out: dict[str, object] = {"steps": len(first), "seconds": float(ends.max())}
     for name, phase in (("decode", ~prefill), ("prefill", prefill)):
         n = int(phase.sum())
