@@ -479,6 +479,11 @@ def test_simulate_caps_a_capacity_over_all_experts_and_says_so():
     with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
         (row,) = ec.simulate(trace, ["lru"], [1000])
     assert row.capacity == 96 and row.misses == ec.simulate(trace, ["lru"], [96])[0].misses
+    # replay, on a schedule, caps it the same way (it kept 1000 in its result, beside the warning)
+    schedule = ec.build_schedule(trace)
+    with pytest.warns(ExpertcacheWarning, match="a cache of 1000 experts is more than all 96; capped at 96"):
+        one = ec.replay(schedule, "lru", 1000)
+    assert one.capacity == 96 and one.misses == row.misses
 
 
 def test_the_planner_and_the_doctor_cap_a_capacity_over_all_experts_as_the_simulator_does(short):

@@ -543,3 +543,42 @@ def test_a_plans_cold_eam_runs_cold_in_the_engine_as_it_was_priced(tmp_path, cap
     for key in ("hits", "misses", "prefetch_issued", "prefetch_used"):
         assert ran[key] == replayed[key], key
     assert ran["prefetch_issued"] > 0
+
+
+def test_plan_timing_is_timing_dash_dash_plan_in_one_call(tmp_path, capsys):
+    """The Python of `timing --plan` (a new user found none): the plan's trace (a file, or its requests
+    served N at a time made again), configuration, predictor's trace, host level and costs, as the
+    command replays them; another workload is said not to be the plan's prediction."""
+    import warnings
+
+    from trace_fixtures import prefix_file
+
+    import expertcache as ec
+
+    short = prefix_file(tmp_path, 256)
+    plans = {
+        "plain": ["--expert-memory", "25%"],
+        "served 4 at a time": ["--concurrency", "4", "--expert-memory", "25%"],
+        "host level": ["--capacity", "24", "--host-capacity", "60", "--disk-time", "2ms"],
+        "eam learning": ["--capacity", "24", "--method", "uniform", "--prefetch", "eam", "--predictor", "T"],
+    }
+    for name, argv in plans.items():
+        argv = [short if a == "T" else a for a in argv]  # the predictor's trace: the plan's own
+        path = tmp_path / f"{name.replace(' ', '_')}.json"
+        assert main(["plan", "--trace", short, *argv, "-o", str(path)]) == 0, name
+        capsys.readouterr()
+        assert main(["timing", "--plan", str(path), "--json"]) == 0, name
+        want = json.loads(capsys.readouterr().out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = ec.plan_timing(path)  # its file, or the Plan itself
+            again = ec.plan_timing(Plan.load(path))
+        del want["trace"], want["step_time"]  # the command's own: what it replayed, a --step-time said
+        assert json.loads(json.dumps(got.to_dict())) == want, name  # every figure, the host level's too
+        assert again.to_dict()["tpot_s"] == want["tpot_s"]
+        assert want["tpot_s"] == pytest.approx(json.loads(path.read_text())["predicted"]["tpot_s"])
+    # on another trace than the plan's: said so, as the command says it
+    with pytest.warns(Warning, match="so these figures are not the plan's prediction"):
+        ec.plan_timing(tmp_path / "plain.json", "default")
+    with pytest.raises(ExpertcacheError, match="plan_timing takes a plan"):
+        ec.plan_timing({"capacity": 3})

@@ -502,10 +502,19 @@ def test_a_plan_runs_on_the_slow_tier_its_profile_measured(tmp_path, capsys):
     path.write_text(json.dumps(profile(None, device="cpu", slow_tier="host", steps=2)))
     plan = ec.make_plan(prefix(256), 24, cost=str(path), misses=["host"])
     assert plan.source["slow_tier"] == "host"
-    with pytest.warns(ExpertcacheWarning, match="slow tier host: the plan's"), ec.load(plan=plan) as model:
+    measured = r"slow tier host: the plan's \(its costs were measured on it"
+    with pytest.warns(ExpertcacheWarning, match=measured), ec.load(plan=plan) as model:
         assert model.stats["slow_tier"] == "host"
     with pytest.warns(ExpertcacheWarning, match="priced on the host slow tier, and this runs on disk"):
         ec.load(plan=plan, slow_tier="disk").close()
+    # a plan of the default cost model was measured on no tier: the tier it was planned for is only named
+    plan = ec.make_plan(prefix(256), 24, slow_tier="mapped")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", ExpertcacheWarning)
+        ec.load(plan=plan).close()
+    notes = [str(w.message) for w in got]
+    assert any(n.startswith("slow tier mapped: the plan's (it was planned for it;") for n in notes), notes
+    assert not any("measured on it" in n for n in notes)
 
 
 def test_a_plan_priced_with_submit_s_says_it_favours_computing_on_the_host():

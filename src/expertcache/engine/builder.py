@@ -213,11 +213,14 @@ class Builder:
         self.device = resolve_device(device)
         self._check_cheap(cache, prefetch, slow_tier, expert_memory, kernel)
         planned_tier = None if plan is None else plan.source.get("slow_tier")
-        if planned_tier in SLOW_TIERS and slow_tier is None:  # the tier its costs were measured on
+        if planned_tier in SLOW_TIERS and slow_tier is None:  # the tier it was planned for
             slow_tier = planned_tier
+            # a plan priced by the default cost model was measured on no tier: the tier is only named
+            measured = plan.source.get("cost") not in (None, CostModel().to_dict())
             self.notes.append(
-                f"slow tier {planned_tier}: the plan's (its costs were measured on it; "
-                f"{option('--slow-tier', 'slow_tier')} gives another)"
+                f"slow tier {planned_tier}: the plan's ("
+                + ("its costs were measured on it; " if measured else "it was planned for it; ")
+                + f"{option('--slow-tier', 'slow_tier')} gives another)"
             )
         elif planned_tier in SLOW_TIERS and slow_tier != planned_tier:
             self.notes.append(

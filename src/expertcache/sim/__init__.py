@@ -5,7 +5,7 @@ from expertcache.sim.bounds import StepBounds, step_bounds
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult, replay
 from expertcache.sim.simulate import simulate
-from expertcache.sim.timing import CostModel, TimingResult, recorded_step_s, simulate_timing
+from expertcache.sim.timing import CostModel, TimingResult, plan_timing, recorded_step_s, simulate_timing
 from expertcache.trace.default import default_trace
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "all_capacities",
     "build_schedule",
     "default_trace",
+    "plan_timing",
     "recorded_step_s",
     "replay",
     "run_policy",

@@ -10,7 +10,7 @@ import numpy as np
 from expertcache.cache.schedule import Schedule, check_capacity
 from expertcache.errors import ExpertcacheError, arguments_checked
 from expertcache.policy.registry import capacity_reason, min_capacity, policy_class, spec_and_params
-from expertcache.sim.replay import SimResult, check_schedule, replay, schedule_capacities
+from expertcache.sim.replay import SimResult, check_schedule, replay_as_given, schedule_capacities
 from expertcache.sim.stack import lru_depths, opt_depths
 from expertcache.workers import map_in_processes
 
@@ -109,7 +109,7 @@ def _replay_all(
     """Replays at many capacities, split over ``jobs`` worker processes (results are identical)."""
     jobs = max(1, min(jobs, len(caps)))
     if jobs == 1:
-        return [replay(schedule, name, c, seed, **params) for c in caps]
+        return [replay_as_given(schedule, name, c, seed, **params) for c in caps]
     parts = map_in_processes(
         _replay_part, [(schedule, name, caps[i::jobs], seed, params) for i in range(jobs)], jobs
     )
@@ -140,7 +140,7 @@ def _fast_one(schedule: Schedule, name: str, capacity: int, params: dict[str, ob
 
 def _replay_part(task: tuple[Schedule, str, list[int], int, dict[str, object]]) -> list[SimResult]:
     schedule, name, caps, seed, params = task
-    return [replay(schedule, name, c, seed, **params) for c in caps]
+    return [replay_as_given(schedule, name, c, seed, **params) for c in caps]
 
 
 def with_opt(

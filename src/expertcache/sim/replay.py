@@ -137,7 +137,21 @@ def check_schedule(schedule: object, who: str) -> None:
 
 
 def replay(schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object) -> SimResult:
-    """Serve every group of the schedule through a fresh cache of ``capacity`` experts."""
+    """Serve every group of the schedule through a fresh cache of ``capacity`` experts (beyond every
+    expert: capped at all of them, said in a warning, as ``simulate`` caps it; the result says the cap)."""
+    check_schedule(schedule, "replay")
+    total = schedule.num_layers * schedule.num_experts
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > total:
+        warn_notes([f"a cache of {capacity} experts is more than all {total}; capped at {total}"])
+        capacity = total
+    return replay_as_given(schedule, name, capacity, seed, **params)
+
+
+def replay_as_given(
+    schedule: Schedule, name: str, capacity: int, seed: int = 0, **params: object
+) -> SimResult:
+    """``replay`` with a capacity beyond every expert kept as given (a curve's point: ``run_policy``'s rows
+    keep the capacities asked for, said in one warning for all)."""
     check_schedule(schedule, "replay")
     name, params = spec_and_params(name, params)
     (capacity,) = schedule_capacities(schedule, [capacity])

@@ -723,6 +723,68 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
     return result
 
 
+def plan_timing(
+    plan, trace: Trace | str | os.PathLike | None = None, *, cost=None, seed: int = 0
+) -> TimingResult:
+    """``expertcache timing --plan PLAN.json`` in one call: ``plan`` (a ``Plan``, ``make_plan``'s, or its
+    file) replayed as planned: its policy and budgets, miss path, predictor (learning from the trace it was
+    planned with), capacity and host level, priced by the costs it was made with (``cost`` gives others:
+    a cost model, its dict, or a profile's file). ``trace`` defaults to the plan's own: the file it was
+    made on, or its requests served N at a time made again (``plan --concurrency``); the embedded trace
+    where neither is there (a note says so). A replay of another workload than the plan's says that its
+    figures are not the plan's prediction. Notes come as ``ExpertcacheWarning``s, as ``simulate_timing``'s."""
+    from expertcache.plan import Plan
+    from expertcache.trace.trace import load_trace
+
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    elif not isinstance(plan, Plan):
+        raise ExpertcacheError(
+            f"plan_timing takes a plan (make_plan's, or its file), not {type(plan).__name__}"
+        )
+    notes: list[str] = []
+    if trace is None:
+        served = plan.served_trace() if plan.trace_file() is None else None
+        if served is not None:
+            trace = served
+        elif plan.trace_file() is not None:
+            trace = plan.trace_file()
+        else:
+            if plan.source.get("trace"):
+                notes.append(
+                    f"the plan's trace {plan.source['trace']} is not there: replaying the embedded one"
+                )
+            trace = "default"
+    trace = as_trace(trace, replay=True)
+    plan.check_model(trace.num_layers, trace.num_experts, trace.top_k, f"trace {trace.source}")
+    digest = plan.source.get("digest")
+    if digest is not None and digest != trace.digest():
+        notes.append(
+            f"the plan was made on {plan.source.get('trace')}; this replays {trace.source}, so these figures "
+            "are not the plan's prediction"
+        )
+    learned = plan.predictor_trace()
+    if learned is not None and not os.path.isfile(learned):
+        raise ExpertcacheError(
+            f"the plan's predictor {plan.prefetch} was planned learning from {learned}, which is not there"
+        )
+    changed = plan.predictor_trace_changed()
+    if changed is not None:
+        notes.append(f"{changed}, so these figures are not the plan's prediction")
+    planned = plan.source.get("cost")
+    if cost is None and planned:
+        cost = CostModel.from_dict(planned)
+    host = None
+    if plan.host_capacity is not None:
+        host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive)
+    warn_notes(notes)
+    return simulate_timing(
+        trace, plan.capacity, cache=plan.cache_config(seed=seed), prefetch=plan.prefetch_config(),
+        miss=plan.miss_config(), cost=cost, predictor_trace=None if learned is None else load_trace(learned),
+        host=host, host_capacity=plan.host_capacity,
+    )  # fmt: skip
+
+
 def recorded_times(trace: Trace, round_token: np.ndarray) -> dict[str, object] | None:
     """A recorded run's own times, from its wall clock (``step_start_s``/``step_end_s``), as a replay of it
     states its own: the mean decode and prefill step (``trace.stats.whole_steps``: its start to the next
