@@ -23,6 +23,8 @@ CASES = [
     ("miss_projection.py", ["--workspace", "-1GiB"], "--workspace '-1GiB' must be a non-negative size"),
     ("miss_projection.py", ["--costs", "{tmp}/none.json"], "--costs {tmp}/none.json: no such file"),
     ("plan_projection.py", ["--out", "{tmp}"], "--out {tmp}: a folder"),
+    ("inline_layer_cpu.py", ["CKPT", "--rounds", "0"], "--new-tokens and --rounds must be at least 1"),
+    ("inline_layer_cpu.py", ["CKPT", "--out", "{tmp}"], "--out {tmp}: not a file in a folder that exists"),
     ("policies_vs_libcachesim.py", ["--link-bandwidth", "0"], "--link-bandwidth '0' must be positive"),
     ("policies_vs_libcachesim.py", ["--link-latency", "50"], "--link-latency '50' needs a unit"),
 ]

@@ -554,6 +554,7 @@ def test_plan_timing_is_timing_dash_dash_plan_in_one_call(tmp_path, capsys):
     from trace_fixtures import prefix_file
 
     import expertcache as ec
+    from expertcache.trace.default import DEFAULT_TRACE
 
     short = prefix_file(tmp_path, 256)
     plans = {
@@ -577,6 +578,18 @@ def test_plan_timing_is_timing_dash_dash_plan_in_one_call(tmp_path, capsys):
         assert json.loads(json.dumps(got.to_dict())) == want, name  # every figure, the host level's too
         assert again.to_dict()["tpot_s"] == want["tpot_s"]
         assert want["tpot_s"] == pytest.approx(json.loads(path.read_text())["predicted"]["tpot_s"])
+    # a static plan ranks by the usage profile given, as `timing --plan P --profile T` does
+    static = tmp_path / "static.json"
+    assert main(["plan", "--trace", short, "--policy", "static", "--capacity", "24", "-o", str(static)]) == 0
+    capsys.readouterr()
+    assert main(["timing", "--plan", str(static), "--profile", str(DEFAULT_TRACE), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ec.plan_timing(static, profile=str(DEFAULT_TRACE)).to_dict()
+        own = ec.plan_timing(static).to_dict()  # ranked by the replayed trace's own use
+    assert got["misses"] == want["misses"] and got["tpot_s"] == want["tpot_s"]
+    assert own["misses"] != got["misses"]
     # on another trace than the plan's: said so, as the command says it
     with pytest.warns(Warning, match="so these figures are not the plan's prediction"):
         ec.plan_timing(tmp_path / "plain.json", "default")

@@ -724,7 +724,7 @@ def simulate_timing(*args, **kwargs) -> TimingResult:
 
 
 def plan_timing(
-    plan, trace: Trace | str | os.PathLike | None = None, *, cost=None, seed: int = 0
+    plan, trace: Trace | str | os.PathLike | None = None, *, cost=None, profile=None, seed: int = 0
 ) -> TimingResult:
     """``expertcache timing --plan PLAN.json`` in one call: ``plan`` (a ``Plan``, ``make_plan``'s, or its
     file) replayed as planned: its policy and budgets, miss path, predictor (learning from the trace it was
@@ -732,7 +732,9 @@ def plan_timing(
     a cost model, its dict, or a profile's file). ``trace`` defaults to the plan's own: the file it was
     made on, or its requests served N at a time made again (``plan --concurrency``); the embedded trace
     where neither is there (a note says so). A replay of another workload than the plan's says that its
-    figures are not the plan's prediction. Notes come as ``ExpertcacheWarning``s, as ``simulate_timing``'s."""
+    figures are not the plan's prediction. ``profile``: the usage profile a ``static`` plan ranks its experts
+    by (``timing --profile``; without it, the replayed trace's own use). Notes come as
+    ``ExpertcacheWarning``s, as ``simulate_timing``'s."""
     from expertcache.plan import Plan
     from expertcache.trace.trace import load_trace
 
@@ -778,9 +780,10 @@ def plan_timing(
     if plan.host_capacity is not None:
         host = HostConfig(None, plan.host_policy, exclusive=plan.host_exclusive)
     warn_notes(notes)
+    learned_trace = None if learned is None else load_trace(learned)
     return simulate_timing(
-        trace, plan.capacity, cache=plan.cache_config(seed=seed), prefetch=plan.prefetch_config(),
-        miss=plan.miss_config(), cost=cost, predictor_trace=None if learned is None else load_trace(learned),
+        trace, plan.capacity, cache=plan.cache_config(seed=seed, profile=profile),
+        prefetch=plan.prefetch_config(), miss=plan.miss_config(), cost=cost, predictor_trace=learned_trace,
         host=host, host_capacity=plan.host_capacity,
     )  # fmt: skip
 
