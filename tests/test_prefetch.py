@@ -889,3 +889,30 @@ def test_every_prefetch_is_used_cancelled_or_unused(predictor):
     assert r["prefetch_issued"] > 0 and r["prefetch_unused"] >= 0
     assert r["prefetch_issued"] == r["prefetch_used"] + r["prefetch_cancelled"] + r["prefetch_unused"]
     assert (r["prefetch_unused"] > 0) == (predictor != "oracle")  # the oracle names the chosen experts
+
+
+def test_a_prefetch_evicted_before_its_layer_is_counted_evicted_not_used_or_late():
+    """A new user's trial: on a settled link (nothing moving at any decision) 113 of the oracle's
+    prefetches were counted used and late; a demand transfer of a layer in between had evicted them, and
+    they were fetched again. Now: evicted, neither used nor late, and among the unused."""
+    from expertcache.config import PrefetchConfig
+    from expertcache.sim.timing import simulate_timing
+    from expertcache.trace.default import default_trace
+
+    settled = PrefetchConfig("oracle", window=3, deterministic=True)
+    r = simulate_timing(default_trace(), 24, prefetch=settled).cache
+    assert r["prefetch_late"] == 0  # nothing was moving when any layer asked
+    assert r["prefetch_evicted"] > 0 and r["prefetch_unused"] == r["prefetch_evicted"]  # the oracle's own
+    assert r["prefetch_issued"] == r["prefetch_used"] + r["prefetch_cancelled"] + r["prefetch_unused"]
+    # the engine counts them alike (the cache's accounting is shared): its own stats, and its replay
+    import expertcache as ec
+
+    engine_settled = PrefetchConfig("next-gate", window=1, deterministic=True)  # an engine's predictor
+    with ec.load(expert_memory="25%", prefetch=engine_settled, device="cpu") as model:
+        model.generate_text("def read_config(path):", max_new_tokens=24)
+        stats = model.stats
+    assert stats["prefetch_late"] == 0 and stats["prefetch_evicted"] >= 0
+    assert (
+        stats["prefetch_issued"]
+        == stats["prefetch_used"] + stats["prefetch_cancelled"] + stats["prefetch_unused"]
+    )

@@ -296,6 +296,9 @@ class ExpertCache:
                     stats.in_time[layer] += self.resident(primary, key)
         for part, key in spec:
             if key in routes:
+                if key not in self.parts[part]:  # a demand of a layer in between took its place
+                    stats.evicted[layer] += 1
+                    continue
                 stats.used[layer] += 1
                 stats.late[layer] += not self.resident(part, key)
         stats.requests[phase, layer] += len(keys)

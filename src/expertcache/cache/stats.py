@@ -8,9 +8,11 @@ dropped before they moved) and fills, and ``part_reused``: missed experts whose 
 (``batch``'s stream buffer, MoEpic's buffer of bottom segments), which moved nothing. Per layer: ``filled``,
 experts computed on the host and moved into the cache in the background for later steps. Per layer
 (ProMoE's accounting of prefetching):
-speculative transfers ``issued``, ``used`` (their layer then asked for them), ``late`` (still moving
-then), ``cancelled``, ``skipped_prefetches`` (no evictable slot), and the prediction quality: ``actual``
-experts of predicted layer visits, ``correct`` (predicted), ``in_time`` (predicted and resident when
+speculative transfers ``issued``, ``used`` (their layer then asked for them, and they were still there),
+``late`` (still moving then), ``evicted`` (their layer asked for them, but a demand transfer of a layer in
+between had taken their place: moved for nothing, then fetched again), ``cancelled``,
+``skipped_prefetches`` (no evictable slot), and the prediction quality: ``actual`` experts of predicted
+layer visits, ``correct`` (predicted), ``in_time`` (predicted and resident when
 needed): ACCURACY = correct / actual, FETCHRATE = in_time / correct, GOODPRED = in_time / actual. In the
 prefetch governor's warm-up the predictor runs in shadow (``ExpertCache.shadow``): ``shadow_guesses``,
 predicted experts not present that prefetching would have moved, ``shadow_hits``, those of them the
@@ -23,7 +25,8 @@ import numpy as np
 
 _PHASED = ("requests", "misses", "host", "low_precision", "skipped")
 _LAYERED = (
-    "issued", "used", "late", "cancelled", "skipped_prefetches", "actual", "correct", "in_time", "filled",
+    "issued", "used", "late", "evicted", "cancelled", "skipped_prefetches", "actual", "correct", "in_time",
+    "filled",
 )  # fmt: skip
 
 
@@ -71,8 +74,10 @@ class CacheStats:
             "prefetch_issued": int(self.issued.sum()),
             "prefetch_used": int(self.used.sum()),
             "prefetch_late": int(self.late.sum()),
+            "prefetch_evicted": int(self.evicted.sum()),
             "prefetch_cancelled": int(self.cancelled.sum()),
-            # landed and not chosen by the layer they were for (a later step may still hit them)
+            # landed and not used by the layer they were for: not chosen (a later step may still hit them),
+            # or evicted before it (``prefetch_evicted``)
             "prefetch_unused": int(self.issued.sum() - self.used.sum() - self.cancelled.sum()),
             "prefetch_skipped": int(self.skipped_prefetches.sum()),
             "shadow_guesses": self.shadow_guesses,

@@ -610,7 +610,8 @@ def summary(out: dict) -> str:
         lines.append(
             f"prefetch {out['prefetch']}, window {out['window']}{when} | issued {out['prefetch_issued']} | "
             f"used {out['prefetch_used']} ({out['prefetch_late']} late) | "
-            f"cancelled {out['prefetch_cancelled']}"
+            + (f"evicted before use {out['prefetch_evicted']} | " if out.get("prefetch_evicted") else "")
+            + f"cancelled {out['prefetch_cancelled']}"
         )
     did = miss_work(out)
     if did:

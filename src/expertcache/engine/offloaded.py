@@ -278,8 +278,9 @@ class OffloadedModel:
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
             "host_wait_s", "host_computed", "low_precision", "skipped", "prefetch_issued", "prefetch_used",
-            "prefetch_late", "prefetch_cancelled", "prefetch_skipped", "prefetch_unused", "shadow_guesses",
-            "shadow_hits", "filled", "retried_chunks", "requests", "prefill_misses", "decode_misses", "steps",
+            "prefetch_late", "prefetch_evicted", "prefetch_cancelled", "prefetch_skipped", "prefetch_unused",
+            "shadow_guesses", "shadow_hits", "filled", "retried_chunks", "requests", "prefill_misses",
+            "decode_misses", "steps",
         )  # fmt: skip
         delta = {**{k: after[k] - before[k] for k in counted}, **self.prefetch_config, **self._describe()}
         delta["misses_by_layer"] = [

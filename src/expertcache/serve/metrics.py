@@ -101,6 +101,7 @@ class _CacheCollector:
             ("filled", "filled", "host-computed experts moved into the cache in the background"),
             ("prefetch_issued", "prefetch_issued", "experts prefetched"),
             ("prefetch_used", "prefetch_used", "prefetched experts used before eviction"),
+            ("prefetch_evicted", "prefetch_evicted", "prefetched experts evicted before their layer"),
             ("prefetch_cancelled", "prefetch_cancelled", "prefetches cancelled (waste avoided)"),
         ):
             yield CounterMetricFamily(p + name, what, value=float(s[key]))

@@ -1204,8 +1204,8 @@ def format_timing(result: TimingResult) -> str:
     if r.predictor is not None:
         lines += [
             f"prefetch   issued {pf['prefetch_issued']} | used {pf['prefetch_used']} | late "
-            f"{pf['prefetch_late']} | cancelled {pf['prefetch_cancelled']} | skipped "
-            f"{pf['prefetch_skipped']}",
+            f"{pf['prefetch_late']} | evicted {pf['prefetch_evicted']} | cancelled "
+            f"{pf['prefetch_cancelled']} | skipped {pf['prefetch_skipped']}",
             "quality    "
             + " | ".join(
                 f"{k} {'-' if pf[k] is None else format(pf[k], '.3f')}"
