@@ -895,3 +895,29 @@ def test_a_byte_budget_replays_the_runs_experts_where_no_costs_are_given():
     with pytest.warns(ExpertcacheWarning, match="with the run's experts of 180.0 KiB"):
         replayed = ec.simulate_timing(trace, "5MiB")
     assert replayed.capacity == held
+
+
+def test_doctor_says_when_a_runs_clock_holds_misses_the_default_costs_price_as_a_gpus(tmp_path, capsys):
+    """A new user's doctor on a CPU server's trace (25 %, no --cost) said 12.5 % of the experts brought TPOT
+    within 1.25x of all resident, where 25 % had run 3.1x slower than 100 %: the default costs price a miss
+    as a GPU's, so the run's own misses went into the recorded step time, charged to every budget alike.
+    Where the run's steps are over twice its replay's under the default costs, the note says so."""
+    import dataclasses
+
+    _, path = _run(tmp_path, "clocked", new_tokens=16, prefetch="none")
+    trace = ec.load_trace(path)
+    slow = dataclasses.replace(
+        trace, step_start_s=trace.step_start_s * 100, step_end_s=trace.step_end_s * 100
+    )
+    slow.save(tmp_path / "slow.npz")
+    said = "its replay's under the default costs (a GPU's), so the step time holds what its misses cost"
+    assert main(["doctor", "--trace", str(tmp_path / "slow.npz"), "--capacity", "28", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert said in err and said in json.loads(out)["step_time"]["note"]
+    profile = tmp_path / "p.json"  # costs given: theirs are the machine's, as far as doctor can tell
+    profile.write_text(json.dumps({"expert_bytes": trace.meta["expert_bytes"], "link_bandwidth": "1GB/s"}))
+    assert (
+        main(["doctor", "--trace", str(tmp_path / "slow.npz"), "--capacity", "28", "--cost", str(profile)])
+        == 0
+    )
+    assert said not in capsys.readouterr().err

@@ -1264,6 +1264,18 @@ def _recorded_step(args: argparse.Namespace, cost, trace: Trace, asked: bool):
             raise
         args.step_time_from = {"note": f"the trace's clock is not used ({exc}); the step time is the costs'"}
         return cost
+    replayed = got["replayed_decode_step_s"] or 0.0
+    if not args.cost and got["recorded_decode_step_s"] > 2 * replayed:
+        # the defaults price a miss as a GPU's: the run's own misses (a disk's, a CPU's) land in the step
+        # time, which every budget then pays alike, so a budget's own cost is lost (a new user's doctor on a
+        # CPU server's trace said 12.5 % was within 1.25x of all resident, where 25 % had run 3.1x slower)
+        times = got["recorded_decode_step_s"] / max(replayed, 1e-12)
+        got["note"] += (
+            f"; the run's steps took {times:.2g}x its replay's "
+            "under the default costs (a GPU's), so the step time holds what its misses cost on the machine "
+            "that ran it, and every budget is charged it alike: a profile of that machine (expertcache "
+            "profile, then --cost PROFILE.json) prices its misses by budget"
+        )
     got["note"] += " (--step-time gives another)"
     args.step_time_from = got
     return dataclasses.replace(cost, step_s=step)
