@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -921,3 +922,23 @@ def test_doctor_says_when_a_runs_clock_holds_misses_the_default_costs_price_as_a
         == 0
     )
     assert said not in capsys.readouterr().err
+
+
+def test_a_replay_of_a_run_that_held_every_expert_from_its_load_says_it_starts_empty(tmp_path, capsys):
+    """A new user's first `generate --record-trace` at the default 100 %, then `sim`: 914 hits and no miss
+    in the run, 95 misses in the replay, and nothing said. The trace records the preload; sim, simulate
+    and timing say what it changes."""
+    stats, path = _run(tmp_path, "whole", memory="100%", prefetch="none")
+    trace = ec.load_trace(path)
+    assert stats["misses"] == 0 and trace.meta["preloaded"] == stats["preloaded_experts"] == 96
+    said = "this run read all 96 experts at its load (its expert memory held them all) and missed none"
+    with pytest.warns(ExpertcacheWarning, match=re.escape(said)):
+        (row,) = ec.simulate(trace, ["lru"], [96])
+    assert row.misses > 0  # the first uses, which the run had read at load
+    for argv in (["sim", str(path), "--capacity", "96"], ["timing", "--trace", str(path)]):
+        assert main(argv) == 0
+        assert said in capsys.readouterr().err
+    _, part = _run(tmp_path, "part", memory="30%", prefetch="none")  # a run that read nothing at load
+    assert "preloaded" not in ec.load_trace(part).meta
+    assert main(["sim", str(part), "--capacity", "28"]) == 0
+    assert "at its load" not in capsys.readouterr().err

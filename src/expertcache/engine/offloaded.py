@@ -498,6 +498,8 @@ class OffloadedModel:
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
             "device": self.device.type,  # a CPU's copies land almost at once: its replay is nearly settled
         }  # fmt: skip
+        if self.preloaded:  # every expert read at load: the run missed none (a replay starts empty)
+            meta["preloaded"] = self.preloaded
         if policy_class(self.cache_config.name).seeded:  # what it drew from: a replay needs the same
             meta["policy_seed"] = self.cache_config.seed
         profile = self.cache_config.profile

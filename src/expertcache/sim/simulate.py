@@ -23,7 +23,7 @@ from expertcache.policy.registry import fixed_capacity, min_capacity, parse_poli
 from expertcache.sim import fast
 from expertcache.sim.curves import all_capacities, run_policy, with_opt
 from expertcache.sim.replay import SimResult
-from expertcache.sim.timing import RECORDED, host_level_replay, unsettled
+from expertcache.sim.timing import RECORDED, host_level_replay, preloaded_note, unsettled
 from expertcache.trace.default import default_trace  # noqa: F401 (re-exported)
 from expertcache.trace.trace import Trace, as_trace
 from expertcache.units import capacity_beyond, capacity_items, true_or_false, whole_number
@@ -100,7 +100,7 @@ def replay_notes(
         prefetched = (
             f"prefetched ({who}, in {len(np.unique(steps[predicted]))} of {len(np.unique(steps))} steps)"
         )
-    notes = []
+    notes = [preloaded_note(meta)] if meta.get("preloaded") else []
     policy, profile = meta.get("policy", "POLICY"), meta.get("profile")
     if drew is not None and seed is not None and int(drew) != seed and str(policy) in (policies or ()):
         notes.append(

@@ -415,9 +415,21 @@ def replay_differences(
             + " replays its counts on any link)"
         )
     said = [f"this replay is not the recorded run's: {'; '.join(out)}"] if out else []
+    if meta.get("preloaded"):
+        said.append(preloaded_note(meta))
     if meta.get("deterministic") is False and pf.predictor == "recorded" and not pf.deterministic:
         said.append(unsettled(meta))
     return said
+
+
+def preloaded_note(meta: dict) -> str:
+    """What a replay of a run that held every expert from its load (``meta["preloaded"]``, the engine's
+    ``preloaded_experts``) counts otherwise: the run missed none of them, the replay starts empty."""
+    return (
+        f"this run read all {meta['preloaded']} experts at its load (its expert memory held them all) and "
+        "missed none; a replay starts with an empty cache, so each expert's first use is a miss here and a "
+        "hit in the run"
+    )
 
 
 def _other_miss(ran: str, miss: MissConfig, path: MissPath) -> bool:
