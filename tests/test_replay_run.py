@@ -942,3 +942,17 @@ def test_a_replay_of_a_run_that_held_every_expert_from_its_load_says_it_starts_e
     assert "preloaded" not in ec.load_trace(part).meta
     assert main(["sim", str(part), "--capacity", "28"]) == 0
     assert "at its load" not in capsys.readouterr().err
+
+
+def test_a_split_runs_replay_moves_the_bytes_its_segments_moved(tmp_path):
+    """A new user's split:theta=0.3 run moved 286,085,760 bytes and its replay 286,857,216, every count
+    equal: the engine cuts a segment at whole neurons (29 of 96), the cost model took 0.3 of the expert's
+    bytes. The trace records each part's transfer bytes, which the replay of the run's experts takes."""
+    stats, path = _run(tmp_path, "split", miss="split:theta=0.3", prefetch="none", new_tokens=16)
+    trace = ec.load_trace(path)
+    assert set(json.loads(trace.meta["part_bytes"])) == set(stats["parts"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExpertcacheWarning)
+        replayed = ec.simulate_timing(trace, "recorded", miss="split:theta=0.3")
+    assert replayed.cache["part_misses"] == stats["part_misses"]
+    assert replayed.to_dict()["bytes_moved"] == stats["bytes_transferred"]

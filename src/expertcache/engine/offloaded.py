@@ -32,6 +32,7 @@ from expertcache.engine.loader import build_skeleton
 from expertcache.engine.memory import resident_memory
 from expertcache.engine.packed import SOURCE_KEY, describe_format
 from expertcache.errors import ExpertcacheError, did_you_mean, first_line, warn_notes
+from expertcache.miss.base import FULL
 from expertcache.plan import Plan, as_plan
 from expertcache.policy.registry import policy_class
 from expertcache.trace.trace import Trace, check_save_path
@@ -500,6 +501,8 @@ class OffloadedModel:
         }  # fmt: skip
         if self.preloaded:  # every expert read at load: the run missed none (a replay starts empty)
             meta["preloaded"] = self.preloaded
+        if any(name != FULL for name in self.parts):  # a part's transfer's bytes (a segment's whole neurons)
+            meta["part_bytes"] = json.dumps({name: p.transfer_bytes() for name, p in self.parts.items()})
         if policy_class(self.cache_config.name).seeded:  # what it drew from: a replay needs the same
             meta["policy_seed"] = self.cache_config.seed
         profile = self.cache_config.profile

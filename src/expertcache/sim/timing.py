@@ -585,6 +585,7 @@ def _run_timing(
         capacity, capped = capped_capacity(capacity, L * E)
     schedule = build_schedule(trace, "layer")
     part_bytes = {spec.name: sim_part_bytes(spec, cost, L) for spec in path.parts()}
+    part_bytes.update(recorded_part_bytes(trace, cost, part_bytes))
     if capacities is not None:
         capacities = _given_capacities(capacities, path, L)
     budget = capacity * cost.expert_bytes if memory is None or capped else memory  # bytes, as the engine's
@@ -1068,6 +1069,24 @@ def sim_part_bytes(spec: PartSpec, cost: CostModel, num_layers: int) -> int | li
     if spec.kind == "quantized":
         return quantized_bytes(cost.expert_bytes, int(spec.bits), cost.weight_bits, int(spec.group or 64))
     return cost.expert_bytes
+
+
+def recorded_part_bytes(trace: Trace, cost: CostModel, parts: dict) -> dict:
+    """What each of ``parts`` moved a transfer in the engine run that recorded ``trace``
+    (``trace.meta["part_bytes"]``), where the replay is priced for the run's own experts (``expert_bytes``):
+    the engine cuts a segment at whole neurons (``split:theta=0.3`` of 96 neurons moves 29 of them, where
+    0.3 of the expert's bytes is less), which the cost model's share of its expert bytes rounds otherwise.
+    Empty otherwise (a part the replay does not have, or experts of another size)."""
+    meta = trace.meta
+    if "part_bytes" not in meta or meta.get("expert_bytes") is None:
+        return {}
+    if int(meta["expert_bytes"]) != cost.expert_bytes:
+        return {}
+    try:
+        recorded = json.loads(meta["part_bytes"])
+    except (TypeError, ValueError):
+        return {}
+    return {name: recorded[name] for name in parts if name in recorded}
 
 
 def unit_time(spec: PartSpec, cost: CostModel, layer: int, tokens: int) -> float:
