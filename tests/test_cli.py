@@ -326,6 +326,46 @@ def test_policies_lists_every_registered_name(capsys):
     assert code == 0
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == list(POLICIES)
+    # a plugin's long name keeps the columns (its row was shifted: a trial)
+    import expertcache as ec
+    from expertcache.policy.lru import LRU
+
+    long = type("Long", (LRU,), {"name": "users-a-rather-long-policy"})
+    try:
+        ec.register_policy(long)
+        code, out, _ = run(capsys, "policies")
+        kinds = {
+            line.index(" online ") if " online " in line else line.index(" offline ")
+            for line in out.splitlines()
+        }
+        assert code == 0 and len(kinds) == 1
+    finally:
+        POLICIES.pop("users-a-rather-long-policy", None)
+        POLICIES.pop("users-a-rather-long-policy-dist", None)
+
+
+def test_timing_refuses_a_bad_value_in_one_line_before_any_note(tmp_path, capsys):
+    """A new user's `timing --trace run.npz --capacity 0` printed two notes on the replay, then the error;
+    `--capacity 200%` suggested `--expert-memory 200%`, which is refused too."""
+    import expertcache as ec
+
+    with ec.load(expert_memory="30%", prefetch="none", progress=False) as model:
+        model.generate_text("def f(x):", 4)
+        model.save_trace(tmp_path / "run.npz")
+    run_file = str(tmp_path / "run.npz")
+    for argv, said in (
+        (["--capacity", "0"], "capacity must be at least 1 expert, got 0"),
+        (["--host-capacity", "0"], "--host-capacity: a whole number of experts, 1 or more, got 0"),
+        (["--host-capacity", "1"], "the host level holds 1 expert(s)"),
+    ):
+        code, _, err = run(capsys, "timing", "--trace", run_file, *argv)
+        assert code == 2 and err.startswith(f"expertcache: error: {said}") and err.count("\n") == 1, err
+    code, _, err = run(capsys, "timing", "--trace", run_file)  # the notes, where it runs
+    assert code == 0 and "note: priced by the default costs" in err
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal of the value's type
+        main(["timing", "--capacity", "200%"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--expert-memory, a share of at most 100 %" in err
 
 
 BAD_INPUTS = [

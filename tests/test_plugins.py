@@ -72,7 +72,7 @@ def test_a_plugins_policy_runs_alike_in_the_engine_the_simulator_and_the_command
     (cli_row,) = json.loads(done.stdout)
     assert (cli_row["policy"], cli_row["misses"]) == ("users-mru", row.misses)
     listed = _cli(plugin, "policies")
-    assert "users-mru     online  A most-recently-used eviction policy, the user's own." in listed.stdout
+    assert "users-mru      online  A most-recently-used eviction policy, the user's own." in listed.stdout
     swept = _cli(plugin, "sweep", "--trace", str(path), "--policy", "users-mru", "lru", "--capacity", "24",
                  "32", "--jobs", "2", "--json")  # fmt: skip
     assert swept.returncode == 0, swept.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import os
 import re
@@ -946,6 +947,26 @@ _TIMING_COST_FLAGS = (
 )
 
 
+def _notes_after_checks(command):
+    """``command`` with its notes on stderr held until it has run: a value refused anywhere in it (a
+    capacity, a host level below its policy's least) is then its one line, not the last of several notes
+    about a replay that never ran (a new user's ``timing --capacity 0`` printed two notes, then the error)."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        import contextlib
+        import io
+
+        held = io.StringIO()
+        with contextlib.redirect_stderr(held):
+            code = command(args)
+        sys.stderr.write(held.getvalue())  # an error raised above leaves them unsaid
+        return code
+
+    return run
+
+
+@_notes_after_checks
 def _cmd_timing(args: argparse.Namespace) -> int:
     from expertcache.config import CacheConfig, MissConfig, PrefetchConfig
     from expertcache.costs import CostModel
@@ -1519,9 +1540,20 @@ def _experts_count(text: str, memory: str = "--host-memory") -> int:
         return int(text)
     except ValueError:
         meant = f"{memory} {text}" if text.strip().endswith(("%", "B")) else memory  # a share or a size
+        share = re.fullmatch(r"\s*([0-9.]+)\s*%\s*", text)
+        if share is not None and _over_whole(share.group(1)):  # its own refusal: no more than 100 %
+            meant = f"{memory}, a share of at most 100 %"
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a whole number of experts (a share or a size of memory: {meant})"
         ) from None
+
+
+def _over_whole(number: str) -> bool:
+    """Whether a share's number (``"200"`` of ``"200%"``) is beyond 100 (one that does not parse: no)."""
+    try:
+        return float(number) > 100
+    except ValueError:
+        return False
 
 
 def _profile_links(args: argparse.Namespace, host, cost):
@@ -2089,6 +2121,7 @@ def _listed(cls) -> str:
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
+    width = max(13, *map(len, POLICIES))  # a plugin's long name keeps the columns (it shifted its row)
     for name in POLICIES:
         cls = policy_class(name)
         doc = _listed(cls)
@@ -2097,30 +2130,32 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         if isinstance(POLICIES[name], partial):  # a -dist form: one inner policy per layer
             own = cls.__module__.startswith("expertcache.")  # its line names it; a user's may not
             split = "per-layer split of " + ("" if own else f"{cls.name}: ")
-        print(f"{name:13s} {kind:7s} {split}{doc}")
+        print(f"{name:{width}s} {kind:7s} {split}{doc}")
     return 0
 
 
 def _cmd_misses(args: argparse.Namespace) -> int:
     from expertcache.miss.registry import MISS_PATHS, parameters
 
+    width = max(10, *map(len, MISS_PATHS))
     for name, cls in MISS_PATHS.items():
         doc = _listed(cls)
         if cls.__module__.endswith(".base"):
             doc = "fetch the whole expert at full precision (the default)."
         kind = "lossy" if cls.lossy else "exact"
         params = ",".join(parameters(cls))
-        print(f"{name:10s} {kind:6s} {doc}" + (f" [{params}]" if params else ""))
+        print(f"{name:{width}s} {kind:6s} {doc}" + (f" [{params}]" if params else ""))
     return 0
 
 
 def _cmd_predictors(args: argparse.Namespace) -> int:
     from expertcache.predict.registry import PREDICTORS
 
+    width = max(10, *map(len, PREDICTORS))
     for name, cls in PREDICTORS.items():
         doc = _doc_line(cls.__doc__, _module_doc(cls))
         where = "sim" if cls.sim_only else "engine" if cls.needs_model else "both"
-        print(f"{name:10s} {where:6s} window {cls.default_window}  {doc}")
+        print(f"{name:{width}s} {where:6s} window {cls.default_window}  {doc}")
     print(
         "(engine-only predictors are replayed by 'expertcache timing' from a trace recorded with "
         "'generate --prefetch NAME --record-trace FILE')"
