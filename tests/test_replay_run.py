@@ -259,10 +259,16 @@ def test_a_static_runs_profile_is_recorded_and_the_simulator_takes_one(tmp_path,
     assert json.loads(capsys.readouterr().out)["misses"] == stats["misses"]
     for argv, needle in (
         (["sim", str(path), "--policy", "lru", "--profile", str(profile)], "none of lru ranks by one"),
-        (["timing", "--trace", str(path), "--profile", str(profile)], "policy lru uses none"),
+        (
+            ["timing", "--trace", str(path), "--policy", "lru", "--profile", str(profile)],
+            "policy lru uses none",
+        ),
     ):
         assert main(argv) == 2
         assert needle in capsys.readouterr().err
+    # timing takes the run's own policy (static) by default: its profile given, the run's counts
+    assert main(["timing", "--trace", str(path), "--profile", str(profile), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["misses"] == stats["misses"]
 
 
 def _token_plan(tmp_path, capsys, new_tokens: int):
@@ -956,3 +962,17 @@ def test_a_split_runs_replay_moves_the_bytes_its_segments_moved(tmp_path):
         replayed = ec.simulate_timing(trace, "recorded", miss="split:theta=0.3")
     assert replayed.cache["part_misses"] == stats["part_misses"]
     assert replayed.to_dict()["bytes_moved"] == stats["bytes_transferred"]
+
+
+def test_timing_of_an_engine_trace_takes_the_runs_own_policy_and_seed_as_its_cache(tmp_path, capsys):
+    """A new user's `timing --trace run.npz` of a run under their own policy replayed LRU (with a note),
+    where it takes the run's own cache: it now takes the run's policy too, with the seed it drew from."""
+    stats, path = _run(tmp_path, "random", prefetch="none", policy="random", seed=3)
+    assert main(["timing", "--trace", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert "note: under the recorded run's own policy random (--policy sets another)" in err
+    assert (got["policy"], got["hits"], got["misses"]) == ("random", stats["hits"], stats["misses"])
+    assert "this replay is not the recorded run's" not in err
+    assert main(["timing", "--trace", str(path), "--policy", "lru", "--json"]) == 0
+    assert "its policy was random (--policy random)" in capsys.readouterr().err  # another, given: said

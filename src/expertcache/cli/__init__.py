@@ -294,7 +294,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--trace", metavar="FILE.npz",
         help="(default: the embedded trace; with --plan, the plan's own where its file is there)",
     )  # fmt: skip
-    tm.add_argument("--policy", metavar="NAME[:k=v,...]", help="any policy (default lru)")
+    tm.add_argument(
+        "--policy", metavar="NAME[:k=v,...]", help="any policy (default lru; on an engine's trace, its run's)"
+    )
     tm.add_argument(
         "--profile", metavar="TRACE.npz",
         help="usage profile for the static policies, as generate's (default: the trace's own use)",
@@ -1051,7 +1053,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
         cache = plan.cache_config(profile=args.profile)
     else:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
-        cache = CacheConfig(args.policy or "lru", profile=args.profile)
+        cache = CacheConfig(args.policy or _run_policy(args, trace) or "lru", profile=args.profile)
         miss = MissConfig(args.miss or "fetch")
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
@@ -1188,6 +1190,26 @@ def _check_miss(miss, trace: Trace, cost) -> None:
 
     ctx = MissContext(trace.num_layers, trace.num_experts, trace.top_k, costs=cost)
     miss_class(miss.name)(ctx, **miss.params)
+
+
+def _run_policy(args: argparse.Namespace, trace: Trace) -> str | None:
+    """``timing``'s policy for an engine's trace given none: the run's own (and the seed it drew with),
+    said in a note, as its cache is taken; None for another trace, or a policy this process does not have
+    (a plugin not loaded: LRU then, and the replay's note names the run's)."""
+    from expertcache.policy.registry import policy_class
+
+    ran = trace.meta.get("policy") if "capacities" in trace.meta else None
+    if ran is None or str(ran) == "lru":
+        return None
+    try:
+        policy_class(parse_policy(str(ran))[0])
+    except ExpertcacheError:
+        return None
+    drew = trace.meta.get("policy_seed")
+    if drew is not None and args.seed is None:
+        args.seed = int(drew)
+    print(f"note: under the recorded run's own policy {ran} (--policy sets another)", file=sys.stderr)
+    return str(ran)
 
 
 def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
