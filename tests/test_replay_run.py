@@ -976,3 +976,26 @@ def test_timing_of_an_engine_trace_takes_the_runs_own_policy_and_seed_as_its_cac
     assert "this replay is not the recorded run's" not in err
     assert main(["timing", "--trace", str(path), "--policy", "lru", "--json"]) == 0
     assert "its policy was random (--policy random)" in capsys.readouterr().err  # another, given: said
+
+
+def test_doctor_and_plan_price_a_cost_based_runs_trace_by_its_own_costs_as_timing_does(tmp_path, capsys):
+    """A new user's served trace: timing priced it by the costs the server decided by (13.3 ms a token),
+    doctor and plan by the defaults (32.6 ms). All three take the run's costs where no --cost is given."""
+    from expertcache.sim.timing import recorded_costs
+
+    _, path = _run(tmp_path, "hosted", miss="host", prefetch="none", new_tokens=16)
+    own = recorded_costs(ec.load_trace(path))
+    assert own is not None
+    said = "note: priced by the costs the run decided by (measured at its load"
+    for argv in (["timing", "--trace", str(path)], ["doctor", "--trace", str(path), "--capacity", "28"],
+                 ["plan", "--trace", str(path), "--capacity", "28"]):  # fmt: skip
+        assert main([*argv, "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert said in err, argv
+        got = json.loads(out)
+        cost = got.get("cost") or got["source"]["cost"]
+        assert cost["link_bandwidth"] == own.link_bandwidth and cost["expert_s"] == own.expert_s, argv
+    profile = tmp_path / "given.json"  # --cost given: its own
+    profile.write_text(json.dumps({"expert_bytes": own.expert_bytes, "link_bandwidth": "1GB/s"}))
+    assert main(["doctor", "--trace", str(path), "--capacity", "28", "--cost", str(profile)]) == 0
+    assert said not in capsys.readouterr().err

@@ -1067,20 +1067,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     _check_miss(miss, trace, cost)  # its values refused in one line, before any note of the replay
     _say_step_time(args)
     if own is not None:
-        flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"))]
-        over = f", {' '.join(flags)} given over them" if flags else ""
-        measured = trace.meta.get("costs_measured", True)
-        how = "measured at its load" if measured else "given to it"
-        # the load measures what the path decides by (an expert, a transfer, the host), not the rest of a step
-        rest = "" if not measured or args.dense_time or args.step_time else (
-            "; its dense and step times are not among them: the defaults, a GPU's 0.25 ms a layer and "
-            "0.5 ms a step (a profile of this machine, --cost, or --dense-time and --step-time give them), "
-            "so its counts are the run's and its times are not"
-        )  # fmt: skip
-        print(
-            f"note: priced by the costs the run decided by ({how}{over}; --cost gives others){rest}",
-            file=sys.stderr,
-        )
+        _say_run_costs(args, trace)
     if plan is not None:
         capacity = plan.capacity
     elif args.capacity is None and not args.expert_memory and "capacities" in trace.meta:
@@ -1233,6 +1220,32 @@ def _run_capacity(trace: Trace, miss, cost) -> int | str | None:
     return RECORDED
 
 
+def _say_run_costs(args: argparse.Namespace, trace: Trace) -> None:
+    """The note of a replay priced by the costs its recorded run decided by (``sim.timing.recorded_costs``:
+    a cost-based miss path's, measured at its load or given to it), on stderr."""
+    flags = [f for f, *_ in _TIMING_COST_FLAGS if getattr(args, f[2:].replace("-", "_"), None)]
+    over = f", {' '.join(flags)} given over them" if flags else ""
+    measured = trace.meta.get("costs_measured", True)
+    how = "measured at its load" if measured else "given to it"
+    # the load measures what the path decides by (an expert, a transfer, the host), not the rest of a step
+    rest = "" if not measured or args.dense_time or args.step_time else (
+        "; its dense and step times are not among them: the defaults, a GPU's 0.25 ms a layer and "
+        "0.5 ms a step (a profile of this machine, --cost, or --dense-time and --step-time give them), "
+        "so its counts are the run's and its times are not"
+    )  # fmt: skip
+    said = f"note: priced by the costs the run decided by ({how}{over}; --cost gives others){rest}"
+    print(said, file=sys.stderr)
+
+
+def _run_costs(args: argparse.Namespace, trace: Trace):
+    """``doctor``'s and ``plan``'s base costs on an engine's trace given no ``--cost``: the costs its run
+    decided by, as ``timing`` prices its replay (a new user's doctor and timing priced one served trace
+    at 32.6 and 13.3 ms a token), or None."""
+    from expertcache.sim.timing import recorded_costs
+
+    return None if args.cost else recorded_costs(trace)
+
+
 def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=None):
     """The cost model of ``timing``, ``plan`` and ``doctor``: ``--cost`` (or ``base``: a plan's) overridden
     by the cost flags. Without either, on a ``trace`` the engine recorded: the default costs with the
@@ -1308,7 +1321,11 @@ def _recorded_step(args: argparse.Namespace, cost, trace: Trace, asked: bool):
         args.step_time_from = {"note": f"the trace's clock is not used ({exc}); the step time is the costs'"}
         return cost
     replayed = got["replayed_decode_step_s"] or 0.0
-    if not args.cost and got["recorded_decode_step_s"] > 2 * replayed:
+    from expertcache.costs import CostModel
+
+    default = CostModel()
+    defaults = all(getattr(cost, f) == getattr(default, f) for f in ("link_bandwidth", "expert_s", "dense_s"))
+    if defaults and got["recorded_decode_step_s"] > 2 * replayed:
         # the defaults price a miss as a GPU's: the run's own misses (a disk's, a CPU's) land in the step
         # time, which every budget then pays alike, so a budget's own cost is lost (a new user's doctor on a
         # CPU server's trace said 12.5 % was within 1.25x of all resident, where 25 % had run 3.1x slower)
@@ -1398,7 +1415,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     else:
         trace = _trace(args.trace)
     _check_profile(args, trace)
-    cost = _cost_from_args(args, trace=trace)
+    own = _run_costs(args, trace)
+    cost = _cost_from_args(args, base=own, trace=trace)
+    if own is not None:
+        _say_run_costs(args, trace)
     capacity = _capacity(args, cost, trace)  # the budget checked before the requests are batched
     trace = _served(trace, args)
     host = _host_level(args)
@@ -1483,8 +1503,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 _not_the_input(args.out, given)
     raw = _trace(args.trace)
     _check_profile(args, raw)
-    cost = _cost_from_args(args, trace=raw)
+    own = _run_costs(args, raw)
+    cost = _cost_from_args(args, base=own, trace=raw)
     _say_step_time(args)
+    if own is not None:
+        _say_run_costs(args, raw)
     capacity = _capacity(args, cost, raw)  # the budget checked before the requests are batched
     trace = _served(raw, args)
     windows = list(dict.fromkeys(args.window or [None]))
