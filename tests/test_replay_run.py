@@ -999,3 +999,17 @@ def test_doctor_and_plan_price_a_cost_based_runs_trace_by_its_own_costs_as_timin
     profile.write_text(json.dumps({"expert_bytes": own.expert_bytes, "link_bandwidth": "1GB/s"}))
     assert main(["doctor", "--trace", str(path), "--capacity", "28", "--cost", str(profile)]) == 0
     assert said not in capsys.readouterr().err
+
+
+def test_sim_of_an_engine_trace_holds_the_runs_own_capacity_among_its_rows(tmp_path, capsys):
+    """A new user replayed a server's trace with `sim served.npz`, as SERVE.md says: the default rows (6,
+    18, 30, ...) left out the server's 24 experts, to compare with its /stats."""
+    stats, path = _run(tmp_path, "run", prefetch="none")
+    assert main(["sim", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    lru = {r["capacity"]: r for r in rows if r["policy"] == "lru"}
+    assert stats["capacity_experts"] == 28 and lru[28]["misses"] == stats["misses"]
+    assert "note: with the recorded run's own capacity, 28 experts, among the rows" in err
+    assert main(["sim", str(path), "--capacity", "30", "--json"]) == 0
+    assert "own capacity" not in capsys.readouterr().err  # capacities given: only those

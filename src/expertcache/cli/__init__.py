@@ -734,6 +734,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     step = max(1, keys // DEFAULT_STEPS)
     start = step * -(-min_room(args.order, trace.top_k) // step)  # the default range's first that fits
     caps = _capacities(args.capacity or [f"{start}:{keys}:{step}"], trace, args.order)
+    ran = trace.meta.get("capacity") if str(trace.meta.get("miss", "fetch")) == "fetch" else None
+    if not args.capacity and isinstance(ran, int) and start <= ran <= keys and ran not in caps:
+        caps = sorted([*caps, ran])  # an engine's run (a server's): its own budget among the rows
+        print(f"note: with the recorded run's own capacity, {ran} experts, among the rows (--capacity sets "
+              "them)", file=sys.stderr)  # fmt: skip
     from expertcache.trace.batch import is_batched
 
     policies = asked = _distinct_policies(args.policy) or DEFAULT_POLICIES

@@ -162,7 +162,8 @@ class _CacheCollector:
         moved = CounterMetricFamily(
             p + "part_transfers",
             "demand transfers into each part of the cache (batch: full, and its stream buffer, where an "
-            "expert already in the buffer moves nothing; misses count the full part's)",
+            "expert already in the buffer moves nothing: part_reused); misses = these + part_reused + "
+            "host_computed between steps",
             labels=["part"],
         )
         for part, count in s["part_misses"].items():
