@@ -356,6 +356,8 @@ class OffloadedModel:
             # the kernels compute the checkpoint's stored weights exactly (another tool's format)
             "experts_as_stored": self.packed is not None and self.packed.exact,
             "policy": self.cache_config.policy,
+            # what a randomized policy drew from (--policy-seed); None for one that draws nothing
+            "policy_seed": self.cache_config.seed if policy_class(self.cache_config.name).seeded else None,
             "miss": self.miss.describe(),
             # the outputs may differ from the checkpoint's model: a lossy miss path, experts packed by
             # expertcache (another tool's quantised checkpoint is that model: its weights are read exactly),
