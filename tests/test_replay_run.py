@@ -968,6 +968,7 @@ def test_timing_of_an_engine_trace_takes_the_runs_own_policy_and_seed_as_its_cac
     """A new user's `timing --trace run.npz` of a run under their own policy replayed LRU (with a note),
     where it takes the run's own cache: it now takes the run's policy too, with the seed it drew from."""
     stats, path = _run(tmp_path, "random", prefetch="none", policy="random", seed=3)
+    assert stats["policy_seed"] == 3 == ec.load_trace(path).meta["policy_seed"]  # the stats say it too
     assert main(["timing", "--trace", str(path), "--json"]) == 0
     out, err = capsys.readouterr()
     got = json.loads(out)
