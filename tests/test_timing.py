@@ -923,3 +923,15 @@ def test_a_predictor_replayed_by_name_from_a_run_that_predicted_in_some_steps_sa
         run = dataclasses.replace(trace, predicted=held, meta=meta)
         notes = simulate_timing(run, 8, prefetch="next-gate").notes
         assert any("predictions for 10 of 40 steps" in n for n in notes) == said, notes
+
+
+def test_timings_header_gives_a_cache_of_several_parts_by_its_parts(capsys):
+    """A new user's batch trace: the header said 'tlfu, 20 experts' without --expert-memory and '24
+    experts' with --expert-memory 25 %, for the same cache of 20 + 4 slots."""
+    from expertcache.cli import main
+
+    assert main(["timing", "--miss", "batch", "--policy", "tlfu", "--capacity", "24"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.startswith("cache      tlfu, slots: ") and "full 20" in header and "stream 4" in header
+    assert main(["timing", "--capacity", "24"]) == 0  # one part: its experts
+    assert capsys.readouterr().out.splitlines()[1].startswith("cache      lru, 24 experts | miss fetch")

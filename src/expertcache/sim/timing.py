@@ -1182,8 +1182,11 @@ def format_timing(result: TimingResult) -> str:
         prefetch += f", {describe(r.governor)}"
     onoff = {True: "on", False: "off"}
     rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f} tok/s"
+    # a cache of several parts by its parts' keys (its capacity is its memory or its first part's, as given)
+    parts = ", ".join(f"{k} {v}" for k, v in r.capacities.items()) if len(r.capacities) > 1 else None
+    held = f"{r.capacity} experts" if parts is None else f"slots: {parts}"
     lines = [
-        f"cache      {r.policy}{params}, {r.capacity} experts | miss {r.miss} | prefetch {prefetch} | "
+        f"cache      {r.policy}{params}, {held} | miss {r.miss} | prefetch {prefetch} | "
         f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}"
         + (" | deterministic (each transfer landed before the next decision)" if r.deterministic else ""),
         "cost       "
