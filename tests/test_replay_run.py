@@ -908,8 +908,11 @@ def test_doctor_says_when_a_runs_clock_holds_misses_the_default_costs_price_as_a
     """A new user's doctor on a CPU server's trace (25 %, no --cost) said 12.5 % of the experts brought TPOT
     within 1.25x of all resident, where 25 % had run 3.1x slower than 100 %: the default costs price a miss
     as a GPU's, so the run's own misses went into the recorded step time, charged to every budget alike.
-    Where the run's steps are over twice its replay's under the default costs, the note says so."""
+    Where the run's steps are over twice its replay's under the default costs, doctor leaves the clock
+    out by default and says why; asked for (--step-time recorded), it is taken, and the note says why not."""
     import dataclasses
+
+    from expertcache.costs import CostModel
 
     _, path = _run(tmp_path, "clocked", new_tokens=16, prefetch="none")
     trace = ec.load_trace(path)
@@ -917,10 +920,16 @@ def test_doctor_says_when_a_runs_clock_holds_misses_the_default_costs_price_as_a
         trace, step_start_s=trace.step_start_s * 100, step_end_s=trace.step_end_s * 100
     )
     slow.save(tmp_path / "slow.npz")
-    said = "its replay's under the default costs (a GPU's), so the step time holds what its misses cost"
+    said = "its replay's under the default costs (a GPU's), so a step time from its clock would hold what"
     assert main(["doctor", "--trace", str(tmp_path / "slow.npz"), "--capacity", "28", "--json"]) == 0
     out, err = capsys.readouterr()
-    assert said in err and said in json.loads(out)["step_time"]["note"]
+    report = json.loads(out)  # doctor's default: not taken, its figures the costs' own
+    assert said in err and report["step_time"]["note"].startswith("the trace's clock is not used: the run's")
+    assert report["cost"]["step_s"] == CostModel().step_s
+    timing = ["timing", "--trace", str(tmp_path / "slow.npz"), "--step-time", "recorded", "--json"]
+    assert main(timing) == 0  # asked for: taken, and said
+    out, err = capsys.readouterr()
+    assert said in err and json.loads(out)["cost"]["step_s"] > 0.1
     profile = tmp_path / "p.json"  # costs given: theirs are the machine's, as far as doctor can tell
     profile.write_text(json.dumps({"expert_bytes": trace.meta["expert_bytes"], "link_bandwidth": "1GB/s"}))
     assert (

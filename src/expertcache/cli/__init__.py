@@ -1311,7 +1311,8 @@ def _recorded_step(args: argparse.Namespace, cost, trace: Trace, asked: bool):
     (``sim.timing.recorded_step_s``); its figures and note kept in ``args.step_time_from`` for the command
     to say (``doctor`` among its notes and in its JSON, ``timing`` on stderr and in its JSON). ``asked``
     (``--step-time recorded``): a trace that cannot give it is the error; else (doctor's default) a trace
-    without a clock is left as it is, and one whose run cannot be replayed is said in a note."""
+    without a clock is left as it is, and one whose run cannot be replayed is said in a note, as one whose
+    steps the default costs price at under half their time (the clock would hold the run's own misses)."""
     import dataclasses
 
     from expertcache.sim.timing import recorded_step_s
@@ -1335,12 +1336,17 @@ def _recorded_step(args: argparse.Namespace, cost, trace: Trace, asked: bool):
         # time, which every budget then pays alike, so a budget's own cost is lost (a new user's doctor on a
         # CPU server's trace said 12.5 % was within 1.25x of all resident, where 25 % had run 3.1x slower)
         times = got["recorded_decode_step_s"] / max(replayed, 1e-12)
-        got["note"] += (
-            f"; the run's steps took {times:.2g}x its replay's "
-            "under the default costs (a GPU's), so the step time holds what its misses cost on the machine "
-            "that ran it, and every budget is charged it alike: a profile of that machine (expertcache "
-            "profile, then --cost PROFILE.json) prices its misses by budget"
+        why = (
+            f"the run's steps took {times:.2g}x its replay's under the default costs (a GPU's), so a step "
+            "time from its clock would hold what its misses cost on the machine that ran it, charged to "
+            "every budget alike: a profile of that machine (expertcache profile, then --cost PROFILE.json) "
+            "prices its misses by budget"
         )
+        if not asked:  # doctor's default: its figures stay the cost model's own, said
+            said = f"the trace's clock is not used: {why} (--step-time recorded takes it)"
+            args.step_time_from = {"note": said}
+            return cost
+        got["note"] += f"; {why}"
     got["note"] += " (--step-time gives another)"
     args.step_time_from = got
     return dataclasses.replace(cost, step_s=step)
