@@ -916,3 +916,23 @@ def test_a_prefetch_evicted_before_its_layer_is_counted_evicted_not_used_or_late
         stats["prefetch_issued"]
         == stats["prefetch_used"] + stats["prefetch_cancelled"] + stats["prefetch_unused"]
     )
+
+
+def test_each_generations_bytes_are_what_its_own_transfers_moved():
+    """A new user's `generate --prompts` with prefetching on a slow link: a batch's bytes were 593.33
+    experts' where its transfers that landed were 594, the rest counted in the next batch. A generation
+    now waits for its last transfers to land (cancelling none) before its counts are taken."""
+    import warnings
+
+    import expertcache as ec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ec.load(expert_memory="25%", prefetch="next-gate", link_bandwidth="20MB/s", progress=False) as m:
+            size, total = m.stats["expert_bytes"], 0
+            for prompt in ("def read_config(path):", "import os\n", "class Stack:"):
+                s = m.generate_text(prompt, 6).stats
+                landed = s["misses"] + s["prefetch_issued"] - s["prefetch_cancelled"]
+                assert s["bytes_transferred"] == landed * size, prompt
+                total += s["bytes_transferred"]
+            assert total == m.stats["bytes_transferred"]

@@ -402,6 +402,17 @@ class ExpertCache:
             del self.inflight[(part, key)]
             self.demand.discard((part, key))
 
+    def settle(self) -> None:
+        """Wait for every transfer in flight to land (a failed prefetch leaves the cache), cancelling none:
+        the cache then holds what it would have held a moment later anyway, so a replay of the run counts
+        the same, and what the transfers moved is in the counts taken now (a generation's own bytes)."""
+        for handle in list(self.inflight.values()):
+            try:
+                self.transport.wait(handle)
+            except Exception:  # a failed prefetch: it never arrived (``_reap`` lets it go)
+                pass
+        self._reap()
+
     def _drain(self, keep: Collection[PartKey]) -> None:
         """Drop every queued speculative transfer outside ``keep`` and wait for the rest to land."""
         for pk, handle in list(self.inflight.items()):

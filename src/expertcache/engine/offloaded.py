@@ -275,6 +275,8 @@ class OffloadedModel:
             self.generate, ids.to(self.device), streamer, attention_mask=mask.to(self.device),
             max_new_tokens=max_new_tokens, pad_token_id=pad, **{**decode_kw, **kwargs},
         )  # fmt: skip
+        with self._turn:  # what its last step's prefetches moved is this generation's, not the next one's
+            self.cache.settle()
         after = self._stats(memory=False)
         counted = (
             "hits", "misses", "bytes_transferred", "stall_s", "decode_stall_s", "prefill_stall_s",
