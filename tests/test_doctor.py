@@ -75,6 +75,19 @@ def test_verdicts_on_traces_whose_answer_is_known(kind, params, capacity, local,
     assert t["all_resident"] <= t["plan"] <= t["on_demand"] * (1 + 1e-9)
 
 
+def test_local_routing_the_budget_does_not_exploit_is_one_verdict_not_two():
+    """A new user's doctor on a served trace said 'routing is local: a cache can exploit it' beside 'caching
+    will save about 0 %' and 'LRU hits no more than ... by chance'. Where LRU finds no reuse at the budget,
+    the locality line says so, and names the union of a step's requests where there are several."""
+    from expertcache.trace.batch import batch_requests
+    from expertcache.trace.default import default_trace
+
+    served = diagnose(batch_requests(default_trace(), 16), "25%")
+    said = [v for v in served["verdict"] if v.startswith("routing is local")]
+    assert said and "but not at this budget" in said[0] and "the union of theirs" in said[0]
+    assert not any("a cache can exploit it" in v for v in served["verdict"])
+
+
 def test_the_partition_adversary_names_its_layer():
     r = diagnose(synthesize("partition", tokens=1000, layers=4, experts=8, layer=2), 4)
     assert r["consistency"]["per_layer"][2] < 0.4 < min(r["consistency"]["per_layer"][:2])

@@ -464,6 +464,8 @@ def verdict(r: dict[str, object]) -> list[str]:
     srp_m, m = r["consistency"]["srp"], r["consistency"]["m"]
     lru, opt = r["lru_miss_ratio"], r["opt_miss_ratio"]
     share = r["capacity_share"]
+    # LRU no better than the budget's share by chance (every expert fits: no chance)
+    chance = share < 1 and 1 - lru <= min(share * 1.1, share + (1 - share) / 2)
     out.append(
         f"caching will save about {100 * (1 - lru):.0f} % of transfers at this budget ({100 * share:.0f} % "
         f"of the experts) with LRU; an oracle (OPT) would save {100 * (1 - opt):.0f} %"
@@ -474,6 +476,12 @@ def verdict(r: dict[str, object]) -> list[str]:
             "little beyond its share; prefer host compute ("
             + option("--miss host or hybrid", "miss='host' or 'hybrid'")
             + ") or a larger budget"
+        )
+    elif chance:  # local by SRP, yet LRU finds no reuse here: said as one thing (a trial read two verdicts)
+        out.append(
+            f"routing is local (SRP({m}) = {srp_m:.3f}), but not at this budget: the experts a step needs "
+            "come back later than the cache keeps them"
+            + (" (a step of several requests needs the union of theirs)" if r.get("batch") else "")
         )
     else:
         out.append(f"routing is local (SRP({m}) = {srp_m:.3f}): a cache can exploit it")
@@ -486,7 +494,7 @@ def verdict(r: dict[str, object]) -> list[str]:
                 f"but not in layer(s) {shown}: there a cache gains little; per-layer budgets "
                 f"({option('expertcache plan', 'make_plan')}) can give those layers less"
             )
-    if share < 1 and 1 - lru <= min(share * 1.1, share + (1 - share) / 2):  # every expert fits: no chance
+    if chance:
         out.append(
             "LRU hits no more than the budget's share of experts would by chance: the cache is not finding "
             "reuse at this budget"
