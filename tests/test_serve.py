@@ -1261,3 +1261,19 @@ def test_metrics_open_without_a_key_says_it_changes_nothing(capsys, tmp_path):
     assert main(["serve", "--metrics-open", "--model", str(tmp_path / "none"), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert "note: --metrics-open changes nothing without an API key" in err
+
+
+def test_serves_start_line_says_how_many_requests_a_small_kv_cache_holds_at_once(monkeypatch, capsys):
+    """A new user's `--kv-cache-tokens 512` let 2 requests run at once (a 256-token page each, at least),
+    the rest waiting, and nothing said so. The start line says it where the pages are fewer than the queue."""
+    import expertcache.serve
+
+    monkeypatch.setattr(expertcache.serve, "run", lambda model, name, config: True)  # no loop: the line
+    assert main(["serve", "--port", "1", "--kv-cache-tokens", "512"]) == 0
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("serving ")]
+    assert (
+        line
+        and "KV cache 512 tokens (2 pages of 256: at most 2 requests at once, the others wait)" in line[0]
+    )
+    assert main(["serve", "--port", "1", "--kv-cache-tokens", "512", "--max-queue", "2"]) == 0
+    assert "requests at once" not in capsys.readouterr().err  # no more than it holds

@@ -9,7 +9,7 @@ import sys
 
 from expertcache.cli.generate import add_model_args, load_model, load_plan
 from expertcache.cli.util import lossy_note, output_option
-from expertcache.config import SCHEDULES, SERVE_BATCH_TOKENS
+from expertcache.config import KV_PAGE, SCHEDULES, SERVE_BATCH_TOKENS
 from expertcache.errors import ExpertcacheError
 
 
@@ -179,6 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(layout_note, file=sys.stderr)
     if not args.quiet:  # what runs, as a plan or the options chose it
         kv = f", KV cache {kv_tokens} tokens" if kv_tokens else ""
+        pages = kv_tokens // KV_PAGE if kv_tokens else None
+        if pages is not None and pages < config.max_queue:  # each request holds a page at least
+            kv += f" ({pages} pages of {KV_PAGE}: at most {pages} requests at once, the others wait)"
         print(f"serving {describe_run(model)}{kv}", file=sys.stderr)
     note = lossy_note(model.stats, model.miss.lossy)
     if note:
