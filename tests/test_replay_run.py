@@ -1023,3 +1023,21 @@ def test_sim_of_an_engine_trace_holds_the_runs_own_capacity_among_its_rows(tmp_p
     assert "note: with the recorded run's own capacity, 28 experts, among the rows" in err
     assert main(["sim", str(path), "--capacity", "30", "--json"]) == 0
     assert "own capacity" not in capsys.readouterr().err  # capacities given: only those
+
+
+def test_a_run_on_an_emulated_link_records_it_and_its_replay_is_priced_over_it(tmp_path, capsys):
+    """A new user's run over --link-bandwidth 500MB/s was replayed over the default PCIe link (25 GB/s):
+    the trace did not say which link the run took. It does now, and a replay given no costs takes it."""
+    _, path = _run(tmp_path, "linked", prefetch="none", link_bandwidth="500MB/s", link_latency="20us")
+    trace = ec.load_trace(path)
+    assert trace.meta["link_bandwidth"] == 5e8 and trace.meta["link_latency"] == pytest.approx(2e-5)
+    said = "and its emulated link (0.5 GB/s + 20 us a transfer)"
+    assert main(["timing", "--trace", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert said in err and json.loads(out)["cost"]["link_bandwidth"] == 5e8
+    assert main(["timing", "--trace", str(path), "--link-bandwidth", "2GB/s", "--json"]) == 0  # given: it
+    assert json.loads(capsys.readouterr().out)["cost"]["link_bandwidth"] == 2e9
+    with pytest.warns(ExpertcacheWarning, match=re.escape(said)):
+        assert ec.simulate_timing(trace, "recorded").cost.link_latency == pytest.approx(2e-5)
+    _, plain = _run(tmp_path, "plain", prefetch="none")  # no emulated link: nothing recorded, nothing said
+    assert "link_bandwidth" not in ec.load_trace(plain).meta

@@ -503,6 +503,8 @@ class OffloadedModel:
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
             "device": self.device.type,  # a CPU's copies land almost at once: its replay is nearly settled
         }  # fmt: skip
+        if self.link is not None:  # the emulated link its transfers took: a replay's, where none is given
+            meta.update(link_bandwidth=float(self.link.bandwidth), link_latency=float(self.link.latency))
         if self.preloaded:  # every expert read at load: the run missed none (a replay starts empty)
             meta["preloaded"] = self.preloaded
         if any(name != FULL for name in self.parts):  # a part's transfer's bytes (a segment's whole neurons)

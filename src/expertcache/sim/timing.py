@@ -277,11 +277,12 @@ def _canonical(
         moved = trace.meta.get("expert_bytes")
         if cost is None and isinstance(moved, int) and not isinstance(moved, bool) and moved > 0:
             # else the default's experts of 336 MiB: a byte budget held none of the run's (as the CLI)
-            cost = CostModel(expert_bytes=moved)
+            link = run_link(trace.meta)
+            cost = CostModel(expert_bytes=moved, **link)
             warn_notes([
                 f"priced by the default costs (a Mixtral-8x7B expert's times, over PCIe 4 to a GPU) with the "
-                f"run's experts of {moved / 2**10:.1f} KiB (the trace's expert_bytes): a profile of this "
-                "machine and model (expertcache.profile, then cost=) prices the run"
+                f"run's experts of {moved / 2**10:.1f} KiB (the trace's expert_bytes){said_link(link)}: a "
+                "profile of this machine and model (expertcache.profile, then cost=) prices the run"
             ])  # fmt: skip
     miss_cfg, cost = as_config(miss, MissConfig), as_cost(cost, trace)
     if recorded:
@@ -359,6 +360,25 @@ def host_level_replay(meta: dict, top_k: int, prefetching: bool) -> tuple[str, s
 
 
 RECORDED = "recorded"  # a capacity: the recorded run's own, each cache part as the engine held it
+
+
+def run_link(meta: dict) -> dict[str, float]:
+    """The emulated link an engine's run moved its experts over (``generate --link-bandwidth``,
+    ``--link-latency``: ``meta["link_bandwidth"]``, ``meta["link_latency"]``), as the cost model's fields;
+    empty for a run without one. A chunk takes ``latency + bytes / bandwidth`` on both."""
+    if meta.get("link_bandwidth") is None:
+        return {}
+    latency = float(meta.get("link_latency") or 0.0)
+    return {"link_bandwidth": float(meta["link_bandwidth"]), "link_latency": latency}
+
+
+def said_link(link: dict[str, float]) -> str:
+    """``run_link``'s link for a note (empty for none)."""
+    if not link:
+        return ""
+    bandwidth = link["link_bandwidth"]
+    rate = "unbounded" if math.isinf(bandwidth) else f"{bandwidth / 1e9:.3g} GB/s"
+    return f" and its emulated link ({rate} + {link['link_latency'] * 1e6:.3g} us a transfer)"
 
 
 def recorded_costs(trace: Trace) -> CostModel | None:
