@@ -40,14 +40,27 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main() -> None:
-    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+def model_options(ap: argparse.ArgumentParser, new_tokens: int, rounds: int) -> None:
+    """The options of a benchmark that decodes a packed checkpoint at 100 % on the CPU (this one's, and
+    ``inline_layer_cpu.py``'s); ``load_kwargs`` turns them into ``expertcache.load``'s."""
     ap.add_argument("model")
     ap.add_argument("--quantize-dense", default=None)
     ap.add_argument("--dtype", default=None, help="compute dtype, e.g. float32 (default: the checkpoint's)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
+    ap.add_argument("--rounds", type=int, default=rounds)
+
+
+def load_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kw: dict[str, object] = {"quantize_dense": args.quantize_dense} if args.quantize_dense else {}
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    return kw
+
+
+def main() -> None:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    model_options(ap, new_tokens=64, rounds=3)
     ap.add_argument("--no-huge-pages", action="store_true")
     ap.add_argument("--modules", action="store_true", help="time the parts of the model around the loops")
     args = ap.parse_args()
@@ -62,9 +75,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.no_huge_pages:
         memory.advise_huge_pages = lambda tensor: False
-    kw = {"quantize_dense": args.quantize_dense} if args.quantize_dense else {}
-    if args.dtype:
-        kw["dtype"] = args.dtype
+    kw = load_kwargs(args)
     try:
         model = expertcache.load(args.model, expert_memory="100%", slow_tier="disk", device="cpu", **kw)
     except expertcache.ExpertcacheError as e:

@@ -18,19 +18,13 @@ of the same operations would be faster (docs/BENCHMARKS.md, "On a Zen 4 VM").
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """Its refusals in one line (no usage block), as the command line's are."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from decode_split_cpu import OneLineParser, load_kwargs, model_options  # the same options and model
 
 
 def inlined(original):
@@ -83,12 +77,7 @@ def inlined(original):
 
 def main() -> None:
     ap = OneLineParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--quantize-dense", default=None)
-    ap.add_argument("--dtype", default=None, help="compute dtype, e.g. float32 (default: the checkpoint's)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=6)
+    model_options(ap, new_tokens=32, rounds=6)
     ap.add_argument("--out", default=None, help="also write the results as JSON")
     args = ap.parse_args()
     if min(args.threads, args.new_tokens, args.rounds) < 1:
@@ -101,9 +90,7 @@ def main() -> None:
     import expertcache
 
     torch.set_num_threads(args.threads)
-    kw = {"quantize_dense": args.quantize_dense} if args.quantize_dense else {}
-    if args.dtype:
-        kw["dtype"] = args.dtype
+    kw = load_kwargs(args)
     try:
         model = expertcache.load(args.model, expert_memory="100%", slow_tier="disk", device="cpu", **kw)
     except expertcache.ExpertcacheError as e:
