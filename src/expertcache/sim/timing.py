@@ -768,22 +768,22 @@ def plan_timing(
     figures are not the plan's prediction. ``profile``: the usage profile a ``static`` plan ranks its experts
     by (``timing --profile``; without it, the replayed trace's own use). Notes come as
     ``ExpertcacheWarning``s, as ``simulate_timing``'s."""
-    from expertcache.plan import Plan
+    from expertcache.plan import Plan, as_plan
     from expertcache.trace.trace import load_trace
 
-    if isinstance(plan, (str, os.PathLike)):
-        plan = Plan.load(plan)
-    elif not isinstance(plan, Plan):
+    if not isinstance(plan, Plan | str | os.PathLike):
         raise ExpertcacheError(
             f"plan_timing takes a plan (make_plan's, or its file), not {type(plan).__name__}"
         )
+    plan = as_plan(os.fspath(plan) if isinstance(plan, os.PathLike) else plan)
     notes: list[str] = []
     if trace is None:
-        served = plan.served_trace() if plan.trace_file() is None else None
+        made_on = plan.trace_file()
+        served = plan.served_trace() if made_on is None else None
         if served is not None:
             trace = served
-        elif plan.trace_file() is not None:
-            trace = plan.trace_file()
+        elif made_on is not None:
+            trace = made_on
         else:
             if plan.source.get("trace"):
                 notes.append(
