@@ -325,6 +325,8 @@ def test_a_request_paused_for_kv_space_is_not_a_prompt_again(make_ckpt):
     assert int(trace.is_prefill.sum()) == phases["prefill"]["tokens"] == prompts
     assert float(_metric(metrics, "expertcache_prompt_tokens_total")) == prompts
     assert float(_metric(metrics, "expertcache_generated_tokens_total")) == generated
+    restarts = float(_metric(metrics, "expertcache_kv_restarted_requests_total"))
+    assert 1 <= restarts <= generated // 300  # once a restart, not once a step of its prompt
     for seq in set(trace.seq_id.tolist()):  # each request's prompt steps come first, then never again
         phase = trace.is_prefill[trace.seq_id == seq]
         first = int(phase.sum())

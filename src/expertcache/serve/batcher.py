@@ -105,6 +105,7 @@ class Job:
     sent: int = 0  # characters of the text already handed out
     done: bool = False
     slot: int | None = None  # the request's generator in the SeededSampler
+    restart: object = None  # transformers' state of its last restart after a pause for KV space (soft reset)
 
 
 def _request_number(request_id: str) -> int:
@@ -217,7 +218,18 @@ class Batcher:
             n, state = future.query_length, future.state
             seq += [_request_number(state.request_id)] * n
             prompt += [_in_prompt(state)] * n
+            if getattr(state, "_true_initial_tokens", 0):
+                self._restarted(state)
         return np.asarray(seq, dtype=np.int32), np.asarray(prompt, dtype=bool)
+
+    def _restarted(self, state) -> None:
+        """Count a request's restart after a pause for KV space once (its first step; a restart's prompt
+        may take several): a soft reset is a new state object, folded from the one before."""
+        job = self.jobs.get(state.request_id)
+        if job is not None and job.restart is not state:
+            job.restart = state
+            if self.metrics:
+                self.metrics.restarted()
 
     def health(self) -> tuple[bool, str]:
         """(serving, why not): False while stopping or after the loop failed for good."""

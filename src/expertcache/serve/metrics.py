@@ -36,6 +36,12 @@ class Metrics:
             p + "finished_requests", "generations ended, by reason", ["reason"], registry=r
         )
         self.cancels = Counter(p + "cancelled_requests", "generations cancelled (client gone)", registry=r)
+        self.restarts = Counter(
+            p + "kv_restarted_requests",
+            "requests paused for KV space and restarted with what they had generated folded into their "
+            "prompt (a soft reset: those tokens are read again)",
+            registry=r,
+        )
         self.ttft = Histogram(p + "ttft_seconds", "time to first token", buckets=BUCKETS, registry=r)
         self.tpot = Histogram(
             p + "tpot_seconds", "time per output token after the first", buckets=BUCKETS, registry=r
@@ -75,6 +81,9 @@ class Metrics:
 
     def cancelled(self) -> None:
         self.cancels.inc()
+
+    def restarted(self) -> None:
+        self.restarts.inc()
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
