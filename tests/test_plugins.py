@@ -437,3 +437,49 @@ def test_an_unknown_policy_in_python_with_plugins_named_for_the_commands_says_ho
     with pytest.raises(ExpertcacheError) as got:
         ec.simulate(ec.default_trace(), ["lruu"], [24])
     assert "load_plugins" not in str(got.value)
+
+
+OWN = """
+import expertcache
+from user_classes import MRU, LastStep
+
+
+class Mine(MRU):
+    name = "mine-mru"
+
+
+class MyPredictor(LastStep):
+    name = "mine-last-step"
+
+
+expertcache.register_policy(Mine)
+expertcache.register_predictor(MyPredictor)
+"""
+
+
+def test_a_resumed_sweep_runs_a_plugins_cells_again_once_its_code_changed(tmp_path):
+    """``--resume`` knows a cell by its identity; a plugin's policy or predictor whose code changed since
+    kept its old rows (a new user's trial): the file defining its class is now part of the identity."""
+    (tmp_path / "mine.py").write_text(OWN)
+    argv = ["sweep", "--policy", "mine-mru", "lru", "--capacity", "24", "--prefetch", "none",
+            "mine-last-step", "--out", "r.json"]  # fmt: skip
+
+    def rows(*more: str) -> tuple[list[dict], str]:
+        done = _cli(tmp_path, *argv, *more, plugins="mine")
+        assert done.returncode == 0, done.stderr
+        return json.loads((tmp_path / "r.json").read_text()), done.stderr
+
+    first, _ = rows()
+    assert len(first) == 4  # 2 policies x (no prefetching, the predictor)
+    code = {r["policy"]: r["params"] for r in first if r["prefetch"] == "none"}
+    assert code["lru"] == "" and code["mine-mru"].startswith("policy_code_sha=")
+    predicted = {r["policy"]: r["params"] for r in first if r["prefetch"] == "mine-last-step"}
+    assert predicted["lru"].startswith("prefetch_code_sha=")  # the predictor's code, not the policy's
+    assert predicted["mine-mru"] == code["mine-mru"] + "," + predicted["lru"]
+    again, said = rows("--resume")
+    assert again == first and "0 computed, 4 already in" in said
+    (tmp_path / "mine.py").write_text(OWN + "# changed\n")
+    changed, said = rows("--resume")
+    assert "3 computed, 1 already in" in said  # only lru without prefetching ran no code of the plugin's
+    assert "3 rows in r.json are not cells of this grid" in said and "a plugin's changed code" in said
+    assert len(changed) == 7 and changed[4:] == [r for r in first if r["params"]]

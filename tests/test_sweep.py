@@ -605,8 +605,8 @@ def test_resume_counts_only_this_grids_cells_and_names_the_file_they_were_in(tmp
     rows = sweep(out=out, resume=True, log=lines.append, **grid)
     assert len(rows) == 8 and [r["trace_sha"] for r in rows[:4]] == [rows[0]["trace_sha"]] * 4
     assert lines[0] == (
-        f"note: 4 rows in {out} are not cells of this grid (another trace content, or removed from the "
-        "grid): kept"
+        f"note: 4 rows in {out} are not cells of this grid (another trace content, a plugin's changed code, "
+        "or removed from the grid): kept"
     )
     assert f"8 rows (4 computed, 0 already in {out}, 4 kept that are not cells of this grid)" in lines[1]
     # a JSON sweep interrupted after its first task: its rows are in the journal, and said to be there

@@ -67,6 +67,7 @@ class TimingCell:
     prefetch: str
     window: int | None
     cost: CostModel
+    code_shas: str = ""  # ``code_sha`` of a plugin miss path's or predictor's file: another cell if changed
 
     def columns(self) -> dict[str, object]:
         return {
@@ -108,7 +109,7 @@ class Task:
             "trace": self.trace,
             "trace_sha": self.sha,
             "policy": self.policy,
-            "params": format_params(dict(self.params)) + self.file_shas,
+            "params": (format_params(dict(self.params)) + self.file_shas).lstrip(","),
             "seed": self.seed,
             "order": self.order,
             "capacity": capacity,
@@ -188,6 +189,17 @@ def _file_shas(name: str, params: dict[str, object]) -> str:
     return "".join(f",{k}_sha={file_sha(str(params[k]))}" for k in sorted(text) if k in params)
 
 
+def code_sha(cls: type, what: str) -> str:
+    """``,{what}_code_sha=...``: a content hash of the file defining a plugin's class (a module outside
+    this package, ``EXPERTCACHE_PLUGINS``), so that ``--resume`` runs a cell again once its code changed;
+    "" for the package's own classes (a version of the package is one set of results)."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if cls.__module__.partition(".")[0] == "expertcache" or not path or not os.path.isfile(path):
+        return ""
+    return f",{what}_code_sha={file_sha(path)}"
+
+
 def _files_from(name: str, params: dict[str, object], base: str) -> dict[str, object]:
     """``params`` with each relative file a parameter names (``reuse:weights=w/r.json``) read from ``base``:
     the folder of the grid file that named the policy, else the sweep's own (a worker runs elsewhere)."""
@@ -215,6 +227,7 @@ def _timing_cells(
     clipped to the trace's layers is said in ``notes`` (its cells are those of the clipped window)."""
     from expertcache.miss.base import MissContext
     from expertcache.miss.registry import miss_class
+    from expertcache.predict.registry import PREDICTORS
     from expertcache.sim.recorded import make_sim_predictor
 
     assert grid.timing is not None
@@ -224,8 +237,10 @@ def _timing_cells(
     for miss_spec in tm.miss:
         miss = MissConfig(miss_spec)
         miss_class(miss.name)(MissContext(tr.num_layers, tr.num_experts, tr.top_k, costs=base), **miss.params)
+        miss_code = code_sha(miss_class(miss.name), "miss")
         for prefetch in tm.prefetch:
             name = PrefetchConfig(prefetch).predictor
+            code = miss_code + (code_sha(PREDICTORS[name], "prefetch") if name in PREDICTORS else "")
             for window in [None] if name == "none" else tm.window:
                 pred = make_sim_predictor(name, tr, window, 0, predictor)
                 note = None if pred is None or pred.note is None else f"note: {t.name}: {pred.note}"
@@ -236,7 +251,7 @@ def _timing_cells(
                         link = {"link_bandwidth": bw, "link_latency": lat}
                         cost = CostModel.from_dict({k: v for k, v in link.items() if v is not None}, base)
                         window_used = None if pred is None else pred.window
-                        cells.append(TimingCell(_spec(miss.name, miss.params), name, window_used, cost))
+                        cells.append(TimingCell(_spec(miss.name, miss.params), name, window_used, cost, code))
     return list(dict.fromkeys(cells))
 
 
@@ -295,12 +310,19 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
                     p.skipped += (len(wanted) - len(mine)) * each[order]
                     shas = _file_shas(name, _files_from(name, params, base))
+                    shas += code_sha(policy_class(name), "policy")
                     task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine,
                                 file_shas=shas, base=base)  # fmt: skip
                     if timing and order == "layer":
                         pred = predictor.sha if predictor else None
                         p.tasks += [
-                            replace(task, capacities=(c,), timing=cell, predictor_sha=pred)
+                            replace(
+                                task,
+                                capacities=(c,),
+                                timing=cell,
+                                predictor_sha=pred,
+                                file_shas=shas + cell.code_shas,
+                            )
                             for cell in cells
                             for c in mine
                         ]
@@ -724,7 +746,8 @@ def sweep(
     stale = len(rows) - len(before)  # rows of other cells (another trace content, a smaller grid)
     if stale and notes:
         notes(f"note: {stale} rows in {_files(results, (k for k in rows if k not in p.order))} are not "
-              "cells of this grid (another trace content, or removed from the grid): kept")  # fmt: skip
+              "cells of this grid (another trace content, a plugin's changed code, or removed from the "
+              "grid): kept")  # fmt: skip
 
     def in_order() -> list[dict[str, object]]:  # the grid's cells in its order, then any others
         return sorted(rows.values(), key=lambda r: p.order.get(identity(r, timing), len(p.order)))
