@@ -143,18 +143,19 @@ GATE_ROW_ALIGN = 32
 
 
 def _placed_gate(module: torch.nn.Module) -> str | None:
-    """Why the grouped kernel is not exact for ``module`` (None when it is): a family's own gate that
-    writes a fresh tensor (Hy-V4's and GLM-5-Next's clamp) rounds a value by its place in that tensor where
+    """Why the grouped kernel is not exact for ``module`` (None when it is): a family's own gate that writes a
+    fresh tensor (Hy-V4's, GLM-5-Next's and GPT-OSS's clamp) rounds a value by its place in that tensor where
     a row's length is not a multiple of the vector loops' step; the grouped kernel places rows where
-    ``grouped_mm`` does not (a decode step's rows in routing order, not sorted by expert; a missed
-    expert's rows computed apart, as they land), so a value can round to its neighbour (6e-8 in a logit of
-    GLM-5-Next at 24 values a row). Real checkpoints' rows (768 values and up) are multiples."""
+    ``grouped_mm`` does not (a decode step's rows in routing order, not sorted by expert; a missed expert's
+    rows computed apart, as they land), so a value can round to its neighbour (6e-8 in a logit of GLM-5-Next
+    at 24 values a row). Real checkpoints' rows (768 values and up) are multiples."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # a transformers without it: no family's own gate to tell apart
         return None
     own = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
-    width = getattr(module, "intermediate_dim", None)
+    # the width of a gate's row (GPT-OSS's experts name it intermediate_size; it was not looked for there)
+    width = getattr(module, "intermediate_dim", None) or getattr(module, "intermediate_size", None)
     if own and getattr(module, "has_gate", True) and isinstance(width, int) and width % GATE_ROW_ALIGN:
         return (
             f"{type(module).__name__}'s own gate rounds a value by its place in its rows of {width} values "
