@@ -378,8 +378,10 @@ def test_quality_of_an_exact_path_is_exact_and_of_int8_close(quantized, tokenize
     exact = measure(path, "fetch", expert_memory="25%", texts=texts, tokens=40)
     assert exact["perplexity_change"] == 0.0 and exact["top1_agreement"] == 1.0
     assert exact["logits_identical"] == 1.0 and exact["logits_max_difference"] == 0.0
+    assert exact["prefill_logits_identical"] == 1.0 and exact["prefill_logits_max_difference"] == 0.0
     low = measure(path, "hobbit:bits=8,t1=-1", expert_memory="25%", texts=texts, tokens=40)
     assert low["low_precision_share"] > 0 and abs(low["perplexity_change"]) < 0.05
+    assert low["prefill_logits_identical"] < 1 and 0 < low["prefill_logits_max_difference"] < 1
     assert low["tokens"] == exact["tokens"] > 0 and math.isfinite(low["perplexity"])
 
 

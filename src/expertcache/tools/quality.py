@@ -7,9 +7,10 @@ reference (every expert resident, full precision) and through the offloaded mode
 path being measured. Reported: perplexity of both on the same tokens and its relative change, top-1
 agreement (the share of positions where both predict the same next token), the share of expert uses
 served at low precision or skipped, and how far the logits are from the reference's (the share of
-positions whose logits are bit-identical, the largest difference). By default the texts are the embedded
-model's held-out files (the standard-library files of its validation split that its default trace's
-prompts come from, stored with it); ``texts`` takes any list of strings.
+positions whose logits are bit-identical, the largest difference), token by token and with each text fed
+as one prompt (a prefill: steps of many tokens, which a decode step of one does not exercise). By default the
+texts are the embedded model's held-out files (the standard-library files of its validation split that its
+default trace's prompts come from, stored with it); ``texts`` takes any list of strings.
 
 Shape letters: N tokens of a text, V vocabulary.
 """
@@ -54,6 +55,14 @@ def _stream(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def _prefill(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits at every position of ids [N] from one forward of all of them, a prompt's prefill step (a
+    step of many tokens: what a decode step of one does not exercise). -> [N, V] (float32)"""
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    with torch.inference_mode():
+        return model(input_ids=ids.view(1, -1).to(device), use_cache=True).logits[0].float().cpu()
+
+
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[1:] given logits[:-1], and the number of tokens."""
     logp = torch.log_softmax(logits[:-1], dim=-1)
@@ -82,12 +91,14 @@ class Reference:
         self.model = load_reference(
             self.path, dtype=dtype, device=device, experts=self.experts, attention=attention
         )  # in ``dtype`` (None: the checkpoint's)
-        self._done: dict[tuple[int, ...], torch.Tensor] = {}
+        self._done: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = {}
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        key = tuple(ids.tolist())
+    def logits(self, ids: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """Next-token logits at every position: one decode step a token, or (``prefill``) one forward of
+        all of them."""
+        key = (prefill, tuple(ids.tolist()))
         if key not in self._done:
-            logits = _stream(self.model, ids)
+            logits = (_prefill if prefill else _stream)(self.model, ids)
             if not torch.isfinite(logits).all():  # a perplexity of NaN, "+nan%" and JSON's NaN were printed
                 raise ExpertcacheError(
                     f"the reference's outputs are not finite (NaN or infinite logits): {self.path}'s weights "
@@ -213,6 +224,15 @@ def measure(
                 ]
             )
         after = model.stats
+        # the same texts, each as one prompt: prefill's steps of many tokens, where an expert's rows are
+        # grouped and computed together (after the counts: the shares are decode's, as generation's)
+        pre_identical = pre_positions = 0
+        pre_largest = 0.0
+        for ids in seqs:
+            want, got = ref.logits(ids, prefill=True), _prefill(model.model, ids)
+            pre_identical += int((want == got).all(-1).sum())
+            pre_positions += ids.shape[0]
+            pre_largest = max(pre_largest, float((want - got).abs().max()))
         uses = after["requests"] - before["requests"]
         low = after["low_precision"] - before["low_precision"]
         skipped = after["skipped"] - before["skipped"]
@@ -244,6 +264,8 @@ def measure(
             "top1_agreement": agree / count,
             "logits_identical": identical / positions,  # positions whose logits are bit-identical
             "logits_max_difference": largest,
+            "prefill_logits_identical": pre_identical / pre_positions,  # each text as one prompt
+            "prefill_logits_max_difference": pre_largest,
             "expert_uses": uses,
             "low_precision_share": low / uses if uses else 0.0,
             "skipped_share": skipped / uses if uses else 0.0,
@@ -436,6 +458,12 @@ def format_quality(r: dict[str, object]) -> str:
         f"({r['perplexity_change']:+.2%}) | top-1 agreement {r['top1_agreement']:.2%} over {r['tokens']} "
         f"tokens | logits bit-identical to the reference's at {r['logits_identical']:.2%} of positions, "
         f"largest difference {r['logits_max_difference']:.3g}"
+        + (
+            f"; in a prefill, at {r['prefill_logits_identical']:.2%}, largest difference "
+            f"{r['prefill_logits_max_difference']:.3g}"
+            if "prefill_logits_identical" in r
+            else ""
+        )
         + (
             f" | low precision {r['low_precision_share']:.1%}, skipped {r['skipped_share']:.1%} of "
             f"{r['expert_uses']} expert uses"
