@@ -585,3 +585,26 @@ def test_batch_generate_and_chat_say_a_packed_model_is_lossy(packed_ckpts, tmp_p
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", *argv]) == 0
     assert capsys.readouterr().err.count(said) == 1
+
+
+def test_a_share_and_the_same_bytes_give_the_same_slots_where_a_slot_outgrows_the_expert(tmp_path, capsys):
+    """An FP8 expert's tensors (weights and block scales) each start at an aligned offset in its slot, so a
+    slot is a few bytes more than the expert moves. ``model info`` gave the expert's bytes and a total of
+    them, and ``25%`` (a share of the slots) took 6 slots where the same bytes took 5 (a new user's trial)."""
+    from expertcache.cli import main
+    from expertcache.engine.offloaded import model_info
+
+    src, fp8 = tmp_path / "src", tmp_path / "fp8"
+    synth = ["model", "synth", "--family", "qwen3_moe", "-o", str(src), "--hidden", "64"]
+    assert main([*synth, "--intermediate", "48"]) == 0
+    assert main(["quantize", str(src), "--format", "fp8", "--checkpoint", str(fp8)]) == 0
+    capsys.readouterr()
+    info = model_info(fp8)
+    slot, total = info["expert_slot_bytes"], info["moe_layers"] * info["experts_per_layer"]
+    assert slot > info["expert_bytes"]  # the case: padding in the slot
+    assert info["all_experts_bytes"] == total * slot
+    assert info["min_expert_memory_bytes"] == info["top_k"] * slot
+    quarter = info["all_experts_bytes"] // 4
+    for budget in ("25%", f"{quarter}B"):
+        with engine_load(fp8, expert_memory=budget) as model:
+            assert model.stats["capacity_experts"] == quarter // slot, budget

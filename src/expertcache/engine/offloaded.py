@@ -503,6 +503,9 @@ class OffloadedModel:
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
             "device": self.device.type,  # a CPU's copies land almost at once: its replay is nearly settled
         }  # fmt: skip
+        bits = 8 * torch.empty((), dtype=self.dtype).element_size()
+        if bits in (16, 32):  # its weights' width: a replay sizes low-precision copies of them by it
+            meta["weight_bits"] = bits
         if self.link is not None:  # the emulated link its transfers took: a replay's, where none is given
             meta.update(link_bandwidth=float(self.link.bandwidth), link_latency=float(self.link.latency))
         if self.preloaded:  # every expert read at load: the run missed none (a replay starts empty)
@@ -576,8 +579,11 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "experts_per_layer": sk.num_experts,
         "top_k": sk.top_k,
         "expert_format": describe_format(sk.packed, sk.dtype),
-        "expert_bytes": layout.nbytes,
-        "all_experts_bytes": total * layout.nbytes,
+        "expert_bytes": layout.nbytes,  # what a miss moves
+        # what an expert takes in memory, and all of them (100 %): its bytes with each tensor's padding for
+        # alignment (an FP8 expert of 9228 bytes takes 9344); budgets, shares included, count these
+        "expert_slot_bytes": layout.slot_bytes,
+        "all_experts_bytes": total * layout.slot_bytes,
         "dense_bytes": dense,
         # as the checkpoint stores them (another tool's FP8 or compressed-tensors dense layers: fewer bytes)
         "dense_stored_bytes": stored if stored is not None and stored != dense else dense,
