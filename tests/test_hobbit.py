@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from expertcache.cli import main
 from expertcache.costs import CostModel, quantized_bytes
 from expertcache.engine.quantized import find_copy, packed_of, read_meta
-from expertcache.errors import ExpertcacheError, PolicyError
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning, PolicyError
 from expertcache.miss import FETCH, SKIPPED, MissContext, MissPathError, Need, make_miss
 from expertcache.policy import PolicyContext, make_policy
 from expertcache.sim.timing import simulate_timing
@@ -466,3 +466,22 @@ def test_the_hint_for_missing_int8_copies_is_a_command_that_runs(tmp_path, capsy
     ]
     capsys.readouterr()
     assert main([*run, "--miss", "hobbit:bits=8"]) == 0
+
+
+def test_a_float32_runs_trace_sizes_low_precision_copies_of_32_bit_weights(quantized):
+    """``timing --miss hobbit`` on the trace of a float32 run that fetched: the default costs took 16-bit
+    weights, so each int4 copy was priced at twice its bytes and the budget held half of them (a new
+    user's trial). The trace records its weights' width, and the what-if lays the budget out as the
+    engine does."""
+    path = quantized("mixtral")
+    miss = "hobbit:bits=4,group=32,t1=-1"
+    cap = TOP_K + 4
+    with engine_load(path, cap, "lru", miss=miss) as model:
+        capacities = model.capacities
+    with engine_load(path, cap, "lru") as model:
+        greedy(model, IDS)
+        trace = model.trace()
+    assert trace.meta["weight_bits"] == 32
+    with pytest.warns(ExpertcacheWarning, match="priced by the default costs"):
+        sim = simulate_timing(trace, cap, miss=miss)
+    assert sim.capacities == capacities

@@ -1266,10 +1266,10 @@ def _cost_from_args(args: argparse.Namespace, prefetch=None, base=None, trace=No
         check_clock(trace)
     recorded = None if trace is None else trace.meta.get("expert_bytes")
     if recorded and not args.cost and base is None and args.expert_bytes is None:
-        from expertcache.sim.timing import run_link, said_link
+        from expertcache.sim.timing import run_link, run_weight_bits, said_link
 
         link = run_link(trace.meta)  # the run's emulated link, where it had one (--link-* given over it)
-        base = CostModel(expert_bytes=int(recorded), **link)
+        base = CostModel(expert_bytes=int(recorded), **link, **run_weight_bits(trace.meta))
         print(
             f"note: priced by the default costs (a Mixtral-8x7B expert's times, over PCIe 4 to a GPU) with "
             f"the run's experts of {int(recorded) / 2**10:.1f} KiB (the trace's expert_bytes)"

@@ -278,7 +278,7 @@ def _canonical(
         if cost is None and isinstance(moved, int) and not isinstance(moved, bool) and moved > 0:
             # else the default's experts of 336 MiB: a byte budget held none of the run's (as the CLI)
             link = run_link(trace.meta)
-            cost = CostModel(expert_bytes=moved, **link)
+            cost = CostModel(expert_bytes=moved, **link, **run_weight_bits(trace.meta))
             warn_notes([
                 f"priced by the default costs (a Mixtral-8x7B expert's times, over PCIe 4 to a GPU) with the "
                 f"run's experts of {moved / 2**10:.1f} KiB (the trace's expert_bytes){said_link(link)}: a "
@@ -370,6 +370,14 @@ def run_link(meta: dict) -> dict[str, float]:
         return {}
     latency = float(meta.get("link_latency") or 0.0)
     return {"link_bandwidth": float(meta["link_bandwidth"]), "link_latency": latency}
+
+
+def run_weight_bits(meta: dict) -> dict[str, int]:
+    """The bits of a weight of the run's experts (``meta["weight_bits"]``: 16 or 32, its dtype's), as the
+    cost model's field; empty where not recorded. A replay sizes a low-precision copy by it: a float32
+    run's int4 copies were priced as a 16-bit expert's, twice their size."""
+    bits = meta.get("weight_bits")
+    return {"weight_bits": int(bits)} if bits in (16, 32) and not isinstance(bits, bool) else {}
 
 
 def said_link(link: dict[str, float]) -> str:
