@@ -430,6 +430,9 @@ BAD_INPUTS = [
     ),
     (["sim", "{trace}", "--plot", "/nonexistent/dir/p.png"], "directory /nonexistent/dir does not exist"),
     (["sim", "{trace}", "--plot", "{out}.docx"], "cannot write a .docx plot; use .png, .svg or .pdf"),
+    # matplotlib took the format from the temporary file's name, after the replays (doctor: a traceback)
+    (["sim", "{trace}", "--plot", "{noext}"], "a plot's file name ends in its format: .png, .svg or .pdf"),
+    (["doctor", "--trace", "{trace}", "--plot", "{noext}"], "a plot's file name ends in its format"),
     (["sim", "{trace}", "--capacity", "-3"], "capacity '-3': a capacity is at least 1 expert"),
     (["trace", "info", "{missing}", "--json"], "no such trace file"),
     (["sim", "{trace}", "--capacity", "abc"], "is not experts (24), a range"),
@@ -455,6 +458,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, trace_file, argv, me
         "trace": trace_file,
         "badshape": badshape,
         "out": tmp_path / "o.npz",
+        "noext": tmp_path / "plot",
     }
     argv = [a.format(**paths) for a in argv]
     code = exit_code(argv)
@@ -637,6 +641,26 @@ def test_a_closed_standard_output_is_one_line():
     assert done.returncode == 2
     assert done.stderr.startswith("expertcache: error: standard output is closed")
     assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt", "-"], "cannot read the prompt from -; give a file"),
+        (["generate", "--prompts", "-"], "cannot read the prompts from -; give a file"),
+        (["chat"], "chat reads its turns from it, a line each"),
+    ],
+)
+def test_a_closed_standard_input_is_one_line(argv, message):
+    """``<&-``: ``sys.stdin`` is None, and reading a prompt from it (or chat's first turn) was a
+    traceback (a new user's trial)."""
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", sys.executable, "-m", "expertcache", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (
+        done.returncode == 2 and done.stderr == f"expertcache: error: standard input is closed: {message}\n"
+    )
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")

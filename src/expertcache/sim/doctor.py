@@ -688,6 +688,8 @@ def plot_diagnosis(r: dict[str, object], path: str) -> None:
     try:
         with output_file(path, "plot") as target:
             fig.savefig(target, dpi=120)
+    except (OSError, ValueError) as e:  # as plot_curves: one line, not matplotlib's traceback
+        raise ExpertcacheError(f"{path}: cannot write plot ({e})") from None
     finally:
         plt.close(fig)
 

@@ -100,7 +100,10 @@ def check_plot_path(path: str | Path) -> None:
 
     suffix = Path(path).suffix.lower().removeprefix(".")
     formats = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in formats:
+    if not suffix:  # matplotlib would take the format from the file it is given (a temporary one's, or add
+        # .png to a link's or a device's name and write elsewhere than said)
+        raise ExpertcacheError(f"{path}: a plot's file name ends in its format: .png, .svg or .pdf")
+    if suffix not in formats:
         raise ExpertcacheError(f"{path}: cannot write a .{suffix} plot; use .png, .svg or .pdf")
 
 

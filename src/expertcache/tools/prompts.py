@@ -32,6 +32,8 @@ class PromptItem:
 def read_text(path: str | Path, what: str = "prompt") -> str:
     """A whole file (``-``: standard input) as text."""
     where = "standard input" if str(path) == "-" else path
+    if str(path) == "-" and sys.stdin is None:  # started with its standard input closed (<&-)
+        raise ExpertcacheError(f"standard input is closed: cannot read the {what} from -; give a file")
     try:
         if str(path) == "-":
             data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
