@@ -64,15 +64,35 @@ def test_a_run_of_a_miss_path_with_parts_replays_at_its_own_parts_as_sim_says(tm
     assert (replayed["hits"], replayed["misses"]) == (stats["hits"], stats["misses"])
     result = ec.simulate_timing(trace, "recorded", miss=trace.meta["miss"])
     assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
-    # under another miss path, the run's expert memory, said
+    # given no miss path, the run's own: the run replayed
     assert main(["timing", "--trace", str(path), "--json"]) == 0
     out, err = capsys.readouterr()
-    assert "at the recorded run's expert memory, 28 whole experts" in err
+    assert f"note: under the recorded run's own miss path {trace.meta['miss']} (--miss sets another)" in err
+    replayed = json.loads(out)
+    assert (replayed["hits"], replayed["misses"]) == (stats["hits"], stats["misses"])
+    # under another miss path, the run's expert memory, said
+    assert main(["timing", "--trace", str(path), "--miss", "fetch", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "at the recorded run's expert memory, 28 whole experts" in err and "own miss path" not in err
     assert json.loads(out)["capacity"] == 28
     with pytest.raises(
         ExpertcacheError, match=r"served its misses by miss path .*give its expert memory in "
     ):
         ec.simulate_timing(trace, "recorded")
+
+
+@pytest.mark.parametrize("miss", ["hybrid", "batch", "placement", "host"])
+def test_timing_of_a_runs_trace_replays_its_own_miss_path_given_none(tmp_path, capsys, miss):
+    """``timing --trace RUN.npz`` took the run's policy and cache parts but replayed ``fetch``: a hybrid
+    run's 16 host-computed experts were 0 in it, a split run's 72 hits 41 (a new user's trial). Given no
+    ``--miss``, the run's own path (on the costs it decided by) replays every count of the run."""
+    stats, path = _run(tmp_path, "own", miss=miss, prefetch="none")
+    assert main(["timing", "--trace", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: under the recorded run's own miss path " in err
+    replayed = json.loads(out)
+    for key in ("hits", "misses", "host_computed", "misses_by_layer"):
+        assert replayed[key] == stats[key], key
 
 
 def test_recorded_capacities_need_an_engines_trace():
@@ -458,9 +478,12 @@ def test_a_cost_based_or_all_host_run_replays_by_default_with_what_it_decided_by
     assert main(["timing", "--trace", str(path), "--policy", "lfu", "--miss", trace.meta["miss"]]) == 0
     err = capsys.readouterr().err
     assert "this replay is not the recorded run's: its policy was lru (--policy lru)" in err
-    assert main(["timing", "--trace", str(path), "--policy", "lru"]) == 0  # the default miss path: said
+    assert main(["timing", "--trace", str(path), "--policy", "lru", "--miss", "fetch"]) == 0  # said
     err = capsys.readouterr().err
     assert f"it served its misses by miss path {trace.meta['miss']} (--miss {trace.meta['miss']})" in err
+    assert main(["timing", "--trace", str(path), "--policy", "lru"]) == 0  # none given: the run's own
+    err = capsys.readouterr().err
+    assert f"under the recorded run's own miss path {trace.meta['miss']}" in err and "served its" not in err
     if miss == "host":  # its budget given (as SERVE.md writes the replay): still the run's own costs
         argv = ["timing", "--trace", str(path), "--miss", "host", "--expert-memory", "30%", "--json"]
         assert main(argv) == 0

@@ -1059,7 +1059,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
     else:
         prefetch = PrefetchConfig(args.prefetch or "none", window=args.window, **options)
         cache = CacheConfig(args.policy or _run_policy(args, trace) or "lru", profile=args.profile)
-        miss = MissConfig(args.miss or "fetch")
+        miss = MissConfig(args.miss or _run_miss(trace) or "fetch")
     _check_profile(args, trace)
     planned = plan.source.get("cost") if plan is not None and not args.cost else None
     from expertcache.sim.timing import recorded_costs, replay_differences
@@ -1201,6 +1201,24 @@ def _run_policy(args: argparse.Namespace, trace: Trace) -> str | None:
     if drew is not None and args.seed is None:
         args.seed = int(drew)
     print(f"note: under the recorded run's own policy {ran} (--policy sets another)", file=sys.stderr)
+    return str(ran)
+
+
+def _run_miss(trace: Trace) -> str | None:
+    """``timing``'s miss path for an engine's trace given none: the run's own, as the engine describes
+    it, said in a note (a user's plain ``timing --trace RUN.npz`` of a ``split`` run replayed ``fetch``,
+    and its counts were not the run's); None for another trace, a run that fetched, or a path this
+    process does not have (a plugin not loaded: the replay's note names the run's)."""
+    from expertcache.miss.registry import miss_class, parse_miss
+
+    ran = trace.meta.get("miss") if "capacities" in trace.meta else None
+    if ran is None or str(ran) == "fetch":
+        return None
+    try:
+        miss_class(parse_miss(str(ran))[0])
+    except ExpertcacheError:
+        return None
+    print(f"note: under the recorded run's own miss path {ran} (--miss sets another)", file=sys.stderr)
     return str(ran)
 
 
