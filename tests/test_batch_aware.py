@@ -697,7 +697,7 @@ def test_a_new_users_trial_of_the_serving_planner(tmp_path, capsys, monkeypatch)
     text = format_plan(plan)
     assert sum(line.startswith("* ") for line in text.splitlines()) == 1
     assert "eam w1" in text and "eam w2" in text and f"prefetch eam (window {plan.window})" in text
-    with pytest.warns(ExpertcacheWarning, match="window 9 reaches past a 6-layer model"):
+    with pytest.warns(ExpertcacheWarning, match="window 9 reaches past a model of 6 MoE layers"):
         far = make_plan(short, 48, prefetches=[PrefetchConfig("eam", window=9)], methods=("shared",))
     assert any("window 9 reaches past" in n for n in far.source["notes"])
     # timing prints a request's figures wherever a trace holds several requests

@@ -410,6 +410,25 @@ class TestCli:
         assert "the bundled learned predictor is for the embedded model" in err
         assert "train-predictor --model MODEL --out DIR), then pass --predictor DIR" in err
 
+    def test_default_windows_fit_the_model_and_each_other(self, make_ckpt, tmp_path, capsys):  # noqa: F811
+        """Run as documented, ``train-predictor`` then ``predictor-accuracy --predictor DIR`` failed on any
+        model (trained for window 2, asked for window 1), and on a model of 2 MoE layers the trainer's own
+        default window 2 was refused (a new user's trial). Scoring takes the windows the predictor was
+        trained for and those the model leaves room for; training cuts its default to the model."""
+        two = make_ckpt("mixtral", layers=2, experts=EXPERTS)
+        out = tmp_path / "pred"
+        argv = ["train-predictor", "--model", str(two), "--out", str(out), "--epochs", "1", "--hidden", "8",
+                "--max-new-tokens", "3", "--json"]  # fmt: skip
+        assert main(argv) == 0
+        got = capsys.readouterr()
+        assert list(json.loads(got.out)["windows"]) == ["1"] and (out / CONFIG).is_file()
+        assert f"note: window 1, as {two}'s 2 MoE layers leave room for (the default is 2)" in got.err
+        argv = ["predictor-accuracy", "--model", str(two), "--predictor", str(out), "--max-new-tokens", "3",
+                "--json"]  # fmt: skip
+        assert main(argv) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [(r["name"], r["window"]) for r in rows] == [("next-gate", 1), ("learned", 1)]
+
     def test_capture_progress_goes_to_stderr_only(self, tiny, capsys):
         from expertcache.tools.capture import capture, load_for_capture
 

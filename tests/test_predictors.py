@@ -445,6 +445,6 @@ def test_a_window_past_the_last_layer_is_clipped_with_a_note(name, most):
     past = make_predictor(name, ctx_for(trace, window=99, routers=[None] * 6))
     assert past.window == most
     assert past.note == (
-        f"prefetch window 99 reaches past a 6-layer model: {name} predicts at most {most} layer(s) ahead, "
-        f"so its window is {most}"
+        f"prefetch window 99 reaches past a model of 6 MoE layers: {name} predicts at most {most} layer(s) "
+        f"ahead, so its window is {most}"
     )

@@ -510,12 +510,12 @@ def test_cli_predictor_accuracy_reports_per_layer_accuracy(ckpt, tmp_path, capsy
     out, err = capsys.readouterr()
     rows = json.loads(out)  # 2 MoE layers: window 2 predicts no further than window 1 (and says so)
     assert rc == 0 and [(r["name"], r["window"]) for r in rows] == [("next-gate", 1), ("next-gate", 1)]
-    assert "note: prefetch window 2 reaches past a 2-layer model: next-gate predicts at most 1" in err
+    assert "note: prefetch window 2 reaches past a model of 2 MoE layers: next-gate predicts at most 1" in err
     layers = moe_layers("mixtral")
     for r in rows:
         assert len(r["per_layer"]) == layers and r["per_layer"][0] is None  # layer 0 is never predicted
         assert all(a is None or 0.0 <= a <= 1.0 for a in r["per_layer"]) and 0.0 <= r["accuracy"] <= 1.0
-    assert err.count("reaches past a 2-layer model") == 1  # each predictor built once (it said it twice)
+    assert err.count("reaches past a model of 2 MoE layers") == 1  # each predictor built once (said twice)
     assert main(["predictor-accuracy", "--model", str(path), "--predictors", "oracle"]) == 2
     assert "exact by definition" in capsys.readouterr().err
     for flags, needle in (  # one message an option, naming the flag; one new token has no decode step

@@ -195,7 +195,7 @@ def test_a_window_clipped_to_the_traces_layers_is_said(capsys, traces):
     code, out, err = run(capsys, *argv, "--window", "1", "99", "--json")
     assert code == 0, err
     assert sorted(r["window"] for r in json.loads(out)) == [1, 4]  # 99 runs as the trace's 4 layers
-    assert "prefetch window 99 reaches past a 4-layer model" in err
+    assert "prefetch window 99 reaches past a model of 4 MoE layers" in err
 
 
 @pytest.mark.parametrize(

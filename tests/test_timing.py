@@ -651,8 +651,8 @@ def test_a_window_past_the_model_is_clipped_with_a_note(capsys, trace_file):
     )
     assert code == 0 and "prefetch oracle (window 4)" in out
     assert err == (
-        "note: prefetch window 99 reaches past a 4-layer model: oracle predicts at most 4 layer(s) ahead, so "
-        "its window is 4\n"
+        "note: prefetch window 99 reaches past a model of 4 MoE layers: oracle predicts at most 4 layer(s) "
+        "ahead, so its window is 4\n"
     )
 
 

@@ -566,8 +566,9 @@ def _build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--out", required=True, metavar="DIR", help="where the predictor is written")
     output_option(tp, "out", "predictor", folder=True)
     tp.add_argument(
-        "--window", type=int, nargs="+", default=[2], metavar="K",
-        help="layers ahead (default 2); several windows: one DIR/window-K/ each",
+        "--window", type=int, nargs="+", metavar="K",
+        help="layers ahead (default 2, or 1 on a model of 2 MoE layers); several windows: one DIR/window-K/ "
+        "each",
     )  # fmt: skip
     tp.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: stdlib sources)")
     tp.add_argument("--epochs", type=int, metavar="N", help="training epochs (default 10)")
@@ -694,9 +695,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         nargs="+",
-        default=[1, 2, 3, 4],
         metavar="K",
-        help="layers ahead (default 1 2 3 4)",
+        help="layers ahead (default: 1 2 3 4, those the model's MoE layers leave room for; learned: the "
+        "windows it was trained for)",
     )
     pa.add_argument(
         "--predictor", metavar="PATH", help="trained predictor dir (learned) or trace (token, eam)"
@@ -2325,7 +2326,7 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
     quiet_transformers()
     names = ("epochs", "hidden", "max_new_tokens")
     opts = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    windows = list(dict.fromkeys(args.window))  # each once: one window is written into --out itself
+    windows = list(dict.fromkeys(args.window or [None]))  # each once: one window is written into --out itself
     report = train_predictor(
         args.model,
         args.out,
@@ -2470,7 +2471,7 @@ def _cmd_predictor_accuracy(args: argparse.Namespace) -> int:
             raise ExpertcacheError(f"unknown predictor {name!r}; choose from {', '.join(scored)}")
         if predictor_class(name).sim_only:
             raise ExpertcacheError(f"predictor {name} needs the future; it is exact by definition")
-    if min(args.window) < 1:
+    if args.window is not None and min(args.window) < 1:
         raise ExpertcacheError(f"--window must be at least 1, got {min(args.window)}")
     if args.max_new_tokens < 2:  # the first new token comes from the prompt's forward: no decode step
         raise ExpertcacheError(

@@ -88,8 +88,8 @@ class Predictor(ABC):
         if ctx.window is not None and ctx.window > most:
             self.window = most
             self.note = (
-                f"prefetch window {ctx.window} reaches past a {self.num_layers}-layer model: {self.name} "
-                f"predicts at most {most} layer(s) ahead, so its window is {most}"
+                f"prefetch window {ctx.window} reaches past a model of {self.num_layers} MoE layers: "
+                f"{self.name} predicts at most {most} layer(s) ahead, so its window is {most}"
             )
 
     # -- the driver's calls -------------------------------------------------------------------

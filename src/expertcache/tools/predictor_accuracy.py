@@ -123,7 +123,7 @@ def evaluate_model(
     model_path: str | Path | None = None,
     prompts: Sequence[str] | None = None,
     names: Sequence[str] = ("next-gate", "window", "learned"),
-    windows: Sequence[int] = (1, 2, 3, 4),
+    windows: Sequence[int] | None = None,
     max_new_tokens: int = 128,
     learned_path: str | Path | None = None,
     trace: object | None = None,
@@ -134,28 +134,60 @@ def evaluate_model(
 
     Defaults: the embedded model, its 16 held-out prompts (``heldout_prompts``) and, for ``learned``,
     the shipped predictors (``learned_path`` None) or those under ``learned_path``. ``trace`` goes
-    to the predictors that read a recorded trace (record it on other prompts than these).
+    to the predictors that read a recorded trace (record it on other prompts than these). ``windows``
+    None: 1 to 4 layers ahead, those the model's MoE layers leave room for, and for ``learned`` the
+    windows it was trained for (``train-predictor`` trains 2 by default: asking it for 1 was an error).
     """
     from expertcache.engine.hub import resolve_model
 
     names = values_of(names, "names", str)  # "next-gate" is one name, not nine
+    given = windows is not None
     windows = [
         whole_number(k, option("--window", "windows"))
-        for k in values_of(windows, "windows", numbers.Integral)
+        for k in values_of(windows if given else DEFAULT_WINDOWS, "windows", numbers.Integral)
     ]
     texts = values_of(prompts, "prompts", str) if prompts is not None else heldout_prompts()
     # the first new token comes from the prompt's forward: ACCURACY counts the decode steps after it
     max_new_tokens = whole_number(max_new_tokens, option("--max-new-tokens", "max_new_tokens"), 2)
     path = resolve_model(model_path)
     model, tokenizer = load_for_capture(path)
+    if not given:  # a window reaches from one MoE layer to a later one
+        from expertcache.engine.routing import moe_routers
+
+        windows = [k for k in windows if k < len(moe_routers(model))] or [1]
+
+    def windows_of(name: str) -> list[int]:
+        return windows if given or name != "learned" else trained_windows(learned_path, windows)
+
     built = {  # every predictor before the capture: one that cannot be built fails first, not after
         (name, k): build_predictor(name, model, k, learned_path if name == "learned" else None, trace)
         for name in names
-        for k in windows
+        for k in windows_of(name)
     }
     captured = capture(model, tokenizer, texts, max_new_tokens, progress=progress)
     rows = [evaluate(predictor, captured) for predictor in built.values()]  # each used once, as built
     return rows
+
+
+DEFAULT_WINDOWS = (1, 2, 3, 4)
+
+
+def trained_windows(path: str | Path | None, fallback: Sequence[int]) -> list[int]:
+    """The windows a learned predictor (``path``: a trained directory, or one of ``window-<k>/`` folders;
+    None: the shipped ones) was trained for; ``fallback`` where it cannot tell (building it then says
+    why)."""
+    import json
+
+    from expertcache.predict.learned import CONFIG, DEFAULT_PREDICTORS
+
+    root = Path(path) if path is not None else DEFAULT_PREDICTORS
+    try:
+        if (root / CONFIG).is_file():
+            return [int(json.loads((root / CONFIG).read_text())["window"])]
+        found = sorted(int(p.name.removeprefix("window-")) for p in root.glob("window-[0-9]*") if p.is_dir())
+    except (OSError, ValueError, KeyError, TypeError):
+        return list(fallback)
+    return found or list(fallback)
 
 
 def format_accuracy(rows: Sequence[dict]) -> str:

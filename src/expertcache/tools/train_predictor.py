@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,7 @@ from expertcache.tools.capture import Captured, capture, load_for_capture
 from expertcache.tools.prompts import read_prompts
 from expertcache.units import values_of, whole_number
 
+DEFAULT_WINDOW = 2  # Learned.default_window: ProMoE's k
 HIDDEN = 128
 EPOCHS = 10
 MAX_NEW_TOKENS = 64
@@ -221,7 +223,7 @@ def train_predictor(
     model_path: str | Path | None,
     out_dir: str | Path,
     prompts: str | Path | Sequence[str] | None = None,
-    window: int | Sequence[int] = 2,
+    window: int | Sequence[int] | None = None,
     hidden: int = HIDDEN,
     epochs: int = EPOCHS,
     max_new_tokens: int = MAX_NEW_TOKENS,
@@ -237,11 +239,15 @@ def train_predictor(
     removed once the new ones are trained, and the new ones written; other files are left as they are.
 
     ``window`` an int: ``out_dir`` becomes that window's predictor directory. A sequence of windows:
-    one capture, and ``out_dir/window-<k>/`` for each. ``prompts``: a prompt file (see the module
+    one capture, and ``out_dir/window-<k>/`` for each. None: 2 (``Learned.default_window``), or 1 on a
+    model of 2 MoE layers (said), as an int. ``prompts``: a prompt file (see the module
     docstring), a list of prompts, or None for ``default_prompts()``. ``model_path`` None: the
     embedded model.
     """
-    windows = [window] if isinstance(window, int) else list(dict.fromkeys(window))  # each once
+    if window is None or isinstance(window, int):
+        windows = [DEFAULT_WINDOW if window is None else window]
+    else:
+        windows = list(dict.fromkeys(window))  # each once
     _check_args(windows, hidden, epochs, max_new_tokens)
     created = not Path(out_dir).exists()
     _check_out_dir(Path(out_dir), force)
@@ -267,7 +273,14 @@ def _train(
     texts = _prompts(prompts)
     t0 = time.perf_counter()
     model, tokenizer = load_for_capture(path)
-    _check_windows(windows, len(router_fns(model)), path)
+    layers = len(router_fns(model))
+    if window is None and 1 < layers <= DEFAULT_WINDOW:  # the default reaches past a short model's first
+        window, windows = layers - 1, [layers - 1]
+        print(f"note: window {layers - 1}, as {path}'s {layers} MoE layers leave room for (the default is "
+              f"{DEFAULT_WINDOW})", file=sys.stderr)  # fmt: skip
+    elif window is None:
+        window = DEFAULT_WINDOW
+    _check_windows(windows, layers, path)
     if log:
         log(f"capturing the routing of {len(texts)} prompts, {max_new_tokens} new tokens each")
     captured = capture(model, tokenizer, texts, max_new_tokens, progress=progress)
