@@ -993,3 +993,27 @@ def test_the_worker_survives_a_transfer_whose_plan_raises():
         worker.wait(good)
     finally:
         worker.close()
+
+
+def test_a_profile_or_predictor_trace_of_another_checkpoint_is_said(make_ckpt, tmp_path):
+    """A usage profile or a predictor's trace recorded on another checkpoint of the same shapes was taken
+    in silence (a new user's trial): the trace records the checkpoint's fingerprint, and the engine says
+    when it is not its own."""
+    mine, other = make_ckpt("mixtral"), make_ckpt("mixtral", seed=1)
+    with engine_load(other, expert_memory="50%") as model:
+        model.generate_text("def read_config(path):", 4)
+        model.save_trace(tmp_path / "other.npz")
+    with engine_load(mine, expert_memory="50%") as model:
+        model.generate_text("def read_config(path):", 4)
+        model.save_trace(tmp_path / "mine.npz")
+    for name, said in (("other", True), ("mine", False)):
+        path = str(tmp_path / f"{name}.npz")
+        for kwargs, what in (
+            (dict(policy="static", profile=path), "the usage profile"),
+            (dict(prefetch="token", predictor=path), "prefetch token's trace"),
+        ):
+            with engine_load(mine, expert_memory="50%", **kwargs) as model:
+                notes = [n for n in model.notes if "recorded on another checkpoint" in n]
+            assert bool(notes) == said, (name, kwargs)
+            if said:
+                assert notes[0].startswith(f"{what} {path} was recorded on another checkpoint ({other})")

@@ -860,11 +860,27 @@ class Builder:
                     f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
                     f"{self.num_layers} x {self.num_experts}"
                 )
+            self._recorded_elsewhere(tr, "the usage profile")
             prof = build_schedule(tr, "layer").profile
         return PolicyContext(
             capacity=max(1, self.capacity), num_layers=self.num_layers, num_experts=self.num_experts,
             top_k=self.top_k, clock=Clock(), seed=cache.seed, profile=prof,
         )  # fmt: skip
+
+    def _recorded_elsewhere(self, trace: Trace, what: str) -> None:
+        """A note where ``trace`` was recorded on another checkpoint than this one (its
+        ``model_fingerprint``): of the same shape it runs, and its routing is that model's. A user's
+        profile of another model was taken in silence (a new user's trial)."""
+        recorded = trace.meta.get("model_fingerprint")
+        if recorded is None:
+            return
+        from expertcache.engine.quantized import fingerprint
+
+        if recorded != fingerprint(self.path):
+            self.notes.append(
+                f"{what} {trace.source} was recorded on another checkpoint ({trace.meta.get('model', '?')}): "
+                f"its routing is that model's, not {model_label(self.path)}'s"
+            )
 
     def _chunking(self, prefetch: PrefetchConfig) -> dict[str, object]:
         """How speculative transfers move: in chunks of ``--chunk-size``, or by default in thirds of an
@@ -958,6 +974,8 @@ class Builder:
                 f"predictor trace has {trace.num_layers} layers x {trace.num_experts} experts, the model "
                 f"{self.num_layers} x {self.num_experts}"
             )
+        if trace is not None:
+            self._recorded_elsewhere(trace, f"prefetch {self.prefetch}'s trace")
         ctx = PredictContext(
             num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
             window=None if prefetch.window is None else int(prefetch.window), routers=router_fns(self.model),

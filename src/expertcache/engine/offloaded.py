@@ -503,6 +503,11 @@ class OffloadedModel:
             "expert_bytes": self.layout.nbytes,  # what a whole expert moves (a profile's must match)
             "device": self.device.type,  # a CPU's copies land almost at once: its replay is nearly settled
         }  # fmt: skip
+        if getattr(self, "_fingerprint", None) is None:  # the checkpoint's identity, read once
+            from expertcache.engine.quantized import fingerprint
+
+            self._fingerprint = fingerprint(self.path)
+        meta["model_fingerprint"] = self._fingerprint  # a profile or predictor trace of another model: said
         bits = 8 * torch.empty((), dtype=self.dtype).element_size()
         if bits in (16, 32):  # its weights' width: a replay sizes low-precision copies of them by it
             meta["weight_bits"] = bits
