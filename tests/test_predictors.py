@@ -448,3 +448,13 @@ def test_a_window_past_the_last_layer_is_clipped_with_a_note(name, most):
         f"prefetch window 99 reaches past a model of 6 MoE layers: {name} predicts at most {most} layer(s) "
         f"ahead, so its window is {most}"
     )
+
+
+def test_a_default_window_past_the_last_layer_is_the_window_it_runs():
+    """adaptive's default window 3 on a model of 3 MoE layers predicts 2 ahead at most: it was reported
+    (and recorded) as 3, and the replay of the recorded window cut it with a note the run never gave (a new
+    user's trial). A default is cut to the model silently: nothing was asked."""
+    three = make_predictor("adaptive", ctx_for(layers=3, routers=[None] * 3))
+    assert three.window == 2 and three.note is None
+    six = make_predictor("adaptive", ctx_for(layers=6, routers=[None] * 6))
+    assert six.window == 3 and six.note is None

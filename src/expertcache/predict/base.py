@@ -85,7 +85,9 @@ class Predictor(ABC):
         most = max(
             1, self.num_layers - 1 if self.needs_model else self.num_layers
         )  # from layer 0 / the start
-        if ctx.window is not None and ctx.window > most:
+        if ctx.window is None:  # the default, cut to the model (adaptive's 3 on 3 MoE layers reaches 2): the
+            self.window = min(self.window, most)  # window reported and recorded is the one it runs
+        elif ctx.window > most:
             self.window = most
             self.note = (
                 f"prefetch window {ctx.window} reaches past a model of {self.num_layers} MoE layers: "
