@@ -704,7 +704,7 @@ def test_a_cost_based_runs_replay_counts_bytes_in_its_own_experts_and_says_where
     out, err = capsys.readouterr()
     assert json.loads(out)["capacity"] == 96 and "(given to it; --cost gives others)" in err
     assert main(["timing", "--trace", str(trace), "--miss", "hybrid", "--chunk-size", "60kB"]) == 0
-    assert "expert 0.2 MiB in 1 chunk" in capsys.readouterr().out
+    assert "expert 180.0 KiB in 1 chunk" in capsys.readouterr().out
 
 
 def test_the_python_replay_of_a_run_with_a_host_level_says_it_leaves_it_out(tmp_path):

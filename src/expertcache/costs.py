@@ -20,7 +20,7 @@ import numpy as np
 
 from expertcache.errors import ExpertcacheError, first_line, option, warn_notes
 from expertcache.paths import not_json_kind, write_output
-from expertcache.units import parse_duration, parse_rate, parse_size
+from expertcache.units import format_bytes, parse_duration, parse_rate, parse_size
 
 PROFILE_FORMAT = "expertcache-profile"  # what ``expertcache profile`` writes: a cost model and its model
 PROFILE_VERSION = 1  # the profile files this version reads and writes
@@ -325,7 +325,7 @@ class CostModel:
         return (
             f"dense {dense} ms/layer | expert {self.expert_s * 1e3:g} ms + {self.expert_token_s * 1e6:g} "
             f"us/token | step {self.step_s * 1e3:g} ms | link {self.link_bandwidth / 1e9:g} GB/s + "
-            f"{self.link_latency * 1e6:g} us/chunk | expert {self.expert_bytes / 2**20:.1f} MiB in "
+            f"{self.link_latency * 1e6:g} us/chunk | expert {format_bytes(self.expert_bytes)} in "
             f"{chunks} chunk{'s' if chunks > 1 else ''}: {self.transfer_s * 1e3:.3g} ms"
             + (f" | wake {self.wake_s * 1e6:g} us" if self.wake_s else "")
             + (f" | issue {self.submit_s * 1e6:g} us/transfer" if self.submit_s else "")

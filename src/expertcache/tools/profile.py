@@ -35,7 +35,7 @@ from pathlib import Path
 
 from expertcache.costs import FULL_FORMATS, PROFILE_FORMAT, PROFILE_VERSION, CostModel
 from expertcache.errors import ExpertcacheError, ExpertcacheWarning, option
-from expertcache.units import parse_duration, parse_rate, whole_number
+from expertcache.units import format_bytes, parse_duration, parse_rate, whole_number
 
 DEVICE_FIELDS = ("link_bandwidth", "link_latency", "expert_s", "expert_token_s", "dense_s", "step_s")
 PROMPT = "def fibonacci(n):\n    "
@@ -488,7 +488,7 @@ def format_profile(data: dict[str, object]) -> str:
     shape = data["model"]
     lines = [
         f"model      {shape['name']}: {shape['layers']} MoE layers x {shape['experts']} experts, top-"
-        f"{shape['top_k']}, {shape['expert_bytes'] / 2**20:.2f} MiB per expert ({shape['dtype']}"
+        f"{shape['top_k']}, {format_bytes(shape['expert_bytes'])} per expert ({shape['dtype']}"
         + (f"; stored {fmt}" if (fmt := shape.get("expert_format", shape["dtype"])) != shape["dtype"] else "")
         + ")",
         f"cost       {cost.describe()}",
@@ -513,7 +513,7 @@ def format_profile(data: dict[str, object]) -> str:
         "precisions "
         + (
             "; ".join(
-                f"{name}: {p['bytes'] / 2**20:.3f} MiB, transfer {p['transfer_s'] * 1e3:.3f} ms, "
+                f"{name}: {format_bytes(p['bytes'])}, transfer {p['transfer_s'] * 1e3:.3f} ms, "
                 + (
                     f"not timed ({p['skipped']})"
                     if "skipped" in p
