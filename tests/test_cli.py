@@ -373,6 +373,11 @@ BAD_INPUTS = [
         ["model", "synth", "--family", "mixtral", "-o", "{out}", "--max-shard-size", "0MB"],
         "more than 0 bytes",
     ),
+    (  # the default top-k beyond the experts given: it said "top_k must be in 1..1, got 2"
+        ["model", "synth", "--family", "mixtral", "-o", "{out}", "--experts", "1"],
+        "--top-k 2 needs at least 2 experts a layer, and --experts is 1",
+    ),
+    (["model", "synth", "--family", "mixtral", "-o", "{out}", "--hidden", "36"], "--hidden 36 over --heads"),
     (["sim", "{missing}"], "no such trace file"),
     (["sim", "{trace}", "--bogus"], "unrecognized arguments: --bogus (see expertcache sim --help)"),
     (["--bogus"], "unknown option --bogus: a command comes first"),

@@ -15,7 +15,7 @@ import torch
 
 from expertcache.config import CHECKPOINT_DTYPES
 from expertcache.engine.families import FAMILIES, NOT_SUPPORTED, Shape
-from expertcache.errors import ExpertcacheError, did_you_mean, first_line
+from expertcache.errors import ExpertcacheError, did_you_mean, first_line, option
 from expertcache.paths import as_umask_allows, writable_dir
 from expertcache.units import whole_number
 
@@ -127,15 +127,18 @@ def make_checkpoint(
             ) from None
     elif max_shard_size is not None:
         max_shard_size = whole_number(max_shard_size, "max_shard_size")
+    hid, hd, k, ex = (option(f"--{n}", n.replace("-", "_")) for n in ("hidden", "heads", "top-k", "experts"))
     if hidden % heads:
-        raise ExpertcacheError(f"hidden {hidden} is not a multiple of heads {heads}")
+        raise ExpertcacheError(f"{hid} {hidden} is not a multiple of {hd} {heads}")
     if (hidden // heads) % 2:  # rotary embeddings turn pairs of a head's values (transformers fails later)
         raise ExpertcacheError(
-            f"hidden {hidden} over heads {heads} is {hidden // heads} values a head: rotary position "
+            f"{hid} {hidden} over {hd} {heads} is {hidden // heads} values a head: rotary position "
             "embeddings need an even number"
         )
-    if not 1 <= top_k <= experts:
-        raise ExpertcacheError(f"top_k must be in 1..{experts}, got {top_k}")
+    if top_k < 1:
+        raise ExpertcacheError(f"{k} must be at least 1, got {top_k}")
+    if top_k > experts:  # (--experts 1 said "top_k must be in 1..1, got 2", of the top-k not given)
+        raise ExpertcacheError(f"{k} {top_k} needs at least {top_k} experts a layer, and {ex} is {experts}")
     from expertcache.engine.offloaded import DEFAULT_MODEL
 
     tok_dir = Path(tokenizer) if tokenizer is not None else DEFAULT_MODEL
