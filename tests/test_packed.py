@@ -379,9 +379,12 @@ def test_the_cpu_loops_are_loaded_at_load_not_in_the_first_request(packed_ckpts,
     calls.clear()
     with load(packed_ckpts[8], device="cpu", progress=False):  # 100 %: the warm-up generation runs them
         pass
-    with load(packed_ckpts[8], expert_memory="50%", device="cpu", warmup=False, progress=False):
-        pass  # --no-warmup: neither
+    with load(packed_ckpts[8], expert_memory="50%", device="cpu", warmup=False, progress=False) as model:
+        assert not any("changes nothing here" in n for n in model.notes)  # --no-warmup: neither, as asked
     assert calls == []
+    with load(ckpt("mixtral"), expert_memory="50%", device="cpu", warmup=False, progress=False) as model:
+        # nothing to warm up below 100 % without packed or low-precision experts: said, as other options
+        assert "warmup=False changes nothing here: the warm-up runs with every expert" in model.notes[-1]
     path = tmp_path / "mixtral"  # its copies beside a checkpoint of its own
     shutil.copytree(ckpt("mixtral"), path)
     quantize_model(path, bits=(4,), group=16, progress=False)

@@ -426,8 +426,14 @@ class Builder:
             self.tier.disk_reads, self.tier.disk_read_s = 0, 0.0
         self.preloaded = self._preload(show)
         self.warmup_s = self._warm_up() if warmup and self.whole else None
-        if warmup and self.device.type == "cpu" and self.warmup_s is None:  # else the warm-up ran them
+        loops = self.device.type == "cpu" and self._host_loops(sk.experts[0])
+        if warmup and loops and self.warmup_s is None:  # else the warm-up ran them
             self._warm_host_loops(sk.experts[0])
+        if not warmup and not self.whole and not loops:  # as other options that do nothing are said
+            self.notes.append(
+                f"{option('--no-warmup', 'warmup=False')} changes nothing here: the warm-up runs with every "
+                "expert resident (100 %), and this run computes no packed or low-precision expert on the CPU"
+            )
         release_freed()  # what the load freed, given back: not resident, not charged to a cgroup
 
     def built(self) -> Built:
@@ -460,12 +466,22 @@ class Builder:
         self.worker.bytes_moved = 0
         return len(keys)
 
+    def _host_kernels(self, experts) -> list:
+        """The loops of packed or low-precision experts this run computes on the host, each once."""
+        found = [part.kernels for part in self.parts.values()]
+        found.append(getattr(experts, "_expertcache_packed", None))  # a packed checkpoint's, shared
+        return list({id(k): k for k in found if k is not None}.values())
+
+    def _host_loops(self, experts) -> bool:
+        """Whether this run has loops to load before its first request (``_warm_host_loops``)."""
+        return bool(self._host_kernels(experts)) or (
+            self.kernel.name == "compiled" and isinstance(self._stacked, StackedPool)
+        )
+
     def _warm_host_loops(self, experts) -> None:
         """Packed or low-precision experts computed on this CPU, or the compiled kernel: their loops loaded
         now, at load, not in the first request (``PackedKernels.warm_host``)."""
-        found = [part.kernels for part in self.parts.values()]
-        found.append(getattr(experts, "_expertcache_packed", None))  # a packed checkpoint's, shared
-        for kernels in {id(k): k for k in found if k is not None}.values():
+        for kernels in self._host_kernels(experts):
             kernels.warm_host()
         if self.kernel.name == "compiled" and isinstance(self._stacked, StackedPool):
             # its loops too (numba's cached code, or a first compile on a new machine): a first request
