@@ -842,7 +842,10 @@ def test_each_host_expert_costs_the_compute_thread_host_submit_s(parallel, capsy
     assert computed == charged.cache["host_computed"] > trace.num_tokens  # every expert of every step
     assert charged.total_s - plain.total_s == pytest.approx(computed * 100e-6)
     assert main(["timing", "--miss", "placement", "--capacity", "24", "--host-issue-time", "100us"]) == 0
-    assert "+ issue 100 us" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "+ issue 100 us" in out
+    # every layer on the host allocates no slot: the header said "24 experts" (a new user's trial)
+    assert "lru, no slot (the expert memory of 24 experts goes unused: miss placement:layers=all" in out
     assert exit_code(["timing", "--host-issue-time", "abc"]) == 2
     assert "--host-issue-time" in capsys.readouterr().err
 

@@ -1213,6 +1213,8 @@ def format_timing(result: TimingResult) -> str:
     # a cache of several parts by its parts' keys (its capacity is its memory or its first part's, as given)
     parts = ", ".join(f"{k} {v}" for k, v in r.capacities.items()) if len(r.capacities) > 1 else None
     held = f"{r.capacity} experts" if parts is None else f"slots: {parts}"
+    if list(r.capacities.values()) == [0] and r.capacity:  # every layer on the host: no slot is allocated
+        held = f"no slot (the expert memory of {r.capacity} experts goes unused: miss {r.miss} caches none)"
     lines = [
         f"cache      {r.policy}{params}, {held} | miss {r.miss} | prefetch {prefetch} | "
         f"preemption {onoff[r.preemption]} | reorder {onoff[r.reorder]}"
