@@ -43,7 +43,7 @@ from expertcache.engine.kernels import (
     resolve_kernel,
 )
 from expertcache.engine.memory import SlotLayout, SlotPool
-from expertcache.errors import ExpertcacheError
+from expertcache.errors import ExpertcacheError, ExpertcacheWarning
 
 ckpt = engine_fixtures.ckpt
 tokenizer_dir = engine_fixtures.tokenizer_dir
@@ -595,3 +595,15 @@ def test_a_groups_order_from_the_layers_ranks_is_order_among(tokens, top_k, expe
     perm = reference_order(index)
     got = order_from_ranks(pair_ranks(perm.numpy()), pairs)
     assert torch.equal(got, order_among(perm, torch.from_numpy(pairs)))
+
+
+def test_quality_measures_a_text_within_the_models_context(make_ckpt):
+    """A text longer than the model's context was measured past it (a token 1064 of the embedded model's
+    1024), without a word (a new user's trial): each text is cut at the context, said."""
+    from expertcache.tools.quality import measure
+
+    path = make_ckpt("mixtral", max_positions=16)
+    long = "the quick brown fox jumps over the lazy dog " * 8
+    with pytest.warns(ExpertcacheWarning, match="a text is measured on its first 16 tokens at most"):
+        r = measure(path, "fetch", "100%", texts=[long], tokens=100)
+    assert r["tokens"] == 15 and r["logits_identical"] == 1.0

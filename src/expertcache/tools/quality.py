@@ -164,6 +164,10 @@ def measure(
         tok = model.tokenizer
         # a text of n tokens gives n - 1 predictions: `tokens` predictions in all, spread over the texts
         share = [tokens // len(texts) + (i < tokens % len(texts)) for i in range(len(texts))]
+        context = getattr(model.config, "max_position_embeddings", None)  # a text is one request: within it
+        if isinstance(context, int) and context >= 2 and max(share) + 1 > context:
+            say_notes([f"a text is measured on its first {context} tokens at most, the model's context"])
+            share = [min(n, context - 1) for n in share]
         seqs = [tok(t, return_tensors="pt", truncation=True, max_length=n + 1).input_ids[0]
                 for t, n in zip(texts, share, strict=True) if n > 0]  # fmt: skip
         seqs = [s for s in seqs if s.shape[0] >= 2]
