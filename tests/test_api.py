@@ -228,6 +228,8 @@ def test_load_warns_its_notes():
         (("x", 4), {"sampling": "greedy"}, "sampling must be a SamplingConfig, got str"),
         (("x", 4), {"attention_mask": None}, "generate_text sets attention_mask itself"),
         (("x", 4), {"temperature": 0.5}, "temperature is a sampling setting: give sampling=SamplingConfig("),
+        # SamplingConfig's stop strings: it said "(did you mean top_p or top_k?)", names refused as well
+        (("x", 4), {"stop": ["\n"]}, "stop is a sampling setting: give sampling=SamplingConfig(stop=...)"),
         (("x", 4), {"do_sample": True}, "give sampling=SamplingConfig(temperature=...)"),
         # settings that would change what comes back, or ignore max_new_tokens: refused, not passed on
         (("x", 4), {"num_beams": 2}, "num_beams=2: generate_text decodes one sequence a prompt"),

@@ -112,7 +112,8 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
 # ``generate_text``'s own arguments and the ones it sets: not passed through
 _OWN = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "pad_token_id", "streamer"}
 # transformers' sampling settings: ``SamplingConfig``'s (``generate_text(sampling=...)``), which sets them
-_SAMPLING = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty"}
+# SamplingConfig's settings, given to generate_text by name (stop: its stop strings; seed: its sampling's)
+_SAMPLING = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "stop", "seed"}
 # transformers' settings that change what ``generate`` returns (not one text a prompt) or its length
 # (``max_new_tokens`` is the length): each a refusal, with what to use instead
 _FOR_GENERATE = "use generate() on the model (transformers' own generate) for that"
@@ -169,7 +170,7 @@ def check_generate_kwargs(kwargs: dict[str, object], model) -> None:
         if name in _NOT_HERE and kwargs[name] not in (None, False, _HARMLESS.get(name)):
             raise ExpertcacheError(f"{name}={kwargs[name]!r}: {_NOT_HERE[name]}")
         if name not in known:
-            hint = did_you_mean(name, known | {"max_new_tokens"})
+            hint = did_you_mean(name, (known | {"max_new_tokens"}) - _SAMPLING)  # (those are said above)
             raise ExpertcacheError(
                 f"generate_text got an unknown argument {name!r}{hint}: it takes transformers' generation "
                 "settings"
