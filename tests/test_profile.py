@@ -142,7 +142,11 @@ def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     plan.write_text(json.dumps({"format": "expertcache-plan", "version": 1, "capacity": 24}))
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps({"link_bandwidth": "25GB/s", "speed": 1, "colour": 2}))
+    timed = tmp_path / "timed.json"  # timing --json's result: its 60 keys were listed as unknown fields
+    assert main(["timing", "--capacity", "24", "--json"]) == 0
+    timed.write_text(capsys.readouterr().out)
     for argv, words in [
+        (["generate", "--miss", "host", "--cost", str(timed)], "timed.json is a timing result (expertcache"),
         (
             ["profile", "--device-profile", str(plan)],
             "plan.json is a plan (expertcache plan's: give it as --plan)",

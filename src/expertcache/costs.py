@@ -279,6 +279,12 @@ class CostModel:
             raise ExpertcacheError(
                 f"{path} is {what}, not a cost model or a profile (expertcache profile writes one)"
             )
+        if "tpot_s" in data and isinstance(data.get("cost"), dict):  # timing --json's result (a user's trial:
+            # a line listing its 60 keys as unknown fields)
+            raise ExpertcacheError(
+                f"{path} is a timing result (expertcache timing --json), not a cost model or a profile: the "
+                "cost model it ran on is its 'cost' object (expertcache profile writes one)"
+            )
         if data.get("format") == PROFILE_FORMAT:  # a profile: its cost model
             if data.get("version") != PROFILE_VERSION:
                 raise ExpertcacheError(
