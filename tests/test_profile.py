@@ -146,7 +146,7 @@ def test_profile_bad_input_is_one_line_before_any_work(tmp_path, capsys):
     assert main(["timing", "--capacity", "24", "--json"]) == 0
     timed.write_text(capsys.readouterr().out)
     for argv, words in [
-        (["generate", "--miss", "host", "--cost", str(timed)], "timed.json is a timing result (expertcache"),
+        (["timing", "--miss", "host", "--cost", str(timed)], "timed.json is a timing result (expertcache"),
         (
             ["profile", "--device-profile", str(plan)],
             "plan.json is a plan (expertcache plan's: give it as --plan)",
