@@ -809,7 +809,8 @@ def _chat_loop(model, args, sampling, system: list, tty: bool) -> None:
             _err("(conversation forgotten; the cache stays warm)", args)
             continue
         if command.startswith("/") and " " not in command and command != "/stats":  # a mistyped command
-            print(f"expertcache: error: unknown command {command}; commands: {CHAT_COMMANDS}",
+            # said even with --quiet; not "error:", as the chat goes on (and ends with 0)
+            print(f"expertcache: unknown command {command}, not sent to the model; commands: {CHAT_COMMANDS}",
                   file=sys.stderr)  # fmt: skip
             continue
         if command == "/stats":
