@@ -834,3 +834,23 @@ def test_a_policy_given_twice_is_compared_once_with_a_note(capsys, trace_file):
     assert [r["policy"] for r in json.loads(out)] == ["lru", "lcp"]
     assert "note: --policy lru: is --policy lru again: compared once" in err
     assert "note: --policy lcp:rho=0.50 is --policy lcp:rho=0.5 again" in err
+
+
+@pytest.mark.parametrize(
+    ("command", "first"), [("policies", "lru"), ("misses", "fetch"), ("predictors", "next-gate")]
+)
+def test_the_listings_print_json_too(capsys, command, first):
+    """``policies``, ``misses`` and ``predictors`` were text alone, where every other report has --json (a
+    new user's trial); the JSON holds the same rows as the text."""
+    assert main([command]) == 0
+    text = capsys.readouterr().out
+    assert main([command, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["name"] == first and all(r["description"] for r in rows)
+    names = [line.split()[0] for line in text.splitlines() if not line.startswith("(")]
+    assert names == [r["name"] for r in rows]
+    if command == "policies":
+        dist = next(r for r in rows if r["name"] == "lru-dist")
+        assert dist["split_of"] == "lru" and dist["parameters"][0] == "budgets"
+    if command == "misses":
+        assert next(r for r in rows if r["name"] == "hobbit")["kind"] == "lossy"

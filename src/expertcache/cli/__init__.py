@@ -42,6 +42,7 @@ from expertcache.policy.registry import (
     min_capacity,
     parse_policy,
     policy_class,
+    policy_parameters,
 )
 from expertcache.sim import fast
 from expertcache.sim.planner import METHODS, OBJECTIVES
@@ -516,12 +517,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     imp.set_defaults(func=_cmd_trace_import)
 
-    pol = sub.add_parser("policies", help="list the eviction policies")
-    pol.set_defaults(func=_cmd_policies)
-    prd = sub.add_parser("predictors", help="list the expert predictors (for --prefetch)")
-    prd.set_defaults(func=_cmd_predictors)
-    mis = sub.add_parser("misses", help="list the miss paths (for --miss)")
-    mis.set_defaults(func=_cmd_misses)
+    for name, what, func in (
+        ("policies", "the eviction policies", _cmd_policies),
+        ("predictors", "the expert predictors (for --prefetch)", _cmd_predictors),
+        ("misses", "the miss paths (for --miss)", _cmd_misses),
+    ):
+        listing = sub.add_parser(name, help=f"list {what}")
+        listing.add_argument("--json", action="store_true", help="print one JSON array, an object a row")
+        listing.set_defaults(func=func)
 
     cli_generate.add_parsers(sub)
     cli_serve.add_parser(sub)
@@ -2199,46 +2202,78 @@ def _listed(cls) -> str:
     return _doc_line(cls.__doc__, _module_doc(cls))
 
 
+def _listing(args: argparse.Namespace, rows: list[dict[str, object]], line) -> int:
+    """A listing's rows, as text lines (``line(row)``) or, with ``--json``, one JSON array."""
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            print(line(row))
+    return 0
+
+
 def _cmd_policies(args: argparse.Namespace) -> int:
     width = max(13, *map(len, POLICIES))  # a plugin's long name keeps the columns (it shifted its row)
+    rows = []
     for name in POLICIES:
         cls = policy_class(name)
-        doc = _listed(cls)
-        kind = "offline" if cls.offline else "online"
-        split = ""
+        split = None
         if isinstance(POLICIES[name], partial):  # a -dist form: one inner policy per layer
-            own = cls.__module__.startswith("expertcache.")  # its line names it; a user's may not
-            split = "per-layer split of " + ("" if own else f"{cls.name}: ")
-        print(f"{name:{width}s} {kind:7s} {split}{doc}")
-    return 0
+            split = cls.name
+        rows.append({"name": name, "kind": "offline" if cls.offline else "online", "split_of": split,
+                     "parameters": policy_parameters(name), "description": _listed(cls),
+                     "own": cls.__module__.startswith("expertcache.")})  # fmt: skip
+
+    def line(r: dict) -> str:  # a -dist line names its inner policy where a user's may not
+        split = (
+            ""
+            if r["split_of"] is None
+            else "per-layer split of " + ("" if r["own"] else f"{r['split_of']}: ")
+        )
+        return f"{r['name']:{width}s} {r['kind']:7s} {split}{r['description']}"
+
+    return _listing(args, rows, line)
 
 
 def _cmd_misses(args: argparse.Namespace) -> int:
     from expertcache.miss.registry import MISS_PATHS, parameters
 
     width = max(10, *map(len, MISS_PATHS))
+    rows = []
     for name, cls in MISS_PATHS.items():
         doc = _listed(cls)
         if cls.__module__.endswith(".base"):
             doc = "fetch the whole expert at full precision (the default)."
-        kind = "lossy" if cls.lossy else "exact"
-        params = ",".join(parameters(cls))
-        print(f"{name:{width}s} {kind:6s} {doc}" + (f" [{params}]" if params else ""))
-    return 0
+        rows.append({"name": name, "kind": "lossy" if cls.lossy else "exact", "parameters": parameters(cls),
+                     "description": doc})  # fmt: skip
+
+    def line(r: dict) -> str:
+        params = ",".join(r["parameters"])
+        return f"{r['name']:{width}s} {r['kind']:6s} {r['description']}" + (f" [{params}]" if params else "")
+
+    return _listing(args, rows, line)
 
 
 def _cmd_predictors(args: argparse.Namespace) -> int:
     from expertcache.predict.registry import PREDICTORS
 
     width = max(10, *map(len, PREDICTORS))
-    for name, cls in PREDICTORS.items():
-        doc = _doc_line(cls.__doc__, _module_doc(cls))
-        where = "sim" if cls.sim_only else "engine" if cls.needs_model else "both"
-        print(f"{name:{width}s} {where:6s} window {cls.default_window}  {doc}")
-    print(
-        "(engine-only predictors are replayed by 'expertcache timing' from a trace recorded with "
-        "'generate --prefetch NAME --record-trace FILE')"
-    )
+    rows = [
+        {"name": name, "runs_in": "sim" if cls.sim_only else "engine" if cls.needs_model else "both",
+         "default_window": cls.default_window, "reads": cls.reads,
+         "description": _doc_line(cls.__doc__, _module_doc(cls))}
+        for name, cls in PREDICTORS.items()
+    ]  # fmt: skip
+
+    def line(r: dict) -> str:
+        return f"{r['name']:{width}s} {r['runs_in']:6s} window {r['default_window']}  {r['description']}"
+
+    _listing(args, rows, line)
+    if not args.json:
+        print(
+            "(engine-only predictors are replayed by 'expertcache timing' from a trace recorded with "
+            "'generate --prefetch NAME --record-trace FILE')"
+        )
     return 0
 
 

@@ -166,6 +166,12 @@ def parse_policy(spec: str) -> tuple[str, dict[str, object]]:
     return name, params
 
 
+def policy_parameters(name: str) -> list[str] | None:
+    """The parameters a registered policy takes by name (``budgets`` first for a -dist one); None where
+    it takes any keyword (a user's policy with ``**kwargs``)."""
+    return _parameters(name)
+
+
 def _check_parameters(name: str, params: dict[str, object]) -> None:
     allowed = _parameters(name)
     if allowed is None:  # the class takes any keyword (``**kwargs``): its own __init__ says what it refuses
