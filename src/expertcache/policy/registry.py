@@ -218,4 +218,9 @@ def _lookup(name: str) -> PolicyFactory:
                 " (EXPERTCACHE_PLUGINS is read by the commands; in Python, expertcache.load_plugins() "
                 "imports the modules it names)"
             )
-        raise PolicyError(f"unknown policy {name!r}{hint}; choose from {', '.join(POLICIES)}") from None
+        online = [n for n in POLICIES if not policy_class(n).offline]
+        offline = [n for n in POLICIES if n not in online]  # (the engine's refusal named them)
+        raise PolicyError(
+            f"unknown policy {name!r}{hint}; choose from {', '.join(online)}"
+            + (f" (and in the simulator, {', '.join(offline)})" if offline else "")
+        ) from None
