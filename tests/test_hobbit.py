@@ -348,7 +348,8 @@ def test_adaptive_prefetch_runs_and_changes_nothing_exact(quantized, reference):
     path = quantized("mixtral")
     with engine_load(path, TOP_K + 1, prefetch="adaptive") as model:
         assert_exact(greedy(model, IDS), reference(path, IDS))
-        assert model.stats["prefetch_issued"] > 0 and model.predictor.window == 3
+        # its default window 3, cut to what the model's MoE layers leave room for
+        assert model.stats["prefetch_issued"] > 0 and model.predictor.window == min(3, model.num_layers - 1)
 
 
 def test_adaptive_walk_stops_at_the_first_layer_with_a_miss():

@@ -585,10 +585,10 @@ def model_info(path: str | Path | None = None) -> dict[str, object]:
         "top_k": sk.top_k,
         "expert_format": describe_format(sk.packed, sk.dtype),
         "expert_bytes": layout.nbytes,  # what a miss moves
-        # what an expert takes in memory, and all of them (100 %): its bytes with each tensor's padding for
-        # alignment (an FP8 expert of 9228 bytes takes 9344); budgets, shares included, count these
+        # what an expert takes in memory: its bytes with each tensor's padding for alignment (an FP8 expert
+        # of 9228 bytes takes 9344); budgets count these, a share of all of them (100 %) included
         "expert_slot_bytes": layout.slot_bytes,
-        "all_experts_bytes": total * layout.slot_bytes,
+        "all_experts_bytes": total * layout.nbytes,  # as stored (beside dense_stored_bytes: the files')
         "dense_bytes": dense,
         # as the checkpoint stores them (another tool's FP8 or compressed-tensors dense layers: fewer bytes)
         "dense_stored_bytes": stored if stored is not None and stored != dense else dense,

@@ -165,11 +165,12 @@ def measure(
         # a text of n tokens gives n - 1 predictions: `tokens` predictions in all, spread over the texts
         share = [tokens // len(texts) + (i < tokens % len(texts)) for i in range(len(texts))]
         context = getattr(model.config, "max_position_embeddings", None)  # a text is one request: within it
-        if isinstance(context, int) and context >= 2 and max(share) + 1 > context:
-            say_notes([f"a text is measured on its first {context} tokens at most, the model's context"])
+        if isinstance(context, int) and context >= 2:
             share = [min(n, context - 1) for n in share]
         seqs = [tok(t, return_tensors="pt", truncation=True, max_length=n + 1).input_ids[0]
                 for t, n in zip(texts, share, strict=True) if n > 0]  # fmt: skip
+        if isinstance(context, int) and any(s.shape[0] >= context for s in seqs):  # cut there, not by tokens
+            say_notes([f"a text is measured on its first {context} tokens at most, the model's context"])
         seqs = [s for s in seqs if s.shape[0] >= 2]
         if sum(s.shape[0] - 1 for s in seqs) < 2:  # as --tokens: a figure over one token is no measure
             raise ExpertcacheError(
