@@ -111,8 +111,8 @@ def timed_generate(generate, ids: torch.Tensor, streamer=None, **kwargs) -> dict
 # ------------------------------------------------------------------------------------ prompts
 # ``generate_text``'s own arguments and the ones it sets: not passed through
 _OWN = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "pad_token_id", "streamer"}
-# transformers' sampling settings: ``SamplingConfig``'s (``generate_text(sampling=...)``), which sets them
-# SamplingConfig's settings, given to generate_text by name (stop: its stop strings; seed: its sampling's)
+# transformers' sampling settings, and SamplingConfig's stop strings and seed: ``SamplingConfig``'s
+# (``generate_text(sampling=...)``), which sets them; given by name, each is said to go there
 _SAMPLING = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "stop", "seed"}
 # transformers' settings that change what ``generate`` returns (not one text a prompt) or its length
 # (``max_new_tokens`` is the length): each a refusal, with what to use instead
