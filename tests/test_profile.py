@@ -380,3 +380,14 @@ def test_an_expert_calibrated_slower_than_the_whole_step_is_calibrated_again(ckp
     )
     data = prof.profile(ckpt("mixtral"), device="cpu", steps=4)  # slow every time: said
     assert any(u.startswith("the experts of a decode step") for u in data["how"]["unsteady"])
+
+
+def test_the_unsteady_line_says_what_each_kind_of_measurement_kept():
+    """It said "two calibrations disagreed ... the quicker of each is kept" of a fit's three values, whose
+    median is kept (a new user's trial)."""
+    from expertcache.tools.profile import unsteady_line
+
+    line = unsteady_line({"how": {"unsteady": ["host_submit_s fitted 301, 271, 190 us (the median kept)"]}})
+    assert line.startswith("measurements disagreed (host_submit_s fitted 301, 271, 190 us (the median kept))")
+    assert "of two calibrations the quicker is kept, of the three fit runs the median" in line
+    assert "two calibrations disagreed" not in line

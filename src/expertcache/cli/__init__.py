@@ -1416,9 +1416,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         steps=args.steps, device_profile_shape=shape, fit_overheads=args.fit_overheads,
     )  # fmt: skip
     if data["how"]["unsteady"]:
-        figures = "; ".join(data["how"]["unsteady"])
-        print(f"note: two calibrations disagreed ({figures}): the machine was busy; the quicker of each is "
-              "kept, profile again when it is quiet", file=sys.stderr)  # fmt: skip
+        from expertcache.tools.profile import unsteady_line
+
+        print(f"note: {unsteady_line(data)}", file=sys.stderr)
     print(json.dumps(data) if args.json else format_profile(data), flush=True)  # kept if -o cannot be written
     if args.out:
         write_output(args.out, json.dumps(data, indent=1) + "\n", "profile")

@@ -538,9 +538,15 @@ def format_profile(data: dict[str, object]) -> str:
         f"an all-resident decode step measured here: {data['how']['decode_step_s'] * 1e3:.3f} ms",
     ]
     if data["how"].get("unsteady"):
-        lines.append(
-            "unsteady   two calibrations disagreed ("
-            + "; ".join(data["how"]["unsteady"])
-            + "): the machine was busy; the quicker of each is kept, profile again when it is quiet"
-        )
+        lines.append(f"unsteady   {unsteady_line(data)}")
     return "\n".join(lines)
+
+
+def unsteady_line(data: dict) -> str:
+    """What a profile's unsteady measurements were and what it kept: of two calibrations the quicker, of
+    the fit's three runs (``--fit-overheads``) the median (it said "two calibrations" of three fitted
+    values, and "the quicker" of the median: a new user's trial)."""
+    return (
+        "measurements disagreed (" + "; ".join(data["how"]["unsteady"]) + "): the machine was busy; of two "
+        "calibrations the quicker is kept, of the three fit runs the median; profile again when it is quiet"
+    )
