@@ -322,14 +322,18 @@ class CostModel:
         return replace(base or cls(), **parsed)
 
     def describe(self) -> str:
-        """One line: every cost, and what one expert's transfer takes."""
+        """One line: every cost, and what one expert's transfer takes; the default costs named as such (a
+        new user read a Mixtral expert's 876 ms a token, given no costs, as the embedded model's)."""
+        default = replace(self, chunk_bytes=CostModel().chunk_bytes) == CostModel()
         dense = (
             "/".join(f"{d * 1e3:g}" for d in self.dense_s) if isinstance(self.dense_s, tuple)
             else f"{self.dense_s * 1e3:g}"
         )  # fmt: skip
         chunks = len(self.chunk_sizes())
+        said = "the defaults, a Mixtral-8x7B expert over PCIe 4 to a GPU (--cost PROFILE.json prices yours): "
         return (
-            f"dense {dense} ms/layer | expert {self.expert_s * 1e3:g} ms + {self.expert_token_s * 1e6:g} "
+            (said if default else "")
+            + f"dense {dense} ms/layer | expert {self.expert_s * 1e3:g} ms + {self.expert_token_s * 1e6:g} "
             f"us/token | step {self.step_s * 1e3:g} ms | link {self.link_bandwidth / 1e9:g} GB/s + "
             f"{self.link_latency * 1e6:g} us/chunk | expert {format_bytes(self.expert_bytes)} in "
             f"{chunks} chunk{'s' if chunks > 1 else ''}: {self.transfer_s * 1e3:.3g} ms"
