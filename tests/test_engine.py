@@ -1017,3 +1017,18 @@ def test_a_profile_or_predictor_trace_of_another_checkpoint_is_said(make_ckpt, t
             assert bool(notes) == said, (name, kwargs)
             if said:
                 assert notes[0].startswith(f"{what} {path} was recorded on another checkpoint ({other})")
+
+
+def test_default_names_the_embedded_trace_for_a_profile_and_a_predictor_too(capsys):
+    """``default`` is the embedded trace for sim, timing, doctor and trace info; ``--predictor default``
+    and ``generate --profile default`` said "no such trace file" (a new user's trial)."""
+    from expertcache.cli import main
+
+    with load(None, expert_memory="30%", policy="static", profile="default", progress=False) as model:
+        assert model.cache_config.policy == "static"
+    with load(None, expert_memory="30%", prefetch="token", predictor="default", progress=False) as model:
+        model.generate_text("def read_config(path):", 4)
+        assert model.stats["prefetch_issued"] > 0
+    argv = ["timing", "--capacity", "24", "--prefetch", "token", "--predictor", "default", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["prefetch_issued"] > 0

@@ -1782,7 +1782,7 @@ def _predictor_trace(given: str | None, predictors: list[str]) -> Trace | None:
             f"--predictor {given}: prefetch {', '.join(dict.fromkeys(predictors))} reads no recorded trace "
             "(token and eam do)"
         )
-    return load_trace(given)
+    return _trace(given)  # ``default`` too, as every other trace option takes it
 
 
 def _batch_args(made: dict) -> str:

@@ -84,7 +84,7 @@ from expertcache.policy.registry import policy_class
 from expertcache.predict.base import PredictContext, Predictor
 from expertcache.predict.registry import make_predictor, predictor_class
 from expertcache.trace.default import default_trace
-from expertcache.trace.trace import Trace, load_trace
+from expertcache.trace.trace import Trace, as_trace, load_trace
 from expertcache.units import format_bytes, parse_share, parse_size, true_or_false
 
 WARMUP_TOKENS = 32  # the prompt of the warm-up generation at load (every expert resident)
@@ -870,7 +870,7 @@ class Builder:
     def _policy_context(self, cache: CacheConfig) -> PolicyContext:
         prof = None
         if policy_class(cache.name).needs_profile:
-            tr = cache.profile if isinstance(cache.profile, Trace) else load_trace(cache.profile)
+            tr = as_trace(cache.profile, "the usage profile")  # a file, or "default": the embedded trace
             if (tr.num_layers, tr.num_experts) != (self.num_layers, self.num_experts):
                 raise ExpertcacheError(
                     f"profile trace has {tr.num_layers} layers x {tr.num_experts} experts, the model "
@@ -952,7 +952,9 @@ class Builder:
         path = None
         if source is not None and trace is None:
             src = Path(source)
-            if src.is_file() and src.suffix == ".npz":
+            if source == "default":  # the embedded trace, as the simulator's commands name it
+                trace = default_trace()
+            elif src.is_file() and src.suffix == ".npz":
                 trace = load_trace(src)
             elif src.is_dir():
                 path = str(src)
