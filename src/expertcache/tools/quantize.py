@@ -222,10 +222,8 @@ def quantize_model(
             "full_bytes_per_expert": layout.nbytes, "experts": len(keys),
             "seconds": round(time.perf_counter() - start, 2),
         }  # fmt: skip
-        if log is not None:
-            share = per_expert / layout.nbytes
-            log(f"int{b}: {len(keys)} experts, {per_expert} bytes each ({share:.1%} of {layout.nbytes}) "
-                f"-> {target} ({record['seconds']} s)")  # fmt: skip
+        if log is not None:  # progress, as each file is written; its sizes are the result's (stdout)
+            log(f"int{b}: {len(keys)} experts written in {record['seconds']} s")
         records.append(record)
     return records
 
@@ -380,10 +378,8 @@ def write_checkpoint(
         "file_bytes": sum(f.stat().st_size for f in target.glob("*.safetensors")),
         "seconds": round(time.perf_counter() - start, 2),
     }  # fmt: skip
-    if log is not None:
-        share = layout.nbytes / full.nbytes
-        log(f"{record['format']}: {len(keys)} experts, {layout.nbytes} bytes each ({share:.1%} of "
-            f"{full.nbytes}) -> {target} ({record['seconds']} s)")  # fmt: skip
+    if log is not None:  # progress; its sizes are the result's (stdout)
+        log(f"{record['format']}: {len(keys)} experts written in {record['seconds']} s")
     return record
 
 
