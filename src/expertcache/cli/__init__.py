@@ -1188,42 +1188,39 @@ def _check_miss(miss, trace: Trace, cost) -> None:
     miss_class(miss.name)(ctx, **miss.params)
 
 
-def _run_policy(args: argparse.Namespace, trace: Trace) -> str | None:
-    """``timing``'s policy for an engine's trace given none: the run's own (and the seed it drew with),
-    said in a note, as its cache is taken; None for another trace, or a policy this process does not have
-    (a plugin not loaded: LRU then, and the replay's note names the run's)."""
-    from expertcache.policy.registry import policy_class
-
-    ran = trace.meta.get("policy") if "capacities" in trace.meta else None
-    if ran is None or str(ran) == "lru":
+def _run_own(trace: Trace, key: str, default: str, lookup, what: str, flag: str) -> str | None:
+    """``timing``'s ``key`` (policy, miss path) for an engine's trace given none: the run's own, as the
+    engine describes it, said in a note; None for another trace, a run under ``default``, or one this
+    process does not have (``lookup`` refuses it: a plugin not loaded, and the replay's note names the
+    run's)."""
+    ran = trace.meta.get(key) if "capacities" in trace.meta else None
+    if ran is None or str(ran) == default:
         return None
     try:
-        policy_class(parse_policy(str(ran))[0])
+        lookup(str(ran))
     except ExpertcacheError:
         return None
-    drew = trace.meta.get("policy_seed")
-    if drew is not None and args.seed is None:
-        args.seed = int(drew)
-    print(f"note: under the recorded run's own policy {ran} (--policy sets another)", file=sys.stderr)
+    print(f"note: under the recorded run's own {what} {ran} ({flag} sets another)", file=sys.stderr)
     return str(ran)
+
+
+def _run_policy(args: argparse.Namespace, trace: Trace) -> str | None:
+    """The run's own policy (``_run_own``), as its cache is taken, and the seed it drew with."""
+    from expertcache.policy.registry import policy_class
+
+    ran = _run_own(trace, "policy", "lru", lambda s: policy_class(parse_policy(s)[0]), "policy", "--policy")
+    drew = trace.meta.get("policy_seed")
+    if ran is not None and drew is not None and args.seed is None:
+        args.seed = int(drew)
+    return ran
 
 
 def _run_miss(trace: Trace) -> str | None:
-    """``timing``'s miss path for an engine's trace given none: the run's own, as the engine describes
-    it, said in a note (a user's plain ``timing --trace RUN.npz`` of a ``split`` run replayed ``fetch``,
-    and its counts were not the run's); None for another trace, a run that fetched, or a path this
-    process does not have (a plugin not loaded: the replay's note names the run's)."""
+    """The run's own miss path (``_run_own``): a user's plain ``timing --trace RUN.npz`` of a ``split``
+    run replayed ``fetch``, and its counts were not the run's."""
     from expertcache.miss.registry import miss_class, parse_miss
 
-    ran = trace.meta.get("miss") if "capacities" in trace.meta else None
-    if ran is None or str(ran) == "fetch":
-        return None
-    try:
-        miss_class(parse_miss(str(ran))[0])
-    except ExpertcacheError:
-        return None
-    print(f"note: under the recorded run's own miss path {ran} (--miss sets another)", file=sys.stderr)
-    return str(ran)
+    return _run_own(trace, "miss", "fetch", lambda s: miss_class(parse_miss(s)[0]), "miss path", "--miss")
 
 
 def _run_capacity(trace: Trace, miss, cost) -> int | str | None:

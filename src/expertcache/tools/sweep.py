@@ -282,6 +282,8 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                 if grid.source is None or grid.policy_base == grid.base:
                     raise
                 raise ExpertcacheError(f"--policy {spec}: {e}") from None
+            # the files the policy's cells depend on, hashed once for all its seeds and orders
+            shas = _file_shas(name, _files_from(name, params, base)) + code_sha(policy_class(name), "policy")
             seeds = grid.seeds if policy_class(name).seeded else grid.seeds[:1]
             note = (f"note: {_spec(name, params)} draws no random numbers: its cells run once, with seed "
                     f"{seeds[0]} (seeds change only random and marking)")  # fmt: skip
@@ -309,8 +311,6 @@ def plan_cells(grid: Grid, traces: list[_Loaded], predictor: _Loaded | None = No
                         p.notes.append(f"note: {t.name}: {_spec(name, params)} left out at capacities "
                                        f"{_ranges(left)} in {order} order ({why})")  # fmt: skip
                     p.skipped += (len(wanted) - len(mine)) * each[order]
-                    shas = _file_shas(name, _files_from(name, params, base))
-                    shas += code_sha(policy_class(name), "policy")
                     task = Task(t.name, t.sha, total, name, tuple(params.items()), seed, order, mine,
                                 file_shas=shas, base=base)  # fmt: skip
                     if timing and order == "layer":
